@@ -1,0 +1,4 @@
+//! rcp: bulk transfer over RDMA.
+pub mod proto {
+    tonic::include_proto!("rcp.v1");
+}
