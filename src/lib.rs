@@ -1,4 +1,14 @@
 //! rcp: bulk transfer over RDMA.
+//!
+//! Where to start:
+//! - [`verbs`]: safe types over libibverbs ([`verbs::Context`], [`verbs::QueuePair`], ...).
+//! - [`mem`]: the hugepage arena that is registered once and carved into blocks.
+//! - [`engine`]: the transfer state machine, plain data, no I/O.
+
+pub mod engine;
+pub mod mem;
+pub mod verbs;
+
 pub mod proto {
     tonic::include_proto!("rcp.v1");
 }

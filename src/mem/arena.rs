@@ -1,0 +1,553 @@
+//! The registered-memory arena: one large mapping, huge pages when the host
+//! has them, bound to the device's NUMA node, registered once and carved into
+//! fixed blocks that are handed out by offset.
+
+use std::fmt;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use super::numa;
+
+/// 2 MiB, the huge page size the arena is built from.
+pub const HUGE_PAGE: usize = 2 << 20;
+
+/// How the arena's memory is backed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Backing {
+    /// Anonymous `MAP_HUGETLB` 2 MiB pages.
+    HugeTlb,
+    /// A file on a hugetlbfs mount (Kubernetes `emptyDir: medium: HugePages`).
+    HugeTlbFs(PathBuf),
+    /// Normal pages with `MADV_HUGEPAGE` (no huge pages configured).
+    Transparent,
+}
+
+/// How to build an arena.
+#[derive(Clone, Debug)]
+pub struct ArenaConfig {
+    /// Bytes; rounded up to a whole number of huge pages.
+    pub size: usize,
+    /// Bind the memory to this NUMA node (the device's).
+    pub numa_node: Option<u32>,
+    /// A hugetlbfs mount to allocate from instead of anonymous huge pages.
+    pub hugepage_dir: Option<PathBuf>,
+    /// Fail instead of falling back to normal pages.
+    pub require_huge: bool,
+}
+
+impl ArenaConfig {
+    pub fn new(size: usize) -> Self {
+        ArenaConfig {
+            size,
+            numa_node: None,
+            hugepage_dir: None,
+            require_huge: false,
+        }
+    }
+}
+
+/// Errors building or carving an arena.
+#[derive(Debug, thiserror::Error)]
+pub enum ArenaError {
+    #[error("arena size must be > 0")]
+    Empty,
+    #[error("mmap of {size} bytes for the arena failed: {source}")]
+    Map { size: usize, source: std::io::Error },
+    #[error(
+        "no huge pages available for a {size}-byte arena ({source}); configure them with \
+         `echo N > /proc/sys/vm/nr_hugepages` (N = MiB / 2) or the hugepages-2Mi resource"
+    )]
+    NoHugePages { size: usize, source: std::io::Error },
+    #[error("hugetlbfs file in {dir}: {source}")]
+    HugeTlbFs {
+        dir: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("block size {block} must be a power of two, >= 4096 and <= the arena size {arena}")]
+    BadBlockSize { block: usize, arena: usize },
+    #[error(transparent)]
+    Memlock(#[from] super::memlock::MemlockError),
+}
+
+/// The mapping itself. Unmapped when the last holder (arena, block, memory
+/// registration) is dropped.
+pub(crate) struct Region {
+    ptr: *mut u8,
+    len: usize,
+    backing: Backing,
+    numa_node: Option<u32>,
+}
+
+// SAFETY: the region is a plain mapping; ownership of its bytes is handed out
+// as disjoint `Block`s (or to the device through registrations), never as
+// shared `&mut`.
+unsafe impl Send for Region {}
+// SAFETY: as above.
+unsafe impl Sync for Region {}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        // SAFETY: ptr/len are exactly what mmap returned; every registration
+        // and block holds an Arc<Region>, so nothing refers to it any more.
+        unsafe {
+            libc::munmap(self.ptr.cast(), self.len);
+        }
+    }
+}
+
+/// A registered-memory arena (cheap to clone: shared).
+#[derive(Clone)]
+pub struct Arena {
+    region: Arc<Region>,
+}
+
+impl fmt::Debug for Arena {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Arena")
+            .field("addr", &format_args!("{:#x}", self.addr()))
+            .field("len", &self.len())
+            .field("backing", &self.region.backing)
+            .field("numa_node", &self.region.numa_node)
+            .finish()
+    }
+}
+
+fn round_up(n: usize, to: usize) -> usize {
+    n.div_ceil(to) * to
+}
+
+impl Arena {
+    /// Map the arena. Huge pages first (hugetlbfs dir if given, else
+    /// `MAP_HUGETLB`); without them, normal pages with `MADV_HUGEPAGE` and a
+    /// warning that says how to configure huge pages. The memory is bound to
+    /// `numa_node` before it is touched and then pre-faulted, so registration
+    /// pins resident pages on the right node.
+    pub fn new(cfg: &ArenaConfig) -> Result<Arena, ArenaError> {
+        if cfg.size == 0 {
+            return Err(ArenaError::Empty);
+        }
+        let size = round_up(cfg.size, HUGE_PAGE);
+        super::memlock::ensure_lockable(size as u64)?;
+        let (ptr, backing) = match &cfg.hugepage_dir {
+            Some(dir) => (map_hugetlbfs(dir, size)?, Backing::HugeTlbFs(dir.clone())),
+            None => match map_anon(size, true) {
+                Ok(p) => (p, Backing::HugeTlb),
+                Err(e) if cfg.require_huge => {
+                    return Err(ArenaError::NoHugePages { size, source: e })
+                }
+                Err(e) => {
+                    tracing::warn!(
+                        size,
+                        error = %e,
+                        "no 2 MiB huge pages for the arena; using normal pages with MADV_HUGEPAGE. \
+                         Configure huge pages: echo {} > /proc/sys/vm/nr_hugepages",
+                        size / HUGE_PAGE
+                    );
+                    let p =
+                        map_anon(size, false).map_err(|source| ArenaError::Map { size, source })?;
+                    // SAFETY: advice on a mapping we just created; no effect on contents.
+                    unsafe {
+                        libc::madvise(p.cast(), size, libc::MADV_HUGEPAGE);
+                    }
+                    (p, Backing::Transparent)
+                }
+            },
+        };
+        let region = Region {
+            ptr,
+            len: size,
+            backing,
+            numa_node: cfg.numa_node,
+        };
+        if let Some(node) = cfg.numa_node {
+            if let Err(e) = numa::bind_to_node(ptr, size, node) {
+                tracing::warn!(node, error = %e, "could not bind the arena to the device's NUMA node");
+            }
+        }
+        // Pre-fault every page now (on the bound node) instead of on the data path.
+        // SAFETY: [ptr, ptr+size) is our fresh writable mapping; nobody else has it yet.
+        unsafe {
+            std::ptr::write_bytes(ptr, 0, size);
+        }
+        tracing::info!(size, backing = ?region.backing, numa_node = ?cfg.numa_node, "arena mapped");
+        Ok(Arena {
+            region: Arc::new(region),
+        })
+    }
+
+    pub fn addr(&self) -> u64 {
+        self.region.ptr as u64
+    }
+
+    pub fn len(&self) -> usize {
+        self.region.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.region.len == 0
+    }
+
+    pub fn backing(&self) -> &Backing {
+        &self.region.backing
+    }
+
+    pub fn numa_node(&self) -> Option<u32> {
+        self.region.numa_node
+    }
+
+    /// Carve the arena into blocks of `block` bytes (a power of two >= 4096).
+    pub fn into_pool(self, block: usize) -> Result<BlockPool, ArenaError> {
+        if !block.is_power_of_two() || block < 4096 || block > self.len() {
+            return Err(ArenaError::BadBlockSize {
+                block,
+                arena: self.len(),
+            });
+        }
+        let count = self.len() / block;
+        let free = (0..count).rev().map(|i| i * block).collect();
+        Ok(BlockPool {
+            inner: Arc::new(PoolInner {
+                arena: self,
+                block,
+                count,
+                free: Mutex::new(free),
+            }),
+        })
+    }
+
+    pub(crate) fn region(&self) -> &Arc<Region> {
+        &self.region
+    }
+}
+
+fn map_anon(size: usize, huge: bool) -> std::io::Result<*mut u8> {
+    let mut flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS;
+    if huge {
+        flags |= libc::MAP_HUGETLB; // default huge page size: 2 MiB on x86-64
+    }
+    // SAFETY: an anonymous mapping at an address the kernel chooses.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            size,
+            libc::PROT_READ | libc::PROT_WRITE,
+            flags,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(p.cast())
+}
+
+fn map_hugetlbfs(dir: &Path, size: usize) -> Result<*mut u8, ArenaError> {
+    let err = |source| ArenaError::HugeTlbFs {
+        dir: dir.to_path_buf(),
+        source,
+    };
+    // An unnamed file: the mapping keeps the pages, nothing is left behind.
+    let file = tempfile_in(dir).map_err(err)?;
+    file.set_len(size as u64).map_err(err)?;
+    // SAFETY: a shared mapping of a file we own, at a kernel-chosen address.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            size,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            file.as_raw_fd(),
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(err(std::io::Error::last_os_error()));
+    }
+    Ok(p.cast())
+}
+
+fn tempfile_in(dir: &Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_TMPFILE)
+        .mode(0o600)
+        .open(dir)
+}
+
+struct PoolInner {
+    arena: Arena,
+    block: usize,
+    count: usize,
+    free: Mutex<Vec<usize>>,
+}
+
+/// Fixed-size blocks of an arena, handed out by offset. A [`Block`] goes
+/// back to the pool when dropped.
+#[derive(Clone)]
+pub struct BlockPool {
+    inner: Arc<PoolInner>,
+}
+
+impl BlockPool {
+    pub fn block_size(&self) -> usize {
+        self.inner.block
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.inner.count
+    }
+
+    pub fn available(&self) -> usize {
+        self.inner.free.lock().unwrap().len()
+    }
+
+    pub fn arena(&self) -> &Arena {
+        &self.inner.arena
+    }
+
+    /// Take a free block, or `None` when all are in use.
+    pub fn take(&self) -> Option<Block> {
+        let off = self.inner.free.lock().unwrap().pop()?;
+        Some(Block {
+            pool: self.inner.clone(),
+            offset: off,
+            len: self.inner.block,
+        })
+    }
+}
+
+/// One block of arena memory, owned exclusively by its holder: the only way
+/// to reach its bytes from safe code. While a work request that names this
+/// block is in flight, the holder must not touch the bytes (the device owns
+/// them until the completion that retires the request); the data path keeps
+/// blocks in its slot table for exactly that span.
+pub struct Block {
+    pool: Arc<PoolInner>,
+    offset: usize,
+    len: usize,
+}
+
+impl fmt::Debug for Block {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Block({:#x}+{})", self.addr(), self.len)
+    }
+}
+
+impl Block {
+    /// Virtual address of the first byte (what goes into an SGE).
+    pub fn addr(&self) -> u64 {
+        self.pool.arena.addr() + self.offset as u64
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Offset inside the arena.
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: [offset, offset+len) lies inside the live region (held by the
+        // pool's Arc) and belongs to this block alone.
+        unsafe { std::slice::from_raw_parts(self.pool.arena.region.ptr.add(self.offset), self.len) }
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in as_slice; &mut self makes this the only reference.
+        unsafe {
+            std::slice::from_raw_parts_mut(self.pool.arena.region.ptr.add(self.offset), self.len)
+        }
+    }
+
+    /// The arena this block belongs to.
+    pub fn arena(&self) -> &Arena {
+        &self.pool.arena
+    }
+}
+
+impl Drop for Block {
+    fn drop(&mut self) {
+        if let Ok(mut free) = self.pool.free.lock() {
+            free.push(self.offset);
+        }
+    }
+}
+
+/// A span of arena memory that a peer may access through a registration
+/// (an RDMA window, or the TCP provider's emulation of one). Accesses are
+/// bounds-checked copies; the caller (the protocol) guarantees that the
+/// owner leaves the span alone while it is granted, exactly as with DMA.
+#[derive(Clone)]
+pub struct PeerSpan {
+    region: Arc<Region>,
+    offset: usize,
+    len: usize,
+}
+
+impl fmt::Debug for PeerSpan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "PeerSpan({:#x}+{})", self.addr(), self.len)
+    }
+}
+
+impl PeerSpan {
+    /// The span of `arena` covering `[addr, addr+len)`, if it lies inside.
+    pub fn new(arena: &Arena, addr: u64, len: usize) -> Option<PeerSpan> {
+        let off = addr.checked_sub(arena.addr())? as usize;
+        if off.checked_add(len)? > arena.len() {
+            return None;
+        }
+        Some(PeerSpan {
+            region: arena.region.clone(),
+            offset: off,
+            len,
+        })
+    }
+
+    /// The span covering a block.
+    pub fn of_block(b: &Block) -> PeerSpan {
+        PeerSpan {
+            region: b.pool.arena.region.clone(),
+            offset: b.offset,
+            len: b.len,
+        }
+    }
+
+    pub fn addr(&self) -> u64 {
+        self.region.ptr as u64 + self.offset as u64
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn check(&self, at: usize, n: usize) -> Option<usize> {
+        let end = at.checked_add(n)?;
+        (end <= self.len).then_some(self.offset + at)
+    }
+
+    /// Run `f` over `[at, at+n)` of the span as a mutable slice (e.g. to
+    /// `read_exact` a socket straight into registered memory). `None` when
+    /// the range is out of bounds.
+    pub fn with_mut<R>(&self, at: usize, n: usize, f: impl FnOnce(&mut [u8]) -> R) -> Option<R> {
+        let o = self.check(at, n)?;
+        // SAFETY: bounds checked against the live region (Arc held). The span
+        // is granted to one peer operation at a time by the protocol, so no
+        // other reference to these bytes exists while `f` runs.
+        let s = unsafe { std::slice::from_raw_parts_mut(self.region.ptr.add(o), n) };
+        Some(f(s))
+    }
+
+    /// Run `f` over `[at, at+n)` as a shared slice.
+    pub fn with<R>(&self, at: usize, n: usize, f: impl FnOnce(&[u8]) -> R) -> Option<R> {
+        let o = self.check(at, n)?;
+        // SAFETY: as in with_mut; shared access only.
+        let s = unsafe { std::slice::from_raw_parts(self.region.ptr.add(o), n) };
+        Some(f(s))
+    }
+
+    pub(crate) fn region(&self) -> &Arc<Region> {
+        &self.region
+    }
+}
+
+impl Region {
+    pub(crate) fn ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn small() -> Arena {
+        Arena::new(&ArenaConfig::new(4 << 20)).unwrap()
+    }
+
+    #[test]
+    fn rounds_to_huge_pages_and_falls_back() {
+        let a = Arena::new(&ArenaConfig::new(1)).unwrap();
+        assert_eq!(a.len(), HUGE_PAGE);
+        // Either real huge pages or the documented fallback; never an error.
+        assert!(matches!(
+            a.backing(),
+            Backing::HugeTlb | Backing::Transparent
+        ));
+        assert_eq!(a.addr() % 4096, 0);
+    }
+
+    #[test]
+    fn require_huge_fails_loudly_without_them() {
+        let mut c = ArenaConfig::new(2 << 20);
+        c.require_huge = true;
+        match Arena::new(&c) {
+            Ok(a) => assert_eq!(a.backing(), &Backing::HugeTlb),
+            Err(e) => assert!(e.to_string().contains("nr_hugepages"), "{e}"),
+        }
+    }
+
+    #[test]
+    fn pool_hands_out_disjoint_blocks_and_takes_them_back() {
+        let pool = small().into_pool(1 << 20).unwrap();
+        assert_eq!(pool.capacity(), 4);
+        let mut bs: Vec<Block> = (0..4).map(|_| pool.take().unwrap()).collect();
+        assert!(pool.take().is_none());
+        for (i, b) in bs.iter_mut().enumerate() {
+            b.as_mut_slice().fill(i as u8 + 1);
+        }
+        let mut offs: Vec<usize> = bs.iter().map(|b| b.offset()).collect();
+        offs.sort();
+        assert_eq!(offs, vec![0, 1 << 20, 2 << 20, 3 << 20]);
+        for (i, b) in bs.iter().enumerate() {
+            assert!(b.as_slice().iter().all(|&x| x == i as u8 + 1));
+        }
+        drop(bs.pop());
+        assert_eq!(pool.available(), 1);
+        assert!(pool.take().is_some());
+    }
+
+    #[test]
+    fn bad_block_sizes_are_named() {
+        for b in [0, 1000, 3 << 12, 8 << 20] {
+            let e = small().into_pool(b).err().expect("must fail");
+            assert!(e.to_string().contains(&b.to_string()), "{e}");
+        }
+    }
+
+    #[test]
+    fn peer_span_is_bounds_checked() {
+        let a = small();
+        assert!(PeerSpan::new(&a, a.addr() - 1, 10).is_none());
+        assert!(PeerSpan::new(&a, a.addr() + a.len() as u64 - 4, 8).is_none());
+        let s = PeerSpan::new(&a, a.addr() + 4096, 8192).unwrap();
+        assert!(s.with_mut(8190, 4, |_| ()).is_none());
+        s.with_mut(0, 4, |b| b.copy_from_slice(b"abcd")).unwrap();
+        assert_eq!(s.with(0, 4, |b| b.to_vec()).unwrap(), b"abcd");
+    }
+
+    #[test]
+    fn hugetlbfs_dir_errors_name_the_dir() {
+        let mut c = ArenaConfig::new(2 << 20);
+        c.hugepage_dir = Some("/nonexistent-hugetlbfs".into());
+        let e = Arena::new(&c).unwrap_err();
+        assert!(e.to_string().contains("/nonexistent-hugetlbfs"), "{e}");
+    }
+}

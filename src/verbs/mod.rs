@@ -1,0 +1,29 @@
+//! The verbs layer: safe RAII types over rdma-sys (libibverbs).
+//!
+//! Ownership follows the verbs object tree: a [`QueuePair`] holds its
+//! [`ProtectionDomain`] and [`CompletionQueue`]s, which hold the
+//! [`Context`]; a [`MemoryRegion`] holds its PD and the arena mapping it
+//! covers. Nothing is destroyed while a child lives.
+//!
+//! `unsafe` invariants, where they live:
+//! - `ibv_*` handles are valid from creation to `Drop` (each type's `Drop`);
+//! - registered memory stays mapped while its `MemoryRegion` lives (`pd.rs`);
+//! - [`QueuePair::post_send`] is `unsafe`: the caller owns each local buffer
+//!   until the completion that retires its request (`qp.rs`);
+//! - every completion event is acked before the CQ is destroyed (`cq.rs`).
+
+pub mod cq;
+pub mod device;
+pub mod error;
+pub mod gid;
+pub mod pd;
+pub mod post;
+pub mod qp;
+
+pub use cq::{CompletionChannel, CompletionQueue, POLL_BATCH};
+pub use device::{device_names, Context, DeviceCaps, LinkLayer, PortAttr, PortState};
+pub use error::{Hint, VerbsError};
+pub use gid::{choose_gid, gid_table, Gid, GidChoice, GidEntry, GidType};
+pub use pd::{Access, MemoryRegion, ProtectionDomain};
+pub use post::PostScratch;
+pub use qp::{ConnectParams, PostError, QpConfig, QpEndpoint, QpState, QueuePair};

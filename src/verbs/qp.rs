@@ -1,0 +1,475 @@
+//! RC queue pairs: created in RESET, taken INIT -> RTR -> RTS by a handshake
+//! with the peer's endpoint, and back to RESET (and up again) on reconnect.
+
+use std::fmt;
+use std::sync::Arc;
+
+use rdma_sys::*;
+
+use super::cq::CompletionQueue;
+use super::device::{mtu_enum, PortState};
+use super::error::{Hint, VerbsError};
+use super::gid::Gid;
+use super::pd::{Access, ProtectionDomain};
+use super::post::PostScratch;
+use crate::engine::{OpKind, WorkRequest};
+
+/// What the peer needs to reach this QP (exchanged over the control plane).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QpEndpoint {
+    pub qpn: u32,
+    /// Initial packet sequence number, random 24-bit, fresh every epoch.
+    pub psn: u32,
+    pub gid: Gid,
+    pub lid: u16,
+    /// The sender's active MTU in bytes; the path MTU is the min of both.
+    pub mtu: u32,
+}
+
+/// Sizes asked for at creation; the device may grant more.
+#[derive(Clone, Copy, Debug)]
+pub struct QpConfig {
+    pub port: u8,
+    pub gid_index: u32,
+    pub sq_depth: u32,
+    pub max_send_sge: u32,
+    /// Inline bytes asked for (0 = none). What the device granted is in
+    /// [`QueuePair::max_inline`].
+    pub max_inline: u32,
+    /// Remote access the QP accepts as a responder (least privilege: only
+    /// what the transfer needs).
+    pub remote_access: Access,
+}
+
+/// Link parameters for RTR/RTS.
+#[derive(Clone, Copy, Debug)]
+pub struct ConnectParams {
+    /// Outstanding RDMA READs / atomics this QP may issue (initiator depth).
+    pub max_rd_atomic: u8,
+    /// Outstanding RDMA READs this QP accepts as a responder.
+    pub max_dest_rd_atomic: u8,
+    /// Local ACK timeout exponent: 4.096 us * 2^timeout.
+    pub timeout: u8,
+    pub retry_cnt: u8,
+    pub rnr_retry: u8,
+    pub min_rnr_timer: u8,
+}
+
+impl Default for ConnectParams {
+    fn default() -> Self {
+        // timeout 14 (~67 ms) x retry 7: a dead link surfaces as
+        // RETRY_EXC_ERR after about half a second, quick enough to reconnect.
+        ConnectParams {
+            max_rd_atomic: 16,
+            max_dest_rd_atomic: 16,
+            timeout: 14,
+            retry_cnt: 7,
+            rnr_retry: 7,
+            min_rnr_timer: 12,
+        }
+    }
+}
+
+/// Where the QP is in its life.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QpState {
+    Reset,
+    Init,
+    Rtr,
+    Rts,
+    Error,
+}
+
+/// An RC queue pair. Holds its PD and CQs alive.
+pub struct QueuePair {
+    qp: *mut ibv_qp,
+    pd: Arc<ProtectionDomain>,
+    send_cq: Arc<CompletionQueue>,
+    _recv_cq: Arc<CompletionQueue>,
+    cfg: QpConfig,
+    granted_sq: u32,
+    granted_inline: u32,
+    granted_sge: u32,
+    local: QpEndpoint,
+    state: QpState,
+    path_mtu: u32,
+}
+
+// SAFETY: ibv_post_send and ibv_modify_qp are thread-safe in libibverbs;
+// state changes take &mut self.
+unsafe impl Send for QueuePair {}
+// SAFETY: as above; the only &self entry that touches the QP is post_send,
+// which libibverbs serializes per QP.
+unsafe impl Sync for QueuePair {}
+
+impl fmt::Debug for QueuePair {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("QueuePair")
+            .field("qpn", &self.local.qpn)
+            .field("state", &self.state)
+            .field("sq", &self.granted_sq)
+            .field("inline", &self.granted_inline)
+            .finish()
+    }
+}
+
+/// A random 24-bit PSN.
+pub fn random_psn() -> u32 {
+    let mut b = [0u8; 4];
+    getrandom::getrandom(&mut b).expect("getrandom");
+    u32::from_le_bytes(b) & 0x00ff_ffff
+}
+
+impl QueuePair {
+    /// Create an RC QP (in RESET) and take it to INIT, ready for a handshake.
+    pub fn new(
+        pd: &Arc<ProtectionDomain>,
+        send_cq: &Arc<CompletionQueue>,
+        recv_cq: &Arc<CompletionQueue>,
+        cfg: QpConfig,
+    ) -> Result<QueuePair, VerbsError> {
+        let ctx = pd.context();
+        let caps = ctx.caps();
+        if cfg.sq_depth == 0 || cfg.sq_depth > caps.max_qp_wr {
+            return Err(VerbsError::new(
+                "ibv_create_qp",
+                libc::EINVAL,
+                format!(
+                    "SQ depth {} outside 1..={} (max_qp_wr of {})",
+                    cfg.sq_depth,
+                    caps.max_qp_wr,
+                    ctx.name()
+                ),
+            ));
+        }
+        if send_cq.depth() < cfg.sq_depth {
+            return Err(VerbsError::new(
+                "ibv_create_qp",
+                libc::EINVAL,
+                format!(
+                    "CQ depth {} < SQ depth {}: a CQ overrun would move the QP to the error state",
+                    send_cq.depth(),
+                    cfg.sq_depth
+                ),
+            ));
+        }
+        let port = ctx.port(cfg.port)?;
+        let gid = super::gid::query_gid(ctx, cfg.port, cfg.gid_index)?;
+        // SAFETY: zeroed init attrs are valid; we set the fields that matter.
+        let mut init: ibv_qp_init_attr = unsafe { std::mem::zeroed() };
+        init.send_cq = send_cq.cq;
+        init.recv_cq = recv_cq.cq;
+        init.qp_type = ibv_qp_type::IBV_QPT_RC;
+        init.sq_sig_all = 0; // selective signaling
+        init.cap.max_send_wr = cfg.sq_depth;
+        init.cap.max_recv_wr = 1;
+        init.cap.max_send_sge = cfg.max_send_sge.clamp(1, caps.max_sge.max(1));
+        init.cap.max_recv_sge = 1;
+        init.cap.max_inline_data = cfg.max_inline;
+        // SAFETY: pd and CQs are valid and outlive the QP (Arcs held).
+        let qp = unsafe { ibv_create_qp(pd.pd, &mut init) };
+        if qp.is_null() {
+            return Err(VerbsError::last(
+                "ibv_create_qp",
+                format!(
+                    "RC QP sq={} inline={} on {}",
+                    cfg.sq_depth,
+                    cfg.max_inline,
+                    ctx.name()
+                ),
+            ));
+        }
+        // SAFETY: qp is valid.
+        let qpn = unsafe { (*qp).qp_num };
+        let mut me = QueuePair {
+            qp,
+            pd: pd.clone(),
+            send_cq: send_cq.clone(),
+            _recv_cq: recv_cq.clone(),
+            cfg,
+            granted_sq: init.cap.max_send_wr,
+            granted_inline: init.cap.max_inline_data,
+            granted_sge: init.cap.max_send_sge,
+            local: QpEndpoint {
+                qpn,
+                psn: random_psn(),
+                gid,
+                lid: port.lid,
+                mtu: port.active_mtu,
+            },
+            state: QpState::Reset,
+            path_mtu: port.active_mtu,
+        };
+        me.move_to_init()?;
+        Ok(me)
+    }
+
+    /// This side's endpoint for the peer.
+    pub fn endpoint(&self) -> QpEndpoint {
+        self.local
+    }
+
+    pub fn state(&self) -> QpState {
+        self.state
+    }
+
+    pub fn qpn(&self) -> u32 {
+        self.local.qpn
+    }
+
+    /// Send-queue depth the device granted.
+    pub fn sq_depth(&self) -> u32 {
+        self.granted_sq
+    }
+
+    /// Inline bytes the device granted (may be 0 or more than asked).
+    pub fn max_inline(&self) -> u32 {
+        self.granted_inline
+    }
+
+    pub fn max_send_sge(&self) -> u32 {
+        self.granted_sge
+    }
+
+    /// Path MTU after the handshake (min of both ends).
+    pub fn path_mtu(&self) -> u32 {
+        self.path_mtu
+    }
+
+    pub fn send_cq(&self) -> &Arc<CompletionQueue> {
+        &self.send_cq
+    }
+
+    pub fn pd(&self) -> &Arc<ProtectionDomain> {
+        &self.pd
+    }
+
+    fn modify(
+        &mut self,
+        attr: &mut ibv_qp_attr,
+        mask: ibv_qp_attr_mask,
+        call: &'static str,
+    ) -> Result<(), VerbsError> {
+        // SAFETY: qp is valid; attr is a fully initialized struct for `mask`.
+        let rc = unsafe { ibv_modify_qp(self.qp, attr, mask.0 as i32) };
+        if rc != 0 {
+            let mut e = VerbsError::new(
+                call,
+                rc,
+                format!("QP {:#x} on {}", self.local.qpn, self.pd.context().name()),
+            );
+            if call == "ibv_modify_qp(RTR)" || call == "ibv_modify_qp(RTS)" {
+                if let Ok(p) = self.pd.context().port(self.cfg.port) {
+                    if p.state != PortState::Active {
+                        e = e.with_hint(Hint::PortDown);
+                    }
+                }
+            }
+            self.state = QpState::Error;
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    fn move_to_init(&mut self) -> Result<(), VerbsError> {
+        // SAFETY: zeroed attrs are valid.
+        let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
+        a.qp_state = ibv_qp_state::IBV_QPS_INIT;
+        a.pkey_index = 0;
+        a.port_num = self.cfg.port;
+        let ra = self.cfg.remote_access;
+        let mut flags = 0u32;
+        if ra.remote_write() {
+            flags |= ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0;
+        }
+        if ra.remote_read() {
+            flags |= ibv_access_flags::IBV_ACCESS_REMOTE_READ.0;
+        }
+        a.qp_access_flags = flags;
+        use ibv_qp_attr_mask as M;
+        self.modify(
+            &mut a,
+            M::IBV_QP_STATE | M::IBV_QP_PKEY_INDEX | M::IBV_QP_PORT | M::IBV_QP_ACCESS_FLAGS,
+            "ibv_modify_qp(INIT)",
+        )?;
+        self.state = QpState::Init;
+        Ok(())
+    }
+
+    /// INIT -> RTR -> RTS against `remote`. Path MTU = min(local, remote).
+    pub fn handshake(&mut self, remote: &QpEndpoint, p: &ConnectParams) -> Result<(), VerbsError> {
+        if self.state != QpState::Init {
+            return Err(VerbsError::new(
+                "ibv_modify_qp(RTR)",
+                libc::EINVAL,
+                format!(
+                    "QP {:#x} is {:?}, not INIT: reset it first",
+                    self.local.qpn, self.state
+                ),
+            ));
+        }
+        let caps = self.pd.context().caps();
+        let init_depth = p.max_rd_atomic.min(caps.max_qp_init_rd_atom.min(255) as u8);
+        let resp_depth = p.max_dest_rd_atomic.min(caps.max_qp_rd_atom.min(255) as u8);
+        self.path_mtu = self.local.mtu.min(remote.mtu);
+        use ibv_qp_attr_mask as M;
+        // SAFETY: zeroed attrs are valid.
+        let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
+        a.qp_state = ibv_qp_state::IBV_QPS_RTR;
+        a.path_mtu = mtu_enum(self.path_mtu);
+        a.dest_qp_num = remote.qpn;
+        a.rq_psn = remote.psn;
+        a.max_dest_rd_atomic = resp_depth;
+        a.min_rnr_timer = p.min_rnr_timer;
+        a.ah_attr.is_global = 1;
+        a.ah_attr.dlid = remote.lid;
+        a.ah_attr.sl = 0;
+        a.ah_attr.src_path_bits = 0;
+        a.ah_attr.port_num = self.cfg.port;
+        a.ah_attr.grh.dgid.raw = remote.gid.0;
+        a.ah_attr.grh.sgid_index = self.cfg.gid_index as u8;
+        a.ah_attr.grh.hop_limit = 64;
+        a.ah_attr.grh.flow_label = 0;
+        a.ah_attr.grh.traffic_class = 0;
+        self.modify(
+            &mut a,
+            M::IBV_QP_STATE
+                | M::IBV_QP_AV
+                | M::IBV_QP_PATH_MTU
+                | M::IBV_QP_DEST_QPN
+                | M::IBV_QP_RQ_PSN
+                | M::IBV_QP_MAX_DEST_RD_ATOMIC
+                | M::IBV_QP_MIN_RNR_TIMER,
+            "ibv_modify_qp(RTR)",
+        )?;
+        self.state = QpState::Rtr;
+        // SAFETY: zeroed attrs are valid.
+        let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
+        a.qp_state = ibv_qp_state::IBV_QPS_RTS;
+        a.sq_psn = self.local.psn;
+        a.timeout = p.timeout;
+        a.retry_cnt = p.retry_cnt;
+        a.rnr_retry = p.rnr_retry;
+        a.max_rd_atomic = init_depth;
+        self.modify(
+            &mut a,
+            M::IBV_QP_STATE
+                | M::IBV_QP_SQ_PSN
+                | M::IBV_QP_TIMEOUT
+                | M::IBV_QP_RETRY_CNT
+                | M::IBV_QP_RNR_RETRY
+                | M::IBV_QP_MAX_QP_RD_ATOMIC,
+            "ibv_modify_qp(RTS)",
+        )?;
+        self.state = QpState::Rts;
+        tracing::debug!(
+            qpn = self.local.qpn,
+            peer = remote.qpn,
+            mtu = self.path_mtu,
+            init_depth,
+            resp_depth,
+            "QP in RTS"
+        );
+        Ok(())
+    }
+
+    /// Back to RESET and up to INIT with a fresh PSN and re-queried GID and
+    /// port (the reconnect path). Outstanding WRs are gone after this: their
+    /// completions were flushed (or are discarded with the reset).
+    pub fn reset(&mut self) -> Result<QpEndpoint, VerbsError> {
+        // SAFETY: zeroed attrs are valid.
+        let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
+        a.qp_state = ibv_qp_state::IBV_QPS_RESET;
+        self.modify(
+            &mut a,
+            ibv_qp_attr_mask::IBV_QP_STATE,
+            "ibv_modify_qp(RESET)",
+        )?;
+        self.state = QpState::Reset;
+        let ctx = self.pd.context().clone();
+        let port = ctx.port(self.cfg.port)?;
+        self.local.gid = super::gid::query_gid(&ctx, self.cfg.port, self.cfg.gid_index)?;
+        self.local.lid = port.lid;
+        self.local.mtu = port.active_mtu;
+        self.local.psn = random_psn();
+        self.move_to_init()?;
+        Ok(self.local)
+    }
+
+    /// Move to the error state (flushes every outstanding WR with
+    /// WR_FLUSH_ERR completions).
+    pub fn set_error(&mut self) -> Result<(), VerbsError> {
+        // SAFETY: zeroed attrs are valid.
+        let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
+        a.qp_state = ibv_qp_state::IBV_QPS_ERR;
+        self.modify(&mut a, ibv_qp_attr_mask::IBV_QP_STATE, "ibv_modify_qp(ERR)")?;
+        self.state = QpState::Error;
+        Ok(())
+    }
+
+    /// Post `wrs` as one chain: one `ibv_post_send`, one doorbell.
+    ///
+    /// # Safety
+    /// Every local segment must lie in memory registered under its lkey that
+    /// the caller owns until the completion that retires the request (a
+    /// signaled completion of it or of a later request on this QP, or a
+    /// flush): the device reads it (WRITE) or writes it (READ) until then.
+    /// Inline requests are copied during the call and may be reused at once.
+    pub unsafe fn post_send(
+        &self,
+        wrs: &[WorkRequest],
+        scratch: &mut PostScratch,
+    ) -> Result<(), PostError> {
+        if wrs.is_empty() {
+            return Ok(());
+        }
+        let head = scratch.build(wrs, |k| match k {
+            OpKind::Write => ibv_wr_opcode::IBV_WR_RDMA_WRITE,
+            OpKind::Read => ibv_wr_opcode::IBV_WR_RDMA_READ,
+        });
+        let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
+        // SAFETY: head is a valid chain of `wrs.len()` requests in scratch
+        // (alive for the call); the caller guarantees the buffers.
+        let rc = unsafe { ibv_post_send(self.qp, head, &mut bad) };
+        if rc != 0 {
+            let index = scratch.index_of(bad);
+            return Err(PostError {
+                errno: rc,
+                index,
+                posted: index.unwrap_or(0),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// A failed `ibv_post_send`: requests before `index` were posted.
+#[derive(Debug, thiserror::Error)]
+#[error("ibv_post_send failed: {} (errno {errno}) at request {index:?}", std::io::Error::from_raw_os_error(*.errno))]
+pub struct PostError {
+    pub errno: i32,
+    pub index: Option<usize>,
+    pub posted: usize,
+}
+
+impl Drop for QueuePair {
+    fn drop(&mut self) {
+        // SAFETY: the QP is destroyed once; memory its WRs named is kept by
+        // the data path until their completions (or this reset) are seen.
+        unsafe {
+            ibv_destroy_qp(self.qp);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn psn_is_24_bit_and_varies() {
+        let a: Vec<u32> = (0..16).map(|_| random_psn()).collect();
+        assert!(a.iter().all(|&p| p < (1 << 24)));
+        assert!(a.iter().any(|&p| p != a[0]));
+    }
+}
