@@ -2,3 +2,4 @@
 pub mod proto {
     tonic::include_proto!("rcp.v1");
 }
+pub mod engine;
