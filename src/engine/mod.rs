@@ -6,6 +6,12 @@
 //! error batch leaves unconfirmed and must be posted again after a reconnect.
 //! The data path (`crate::datapath`) drives it over a provider.
 
+pub mod batch;
+pub mod blocks;
+pub mod credits;
+pub mod inflight;
+pub mod slots;
+pub mod window;
 pub mod wr;
 
 pub use wr::{LocalSeg, OpKind, RemoteSeg, WcStatus, WorkCompletion, WorkRequest};
