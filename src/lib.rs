@@ -12,3 +12,4 @@ pub mod verbs;
 pub mod proto {
     tonic::include_proto!("rcp.v1");
 }
+pub mod engine;

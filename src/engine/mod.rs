@@ -4,8 +4,45 @@
 //! blocks to post next, which requests a signaled completion retires, how many
 //! send-queue credits are free, which `wr_id` maps to which block, what an
 //! error batch leaves unconfirmed and must be posted again after a reconnect.
-//! The data path (`crate::datapath`) drives it over a provider.
+//! No threads, no clocks (time is passed in as nanoseconds), no `unsafe`. The
+//! data path (`crate::datapath`) drives it over a provider.
+//!
+//! # Where to start
+//!
+//! * [`Transfer`] is the one type a runtime drives: build it from a
+//!   [`TransferConfig`] and the local staging buffers, feed it [`Window`]
+//!   grants, post the [`Batch`]es from [`Transfer::poll_transmit`], feed
+//!   completions to [`Transfer::on_completion`], act on [`Event`]s from
+//!   [`Transfer::poll_event`], and call [`Transfer::reconnected`] after an
+//!   error batch asks for it. Its module docs spell out the protocol.
+//! * [`wr`] holds the words shared with providers: [`WorkRequest`],
+//!   [`WorkCompletion`], [`WcStatus`].
+//!
+//! The other modules are the parts `Transfer` is built from, each usable and
+//! tested alone: [`batch`] (chain length, selective signaling), [`credits`]
+//! (send-queue back-pressure), [`slots`] (`wr_id` → context, stale
+//! detection, timeouts), [`inflight`] (the RC retirement rule), [`blocks`]
+//! (block plan and per-block state), [`window`] (remote windows and their
+//! validation).
 
+#![warn(missing_docs)]
+
+pub mod batch;
+pub mod blocks;
+pub mod credits;
+pub mod inflight;
+pub mod slots;
+pub mod transfer;
+pub mod window;
+// Shared with the providers; its field docs live on the types.
+#[allow(missing_docs)]
 pub mod wr;
 
+pub use batch::{BatchPolicy, BatchPolicyError};
+pub use blocks::{BlockPlan, BlockSizeError, BlockSpan, BlockState};
+pub use transfer::{
+    Batch, ConfigError, Counters, ErrorCause, Event, Recovery, State, Transfer, TransferConfig,
+    TransferError,
+};
+pub use window::{Window, WindowError};
 pub use wr::{LocalSeg, OpKind, RemoteSeg, WcStatus, WorkCompletion, WorkRequest};
