@@ -12,4 +12,3 @@ pub mod verbs;
 pub mod proto {
     tonic::include_proto!("rcp.v1");
 }
-pub mod engine;
