@@ -4,9 +4,11 @@
 //! - [`verbs`]: safe types over libibverbs ([`verbs::Context`], [`verbs::QueuePair`], ...).
 //! - [`mem`]: the hugepage arena that is registered once and carved into blocks.
 //! - [`engine`]: the transfer state machine, plain data, no I/O.
+//! - [`provider`]: the `Domain`/`Channel` interface the data path runs on (verbs or tcp).
 
 pub mod engine;
 pub mod mem;
+pub mod provider;
 pub mod verbs;
 
 pub mod proto {

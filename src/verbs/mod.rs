@@ -12,6 +12,7 @@
 //!   until the completion that retires its request (`qp.rs`);
 //! - every completion event is acked before the CQ is destroyed (`cq.rs`).
 
+pub mod channel;
 pub mod cq;
 pub mod device;
 pub mod error;
@@ -20,6 +21,7 @@ pub mod pd;
 pub mod post;
 pub mod qp;
 
+pub use channel::{VerbsChannel, VerbsDomain};
 pub use cq::{CompletionChannel, CompletionQueue, POLL_BATCH};
 pub use device::{device_names, Context, DeviceCaps, LinkLayer, PortAttr, PortState};
 pub use error::{Hint, VerbsError};

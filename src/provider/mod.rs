@@ -1,0 +1,119 @@
+//! Providers: what the data path runs on, libfabric-style.
+//!
+//! A provider gives a [`Domain`] (memory registration with lkeys/rkeys and
+//! access rights) and connected [`Channel`]s that post chains of one-sided
+//! [`WorkRequest`]s with one doorbell and report [`WorkCompletion`]s. The
+//! engine and the data path run unchanged on either provider:
+//! - `verbs` ([`crate::verbs::channel`]): RC queue pairs over libibverbs;
+//! - `tcp` ([`tcp`]): one-sided WRITE/READ emulated over TCP for hosts
+//!   without RDMA, with the same registration, bounds, rkey and access rules.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::engine::{WorkCompletion, WorkRequest};
+use crate::mem::PeerSpan;
+pub use crate::verbs::Access;
+use crate::verbs::QpEndpoint;
+
+/// Which provider.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ProviderKind {
+    Verbs,
+    Tcp,
+}
+
+impl fmt::Display for ProviderKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ProviderKind::Verbs => "verbs",
+            ProviderKind::Tcp => "tcp",
+        })
+    }
+}
+
+/// What a channel can do, from the device (verbs) or the implementation (tcp).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ChannelCaps {
+    /// Send-queue depth granted: at most this many WRs outstanding.
+    pub sq_depth: u32,
+    /// Inline bytes granted (0: none).
+    pub max_inline: u32,
+    pub max_sge: u32,
+}
+
+/// A provider failure outside completions (setup, posting, polling).
+#[derive(Debug, thiserror::Error)]
+pub enum ProviderError {
+    #[error(transparent)]
+    Verbs(#[from] crate::verbs::VerbsError),
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        source: std::io::Error,
+    },
+    #[error("{0}")]
+    Protocol(String),
+    #[error("the channel is closed")]
+    Closed,
+}
+
+/// `post` accepted the first `posted` requests of the chain and then failed.
+#[derive(Debug, thiserror::Error)]
+#[error("post failed after {posted} requests: {error}")]
+pub struct PostFailure {
+    pub posted: usize,
+    pub error: ProviderError,
+}
+
+/// The address a peer uses to reach a channel, exchanged by the control plane.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Endpoint {
+    Verbs(QpEndpoint),
+    Tcp(std::net::SocketAddr),
+}
+
+/// A memory registration: keys plus what it covers.
+pub trait Registration: Send + Sync + fmt::Debug {
+    fn lkey(&self) -> u32;
+    fn rkey(&self) -> u32;
+    fn addr(&self) -> u64;
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    fn access(&self) -> Access;
+}
+
+/// Memory registration (a protection domain). Dropping a registration
+/// revokes its rkey.
+pub trait Domain: Send + Sync {
+    fn kind(&self) -> ProviderKind;
+    fn register(
+        &self,
+        span: &PeerSpan,
+        access: Access,
+    ) -> Result<Arc<dyn Registration>, ProviderError>;
+}
+
+/// A connected channel. `post` is called from the posting thread, `poll`,
+/// `arm` and `wait` from the completion thread.
+///
+/// Contract for `post`: every local segment lies in memory registered with
+/// this provider under its lkey, and the caller neither reads nor writes it
+/// until the completion that retires the request (the engine lends each
+/// local buffer to exactly one in-flight request).
+pub trait Channel: Send + Sync {
+    fn kind(&self) -> ProviderKind;
+    fn caps(&self) -> ChannelCaps;
+    /// Post the chain with one doorbell.
+    fn post(&self, wrs: &[WorkRequest]) -> Result<(), PostFailure>;
+    /// Take up to `out.len()` completions; returns how many.
+    fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize, ProviderError>;
+    /// Ask for an event on the next completion (then poll once more before
+    /// waiting, to close the race).
+    fn arm(&self) -> Result<(), ProviderError>;
+    /// Block until an event or `timeout`; true if an event came.
+    fn wait(&self, timeout: Duration) -> Result<bool, ProviderError>;
+}
