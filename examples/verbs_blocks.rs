@@ -162,36 +162,41 @@ fn serve(args: &[String]) -> R<()> {
     writeln!(w, "ready")?;
     let whole = PeerSpan::new(&end.arena, end.arena.addr(), end.arena.len()).unwrap();
     let before = sha(&whole);
-    let cmd = line(&mut r)?;
-    match cmd[0].as_str() {
-        "verify" => {
-            let got = sha(&lower);
-            let ok = got == cmd[1];
-            writeln!(w, "{}", if ok { "ok" } else { "mismatch" })?;
-            println!(
-                "server: WRITE target {} bytes sha256 {got} {}",
-                half,
-                if ok { "verified" } else { "MISMATCH" }
-            );
-            if !ok {
-                return Err("written data does not match".into());
+    // Serve commands until the client says it is done: the QP and the
+    // arena must stay up while the client READs.
+    loop {
+        let cmd = match line(&mut r) {
+            Ok(c) if !c.is_empty() => c,
+            _ => return Ok(()),
+        };
+        match cmd[0].as_str() {
+            "verify" => {
+                let got = sha(&lower);
+                let ok = got == cmd[1];
+                writeln!(w, "{}", if ok { "ok" } else { "mismatch" })?;
+                println!(
+                    "server: WRITE target {half} bytes sha256 {got} {}",
+                    if ok { "verified" } else { "MISMATCH" }
+                );
+                if !ok {
+                    return Err("written data does not match".into());
+                }
             }
-        }
-        "unchanged?" => {
-            let ok = sha(&whole) == before;
-            writeln!(w, "{}", if ok { "ok" } else { "changed" })?;
-            println!(
-                "server: memory {} after the bad-rkey WRITE",
-                if ok { "unchanged" } else { "CHANGED" }
-            );
-            if !ok {
-                return Err("memory changed".into());
+            "unchanged?" => {
+                let ok = sha(&whole) == before;
+                writeln!(w, "{}", if ok { "ok" } else { "changed" })?;
+                println!(
+                    "server: memory {} after the bad-rkey WRITE",
+                    if ok { "unchanged" } else { "CHANGED" }
+                );
+                if !ok {
+                    return Err("memory changed".into());
+                }
             }
+            "bye" => return Ok(()),
+            c => return Err(format!("unknown command {c}").into()),
         }
-        c => return Err(format!("unknown command {c}").into()),
     }
-    let _ = end.cq.depth();
-    Ok(())
 }
 
 fn drain(cq: &CompletionQueue, want: usize) -> R<Vec<WorkCompletion>> {
@@ -323,6 +328,7 @@ fn client(args: &[String]) -> R<()> {
             return Err("server memory changed after a rejected WRITE".into());
         }
         println!("client: remote access error reported, server memory unchanged");
+        writeln!(w, "bye")?;
         return Ok(());
     }
     let secs = run(&end, OpKind::Write, src.addr(), raddr, rkey, half, block)?;
@@ -352,6 +358,7 @@ fn client(args: &[String]) -> R<()> {
         return Err("bytes read differ from the server's".into());
     }
     println!("client: verified WRITE and READ of {half} bytes each (sha256 match)");
+    writeln!(w, "bye")?;
     end.qp.set_error().ok();
     Ok(())
 }
