@@ -153,6 +153,12 @@ impl Shared {
             return;
         }
         tracing::warn!(conn = c, error = %why, "tcp channel: connection lost");
+        // The request in flight on that connection carries the error; if it
+        // had none, the channel's oldest outstanding request does (the first
+        // one the link loss stops), so the cause is never just a flush.
+        let seq = seq
+            .filter(|k| st.slots.get(k).is_some_and(|s| !s.busy))
+            .or_else(|| st.slots.iter().find(|(_, s)| !s.busy).map(|(&k, _)| k));
         let culprit = seq
             .and_then(|k| st.slots.remove(&k))
             .map(|s| wc(s.wr_id, status, 0));
