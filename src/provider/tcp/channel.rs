@@ -33,9 +33,18 @@ struct Slot {
     /// The target acknowledged it (and its READ payload has landed).
     done: bool,
     byte_len: u32,
-    /// A reader thread is writing its READ payload into local memory right
-    /// now: it must not be reported (flushed) before that stops.
-    busy: bool,
+    /// `post` is still copying its WRITE payload out of local memory.
+    sending: bool,
+    /// A reader is copying its READ payload into local memory.
+    landing: bool,
+}
+
+impl Slot {
+    /// Local memory is being touched: no completion may hand the buffer
+    /// back to the caller yet.
+    fn busy(&self) -> bool {
+        self.sending || self.landing
+    }
 }
 
 struct State {
@@ -45,6 +54,9 @@ struct State {
     slots: BTreeMap<u64, Slot>,
     /// The channel is in the error state (like an RC QP in ERR).
     broken: bool,
+    /// Why the channel broke, when no request could carry it at the time:
+    /// the next request flushed carries it instead of `Flushed`.
+    cause: Option<WcStatus>,
     cq: VecDeque<WorkCompletion>,
 }
 
@@ -120,12 +132,13 @@ impl Shared {
             let flush: Vec<u64> = st
                 .slots
                 .iter()
-                .filter(|(_, s)| !s.busy)
+                .filter(|(_, s)| !s.busy())
                 .map(|(&k, _)| k)
                 .collect();
             for k in flush {
                 if let Some(s) = st.slots.remove(&k) {
-                    st.cq.push_back(wc(s.wr_id, WcStatus::Flushed, 0));
+                    let status = st.cause.take().unwrap_or(WcStatus::Flushed);
+                    st.cq.push_back(wc(s.wr_id, status, 0));
                 }
             }
             for s in &self.sockets {
@@ -133,6 +146,30 @@ impl Shared {
             }
         }
         self.cv.notify_all();
+    }
+
+    /// In the error state, flush `seq` once nothing touches its memory.
+    fn flush_if_idle(&self, st: &mut State, seq: u64) {
+        if st.slots.get(&seq).is_some_and(|s| !s.busy()) {
+            if let Some(s) = st.slots.remove(&seq) {
+                let status = st.cause.take().unwrap_or(WcStatus::Flushed);
+                st.cq.push_back(wc(s.wr_id, status, 0));
+                self.cv.notify_all();
+            }
+        }
+    }
+
+    /// `post` is done with the local memory of `seqs`.
+    fn sent(&self, seqs: impl Iterator<Item = u64>) {
+        let mut st = lock(&self.state);
+        for k in seqs {
+            if let Some(s) = st.slots.get_mut(&k) {
+                s.sending = false;
+            }
+            if st.broken {
+                self.flush_if_idle(&mut st, k);
+            }
+        }
     }
 
     /// Connection `c` ended or spoke garbage: its oldest request in flight
@@ -154,14 +191,15 @@ impl Shared {
         }
         tracing::warn!(conn = c, error = %why, "tcp channel: connection lost");
         // The request in flight on that connection carries the error; if it
-        // had none, the channel's oldest outstanding request does (the first
-        // one the link loss stops), so the cause is never just a flush.
-        let seq = seq
-            .filter(|k| st.slots.get(k).is_some_and(|s| !s.busy))
-            .or_else(|| st.slots.iter().find(|(_, s)| !s.busy).map(|(&k, _)| k));
+        // has none (or its memory is still being copied), the next request
+        // flushed does, oldest first, so the cause is never lost in flushes.
         let culprit = seq
+            .filter(|k| st.slots.get(k).is_some_and(|s| !s.busy()))
             .and_then(|k| st.slots.remove(&k))
             .map(|s| wc(s.wr_id, status, 0));
+        if culprit.is_none() {
+            st.cause = Some(status);
+        }
         self.fail(&mut st, culprit);
     }
 }
@@ -228,6 +266,7 @@ impl TcpChannel {
                 next_seq: 0,
                 slots: BTreeMap::new(),
                 broken: false,
+                cause: None,
                 cq: VecDeque::new(),
             }),
             cv: Condvar::new(),
@@ -364,10 +403,13 @@ impl TcpChannel {
             }
             w.flush()
         })();
-        if let Err(e) = res {
+        if res.is_err() {
             // The connection is finished; what is still buffered never goes.
             let _ = w.get_ref().shutdown(Shutdown::Both);
-            drop(w);
+        }
+        drop(w);
+        self.shared.sent(part.iter().map(|p| p.0));
+        if let Err(e) = res {
             self.shared
                 .conn_died(c, Some(part[0].0), WcStatus::Fatal, &e);
         }
@@ -404,7 +446,8 @@ impl Channel for TcpChannel {
             let mut st = lock(&self.shared.state);
             if st.broken {
                 for wr in wrs {
-                    st.cq.push_back(wc(wr.wr_id, WcStatus::Flushed, 0));
+                    let status = st.cause.take().unwrap_or(WcStatus::Flushed);
+                    st.cq.push_back(wc(wr.wr_id, status, 0));
                 }
                 self.shared.cv.notify_all();
                 return Ok(());
@@ -430,7 +473,8 @@ impl Channel for TcpChannel {
                         signaled: wr.signaled,
                         done: false,
                         byte_len: 0,
-                        busy: false,
+                        sending: true,
+                        landing: false,
                     },
                 );
             }
@@ -593,7 +637,7 @@ fn reader_loop(sh: &Shared, c: usize, stream: TcpStream) {
                         return;
                     }
                     match st.slots.get_mut(&p.seq) {
-                        Some(s) => s.busy = true,
+                        Some(s) => s.landing = true,
                         None => return,
                     }
                 }
@@ -604,13 +648,10 @@ fn reader_loop(sh: &Shared, c: usize, stream: TcpStream) {
                     .unwrap_or_else(|| Err(io::Error::other("local range changed")));
                 let mut st = lock(&sh.state);
                 if let Some(s) = st.slots.get_mut(&p.seq) {
-                    s.busy = false;
+                    s.landing = false;
                 }
                 if st.broken {
-                    if let Some(s) = st.slots.remove(&p.seq) {
-                        st.cq.push_back(wc(s.wr_id, WcStatus::Flushed, 0));
-                        sh.cv.notify_all();
-                    }
+                    sh.flush_if_idle(&mut st, p.seq);
                     return;
                 }
                 match res {
