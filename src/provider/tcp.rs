@@ -18,6 +18,16 @@
 //! registered memory into the socket and from the socket into registered
 //! memory ([`crate::mem::PeerSpan::with`] / `with_mut`). The wire format is
 //! in [`wire`].
+//!
+//! Differences from an RC QP worth knowing:
+//! - requests of one channel travel on several connections, so two
+//!   in-flight WRITEs to the *same* remote bytes may land in either order
+//!   (completions are still reported in post order);
+//! - every WRITE payload has been copied into the socket when `post`
+//!   returns, but `max_inline` is 0: the payload is always read through the
+//!   lkey's registration;
+//! - link loss is noticed when the peer closes or resets the connection; a
+//!   peer that vanishes silently is left to the engine's request timeouts.
 
 mod channel;
 mod domain;

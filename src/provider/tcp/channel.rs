@@ -114,8 +114,8 @@ impl Shared {
 
     /// Report `culprit` and, on the first error, put the channel in the
     /// error state: every other outstanding request is flushed (those whose
-    /// READ payload is landing right now are flushed by their reader when it
-    /// is done) and the connections are cut.
+    /// local memory is being copied right now are flushed by whoever copies
+    /// it, once done: see [`Slot::busy`]) and the connections are cut.
     fn fail(&self, st: &mut State, culprit: Option<WorkCompletion>) {
         if let Some(c) = culprit {
             st.cq.push_back(c);
