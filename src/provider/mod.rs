@@ -17,6 +17,8 @@ use crate::mem::PeerSpan;
 pub use crate::verbs::Access;
 use crate::verbs::QpEndpoint;
 
+pub mod tcp;
+
 /// Which provider.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ProviderKind {

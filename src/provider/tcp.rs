@@ -1,0 +1,43 @@
+//! The TCP provider: one-sided RDMA WRITE/READ emulated over TCP for hosts
+//! without an RDMA device (the fallback UCX and Mooncake take).
+//!
+//! - [`TcpDomain`]: the registration table. Keys are random non-zero u32s;
+//!   dropping a registration revokes its keys.
+//! - [`TcpTarget`]: the passive side. It serves every connection in its own
+//!   thread and executes requests only after the checks a NIC makes (rkey
+//!   known, range inside the registration, REMOTE_WRITE / REMOTE_READ
+//!   granted). A violation is answered with a remote access error and puts
+//!   that connection in the error state; a malformed stream closes only that
+//!   connection.
+//! - [`TcpChannel`]: the active side. `post` writes a chain as one buffered
+//!   send per connection (pipelined), spread over several TCP connections;
+//!   a reader thread per connection turns responses into completions with RC
+//!   semantics (selective signaling, in-order retirement, flush on error).
+//!
+//! Payloads never pass through an intermediate buffer: they go from
+//! registered memory into the socket and from the socket into registered
+//! memory ([`crate::mem::PeerSpan::with`] / `with_mut`). The wire format is
+//! in [`wire`].
+//!
+//! Differences from an RC QP worth knowing:
+//! - requests of one channel travel on several connections, so two
+//!   in-flight WRITEs to the *same* remote bytes may land in either order
+//!   (completions are still reported in post order);
+//! - every WRITE payload has been copied into the socket when `post`
+//!   returns, but `max_inline` is 0: the payload is always read through the
+//!   lkey's registration;
+//! - link loss is noticed when the peer closes or resets the connection; a
+//!   peer that vanishes silently is left to the engine's request timeouts.
+
+mod channel;
+mod domain;
+mod target;
+pub mod wire;
+
+pub use channel::{TcpChannel, DEFAULT_CONNS};
+pub use domain::{TcpDomain, TcpRegistration};
+pub use target::TcpTarget;
+
+/// Socket-side buffer of each reader and writer (headers and small payloads
+/// are batched through it; large payloads bypass it).
+const SOCKET_BUF: usize = 256 << 10;

@@ -1,0 +1,327 @@
+//! The passive side: executes one-sided requests against a domain's
+//! registrations, checking what a NIC checks.
+
+use std::collections::HashMap;
+use std::io::{self, BufReader, BufWriter, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use super::domain::{Entry, TcpDomain};
+use super::wire::{Op, Request, Response, Status, REQ_LEN};
+use super::SOCKET_BUF;
+use crate::provider::{Endpoint, ProviderError};
+
+struct Shared {
+    domain: Arc<TcpDomain>,
+    stop: AtomicBool,
+    /// Live connections (clones used only to shut them down).
+    conns: Mutex<HashMap<u64, TcpStream>>,
+    workers: Mutex<Vec<JoinHandle<()>>>,
+}
+
+/// Serves one-sided WRITE/READ requests on a TCP listener until dropped or
+/// [`TcpTarget::shutdown`].
+pub struct TcpTarget {
+    shared: Arc<Shared>,
+    addr: SocketAddr,
+    acceptor: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for TcpTarget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpTarget")
+            .field("addr", &self.addr)
+            .finish()
+    }
+}
+
+impl TcpTarget {
+    /// Listen on `addr` (port 0 for an ephemeral port) and serve requests
+    /// against `domain`'s registrations in background threads.
+    pub fn bind(
+        domain: Arc<TcpDomain>,
+        addr: impl ToSocketAddrs,
+    ) -> Result<TcpTarget, ProviderError> {
+        let listener = TcpListener::bind(addr).map_err(|source| ProviderError::Io {
+            context: "binding the TCP target".into(),
+            source,
+        })?;
+        let addr = listener.local_addr().map_err(|source| ProviderError::Io {
+            context: "local address of the TCP target".into(),
+            source,
+        })?;
+        let shared = Arc::new(Shared {
+            domain,
+            stop: AtomicBool::new(false),
+            conns: Mutex::new(HashMap::new()),
+            workers: Mutex::new(Vec::new()),
+        });
+        let s = shared.clone();
+        let acceptor = std::thread::Builder::new()
+            .name("rcp-tcp-accept".into())
+            .spawn(move || accept_loop(s, listener))
+            .map_err(|source| ProviderError::Io {
+                context: "spawning the TCP target's accept thread".into(),
+                source,
+            })?;
+        tracing::debug!(%addr, "tcp target listening");
+        Ok(TcpTarget {
+            shared,
+            addr,
+            acceptor: Some(acceptor),
+        })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// What a peer connects to (for the control plane).
+    pub fn endpoint(&self) -> Endpoint {
+        Endpoint::Tcp(self.addr)
+    }
+
+    /// Connections being served right now.
+    pub fn connections(&self) -> usize {
+        self.shared.conns.lock().map(|c| c.len()).unwrap_or(0)
+    }
+
+    /// Stop accepting, cut every connection and wait for the threads.
+    pub fn shutdown(&mut self) {
+        let Some(acceptor) = self.acceptor.take() else {
+            return;
+        };
+        self.shared.stop.store(true, Ordering::SeqCst);
+        // Wake the blocking accept with a connection of our own.
+        let mut wake = self.addr;
+        if wake.ip().is_unspecified() {
+            wake.set_ip(match wake {
+                SocketAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
+                SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
+            });
+        }
+        let _ = TcpStream::connect(wake);
+        let _ = acceptor.join();
+        for (_, c) in self
+            .shared
+            .conns
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain()
+        {
+            let _ = c.shutdown(Shutdown::Both);
+        }
+        let workers = std::mem::take(
+            &mut *self
+                .shared
+                .workers
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()),
+        );
+        for w in workers {
+            let _ = w.join();
+        }
+        tracing::debug!(addr = %self.addr, "tcp target stopped");
+    }
+}
+
+impl Drop for TcpTarget {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
+    let mut next_id = 0u64;
+    loop {
+        let accepted = listener.accept();
+        if shared.stop.load(Ordering::SeqCst) {
+            return;
+        }
+        let (stream, peer) = match accepted {
+            Ok(x) => x,
+            Err(e) => {
+                tracing::warn!(error = %e, "tcp target: accept failed");
+                // Transient (EMFILE, ECONNABORTED): don't spin.
+                std::thread::sleep(std::time::Duration::from_millis(10));
+                continue;
+            }
+        };
+        let id = next_id;
+        next_id += 1;
+        let _ = stream.set_nodelay(true);
+        match stream.try_clone() {
+            Ok(c) => {
+                shared
+                    .conns
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(id, c);
+            }
+            Err(e) => {
+                tracing::warn!(%peer, error = %e, "tcp target: cannot clone the socket; dropping it");
+                continue;
+            }
+        }
+        let s = shared.clone();
+        let spawned = std::thread::Builder::new()
+            .name("rcp-tcp-target".into())
+            .spawn(move || {
+                match serve(&s.domain, stream) {
+                    Ok(()) => tracing::debug!(%peer, "tcp target: connection closed"),
+                    Err(e) => tracing::error!(%peer, error = %e, "tcp target: connection dropped"),
+                }
+                s.conns
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(&id);
+            });
+        let mut workers = shared.workers.lock().unwrap_or_else(|e| e.into_inner());
+        workers.retain(|w| !w.is_finished());
+        match spawned {
+            Ok(h) => workers.push(h),
+            Err(e) => {
+                tracing::error!(%peer, error = %e, "tcp target: cannot spawn a connection thread");
+                if let Some(c) = shared
+                    .conns
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(&id)
+                {
+                    let _ = c.shutdown(Shutdown::Both);
+                }
+            }
+        }
+    }
+}
+
+/// Why a connection was dropped.
+#[derive(Debug, thiserror::Error)]
+enum ServeError {
+    #[error("malformed request: {0}")]
+    Wire(#[from] super::wire::WireError),
+    #[error(transparent)]
+    Io(#[from] io::Error),
+}
+
+/// Check a request against the registration table like a NIC: the rkey
+/// exists, the range lies inside, the right is granted.
+fn authorize(domain: &TcpDomain, req: &Request) -> Option<(Arc<Entry>, usize)> {
+    let entry = domain.by_rkey(req.rkey)?;
+    let right = match req.op {
+        Op::Write => entry.access.remote_write(),
+        Op::Read => entry.access.remote_read(),
+    };
+    if !right {
+        return None;
+    }
+    let off = entry.offset_of(req.addr, u64::from(req.len))?;
+    Some((entry, off))
+}
+
+/// Read exactly `buf.len()` bytes; `Ok(false)` on a clean EOF before the first.
+fn read_header(r: &mut impl Read, buf: &mut [u8]) -> io::Result<bool> {
+    let mut got = 0;
+    while got < buf.len() {
+        match r.read(&mut buf[got..]) {
+            Ok(0) if got == 0 => return Ok(false),
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(true)
+}
+
+fn discard(r: &mut impl Read, n: u32) -> io::Result<()> {
+    let copied = io::copy(&mut r.take(u64::from(n)), &mut io::sink())?;
+    if copied < u64::from(n) {
+        return Err(io::ErrorKind::UnexpectedEof.into());
+    }
+    Ok(())
+}
+
+fn out_of_range() -> io::Error {
+    io::Error::other("registration range changed under a request")
+}
+
+fn serve(domain: &TcpDomain, stream: TcpStream) -> Result<(), ServeError> {
+    let mut reader = BufReader::with_capacity(SOCKET_BUF, stream.try_clone()?);
+    let mut writer = BufWriter::with_capacity(SOCKET_BUF, stream);
+    // After an access error the connection is in the error state (an RC QP's
+    // ERR): later requests are consumed but neither executed nor answered;
+    // the initiator flushes them itself.
+    let mut errored = false;
+    let mut hdr = [0u8; REQ_LEN];
+    loop {
+        if !read_header(&mut reader, &mut hdr)? {
+            writer.flush()?;
+            return Ok(());
+        }
+        let req = Request::decode(&hdr)?;
+        if errored {
+            if req.op == Op::Write {
+                discard(&mut reader, req.len)?;
+            }
+            continue;
+        }
+        match authorize(domain, &req) {
+            None => {
+                tracing::warn!(
+                    op = ?req.op, addr = format_args!("{:#x}", req.addr), rkey = format_args!("{:#x}", req.rkey),
+                    len = req.len, "tcp target: remote access error"
+                );
+                if req.op == Op::Write {
+                    discard(&mut reader, req.len)?;
+                }
+                let resp = Response {
+                    status: Status::RemoteAccess,
+                    tag: req.tag,
+                    len: 0,
+                };
+                writer.write_all(&resp.encode())?;
+                writer.flush()?;
+                errored = true;
+                continue;
+            }
+            Some((entry, off)) => {
+                let n = req.len as usize;
+                match req.op {
+                    Op::Write => {
+                        // Straight from the socket into registered memory.
+                        entry
+                            .span
+                            .with_mut(off, n, |buf| reader.read_exact(buf))
+                            .unwrap_or_else(|| Err(out_of_range()))?;
+                        let resp = Response {
+                            status: Status::Ok,
+                            tag: req.tag,
+                            len: 0,
+                        };
+                        writer.write_all(&resp.encode())?;
+                    }
+                    Op::Read => {
+                        let resp = Response {
+                            status: Status::Ok,
+                            tag: req.tag,
+                            len: req.len,
+                        };
+                        writer.write_all(&resp.encode())?;
+                        // Straight from registered memory into the socket.
+                        entry
+                            .span
+                            .with(off, n, |buf| writer.write_all(buf))
+                            .unwrap_or_else(|| Err(out_of_range()))?;
+                    }
+                }
+            }
+        }
+        // Answer as soon as there is nothing more queued to execute.
+        if reader.buffer().is_empty() {
+            writer.flush()?;
+        }
+    }
+}

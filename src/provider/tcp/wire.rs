@@ -1,0 +1,193 @@
+//! The wire format: fixed little-endian headers, payloads follow raw.
+//!
+//! Request (32 bytes), initiator -> target, then `len` payload bytes for a
+//! WRITE:
+//! ```text
+//!  0..4   magic "RCPT"        4  version (1)     5  op (1 WRITE, 2 READ)
+//!  6..8   reserved (0)        8..16  tag (the channel's post sequence number)
+//! 16..24  remote addr        24..28  rkey      28..32  len
+//! ```
+//! Response (24 bytes), target -> initiator, in request order per connection,
+//! then `len` payload bytes for a successful READ:
+//! ```text
+//!  0..4   magic "RCPR"        4  status (0 ok, 1 remote access error)
+//!  5..8   reserved (0)        8..16  tag (echoed)   16..20 len   20..24 reserved
+//! ```
+
+/// Largest payload of one request; anything larger is garbage.
+pub const MAX_LEN: u32 = 64 << 20;
+
+pub const REQ_MAGIC: [u8; 4] = *b"RCPT";
+pub const RESP_MAGIC: [u8; 4] = *b"RCPR";
+pub const VERSION: u8 = 1;
+pub const REQ_LEN: usize = 32;
+pub const RESP_LEN: usize = 24;
+
+/// A malformed header: the stream cannot be trusted any further.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub enum WireError {
+    #[error("bad magic {0:02x?}")]
+    BadMagic([u8; 4]),
+    #[error("unsupported protocol version {0}")]
+    BadVersion(u8),
+    #[error("unknown op {0}")]
+    UnknownOp(u8),
+    #[error("unknown response status {0}")]
+    UnknownStatus(u8),
+    #[error("length {0} exceeds the {MAX_LEN}-byte limit")]
+    TooLong(u32),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Op {
+    Write = 1,
+    Read = 2,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Request {
+    pub op: Op,
+    pub tag: u64,
+    pub addr: u64,
+    pub rkey: u32,
+    pub len: u32,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Status {
+    Ok = 0,
+    RemoteAccess = 1,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Response {
+    pub status: Status,
+    pub tag: u64,
+    pub len: u32,
+}
+
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    let mut a = [0u8; 4];
+    a.copy_from_slice(&b[at..at + 4]);
+    u32::from_le_bytes(a)
+}
+
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(a)
+}
+
+impl Request {
+    pub fn encode(&self) -> [u8; REQ_LEN] {
+        let mut b = [0u8; REQ_LEN];
+        b[0..4].copy_from_slice(&REQ_MAGIC);
+        b[4] = VERSION;
+        b[5] = self.op as u8;
+        b[8..16].copy_from_slice(&self.tag.to_le_bytes());
+        b[16..24].copy_from_slice(&self.addr.to_le_bytes());
+        b[24..28].copy_from_slice(&self.rkey.to_le_bytes());
+        b[28..32].copy_from_slice(&self.len.to_le_bytes());
+        b
+    }
+
+    pub fn decode(b: &[u8; REQ_LEN]) -> Result<Request, WireError> {
+        let magic = [b[0], b[1], b[2], b[3]];
+        if magic != REQ_MAGIC {
+            return Err(WireError::BadMagic(magic));
+        }
+        if b[4] != VERSION {
+            return Err(WireError::BadVersion(b[4]));
+        }
+        let op = match b[5] {
+            1 => Op::Write,
+            2 => Op::Read,
+            o => return Err(WireError::UnknownOp(o)),
+        };
+        let len = u32_at(b, 28);
+        if len > MAX_LEN {
+            return Err(WireError::TooLong(len));
+        }
+        Ok(Request {
+            op,
+            tag: u64_at(b, 8),
+            addr: u64_at(b, 16),
+            rkey: u32_at(b, 24),
+            len,
+        })
+    }
+}
+
+impl Response {
+    pub fn encode(&self) -> [u8; RESP_LEN] {
+        let mut b = [0u8; RESP_LEN];
+        b[0..4].copy_from_slice(&RESP_MAGIC);
+        b[4] = self.status as u8;
+        b[8..16].copy_from_slice(&self.tag.to_le_bytes());
+        b[16..20].copy_from_slice(&self.len.to_le_bytes());
+        b
+    }
+
+    pub fn decode(b: &[u8; RESP_LEN]) -> Result<Response, WireError> {
+        let magic = [b[0], b[1], b[2], b[3]];
+        if magic != RESP_MAGIC {
+            return Err(WireError::BadMagic(magic));
+        }
+        let status = match b[4] {
+            0 => Status::Ok,
+            1 => Status::RemoteAccess,
+            s => return Err(WireError::UnknownStatus(s)),
+        };
+        let len = u32_at(b, 16);
+        if len > MAX_LEN {
+            return Err(WireError::TooLong(len));
+        }
+        Ok(Response {
+            status,
+            tag: u64_at(b, 8),
+            len,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_round_trips_and_rejects_garbage() {
+        let r = Request {
+            op: Op::Read,
+            tag: 0x0102_0304_0506_0708,
+            addr: 0xdead_beef_0000,
+            rkey: 0x1234_5678,
+            len: 4096,
+        };
+        assert_eq!(Request::decode(&r.encode()), Ok(r));
+        let mut b = r.encode();
+        b[0] = b'X';
+        assert!(matches!(Request::decode(&b), Err(WireError::BadMagic(_))));
+        let mut b = r.encode();
+        b[4] = 9;
+        assert_eq!(Request::decode(&b), Err(WireError::BadVersion(9)));
+        let mut b = r.encode();
+        b[5] = 7;
+        assert_eq!(Request::decode(&b), Err(WireError::UnknownOp(7)));
+        let mut b = r.encode();
+        b[28..32].copy_from_slice(&(MAX_LEN + 1).to_le_bytes());
+        assert_eq!(Request::decode(&b), Err(WireError::TooLong(MAX_LEN + 1)));
+    }
+
+    #[test]
+    fn response_round_trips() {
+        let r = Response {
+            status: Status::RemoteAccess,
+            tag: 42,
+            len: 0,
+        };
+        assert_eq!(Response::decode(&r.encode()), Ok(r));
+        let mut b = r.encode();
+        b[4] = 3;
+        assert_eq!(Response::decode(&b), Err(WireError::UnknownStatus(3)));
+    }
+}
