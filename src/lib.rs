@@ -5,12 +5,18 @@
 //! - [`mem`]: the hugepage arena that is registered once and carved into blocks.
 //! - [`engine`]: the transfer state machine, plain data, no I/O.
 //! - [`provider`]: the `Domain`/`Channel` interface the data path runs on (verbs or tcp).
+//! - [`control`]: the gRPC control plane, rcpd's service, the client library and `rcp`'s logic.
 
+pub mod control;
 pub mod engine;
 pub mod mem;
 pub mod provider;
 pub mod verbs;
 
 pub mod proto {
+    #![allow(missing_docs, clippy::all)]
     tonic::include_proto!("rcp.v1");
+
+    /// The encoded file descriptor set (for server reflection).
+    pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("rcp_descriptor");
 }

@@ -1,1 +1,305 @@
-fn main() {}
+//! `rcp`: push and pull files to and from rcpd over RDMA (or TCP).
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
+use rcp::control::cli::{self, parse_remote, Job, Observer, Totals};
+use rcp::control::{exit, Client, ClientOptions, ControlError, FileResult, Transport};
+
+const AFTER_HELP: &str = "\
+Remote paths are HOST:PATH or [IPV6]:PATH, resolved beneath the server's --root.
+The bearer token is read from RCP_TOKEN. Every flag can also be set as RCP_<FLAG>
+(e.g. RCP_PORT, RCP_TRANSPORT, RCP_BLOCK_SIZE); a flag beats the environment.
+
+Exit codes:
+  0  success: everything copied and verified
+  1  usage or syntax error
+  2  other error
+  3  directory not found
+  4  file not found
+  5  temporary error (network, server unavailable): retry, --resume continues
+  6  fatal error (integrity mismatch, authentication, permission, refused request)
+  7  transfer exceeded a limit (size, space at the destination)";
+
+#[derive(Parser, Debug)]
+#[command(name = "rcp", version, about = "Copy files between hosts over RDMA (rcpd on the other side)", after_help = AFTER_HELP)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+    /// rcpd's gRPC port.
+    #[arg(
+        short = 'P',
+        long,
+        env = "RCP_PORT",
+        default_value_t = 7471,
+        global = true
+    )]
+    port: u16,
+    /// auto (verbs when an RDMA port is ACTIVE, else tcp), verbs or tcp.
+    #[arg(long, env = "RCP_TRANSPORT", default_value = "auto", global = true)]
+    transport: Transport,
+    /// RDMA device (default: the first with an ACTIVE port).
+    #[arg(long, env = "RCP_DEVICE", global = true)]
+    device: Option<String>,
+    /// GID index (default: first RoCE v2 IPv4-mapped GID).
+    #[arg(long, env = "RCP_GID_INDEX", global = true)]
+    gid_index: Option<u32>,
+    /// Block size: a power of two >= 4096, suffixes K/M allowed (max 4M).
+    #[arg(long, env = "RCP_BLOCK_SIZE", default_value = "1M", value_parser = parse_size, global = true)]
+    block_size: u64,
+    /// Work requests per doorbell (1..=64).
+    #[arg(long, env = "RCP_BATCH", default_value_t = 32, global = true)]
+    batch: usize,
+    /// Signal every n-th work request of a chain.
+    #[arg(long, env = "RCP_SIGNAL_EVERY", default_value_t = 32, global = true)]
+    signal_every: usize,
+    /// Post writes up to this many bytes inline (0 disables).
+    #[arg(long, env = "RCP_INLINE", global = true)]
+    inline: Option<u32>,
+    /// Continue an interrupted copy from its manifest, moving only missing blocks.
+    #[arg(long, env = "RCP_RESUME", global = true)]
+    resume: bool,
+    /// Preserve mode and mtime.
+    #[arg(short = 'p', long, env = "RCP_PRESERVE", global = true)]
+    preserve: bool,
+    /// No progress, no summary.
+    #[arg(short, long, env = "RCP_QUIET", global = true)]
+    quiet: bool,
+    /// More logging (-v, -vv).
+    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    verbose: u8,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// rcp push [-r] LOCAL... HOST:REMOTE
+    Push {
+        /// Copy directories recursively (symlinks are never followed).
+        #[arg(short, long, env = "RCP_RECURSIVE")]
+        recursive: bool,
+        /// Local sources, then HOST:REMOTE.
+        #[arg(required = true, num_args = 2..)]
+        args: Vec<String>,
+    },
+    /// rcp pull [-r] HOST:REMOTE... LOCAL
+    Pull {
+        /// Copy directories recursively.
+        #[arg(short, long, env = "RCP_RECURSIVE")]
+        recursive: bool,
+        /// HOST:REMOTE sources, then the local destination.
+        #[arg(required = true, num_args = 2..)]
+        args: Vec<String>,
+    },
+}
+
+fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let (num, mul) = match t.char_indices().last() {
+        Some((i, 'k' | 'K')) => (&t[..i], 1u64 << 10),
+        Some((i, 'm' | 'M')) => (&t[..i], 1 << 20),
+        _ => (t, 1),
+    };
+    let n: u64 = num.parse().map_err(|_| format!("{s:?} is not a size"))?;
+    let v = n.checked_mul(mul).ok_or("size overflows")?;
+    if !v.is_power_of_two() || !(4096..=(4 << 20)).contains(&v) {
+        return Err(format!(
+            "block size {v} must be a power of two between 4096 and 4194304"
+        ));
+    }
+    Ok(v)
+}
+
+struct Bars {
+    multi: MultiProgress,
+    total: ProgressBar,
+    file: Mutex<Option<ProgressBar>>,
+}
+
+impl Observer for Bars {
+    fn file_start(&self, name: &str, len: u64) {
+        self.total.inc_length(len);
+        let pb = self.multi.add(ProgressBar::new(len));
+        pb.set_style(
+            ProgressStyle::with_template(
+                "{wide_msg} {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}",
+            )
+            .expect("template"),
+        );
+        pb.set_message(name.to_string());
+        if let Some(old) = self.file.lock().unwrap().replace(pb) {
+            old.finish_and_clear();
+        }
+    }
+    fn progress(&self, n: u64) {
+        self.total.inc(n);
+        if let Some(pb) = &*self.file.lock().unwrap() {
+            pb.inc(n);
+        }
+    }
+    fn file_done(&self, _r: &FileResult) {
+        if let Some(pb) = self.file.lock().unwrap().take() {
+            pb.finish_and_clear();
+        }
+    }
+}
+
+async fn run(c: Cli) -> Result<(), ControlError> {
+    let opts = ClientOptions {
+        token: std::env::var("RCP_TOKEN").ok().filter(|t| !t.is_empty()),
+        transport: c.transport,
+        device: c.device.clone(),
+        gid_index: c.gid_index,
+        block_size: c.block_size,
+        batch: c.batch,
+        signal_every: c.signal_every,
+        inline: c.inline,
+        ..ClientOptions::default()
+    };
+    let (recursive, args, push) = match &c.cmd {
+        Cmd::Push { recursive, args } => (*recursive, args.clone(), true),
+        Cmd::Pull { recursive, args } => (*recursive, args.clone(), false),
+    };
+    let job = Job {
+        recursive,
+        preserve: c.preserve,
+        resume: c.resume,
+    };
+    let (last, rest) = args.split_last().expect("clap requires 2 args");
+    let (addr, local_paths, remote_paths, local_dest) = if push {
+        let r = parse_remote(last, c.port).ok_or_else(|| {
+            ControlError::Usage(format!("the destination {last:?} is not HOST:PATH"))
+        })?;
+        if let Some(x) = rest.iter().find(|a| parse_remote(a, c.port).is_some()) {
+            return Err(ControlError::Usage(format!(
+                "push sources must be local; {x:?} looks remote (use pull)"
+            )));
+        }
+        let locals = rest.iter().map(PathBuf::from).collect::<Vec<_>>();
+        (r.addr, locals, vec![r.path], None)
+    } else {
+        if parse_remote(last, c.port).is_some() {
+            return Err(ControlError::Usage(format!(
+                "the pull destination {last:?} must be local"
+            )));
+        }
+        let mut addr = None;
+        let mut paths = Vec::new();
+        for a in rest {
+            let r = parse_remote(a, c.port)
+                .ok_or_else(|| ControlError::Usage(format!("{a:?} is not HOST:PATH")))?;
+            if addr.as_ref().is_some_and(|x| *x != r.addr) {
+                return Err(ControlError::Usage(
+                    "all pull sources must be on the same host".into(),
+                ));
+            }
+            addr = Some(r.addr);
+            paths.push(r.path);
+        }
+        (
+            addr.expect("at least one"),
+            Vec::new(),
+            paths,
+            Some(PathBuf::from(last)),
+        )
+    };
+
+    let client = Client::connect(&addr, opts).await?;
+    let mut session = client.session().await?;
+    if c.transport == Transport::Auto || c.verbose > 0 {
+        eprintln!("rcp: transport {}", session.transport);
+    }
+    let obs: Arc<dyn Observer> = if !c.quiet && std::io::stderr().is_terminal() {
+        let multi = MultiProgress::new();
+        let total = multi.add(ProgressBar::new(0));
+        total.set_style(
+            ProgressStyle::with_template(
+                "total {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta} {wide_bar}",
+            )
+            .expect("template"),
+        );
+        total.enable_steady_tick(Duration::from_millis(200));
+        Arc::new(Bars {
+            multi,
+            total,
+            file: Mutex::new(None),
+        })
+    } else {
+        Arc::new(cli::Quiet)
+    };
+    let totals: Result<Totals, ControlError> = if push {
+        cli::push(
+            &client,
+            &mut session,
+            &local_paths,
+            &remote_paths[0],
+            &job,
+            obs,
+        )
+        .await
+    } else {
+        cli::pull(
+            &client,
+            &mut session,
+            &remote_paths,
+            local_dest.as_deref().expect("pull has a destination"),
+            &job,
+            obs,
+        )
+        .await
+    };
+    let transport = session.kind.to_string();
+    let _ = session.close().await;
+    let totals = totals?;
+    if !c.quiet {
+        println!("{}", totals.summary(&transport));
+    }
+    Ok(())
+}
+
+fn main() {
+    let c = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            let code = match e.kind() {
+                clap::error::ErrorKind::DisplayHelp | clap::error::ErrorKind::DisplayVersion => {
+                    exit::OK
+                }
+                _ => exit::USAGE,
+            };
+            let _ = e.print();
+            std::process::exit(code);
+        }
+    };
+    let level = match (c.quiet, c.verbose) {
+        (true, _) => "error",
+        (_, 0) => "warn",
+        (_, 1) => "info",
+        _ => "debug",
+    };
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+                tracing_subscriber::EnvFilter::new(format!("{level},rcp::mem::arena=error"))
+            }),
+        )
+        .init();
+    let rt = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("rcp: cannot start the runtime: {e}");
+            std::process::exit(exit::OTHER);
+        }
+    };
+    match rt.block_on(run(c)) {
+        Ok(()) => std::process::exit(exit::OK),
+        Err(e) => {
+            eprintln!("rcp: {e}");
+            std::process::exit(e.exit_code());
+        }
+    }
+}

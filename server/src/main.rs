@@ -1,1 +1,141 @@
-fn main() {}
+//! rcpd: the rcp daemon. Flags mirror the RCPD_* environment variables of
+//! the Kubernetes manifests (deploy/rcpd-env.txt); a flag beats the
+//! environment.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::Parser;
+use rcp::control::daemon::{self, DaemonConfig};
+use rcp::control::Transport;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "rcpd",
+    version,
+    about = "rcp daemon: serves push/pull over RDMA (or TCP) beneath --root"
+)]
+struct Args {
+    /// gRPC address (rcp's control plane; port 0 picks one).
+    #[arg(long, env = "RCPD_LISTEN", default_value = "0.0.0.0:7471")]
+    listen: SocketAddr,
+    /// Plaintext grpc.health.v1 only, no auth ("none" disables).
+    #[arg(long, env = "RCPD_HEALTH_LISTEN", default_value = "0.0.0.0:7472")]
+    health_listen: String,
+    /// Prometheus text on GET /metrics (unset: off).
+    #[arg(long, env = "RCPD_METRICS_LISTEN")]
+    metrics_listen: Option<String>,
+    /// Every path is resolved beneath this directory.
+    #[arg(long, env = "RCPD_ROOT")]
+    root: PathBuf,
+    /// auto (verbs when an RDMA port is ACTIVE, else tcp), verbs or tcp.
+    #[arg(long, env = "RCPD_TRANSPORT", default_value = "auto")]
+    transport: Transport,
+    /// RDMA device (default: the first with an ACTIVE port).
+    #[arg(long, env = "RCPD_DEVICE")]
+    device: Option<String>,
+    /// GID index (default: first RoCE v2 IPv4-mapped GID).
+    #[arg(long, env = "RCPD_GID_INDEX")]
+    gid_index: Option<u32>,
+    /// Registered window arena in MiB (4 MiB windows).
+    #[arg(long, env = "RCPD_ARENA_MIB", default_value_t = 256)]
+    arena_mib: usize,
+    /// hugetlbfs mount to allocate the arena from.
+    #[arg(long, env = "RCPD_HUGEPAGE_DIR")]
+    hugepage_dir: Option<PathBuf>,
+    /// Transfers served at once; more wait (back-pressure), they do not fail.
+    #[arg(long, env = "RCPD_MAX_TRANSFERS", default_value_t = 16)]
+    max_transfers: usize,
+    /// Bearer token clients must send (prefer --token-file).
+    #[arg(long, env = "RCPD_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// File holding the bearer token.
+    #[arg(long, env = "RCPD_TOKEN_FILE")]
+    token_file: Option<PathBuf>,
+    /// CPU for the completion thread of copies this rcpd makes (Copy API).
+    #[arg(long, env = "RCPD_CQ_CPU")]
+    cq_cpu: Option<usize>,
+    /// Work requests per doorbell for copies this rcpd makes.
+    #[arg(long, env = "RCPD_BATCH", default_value_t = 32)]
+    batch: usize,
+    /// Signal every n-th work request.
+    #[arg(long, env = "RCPD_SIGNAL_EVERY", default_value_t = 32)]
+    signal_every: usize,
+    /// Log filter (tracing EnvFilter syntax, e.g. info or rcp=debug).
+    #[arg(long, env = "RCPD_LOG", default_value = "info")]
+    log: String,
+    /// Seconds running transfers get to finish after SIGTERM/SIGINT.
+    #[arg(long, env = "RCPD_SHUTDOWN_GRACE", default_value_t = 30)]
+    shutdown_grace: u64,
+}
+
+fn addr_opt(s: Option<&str>, what: &str) -> anyhow::Result<Option<SocketAddr>> {
+    match s.map(str::trim) {
+        None | Some("") | Some("none") | Some("off") => Ok(None),
+        Some(a) => {
+            Ok(Some(a.parse().with_context(|| {
+                format!("{what} {a:?} is not ADDR:PORT")
+            })?))
+        }
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let a = Args::parse();
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_new(&a.log)
+                .with_context(|| format!("bad --log filter {:?}", a.log))?,
+        )
+        .init();
+    let token = match (&a.token, &a.token_file) {
+        (Some(_), Some(_)) => bail!("give --token or --token-file, not both"),
+        (Some(t), None) => Some(t.trim().to_string()),
+        (None, Some(f)) => Some(
+            std::fs::read_to_string(f)
+                .with_context(|| format!("reading the token file {}", f.display()))?
+                .trim()
+                .to_string(),
+        ),
+        (None, None) => None,
+    };
+    if token.as_deref() == Some("") {
+        bail!("the token is empty");
+    }
+    if token.is_none() {
+        tracing::warn!("no token configured: every client is accepted");
+    }
+    let cfg = DaemonConfig {
+        listen: a.listen,
+        health_listen: addr_opt(Some(&a.health_listen), "--health-listen")?,
+        metrics_listen: addr_opt(a.metrics_listen.as_deref(), "--metrics-listen")?,
+        root: a.root,
+        transport: a.transport,
+        device: a.device,
+        gid_index: a.gid_index,
+        arena_mib: a.arena_mib,
+        hugepage_dir: a.hugepage_dir,
+        max_transfers: a.max_transfers,
+        token,
+        cq_cpu: a.cq_cpu,
+        batch: a.batch,
+        signal_every: a.signal_every,
+        shutdown_grace: Duration::from_secs(a.shutdown_grace),
+    };
+    let rt = tokio::runtime::Runtime::new().context("starting the runtime")?;
+    rt.block_on(daemon::run(cfg, daemon::shutdown_signal(), |b, why| {
+        let mut line = format!("rcpd listening on {} transport {why}", b.grpc);
+        if let Some(h) = b.health {
+            line.push_str(&format!(" health {h}"));
+        }
+        if let Some(m) = b.metrics {
+            line.push_str(&format!(" metrics http://{m}/metrics"));
+        }
+        println!("{line}");
+    }))
+    .map_err(|e| anyhow::anyhow!(e))?;
+    Ok(())
+}

@@ -1,0 +1,329 @@
+//! `rcp push` / `rcp pull`: resolving arguments scp-style, recursion,
+//! totals. The binary parses flags and renders progress; this does the rest.
+
+use std::path::{Component, Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::client::{local_target, Client, FileOptions, FileResult, Progress, Session};
+use super::error::{ControlError, Result};
+use super::fsutil;
+use crate::proto::FileType;
+
+/// `HOST:PATH` (or `[v6]:PATH`) split into the rcpd address and the path.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Remote {
+    /// `host:port` / `[v6]:port` to connect to.
+    pub addr: String,
+    pub host: String,
+    pub path: String,
+}
+
+/// Parse `HOST:PATH`; `None` for a local path (no colon before the first
+/// slash, as scp decides).
+pub fn parse_remote(s: &str, port: u16) -> Option<Remote> {
+    if let Some(rest) = s.strip_prefix('[') {
+        let (h, after) = rest.split_once(']')?;
+        let path = after.strip_prefix(':')?;
+        return Some(Remote {
+            addr: format!("[{h}]:{port}"),
+            host: h.to_string(),
+            path: path.to_string(),
+        });
+    }
+    let colon = s.find(':')?;
+    if let Some(slash) = s.find('/') {
+        if slash < colon {
+            return None;
+        }
+    }
+    let (h, path) = (&s[..colon], &s[colon + 1..]);
+    if h.is_empty() {
+        return None;
+    }
+    Some(Remote {
+        addr: format!("{h}:{port}"),
+        host: h.to_string(),
+        path: path.to_string(),
+    })
+}
+
+/// What the user asked for, besides the paths.
+#[derive(Clone, Debug, Default)]
+pub struct Job {
+    pub recursive: bool,
+    pub preserve: bool,
+    pub resume: bool,
+}
+
+/// Sees files start, progress and finish (the binary draws bars).
+pub trait Observer: Send + Sync {
+    fn file_start(&self, _name: &str, _len: u64) {}
+    fn progress(&self, _bytes: u64) {}
+    fn file_done(&self, _r: &FileResult) {}
+}
+
+/// An observer that ignores everything.
+pub struct Quiet;
+impl Observer for Quiet {}
+
+/// Totals of a run.
+#[derive(Clone, Debug, Default)]
+pub struct Totals {
+    pub files: u64,
+    /// Bytes of the files copied.
+    pub bytes: u64,
+    /// Bytes moved over the data path (less after a resume).
+    pub moved: u64,
+    pub seconds: f64,
+    /// SHA-256 of the last file (reported when exactly one file was copied).
+    pub sha256: Option<[u8; 32]>,
+}
+
+impl Totals {
+    fn add(&mut self, r: &FileResult) {
+        self.files += 1;
+        self.bytes += r.length;
+        self.moved += r.moved;
+        self.sha256 = Some(r.sha256);
+    }
+
+    /// The final summary line.
+    pub fn summary(&self, transport: &str) -> String {
+        let gbps = if self.seconds > 0.0 {
+            self.moved as f64 * 8.0 / self.seconds / 1e9
+        } else {
+            0.0
+        };
+        let mut s = format!(
+            "{} file{}, {} bytes ({} moved) in {:.3} s, {:.3} Gb/s over {transport}",
+            self.files,
+            if self.files == 1 { "" } else { "s" },
+            self.bytes,
+            self.moved,
+            self.seconds,
+            gbps
+        );
+        if self.files == 1 {
+            if let Some(d) = self.sha256 {
+                s.push_str(&format!(", sha256 {}", hex::encode(d)));
+            }
+        }
+        s
+    }
+}
+
+fn join_remote(base: &str, rel: &Path) -> String {
+    let rel = rel.to_string_lossy();
+    let b = base.trim_end_matches('/');
+    if b.is_empty() {
+        rel.into_owned()
+    } else {
+        format!("{b}/{rel}")
+    }
+}
+
+fn basename(p: &str) -> String {
+    Path::new(p.trim_end_matches('/'))
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
+/// A relative path from a server is only ever plain names.
+fn safe_rel(p: &str) -> Result<PathBuf> {
+    let pb = PathBuf::from(p);
+    if p.is_empty() || !pb.components().all(|c| matches!(c, Component::Normal(_))) {
+        return Err(ControlError::Invalid(format!(
+            "the server listed an unsafe path {p:?}"
+        )));
+    }
+    Ok(pb)
+}
+
+fn progress_of(obs: &Arc<dyn Observer>) -> Progress {
+    let o = obs.clone();
+    Arc::new(move |n| o.progress(n))
+}
+
+async fn push_one(
+    session: &mut Session,
+    local: &Path,
+    remote: &str,
+    fo: FileOptions,
+    obs: &Arc<dyn Observer>,
+    totals: &mut Totals,
+) -> Result<()> {
+    let len = std::fs::metadata(local).map(|m| m.len()).unwrap_or(0);
+    obs.file_start(&local.display().to_string(), len);
+    let r = session
+        .push_file(local, remote, fo, Some(progress_of(obs)))
+        .await?;
+    obs.file_done(&r);
+    totals.add(&r);
+    Ok(())
+}
+
+/// `rcp push [-r] LOCAL... HOST:REMOTE` over `session`.
+pub async fn push(
+    client: &Client,
+    session: &mut Session,
+    locals: &[PathBuf],
+    remote: &str,
+    job: &Job,
+    obs: Arc<dyn Observer>,
+) -> Result<Totals> {
+    let start = Instant::now();
+    let rstat = client.stat(remote).await?;
+    let remote_is_dir = rstat
+        .as_ref()
+        .is_some_and(|e| e.r#type == FileType::Dir as i32);
+    if locals.len() > 1 && !remote_is_dir {
+        return Err(ControlError::DirNotFound(format!(
+            "{remote} (several sources need an existing remote directory)"
+        )));
+    }
+    let mut totals = Totals::default();
+    for local in locals {
+        let meta = std::fs::metadata(local).map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => ControlError::FileNotFound(local.display().to_string()),
+            _ => ControlError::Io {
+                context: format!("stat {}", local.display()),
+                source: e,
+            },
+        })?;
+        let fo = FileOptions {
+            preserve: job.preserve,
+            resume: job.resume,
+            create_parents: false,
+        };
+        if meta.is_dir() {
+            if !job.recursive {
+                return Err(ControlError::Usage(format!(
+                    "{} is a directory (use -r)",
+                    local.display()
+                )));
+            }
+            let base = if remote_is_dir {
+                join_remote(remote, Path::new(&basename(&local.to_string_lossy())))
+            } else {
+                remote.to_string()
+            };
+            let (files, _dirs) = fsutil::walk(local)?;
+            for f in files {
+                let fo = FileOptions {
+                    create_parents: true,
+                    ..fo.clone()
+                };
+                push_one(
+                    session,
+                    &local.join(&f),
+                    &join_remote(&base, &f),
+                    fo,
+                    &obs,
+                    &mut totals,
+                )
+                .await?;
+            }
+        } else {
+            push_one(session, local, remote, fo, &obs, &mut totals).await?;
+        }
+    }
+    totals.seconds = start.elapsed().as_secs_f64();
+    Ok(totals)
+}
+
+/// `rcp pull [-r] HOST:REMOTE... LOCAL` over `session`.
+pub async fn pull(
+    client: &Client,
+    session: &mut Session,
+    remotes: &[String],
+    local: &Path,
+    job: &Job,
+    obs: Arc<dyn Observer>,
+) -> Result<Totals> {
+    let start = Instant::now();
+    if remotes.len() > 1 && !local.is_dir() {
+        return Err(ControlError::DirNotFound(format!(
+            "{} (several sources need an existing local directory)",
+            local.display()
+        )));
+    }
+    let mut totals = Totals::default();
+    for r in remotes {
+        let st = client.stat(r).await?;
+        let Some(st) = st else {
+            return Err(if r.ends_with('/') {
+                ControlError::DirNotFound(r.clone())
+            } else {
+                ControlError::FileNotFound(r.clone())
+            });
+        };
+        let fo = FileOptions {
+            preserve: job.preserve,
+            resume: job.resume,
+            create_parents: false,
+        };
+        if st.r#type == FileType::Dir as i32 {
+            if !job.recursive {
+                return Err(ControlError::Usage(format!("{r} is a directory (use -r)")));
+            }
+            let base = if local.is_dir() {
+                local.join(basename(r))
+            } else {
+                local.to_path_buf()
+            };
+            std::fs::create_dir_all(&base)
+                .map_err(ControlError::io(format!("creating {}", base.display())))?;
+            for e in client.list(r, true).await? {
+                let rel = safe_rel(&e.path)?;
+                let dst = base.join(&rel);
+                if e.r#type == FileType::Dir as i32 {
+                    std::fs::create_dir_all(&dst)
+                        .map_err(ControlError::io(format!("creating {}", dst.display())))?;
+                } else if e.r#type == FileType::File as i32 {
+                    obs.file_start(&dst.display().to_string(), e.length);
+                    let fo = FileOptions {
+                        create_parents: true,
+                        ..fo.clone()
+                    };
+                    let res = session
+                        .pull_file(&join_remote(r, &rel), &dst, fo, Some(progress_of(&obs)))
+                        .await?;
+                    obs.file_done(&res);
+                    totals.add(&res);
+                }
+            }
+        } else {
+            let dst = local_target(local, r);
+            obs.file_start(&dst.display().to_string(), st.length);
+            let res = session
+                .pull_file(r, &dst, fo, Some(progress_of(&obs)))
+                .await?;
+            obs.file_done(&res);
+            totals.add(&res);
+        }
+    }
+    totals.seconds = start.elapsed().as_secs_f64();
+    Ok(totals)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn remotes() {
+        let r = parse_remote("node:/data/x", 7471).unwrap();
+        assert_eq!(r.addr, "node:7471");
+        assert_eq!(r.path, "/data/x");
+        let r = parse_remote("[fe80::1]:a/b", 9).unwrap();
+        assert_eq!(r.addr, "[fe80::1]:9");
+        assert_eq!(r.path, "a/b");
+        assert!(parse_remote("./a:b", 1).is_none());
+        assert!(parse_remote("plain", 1).is_none());
+        assert!(parse_remote(":x", 1).is_none());
+        assert!(safe_rel("../x").is_err());
+        assert!(safe_rel("a/b").is_ok());
+    }
+}

@@ -1,0 +1,879 @@
+//! The async client library: connect to an rcpd, open a session, push and
+//! pull files, stat and list remote paths, ask an rcpd to copy (service API).
+//!
+//! ```no_run
+//! # async fn f() -> Result<(), rcp::control::ControlError> {
+//! use rcp::control::{Client, ClientOptions};
+//! let client = Client::connect("node-b:7471", ClientOptions::default()).await?;
+//! let mut session = client.session().await?;
+//! let r = session
+//!     .push_file("/data/x.bin".as_ref(), "incoming/", Default::default(), None)
+//!     .await?;
+//! println!("{} {}", r.path, hex::encode(r.sha256));
+//! # Ok(()) }
+//! ```
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::os::unix::fs::{FileExt, MetadataExt};
+use std::path::{Path, PathBuf};
+use std::sync::mpsc as smpsc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::{Channel as GrpcChannel, Endpoint};
+use tonic::Streaming;
+
+use super::auth::AddBearer;
+use super::error::{ControlError, Result};
+use super::fsutil::{self, Bitmap, Destination, Manifest, OrderedHasher};
+use super::link::{resolve_transport, ClientLink, Transport};
+use super::movement::{self, BlockIo, Moved};
+use super::server::{moving_blocks, packed_len};
+use super::{DEFAULT_BLOCK_SIZE, DEFAULT_PORT, MAX_MESSAGE, VERSION_MAJOR, VERSION_MINOR};
+use crate::engine::{BatchPolicy, LocalSeg, OpKind, Transfer, TransferConfig, Window};
+use crate::mem::PeerSpan;
+use crate::proto::{self, client_msg, server_msg, ClientMsg, ServerMsg};
+use crate::provider::{Channel, ProviderKind};
+
+type Rpc = proto::rcp_client::RcpClient<InterceptedService<GrpcChannel, AddBearer>>;
+
+/// Client settings (the `rcp` flags).
+#[derive(Clone, Debug)]
+pub struct ClientOptions {
+    /// Bearer token (`RCP_TOKEN`).
+    pub token: Option<String>,
+    pub transport: Transport,
+    pub device: Option<String>,
+    pub gid_index: Option<u32>,
+    /// Block size, a power of two >= 4096.
+    pub block_size: u64,
+    /// Chain length per doorbell.
+    pub batch: usize,
+    /// Signal every n-th request of a chain.
+    pub signal_every: usize,
+    /// Inline writes up to this many bytes (None: provider default).
+    pub inline: Option<u32>,
+    /// Staging buffers (blocks in flight).
+    pub buffers: usize,
+    pub connect_timeout: Duration,
+}
+
+impl Default for ClientOptions {
+    fn default() -> Self {
+        ClientOptions {
+            token: None,
+            transport: Transport::Auto,
+            device: None,
+            gid_index: None,
+            block_size: DEFAULT_BLOCK_SIZE,
+            batch: 32,
+            signal_every: 32,
+            inline: None,
+            buffers: 0,
+            connect_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Per-file options.
+#[derive(Clone, Debug, Default)]
+pub struct FileOptions {
+    /// Keep mode and mtime.
+    pub preserve: bool,
+    /// Continue from the manifest of an interrupted transfer.
+    pub resume: bool,
+    /// Push: create missing remote parent directories.
+    pub create_parents: bool,
+}
+
+/// Called with the bytes of each block as it is confirmed.
+pub type Progress = Arc<dyn Fn(u64) + Send + Sync>;
+
+/// The outcome of one file.
+#[derive(Clone, Debug)]
+pub struct FileResult {
+    /// Final path (remote path relative to the server root for a push, local
+    /// path for a pull).
+    pub path: String,
+    pub length: u64,
+    /// Bytes moved over the data path by this run (less than `length` after
+    /// a resume).
+    pub moved: u64,
+    pub sha256: [u8; 32],
+    pub seconds: f64,
+    pub resumed: bool,
+}
+
+/// A connection to one rcpd.
+#[derive(Clone)]
+pub struct Client {
+    rpc: Rpc,
+    host: String,
+    opts: ClientOptions,
+}
+
+/// `host:port`, `[v6]:port` or `host` (default port) into a URI and the
+/// bare host.
+pub fn endpoint_uri(addr: &str) -> Result<(String, String)> {
+    let (host, port) = if let Some(rest) = addr.strip_prefix('[') {
+        let (h, after) = rest
+            .split_once(']')
+            .ok_or_else(|| ControlError::Usage(format!("{addr:?}: unclosed [")))?;
+        let port = match after.strip_prefix(':') {
+            Some(p) => p
+                .parse::<u16>()
+                .map_err(|_| ControlError::Usage(format!("{addr:?}: bad port")))?,
+            None if after.is_empty() => DEFAULT_PORT,
+            None => return Err(ControlError::Usage(format!("{addr:?}: junk after ]"))),
+        };
+        (format!("[{h}]"), port)
+    } else {
+        match addr.rsplit_once(':') {
+            Some((h, p)) => (
+                h.to_string(),
+                p.parse::<u16>()
+                    .map_err(|_| ControlError::Usage(format!("{addr:?}: bad port")))?,
+            ),
+            None => (addr.to_string(), DEFAULT_PORT),
+        }
+    };
+    if host.is_empty() || host == "[]" {
+        return Err(ControlError::Usage(format!("{addr:?}: empty host")));
+    }
+    Ok((format!("http://{host}:{port}"), host))
+}
+
+impl Client {
+    /// Connect to `addr` (`host:port`, `[v6]:port`).
+    pub async fn connect(addr: &str, opts: ClientOptions) -> Result<Client> {
+        let (uri, host) = endpoint_uri(addr)?;
+        let ch = Endpoint::from_shared(uri.clone())
+            .map_err(|e| ControlError::Usage(format!("{addr}: {e}")))?
+            .connect_timeout(opts.connect_timeout)
+            .tcp_nodelay(true)
+            .connect()
+            .await
+            .map_err(|e| ControlError::Retryable(format!("connecting to rcpd at {uri}: {e}")))?;
+        let auth = AddBearer::new(opts.token.as_deref()).map_err(ControlError::Usage)?;
+        let rpc = proto::rcp_client::RcpClient::with_interceptor(ch, auth)
+            .max_decoding_message_size(MAX_MESSAGE)
+            .max_encoding_message_size(MAX_MESSAGE);
+        Ok(Client { rpc, host, opts })
+    }
+
+    pub fn options(&self) -> &ClientOptions {
+        &self.opts
+    }
+
+    /// Metadata of a remote path (`None` if it does not exist).
+    pub async fn stat(&self, path: &str) -> Result<Option<proto::Entry>> {
+        let r = self
+            .rpc
+            .clone()
+            .stat(proto::StatRequest { path: path.into() })
+            .await?
+            .into_inner();
+        Ok(if r.exists { r.entry } else { None })
+    }
+
+    /// Entries beneath a remote directory.
+    pub async fn list(&self, path: &str, recursive: bool) -> Result<Vec<proto::Entry>> {
+        Ok(self
+            .rpc
+            .clone()
+            .list(proto::ListRequest {
+                path: path.into(),
+                recursive,
+            })
+            .await?
+            .into_inner()
+            .entries)
+    }
+
+    /// Service API: ask this rcpd to copy to or from another rcpd; progress
+    /// messages until the end.
+    pub async fn copy(&self, req: proto::CopyRequest) -> Result<Streaming<proto::CopyProgress>> {
+        Ok(self.rpc.clone().copy(req).await?.into_inner())
+    }
+
+    /// Open a session: provider, handshake, data channel.
+    pub async fn session(&self) -> Result<Session> {
+        let (kind, why) = resolve_transport(self.opts.transport, self.opts.device.as_deref());
+        self.session_with(kind, why).await
+    }
+
+    /// [`Client::session`] with the provider already chosen.
+    pub async fn session_with(&self, kind: ProviderKind, why: String) -> Result<Session> {
+        let bs = self.opts.block_size;
+        if !bs.is_power_of_two() || bs < 4096 {
+            return Err(ControlError::Usage(format!(
+                "block size {bs} must be a power of two >= 4096"
+            )));
+        }
+        let nbuf = if self.opts.buffers > 0 {
+            self.opts.buffers
+        } else {
+            ((32u64 << 20) / bs).clamp(4, 64) as usize
+        };
+        let (dev, gid, inline) = (
+            self.opts.device.clone(),
+            self.opts.gid_index,
+            self.opts.inline.unwrap_or(0),
+        );
+        let link = tokio::task::spawn_blocking(move || {
+            ClientLink::open(kind, dev.as_deref(), gid, bs as usize, nbuf, inline)
+        })
+        .await
+        .map_err(|e| ControlError::Other(e.to_string()))??;
+        let req = proto::HandshakeRequest {
+            version_major: VERSION_MAJOR,
+            version_minor: VERSION_MINOR,
+            providers: vec![match kind {
+                ProviderKind::Verbs => proto::Provider::Verbs as i32,
+                ProviderKind::Tcp => proto::Provider::Tcp as i32,
+            }],
+            verbs: link.verbs_params(),
+            block_size: bs,
+            client_name: std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .map(|h| h.trim().to_string())
+                .unwrap_or_default(),
+        };
+        let resp = self.rpc.clone().handshake(req).await?.into_inner();
+        if resp.block_size != bs {
+            return Err(ControlError::Invalid(format!(
+                "server granted block size {} instead of {bs}",
+                resp.block_size
+            )));
+        }
+        let link = Arc::new(link);
+        let host = self.host.clone();
+        let (l2, r2) = (link.clone(), resp.clone());
+        let channel = tokio::task::spawn_blocking(move || l2.connect(&r2, &host))
+            .await
+            .map_err(|e| ControlError::Other(e.to_string()))??;
+        Ok(Session {
+            rpc: self.rpc.clone(),
+            link,
+            channel,
+            id: resp.session_id,
+            bs,
+            opts: self.opts.clone(),
+            transport: why,
+            kind,
+        })
+    }
+}
+
+/// A session: one data channel, files moved one after another.
+pub struct Session {
+    rpc: Rpc,
+    link: Arc<ClientLink>,
+    channel: Arc<dyn Channel>,
+    id: u64,
+    bs: u64,
+    opts: ClientOptions,
+    /// Which provider and why (for the user).
+    pub transport: String,
+    pub kind: ProviderKind,
+}
+
+/// Where the async side and the data-moving thread meet.
+struct Shared {
+    staging: PeerSpan,
+    bs: u64,
+    moving: Arc<Vec<u64>>,
+    grants: smpsc::Receiver<proto::Grant>,
+    live: usize,
+    total_blocks: u64,
+    confirmed: u64,
+    windows: HashMap<u64, (u64, u64)>,
+    out: mpsc::UnboundedSender<ClientMsg>,
+    hasher: Option<OrderedHasher>,
+    progress: Option<Progress>,
+    failure: Option<ControlError>,
+}
+
+const GRANT_WAIT: Duration = Duration::from_secs(300);
+
+impl Shared {
+    fn slice_off(&self, local: &LocalSeg) -> std::io::Result<usize> {
+        local
+            .addr
+            .checked_sub(self.staging.addr())
+            .map(|o| o as usize)
+            .ok_or_else(|| std::io::Error::other("local segment outside staging"))
+    }
+
+    fn next_grant(&mut self) -> Option<(Window, Vec<Vec<u8>>)> {
+        let g = if self.live == 0 && self.confirmed < self.total_blocks {
+            self.grants.recv_timeout(GRANT_WAIT).ok()?
+        } else {
+            self.grants.try_recv().ok()?
+        };
+        self.windows.insert(g.window_id, (g.file_offset, g.len));
+        self.live += 1;
+        Some((
+            Window {
+                id: g.window_id,
+                remote_addr: g.addr,
+                rkey: g.rkey,
+                len: g.len,
+                file_offset: g.file_offset,
+                epoch: g.epoch,
+            },
+            g.block_sha256,
+        ))
+    }
+
+    fn block_done(&mut self, len: u32) {
+        self.confirmed += 1;
+        if let Some(p) = &self.progress {
+            p(u64::from(len));
+        }
+    }
+}
+
+struct PushIo {
+    sh: Shared,
+    file: File,
+    digests: HashMap<u64, [u8; 32]>,
+}
+
+impl BlockIo for PushIo {
+    fn fill(&mut self, voff: u64, local: LocalSeg) -> std::io::Result<()> {
+        let vb = voff / self.sh.bs;
+        let real = self.sh.moving[vb as usize] * self.sh.bs;
+        let o = self.sh.slice_off(&local)?;
+        let (file, hasher) = (&self.file, &mut self.sh.hasher);
+        let d = self
+            .sh
+            .staging
+            .with_mut(o, local.len as usize, |buf| -> std::io::Result<[u8; 32]> {
+                file.read_exact_at(buf, real)?;
+                if let Some(h) = hasher.as_mut() {
+                    h.update(real, buf);
+                }
+                Ok(fsutil::sha256(buf))
+            })
+            .ok_or_else(|| std::io::Error::other("local segment outside staging"))??;
+        self.digests.insert(vb, d);
+        Ok(())
+    }
+    fn drain(&mut self, _: u64, _: LocalSeg) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn block_done(&mut self, _block: u64, _off: u64, len: u32) {
+        self.sh.block_done(len);
+    }
+    fn window_done(&mut self, id: u64) {
+        self.sh.live -= 1;
+        let Some((voff, len)) = self.sh.windows.remove(&id) else {
+            return;
+        };
+        let bs = self.sh.bs;
+        let digests = (voff / bs..(voff + len).div_ceil(bs))
+            .map(|b| {
+                self.digests
+                    .remove(&b)
+                    .map(|d| d.to_vec())
+                    .unwrap_or_default()
+            })
+            .collect();
+        let _ = self.sh.out.send(ClientMsg {
+            msg: Some(client_msg::Msg::WindowDone(proto::WindowDone {
+                window_id: id,
+                epoch: 0,
+                block_sha256: digests,
+            })),
+        });
+    }
+    fn next_window(&mut self) -> Option<Window> {
+        self.sh.next_grant().map(|(w, _)| w)
+    }
+}
+
+struct PullIo {
+    sh: Shared,
+    dest: Arc<Destination>,
+    expected: HashMap<u64, Vec<u8>>,
+    manifest: Manifest,
+}
+
+impl BlockIo for PullIo {
+    fn fill(&mut self, _: u64, _: LocalSeg) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn drain(&mut self, voff: u64, local: LocalSeg) -> std::io::Result<()> {
+        let vb = voff / self.sh.bs;
+        let real_block = self.sh.moving[vb as usize];
+        let real = real_block * self.sh.bs;
+        let want = self.expected.remove(&vb).unwrap_or_default();
+        let o = self.sh.slice_off(&local)?;
+        let (dest, hasher) = (&self.dest, &mut self.sh.hasher);
+        self.sh
+            .staging
+            .with(o, local.len as usize, |buf| -> std::io::Result<()> {
+                if fsutil::sha256(buf)[..] != want[..] {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::InvalidData,
+                        format!("block at offset {real} does not match the server's digest"),
+                    ));
+                }
+                dest.file.write_all_at(buf, real)?;
+                if let Some(h) = hasher.as_mut() {
+                    h.update(real, buf);
+                }
+                Ok(())
+            })
+            .ok_or_else(|| std::io::Error::other("local segment outside staging"))??;
+        self.manifest.done.set(real_block);
+        Ok(())
+    }
+    fn block_done(&mut self, _block: u64, _off: u64, len: u32) {
+        self.sh.block_done(len);
+    }
+    fn window_done(&mut self, id: u64) {
+        self.sh.live -= 1;
+        self.sh.windows.remove(&id);
+        if self.dest.file.sync_data().is_ok() {
+            if let Err(e) = self.manifest.store(&self.dest.manifest_path) {
+                tracing::warn!(error = %e, "cannot store the resume manifest");
+            }
+        }
+        let _ = self.sh.out.send(ClientMsg {
+            msg: Some(client_msg::Msg::WindowDone(proto::WindowDone {
+                window_id: id,
+                epoch: 0,
+                block_sha256: Vec::new(),
+            })),
+        });
+    }
+    fn next_window(&mut self) -> Option<Window> {
+        let (w, ds) = self.sh.next_grant()?;
+        let first = w.file_offset / self.sh.bs;
+        for (i, d) in ds.into_iter().enumerate() {
+            self.expected.insert(first + i as u64, d);
+        }
+        Some(w)
+    }
+}
+
+fn move_err(e: movement::MoveError) -> ControlError {
+    match e {
+        movement::MoveError::Io { source, .. }
+            if source.kind() == std::io::ErrorKind::InvalidData =>
+        {
+            ControlError::Integrity(source.to_string())
+        }
+        movement::MoveError::Io {
+            file_offset,
+            source,
+        } => ControlError::Io {
+            context: format!("block I/O at offset {file_offset}"),
+            source,
+        },
+        e => ControlError::DataPath(e.to_string()),
+    }
+}
+
+fn first_reply(m: Option<ServerMsg>) -> Result<proto::Opened> {
+    match m {
+        Some(ServerMsg {
+            msg: Some(server_msg::Msg::Opened(o)),
+        }) => Ok(o),
+        Some(other) => Err(ControlError::Invalid(format!(
+            "expected Opened, got {other:?}"
+        ))),
+        None => Err(ControlError::Retryable(
+            "the server closed the stream".into(),
+        )),
+    }
+}
+
+impl Session {
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    pub fn block_size(&self) -> u64 {
+        self.bs
+    }
+
+    fn transfer(&self, op: OpKind, vlen: u64) -> Result<Transfer> {
+        let caps = self.channel.caps();
+        let mut cfg = TransferConfig::new(op, vlen, self.bs, caps.sq_depth as usize);
+        let batch = self.opts.batch.clamp(1, 64);
+        cfg.batch = BatchPolicy::new(batch, self.opts.signal_every.clamp(1, batch))
+            .map_err(|e| ControlError::Usage(e.to_string()))?;
+        cfg.max_inline = self.opts.inline.unwrap_or(0).min(caps.max_inline);
+        cfg.request_timeout_ns = 30_000_000_000;
+        Transfer::new(cfg, self.link.buffers.clone())
+            .map_err(|e| ControlError::Other(format!("transfer setup: {e}")))
+    }
+
+    fn shared(
+        &self,
+        moving: Arc<Vec<u64>>,
+        grants: smpsc::Receiver<proto::Grant>,
+        out: mpsc::UnboundedSender<ClientMsg>,
+        hashing: bool,
+        progress: Option<Progress>,
+    ) -> Shared {
+        Shared {
+            staging: self.link.staging.clone(),
+            bs: self.bs,
+            total_blocks: moving.len() as u64,
+            moving,
+            grants,
+            live: 0,
+            confirmed: 0,
+            windows: HashMap::new(),
+            out,
+            hasher: hashing.then(OrderedHasher::new),
+            progress,
+            failure: None,
+        }
+    }
+
+    /// Push one local file to `remote` (a path beneath the server root; an
+    /// existing directory means "inside it").
+    pub async fn push_file(
+        &mut self,
+        local: &Path,
+        remote: &str,
+        fo: FileOptions,
+        progress: Option<Progress>,
+    ) -> Result<FileResult> {
+        let start = Instant::now();
+        let file = File::open(local).map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => ControlError::FileNotFound(local.display().to_string()),
+            _ => ControlError::Io {
+                context: format!("opening {}", local.display()),
+                source: e,
+            },
+        })?;
+        let meta = file
+            .metadata()
+            .map_err(ControlError::io(format!("stat {}", local.display())))?;
+        if meta.is_dir() {
+            return Err(ControlError::Usage(format!(
+                "{} is a directory (use -r)",
+                local.display()
+            )));
+        }
+        let length = meta.len();
+        let name = local
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let (out, out_rx) = mpsc::unbounded_channel();
+        let open = proto::Open {
+            session_id: self.id,
+            direction: proto::Direction::Push as i32,
+            path: remote.to_string(),
+            name,
+            length,
+            block_size: self.bs,
+            mode: meta.mode() & 0o7777,
+            mtime_ns: fsutil::mtime_ns(&meta),
+            preserve: fo.preserve,
+            resume: fo.resume,
+            create_parents: fo.create_parents,
+            ..Default::default()
+        };
+        out.send(ClientMsg {
+            msg: Some(client_msg::Msg::Open(open)),
+        })
+        .map_err(|_| ControlError::Other("stream closed".into()))?;
+        let mut inbound = self
+            .rpc
+            .transfer(UnboundedReceiverStream::new(out_rx))
+            .await?
+            .into_inner();
+        let opened = first_reply(inbound.message().await?)?;
+        let skip = (!opened.skip_blocks.is_empty())
+            .then(|| Bitmap::from_bytes(opened.skip_blocks.clone(), length.div_ceil(self.bs)))
+            .flatten();
+        if !opened.skip_blocks.is_empty() && skip.is_none() {
+            return Err(ControlError::Invalid("bad skip bitmap".into()));
+        }
+        let moving = Arc::new(moving_blocks(length, self.bs, skip.as_ref()));
+        let vlen = packed_len(length, self.bs, &moving);
+        let (gtx, grx) = smpsc::channel();
+        let sh = self.shared(moving, grx, out.clone(), !opened.resumed, progress);
+        let mut io = PushIo {
+            sh,
+            file,
+            digests: HashMap::new(),
+        };
+        let mut transfer = self.transfer(OpKind::Write, vlen)?;
+        let channel = self.channel.clone();
+        let local_path = local.to_path_buf();
+        let runner = tokio::task::spawn_blocking(move || {
+            let moved = movement::run(&*channel, &mut transfer, &mut io).map_err(move_err)?;
+            if let Some(f) = io.sh.failure.take() {
+                return Err(f);
+            }
+            let digest = match io.sh.hasher.take() {
+                Some(h) => h.finish(),
+                None => fsutil::sha256_file(&local_path)?,
+            };
+            Ok((moved, digest))
+        });
+        let (moved, digest, committed) = drive(&mut inbound, gtx, runner, &out, true).await?;
+        let committed = committed.expect("push ends with Committed");
+        if committed.sha256[..] != digest[..] {
+            return Err(ControlError::Integrity(format!(
+                "server digest {} differs from ours {}",
+                hex::encode(&committed.sha256),
+                hex::encode(digest)
+            )));
+        }
+        Ok(FileResult {
+            path: committed.path,
+            length,
+            moved: moved.bytes,
+            sha256: digest,
+            seconds: start.elapsed().as_secs_f64(),
+            resumed: opened.resumed,
+        })
+    }
+
+    /// Pull `remote` (a file beneath the server root) to `local` (the final
+    /// local path: callers resolve "into a directory").
+    pub async fn pull_file(
+        &mut self,
+        remote: &str,
+        local: &Path,
+        fo: FileOptions,
+        progress: Option<Progress>,
+    ) -> Result<FileResult> {
+        let start = Instant::now();
+        if let Some(parent) = local.parent().filter(|p| !p.as_os_str().is_empty()) {
+            if !parent.is_dir() {
+                if fo.create_parents {
+                    std::fs::create_dir_all(parent)
+                        .map_err(ControlError::io(format!("creating {}", parent.display())))?;
+                } else {
+                    return Err(ControlError::DirNotFound(parent.display().to_string()));
+                }
+            }
+        }
+        let (_, manifest_path) = fsutil::temp_paths(local);
+        let have = if fo.resume {
+            Manifest::load(&manifest_path).filter(|m| m.block_size == self.bs)
+        } else {
+            None
+        };
+        let (out, out_rx) = mpsc::unbounded_channel();
+        let open = proto::Open {
+            session_id: self.id,
+            direction: proto::Direction::Pull as i32,
+            path: remote.to_string(),
+            block_size: self.bs,
+            resume: have.is_some(),
+            have_blocks: have
+                .as_ref()
+                .map(|m| m.done.bits.clone())
+                .unwrap_or_default(),
+            have_length: have.as_ref().map(|m| m.length).unwrap_or(0),
+            have_mtime_ns: have.as_ref().map(|m| m.mtime_ns).unwrap_or(0),
+            ..Default::default()
+        };
+        out.send(ClientMsg {
+            msg: Some(client_msg::Msg::Open(open)),
+        })
+        .map_err(|_| ControlError::Other("stream closed".into()))?;
+        let mut inbound = self
+            .rpc
+            .transfer(UnboundedReceiverStream::new(out_rx))
+            .await?
+            .into_inner();
+        let opened = first_reply(inbound.message().await?)?;
+        let length = opened.length;
+        let blocks = length.div_ceil(self.bs);
+        let skip = if opened.resumed {
+            Some(
+                Bitmap::from_bytes(opened.skip_blocks.clone(), blocks)
+                    .ok_or_else(|| ControlError::Invalid("bad skip bitmap".into()))?,
+            )
+        } else {
+            None
+        };
+        let manifest = match (&have, opened.resumed) {
+            (Some(m), true) => m.clone(),
+            _ => Manifest {
+                length,
+                block_size: self.bs,
+                mtime_ns: opened.mtime_ns,
+                done: Bitmap::new(blocks),
+            },
+        };
+        let dest = Arc::new(Destination::open(local, length, opened.resumed)?);
+        let moving = Arc::new(moving_blocks(length, self.bs, skip.as_ref()));
+        let vlen = packed_len(length, self.bs, &moving);
+        let (gtx, grx) = smpsc::channel();
+        let sh = self.shared(moving, grx, out.clone(), !opened.resumed, progress);
+        let mut io = PullIo {
+            sh,
+            dest: dest.clone(),
+            expected: HashMap::new(),
+            manifest,
+        };
+        let mut transfer = self.transfer(OpKind::Read, vlen)?;
+        let channel = self.channel.clone();
+        let temp = dest.temp_path.clone();
+        let runner = tokio::task::spawn_blocking(move || {
+            let moved = movement::run(&*channel, &mut transfer, &mut io).map_err(move_err)?;
+            let digest = match io.sh.hasher.take() {
+                Some(h) => h.finish(),
+                None => fsutil::sha256_file(&temp)?,
+            };
+            Ok((moved, digest))
+        });
+        let (moved, digest, committed) = drive(&mut inbound, gtx, runner, &out, false).await?;
+        let committed = committed.expect("pull ends with Committed");
+        if committed.sha256[..] != digest[..] {
+            return Err(ControlError::Integrity(format!(
+                "server digest {} differs from ours {}",
+                hex::encode(&committed.sha256),
+                hex::encode(digest)
+            )));
+        }
+        let dest = Arc::try_unwrap(dest)
+            .map_err(|_| ControlError::Other("destination still in use".into()))?;
+        let (mode, mtime) = if fo.preserve {
+            (Some(opened.mode), Some(opened.mtime_ns))
+        } else {
+            (None, None)
+        };
+        tokio::task::spawn_blocking(move || dest.commit(mode, mtime))
+            .await
+            .map_err(|e| ControlError::Other(e.to_string()))??;
+        let _ = out.send(ClientMsg {
+            msg: Some(client_msg::Msg::Commit(proto::Commit {
+                sha256: digest.to_vec(),
+            })),
+        });
+        drop(out);
+        // Let the server see the commit and end its side.
+        let _ = tokio::time::timeout(Duration::from_secs(5), inbound.message()).await;
+        Ok(FileResult {
+            path: local.display().to_string(),
+            length,
+            moved: moved.bytes,
+            sha256: digest,
+            seconds: start.elapsed().as_secs_f64(),
+            resumed: opened.resumed,
+        })
+    }
+
+    /// Release the server's resources for this session.
+    pub async fn close(mut self) -> Result<()> {
+        self.rpc
+            .close_session(proto::CloseSessionRequest {
+                session_id: self.id,
+            })
+            .await?;
+        Ok(())
+    }
+}
+
+type Runner = tokio::task::JoinHandle<Result<(Moved, [u8; 32])>>;
+
+/// Run the stream side of a transfer while the data moves on `runner`.
+async fn drive(
+    inbound: &mut Streaming<ServerMsg>,
+    grants: smpsc::Sender<proto::Grant>,
+    runner: Runner,
+    out: &mpsc::UnboundedSender<ClientMsg>,
+    push: bool,
+) -> Result<(Moved, [u8; 32], Option<proto::Committed>)> {
+    tokio::pin!(runner);
+    let mut done: Option<(Moved, [u8; 32])> = None;
+    let mut committed: Option<proto::Committed> = None;
+    let (mut granted, mut acked) = (0u64, 0u64);
+    let mut commit_sent = false;
+    let abort = |reason: String| {
+        let _ = out.send(ClientMsg {
+            msg: Some(client_msg::Msg::Abort(proto::Abort { reason })),
+        });
+    };
+    loop {
+        if push && !commit_sent {
+            if let Some((_, d)) = &done {
+                if granted == acked {
+                    let _ = out.send(ClientMsg {
+                        msg: Some(client_msg::Msg::Commit(proto::Commit {
+                            sha256: d.to_vec(),
+                        })),
+                    });
+                    commit_sent = true;
+                }
+            }
+        }
+        if let (Some(_), Some(_)) = (&done, &committed) {
+            let (m, d) = done.take().expect("checked");
+            return Ok((m, d, committed));
+        }
+        tokio::select! {
+            r = &mut runner, if done.is_none() => {
+                match r.map_err(|e| ControlError::Other(format!("data path thread: {e}")))? {
+                    Ok(v) => done = Some(v),
+                    Err(e) => { abort(e.to_string()); return Err(e); }
+                }
+            }
+            m = inbound.message() => {
+                let m = match m {
+                    Ok(m) => m,
+                    Err(s) => { runner.abort(); return Err(ControlError::Status(s)); }
+                };
+                match m.and_then(|m| m.msg) {
+                    Some(server_msg::Msg::Grant(g)) => {
+                        granted += 1;
+                        let _ = grants.send(g);
+                    }
+                    Some(server_msg::Msg::Ack(a)) => {
+                        if !a.resend_blocks.is_empty() {
+                            let e = ControlError::Integrity(format!(
+                                "server asks to resend blocks {:?} of window {}",
+                                a.resend_blocks, a.window_id
+                            ));
+                            abort(e.to_string());
+                            return Err(e);
+                        }
+                        acked += 1;
+                    }
+                    Some(server_msg::Msg::Committed(c)) => committed = Some(c),
+                    Some(server_msg::Msg::Opened(_)) => {
+                        return Err(ControlError::Invalid("Opened sent twice".into()));
+                    }
+                    None => {
+                        if done.is_some() && committed.is_some() { continue; }
+                        return Err(ControlError::Retryable(
+                            "the server ended the transfer stream early".into(),
+                        ));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Resolve the final local path of a pull: inside `local` if it is a
+/// directory.
+pub fn local_target(local: &Path, remote: &str) -> PathBuf {
+    if local.is_dir() {
+        let base = Path::new(remote.trim_end_matches('/'))
+            .file_name()
+            .map(|n| n.to_os_string())
+            .unwrap_or_default();
+        local.join(base)
+    } else {
+        local.to_path_buf()
+    }
+}

@@ -1,0 +1,155 @@
+//! The service API's `Copy`: this rcpd copies one of its paths to or from
+//! another rcpd, acting as that rcpd's client.
+
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::Stream;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::Status;
+
+use super::cli::{self, Job, Observer};
+use super::client::{Client, FileResult};
+use super::error::{ControlError, Result};
+use super::fsutil;
+use super::server::{Service, ServiceConfig};
+use crate::proto::{CopyProgress, CopyRequest, Direction};
+
+type Out = Pin<Box<dyn Stream<Item = std::result::Result<CopyProgress, Status>> + Send>>;
+
+#[derive(Default)]
+struct Counts {
+    bytes: AtomicU64,
+    total: AtomicU64,
+    files: AtomicU64,
+    files_total: AtomicU64,
+}
+
+struct Obs(Arc<Counts>);
+
+impl Observer for Obs {
+    fn file_start(&self, _name: &str, len: u64) {
+        self.0.total.fetch_add(len, Relaxed);
+        self.0.files_total.fetch_add(1, Relaxed);
+    }
+    fn progress(&self, n: u64) {
+        self.0.bytes.fetch_add(n, Relaxed);
+    }
+    fn file_done(&self, _r: &FileResult) {
+        self.0.files.fetch_add(1, Relaxed);
+    }
+}
+
+fn snapshot(c: &Counts) -> CopyProgress {
+    CopyProgress {
+        bytes_done: c.bytes.load(Relaxed),
+        bytes_total: c.total.load(Relaxed),
+        files_done: c.files.load(Relaxed),
+        files_total: c.files_total.load(Relaxed),
+        ..Default::default()
+    }
+}
+
+/// Validate `req` and start the copy; progress every 500 ms, then a final
+/// message (or the error status).
+pub fn start(svc: Arc<Service>, cfg: ServiceConfig, req: CopyRequest) -> Result<Out, Status> {
+    let dir = Direction::try_from(req.direction)
+        .ok()
+        .filter(|d| *d != Direction::Unspecified)
+        .ok_or_else(|| Status::invalid_argument("copy direction must be push or pull"))?;
+    if req.remote.is_empty() || req.remote_path.is_empty() {
+        return Err(Status::invalid_argument(
+            "copy needs remote and remote_path",
+        ));
+    }
+    let local = fsutil::confine(svc.root(), &req.local_path)?;
+    let mut opts = cfg.copy_client.clone();
+    if !req.remote_token.is_empty() {
+        opts.token = Some(req.remote_token.clone());
+    }
+    if !req.transport.is_empty() {
+        opts.transport = req
+            .transport
+            .parse()
+            .map_err(|e: String| Status::invalid_argument(e))?;
+    }
+    if req.block_size != 0 {
+        opts.block_size = req.block_size;
+    }
+    let (tx, rx) = mpsc::channel(16);
+    tokio::spawn(async move {
+        let counts = Arc::new(Counts::default());
+        let obs: Arc<dyn Observer> = Arc::new(Obs(counts.clone()));
+        let job = Job {
+            recursive: req.recursive,
+            preserve: req.preserve,
+            resume: req.resume,
+        };
+        let work = async {
+            let client = Client::connect(&req.remote, opts).await?;
+            let mut session = client.session().await?;
+            let t = match dir {
+                Direction::Push => {
+                    cli::push(
+                        &client,
+                        &mut session,
+                        std::slice::from_ref(&local),
+                        &req.remote_path,
+                        &job,
+                        obs,
+                    )
+                    .await
+                }
+                _ => {
+                    cli::pull(
+                        &client,
+                        &mut session,
+                        std::slice::from_ref(&req.remote_path),
+                        &local,
+                        &job,
+                        obs,
+                    )
+                    .await
+                }
+            };
+            let _ = session.close().await;
+            t
+        };
+        tokio::pin!(work);
+        let mut tick = tokio::time::interval(Duration::from_millis(500));
+        let result: Result<cli::Totals> = loop {
+            tokio::select! {
+                r = &mut work => break r,
+                _ = tick.tick() => {
+                    if tx.send(Ok(snapshot(&counts))).await.is_err() {
+                        return; // the caller went away; dropping `work` ends the copy
+                    }
+                }
+            }
+        };
+        let mut last = snapshot(&counts);
+        last.done = true;
+        match result {
+            Ok(t) => {
+                if t.files == 1 {
+                    last.sha256 = t.sha256.map(hex::encode).unwrap_or_default();
+                }
+                tracing::info!(files = t.files, bytes = t.bytes, remote = %req.remote, "copy done");
+                let _ = tx.send(Ok(last)).await;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, remote = %req.remote, "copy failed");
+                last.error = e.to_string();
+                let _ = tx.send(Ok(last)).await;
+                let _ = tx.send(Err(Status::from(e))).await;
+            }
+        }
+    });
+    Ok(Box::pin(ReceiverStream::new(rx)))
+}
+
+/// Service-side error type re-exported for callers of `start`.
+pub type CopyError = ControlError;

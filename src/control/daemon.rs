@@ -1,0 +1,269 @@
+//! Running rcpd: the gRPC server with auth, health, reflection, message
+//! limits, the plaintext health port, `/metrics`, graceful shutdown.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::Server;
+
+use super::auth::CheckBearer;
+use super::client::ClientOptions;
+use super::error::{ControlError, Result};
+use super::link::{resolve_transport, ServerLink, ServerLinkConfig, Transport};
+use super::server::{RcpService, Service, ServiceConfig};
+use super::{Stats, MAX_MESSAGE, WINDOW_SIZE};
+use crate::proto::rcp_server::RcpServer;
+
+/// rcpd's settings (flags / `RCPD_*`).
+#[derive(Clone, Debug)]
+pub struct DaemonConfig {
+    pub listen: SocketAddr,
+    pub health_listen: Option<SocketAddr>,
+    pub metrics_listen: Option<SocketAddr>,
+    pub root: PathBuf,
+    pub transport: Transport,
+    pub device: Option<String>,
+    pub gid_index: Option<u32>,
+    pub arena_mib: usize,
+    pub hugepage_dir: Option<PathBuf>,
+    pub max_transfers: usize,
+    pub token: Option<String>,
+    pub cq_cpu: Option<usize>,
+    pub batch: usize,
+    pub signal_every: usize,
+    pub shutdown_grace: Duration,
+}
+
+/// Addresses actually bound (port 0 resolved).
+#[derive(Clone, Debug)]
+pub struct Bound {
+    pub grpc: SocketAddr,
+    pub health: Option<SocketAddr>,
+    pub metrics: Option<SocketAddr>,
+}
+
+/// Wait for SIGTERM or SIGINT.
+pub async fn shutdown_signal() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .expect("SIGTERM handler");
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}
+
+/// Build and serve until `shutdown` resolves; `on_bound` is told the bound
+/// addresses once listening.
+pub async fn run(
+    cfg: DaemonConfig,
+    shutdown: impl Future<Output = ()>,
+    on_bound: impl FnOnce(&Bound, &str),
+) -> Result<()> {
+    let root = std::fs::canonicalize(&cfg.root)
+        .map_err(|e| ControlError::DirNotFound(format!("root {}: {e}", cfg.root.display())))?;
+    if !root.is_dir() {
+        return Err(ControlError::DirNotFound(format!(
+            "root {} is not a directory",
+            root.display()
+        )));
+    }
+    let (kind, why) = resolve_transport(cfg.transport, cfg.device.as_deref());
+    let arena_bytes = cfg.arena_mib.max(8) << 20;
+    let lcfg = ServerLinkConfig {
+        kind,
+        device: cfg.device.clone(),
+        gid_index: cfg.gid_index,
+        arena_bytes,
+        hugepage_dir: cfg.hugepage_dir.clone(),
+        window_size: WINDOW_SIZE,
+        tcp_listen: SocketAddr::new(cfg.listen.ip(), 0),
+    };
+    let link = tokio::task::spawn_blocking(move || ServerLink::open(&lcfg))
+        .await
+        .map_err(|e| ControlError::Other(e.to_string()))??;
+    let scfg = ServiceConfig {
+        root: root.clone(),
+        max_transfers: cfg.max_transfers,
+        windows_per_transfer: 4,
+        copy_client: ClientOptions {
+            token: cfg.token.clone(),
+            transport: cfg.transport,
+            device: cfg.device.clone(),
+            gid_index: cfg.gid_index,
+            batch: cfg.batch,
+            signal_every: cfg.signal_every,
+            ..ClientOptions::default()
+        },
+        idle_timeout: Duration::from_secs(120),
+    };
+    let svc = Service::new(scfg, link);
+    let stats = svc.stats.clone();
+
+    let listener = tokio::net::TcpListener::bind(cfg.listen)
+        .await
+        .map_err(ControlError::io(format!("binding {}", cfg.listen)))?;
+    let grpc_addr = listener
+        .local_addr()
+        .map_err(ControlError::io("local address"))?;
+    let (reporter, health_svc) = tonic_health::server::health_reporter();
+    reporter.set_serving::<RcpServer<RcpService>>().await;
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .map_err(|e| ControlError::Other(format!("reflection: {e}")))?;
+    let rcp = RcpServer::new(RcpService(svc.clone()))
+        .max_decoding_message_size(MAX_MESSAGE)
+        .max_encoding_message_size(MAX_MESSAGE);
+    let rcp = InterceptedService::new(rcp, CheckBearer::new(cfg.token.clone(), stats.clone()));
+
+    let health = match cfg.health_listen {
+        Some(a) => {
+            let l = tokio::net::TcpListener::bind(a)
+                .await
+                .map_err(ControlError::io(format!("binding health {a}")))?;
+            let addr = l.local_addr().map_err(ControlError::io("local address"))?;
+            let hs = health_svc.clone();
+            tokio::spawn(
+                Server::builder()
+                    .add_service(hs)
+                    .serve_with_incoming(TcpListenerStream::new(l)),
+            );
+            Some(addr)
+        }
+        None => None,
+    };
+    let metrics = match cfg.metrics_listen {
+        Some(a) => {
+            let l = tokio::net::TcpListener::bind(a)
+                .await
+                .map_err(ControlError::io(format!("binding metrics {a}")))?;
+            let addr = l.local_addr().map_err(ControlError::io("local address"))?;
+            tokio::spawn(serve_metrics(l, stats.clone()));
+            Some(addr)
+        }
+        None => None,
+    };
+    let bound = Bound {
+        grpc: grpc_addr,
+        health,
+        metrics,
+    };
+    tracing::info!(grpc = %grpc_addr, ?health, ?metrics, root = %root.display(), transport = %why, "rcpd serving");
+    on_bound(&bound, &why);
+
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(
+        Server::builder()
+            .add_service(health_svc)
+            .add_service(reflection)
+            .add_service(rcp)
+            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
+                let _ = stop_rx.await;
+            }),
+    );
+    shutdown.await;
+    let active = stats.active.load(Relaxed);
+    tracing::info!(active, grace = ?cfg.shutdown_grace, "shutting down: no new requests; running transfers may finish");
+    reporter.set_not_serving::<RcpServer<RcpService>>().await;
+    let _ = stop_tx.send(());
+    match tokio::time::timeout(cfg.shutdown_grace, server).await {
+        Ok(Ok(Ok(()))) => tracing::info!("stopped cleanly"),
+        Ok(Ok(Err(e))) => tracing::warn!(error = %e, "server error at shutdown"),
+        Ok(Err(e)) => tracing::warn!(error = %e, "server task failed"),
+        Err(_) => tracing::warn!(
+            active = stats.active.load(Relaxed),
+            "shutdown deadline passed; cutting the remaining transfers (their temp files stay for --resume)"
+        ),
+    }
+    Ok(())
+}
+
+/// A minimal HTTP/1.0 responder for `GET /metrics` (Prometheus text).
+async fn serve_metrics(l: tokio::net::TcpListener, stats: Arc<Stats>) {
+    loop {
+        let Ok((mut s, _)) = l.accept().await else {
+            continue;
+        };
+        let stats = stats.clone();
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; 2048];
+            let n = match tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf)).await {
+                Ok(Ok(n)) => n,
+                _ => return,
+            };
+            let req = String::from_utf8_lossy(&buf[..n]);
+            let (status, body) = if req.starts_with("GET /metrics") {
+                ("200 OK", metrics_text(&stats))
+            } else {
+                ("404 Not Found", "not found; try /metrics\n".to_string())
+            };
+            let resp = format!(
+                "HTTP/1.0 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = s.write_all(resp.as_bytes()).await;
+        });
+    }
+}
+
+/// The counters in Prometheus text format.
+pub fn metrics_text(s: &Stats) -> String {
+    let mut out = String::new();
+    for (name, help, kind, v) in [
+        (
+            "rcpd_transfers_active",
+            "Transfers running now.",
+            "gauge",
+            &s.active,
+        ),
+        (
+            "rcpd_transfers_ok_total",
+            "Transfers finished.",
+            "counter",
+            &s.transfers_ok,
+        ),
+        (
+            "rcpd_transfers_failed_total",
+            "Transfers that ended with an error.",
+            "counter",
+            &s.transfers_failed,
+        ),
+        (
+            "rcpd_bytes_received_total",
+            "Bytes verified into destinations (push).",
+            "counter",
+            &s.bytes_in,
+        ),
+        (
+            "rcpd_bytes_sent_total",
+            "Bytes read by clients (pull).",
+            "counter",
+            &s.bytes_out,
+        ),
+        (
+            "rcpd_integrity_failures_total",
+            "Digest mismatches.",
+            "counter",
+            &s.integrity_failures,
+        ),
+        (
+            "rcpd_auth_failures_total",
+            "Requests refused for a missing or wrong token.",
+            "counter",
+            &s.auth_failures,
+        ),
+    ] {
+        out.push_str(&format!(
+            "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {}\n",
+            v.load(Relaxed)
+        ));
+    }
+    out
+}

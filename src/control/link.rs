@@ -1,0 +1,373 @@
+//! Provider setup for both ends: the client's staging memory and channel,
+//! the server's window arena, domain, TCP target and per-session QPs.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use crate::engine::LocalSeg;
+use crate::mem::{Arena, ArenaConfig, BlockPool, PeerSpan};
+use crate::provider::tcp::{TcpChannel, TcpDomain, TcpTarget, DEFAULT_CONNS};
+use crate::provider::{Access, Channel, Domain, ProviderKind, Registration};
+use crate::verbs::{
+    choose_gid, device_names, gid_table, CompletionQueue, ConnectParams, Context, Gid,
+    ProtectionDomain, QpConfig, QpEndpoint, QueuePair, VerbsChannel, VerbsDomain,
+};
+
+use super::error::{ControlError, Result};
+use crate::proto;
+
+/// Which provider to use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Transport {
+    /// Verbs when an RDMA device has an ACTIVE port, else TCP.
+    Auto,
+    Verbs,
+    Tcp,
+}
+
+impl std::str::FromStr for Transport {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "auto" => Ok(Transport::Auto),
+            "verbs" | "rdma" => Ok(Transport::Verbs),
+            "tcp" => Ok(Transport::Tcp),
+            o => Err(format!("unknown transport {o:?} (auto, verbs or tcp)")),
+        }
+    }
+}
+
+/// Resolve `auto`: the provider and a sentence saying why.
+pub fn resolve_transport(t: Transport, device: Option<&str>) -> (ProviderKind, String) {
+    match t {
+        Transport::Verbs => (ProviderKind::Verbs, "verbs (asked for)".into()),
+        Transport::Tcp => (ProviderKind::Tcp, "tcp (asked for)".into()),
+        Transport::Auto => {
+            let names = match device {
+                Some(d) => vec![d.to_string()],
+                None => device_names(),
+            };
+            if names.is_empty() {
+                return (
+                    ProviderKind::Tcp,
+                    "tcp: no RDMA device found (transport auto)".into(),
+                );
+            }
+            let mut why = Vec::new();
+            for n in &names {
+                match Context::open(Some(n)).and_then(|c| c.active_port()) {
+                    Ok(p) => {
+                        return (
+                            ProviderKind::Verbs,
+                            format!("verbs: {n} port {} is ACTIVE (transport auto)", p.port),
+                        )
+                    }
+                    Err(e) => why.push(format!("{n}: {e}")),
+                }
+            }
+            (
+                ProviderKind::Tcp,
+                format!(
+                    "tcp: no ACTIVE RDMA port (transport auto; {})",
+                    why.join("; ")
+                ),
+            )
+        }
+    }
+}
+
+pub fn ep_to_proto(e: &QpEndpoint) -> proto::QpEndpoint {
+    proto::QpEndpoint {
+        qpn: e.qpn,
+        psn: e.psn,
+        gid: e.gid.0.to_vec(),
+        lid: u32::from(e.lid),
+        mtu: e.mtu,
+    }
+}
+
+pub fn ep_from_proto(e: &proto::QpEndpoint) -> Result<QpEndpoint> {
+    let gid: [u8; 16] = e.gid.as_slice().try_into().map_err(|_| {
+        ControlError::Invalid(format!("QP endpoint GID has {} bytes, not 16", e.gid.len()))
+    })?;
+    if e.qpn == 0 || e.qpn > 0x00ff_ffff || e.psn > 0x00ff_ffff {
+        return Err(ControlError::Invalid(format!(
+            "QP endpoint qpn {} / psn {} out of the 24-bit range",
+            e.qpn, e.psn
+        )));
+    }
+    if !matches!(e.mtu, 256 | 512 | 1024 | 2048 | 4096) {
+        return Err(ControlError::Invalid(format!(
+            "QP endpoint MTU {} is not one of 256..4096",
+            e.mtu
+        )));
+    }
+    Ok(QpEndpoint {
+        qpn: e.qpn,
+        psn: e.psn,
+        gid: Gid(gid),
+        lid: u16::try_from(e.lid)
+            .map_err(|_| ControlError::Invalid(format!("LID {} out of range", e.lid)))?,
+        mtu: e.mtu,
+    })
+}
+
+/// A device opened with its active port and chosen GID.
+pub struct Device {
+    pub ctx: Arc<Context>,
+    pub pd: Arc<ProtectionDomain>,
+    pub port: u8,
+    pub gid_index: u32,
+    pub gid_reason: String,
+}
+
+impl Device {
+    pub fn open(name: Option<&str>, gid_index: Option<u32>) -> Result<Device> {
+        let ctx = Context::open(name).map_err(provider)?;
+        let port = ctx.active_port().map_err(provider)?;
+        let table = gid_table(&ctx, port.port, port.gid_tbl_len).map_err(provider)?;
+        let gid = choose_gid(&table, gid_index).map_err(ControlError::Other)?;
+        let pd = ProtectionDomain::new(&ctx).map_err(provider)?;
+        Ok(Device {
+            ctx,
+            pd,
+            port: port.port,
+            gid_index: gid.entry.index,
+            gid_reason: gid.reason,
+        })
+    }
+
+    /// A new RC QP in INIT with its own CQ.
+    pub fn queue_pair(&self, sq_depth: u32, max_inline: u32, remote: Access) -> Result<QueuePair> {
+        let caps = self.ctx.caps();
+        let sq = sq_depth.min(caps.max_qp_wr).max(1);
+        let cq = CompletionQueue::new(&self.ctx, sq.min(caps.max_cqe), None).map_err(provider)?;
+        QueuePair::new(
+            &self.pd,
+            &cq,
+            &cq,
+            QpConfig {
+                port: self.port,
+                gid_index: self.gid_index,
+                sq_depth: sq.min(caps.max_cqe),
+                max_send_sge: 1,
+                max_inline,
+                remote_access: remote,
+            },
+        )
+        .map_err(provider)
+    }
+
+    pub fn params(&self, qp: &QueuePair) -> proto::VerbsParams {
+        let caps = self.ctx.caps();
+        proto::VerbsParams {
+            endpoint: Some(ep_to_proto(&qp.endpoint())),
+            max_qp_rd_atom: caps.max_qp_rd_atom,
+            max_qp_init_rd_atom: caps.max_qp_init_rd_atom,
+            max_inline: qp.max_inline(),
+        }
+    }
+}
+
+fn provider(e: crate::verbs::VerbsError) -> ControlError {
+    ControlError::Provider(e.into())
+}
+
+pub fn connect_params(init: u32, resp: u32) -> ConnectParams {
+    ConnectParams {
+        max_rd_atomic: init.clamp(1, 255) as u8,
+        max_dest_rd_atomic: resp.clamp(1, 255) as u8,
+        ..ConnectParams::default()
+    }
+}
+
+/// The client's local side: staging buffers registered with its provider.
+pub struct ClientLink {
+    pub kind: ProviderKind,
+    pub device: Option<Device>,
+    pub tcp_domain: Option<Arc<TcpDomain>>,
+    pub staging: PeerSpan,
+    _arena_reg: Arc<dyn Registration>,
+    _pool: BlockPool,
+    pub buffers: Vec<LocalSeg>,
+    /// Verbs: the QP, created before the handshake.
+    pub verbs_channel: Option<Arc<VerbsChannel>>,
+}
+
+impl ClientLink {
+    /// Open the provider and register `nbuf` staging buffers of
+    /// `block_size` bytes.
+    pub fn open(
+        kind: ProviderKind,
+        device: Option<&str>,
+        gid_index: Option<u32>,
+        block_size: usize,
+        nbuf: usize,
+        max_inline: u32,
+    ) -> Result<ClientLink> {
+        let size = block_size * nbuf;
+        let arena = Arena::new(&ArenaConfig::new(size))
+            .map_err(|e| ControlError::Other(format!("staging arena: {e}")))?;
+        let staging = PeerSpan::new(&arena, arena.addr(), arena.len())
+            .ok_or_else(|| ControlError::Other("staging span".into()))?;
+        let pool = arena
+            .into_pool(block_size)
+            .map_err(|e| ControlError::Other(format!("staging pool: {e}")))?;
+        let (device, tcp_domain, reg, verbs_channel): (_, _, Arc<dyn Registration>, _) = match kind
+        {
+            ProviderKind::Verbs => {
+                let dev = Device::open(device, gid_index)?;
+                let reg =
+                    VerbsDomain { pd: dev.pd.clone() }.register(&staging, Access::LOCAL_WRITE)?;
+                let qp = dev.queue_pair(256, max_inline, Access::LOCAL_READ)?;
+                let ch = Arc::new(VerbsChannel::new(qp));
+                (Some(dev), None, reg, Some(ch))
+            }
+            ProviderKind::Tcp => {
+                let d = TcpDomain::new();
+                let reg: Arc<dyn Registration> = d.register_span(&staging, Access::LOCAL_WRITE)?;
+                (None, Some(d), reg, None)
+            }
+        };
+        let buffers = (0..pool.capacity())
+            .map(|i| LocalSeg {
+                addr: staging.addr() + (i * block_size) as u64,
+                len: block_size as u32,
+                lkey: reg.lkey(),
+            })
+            .collect();
+        Ok(ClientLink {
+            kind,
+            device,
+            tcp_domain,
+            staging,
+            _arena_reg: reg,
+            _pool: pool,
+            buffers,
+            verbs_channel,
+        })
+    }
+
+    /// Verbs parameters for the handshake request.
+    pub fn verbs_params(&self) -> Option<proto::VerbsParams> {
+        let dev = self.device.as_ref()?;
+        let ch = self.verbs_channel.as_ref()?;
+        let caps = dev.ctx.caps();
+        Some(proto::VerbsParams {
+            endpoint: Some(ep_to_proto(&ch.endpoint())),
+            max_qp_rd_atom: caps.max_qp_rd_atom,
+            max_qp_init_rd_atom: caps.max_qp_init_rd_atom,
+            max_inline: ch.caps().max_inline,
+        })
+    }
+
+    /// Connect the data channel with what the server answered.
+    pub fn connect(
+        &self,
+        resp: &proto::HandshakeResponse,
+        server_host: &str,
+    ) -> Result<Arc<dyn Channel>> {
+        match self.kind {
+            ProviderKind::Verbs => {
+                let ch = self.verbs_channel.clone().expect("verbs link has a QP");
+                let v = resp.verbs.as_ref().ok_or_else(|| {
+                    ControlError::Invalid("server chose verbs but sent no endpoint".into())
+                })?;
+                let ep =
+                    ep_from_proto(v.endpoint.as_ref().ok_or_else(|| {
+                        ControlError::Invalid("server sent no QP endpoint".into())
+                    })?)?;
+                let caps = self.device.as_ref().expect("device").ctx.caps();
+                let params = connect_params(
+                    resp.client_rd_atomic,
+                    caps.max_qp_rd_atom.min(v.max_qp_init_rd_atom),
+                );
+                ch.handshake(&ep, &params).map_err(provider)?;
+                Ok(ch)
+            }
+            ProviderKind::Tcp => {
+                let host = if resp.tcp_data_host.is_empty()
+                    || resp.tcp_data_host == "0.0.0.0"
+                    || resp.tcp_data_host == "::"
+                {
+                    server_host.to_string()
+                } else {
+                    resp.tcp_data_host.clone()
+                };
+                let host = host.trim_start_matches('[').trim_end_matches(']');
+                let port = u16::try_from(resp.tcp_data_port).map_err(|_| {
+                    ControlError::Invalid(format!("TCP data port {}", resp.tcp_data_port))
+                })?;
+                let addr: SocketAddr = std::net::ToSocketAddrs::to_socket_addrs(&(host, port))
+                    .map_err(ControlError::io(format!("resolving {host}")))?
+                    .next()
+                    .ok_or_else(|| ControlError::Other(format!("{host} has no address")))?;
+                let ch = TcpChannel::connect(
+                    self.tcp_domain.clone().expect("tcp link has a domain"),
+                    addr,
+                    DEFAULT_CONNS,
+                    128,
+                )?;
+                Ok(Arc::new(ch))
+            }
+        }
+    }
+}
+
+/// How the server builds its memory and provider.
+#[derive(Clone, Debug)]
+pub struct ServerLinkConfig {
+    pub kind: ProviderKind,
+    pub device: Option<String>,
+    pub gid_index: Option<u32>,
+    pub arena_bytes: usize,
+    pub hugepage_dir: Option<PathBuf>,
+    pub window_size: usize,
+    /// Where the TCP target listens (port 0: ephemeral).
+    pub tcp_listen: SocketAddr,
+}
+
+/// The server's provider: window slots of its arena and a domain to
+/// register them per grant.
+pub struct ServerLink {
+    pub kind: ProviderKind,
+    pub domain: Arc<dyn Domain>,
+    pub device: Option<Device>,
+    pub tcp_target: Option<TcpTarget>,
+    pub slots: BlockPool,
+    pub window_size: usize,
+}
+
+impl ServerLink {
+    pub fn open(cfg: &ServerLinkConfig) -> Result<ServerLink> {
+        let device = match cfg.kind {
+            ProviderKind::Verbs => Some(Device::open(cfg.device.as_deref(), cfg.gid_index)?),
+            ProviderKind::Tcp => None,
+        };
+        let mut acfg = ArenaConfig::new(cfg.arena_bytes);
+        acfg.hugepage_dir = cfg.hugepage_dir.clone();
+        acfg.numa_node = device.as_ref().and_then(|d| d.ctx.numa_node());
+        let arena =
+            Arena::new(&acfg).map_err(|e| ControlError::Other(format!("window arena: {e}")))?;
+        let slots = arena
+            .into_pool(cfg.window_size)
+            .map_err(|e| ControlError::Other(format!("window arena: {e}")))?;
+        let (domain, tcp_target): (Arc<dyn Domain>, _) = match &device {
+            Some(d) => (Arc::new(VerbsDomain { pd: d.pd.clone() }), None),
+            None => {
+                let d = TcpDomain::new();
+                let t = TcpTarget::bind(d.clone(), cfg.tcp_listen)?;
+                (d, Some(t))
+            }
+        };
+        Ok(ServerLink {
+            kind: cfg.kind,
+            domain,
+            device,
+            tcp_target,
+            slots,
+            window_size: cfg.window_size,
+        })
+    }
+}

@@ -1,0 +1,983 @@
+//! The rcpd service: sessions, window grants, verification, commit.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::Stream;
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+use super::error::{ControlError, Result};
+use super::fsutil::{self, Bitmap, Destination, Manifest, OrderedHasher};
+use super::link::{connect_params, ep_from_proto, ServerLink};
+use super::{Stats, DEFAULT_BLOCK_SIZE, MAX_FILE_LEN, VERSION_MAJOR, VERSION_MINOR};
+use crate::mem::{Block, PeerSpan};
+use crate::proto::{self, client_msg, server_msg, ClientMsg, Direction, ServerMsg};
+use crate::provider::{Access, ProviderKind, Registration};
+use crate::verbs::{QpEndpoint, VerbsChannel};
+
+/// Server settings.
+#[derive(Clone, Debug)]
+pub struct ServiceConfig {
+    pub root: PathBuf,
+    pub max_transfers: usize,
+    pub windows_per_transfer: u32,
+    /// Client settings used when this server acts as a client (Copy).
+    pub copy_client: super::client::ClientOptions,
+    /// How long a stream may sit without a message before it is dropped.
+    pub idle_timeout: Duration,
+}
+
+struct Session {
+    kind: ProviderKind,
+    block_size: u64,
+    qp: Option<Mutex<VerbsChannel>>,
+    epoch: AtomicU64,
+}
+
+/// Shared state of the service.
+pub struct Service {
+    cfg: ServiceConfig,
+    link: Arc<ServerLink>,
+    sessions: Mutex<HashMap<u64, Arc<Session>>>,
+    transfers: Arc<Semaphore>,
+    slots: Arc<Semaphore>,
+    next_id: AtomicU64,
+    pub stats: Arc<Stats>,
+}
+
+const MAX_SESSIONS: usize = 4096;
+
+fn random_u64() -> u64 {
+    let mut b = [0u8; 8];
+    getrandom::getrandom(&mut b).expect("getrandom");
+    u64::from_ne_bytes(b) | 1
+}
+
+/// Check a block size: power of two, 4 KiB ..= `max`.
+pub fn check_block_size(bs: u64, max: u64) -> Result<u64> {
+    if bs == 0 {
+        return Ok(DEFAULT_BLOCK_SIZE.min(max));
+    }
+    if !bs.is_power_of_two() || bs < 4096 || bs > max {
+        return Err(ControlError::Invalid(format!(
+            "block size {bs} must be a power of two between 4096 and {max}"
+        )));
+    }
+    Ok(bs)
+}
+
+/// Blocks that move: every block not set in `skip`, in order.
+pub fn moving_blocks(length: u64, bs: u64, skip: Option<&Bitmap>) -> Vec<u64> {
+    let n = length.div_ceil(bs);
+    (0..n)
+        .filter(|&b| !skip.is_some_and(|s| s.get(b)))
+        .collect()
+}
+
+/// The transfer's packed length: `moving` blocks of `bs`, the file's last
+/// block possibly short.
+pub fn packed_len(length: u64, bs: u64, moving: &[u64]) -> u64 {
+    match moving.last() {
+        None => 0,
+        Some(&last) => {
+            let last_len = (length - last * bs).min(bs);
+            (moving.len() as u64 - 1) * bs + last_len
+        }
+    }
+}
+
+struct Win {
+    reg: Option<Arc<dyn Registration>>,
+    span: PeerSpan,
+    _block: Block,
+    _permit: OwnedSemaphorePermit,
+    /// Packed offset and length.
+    voff: u64,
+    len: u64,
+}
+
+/// Fills a window before it is granted (pull); returns block digests.
+type FillFn<'a> = dyn FnMut(&PeerSpan, u64, u64) -> Result<Vec<Vec<u8>>> + Send + 'a;
+
+type Tx = mpsc::Sender<std::result::Result<ServerMsg, Status>>;
+
+fn msg(m: server_msg::Msg) -> std::result::Result<ServerMsg, Status> {
+    Ok(ServerMsg { msg: Some(m) })
+}
+
+fn in_place<R>(f: impl FnOnce() -> R) -> R {
+    match tokio::runtime::Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(f)
+        }
+        _ => f(),
+    }
+}
+
+impl Service {
+    pub fn new(cfg: ServiceConfig, link: ServerLink) -> Arc<Service> {
+        let slots = link.slots.capacity();
+        Arc::new(Service {
+            transfers: Arc::new(Semaphore::new(cfg.max_transfers.max(1))),
+            slots: Arc::new(Semaphore::new(slots)),
+            cfg,
+            link: Arc::new(link),
+            sessions: Mutex::new(HashMap::new()),
+            next_id: AtomicU64::new(1),
+            stats: Arc::new(Stats::default()),
+        })
+    }
+
+    pub fn kind(&self) -> ProviderKind {
+        self.link.kind
+    }
+
+    fn max_block(&self) -> u64 {
+        self.link.window_size as u64
+    }
+
+    fn session(&self, id: u64) -> Result<Arc<Session>> {
+        self.sessions
+            .lock()
+            .unwrap()
+            .get(&id)
+            .cloned()
+            .ok_or_else(|| ControlError::Invalid(format!("unknown session {id:#x}")))
+    }
+
+    fn handshake(&self, req: proto::HandshakeRequest) -> Result<proto::HandshakeResponse> {
+        if req.version_major != VERSION_MAJOR {
+            return Err(ControlError::Status(Status::failed_precondition(format!(
+                "protocol major version {} is not supported (this rcpd speaks {VERSION_MAJOR}.{VERSION_MINOR})",
+                req.version_major
+            ))));
+        }
+        let want = match self.link.kind {
+            ProviderKind::Verbs => proto::Provider::Verbs,
+            ProviderKind::Tcp => proto::Provider::Tcp,
+        };
+        if !req.providers.contains(&(want as i32)) {
+            return Err(ControlError::Status(Status::failed_precondition(format!(
+                "this rcpd runs the {} provider; the client offered {:?} (try --transport {})",
+                self.link.kind,
+                req.providers
+                    .iter()
+                    .map(|p| proto::Provider::try_from(*p)
+                        .map(|p| p.as_str_name())
+                        .unwrap_or("?"))
+                    .collect::<Vec<_>>(),
+                self.link.kind
+            ))));
+        }
+        let block_size = check_block_size(req.block_size, self.max_block())?;
+        if self.sessions.lock().unwrap().len() >= MAX_SESSIONS {
+            return Err(ControlError::Exceeded(format!(
+                "{MAX_SESSIONS} sessions open; close some"
+            )));
+        }
+        let id = random_u64();
+        let mut resp = proto::HandshakeResponse {
+            version_major: VERSION_MAJOR,
+            version_minor: VERSION_MINOR,
+            session_id: id,
+            provider: want as i32,
+            block_size,
+            window_size: self.link.window_size as u64,
+            window_count: self.cfg.windows_per_transfer,
+            ..Default::default()
+        };
+        let mut qp = None;
+        match self.link.kind {
+            ProviderKind::Tcp => {
+                let t = self.link.tcp_target.as_ref().expect("tcp target");
+                let a = t.local_addr();
+                resp.tcp_data_host = if a.ip().is_unspecified() {
+                    String::new()
+                } else {
+                    a.ip().to_string()
+                };
+                resp.tcp_data_port = u32::from(a.port());
+            }
+            ProviderKind::Verbs => {
+                let v = req.verbs.as_ref().ok_or_else(|| {
+                    ControlError::Invalid("verbs chosen but the request has no verbs params".into())
+                })?;
+                let cep = ep_from_proto(v.endpoint.as_ref().ok_or_else(|| {
+                    ControlError::Invalid("verbs params without an endpoint".into())
+                })?)?;
+                let dev = self.link.device.as_ref().expect("verbs device");
+                let caps = dev.ctx.caps();
+                let q = dev.queue_pair(16, 0, Access::REMOTE_WRITE | Access::REMOTE_READ)?;
+                let params = dev.params(&q);
+                let ch = VerbsChannel::new(q);
+                let client_rd = v.max_qp_init_rd_atom.min(caps.max_qp_rd_atom).max(1);
+                let server_rd = caps.max_qp_init_rd_atom.min(v.max_qp_rd_atom).max(1);
+                ch.handshake(&cep, &connect_params(server_rd, caps.max_qp_rd_atom))
+                    .map_err(|e| ControlError::Provider(e.into()))?;
+                resp.path_mtu = cep.mtu.min(ch.endpoint().mtu);
+                resp.client_rd_atomic = client_rd;
+                resp.server_rd_atomic = server_rd;
+                resp.max_inline = v.max_inline;
+                resp.verbs = Some(params);
+                qp = Some(Mutex::new(ch));
+            }
+        }
+        self.sessions.lock().unwrap().insert(
+            id,
+            Arc::new(Session {
+                kind: self.link.kind,
+                block_size,
+                qp,
+                epoch: AtomicU64::new(0),
+            }),
+        );
+        tracing::info!(session = format_args!("{id:#x}"), client = %req.client_name, provider = %self.link.kind, block_size, "session opened");
+        Ok(resp)
+    }
+
+    fn reconnect(&self, req: proto::ReconnectRequest) -> Result<proto::ReconnectResponse> {
+        let s = self.session(req.session_id)?;
+        let epoch = s.epoch.fetch_add(1, Relaxed) as u32 + 1;
+        match &s.qp {
+            None => Ok(proto::ReconnectResponse {
+                endpoint: None,
+                epoch,
+            }),
+            Some(q) => {
+                let cep: QpEndpoint =
+                    ep_from_proto(req.endpoint.as_ref().ok_or_else(|| {
+                        ControlError::Invalid("reconnect without endpoint".into())
+                    })?)?;
+                let ch = q.lock().unwrap();
+                let ep = ch.reset().map_err(|e| ControlError::Provider(e.into()))?;
+                ch.handshake(&cep, &connect_params(16, 16))
+                    .map_err(|e| ControlError::Provider(e.into()))?;
+                Ok(proto::ReconnectResponse {
+                    endpoint: Some(super::link::ep_to_proto(&ep)),
+                    epoch,
+                })
+            }
+        }
+    }
+
+    async fn take_window(&self, wait: bool) -> Option<(Block, OwnedSemaphorePermit)> {
+        let permit = if wait {
+            self.slots.clone().acquire_owned().await.ok()?
+        } else {
+            self.slots.clone().try_acquire_owned().ok()?
+        };
+        let b = self.link.slots.take()?;
+        Some((b, permit))
+    }
+
+    /// Run one Transfer stream to its end.
+    async fn run_transfer(self: Arc<Self>, mut rx: Streaming<ClientMsg>, tx: Tx) {
+        let r = self.clone().transfer_inner(&mut rx, &tx).await;
+        match r {
+            Ok(()) => {
+                self.stats.transfers_ok.fetch_add(1, Relaxed);
+            }
+            Err(e) => {
+                self.stats.transfers_failed.fetch_add(1, Relaxed);
+                tracing::warn!(error = %e, "transfer ended with an error");
+                let _ = tx.send(Err(e.into())).await;
+            }
+        }
+    }
+
+    async fn next_msg(&self, rx: &mut Streaming<ClientMsg>) -> Result<client_msg::Msg> {
+        match tokio::time::timeout(self.cfg.idle_timeout, rx.message()).await {
+            Err(_) => Err(ControlError::Retryable(format!(
+                "no message from the client for {:?}",
+                self.cfg.idle_timeout
+            ))),
+            Ok(Err(s)) => Err(ControlError::Status(s)),
+            Ok(Ok(None)) => Err(ControlError::Retryable(
+                "the client closed the stream before the transfer ended".into(),
+            )),
+            Ok(Ok(Some(ClientMsg { msg: None }))) => {
+                Err(ControlError::Invalid("empty ClientMsg".into()))
+            }
+            Ok(Ok(Some(ClientMsg { msg: Some(m) }))) => Ok(m),
+        }
+    }
+
+    async fn transfer_inner(self: Arc<Self>, rx: &mut Streaming<ClientMsg>, tx: &Tx) -> Result<()> {
+        let open = match self.next_msg(rx).await? {
+            client_msg::Msg::Open(o) => o,
+            _ => {
+                return Err(ControlError::Invalid(
+                    "the first message of a Transfer must be Open".into(),
+                ))
+            }
+        };
+        let session = self.session(open.session_id)?;
+        let bs = check_block_size(open.block_size, self.max_block())?;
+        if bs != session.block_size {
+            tracing::debug!(
+                bs,
+                session = session.block_size,
+                "block size differs from the session's"
+            );
+        }
+        let _permit = self
+            .transfers
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|_| ControlError::Retryable("server shutting down".into()))?;
+        self.stats.active.fetch_add(1, Relaxed);
+        let r = match Direction::try_from(open.direction) {
+            Ok(Direction::Push) => self.clone().push(open, bs, rx, tx).await,
+            Ok(Direction::Pull) => self.clone().pull(open, bs, rx, tx).await,
+            _ => Err(ControlError::Invalid(format!(
+                "direction {} is neither push nor pull",
+                open.direction
+            ))),
+        };
+        self.stats.active.fetch_sub(1, Relaxed);
+        r
+    }
+
+    /// Grant windows while slots allow, up to the per-transfer limit.
+    #[allow(clippy::too_many_arguments)]
+    async fn grant_more(
+        &self,
+        wins: &mut HashMap<u64, Win>,
+        next_voff: &mut u64,
+        vlen: u64,
+        access: Access,
+        tx: &Tx,
+        fill: &mut FillFn<'_>,
+    ) -> Result<()> {
+        while *next_voff < vlen && wins.len() < self.cfg.windows_per_transfer as usize {
+            let Some((block, permit)) = self.take_window(wins.is_empty()).await else {
+                if wins.is_empty() {
+                    return Err(ControlError::Retryable("no window memory".into()));
+                }
+                break;
+            };
+            let len = (vlen - *next_voff).min(self.link.window_size as u64);
+            let span = PeerSpan::new(block.arena(), block.addr(), len as usize)
+                .expect("a window lies inside its slot");
+            let digests = fill(&span, *next_voff, len)?;
+            let reg = self.link.domain.register(&span, access)?;
+            let id = self.next_id.fetch_add(1, Relaxed);
+            let g = proto::Grant {
+                window_id: id,
+                addr: reg.addr(),
+                rkey: reg.rkey(),
+                len,
+                file_offset: *next_voff,
+                epoch: 0,
+                block_sha256: digests,
+            };
+            wins.insert(
+                id,
+                Win {
+                    reg: Some(reg),
+                    span,
+                    _block: block,
+                    _permit: permit,
+                    voff: *next_voff,
+                    len,
+                },
+            );
+            *next_voff += len;
+            tx.send(msg(server_msg::Msg::Grant(g)))
+                .await
+                .map_err(|_| ControlError::Retryable("client went away".into()))?;
+        }
+        Ok(())
+    }
+
+    fn resolve_push_dest(&self, open: &proto::Open) -> Result<PathBuf> {
+        let p = fsutil::confine(&self.cfg.root, &open.path)?;
+        let meta = std::fs::symlink_metadata(&p);
+        let dest = match meta {
+            Ok(m) if m.is_dir() => {
+                fsutil::check_name(&open.name)?;
+                let d = p.join(&open.name);
+                if std::fs::symlink_metadata(&d).is_ok_and(|m| m.is_dir()) {
+                    return Err(ControlError::Invalid(format!(
+                        "{}/{} is a directory",
+                        open.path, open.name
+                    )));
+                }
+                d
+            }
+            Ok(m) if !m.is_file() => {
+                return Err(ControlError::Invalid(format!(
+                    "{} exists and is not a regular file",
+                    open.path
+                )))
+            }
+            _ => p,
+        };
+        let parent = dest.parent().unwrap_or(&self.cfg.root).to_path_buf();
+        if !parent.is_dir() {
+            if open.create_parents {
+                std::fs::create_dir_all(&parent)
+                    .map_err(ControlError::io(format!("creating {}", open.path)))?;
+            } else {
+                return Err(ControlError::DirNotFound(format!(
+                    "{} (parent of {})",
+                    rel(&self.cfg.root, &parent),
+                    open.path
+                )));
+            }
+        }
+        if dest == self.cfg.root {
+            return Err(ControlError::Invalid("cannot write over the root".into()));
+        }
+        Ok(dest)
+    }
+
+    async fn push(
+        self: Arc<Self>,
+        open: proto::Open,
+        bs: u64,
+        rx: &mut Streaming<ClientMsg>,
+        tx: &Tx,
+    ) -> Result<()> {
+        if open.length > MAX_FILE_LEN {
+            return Err(ControlError::Exceeded(format!(
+                "length {} is over the limit {MAX_FILE_LEN}",
+                open.length
+            )));
+        }
+        let dest_path = self.resolve_push_dest(&open)?;
+        check_space(dest_path.parent().unwrap_or(&self.cfg.root), open.length)?;
+        let (_, manifest_path) = fsutil::temp_paths(&dest_path);
+        let mut manifest = Manifest {
+            length: open.length,
+            block_size: bs,
+            mtime_ns: open.mtime_ns,
+            done: Bitmap::new(open.length.div_ceil(bs)),
+        };
+        let mut resumed = false;
+        if open.resume {
+            if let Some(m) = Manifest::load(&manifest_path) {
+                if m.length == open.length && m.block_size == bs && m.mtime_ns == open.mtime_ns {
+                    manifest = m;
+                    resumed = !manifest.done.is_empty_set();
+                }
+            }
+        }
+        let dest = in_place(|| Destination::open(&dest_path, open.length, resumed))?;
+        let skip = resumed.then(|| manifest.done.clone());
+        let moving = moving_blocks(open.length, bs, skip.as_ref());
+        let vlen = packed_len(open.length, bs, &moving);
+        let transfer_id = self.next_id.fetch_add(1, Relaxed);
+        let relpath = rel(&self.cfg.root, &dest_path);
+        tracing::info!(transfer = transfer_id, path = %relpath, length = open.length, resumed, moving = vlen, "push");
+        tx.send(msg(server_msg::Msg::Opened(proto::Opened {
+            transfer_id,
+            length: open.length,
+            block_size: bs,
+            mode: open.mode,
+            mtime_ns: open.mtime_ns,
+            path: relpath.clone(),
+            skip_blocks: skip.map(|s| s.bits).unwrap_or_default(),
+            resumed,
+        })))
+        .await
+        .map_err(|_| ControlError::Retryable("client went away".into()))?;
+
+        let mut hasher = (!resumed).then(OrderedHasher::new);
+        let mut wins: HashMap<u64, Win> = HashMap::new();
+        let mut next_voff = 0u64;
+        let mut verified = 0u64;
+        let mut no_fill = |_: &PeerSpan, _: u64, _: u64| Ok(Vec::new());
+        self.grant_more(
+            &mut wins,
+            &mut next_voff,
+            vlen,
+            Access::REMOTE_WRITE,
+            tx,
+            &mut no_fill,
+        )
+        .await?;
+        loop {
+            match self.next_msg(rx).await? {
+                client_msg::Msg::WindowDone(d) => {
+                    let w = wins.remove(&d.window_id).ok_or_else(|| {
+                        ControlError::Invalid(format!(
+                            "window {} is not granted to this transfer",
+                            d.window_id
+                        ))
+                    })?;
+                    if d.epoch != 0 {
+                        return Err(ControlError::Invalid(format!(
+                            "window {} epoch {} is not current (0)",
+                            d.window_id, d.epoch
+                        )));
+                    }
+                    let nblocks = w.len.div_ceil(bs);
+                    if d.block_sha256.len() as u64 != nblocks
+                        || d.block_sha256.iter().any(|h| h.len() != 32)
+                    {
+                        return Err(ControlError::Invalid(format!(
+                            "window {} needs {nblocks} 32-byte block digests, got {}",
+                            d.window_id,
+                            d.block_sha256.len()
+                        )));
+                    }
+                    // Revoke remote access before reading what landed.
+                    let mut w = w;
+                    drop(w.reg.take());
+                    let first_vblock = w.voff / bs;
+                    let bad = in_place(|| -> Result<Vec<u64>> {
+                        let mut bad = Vec::new();
+                        for i in 0..nblocks {
+                            let vb = first_vblock + i;
+                            let real = moving[vb as usize];
+                            let off = i * bs;
+                            let n = (w.len - off).min(bs) as usize;
+                            w.span
+                                .with(off as usize, n, |data| -> Result<()> {
+                                    if fsutil::sha256(data)[..] != d.block_sha256[i as usize][..] {
+                                        bad.push(vb);
+                                        return Ok(());
+                                    }
+                                    dest.write_at(real * bs, data)?;
+                                    if let Some(h) = hasher.as_mut() {
+                                        h.update(real * bs, data);
+                                    }
+                                    Ok(())
+                                })
+                                .expect("window bounds")?;
+                            if !bad.contains(&vb) {
+                                manifest.done.set(real);
+                            }
+                        }
+                        if bad.is_empty() {
+                            dest.file
+                                .sync_data()
+                                .map_err(ControlError::io("fsync of the temp file"))?;
+                            manifest.store(&dest.manifest_path)?;
+                        }
+                        Ok(bad)
+                    })?;
+                    if !bad.is_empty() {
+                        self.stats.integrity_failures.fetch_add(1, Relaxed);
+                        return Err(ControlError::Integrity(format!(
+                            "block(s) {bad:?} of window {} do not match their digests",
+                            d.window_id
+                        )));
+                    }
+                    verified += w.len;
+                    self.stats.bytes_in.fetch_add(w.len, Relaxed);
+                    drop(w);
+                    tx.send(msg(server_msg::Msg::Ack(proto::Ack {
+                        window_id: d.window_id,
+                        resend_blocks: Vec::new(),
+                    })))
+                    .await
+                    .map_err(|_| ControlError::Retryable("client went away".into()))?;
+                    self.grant_more(
+                        &mut wins,
+                        &mut next_voff,
+                        vlen,
+                        Access::REMOTE_WRITE,
+                        tx,
+                        &mut no_fill,
+                    )
+                    .await?;
+                }
+                client_msg::Msg::Commit(c) => {
+                    if verified != vlen || !wins.is_empty() {
+                        return Err(ControlError::Invalid(format!(
+                            "commit after {verified} of {vlen} bytes"
+                        )));
+                    }
+                    let digest = match hasher.take() {
+                        Some(h) => h.finish(),
+                        None => in_place(|| fsutil::sha256_file(&dest.temp_path))?,
+                    };
+                    if c.sha256[..] != digest[..] {
+                        self.stats.integrity_failures.fetch_add(1, Relaxed);
+                        in_place(|| dest.discard());
+                        return Err(ControlError::Integrity(format!(
+                            "whole-file SHA-256 differs: client {} server {}",
+                            hex::encode(&c.sha256),
+                            hex::encode(digest)
+                        )));
+                    }
+                    let (mode, mtime) = if open.preserve {
+                        (Some(open.mode), Some(open.mtime_ns))
+                    } else {
+                        (None, None)
+                    };
+                    in_place(|| dest.commit(mode, mtime))?;
+                    tracing::info!(transfer = transfer_id, path = %relpath, sha256 = %hex::encode(digest), "push committed");
+                    let _ = tx
+                        .send(msg(server_msg::Msg::Committed(proto::Committed {
+                            sha256: digest.to_vec(),
+                            path: relpath,
+                            length: open.length,
+                        })))
+                        .await;
+                    return Ok(());
+                }
+                client_msg::Msg::Abort(a) => {
+                    return Err(ControlError::Retryable(format!(
+                        "client aborted: {}",
+                        a.reason
+                    )))
+                }
+                client_msg::Msg::Open(_) => {
+                    return Err(ControlError::Invalid("Open sent twice".into()))
+                }
+            }
+        }
+    }
+
+    async fn pull(
+        self: Arc<Self>,
+        open: proto::Open,
+        bs: u64,
+        rx: &mut Streaming<ClientMsg>,
+        tx: &Tx,
+    ) -> Result<()> {
+        let src_path = fsutil::confine(&self.cfg.root, &open.path)?;
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&src_path)
+            .map_err(|e| match e.kind() {
+                std::io::ErrorKind::NotFound => ControlError::FileNotFound(open.path.clone()),
+                _ => ControlError::Io {
+                    context: format!("opening {}", open.path),
+                    source: e,
+                },
+            })?;
+        let meta = file
+            .metadata()
+            .map_err(ControlError::io(format!("stat {}", open.path)))?;
+        if !meta.is_file() {
+            return Err(ControlError::Invalid(format!(
+                "{} is not a regular file",
+                open.path
+            )));
+        }
+        let length = meta.len();
+        let mtime = fsutil::mtime_ns(&meta);
+        let mut skip = None;
+        if open.resume && open.have_length == length && open.have_mtime_ns == mtime {
+            skip = Bitmap::from_bytes(open.have_blocks.clone(), length.div_ceil(bs))
+                .filter(|b| !b.is_empty_set());
+        }
+        let resumed = skip.is_some();
+        let moving = moving_blocks(length, bs, skip.as_ref());
+        let vlen = packed_len(length, bs, &moving);
+        let transfer_id = self.next_id.fetch_add(1, Relaxed);
+        let relpath = rel(&self.cfg.root, &src_path);
+        tracing::info!(transfer = transfer_id, path = %relpath, length, resumed, moving = vlen, "pull");
+        tx.send(msg(server_msg::Msg::Opened(proto::Opened {
+            transfer_id,
+            length,
+            block_size: bs,
+            mode: meta.mode() & 0o7777,
+            mtime_ns: mtime,
+            path: relpath.clone(),
+            skip_blocks: skip.map(|s| s.bits).unwrap_or_default(),
+            resumed,
+        })))
+        .await
+        .map_err(|_| ControlError::Retryable("client went away".into()))?;
+
+        let hasher = Mutex::new((!resumed).then(OrderedHasher::new));
+        let mut wins: HashMap<u64, Win> = HashMap::new();
+        let mut next_voff = 0u64;
+        let mut released = 0u64;
+        let mut fill = |span: &PeerSpan, voff: u64, len: u64| -> Result<Vec<Vec<u8>>> {
+            let mut h = hasher.lock().unwrap();
+            in_place(|| fill_window(&file, span, voff, len, bs, &moving, &mut h))
+        };
+        self.grant_more(
+            &mut wins,
+            &mut next_voff,
+            vlen,
+            Access::REMOTE_READ,
+            tx,
+            &mut fill,
+        )
+        .await?;
+        if vlen == 0 {
+            let h = hasher.lock().unwrap().take();
+            self.finish_pull(h, &src_path, tx, &relpath, length).await?;
+        }
+        loop {
+            match self.next_msg(rx).await? {
+                client_msg::Msg::WindowDone(d) => {
+                    let w = wins.remove(&d.window_id).ok_or_else(|| {
+                        ControlError::Invalid(format!(
+                            "window {} is not granted to this transfer",
+                            d.window_id
+                        ))
+                    })?;
+                    released += w.len;
+                    self.stats.bytes_out.fetch_add(w.len, Relaxed);
+                    drop(w);
+                    self.grant_more(
+                        &mut wins,
+                        &mut next_voff,
+                        vlen,
+                        Access::REMOTE_READ,
+                        tx,
+                        &mut fill,
+                    )
+                    .await?;
+                    if released == vlen && wins.is_empty() {
+                        let h = hasher.lock().unwrap().take();
+                        self.finish_pull(h, &src_path, tx, &relpath, length).await?;
+                    }
+                }
+                client_msg::Msg::Commit(c) => {
+                    if released != vlen {
+                        return Err(ControlError::Invalid(format!(
+                            "commit after {released} of {vlen} bytes"
+                        )));
+                    }
+                    tracing::info!(transfer = transfer_id, path = %relpath, sha256 = %hex::encode(&c.sha256), "pull done");
+                    return Ok(());
+                }
+                client_msg::Msg::Abort(a) => {
+                    return Err(ControlError::Retryable(format!(
+                        "client aborted: {}",
+                        a.reason
+                    )))
+                }
+                client_msg::Msg::Open(_) => {
+                    return Err(ControlError::Invalid("Open sent twice".into()))
+                }
+            }
+        }
+    }
+
+    async fn finish_pull(
+        &self,
+        hasher: Option<OrderedHasher>,
+        src: &Path,
+        tx: &Tx,
+        relpath: &str,
+        length: u64,
+    ) -> Result<()> {
+        let digest = match hasher {
+            Some(h) => h.finish(),
+            None => in_place(|| fsutil::sha256_file(src))?,
+        };
+        tx.send(msg(server_msg::Msg::Committed(proto::Committed {
+            sha256: digest.to_vec(),
+            path: relpath.to_string(),
+            length,
+        })))
+        .await
+        .map_err(|_| ControlError::Retryable("client went away".into()))
+    }
+
+    fn stat_entry(&self, p: &Path, relname: String) -> Option<proto::Entry> {
+        let m = std::fs::symlink_metadata(p).ok()?;
+        let ft = m.file_type();
+        let t = if ft.is_file() {
+            proto::FileType::File
+        } else if ft.is_dir() {
+            proto::FileType::Dir
+        } else if ft.is_symlink() {
+            proto::FileType::Symlink
+        } else {
+            proto::FileType::Other
+        };
+        Some(proto::Entry {
+            path: relname,
+            r#type: t as i32,
+            length: m.len(),
+            mode: m.mode() & 0o7777,
+            mtime_ns: fsutil::mtime_ns(&m),
+        })
+    }
+}
+
+fn fill_window(
+    file: &File,
+    span: &PeerSpan,
+    voff: u64,
+    len: u64,
+    bs: u64,
+    moving: &[u64],
+    hasher: &mut Option<OrderedHasher>,
+) -> Result<Vec<Vec<u8>>> {
+    let mut digests = Vec::new();
+    let mut off = 0u64;
+    while off < len {
+        let n = (len - off).min(bs) as usize;
+        let real = moving[((voff + off) / bs) as usize];
+        let d = span
+            .with_mut(off as usize, n, |buf| -> Result<[u8; 32]> {
+                file.read_exact_at(buf, real * bs)
+                    .map_err(ControlError::io("reading the source file"))?;
+                if let Some(h) = hasher.as_mut() {
+                    h.update(real * bs, buf);
+                }
+                Ok(fsutil::sha256(buf))
+            })
+            .expect("window bounds")?;
+        digests.push(d.to_vec());
+        off += n as u64;
+    }
+    Ok(digests)
+}
+
+fn check_space(dir: &Path, need: u64) -> Result<()> {
+    if let Ok(s) = nix::sys::statvfs::statvfs(dir) {
+        let avail = s.blocks_available() * s.fragment_size();
+        if need > avail {
+            return Err(ControlError::Exceeded(format!(
+                "{need} bytes do not fit: {avail} bytes free at the destination"
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn rel(root: &Path, p: &Path) -> String {
+    p.strip_prefix(root)
+        .map(|r| r.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| p.to_string_lossy().into_owned())
+}
+
+/// The gRPC face of [`Service`].
+#[derive(Clone)]
+pub struct RcpService(pub Arc<Service>);
+
+type BoxStream<T> = Pin<Box<dyn Stream<Item = std::result::Result<T, Status>> + Send + 'static>>;
+
+#[tonic::async_trait]
+impl proto::rcp_server::Rcp for RcpService {
+    async fn handshake(
+        &self,
+        req: Request<proto::HandshakeRequest>,
+    ) -> std::result::Result<Response<proto::HandshakeResponse>, Status> {
+        let s = self.0.clone();
+        let r = in_place(|| s.handshake(req.into_inner()))?;
+        Ok(Response::new(r))
+    }
+
+    type TransferStream = BoxStream<ServerMsg>;
+
+    async fn transfer(
+        &self,
+        req: Request<Streaming<ClientMsg>>,
+    ) -> std::result::Result<Response<Self::TransferStream>, Status> {
+        let (tx, rx) = mpsc::channel(64);
+        let s = self.0.clone();
+        tokio::spawn(s.run_transfer(req.into_inner(), tx));
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn reconnect(
+        &self,
+        req: Request<proto::ReconnectRequest>,
+    ) -> std::result::Result<Response<proto::ReconnectResponse>, Status> {
+        Ok(Response::new(in_place(|| {
+            self.0.reconnect(req.into_inner())
+        })?))
+    }
+
+    async fn close_session(
+        &self,
+        req: Request<proto::CloseSessionRequest>,
+    ) -> std::result::Result<Response<proto::CloseSessionResponse>, Status> {
+        let id = req.into_inner().session_id;
+        let s = self.0.sessions.lock().unwrap().remove(&id);
+        match s {
+            Some(s) => {
+                let _ = s.kind;
+                in_place(|| drop(s));
+                Ok(Response::new(proto::CloseSessionResponse {}))
+            }
+            None => Err(Status::invalid_argument(format!("unknown session {id:#x}"))),
+        }
+    }
+
+    async fn stat(
+        &self,
+        req: Request<proto::StatRequest>,
+    ) -> std::result::Result<Response<proto::StatResponse>, Status> {
+        let r = req.into_inner();
+        let p = fsutil::confine(&self.0.cfg.root, &r.path)?;
+        let e = self.0.stat_entry(&p, String::new());
+        Ok(Response::new(proto::StatResponse {
+            exists: e.is_some(),
+            entry: e,
+        }))
+    }
+
+    async fn list(
+        &self,
+        req: Request<proto::ListRequest>,
+    ) -> std::result::Result<Response<proto::ListResponse>, Status> {
+        let r = req.into_inner();
+        let p = fsutil::confine(&self.0.cfg.root, &r.path)?;
+        let m =
+            std::fs::symlink_metadata(&p).map_err(|_| ControlError::DirNotFound(r.path.clone()))?;
+        if !m.is_dir() {
+            return Err(ControlError::DirNotFound(format!("{} is not a directory", r.path)).into());
+        }
+        let entries = in_place(|| -> Result<Vec<proto::Entry>> {
+            let mut out = Vec::new();
+            if r.recursive {
+                let (files, dirs) = fsutil::walk(&p)?;
+                for d in dirs {
+                    if let Some(e) = self.0.stat_entry(&p.join(&d), d.to_string_lossy().into()) {
+                        out.push(e);
+                    }
+                }
+                for f in files {
+                    if let Some(e) = self.0.stat_entry(&p.join(&f), f.to_string_lossy().into()) {
+                        out.push(e);
+                    }
+                }
+            } else {
+                let rd = std::fs::read_dir(&p)
+                    .map_err(ControlError::io(format!("listing {}", r.path)))?;
+                for e in rd.flatten() {
+                    let name = e.file_name().to_string_lossy().into_owned();
+                    if let Some(e) = self.0.stat_entry(&e.path(), name) {
+                        out.push(e);
+                    }
+                }
+            }
+            Ok(out)
+        })?;
+        if entries.len() > 1_000_000 {
+            return Err(Status::resource_exhausted("more than 1000000 entries"));
+        }
+        Ok(Response::new(proto::ListResponse { entries }))
+    }
+
+    type CopyStream = BoxStream<proto::CopyProgress>;
+
+    async fn copy(
+        &self,
+        req: Request<proto::CopyRequest>,
+    ) -> std::result::Result<Response<Self::CopyStream>, Status> {
+        let stream = super::copy::start(self.0.clone(), self.0.cfg.clone(), req.into_inner())?;
+        Ok(Response::new(stream))
+    }
+}
+
+impl Service {
+    pub fn root(&self) -> &Path {
+        &self.cfg.root
+    }
+}
