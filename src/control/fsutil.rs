@@ -256,6 +256,7 @@ pub struct Destination {
     pub temp_path: PathBuf,
     pub manifest_path: PathBuf,
     pub file: File,
+    _lock: nix::fcntl::Flock<File>,
 }
 
 impl Destination {
@@ -272,17 +273,24 @@ impl Destination {
             .custom_flags(libc::O_NOFOLLOW)
             .open(&temp_path)
             .map_err(ControlError::io(format!("creating {temp_path:?}")))?;
-        nix::fcntl::Flock::lock(
-            file.try_clone()
-                .map_err(ControlError::io("cloning a file handle"))?,
-            nix::fcntl::FlockArg::LockExclusiveNonblock,
-        )
-        .map(std::mem::forget)
-        .map_err(|(_, e)| {
-            ControlError::Retryable(format!(
-                "{final_path:?} is being written by another transfer ({e})"
-            ))
-        })?;
+        // The lock lives as long as the Destination: a transfer that dies
+        // releases it with its file handle. Wait a little for one that is
+        // still being torn down (a killed client's stream).
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        let lock = loop {
+            let f = file
+                .try_clone()
+                .map_err(ControlError::io("cloning a file handle"))?;
+            match nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusiveNonblock) {
+                Ok(l) => break l,
+                Err((_, e)) if std::time::Instant::now() >= deadline => {
+                    return Err(ControlError::Retryable(format!(
+                        "{final_path:?} is being written by another transfer ({e})"
+                    )))
+                }
+                Err(_) => std::thread::sleep(std::time::Duration::from_millis(50)),
+            }
+        };
         if !keep {
             file.set_len(0)
                 .map_err(ControlError::io("truncating the temp file"))?;
@@ -294,6 +302,7 @@ impl Destination {
             temp_path,
             manifest_path,
             file,
+            _lock: lock,
         })
     }
 

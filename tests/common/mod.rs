@@ -1,0 +1,177 @@
+//! Helpers shared by the control-plane tests: spawn rcpd, run rcp, compare
+//! digests with the `sha256sum` command.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// target/debug/<name>, next to the test executable's deps/ directory.
+pub fn bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    let dir = exe.parent().and_then(Path::parent).expect("target dir");
+    let p = dir.join(name);
+    assert!(
+        p.exists(),
+        "{} is missing: build it first with `cargo build --workspace`",
+        p.display()
+    );
+    p
+}
+
+pub struct Rcpd {
+    pub child: Child,
+    pub port: u16,
+    pub health: Option<String>,
+    pub metrics: Option<String>,
+    pub root: PathBuf,
+    pub stderr_path: PathBuf,
+}
+
+impl Rcpd {
+    /// Start rcpd on 127.0.0.1 with ephemeral ports.
+    pub fn start(root: &Path, transport: &str, token: Option<&str>, extra: &[&str]) -> Rcpd {
+        let stderr_path = root.with_extension("rcpd.log");
+        let log = std::fs::File::create(&stderr_path).expect("log file");
+        let mut cmd = Command::new(bin("rcpd"));
+        cmd.arg("--root")
+            .arg(root)
+            .args(["--listen", "127.0.0.1:0", "--health-listen", "127.0.0.1:0"])
+            .args(["--metrics-listen", "127.0.0.1:0"])
+            .args(["--transport", transport, "--arena-mib", "64"])
+            .args(extra)
+            .env_remove("RCPD_TOKEN")
+            .env_remove("RCPD_TOKEN_FILE")
+            .stdout(Stdio::piped())
+            .stderr(log);
+        if let Some(t) = token {
+            cmd.env("RCPD_TOKEN", t);
+        }
+        let mut child = cmd.spawn().expect("spawn rcpd");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .expect("rcpd stdout");
+        assert!(
+            line.starts_with("rcpd listening on "),
+            "rcpd did not start: {line:?}; log: {}",
+            std::fs::read_to_string(&stderr_path).unwrap_or_default()
+        );
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let port = words[3].rsplit(':').next().unwrap().parse().unwrap();
+        let after = |k: &str| {
+            words
+                .iter()
+                .position(|w| *w == k)
+                .map(|i| words[i + 1].to_string())
+        };
+        Rcpd {
+            child,
+            port,
+            health: after("health"),
+            metrics: after("metrics"),
+            root: root.to_path_buf(),
+            stderr_path,
+        }
+    }
+
+    pub fn addr(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.stderr_path).unwrap_or_default()
+    }
+}
+
+impl Drop for Rcpd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub struct Run {
+    pub code: i32,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+/// `rcp ARGS` with `-P port`, the transport and optional token.
+pub fn rcp_cmd(port: u16, transport: &str, token: Option<&str>, args: &[&str]) -> Command {
+    let mut cmd = Command::new(bin("rcp"));
+    cmd.args(["-P", &port.to_string(), "--transport", transport])
+        .args(args)
+        .env_remove("RCP_TOKEN")
+        .stdin(Stdio::null());
+    for (k, _) in std::env::vars() {
+        if k.starts_with("RCP_") {
+            cmd.env_remove(k);
+        }
+    }
+    if let Some(t) = token {
+        cmd.env("RCP_TOKEN", t);
+    }
+    cmd
+}
+
+pub fn rcp(port: u16, transport: &str, token: Option<&str>, args: &[&str]) -> Run {
+    let out: Output = rcp_cmd(port, transport, token, args)
+        .output()
+        .expect("run rcp");
+    Run {
+        code: out.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+/// The digest `sha256sum` prints for `p`.
+pub fn sha256sum(p: &Path) -> String {
+    let out = Command::new("sha256sum")
+        .arg(p)
+        .output()
+        .expect("sha256sum");
+    assert!(out.status.success(), "sha256sum {}", p.display());
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_string()
+}
+
+/// A file of `len` pseudo-random bytes (seeded).
+pub fn make_file(p: &Path, len: u64, seed: u64) {
+    let mut f = std::io::BufWriter::new(std::fs::File::create(p).unwrap());
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut left = len;
+    let mut buf = vec![0u8; 1 << 16];
+    while left > 0 {
+        for c in buf.chunks_mut(8) {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            c.copy_from_slice(&x.to_le_bytes()[..c.len()]);
+        }
+        let n = left.min(buf.len() as u64) as usize;
+        f.write_all(&buf[..n]).unwrap();
+        left -= n as u64;
+    }
+    f.flush().unwrap();
+}
+
+/// "(N moved)" from a summary line.
+pub fn moved(summary: &str) -> u64 {
+    let i = summary.find(" moved)").expect("summary has moved bytes");
+    let head = &summary[..i];
+    head.rsplit('(').next().unwrap().trim().parse().unwrap()
+}
+
+pub fn wait_for(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !f() {
+        assert!(t.elapsed() < timeout, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

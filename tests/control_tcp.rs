@@ -1,0 +1,301 @@
+//! End-to-end tests of rcp and rcpd over the TCP provider on 127.0.0.1:
+//! real processes, every digest compared with `sha256sum`.
+
+mod common;
+
+use std::path::Path;
+use std::process::Stdio;
+use std::time::Duration;
+
+use common::*;
+
+const T: &str = "tcp";
+
+fn roundtrip(sizes: &[u64]) {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("root");
+    std::fs::create_dir(&root).unwrap();
+    let d = Rcpd::start(&root, T, None, &[]);
+    let back = tmp.path().join("back");
+    std::fs::create_dir(&back).unwrap();
+    for (i, &len) in sizes.iter().enumerate() {
+        let name = format!("f{len}");
+        let src = tmp.path().join(&name);
+        make_file(&src, len, i as u64 + 1);
+        let want = sha256sum(&src);
+        let r = rcp(
+            d.port,
+            T,
+            None,
+            &["push", src.to_str().unwrap(), "127.0.0.1:/"],
+        );
+        assert_eq!(r.code, 0, "push {len}: {}{}", r.stdout, r.stderr);
+        assert_eq!(sha256sum(&root.join(&name)), want, "pushed {len} bytes");
+        if len > 0 {
+            assert!(
+                r.stdout.contains(&want),
+                "summary has the digest: {}",
+                r.stdout
+            );
+        }
+        assert_eq!(moved(&r.stdout), len);
+        let r = rcp(
+            d.port,
+            T,
+            None,
+            &["pull", &format!("127.0.0.1:{name}"), back.to_str().unwrap()],
+        );
+        assert_eq!(r.code, 0, "pull {len}: {}{}", r.stdout, r.stderr);
+        assert_eq!(sha256sum(&back.join(&name)), want, "pulled {len} bytes");
+    }
+    // No temp files or manifests left behind.
+    for dir in [&root, &back] {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let n = e.unwrap().file_name().to_string_lossy().into_owned();
+            assert!(!n.starts_with('.'), "left behind: {n}");
+        }
+    }
+}
+
+#[test]
+fn push_pull_small_sizes() {
+    roundtrip(&[0, 1, 4095]);
+}
+
+#[test]
+fn push_pull_33mib_plus_7() {
+    roundtrip(&[(33 << 20) + 7]);
+}
+
+#[test]
+fn push_pull_tree_of_200_files() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("root");
+    std::fs::create_dir(&root).unwrap();
+    let d = Rcpd::start(&root, T, None, &[]);
+    let tree = tmp.path().join("tree");
+    let mut files = Vec::new();
+    for i in 0..200u64 {
+        let sub = tree.join(format!("d{}", i % 7)).join(format!("e{}", i % 3));
+        std::fs::create_dir_all(&sub).unwrap();
+        let f = sub.join(format!("file{i}"));
+        make_file(&f, (i * 37) % 5000, i);
+        files.push(f.strip_prefix(&tree).unwrap().to_path_buf());
+    }
+    // A symlink pointing out of the tree is never followed.
+    std::os::unix::fs::symlink("/etc/passwd", tree.join("escape")).unwrap();
+    let r = rcp(
+        d.port,
+        T,
+        None,
+        &["push", "-r", tree.to_str().unwrap(), "127.0.0.1:/"],
+    );
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    assert!(r.stdout.starts_with("200 files"), "{}", r.stdout);
+    assert!(!root.join("tree/escape").exists());
+    for f in &files {
+        assert_eq!(
+            sha256sum(&tree.join(f)),
+            sha256sum(&root.join("tree").join(f)),
+            "{}",
+            f.display()
+        );
+    }
+    let back = tmp.path().join("back");
+    let r = rcp(
+        d.port,
+        T,
+        None,
+        &["pull", "-r", "127.0.0.1:tree", back.to_str().unwrap()],
+    );
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    for f in &files {
+        assert_eq!(
+            sha256sum(&tree.join(f)),
+            sha256sum(&back.join(f)),
+            "{}",
+            f.display()
+        );
+    }
+}
+
+fn dot_files(dir: &Path) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect()
+}
+
+#[test]
+fn push_resume_after_client_killed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("root");
+    std::fs::create_dir(&root).unwrap();
+    let d = Rcpd::start(&root, T, None, &[]);
+    let len = (40u64 << 20) + 123;
+    let src = tmp.path().join("big");
+    make_file(&src, len, 7);
+    let want = sha256sum(&src);
+    let mut child = rcp_cmd(
+        d.port,
+        T,
+        None,
+        &["push", "-q", src.to_str().unwrap(), "127.0.0.1:/"],
+    )
+    .stdout(Stdio::null())
+    .stderr(Stdio::null())
+    .spawn()
+    .unwrap();
+    // Kill it once the server has verified at least one window.
+    let manifest = root.join(".big.rcp-manifest");
+    wait_for("a manifest", Duration::from_secs(60), || manifest.exists());
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(
+        !root.join("big").exists(),
+        "an interrupted copy is never under the final name"
+    );
+    assert!(
+        root.join(".big.rcp-part").exists(),
+        "{:?}",
+        dot_files(&root)
+    );
+    let r = rcp(
+        d.port,
+        T,
+        None,
+        &["push", "--resume", src.to_str().unwrap(), "127.0.0.1:/"],
+    );
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    let m = moved(&r.stdout);
+    assert!(m < len, "resume moved {m} of {len} bytes");
+    assert_eq!(sha256sum(&root.join("big")), want);
+    assert_eq!(dot_files(&root), vec!["big".to_string()]);
+}
+
+#[test]
+fn pull_resume_after_client_killed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("root");
+    std::fs::create_dir(&root).unwrap();
+    let d = Rcpd::start(&root, T, None, &[]);
+    let len = (40u64 << 20) + 5;
+    make_file(&root.join("big"), len, 9);
+    let want = sha256sum(&root.join("big"));
+    let dst = tmp.path().join("dst");
+    std::fs::create_dir(&dst).unwrap();
+    let mut child = rcp_cmd(
+        d.port,
+        T,
+        None,
+        &["pull", "-q", "127.0.0.1:big", dst.to_str().unwrap()],
+    )
+    .stdout(Stdio::null())
+    .stderr(Stdio::null())
+    .spawn()
+    .unwrap();
+    let manifest = dst.join(".big.rcp-manifest");
+    wait_for("a manifest", Duration::from_secs(60), || manifest.exists());
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(
+        !dst.join("big").exists(),
+        "an interrupted copy is never under the final name"
+    );
+    let r = rcp(
+        d.port,
+        T,
+        None,
+        &["pull", "--resume", "127.0.0.1:big", dst.to_str().unwrap()],
+    );
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    let m = moved(&r.stdout);
+    assert!(m < len, "resume moved {m} of {len} bytes");
+    assert_eq!(sha256sum(&dst.join("big")), want);
+    assert_eq!(dot_files(&dst), vec!["big".to_string()]);
+}
+
+#[test]
+fn eight_clients_at_once_with_back_pressure() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("root");
+    std::fs::create_dir(&root).unwrap();
+    // Fewer transfer slots than clients: the excess waits, none fails.
+    let d = Rcpd::start(&root, T, None, &["--max-transfers", "3"]);
+    let mut kids = Vec::new();
+    for i in 0..8u64 {
+        let src = tmp.path().join(format!("c{i}"));
+        make_file(&src, (3 << 20) + i * 1000, 100 + i);
+        let child = rcp_cmd(
+            d.port,
+            T,
+            None,
+            &["push", src.to_str().unwrap(), "127.0.0.1:/"],
+        )
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+        kids.push((src, child));
+    }
+    for (src, child) in kids {
+        let out = child.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}: {}",
+            src.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let name = src.file_name().unwrap();
+        assert_eq!(sha256sum(&src), sha256sum(&root.join(name)));
+    }
+}
+
+#[test]
+fn usage_errors_and_missing_paths_have_their_exit_codes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("root");
+    std::fs::create_dir(&root).unwrap();
+    let d = Rcpd::start(&root, T, None, &[]);
+    // Usage: no HOST: on the destination.
+    let r = rcp(d.port, T, None, &["push", "/etc/hostname", "nowhere"]);
+    assert_eq!(r.code, 1, "{}", r.stderr);
+    // Bad block size.
+    let r = rcp(
+        d.port,
+        T,
+        None,
+        &[
+            "--block-size",
+            "5000",
+            "push",
+            "/etc/hostname",
+            "127.0.0.1:/",
+        ],
+    );
+    assert_eq!(r.code, 1, "{}", r.stderr);
+    // Local file not found.
+    let r = rcp(d.port, T, None, &["push", "/nonexistent/x", "127.0.0.1:/"]);
+    assert_eq!(r.code, 4, "{}", r.stderr);
+    // Remote file not found.
+    let dst = tmp.path().join("dst");
+    std::fs::create_dir(&dst).unwrap();
+    let r = rcp(
+        d.port,
+        T,
+        None,
+        &["pull", "127.0.0.1:nothing", dst.to_str().unwrap()],
+    );
+    assert_eq!(r.code, 4, "{}", r.stderr);
+    // Remote directory not found.
+    let r = rcp(
+        d.port,
+        T,
+        None,
+        &["push", "/etc/hostname", "127.0.0.1:no/such/dir/x"],
+    );
+    assert_eq!(r.code, 3, "{}", r.stderr);
+    // Nothing listening: retryable.
+    let r = rcp(1, T, None, &["push", "/etc/hostname", "127.0.0.1:/"]);
+    assert_eq!(r.code, 5, "{}", r.stderr);
+}
