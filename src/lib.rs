@@ -6,6 +6,7 @@
 //! - [`engine`]: the transfer state machine, plain data, no I/O.
 //! - [`provider`]: the `Domain`/`Channel` interface the data path runs on (verbs or tcp).
 
+pub mod datapath;
 pub mod engine;
 pub mod mem;
 pub mod provider;
