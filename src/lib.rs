@@ -7,6 +7,7 @@
 //! - [`provider`]: the `Domain`/`Channel` interface the data path runs on (verbs or tcp).
 
 pub mod engine;
+pub mod files;
 pub mod mem;
 pub mod provider;
 pub mod verbs;
