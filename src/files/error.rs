@@ -120,11 +120,11 @@ pub enum FileError {
         got: u64,
         expected: u64,
     },
-    #[error("{path}: cannot commit, {missing} of {total} blocks missing")]
+    #[error("{path}: cannot commit, data from offset {missing_from} of {len} never arrived")]
     Incomplete {
         path: PathBuf,
-        missing: u64,
-        total: u64,
+        missing_from: u64,
+        len: u64,
     },
     #[error("{path}: source changed while being read ({what})")]
     SourceChanged { path: PathBuf, what: &'static str },

@@ -3,15 +3,19 @@
 use std::ffi::{OsStr, OsString};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 
+pub mod commit;
 pub mod digest;
 pub mod error;
+pub mod manifest;
 pub mod path;
 pub mod root;
 
+pub use commit::{Destination, DestinationOptions, Preserve, DEFAULT_BLOCK_SIZE};
 pub use digest::{
     block_digest, digest_blocks_parallel, DigestPool, Sha256Digest, StreamingFileDigest,
 };
 pub use error::{DigestError, FileError, ManifestError, PathError, Result};
+pub use manifest::{Manifest, SourceId};
 pub use path::{normalize, RelPath};
 pub use root::{DirHandle, FileKind, FileMeta, ListEntry, Resolver, Root, Timestamp};
 

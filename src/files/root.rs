@@ -126,6 +126,9 @@ impl DirHandle {
     pub fn fd(&self) -> BorrowedFd<'_> {
         self.fd.as_fd()
     }
+    pub(crate) fn fd_owned(&self) -> &OwnedFd {
+        &self.fd
+    }
     /// The path used in messages (root path + relative path on the server).
     pub fn display(&self) -> &Path {
         &self.display

@@ -1,0 +1,501 @@
+//! Behaviour tests of the file layer (src/files): confinement, atomic commit,
+//! streaming digest, resume, O_DIRECT fallback, tree walk.
+
+use std::fs;
+use std::io::Read;
+use std::os::unix::fs::symlink;
+use std::path::Path;
+
+use rcp::files::*;
+
+fn assert_err<T: std::fmt::Debug>(r: Result<T>, pred: impl Fn(&FileError) -> bool, what: &str) {
+    match r {
+        Err(ref e) if pred(e) => {}
+        other => panic!("{what}: unexpected {other:?}"),
+    }
+}
+
+mod confinement {
+    use super::*;
+
+    /// root/ with nested files and hostile symlinks; a secret outside it.
+    fn fixture() -> (tempfile::TempDir, std::path::PathBuf) {
+        let t = tempfile::tempdir().unwrap();
+        let root = t.path().join("root");
+        fs::create_dir_all(root.join("a/b")).unwrap();
+        fs::write(root.join("a/b/c.txt"), "hello").unwrap();
+        fs::create_dir(t.path().join("outside")).unwrap();
+        fs::write(t.path().join("outside/secret.txt"), "secret").unwrap();
+        symlink("b", root.join("a/inner")).unwrap();
+        symlink("../a/b", root.join("a/up")).unwrap();
+        symlink("/etc", root.join("etc")).unwrap();
+        symlink("..", root.join("out")).unwrap();
+        symlink("../outside/secret.txt", root.join("sneak")).unwrap();
+        symlink("chain2", root.join("chain1")).unwrap();
+        symlink("a/../..", root.join("chain2")).unwrap();
+        symlink("loop2", root.join("loop1")).unwrap();
+        symlink("loop1", root.join("loop2")).unwrap();
+        symlink("a/b/c.txt", root.join("direct")).unwrap();
+        nix::unistd::mkfifo(
+            &root.join("fifo"),
+            nix::sys::stat::Mode::from_bits_truncate(0o600),
+        )
+        .unwrap();
+        (t, root)
+    }
+
+    fn roots(dir: &Path) -> Vec<Root> {
+        vec![
+            Root::open_with(dir, Resolver::Openat2).unwrap(),
+            Root::open_with(dir, Resolver::Walk).unwrap(),
+        ]
+    }
+
+    fn read(root: &Root, rel: &str) -> Result<String> {
+        let mut s = String::new();
+        root.open_read(rel)?.read_to_string(&mut s).unwrap();
+        Ok(s)
+    }
+
+    #[test]
+    fn kernel_has_openat2() {
+        let (_t, dir) = fixture();
+        assert_eq!(Root::open(&dir).unwrap().resolver(), Resolver::Openat2);
+    }
+
+    #[test]
+    fn normal_nested_paths_work() {
+        let (_t, dir) = fixture();
+        for root in roots(&dir) {
+            let r = root.resolver();
+            for p in [
+                "a/b/c.txt",
+                "./a//b/c.txt",
+                "a/inner/c.txt",
+                "a/up/c.txt",
+                "direct",
+                "a/x/../b/c.txt",
+            ] {
+                assert_eq!(read(&root, p).unwrap(), "hello", "{r:?} {p}");
+            }
+            let m = root.stat("a/b/c.txt").unwrap();
+            assert_eq!((m.kind, m.len), (FileKind::File, 5));
+            assert_eq!(root.stat("a/inner").unwrap().kind, FileKind::Dir, "{r:?}");
+            assert_eq!(
+                root.lstat("a/inner").unwrap().kind,
+                FileKind::Symlink,
+                "{r:?}"
+            );
+            assert_eq!(root.stat(".").unwrap().kind, FileKind::Dir);
+        }
+    }
+
+    #[test]
+    fn lexical_escapes_refused() {
+        let (_t, dir) = fixture();
+        for root in roots(&dir) {
+            for p in ["../x", "a/../../x", "..", "../root/a/b/c.txt"] {
+                assert_err(
+                    root.open_read(p),
+                    |e| matches!(e, FileError::Path(PathError::Escapes { path }) if path == p),
+                    p,
+                );
+                assert_err(
+                    root.stat(p),
+                    |e| matches!(e, FileError::Path(PathError::Escapes { .. })),
+                    p,
+                );
+            }
+            assert_err(
+                root.open_read("/etc/passwd"),
+                |e| matches!(e, FileError::Path(PathError::Absolute { .. })),
+                "abs",
+            );
+            let msg = root.open_read("a/../../x").unwrap_err().to_string();
+            assert!(
+                msg.contains("a/../../x") && msg.contains("escapes the root"),
+                "{msg}"
+            );
+        }
+    }
+
+    #[test]
+    fn symlinks_leaving_the_root_refused() {
+        let (_t, dir) = fixture();
+        for root in roots(&dir) {
+            let r = root.resolver();
+            for p in [
+                "etc/passwd",
+                "etc",
+                "sneak",
+                "out/outside/secret.txt",
+                "chain1/root/a/b/c.txt",
+                "chain1",
+            ] {
+                assert_err(
+                    root.open_read(p),
+                    |e| matches!(e, FileError::Path(PathError::SymlinkOutside { .. })),
+                    &format!("{r:?} {p}"),
+                );
+                assert_err(
+                    root.stat(p),
+                    |e| matches!(e, FileError::Path(PathError::SymlinkOutside { .. })),
+                    &format!("{r:?} stat {p}"),
+                );
+            }
+            let msg = root.open_read("etc/passwd").unwrap_err().to_string();
+            assert!(
+                msg.contains("etc/passwd") && msg.contains("symlink pointing outside"),
+                "{msg}"
+            );
+            // The link itself may be looked at, not through.
+            assert_eq!(root.lstat("etc").unwrap().kind, FileKind::Symlink);
+            assert_err(
+                root.create_dir_all("etc/x"),
+                |e| matches!(e, FileError::Path(PathError::SymlinkOutside { .. })),
+                "mkdir via etc",
+            );
+            assert_err(
+                root.open_dir("out"),
+                |e| matches!(e, FileError::Path(PathError::SymlinkOutside { .. })),
+                "open_dir out",
+            );
+            assert_err(
+                root.list("etc"),
+                |e| matches!(e, FileError::Path(PathError::SymlinkOutside { .. })),
+                "list etc",
+            );
+        }
+    }
+
+    #[test]
+    fn other_failures_named() {
+        let (_t, dir) = fixture();
+        for root in roots(&dir) {
+            let r = root.resolver();
+            assert_err(
+                root.open_read("loop1"),
+                |e| matches!(e, FileError::Path(PathError::SymlinkLoop { .. })),
+                "loop",
+            );
+            assert_err(
+                root.open_read("nope"),
+                |e| matches!(e, FileError::Path(PathError::NotFound { path }) if path == "nope"),
+                "nope",
+            );
+            assert_err(
+                root.open_read("a/b/c.txt/x"),
+                |e| matches!(e, FileError::Path(PathError::NotADirectory { .. })),
+                "notdir",
+            );
+            assert_err(
+                root.open_read("a"),
+                |e| matches!(e, FileError::Path(PathError::NotRegularFile { .. })),
+                &format!("{r:?} dir"),
+            );
+            // A FIFO is refused, and opening it does not block.
+            assert_err(
+                root.open_read("fifo"),
+                |e| matches!(e, FileError::Path(PathError::NotRegularFile { .. })),
+                "fifo",
+            );
+        }
+    }
+
+    #[test]
+    fn list_sorted_lstat() {
+        let (_t, dir) = fixture();
+        for root in roots(&dir) {
+            let l = root.list("a").unwrap();
+            let names: Vec<_> = l.iter().map(|e| e.name.to_str().unwrap()).collect();
+            assert_eq!(names, ["b", "inner", "up"]);
+            assert_eq!(l[0].meta.kind, FileKind::Dir);
+            assert_eq!(l[1].meta.kind, FileKind::Symlink);
+            // Listing twice gives the same (the dir fd offset is rewound).
+            assert_eq!(root.list("a").unwrap(), l);
+            assert_eq!(root.list("a/inner").unwrap().len(), 1);
+        }
+    }
+
+    #[test]
+    fn create_dir_all_and_symlink() {
+        let (_t, dir) = fixture();
+        for (i, root) in roots(&dir).into_iter().enumerate() {
+            let d = root.create_dir_all(&format!("new{i}/x/y")).unwrap();
+            assert!(dir.join(format!("new{i}/x/y")).is_dir());
+            assert_eq!(d.meta().unwrap().kind, FileKind::Dir);
+            root.create_dir_all(&format!("new{i}/x/y")).unwrap(); // idempotent
+            root.create_dir_all("a/inner/z").unwrap(); // through an in-root symlink
+            assert!(dir.join("a/b/z").is_dir());
+            assert_err(
+                root.create_dir_all("a/b/c.txt/d"),
+                |e| matches!(e, FileError::Path(PathError::NotADirectory { .. })),
+                "mkdir through file",
+            );
+
+            root.symlink(&format!("a/ln{i}"), "b/c.txt").unwrap();
+            assert_eq!(read(&root, &format!("a/ln{i}")).unwrap(), "hello");
+            root.symlink(&format!("a/ln{i}"), "up/c.txt").unwrap(); // atomic replace
+            assert_eq!(
+                fs::read_link(dir.join(format!("a/ln{i}"))).unwrap(),
+                Path::new("up/c.txt")
+            );
+            for t in ["../../x", "/etc", ""] {
+                assert_err(
+                    root.symlink("a/bad", t),
+                    |e| matches!(e, FileError::Path(PathError::SymlinkOutside { .. })),
+                    t,
+                );
+            }
+            assert_err(
+                root.symlink("a/b", "b"),
+                |e| matches!(e, FileError::IsADirectory { .. }),
+                "replace dir",
+            );
+        }
+        // No temporary link names left behind.
+        assert!(fs::read_dir(dir.join("a")).unwrap().all(|e| !e
+            .unwrap()
+            .file_name()
+            .to_string_lossy()
+            .starts_with(".rcp-")));
+    }
+}
+
+/// Names in `dir`, sorted.
+fn names(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
+}
+
+/// Deterministic pseudo-random bytes.
+fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+/// Shuffle deterministically (Fisher-Yates with an xorshift).
+fn shuffle<T>(v: &mut [T], seed: u64) {
+    let mut x = seed | 1;
+    for i in (1..v.len()).rev() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.swap(i, (x % (i as u64 + 1)) as usize);
+    }
+}
+
+mod destination {
+    use super::*;
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+
+    fn opts(bs: u64) -> DestinationOptions {
+        DestinationOptions {
+            block_size: bs,
+            ..Default::default()
+        }
+    }
+
+    /// Write all blocks of `data` in a shuffled order through write_block.
+    fn fill(d: &mut Destination, data: &[u8], seed: u64) {
+        let bs = d.block_size() as usize;
+        let mut idx: Vec<u64> = (0..d.block_count()).collect();
+        shuffle(&mut idx, seed);
+        for i in idx {
+            let b = &data[i as usize * bs..(i as usize * bs + bs).min(data.len())];
+            d.write_block(i, b, block_digest(b)).unwrap();
+        }
+    }
+
+    #[test]
+    fn commit_publishes_atomically_and_replaces() {
+        let t = tempfile::tempdir().unwrap();
+        fs::write(t.path().join("f"), "old contents").unwrap();
+        let dir = DirHandle::open(t.path()).unwrap();
+        let data = pattern(100_000, 1);
+        let mut d = Destination::create(&dir, "f", data.len() as u64, opts(4096)).unwrap();
+        // Pre-sized temp beside the final name; the old file untouched meanwhile.
+        let temp = d.temp_path();
+        let tname = temp.file_name().unwrap().to_str().unwrap().to_owned();
+        assert!(
+            tname.starts_with(".rcp-f.") && tname.ends_with(".part"),
+            "{tname}"
+        );
+        assert_eq!(fs::metadata(&temp).unwrap().len(), 100_000);
+        fill(&mut d, &data, 7);
+        assert_eq!(fs::read(t.path().join("f")).unwrap(), b"old contents");
+        let got = d.commit(block_digest(&data)).unwrap();
+        assert_eq!(got, block_digest(&data));
+        assert_eq!(fs::read(t.path().join("f")).unwrap(), data);
+        assert_eq!(names(t.path()), ["f"]);
+    }
+
+    #[test]
+    fn drop_without_commit_leaves_nothing_and_keeps_existing() {
+        let t = tempfile::tempdir().unwrap();
+        fs::write(t.path().join("keep"), "precious").unwrap();
+        let dir = DirHandle::open(t.path()).unwrap();
+        {
+            let mut d = Destination::create(&dir, "keep", 10_000, opts(4096)).unwrap();
+            d.write_block(0, &[1; 4096], block_digest(&[1; 4096]))
+                .unwrap();
+            assert_eq!(names(t.path()).len(), 2);
+        } // interrupted
+        assert_eq!(names(t.path()), ["keep"]);
+        assert_eq!(fs::read(t.path().join("keep")).unwrap(), b"precious");
+        {
+            let _d = Destination::create(&dir, "new", 10, opts(4096)).unwrap();
+        }
+        assert_eq!(names(t.path()), ["keep"]);
+        let d = Destination::create(&dir, "new", 10, opts(4096)).unwrap();
+        d.abort();
+        assert_eq!(names(t.path()), ["keep"]);
+    }
+
+    #[test]
+    fn wrong_digest_leaves_nothing() {
+        let t = tempfile::tempdir().unwrap();
+        fs::write(t.path().join("f"), "old").unwrap();
+        let dir = DirHandle::open(t.path()).unwrap();
+        let data = pattern(9000, 2);
+        let mut d = Destination::create(&dir, "f", 9000, opts(4096)).unwrap();
+        fill(&mut d, &data, 3);
+        let e = d.commit(block_digest(b"something else")).unwrap_err();
+        assert!(matches!(e, FileError::DigestMismatch { .. }), "{e:?}");
+        assert!(e.to_string().contains("mismatch"), "{e}");
+        assert_eq!(names(t.path()), ["f"]);
+        assert_eq!(fs::read(t.path().join("f")).unwrap(), b"old");
+        // Same with a resumable destination: mismatch also drops the manifest.
+        let mut o = opts(4096);
+        o.resume = Some(SourceId {
+            len: 9000,
+            mtime: Timestamp::default(),
+            fingerprint: [1; 32],
+        });
+        let mut d = Destination::create(&dir, "f", 9000, o).unwrap();
+        fill(&mut d, &data, 4);
+        assert!(d.commit([0; 32]).is_err());
+        assert_eq!(names(t.path()), ["f"]);
+    }
+
+    #[test]
+    fn incomplete_commit_refused() {
+        let t = tempfile::tempdir().unwrap();
+        let dir = DirHandle::open(t.path()).unwrap();
+        let data = pattern(3 * 4096, 5);
+        let mut d = Destination::create(&dir, "f", data.len() as u64, opts(4096)).unwrap();
+        d.write_block(0, &data[..4096], block_digest(&data[..4096]))
+            .unwrap();
+        d.write_block(2, &data[8192..], block_digest(&data[8192..]))
+            .unwrap();
+        assert_eq!(d.missing_blocks(), vec![1]);
+        let e = d.commit(block_digest(&data)).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                FileError::Incomplete {
+                    missing_from: 4096,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        assert!(names(t.path()).is_empty());
+    }
+
+    #[test]
+    fn bad_writes_refused() {
+        let t = tempfile::tempdir().unwrap();
+        let dir = DirHandle::open(t.path()).unwrap();
+        let mut d = Destination::create(&dir, "f", 5000, opts(4096)).unwrap();
+        assert!(matches!(
+            d.write_block(2, &[0; 10], [0; 32]),
+            Err(FileError::OutOfRange { .. })
+        ));
+        assert!(matches!(
+            d.write_block(1, &[0; 4096], [0; 32]),
+            Err(FileError::BadBlock { expected: 904, .. })
+        ));
+        assert!(matches!(
+            d.write_at(4999, &[0; 2]),
+            Err(FileError::OutOfRange { .. })
+        ));
+        fs::create_dir(t.path().join("sub")).unwrap();
+        assert!(matches!(
+            Destination::create(&dir, "sub", 1, opts(4096)),
+            Err(FileError::IsADirectory { .. })
+        ));
+        for bad in ["", "..", "a/b"] {
+            assert!(
+                matches!(
+                    Destination::create(&dir, bad, 1, opts(4096)),
+                    Err(FileError::Path(PathError::BadName { .. }))
+                ),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn preserve_mode_and_mtime() {
+        let t = tempfile::tempdir().unwrap();
+        let dir = DirHandle::open(t.path()).unwrap();
+        let mut o = opts(4096);
+        o.preserve = Some(Preserve {
+            mode: 0o640,
+            mtime: Timestamp {
+                sec: 1_234_567_890,
+                nsec: 123_456_789,
+            },
+        });
+        let mut d = Destination::create(&dir, "p", 3, o).unwrap();
+        d.write_at(0, b"abc").unwrap();
+        d.commit(block_digest(b"abc")).unwrap();
+        let m = fs::metadata(t.path().join("p")).unwrap();
+        assert_eq!(m.permissions().mode() & 0o7777, 0o640);
+        assert_eq!((m.mtime(), m.mtime_nsec()), (1_234_567_890, 123_456_789));
+    }
+
+    #[test]
+    fn empty_file() {
+        let t = tempfile::tempdir().unwrap();
+        let dir = DirHandle::open(t.path()).unwrap();
+        let d = Destination::create(&dir, "e", 0, opts(4096)).unwrap();
+        assert_eq!(d.block_count(), 0);
+        d.commit(block_digest(b"")).unwrap();
+        assert_eq!(fs::metadata(t.path().join("e")).unwrap().len(), 0);
+    }
+
+    #[test]
+    fn digest_backpressure_spills_to_disk() {
+        // 1 KiB of digest memory, 64 x 512-byte blocks in reverse order: nearly all
+        // pieces are re-read from the temp file, result still right.
+        let t = tempfile::tempdir().unwrap();
+        let dir = DirHandle::open(t.path()).unwrap();
+        let data = pattern(64 * 512 - 100, 9);
+        let mut o = opts(512);
+        o.max_pending_digest_bytes = 1024;
+        let mut d = Destination::create(&dir, "bp", data.len() as u64, o).unwrap();
+        for i in (0..d.block_count()).rev() {
+            let b = &data[i as usize * 512..(i as usize * 512 + 512).min(data.len())];
+            d.write_block(i, b, block_digest(b)).unwrap();
+            if i > 0 {
+                assert_eq!(d.digested_up_to(), 0);
+            }
+        }
+        assert_eq!(d.digested_up_to(), data.len() as u64);
+        d.commit(block_digest(&data)).unwrap();
+        assert_eq!(fs::read(t.path().join("bp")).unwrap(), data);
+    }
+}
