@@ -499,3 +499,327 @@ mod destination {
         assert_eq!(fs::read(t.path().join("bp")).unwrap(), data);
     }
 }
+
+mod resume {
+    use super::*;
+
+    const BS: u64 = 4096;
+    const LEN: u64 = 8 * BS - 10;
+
+    fn src() -> SourceId {
+        SourceId {
+            len: LEN,
+            mtime: Timestamp {
+                sec: 1_700_000_000,
+                nsec: 5,
+            },
+            fingerprint: [3; 32],
+        }
+    }
+
+    fn opts(every: u64) -> DestinationOptions {
+        DestinationOptions {
+            block_size: BS,
+            resume: Some(src()),
+            manifest_every_blocks: every,
+            manifest_interval: std::time::Duration::from_secs(3600),
+            ..Default::default()
+        }
+    }
+
+    fn block(data: &[u8], i: u64) -> &[u8] {
+        &data[(i * BS) as usize..((i + 1) * BS).min(data.len() as u64) as usize]
+    }
+
+    fn write(d: &mut Destination, data: &[u8], blocks: &[u64]) {
+        for &i in blocks {
+            d.write_block(i, block(data, i), block_digest(block(data, i)))
+                .unwrap();
+        }
+    }
+
+    fn finish(d: &mut Destination, data: &[u8]) {
+        let missing = d.missing_blocks();
+        write(d, data, &missing);
+    }
+
+    /// Runs in a child process (see `killed_transfer_resumes`): writes some blocks,
+    /// then dies by SIGKILL, so no destructor runs.
+    #[test]
+    fn child_writer() {
+        let Ok(dir) = std::env::var("RCP_FILES_CHILD_DIR") else {
+            return;
+        };
+        let data = pattern(LEN as usize, 11);
+        let dir = DirHandle::open(dir).unwrap();
+        let mut d = Destination::create(&dir, "f", LEN, opts(1)).unwrap();
+        write(&mut d, &data, &[0, 2, 5, 6]);
+        let _ = std::process::Command::new("kill")
+            .args(["-9", &std::process::id().to_string()])
+            .status();
+        std::thread::sleep(std::time::Duration::from_secs(60));
+        unreachable!("not killed");
+    }
+
+    #[test]
+    fn killed_transfer_resumes() {
+        let t = tempfile::tempdir().unwrap();
+        fs::write(t.path().join("f"), "old").unwrap();
+        let st = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "resume::child_writer",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("RCP_FILES_CHILD_DIR", t.path())
+            .status()
+            .unwrap();
+        assert!(!st.success(), "child should have been killed");
+        // Killed mid-copy: the old file is intact, a temp + manifest are left.
+        assert_eq!(fs::read(t.path().join("f")).unwrap(), b"old");
+        let n = names(t.path());
+        assert_eq!(n.len(), 3, "{n:?}");
+        assert!(
+            n[0].ends_with(".part") && n[1].ends_with(".part.manifest"),
+            "{n:?}"
+        );
+
+        let data = pattern(LEN as usize, 11);
+        let dir = DirHandle::open(t.path()).unwrap();
+        let mut d = Destination::resume(&dir, "f", &src(), opts(1))
+            .unwrap()
+            .expect("resumable");
+        assert_eq!(d.missing_blocks(), vec![1, 3, 4, 7]);
+        // Blocks 0 was re-read and hashed; 2, 5, 6 wait for the gap at block 1.
+        assert_eq!(d.digested_up_to(), BS);
+        finish(&mut d, &data);
+        d.commit(block_digest(&data)).unwrap();
+        assert_eq!(fs::read(t.path().join("f")).unwrap(), data);
+        assert_eq!(names(t.path()), ["f"]);
+    }
+
+    #[test]
+    fn dropped_destination_resumes_exact_set() {
+        let t = tempfile::tempdir().unwrap();
+        let dir = DirHandle::open(t.path()).unwrap();
+        let data = pattern(LEN as usize, 12);
+        {
+            // Saves only on drop (every 1000 blocks otherwise).
+            let mut d = Destination::create(&dir, "f", LEN, opts(1000)).unwrap();
+            write(&mut d, &data, &[7, 1, 3]);
+        }
+        assert!(!t.path().join("f").exists());
+        let mut d = Destination::resume(&dir, "f", &src(), opts(1000))
+            .unwrap()
+            .unwrap();
+        assert_eq!(d.missing_blocks(), vec![0, 2, 4, 5, 6]);
+        assert_eq!(d.manifest().blocks.len(), 3);
+        // Suspend again half way, resume again.
+        write(&mut d, &data, &[0, 2]);
+        d.suspend().unwrap();
+        let mut d = Destination::resume(&dir, "f", &src(), opts(1000))
+            .unwrap()
+            .unwrap();
+        assert_eq!(d.missing_blocks(), vec![4, 5, 6]);
+        assert_eq!(d.digested_up_to(), 4 * BS);
+        finish(&mut d, &data);
+        d.commit(block_digest(&data)).unwrap();
+        assert_eq!(fs::read(t.path().join("f")).unwrap(), data);
+        assert_eq!(names(t.path()), ["f"]);
+    }
+
+    #[test]
+    fn mismatched_source_or_block_size_not_resumed() {
+        let t = tempfile::tempdir().unwrap();
+        let dir = DirHandle::open(t.path()).unwrap();
+        let data = pattern(LEN as usize, 13);
+        let mut d = Destination::create(&dir, "f", LEN, opts(1)).unwrap();
+        write(&mut d, &data, &[0]);
+        drop(d);
+        let mut other = src();
+        other.mtime.sec += 1;
+        // Different block size: refused, and the stale pair is removed.
+        let mut o = opts(1);
+        o.block_size = 2 * BS;
+        assert!(Destination::resume(&dir, "f", &src(), o).unwrap().is_none());
+        assert!(names(t.path()).is_empty());
+
+        let mut d = Destination::create(&dir, "f", LEN, opts(1)).unwrap();
+        write(&mut d, &data, &[0]);
+        drop(d);
+        assert!(Destination::resume(&dir, "f", &other, opts(1))
+            .unwrap()
+            .is_none());
+        assert!(names(t.path()).is_empty());
+        // Another final name is not touched by a resume of "f".
+        let d = Destination::create(&dir, "g", LEN, opts(1)).unwrap();
+        drop(d);
+        assert!(Destination::resume(&dir, "f", &src(), opts(1))
+            .unwrap()
+            .is_none());
+        assert_eq!(names(t.path()).len(), 2);
+    }
+
+    #[test]
+    fn corrupted_manifest_not_trusted() {
+        let t = tempfile::tempdir().unwrap();
+        let dir = DirHandle::open(t.path()).unwrap();
+        let data = pattern(LEN as usize, 14);
+        let mut d = Destination::create(&dir, "f", LEN, opts(1)).unwrap();
+        write(&mut d, &data, &[0, 1]);
+        drop(d);
+        let mname = names(t.path())
+            .into_iter()
+            .find(|n| n.ends_with(".manifest"))
+            .unwrap();
+        let mpath = t.path().join(&mname);
+        let mut bytes = fs::read(&mpath).unwrap();
+        let mid = bytes.len() / 2;
+        bytes[mid] ^= 1;
+        fs::write(&mpath, &bytes).unwrap();
+        let e = Manifest::load(&dir, std::ffi::OsStr::new(&mname)).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                FileError::Manifest {
+                    source: ManifestError::Checksum,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        assert!(
+            e.to_string().contains(&mname) && e.to_string().contains("checksum"),
+            "{e}"
+        );
+        assert!(Destination::resume(&dir, "f", &src(), opts(1))
+            .unwrap()
+            .is_none());
+        assert!(names(t.path()).is_empty());
+    }
+
+    #[test]
+    fn corrupted_temp_block_is_resent() {
+        let t = tempfile::tempdir().unwrap();
+        let dir = DirHandle::open(t.path()).unwrap();
+        let data = pattern(LEN as usize, 15);
+        let mut d = Destination::create(&dir, "f", LEN, opts(1)).unwrap();
+        write(&mut d, &data, &[0, 1, 2]);
+        let temp = d.temp_path();
+        drop(d);
+        // Damage block 1 on disk behind the manifest's back.
+        use std::os::unix::fs::FileExt;
+        fs::OpenOptions::new()
+            .write(true)
+            .open(&temp)
+            .unwrap()
+            .write_all_at(b"XX", BS + 7)
+            .unwrap();
+        let mut d = Destination::resume(&dir, "f", &src(), opts(1))
+            .unwrap()
+            .unwrap();
+        assert_eq!(d.missing_blocks(), vec![1, 3, 4, 5, 6, 7]);
+        finish(&mut d, &data);
+        d.commit(block_digest(&data)).unwrap();
+        assert_eq!(fs::read(t.path().join("f")).unwrap(), data);
+    }
+
+    #[test]
+    fn live_transfer_neither_resumed_nor_swept() {
+        let t = tempfile::tempdir().unwrap();
+        let dir = DirHandle::open(t.path()).unwrap();
+        let live = Destination::create(&dir, "f", LEN, opts(1)).unwrap();
+        assert!(Destination::resume(&dir, "f", &src(), opts(1))
+            .unwrap()
+            .is_none());
+        let mut other = src();
+        other.fingerprint = [0; 32];
+        assert!(Destination::resume(&dir, "f", &other, opts(1))
+            .unwrap()
+            .is_none());
+        assert!(live.temp_path().exists());
+        // A non-resumable transfer killed earlier leaves a bare .part: swept.
+        let bare = t.path().join(".rcp-f.0000000000000000.part");
+        fs::write(&bare, "junk").unwrap();
+        assert!(Destination::resume(&dir, "f", &src(), opts(1))
+            .unwrap()
+            .is_none());
+        assert!(!bare.exists());
+        assert!(live.temp_path().exists());
+        live.abort();
+        assert!(names(t.path()).is_empty());
+    }
+}
+
+mod whole_file_digest {
+    use super::*;
+
+    fn sha256sum(path: &Path) -> String {
+        let out = std::process::Command::new("sha256sum")
+            .arg(path)
+            .output()
+            .unwrap();
+        assert!(out.status.success());
+        String::from_utf8(out.stdout)
+            .unwrap()
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .to_owned()
+    }
+
+    #[test]
+    fn known_files_match_sha256sum() {
+        let t = tempfile::tempdir().unwrap();
+        let empty = t.path().join("empty");
+        fs::write(&empty, b"").unwrap();
+        assert_eq!(
+            digest::to_hex(&StreamingFileDigest::new(Some(0), 0).finish().unwrap()),
+            sha256sum(&empty)
+        );
+        let abc = t.path().join("abc");
+        fs::write(&abc, b"abc").unwrap();
+        assert_eq!(digest::to_hex(&block_digest(b"abc")), sha256sum(&abc));
+    }
+
+    #[test]
+    fn shuffled_blocks_equal_sha256sum() {
+        let t = tempfile::tempdir().unwrap();
+        let len = (33 << 20) + 7;
+        let data = pattern(len, 21);
+        let path = t.path().join("big");
+        fs::write(&path, &data).unwrap();
+        let expect = sha256sum(&path);
+
+        let bs = 1 << 20;
+        let mut idx: Vec<usize> = (0..len.div_ceil(bs)).collect();
+        shuffle(&mut idx, 5);
+        let mut s = StreamingFileDigest::new(Some(len as u64), 64 << 20);
+        for &i in &idx {
+            s.update((i * bs) as u64, &data[i * bs..((i + 1) * bs).min(len)])
+                .unwrap();
+        }
+        assert_eq!(s.pending_bytes(), 0);
+        assert_eq!(digest::to_hex(&s.finish().unwrap()), expect);
+
+        // The same through a Destination with a small memory bound (spills to disk).
+        let dir = DirHandle::open(t.path()).unwrap();
+        let o = DestinationOptions {
+            block_size: bs as u64,
+            max_pending_digest_bytes: 4 << 20,
+            ..Default::default()
+        };
+        let mut d = Destination::create(&dir, "copy", len as u64, o).unwrap();
+        let blocks: Vec<&[u8]> = (0..idx.len())
+            .map(|i| &data[i * bs..((i + 1) * bs).min(len)])
+            .collect();
+        let digests = digest_blocks_parallel(&blocks);
+        for &i in &idx {
+            d.write_block(i as u64, blocks[i], digests[i]).unwrap();
+        }
+        let got = d.commit(digest::from_hex(&expect).unwrap()).unwrap();
+        assert_eq!(digest::to_hex(&got), expect);
+        assert_eq!(sha256sum(&t.path().join("copy")), expect);
+    }
+}
