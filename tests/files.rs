@@ -823,3 +823,283 @@ mod whole_file_digest {
         assert_eq!(sha256sum(&t.path().join("copy")), expect);
     }
 }
+
+mod source {
+    use super::*;
+    use std::os::fd::OwnedFd;
+
+    /// A 4096-aligned window of `len` bytes inside a Vec (safe: align_offset).
+    fn aligned(storage: &mut Vec<u8>, len: usize) -> &mut [u8] {
+        storage.resize(len + DIRECT_ALIGN, 0);
+        let off = storage.as_ptr().align_offset(DIRECT_ALIGN);
+        &mut storage[off..off + len]
+    }
+
+    fn check_reads(f: &SourceFile, data: &[u8], expect_direct: bool) {
+        let len = data.len();
+        let bs = 16 * 1024;
+        let mut st = Vec::new();
+        let buf = aligned(&mut st, bs);
+        let mut off = 0;
+        while off < len {
+            let (n, mode) = f.read_at_mode(off as u64, buf).unwrap();
+            assert_eq!(n, bs.min(len - off), "read at {off}");
+            assert_eq!(&buf[..n], &data[off..off + n]);
+            // Whole aligned buffers go direct, including the short last block
+            // (aligned over-read, truncated by the kernel at EOF).
+            let want = if expect_direct {
+                IoMode::Direct
+            } else {
+                IoMode::Buffered
+            };
+            assert_eq!(mode, want, "read at {off}");
+            off += n;
+        }
+        // Exact-length last block (unaligned length) -> buffered path.
+        let tail = len % bs;
+        let last = (len - tail) as u64;
+        let mut v = vec![0u8; tail];
+        assert_eq!(
+            f.read_at_mode(last, &mut v).unwrap(),
+            (tail, IoMode::Buffered)
+        );
+        assert_eq!(&v[..], &data[len - tail..]);
+        // Unaligned offset -> buffered.
+        let mut st2 = Vec::new();
+        let b2 = aligned(&mut st2, 4096);
+        assert_eq!(f.read_at_mode(100, b2).unwrap().1, IoMode::Buffered);
+        assert_eq!(&b2[..], &data[100..4196]);
+        // Past the end.
+        assert_eq!(f.read_at(len as u64 + 4096, b2).unwrap(), 0);
+    }
+
+    #[test]
+    fn direct_when_possible_and_buffered_otherwise() {
+        let t = tempfile::tempdir().unwrap();
+        let data = pattern(5 * 16 * 1024 + 1234, 31);
+        let p = t.path().join("src.bin");
+        fs::write(&p, &data).unwrap();
+        let f = SourceFile::open(&p).unwrap();
+        eprintln!(
+            "SourceFile on {}: io_mode = {:?} ({:?})",
+            t.path().display(),
+            f.io_mode(),
+            f.direct_unavailable()
+        );
+        let direct = f.io_mode() == IoMode::Direct;
+        check_reads(&f, &data, direct);
+        let s = f.stats();
+        assert!(s.buffered_reads >= 2);
+        if direct {
+            assert_eq!(s.direct_reads, 6);
+        }
+        assert_eq!(f.len(), data.len() as u64);
+        assert_eq!(f.source_id().fingerprint, block_digest(&data[..64 << 10]));
+        f.check_unchanged().unwrap();
+        // Growing the file is noticed.
+        use std::io::Write;
+        fs::OpenOptions::new()
+            .append(true)
+            .open(&p)
+            .unwrap()
+            .write_all(b"more")
+            .unwrap();
+        assert!(matches!(
+            f.check_unchanged(),
+            Err(FileError::SourceChanged {
+                what: "length changed",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn o_direct_refused_falls_back_to_buffered() {
+        // File systems that refuse O_DIRECT fail the open with EINVAL; this kernel's
+        // tmpfs and ext4 both accept it, so the refusal is injected at the open.
+        let t = tempfile::tempdir().unwrap();
+        let data = pattern(3 * 16 * 1024 + 99, 32);
+        let p = t.path().join("src.bin");
+        fs::write(&p, &data).unwrap();
+        let f = SourceFile::from_opener(&p, |direct| -> std::io::Result<OwnedFd> {
+            if direct {
+                return Err(std::io::Error::from_raw_os_error(libc::EINVAL));
+            }
+            Ok(fs::File::open(&p)?.into())
+        })
+        .unwrap();
+        assert_eq!(f.io_mode(), IoMode::Buffered);
+        assert!(f.direct_unavailable().unwrap().contains("Invalid argument"));
+        eprintln!("injected EINVAL: io_mode = {:?}", f.io_mode());
+        check_reads(&f, &data, false);
+        assert_eq!(f.stats().direct_reads, 0);
+    }
+
+    #[test]
+    fn tmpfs_mode_reported() {
+        let Ok(t) = tempfile::tempdir_in("/dev/shm") else {
+            return;
+        };
+        let p = t.path().join("x");
+        fs::write(&p, pattern(10_000, 33)).unwrap();
+        let f = SourceFile::open(&p).unwrap();
+        eprintln!(
+            "SourceFile on tmpfs /dev/shm: io_mode = {:?} ({:?})",
+            f.io_mode(),
+            f.direct_unavailable()
+        );
+        let data = fs::read(&p).unwrap();
+        let mut st = Vec::new();
+        let buf = aligned(&mut st, 16384);
+        assert_eq!(f.read_at(0, buf).unwrap(), 10_000);
+        assert_eq!(&buf[..10_000], &data[..]);
+    }
+
+    #[test]
+    fn open_in_root_is_confined() {
+        let t = tempfile::tempdir().unwrap();
+        fs::create_dir(t.path().join("r")).unwrap();
+        fs::write(t.path().join("r/f"), "data").unwrap();
+        fs::write(t.path().join("secret"), "s").unwrap();
+        symlink("../secret", t.path().join("r/s")).unwrap();
+        let root = Root::open(t.path().join("r")).unwrap();
+        let f = SourceFile::open_in(&root, "f").unwrap();
+        let mut b = [0u8; 4];
+        assert_eq!(f.read_at(0, &mut b).unwrap(), 4);
+        assert_eq!(&b, b"data");
+        assert!(matches!(
+            SourceFile::open_in(&root, "s"),
+            Err(FileError::Path(PathError::SymlinkOutside { .. }))
+        ));
+        assert!(matches!(
+            SourceFile::open_in(&root, "../secret"),
+            Err(FileError::Path(PathError::Escapes { .. }))
+        ));
+        assert!(matches!(
+            SourceFile::open_in(&root, "."),
+            Err(FileError::Path(PathError::NotRegularFile { .. }))
+        ));
+    }
+}
+
+mod tree {
+    use super::*;
+
+    #[test]
+    fn walk_order_kinds_and_symlink_policy() {
+        let t = tempfile::tempdir().unwrap();
+        let top = t.path().join("top");
+        fs::create_dir_all(top.join("b/deep")).unwrap();
+        fs::create_dir_all(top.join("a")).unwrap();
+        fs::write(top.join("z.txt"), "zz").unwrap();
+        fs::write(top.join("b/deep/f"), "f").unwrap();
+        fs::write(top.join("a/1"), "1").unwrap();
+        symlink("deep/f", top.join("b/in")).unwrap(); // inside: kept
+        symlink("../a", top.join("b/up")).unwrap(); // inside: kept
+        symlink("nowhere", top.join("dangling")).unwrap(); // inside, dangling: kept
+        symlink("/etc", top.join("abs")).unwrap(); // skipped
+        symlink("../../x", top.join("b/out")).unwrap(); // skipped
+        symlink("..", top.join("parent")).unwrap(); // skipped: never followed
+        nix::unistd::mkfifo(
+            &top.join("fifo"),
+            nix::sys::stat::Mode::from_bits_truncate(0o600),
+        )
+        .unwrap();
+
+        let tree = walk(&top).unwrap();
+        let got: Vec<(String, EntryKind)> = tree
+            .entries
+            .iter()
+            .map(|e| (e.rel_path.to_string_lossy().into_owned(), e.kind))
+            .collect();
+        use EntryKind::*;
+        let want = [
+            ("a", Dir),
+            ("a/1", File),
+            ("b", Dir),
+            ("b/deep", Dir),
+            ("b/deep/f", File),
+            ("b/in", Symlink),
+            ("b/up", Symlink),
+            ("dangling", Symlink),
+            ("z.txt", File),
+        ];
+        let want: Vec<(String, EntryKind)> =
+            want.iter().map(|(p, k)| (p.to_string(), *k)).collect();
+        assert_eq!(got, want);
+        let z = tree
+            .entries
+            .iter()
+            .find(|e| e.rel_path == Path::new("z.txt"))
+            .unwrap();
+        assert_eq!(z.len, 2);
+        let up = tree
+            .entries
+            .iter()
+            .find(|e| e.rel_path == Path::new("b/up"))
+            .unwrap();
+        assert_eq!(up.symlink_target.as_deref(), Some(Path::new("../a")));
+        let skipped: Vec<(String, &str)> = tree
+            .skipped
+            .iter()
+            .map(|s| (s.rel_path.to_string_lossy().into_owned(), s.reason))
+            .collect();
+        assert_eq!(
+            skipped,
+            [
+                ("abs".to_string(), "absolute symlink"),
+                ("b/out".to_string(), "symlink pointing outside the tree"),
+                (
+                    "fifo".to_string(),
+                    "not a regular file, directory or symlink"
+                ),
+                ("parent".to_string(), "symlink pointing outside the tree"),
+            ]
+        );
+        // Deterministic.
+        assert_eq!(walk(&top).unwrap(), tree);
+        // Same through a Root (server side), and the kept links recreate fine.
+        let root = Root::open(t.path()).unwrap();
+        let rt = root.walk("top").unwrap();
+        assert_eq!(rt.entries, tree.entries);
+        fs::create_dir(t.path().join("copy")).unwrap();
+        for e in &rt.entries {
+            let dst = format!("copy/{}", e.rel_path.display());
+            match e.kind {
+                Dir => drop(root.create_dir_all(&dst).unwrap()),
+                Symlink => root
+                    .symlink(&dst, e.symlink_target.as_ref().unwrap().to_str().unwrap())
+                    .unwrap(),
+                File => {}
+            }
+        }
+        assert_eq!(
+            fs::read_link(t.path().join("copy/b/in")).unwrap(),
+            Path::new("deep/f")
+        );
+    }
+
+    #[test]
+    fn scp_destination_semantics() {
+        let rd = |d: &str, is_dir, s: &str, multi| {
+            resolve_destination(Path::new(d), is_dir, std::ffi::OsStr::new(s), multi)
+        };
+        // push f to existing dir: inside.
+        assert_eq!(rd("dir", true, "f", false).unwrap(), Path::new("dir/f"));
+        assert_eq!(rd("dir/", true, "f", false).unwrap(), Path::new("dir/f"));
+        // push f to a new name: that name.
+        assert_eq!(rd("new", false, "f", false).unwrap(), Path::new("new"));
+        // host: (empty) is ".".
+        assert_eq!(rd("", true, "f", false).unwrap(), Path::new("./f"));
+        // multiple sources need an existing dir.
+        assert_eq!(rd("dir", true, "g", true).unwrap(), Path::new("dir/g"));
+        let e = rd("new", false, "f", true).unwrap_err();
+        assert!(e.to_string().contains("multiple sources"), "{e}");
+        // trailing slash on something that is not a dir: refused.
+        let e = rd("new/", false, "f", false).unwrap_err();
+        assert!(e.to_string().contains("ends with '/'"), "{e}");
+        // source names must be plain.
+        assert!(rd("dir", true, "..", false).is_err());
+        assert!(rd("dir", true, "a/b", false).is_err());
+    }
+}

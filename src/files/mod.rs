@@ -8,7 +8,9 @@ pub mod digest;
 pub mod error;
 pub mod manifest;
 pub mod path;
+pub mod reader;
 pub mod root;
+pub mod tree;
 
 pub use commit::{Destination, DestinationOptions, Preserve, DEFAULT_BLOCK_SIZE};
 pub use digest::{
@@ -17,7 +19,9 @@ pub use digest::{
 pub use error::{DigestError, FileError, ManifestError, PathError, Result};
 pub use manifest::{Manifest, SourceId};
 pub use path::{normalize, RelPath};
+pub use reader::{IoMode, ReadStats, SourceFile, DIRECT_ALIGN};
 pub use root::{DirHandle, FileKind, FileMeta, ListEntry, Resolver, Root, Timestamp};
+pub use tree::{resolve_destination, walk, Entry, EntryKind, Skipped, Tree};
 
 /// The prefix of every temporary object next to `name`: `.rcp-<name, at most 200 bytes>.`
 pub(crate) fn temp_prefix(name: &OsStr) -> Vec<u8> {
