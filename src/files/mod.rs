@@ -1,4 +1,39 @@
-//! The file layer (placeholder doc, rewritten below).
+//! The file layer: everything rcp does with files on disk, no networking.
+//!
+//! # Types that matter
+//! - [`Root`] (server): the served directory. Every remote path string goes through
+//!   [`normalize`] and is then resolved *beneath* the root fd
+//!   (`openat2(RESOLVE_BENEATH|RESOLVE_NO_MAGICLINKS)`, or an `O_NOFOLLOW` walk on
+//!   old kernels). Gives [`Root::open_read`], [`Root::stat`]/[`Root::lstat`],
+//!   [`Root::list`], [`Root::open_dir`], [`Root::create_dir_all`],
+//!   [`Root::symlink`], [`Root::walk`]. Refusals are [`PathError`]s naming the path:
+//!   `Absolute`, `Escapes`, `SymlinkOutside`, `SymlinkLoop`, `NotFound`,
+//!   `NotADirectory`, `NotRegularFile`, ...
+//! - [`DirHandle`]: an open directory to create files in: from [`Root::open_dir`] /
+//!   [`Root::create_dir_all`] (server) or [`DirHandle::open`] (client, local path).
+//! - [`Destination`] (receiving side): a temp file `.rcp-<final>.<random>.part` in
+//!   that directory; `write_block`/`write_at` verified data; `commit(expected_sha256)`
+//!   checks the whole-file digest, applies `-p`, fsyncs, renames into place, fsyncs
+//!   the directory. With [`DestinationOptions::resume`] set, a manifest
+//!   ([`Manifest`]) next to it records verified blocks, and [`Destination::resume`]
+//!   picks an interrupted copy back up.
+//! - [`SourceFile`] (sending side): length/mode/mtime, a [`SourceId`], and
+//!   `read_at` straight into the caller's (registered) buffer, `O_DIRECT` when
+//!   aligned, buffered otherwise ([`IoMode`]).
+//! - [`digest`]: [`block_digest`], [`digest_blocks_parallel`], [`DigestPool`], and
+//!   [`StreamingFileDigest`], the `sha256sum` of a file fed from out-of-order blocks.
+//! - [`tree`]: [`walk`] for `-r` (never follows symlinks) and
+//!   [`resolve_destination`] (scp naming rules).
+//!
+//! # Invariants
+//! - **No partial file under a final name.** Data is only ever written to the
+//!   `.rcp-…part` temp file; the final name appears (or an existing file there is
+//!   replaced) in one `renameat`, after the whole-file SHA-256 matched. Failure,
+//!   abort, drop or SIGKILL leave the final name as it was.
+//! - **Paths confined beneath the root.** No remote path, `..`, or symlink (however
+//!   chained) resolves outside [`Root`]; every step is relative to an fd already
+//!   beneath it. Names given for new objects are single plain components.
+//! - No `unsafe` here: fds are owned (`OwnedFd`/`File`) via `rustix`.
 
 use std::ffi::{OsStr, OsString};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
