@@ -8,6 +8,7 @@
 
 pub mod datapath;
 pub mod engine;
+pub mod files;
 pub mod mem;
 pub mod provider;
 pub mod verbs;
