@@ -8,7 +8,9 @@
 //! - [`control`]: the gRPC control plane, rcpd's service, the client library and `rcp`'s logic.
 
 pub mod control;
+pub mod datapath;
 pub mod engine;
+pub mod files;
 pub mod mem;
 pub mod provider;
 pub mod verbs;

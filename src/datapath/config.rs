@@ -1,0 +1,401 @@
+//! Data-path configuration: set in code, overridable from the environment.
+//!
+//! [`DataPathConfig::default`] holds the tuned defaults (chains of 32
+//! signaled at the tail, inline up to 64 bytes, busy polling);
+//! [`DataPathConfig::from_env`] applies `RCP_BATCH`, `RCP_SIGNAL_EVERY`,
+//! `RCP_INLINE`, `RCP_POLL_MODE` (`poll|event|hybrid[:K]`) and `RCP_CQ_CPU`
+//! on top, and refuses bad values with an error that names the variable and
+//! the value.
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+use crate::engine::{BatchPolicy, OpKind, TransferConfig};
+use crate::provider::ChannelCaps;
+
+/// Default number of empty polls before hybrid mode arms and sleeps.
+pub const DEFAULT_EMPTY_POLLS: u32 = 1024;
+
+/// How the completion thread waits for completions.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PollMode {
+    /// Busy poll (the default): lowest latency, one core at 100 %.
+    #[default]
+    Poll,
+    /// Arm, poll once more (closes the race), then sleep on the event.
+    Event,
+    /// Busy poll; after `empty_polls` empty polls in a row, arm and sleep;
+    /// on wake drain and go back to polling.
+    Hybrid {
+        /// Empty polls in a row before sleeping.
+        empty_polls: u32,
+    },
+}
+
+impl fmt::Display for PollMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PollMode::Poll => f.write_str("poll"),
+            PollMode::Event => f.write_str("event"),
+            PollMode::Hybrid { empty_polls } => write!(f, "hybrid:{empty_polls}"),
+        }
+    }
+}
+
+impl FromStr for PollMode {
+    type Err = String;
+    /// `poll`, `event`, `hybrid` (K = 1024) or `hybrid:K` (K >= 1).
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "poll" => Ok(PollMode::Poll),
+            "event" => Ok(PollMode::Event),
+            "hybrid" => Ok(PollMode::Hybrid {
+                empty_polls: DEFAULT_EMPTY_POLLS,
+            }),
+            other => match other.strip_prefix("hybrid:").map(str::parse::<u32>) {
+                Some(Ok(k)) if k >= 1 => Ok(PollMode::Hybrid { empty_polls: k }),
+                _ => Err("expected poll, event, hybrid or hybrid:K (K >= 1)".into()),
+            },
+        }
+    }
+}
+
+/// Exponential backoff between reconnect attempts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Backoff {
+    /// Delay after the first failed attempt.
+    pub initial: Duration,
+    /// Multiplier per failed attempt.
+    pub factor: u32,
+    /// Largest delay.
+    pub cap: Duration,
+    /// Attempts before giving up (>= 1).
+    pub max_attempts: u32,
+}
+
+impl Default for Backoff {
+    /// 50 ms, x2, capped at 2 s, 8 attempts.
+    fn default() -> Self {
+        Backoff {
+            initial: Duration::from_millis(50),
+            factor: 2,
+            cap: Duration::from_secs(2),
+            max_attempts: 8,
+        }
+    }
+}
+
+impl Backoff {
+    /// Delay after failed attempt `n` (0-based).
+    pub fn delay(&self, n: u32) -> Duration {
+        let mul = self.factor.max(1).saturating_pow(n);
+        self.initial.saturating_mul(mul).min(self.cap)
+    }
+}
+
+/// A configuration value that cannot work.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    /// An environment override could not be parsed or is out of range.
+    #[error("{var}={value:?}: {reason}")]
+    Env {
+        /// The variable.
+        var: &'static str,
+        /// Its value.
+        value: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A field out of range.
+    #[error("{field} = {value}: {reason}")]
+    Field {
+        /// The field.
+        field: &'static str,
+        /// Its value.
+        value: String,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+/// How the data path runs a transfer over a channel.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DataPathConfig {
+    /// Chain length per doorbell, `1..=64`.
+    pub batch: usize,
+    /// Signal every n-th request of a chain (the last one always), `1..=batch`.
+    pub signal_every: usize,
+    /// Inline writes up to this many bytes; `None`: min(64, channel caps);
+    /// `Some(0)` disables. Always clamped to the channel's caps.
+    pub max_inline: Option<u32>,
+    /// How the completion thread waits.
+    pub poll_mode: PollMode,
+    /// Pin the completion thread to this CPU (`None`: unpinned).
+    pub cq_cpu: Option<usize>,
+    /// A request outstanding this long fails the epoch (zero disables).
+    pub request_timeout: Duration,
+    /// How long the error path waits for the failed epoch's flushes before
+    /// reconnecting anyway (providers that do not flush unsignaled requests).
+    pub flush_timeout: Duration,
+    /// Between reconnect attempts.
+    pub backoff: Backoff,
+    /// Reconnects in a row without progress before the transfer fails.
+    pub max_retries: u32,
+    /// Benchmark knob, never for real transfers: post only the first N bytes
+    /// of each block (perftest-style small messages; engine blocks are at
+    /// least 4 KiB). The rest of each block is not moved.
+    pub payload_cap: Option<u32>,
+}
+
+impl Default for DataPathConfig {
+    fn default() -> Self {
+        DataPathConfig {
+            batch: 32,
+            signal_every: 32,
+            max_inline: None,
+            poll_mode: PollMode::Poll,
+            cq_cpu: None,
+            request_timeout: Duration::from_secs(30),
+            flush_timeout: Duration::from_secs(2),
+            backoff: Backoff::default(),
+            max_retries: 3,
+            payload_cap: None,
+        }
+    }
+}
+
+fn env_parse<T: FromStr>(
+    get: &dyn Fn(&str) -> Option<String>,
+    var: &'static str,
+) -> Result<Option<T>, ConfigError>
+where
+    T::Err: fmt::Display,
+{
+    match get(var) {
+        None => Ok(None),
+        Some(value) => value
+            .trim()
+            .parse::<T>()
+            .map(Some)
+            .map_err(|e| ConfigError::Env {
+                var,
+                value: value.clone(),
+                reason: e.to_string(),
+            }),
+    }
+}
+
+impl DataPathConfig {
+    /// Defaults with the completion thread pinned to a CPU of `numa_node`
+    /// (the device's), when the platform says which CPUs it has.
+    pub fn for_numa_node(numa_node: Option<u32>) -> Self {
+        DataPathConfig {
+            cq_cpu: numa_node.and_then(default_cq_cpu),
+            ..Default::default()
+        }
+    }
+
+    /// `self` with the `RCP_*` environment overrides applied and validated.
+    pub fn from_env(self) -> Result<Self, ConfigError> {
+        self.with_overrides(&|k| std::env::var(k).ok().filter(|v| !v.is_empty()))
+    }
+
+    /// [`from_env`](Self::from_env) over any variable source (testable).
+    pub fn with_overrides(
+        mut self,
+        get: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Self, ConfigError> {
+        let range = |var: &'static str, v: usize, lo: usize, hi: usize| {
+            if (lo..=hi).contains(&v) {
+                Ok(v)
+            } else {
+                Err(ConfigError::Env {
+                    var,
+                    value: v.to_string(),
+                    reason: format!("out of range {lo}..={hi}"),
+                })
+            }
+        };
+        if let Some(b) = env_parse::<usize>(get, "RCP_BATCH")? {
+            self.batch = range("RCP_BATCH", b, 1, 64)?;
+            // A smaller batch drags signal_every along unless set too.
+            self.signal_every = self.signal_every.min(self.batch);
+        }
+        if let Some(s) = env_parse::<usize>(get, "RCP_SIGNAL_EVERY")? {
+            self.signal_every = range("RCP_SIGNAL_EVERY", s, 1, self.batch)?;
+        }
+        if let Some(i) = env_parse::<u32>(get, "RCP_INLINE")? {
+            self.max_inline = Some(i);
+        }
+        if let Some(m) = env_parse::<PollMode>(get, "RCP_POLL_MODE")? {
+            self.poll_mode = m;
+        }
+        if let Some(v) = get("RCP_CQ_CPU") {
+            self.cq_cpu = match v.trim() {
+                "none" | "-1" => None,
+                s => {
+                    let cpu = s.parse::<usize>().map_err(|e| ConfigError::Env {
+                        var: "RCP_CQ_CPU",
+                        value: v.clone(),
+                        reason: format!("{e} (a CPU number or none)"),
+                    })?;
+                    if cpu >= libc::CPU_SETSIZE as usize {
+                        return Err(ConfigError::Env {
+                            var: "RCP_CQ_CPU",
+                            value: v,
+                            reason: format!("beyond CPU_SETSIZE {}", libc::CPU_SETSIZE),
+                        });
+                    }
+                    Some(cpu)
+                }
+            };
+        }
+        self.validate()?;
+        Ok(self)
+    }
+
+    /// Check the fields that have ranges.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        BatchPolicy::new(self.batch, self.signal_every).map_err(|e| ConfigError::Field {
+            field: "batch/signal_every",
+            value: format!("{}/{}", self.batch, self.signal_every),
+            reason: e.to_string(),
+        })?;
+        if self.backoff.max_attempts == 0 {
+            return Err(ConfigError::Field {
+                field: "backoff.max_attempts",
+                value: "0".into(),
+                reason: "at least one reconnect attempt".into(),
+            });
+        }
+        if self.payload_cap == Some(0) {
+            return Err(ConfigError::Field {
+                field: "payload_cap",
+                value: "0".into(),
+                reason: "a message carries at least one byte".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// The inline limit on a channel with `caps`.
+    pub fn inline_for(&self, caps: &ChannelCaps) -> u32 {
+        self.max_inline.unwrap_or(64).min(caps.max_inline)
+    }
+
+    /// The engine configuration for a transfer of `file_len` bytes in blocks
+    /// of `block_size` over a channel with `caps`.
+    pub fn transfer_config(
+        &self,
+        op: OpKind,
+        file_len: u64,
+        block_size: u64,
+        caps: &ChannelCaps,
+    ) -> Result<TransferConfig, ConfigError> {
+        self.validate()?;
+        let mut t = TransferConfig::new(op, file_len, block_size, caps.sq_depth as usize);
+        t.batch = BatchPolicy::new(self.batch, self.signal_every).expect("validated");
+        t.max_inline = self.inline_for(caps);
+        t.request_timeout_ns = self.request_timeout.as_nanos().min(u64::MAX as u128) as u64;
+        t.max_retries = self.max_retries;
+        Ok(t)
+    }
+}
+
+/// The CPU to pin a completion thread to on `node`: the node's last CPU
+/// (CPU 0 of a node tends to take the most interrupts).
+pub fn default_cq_cpu(node: u32) -> Option<usize> {
+    crate::mem::numa::node_cpus(node).last().copied()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn with(vars: &[(&str, &str)]) -> Result<DataPathConfig, ConfigError> {
+        let m: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        DataPathConfig::default().with_overrides(&move |k| m.get(k).cloned())
+    }
+
+    #[test]
+    fn defaults() {
+        let c = DataPathConfig::default();
+        assert_eq!((c.batch, c.signal_every), (32, 32));
+        assert_eq!(c.poll_mode, PollMode::Poll);
+        assert_eq!(c.max_inline, None);
+        let caps = ChannelCaps {
+            sq_depth: 128,
+            max_inline: 220,
+            max_sge: 1,
+        };
+        assert_eq!(c.inline_for(&caps), 64);
+        let small = ChannelCaps {
+            max_inline: 28,
+            ..caps
+        };
+        assert_eq!(c.inline_for(&small), 28);
+        let t = c
+            .transfer_config(OpKind::Write, 1 << 20, 4096, &caps)
+            .unwrap();
+        assert_eq!((t.sq_depth, t.max_inline, t.batch.batch), (128, 64, 32));
+    }
+
+    #[test]
+    fn overrides_apply() {
+        let c = with(&[
+            ("RCP_BATCH", "16"),
+            ("RCP_SIGNAL_EVERY", "4"),
+            ("RCP_INLINE", "0"),
+            ("RCP_POLL_MODE", "hybrid:10"),
+            ("RCP_CQ_CPU", "1"),
+        ])
+        .unwrap();
+        assert_eq!((c.batch, c.signal_every, c.max_inline), (16, 4, Some(0)));
+        assert_eq!(c.poll_mode, PollMode::Hybrid { empty_polls: 10 });
+        assert_eq!(c.cq_cpu, Some(1));
+        assert_eq!(
+            with(&[("RCP_POLL_MODE", "hybrid")]).unwrap().poll_mode,
+            PollMode::Hybrid { empty_polls: 1024 }
+        );
+        assert_eq!(
+            with(&[("RCP_POLL_MODE", "event")]).unwrap().poll_mode,
+            PollMode::Event
+        );
+        // A smaller batch pulls the default signal_every down with it.
+        assert_eq!(with(&[("RCP_BATCH", "1")]).unwrap().signal_every, 1);
+        assert_eq!(with(&[("RCP_CQ_CPU", "none")]).unwrap().cq_cpu, None);
+    }
+
+    #[test]
+    fn bad_values_name_variable_and_value() {
+        for (var, val) in [
+            ("RCP_BATCH", "0"),
+            ("RCP_BATCH", "65"),
+            ("RCP_BATCH", "lots"),
+            ("RCP_SIGNAL_EVERY", "33"),
+            ("RCP_SIGNAL_EVERY", "0"),
+            ("RCP_INLINE", "-1"),
+            ("RCP_POLL_MODE", "spin"),
+            ("RCP_POLL_MODE", "hybrid:0"),
+            ("RCP_CQ_CPU", "x"),
+            ("RCP_CQ_CPU", "100000"),
+        ] {
+            let e = with(&[(var, val)]).unwrap_err().to_string();
+            assert!(e.contains(var), "{e}");
+            assert!(e.contains(val), "{e}");
+        }
+    }
+
+    #[test]
+    fn backoff_doubles_and_caps() {
+        let b = Backoff::default();
+        let d: Vec<u64> = (0..8).map(|n| b.delay(n).as_millis() as u64).collect();
+        assert_eq!(d, [50, 100, 200, 400, 800, 1600, 2000, 2000]);
+        assert_eq!(b.delay(40), Duration::from_secs(2));
+    }
+}

@@ -1,0 +1,150 @@
+//! A fake channel for unit tests: completes signaled requests in order at
+//! post time, enforces the send-queue depth, and can inject an error at the
+//! n-th request (everything after it is flushed until `reset`).
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Condvar, Mutex};
+use std::time::Duration;
+
+use crate::engine::{WcStatus, WorkCompletion, WorkRequest};
+use crate::provider::{Channel, ChannelCaps, PostFailure, ProviderError, ProviderKind};
+
+#[derive(Default)]
+struct Inner {
+    /// Posted and not yet retired by a polled completion: (wr_id, signaled).
+    sq: VecDeque<(u64, bool)>,
+    cq: VecDeque<WorkCompletion>,
+    error: bool,
+    /// Fail the request with this 0-based post index.
+    fail_at: Option<(u64, WcStatus)>,
+    posted_total: u64,
+}
+
+pub struct FakeChannel {
+    inner: Mutex<Inner>,
+    cv: Condvar,
+    caps: ChannelCaps,
+    /// Flushes also report unsignaled requests (verbs does).
+    pub flush_unsignaled: bool,
+    pub posts: AtomicU64,
+    pub arms: AtomicU64,
+    pub waits: AtomicU64,
+    pub max_outstanding: AtomicU64,
+    pub overflows: AtomicU64,
+    pub resets: AtomicU64,
+}
+
+impl FakeChannel {
+    pub fn new(sq_depth: u32) -> Self {
+        FakeChannel {
+            inner: Mutex::default(),
+            cv: Condvar::new(),
+            caps: ChannelCaps {
+                sq_depth,
+                max_inline: 64,
+                max_sge: 1,
+            },
+            flush_unsignaled: true,
+            posts: AtomicU64::new(0),
+            arms: AtomicU64::new(0),
+            waits: AtomicU64::new(0),
+            max_outstanding: AtomicU64::new(0),
+            overflows: AtomicU64::new(0),
+            resets: AtomicU64::new(0),
+        }
+    }
+
+    /// The request with 0-based post index `n` completes with `status`.
+    pub fn fail_at(&self, n: u64, status: WcStatus) {
+        self.inner.lock().unwrap().fail_at = Some((n, status));
+    }
+
+    /// Like `VerbsChannel::set_error`: later requests are flushed.
+    pub fn set_error(&self) {
+        self.inner.lock().unwrap().error = true;
+    }
+
+    /// Like a QP reset + handshake: out of error, send queue empty.
+    pub fn reset(&self) {
+        let mut i = self.inner.lock().unwrap();
+        i.error = false;
+        i.sq.clear();
+        self.resets.fetch_add(1, Relaxed);
+    }
+}
+
+impl Channel for FakeChannel {
+    fn kind(&self) -> ProviderKind {
+        ProviderKind::Tcp
+    }
+    fn caps(&self) -> ChannelCaps {
+        self.caps
+    }
+    fn post(&self, wrs: &[WorkRequest]) -> Result<(), PostFailure> {
+        self.posts.fetch_add(1, Relaxed);
+        let mut i = self.inner.lock().unwrap();
+        for (k, wr) in wrs.iter().enumerate() {
+            if i.sq.len() >= self.caps.sq_depth as usize {
+                self.overflows.fetch_add(1, Relaxed);
+                return Err(PostFailure {
+                    posted: k,
+                    error: ProviderError::Protocol("send queue full".into()),
+                });
+            }
+            i.sq.push_back((wr.wr_id, wr.signaled));
+            self.max_outstanding.fetch_max(i.sq.len() as u64, Relaxed);
+            let n = i.posted_total;
+            i.posted_total += 1;
+            let status = match i.fail_at {
+                _ if i.error => Some(WcStatus::Flushed),
+                Some((at, s)) if at == n => {
+                    i.error = true;
+                    Some(s)
+                }
+                _ => None,
+            };
+            let wc = |status| WorkCompletion {
+                wr_id: wr.wr_id,
+                status,
+                byte_len: wr.local.len,
+            };
+            match status {
+                Some(WcStatus::Flushed) if !wr.signaled && !self.flush_unsignaled => {}
+                Some(s) => i.cq.push_back(wc(s)),
+                None if wr.signaled => i.cq.push_back(wc(WcStatus::Success)),
+                None => {}
+            }
+        }
+        drop(i);
+        self.cv.notify_all();
+        Ok(())
+    }
+    fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize, ProviderError> {
+        let mut i = self.inner.lock().unwrap();
+        let mut n = 0;
+        while n < out.len() {
+            let Some(wc) = i.cq.pop_front() else { break };
+            // The completion retires it and every earlier request.
+            if let Some(p) = i.sq.iter().position(|&(id, _)| id == wc.wr_id) {
+                i.sq.drain(..=p);
+            }
+            out[n] = wc;
+            n += 1;
+        }
+        Ok(n)
+    }
+    fn arm(&self) -> Result<(), ProviderError> {
+        self.arms.fetch_add(1, Relaxed);
+        Ok(())
+    }
+    fn wait(&self, timeout: Duration) -> Result<bool, ProviderError> {
+        self.waits.fetch_add(1, Relaxed);
+        let i = self.inner.lock().unwrap();
+        let (i, _) = self
+            .cv
+            .wait_timeout_while(i, timeout, |i| i.cq.is_empty())
+            .unwrap();
+        Ok(!i.cq.is_empty())
+    }
+}

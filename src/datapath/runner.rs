@@ -1,0 +1,657 @@
+//! The transfer runner: drives an engine [`Transfer`] over a [`Channel`].
+//!
+//! Threads: the calling thread owns the `Transfer` (it is `&mut`) and is the
+//! only one that posts; a scoped completion thread per run polls the
+//! channel's CQ ([`completion_loop`]) and sends each batch, stamped with the
+//! time it was polled, over an mpsc channel (batch vectors come back over a
+//! second channel for reuse). No lock is shared on the fast path.
+//!
+//! Fast path, per loop: absorb completion batches → act on engine events
+//! (`BlockDone` → drain (pull) → `release_buffer`; `WindowDone` → control
+//! plane) → post every chain the engine allows (fill (push) → one `post`
+//! per chain) → wait for the next batch. The error path is apart: on an
+//! `ErrorBatch` asking to reconnect it waits (bounded) for the failed
+//! epoch's flushes, calls the caller's `reconnect` with exponential backoff
+//! and then `Transfer::reconnected`, which reposts the unconfirmed blocks.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::completion::{completion_loop, pin_current_thread};
+use super::config::{ConfigError, DataPathConfig, PollMode};
+use super::io::BlockIo;
+use super::stats::{DataPathStats, Latencies};
+use crate::engine::{
+    ErrorCause, Event, OpKind, Recovery, State, Transfer, TransferError, WcStatus, WindowError,
+    WorkCompletion,
+};
+use crate::provider::{Channel, ProviderError};
+
+/// An error from the caller's reconnect callback.
+pub type ReconnectError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Why a run ended without completing the transfer.
+#[derive(Debug, thiserror::Error)]
+pub enum DataPathError {
+    #[error("data path configuration: {0}")]
+    Config(#[from] ConfigError),
+    #[error("transfer failed: {reason} (status {}, block {})",
+        .status.map_or("none", |s| s.label()),
+        .block.map_or("none".to_string(), |b| b.to_string()))]
+    Failed {
+        status: Option<WcStatus>,
+        block: Option<u64>,
+        reason: &'static str,
+    },
+    #[error("reconnect failed after {attempts} attempts: {source}")]
+    Reconnect {
+        attempts: u32,
+        source: ReconnectError,
+    },
+    #[error("completion thread: {0}")]
+    Completion(#[source] ProviderError),
+    #[error("the completion thread panicked")]
+    CompletionPanicked,
+    #[error("block I/O at file offset {file_offset}: {source}")]
+    Io {
+        file_offset: u64,
+        source: std::io::Error,
+    },
+    #[error("engine: {0}")]
+    Engine(#[from] TransferError),
+    #[error("window refused: {0}")]
+    Window(#[from] WindowError),
+    #[error("stalled: nothing outstanding and no window to post into ({confirmed} of {total} bytes confirmed)")]
+    NoWindow { confirmed: u64, total: u64 },
+}
+
+/// What a run did. Counts are for this run only.
+#[derive(Clone, Debug, Default)]
+pub struct Report {
+    /// Bytes in blocks confirmed (capped by `payload_cap` when set).
+    pub bytes: u64,
+    /// Wall time of the run.
+    pub seconds: f64,
+    /// Blocks (messages) confirmed.
+    pub msgs: u64,
+    /// Requests posted.
+    pub posted: u64,
+    /// `post` calls.
+    pub doorbells: u64,
+    /// Signaled requests posted.
+    pub signaled: u64,
+    /// Inline requests posted.
+    pub inline: u64,
+    /// Completions received.
+    pub completions: u64,
+    /// Error completions by status label.
+    pub errors: BTreeMap<&'static str, u64>,
+    /// Failed `post` calls.
+    pub post_failures: u64,
+    /// Reconnects.
+    pub reconnects: u64,
+    /// Per reconnect: seconds from the start of the error path to the first
+    /// block confirmed after it.
+    pub reconnect_seconds: Vec<f64>,
+    /// Post-to-completion latency of signaled requests.
+    pub latency: Latencies,
+    /// Completion thread: polls, empty polls, arms, waits, wakeups.
+    pub polls: u64,
+    pub empty_polls: u64,
+    pub arms: u64,
+    pub waits: u64,
+    pub wakeups: u64,
+}
+
+impl Report {
+    /// Median post→completion latency in microseconds.
+    pub fn p50_us(&self) -> f64 {
+        self.latency.quantile(0.5).unwrap_or(0) as f64 / 1e3
+    }
+    /// 99th percentile post→completion latency in microseconds.
+    pub fn p99_us(&self) -> f64 {
+        self.latency.quantile(0.99).unwrap_or(0) as f64 / 1e3
+    }
+}
+
+struct CqBatch {
+    at: Instant,
+    wcs: Vec<WorkCompletion>,
+}
+
+/// Runs transfers with one configuration and one set of live counters.
+pub struct DataPath {
+    cfg: DataPathConfig,
+    stats: Arc<DataPathStats>,
+}
+
+/// Run `transfer` to completion over `channel`; see [`DataPath::run`].
+pub fn run_transfer(
+    channel: &dyn Channel,
+    transfer: &mut Transfer,
+    io: &mut dyn BlockIo,
+    cfg: &DataPathConfig,
+    reconnect: &mut dyn FnMut() -> Result<(), ReconnectError>,
+) -> Result<Report, DataPathError> {
+    DataPath::new(cfg.clone())?.run(channel, transfer, io, reconnect)
+}
+
+impl DataPath {
+    /// A data path with fresh counters.
+    pub fn new(cfg: DataPathConfig) -> Result<Self, ConfigError> {
+        Self::with_stats(cfg, Arc::new(DataPathStats::default()))
+    }
+
+    /// A data path counting into `stats` (shared with an exporter or with
+    /// other data paths).
+    pub fn with_stats(cfg: DataPathConfig, stats: Arc<DataPathStats>) -> Result<Self, ConfigError> {
+        cfg.validate()?;
+        Ok(DataPath { cfg, stats })
+    }
+
+    /// The live counters.
+    pub fn stats(&self) -> &Arc<DataPathStats> {
+        &self.stats
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &DataPathConfig {
+        &self.cfg
+    }
+
+    /// Run `transfer` (built for this channel, e.g. from
+    /// [`DataPathConfig::transfer_config`]) until it is complete or fails.
+    /// Windows already added are used, and `io.next_window()` is asked for
+    /// more. `reconnect` replaces the connection after an error batch (for
+    /// verbs: reset, exchange endpoints, handshake); it is retried with
+    /// backoff.
+    pub fn run(
+        &self,
+        channel: &dyn Channel,
+        transfer: &mut Transfer,
+        io: &mut dyn BlockIo,
+        reconnect: &mut dyn FnMut() -> Result<(), ReconnectError>,
+    ) -> Result<Report, DataPathError> {
+        let stop = AtomicBool::new(false);
+        let (tx, rx) = mpsc::channel::<CqBatch>();
+        let (recycle_tx, recycle_rx) = mpsc::channel::<Vec<WorkCompletion>>();
+        let snap = Snapshot::of(&self.stats);
+        let (result, cq_result) = std::thread::scope(|s| {
+            let stats = &*self.stats;
+            let stop = &stop;
+            let (mode, cpu) = (self.cfg.poll_mode, self.cfg.cq_cpu);
+            let handle = std::thread::Builder::new()
+                .name("rcp-cq".into())
+                .spawn_scoped(s, move || {
+                    if let Some(cpu) = cpu {
+                        if let Err(e) = pin_current_thread(cpu) {
+                            tracing::warn!(cpu, error = %e, "cannot pin the completion thread");
+                        }
+                    }
+                    completion_loop(channel, mode, stop, stats, &mut |wcs, at| {
+                        let mut v = recycle_rx
+                            .try_recv()
+                            .unwrap_or_else(|_| Vec::with_capacity(wcs.len()));
+                        v.clear();
+                        v.extend_from_slice(wcs);
+                        tx.send(CqBatch { at, wcs: v }).is_ok()
+                    })
+                })
+                .expect("spawn the completion thread");
+            let mut poster = Poster {
+                cfg: &self.cfg,
+                stats: &self.stats,
+                channel,
+                transfer,
+                io,
+                rx,
+                recycle: recycle_tx,
+                report: Report::default(),
+                post_times: HashMap::new(),
+                reconnect_started: None,
+                post_fail_run: 0,
+                op: None,
+                inline_limit: self.cfg.inline_for(&channel.caps()),
+                sq_depth: channel.caps().sq_depth as u64,
+            };
+            let result = poster.run(reconnect);
+            stop.store(true, Relaxed);
+            drop(poster); // drops rx: the completion thread's next send fails
+            (result, handle.join())
+        });
+        let mut report = match (result, cq_result) {
+            (Ok(r), _) => r,
+            (Err(_), Ok(Err(e))) => return Err(DataPathError::Completion(e)),
+            (Err(_), Err(_)) => return Err(DataPathError::CompletionPanicked),
+            (Err(e), Ok(Ok(()))) => return Err(e),
+        };
+        snap.fill(&self.stats, &mut report);
+        Ok(report)
+    }
+}
+
+struct Snapshot {
+    polls: u64,
+    empty_polls: u64,
+    arms: u64,
+    waits: u64,
+    wakeups: u64,
+}
+
+impl Snapshot {
+    fn of(s: &DataPathStats) -> Self {
+        Snapshot {
+            polls: s.polls.load(Relaxed),
+            empty_polls: s.empty_polls.load(Relaxed),
+            arms: s.arms.load(Relaxed),
+            waits: s.waits.load(Relaxed),
+            wakeups: s.wakeups.load(Relaxed),
+        }
+    }
+    fn fill(&self, s: &DataPathStats, r: &mut Report) {
+        let now = Snapshot::of(s);
+        r.polls = now.polls - self.polls;
+        r.empty_polls = now.empty_polls - self.empty_polls;
+        r.arms = now.arms - self.arms;
+        r.waits = now.waits - self.waits;
+        r.wakeups = now.wakeups - self.wakeups;
+    }
+}
+
+/// The posting side: owns the transfer for the run.
+struct Poster<'a> {
+    cfg: &'a DataPathConfig,
+    stats: &'a DataPathStats,
+    channel: &'a dyn Channel,
+    transfer: &'a mut Transfer,
+    io: &'a mut dyn BlockIo,
+    rx: Receiver<CqBatch>,
+    recycle: Sender<Vec<WorkCompletion>>,
+    report: Report,
+    /// Post time of each outstanding signaled request.
+    post_times: HashMap<u64, Instant>,
+    /// Set by the error path until the first block confirmed after it.
+    reconnect_started: Option<Instant>,
+    post_fail_run: u32,
+    op: Option<OpKind>,
+    inline_limit: u32,
+    sq_depth: u64,
+}
+
+/// Longest the poster sleeps waiting for completions before re-checking
+/// timers.
+const IDLE_SLICE: Duration = Duration::from_millis(50);
+
+impl Poster<'_> {
+    fn now_ns(&self, start: Instant) -> u64 {
+        start.elapsed().as_nanos() as u64
+    }
+
+    fn run(
+        &mut self,
+        reconnect: &mut dyn FnMut() -> Result<(), ReconnectError>,
+    ) -> Result<Report, DataPathError> {
+        let start = Instant::now();
+        // Engine time is nanoseconds since `start` (pending timers of an
+        // earlier run would look young; a fresh run posts fresh requests).
+        self.take_windows()?;
+        loop {
+            let mut progressed = self.absorb_ready();
+            if let Some(cause) = self.handle_events()? {
+                self.recover(cause, reconnect)?;
+                progressed = true;
+            }
+            progressed |= self.post_all(start)?;
+            if self.transfer.is_complete() {
+                // Let the last events (WindowDone) out.
+                self.handle_events()?;
+                break;
+            }
+            if let Some(t) = self.transfer.next_timeout() {
+                let now = self.now_ns(start);
+                if now >= t {
+                    self.transfer.poll_timeout(now);
+                    continue;
+                }
+            }
+            if progressed {
+                continue;
+            }
+            if self.transfer.state() == State::Running && self.transfer.outstanding() == 0 {
+                // Nothing in flight and nothing postable: ask for windows.
+                if !self.take_windows()? {
+                    return Err(DataPathError::NoWindow {
+                        confirmed: self.transfer.bytes_confirmed(),
+                        total: self.transfer.plan().len(),
+                    });
+                }
+                continue;
+            }
+            if matches!(self.transfer.state(), State::NeedsReconnect) {
+                // Reached without an ErrorBatch in this loop (timeout path).
+                self.recover(None, reconnect)?;
+                continue;
+            }
+            let wait = self
+                .transfer
+                .next_timeout()
+                .map(|t| Duration::from_nanos(t.saturating_sub(self.now_ns(start))))
+                .unwrap_or(IDLE_SLICE)
+                .min(IDLE_SLICE);
+            self.wait_batch(wait)?;
+        }
+        let mut report = std::mem::take(&mut self.report);
+        report.seconds = start.elapsed().as_secs_f64();
+        Ok(report)
+    }
+
+    /// Add every window the control plane has now; true if any.
+    fn take_windows(&mut self) -> Result<bool, DataPathError> {
+        let mut any = false;
+        while let Some(w) = self.io.next_window() {
+            self.transfer.add_window(w)?;
+            any = true;
+        }
+        Ok(any)
+    }
+
+    /// Feed every batch already queued; true if any.
+    fn absorb_ready(&mut self) -> bool {
+        let mut any = false;
+        while let Ok(b) = self.rx.try_recv() {
+            self.absorb(b);
+            any = true;
+        }
+        any
+    }
+
+    /// Block up to `timeout` for one batch (spinning in poll mode), then
+    /// take whatever else is queued.
+    fn wait_batch(&mut self, timeout: Duration) -> Result<bool, DataPathError> {
+        let got = if self.cfg.poll_mode == PollMode::Poll {
+            let deadline = Instant::now() + timeout;
+            let mut spins = 0u32;
+            loop {
+                match self.rx.try_recv() {
+                    Ok(b) => break Some(b),
+                    Err(TryRecvError::Disconnected) => break None,
+                    Err(TryRecvError::Empty) => {}
+                }
+                spins = spins.wrapping_add(1);
+                if spins % 256 == 0 {
+                    if Instant::now() >= deadline {
+                        return Ok(false);
+                    }
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
+            }
+        } else {
+            match self.rx.recv_timeout(timeout) {
+                Ok(b) => Some(b),
+                Err(RecvTimeoutError::Timeout) => return Ok(false),
+                Err(RecvTimeoutError::Disconnected) => None,
+            }
+        };
+        match got {
+            Some(b) => {
+                self.absorb(b);
+                self.absorb_ready();
+                Ok(true)
+            }
+            // The completion thread ended (provider error): run() reports it.
+            None => Err(DataPathError::Completion(ProviderError::Closed)),
+        }
+    }
+
+    fn absorb(&mut self, b: CqBatch) {
+        for wc in &b.wcs {
+            self.report.completions += 1;
+            if let Some(t) = self.post_times.remove(&wc.wr_id) {
+                if wc.status.is_success() {
+                    self.report
+                        .latency
+                        .record(b.at.saturating_duration_since(t).as_nanos() as u64);
+                }
+            }
+            if !wc.status.is_success() {
+                *self.report.errors.entry(wc.status.label()).or_default() += 1;
+                self.stats.count_error(wc.status);
+            }
+        }
+        self.transfer.on_completions(&b.wcs);
+        self.update_sq_free();
+        let _ = self.recycle.send(b.wcs);
+    }
+
+    fn update_sq_free(&self) {
+        let used = self.transfer.credits_in_use() as u64;
+        self.stats
+            .sq_free
+            .store(self.sq_depth.saturating_sub(used), Relaxed);
+    }
+
+    /// Act on queued engine events. Returns the cause when an error batch
+    /// asks for a reconnect.
+    fn handle_events(&mut self) -> Result<Option<Option<ErrorCause>>, DataPathError> {
+        let mut recover = None;
+        while let Some(ev) = self.transfer.poll_event() {
+            match ev {
+                Event::BlockDone {
+                    block,
+                    local,
+                    file_offset,
+                    len,
+                } => {
+                    let cap = self.cfg.payload_cap.unwrap_or(u32::MAX);
+                    let moved = local.len.min(cap);
+                    // Every request of a transfer has one kind, learnt from
+                    // its first batch (a block is done only once posted).
+                    if self.op == Some(OpKind::Read) {
+                        let seg = crate::engine::LocalSeg {
+                            len: moved,
+                            ..local
+                        };
+                        self.io
+                            .drain(file_offset, seg)
+                            .map_err(|source| DataPathError::Io {
+                                file_offset,
+                                source,
+                            })?;
+                    }
+                    self.io.block_done(block, file_offset, len);
+                    self.transfer.release_buffer(local)?;
+                    self.report.msgs += 1;
+                    self.report.bytes += u64::from(moved);
+                    self.stats.blocks_done.fetch_add(1, Relaxed);
+                    if let Some(t0) = self.reconnect_started.take() {
+                        let s = t0.elapsed();
+                        self.report.reconnect_seconds.push(s.as_secs_f64());
+                        self.stats
+                            .reconnect_ns
+                            .fetch_add(s.as_nanos() as u64, Relaxed);
+                        tracing::info!(
+                            seconds = s.as_secs_f64(),
+                            "first block confirmed after reconnect"
+                        );
+                    }
+                }
+                Event::WindowDone { window_id } => {
+                    self.io.window_done(window_id);
+                    self.take_windows()?;
+                }
+                Event::ErrorBatch {
+                    epoch,
+                    cause,
+                    action,
+                } => {
+                    tracing::warn!(epoch, ?cause, ?action, "error batch");
+                    if action == Recovery::Reconnect {
+                        recover = Some(Some(cause));
+                    }
+                }
+                Event::Timeout { wr_id, block } => {
+                    tracing::warn!(wr_id, block, "request timed out; its context is freed");
+                }
+                Event::ReadyToReconnect { epoch, unconfirmed } => {
+                    tracing::info!(epoch, unconfirmed, "failed epoch drained");
+                }
+            }
+        }
+        if let State::Failed {
+            status,
+            block,
+            reason,
+        } = self.transfer.state()
+        {
+            return Err(DataPathError::Failed {
+                status,
+                block,
+                reason,
+            });
+        }
+        Ok(recover)
+    }
+
+    /// Post every chain the engine allows now; true if any was posted.
+    fn post_all(&mut self, start: Instant) -> Result<bool, DataPathError> {
+        let mut any = false;
+        while let Some(mut batch) = self.transfer.poll_transmit(self.now_ns(start)) {
+            let op = batch.wrs[0].kind;
+            self.op = Some(op);
+            if let Some(cap) = self.cfg.payload_cap {
+                for wr in &mut batch.wrs {
+                    wr.local.len = wr.local.len.min(cap);
+                    wr.inline = op == OpKind::Write
+                        && self.inline_limit > 0
+                        && wr.local.len <= self.inline_limit;
+                }
+            }
+            if op == OpKind::Write {
+                for (wr, span) in batch.wrs.iter().zip(&batch.blocks) {
+                    if let Err(source) = self.io.fill(span.file_offset, wr.local) {
+                        self.transfer.post_failed(&batch, 0)?;
+                        return Err(DataPathError::Io {
+                            file_offset: span.file_offset,
+                            source,
+                        });
+                    }
+                }
+            }
+            let t = Instant::now();
+            let res = self.channel.post(&batch.wrs);
+            let posted = match &res {
+                Ok(()) => batch.wrs.len(),
+                Err(f) => f.posted,
+            };
+            for wr in &batch.wrs[..posted] {
+                if wr.signaled {
+                    self.post_times.insert(wr.wr_id, t);
+                }
+                self.report.signaled += u64::from(wr.signaled);
+                self.report.inline += u64::from(wr.inline);
+                self.stats
+                    .bytes_posted
+                    .fetch_add(u64::from(wr.local.len), Relaxed);
+            }
+            let signaled = batch.wrs[..posted].iter().filter(|w| w.signaled).count() as u64;
+            let inline = batch.wrs[..posted].iter().filter(|w| w.inline).count() as u64;
+            self.stats.signaled.fetch_add(signaled, Relaxed);
+            self.stats.inline.fetch_add(inline, Relaxed);
+            self.stats.posted.fetch_add(posted as u64, Relaxed);
+            self.report.posted += posted as u64;
+            if posted > 0 || res.is_ok() {
+                self.report.doorbells += 1;
+                self.stats.doorbells.fetch_add(1, Relaxed);
+            }
+            match res {
+                Ok(()) => {
+                    self.post_fail_run = 0;
+                    any = true;
+                }
+                Err(f) => {
+                    self.report.post_failures += 1;
+                    self.stats.post_failures.fetch_add(1, Relaxed);
+                    self.post_fail_run += 1;
+                    tracing::warn!(posted = f.posted, chain = batch.wrs.len(), error = %f.error, "post failed");
+                    self.transfer.post_failed(&batch, f.posted)?;
+                    if matches!(f.error, ProviderError::Closed) || self.post_fail_run >= 3 {
+                        // The connection is unusable: take the error path.
+                        self.transfer.connection_lost();
+                    }
+                    self.update_sq_free();
+                    return Ok(any || f.posted > 0);
+                }
+            }
+        }
+        self.update_sq_free();
+        Ok(any)
+    }
+
+    /// The error path: wait (bounded) for the failed epoch's flushes, then
+    /// reconnect with backoff and start the next epoch.
+    fn recover(
+        &mut self,
+        cause: Option<ErrorCause>,
+        reconnect: &mut dyn FnMut() -> Result<(), ReconnectError>,
+    ) -> Result<(), DataPathError> {
+        let t0 = Instant::now();
+        tracing::warn!(
+            ?cause,
+            outstanding = self.transfer.outstanding(),
+            "error path: flushing"
+        );
+        let deadline = t0 + self.cfg.flush_timeout;
+        while self.transfer.state() == State::Flushing {
+            let now = Instant::now();
+            if now >= deadline {
+                tracing::warn!(
+                    outstanding = self.transfer.outstanding(),
+                    "flush incomplete after {:?}: reconnecting anyway",
+                    self.cfg.flush_timeout
+                );
+                break;
+            }
+            self.wait_batch((deadline - now).min(IDLE_SLICE))?;
+            // Successful completions of the failed epoch still confirm
+            // blocks; a non-retryable one fails the transfer here.
+            if let Some(_again) = self.handle_events()? {
+                // The engine raises one error batch per epoch; ignore.
+            }
+        }
+        let attempts = self.cfg.backoff.max_attempts;
+        let mut n = 0;
+        loop {
+            match reconnect() {
+                Ok(()) => break,
+                Err(e) => {
+                    n += 1;
+                    if n >= attempts {
+                        return Err(DataPathError::Reconnect {
+                            attempts: n,
+                            source: e,
+                        });
+                    }
+                    let d = self.cfg.backoff.delay(n - 1);
+                    tracing::warn!(attempt = n, error = %e, delay_ms = d.as_millis() as u64, "reconnect failed; retrying");
+                    std::thread::sleep(d);
+                }
+            }
+        }
+        // Completions of the old epoch still queued are stale to the engine.
+        self.absorb_ready();
+        self.handle_events()?;
+        let reposting = self.transfer.unconfirmed().len();
+        let epoch = self.transfer.reconnected()?;
+        self.post_times.clear();
+        self.report.reconnects += 1;
+        self.stats.reconnects.fetch_add(1, Relaxed);
+        self.reconnect_started = Some(t0);
+        tracing::info!(epoch, reposting, "reconnected");
+        Ok(())
+    }
+}

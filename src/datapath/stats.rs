@@ -1,0 +1,185 @@
+//! Live counters a metrics exporter reads ([`DataPathStats`], atomics) and
+//! the completion-latency recorder behind the report's p50/p99.
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+use crate::engine::WcStatus;
+
+/// Error statuses counted separately (index = position here).
+const STATUSES: [WcStatus; 11] = [
+    WcStatus::Flushed,
+    WcStatus::RemoteAccess,
+    WcStatus::RemoteInvalidRequest,
+    WcStatus::RemoteOperation,
+    WcStatus::RetryExceeded,
+    WcStatus::RnrRetryExceeded,
+    WcStatus::LocalProtection,
+    WcStatus::LocalLength,
+    WcStatus::LocalQpOperation,
+    WcStatus::Fatal,
+    WcStatus::Other(0),
+];
+
+fn status_index(s: WcStatus) -> Option<usize> {
+    match s {
+        WcStatus::Success => None,
+        WcStatus::Other(_) => Some(STATUSES.len() - 1),
+        s => STATUSES.iter().position(|&x| x == s),
+    }
+}
+
+/// Data-path counters, shared (`Arc`) with whoever exports them. All
+/// monotonic except the gauges `sq_free` and `cq_fill`.
+#[derive(Debug, Default)]
+pub struct DataPathStats {
+    /// Work requests posted.
+    pub posted: AtomicU64,
+    /// `post` calls (doorbells).
+    pub doorbells: AtomicU64,
+    /// Signaled requests posted.
+    pub signaled: AtomicU64,
+    /// Inline requests posted.
+    pub inline: AtomicU64,
+    /// Bytes in requests posted.
+    pub bytes_posted: AtomicU64,
+    /// Completions polled (all statuses).
+    pub completed: AtomicU64,
+    /// Blocks confirmed.
+    pub blocks_done: AtomicU64,
+    /// Gauge: free send-queue entries (swqe_avail) after the last post or
+    /// completion.
+    pub sq_free: AtomicU64,
+    /// Gauge: completions returned by the last non-empty poll, a CQ fill
+    /// estimate (a full poll batch means the CQ may hold more).
+    pub cq_fill: AtomicU64,
+    /// `poll` calls of the completion thread.
+    pub polls: AtomicU64,
+    /// Polls that returned nothing.
+    pub empty_polls: AtomicU64,
+    /// CQ arms (event and hybrid modes).
+    pub arms: AtomicU64,
+    /// Waits for an event.
+    pub waits: AtomicU64,
+    /// Waits that ended with an event.
+    pub wakeups: AtomicU64,
+    /// Reconnects done.
+    pub reconnects: AtomicU64,
+    /// Nanoseconds from reconnect start to the first completion after it,
+    /// summed over reconnects.
+    pub reconnect_ns: AtomicU64,
+    /// `post` calls that failed.
+    pub post_failures: AtomicU64,
+    errors: [AtomicU64; STATUSES.len()],
+}
+
+impl DataPathStats {
+    /// Count an error completion.
+    pub fn count_error(&self, s: WcStatus) {
+        if let Some(i) = status_index(s) {
+            self.errors[i].fetch_add(1, Relaxed);
+        }
+    }
+
+    /// Error completions by [`WcStatus::label`], non-zero ones only.
+    pub fn errors(&self) -> Vec<(&'static str, u64)> {
+        STATUSES
+            .iter()
+            .zip(&self.errors)
+            .map(|(s, n)| (s.label(), n.load(Relaxed)))
+            .filter(|&(_, n)| n > 0)
+            .collect()
+    }
+}
+
+/// Post-to-completion latencies of signaled requests, in nanoseconds.
+/// Keeps every sample up to a cap, then every k-th (k doubling), so long
+/// runs stay bounded and still cover the whole run.
+#[derive(Clone, Debug)]
+pub struct Latencies {
+    samples: Vec<u64>,
+    cap: usize,
+    stride: u64,
+    seen: u64,
+}
+
+impl Default for Latencies {
+    fn default() -> Self {
+        Latencies::with_cap(1 << 18)
+    }
+}
+
+impl Latencies {
+    /// A recorder keeping at most about `cap` samples.
+    pub fn with_cap(cap: usize) -> Self {
+        Latencies {
+            samples: Vec::new(),
+            cap: cap.max(2),
+            stride: 1,
+            seen: 0,
+        }
+    }
+
+    /// Record one latency.
+    pub fn record(&mut self, ns: u64) {
+        self.seen += 1;
+        if self.seen % self.stride != 0 {
+            return;
+        }
+        if self.samples.len() >= self.cap {
+            // Keep every other sample, sample half as often from now on.
+            let mut i = 0;
+            self.samples.retain(|_| {
+                i += 1;
+                i % 2 == 0
+            });
+            self.stride *= 2;
+        }
+        self.samples.push(ns);
+    }
+
+    /// Samples recorded (seen, not kept).
+    pub fn count(&self) -> u64 {
+        self.seen
+    }
+
+    /// The `q`-quantile (0..=1) in nanoseconds, `None` without samples.
+    pub fn quantile(&self, q: f64) -> Option<u64> {
+        if self.samples.is_empty() {
+            return None;
+        }
+        let mut s = self.samples.clone();
+        s.sort_unstable();
+        let i = ((s.len() - 1) as f64 * q.clamp(0.0, 1.0)).round() as usize;
+        Some(s[i])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantiles_and_bounded_memory() {
+        let mut l = Latencies::with_cap(1000);
+        for i in 1..=100_000u64 {
+            l.record(i);
+        }
+        assert_eq!(l.count(), 100_000);
+        assert!(l.samples.len() <= 1000);
+        let p50 = l.quantile(0.5).unwrap();
+        let p99 = l.quantile(0.99).unwrap();
+        assert!((45_000..55_000).contains(&p50), "{p50}");
+        assert!((97_000..=100_000).contains(&p99), "{p99}");
+        assert_eq!(Latencies::default().quantile(0.5), None);
+    }
+
+    #[test]
+    fn errors_by_status() {
+        let s = DataPathStats::default();
+        s.count_error(WcStatus::Flushed);
+        s.count_error(WcStatus::Flushed);
+        s.count_error(WcStatus::Other(99));
+        s.count_error(WcStatus::Success);
+        assert_eq!(s.errors(), vec![("wr_flush_err", 2), ("other", 1)]);
+    }
+}

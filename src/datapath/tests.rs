@@ -1,0 +1,297 @@
+//! Runner and completion-loop tests on the fake channel (no device). They
+//! check the runtime's bookkeeping, not RDMA: tests/datapath_fabric.rs does
+//! that on soft-RoCE.
+
+use std::io;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::fake::FakeChannel;
+use super::*;
+use crate::engine::{LocalSeg, OpKind, Transfer, WcStatus, Window};
+
+const BLOCK: u64 = 4096;
+
+fn transfer(op: OpKind, blocks: u64, cfg: &DataPathConfig, ch: &FakeChannel) -> Transfer {
+    let caps = crate::provider::Channel::caps(ch);
+    let tc = cfg
+        .transfer_config(op, blocks * BLOCK, BLOCK, &caps)
+        .unwrap();
+    let bufs = (0..caps.sq_depth as u64)
+        .map(|i| LocalSeg {
+            addr: 0x1_0000_0000 + i * BLOCK,
+            len: BLOCK as u32,
+            lkey: 7,
+        })
+        .collect();
+    let mut t = Transfer::new(tc, bufs).unwrap();
+    t.add_window(Window {
+        id: 1,
+        remote_addr: 0x2_0000_0000,
+        rkey: 9,
+        len: blocks * BLOCK,
+        file_offset: 0,
+        epoch: 0,
+    })
+    .unwrap();
+    t
+}
+
+/// Counts fills, drains and confirmations per block.
+#[derive(Default)]
+struct CountIo {
+    filled: Vec<u32>,
+    drained: Vec<u32>,
+    done: Vec<u32>,
+    windows_done: Vec<u64>,
+}
+
+impl CountIo {
+    fn new(blocks: u64) -> Self {
+        let v = vec![0; blocks as usize];
+        CountIo {
+            filled: v.clone(),
+            drained: v.clone(),
+            done: v,
+            windows_done: vec![],
+        }
+    }
+}
+
+impl BlockIo for CountIo {
+    fn fill(&mut self, off: u64, _l: LocalSeg) -> io::Result<()> {
+        self.filled[(off / BLOCK) as usize] += 1;
+        Ok(())
+    }
+    fn drain(&mut self, off: u64, _l: LocalSeg) -> io::Result<()> {
+        self.drained[(off / BLOCK) as usize] += 1;
+        Ok(())
+    }
+    fn block_done(&mut self, b: u64, _o: u64, _l: u32) {
+        self.done[b as usize] += 1;
+    }
+    fn window_done(&mut self, id: u64) {
+        self.windows_done.push(id);
+    }
+}
+
+fn cfg(mode: PollMode) -> DataPathConfig {
+    DataPathConfig {
+        poll_mode: mode,
+        flush_timeout: Duration::from_millis(300),
+        backoff: Backoff {
+            initial: Duration::from_millis(1),
+            ..Backoff::default()
+        },
+        ..DataPathConfig::default()
+    }
+}
+
+fn no_reconnect() -> Result<(), ReconnectError> {
+    panic!("no reconnect expected")
+}
+
+#[test]
+fn a_batch_of_32_is_one_post() {
+    let ch = FakeChannel::new(128);
+    let c = cfg(PollMode::Event);
+    let mut t = transfer(OpKind::Write, 32, &c, &ch);
+    let mut io = CountIo::new(32);
+    let r = run_transfer(&ch, &mut t, &mut io, &c, &mut no_reconnect).unwrap();
+    assert_eq!(ch.posts.load(Relaxed), 1);
+    assert_eq!((r.doorbells, r.posted, r.signaled), (1, 32, 1));
+    assert_eq!((r.msgs, r.bytes), (32, 32 * BLOCK));
+    assert!(io.filled.iter().all(|&n| n == 1));
+    assert!(io.done.iter().all(|&n| n == 1));
+    assert_eq!(io.windows_done, [1]);
+    assert_eq!(r.latency.count(), 1);
+}
+
+#[test]
+fn burst_of_100k_never_exceeds_sq_depth() {
+    let ch = FakeChannel::new(128);
+    let c = cfg(PollMode::Hybrid { empty_polls: 64 });
+    let n = 100_000;
+    let mut t = transfer(OpKind::Write, n, &c, &ch);
+    let mut io = CountIo::new(n);
+    let dp = DataPath::new(c).unwrap();
+    let r = dp.run(&ch, &mut t, &mut io, &mut no_reconnect).unwrap();
+    assert!(t.is_complete());
+    assert_eq!(r.msgs, n);
+    assert!(ch.max_outstanding.load(Relaxed) <= 128);
+    assert_eq!(ch.overflows.load(Relaxed), 0);
+    assert!(io.done.iter().all(|&k| k == 1));
+    assert_eq!(r.doorbells, ch.posts.load(Relaxed));
+    assert_eq!(dp.stats().posted.load(Relaxed), n);
+    assert_eq!(dp.stats().sq_free.load(Relaxed), 128);
+    assert!(r.doorbells >= n / 32, "{}", r.doorbells);
+}
+
+#[test]
+fn error_mid_stream_reconnects_once_and_reposts_only_unconfirmed() {
+    for flush_unsignaled in [true, false] {
+        let mut ch = FakeChannel::new(128);
+        ch.flush_unsignaled = flush_unsignaled;
+        // Request 1000 fails (mid-chain: unsignaled), later ones are flushed.
+        ch.fail_at(1000, WcStatus::RetryExceeded);
+        let c = cfg(PollMode::Event);
+        let n = 4096;
+        let mut t = transfer(OpKind::Read, n, &c, &ch);
+        let mut io = CountIo::new(n);
+        let mut calls = 0;
+        let r = run_transfer(&ch, &mut t, &mut io, &c, &mut || {
+            calls += 1;
+            ch.reset();
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(calls, 1);
+        assert_eq!(r.reconnects, 1);
+        assert_eq!(r.reconnect_seconds.len(), 1);
+        assert!(t.is_complete());
+        let reposted = t.counters().reposted;
+        assert!(reposted > 0 && reposted <= 128, "reposted {reposted}");
+        // Every block posted once, plus the unconfirmed ones once more.
+        assert_eq!(r.posted, n + reposted);
+        assert!(io.done.iter().all(|&k| k == 1), "every block done once");
+        assert!(
+            io.drained.iter().all(|&k| k == 1),
+            "every block drained once"
+        );
+        assert_eq!(r.errors.get("retry_exc_err"), Some(&1));
+        assert!(r.errors.get("wr_flush_err").copied().unwrap_or(0) > 0);
+    }
+}
+
+#[test]
+fn remote_access_error_fails_without_reconnect() {
+    let ch = FakeChannel::new(128);
+    ch.fail_at(40, WcStatus::RemoteAccess);
+    let c = cfg(PollMode::Event);
+    let mut t = transfer(OpKind::Write, 1024, &c, &ch);
+    let mut io = CountIo::new(1024);
+    let e = run_transfer(&ch, &mut t, &mut io, &c, &mut no_reconnect).unwrap_err();
+    match &e {
+        DataPathError::Failed { status, block, .. } => {
+            assert_eq!(*status, Some(WcStatus::RemoteAccess));
+            assert_eq!(*block, Some(40));
+        }
+        other => panic!("{other:?}"),
+    }
+    let msg = e.to_string();
+    assert!(
+        msg.contains("rem_access_err") && msg.contains("40"),
+        "{msg}"
+    );
+    assert_eq!(ch.resets.load(Relaxed), 0);
+}
+
+#[test]
+fn reconnect_failures_back_off_then_give_up() {
+    let ch = FakeChannel::new(64);
+    ch.fail_at(10, WcStatus::RetryExceeded);
+    let mut c = cfg(PollMode::Event);
+    c.backoff.max_attempts = 3;
+    let mut t = transfer(OpKind::Write, 256, &c, &ch);
+    let mut io = CountIo::new(256);
+    let mut calls = 0;
+    let e = run_transfer(&ch, &mut t, &mut io, &c, &mut || {
+        calls += 1;
+        Err("peer unreachable".into())
+    })
+    .unwrap_err();
+    assert_eq!(calls, 3);
+    assert!(
+        matches!(e, DataPathError::Reconnect { attempts: 3, .. }),
+        "{e}"
+    );
+}
+
+#[test]
+fn missing_window_is_an_error_not_a_hang() {
+    let ch = FakeChannel::new(64);
+    let c = cfg(PollMode::Event);
+    let caps = crate::provider::Channel::caps(&ch);
+    let tc = c
+        .transfer_config(OpKind::Write, 8 * BLOCK, BLOCK, &caps)
+        .unwrap();
+    let bufs = vec![LocalSeg {
+        addr: 0x1000,
+        len: BLOCK as u32,
+        lkey: 1,
+    }];
+    let mut t = Transfer::new(tc, bufs).unwrap();
+    let e = run_transfer(&ch, &mut t, &mut CountIo::new(8), &c, &mut no_reconnect).unwrap_err();
+    assert!(matches!(e, DataPathError::NoWindow { .. }), "{e}");
+}
+
+fn run_loop_idle(mode: PollMode, for_ms: u64) -> (Arc<DataPathStats>, FakeChannel) {
+    let ch = FakeChannel::new(16);
+    let stats = Arc::new(DataPathStats::default());
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let h = s.spawn(|| completion_loop(&ch, mode, &stop, &stats, &mut |_, _| true));
+        std::thread::sleep(Duration::from_millis(for_ms));
+        stop.store(true, Relaxed);
+        h.join().unwrap().unwrap();
+    });
+    (stats, ch)
+}
+
+#[test]
+fn hybrid_arms_and_waits_after_k_empty_polls() {
+    let k = 100;
+    let (s, ch) = run_loop_idle(PollMode::Hybrid { empty_polls: k }, 120);
+    let arms = ch.arms.load(Relaxed);
+    assert!(arms >= 1, "hybrid never armed");
+    assert_eq!(arms, s.arms.load(Relaxed));
+    assert_eq!(ch.waits.load(Relaxed), s.waits.load(Relaxed));
+    // Each sleep follows K empty polls plus the race-closing poll.
+    let polls = s.empty_polls.load(Relaxed);
+    assert!(
+        polls >= arms * (u64::from(k) + 1),
+        "{polls} polls, {arms} arms"
+    );
+    assert!(
+        polls < (arms + 1) * (u64::from(k) + 1),
+        "{polls} polls, {arms} arms"
+    );
+    // Idle: every wait slices at WAIT_SLICE, so few of them.
+    assert!(arms <= 10, "{arms}");
+
+    let (s, ch) = run_loop_idle(PollMode::Event, 60);
+    assert!(ch.arms.load(Relaxed) >= 1);
+    assert_eq!(s.empty_polls.load(Relaxed), 2 * s.arms.load(Relaxed));
+
+    let (s, ch) = run_loop_idle(PollMode::Poll, 20);
+    assert_eq!(ch.arms.load(Relaxed), 0);
+    assert!(s.empty_polls.load(Relaxed) > 100);
+}
+
+#[test]
+fn hybrid_wakes_on_completions_and_drains() {
+    let ch = FakeChannel::new(128);
+    let c = cfg(PollMode::Hybrid { empty_polls: 8 });
+    let mut t = transfer(OpKind::Write, 2048, &c, &ch);
+    let r = run_transfer(&ch, &mut t, &mut CountIo::new(2048), &c, &mut no_reconnect).unwrap();
+    assert_eq!(r.msgs, 2048);
+    assert_eq!(r.completions, 64);
+}
+
+#[test]
+fn qp_in_error_before_the_first_post_is_flushed_and_reconnected() {
+    let ch = FakeChannel::new(128);
+    ch.set_error();
+    let c = cfg(PollMode::Event);
+    let mut t = transfer(OpKind::Write, 300, &c, &ch);
+    let mut io = CountIo::new(300);
+    let r = run_transfer(&ch, &mut t, &mut io, &c, &mut || {
+        ch.reset();
+        Ok(())
+    })
+    .unwrap();
+    assert_eq!(r.reconnects, 1);
+    assert!(io.done.iter().all(|&k| k == 1));
+    assert_eq!(t.counters().reposted, 128);
+}

@@ -1,0 +1,635 @@
+//! Atomic destination: data goes to a temp file beside the final name and appears
+//! under the final name only by `renameat` after the whole-file digest matched.
+//!
+//! Life of a [`Destination`]:
+//! 1. [`Destination::create`] (or [`Destination::resume`]) makes
+//!    `.rcp-<final>.<random>.part` in the target directory with `O_CREAT|O_EXCL`,
+//!    takes an exclusive `flock` on it (so no one else resumes or sweeps it), and
+//!    pre-sizes it (`fallocate`, or `ftruncate` where unsupported; a full disk fails
+//!    here, before any byte moves).
+//! 2. [`write_block`](Destination::write_block) / [`write_at`](Destination::write_at)
+//!    `pwrite` verified data and feed the streaming whole-file SHA-256. Out-of-order
+//!    pieces are held in memory up to `max_pending_digest_bytes`; beyond that they are
+//!    re-read from the temp file (page cache) when their turn comes.
+//! 3. [`commit`](Destination::commit): whole-file digest must equal the expected one
+//!    (else the temp file is removed and [`FileError::DigestMismatch`] returned);
+//!    optional mode/mtime (`-p`); `fsync` file; `renameat` over the final name (an
+//!    existing file is replaced only now, atomically); `fsync` the directory; the
+//!    manifest is removed.
+//! 4. Otherwise [`abort`](Destination::abort) removes temp + manifest;
+//!    [`suspend`](Destination::suspend) keeps both for a later resume. Dropping an
+//!    uncommitted destination suspends it if resume was enabled
+//!    ([`DestinationOptions::resume`]), else aborts it.
+//!
+//! Invariant: nothing but a complete, digest-verified file is ever visible under the
+//! final name, and an existing file there is untouched until the final rename.
+//! A process killed with SIGKILL leaves only the `.rcp-…part` (and manifest), which
+//! [`Destination::resume`] for the same name either resumes or sweeps.
+
+use std::collections::BTreeMap;
+use std::ffi::{OsStr, OsString};
+use std::fs::File;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use rustix::fs::{self as rfs, AtFlags, FallocateFlags, FileType, FlockOperation, Mode, OFlags};
+use rustix::io::Errno;
+
+use super::digest::{block_digest, to_hex, Sha256Digest, StreamingFileDigest, DEFAULT_MAX_PENDING};
+use super::error::{io_err, DigestError, FileError, Result};
+use super::manifest::{Manifest, SourceId};
+use super::path::check_name_os;
+use super::root::{list_fd, DirHandle, FileKind, Timestamp};
+use super::{temp_name, temp_prefix};
+
+/// Default block size when the caller has no opinion (4 MiB).
+pub const DEFAULT_BLOCK_SIZE: u64 = 4 << 20;
+
+/// `-p`: what to apply to the file before it is renamed into place.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Preserve {
+    /// Permission bits (`& 0o7777`).
+    pub mode: u32,
+    /// Becomes both atime and mtime, as `scp -p` does.
+    pub mtime: Timestamp,
+}
+
+/// How a [`Destination`] behaves.
+#[derive(Debug, Clone)]
+pub struct DestinationOptions {
+    /// Block size for [`Destination::write_block`] indices and the manifest bitmap.
+    pub block_size: u64,
+    /// Mode and mtime to set before the rename (`-p`); `None`: new file gets
+    /// `0o666 & !umask`, mtime = now.
+    pub preserve: Option<Preserve>,
+    /// Enable resume: keep a manifest, and keep the temp file when dropped without
+    /// commit. The id is recorded so a later resume only continues the same source.
+    pub resume: Option<SourceId>,
+    /// The whole-file digest if the sender announced it up front (recorded in the
+    /// manifest; a resume with a different announced digest is refused).
+    pub expected_digest: Option<Sha256Digest>,
+    /// Write the manifest after this many newly verified blocks...
+    pub manifest_every_blocks: u64,
+    /// ...or when this much time has passed since the last write, whichever first.
+    pub manifest_interval: Duration,
+    /// Out-of-order bytes held in memory for the whole-file digest.
+    pub max_pending_digest_bytes: usize,
+}
+
+impl Default for DestinationOptions {
+    fn default() -> Self {
+        DestinationOptions {
+            block_size: DEFAULT_BLOCK_SIZE,
+            preserve: None,
+            resume: None,
+            expected_digest: None,
+            manifest_every_blocks: 64,
+            manifest_interval: Duration::from_secs(1),
+            max_pending_digest_bytes: DEFAULT_MAX_PENDING,
+        }
+    }
+}
+
+/// A file being received; see the module doc.
+pub struct Destination {
+    dir: DirHandle,
+    file: File,
+    manifest_name: OsString,
+    manifest: Manifest,
+    opts: DestinationOptions,
+    digest: StreamingFileDigest,
+    /// Written to disk but not yet hashed (digest back-pressure or resume): offset -> len.
+    deferred: BTreeMap<u64, u64>,
+    unsaved: u64,
+    last_save: Instant,
+    finished: bool,
+}
+
+impl std::fmt::Debug for Destination {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Destination")
+            .field("final", &self.final_path())
+            .field("temp", &self.manifest.temp_name)
+            .field("len", &self.manifest.len)
+            .field("verified_blocks", &self.manifest.blocks.len())
+            .finish()
+    }
+}
+
+fn manifest_name_for(temp: &OsStr) -> OsString {
+    let mut m = temp.to_owned();
+    m.push(".manifest");
+    m
+}
+
+impl Destination {
+    /// Start receiving `len` bytes that will become `dir/final_name`.
+    pub fn create(
+        dir: &DirHandle,
+        final_name: impl AsRef<OsStr>,
+        len: u64,
+        opts: DestinationOptions,
+    ) -> Result<Destination> {
+        let final_name = final_name.as_ref();
+        check_name_os(final_name)?;
+        if opts.block_size == 0 {
+            return Err(FileError::Destination {
+                path: dir.display().join(final_name),
+                why: "block size is zero",
+            });
+        }
+        refuse_directory(dir, final_name)?;
+        let temp = temp_name(final_name, "part");
+        let tpath = dir.display().join(&temp);
+        let fd = rfs::openat(
+            dir.fd(),
+            &temp,
+            OFlags::RDWR | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::from_raw_mode(0o666),
+        )
+        .map_err(|e| io_err("create temp file", &tpath, e))?;
+        let remove = |e: FileError| {
+            let _ = rfs::unlinkat(dir.fd(), &temp, AtFlags::empty());
+            e
+        };
+        rfs::flock(&fd, FlockOperation::NonBlockingLockExclusive)
+            .map_err(|e| remove(io_err("lock temp file", &tpath, e)))?;
+        if len > 0 {
+            match rfs::fallocate(&fd, FallocateFlags::empty(), 0, len) {
+                Ok(()) => {}
+                Err(Errno::OPNOTSUPP | Errno::NOSYS) => {
+                    rfs::ftruncate(&fd, len).map_err(|e| remove(io_err("ftruncate", &tpath, e)))?
+                }
+                Err(e) => return Err(remove(io_err("fallocate", &tpath, e))),
+            }
+        }
+        let manifest = Manifest {
+            final_name: final_name.to_owned(),
+            temp_name: temp.clone(),
+            len,
+            block_size: opts.block_size,
+            source: opts.resume.unwrap_or(SourceId {
+                len,
+                mtime: Timestamp::default(),
+                fingerprint: [0; 32],
+            }),
+            expected_digest: opts.expected_digest,
+            blocks: BTreeMap::new(),
+        };
+        let mut d = Destination {
+            dir: dir.try_clone().map_err(remove)?,
+            file: File::from(fd),
+            manifest_name: manifest_name_for(&temp),
+            manifest,
+            digest: StreamingFileDigest::new(Some(len), opts.max_pending_digest_bytes),
+            opts,
+            deferred: BTreeMap::new(),
+            unsaved: 0,
+            last_save: Instant::now(),
+            finished: false,
+        };
+        if d.resumable() {
+            // From now on a crash leaves a manifest next to the temp file.
+            if let Err(e) = d.save_manifest() {
+                d.abort();
+                return Err(e);
+            }
+        }
+        Ok(d)
+    }
+
+    /// Look for an interrupted copy of the same source to `dir/final_name`.
+    ///
+    /// Every `.rcp-<final>.*.part.manifest` is loaded and checked: final name, temp
+    /// name, source id, length, block size and announced digest must match
+    /// `source`/`opts`, the temp file must exist with the right length and not be
+    /// locked by a live transfer. Each verified block is re-read from the temp file and
+    /// its digest checked (a block that does not match is dropped and will be sent
+    /// again); the whole-file digest is rebuilt from them. Manifests that fail any
+    /// check are discarded (temp and manifest removed, with a warning), as are
+    /// unlocked `.part` files of this name that have no manifest.
+    ///
+    /// Returns the resumed destination; [`missing_blocks`](Self::missing_blocks)
+    /// says what the sender still has to send. `Ok(None)`: start afresh with
+    /// [`create`](Self::create).
+    pub fn resume(
+        dir: &DirHandle,
+        final_name: impl AsRef<OsStr>,
+        source: &SourceId,
+        opts: DestinationOptions,
+    ) -> Result<Option<Destination>> {
+        let final_name = final_name.as_ref();
+        check_name_os(final_name)?;
+        let opts = DestinationOptions {
+            resume: Some(*source),
+            ..opts
+        };
+        let prefix = temp_prefix(final_name);
+        let entries = list_fd(dir.fd_owned(), dir.display())?;
+        let mut found = None;
+        let mut manifests = Vec::new();
+        for e in &entries {
+            let n = e.name.as_bytes();
+            if n.starts_with(&prefix) && n.ends_with(b".part.manifest") {
+                manifests.push(e.name.clone());
+            }
+        }
+        for mname in &manifests {
+            let temp = OsStr::from_bytes(&mname.as_bytes()[..mname.len() - ".manifest".len()]);
+            if found.is_some() {
+                break;
+            }
+            let m = match Manifest::load(dir, mname) {
+                Ok(m) => m,
+                Err(e) => {
+                    tracing::warn!(error = %e, "discarding unusable resume manifest");
+                    discard(dir, temp, mname);
+                    continue;
+                }
+            };
+            if m.final_name != final_name {
+                continue; // a different long name sharing the truncated prefix
+            }
+            let why = if m.temp_name != temp {
+                Some("it names a different temp file")
+            } else if m.source != *source {
+                Some("the source changed (size, mtime or fingerprint)")
+            } else if m.len != source.len {
+                Some("length differs from the source")
+            } else if m.block_size != opts.block_size {
+                Some("block size differs")
+            } else if opts.expected_digest.is_some() && m.expected_digest != opts.expected_digest {
+                Some("the announced whole-file digest differs")
+            } else {
+                None
+            };
+            if let Some(why) = why {
+                tracing::warn!(manifest = %dir.display().join(mname).display(), why,
+                    "discarding stale resume manifest");
+                discard(dir, temp, mname);
+                continue;
+            }
+            let tpath = dir.display().join(temp);
+            let fd = match rfs::openat(
+                dir.fd(),
+                temp,
+                OFlags::RDWR | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                Mode::empty(),
+            ) {
+                Ok(fd) => fd,
+                Err(e) => {
+                    tracing::warn!(temp = %tpath.display(), error = %e,
+                        "resume manifest without its temp file; discarding");
+                    discard(dir, temp, mname);
+                    continue;
+                }
+            };
+            if let Err(e) = rfs::flock(&fd, FlockOperation::NonBlockingLockExclusive) {
+                tracing::info!(temp = %tpath.display(), error = %e,
+                    "temp file is locked by a live transfer; not resuming it");
+                continue;
+            }
+            let st = rfs::fstat(&fd).map_err(|e| io_err("stat", &tpath, e))?;
+            #[allow(clippy::unnecessary_cast)]
+            if FileType::from_raw_mode(st.st_mode) != FileType::RegularFile
+                || st.st_size as u64 != m.len
+            {
+                tracing::warn!(temp = %tpath.display(), "temp file has the wrong type or length; discarding");
+                drop(fd);
+                discard(dir, temp, mname);
+                continue;
+            }
+            let mut opts = opts.clone();
+            if opts.expected_digest.is_none() {
+                opts.expected_digest = m.expected_digest;
+            }
+            let mut d = Destination {
+                dir: dir.try_clone()?,
+                file: File::from(fd),
+                manifest_name: mname.clone(),
+                digest: StreamingFileDigest::new(Some(m.len), opts.max_pending_digest_bytes),
+                manifest: Manifest {
+                    blocks: BTreeMap::new(),
+                    ..m.clone()
+                },
+                opts: opts.clone(),
+                deferred: BTreeMap::new(),
+                unsaved: 0,
+                last_save: Instant::now(),
+                finished: false,
+            };
+            d.rebuild(&m.blocks)?;
+            d.save_manifest()?;
+            found = Some(d);
+        }
+        // Sweep leftovers of this name: temp files with no manifest, not in use
+        // (the resumed one is locked by us, so `discard` leaves it alone anyway).
+        for e in &entries {
+            let n = e.name.as_bytes();
+            if n.starts_with(&prefix)
+                && n.ends_with(b".part")
+                && !manifests.iter().any(|m| m.as_bytes().starts_with(n))
+            {
+                discard(dir, &e.name, &manifest_name_for(&e.name));
+            }
+        }
+        Ok(found)
+    }
+
+    /// Re-read verified blocks from the temp file, check their digests, rebuild the
+    /// whole-file digest.
+    fn rebuild(&mut self, blocks: &BTreeMap<u64, Sha256Digest>) -> Result<()> {
+        let bs = self.manifest.block_size;
+        let mut buf = vec![0u8; bs as usize];
+        for (&i, &want) in blocks {
+            let (off, n) = (i * bs, self.block_len(i));
+            let b = &mut buf[..n as usize];
+            self.file
+                .read_exact_at(b, off)
+                .map_err(|e| io_err("read temp file", self.temp_path(), e))?;
+            if block_digest(b) != want {
+                tracing::warn!(temp = %self.temp_path().display(), block = i,
+                    "resumed block does not match its recorded digest; will be sent again");
+                continue;
+            }
+            self.manifest.blocks.insert(i, want);
+            if off == self.digest.next_offset() {
+                self.digest.update(off, b)?;
+            } else {
+                self.deferred.insert(off, n);
+            }
+        }
+        Ok(())
+    }
+
+    fn resumable(&self) -> bool {
+        self.opts.resume.is_some()
+    }
+
+    /// Total length of the file being received.
+    pub fn len(&self) -> u64 {
+        self.manifest.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.manifest.len == 0
+    }
+    pub fn block_size(&self) -> u64 {
+        self.manifest.block_size
+    }
+    pub fn block_count(&self) -> u64 {
+        self.manifest.block_count()
+    }
+    /// Length of block `index` (the last one may be short).
+    pub fn block_len(&self, index: u64) -> u64 {
+        let bs = self.manifest.block_size;
+        bs.min(self.manifest.len.saturating_sub(index * bs))
+    }
+    /// Blocks not yet recorded by [`write_block`](Self::write_block), ascending.
+    pub fn missing_blocks(&self) -> Vec<u64> {
+        self.manifest.missing_blocks()
+    }
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+    pub fn final_path(&self) -> PathBuf {
+        self.dir.display().join(&self.manifest.final_name)
+    }
+    pub fn temp_path(&self) -> PathBuf {
+        self.dir.display().join(&self.manifest.temp_name)
+    }
+    /// Bytes hashed so far into the whole-file digest (contiguous from 0).
+    pub fn digested_up_to(&self) -> u64 {
+        self.digest.next_offset()
+    }
+
+    /// Write a received, verified block. `digest` is its SHA-256 (already checked
+    /// by the caller against the sender's). Duplicates of a recorded block are
+    /// ignored. Recorded in the manifest (saved at the configured rate).
+    pub fn write_block(&mut self, index: u64, data: &[u8], digest: Sha256Digest) -> Result<()> {
+        let n = self.block_count();
+        if index >= n {
+            return Err(FileError::OutOfRange {
+                path: self.temp_path(),
+                offset: index.saturating_mul(self.block_size()),
+                len: data.len() as u64,
+                file_len: self.len(),
+            });
+        }
+        let want = self.block_len(index);
+        if data.len() as u64 != want {
+            return Err(FileError::BadBlock {
+                path: self.temp_path(),
+                index,
+                got: data.len() as u64,
+                expected: want,
+            });
+        }
+        debug_assert_eq!(
+            block_digest(data),
+            digest,
+            "write_block: digest is not of data"
+        );
+        if self.manifest.blocks.contains_key(&index) {
+            tracing::debug!(block = index, "duplicate block ignored");
+            return Ok(());
+        }
+        self.write_at(index * self.block_size(), data)?;
+        self.manifest.blocks.insert(index, digest);
+        self.unsaved += 1;
+        if self.resumable()
+            && (self.unsaved >= self.opts.manifest_every_blocks
+                || self.last_save.elapsed() >= self.opts.manifest_interval)
+        {
+            self.save_manifest()?;
+        }
+        Ok(())
+    }
+
+    /// Write `data` at `offset` (pwrite) and feed the whole-file digest. Ranges must
+    /// not overlap earlier writes. Not recorded in the manifest (use
+    /// [`write_block`](Self::write_block) for resumable transfers).
+    pub fn write_at(&mut self, offset: u64, data: &[u8]) -> Result<()> {
+        let n = data.len() as u64;
+        if offset.checked_add(n).is_none_or(|end| end > self.len()) {
+            return Err(FileError::OutOfRange {
+                path: self.temp_path(),
+                offset,
+                len: n,
+                file_len: self.len(),
+            });
+        }
+        self.file
+            .write_all_at(data, offset)
+            .map_err(|e| io_err("write", self.temp_path(), e))?;
+        match self.digest.update(offset, data) {
+            Ok(()) => {}
+            Err(DigestError::Backpressure { .. }) => {
+                self.deferred.insert(offset, n);
+            }
+            Err(e) => return Err(e.into()),
+        }
+        self.drain_deferred()
+    }
+
+    /// Hash pieces kept on disk whose turn has come.
+    fn drain_deferred(&mut self) -> Result<()> {
+        let mut buf = Vec::new();
+        while let Some((&off, &n)) = self.deferred.first_key_value() {
+            if off != self.digest.next_offset() {
+                break;
+            }
+            self.deferred.remove(&off);
+            buf.resize(n as usize, 0);
+            self.file
+                .read_exact_at(&mut buf, off)
+                .map_err(|e| io_err("read temp file", self.temp_path(), e))?;
+            self.digest.update(off, &buf)?;
+        }
+        Ok(())
+    }
+
+    /// Make the recorded blocks durable, then atomically rewrite the manifest.
+    fn save_manifest(&mut self) -> Result<()> {
+        self.file
+            .sync_data()
+            .map_err(|e| io_err("fdatasync", self.temp_path(), e))?;
+        self.manifest.save(&self.dir, &self.manifest_name)?;
+        self.unsaved = 0;
+        self.last_save = Instant::now();
+        Ok(())
+    }
+
+    /// Verify and publish: see the module doc. Returns the whole-file digest.
+    pub fn commit(mut self, expected: Sha256Digest) -> Result<Sha256Digest> {
+        self.drain_deferred()?;
+        let got = self.digest.next_offset();
+        if got != self.len() {
+            return Err(FileError::Incomplete {
+                path: self.final_path(),
+                missing_from: got,
+                len: self.len(),
+            });
+        }
+        let digest = std::mem::replace(&mut self.digest, StreamingFileDigest::new(None, 0));
+        let actual = digest.finish()?;
+        if actual != expected {
+            let path = self.final_path();
+            self.abort();
+            return Err(FileError::DigestMismatch {
+                path,
+                expected: to_hex(&expected),
+                actual: to_hex(&actual),
+            });
+        }
+        let tpath = self.temp_path();
+        if let Some(p) = self.opts.preserve {
+            rfs::fchmod(&self.file, Mode::from_raw_mode(p.mode & 0o7777))
+                .map_err(|e| io_err("chmod", &tpath, e))?;
+            let ts = rustix::fs::Timespec {
+                tv_sec: p.mtime.sec,
+                tv_nsec: p.mtime.nsec.into(),
+            };
+            rfs::futimens(
+                &self.file,
+                &rfs::Timestamps {
+                    last_access: ts,
+                    last_modification: ts,
+                },
+            )
+            .map_err(|e| io_err("futimens", &tpath, e))?;
+        }
+        self.file
+            .sync_all()
+            .map_err(|e| io_err("fsync", &tpath, e))?;
+        let fin = &self.manifest.final_name;
+        match rfs::renameat(self.dir.fd(), &self.manifest.temp_name, self.dir.fd(), fin) {
+            Ok(()) => {}
+            Err(e @ (Errno::ISDIR | Errno::NOTEMPTY | Errno::EXIST)) => {
+                let path = self.final_path();
+                tracing::debug!(error = %e, "rename over a directory");
+                return Err(FileError::IsADirectory { path });
+            }
+            Err(e) => return Err(io_err("rename into place", self.final_path(), e)),
+        }
+        self.finished = true;
+        rfs::fsync(self.dir.fd()).map_err(|e| io_err("fsync directory", self.dir.display(), e))?;
+        if self.resumable() {
+            let _ = rfs::unlinkat(self.dir.fd(), &self.manifest_name, AtFlags::empty());
+        }
+        Ok(actual)
+    }
+
+    /// Give up: remove the temp file and its manifest.
+    pub fn abort(mut self) {
+        self.remove_files();
+    }
+
+    fn remove_files(&mut self) {
+        self.finished = true;
+        let _ = rfs::unlinkat(self.dir.fd(), &self.manifest.temp_name, AtFlags::empty());
+        let _ = rfs::unlinkat(self.dir.fd(), &self.manifest_name, AtFlags::empty());
+    }
+
+    /// Stop for now, keeping temp file and an up-to-date manifest for
+    /// [`resume`](Self::resume). Without resume enabled this is [`abort`](Self::abort).
+    pub fn suspend(mut self) -> Result<()> {
+        if !self.resumable() {
+            self.remove_files();
+            return Ok(());
+        }
+        let r = self.save_manifest();
+        self.finished = true;
+        r
+    }
+}
+
+impl Drop for Destination {
+    fn drop(&mut self) {
+        if self.finished {
+            return;
+        }
+        if self.resumable() {
+            if let Err(e) = self.save_manifest() {
+                tracing::warn!(error = %e, "could not save resume manifest on drop");
+            }
+        } else {
+            self.remove_files();
+        }
+    }
+}
+
+/// Remove an unusable temp/manifest pair unless a live transfer holds the temp file.
+fn discard(dir: &DirHandle, temp: &OsStr, manifest: &OsStr) {
+    match rfs::openat(
+        dir.fd(),
+        temp,
+        OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::empty(),
+    ) {
+        Ok(fd) => {
+            if rfs::flock(&fd, FlockOperation::NonBlockingLockExclusive).is_err() {
+                return; // in use
+            }
+            // Unlink while holding the lock.
+            let _ = rfs::unlinkat(dir.fd(), temp, AtFlags::empty());
+            drop(fd);
+        }
+        Err(Errno::NOENT) => {}
+        Err(_) => return,
+    }
+    let _ = rfs::unlinkat(dir.fd(), manifest, AtFlags::empty());
+}
+
+/// Refuse early when the final name is an existing directory.
+fn refuse_directory(dir: &DirHandle, name: &OsStr) -> Result<()> {
+    match rfs::statat(dir.fd(), name, AtFlags::SYMLINK_NOFOLLOW) {
+        Ok(st) if super::root::FileMeta::from_stat(&st).kind == FileKind::Dir => {
+            Err(FileError::IsADirectory {
+                path: dir.display().join(name),
+            })
+        }
+        _ => Ok(()),
+    }
+}

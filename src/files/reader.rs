@@ -1,0 +1,269 @@
+//! Source side: reading a file straight into a caller's (registered) buffer.
+//!
+//! [`SourceFile`] opens the file twice: once buffered, once with `O_DIRECT` when the
+//! file system accepts it (an `O_DIRECT` open that fails, typically with EINVAL, just
+//! leaves the direct fd out and says why in [`SourceFile::direct_unavailable`]). Both
+//! fds are checked to be the same inode. [`read_at`](SourceFile::read_at) uses the
+//! direct fd when offset, buffer address and buffer length are all multiples of
+//! [`DIRECT_ALIGN`]; the last, short block of a file is read the same way (an aligned
+//! over-read that the kernel truncates at EOF) as long as the caller's buffer is a
+//! whole aligned block. Anything else (unaligned, or a direct read failing with
+//! EINVAL at run time, which disables direct reads for the file) goes through the
+//! buffered fd. [`read_at_mode`](SourceFile::read_at_mode) reports which path served
+//! a read; counters in [`stats`](SourceFile::stats).
+//!
+//! `&SourceFile` is `Sync`: several threads may read different blocks concurrently.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::OwnedFd;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use rustix::fs::{self as rfs, Mode, OFlags};
+use sha2::{Digest, Sha256};
+
+use super::error::{io_err, FileError, PathError, Result};
+use super::manifest::SourceId;
+use super::path::normalize;
+use super::root::{FileKind, FileMeta, Root};
+
+/// Alignment required for `O_DIRECT` reads (offset, buffer address, length).
+pub const DIRECT_ALIGN: usize = 4096;
+/// How much of the start of the file goes into the [`SourceId`] fingerprint.
+pub const FINGERPRINT_BYTES: usize = 64 << 10;
+
+/// Which path served a read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IoMode {
+    Direct,
+    Buffered,
+}
+
+/// Read counters by path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ReadStats {
+    pub direct_reads: u64,
+    pub buffered_reads: u64,
+}
+
+/// An open source file; see the module doc.
+#[derive(Debug)]
+pub struct SourceFile {
+    path: PathBuf,
+    buffered: File,
+    direct: Option<File>,
+    direct_why_not: Option<String>,
+    direct_ok: AtomicBool,
+    direct_reads: AtomicU64,
+    buffered_reads: AtomicU64,
+    meta: FileMeta,
+    id: SourceId,
+}
+
+impl SourceFile {
+    /// Open a local file (client side: the user's own path, symlinks followed).
+    pub fn open(path: impl AsRef<Path>) -> Result<SourceFile> {
+        let path = path.as_ref();
+        Self::from_opener(path, |direct| {
+            let mut f = OFlags::RDONLY | OFlags::NONBLOCK | OFlags::NOCTTY | OFlags::CLOEXEC;
+            if direct {
+                f |= OFlags::DIRECT;
+            }
+            rfs::open(path, f, Mode::empty()).map_err(io::Error::from)
+        })
+    }
+
+    /// Open `rel` beneath the served root (server side, confined; see [`Root`]).
+    pub fn open_in(root: &Root, rel: &str) -> Result<SourceFile> {
+        let r = normalize(rel)?;
+        let display = root.path().join(r.to_path());
+        // Refusals (escape, not a regular file, ...) are reported as such, from the
+        // buffered open; a failing O_DIRECT open only means "no direct reads".
+        let first = root.open_regular(&r, OFlags::empty(), rel)?;
+        let mut first = Some(first);
+        Self::from_opener(&display, |direct| {
+            if !direct {
+                return Ok(first.take().expect("buffered fd opened once"));
+            }
+            root.open_regular(&r, OFlags::DIRECT, rel)
+                .map_err(|e| match e {
+                    PathError::Io { source, .. } => source,
+                    other => io::Error::other(other.to_string()),
+                })
+        })
+    }
+
+    /// Build from an opener called with `direct = false` (must succeed) and then
+    /// `direct = true` (may fail: buffered reads only). Public so that callers with
+    /// their own way of opening, and tests of the fallback, can use it.
+    pub fn from_opener(
+        display: &Path,
+        mut open: impl FnMut(bool) -> io::Result<OwnedFd>,
+    ) -> Result<SourceFile> {
+        let fd = open(false).map_err(|e| io_err("open", display, e))?;
+        let st = rfs::fstat(&fd).map_err(|e| io_err("stat", display, e))?;
+        let meta = FileMeta::from_stat(&st);
+        if meta.kind != FileKind::File {
+            return Err(PathError::NotRegularFile {
+                path: display.to_string_lossy().into_owned(),
+            }
+            .into());
+        }
+        let fl = rfs::fcntl_getfl(&fd).map_err(|e| io_err("fcntl", display, e))?;
+        rfs::fcntl_setfl(&fd, fl - OFlags::NONBLOCK).map_err(|e| io_err("fcntl", display, e))?;
+        let buffered = File::from(fd);
+        let (direct, why_not) = match open(true) {
+            Ok(dfd) => {
+                let dst = rfs::fstat(&dfd).map_err(|e| io_err("stat", display, e))?;
+                let dmeta = FileMeta::from_stat(&dst);
+                if (dmeta.dev, dmeta.ino) != (meta.dev, meta.ino) {
+                    return Err(FileError::SourceChanged {
+                        path: display.to_owned(),
+                        what: "replaced between opens",
+                    });
+                }
+                (Some(File::from(dfd)), None)
+            }
+            Err(e) => {
+                let p = display.display().to_string();
+                tracing::debug!(path = %p, error = %e,
+                    "O_DIRECT not available; buffered reads");
+                (None, Some(e.to_string()))
+            }
+        };
+        let mut head = vec![0u8; FINGERPRINT_BYTES.min(meta.len as usize)];
+        read_full(&buffered, &mut head, 0, false).map_err(|e| io_err("read", display, e))?;
+        let id = SourceId {
+            len: meta.len,
+            mtime: meta.mtime,
+            fingerprint: Sha256::digest(&head).into(),
+        };
+        Ok(SourceFile {
+            path: display.to_owned(),
+            direct_ok: AtomicBool::new(direct.is_some()),
+            buffered,
+            direct,
+            direct_why_not: why_not,
+            direct_reads: AtomicU64::new(0),
+            buffered_reads: AtomicU64::new(0),
+            meta,
+            id,
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+    pub fn len(&self) -> u64 {
+        self.meta.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.meta.len == 0
+    }
+    /// Permission bits.
+    pub fn mode(&self) -> u32 {
+        self.meta.mode
+    }
+    pub fn mtime(&self) -> super::root::Timestamp {
+        self.meta.mtime
+    }
+    pub fn meta(&self) -> &FileMeta {
+        &self.meta
+    }
+    /// Size + mtime + SHA-256 of the first 64 KiB, fixed at open.
+    pub fn source_id(&self) -> SourceId {
+        self.id
+    }
+    /// The mode aligned reads will use.
+    pub fn io_mode(&self) -> IoMode {
+        if self.direct.is_some() && self.direct_ok.load(Ordering::Relaxed) {
+            IoMode::Direct
+        } else {
+            IoMode::Buffered
+        }
+    }
+    /// Why there is no `O_DIRECT` fd, if there isn't.
+    pub fn direct_unavailable(&self) -> Option<&str> {
+        self.direct_why_not.as_deref()
+    }
+    pub fn stats(&self) -> ReadStats {
+        ReadStats {
+            direct_reads: self.direct_reads.load(Ordering::Relaxed),
+            buffered_reads: self.buffered_reads.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Read into `buf` from `offset`; returns the bytes read, fewer than `buf.len()`
+    /// only at end of file.
+    pub fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<usize> {
+        self.read_at_mode(offset, buf).map(|(n, _)| n)
+    }
+
+    /// [`read_at`](Self::read_at), also saying which path served it.
+    pub fn read_at_mode(&self, offset: u64, buf: &mut [u8]) -> Result<(usize, IoMode)> {
+        let aligned = offset % DIRECT_ALIGN as u64 == 0
+            && (buf.as_ptr() as usize) % DIRECT_ALIGN == 0
+            && buf.len() % DIRECT_ALIGN == 0;
+        if let (Some(d), true) = (
+            &self.direct,
+            aligned && self.direct_ok.load(Ordering::Relaxed),
+        ) {
+            match read_full(d, buf, offset, true) {
+                Ok(n) => {
+                    self.direct_reads.fetch_add(1, Ordering::Relaxed);
+                    return Ok((n, IoMode::Direct));
+                }
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                    tracing::warn!(path = %self.path.display(), error = %e,
+                        "O_DIRECT read refused; using buffered reads for this file");
+                    self.direct_ok.store(false, Ordering::Relaxed);
+                }
+                Err(e) => return Err(io_err("read", &self.path, e)),
+            }
+        }
+        let n = read_full(&self.buffered, buf, offset, false)
+            .map_err(|e| io_err("read", &self.path, e))?;
+        self.buffered_reads.fetch_add(1, Ordering::Relaxed);
+        Ok((n, IoMode::Buffered))
+    }
+
+    /// Fail with [`FileError::SourceChanged`] if length or mtime differ from open
+    /// time (call after the last block was read, before the digest is trusted).
+    pub fn check_unchanged(&self) -> Result<()> {
+        let st = rfs::fstat(&self.buffered).map_err(|e| io_err("stat", &self.path, e))?;
+        let now = FileMeta::from_stat(&st);
+        let what = if now.len != self.meta.len {
+            "length changed"
+        } else if now.mtime != self.meta.mtime {
+            "modification time changed"
+        } else {
+            return Ok(());
+        };
+        Err(FileError::SourceChanged {
+            path: self.path.clone(),
+            what,
+        })
+    }
+}
+
+/// pread until `buf` is full or EOF. For O_DIRECT a short read means EOF (the next
+/// offset would be unaligned), so stop there.
+fn read_full(f: &File, buf: &mut [u8], offset: u64, direct: bool) -> io::Result<usize> {
+    let mut done = 0;
+    while done < buf.len() {
+        match f.read_at(&mut buf[done..], offset + done as u64) {
+            Ok(0) => break,
+            Ok(n) => {
+                done += n;
+                if direct && n % DIRECT_ALIGN != 0 {
+                    break;
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(done)
+}

@@ -1,0 +1,483 @@
+//! Confinement: every remote path is resolved beneath the served root.
+//!
+//! [`Root`] holds an `O_PATH|O_DIRECTORY` fd of the root. A remote path string is first
+//! [normalized](super::path::normalize) (absolute paths and `..` above the top are
+//! refused there), then resolved relative to the root fd with
+//! `openat2(RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS)` so that a symlink anywhere on
+//! the way that points outside the root (absolute, or climbing with `..`) fails with
+//! [`PathError::SymlinkOutside`]. Symlinks that stay inside the root are followed.
+//!
+//! Kernels without `openat2` (before 5.6, or seccomp filters answering ENOSYS/EPERM)
+//! get [`Resolver::Walk`]: a component-wise `openat(O_NOFOLLOW)` walk that reads each
+//! symlink itself and applies the same rules (absolute target: refused; `..` above the
+//! root: refused; at most 40 links). Both resolvers are tested against the same cases.
+//!
+//! Nothing here follows a path string from the root again after a check: every step
+//! is relative to an fd already known to be beneath the root, so renaming directories
+//! concurrently cannot make a resolution escape.
+
+use std::collections::VecDeque;
+use std::ffi::{OsStr, OsString};
+use std::fs::File;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::path::{Path, PathBuf};
+
+use rustix::fs::{self as rfs, AtFlags, FileType, Mode, OFlags, ResolveFlags};
+use rustix::io::Errno;
+
+use super::error::{io_err, FileError, PathError, Result};
+use super::path::{check_name, normalize, symlink_target_within, RelPath};
+
+/// How paths are resolved beneath the root.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Resolver {
+    /// `openat2` with `RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS` (Linux >= 5.6).
+    Openat2,
+    /// Component-wise `openat(O_NOFOLLOW)` walk, symlinks interpreted in user space.
+    Walk,
+}
+
+/// Seconds and nanoseconds since the epoch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default, Hash)]
+pub struct Timestamp {
+    pub sec: i64,
+    pub nsec: u32,
+}
+
+/// What kind of object a path names (symlinks not followed where documented).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FileKind {
+    File,
+    Dir,
+    Symlink,
+    /// FIFO, socket, device: never transferred.
+    Other,
+}
+
+/// The metadata the control plane needs about one object.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FileMeta {
+    pub kind: FileKind,
+    pub len: u64,
+    /// Permission bits (`st_mode & 0o7777`).
+    pub mode: u32,
+    pub mtime: Timestamp,
+    pub dev: u64,
+    pub ino: u64,
+}
+
+impl FileMeta {
+    #[allow(clippy::unnecessary_cast)]
+    pub(crate) fn from_stat(st: &rfs::Stat) -> FileMeta {
+        let ft = FileType::from_raw_mode(st.st_mode as _);
+        let kind = match ft {
+            FileType::RegularFile => FileKind::File,
+            FileType::Directory => FileKind::Dir,
+            FileType::Symlink => FileKind::Symlink,
+            _ => FileKind::Other,
+        };
+        FileMeta {
+            kind,
+            len: st.st_size.max(0) as u64,
+            mode: (st.st_mode as u32) & 0o7777,
+            mtime: Timestamp {
+                sec: st.st_mtime as i64,
+                nsec: st.st_mtime_nsec as u32,
+            },
+            dev: st.st_dev as u64,
+            ino: st.st_ino as u64,
+        }
+    }
+}
+
+/// One entry of [`Root::list`]: name within the directory and `lstat` metadata
+/// (a symlink is reported as [`FileKind::Symlink`], not followed).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ListEntry {
+    pub name: OsString,
+    pub meta: FileMeta,
+}
+
+/// An open directory (`O_RDONLY|O_DIRECTORY`, so it can be fsynced) plus the path to
+/// show in error messages. Where a [`super::commit::Destination`] is created.
+#[derive(Debug)]
+pub struct DirHandle {
+    fd: OwnedFd,
+    display: PathBuf,
+}
+
+impl DirHandle {
+    /// Open a local directory by path (client side: no confinement, the user's own
+    /// file system; symlinks in `path` are followed like any local tool would).
+    pub fn open(path: impl AsRef<Path>) -> Result<DirHandle> {
+        let path = path.as_ref();
+        let fd = rfs::open(
+            path,
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|e| io_err("open directory", path, e))?;
+        Ok(DirHandle {
+            fd,
+            display: path.to_owned(),
+        })
+    }
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+    pub(crate) fn fd_owned(&self) -> &OwnedFd {
+        &self.fd
+    }
+    /// The path used in messages (root path + relative path on the server).
+    pub fn display(&self) -> &Path {
+        &self.display
+    }
+    pub fn try_clone(&self) -> Result<DirHandle> {
+        Ok(DirHandle {
+            fd: self
+                .fd
+                .try_clone()
+                .map_err(|e| io_err("dup", &self.display, e))?,
+            display: self.display.clone(),
+        })
+    }
+    /// `fstat` of the directory itself.
+    pub fn meta(&self) -> Result<FileMeta> {
+        let st = rfs::fstat(&self.fd).map_err(|e| io_err("stat", &self.display, e))?;
+        Ok(FileMeta::from_stat(&st))
+    }
+}
+
+/// The served root directory; all remote paths are confined beneath it.
+#[derive(Debug)]
+pub struct Root {
+    fd: OwnedFd,
+    path: PathBuf,
+    resolver: Resolver,
+}
+
+const MAX_SYMLINKS: usize = 40;
+
+fn map_errno(e: Errno, path: &str, op: &'static str) -> PathError {
+    let path = path.to_owned();
+    match e {
+        Errno::NOENT => PathError::NotFound { path },
+        Errno::NOTDIR => PathError::NotADirectory { path },
+        Errno::XDEV => PathError::SymlinkOutside { path },
+        Errno::LOOP => PathError::SymlinkLoop { path },
+        e => PathError::Io {
+            op,
+            path,
+            source: e.into(),
+        },
+    }
+}
+
+impl Root {
+    /// Open `dir` as the root, choosing `openat2` when the kernel has it.
+    pub fn open(dir: impl AsRef<Path>) -> Result<Root> {
+        let mut root = Self::open_with(dir, Resolver::Openat2)?;
+        let probe = rfs::openat2(
+            &root.fd,
+            ".",
+            OFlags::PATH | OFlags::CLOEXEC,
+            Mode::empty(),
+            ResolveFlags::BENEATH | ResolveFlags::NO_MAGICLINKS,
+        );
+        if let Err(e @ (Errno::NOSYS | Errno::PERM)) = probe {
+            tracing::info!(root = %root.path.display(), error = %e,
+                "openat2 unavailable; resolving paths with an O_NOFOLLOW walk");
+            root.resolver = Resolver::Walk;
+        }
+        Ok(root)
+    }
+
+    /// Open `dir` as the root with a given resolver (tests; forcing the fallback).
+    pub fn open_with(dir: impl AsRef<Path>, resolver: Resolver) -> Result<Root> {
+        let path = dir.as_ref();
+        let fd = rfs::open(
+            path,
+            OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|e| io_err("open root", path, e))?;
+        Ok(Root {
+            fd,
+            path: path.to_owned(),
+            resolver,
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+    pub fn resolver(&self) -> Resolver {
+        self.resolver
+    }
+
+    /// Resolve a normalized path beneath the root and open it with `flags`
+    /// (`O_CLOEXEC` is added; `O_NOFOLLOW` too unless `follow_final`).
+    pub(crate) fn resolve(
+        &self,
+        rel: &RelPath,
+        flags: OFlags,
+        follow_final: bool,
+    ) -> Result<OwnedFd, PathError> {
+        match self.resolver {
+            Resolver::Openat2 => self.resolve_openat2(rel, flags, follow_final),
+            Resolver::Walk => self.resolve_walk(rel, flags, follow_final),
+        }
+    }
+
+    fn resolve_openat2(
+        &self,
+        rel: &RelPath,
+        flags: OFlags,
+        follow_final: bool,
+    ) -> Result<OwnedFd, PathError> {
+        let mut f = flags | OFlags::CLOEXEC;
+        if !follow_final {
+            f |= OFlags::NOFOLLOW;
+        }
+        let path = rel.to_path();
+        let mut tries = 0;
+        loop {
+            match rfs::openat2(
+                &self.fd,
+                &path,
+                f,
+                Mode::empty(),
+                ResolveFlags::BENEATH | ResolveFlags::NO_MAGICLINKS,
+            ) {
+                // A concurrent rename/mount made the kernel give up; try again.
+                Err(Errno::AGAIN) if tries < 16 => tries += 1,
+                r => return r.map_err(|e| map_errno(e, &rel.to_string(), "open")),
+            }
+        }
+    }
+
+    fn resolve_walk(
+        &self,
+        rel: &RelPath,
+        flags: OFlags,
+        follow_final: bool,
+    ) -> Result<OwnedFd, PathError> {
+        let disp = rel.to_string();
+        let err = |e: Errno| map_errno(e, &disp, "open");
+        let outside = || PathError::SymlinkOutside { path: disp.clone() };
+        let flags = flags | OFlags::CLOEXEC;
+        let mut stack: Vec<OwnedFd> = Vec::new();
+        let mut queue: VecDeque<Vec<u8>> = rel
+            .components()
+            .iter()
+            .map(|c| c.as_bytes().to_vec())
+            .collect();
+        let mut links = 0;
+        while let Some(name) = queue.pop_front() {
+            if name == b".." {
+                if stack.pop().is_none() {
+                    return Err(outside());
+                }
+                continue;
+            }
+            if name.is_empty() || name == b"." {
+                continue;
+            }
+            let cur: BorrowedFd<'_> = stack.last().map_or(self.fd.as_fd(), |f| f.as_fd());
+            let last = queue.is_empty();
+            let name = OsStr::from_bytes(&name);
+            let st = rfs::statat(cur, name, AtFlags::SYMLINK_NOFOLLOW).map_err(err)?;
+            if FileType::from_raw_mode(st.st_mode) == FileType::Symlink && (!last || follow_final) {
+                links += 1;
+                if links > MAX_SYMLINKS {
+                    return Err(PathError::SymlinkLoop { path: disp });
+                }
+                let target = rfs::readlinkat(cur, name, Vec::new()).map_err(err)?;
+                let target = target.as_bytes();
+                if target.first() == Some(&b'/') {
+                    return Err(outside());
+                }
+                for c in target.split(|&b| b == b'/').rev() {
+                    queue.push_front(c.to_vec());
+                }
+                continue;
+            }
+            if last {
+                return rfs::openat(cur, name, flags | OFlags::NOFOLLOW, Mode::empty())
+                    .map_err(err);
+            }
+            let fd = rfs::openat(
+                cur,
+                name,
+                OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                Mode::empty(),
+            )
+            .map_err(err)?;
+            stack.push(fd);
+        }
+        // The root itself, or a path whose last step was "." / ".." from a link target.
+        let cur = stack.last().map_or(self.fd.as_fd(), |f| f.as_fd());
+        rfs::openat(cur, ".", flags, Mode::empty()).map_err(err)
+    }
+
+    fn display(&self, rel: &RelPath) -> PathBuf {
+        self.path.join(rel.to_path())
+    }
+
+    /// Open a regular file for reading. Symlinks inside the root are followed; FIFOs,
+    /// devices and directories are refused with [`PathError::NotRegularFile`].
+    pub fn open_read(&self, rel: &str) -> Result<File> {
+        let r = normalize(rel)?;
+        Ok(File::from(self.open_regular(&r, OFlags::empty(), rel)?))
+    }
+
+    /// Open a regular file beneath the root with extra flags (e.g. `O_DIRECT`).
+    /// `O_NONBLOCK` keeps a FIFO from blocking the open; it is refused right after.
+    pub(crate) fn open_regular(
+        &self,
+        r: &RelPath,
+        extra: OFlags,
+        shown: &str,
+    ) -> Result<OwnedFd, PathError> {
+        let fd = self.resolve(
+            r,
+            OFlags::RDONLY | OFlags::NONBLOCK | OFlags::NOCTTY | extra,
+            true,
+        )?;
+        let st = rfs::fstat(&fd).map_err(|e| map_errno(e, shown, "stat"))?;
+        if FileType::from_raw_mode(st.st_mode) != FileType::RegularFile {
+            return Err(PathError::NotRegularFile {
+                path: shown.to_owned(),
+            });
+        }
+        let fl = rfs::fcntl_getfl(&fd).map_err(|e| map_errno(e, shown, "fcntl"))?;
+        rfs::fcntl_setfl(&fd, fl - OFlags::NONBLOCK).map_err(|e| map_errno(e, shown, "fcntl"))?;
+        Ok(fd)
+    }
+
+    /// Metadata of `rel`, following symlinks that stay inside the root.
+    pub fn stat(&self, rel: &str) -> Result<FileMeta> {
+        let r = normalize(rel)?;
+        let fd = self.resolve(&r, OFlags::PATH, true)?;
+        let st = rfs::fstat(&fd).map_err(|e| map_errno(e, rel, "stat"))?;
+        Ok(FileMeta::from_stat(&st))
+    }
+
+    /// Metadata of `rel` itself: a final symlink is reported, not followed.
+    pub fn lstat(&self, rel: &str) -> Result<FileMeta> {
+        let r = normalize(rel)?;
+        let fd = self.resolve(&r, OFlags::PATH, false)?;
+        let st = rfs::fstat(&fd).map_err(|e| map_errno(e, rel, "stat"))?;
+        Ok(FileMeta::from_stat(&st))
+    }
+
+    /// The entries of directory `rel`, sorted by name, with `lstat` metadata.
+    pub fn list(&self, rel: &str) -> Result<Vec<ListEntry>> {
+        let r = normalize(rel)?;
+        let dir = self.resolve(&r, OFlags::RDONLY | OFlags::DIRECTORY, true)?;
+        list_fd(&dir, &self.display(&r))
+    }
+
+    /// Open directory `rel` (following in-root symlinks) for creating files in it.
+    pub fn open_dir(&self, rel: &str) -> Result<DirHandle> {
+        let r = normalize(rel)?;
+        self.open_dir_rel(&r)
+    }
+
+    pub(crate) fn open_dir_rel(&self, r: &RelPath) -> Result<DirHandle> {
+        let fd = self.resolve(r, OFlags::RDONLY | OFlags::DIRECTORY, true)?;
+        Ok(DirHandle {
+            fd,
+            display: self.display(r),
+        })
+    }
+
+    /// `mkdir -p rel` beneath the root; returns the (last) directory, opened.
+    /// New directories get mode `0o777 & !umask`. An existing non-directory on the
+    /// way fails with [`PathError::NotADirectory`].
+    pub fn create_dir_all(&self, rel: &str) -> Result<DirHandle> {
+        let r = normalize(rel)?;
+        let mut cur = self.open_dir_rel(&RelPath::root())?;
+        let mut prefix = RelPath::root();
+        for name in r.components() {
+            let next = prefix.join(name)?;
+            match self.open_dir_rel(&next) {
+                Ok(d) => cur = d,
+                Err(FileError::Path(PathError::NotFound { .. })) => {
+                    match rfs::mkdirat(cur.fd(), name.as_str(), Mode::from_raw_mode(0o777)) {
+                        Ok(()) | Err(Errno::EXIST) => {}
+                        Err(e) => return Err(io_err("mkdir", self.display(&next), e)),
+                    }
+                    cur = self.open_dir_rel(&next)?;
+                }
+                Err(e) => return Err(e),
+            }
+            prefix = next;
+        }
+        Ok(cur)
+    }
+
+    /// Create (or atomically replace) symlink `rel` -> `target`. The target must be
+    /// relative and, read lexically from the link's directory, stay inside the root;
+    /// otherwise [`PathError::SymlinkOutside`]. A directory at `rel` is not replaced.
+    pub fn symlink(&self, rel: &str, target: &str) -> Result<()> {
+        let r = normalize(rel)?;
+        let name = r.file_name().ok_or_else(|| PathError::BadName {
+            name: rel.to_owned(),
+            why: "the root itself cannot be a symlink",
+        })?;
+        check_name(name)?;
+        if target.is_empty()
+            || target.as_bytes().contains(&0)
+            || symlink_target_within(&r.to_path(), Path::new(target)).is_none()
+        {
+            return Err(PathError::SymlinkOutside {
+                path: format!("{rel} -> {target}"),
+            }
+            .into());
+        }
+        let dir = self.open_dir_rel(&r.parent())?;
+        let tmp = super::temp_name(OsStr::new(name), "link");
+        rfs::symlinkat(target, dir.fd(), &tmp)
+            .map_err(|e| io_err("symlink", self.display(&r), e))?;
+        if let Err(e) = rfs::renameat(dir.fd(), &tmp, dir.fd(), name) {
+            let _ = rfs::unlinkat(dir.fd(), &tmp, AtFlags::empty());
+            return Err(match e {
+                Errno::ISDIR | Errno::NOTEMPTY | Errno::EXIST => FileError::IsADirectory {
+                    path: self.display(&r),
+                },
+                e => io_err("rename", self.display(&r), e),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// List a directory fd: sorted entries with `lstat` metadata. Entries that vanish
+/// between readdir and stat are skipped.
+pub(crate) fn list_fd(dir: &OwnedFd, display: &Path) -> Result<Vec<ListEntry>> {
+    let dup = dir.try_clone().map_err(|e| io_err("dup", display, e))?;
+    let mut d = rfs::Dir::new(dup).map_err(|e| io_err("opendir", display, e))?;
+    // `Dir` continues from the fd's offset; start from the top.
+    d.rewind();
+    let mut out = Vec::new();
+    while let Some(ent) = d.read() {
+        let ent = ent.map_err(|e| io_err("readdir", display, e))?;
+        let name = ent.file_name().to_bytes();
+        if name == b"." || name == b".." {
+            continue;
+        }
+        let name = OsString::from_vec(name.to_vec());
+        match rfs::statat(dir, name.as_os_str(), AtFlags::SYMLINK_NOFOLLOW) {
+            Ok(st) => out.push(ListEntry {
+                name,
+                meta: FileMeta::from_stat(&st),
+            }),
+            Err(Errno::NOENT) => continue,
+            Err(e) => return Err(io_err("stat", display.join(&name), e)),
+        }
+    }
+    out.sort_by(|a, b| a.name.as_bytes().cmp(b.name.as_bytes()));
+    Ok(out)
+}

@@ -1,0 +1,1105 @@
+//! Behaviour tests of the file layer (src/files): confinement, atomic commit,
+//! streaming digest, resume, O_DIRECT fallback, tree walk.
+
+use std::fs;
+use std::io::Read;
+use std::os::unix::fs::symlink;
+use std::path::Path;
+
+use rcp::files::*;
+
+fn assert_err<T: std::fmt::Debug>(r: Result<T>, pred: impl Fn(&FileError) -> bool, what: &str) {
+    match r {
+        Err(ref e) if pred(e) => {}
+        other => panic!("{what}: unexpected {other:?}"),
+    }
+}
+
+mod confinement {
+    use super::*;
+
+    /// root/ with nested files and hostile symlinks; a secret outside it.
+    fn fixture() -> (tempfile::TempDir, std::path::PathBuf) {
+        let t = tempfile::tempdir().unwrap();
+        let root = t.path().join("root");
+        fs::create_dir_all(root.join("a/b")).unwrap();
+        fs::write(root.join("a/b/c.txt"), "hello").unwrap();
+        fs::create_dir(t.path().join("outside")).unwrap();
+        fs::write(t.path().join("outside/secret.txt"), "secret").unwrap();
+        symlink("b", root.join("a/inner")).unwrap();
+        symlink("../a/b", root.join("a/up")).unwrap();
+        symlink("/etc", root.join("etc")).unwrap();
+        symlink("..", root.join("out")).unwrap();
+        symlink("../outside/secret.txt", root.join("sneak")).unwrap();
+        symlink("chain2", root.join("chain1")).unwrap();
+        symlink("a/../..", root.join("chain2")).unwrap();
+        symlink("loop2", root.join("loop1")).unwrap();
+        symlink("loop1", root.join("loop2")).unwrap();
+        symlink("a/b/c.txt", root.join("direct")).unwrap();
+        nix::unistd::mkfifo(
+            &root.join("fifo"),
+            nix::sys::stat::Mode::from_bits_truncate(0o600),
+        )
+        .unwrap();
+        (t, root)
+    }
+
+    fn roots(dir: &Path) -> Vec<Root> {
+        vec![
+            Root::open_with(dir, Resolver::Openat2).unwrap(),
+            Root::open_with(dir, Resolver::Walk).unwrap(),
+        ]
+    }
+
+    fn read(root: &Root, rel: &str) -> Result<String> {
+        let mut s = String::new();
+        root.open_read(rel)?.read_to_string(&mut s).unwrap();
+        Ok(s)
+    }
+
+    #[test]
+    fn kernel_has_openat2() {
+        let (_t, dir) = fixture();
+        assert_eq!(Root::open(&dir).unwrap().resolver(), Resolver::Openat2);
+    }
+
+    #[test]
+    fn normal_nested_paths_work() {
+        let (_t, dir) = fixture();
+        for root in roots(&dir) {
+            let r = root.resolver();
+            for p in [
+                "a/b/c.txt",
+                "./a//b/c.txt",
+                "a/inner/c.txt",
+                "a/up/c.txt",
+                "direct",
+                "a/x/../b/c.txt",
+            ] {
+                assert_eq!(read(&root, p).unwrap(), "hello", "{r:?} {p}");
+            }
+            let m = root.stat("a/b/c.txt").unwrap();
+            assert_eq!((m.kind, m.len), (FileKind::File, 5));
+            assert_eq!(root.stat("a/inner").unwrap().kind, FileKind::Dir, "{r:?}");
+            assert_eq!(
+                root.lstat("a/inner").unwrap().kind,
+                FileKind::Symlink,
+                "{r:?}"
+            );
+            assert_eq!(root.stat(".").unwrap().kind, FileKind::Dir);
+        }
+    }
+
+    #[test]
+    fn lexical_escapes_refused() {
+        let (_t, dir) = fixture();
+        for root in roots(&dir) {
+            for p in ["../x", "a/../../x", "..", "../root/a/b/c.txt"] {
+                assert_err(
+                    root.open_read(p),
+                    |e| matches!(e, FileError::Path(PathError::Escapes { path }) if path == p),
+                    p,
+                );
+                assert_err(
+                    root.stat(p),
+                    |e| matches!(e, FileError::Path(PathError::Escapes { .. })),
+                    p,
+                );
+            }
+            assert_err(
+                root.open_read("/etc/passwd"),
+                |e| matches!(e, FileError::Path(PathError::Absolute { .. })),
+                "abs",
+            );
+            let msg = root.open_read("a/../../x").unwrap_err().to_string();
+            assert!(
+                msg.contains("a/../../x") && msg.contains("escapes the root"),
+                "{msg}"
+            );
+        }
+    }
+
+    #[test]
+    fn symlinks_leaving_the_root_refused() {
+        let (_t, dir) = fixture();
+        for root in roots(&dir) {
+            let r = root.resolver();
+            for p in [
+                "etc/passwd",
+                "etc",
+                "sneak",
+                "out/outside/secret.txt",
+                "chain1/root/a/b/c.txt",
+                "chain1",
+            ] {
+                assert_err(
+                    root.open_read(p),
+                    |e| matches!(e, FileError::Path(PathError::SymlinkOutside { .. })),
+                    &format!("{r:?} {p}"),
+                );
+                assert_err(
+                    root.stat(p),
+                    |e| matches!(e, FileError::Path(PathError::SymlinkOutside { .. })),
+                    &format!("{r:?} stat {p}"),
+                );
+            }
+            let msg = root.open_read("etc/passwd").unwrap_err().to_string();
+            assert!(
+                msg.contains("etc/passwd") && msg.contains("symlink pointing outside"),
+                "{msg}"
+            );
+            // The link itself may be looked at, not through.
+            assert_eq!(root.lstat("etc").unwrap().kind, FileKind::Symlink);
+            assert_err(
+                root.create_dir_all("etc/x"),
+                |e| matches!(e, FileError::Path(PathError::SymlinkOutside { .. })),
+                "mkdir via etc",
+            );
+            assert_err(
+                root.open_dir("out"),
+                |e| matches!(e, FileError::Path(PathError::SymlinkOutside { .. })),
+                "open_dir out",
+            );
+            assert_err(
+                root.list("etc"),
+                |e| matches!(e, FileError::Path(PathError::SymlinkOutside { .. })),
+                "list etc",
+            );
+        }
+    }
+
+    #[test]
+    fn other_failures_named() {
+        let (_t, dir) = fixture();
+        for root in roots(&dir) {
+            let r = root.resolver();
+            assert_err(
+                root.open_read("loop1"),
+                |e| matches!(e, FileError::Path(PathError::SymlinkLoop { .. })),
+                "loop",
+            );
+            assert_err(
+                root.open_read("nope"),
+                |e| matches!(e, FileError::Path(PathError::NotFound { path }) if path == "nope"),
+                "nope",
+            );
+            assert_err(
+                root.open_read("a/b/c.txt/x"),
+                |e| matches!(e, FileError::Path(PathError::NotADirectory { .. })),
+                "notdir",
+            );
+            assert_err(
+                root.open_read("a"),
+                |e| matches!(e, FileError::Path(PathError::NotRegularFile { .. })),
+                &format!("{r:?} dir"),
+            );
+            // A FIFO is refused, and opening it does not block.
+            assert_err(
+                root.open_read("fifo"),
+                |e| matches!(e, FileError::Path(PathError::NotRegularFile { .. })),
+                "fifo",
+            );
+        }
+    }
+
+    #[test]
+    fn list_sorted_lstat() {
+        let (_t, dir) = fixture();
+        for root in roots(&dir) {
+            let l = root.list("a").unwrap();
+            let names: Vec<_> = l.iter().map(|e| e.name.to_str().unwrap()).collect();
+            assert_eq!(names, ["b", "inner", "up"]);
+            assert_eq!(l[0].meta.kind, FileKind::Dir);
+            assert_eq!(l[1].meta.kind, FileKind::Symlink);
+            // Listing twice gives the same (the dir fd offset is rewound).
+            assert_eq!(root.list("a").unwrap(), l);
+            assert_eq!(root.list("a/inner").unwrap().len(), 1);
+        }
+    }
+
+    #[test]
+    fn create_dir_all_and_symlink() {
+        let (_t, dir) = fixture();
+        for (i, root) in roots(&dir).into_iter().enumerate() {
+            let d = root.create_dir_all(&format!("new{i}/x/y")).unwrap();
+            assert!(dir.join(format!("new{i}/x/y")).is_dir());
+            assert_eq!(d.meta().unwrap().kind, FileKind::Dir);
+            root.create_dir_all(&format!("new{i}/x/y")).unwrap(); // idempotent
+            root.create_dir_all("a/inner/z").unwrap(); // through an in-root symlink
+            assert!(dir.join("a/b/z").is_dir());
+            assert_err(
+                root.create_dir_all("a/b/c.txt/d"),
+                |e| matches!(e, FileError::Path(PathError::NotADirectory { .. })),
+                "mkdir through file",
+            );
+
+            root.symlink(&format!("a/ln{i}"), "b/c.txt").unwrap();
+            assert_eq!(read(&root, &format!("a/ln{i}")).unwrap(), "hello");
+            root.symlink(&format!("a/ln{i}"), "up/c.txt").unwrap(); // atomic replace
+            assert_eq!(
+                fs::read_link(dir.join(format!("a/ln{i}"))).unwrap(),
+                Path::new("up/c.txt")
+            );
+            for t in ["../../x", "/etc", ""] {
+                assert_err(
+                    root.symlink("a/bad", t),
+                    |e| matches!(e, FileError::Path(PathError::SymlinkOutside { .. })),
+                    t,
+                );
+            }
+            assert_err(
+                root.symlink("a/b", "b"),
+                |e| matches!(e, FileError::IsADirectory { .. }),
+                "replace dir",
+            );
+        }
+        // No temporary link names left behind.
+        assert!(fs::read_dir(dir.join("a")).unwrap().all(|e| !e
+            .unwrap()
+            .file_name()
+            .to_string_lossy()
+            .starts_with(".rcp-")));
+    }
+}
+
+/// Names in `dir`, sorted.
+fn names(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
+}
+
+/// Deterministic pseudo-random bytes.
+fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+/// Shuffle deterministically (Fisher-Yates with an xorshift).
+fn shuffle<T>(v: &mut [T], seed: u64) {
+    let mut x = seed | 1;
+    for i in (1..v.len()).rev() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.swap(i, (x % (i as u64 + 1)) as usize);
+    }
+}
+
+mod destination {
+    use super::*;
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+
+    fn opts(bs: u64) -> DestinationOptions {
+        DestinationOptions {
+            block_size: bs,
+            ..Default::default()
+        }
+    }
+
+    /// Write all blocks of `data` in a shuffled order through write_block.
+    fn fill(d: &mut Destination, data: &[u8], seed: u64) {
+        let bs = d.block_size() as usize;
+        let mut idx: Vec<u64> = (0..d.block_count()).collect();
+        shuffle(&mut idx, seed);
+        for i in idx {
+            let b = &data[i as usize * bs..(i as usize * bs + bs).min(data.len())];
+            d.write_block(i, b, block_digest(b)).unwrap();
+        }
+    }
+
+    #[test]
+    fn commit_publishes_atomically_and_replaces() {
+        let t = tempfile::tempdir().unwrap();
+        fs::write(t.path().join("f"), "old contents").unwrap();
+        let dir = DirHandle::open(t.path()).unwrap();
+        let data = pattern(100_000, 1);
+        let mut d = Destination::create(&dir, "f", data.len() as u64, opts(4096)).unwrap();
+        // Pre-sized temp beside the final name; the old file untouched meanwhile.
+        let temp = d.temp_path();
+        let tname = temp.file_name().unwrap().to_str().unwrap().to_owned();
+        assert!(
+            tname.starts_with(".rcp-f.") && tname.ends_with(".part"),
+            "{tname}"
+        );
+        assert_eq!(fs::metadata(&temp).unwrap().len(), 100_000);
+        fill(&mut d, &data, 7);
+        assert_eq!(fs::read(t.path().join("f")).unwrap(), b"old contents");
+        let got = d.commit(block_digest(&data)).unwrap();
+        assert_eq!(got, block_digest(&data));
+        assert_eq!(fs::read(t.path().join("f")).unwrap(), data);
+        assert_eq!(names(t.path()), ["f"]);
+    }
+
+    #[test]
+    fn drop_without_commit_leaves_nothing_and_keeps_existing() {
+        let t = tempfile::tempdir().unwrap();
+        fs::write(t.path().join("keep"), "precious").unwrap();
+        let dir = DirHandle::open(t.path()).unwrap();
+        {
+            let mut d = Destination::create(&dir, "keep", 10_000, opts(4096)).unwrap();
+            d.write_block(0, &[1; 4096], block_digest(&[1; 4096]))
+                .unwrap();
+            assert_eq!(names(t.path()).len(), 2);
+        } // interrupted
+        assert_eq!(names(t.path()), ["keep"]);
+        assert_eq!(fs::read(t.path().join("keep")).unwrap(), b"precious");
+        {
+            let _d = Destination::create(&dir, "new", 10, opts(4096)).unwrap();
+        }
+        assert_eq!(names(t.path()), ["keep"]);
+        let d = Destination::create(&dir, "new", 10, opts(4096)).unwrap();
+        d.abort();
+        assert_eq!(names(t.path()), ["keep"]);
+    }
+
+    #[test]
+    fn wrong_digest_leaves_nothing() {
+        let t = tempfile::tempdir().unwrap();
+        fs::write(t.path().join("f"), "old").unwrap();
+        let dir = DirHandle::open(t.path()).unwrap();
+        let data = pattern(9000, 2);
+        let mut d = Destination::create(&dir, "f", 9000, opts(4096)).unwrap();
+        fill(&mut d, &data, 3);
+        let e = d.commit(block_digest(b"something else")).unwrap_err();
+        assert!(matches!(e, FileError::DigestMismatch { .. }), "{e:?}");
+        assert!(e.to_string().contains("mismatch"), "{e}");
+        assert_eq!(names(t.path()), ["f"]);
+        assert_eq!(fs::read(t.path().join("f")).unwrap(), b"old");
+        // Same with a resumable destination: mismatch also drops the manifest.
+        let mut o = opts(4096);
+        o.resume = Some(SourceId {
+            len: 9000,
+            mtime: Timestamp::default(),
+            fingerprint: [1; 32],
+        });
+        let mut d = Destination::create(&dir, "f", 9000, o).unwrap();
+        fill(&mut d, &data, 4);
+        assert!(d.commit([0; 32]).is_err());
+        assert_eq!(names(t.path()), ["f"]);
+    }
+
+    #[test]
+    fn incomplete_commit_refused() {
+        let t = tempfile::tempdir().unwrap();
+        let dir = DirHandle::open(t.path()).unwrap();
+        let data = pattern(3 * 4096, 5);
+        let mut d = Destination::create(&dir, "f", data.len() as u64, opts(4096)).unwrap();
+        d.write_block(0, &data[..4096], block_digest(&data[..4096]))
+            .unwrap();
+        d.write_block(2, &data[8192..], block_digest(&data[8192..]))
+            .unwrap();
+        assert_eq!(d.missing_blocks(), vec![1]);
+        let e = d.commit(block_digest(&data)).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                FileError::Incomplete {
+                    missing_from: 4096,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        assert!(names(t.path()).is_empty());
+    }
+
+    #[test]
+    fn bad_writes_refused() {
+        let t = tempfile::tempdir().unwrap();
+        let dir = DirHandle::open(t.path()).unwrap();
+        let mut d = Destination::create(&dir, "f", 5000, opts(4096)).unwrap();
+        assert!(matches!(
+            d.write_block(2, &[0; 10], [0; 32]),
+            Err(FileError::OutOfRange { .. })
+        ));
+        assert!(matches!(
+            d.write_block(1, &[0; 4096], [0; 32]),
+            Err(FileError::BadBlock { expected: 904, .. })
+        ));
+        assert!(matches!(
+            d.write_at(4999, &[0; 2]),
+            Err(FileError::OutOfRange { .. })
+        ));
+        fs::create_dir(t.path().join("sub")).unwrap();
+        assert!(matches!(
+            Destination::create(&dir, "sub", 1, opts(4096)),
+            Err(FileError::IsADirectory { .. })
+        ));
+        for bad in ["", "..", "a/b"] {
+            assert!(
+                matches!(
+                    Destination::create(&dir, bad, 1, opts(4096)),
+                    Err(FileError::Path(PathError::BadName { .. }))
+                ),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn preserve_mode_and_mtime() {
+        let t = tempfile::tempdir().unwrap();
+        let dir = DirHandle::open(t.path()).unwrap();
+        let mut o = opts(4096);
+        o.preserve = Some(Preserve {
+            mode: 0o640,
+            mtime: Timestamp {
+                sec: 1_234_567_890,
+                nsec: 123_456_789,
+            },
+        });
+        let mut d = Destination::create(&dir, "p", 3, o).unwrap();
+        d.write_at(0, b"abc").unwrap();
+        d.commit(block_digest(b"abc")).unwrap();
+        let m = fs::metadata(t.path().join("p")).unwrap();
+        assert_eq!(m.permissions().mode() & 0o7777, 0o640);
+        assert_eq!((m.mtime(), m.mtime_nsec()), (1_234_567_890, 123_456_789));
+    }
+
+    #[test]
+    fn empty_file() {
+        let t = tempfile::tempdir().unwrap();
+        let dir = DirHandle::open(t.path()).unwrap();
+        let d = Destination::create(&dir, "e", 0, opts(4096)).unwrap();
+        assert_eq!(d.block_count(), 0);
+        d.commit(block_digest(b"")).unwrap();
+        assert_eq!(fs::metadata(t.path().join("e")).unwrap().len(), 0);
+    }
+
+    #[test]
+    fn digest_backpressure_spills_to_disk() {
+        // 1 KiB of digest memory, 64 x 512-byte blocks in reverse order: nearly all
+        // pieces are re-read from the temp file, result still right.
+        let t = tempfile::tempdir().unwrap();
+        let dir = DirHandle::open(t.path()).unwrap();
+        let data = pattern(64 * 512 - 100, 9);
+        let mut o = opts(512);
+        o.max_pending_digest_bytes = 1024;
+        let mut d = Destination::create(&dir, "bp", data.len() as u64, o).unwrap();
+        for i in (0..d.block_count()).rev() {
+            let b = &data[i as usize * 512..(i as usize * 512 + 512).min(data.len())];
+            d.write_block(i, b, block_digest(b)).unwrap();
+            if i > 0 {
+                assert_eq!(d.digested_up_to(), 0);
+            }
+        }
+        assert_eq!(d.digested_up_to(), data.len() as u64);
+        d.commit(block_digest(&data)).unwrap();
+        assert_eq!(fs::read(t.path().join("bp")).unwrap(), data);
+    }
+}
+
+mod resume {
+    use super::*;
+
+    const BS: u64 = 4096;
+    const LEN: u64 = 8 * BS - 10;
+
+    fn src() -> SourceId {
+        SourceId {
+            len: LEN,
+            mtime: Timestamp {
+                sec: 1_700_000_000,
+                nsec: 5,
+            },
+            fingerprint: [3; 32],
+        }
+    }
+
+    fn opts(every: u64) -> DestinationOptions {
+        DestinationOptions {
+            block_size: BS,
+            resume: Some(src()),
+            manifest_every_blocks: every,
+            manifest_interval: std::time::Duration::from_secs(3600),
+            ..Default::default()
+        }
+    }
+
+    fn block(data: &[u8], i: u64) -> &[u8] {
+        &data[(i * BS) as usize..((i + 1) * BS).min(data.len() as u64) as usize]
+    }
+
+    fn write(d: &mut Destination, data: &[u8], blocks: &[u64]) {
+        for &i in blocks {
+            d.write_block(i, block(data, i), block_digest(block(data, i)))
+                .unwrap();
+        }
+    }
+
+    fn finish(d: &mut Destination, data: &[u8]) {
+        let missing = d.missing_blocks();
+        write(d, data, &missing);
+    }
+
+    /// Runs in a child process (see `killed_transfer_resumes`): writes some blocks,
+    /// then dies by SIGKILL, so no destructor runs.
+    #[test]
+    fn child_writer() {
+        let Ok(dir) = std::env::var("RCP_FILES_CHILD_DIR") else {
+            return;
+        };
+        let data = pattern(LEN as usize, 11);
+        let dir = DirHandle::open(dir).unwrap();
+        let mut d = Destination::create(&dir, "f", LEN, opts(1)).unwrap();
+        write(&mut d, &data, &[0, 2, 5, 6]);
+        let _ = std::process::Command::new("kill")
+            .args(["-9", &std::process::id().to_string()])
+            .status();
+        std::thread::sleep(std::time::Duration::from_secs(60));
+        unreachable!("not killed");
+    }
+
+    #[test]
+    fn killed_transfer_resumes() {
+        let t = tempfile::tempdir().unwrap();
+        fs::write(t.path().join("f"), "old").unwrap();
+        let st = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "resume::child_writer",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("RCP_FILES_CHILD_DIR", t.path())
+            .status()
+            .unwrap();
+        assert!(!st.success(), "child should have been killed");
+        // Killed mid-copy: the old file is intact, a temp + manifest are left.
+        assert_eq!(fs::read(t.path().join("f")).unwrap(), b"old");
+        let n = names(t.path());
+        assert_eq!(n.len(), 3, "{n:?}");
+        assert!(
+            n[0].ends_with(".part") && n[1].ends_with(".part.manifest"),
+            "{n:?}"
+        );
+
+        let data = pattern(LEN as usize, 11);
+        let dir = DirHandle::open(t.path()).unwrap();
+        let mut d = Destination::resume(&dir, "f", &src(), opts(1))
+            .unwrap()
+            .expect("resumable");
+        assert_eq!(d.missing_blocks(), vec![1, 3, 4, 7]);
+        // Blocks 0 was re-read and hashed; 2, 5, 6 wait for the gap at block 1.
+        assert_eq!(d.digested_up_to(), BS);
+        finish(&mut d, &data);
+        d.commit(block_digest(&data)).unwrap();
+        assert_eq!(fs::read(t.path().join("f")).unwrap(), data);
+        assert_eq!(names(t.path()), ["f"]);
+    }
+
+    #[test]
+    fn dropped_destination_resumes_exact_set() {
+        let t = tempfile::tempdir().unwrap();
+        let dir = DirHandle::open(t.path()).unwrap();
+        let data = pattern(LEN as usize, 12);
+        {
+            // Saves only on drop (every 1000 blocks otherwise).
+            let mut d = Destination::create(&dir, "f", LEN, opts(1000)).unwrap();
+            write(&mut d, &data, &[7, 1, 3]);
+        }
+        assert!(!t.path().join("f").exists());
+        let mut d = Destination::resume(&dir, "f", &src(), opts(1000))
+            .unwrap()
+            .unwrap();
+        assert_eq!(d.missing_blocks(), vec![0, 2, 4, 5, 6]);
+        assert_eq!(d.manifest().blocks.len(), 3);
+        // Suspend again half way, resume again.
+        write(&mut d, &data, &[0, 2]);
+        d.suspend().unwrap();
+        let mut d = Destination::resume(&dir, "f", &src(), opts(1000))
+            .unwrap()
+            .unwrap();
+        assert_eq!(d.missing_blocks(), vec![4, 5, 6]);
+        assert_eq!(d.digested_up_to(), 4 * BS);
+        finish(&mut d, &data);
+        d.commit(block_digest(&data)).unwrap();
+        assert_eq!(fs::read(t.path().join("f")).unwrap(), data);
+        assert_eq!(names(t.path()), ["f"]);
+    }
+
+    #[test]
+    fn mismatched_source_or_block_size_not_resumed() {
+        let t = tempfile::tempdir().unwrap();
+        let dir = DirHandle::open(t.path()).unwrap();
+        let data = pattern(LEN as usize, 13);
+        let mut d = Destination::create(&dir, "f", LEN, opts(1)).unwrap();
+        write(&mut d, &data, &[0]);
+        drop(d);
+        let mut other = src();
+        other.mtime.sec += 1;
+        // Different block size: refused, and the stale pair is removed.
+        let mut o = opts(1);
+        o.block_size = 2 * BS;
+        assert!(Destination::resume(&dir, "f", &src(), o).unwrap().is_none());
+        assert!(names(t.path()).is_empty());
+
+        let mut d = Destination::create(&dir, "f", LEN, opts(1)).unwrap();
+        write(&mut d, &data, &[0]);
+        drop(d);
+        assert!(Destination::resume(&dir, "f", &other, opts(1))
+            .unwrap()
+            .is_none());
+        assert!(names(t.path()).is_empty());
+        // Another final name is not touched by a resume of "f".
+        let d = Destination::create(&dir, "g", LEN, opts(1)).unwrap();
+        drop(d);
+        assert!(Destination::resume(&dir, "f", &src(), opts(1))
+            .unwrap()
+            .is_none());
+        assert_eq!(names(t.path()).len(), 2);
+    }
+
+    #[test]
+    fn corrupted_manifest_not_trusted() {
+        let t = tempfile::tempdir().unwrap();
+        let dir = DirHandle::open(t.path()).unwrap();
+        let data = pattern(LEN as usize, 14);
+        let mut d = Destination::create(&dir, "f", LEN, opts(1)).unwrap();
+        write(&mut d, &data, &[0, 1]);
+        drop(d);
+        let mname = names(t.path())
+            .into_iter()
+            .find(|n| n.ends_with(".manifest"))
+            .unwrap();
+        let mpath = t.path().join(&mname);
+        let mut bytes = fs::read(&mpath).unwrap();
+        let mid = bytes.len() / 2;
+        bytes[mid] ^= 1;
+        fs::write(&mpath, &bytes).unwrap();
+        let e = Manifest::load(&dir, std::ffi::OsStr::new(&mname)).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                FileError::Manifest {
+                    source: ManifestError::Checksum,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        assert!(
+            e.to_string().contains(&mname) && e.to_string().contains("checksum"),
+            "{e}"
+        );
+        assert!(Destination::resume(&dir, "f", &src(), opts(1))
+            .unwrap()
+            .is_none());
+        assert!(names(t.path()).is_empty());
+    }
+
+    #[test]
+    fn corrupted_temp_block_is_resent() {
+        let t = tempfile::tempdir().unwrap();
+        let dir = DirHandle::open(t.path()).unwrap();
+        let data = pattern(LEN as usize, 15);
+        let mut d = Destination::create(&dir, "f", LEN, opts(1)).unwrap();
+        write(&mut d, &data, &[0, 1, 2]);
+        let temp = d.temp_path();
+        drop(d);
+        // Damage block 1 on disk behind the manifest's back.
+        use std::os::unix::fs::FileExt;
+        fs::OpenOptions::new()
+            .write(true)
+            .open(&temp)
+            .unwrap()
+            .write_all_at(b"XX", BS + 7)
+            .unwrap();
+        let mut d = Destination::resume(&dir, "f", &src(), opts(1))
+            .unwrap()
+            .unwrap();
+        assert_eq!(d.missing_blocks(), vec![1, 3, 4, 5, 6, 7]);
+        finish(&mut d, &data);
+        d.commit(block_digest(&data)).unwrap();
+        assert_eq!(fs::read(t.path().join("f")).unwrap(), data);
+    }
+
+    #[test]
+    fn live_transfer_neither_resumed_nor_swept() {
+        let t = tempfile::tempdir().unwrap();
+        let dir = DirHandle::open(t.path()).unwrap();
+        let live = Destination::create(&dir, "f", LEN, opts(1)).unwrap();
+        assert!(Destination::resume(&dir, "f", &src(), opts(1))
+            .unwrap()
+            .is_none());
+        let mut other = src();
+        other.fingerprint = [0; 32];
+        assert!(Destination::resume(&dir, "f", &other, opts(1))
+            .unwrap()
+            .is_none());
+        assert!(live.temp_path().exists());
+        // A non-resumable transfer killed earlier leaves a bare .part: swept.
+        let bare = t.path().join(".rcp-f.0000000000000000.part");
+        fs::write(&bare, "junk").unwrap();
+        assert!(Destination::resume(&dir, "f", &src(), opts(1))
+            .unwrap()
+            .is_none());
+        assert!(!bare.exists());
+        assert!(live.temp_path().exists());
+        live.abort();
+        assert!(names(t.path()).is_empty());
+    }
+}
+
+mod whole_file_digest {
+    use super::*;
+
+    fn sha256sum(path: &Path) -> String {
+        let out = std::process::Command::new("sha256sum")
+            .arg(path)
+            .output()
+            .unwrap();
+        assert!(out.status.success());
+        String::from_utf8(out.stdout)
+            .unwrap()
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .to_owned()
+    }
+
+    #[test]
+    fn known_files_match_sha256sum() {
+        let t = tempfile::tempdir().unwrap();
+        let empty = t.path().join("empty");
+        fs::write(&empty, b"").unwrap();
+        assert_eq!(
+            digest::to_hex(&StreamingFileDigest::new(Some(0), 0).finish().unwrap()),
+            sha256sum(&empty)
+        );
+        let abc = t.path().join("abc");
+        fs::write(&abc, b"abc").unwrap();
+        assert_eq!(digest::to_hex(&block_digest(b"abc")), sha256sum(&abc));
+    }
+
+    #[test]
+    fn shuffled_blocks_equal_sha256sum() {
+        let t = tempfile::tempdir().unwrap();
+        let len = (33 << 20) + 7;
+        let data = pattern(len, 21);
+        let path = t.path().join("big");
+        fs::write(&path, &data).unwrap();
+        let expect = sha256sum(&path);
+
+        let bs = 1 << 20;
+        let mut idx: Vec<usize> = (0..len.div_ceil(bs)).collect();
+        shuffle(&mut idx, 5);
+        let mut s = StreamingFileDigest::new(Some(len as u64), 64 << 20);
+        for &i in &idx {
+            s.update((i * bs) as u64, &data[i * bs..((i + 1) * bs).min(len)])
+                .unwrap();
+        }
+        assert_eq!(s.pending_bytes(), 0);
+        assert_eq!(digest::to_hex(&s.finish().unwrap()), expect);
+
+        // The same through a Destination with a small memory bound (spills to disk).
+        let dir = DirHandle::open(t.path()).unwrap();
+        let o = DestinationOptions {
+            block_size: bs as u64,
+            max_pending_digest_bytes: 4 << 20,
+            ..Default::default()
+        };
+        let mut d = Destination::create(&dir, "copy", len as u64, o).unwrap();
+        let blocks: Vec<&[u8]> = (0..idx.len())
+            .map(|i| &data[i * bs..((i + 1) * bs).min(len)])
+            .collect();
+        let digests = digest_blocks_parallel(&blocks);
+        for &i in &idx {
+            d.write_block(i as u64, blocks[i], digests[i]).unwrap();
+        }
+        let got = d.commit(digest::from_hex(&expect).unwrap()).unwrap();
+        assert_eq!(digest::to_hex(&got), expect);
+        assert_eq!(sha256sum(&t.path().join("copy")), expect);
+    }
+}
+
+mod source {
+    use super::*;
+    use std::os::fd::OwnedFd;
+
+    /// A 4096-aligned window of `len` bytes inside a Vec (safe: align_offset).
+    fn aligned(storage: &mut Vec<u8>, len: usize) -> &mut [u8] {
+        storage.resize(len + DIRECT_ALIGN, 0);
+        let off = storage.as_ptr().align_offset(DIRECT_ALIGN);
+        &mut storage[off..off + len]
+    }
+
+    fn check_reads(f: &SourceFile, data: &[u8], expect_direct: bool) {
+        let len = data.len();
+        let bs = 16 * 1024;
+        let mut st = Vec::new();
+        let buf = aligned(&mut st, bs);
+        let mut off = 0;
+        while off < len {
+            let (n, mode) = f.read_at_mode(off as u64, buf).unwrap();
+            assert_eq!(n, bs.min(len - off), "read at {off}");
+            assert_eq!(&buf[..n], &data[off..off + n]);
+            // Whole aligned buffers go direct, including the short last block
+            // (aligned over-read, truncated by the kernel at EOF).
+            let want = if expect_direct {
+                IoMode::Direct
+            } else {
+                IoMode::Buffered
+            };
+            assert_eq!(mode, want, "read at {off}");
+            off += n;
+        }
+        // Exact-length last block (unaligned length) -> buffered path.
+        let tail = len % bs;
+        let last = (len - tail) as u64;
+        let mut v = vec![0u8; tail];
+        assert_eq!(
+            f.read_at_mode(last, &mut v).unwrap(),
+            (tail, IoMode::Buffered)
+        );
+        assert_eq!(&v[..], &data[len - tail..]);
+        // Unaligned offset -> buffered.
+        let mut st2 = Vec::new();
+        let b2 = aligned(&mut st2, 4096);
+        assert_eq!(f.read_at_mode(100, b2).unwrap().1, IoMode::Buffered);
+        assert_eq!(&b2[..], &data[100..4196]);
+        // Past the end.
+        assert_eq!(f.read_at(len as u64 + 4096, b2).unwrap(), 0);
+    }
+
+    #[test]
+    fn direct_when_possible_and_buffered_otherwise() {
+        let t = tempfile::tempdir().unwrap();
+        let data = pattern(5 * 16 * 1024 + 1234, 31);
+        let p = t.path().join("src.bin");
+        fs::write(&p, &data).unwrap();
+        let f = SourceFile::open(&p).unwrap();
+        eprintln!(
+            "SourceFile on {}: io_mode = {:?} ({:?})",
+            t.path().display(),
+            f.io_mode(),
+            f.direct_unavailable()
+        );
+        let direct = f.io_mode() == IoMode::Direct;
+        check_reads(&f, &data, direct);
+        let s = f.stats();
+        assert!(s.buffered_reads >= 2);
+        if direct {
+            assert_eq!(s.direct_reads, 6);
+        }
+        assert_eq!(f.len(), data.len() as u64);
+        assert_eq!(f.source_id().fingerprint, block_digest(&data[..64 << 10]));
+        f.check_unchanged().unwrap();
+        // Growing the file is noticed.
+        use std::io::Write;
+        fs::OpenOptions::new()
+            .append(true)
+            .open(&p)
+            .unwrap()
+            .write_all(b"more")
+            .unwrap();
+        assert!(matches!(
+            f.check_unchanged(),
+            Err(FileError::SourceChanged {
+                what: "length changed",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn o_direct_refused_falls_back_to_buffered() {
+        // File systems that refuse O_DIRECT fail the open with EINVAL; this kernel's
+        // tmpfs and ext4 both accept it, so the refusal is injected at the open.
+        let t = tempfile::tempdir().unwrap();
+        let data = pattern(3 * 16 * 1024 + 99, 32);
+        let p = t.path().join("src.bin");
+        fs::write(&p, &data).unwrap();
+        let f = SourceFile::from_opener(&p, |direct| -> std::io::Result<OwnedFd> {
+            if direct {
+                return Err(std::io::Error::from_raw_os_error(libc::EINVAL));
+            }
+            Ok(fs::File::open(&p)?.into())
+        })
+        .unwrap();
+        assert_eq!(f.io_mode(), IoMode::Buffered);
+        assert!(f.direct_unavailable().unwrap().contains("Invalid argument"));
+        eprintln!("injected EINVAL: io_mode = {:?}", f.io_mode());
+        check_reads(&f, &data, false);
+        assert_eq!(f.stats().direct_reads, 0);
+    }
+
+    #[test]
+    fn tmpfs_mode_reported() {
+        let Ok(t) = tempfile::tempdir_in("/dev/shm") else {
+            return;
+        };
+        let p = t.path().join("x");
+        fs::write(&p, pattern(10_000, 33)).unwrap();
+        let f = SourceFile::open(&p).unwrap();
+        eprintln!(
+            "SourceFile on tmpfs /dev/shm: io_mode = {:?} ({:?})",
+            f.io_mode(),
+            f.direct_unavailable()
+        );
+        let data = fs::read(&p).unwrap();
+        let mut st = Vec::new();
+        let buf = aligned(&mut st, 16384);
+        assert_eq!(f.read_at(0, buf).unwrap(), 10_000);
+        assert_eq!(&buf[..10_000], &data[..]);
+    }
+
+    #[test]
+    fn open_in_root_is_confined() {
+        let t = tempfile::tempdir().unwrap();
+        fs::create_dir(t.path().join("r")).unwrap();
+        fs::write(t.path().join("r/f"), "data").unwrap();
+        fs::write(t.path().join("secret"), "s").unwrap();
+        symlink("../secret", t.path().join("r/s")).unwrap();
+        let root = Root::open(t.path().join("r")).unwrap();
+        let f = SourceFile::open_in(&root, "f").unwrap();
+        let mut b = [0u8; 4];
+        assert_eq!(f.read_at(0, &mut b).unwrap(), 4);
+        assert_eq!(&b, b"data");
+        assert!(matches!(
+            SourceFile::open_in(&root, "s"),
+            Err(FileError::Path(PathError::SymlinkOutside { .. }))
+        ));
+        assert!(matches!(
+            SourceFile::open_in(&root, "../secret"),
+            Err(FileError::Path(PathError::Escapes { .. }))
+        ));
+        assert!(matches!(
+            SourceFile::open_in(&root, "."),
+            Err(FileError::Path(PathError::NotRegularFile { .. }))
+        ));
+    }
+}
+
+mod tree {
+    use super::*;
+
+    #[test]
+    fn walk_order_kinds_and_symlink_policy() {
+        let t = tempfile::tempdir().unwrap();
+        let top = t.path().join("top");
+        fs::create_dir_all(top.join("b/deep")).unwrap();
+        fs::create_dir_all(top.join("a")).unwrap();
+        fs::write(top.join("z.txt"), "zz").unwrap();
+        fs::write(top.join("b/deep/f"), "f").unwrap();
+        fs::write(top.join("a/1"), "1").unwrap();
+        symlink("deep/f", top.join("b/in")).unwrap(); // inside: kept
+        symlink("../a", top.join("b/up")).unwrap(); // inside: kept
+        symlink("nowhere", top.join("dangling")).unwrap(); // inside, dangling: kept
+        symlink("/etc", top.join("abs")).unwrap(); // skipped
+        symlink("../../x", top.join("b/out")).unwrap(); // skipped
+        symlink("..", top.join("parent")).unwrap(); // skipped: never followed
+        nix::unistd::mkfifo(
+            &top.join("fifo"),
+            nix::sys::stat::Mode::from_bits_truncate(0o600),
+        )
+        .unwrap();
+
+        let tree = walk(&top).unwrap();
+        let got: Vec<(String, EntryKind)> = tree
+            .entries
+            .iter()
+            .map(|e| (e.rel_path.to_string_lossy().into_owned(), e.kind))
+            .collect();
+        use EntryKind::*;
+        let want = [
+            ("a", Dir),
+            ("a/1", File),
+            ("b", Dir),
+            ("b/deep", Dir),
+            ("b/deep/f", File),
+            ("b/in", Symlink),
+            ("b/up", Symlink),
+            ("dangling", Symlink),
+            ("z.txt", File),
+        ];
+        let want: Vec<(String, EntryKind)> =
+            want.iter().map(|(p, k)| (p.to_string(), *k)).collect();
+        assert_eq!(got, want);
+        let z = tree
+            .entries
+            .iter()
+            .find(|e| e.rel_path == Path::new("z.txt"))
+            .unwrap();
+        assert_eq!(z.len, 2);
+        let up = tree
+            .entries
+            .iter()
+            .find(|e| e.rel_path == Path::new("b/up"))
+            .unwrap();
+        assert_eq!(up.symlink_target.as_deref(), Some(Path::new("../a")));
+        let skipped: Vec<(String, &str)> = tree
+            .skipped
+            .iter()
+            .map(|s| (s.rel_path.to_string_lossy().into_owned(), s.reason))
+            .collect();
+        assert_eq!(
+            skipped,
+            [
+                ("abs".to_string(), "absolute symlink"),
+                ("b/out".to_string(), "symlink pointing outside the tree"),
+                (
+                    "fifo".to_string(),
+                    "not a regular file, directory or symlink"
+                ),
+                ("parent".to_string(), "symlink pointing outside the tree"),
+            ]
+        );
+        // Deterministic.
+        assert_eq!(walk(&top).unwrap(), tree);
+        // Same through a Root (server side), and the kept links recreate fine.
+        let root = Root::open(t.path()).unwrap();
+        let rt = root.walk("top").unwrap();
+        assert_eq!(rt.entries, tree.entries);
+        fs::create_dir(t.path().join("copy")).unwrap();
+        for e in &rt.entries {
+            let dst = format!("copy/{}", e.rel_path.display());
+            match e.kind {
+                Dir => drop(root.create_dir_all(&dst).unwrap()),
+                Symlink => root
+                    .symlink(&dst, e.symlink_target.as_ref().unwrap().to_str().unwrap())
+                    .unwrap(),
+                File => {}
+            }
+        }
+        assert_eq!(
+            fs::read_link(t.path().join("copy/b/in")).unwrap(),
+            Path::new("deep/f")
+        );
+    }
+
+    #[test]
+    fn scp_destination_semantics() {
+        let rd = |d: &str, is_dir, s: &str, multi| {
+            resolve_destination(Path::new(d), is_dir, std::ffi::OsStr::new(s), multi)
+        };
+        // push f to existing dir: inside.
+        assert_eq!(rd("dir", true, "f", false).unwrap(), Path::new("dir/f"));
+        assert_eq!(rd("dir/", true, "f", false).unwrap(), Path::new("dir/f"));
+        // push f to a new name: that name.
+        assert_eq!(rd("new", false, "f", false).unwrap(), Path::new("new"));
+        // host: (empty) is ".".
+        assert_eq!(rd("", true, "f", false).unwrap(), Path::new("./f"));
+        // multiple sources need an existing dir.
+        assert_eq!(rd("dir", true, "g", true).unwrap(), Path::new("dir/g"));
+        let e = rd("new", false, "f", true).unwrap_err();
+        assert!(e.to_string().contains("multiple sources"), "{e}");
+        // trailing slash on something that is not a dir: refused.
+        let e = rd("new/", false, "f", false).unwrap_err();
+        assert!(e.to_string().contains("ends with '/'"), "{e}");
+        // source names must be plain.
+        assert!(rd("dir", true, "..", false).is_err());
+        assert!(rd("dir", true, "a/b", false).is_err());
+    }
+}
