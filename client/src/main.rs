@@ -60,6 +60,13 @@ struct Cli {
     /// Post writes up to this many bytes inline (0 disables).
     #[arg(long, env = "RCP_INLINE", global = true)]
     inline: Option<u32>,
+    /// Completion thread: poll, event, hybrid or hybrid:K (default: hybrid
+    /// on verbs, event on tcp).
+    #[arg(long, env = "RCP_POLL_MODE", global = true)]
+    poll_mode: Option<rcp::datapath::PollMode>,
+    /// Pin the completion thread to this CPU.
+    #[arg(long, env = "RCP_CQ_CPU", global = true)]
+    cq_cpu: Option<usize>,
     /// Continue an interrupted copy from its manifest, moving only missing blocks.
     #[arg(long, env = "RCP_RESUME", global = true)]
     resume: bool,
@@ -157,6 +164,8 @@ async fn run(c: Cli) -> Result<(), ControlError> {
         batch: c.batch,
         signal_every: c.signal_every,
         inline: c.inline,
+        poll_mode: c.poll_mode,
+        cq_cpu: c.cq_cpu,
         ..ClientOptions::default()
     };
     let (recursive, args, push) = match &c.cmd {

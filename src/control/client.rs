@@ -30,11 +30,14 @@ use tonic::Streaming;
 use super::auth::AddBearer;
 use super::error::{ControlError, Result};
 use super::fsutil::{self, Bitmap, Destination, Manifest, OrderedHasher};
-use super::link::{resolve_transport, ClientLink, Transport};
+use super::link::{
+    connect_params, ep_from_proto, ep_to_proto, resolve_transport, ClientLink, Transport,
+};
 use super::movement::{self, BlockIo, Moved};
 use super::server::{moving_blocks, packed_len};
 use super::{DEFAULT_BLOCK_SIZE, DEFAULT_PORT, MAX_MESSAGE, VERSION_MAJOR, VERSION_MINOR};
-use crate::engine::{BatchPolicy, LocalSeg, OpKind, Transfer, TransferConfig, Window};
+use crate::datapath::{DataPath, ReconnectError};
+use crate::engine::{LocalSeg, OpKind, Transfer, Window};
 use crate::mem::PeerSpan;
 use crate::proto::{self, client_msg, server_msg, ClientMsg, ServerMsg};
 use crate::provider::{Channel, ProviderKind};
@@ -59,6 +62,11 @@ pub struct ClientOptions {
     pub inline: Option<u32>,
     /// Staging buffers (blocks in flight).
     pub buffers: usize,
+    /// Completion thread: poll, event or hybrid (default: hybrid on verbs,
+    /// event on tcp).
+    pub poll_mode: Option<crate::datapath::PollMode>,
+    /// Pin the completion thread to this CPU.
+    pub cq_cpu: Option<usize>,
     pub connect_timeout: Duration,
 }
 
@@ -74,6 +82,8 @@ impl Default for ClientOptions {
             signal_every: 32,
             inline: None,
             buffers: 0,
+            poll_mode: None,
+            cq_cpu: None,
             connect_timeout: Duration::from_secs(10),
         }
     }
@@ -255,13 +265,23 @@ impl Client {
         let channel = tokio::task::spawn_blocking(move || l2.connect(&r2, &host))
             .await
             .map_err(|e| ControlError::Other(e.to_string()))??;
+        let dp = DataPath::new(movement::datapath_config(
+            kind,
+            self.opts.batch,
+            self.opts.signal_every,
+            self.opts.inline,
+            self.opts.poll_mode,
+            self.opts.cq_cpu,
+        ))
+        .map_err(|e| ControlError::Usage(e.to_string()))?;
         Ok(Session {
+            dp: Arc::new(dp),
+            rd_atomic: resp.client_rd_atomic,
             rpc: self.rpc.clone(),
             link,
             channel,
             id: resp.session_id,
             bs,
-            opts: self.opts.clone(),
             transport: why,
             kind,
         })
@@ -270,12 +290,13 @@ impl Client {
 
 /// A session: one data channel, files moved one after another.
 pub struct Session {
+    dp: Arc<DataPath>,
+    rd_atomic: u32,
     rpc: Rpc,
     link: Arc<ClientLink>,
     channel: Arc<dyn Channel>,
     id: u64,
     bs: u64,
-    opts: ClientOptions,
     /// Which provider and why (for the user).
     pub transport: String,
     pub kind: ProviderKind,
@@ -503,14 +524,42 @@ impl Session {
         self.bs
     }
 
+    /// The data path's reconnect callback: verbs resets the QP, exchanges
+    /// fresh endpoints with `Reconnect` and connects again; a TCP channel
+    /// cannot be replaced under a running transfer (the caller resumes).
+    fn reconnector(&self) -> impl FnMut() -> std::result::Result<(), ReconnectError> + Send {
+        let vc = self.link.verbs_channel.clone();
+        let rpc = self.rpc.clone();
+        let (id, rd) = (self.id, self.rd_atomic);
+        let handle = tokio::runtime::Handle::current();
+        let mut epoch = 0u32;
+        move || {
+            let Some(vc) = &vc else {
+                return Err("the TCP data connection broke; rerun with --resume".into());
+            };
+            let ep = vc.reset()?;
+            epoch += 1;
+            let resp = handle.block_on(rpc.clone().reconnect(proto::ReconnectRequest {
+                session_id: id,
+                endpoint: Some(ep_to_proto(&ep)),
+                epoch,
+            }))?;
+            let sep = resp
+                .into_inner()
+                .endpoint
+                .ok_or("the server sent no endpoint")?;
+            vc.handshake(&ep_from_proto(&sep)?, &connect_params(rd, rd))?;
+            tracing::info!(epoch, "reconnected");
+            Ok(())
+        }
+    }
+
     fn transfer(&self, op: OpKind, vlen: u64) -> Result<Transfer> {
-        let caps = self.channel.caps();
-        let mut cfg = TransferConfig::new(op, vlen, self.bs, caps.sq_depth as usize);
-        let batch = self.opts.batch.clamp(1, 64);
-        cfg.batch = BatchPolicy::new(batch, self.opts.signal_every.clamp(1, batch))
+        let cfg = self
+            .dp
+            .config()
+            .transfer_config(op, vlen, self.bs, &self.channel.caps())
             .map_err(|e| ControlError::Usage(e.to_string()))?;
-        cfg.max_inline = self.opts.inline.unwrap_or(0).min(caps.max_inline);
-        cfg.request_timeout_ns = 30_000_000_000;
         Transfer::new(cfg, self.link.buffers.clone())
             .map_err(|e| ControlError::Other(format!("transfer setup: {e}")))
     }
@@ -613,8 +662,10 @@ impl Session {
         let mut transfer = self.transfer(OpKind::Write, vlen)?;
         let channel = self.channel.clone();
         let local_path = local.to_path_buf();
+        let (dp, mut reconnect) = (self.dp.clone(), self.reconnector());
         let runner = tokio::task::spawn_blocking(move || {
-            let moved = movement::run(&*channel, &mut transfer, &mut io).map_err(move_err)?;
+            let moved = movement::run(&dp, &*channel, &mut transfer, &mut io, &mut reconnect)
+                .map_err(move_err)?;
             if let Some(f) = io.sh.failure.take() {
                 return Err(f);
             }
@@ -727,8 +778,10 @@ impl Session {
         let mut transfer = self.transfer(OpKind::Read, vlen)?;
         let channel = self.channel.clone();
         let temp = dest.temp_path.clone();
+        let (dp, mut reconnect) = (self.dp.clone(), self.reconnector());
         let runner = tokio::task::spawn_blocking(move || {
-            let moved = movement::run(&*channel, &mut transfer, &mut io).map_err(move_err)?;
+            let moved = movement::run(&dp, &*channel, &mut transfer, &mut io, &mut reconnect)
+                .map_err(move_err)?;
             let digest = match io.sh.hasher.take() {
                 Some(h) => h.finish(),
                 None => fsutil::sha256_file(&temp)?,

@@ -99,6 +99,7 @@ pub async fn run(
             gid_index: cfg.gid_index,
             batch: cfg.batch,
             signal_every: cfg.signal_every,
+            cq_cpu: cfg.cq_cpu,
             ..ClientOptions::default()
         },
         idle_timeout: Duration::from_secs(120),

@@ -10,8 +10,8 @@ use crate::mem::{Arena, ArenaConfig, BlockPool, PeerSpan};
 use crate::provider::tcp::{TcpChannel, TcpDomain, TcpTarget, DEFAULT_CONNS};
 use crate::provider::{Access, Channel, Domain, ProviderKind, Registration};
 use crate::verbs::{
-    choose_gid, device_names, gid_table, CompletionQueue, ConnectParams, Context, Gid,
-    ProtectionDomain, QpConfig, QpEndpoint, QueuePair, VerbsChannel, VerbsDomain,
+    choose_gid, device_names, gid_table, CompletionChannel, CompletionQueue, ConnectParams,
+    Context, Gid, ProtectionDomain, QpConfig, QpEndpoint, QueuePair, VerbsChannel, VerbsDomain,
 };
 
 use super::error::{ControlError, Result};
@@ -139,10 +139,22 @@ impl Device {
     }
 
     /// A new RC QP in INIT with its own CQ.
-    pub fn queue_pair(&self, sq_depth: u32, max_inline: u32, remote: Access) -> Result<QueuePair> {
+    pub fn queue_pair(
+        &self,
+        sq_depth: u32,
+        max_inline: u32,
+        remote: Access,
+        events: bool,
+    ) -> Result<QueuePair> {
         let caps = self.ctx.caps();
         let sq = sq_depth.min(caps.max_qp_wr).max(1);
-        let cq = CompletionQueue::new(&self.ctx, sq.min(caps.max_cqe), None).map_err(provider)?;
+        let ch = if events {
+            Some(CompletionChannel::new(&self.ctx).map_err(provider)?)
+        } else {
+            None
+        };
+        let cq =
+            CompletionQueue::new(&self.ctx, sq.min(caps.max_cqe), ch.as_ref()).map_err(provider)?;
         QueuePair::new(
             &self.pd,
             &cq,
@@ -220,7 +232,7 @@ impl ClientLink {
                 let dev = Device::open(device, gid_index)?;
                 let reg =
                     VerbsDomain { pd: dev.pd.clone() }.register(&staging, Access::LOCAL_WRITE)?;
-                let qp = dev.queue_pair(256, max_inline, Access::LOCAL_READ)?;
+                let qp = dev.queue_pair(256, max_inline, Access::LOCAL_READ, true)?;
                 let ch = Arc::new(VerbsChannel::new(qp));
                 (Some(dev), None, reg, Some(ch))
             }

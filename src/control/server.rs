@@ -215,7 +215,7 @@ impl Service {
                 })?)?;
                 let dev = self.link.device.as_ref().expect("verbs device");
                 let caps = dev.ctx.caps();
-                let q = dev.queue_pair(16, 0, Access::REMOTE_WRITE | Access::REMOTE_READ)?;
+                let q = dev.queue_pair(16, 0, Access::REMOTE_WRITE | Access::REMOTE_READ, false)?;
                 let params = dev.params(&q);
                 let ch = VerbsChannel::new(q);
                 let client_rd = v.max_qp_init_rd_atom.min(caps.max_qp_rd_atom).max(1);
