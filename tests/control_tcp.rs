@@ -3,9 +3,7 @@
 
 mod common;
 
-use std::path::Path;
 use std::process::Stdio;
-use std::time::Duration;
 
 use common::*;
 
@@ -119,11 +117,15 @@ fn push_pull_tree_of_200_files() {
     }
 }
 
-fn dot_files(dir: &Path) -> Vec<String> {
-    std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect()
+/// `rcp --block-size 64K ARGS` (small blocks: the manifest grows as
+/// windows are verified, so the test can see progress).
+fn rcp64(port: u16, args: &[&str]) -> std::process::Command {
+    rcp_cmd(
+        port,
+        T,
+        None,
+        &[&["--block-size", "64K"][..], args].concat(),
+    )
 }
 
 #[test]
@@ -132,45 +134,37 @@ fn push_resume_after_client_killed() {
     let root = tmp.path().join("root");
     std::fs::create_dir(&root).unwrap();
     let d = Rcpd::start(&root, T, None, &[]);
-    let len = (40u64 << 20) + 123;
+    let len = (64u64 << 20) + 123;
     let src = tmp.path().join("big");
     make_file(&src, len, 7);
     let want = sha256sum(&src);
-    let mut child = rcp_cmd(
-        d.port,
-        T,
-        None,
-        &["push", "-q", src.to_str().unwrap(), "127.0.0.1:/"],
-    )
-    .stdout(Stdio::null())
-    .stderr(Stdio::null())
-    .spawn()
-    .unwrap();
-    // Kill it once the server has verified at least one window.
-    let manifest = root.join(".big.rcp-manifest");
-    wait_for("a manifest", Duration::from_secs(60), || manifest.exists());
+    let s = src.to_str().unwrap();
+    let mut child = rcp64(d.port, &["push", "-q", s, "127.0.0.1:/"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // Kill it once the server has verified a window.
+    wait_verified(&root, "big", 64);
     child.kill().unwrap();
     child.wait().unwrap();
     assert!(
         !root.join("big").exists(),
         "an interrupted copy is never under the final name"
     );
-    assert!(
-        root.join(".big.rcp-part").exists(),
-        "{:?}",
-        dot_files(&root)
+    assert!(find_manifest(&root, "big").is_some(), "{:?}", names(&root));
+    let out = rcp64(d.port, &["push", "--resume", s, "127.0.0.1:/"])
+        .output()
+        .unwrap();
+    let (so, se) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
     );
-    let r = rcp(
-        d.port,
-        T,
-        None,
-        &["push", "--resume", src.to_str().unwrap(), "127.0.0.1:/"],
-    );
-    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
-    let m = moved(&r.stdout);
+    assert!(out.status.success(), "{so}{se}");
+    let m = moved(&so);
     assert!(m < len, "resume moved {m} of {len} bytes");
     assert_eq!(sha256sum(&root.join("big")), want);
-    assert_eq!(dot_files(&root), vec!["big".to_string()]);
+    assert_eq!(names(&root), vec!["big".to_string()]);
 }
 
 #[test]
@@ -179,40 +173,36 @@ fn pull_resume_after_client_killed() {
     let root = tmp.path().join("root");
     std::fs::create_dir(&root).unwrap();
     let d = Rcpd::start(&root, T, None, &[]);
-    let len = (40u64 << 20) + 5;
+    let len = (64u64 << 20) + 5;
     make_file(&root.join("big"), len, 9);
     let want = sha256sum(&root.join("big"));
     let dst = tmp.path().join("dst");
     std::fs::create_dir(&dst).unwrap();
-    let mut child = rcp_cmd(
-        d.port,
-        T,
-        None,
-        &["pull", "-q", "127.0.0.1:big", dst.to_str().unwrap()],
-    )
-    .stdout(Stdio::null())
-    .stderr(Stdio::null())
-    .spawn()
-    .unwrap();
-    let manifest = dst.join(".big.rcp-manifest");
-    wait_for("a manifest", Duration::from_secs(60), || manifest.exists());
+    let ds = dst.to_str().unwrap();
+    let mut child = rcp64(d.port, &["pull", "-q", "127.0.0.1:big", ds])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_verified(&dst, "big", 64);
     child.kill().unwrap();
     child.wait().unwrap();
     assert!(
         !dst.join("big").exists(),
         "an interrupted copy is never under the final name"
     );
-    let r = rcp(
-        d.port,
-        T,
-        None,
-        &["pull", "--resume", "127.0.0.1:big", dst.to_str().unwrap()],
+    let out = rcp64(d.port, &["pull", "--resume", "127.0.0.1:big", ds])
+        .output()
+        .unwrap();
+    let (so, se) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
     );
-    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
-    let m = moved(&r.stdout);
+    assert!(out.status.success(), "{so}{se}");
+    let m = moved(&so);
     assert!(m < len, "resume moved {m} of {len} bytes");
     assert_eq!(sha256sum(&dst.join("big")), want);
-    assert_eq!(dot_files(&dst), vec!["big".to_string()]);
+    assert_eq!(names(&dst), vec!["big".to_string()]);
 }
 
 #[test]

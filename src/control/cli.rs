@@ -7,7 +7,6 @@ use std::time::Instant;
 
 use super::client::{local_target, Client, FileOptions, FileResult, Progress, Session};
 use super::error::{ControlError, Result};
-use super::fsutil;
 use crate::proto::FileType;
 
 /// `HOST:PATH` (or `[v6]:PATH`) split into the rcpd address and the path.
@@ -209,7 +208,15 @@ pub async fn push(
             } else {
                 remote.to_string()
             };
-            let (files, _dirs) = fsutil::walk(local)?;
+            let tree = crate::files::walk(local)?;
+            for s in &tree.skipped {
+                tracing::warn!(path = %s.rel_path.display(), reason = s.reason, "skipped");
+            }
+            let files = tree
+                .entries
+                .into_iter()
+                .filter(|e| e.kind == crate::files::EntryKind::File)
+                .map(|e| e.rel_path);
             for f in files {
                 let fo = FileOptions {
                     create_parents: true,

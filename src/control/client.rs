@@ -14,8 +14,6 @@
 //! ```
 
 use std::collections::HashMap;
-use std::fs::File;
-use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::mpsc as smpsc;
 use std::sync::Arc;
@@ -29,7 +27,7 @@ use tonic::Streaming;
 
 use super::auth::AddBearer;
 use super::error::{ControlError, Result};
-use super::fsutil::{self, Bitmap, Destination, Manifest, OrderedHasher};
+use super::fsutil::{self, Bitmap};
 use super::link::{
     connect_params, ep_from_proto, ep_to_proto, resolve_transport, ClientLink, Transport,
 };
@@ -38,6 +36,9 @@ use super::server::{moving_blocks, packed_len};
 use super::{DEFAULT_BLOCK_SIZE, DEFAULT_PORT, MAX_MESSAGE, VERSION_MAJOR, VERSION_MINOR};
 use crate::datapath::{DataPath, ReconnectError};
 use crate::engine::{LocalSeg, OpKind, Transfer, Window};
+use crate::files::{
+    self, Destination, DestinationOptions, DirHandle, Preserve, SourceFile, StreamingFileDigest,
+};
 use crate::mem::PeerSpan;
 use crate::proto::{self, client_msg, server_msg, ClientMsg, ServerMsg};
 use crate::provider::{Channel, ProviderKind};
@@ -184,7 +185,10 @@ impl Client {
         let r = self
             .rpc
             .clone()
-            .stat(proto::StatRequest { path: path.into() })
+            .stat(proto::StatRequest {
+                path: path.into(),
+                fingerprint: false,
+            })
             .await?
             .into_inner();
         Ok(if r.exists { r.entry } else { None })
@@ -313,9 +317,7 @@ struct Shared {
     confirmed: u64,
     windows: HashMap<u64, (u64, u64)>,
     out: mpsc::UnboundedSender<ClientMsg>,
-    hasher: Option<OrderedHasher>,
     progress: Option<Progress>,
-    failure: Option<ControlError>,
 }
 
 const GRANT_WAIT: Duration = Duration::from_secs(300);
@@ -330,6 +332,8 @@ impl Shared {
     }
 
     fn next_grant(&mut self) -> Option<(Window, Vec<Vec<u8>>)> {
+        // Nothing live and blocks left: the next grant is on its way (the
+        // server sends it after our WindowDone); wait for it.
         let g = if self.live == 0 && self.confirmed < self.total_blocks {
             self.grants.recv_timeout(GRANT_WAIT).ok()?
         } else {
@@ -360,8 +364,9 @@ impl Shared {
 
 struct PushIo {
     sh: Shared,
-    file: File,
+    src: Arc<SourceFile>,
     digests: HashMap<u64, [u8; 32]>,
+    hasher: Option<StreamingFileDigest>,
 }
 
 impl BlockIo for PushIo {
@@ -369,16 +374,17 @@ impl BlockIo for PushIo {
         let vb = voff / self.sh.bs;
         let real = self.sh.moving[vb as usize] * self.sh.bs;
         let o = self.sh.slice_off(&local)?;
-        let (file, hasher) = (&self.file, &mut self.sh.hasher);
+        let (src, hasher) = (&self.src, &mut self.hasher);
         let d = self
             .sh
             .staging
             .with_mut(o, local.len as usize, |buf| -> std::io::Result<[u8; 32]> {
-                file.read_exact_at(buf, real)?;
+                // Straight into registered memory (O_DIRECT when aligned).
+                fsutil::read_exact(src, real, buf)?;
                 if let Some(h) = hasher.as_mut() {
-                    h.update(real, buf);
+                    fsutil::feed(h, real, buf);
                 }
-                Ok(fsutil::sha256(buf))
+                Ok(files::block_digest(buf))
             })
             .ok_or_else(|| std::io::Error::other("local segment outside staging"))??;
         self.digests.insert(vb, d);
@@ -419,9 +425,8 @@ impl BlockIo for PushIo {
 
 struct PullIo {
     sh: Shared,
-    dest: Arc<Destination>,
+    dest: Destination,
     expected: HashMap<u64, Vec<u8>>,
-    manifest: Manifest,
 }
 
 impl BlockIo for PullIo {
@@ -431,27 +436,23 @@ impl BlockIo for PullIo {
     fn drain(&mut self, voff: u64, local: LocalSeg) -> std::io::Result<()> {
         let vb = voff / self.sh.bs;
         let real_block = self.sh.moving[vb as usize];
-        let real = real_block * self.sh.bs;
         let want = self.expected.remove(&vb).unwrap_or_default();
         let o = self.sh.slice_off(&local)?;
-        let (dest, hasher) = (&self.dest, &mut self.sh.hasher);
+        let dest = &mut self.dest;
         self.sh
             .staging
             .with(o, local.len as usize, |buf| -> std::io::Result<()> {
-                if fsutil::sha256(buf)[..] != want[..] {
+                let got = files::block_digest(buf);
+                if got[..] != want[..] {
                     return Err(std::io::Error::new(
                         std::io::ErrorKind::InvalidData,
-                        format!("block at offset {real} does not match the server's digest"),
+                        format!("block {real_block} does not match the server's digest"),
                     ));
                 }
-                dest.file.write_all_at(buf, real)?;
-                if let Some(h) = hasher.as_mut() {
-                    h.update(real, buf);
-                }
-                Ok(())
+                dest.write_block(real_block, buf, got)
+                    .map_err(|e| std::io::Error::other(e.to_string()))
             })
             .ok_or_else(|| std::io::Error::other("local segment outside staging"))??;
-        self.manifest.done.set(real_block);
         Ok(())
     }
     fn block_done(&mut self, _block: u64, _off: u64, len: u32) {
@@ -460,11 +461,6 @@ impl BlockIo for PullIo {
     fn window_done(&mut self, id: u64) {
         self.sh.live -= 1;
         self.sh.windows.remove(&id);
-        if self.dest.file.sync_data().is_ok() {
-            if let Err(e) = self.manifest.store(&self.dest.manifest_path) {
-                tracing::warn!(error = %e, "cannot store the resume manifest");
-            }
-        }
         let _ = self.sh.out.send(ClientMsg {
             msg: Some(client_msg::Msg::WindowDone(proto::WindowDone {
                 window_id: id,
@@ -569,7 +565,6 @@ impl Session {
         moving: Arc<Vec<u64>>,
         grants: smpsc::Receiver<proto::Grant>,
         out: mpsc::UnboundedSender<ClientMsg>,
-        hashing: bool,
         progress: Option<Progress>,
     ) -> Shared {
         Shared {
@@ -582,9 +577,7 @@ impl Session {
             confirmed: 0,
             windows: HashMap::new(),
             out,
-            hasher: hashing.then(OrderedHasher::new),
             progress,
-            failure: None,
         }
     }
 
@@ -598,23 +591,19 @@ impl Session {
         progress: Option<Progress>,
     ) -> Result<FileResult> {
         let start = Instant::now();
-        let file = File::open(local).map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => ControlError::FileNotFound(local.display().to_string()),
-            _ => ControlError::Io {
-                context: format!("opening {}", local.display()),
-                source: e,
-            },
-        })?;
-        let meta = file
-            .metadata()
-            .map_err(ControlError::io(format!("stat {}", local.display())))?;
-        if meta.is_dir() {
+        if std::fs::metadata(local).is_ok_and(|m| m.is_dir()) {
             return Err(ControlError::Usage(format!(
                 "{} is a directory (use -r)",
                 local.display()
             )));
         }
-        let length = meta.len();
+        let l = local.to_path_buf();
+        let src = Arc::new(
+            tokio::task::spawn_blocking(move || SourceFile::open(&l))
+                .await
+                .map_err(|e| ControlError::Other(e.to_string()))??,
+        );
+        let length = src.len();
         let name = local
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
@@ -627,11 +616,12 @@ impl Session {
             name,
             length,
             block_size: self.bs,
-            mode: meta.mode() & 0o7777,
-            mtime_ns: fsutil::mtime_ns(&meta),
+            mode: src.mode(),
+            mtime_ns: fsutil::ns_from_ts(src.mtime()),
             preserve: fo.preserve,
             resume: fo.resume,
             create_parents: fo.create_parents,
+            source_fingerprint: src.source_id().fingerprint.to_vec(),
             ..Default::default()
         };
         out.send(ClientMsg {
@@ -644,38 +634,44 @@ impl Session {
             .await?
             .into_inner();
         let opened = first_reply(inbound.message().await?)?;
-        let skip = (!opened.skip_blocks.is_empty())
-            .then(|| Bitmap::from_bytes(opened.skip_blocks.clone(), length.div_ceil(self.bs)))
-            .flatten();
-        if !opened.skip_blocks.is_empty() && skip.is_none() {
-            return Err(ControlError::Invalid("bad skip bitmap".into()));
-        }
+        let skip = if opened.skip_blocks.is_empty() {
+            None
+        } else {
+            Some(
+                Bitmap::from_bytes(opened.skip_blocks.clone(), length.div_ceil(self.bs))
+                    .ok_or_else(|| ControlError::Invalid("bad skip bitmap".into()))?,
+            )
+        };
         let moving = Arc::new(moving_blocks(length, self.bs, skip.as_ref()));
         let vlen = packed_len(length, self.bs, &moving);
         let (gtx, grx) = smpsc::channel();
-        let sh = self.shared(moving, grx, out.clone(), !opened.resumed, progress);
         let mut io = PushIo {
-            sh,
-            file,
+            sh: self.shared(moving, grx, out.clone(), progress),
+            src: src.clone(),
             digests: HashMap::new(),
+            hasher: (!opened.resumed).then(|| StreamingFileDigest::new(Some(length), 64 << 20)),
         };
         let mut transfer = self.transfer(OpKind::Write, vlen)?;
         let channel = self.channel.clone();
-        let local_path = local.to_path_buf();
         let (dp, mut reconnect) = (self.dp.clone(), self.reconnector());
         let runner = tokio::task::spawn_blocking(move || {
             let moved = movement::run(&dp, &*channel, &mut transfer, &mut io, &mut reconnect)
                 .map_err(move_err)?;
-            if let Some(f) = io.sh.failure.take() {
-                return Err(f);
-            }
-            let digest = match io.sh.hasher.take() {
-                Some(h) => h.finish(),
-                None => fsutil::sha256_file(&local_path)?,
+            io.src.check_unchanged()?;
+            let digest = match io.hasher.take() {
+                Some(h) => h.finish().map_err(files::FileError::from)?,
+                None => fsutil::whole_file_digest(&io.src)?,
             };
             Ok((moved, digest))
         });
-        let (moved, digest, committed) = drive(&mut inbound, gtx, runner, &out, true).await?;
+        let (moved, digest, committed) = drive(
+            &mut inbound,
+            gtx,
+            runner,
+            &out,
+            Some(|d: &[u8; 32]| d.to_vec()),
+        )
+        .await?;
         let committed = committed.expect("push ends with Committed");
         if committed.sha256[..] != digest[..] {
             return Err(ControlError::Integrity(format!(
@@ -704,35 +700,74 @@ impl Session {
         progress: Option<Progress>,
     ) -> Result<FileResult> {
         let start = Instant::now();
-        if let Some(parent) = local.parent().filter(|p| !p.as_os_str().is_empty()) {
-            if !parent.is_dir() {
-                if fo.create_parents {
-                    std::fs::create_dir_all(parent)
-                        .map_err(ControlError::io(format!("creating {}", parent.display())))?;
-                } else {
-                    return Err(ControlError::DirNotFound(parent.display().to_string()));
+        let parent = local
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."))
+            .to_path_buf();
+        if !parent.is_dir() {
+            if fo.create_parents {
+                std::fs::create_dir_all(&parent)
+                    .map_err(ControlError::io(format!("creating {}", parent.display())))?;
+            } else {
+                return Err(ControlError::DirNotFound(parent.display().to_string()));
+            }
+        }
+        let name = local
+            .file_name()
+            .ok_or_else(|| ControlError::Usage(format!("{} has no file name", local.display())))?
+            .to_os_string();
+        let dir = DirHandle::open(&parent)?;
+        let bs = self.bs;
+        let opts = |preserve: Option<Preserve>| DestinationOptions {
+            block_size: bs,
+            preserve,
+            ..DestinationOptions::default()
+        };
+        // With --resume: the remote file's identity, and what we hold of it.
+        let mut resumed_dest = None;
+        let mut have = (Vec::new(), 0u64, 0i64, Vec::new());
+        if fo.resume {
+            let st = self
+                .rpc
+                .stat(proto::StatRequest {
+                    path: remote.to_string(),
+                    fingerprint: true,
+                })
+                .await?
+                .into_inner();
+            if let Some(e) = st
+                .entry
+                .filter(|e| e.r#type == proto::FileType::File as i32)
+            {
+                let sid = fsutil::source_id(e.length, e.mtime_ns, &e.fingerprint);
+                let pres = fo.preserve.then(|| Preserve {
+                    mode: e.mode,
+                    mtime: fsutil::ts_from_ns(e.mtime_ns),
+                });
+                let (d2, n2, o2) = (dir.try_clone()?, name.clone(), opts(pres));
+                let d =
+                    tokio::task::spawn_blocking(move || Destination::resume(&d2, &n2, &sid, o2))
+                        .await
+                        .map_err(|e| ControlError::Other(e.to_string()))??;
+                if let Some(d) = d {
+                    let bits = Bitmap::all_but(d.block_count(), &d.missing_blocks());
+                    have = (bits.bits, e.length, e.mtime_ns, e.fingerprint.clone());
+                    resumed_dest = Some(d);
                 }
             }
         }
-        let (_, manifest_path) = fsutil::temp_paths(local);
-        let have = if fo.resume {
-            Manifest::load(&manifest_path).filter(|m| m.block_size == self.bs)
-        } else {
-            None
-        };
         let (out, out_rx) = mpsc::unbounded_channel();
         let open = proto::Open {
             session_id: self.id,
             direction: proto::Direction::Pull as i32,
             path: remote.to_string(),
             block_size: self.bs,
-            resume: have.is_some(),
-            have_blocks: have
-                .as_ref()
-                .map(|m| m.done.bits.clone())
-                .unwrap_or_default(),
-            have_length: have.as_ref().map(|m| m.length).unwrap_or(0),
-            have_mtime_ns: have.as_ref().map(|m| m.mtime_ns).unwrap_or(0),
+            resume: resumed_dest.is_some(),
+            have_blocks: have.0,
+            have_length: have.1,
+            have_mtime_ns: have.2,
+            have_fingerprint: have.3,
             ..Default::default()
         };
         out.send(ClientMsg {
@@ -747,6 +782,22 @@ impl Session {
         let opened = first_reply(inbound.message().await?)?;
         let length = opened.length;
         let blocks = length.div_ceil(self.bs);
+        let dest = match (resumed_dest, opened.resumed) {
+            (Some(d), true) => d,
+            (d, _) => {
+                drop(d);
+                let sid = fsutil::source_id(length, opened.mtime_ns, &opened.source_fingerprint);
+                let pres = fo.preserve.then(|| Preserve {
+                    mode: opened.mode,
+                    mtime: fsutil::ts_from_ns(opened.mtime_ns),
+                });
+                let o = DestinationOptions {
+                    resume: Some(sid),
+                    ..opts(pres)
+                };
+                Destination::create(&dir, &name, length, o)?
+            }
+        };
         let skip = if opened.resumed {
             Some(
                 Bitmap::from_bytes(opened.skip_blocks.clone(), blocks)
@@ -755,56 +806,38 @@ impl Session {
         } else {
             None
         };
-        let manifest = match (&have, opened.resumed) {
-            (Some(m), true) => m.clone(),
-            _ => Manifest {
-                length,
-                block_size: self.bs,
-                mtime_ns: opened.mtime_ns,
-                done: Bitmap::new(blocks),
-            },
-        };
-        let dest = Arc::new(Destination::open(local, length, opened.resumed)?);
         let moving = Arc::new(moving_blocks(length, self.bs, skip.as_ref()));
         let vlen = packed_len(length, self.bs, &moving);
         let (gtx, grx) = smpsc::channel();
-        let sh = self.shared(moving, grx, out.clone(), !opened.resumed, progress);
         let mut io = PullIo {
-            sh,
-            dest: dest.clone(),
+            sh: self.shared(moving, grx, out.clone(), progress),
+            dest,
             expected: HashMap::new(),
-            manifest,
         };
         let mut transfer = self.transfer(OpKind::Read, vlen)?;
         let channel = self.channel.clone();
-        let temp = dest.temp_path.clone();
         let (dp, mut reconnect) = (self.dp.clone(), self.reconnector());
         let runner = tokio::task::spawn_blocking(move || {
             let moved = movement::run(&dp, &*channel, &mut transfer, &mut io, &mut reconnect)
                 .map_err(move_err)?;
-            let digest = match io.sh.hasher.take() {
-                Some(h) => h.finish(),
-                None => fsutil::sha256_file(&temp)?,
-            };
-            Ok((moved, digest))
+            Ok((moved, io.dest))
         });
-        let (moved, digest, committed) = drive(&mut inbound, gtx, runner, &out, false).await?;
+        let (moved, dest, committed) = drive(
+            &mut inbound,
+            gtx,
+            runner,
+            &out,
+            None::<fn(&Destination) -> Vec<u8>>,
+        )
+        .await?;
         let committed = committed.expect("pull ends with Committed");
-        if committed.sha256[..] != digest[..] {
-            return Err(ControlError::Integrity(format!(
-                "server digest {} differs from ours {}",
-                hex::encode(&committed.sha256),
-                hex::encode(digest)
-            )));
-        }
-        let dest = Arc::try_unwrap(dest)
-            .map_err(|_| ControlError::Other("destination still in use".into()))?;
-        let (mode, mtime) = if fo.preserve {
-            (Some(opened.mode), Some(opened.mtime_ns))
-        } else {
-            (None, None)
-        };
-        tokio::task::spawn_blocking(move || dest.commit(mode, mtime))
+        let expected: [u8; 32] = committed
+            .sha256
+            .as_slice()
+            .try_into()
+            .map_err(|_| ControlError::Invalid("the server digest is not 32 bytes".into()))?;
+        // Verifies the whole-file digest, applies -p, fsyncs, renames.
+        let digest = tokio::task::spawn_blocking(move || dest.commit(expected))
             .await
             .map_err(|e| ControlError::Other(e.to_string()))??;
         let _ = out.send(ClientMsg {
@@ -836,18 +869,20 @@ impl Session {
     }
 }
 
-type Runner = tokio::task::JoinHandle<Result<(Moved, [u8; 32])>>;
+type Runner<T> = tokio::task::JoinHandle<Result<(Moved, T)>>;
 
 /// Run the stream side of a transfer while the data moves on `runner`.
-async fn drive(
+/// `commit_with`: push sends Commit with this digest once every window is
+/// acknowledged.
+async fn drive<T>(
     inbound: &mut Streaming<ServerMsg>,
     grants: smpsc::Sender<proto::Grant>,
-    runner: Runner,
+    runner: Runner<T>,
     out: &mpsc::UnboundedSender<ClientMsg>,
-    push: bool,
-) -> Result<(Moved, [u8; 32], Option<proto::Committed>)> {
+    commit_with: Option<impl Fn(&T) -> Vec<u8>>,
+) -> Result<(Moved, T, Option<proto::Committed>)> {
     tokio::pin!(runner);
-    let mut done: Option<(Moved, [u8; 32])> = None;
+    let mut done: Option<(Moved, T)> = None;
     let mut committed: Option<proto::Committed> = None;
     let (mut granted, mut acked) = (0u64, 0u64);
     let mut commit_sent = false;
@@ -857,13 +892,11 @@ async fn drive(
         });
     };
     loop {
-        if push && !commit_sent {
+        if let (Some(f), false) = (&commit_with, commit_sent) {
             if let Some((_, d)) = &done {
                 if granted == acked {
                     let _ = out.send(ClientMsg {
-                        msg: Some(client_msg::Msg::Commit(proto::Commit {
-                            sha256: d.to_vec(),
-                        })),
+                        msg: Some(client_msg::Msg::Commit(proto::Commit { sha256: f(d) })),
                     });
                     commit_sent = true;
                 }

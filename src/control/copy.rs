@@ -65,7 +65,25 @@ pub fn start(svc: Arc<Service>, cfg: ServiceConfig, req: CopyRequest) -> Result<
             "copy needs remote and remote_path",
         ));
     }
-    let local = fsutil::confine(svc.root(), &req.local_path)?;
+    // The local side is confined like any request: resolved beneath the
+    // root (the copy then works on that path).
+    let rel = fsutil::root_rel(&req.local_path);
+    let rp = crate::files::normalize(&rel).map_err(ControlError::from)?;
+    let local = svc.root().path().join(rp.to_path());
+    if let Some(parent) = rp.to_path().parent() {
+        let p = parent.to_string_lossy();
+        let p = if p.is_empty() {
+            ".".to_string()
+        } else {
+            p.into_owned()
+        };
+        svc.root().open_dir(&p).map_err(ControlError::from)?;
+    }
+    // The path itself must not lead out of the root (a symlink to outside).
+    match svc.root().stat(&rel) {
+        Ok(_) | Err(crate::files::FileError::Path(crate::files::PathError::NotFound { .. })) => {}
+        Err(e) => return Err(ControlError::from(e).into()),
+    }
     let mut opts = cfg.copy_client.clone();
     if !req.remote_token.is_empty() {
         opts.token = Some(req.remote_token.clone());

@@ -102,9 +102,9 @@ pub async fn run(
             cq_cpu: cfg.cq_cpu,
             ..ClientOptions::default()
         },
-        idle_timeout: Duration::from_secs(120),
+        idle_timeout: Duration::from_secs(300),
     };
-    let svc = Service::new(scfg, link);
+    let svc = Service::new(scfg, link)?;
     let stats = svc.stats.clone();
 
     let listener = tokio::net::TcpListener::bind(cfg.listen)
@@ -214,57 +214,34 @@ async fn serve_metrics(l: tokio::net::TcpListener, stats: Arc<Stats>) {
     }
 }
 
-/// The counters in Prometheus text format.
+/// The counters in Prometheus text format (names as in
+/// deploy/monitoring/rcp-metrics.txt where they exist).
 pub fn metrics_text(s: &Stats) -> String {
-    let mut out = String::new();
-    for (name, help, kind, v) in [
-        (
-            "rcpd_transfers_active",
-            "Transfers running now.",
-            "gauge",
-            &s.active,
-        ),
-        (
-            "rcpd_transfers_ok_total",
-            "Transfers finished.",
-            "counter",
-            &s.transfers_ok,
-        ),
-        (
-            "rcpd_transfers_failed_total",
-            "Transfers that ended with an error.",
-            "counter",
-            &s.transfers_failed,
-        ),
-        (
-            "rcpd_bytes_received_total",
-            "Bytes verified into destinations (push).",
-            "counter",
-            &s.bytes_in,
-        ),
-        (
-            "rcpd_bytes_sent_total",
-            "Bytes read by clients (pull).",
-            "counter",
-            &s.bytes_out,
-        ),
-        (
-            "rcpd_integrity_failures_total",
-            "Digest mismatches.",
-            "counter",
-            &s.integrity_failures,
-        ),
-        (
-            "rcpd_auth_failures_total",
-            "Requests refused for a missing or wrong token.",
-            "counter",
-            &s.auth_failures,
-        ),
-    ] {
-        out.push_str(&format!(
-            "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {}\n",
-            v.load(Relaxed)
-        ));
-    }
-    out
+    let v = |a: &std::sync::atomic::AtomicU64| a.load(Relaxed);
+    format!(
+        "# HELP rcp_transfers_total Transfers served, by result.\n\
+         # TYPE rcp_transfers_total counter\n\
+         rcp_transfers_total{{result=\"ok\"}} {}\n\
+         rcp_transfers_total{{result=\"failed\"}} {}\n\
+         # HELP rcp_bytes_total Bytes moved by this rcpd's windows (in: verified push data; out: pull data read by clients).\n\
+         # TYPE rcp_bytes_total counter\n\
+         rcp_bytes_total{{direction=\"in\"}} {}\n\
+         rcp_bytes_total{{direction=\"out\"}} {}\n\
+         # HELP rcpd_transfers_active Transfers running now.\n\
+         # TYPE rcpd_transfers_active gauge\n\
+         rcpd_transfers_active {}\n\
+         # HELP rcpd_integrity_failures_total Block or whole-file digest mismatches.\n\
+         # TYPE rcpd_integrity_failures_total counter\n\
+         rcpd_integrity_failures_total {}\n\
+         # HELP rcpd_auth_failures_total Requests refused for a missing or wrong token.\n\
+         # TYPE rcpd_auth_failures_total counter\n\
+         rcpd_auth_failures_total {}\n",
+        v(&s.transfers_ok),
+        v(&s.transfers_failed),
+        v(&s.bytes_in),
+        v(&s.bytes_out),
+        v(&s.active),
+        v(&s.integrity_failures),
+        v(&s.auth_failures),
+    )
 }

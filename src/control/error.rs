@@ -109,7 +109,9 @@ pub fn status_exit_code(s: &Status) -> i32 {
         Code::Unavailable | Code::DeadlineExceeded | Code::Aborted | Code::Cancelled => {
             exit::RETRYABLE
         }
-        Code::Unknown if s.message().contains("transport") => exit::RETRYABLE,
+        // rcpd never sends UNKNOWN itself: it is tonic's word for a broken
+        // connection (h2 errors, resets), which retrying may fix.
+        Code::Unknown => exit::RETRYABLE,
         Code::ResourceExhausted | Code::OutOfRange => exit::TRANSFER_EXCEEDED,
         Code::InvalidArgument
         | Code::FailedPrecondition

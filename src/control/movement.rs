@@ -51,7 +51,9 @@ pub fn datapath_config(
             ProviderKind::Tcp => PollMode::Event,
         }),
         cq_cpu,
-        request_timeout: Duration::from_secs(30),
+        // A request is timed from before its block is read and hashed;
+        // RC transport retries surface a dead peer long before this.
+        request_timeout: Duration::from_secs(300),
         ..DataPathConfig::default()
     }
 }

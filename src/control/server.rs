@@ -1,8 +1,6 @@
 //! The rcpd service: sessions, window grants, verification, commit.
 
 use std::collections::HashMap;
-use std::fs::File;
-use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -15,9 +13,13 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::error::{ControlError, Result};
-use super::fsutil::{self, Bitmap, Destination, Manifest, OrderedHasher};
+use super::fsutil::{self, Bitmap};
 use super::link::{connect_params, ep_from_proto, ServerLink};
 use super::{Stats, DEFAULT_BLOCK_SIZE, MAX_FILE_LEN, VERSION_MAJOR, VERSION_MINOR};
+use crate::files::{
+    self, Destination, DestinationOptions, DirHandle, FileError, FileKind, PathError, Preserve,
+    Root, SourceFile, StreamingFileDigest,
+};
 use crate::mem::{Block, PeerSpan};
 use crate::proto::{self, client_msg, server_msg, ClientMsg, Direction, ServerMsg};
 use crate::provider::{Access, ProviderKind, Registration};
@@ -40,12 +42,20 @@ struct Session {
     block_size: u64,
     qp: Option<Mutex<VerbsChannel>>,
     epoch: AtomicU64,
+    /// Transfers running on it, and when it was last used: sessions of
+    /// clients that vanished without CloseSession are reaped when idle.
+    active: AtomicU64,
+    last_used: Mutex<std::time::Instant>,
 }
+
+/// A session unused this long (and with nothing running) is closed.
+const SESSION_IDLE: Duration = Duration::from_secs(30 * 60);
 
 /// Shared state of the service.
 pub struct Service {
     cfg: ServiceConfig,
     link: Arc<ServerLink>,
+    root: Root,
     sessions: Mutex<HashMap<u64, Arc<Session>>>,
     transfers: Arc<Semaphore>,
     slots: Arc<Semaphore>,
@@ -123,9 +133,12 @@ fn in_place<R>(f: impl FnOnce() -> R) -> R {
 }
 
 impl Service {
-    pub fn new(cfg: ServiceConfig, link: ServerLink) -> Arc<Service> {
+    pub fn new(cfg: ServiceConfig, link: ServerLink) -> Result<Arc<Service>> {
         let slots = link.slots.capacity();
-        Arc::new(Service {
+        let root = Root::open(&cfg.root)?;
+        tracing::info!(root = %cfg.root.display(), resolver = ?root.resolver(), "serving root");
+        Ok(Arc::new(Service {
+            root,
             transfers: Arc::new(Semaphore::new(cfg.max_transfers.max(1))),
             slots: Arc::new(Semaphore::new(slots)),
             cfg,
@@ -133,7 +146,7 @@ impl Service {
             sessions: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
             stats: Arc::new(Stats::default()),
-        })
+        }))
     }
 
     pub fn kind(&self) -> ProviderKind {
@@ -178,6 +191,14 @@ impl Service {
             ))));
         }
         let block_size = check_block_size(req.block_size, self.max_block())?;
+        self.sessions.lock().unwrap().retain(|id, s| {
+            let keep =
+                s.active.load(Relaxed) > 0 || s.last_used.lock().unwrap().elapsed() < SESSION_IDLE;
+            if !keep {
+                tracing::info!(session = format_args!("{id:#x}"), "idle session reaped");
+            }
+            keep
+        });
         if self.sessions.lock().unwrap().len() >= MAX_SESSIONS {
             return Err(ControlError::Exceeded(format!(
                 "{MAX_SESSIONS} sessions open; close some"
@@ -237,6 +258,8 @@ impl Service {
                 block_size,
                 qp,
                 epoch: AtomicU64::new(0),
+                active: AtomicU64::new(0),
+                last_used: Mutex::new(std::time::Instant::now()),
             }),
         );
         tracing::info!(session = format_args!("{id:#x}"), client = %req.client_name, provider = %self.link.kind, block_size, "session opened");
@@ -335,6 +358,7 @@ impl Service {
             .await
             .map_err(|_| ControlError::Retryable("server shutting down".into()))?;
         self.stats.active.fetch_add(1, Relaxed);
+        session.active.fetch_add(1, Relaxed);
         let r = match Direction::try_from(open.direction) {
             Ok(Direction::Push) => self.clone().push(open, bs, rx, tx).await,
             Ok(Direction::Pull) => self.clone().pull(open, bs, rx, tx).await,
@@ -344,6 +368,8 @@ impl Service {
             ))),
         };
         self.stats.active.fetch_sub(1, Relaxed);
+        session.active.fetch_sub(1, Relaxed);
+        *session.last_used.lock().unwrap() = std::time::Instant::now();
         r
     }
 
@@ -399,46 +425,48 @@ impl Service {
         Ok(())
     }
 
-    fn resolve_push_dest(&self, open: &proto::Open) -> Result<PathBuf> {
-        let p = fsutil::confine(&self.cfg.root, &open.path)?;
-        let meta = std::fs::symlink_metadata(&p);
-        let dest = match meta {
-            Ok(m) if m.is_dir() => {
-                fsutil::check_name(&open.name)?;
-                let d = p.join(&open.name);
-                if std::fs::symlink_metadata(&d).is_ok_and(|m| m.is_dir()) {
-                    return Err(ControlError::Invalid(format!(
-                        "{}/{} is a directory",
-                        open.path, open.name
-                    )));
-                }
-                d
-            }
-            Ok(m) if !m.is_file() => {
-                return Err(ControlError::Invalid(format!(
-                    "{} exists and is not a regular file",
-                    open.path
-                )))
-            }
-            _ => p,
-        };
-        let parent = dest.parent().unwrap_or(&self.cfg.root).to_path_buf();
-        if !parent.is_dir() {
-            if open.create_parents {
-                std::fs::create_dir_all(&parent)
-                    .map_err(ControlError::io(format!("creating {}", open.path)))?;
+    /// Where a push lands: the directory and the final name, scp-style (an
+    /// existing directory means "inside it").
+    fn push_target(&self, open: &proto::Open) -> Result<(DirHandle, String, String)> {
+        let rel = fsutil::root_rel(&open.path);
+        let rp = files::normalize(&rel)?;
+        let inside = |dir: &str| -> Result<(DirHandle, String, String)> {
+            let d = self.root.open_dir(dir)?;
+            let name = open.name.clone();
+            let shown = if dir == "." {
+                name.clone()
             } else {
-                return Err(ControlError::DirNotFound(format!(
-                    "{} (parent of {})",
-                    rel(&self.cfg.root, &parent),
-                    open.path
-                )));
+                format!("{dir}/{name}")
+            };
+            Ok((d, name, shown))
+        };
+        match self.root.stat(&rel) {
+            Ok(m) if m.kind == FileKind::Dir => inside(&rel),
+            Ok(m) if m.kind != FileKind::File => Err(ControlError::Invalid(format!(
+                "{} exists and is not a regular file",
+                open.path
+            ))),
+            Ok(_) | Err(FileError::Path(PathError::NotFound { .. })) => {
+                let name = rp
+                    .file_name()
+                    .ok_or_else(|| ControlError::Invalid("cannot write over the root".into()))?
+                    .to_string();
+                let parent = fsutil::rel_str(&rp.parent());
+                let dir = if open.create_parents {
+                    self.root.create_dir_all(&parent)?
+                } else {
+                    self.root.open_dir(&parent).map_err(|e| match e {
+                        FileError::Path(PathError::NotFound { .. })
+                        | FileError::Path(PathError::NotADirectory { .. }) => {
+                            ControlError::DirNotFound(format!("{parent} (parent of {})", open.path))
+                        }
+                        e => e.into(),
+                    })?
+                };
+                Ok((dir, name, fsutil::rel_str(&rp)))
             }
+            Err(e) => Err(e.into()),
         }
-        if dest == self.cfg.root {
-            return Err(ControlError::Invalid("cannot write over the root".into()));
-        }
-        Ok(dest)
     }
 
     async fn push(
@@ -454,30 +482,35 @@ impl Service {
                 open.length
             )));
         }
-        let dest_path = self.resolve_push_dest(&open)?;
-        check_space(dest_path.parent().unwrap_or(&self.cfg.root), open.length)?;
-        let (_, manifest_path) = fsutil::temp_paths(&dest_path);
-        let mut manifest = Manifest {
-            length: open.length,
+        let (dir, name, relpath) = in_place(|| self.push_target(&open))?;
+        check_space(dir.display(), open.length)?;
+        let source = fsutil::source_id(open.length, open.mtime_ns, &open.source_fingerprint);
+        let opts = DestinationOptions {
             block_size: bs,
-            mtime_ns: open.mtime_ns,
-            done: Bitmap::new(open.length.div_ceil(bs)),
+            preserve: open.preserve.then(|| Preserve {
+                mode: open.mode & 0o7777,
+                mtime: fsutil::ts_from_ns(open.mtime_ns),
+            }),
+            // Always resumable: an interrupted push can be continued with
+            // --resume (the temp file and manifest stay hidden until then).
+            resume: Some(source),
+            ..DestinationOptions::default()
         };
-        let mut resumed = false;
-        if open.resume {
-            if let Some(m) = Manifest::load(&manifest_path) {
-                if m.length == open.length && m.block_size == bs && m.mtime_ns == open.mtime_ns {
-                    manifest = m;
-                    resumed = !manifest.done.is_empty_set();
+        let mut dest = in_place(|| -> Result<Destination> {
+            if open.resume {
+                if let Some(d) = Destination::resume(&dir, &name, &source, opts.clone())? {
+                    return Ok(d);
                 }
             }
-        }
-        let dest = in_place(|| Destination::open(&dest_path, open.length, resumed))?;
-        let skip = resumed.then(|| manifest.done.clone());
+            Ok(Destination::create(&dir, &name, open.length, opts)?)
+        })?;
+        let missing = dest.missing_blocks();
+        let total_blocks = open.length.div_ceil(bs);
+        let resumed = (missing.len() as u64) < total_blocks;
+        let skip = resumed.then(|| Bitmap::all_but(total_blocks, &missing));
         let moving = moving_blocks(open.length, bs, skip.as_ref());
         let vlen = packed_len(open.length, bs, &moving);
         let transfer_id = self.next_id.fetch_add(1, Relaxed);
-        let relpath = rel(&self.cfg.root, &dest_path);
         tracing::info!(transfer = transfer_id, path = %relpath, length = open.length, resumed, moving = vlen, "push");
         tx.send(msg(server_msg::Msg::Opened(proto::Opened {
             transfer_id,
@@ -488,11 +521,11 @@ impl Service {
             path: relpath.clone(),
             skip_blocks: skip.map(|s| s.bits).unwrap_or_default(),
             resumed,
+            source_fingerprint: Vec::new(),
         })))
         .await
         .map_err(|_| ControlError::Retryable("client went away".into()))?;
 
-        let mut hasher = (!resumed).then(OrderedHasher::new);
         let mut wins: HashMap<u64, Win> = HashMap::new();
         let mut next_voff = 0u64;
         let mut verified = 0u64;
@@ -509,7 +542,7 @@ impl Service {
         loop {
             match self.next_msg(rx).await? {
                 client_msg::Msg::WindowDone(d) => {
-                    let w = wins.remove(&d.window_id).ok_or_else(|| {
+                    let mut w = wins.remove(&d.window_id).ok_or_else(|| {
                         ControlError::Invalid(format!(
                             "window {} is not granted to this transfer",
                             d.window_id
@@ -532,7 +565,6 @@ impl Service {
                         )));
                     }
                     // Revoke remote access before reading what landed.
-                    let mut w = w;
                     drop(w.reg.take());
                     let first_vblock = w.voff / bs;
                     let bad = in_place(|| -> Result<Vec<u64>> {
@@ -544,26 +576,14 @@ impl Service {
                             let n = (w.len - off).min(bs) as usize;
                             w.span
                                 .with(off as usize, n, |data| -> Result<()> {
-                                    if fsutil::sha256(data)[..] != d.block_sha256[i as usize][..] {
+                                    let got = files::block_digest(data);
+                                    if got[..] != d.block_sha256[i as usize][..] {
                                         bad.push(vb);
                                         return Ok(());
                                     }
-                                    dest.write_at(real * bs, data)?;
-                                    if let Some(h) = hasher.as_mut() {
-                                        h.update(real * bs, data);
-                                    }
-                                    Ok(())
+                                    Ok(dest.write_block(real, data, got)?)
                                 })
                                 .expect("window bounds")?;
-                            if !bad.contains(&vb) {
-                                manifest.done.set(real);
-                            }
-                        }
-                        if bad.is_empty() {
-                            dest.file
-                                .sync_data()
-                                .map_err(ControlError::io("fsync of the temp file"))?;
-                            manifest.store(&dest.manifest_path)?;
                         }
                         Ok(bad)
                     })?;
@@ -599,25 +619,16 @@ impl Service {
                             "commit after {verified} of {vlen} bytes"
                         )));
                     }
-                    let digest = match hasher.take() {
-                        Some(h) => h.finish(),
-                        None => in_place(|| fsutil::sha256_file(&dest.temp_path))?,
+                    let expected: [u8; 32] = c.sha256.as_slice().try_into().map_err(|_| {
+                        ControlError::Invalid("the commit digest is not 32 bytes".into())
+                    })?;
+                    let digest = match in_place(|| dest.commit(expected)) {
+                        Ok(d) => d,
+                        Err(e) => {
+                            self.stats.integrity_failures.fetch_add(1, Relaxed);
+                            return Err(e.into());
+                        }
                     };
-                    if c.sha256[..] != digest[..] {
-                        self.stats.integrity_failures.fetch_add(1, Relaxed);
-                        in_place(|| dest.discard());
-                        return Err(ControlError::Integrity(format!(
-                            "whole-file SHA-256 differs: client {} server {}",
-                            hex::encode(&c.sha256),
-                            hex::encode(digest)
-                        )));
-                    }
-                    let (mode, mtime) = if open.preserve {
-                        (Some(open.mode), Some(open.mtime_ns))
-                    } else {
-                        (None, None)
-                    };
-                    in_place(|| dest.commit(mode, mtime))?;
                     tracing::info!(transfer = transfer_id, path = %relpath, sha256 = %hex::encode(digest), "push committed");
                     let _ = tx
                         .send(msg(server_msg::Msg::Committed(proto::Committed {
@@ -648,60 +659,47 @@ impl Service {
         rx: &mut Streaming<ClientMsg>,
         tx: &Tx,
     ) -> Result<()> {
-        let src_path = fsutil::confine(&self.cfg.root, &open.path)?;
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(&src_path)
-            .map_err(|e| match e.kind() {
-                std::io::ErrorKind::NotFound => ControlError::FileNotFound(open.path.clone()),
-                _ => ControlError::Io {
-                    context: format!("opening {}", open.path),
-                    source: e,
-                },
-            })?;
-        let meta = file
-            .metadata()
-            .map_err(ControlError::io(format!("stat {}", open.path)))?;
-        if !meta.is_file() {
-            return Err(ControlError::Invalid(format!(
-                "{} is not a regular file",
-                open.path
-            )));
-        }
-        let length = meta.len();
-        let mtime = fsutil::mtime_ns(&meta);
+        let rel = fsutil::root_rel(&open.path);
+        let src = in_place(|| SourceFile::open_in(&self.root, &rel))?;
+        let length = src.len();
+        let mtime = fsutil::ns_from_ts(src.mtime());
+        let id = src.source_id();
         let mut skip = None;
-        if open.resume && open.have_length == length && open.have_mtime_ns == mtime {
+        if open.resume
+            && open.have_length == length
+            && open.have_mtime_ns == mtime
+            && fsutil::fingerprint(&open.have_fingerprint) == id.fingerprint
+        {
             skip = Bitmap::from_bytes(open.have_blocks.clone(), length.div_ceil(bs))
-                .filter(|b| !b.is_empty_set());
+                .filter(|b| b.count() > 0);
         }
         let resumed = skip.is_some();
         let moving = moving_blocks(length, bs, skip.as_ref());
         let vlen = packed_len(length, bs, &moving);
         let transfer_id = self.next_id.fetch_add(1, Relaxed);
-        let relpath = rel(&self.cfg.root, &src_path);
+        let relpath = rel.clone();
         tracing::info!(transfer = transfer_id, path = %relpath, length, resumed, moving = vlen, "pull");
         tx.send(msg(server_msg::Msg::Opened(proto::Opened {
             transfer_id,
             length,
             block_size: bs,
-            mode: meta.mode() & 0o7777,
+            mode: src.mode(),
             mtime_ns: mtime,
             path: relpath.clone(),
             skip_blocks: skip.map(|s| s.bits).unwrap_or_default(),
             resumed,
+            source_fingerprint: id.fingerprint.to_vec(),
         })))
         .await
         .map_err(|_| ControlError::Retryable("client went away".into()))?;
 
-        let hasher = Mutex::new((!resumed).then(OrderedHasher::new));
+        let hasher = Mutex::new((!resumed).then(|| StreamingFileDigest::new(Some(length), 0)));
         let mut wins: HashMap<u64, Win> = HashMap::new();
         let mut next_voff = 0u64;
         let mut released = 0u64;
         let mut fill = |span: &PeerSpan, voff: u64, len: u64| -> Result<Vec<Vec<u8>>> {
             let mut h = hasher.lock().unwrap();
-            in_place(|| fill_window(&file, span, voff, len, bs, &moving, &mut h))
+            in_place(|| fill_window(&src, span, voff, len, bs, &moving, &mut h))
         };
         self.grant_more(
             &mut wins,
@@ -714,7 +712,7 @@ impl Service {
         .await?;
         if vlen == 0 {
             let h = hasher.lock().unwrap().take();
-            self.finish_pull(h, &src_path, tx, &relpath, length).await?;
+            self.finish_pull(h, &src, tx, &relpath, length).await?;
         }
         loop {
             match self.next_msg(rx).await? {
@@ -739,7 +737,7 @@ impl Service {
                     .await?;
                     if released == vlen && wins.is_empty() {
                         let h = hasher.lock().unwrap().take();
-                        self.finish_pull(h, &src_path, tx, &relpath, length).await?;
+                        self.finish_pull(h, &src, tx, &relpath, length).await?;
                     }
                 }
                 client_msg::Msg::Commit(c) => {
@@ -766,16 +764,19 @@ impl Service {
 
     async fn finish_pull(
         &self,
-        hasher: Option<OrderedHasher>,
-        src: &Path,
+        hasher: Option<StreamingFileDigest>,
+        src: &SourceFile,
         tx: &Tx,
         relpath: &str,
         length: u64,
     ) -> Result<()> {
-        let digest = match hasher {
-            Some(h) => h.finish(),
-            None => in_place(|| fsutil::sha256_file(src))?,
-        };
+        let digest = in_place(|| -> Result<[u8; 32]> {
+            src.check_unchanged()?;
+            match hasher {
+                Some(h) => Ok(h.finish().map_err(FileError::from)?),
+                None => fsutil::whole_file_digest(src),
+            }
+        })?;
         tx.send(msg(server_msg::Msg::Committed(proto::Committed {
             sha256: digest.to_vec(),
             path: relpath.to_string(),
@@ -784,37 +785,39 @@ impl Service {
         .await
         .map_err(|_| ControlError::Retryable("client went away".into()))
     }
+}
 
-    fn stat_entry(&self, p: &Path, relname: String) -> Option<proto::Entry> {
-        let m = std::fs::symlink_metadata(p).ok()?;
-        let ft = m.file_type();
-        let t = if ft.is_file() {
-            proto::FileType::File
-        } else if ft.is_dir() {
-            proto::FileType::Dir
-        } else if ft.is_symlink() {
-            proto::FileType::Symlink
-        } else {
-            proto::FileType::Other
-        };
-        Some(proto::Entry {
-            path: relname,
-            r#type: t as i32,
-            length: m.len(),
-            mode: m.mode() & 0o7777,
-            mtime_ns: fsutil::mtime_ns(&m),
-        })
+fn entry(
+    path: String,
+    kind: FileKind,
+    len: u64,
+    mode: u32,
+    mtime: files::Timestamp,
+) -> proto::Entry {
+    let t = match kind {
+        FileKind::File => proto::FileType::File,
+        FileKind::Dir => proto::FileType::Dir,
+        FileKind::Symlink => proto::FileType::Symlink,
+        FileKind::Other => proto::FileType::Other,
+    };
+    proto::Entry {
+        path,
+        r#type: t as i32,
+        length: len,
+        mode,
+        mtime_ns: fsutil::ns_from_ts(mtime),
+        fingerprint: Vec::new(),
     }
 }
 
 fn fill_window(
-    file: &File,
+    src: &SourceFile,
     span: &PeerSpan,
     voff: u64,
     len: u64,
     bs: u64,
     moving: &[u64],
-    hasher: &mut Option<OrderedHasher>,
+    hasher: &mut Option<StreamingFileDigest>,
 ) -> Result<Vec<Vec<u8>>> {
     let mut digests = Vec::new();
     let mut off = 0u64;
@@ -823,12 +826,13 @@ fn fill_window(
         let real = moving[((voff + off) / bs) as usize];
         let d = span
             .with_mut(off as usize, n, |buf| -> Result<[u8; 32]> {
-                file.read_exact_at(buf, real * bs)
+                // Straight into registered memory (O_DIRECT when aligned).
+                fsutil::read_exact(src, real * bs, buf)
                     .map_err(ControlError::io("reading the source file"))?;
                 if let Some(h) = hasher.as_mut() {
-                    h.update(real * bs, buf);
+                    fsutil::feed(h, real * bs, buf);
                 }
-                Ok(fsutil::sha256(buf))
+                Ok(files::block_digest(buf))
             })
             .expect("window bounds")?;
         digests.push(d.to_vec());
@@ -847,12 +851,6 @@ fn check_space(dir: &Path, need: u64) -> Result<()> {
         }
     }
     Ok(())
-}
-
-fn rel(root: &Path, p: &Path) -> String {
-    p.strip_prefix(root)
-        .map(|r| r.to_string_lossy().into_owned())
-        .unwrap_or_else(|_| p.to_string_lossy().into_owned())
 }
 
 /// The gRPC face of [`Service`].
@@ -914,12 +912,29 @@ impl proto::rcp_server::Rcp for RcpService {
         req: Request<proto::StatRequest>,
     ) -> std::result::Result<Response<proto::StatResponse>, Status> {
         let r = req.into_inner();
-        let p = fsutil::confine(&self.0.cfg.root, &r.path)?;
-        let e = self.0.stat_entry(&p, String::new());
-        Ok(Response::new(proto::StatResponse {
-            exists: e.is_some(),
-            entry: e,
-        }))
+        let rel = fsutil::root_rel(&r.path);
+        let root = &self.0.root;
+        match in_place(|| root.lstat(&rel)) {
+            Ok(m) => {
+                let mut e = entry(String::new(), m.kind, m.len, m.mode, m.mtime);
+                if r.fingerprint && m.kind == FileKind::File {
+                    let src =
+                        in_place(|| SourceFile::open_in(root, &rel)).map_err(ControlError::from)?;
+                    e.fingerprint = src.source_id().fingerprint.to_vec();
+                }
+                Ok(Response::new(proto::StatResponse {
+                    exists: true,
+                    entry: Some(e),
+                }))
+            }
+            Err(FileError::Path(PathError::NotFound { .. })) => {
+                Ok(Response::new(proto::StatResponse {
+                    exists: false,
+                    entry: None,
+                }))
+            }
+            Err(e) => Err(ControlError::from(e).into()),
+        }
     }
 
     async fn list(
@@ -927,34 +942,47 @@ impl proto::rcp_server::Rcp for RcpService {
         req: Request<proto::ListRequest>,
     ) -> std::result::Result<Response<proto::ListResponse>, Status> {
         let r = req.into_inner();
-        let p = fsutil::confine(&self.0.cfg.root, &r.path)?;
-        let m =
-            std::fs::symlink_metadata(&p).map_err(|_| ControlError::DirNotFound(r.path.clone()))?;
-        if !m.is_dir() {
-            return Err(ControlError::DirNotFound(format!("{} is not a directory", r.path)).into());
-        }
+        let rel = fsutil::root_rel(&r.path);
+        let root = &self.0.root;
         let entries = in_place(|| -> Result<Vec<proto::Entry>> {
+            let m = root.stat(&rel).map_err(|e| match e {
+                FileError::Path(PathError::NotFound { .. }) => {
+                    ControlError::DirNotFound(r.path.clone())
+                }
+                e => e.into(),
+            })?;
+            if m.kind != FileKind::Dir {
+                return Err(ControlError::DirNotFound(format!(
+                    "{} is not a directory",
+                    r.path
+                )));
+            }
             let mut out = Vec::new();
             if r.recursive {
-                let (files, dirs) = fsutil::walk(&p)?;
-                for d in dirs {
-                    if let Some(e) = self.0.stat_entry(&p.join(&d), d.to_string_lossy().into()) {
-                        out.push(e);
-                    }
-                }
-                for f in files {
-                    if let Some(e) = self.0.stat_entry(&p.join(&f), f.to_string_lossy().into()) {
-                        out.push(e);
-                    }
+                let t = root.walk(&rel)?;
+                for e in t.entries {
+                    let kind = match e.kind {
+                        files::EntryKind::File => FileKind::File,
+                        files::EntryKind::Dir => FileKind::Dir,
+                        files::EntryKind::Symlink => FileKind::Symlink,
+                    };
+                    out.push(entry(
+                        e.rel_path.to_string_lossy().into_owned(),
+                        kind,
+                        e.len,
+                        e.mode,
+                        e.mtime,
+                    ));
                 }
             } else {
-                let rd = std::fs::read_dir(&p)
-                    .map_err(ControlError::io(format!("listing {}", r.path)))?;
-                for e in rd.flatten() {
-                    let name = e.file_name().to_string_lossy().into_owned();
-                    if let Some(e) = self.0.stat_entry(&e.path(), name) {
-                        out.push(e);
-                    }
+                for e in root.list(&rel)? {
+                    out.push(entry(
+                        e.name.to_string_lossy().into_owned(),
+                        e.meta.kind,
+                        e.meta.len,
+                        e.meta.mode,
+                        e.meta.mtime,
+                    ));
                 }
             }
             Ok(out)
@@ -977,7 +1005,7 @@ impl proto::rcp_server::Rcp for RcpService {
 }
 
 impl Service {
-    pub fn root(&self) -> &Path {
-        &self.cfg.root
+    pub fn root(&self) -> &Root {
+        &self.root
     }
 }

@@ -175,3 +175,40 @@ pub fn wait_for(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// The resume manifest rcp keeps beside the temp file of `name` in `dir`.
+pub fn find_manifest(dir: &Path, name: &str) -> Option<PathBuf> {
+    let prefix = format!(".rcp-{name}.");
+    std::fs::read_dir(dir).ok()?.flatten().find_map(|e| {
+        let n = e.file_name().to_string_lossy().into_owned();
+        (n.starts_with(&prefix) && n.ends_with(".part.manifest")).then(|| e.path())
+    })
+}
+
+/// Wait until the manifest of `name` records at least `blocks` more verified
+/// blocks than when first seen (each adds an index and a digest).
+pub fn wait_verified(dir: &Path, name: &str, blocks: u64) {
+    let mut first = None;
+    wait_for(
+        "verified blocks in the manifest",
+        Duration::from_secs(120),
+        || {
+            let Some(m) = find_manifest(dir, name) else {
+                return false;
+            };
+            let len = std::fs::metadata(&m).map(|m| m.len()).unwrap_or(0);
+            let f = *first.get_or_insert(len);
+            len >= f + 40 * blocks
+        },
+    );
+}
+
+/// Names in `dir`.
+pub fn names(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
+}
