@@ -161,10 +161,15 @@ fn open_msg(session: u64, dir: proto::Direction, path: &str, bs: u64) -> ClientM
 
 /// Post one WRITE of 4 KiB to (addr, rkey) over a fresh channel; the status.
 fn forged_write(port: u32, addr: u64, rkey: u32) -> WcStatus {
+    write_block(port, addr, rkey, &[0xee; 4096])
+}
+
+/// Post one WRITE of `data` (4 KiB) to (addr, rkey) over a fresh channel.
+fn write_block(port: u32, addr: u64, rkey: u32, data: &[u8]) -> WcStatus {
     let domain = TcpDomain::new();
     let arena = Arena::new(&ArenaConfig::new(2 << 20)).unwrap();
     let span = PeerSpan::new(&arena, arena.addr(), 4096).unwrap();
-    span.with_mut(0, 4096, |b| b.fill(0xee)).unwrap();
+    span.with_mut(0, 4096, |b| b.copy_from_slice(data)).unwrap();
     let reg = domain.register_span(&span, Access::LOCAL_WRITE).unwrap();
     let ch =
         TcpChannel::connect(domain, format!("127.0.0.1:{port}").parse().unwrap(), 1, 8).unwrap();
@@ -391,21 +396,34 @@ fn garbage_and_malformed_messages_are_refused() {
                 gid = Some(g.window_id);
             }
         }
-        tx.send(ClientMsg {
-            msg: Some(client_msg::Msg::WindowDone(proto::WindowDone {
-                window_id: gid.unwrap(),
-                epoch: 0,
-                block_sha256: vec![vec![0u8; 32]],
-            })),
-        })
-        .unwrap();
-        let e = loop {
-            match s.message().await {
-                Ok(Some(_)) => continue,
-                Ok(None) => panic!("no error"),
-                Err(e) => break e,
+        // Digests that never match: asked again 3 times, then DATA_LOSS.
+        let mut epoch = 0;
+        let e = 'outer: loop {
+            tx.send(ClientMsg {
+                msg: Some(client_msg::Msg::WindowDone(proto::WindowDone {
+                    window_id: gid.unwrap(),
+                    epoch,
+                    block_sha256: vec![vec![0u8; 32]],
+                })),
+            })
+            .unwrap();
+            loop {
+                match s.message().await {
+                    Ok(Some(m)) => match m.msg.unwrap() {
+                        server_msg::Msg::Ack(a) => assert_eq!(a.resend_blocks, vec![0]),
+                        server_msg::Msg::Grant(g) => {
+                            assert_eq!(g.epoch, epoch + 1);
+                            epoch = g.epoch;
+                            break;
+                        }
+                        m => panic!("unexpected {m:?}"),
+                    },
+                    Ok(None) => panic!("no error"),
+                    Err(e) => break 'outer e,
+                }
             }
         };
+        assert_eq!(epoch, 3, "three resends before giving up");
         assert_eq!(e.code(), Code::DataLoss, "{e}");
         // An oversized message.
         let mut big = open_msg(sid, proto::Direction::Push, "z", 1 << 20);
@@ -530,4 +548,94 @@ fn nix_kill(pid: u32, sig: &str) {
         .status()
         .unwrap();
     assert!(st.success());
+}
+
+#[test]
+fn a_damaged_block_is_sent_again() {
+    use sha2::{Digest, Sha256};
+    let (_tmp, root, d) = setup(None);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let good: Vec<u8> = (0..8192u32).map(|i| (i % 251) as u8).collect();
+    let digest = |b: &[u8]| Sha256::digest(b).to_vec();
+    rt.block_on(async {
+        let mut c = grpc(d.port).await;
+        let hs = tcp_session(&mut c).await;
+        let port = hs.tcp_data_port;
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let mut o = open_msg(hs.session_id, proto::Direction::Push, "resent", 4096);
+        if let Some(client_msg::Msg::Open(op)) = o.msg.as_mut() {
+            op.length = 8192;
+        }
+        tx.send(o).unwrap();
+        let mut s = c
+            .transfer(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner();
+        let next = |m: Option<proto::ServerMsg>| m.unwrap().msg.unwrap();
+        assert!(matches!(
+            next(s.message().await.unwrap()),
+            server_msg::Msg::Opened(_)
+        ));
+        let server_msg::Msg::Grant(g) = next(s.message().await.unwrap()) else {
+            panic!("no grant")
+        };
+        assert_eq!((g.len, g.epoch), (8192, 0));
+        // Block 0 intact, block 1 damaged on the way.
+        let (b0, b1) = (good[..4096].to_vec(), good[4096..].to_vec());
+        let g2 = g.clone();
+        let st = tokio::task::spawn_blocking(move || {
+            (
+                write_block(port, g2.addr, g2.rkey, &b0),
+                write_block(port, g2.addr + 4096, g2.rkey, &[0u8; 4096]),
+            )
+        })
+        .await
+        .unwrap();
+        assert_eq!(st, (WcStatus::Success, WcStatus::Success));
+        let done = |epoch| ClientMsg {
+            msg: Some(client_msg::Msg::WindowDone(proto::WindowDone {
+                window_id: g.window_id,
+                epoch,
+                block_sha256: vec![digest(&good[..4096]), digest(&good[4096..])],
+            })),
+        };
+        tx.send(done(0)).unwrap();
+        let server_msg::Msg::Ack(a) = next(s.message().await.unwrap()) else {
+            panic!("no ack")
+        };
+        assert_eq!(a.resend_blocks, vec![1]);
+        let server_msg::Msg::Grant(again) = next(s.message().await.unwrap()) else {
+            panic!("no new grant")
+        };
+        assert_eq!((again.window_id, again.epoch), (g.window_id, 1));
+        assert_ne!(again.rkey, g.rkey, "a fresh rkey");
+        let old = g.rkey;
+        let st = tokio::task::spawn_blocking(move || {
+            (
+                // The old rkey is revoked.
+                write_block(port, again.addr, old, &[1u8; 4096]),
+                write_block(port, again.addr + 4096, again.rkey, &b1),
+            )
+        })
+        .await
+        .unwrap();
+        assert_eq!(st, (WcStatus::RemoteAccess, WcStatus::Success));
+        tx.send(done(1)).unwrap();
+        let server_msg::Msg::Ack(a) = next(s.message().await.unwrap()) else {
+            panic!("no ack")
+        };
+        assert!(a.resend_blocks.is_empty());
+        tx.send(ClientMsg {
+            msg: Some(client_msg::Msg::Commit(proto::Commit {
+                sha256: digest(&good),
+            })),
+        })
+        .unwrap();
+        let server_msg::Msg::Committed(c) = next(s.message().await.unwrap()) else {
+            panic!("no commit")
+        };
+        assert_eq!(c.sha256, digest(&good));
+    });
+    assert_eq!(std::fs::read(root.join("resent")).unwrap(), good);
 }

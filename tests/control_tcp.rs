@@ -289,3 +289,56 @@ fn usage_errors_and_missing_paths_have_their_exit_codes() {
     let r = rcp(1, T, None, &["push", "/etc/hostname", "127.0.0.1:/"]);
     assert_eq!(r.code, 5, "{}", r.stderr);
 }
+
+#[test]
+fn preserve_keeps_mode_and_mtime_and_plain_copies_do_not() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("root");
+    std::fs::create_dir(&root).unwrap();
+    let d = Rcpd::start(&root, T, None, &[]);
+    let src = tmp.path().join("kept");
+    make_file(&src, 10_000, 3);
+    std::fs::set_permissions(&src, std::fs::Permissions::from_mode(0o640)).unwrap();
+    let t = std::time::UNIX_EPOCH + std::time::Duration::from_secs(1_000_000_000);
+    std::fs::File::options()
+        .write(true)
+        .open(&src)
+        .unwrap()
+        .set_modified(t)
+        .unwrap();
+    // HOST: alone is the root.
+    let r = rcp(
+        d.port,
+        T,
+        None,
+        &["push", "-p", src.to_str().unwrap(), "127.0.0.1:"],
+    );
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let m = std::fs::metadata(root.join("kept")).unwrap();
+    assert_eq!(m.mode() & 0o7777, 0o640);
+    assert_eq!(m.mtime(), 1_000_000_000);
+    let back = tmp.path().join("back");
+    std::fs::create_dir(&back).unwrap();
+    let r = rcp(
+        d.port,
+        T,
+        None,
+        &["pull", "-p", "127.0.0.1:kept", back.to_str().unwrap()],
+    );
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let m = std::fs::metadata(back.join("kept")).unwrap();
+    assert_eq!(m.mode() & 0o7777, 0o640);
+    assert_eq!(m.mtime(), 1_000_000_000);
+    // Without -p the copy is new.
+    let r = rcp(
+        d.port,
+        T,
+        None,
+        &["push", src.to_str().unwrap(), "127.0.0.1:plain"],
+    );
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let m = std::fs::metadata(root.join("plain")).unwrap();
+    assert_ne!(m.mtime(), 1_000_000_000);
+    assert_eq!(sha256sum(&root.join("plain")), sha256sum(&src));
+}

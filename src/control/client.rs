@@ -236,7 +236,8 @@ impl Client {
         let (dev, gid, inline) = (
             self.opts.device.clone(),
             self.opts.gid_index,
-            self.opts.inline.unwrap_or(0),
+            // Ask the QP for inline room; the data path clamps per WR.
+            self.opts.inline.unwrap_or(64),
         );
         let link = tokio::task::spawn_blocking(move || {
             ClientLink::open(kind, dev.as_deref(), gid, bs as usize, nbuf, inline)
@@ -281,6 +282,7 @@ impl Client {
         Ok(Session {
             dp: Arc::new(dp),
             rd_atomic: resp.client_rd_atomic,
+            window: resp.window_size.max(1),
             rpc: self.rpc.clone(),
             link,
             channel,
@@ -295,6 +297,8 @@ impl Client {
 /// A session: one data channel, files moved one after another.
 pub struct Session {
     dp: Arc<DataPath>,
+    /// Window size granted by the server.
+    window: u64,
     rd_atomic: u32,
     rpc: Rpc,
     link: Arc<ClientLink>,
@@ -367,6 +371,130 @@ struct PushIo {
     src: Arc<SourceFile>,
     digests: HashMap<u64, [u8; 32]>,
     hasher: Option<StreamingFileDigest>,
+    /// Windows reported done: packed offset, length and block digests (kept
+    /// in case the server asks for blocks again).
+    sent: HashMap<u64, (u64, u64, Vec<Vec<u8>>)>,
+    /// Packed length of the transfer.
+    vlen: u64,
+}
+
+/// What the stream side tells the data thread after the main run.
+enum Order {
+    /// WRITE these blocks (transfer indices) of a window again, under the
+    /// fresh grant.
+    Resend {
+        grant: proto::Grant,
+        blocks: Vec<u64>,
+    },
+    /// Every window is acknowledged: nothing more to send.
+    AllAcked,
+}
+
+/// Moves the blocks a server asked for again: one mini transfer over the
+/// same data path, one single-block window per block.
+struct RepairIo<'a> {
+    staging: &'a PeerSpan,
+    src: &'a SourceFile,
+    bs: u64,
+    /// File byte offset of each repair block.
+    reals: Vec<u64>,
+    windows: std::collections::VecDeque<Window>,
+}
+
+impl BlockIo for RepairIo<'_> {
+    fn fill(&mut self, voff: u64, local: LocalSeg) -> std::io::Result<()> {
+        let real = self.reals[(voff / self.bs) as usize];
+        let o = local
+            .addr
+            .checked_sub(self.staging.addr())
+            .ok_or_else(|| std::io::Error::other("local segment outside staging"))?;
+        let src = self.src;
+        self.staging
+            .with_mut(o as usize, local.len as usize, |buf| {
+                fsutil::read_exact(src, real, buf)
+            })
+            .ok_or_else(|| std::io::Error::other("local segment outside staging"))?
+    }
+    fn drain(&mut self, _: u64, _: LocalSeg) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn next_window(&mut self) -> Option<Window> {
+        self.windows.pop_front()
+    }
+}
+
+impl PushIo {
+    /// WRITE `blocks` of the window `g` again and report the window done
+    /// with its epoch.
+    fn resend(
+        &mut self,
+        dp: &DataPath,
+        channel: &dyn Channel,
+        buffers: &[LocalSeg],
+        g: &proto::Grant,
+        mut blocks: Vec<u64>,
+        reconnect: &mut dyn FnMut() -> std::result::Result<(), ReconnectError>,
+    ) -> Result<()> {
+        let bs = self.sh.bs;
+        let (voff, len, digests) = self.sent.get(&g.window_id).cloned().ok_or_else(|| {
+            ControlError::Invalid(format!("resend of unknown window {}", g.window_id))
+        })?;
+        let first = voff / bs;
+        let end = (voff + len).div_ceil(bs);
+        blocks.sort_unstable();
+        blocks.dedup();
+        if blocks.is_empty() || blocks.iter().any(|b| *b < first || *b >= end) {
+            return Err(ControlError::Invalid(format!(
+                "resend of blocks {blocks:?} outside window {}",
+                g.window_id
+            )));
+        }
+        let blen = |vb: u64| (self.vlen - vb * bs).min(bs);
+        let rvlen: u64 = blocks.iter().map(|&b| blen(b)).sum();
+        let windows = blocks
+            .iter()
+            .enumerate()
+            .map(|(k, &vb)| Window {
+                id: k as u64 + 1,
+                remote_addr: g.addr + (vb - first) * bs,
+                rkey: g.rkey,
+                len: blen(vb),
+                file_offset: k as u64 * bs,
+                epoch: g.epoch,
+            })
+            .collect();
+        let cfg = dp
+            .config()
+            .transfer_config(OpKind::Write, rvlen, bs, &channel.caps())
+            .map_err(|e| ControlError::Usage(e.to_string()))?;
+        let mut t = Transfer::new(cfg, buffers.to_vec())
+            .map_err(|e| ControlError::Other(format!("transfer setup: {e}")))?;
+        let mut rio = RepairIo {
+            staging: &self.sh.staging,
+            src: &self.src,
+            bs,
+            reals: blocks
+                .iter()
+                .map(|&vb| self.sh.moving[vb as usize] * bs)
+                .collect(),
+            windows,
+        };
+        movement::run(dp, channel, &mut t, &mut rio, reconnect).map_err(move_err)?;
+        tracing::warn!(
+            window = g.window_id,
+            ?blocks,
+            epoch = g.epoch,
+            "blocks sent again"
+        );
+        let _ = self.sh.out.send(ClientMsg {
+            msg: Some(client_msg::Msg::WindowDone(proto::WindowDone {
+                window_id: g.window_id,
+                epoch: g.epoch,
+                block_sha256: digests,
+            })),
+        });
+        Ok(())
+    }
 }
 
 impl BlockIo for PushIo {
@@ -402,7 +530,7 @@ impl BlockIo for PushIo {
             return;
         };
         let bs = self.sh.bs;
-        let digests = (voff / bs..(voff + len).div_ceil(bs))
+        let digests: Vec<Vec<u8>> = (voff / bs..(voff + len).div_ceil(bs))
             .map(|b| {
                 self.digests
                     .remove(&b)
@@ -410,6 +538,7 @@ impl BlockIo for PushIo {
                     .unwrap_or_default()
             })
             .collect();
+        self.sent.insert(id, (voff, len, digests.clone()));
         let _ = self.sh.out.send(ClientMsg {
             msg: Some(client_msg::Msg::WindowDone(proto::WindowDone {
                 window_id: id,
@@ -650,13 +779,23 @@ impl Session {
             src: src.clone(),
             digests: HashMap::new(),
             hasher: (!opened.resumed).then(|| StreamingFileDigest::new(Some(length), 64 << 20)),
+            sent: HashMap::new(),
+            vlen,
         };
+        let total_windows = vlen.div_ceil(self.window);
+        let (otx, orx) = smpsc::channel::<Order>();
+        let buffers = self.link.buffers.clone();
         let mut transfer = self.transfer(OpKind::Write, vlen)?;
         let channel = self.channel.clone();
         let (dp, mut reconnect) = (self.dp.clone(), self.reconnector());
         let runner = tokio::task::spawn_blocking(move || {
             let moved = movement::run(&dp, &*channel, &mut transfer, &mut io, &mut reconnect)
                 .map_err(move_err)?;
+            // Blocks the server found damaged go again until every window
+            // is acknowledged.
+            while let Ok(Order::Resend { grant, blocks }) = orx.recv() {
+                io.resend(&dp, &*channel, &buffers, &grant, blocks, &mut reconnect)?;
+            }
             io.src.check_unchanged()?;
             let digest = match io.hasher.take() {
                 Some(h) => h.finish().map_err(files::FileError::from)?,
@@ -670,6 +809,7 @@ impl Session {
             runner,
             &out,
             Some(|d: &[u8; 32]| d.to_vec()),
+            Some((otx, total_windows)),
         )
         .await?;
         let committed = committed.expect("push ends with Committed");
@@ -828,6 +968,7 @@ impl Session {
             runner,
             &out,
             None::<fn(&Destination) -> Vec<u8>>,
+            None,
         )
         .await?;
         let committed = committed.expect("pull ends with Committed");
@@ -880,7 +1021,12 @@ async fn drive<T>(
     runner: Runner<T>,
     out: &mpsc::UnboundedSender<ClientMsg>,
     commit_with: Option<impl Fn(&T) -> Vec<u8>>,
+    orders: Option<(smpsc::Sender<Order>, u64)>,
 ) -> Result<(Moved, T, Option<proto::Committed>)> {
+    let mut resend: HashMap<u64, Vec<u64>> = HashMap::new();
+    if let Some((o, 0)) = &orders {
+        let _ = o.send(Order::AllAcked);
+    }
     tokio::pin!(runner);
     let mut done: Option<(Moved, T)> = None;
     let mut committed: Option<proto::Committed> = None;
@@ -919,20 +1065,42 @@ async fn drive<T>(
                     Err(s) => { runner.abort(); return Err(ControlError::Status(s)); }
                 };
                 match m.and_then(|m| m.msg) {
+                    Some(server_msg::Msg::Grant(g)) if g.epoch > 0 => {
+                        // A window granted again for blocks to resend.
+                        let (Some((o, _)), Some(blocks)) = (&orders, resend.remove(&g.window_id))
+                        else {
+                            let e = ControlError::Invalid(format!(
+                                "unexpected grant of window {} epoch {}",
+                                g.window_id, g.epoch
+                            ));
+                            abort(e.to_string());
+                            return Err(e);
+                        };
+                        let _ = o.send(Order::Resend { grant: g, blocks });
+                    }
                     Some(server_msg::Msg::Grant(g)) => {
                         granted += 1;
                         let _ = grants.send(g);
                     }
                     Some(server_msg::Msg::Ack(a)) => {
                         if !a.resend_blocks.is_empty() {
-                            let e = ControlError::Integrity(format!(
-                                "server asks to resend blocks {:?} of window {}",
-                                a.resend_blocks, a.window_id
-                            ));
-                            abort(e.to_string());
-                            return Err(e);
+                            if orders.is_none() {
+                                let e = ControlError::Integrity(format!(
+                                    "server asks to resend blocks {:?} of window {}",
+                                    a.resend_blocks, a.window_id
+                                ));
+                                abort(e.to_string());
+                                return Err(e);
+                            }
+                            resend.insert(a.window_id, a.resend_blocks);
+                            continue;
                         }
                         acked += 1;
+                        if let Some((o, total)) = &orders {
+                            if acked == *total {
+                                let _ = o.send(Order::AllAcked);
+                            }
+                        }
                     }
                     Some(server_msg::Msg::Committed(c)) => committed = Some(c),
                     Some(server_msg::Msg::Opened(_)) => {
@@ -961,5 +1129,26 @@ pub fn local_target(local: &Path, remote: &str) -> PathBuf {
         local.join(base)
     } else {
         local.to_path_buf()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::endpoint_uri;
+
+    #[test]
+    fn endpoints() {
+        assert_eq!(
+            endpoint_uri("node:7471").unwrap(),
+            ("http://node:7471".into(), "node".into())
+        );
+        assert_eq!(
+            endpoint_uri("[fe80::1]:9").unwrap(),
+            ("http://[fe80::1]:9".into(), "[fe80::1]".into())
+        );
+        assert_eq!(endpoint_uri("node").unwrap().0, "http://node:7471");
+        assert!(endpoint_uri("node:x").is_err());
+        assert!(endpoint_uri("[::1").is_err());
+        assert!(endpoint_uri(":1").is_err());
     }
 }

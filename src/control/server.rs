@@ -41,6 +41,8 @@ struct Session {
     kind: ProviderKind,
     block_size: u64,
     qp: Option<Mutex<VerbsChannel>>,
+    /// The negotiated (initiator, responder) depths, reused on reconnect.
+    rd: (u32, u32),
     epoch: AtomicU64,
     /// Transfers running on it, and when it was last used: sessions of
     /// clients that vanished without CloseSession are reaped when idle.
@@ -112,7 +114,12 @@ struct Win {
     /// Packed offset and length.
     voff: u64,
     len: u64,
+    /// 0 for the first grant; n after the n-th request to resend blocks.
+    epoch: u32,
 }
+
+/// Requests to resend a window's mismatched blocks before the transfer fails.
+const MAX_RESENDS: u32 = 3;
 
 /// Fills a window before it is granted (pull); returns block digests.
 type FillFn<'a> = dyn FnMut(&PeerSpan, u64, u64) -> Result<Vec<Vec<u8>>> + Send + 'a;
@@ -216,6 +223,7 @@ impl Service {
             ..Default::default()
         };
         let mut qp = None;
+        let mut rd = (1, 1);
         match self.link.kind {
             ProviderKind::Tcp => {
                 let t = self.link.tcp_target.as_ref().expect("tcp target");
@@ -241,7 +249,8 @@ impl Service {
                 let ch = VerbsChannel::new(q);
                 let client_rd = v.max_qp_init_rd_atom.min(caps.max_qp_rd_atom).max(1);
                 let server_rd = caps.max_qp_init_rd_atom.min(v.max_qp_rd_atom).max(1);
-                ch.handshake(&cep, &connect_params(server_rd, caps.max_qp_rd_atom))
+                rd = (server_rd, caps.max_qp_rd_atom);
+                ch.handshake(&cep, &connect_params(rd.0, rd.1))
                     .map_err(|e| ControlError::Provider(e.into()))?;
                 resp.path_mtu = cep.mtu.min(ch.endpoint().mtu);
                 resp.client_rd_atomic = client_rd;
@@ -257,6 +266,7 @@ impl Service {
                 kind: self.link.kind,
                 block_size,
                 qp,
+                rd,
                 epoch: AtomicU64::new(0),
                 active: AtomicU64::new(0),
                 last_used: Mutex::new(std::time::Instant::now()),
@@ -281,7 +291,7 @@ impl Service {
                     })?)?;
                 let ch = q.lock().unwrap();
                 let ep = ch.reset().map_err(|e| ControlError::Provider(e.into()))?;
-                ch.handshake(&cep, &connect_params(16, 16))
+                ch.handshake(&cep, &connect_params(s.rd.0, s.rd.1))
                     .map_err(|e| ControlError::Provider(e.into()))?;
                 Ok(proto::ReconnectResponse {
                     endpoint: Some(super::link::ep_to_proto(&ep)),
@@ -384,9 +394,12 @@ impl Service {
         tx: &Tx,
         fill: &mut FillFn<'_>,
     ) -> Result<()> {
-        while *next_voff < vlen && wins.len() < self.cfg.windows_per_transfer as usize {
-            let Some((block, permit)) = self.take_window(wins.is_empty()).await else {
-                if wins.is_empty() {
+        // Windows held for a resend do not count: the client finishes its
+        // first pass (which may need more windows) before resending.
+        let first_pass = |wins: &HashMap<u64, Win>| wins.values().filter(|w| w.epoch == 0).count();
+        while *next_voff < vlen && first_pass(wins) < self.cfg.windows_per_transfer as usize {
+            let Some((block, permit)) = self.take_window(first_pass(wins) == 0).await else {
+                if first_pass(wins) == 0 {
                     return Err(ControlError::Retryable("no window memory".into()));
                 }
                 break;
@@ -415,6 +428,7 @@ impl Service {
                     _permit: permit,
                     voff: *next_voff,
                     len,
+                    epoch: 0,
                 },
             );
             *next_voff += len;
@@ -548,10 +562,10 @@ impl Service {
                             d.window_id
                         ))
                     })?;
-                    if d.epoch != 0 {
+                    if d.epoch != w.epoch {
                         return Err(ControlError::Invalid(format!(
-                            "window {} epoch {} is not current (0)",
-                            d.window_id, d.epoch
+                            "window {} epoch {} is not current ({})",
+                            d.window_id, d.epoch, w.epoch
                         )));
                     }
                     let nblocks = w.len.div_ceil(bs);
@@ -589,10 +603,41 @@ impl Service {
                     })?;
                     if !bad.is_empty() {
                         self.stats.integrity_failures.fetch_add(1, Relaxed);
-                        return Err(ControlError::Integrity(format!(
-                            "block(s) {bad:?} of window {} do not match their digests",
-                            d.window_id
-                        )));
+                        if w.epoch >= MAX_RESENDS {
+                            return Err(ControlError::Integrity(format!(
+                                "block(s) {bad:?} of window {} still do not match their digests after {MAX_RESENDS} resends",
+                                d.window_id
+                            )));
+                        }
+                        // Ask for those blocks again: the same window under
+                        // a fresh rkey and the next epoch (the good blocks
+                        // are already written; writing them again is a no-op).
+                        tracing::warn!(window = d.window_id, blocks = ?bad, "block digest mismatch: asking the client to resend");
+                        w.epoch += 1;
+                        let reg = self.link.domain.register(&w.span, Access::REMOTE_WRITE)?;
+                        let g = proto::Grant {
+                            window_id: d.window_id,
+                            addr: reg.addr(),
+                            rkey: reg.rkey(),
+                            len: w.len,
+                            file_offset: w.voff,
+                            epoch: w.epoch,
+                            block_sha256: Vec::new(),
+                        };
+                        w.reg = Some(reg);
+                        wins.insert(d.window_id, w);
+                        for m in [
+                            server_msg::Msg::Ack(proto::Ack {
+                                window_id: d.window_id,
+                                resend_blocks: bad,
+                            }),
+                            server_msg::Msg::Grant(g),
+                        ] {
+                            tx.send(msg(m))
+                                .await
+                                .map_err(|_| ControlError::Retryable("client went away".into()))?;
+                        }
+                        continue;
                     }
                     verified += w.len;
                     self.stats.bytes_in.fetch_add(w.len, Relaxed);
@@ -1007,5 +1052,48 @@ impl proto::rcp_server::Rcp for RcpService {
 impl Service {
     pub fn root(&self) -> &Root {
         &self.root
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn packed_plans() {
+        let bs = 4096;
+        // 3 blocks, the last short; none skipped.
+        let m = moving_blocks(2 * bs + 10, bs, None);
+        assert_eq!(m, vec![0, 1, 2]);
+        assert_eq!(packed_len(2 * bs + 10, bs, &m), 2 * bs + 10);
+        // Skip the middle one: the short last block stays last.
+        let skip = Bitmap::all_but(3, &[0, 2]);
+        let m = moving_blocks(2 * bs + 10, bs, Some(&skip));
+        assert_eq!(m, vec![0, 2]);
+        assert_eq!(packed_len(2 * bs + 10, bs, &m), bs + 10);
+        // Skip the last: all moving blocks are full.
+        let skip = Bitmap::all_but(3, &[0, 1]);
+        let m = moving_blocks(2 * bs + 10, bs, Some(&skip));
+        assert_eq!(packed_len(2 * bs + 10, bs, &m), 2 * bs);
+        assert_eq!(packed_len(0, bs, &moving_blocks(0, bs, None)), 0);
+    }
+
+    #[test]
+    fn bitmaps() {
+        let b = Bitmap::all_but(10, &[3, 9]);
+        assert_eq!(b.count(), 8);
+        assert!(!b.get(3) && !b.get(9) && b.get(0) && b.get(8) && !b.get(10));
+        assert_eq!(b.bits.len(), 2);
+        assert_eq!(b.bits[1], 0b01);
+        assert!(Bitmap::from_bytes(vec![0; 3], 10).is_none());
+    }
+
+    #[test]
+    fn block_sizes() {
+        assert_eq!(check_block_size(0, 4 << 20).unwrap(), DEFAULT_BLOCK_SIZE);
+        assert!(check_block_size(4096, 4 << 20).is_ok());
+        assert!(check_block_size(5000, 4 << 20).is_err());
+        assert!(check_block_size(2048, 4 << 20).is_err());
+        assert!(check_block_size(8 << 20, 4 << 20).is_err());
     }
 }
