@@ -290,7 +290,18 @@ fn client(args: &[String]) -> R<()> {
         .unwrap_or(1 << 20);
     let bad = args.iter().any(|a| a == "--bad-rkey");
     let mut end = open(arg(args, "--device"), mib)?;
-    let s = TcpStream::connect(&addr)?;
+    // The server may still be mapping its arena: retry for a while.
+    let t0 = Instant::now();
+    let s = loop {
+        match TcpStream::connect(&addr) {
+            Ok(s) => break s,
+            Err(e) if t0.elapsed() < Duration::from_secs(60) => {
+                let _ = e;
+                std::thread::sleep(Duration::from_millis(200))
+            }
+            Err(e) => return Err(format!("connecting to {addr}: {e}").into()),
+        }
+    };
     let mut w = s.try_clone()?;
     let mut r = BufReader::new(s);
     let hello = line(&mut r)?;
