@@ -7,9 +7,11 @@
 //! - [`provider`]: the `Domain`/`Channel` interface the data path runs on (verbs or tcp).
 
 pub mod datapath;
+pub mod doctor;
 pub mod engine;
 pub mod files;
 pub mod mem;
+pub mod metrics;
 pub mod provider;
 pub mod verbs;
 

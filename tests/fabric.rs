@@ -358,3 +358,27 @@ fn qp_resets_and_reconnects_with_fresh_psn() {
     assert_eq!(wait_completions(&a.cq, 1)[0].status, WcStatus::Success);
     assert!(bytes(&src) == bytes(&PeerSpan::new(&b.arena, b.arena.addr(), 8192).unwrap()));
 }
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test-all.sh (soft-RoCE VM)"]
+fn doctor_is_healthy_on_the_fabric() {
+    let d = rcp::doctor::diagnose(&rcp::doctor::DoctorOptions {
+        arena_bytes: 64 << 20,
+        ..Default::default()
+    });
+    for c in &d.checks {
+        eprintln!("{c}");
+    }
+    assert!(
+        d.rdma_ready(),
+        "doctor finds a problem on a working rxe device"
+    );
+    for name in ["devices", "device", "port", "gid", "memlock"] {
+        let c = d
+            .checks
+            .iter()
+            .find(|c| c.name == name)
+            .unwrap_or_else(|| panic!("no {name} check"));
+        assert_eq!(c.level, rcp::doctor::Level::Ok, "{c}");
+    }
+}
