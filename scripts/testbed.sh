@@ -167,8 +167,13 @@ run() {
   chmod +x "$script"
   log "booting $ver (TCG) topology=$topo"
   local rc=0
+  # Through a pipe: vng reopens its standard output, which would rewrite a
+  # log file from its start.
+  set +e
   vng --run "/boot/vmlinuz-$ver" --disable-kvm --memory "${RCP_VM_MEM:-4G}" --cpus "${RCP_VM_CPUS:-2}" \
-    --rwdir "$here" --rwdir /tmp --user root --exec "bash $script" </dev/null || rc=$?
+    --rwdir "$here" --rwdir /tmp --user root --exec "bash $script" </dev/null | cat
+  rc=${PIPESTATUS[0]}
+  set -e
   rm -f "$script"
   return $rc
 }
