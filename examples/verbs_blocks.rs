@@ -43,10 +43,7 @@ struct End {
 
 fn open(device: Option<String>, mib: usize) -> R<End> {
     let ctx = Context::open(device.as_deref())?;
-    let port = ctx.active_port()?;
-    let table = gid_table(&ctx, port.port, port.gid_tbl_len)?;
-    let gid = choose_gid(
-        &table,
+    let (port, gid) = ctx.select_port(
         arg(&std::env::args().collect::<Vec<_>>(), "--gid-index")
             .map(|s| s.parse())
             .transpose()?,

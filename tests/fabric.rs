@@ -36,9 +36,9 @@ fn side(dev: Option<String>, arena_bytes: usize, remote: Access) -> Side {
         "no RDMA device found: the fabric tests must run where one exists"
     );
     let ctx = Context::open(dev.as_deref()).expect("open device");
-    let port = ctx.active_port().expect("an ACTIVE port");
-    let table = gid_table(&ctx, port.port, port.gid_tbl_len).expect("GID table");
-    let choice = choose_gid(&table, None).expect("a usable GID");
+    let (port, choice) = ctx
+        .select_port(None)
+        .expect("an ACTIVE port with a usable GID");
     eprintln!(
         "device {} port {} GID {}: {}",
         ctx.name(),
