@@ -47,9 +47,7 @@ struct Side {
 
 fn side(device: Option<&str>) -> R<Side> {
     let ctx = Context::open(device)?;
-    let port = ctx.active_port()?;
-    let table = gid_table(&ctx, port.port, port.gid_tbl_len)?;
-    let gid = choose_gid(&table, None)?;
+    let (port, gid) = ctx.select_port(None)?;
     Ok(Side {
         pd: ProtectionDomain::new(&ctx)?,
         ctx,

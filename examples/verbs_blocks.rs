@@ -43,10 +43,7 @@ struct End {
 
 fn open(device: Option<String>, mib: usize) -> R<End> {
     let ctx = Context::open(device.as_deref())?;
-    let port = ctx.active_port()?;
-    let table = gid_table(&ctx, port.port, port.gid_tbl_len)?;
-    let gid = choose_gid(
-        &table,
+    let (port, gid) = ctx.select_port(
         arg(&std::env::args().collect::<Vec<_>>(), "--gid-index")
             .map(|s| s.parse())
             .transpose()?,
@@ -290,7 +287,18 @@ fn client(args: &[String]) -> R<()> {
         .unwrap_or(1 << 20);
     let bad = args.iter().any(|a| a == "--bad-rkey");
     let mut end = open(arg(args, "--device"), mib)?;
-    let s = TcpStream::connect(&addr)?;
+    // The server may still be mapping its arena: retry for a while.
+    let t0 = Instant::now();
+    let s = loop {
+        match TcpStream::connect(&addr) {
+            Ok(s) => break s,
+            Err(e) if t0.elapsed() < Duration::from_secs(60) => {
+                let _ = e;
+                std::thread::sleep(Duration::from_millis(200))
+            }
+            Err(e) => return Err(format!("connecting to {addr}: {e}").into()),
+        }
+    };
     let mut w = s.try_clone()?;
     let mut r = BufReader::new(s);
     let hello = line(&mut r)?;

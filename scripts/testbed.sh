@@ -10,7 +10,14 @@
 # CMD runs as root in the guest, with the host's root file system (read-only, so it
 # sees the binaries just built) and the repository writable. The exit code of CMD is
 # the exit code of `run`. Environment: RCP_VM_MEM (default 4G), RCP_VM_CPUS (default 2),
-# RCP_KERNEL_SERIES (default 6.12).
+# RCP_KERNEL_SERIES (default: 6.12 for lo, the newest installed for netns).
+#
+# Kernels: Debian 12's 6.12 (bookworm-backports) for the lo topology, the baseline of
+# ../shared/rdma-testbed.md. Its rxe opens its UDP socket in the initial network
+# namespace only, so RoCE packets between two namespaces are never received there
+# (perftest hangs too); rxe gained network-namespace support later, so the netns
+# topology boots the kernel from Debian unstable (fetched with a private apt list,
+# nothing added to the host's sources).
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -19,13 +26,65 @@ cache=${RCP_TESTBED_CACHE:-/var/cache/rcp-testbed}
 
 apt_pkgs=(qemu-system-x86 rdma-core ibverbs-providers ibverbs-utils libibverbs-dev
   librdmacm-dev perftest busybox-static kmod iproute2 libclang-dev protobuf-compiler
-  procps util-linux)
+  procps util-linux iptables pkg-config)
 
 log() { echo "testbed: $*" >&2; }
 
 kernel_version() {
-  # The newest installed-by-us kernel of the series, if any.
-  ls /lib/modules 2>/dev/null | grep -E "^${series//./\\.}\." | sort -V | tail -n1 || true
+  # The newest installed kernel of series $1 (a version prefix), if any.
+  local want=${1//./\\.}
+  ls /lib/modules 2>/dev/null | grep -E "^${want}[.-]" | sort -V | tail -n1 || true
+}
+
+sid_apt() {
+  local d=$cache/sid
+  mkdir -p "$d/lists/partial"
+  echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian sid main" >"$d/sources.list"
+  "$@" -o Dir::Etc::sourcelist="$d/sources.list" -o Dir::Etc::sourceparts=- -o Dir::State::Lists="$d/lists"
+}
+
+# Download a kernel image package (and the packages holding its binary and modules,
+# for the split packaging of newer kernels), extract them, install vmlinuz to /boot and
+# the modules to /lib/modules. $1: "bookworm" or "sid".
+fetch_kernel() {
+  local suite=$1 meta pkg ver x
+  mkdir -p "$cache"
+  if [ "$suite" = sid ]; then
+    sid_apt apt-get update -qq
+    meta=$(sid_apt apt-cache depends linux-image-amd64 | awk '/Depends: linux-image-[0-9]/{print $2; exit}')
+  else
+    [ -n "$(ls /var/lib/apt/lists/*Packages 2>/dev/null)" ] || apt-get update -qq
+    meta=$(apt-cache depends "linux-image-${series}-amd64" 2>/dev/null | awk '/Depends: linux-image-/{print $2; exit}')
+  fi
+  [ -n "$meta" ] || { log "no Debian kernel package found ($suite)"; exit 1; }
+  local pkgs=("$meta")
+  if [ "$suite" = sid ]; then
+    while read -r pkg; do pkgs+=("$pkg"); done < <(sid_apt apt-cache depends "$meta" | awk '/Depends: linux-(binary|modules)-[0-9]/{print $2}')
+  fi
+  log "fetching kernel ${pkgs[*]} ($suite)"
+  x=$cache/x.$suite
+  rm -rf "$x" "$cache/dl.$suite" && mkdir -p "$x" "$cache/dl.$suite"
+  if [ "$suite" = sid ]; then
+    (cd "$cache/dl.$suite" && sid_apt apt-get download -qq "${pkgs[@]}" 2>&1 | grep -v unsandboxed || true)
+  else
+    (cd "$cache/dl.$suite" && apt-get download -qq "${pkgs[@]}" 2>&1 | grep -v unsandboxed || true)
+  fi
+  for d in "$cache/dl.$suite"/*.deb; do dpkg-deb -x "$d" "$x"; done
+  local mods
+  mods=$(ls -d "$x"/lib/modules/* "$x"/usr/lib/modules/* 2>/dev/null | head -n1 || true)
+  [ -n "$mods" ] || { log "no modules in ${pkgs[*]}"; exit 1; }
+  ver=$(basename "$mods")
+  mkdir -p /lib/modules /boot
+  rm -rf "/lib/modules/$ver" && cp -a "$mods" /lib/modules/
+  if [ -f "$x/boot/vmlinuz-$ver" ]; then cp "$x/boot/vmlinuz-$ver" /boot/; else cp "$mods/vmlinuz" "/boot/vmlinuz-$ver"; fi
+  depmod "$ver" 2>/dev/null
+  rm -rf "$x" "$cache/dl.$suite"
+  log "kernel $ver installed under /lib/modules and /boot"
+}
+
+netns_kernel() {
+  # The newest installed kernel newer than the 6.x series (rxe with netns support).
+  ls /lib/modules 2>/dev/null | grep -E '^[7-9]\.' | sort -V | tail -n1 || true
 }
 
 install() {
@@ -42,26 +101,8 @@ install() {
     log "pip install virtme-ng"
     pip install -q virtme-ng==1.42 2>/dev/null || pip install -q virtme-ng
   fi
-  if [ -z "$(kernel_version)" ]; then
-    mkdir -p "$cache"
-    [ -n "$(ls /var/lib/apt/lists/*Packages 2>/dev/null)" ] || apt-get update -qq
-    local pkg
-    pkg=$(apt-cache depends "linux-image-${series}-amd64" 2>/dev/null | awk '/Depends: linux-image-/{print $2; exit}')
-    [ -n "$pkg" ] || { apt-get update -qq; pkg=$(apt-cache depends "linux-image-${series}-amd64" | awk '/Depends: linux-image-/{print $2; exit}'); }
-    [ -n "$pkg" ] || { log "no Debian kernel package for series $series"; exit 1; }
-    log "fetching kernel $pkg"
-    (cd "$cache" && apt-get download -qq "$pkg")
-    rm -rf "$cache/x" && mkdir -p "$cache/x"
-    dpkg-deb -x "$cache"/"$pkg"_*.deb "$cache/x"
-    local ver
-    ver=$(ls "$cache/x/lib/modules" | head -n1)
-    mkdir -p /lib/modules /boot
-    cp -a "$cache/x/lib/modules/$ver" /lib/modules/
-    cp "$cache/x/boot/vmlinuz-$ver" /boot/
-    depmod "$ver"
-    rm -rf "$cache/x"
-    log "kernel $ver installed under /lib/modules and /boot"
-  fi
+  [ -n "$(kernel_version "$series")" ] || fetch_kernel bookworm
+  [ -n "$(netns_kernel)" ] || fetch_kernel sid
 }
 
 # The script the guest runs before CMD: bring up the fabric, fail loudly if it can't.
@@ -107,8 +148,14 @@ run() {
   [ "${1:-}" = "--" ] && shift
   [ $# -gt 0 ] || { log "run needs a command"; exit 2; }
   local ver
-  ver=$(kernel_version)
-  [ -n "$ver" ] || { log "no test kernel: run '$0 install' first"; exit 1; }
+  if [ -n "${RCP_KERNEL_SERIES:-}" ]; then
+    ver=$(kernel_version "$RCP_KERNEL_SERIES")
+  elif [ "$topo" = netns ]; then
+    ver=$(netns_kernel)
+  else
+    ver=$(kernel_version "$series")
+  fi
+  [ -n "$ver" ] || { log "no test kernel for topology $topo: run '$0 install' first"; exit 1; }
   local script
   script=$(mktemp "$here/target/.testbed.XXXXXX.sh" 2>/dev/null || { mkdir -p "$here/target"; mktemp "$here/target/.testbed.XXXXXX.sh"; })
   {
@@ -120,8 +167,13 @@ run() {
   chmod +x "$script"
   log "booting $ver (TCG) topology=$topo"
   local rc=0
+  # Through a pipe: vng reopens its standard output, which would rewrite a
+  # log file from its start.
+  set +e
   vng --run "/boot/vmlinuz-$ver" --disable-kvm --memory "${RCP_VM_MEM:-4G}" --cpus "${RCP_VM_CPUS:-2}" \
-    --rwdir "$here" --rwdir /tmp --user root --exec "bash $script" </dev/null || rc=$?
+    --rwdir "$here" --rwdir /tmp --user root --exec "bash $script" </dev/null | cat
+  rc=${PIPESTATUS[0]}
+  set -e
   rm -f "$script"
   return $rc
 }

@@ -9,9 +9,11 @@
 
 pub mod control;
 pub mod datapath;
+pub mod doctor;
 pub mod engine;
 pub mod files;
 pub mod mem;
+pub mod metrics;
 pub mod provider;
 pub mod verbs;
 

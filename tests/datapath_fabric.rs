@@ -32,9 +32,9 @@ fn dev(var: &str) -> Option<String> {
 fn end(dev: Option<String>, arena_bytes: usize) -> End {
     assert!(!device_names().is_empty(), "no RDMA device found");
     let ctx = Context::open(dev.as_deref()).expect("open device");
-    let port = ctx.active_port().expect("an ACTIVE port");
-    let table = gid_table(&ctx, port.port, port.gid_tbl_len).expect("GID table");
-    let gid = choose_gid(&table, None).expect("a usable GID");
+    let (port, gid) = ctx
+        .select_port(None)
+        .expect("an ACTIVE port with a usable GID");
     let pd = ProtectionDomain::new(&ctx).unwrap();
     let cc = CompletionChannel::new(&ctx).unwrap();
     let cq = CompletionQueue::new(&ctx, 4 * SQ, Some(&cc)).unwrap();

@@ -36,9 +36,9 @@ fn side(dev: Option<String>, arena_bytes: usize, remote: Access) -> Side {
         "no RDMA device found: the fabric tests must run where one exists"
     );
     let ctx = Context::open(dev.as_deref()).expect("open device");
-    let port = ctx.active_port().expect("an ACTIVE port");
-    let table = gid_table(&ctx, port.port, port.gid_tbl_len).expect("GID table");
-    let choice = choose_gid(&table, None).expect("a usable GID");
+    let (port, choice) = ctx
+        .select_port(None)
+        .expect("an ACTIVE port with a usable GID");
     eprintln!(
         "device {} port {} GID {}: {}",
         ctx.name(),
@@ -357,4 +357,28 @@ fn qp_resets_and_reconnects_with_fresh_psn() {
     );
     assert_eq!(wait_completions(&a.cq, 1)[0].status, WcStatus::Success);
     assert!(bytes(&src) == bytes(&PeerSpan::new(&b.arena, b.arena.addr(), 8192).unwrap()));
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test-all.sh (soft-RoCE VM)"]
+fn doctor_is_healthy_on_the_fabric() {
+    let d = rcp::doctor::diagnose(&rcp::doctor::DoctorOptions {
+        arena_bytes: 64 << 20,
+        ..Default::default()
+    });
+    for c in &d.checks {
+        eprintln!("{c}");
+    }
+    assert!(
+        d.rdma_ready(),
+        "doctor finds a problem on a working rxe device"
+    );
+    for name in ["devices", "device", "port", "gid", "memlock"] {
+        let c = d
+            .checks
+            .iter()
+            .find(|c| c.name == name)
+            .unwrap_or_else(|| panic!("no {name} check"));
+        assert_eq!(c.level, rcp::doctor::Level::Ok, "{c}");
+    }
 }

@@ -137,6 +137,11 @@ impl Latencies {
         self.samples.push(ns);
     }
 
+    /// The kept samples, in nanoseconds (for histograms).
+    pub fn samples(&self) -> &[u64] {
+        &self.samples
+    }
+
     /// Samples recorded (seen, not kept).
     pub fn count(&self) -> u64 {
         self.seen

@@ -254,6 +254,35 @@ impl Context {
         .with_hint(Hint::PortDown))
     }
 
+    /// The first ACTIVE port and the GID to address QPs by on it (an
+    /// operator's `gid_index` wins; see [`super::gid::choose_gid`]). The
+    /// choice is logged with its reason.
+    pub fn select_port(
+        &self,
+        gid_index: Option<u32>,
+    ) -> Result<(PortAttr, super::gid::GidChoice), VerbsError> {
+        let port = self.active_port()?;
+        let table = super::gid::gid_table(self, port.port, port.gid_tbl_len)?;
+        let choice = super::gid::choose_gid(&table, gid_index).map_err(|why| {
+            VerbsError::new(
+                "ibv_query_gid",
+                libc::EINVAL,
+                format!("choosing a GID on {} port {}: {why}", self.name, port.port),
+            )
+            .with_hint(Hint::Gid)
+        })?;
+        tracing::info!(
+            device = %self.name,
+            port = port.port,
+            gid_index = choice.entry.index,
+            gid = %choice.entry.gid,
+            mtu = port.active_mtu,
+            "GID chosen: {}",
+            choice.reason
+        );
+        Ok((port, choice))
+    }
+
     /// The NUMA node the device sits on, from sysfs (`None` when unknown).
     pub fn numa_node(&self) -> Option<u32> {
         crate::mem::numa::device_numa_node(&self.name)

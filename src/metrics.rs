@@ -1,0 +1,418 @@
+//! Prometheus metrics for `rcpd` (and anything else that runs transfers).
+//!
+//! Names carry the `rcp_` prefix. Live queue gauges (free SQ slots, the
+//! swqe_avail of the seed document; CQ fill) are read from each data path's
+//! [`DataPathStats`] at scrape time; per-transfer figures are recorded when a
+//! transfer ends. [`serve`] answers `GET /metrics` in the text format.
+
+use std::sync::{Arc, Mutex, Weak};
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::datapath::{DataPathStats, Report};
+
+type Labels = Vec<(String, String)>;
+
+type HistFamily = Family<Labels, Histogram, fn() -> Histogram>;
+
+/// 1 us .. ~67 s, x4.
+fn latency_hist() -> Histogram {
+    Histogram::new(exponential_buckets(1e-6, 4.0, 14))
+}
+
+/// 1 MB/s .. ~33 GB/s, x2.
+fn throughput_hist() -> Histogram {
+    Histogram::new(exponential_buckets(1e6, 2.0, 16))
+}
+
+struct Tracked {
+    labels: Labels,
+    depth: u64,
+    cq_depth: u64,
+    stats: Weak<DataPathStats>,
+    last_errors: Vec<(&'static str, u64)>,
+}
+
+/// Every metric rcp exports.
+pub struct Metrics {
+    registry: Registry,
+    sq_free: Family<Labels, Gauge>,
+    sq_depth: Family<Labels, Gauge>,
+    cq_fill: Family<Labels, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    cq_overrun: Counter,
+    error_cqes: Family<Labels, Counter>,
+    reconnects: Counter,
+    reconnect_seconds: Histogram,
+    bytes: Family<Labels, Counter>,
+    transfers: Family<Labels, Counter>,
+    wr_latency: HistFamily,
+    throughput: HistFamily,
+    memlock_failures: Counter,
+    active_transfers: Gauge,
+    tracked: Mutex<Vec<Tracked>>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let mut r = Registry::with_prefix("rcp");
+        let m = Metrics {
+            registry: Registry::default(),
+            sq_free: Family::default(),
+            sq_depth: Family::default(),
+            cq_fill: Family::default(),
+            cq_overrun: Counter::default(),
+            error_cqes: Family::default(),
+            reconnects: Counter::default(),
+            reconnect_seconds: Histogram::new(exponential_buckets(0.01, 2.0, 14)),
+            bytes: Family::default(),
+            transfers: Family::default(),
+            wr_latency: Family::new_with_constructor(latency_hist as fn() -> Histogram),
+            throughput: Family::new_with_constructor(throughput_hist as fn() -> Histogram),
+            memlock_failures: Counter::default(),
+            active_transfers: Gauge::default(),
+            tracked: Mutex::new(Vec::new()),
+        };
+        r.register(
+            "sq_free_slots",
+            "Free send-queue slots (swqe_avail) per device and QP",
+            m.sq_free.clone(),
+        );
+        r.register(
+            "sq_depth",
+            "Send-queue depth per device and QP",
+            m.sq_depth.clone(),
+        );
+        r.register(
+            "cq_fill_ratio",
+            "Completions taken by the last poll over CQ depth",
+            m.cq_fill.clone(),
+        );
+        r.register(
+            "cq_overrun",
+            "CQ overruns seen (async event or overrun status)",
+            m.cq_overrun.clone(),
+        );
+        r.register(
+            "error_cqes",
+            "Error completions by ibv_wc_status",
+            m.error_cqes.clone(),
+        );
+        r.register(
+            "reconnects",
+            "QP reconnects after an error batch",
+            m.reconnects.clone(),
+        );
+        r.register(
+            "reconnect_seconds",
+            "From error batch to first completed WR after reconnect",
+            m.reconnect_seconds.clone(),
+        );
+        r.register(
+            "bytes",
+            "Payload bytes moved, by direction",
+            m.bytes.clone(),
+        );
+        r.register(
+            "transfers",
+            "Transfers ended, by direction and outcome",
+            m.transfers.clone(),
+        );
+        r.register(
+            "wr_latency_seconds",
+            "Post-to-completion latency of signaled WRs",
+            m.wr_latency.clone(),
+        );
+        r.register(
+            "transfer_throughput_bytes_per_second",
+            "Throughput of each finished transfer",
+            m.throughput.clone(),
+        );
+        r.register(
+            "memlock_failures",
+            "Registrations refused for lack of lockable memory",
+            m.memlock_failures.clone(),
+        );
+        r.register(
+            "active_transfers",
+            "Transfers in progress",
+            m.active_transfers.clone(),
+        );
+        Metrics { registry: r, ..m }
+    }
+
+    /// Follow a data path's live counters under `device`/`qp` labels until
+    /// its stats are dropped.
+    pub fn track(
+        &self,
+        device: &str,
+        qp: u32,
+        sq_depth: u32,
+        cq_depth: u32,
+        stats: &Arc<DataPathStats>,
+    ) {
+        let labels = vec![
+            ("device".to_string(), device.to_string()),
+            ("qp".to_string(), qp.to_string()),
+        ];
+        self.sq_depth.get_or_create(&labels).set(sq_depth as i64);
+        self.tracked.lock().unwrap().push(Tracked {
+            labels,
+            depth: sq_depth as u64,
+            cq_depth: cq_depth.max(1) as u64,
+            stats: Arc::downgrade(stats),
+            last_errors: Vec::new(),
+        });
+    }
+
+    /// A transfer started / ended.
+    pub fn transfer_started(&self) {
+        self.active_transfers.inc();
+    }
+
+    /// Record a finished transfer: direction `push`/`pull`, outcome
+    /// `ok`/`error`/..., and the data path's report if there was one.
+    pub fn transfer_ended(
+        &self,
+        direction: &str,
+        outcome: &str,
+        bytes: u64,
+        seconds: f64,
+        report: Option<&Report>,
+    ) {
+        self.active_transfers.dec();
+        let d = vec![("direction".to_string(), direction.to_string())];
+        self.bytes.get_or_create(&d).inc_by(bytes);
+        let mut l = d.clone();
+        l.push(("outcome".to_string(), outcome.to_string()));
+        self.transfers.get_or_create(&l).inc();
+        if seconds > 0.0 && bytes > 0 {
+            self.throughput
+                .get_or_create(&d)
+                .observe(bytes as f64 / seconds);
+        }
+        if let Some(r) = report {
+            let h = self.wr_latency.get_or_create(&d);
+            for &ns in r.latency.samples() {
+                h.observe(ns as f64 / 1e9);
+            }
+            for &s in &r.reconnect_seconds {
+                self.reconnect_seconds.observe(s);
+            }
+        }
+    }
+
+    /// A registration was refused for lack of lockable memory.
+    pub fn memlock_failure(&self) {
+        self.memlock_failures.inc();
+    }
+
+    /// A CQ overrun was seen.
+    pub fn cq_overrun(&self) {
+        self.cq_overrun.inc();
+    }
+
+    fn refresh(&self) {
+        let mut t = self.tracked.lock().unwrap();
+        t.retain_mut(|e| match e.stats.upgrade() {
+            None => {
+                self.sq_free.remove(&e.labels);
+                self.sq_depth.remove(&e.labels);
+                self.cq_fill.remove(&e.labels);
+                false
+            }
+            Some(s) => {
+                use std::sync::atomic::Ordering::Relaxed;
+                self.sq_free
+                    .get_or_create(&e.labels)
+                    .set(s.sq_free.load(Relaxed).min(e.depth) as i64);
+                self.cq_fill
+                    .get_or_create(&e.labels)
+                    .set(s.cq_fill.load(Relaxed) as f64 / e.cq_depth as f64);
+                let errs = s.errors();
+                for (label, n) in &errs {
+                    let before = e
+                        .last_errors
+                        .iter()
+                        .find(|(l, _)| l == label)
+                        .map_or(0, |x| x.1);
+                    if *n > before {
+                        self.error_cqes
+                            .get_or_create(&vec![("status".to_string(), label.to_string())])
+                            .inc_by(n - before);
+                    }
+                }
+                e.last_errors = errs;
+                let rc = s.reconnects.load(Relaxed);
+                let _ = rc;
+                true
+            }
+        });
+    }
+
+    /// Count reconnects as they happen (the data path's callback calls this).
+    pub fn reconnected(&self) {
+        self.reconnects.inc();
+    }
+
+    /// The text exposition (what `/metrics` returns).
+    pub fn render(&self) -> String {
+        self.refresh();
+        let mut out = String::new();
+        encode(&mut out, &self.registry).expect("encoding into a String cannot fail");
+        out
+    }
+}
+
+/// Serve `GET /metrics` (text format 0.0.4 / OpenMetrics text) on `listener`
+/// until the task is dropped. Anything else gets 404; a malformed request is
+/// answered 400 and closed, and never stops the server.
+pub async fn serve(listener: tokio::net::TcpListener, metrics: Arc<Metrics>) {
+    loop {
+        let Ok((mut sock, _)) = listener.accept().await else {
+            continue;
+        };
+        let m = metrics.clone();
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; 4096];
+            let mut n = 0;
+            while n < buf.len() {
+                match tokio::time::timeout(
+                    std::time::Duration::from_secs(5),
+                    sock.read(&mut buf[n..]),
+                )
+                .await
+                {
+                    Ok(Ok(0)) | Err(_) | Ok(Err(_)) => break,
+                    Ok(Ok(k)) => n += k,
+                }
+                if buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
+                    break;
+                }
+            }
+            let req = String::from_utf8_lossy(&buf[..n]);
+            let first = req.lines().next().unwrap_or("");
+            let (status, ctype, body) =
+                match first.split_whitespace().collect::<Vec<_>>().as_slice() {
+                    ["GET", "/metrics", _] => (
+                        "200 OK",
+                        "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                        m.render(),
+                    ),
+                    ["GET", _, _] => (
+                        "404 Not Found",
+                        "text/plain",
+                        "only /metrics here\n".to_string(),
+                    ),
+                    _ => ("400 Bad Request", "text/plain", "bad request\n".to_string()),
+                };
+            let head = format!(
+                "HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                body.len()
+            );
+            let _ = sock.write_all(head.as_bytes()).await;
+            let _ = sock.write_all(body.as_bytes()).await;
+            let _ = sock.shutdown().await;
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::WcStatus;
+    use std::sync::atomic::Ordering::Relaxed;
+
+    #[test]
+    fn renders_live_gauges_errors_and_transfers() {
+        let m = Metrics::new();
+        let s = Arc::new(DataPathStats::default());
+        m.track("rxe0", 17, 256, 512, &s);
+        s.sq_free.store(200, Relaxed);
+        s.cq_fill.store(64, Relaxed);
+        s.count_error(WcStatus::Flushed);
+        s.count_error(WcStatus::Flushed);
+        m.transfer_started();
+        m.transfer_ended("push", "ok", 1 << 20, 0.5, None);
+        let t = m.render();
+        assert!(
+            t.contains(r#"rcp_sq_free_slots{device="rxe0",qp="17"} 200"#),
+            "{t}"
+        );
+        assert!(
+            t.contains(r#"rcp_sq_depth{device="rxe0",qp="17"} 256"#),
+            "{t}"
+        );
+        assert!(
+            t.contains(r#"rcp_cq_fill_ratio{device="rxe0",qp="17"} 0.125"#),
+            "{t}"
+        );
+        assert!(
+            t.contains(r#"rcp_error_cqes_total{status="wr_flush_err"} 2"#),
+            "{t}"
+        );
+        assert!(
+            t.contains(r#"rcp_bytes_total{direction="push"} 1048576"#),
+            "{t}"
+        );
+        assert!(
+            t.contains(r#"rcp_transfers_total{direction="push",outcome="ok"} 1"#),
+            "{t}"
+        );
+        assert!(
+            t.contains("rcp_transfer_throughput_bytes_per_second_count{direction=\"push\"} 1"),
+            "{t}"
+        );
+        // Errors are counted once, not again at the next scrape.
+        let t = m.render();
+        assert!(
+            t.contains(r#"rcp_error_cqes_total{status="wr_flush_err"} 2"#),
+            "{t}"
+        );
+        // A data path that ends disappears from the gauges.
+        drop(s);
+        let t = m.render();
+        assert!(!t.contains("rcp_sq_free_slots{"), "{t}");
+    }
+
+    #[tokio::test]
+    async fn serves_metrics_over_http() {
+        let m = Arc::new(Metrics::new());
+        m.memlock_failure();
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let task = tokio::spawn(serve(l, m));
+        let get = |path: &'static str| async move {
+            let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+            s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
+                .await
+                .unwrap();
+            let mut out = String::new();
+            s.read_to_string(&mut out).await.unwrap();
+            out
+        };
+        let ok = get("/metrics").await;
+        assert!(ok.starts_with("HTTP/1.1 200"), "{ok}");
+        assert!(ok.contains("rcp_memlock_failures_total 1"), "{ok}");
+        assert!(get("/other").await.starts_with("HTTP/1.1 404"));
+        // Garbage does not take the server down.
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(b"\x00\x01garbage\r\n\r\n").await.unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.unwrap();
+        assert!(out.starts_with("HTTP/1.1 400"), "{out}");
+        assert!(get("/metrics").await.starts_with("HTTP/1.1 200"));
+        task.abort();
+    }
+}
