@@ -146,7 +146,7 @@ pub async fn run(
                 .await
                 .map_err(ControlError::io(format!("binding metrics {a}")))?;
             let addr = l.local_addr().map_err(ControlError::io("local address"))?;
-            tokio::spawn(serve_metrics(l, stats.clone()));
+            tokio::spawn(serve_metrics(l, stats.clone(), svc.metrics.clone()));
             Some(addr)
         }
         None => None,
@@ -187,12 +187,17 @@ pub async fn run(
 }
 
 /// A minimal HTTP/1.0 responder for `GET /metrics` (Prometheus text).
-async fn serve_metrics(l: tokio::net::TcpListener, stats: Arc<Stats>) {
+async fn serve_metrics(
+    l: tokio::net::TcpListener,
+    stats: Arc<Stats>,
+    metrics: Arc<crate::metrics::Metrics>,
+) {
     loop {
         let Ok((mut s, _)) = l.accept().await else {
             continue;
         };
         let stats = stats.clone();
+        let metrics = metrics.clone();
         tokio::spawn(async move {
             let mut buf = vec![0u8; 2048];
             let n = match tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf)).await {
@@ -201,12 +206,12 @@ async fn serve_metrics(l: tokio::net::TcpListener, stats: Arc<Stats>) {
             };
             let req = String::from_utf8_lossy(&buf[..n]);
             let (status, body) = if req.starts_with("GET /metrics") {
-                ("200 OK", metrics_text(&stats))
+                ("200 OK", metrics_text(&stats, &metrics))
             } else {
                 ("404 Not Found", "not found; try /metrics\n".to_string())
             };
             let resp = format!(
-                "HTTP/1.0 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\n\r\n{body}",
+                "HTTP/1.0 {status}\r\nContent-Type: application/openmetrics-text; version=1.0.0; charset=utf-8\r\nContent-Length: {}\r\n\r\n{body}",
                 body.len()
             );
             let _ = s.write_all(resp.as_bytes()).await;
@@ -214,34 +219,29 @@ async fn serve_metrics(l: tokio::net::TcpListener, stats: Arc<Stats>) {
     }
 }
 
-/// The counters in Prometheus text format (names as in
-/// deploy/monitoring/rcp-metrics.txt where they exist).
-pub fn metrics_text(s: &Stats) -> String {
+/// The library's metrics (`crate::metrics`: rcp_transfers_total,
+/// rcp_bytes_total, throughput, ...) plus rcpd's own counters, in the
+/// Prometheus text format.
+pub fn metrics_text(s: &Stats, m: &crate::metrics::Metrics) -> String {
     let v = |a: &std::sync::atomic::AtomicU64| a.load(Relaxed);
-    format!(
-        "# HELP rcp_transfers_total Transfers served, by result.\n\
-         # TYPE rcp_transfers_total counter\n\
-         rcp_transfers_total{{result=\"ok\"}} {}\n\
-         rcp_transfers_total{{result=\"failed\"}} {}\n\
-         # HELP rcp_bytes_total Bytes moved by this rcpd's windows (in: verified push data; out: pull data read by clients).\n\
-         # TYPE rcp_bytes_total counter\n\
-         rcp_bytes_total{{direction=\"in\"}} {}\n\
-         rcp_bytes_total{{direction=\"out\"}} {}\n\
-         # HELP rcpd_transfers_active Transfers running now.\n\
-         # TYPE rcpd_transfers_active gauge\n\
-         rcpd_transfers_active {}\n\
-         # HELP rcpd_integrity_failures_total Block or whole-file digest mismatches.\n\
-         # TYPE rcpd_integrity_failures_total counter\n\
+    let mut out = m.render();
+    // Keep an OpenMetrics "# EOF" terminator last.
+    let eof = out.ends_with("# EOF\n");
+    if eof {
+        out.truncate(out.len() - "# EOF\n".len());
+    }
+    out.push_str(&format!(
+        "# HELP rcpd_integrity_failures Block or whole-file digest mismatches.\n\
+         # TYPE rcpd_integrity_failures counter\n\
          rcpd_integrity_failures_total {}\n\
-         # HELP rcpd_auth_failures_total Requests refused for a missing or wrong token.\n\
-         # TYPE rcpd_auth_failures_total counter\n\
+         # HELP rcpd_auth_failures Requests refused for a missing or wrong token.\n\
+         # TYPE rcpd_auth_failures counter\n\
          rcpd_auth_failures_total {}\n",
-        v(&s.transfers_ok),
-        v(&s.transfers_failed),
-        v(&s.bytes_in),
-        v(&s.bytes_out),
-        v(&s.active),
         v(&s.integrity_failures),
         v(&s.auth_failures),
-    )
+    ));
+    if eof {
+        out.push_str("# EOF\n");
+    }
+    out
 }

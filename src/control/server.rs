@@ -63,6 +63,8 @@ pub struct Service {
     slots: Arc<Semaphore>,
     next_id: AtomicU64,
     pub stats: Arc<Stats>,
+    /// The exported metrics (`crate::metrics`): transfers, bytes, throughput.
+    pub metrics: Arc<crate::metrics::Metrics>,
 }
 
 const MAX_SESSIONS: usize = 4096;
@@ -153,6 +155,7 @@ impl Service {
             sessions: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
             stats: Arc::new(Stats::default()),
+            metrics: Arc::new(crate::metrics::Metrics::new()),
         }))
     }
 
@@ -369,14 +372,26 @@ impl Service {
             .map_err(|_| ControlError::Retryable("server shutting down".into()))?;
         self.stats.active.fetch_add(1, Relaxed);
         session.active.fetch_add(1, Relaxed);
-        let r = match Direction::try_from(open.direction) {
-            Ok(Direction::Push) => self.clone().push(open, bs, rx, tx).await,
-            Ok(Direction::Pull) => self.clone().pull(open, bs, rx, tx).await,
-            _ => Err(ControlError::Invalid(format!(
-                "direction {} is neither push nor pull",
-                open.direction
-            ))),
+        self.metrics.transfer_started();
+        let started = std::time::Instant::now();
+        let (dir, r) = match Direction::try_from(open.direction) {
+            Ok(Direction::Push) => ("push", self.clone().push(open, bs, rx, tx).await),
+            Ok(Direction::Pull) => ("pull", self.clone().pull(open, bs, rx, tx).await),
+            _ => (
+                "unknown",
+                Err(ControlError::Invalid(format!(
+                    "direction {} is neither push nor pull",
+                    open.direction
+                ))),
+            ),
         };
+        let (outcome, bytes) = match &r {
+            Ok(b) => ("ok", *b),
+            Err(_) => ("error", 0),
+        };
+        self.metrics
+            .transfer_ended(dir, outcome, bytes, started.elapsed().as_secs_f64(), None);
+        let r = r.map(|_| ());
         self.stats.active.fetch_sub(1, Relaxed);
         session.active.fetch_sub(1, Relaxed);
         *session.last_used.lock().unwrap() = std::time::Instant::now();
@@ -489,7 +504,7 @@ impl Service {
         bs: u64,
         rx: &mut Streaming<ClientMsg>,
         tx: &Tx,
-    ) -> Result<()> {
+    ) -> Result<u64> {
         if open.length > MAX_FILE_LEN {
             return Err(ControlError::Exceeded(format!(
                 "length {} is over the limit {MAX_FILE_LEN}",
@@ -682,7 +697,7 @@ impl Service {
                             length: open.length,
                         })))
                         .await;
-                    return Ok(());
+                    return Ok(verified);
                 }
                 client_msg::Msg::Abort(a) => {
                     return Err(ControlError::Retryable(format!(
@@ -703,7 +718,7 @@ impl Service {
         bs: u64,
         rx: &mut Streaming<ClientMsg>,
         tx: &Tx,
-    ) -> Result<()> {
+    ) -> Result<u64> {
         let rel = fsutil::root_rel(&open.path);
         let src = in_place(|| SourceFile::open_in(&self.root, &rel))?;
         let length = src.len();
@@ -792,7 +807,7 @@ impl Service {
                         )));
                     }
                     tracing::info!(transfer = transfer_id, path = %relpath, sha256 = %hex::encode(&c.sha256), "pull done");
-                    return Ok(());
+                    return Ok(released);
                 }
                 client_msg::Msg::Abort(a) => {
                     return Err(ControlError::Retryable(format!(
