@@ -342,3 +342,22 @@ fn preserve_keeps_mode_and_mtime_and_plain_copies_do_not() {
     assert_ne!(m.mtime(), 1_000_000_000);
     assert_eq!(sha256sum(&root.join("plain")), sha256sum(&src));
 }
+
+#[test]
+fn doctor_checks_the_remote_rcpd_and_its_token() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = Rcpd::start(tmp.path(), T, Some("tok"), &[]);
+    let r = rcp(d.port, T, Some("tok"), &["doctor", "127.0.0.1"]);
+    assert!(
+        r.stdout.contains("[ok  ] rcpd") && r.stdout.contains("accepts the token"),
+        "{}{}",
+        r.stdout,
+        r.stderr
+    );
+    // Without RDMA the local checks fail (exit 6); with it they pass (0).
+    assert!(r.code == 0 || r.code == 6, "{}", r.stderr);
+    let r = rcp(d.port, T, Some("nope"), &["doctor", "127.0.0.1"]);
+    assert!(r.stdout.contains("[FAIL] rcpd"), "{}", r.stdout);
+    assert!(r.stdout.contains("invalid token"), "{}", r.stdout);
+    assert_eq!(r.code, 6);
+}

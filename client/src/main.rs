@@ -92,6 +92,13 @@ enum Cmd {
         #[arg(required = true, num_args = 2..)]
         args: Vec<String>,
     },
+    /// rcp doctor [HOST]: what stands between this host and an RDMA copy
+    /// (devices, ports, GIDs, MTU, memlock, huge pages) and whether the
+    /// rcpd on HOST answers. Exit 0 when nothing failed, 6 otherwise.
+    Doctor {
+        /// An rcpd to check (HOST or [IPV6]; the port is -P).
+        host: Option<String>,
+    },
     /// rcp pull [-r] HOST:REMOTE... LOCAL
     Pull {
         /// Copy directories recursively.
@@ -171,6 +178,25 @@ async fn run(c: Cli) -> Result<(), ControlError> {
     let (recursive, args, push) = match &c.cmd {
         Cmd::Push { recursive, args } => (*recursive, args.clone(), true),
         Cmd::Pull { recursive, args } => (*recursive, args.clone(), false),
+        Cmd::Doctor { host } => {
+            let addr = host.as_ref().map(|h| {
+                if h.starts_with('[') || !h.contains(':') {
+                    format!("{h}:{}", c.port)
+                } else {
+                    format!("[{h}]:{}", c.port)
+                }
+            });
+            let d = cli::doctor(addr, opts).await;
+            for check in &d.checks {
+                println!("{check}");
+            }
+            if d.checks.iter().any(|c| c.level == rcp::doctor::Level::Fail) {
+                return Err(ControlError::Fatal(
+                    "doctor found problems (FAIL above)".into(),
+                ));
+            }
+            return Ok(());
+        }
     };
     let job = Job {
         recursive,

@@ -315,6 +315,50 @@ pub async fn pull(
     Ok(totals)
 }
 
+/// `rcp doctor [HOST]`: the local checks of [`crate::doctor`], plus whether
+/// the rcpd at `remote` answers and accepts the token.
+pub async fn doctor(
+    remote: Option<String>,
+    opts: super::client::ClientOptions,
+) -> crate::doctor::Diagnosis {
+    use crate::doctor::{diagnose, Check, DoctorOptions, Level};
+    let d_opts = DoctorOptions {
+        device: opts.device.clone(),
+        gid_index: opts.gid_index,
+        arena_bytes: 32 << 20,
+    };
+    let mut d = tokio::task::spawn_blocking(move || diagnose(&d_opts))
+        .await
+        .unwrap_or_default();
+    if let Some(addr) = remote {
+        let check = match Client::connect(&addr, opts).await {
+            Err(e) => Check {
+                name: "rcpd",
+                level: Level::Fail,
+                detail: format!("{addr}: {e}"),
+                fix: "is rcpd running there, on this port (-P), reachable through the firewall?"
+                    .into(),
+            },
+            Ok(c) => match c.stat("").await {
+                Ok(_) => Check {
+                    name: "rcpd",
+                    level: Level::Ok,
+                    detail: format!("{addr} answers and accepts the token"),
+                    fix: String::new(),
+                },
+                Err(e) => Check {
+                    name: "rcpd",
+                    level: Level::Fail,
+                    detail: format!("{addr}: {e}"),
+                    fix: "set RCP_TOKEN to the token rcpd was started with".into(),
+                },
+            },
+        };
+        d.add(check);
+    }
+    d
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -63,6 +63,9 @@ pub enum ControlError {
     Status(#[from] Status),
     #[error("{0}")]
     Other(String),
+    /// Fatal, with the message as is.
+    #[error("{0}")]
+    Fatal(String),
 }
 
 impl ControlError {
@@ -92,6 +95,7 @@ impl ControlError {
             },
             Status(s) => status_exit_code(s),
             Other(_) => exit::OTHER,
+            Fatal(_) => exit::FATAL,
         }
     }
 }
@@ -144,6 +148,7 @@ impl From<ControlError> for Status {
             },
             Status(s) => s,
             Other(_) => tonic::Status::internal(msg),
+            Fatal(_) => tonic::Status::failed_precondition(msg),
         }
     }
 }
