@@ -10,8 +10,8 @@ use crate::mem::{Arena, ArenaConfig, BlockPool, PeerSpan};
 use crate::provider::tcp::{TcpChannel, TcpDomain, TcpTarget, DEFAULT_CONNS};
 use crate::provider::{Access, Channel, Domain, ProviderKind, Registration};
 use crate::verbs::{
-    choose_gid, device_names, gid_table, CompletionChannel, CompletionQueue, ConnectParams,
-    Context, Gid, ProtectionDomain, QpConfig, QpEndpoint, QueuePair, VerbsChannel, VerbsDomain,
+    device_names, CompletionChannel, CompletionQueue, ConnectParams, Context, Gid,
+    ProtectionDomain, QpConfig, QpEndpoint, QueuePair, VerbsChannel, VerbsDomain,
 };
 
 use super::error::{ControlError, Result};
@@ -125,9 +125,7 @@ pub struct Device {
 impl Device {
     pub fn open(name: Option<&str>, gid_index: Option<u32>) -> Result<Device> {
         let ctx = Context::open(name).map_err(provider)?;
-        let port = ctx.active_port().map_err(provider)?;
-        let table = gid_table(&ctx, port.port, port.gid_tbl_len).map_err(provider)?;
-        let gid = choose_gid(&table, gid_index).map_err(ControlError::Other)?;
+        let (port, gid) = ctx.select_port(gid_index).map_err(provider)?;
         let pd = ProtectionDomain::new(&ctx).map_err(provider)?;
         Ok(Device {
             ctx,
