@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The soft-RoCE suite: builds the tests, boots the VM once per topology and runs
-# every `#[ignore]`d RDMA test (test targets named *fabric) plus the two-process
+# every `#[ignore]`d RDMA test (test targets named *fabric or *_verbs) plus the two-process
 # examples there. A VM that cannot boot or an rxe device that cannot be created
 # is a failure, never a skip.
 set -euo pipefail
@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 bash scripts/testbed.sh install
 cargo build --workspace --examples --bins
 mapfile -t lo_bins < <(cargo test --workspace --no-run --message-format=json 2>/dev/null \
-  | python3 scripts/lib-test-bins.py fabric | grep -v "^[^ ]*netns_fabric " | awk '{print $1"="$2}')
+  | python3 scripts/lib-test-bins.py fabric,_verbs | grep -v "^[^ ]*netns_fabric " | awk '{print $1"="$2}')
 mapfile -t ns_bins < <(cargo test --workspace --no-run --message-format=json 2>/dev/null \
   | python3 scripts/lib-test-bins.py netns_fabric | awk '{print $1"="$2}')
 [ ${#lo_bins[@]} -gt 0 ] || { echo "vm-tests: no *fabric test binaries found" >&2; exit 1; }
