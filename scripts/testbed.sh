@@ -171,7 +171,7 @@ run() {
   # log file from its start.
   set +e
   vng --run "/boot/vmlinuz-$ver" --disable-kvm --memory "${RCP_VM_MEM:-4G}" --cpus "${RCP_VM_CPUS:-2}" \
-    --rwdir "$here" --rwdir /tmp --user root --exec "bash $script" </dev/null | cat
+    --rwdir "$here" --user root --exec "bash $script" </dev/null | cat
   rc=${PIPESTATUS[0]}
   set -e
   rm -f "$script"
