@@ -13,6 +13,9 @@ cargo fmt --all -- --check
 echo "== cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings
 echo "== native tests"
+# The end-to-end tests run the rcp and rcpd binaries, which `cargo test` does
+# not build for another package's tests.
+cargo build --workspace --bins
 cargo test --workspace
 echo "== Kubernetes manifests"
 bash scripts/validate-manifests.sh
