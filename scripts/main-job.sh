@@ -1,23 +1,38 @@
 #!/usr/bin/env bash
 # rcp's main job on a fresh Debian 12 machine (run as root; installs what it
-# needs): builds rcp and moves verified data over RDMA verbs. Without an RDMA
-# device on the host it runs inside the soft-RoCE VM (scripts/testbed.sh).
+# needs): builds rcp and rcpd, then a real `rcp push` and `rcp pull` over RDMA
+# verbs, each checked against sha256sum. Without an RDMA device on the host it
+# runs inside the soft-RoCE VM (scripts/testbed.sh, rxe0 on lo).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/testbed.sh install
-cargo build --release --workspace --examples
+cargo build --release --workspace --bins
 job() {
-  local ex=target/release/examples/verbs_blocks
-  "$ex" serve --listen 127.0.0.1:7470 --mib 64 &
-  local s=$!
-  "$ex" client --connect 127.0.0.1:7470 --mib 64
-  wait $s
+  set -euo pipefail
+  local dir=$PWD/target/main-job bin=$PWD/target/release
+  rm -rf "$dir" && mkdir -p "$dir/root" "$dir/local"
+  head -c $((64 << 20)) /dev/urandom >"$dir/local/data.bin"
+  "$bin/rcpd" --listen 127.0.0.1:7471 --health-listen 127.0.0.1:7472 --root "$dir/root" \
+    --transport verbs --arena-mib 128 --log warn &
+  RCPD_PID=$!
+  trap 'kill $RCPD_PID 2>/dev/null || true' EXIT
+  for _ in $(seq 150); do (exec 3<>/dev/tcp/127.0.0.1/7471) 2>/dev/null && break; sleep 0.2; done
+  echo "main-job: rcp push (verbs)"
+  "$bin/rcp" push --transport verbs "$dir/local/data.bin" 127.0.0.1:data.bin
+  echo "main-job: rcp pull (verbs)"
+  "$bin/rcp" pull --transport verbs 127.0.0.1:data.bin "$dir/local/back.bin"
+  local a b c
+  a=$(sha256sum <"$dir/local/data.bin" | cut -d' ' -f1)
+  b=$(sha256sum <"$dir/root/data.bin" | cut -d' ' -f1)
+  c=$(sha256sum <"$dir/local/back.bin" | cut -d' ' -f1)
+  echo "main-job: sha256 source $a, pushed $b, pulled back $c"
+  [ "$a" = "$b" ] && [ "$a" = "$c" ]
+  echo "main-job: push and pull over RDMA verbs verified"
 }
 if [ -n "$(ls /sys/class/infiniband 2>/dev/null)" ]; then
   echo "main-job: RDMA device(s) on the host: $(ls /sys/class/infiniband | tr '\n' ' ')"
   job
 else
   echo "main-job: no RDMA device on this host; running in the soft-RoCE VM"
-  export -f job
   bash scripts/testbed.sh run lo -- bash -c "$(declare -f job); job"
 fi
