@@ -5,7 +5,7 @@
 //! [`DataPathStats`] at scrape time; per-transfer figures are recorded when a
 //! transfer ends. [`serve`] answers `GET /metrics` in the text format.
 
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex};
 
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
@@ -35,8 +35,11 @@ struct Tracked {
     labels: Labels,
     depth: u64,
     cq_depth: u64,
-    stats: Weak<DataPathStats>,
+    /// Held until only we hold it (the data path is gone), after one last
+    /// pass that carries its final counts over.
+    stats: Arc<DataPathStats>,
     last_errors: Vec<(&'static str, u64)>,
+    last_reconnects: u64,
 }
 
 /// Every metric rcp exports.
@@ -56,6 +59,12 @@ pub struct Metrics {
     memlock_failures: Counter,
     active_transfers: Gauge,
     tracked: Mutex<Vec<Tracked>>,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
 }
 
 impl Default for Metrics {
@@ -171,8 +180,9 @@ impl Metrics {
             labels,
             depth: sq_depth as u64,
             cq_depth: cq_depth.max(1) as u64,
-            stats: Arc::downgrade(stats),
+            stats: stats.clone(),
             last_errors: Vec::new(),
+            last_reconnects: 0,
         });
     }
 
@@ -203,13 +213,7 @@ impl Metrics {
                 .observe(bytes as f64 / seconds);
         }
         if let Some(r) = report {
-            let h = self.wr_latency.get_or_create(&d);
-            for &ns in r.latency.samples() {
-                h.observe(ns as f64 / 1e9);
-            }
-            for &s in &r.reconnect_seconds {
-                self.reconnect_seconds.observe(s);
-            }
+            self.datapath_report(direction, r);
         }
     }
 
@@ -224,46 +228,59 @@ impl Metrics {
     }
 
     fn refresh(&self) {
+        use std::sync::atomic::Ordering::Relaxed;
         let mut t = self.tracked.lock().unwrap();
-        t.retain_mut(|e| match e.stats.upgrade() {
-            None => {
+        t.retain_mut(|e| {
+            let s = &e.stats;
+            // Counters first, so what a data path did just before it ended
+            // is still counted.
+            let errs = s.errors();
+            for (label, n) in &errs {
+                let before = e
+                    .last_errors
+                    .iter()
+                    .find(|(l, _)| l == label)
+                    .map_or(0, |x| x.1);
+                if *n > before {
+                    self.error_cqes
+                        .get_or_create(&vec![("status".to_string(), label.to_string())])
+                        .inc_by(n - before);
+                }
+            }
+            e.last_errors = errs;
+            let rc = s.reconnects.load(Relaxed);
+            if rc > e.last_reconnects {
+                self.reconnects.inc_by(rc - e.last_reconnects);
+                e.last_reconnects = rc;
+            }
+            if Arc::strong_count(&e.stats) == 1 {
+                // The data path is gone: its queue gauges go with it.
                 self.sq_free.remove(&e.labels);
                 self.sq_depth.remove(&e.labels);
                 self.cq_fill.remove(&e.labels);
-                false
+                return false;
             }
-            Some(s) => {
-                use std::sync::atomic::Ordering::Relaxed;
-                self.sq_free
-                    .get_or_create(&e.labels)
-                    .set(s.sq_free.load(Relaxed).min(e.depth) as i64);
-                self.cq_fill
-                    .get_or_create(&e.labels)
-                    .set(s.cq_fill.load(Relaxed) as f64 / e.cq_depth as f64);
-                let errs = s.errors();
-                for (label, n) in &errs {
-                    let before = e
-                        .last_errors
-                        .iter()
-                        .find(|(l, _)| l == label)
-                        .map_or(0, |x| x.1);
-                    if *n > before {
-                        self.error_cqes
-                            .get_or_create(&vec![("status".to_string(), label.to_string())])
-                            .inc_by(n - before);
-                    }
-                }
-                e.last_errors = errs;
-                let rc = s.reconnects.load(Relaxed);
-                let _ = rc;
-                true
-            }
+            self.sq_free
+                .get_or_create(&e.labels)
+                .set(s.sq_free.load(Relaxed).min(e.depth) as i64);
+            self.cq_fill
+                .get_or_create(&e.labels)
+                .set(s.cq_fill.load(Relaxed) as f64 / e.cq_depth as f64);
+            true
         });
     }
 
-    /// Count reconnects as they happen (the data path's callback calls this).
-    pub fn reconnected(&self) {
-        self.reconnects.inc();
+    /// Record what a data path run measured: post-to-completion latency of
+    /// its signaled requests and the time each reconnect took.
+    pub fn datapath_report(&self, direction: &str, r: &Report) {
+        let d = vec![("direction".to_string(), direction.to_string())];
+        let h = self.wr_latency.get_or_create(&d);
+        for &ns in r.latency.samples() {
+            h.observe(ns as f64 / 1e9);
+        }
+        for &s in &r.reconnect_seconds {
+            self.reconnect_seconds.observe(s);
+        }
     }
 
     /// The text exposition (what `/metrics` returns).
@@ -380,10 +397,20 @@ mod tests {
             t.contains(r#"rcp_error_cqes_total{status="wr_flush_err"} 2"#),
             "{t}"
         );
-        // A data path that ends disappears from the gauges.
+        // What a data path did just before it ended is still counted, and
+        // its queue gauges go with it.
+        s.count_error(WcStatus::RemoteAccess);
+        s.reconnects.fetch_add(2, Relaxed);
         drop(s);
         let t = m.render();
         assert!(!t.contains("rcp_sq_free_slots{"), "{t}");
+        assert!(
+            t.contains(r#"rcp_error_cqes_total{status="rem_access_err"} 1"#),
+            "{t}"
+        );
+        assert!(t.contains("rcp_reconnects_total 2"), "{t}");
+        let t = m.render();
+        assert!(t.contains("rcp_reconnects_total 2"), "{t}");
     }
 
     #[tokio::test]

@@ -109,3 +109,9 @@ fn copy_between_two_rcpds() {
         assert_eq!(e.code(), tonic::Code::NotFound, "{e}");
     });
 }
+
+#[test]
+fn metrics_are_scraped_during_a_copy() {
+    let tmp = tempfile::tempdir().unwrap();
+    common::metrics::metrics_during_copy("tcp", tmp.path(), 64 << 20);
+}

@@ -129,3 +129,40 @@ fn verbs_wrong_token_is_refused() {
     assert!(r.stderr.contains("invalid token"), "{}", r.stderr);
     assert!(!root.join("f").exists());
 }
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test-all.sh (soft-RoCE VM)"]
+fn verbs_metrics_are_scraped_during_a_copy() {
+    let t = tmp();
+    common::metrics::metrics_during_copy(V, t.path(), 12 << 20);
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test-all.sh (soft-RoCE VM)"]
+fn verbs_doctor_cli_is_healthy() {
+    let t = tmp();
+    let d = Rcpd::start(t.path(), V, Some("tok"), &[]);
+    let r = rcp(d.port, V, Some("tok"), &["doctor", "127.0.0.1"]);
+    println!("{}", r.stdout);
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    assert!(!r.stdout.contains("[FAIL]"), "{}", r.stdout);
+    for check in ["devices", "port", "gid", "memlock", "rcpd"] {
+        assert!(
+            r.stdout
+                .lines()
+                .any(|l| l.starts_with("[ok  ] ") && l[7..].starts_with(check)),
+            "no passing {check} check:\n{}",
+            r.stdout
+        );
+    }
+    assert!(
+        r.stdout.contains("rxe0") && r.stdout.contains("active MTU"),
+        "{}",
+        r.stdout
+    );
+    assert!(r.stdout.contains("accepts the token"), "{}", r.stdout);
+    // A wrong token: the local checks still pass, the rcpd check fails.
+    let r = rcp(d.port, V, Some("nope"), &["doctor", "127.0.0.1"]);
+    assert_eq!(r.code, 6, "{}{}", r.stdout, r.stderr);
+    assert!(r.stdout.contains("[FAIL] rcpd"), "{}", r.stdout);
+}

@@ -69,6 +69,9 @@ pub struct ClientOptions {
     /// Pin the completion thread to this CPU.
     pub cq_cpu: Option<usize>,
     pub connect_timeout: Duration,
+    /// Export the data path's queue gauges, error completions, reconnects
+    /// and latency here (rcpd's own metrics when it copies for a service).
+    pub metrics: Option<Arc<crate::metrics::Metrics>>,
 }
 
 impl Default for ClientOptions {
@@ -86,6 +89,7 @@ impl Default for ClientOptions {
             poll_mode: None,
             cq_cpu: None,
             connect_timeout: Duration::from_secs(10),
+            metrics: None,
         }
     }
 }
@@ -279,8 +283,18 @@ impl Client {
             self.opts.cq_cpu,
         ))
         .map_err(|e| ControlError::Usage(e.to_string()))?;
+        let dp = Arc::new(dp);
+        if let Some(m) = &self.opts.metrics {
+            let (device, qp) = match (&link.device, link.verbs_params()) {
+                (Some(d), Some(p)) => (d.ctx.name().to_string(), p.endpoint.map_or(0, |e| e.qpn)),
+                _ => ("tcp".to_string(), resp.session_id as u32),
+            };
+            let sq = channel.caps().sq_depth;
+            m.track(&device, qp, sq, sq, dp.stats());
+        }
         Ok(Session {
-            dp: Arc::new(dp),
+            dp,
+            metrics: self.opts.metrics.clone(),
             rd_atomic: resp.client_rd_atomic,
             window: resp.window_size.max(1),
             rpc: self.rpc.clone(),
@@ -297,6 +311,7 @@ impl Client {
 /// A session: one data channel, files moved one after another.
 pub struct Session {
     dp: Arc<DataPath>,
+    metrics: Option<Arc<crate::metrics::Metrics>>,
     /// Window size granted by the server.
     window: u64,
     rd_atomic: u32,
@@ -788,9 +803,13 @@ impl Session {
         let mut transfer = self.transfer(OpKind::Write, vlen)?;
         let channel = self.channel.clone();
         let (dp, mut reconnect) = (self.dp.clone(), self.reconnector());
+        let metrics = self.metrics.clone();
         let runner = tokio::task::spawn_blocking(move || {
             let moved = movement::run(&dp, &*channel, &mut transfer, &mut io, &mut reconnect)
                 .map_err(move_err)?;
+            if let Some(m) = &metrics {
+                m.datapath_report("push", &moved.report);
+            }
             // Blocks the server found damaged go again until every window
             // is acknowledged.
             while let Ok(Order::Resend { grant, blocks }) = orx.recv() {
@@ -957,9 +976,13 @@ impl Session {
         let mut transfer = self.transfer(OpKind::Read, vlen)?;
         let channel = self.channel.clone();
         let (dp, mut reconnect) = (self.dp.clone(), self.reconnector());
+        let metrics = self.metrics.clone();
         let runner = tokio::task::spawn_blocking(move || {
             let moved = movement::run(&dp, &*channel, &mut transfer, &mut io, &mut reconnect)
                 .map_err(move_err)?;
+            if let Some(m) = &metrics {
+                m.datapath_report("pull", &moved.report);
+            }
             Ok((moved, io.dest))
         });
         let (moved, dest, committed) = drive(

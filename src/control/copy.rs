@@ -85,6 +85,8 @@ pub fn start(svc: Arc<Service>, cfg: ServiceConfig, req: CopyRequest) -> Result<
         Err(e) => return Err(ControlError::from(e).into()),
     }
     let mut opts = cfg.copy_client.clone();
+    // The data path this copy drives shows in this rcpd's /metrics.
+    opts.metrics = Some(svc.metrics.clone());
     if !req.remote_token.is_empty() {
         opts.token = Some(req.remote_token.clone());
     }

@@ -16,6 +16,8 @@ pub struct Moved {
     pub seconds: f64,
     pub posted: u64,
     pub reconnects: u64,
+    /// The data path's full report (latency samples, reconnect times, ...).
+    pub report: crate::datapath::Report,
 }
 
 /// Why a run failed.
@@ -72,6 +74,7 @@ pub fn run(
             seconds: r.seconds,
             posted: r.posted,
             reconnects: r.reconnects,
+            report: r,
         }),
         Err(DataPathError::Io {
             file_offset,

@@ -2,6 +2,8 @@
 //! digests with the `sha256sum` command.
 #![allow(dead_code)]
 
+pub mod metrics;
+
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
