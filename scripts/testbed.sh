@@ -26,7 +26,7 @@ cache=${RCP_TESTBED_CACHE:-/var/cache/rcp-testbed}
 
 apt_pkgs=(qemu-system-x86 rdma-core ibverbs-providers ibverbs-utils libibverbs-dev
   librdmacm-dev perftest busybox-static kmod iproute2 libclang-dev protobuf-compiler
-  procps util-linux iptables pkg-config)
+  procps util-linux iptables pkg-config openssl)
 
 log() { echo "testbed: $*" >&2; }
 

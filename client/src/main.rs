@@ -8,7 +8,7 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use rcp::control::cli::{self, parse_remote, Job, Observer, Totals};
-use rcp::control::{exit, Client, ClientOptions, ControlError, FileResult, Transport};
+use rcp::control::{exit, Client, ClientOptions, ClientTls, ControlError, FileResult, Transport};
 
 const AFTER_HELP: &str = "\
 Remote paths are HOST:PATH or [IPV6]:PATH, resolved beneath the server's --root.
@@ -76,6 +76,18 @@ struct Cli {
     /// No progress, no summary.
     #[arg(short, long, env = "RCP_QUIET", global = true)]
     quiet: bool,
+    /// Talk TLS to rcpd, trusting this PEM CA.
+    #[arg(long, env = "RCP_TLS_CA", global = true)]
+    tls_ca: Option<PathBuf>,
+    /// Client certificate (PEM) for an rcpd that requires mutual TLS.
+    #[arg(long, env = "RCP_TLS_CERT", global = true, requires = "tls_ca")]
+    tls_cert: Option<PathBuf>,
+    /// Private key (PEM) of --tls-cert.
+    #[arg(long, env = "RCP_TLS_KEY", global = true, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// Name rcpd's certificate must carry (default: the host given).
+    #[arg(long, env = "RCP_TLS_DOMAIN", global = true, requires = "tls_ca")]
+    tls_domain: Option<String>,
     /// More logging (-v, -vv).
     #[arg(short, long, action = clap::ArgAction::Count, global = true)]
     verbose: u8,
@@ -173,6 +185,12 @@ async fn run(c: Cli) -> Result<(), ControlError> {
         inline: c.inline,
         poll_mode: c.poll_mode,
         cq_cpu: c.cq_cpu,
+        tls: c.tls_ca.clone().map(|ca| ClientTls {
+            ca,
+            cert: c.tls_cert.clone(),
+            key: c.tls_key.clone(),
+            domain: c.tls_domain.clone(),
+        }),
         ..ClientOptions::default()
     };
     let (recursive, args, push) = match &c.cmd {

@@ -9,7 +9,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::Parser;
 use rcp::control::daemon::{self, DaemonConfig};
-use rcp::control::Transport;
+use rcp::control::{ServerTls, Transport};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -66,6 +66,19 @@ struct Args {
     /// Log filter (tracing EnvFilter syntax, e.g. info or rcp=debug).
     #[arg(long, env = "RCPD_LOG", default_value = "info")]
     log: String,
+    /// PEM certificate (chain) for TLS on the gRPC port.
+    #[arg(long, env = "RCPD_TLS_CERT")]
+    tls_cert: Option<PathBuf>,
+    /// PEM private key of --tls-cert.
+    #[arg(long, env = "RCPD_TLS_KEY")]
+    tls_key: Option<PathBuf>,
+    /// Require client certificates signed by this PEM CA (mutual TLS).
+    #[arg(long, env = "RCPD_TLS_CLIENT_CA")]
+    tls_client_ca: Option<PathBuf>,
+    /// CA to trust when this rcpd copies to or from another (Copy API);
+    /// default: --tls-client-ca.
+    #[arg(long, env = "RCPD_TLS_PEER_CA")]
+    tls_peer_ca: Option<PathBuf>,
     /// Seconds running transfers get to finish after SIGTERM/SIGINT.
     #[arg(long, env = "RCPD_SHUTDOWN_GRACE", default_value_t = 30)]
     shutdown_grace: u64,
@@ -124,6 +137,9 @@ fn main() -> anyhow::Result<()> {
         batch: a.batch,
         signal_every: a.signal_every,
         shutdown_grace: Duration::from_secs(a.shutdown_grace),
+        tls: ServerTls::from_flags(a.tls_cert, a.tls_key, a.tls_client_ca)
+            .map_err(|e| anyhow::anyhow!(e))?,
+        tls_peer_ca: a.tls_peer_ca,
     };
     let rt = tokio::runtime::Runtime::new().context("starting the runtime")?;
     rt.block_on(daemon::run(cfg, daemon::shutdown_signal(), |b, why| {

@@ -39,6 +39,11 @@ pub struct DaemonConfig {
     pub batch: usize,
     pub signal_every: usize,
     pub shutdown_grace: Duration,
+    /// TLS on the gRPC port (mTLS when it names a client CA).
+    pub tls: Option<super::tls::ServerTls>,
+    /// CA to trust when this rcpd copies to/from another (Copy API);
+    /// default: the client CA.
+    pub tls_peer_ca: Option<PathBuf>,
 }
 
 /// Addresses actually bound (port 0 resolved).
@@ -100,6 +105,10 @@ pub async fn run(
             batch: cfg.batch,
             signal_every: cfg.signal_every,
             cq_cpu: cfg.cq_cpu,
+            tls: cfg
+                .tls
+                .as_ref()
+                .and_then(|t| t.as_client(cfg.tls_peer_ca.clone())),
             ..ClientOptions::default()
         },
         idle_timeout: Duration::from_secs(300),
@@ -160,8 +169,14 @@ pub async fn run(
     on_bound(&bound, &why);
 
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let mut builder = Server::builder();
+    if let Some(t) = &cfg.tls {
+        builder = builder
+            .tls_config(t.config()?)
+            .map_err(|e| ControlError::Usage(format!("TLS configuration: {e}")))?;
+    }
     let server = tokio::spawn(
-        Server::builder()
+        builder
             .add_service(health_svc)
             .add_service(reflection)
             .add_service(rcp)

@@ -22,12 +22,14 @@ pub mod fsutil;
 pub mod link;
 pub mod movement;
 pub mod server;
+pub mod tls;
 
 use std::sync::atomic::AtomicU64;
 
 pub use client::{Client, ClientOptions, FileResult, Session};
 pub use error::{exit, ControlError};
 pub use link::Transport;
+pub use tls::{ClientTls, ServerTls};
 
 /// Protocol version spoken.
 pub const VERSION_MAJOR: u32 = 1;
