@@ -22,7 +22,8 @@ use crate::files::{
 };
 use crate::mem::{Block, PeerSpan};
 use crate::proto::{self, client_msg, server_msg, ClientMsg, Direction, ServerMsg};
-use crate::provider::{Access, ProviderKind, Registration};
+use crate::provider::tcp::SessionBinding;
+use crate::provider::{Access, Domain, ProviderKind, Registration};
 use crate::verbs::{QpEndpoint, VerbsChannel};
 
 /// Server settings.
@@ -40,6 +41,12 @@ pub struct ServiceConfig {
 struct Session {
     kind: ProviderKind,
     block_size: u64,
+    /// The session's own protection domain: its transfers' windows are
+    /// registered here, and only its QP / data connections reach it, so an
+    /// rkey granted to this session is useless on any other.
+    domain: Arc<dyn Domain>,
+    /// TCP: the key binding the session's data connections to `domain`.
+    _tcp_binding: Option<SessionBinding>,
     qp: Option<Mutex<VerbsChannel>>,
     /// The negotiated (initiator, responder) depths, reused on reconnect.
     rd: (u32, u32),
@@ -227,9 +234,16 @@ impl Service {
         };
         let mut qp = None;
         let mut rd = (1, 1);
+        let sd = self.link.session_domain()?;
         match self.link.kind {
             ProviderKind::Tcp => {
                 let t = self.link.tcp_target.as_ref().expect("tcp target");
+                resp.tcp_session_key = sd
+                    .tcp
+                    .as_ref()
+                    .expect("a tcp session domain has a key")
+                    .key()
+                    .to_vec();
                 let a = t.local_addr();
                 resp.tcp_data_host = if a.ip().is_unspecified() {
                     String::new()
@@ -247,7 +261,14 @@ impl Service {
                 })?)?;
                 let dev = self.link.device.as_ref().expect("verbs device");
                 let caps = dev.ctx.caps();
-                let q = dev.queue_pair(16, 0, Access::REMOTE_WRITE | Access::REMOTE_READ, false)?;
+                let pd = sd.pd.as_ref().expect("a verbs session domain has a PD");
+                let q = dev.queue_pair_in(
+                    pd,
+                    16,
+                    0,
+                    Access::REMOTE_WRITE | Access::REMOTE_READ,
+                    false,
+                )?;
                 let params = dev.params(&q);
                 let ch = VerbsChannel::new(q);
                 let client_rd = v.max_qp_init_rd_atom.min(caps.max_qp_rd_atom).max(1);
@@ -268,6 +289,8 @@ impl Service {
             Arc::new(Session {
                 kind: self.link.kind,
                 block_size,
+                domain: sd.domain,
+                _tcp_binding: sd.tcp,
                 qp,
                 rd,
                 epoch: AtomicU64::new(0),
@@ -375,8 +398,14 @@ impl Service {
         self.metrics.transfer_started();
         let started = std::time::Instant::now();
         let (dir, r) = match Direction::try_from(open.direction) {
-            Ok(Direction::Push) => ("push", self.clone().push(open, bs, rx, tx).await),
-            Ok(Direction::Pull) => ("pull", self.clone().pull(open, bs, rx, tx).await),
+            Ok(Direction::Push) => (
+                "push",
+                self.clone().push(&*session.domain, open, bs, rx, tx).await,
+            ),
+            Ok(Direction::Pull) => (
+                "pull",
+                self.clone().pull(&*session.domain, open, bs, rx, tx).await,
+            ),
             _ => (
                 "unknown",
                 Err(ControlError::Invalid(format!(
@@ -402,6 +431,7 @@ impl Service {
     #[allow(clippy::too_many_arguments)]
     async fn grant_more(
         &self,
+        domain: &dyn Domain,
         wins: &mut HashMap<u64, Win>,
         next_voff: &mut u64,
         vlen: u64,
@@ -423,7 +453,7 @@ impl Service {
             let span = PeerSpan::new(block.arena(), block.addr(), len as usize)
                 .expect("a window lies inside its slot");
             let digests = fill(&span, *next_voff, len)?;
-            let reg = self.link.domain.register(&span, access)?;
+            let reg = domain.register(&span, access)?;
             let id = self.next_id.fetch_add(1, Relaxed);
             let g = proto::Grant {
                 window_id: id,
@@ -500,6 +530,7 @@ impl Service {
 
     async fn push(
         self: Arc<Self>,
+        domain: &dyn Domain,
         open: proto::Open,
         bs: u64,
         rx: &mut Streaming<ClientMsg>,
@@ -560,6 +591,7 @@ impl Service {
         let mut verified = 0u64;
         let mut no_fill = |_: &PeerSpan, _: u64, _: u64| Ok(Vec::new());
         self.grant_more(
+            domain,
             &mut wins,
             &mut next_voff,
             vlen,
@@ -629,7 +661,7 @@ impl Service {
                         // are already written; writing them again is a no-op).
                         tracing::warn!(window = d.window_id, blocks = ?bad, "block digest mismatch: asking the client to resend");
                         w.epoch += 1;
-                        let reg = self.link.domain.register(&w.span, Access::REMOTE_WRITE)?;
+                        let reg = domain.register(&w.span, Access::REMOTE_WRITE)?;
                         let g = proto::Grant {
                             window_id: d.window_id,
                             addr: reg.addr(),
@@ -664,6 +696,7 @@ impl Service {
                     .await
                     .map_err(|_| ControlError::Retryable("client went away".into()))?;
                     self.grant_more(
+                        domain,
                         &mut wins,
                         &mut next_voff,
                         vlen,
@@ -714,6 +747,7 @@ impl Service {
 
     async fn pull(
         self: Arc<Self>,
+        domain: &dyn Domain,
         open: proto::Open,
         bs: u64,
         rx: &mut Streaming<ClientMsg>,
@@ -762,6 +796,7 @@ impl Service {
             in_place(|| fill_window(&src, span, voff, len, bs, &moving, &mut h))
         };
         self.grant_more(
+            domain,
             &mut wins,
             &mut next_voff,
             vlen,
@@ -787,6 +822,7 @@ impl Service {
                     self.stats.bytes_out.fetch_add(w.len, Relaxed);
                     drop(w);
                     self.grant_more(
+                        domain,
                         &mut wins,
                         &mut next_voff,
                         vlen,
