@@ -117,6 +117,92 @@ fn push_pull_tree_of_200_files() {
     }
 }
 
+/// `-r` copies empty directories too, both ways (scp -r, rsync -r), and a
+/// tree that is nothing but empty directories.
+#[test]
+fn push_pull_tree_with_empty_directories() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("root");
+    std::fs::create_dir(&root).unwrap();
+    let d = Rcpd::start(&root, T, None, &[]);
+    let tree = tmp.path().join("etree");
+    let empties = ["empty", "deep/er/est", "full/empty-beside-a-file"];
+    for e in empties {
+        std::fs::create_dir_all(tree.join(e)).unwrap();
+    }
+    make_file(&tree.join("full/f"), 5000, 3);
+    let bare = tmp.path().join("bare");
+    std::fs::create_dir_all(bare.join("x/y")).unwrap();
+    for src in [&tree, &bare] {
+        let r = rcp(
+            d.port,
+            T,
+            None,
+            &["push", "-r", src.to_str().unwrap(), "127.0.0.1:/"],
+        );
+        assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    }
+    for e in empties {
+        assert!(root.join("etree").join(e).is_dir(), "pushed {e}");
+        if e != "full/empty-beside-a-file" {
+            assert!(names(&root.join("etree").join(e)).is_empty(), "{e}");
+        }
+    }
+    assert_eq!(
+        sha256sum(&tree.join("full/f")),
+        sha256sum(&root.join("etree/full/f"))
+    );
+    assert!(
+        root.join("bare/x/y").is_dir(),
+        "an all-empty tree is pushed"
+    );
+    let back = tmp.path().join("back");
+    std::fs::create_dir(&back).unwrap();
+    for name in ["etree", "bare"] {
+        let r = rcp(
+            d.port,
+            T,
+            None,
+            &[
+                "pull",
+                "-r",
+                &format!("127.0.0.1:{name}"),
+                back.to_str().unwrap(),
+            ],
+        );
+        assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    }
+    for e in empties {
+        assert!(back.join("etree").join(e).is_dir(), "pulled {e}");
+    }
+    assert_eq!(
+        sha256sum(&tree.join("full/f")),
+        sha256sum(&back.join("etree/full/f"))
+    );
+    assert!(
+        back.join("bare/x/y").is_dir(),
+        "an all-empty tree is pulled"
+    );
+    // A non-directory in the way is refused, not replaced.
+    std::fs::write(tmp.path().join("clash"), b"x").unwrap();
+    std::fs::create_dir_all(tmp.path().join("clashing/etree")).unwrap();
+    std::fs::write(root.join("etree/empty-file-here"), b"").unwrap();
+    std::fs::create_dir_all(tmp.path().join("clashing/etree/empty-file-here")).unwrap();
+    let r = rcp(
+        d.port,
+        T,
+        None,
+        &[
+            "push",
+            "-r",
+            tmp.path().join("clashing/etree").to_str().unwrap(),
+            "127.0.0.1:/",
+        ],
+    );
+    assert_ne!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    assert!(root.join("etree/empty-file-here").is_file());
+}
+
 /// `rcp --block-size 64K ARGS` (small blocks: the manifest grows as
 /// windows are verified, so the test can see progress).
 fn rcp64(port: u16, args: &[&str]) -> std::process::Command {

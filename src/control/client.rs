@@ -208,6 +208,15 @@ impl Client {
             .entries)
     }
 
+    /// `mkdir -p` of a remote directory.
+    pub async fn make_dir(&self, path: &str) -> Result<()> {
+        self.rpc
+            .clone()
+            .make_dir(proto::MakeDirRequest { path: path.into() })
+            .await?;
+        Ok(())
+    }
+
     /// Service API: ask this rcpd to copy to or from another rcpd; progress
     /// messages until the end.
     pub async fn copy(&self, req: proto::CopyRequest) -> Result<Streaming<proto::CopyProgress>> {

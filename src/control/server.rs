@@ -1089,6 +1089,22 @@ impl proto::rcp_server::Rcp for RcpService {
         Ok(Response::new(proto::ListResponse { entries }))
     }
 
+    async fn make_dir(
+        &self,
+        req: Request<proto::MakeDirRequest>,
+    ) -> std::result::Result<Response<proto::MakeDirResponse>, Status> {
+        let path = req.into_inner().path;
+        let rel = fsutil::root_rel(&path);
+        let root = &self.0.root;
+        in_place(|| root.create_dir_all(&rel)).map_err(|e| match e {
+            FileError::Path(PathError::NotADirectory { .. }) => {
+                ControlError::Invalid(format!("{path}: a non-directory is in the way"))
+            }
+            e => e.into(),
+        })?;
+        Ok(Response::new(proto::MakeDirResponse {}))
+    }
+
     type CopyStream = BoxStream<proto::CopyProgress>;
 
     async fn copy(
