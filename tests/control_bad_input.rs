@@ -355,6 +355,7 @@ fn garbage_and_malformed_messages_are_refused() {
                 window_id: id,
                 epoch: 0,
                 block_sha256: vec![],
+                ..Default::default()
             })),
         };
         let cases: Vec<(Vec<ClientMsg>, Code, &str)> = vec![
@@ -424,6 +425,7 @@ fn garbage_and_malformed_messages_are_refused() {
                     window_id: gid.unwrap(),
                     epoch,
                     block_sha256: vec![vec![0u8; 32]],
+                    ..Default::default()
                 })),
             })
             .unwrap();
@@ -618,6 +620,7 @@ fn a_damaged_block_is_sent_again() {
                 window_id: g.window_id,
                 epoch,
                 block_sha256: vec![digest(&good[..4096]), digest(&good[4096..])],
+                ..Default::default()
             })),
         };
         tx.send(done(0)).unwrap();
@@ -740,6 +743,7 @@ fn an_rkey_works_only_in_its_own_session() {
                 window_id: g.window_id,
                 epoch: 0,
                 block_sha256: vec![digest(&good[..4096]), digest(&good[4096..])],
+                ..Default::default()
             })),
         })
         .unwrap();

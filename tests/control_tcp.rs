@@ -447,3 +447,50 @@ fn doctor_checks_the_remote_rcpd_and_its_token() {
     assert!(r.stdout.contains("invalid token"), "{}", r.stdout);
     assert_eq!(r.code, 6);
 }
+
+/// A pulled block that arrives damaged (test fault injection in rcp) is read
+/// again and the copy completes with the right digest; one damaged on every
+/// attempt fails the copy after 3 re-reads (exit 6), leaving no file.
+#[test]
+fn a_damaged_pulled_block_is_read_again() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("root");
+    std::fs::create_dir(&root).unwrap();
+    let d = Rcpd::start(&root, T, None, &[]);
+    make_file(&root.join("src"), (3 << 20) + 5, 17);
+    let back = tmp.path().join("back");
+    std::fs::create_dir(&back).unwrap();
+    let pull = |faults: &str, name: &str| {
+        let out = rcp_cmd(
+            d.port,
+            T,
+            None,
+            &["pull", "127.0.0.1:src", back.join(name).to_str().unwrap()],
+        )
+        .env("RCP_TEST_CORRUPT_PULLED_BLOCKS", faults)
+        .output()
+        .unwrap();
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, stdout, stderr) = pull("1", "once");
+    assert_eq!(code, 0, "{stdout}{stderr}\n{}", d.log());
+    assert!(
+        stderr.contains("does not match the server's digest: reading it again"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("blocks read again"), "{stderr}");
+    assert_eq!(sha256sum(&back.join("once")), sha256sum(&root.join("src")));
+    for l in stderr.lines().filter(|l| l.contains("again")) {
+        println!("{l}");
+    }
+    // Damaged every time: 1 read + 3 re-reads, then a clear error.
+    let (code, stdout, stderr) = pull("100", "never");
+    assert_eq!(code, 6, "{stdout}{stderr}");
+    assert!(stderr.contains("after 3 re-reads"), "{stderr}");
+    assert!(!back.join("never").exists());
+    println!("{}", stderr.lines().last().unwrap_or_default());
+}

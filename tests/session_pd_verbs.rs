@@ -153,6 +153,7 @@ fn verbs_rkey_of_another_session_is_rem_access_err() {
                 window_id: g.window_id,
                 epoch: 0,
                 block_sha256: vec![digest(&good[..BS]), digest(&good[BS..])],
+                ..Default::default()
             })),
         })
         .unwrap();

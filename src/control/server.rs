@@ -812,12 +812,67 @@ impl Service {
         loop {
             match self.next_msg(rx).await? {
                 client_msg::Msg::WindowDone(d) => {
-                    let w = wins.remove(&d.window_id).ok_or_else(|| {
+                    let mut w = wins.remove(&d.window_id).ok_or_else(|| {
                         ControlError::Invalid(format!(
                             "window {} is not granted to this transfer",
                             d.window_id
                         ))
                     })?;
+                    if d.epoch != w.epoch {
+                        return Err(ControlError::Invalid(format!(
+                            "window {} epoch {} is not current ({})",
+                            d.window_id, d.epoch, w.epoch
+                        )));
+                    }
+                    if !d.reread_blocks.is_empty() {
+                        // Blocks that arrived damaged: read them from the
+                        // file again and grant the window once more.
+                        self.stats.integrity_failures.fetch_add(1, Relaxed);
+                        if w.epoch >= MAX_RESENDS {
+                            return Err(ControlError::Integrity(format!(
+                                "block(s) {:?} of window {} still do not match their digests after {MAX_RESENDS} re-reads",
+                                d.reread_blocks, d.window_id
+                            )));
+                        }
+                        let mut blocks = d.reread_blocks.clone();
+                        blocks.sort_unstable();
+                        blocks.dedup();
+                        let first = w.voff / bs;
+                        let end = (w.voff + w.len).div_ceil(bs);
+                        if blocks.iter().any(|b| *b < first || *b >= end) {
+                            return Err(ControlError::Invalid(format!(
+                                "re-read of blocks {blocks:?} outside window {}",
+                                d.window_id
+                            )));
+                        }
+                        tracing::warn!(
+                            window = d.window_id,
+                            ?blocks,
+                            "pulled block digest mismatch: reading the blocks again"
+                        );
+                        // Revoke the old rkey before touching the memory.
+                        drop(w.reg.take());
+                        let digests = in_place(|| {
+                            refill_blocks(&src, &w.span, w.voff, w.len, bs, &moving, &blocks)
+                        })?;
+                        w.epoch += 1;
+                        let reg = domain.register(&w.span, Access::REMOTE_READ)?;
+                        let g = proto::Grant {
+                            window_id: d.window_id,
+                            addr: reg.addr(),
+                            rkey: reg.rkey(),
+                            len: w.len,
+                            file_offset: w.voff,
+                            epoch: w.epoch,
+                            block_sha256: digests,
+                        };
+                        w.reg = Some(reg);
+                        wins.insert(d.window_id, w);
+                        tx.send(msg(server_msg::Msg::Grant(g)))
+                            .await
+                            .map_err(|_| ControlError::Retryable("client went away".into()))?;
+                        continue;
+                    }
                     released += w.len;
                     self.stats.bytes_out.fetch_add(w.len, Relaxed);
                     drop(w);
@@ -933,6 +988,35 @@ fn fill_window(
             .expect("window bounds")?;
         digests.push(d.to_vec());
         off += n as u64;
+    }
+    Ok(digests)
+}
+
+/// Read `blocks` (transfer indices inside the window at packed offset
+/// `voff`) from the file into the window again; their digests, in order.
+fn refill_blocks(
+    src: &SourceFile,
+    span: &PeerSpan,
+    voff: u64,
+    len: u64,
+    bs: u64,
+    moving: &[u64],
+    blocks: &[u64],
+) -> Result<Vec<Vec<u8>>> {
+    let first = voff / bs;
+    let mut digests = Vec::with_capacity(blocks.len());
+    for &vb in blocks {
+        let off = (vb - first) * bs;
+        let n = (len - off).min(bs) as usize;
+        let real = moving[vb as usize];
+        let d = span
+            .with_mut(off as usize, n, |buf| -> Result<[u8; 32]> {
+                fsutil::read_exact(src, real * bs, buf)
+                    .map_err(ControlError::io("reading the source file"))?;
+                Ok(files::block_digest(buf))
+            })
+            .expect("window bounds")?;
+        digests.push(d.to_vec());
     }
     Ok(digests)
 }
