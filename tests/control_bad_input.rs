@@ -159,20 +159,40 @@ fn open_msg(session: u64, dir: proto::Direction, path: &str, bs: u64) -> ClientM
     }
 }
 
-/// Post one WRITE of 4 KiB to (addr, rkey) over a fresh channel; the status.
-fn forged_write(port: u32, addr: u64, rkey: u32) -> WcStatus {
-    write_block(port, addr, rkey, &[0xee; 4096])
+/// Where a session's data connections go, and the key that binds them to it.
+#[derive(Clone)]
+struct DataPort {
+    port: u32,
+    key: Option<[u8; 16]>,
 }
 
-/// Post one WRITE of `data` (4 KiB) to (addr, rkey) over a fresh channel.
-fn write_block(port: u32, addr: u64, rkey: u32, data: &[u8]) -> WcStatus {
+fn data_port(hs: &proto::HandshakeResponse) -> DataPort {
+    DataPort {
+        port: hs.tcp_data_port,
+        key: Some(
+            hs.tcp_session_key
+                .as_slice()
+                .try_into()
+                .expect("a 16-byte session key"),
+        ),
+    }
+}
+
+/// Post one WRITE of 4 KiB to (addr, rkey) over a fresh channel; the status.
+fn forged_write(dp: &DataPort, addr: u64, rkey: u32) -> WcStatus {
+    write_block(dp, addr, rkey, &[0xee; 4096])
+}
+
+/// Post one WRITE of `data` (4 KiB) to (addr, rkey) over a fresh channel of
+/// the session `dp` belongs to.
+fn write_block(dp: &DataPort, addr: u64, rkey: u32, data: &[u8]) -> WcStatus {
     let domain = TcpDomain::new();
     let arena = Arena::new(&ArenaConfig::new(2 << 20)).unwrap();
     let span = PeerSpan::new(&arena, arena.addr(), 4096).unwrap();
     span.with_mut(0, 4096, |b| b.copy_from_slice(data)).unwrap();
     let reg = domain.register_span(&span, Access::LOCAL_WRITE).unwrap();
-    let ch =
-        TcpChannel::connect(domain, format!("127.0.0.1:{port}").parse().unwrap(), 1, 8).unwrap();
+    let addr_port = format!("127.0.0.1:{}", dp.port).parse().unwrap();
+    let ch = TcpChannel::connect_session(domain, addr_port, 1, 8, dp.key).unwrap();
     ch.post(&[WorkRequest {
         wr_id: 1,
         kind: OpKind::Write,
@@ -234,13 +254,13 @@ fn forged_rkeys_are_refused() {
             }
         }
         let g = grant.unwrap();
-        let port = hs.tcp_data_port;
+        let port = data_port(&hs);
         let st = tokio::task::spawn_blocking(move || {
             (
                 // WRITE into a window granted for READ: no access.
-                forged_write(port, g.addr, g.rkey),
+                forged_write(&port, g.addr, g.rkey),
                 // An rkey nobody granted.
-                forged_write(port, g.addr, g.rkey ^ 0x5a5a_1234),
+                forged_write(&port, g.addr, g.rkey ^ 0x5a5a_1234),
             )
         })
         .await
@@ -335,6 +355,7 @@ fn garbage_and_malformed_messages_are_refused() {
                 window_id: id,
                 epoch: 0,
                 block_sha256: vec![],
+                ..Default::default()
             })),
         };
         let cases: Vec<(Vec<ClientMsg>, Code, &str)> = vec![
@@ -404,6 +425,7 @@ fn garbage_and_malformed_messages_are_refused() {
                     window_id: gid.unwrap(),
                     epoch,
                     block_sha256: vec![vec![0u8; 32]],
+                    ..Default::default()
                 })),
             })
             .unwrap();
@@ -560,7 +582,7 @@ fn a_damaged_block_is_sent_again() {
     rt.block_on(async {
         let mut c = grpc(d.port).await;
         let hs = tcp_session(&mut c).await;
-        let port = hs.tcp_data_port;
+        let port = data_port(&hs);
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         let mut o = open_msg(hs.session_id, proto::Direction::Push, "resent", 4096);
         if let Some(client_msg::Msg::Open(op)) = o.msg.as_mut() {
@@ -583,11 +605,11 @@ fn a_damaged_block_is_sent_again() {
         assert_eq!((g.len, g.epoch), (8192, 0));
         // Block 0 intact, block 1 damaged on the way.
         let (b0, b1) = (good[..4096].to_vec(), good[4096..].to_vec());
-        let g2 = g.clone();
+        let (g2, p2) = (g.clone(), port.clone());
         let st = tokio::task::spawn_blocking(move || {
             (
-                write_block(port, g2.addr, g2.rkey, &b0),
-                write_block(port, g2.addr + 4096, g2.rkey, &[0u8; 4096]),
+                write_block(&p2, g2.addr, g2.rkey, &b0),
+                write_block(&p2, g2.addr + 4096, g2.rkey, &[0u8; 4096]),
             )
         })
         .await
@@ -598,6 +620,7 @@ fn a_damaged_block_is_sent_again() {
                 window_id: g.window_id,
                 epoch,
                 block_sha256: vec![digest(&good[..4096]), digest(&good[4096..])],
+                ..Default::default()
             })),
         };
         tx.send(done(0)).unwrap();
@@ -614,8 +637,8 @@ fn a_damaged_block_is_sent_again() {
         let st = tokio::task::spawn_blocking(move || {
             (
                 // The old rkey is revoked.
-                write_block(port, again.addr, old, &[1u8; 4096]),
-                write_block(port, again.addr + 4096, again.rkey, &b1),
+                write_block(&port, again.addr, old, &[1u8; 4096]),
+                write_block(&port, again.addr + 4096, again.rkey, &b1),
             )
         })
         .await
@@ -638,4 +661,119 @@ fn a_damaged_block_is_sent_again() {
         assert_eq!(c.sha256, digest(&good));
     });
     assert_eq!(std::fs::read(root.join("resent")).unwrap(), good);
+}
+
+/// Two sessions at once: session 2 uses session 1's currently valid window
+/// rkey and address over its own data connection. The target refuses it
+/// (each session has its own protection domain), session 1's bytes stay
+/// as written and its copy commits with the right digest.
+#[test]
+fn an_rkey_works_only_in_its_own_session() {
+    use sha2::{Digest, Sha256};
+    let (_tmp, root, d) = setup(None);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let good: Vec<u8> = (0..8192u32).map(|i| (i % 249) as u8).collect();
+    let digest = |b: &[u8]| Sha256::digest(b).to_vec();
+    rt.block_on(async {
+        let mut c = grpc(d.port).await;
+        let hs1 = tcp_session(&mut c).await;
+        let hs2 = tcp_session(&mut c).await;
+        assert_ne!(hs1.tcp_session_key, hs2.tcp_session_key);
+        let (p1, p2) = (data_port(&hs1), data_port(&hs2));
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let mut o = open_msg(hs1.session_id, proto::Direction::Push, "victim", 4096);
+        if let Some(client_msg::Msg::Open(op)) = o.msg.as_mut() {
+            op.length = 8192;
+        }
+        tx.send(o).unwrap();
+        let mut s = c
+            .transfer(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner();
+        let next = |m: Option<proto::ServerMsg>| m.unwrap().msg.unwrap();
+        assert!(matches!(
+            next(s.message().await.unwrap()),
+            server_msg::Msg::Opened(_)
+        ));
+        let server_msg::Msg::Grant(g) = next(s.message().await.unwrap()) else {
+            panic!("no grant")
+        };
+        let (b0, b1) = (good[..4096].to_vec(), good[4096..].to_vec());
+        let g2 = g.clone();
+        let st = tokio::task::spawn_blocking(move || {
+            let mine = (
+                write_block(&p1, g2.addr, g2.rkey, &b0),
+                write_block(&p1, g2.addr + 4096, g2.rkey, &b1),
+            );
+            // Session 1's window is live and its rkey valid: session 2
+            // tries it over its own data connection...
+            let other = forged_write(&p2, g2.addr, g2.rkey);
+            let other_hi = forged_write(&p2, g2.addr + 4096, g2.rkey);
+            // ...and so do a connection bound to no session and one naming
+            // a key nobody was given.
+            let unbound = forged_write(
+                &DataPort {
+                    key: None,
+                    ..p2.clone()
+                },
+                g2.addr,
+                g2.rkey,
+            );
+            let unknown = forged_write(
+                &DataPort {
+                    key: Some([0x42; 16]),
+                    ..p2.clone()
+                },
+                g2.addr,
+                g2.rkey,
+            );
+            (mine, other, other_hi, unbound, unknown)
+        })
+        .await
+        .unwrap();
+        assert_eq!(st.0, (WcStatus::Success, WcStatus::Success));
+        assert_eq!(st.1, WcStatus::RemoteAccess, "cross-session rkey");
+        assert_eq!(st.2, WcStatus::RemoteAccess, "cross-session rkey");
+        assert_eq!(st.3, WcStatus::RemoteAccess, "no session");
+        assert_eq!(st.4, WcStatus::RemoteAccess, "unknown session");
+        // Session 1's bytes are intact: no block needs resending.
+        tx.send(ClientMsg {
+            msg: Some(client_msg::Msg::WindowDone(proto::WindowDone {
+                window_id: g.window_id,
+                epoch: 0,
+                block_sha256: vec![digest(&good[..4096]), digest(&good[4096..])],
+                ..Default::default()
+            })),
+        })
+        .unwrap();
+        let server_msg::Msg::Ack(a) = next(s.message().await.unwrap()) else {
+            panic!("no ack")
+        };
+        assert!(a.resend_blocks.is_empty(), "{:?}", a.resend_blocks);
+        tx.send(ClientMsg {
+            msg: Some(client_msg::Msg::Commit(proto::Commit {
+                sha256: digest(&good),
+            })),
+        })
+        .unwrap();
+        let server_msg::Msg::Committed(cm) = next(s.message().await.unwrap()) else {
+            panic!("no commit")
+        };
+        assert_eq!(cm.sha256, digest(&good));
+    });
+    assert_eq!(std::fs::read(root.join("victim")).unwrap(), good);
+    assert_eq!(
+        sha256sum(&root.join("victim")),
+        hex_digest(&good),
+        "session 1's copy has the right digest"
+    );
+}
+
+fn hex_digest(b: &[u8]) -> String {
+    use sha2::{Digest, Sha256};
+    Sha256::digest(b)
+        .iter()
+        .map(|x| format!("{x:02x}"))
+        .collect()
 }

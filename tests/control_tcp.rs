@@ -117,6 +117,92 @@ fn push_pull_tree_of_200_files() {
     }
 }
 
+/// `-r` copies empty directories too, both ways (scp -r, rsync -r), and a
+/// tree that is nothing but empty directories.
+#[test]
+fn push_pull_tree_with_empty_directories() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("root");
+    std::fs::create_dir(&root).unwrap();
+    let d = Rcpd::start(&root, T, None, &[]);
+    let tree = tmp.path().join("etree");
+    let empties = ["empty", "deep/er/est", "full/empty-beside-a-file"];
+    for e in empties {
+        std::fs::create_dir_all(tree.join(e)).unwrap();
+    }
+    make_file(&tree.join("full/f"), 5000, 3);
+    let bare = tmp.path().join("bare");
+    std::fs::create_dir_all(bare.join("x/y")).unwrap();
+    for src in [&tree, &bare] {
+        let r = rcp(
+            d.port,
+            T,
+            None,
+            &["push", "-r", src.to_str().unwrap(), "127.0.0.1:/"],
+        );
+        assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    }
+    for e in empties {
+        assert!(root.join("etree").join(e).is_dir(), "pushed {e}");
+        if e != "full/empty-beside-a-file" {
+            assert!(names(&root.join("etree").join(e)).is_empty(), "{e}");
+        }
+    }
+    assert_eq!(
+        sha256sum(&tree.join("full/f")),
+        sha256sum(&root.join("etree/full/f"))
+    );
+    assert!(
+        root.join("bare/x/y").is_dir(),
+        "an all-empty tree is pushed"
+    );
+    let back = tmp.path().join("back");
+    std::fs::create_dir(&back).unwrap();
+    for name in ["etree", "bare"] {
+        let r = rcp(
+            d.port,
+            T,
+            None,
+            &[
+                "pull",
+                "-r",
+                &format!("127.0.0.1:{name}"),
+                back.to_str().unwrap(),
+            ],
+        );
+        assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    }
+    for e in empties {
+        assert!(back.join("etree").join(e).is_dir(), "pulled {e}");
+    }
+    assert_eq!(
+        sha256sum(&tree.join("full/f")),
+        sha256sum(&back.join("etree/full/f"))
+    );
+    assert!(
+        back.join("bare/x/y").is_dir(),
+        "an all-empty tree is pulled"
+    );
+    // A non-directory in the way is refused, not replaced.
+    std::fs::write(tmp.path().join("clash"), b"x").unwrap();
+    std::fs::create_dir_all(tmp.path().join("clashing/etree")).unwrap();
+    std::fs::write(root.join("etree/empty-file-here"), b"").unwrap();
+    std::fs::create_dir_all(tmp.path().join("clashing/etree/empty-file-here")).unwrap();
+    let r = rcp(
+        d.port,
+        T,
+        None,
+        &[
+            "push",
+            "-r",
+            tmp.path().join("clashing/etree").to_str().unwrap(),
+            "127.0.0.1:/",
+        ],
+    );
+    assert_ne!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    assert!(root.join("etree/empty-file-here").is_file());
+}
+
 /// `rcp --block-size 64K ARGS` (small blocks: the manifest grows as
 /// windows are verified, so the test can see progress).
 fn rcp64(port: u16, args: &[&str]) -> std::process::Command {
@@ -376,4 +462,51 @@ fn doctor_checks_the_remote_rcpd_and_its_token() {
     assert!(r.stdout.contains("[FAIL] rcpd"), "{}", r.stdout);
     assert!(r.stdout.contains("invalid token"), "{}", r.stdout);
     assert_eq!(r.code, 6);
+}
+
+/// A pulled block that arrives damaged (test fault injection in rcp) is read
+/// again and the copy completes with the right digest; one damaged on every
+/// attempt fails the copy after 3 re-reads (exit 6), leaving no file.
+#[test]
+fn a_damaged_pulled_block_is_read_again() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("root");
+    std::fs::create_dir(&root).unwrap();
+    let d = Rcpd::start(&root, T, None, &[]);
+    make_file(&root.join("src"), (3 << 20) + 5, 17);
+    let back = tmp.path().join("back");
+    std::fs::create_dir(&back).unwrap();
+    let pull = |faults: &str, name: &str| {
+        let out = rcp_cmd(
+            d.port,
+            T,
+            None,
+            &["pull", "127.0.0.1:src", back.join(name).to_str().unwrap()],
+        )
+        .env("RCP_TEST_CORRUPT_PULLED_BLOCKS", faults)
+        .output()
+        .unwrap();
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, stdout, stderr) = pull("1", "once");
+    assert_eq!(code, 0, "{stdout}{stderr}\n{}", d.log());
+    assert!(
+        stderr.contains("does not match the server's digest: reading it again"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("blocks read again"), "{stderr}");
+    assert_eq!(sha256sum(&back.join("once")), sha256sum(&root.join("src")));
+    for l in stderr.lines().filter(|l| l.contains("again")) {
+        println!("{l}");
+    }
+    // Damaged every time: 1 read + 3 re-reads, then a clear error.
+    let (code, stdout, stderr) = pull("100", "never");
+    assert_eq!(code, 6, "{stdout}{stderr}");
+    assert!(stderr.contains("after 3 re-reads"), "{stderr}");
+    assert!(!back.join("never").exists());
+    println!("{}", stderr.lines().last().unwrap_or_default());
 }

@@ -212,6 +212,16 @@ pub async fn push(
             for s in &tree.skipped {
                 tracing::warn!(path = %s.rel_path.display(), reason = s.reason, "skipped");
             }
+            // The tree's directories first, empty ones included (scp -r,
+            // rsync -r); files then create whatever parents they need.
+            client.make_dir(&base).await?;
+            for d in tree
+                .entries
+                .iter()
+                .filter(|e| e.kind == crate::files::EntryKind::Dir)
+            {
+                client.make_dir(&join_remote(&base, &d.rel_path)).await?;
+            }
             let files = tree
                 .entries
                 .into_iter()

@@ -291,6 +291,15 @@ impl Client {
             .entries)
     }
 
+    /// `mkdir -p` of a remote directory.
+    pub async fn make_dir(&self, path: &str) -> Result<()> {
+        self.rpc
+            .clone()
+            .make_dir(proto::MakeDirRequest { path: path.into() })
+            .await?;
+        Ok(())
+    }
+
     /// Service API: ask this rcpd to copy to or from another rcpd; progress
     /// messages until the end.
     pub async fn copy(&self, req: proto::CopyRequest) -> Result<Streaming<proto::CopyProgress>> {
@@ -585,6 +594,7 @@ impl PushIo {
                 window_id: g.window_id,
                 epoch: g.epoch,
                 block_sha256: digests,
+                ..Default::default()
             })),
         });
         Ok(())
@@ -638,6 +648,7 @@ impl BlockIo for PushIo {
                 window_id: id,
                 epoch: 0,
                 block_sha256: digests,
+                ..Default::default()
             })),
         });
     }
@@ -646,10 +657,68 @@ impl BlockIo for PushIo {
     }
 }
 
+/// Times a pulled block is read again after a digest mismatch before the
+/// copy fails (the server enforces the same bound).
+const MAX_REREADS: u32 = 3;
+
+/// Test-only fault injection, off unless this variable is set: the first N
+/// pulled blocks checked (first reads and re-reads alike) get one byte
+/// flipped in local memory before their digest is checked, as if damaged
+/// on the way.
+const FAULT_ENV: &str = "RCP_TEST_CORRUPT_PULLED_BLOCKS";
+
+fn pull_faults() -> u32 {
+    std::env::var(FAULT_ENV)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Check a pulled block in `staging` against `want`; write it if it
+/// matches. `Ok(false)`: it does not match (nothing written).
+fn check_pulled(
+    staging: &PeerSpan,
+    o: usize,
+    len: usize,
+    want: &[u8],
+    dest: &mut Destination,
+    real_block: u64,
+    faults: &mut u32,
+) -> std::io::Result<bool> {
+    let outside = || std::io::Error::other("local segment outside staging");
+    if *faults > 0 && len > 0 {
+        *faults -= 1;
+        staging
+            .with_mut(o, len, |b| b[0] ^= 0x5a)
+            .ok_or_else(outside)?;
+        tracing::warn!(block = real_block, "test fault: damaged a pulled block");
+    }
+    staging
+        .with(o, len, |buf| -> std::io::Result<bool> {
+            let got = files::block_digest(buf);
+            if got[..] != want[..] {
+                return Ok(false);
+            }
+            dest.write_block(real_block, buf, got)
+                .map_err(|e| std::io::Error::other(e.to_string()))?;
+            Ok(true)
+        })
+        .ok_or_else(outside)?
+}
+
 struct PullIo {
     sh: Shared,
     dest: Destination,
     expected: HashMap<u64, Vec<u8>>,
+    /// Packed length of the transfer.
+    vlen: u64,
+    /// Damaged blocks (transfer indices) per window, not yet reported.
+    bad: HashMap<u64, Vec<u64>>,
+    /// Blocks asked for again, per window, until the new grant comes.
+    rereading: HashMap<u64, Vec<u64>>,
+    /// Blocks read again so far (each attempt counts).
+    pub rereads: u64,
+    faults: u32,
 }
 
 impl BlockIo for PullIo {
@@ -661,21 +730,30 @@ impl BlockIo for PullIo {
         let real_block = self.sh.moving[vb as usize];
         let want = self.expected.remove(&vb).unwrap_or_default();
         let o = self.sh.slice_off(&local)?;
-        let dest = &mut self.dest;
-        self.sh
-            .staging
-            .with(o, local.len as usize, |buf| -> std::io::Result<()> {
-                let got = files::block_digest(buf);
-                if got[..] != want[..] {
-                    return Err(std::io::Error::new(
-                        std::io::ErrorKind::InvalidData,
-                        format!("block {real_block} does not match the server's digest"),
-                    ));
-                }
-                dest.write_block(real_block, buf, got)
-                    .map_err(|e| std::io::Error::other(e.to_string()))
-            })
-            .ok_or_else(|| std::io::Error::other("local segment outside staging"))??;
+        let ok = check_pulled(
+            &self.sh.staging,
+            o,
+            local.len as usize,
+            &want,
+            &mut self.dest,
+            real_block,
+            &mut self.faults,
+        )?;
+        if !ok {
+            let window = self
+                .sh
+                .windows
+                .iter()
+                .find(|(_, &(off, len))| voff >= off && voff < off + len)
+                .map(|(&id, _)| id)
+                .ok_or_else(|| std::io::Error::other(format!("block {vb} outside any window")))?;
+            tracing::warn!(
+                block = real_block,
+                window,
+                "pulled block does not match the server's digest: reading it again"
+            );
+            self.bad.entry(window).or_default().push(vb);
+        }
         Ok(())
     }
     fn block_done(&mut self, _block: u64, _off: u64, len: u32) {
@@ -684,11 +762,18 @@ impl BlockIo for PullIo {
     fn window_done(&mut self, id: u64) {
         self.sh.live -= 1;
         self.sh.windows.remove(&id);
+        let mut reread = self.bad.remove(&id).unwrap_or_default();
+        reread.sort_unstable();
+        reread.dedup();
+        if !reread.is_empty() {
+            self.rereading.insert(id, reread.clone());
+        }
         let _ = self.sh.out.send(ClientMsg {
             msg: Some(client_msg::Msg::WindowDone(proto::WindowDone {
                 window_id: id,
                 epoch: 0,
                 block_sha256: Vec::new(),
+                reread_blocks: reread,
             })),
         });
     }
@@ -699,6 +784,145 @@ impl BlockIo for PullIo {
             self.expected.insert(first + i as u64, d);
         }
         Some(w)
+    }
+}
+
+/// Reads damaged blocks again under a window's new grant: one mini
+/// transfer over the same data path, one single-block window per block.
+struct RereadIo<'a> {
+    staging: &'a PeerSpan,
+    dest: &'a mut Destination,
+    bs: u64,
+    /// Per re-read block: transfer index, file block, expected digest.
+    blocks: Vec<(u64, u64, Vec<u8>)>,
+    still_bad: Vec<u64>,
+    faults: &'a mut u32,
+    windows: std::collections::VecDeque<Window>,
+}
+
+impl BlockIo for RereadIo<'_> {
+    fn fill(&mut self, _: u64, _: LocalSeg) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn drain(&mut self, voff: u64, local: LocalSeg) -> std::io::Result<()> {
+        let (vb, real, want) = &self.blocks[(voff / self.bs) as usize];
+        let o = local
+            .addr
+            .checked_sub(self.staging.addr())
+            .ok_or_else(|| std::io::Error::other("local segment outside staging"))?;
+        let ok = check_pulled(
+            self.staging,
+            o as usize,
+            local.len as usize,
+            want,
+            self.dest,
+            *real,
+            self.faults,
+        )?;
+        if !ok {
+            self.still_bad.push(*vb);
+        }
+        Ok(())
+    }
+    fn next_window(&mut self) -> Option<Window> {
+        self.windows.pop_front()
+    }
+}
+
+impl PullIo {
+    /// READ the blocks asked for again under the window's new grant `g`,
+    /// then report the window done (or ask again, up to [`MAX_REREADS`]).
+    fn reread(
+        &mut self,
+        dp: &DataPath,
+        channel: &dyn Channel,
+        buffers: &[LocalSeg],
+        g: &proto::Grant,
+        reconnect: &mut dyn FnMut() -> std::result::Result<(), ReconnectError>,
+    ) -> Result<()> {
+        let bs = self.sh.bs;
+        let blocks = self.rereading.remove(&g.window_id).ok_or_else(|| {
+            ControlError::Invalid(format!(
+                "grant of window {} epoch {} that was not asked for",
+                g.window_id, g.epoch
+            ))
+        })?;
+        let first = g.file_offset / bs;
+        if g.block_sha256.len() != blocks.len()
+            || blocks
+                .iter()
+                .any(|&b| b < first || b >= (g.file_offset + g.len).div_ceil(bs))
+        {
+            return Err(ControlError::Invalid(format!(
+                "window {} granted again with {} digests for blocks {blocks:?}",
+                g.window_id,
+                g.block_sha256.len()
+            )));
+        }
+        let blen = |vb: u64| (self.vlen - vb * bs).min(bs);
+        let rvlen: u64 = blocks.iter().map(|&b| blen(b)).sum();
+        let windows = blocks
+            .iter()
+            .enumerate()
+            .map(|(k, &vb)| Window {
+                id: k as u64 + 1,
+                remote_addr: g.addr + (vb - first) * bs,
+                rkey: g.rkey,
+                len: blen(vb),
+                file_offset: k as u64 * bs,
+                epoch: g.epoch,
+            })
+            .collect();
+        let cfg = dp
+            .config()
+            .transfer_config(OpKind::Read, rvlen, bs, &channel.caps())
+            .map_err(|e| ControlError::Usage(e.to_string()))?;
+        let mut t = Transfer::new(cfg, buffers.to_vec())
+            .map_err(|e| ControlError::Other(format!("transfer setup: {e}")))?;
+        self.rereads += blocks.len() as u64;
+        let mut rio = RereadIo {
+            staging: &self.sh.staging,
+            dest: &mut self.dest,
+            bs,
+            blocks: blocks
+                .iter()
+                .zip(&g.block_sha256)
+                .map(|(&vb, d)| (vb, self.sh.moving[vb as usize], d.clone()))
+                .collect(),
+            still_bad: Vec::new(),
+            faults: &mut self.faults,
+            windows,
+        };
+        movement::run(dp, channel, &mut t, &mut rio, reconnect).map_err(move_err)?;
+        let still_bad = rio.still_bad;
+        tracing::warn!(
+            window = g.window_id,
+            ?blocks,
+            epoch = g.epoch,
+            damaged_again = still_bad.len(),
+            "blocks read again"
+        );
+        if !still_bad.is_empty() {
+            if g.epoch >= MAX_REREADS {
+                return Err(ControlError::Integrity(format!(
+                    "block(s) {:?} still do not match the server's digest after {MAX_REREADS} re-reads",
+                    still_bad
+                        .iter()
+                        .map(|&vb| self.sh.moving[vb as usize])
+                        .collect::<Vec<_>>()
+                )));
+            }
+            self.rereading.insert(g.window_id, still_bad.clone());
+        }
+        let _ = self.sh.out.send(ClientMsg {
+            msg: Some(client_msg::Msg::WindowDone(proto::WindowDone {
+                window_id: g.window_id,
+                epoch: g.epoch,
+                block_sha256: Vec::new(),
+                reread_blocks: still_bad,
+            })),
+        });
+        Ok(())
     }
 }
 
@@ -1051,7 +1275,14 @@ impl Session {
             sh: self.shared(moving, grx, out.clone(), progress),
             dest,
             expected: HashMap::new(),
+            vlen,
+            bad: HashMap::new(),
+            rereading: HashMap::new(),
+            rereads: 0,
+            faults: pull_faults(),
         };
+        let (otx, orx) = smpsc::channel::<Order>();
+        let buffers = self.link.buffers.clone();
         let mut transfer = self.transfer(OpKind::Read, vlen)?;
         let channel = self.channel.clone();
         let (dp, mut reconnect) = (self.dp.clone(), self.reconnector());
@@ -1062,6 +1293,17 @@ impl Session {
             if let Some(m) = &metrics {
                 m.datapath_report("pull", &moved.report);
             }
+            // Blocks that arrived damaged are read again, under the new
+            // grant of their window, until the server has every window back.
+            while let Ok(Order::Resend { grant, .. }) = orx.recv() {
+                io.reread(&dp, &*channel, &buffers, &grant, &mut reconnect)?;
+            }
+            if io.rereads > 0 {
+                tracing::warn!(
+                    blocks = io.rereads,
+                    "pulled blocks read again after a digest mismatch"
+                );
+            }
             Ok((moved, io.dest))
         });
         let (moved, dest, committed) = drive(
@@ -1070,7 +1312,7 @@ impl Session {
             runner,
             &out,
             None::<fn(&Destination) -> Vec<u8>>,
-            None,
+            Some((otx, u64::MAX)),
         )
         .await?;
         let committed = committed.expect("pull ends with Committed");
@@ -1168,8 +1410,14 @@ async fn drive<T>(
                 };
                 match m.and_then(|m| m.msg) {
                     Some(server_msg::Msg::Grant(g)) if g.epoch > 0 => {
-                        // A window granted again for blocks to resend.
-                        let (Some((o, _)), Some(blocks)) = (&orders, resend.remove(&g.window_id))
+                        // A window granted again: push, for blocks the
+                        // server asked for; pull, for blocks we asked for
+                        // (the data thread knows which).
+                        let blocks = match commit_with {
+                            Some(_) => resend.remove(&g.window_id),
+                            None => Some(Vec::new()),
+                        };
+                        let (Some((o, _)), Some(blocks)) = (&orders, blocks)
                         else {
                             let e = ControlError::Invalid(format!(
                                 "unexpected grant of window {} epoch {}",
@@ -1204,7 +1452,13 @@ async fn drive<T>(
                             }
                         }
                     }
-                    Some(server_msg::Msg::Committed(c)) => committed = Some(c),
+                    Some(server_msg::Msg::Committed(c)) => {
+                        committed = Some(c);
+                        // Pull: the server has every window back.
+                        if let (None, Some((o, _))) = (&commit_with, &orders) {
+                            let _ = o.send(Order::AllAcked);
+                        }
+                    }
                     Some(server_msg::Msg::Opened(_)) => {
                         return Err(ControlError::Invalid("Opened sent twice".into()));
                     }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use crate::engine::LocalSeg;
 use crate::mem::{Arena, ArenaConfig, BlockPool, PeerSpan};
-use crate::provider::tcp::{TcpChannel, TcpDomain, TcpTarget, DEFAULT_CONNS};
+use crate::provider::tcp::{SessionBinding, TcpChannel, TcpDomain, TcpTarget, DEFAULT_CONNS};
 use crate::provider::{Access, Channel, Domain, ProviderKind, Registration};
 use crate::verbs::{
     device_names, CompletionChannel, CompletionQueue, ConnectParams, Context, Gid,
@@ -136,9 +136,22 @@ impl Device {
         })
     }
 
-    /// A new RC QP in INIT with its own CQ.
+    /// A new RC QP in INIT with its own CQ, in the device's PD.
     pub fn queue_pair(
         &self,
+        sq_depth: u32,
+        max_inline: u32,
+        remote: Access,
+        events: bool,
+    ) -> Result<QueuePair> {
+        self.queue_pair_in(&self.pd, sq_depth, max_inline, remote, events)
+    }
+
+    /// A new RC QP in INIT with its own CQ, in `pd`: it reaches only
+    /// memory registered in `pd`.
+    pub fn queue_pair_in(
+        &self,
+        pd: &Arc<ProtectionDomain>,
         sq_depth: u32,
         max_inline: u32,
         remote: Access,
@@ -154,7 +167,7 @@ impl Device {
         let cq =
             CompletionQueue::new(&self.ctx, sq.min(caps.max_cqe), ch.as_ref()).map_err(provider)?;
         QueuePair::new(
-            &self.pd,
+            pd,
             &cq,
             &cq,
             QpConfig {
@@ -313,11 +326,21 @@ impl ClientLink {
                     .map_err(ControlError::io(format!("resolving {host}")))?
                     .next()
                     .ok_or_else(|| ControlError::Other(format!("{host} has no address")))?;
-                let ch = TcpChannel::connect(
+                let key = match resp.tcp_session_key.len() {
+                    0 => None,
+                    _ => Some(resp.tcp_session_key.as_slice().try_into().map_err(|_| {
+                        ControlError::Invalid(format!(
+                            "TCP session key of {} bytes, not 16",
+                            resp.tcp_session_key.len()
+                        ))
+                    })?),
+                };
+                let ch = TcpChannel::connect_session(
                     self.tcp_domain.clone().expect("tcp link has a domain"),
                     addr,
                     DEFAULT_CONNS,
                     128,
+                    key,
                 )?;
                 Ok(Arc::new(ch))
             }
@@ -338,11 +361,11 @@ pub struct ServerLinkConfig {
     pub tcp_listen: SocketAddr,
 }
 
-/// The server's provider: window slots of its arena and a domain to
-/// register them per grant.
+/// The server's provider: window slots of its arena, the device (verbs) or
+/// the TCP target, and a protection domain per session
+/// ([`ServerLink::session_domain`]) to register the windows it is granted.
 pub struct ServerLink {
     pub kind: ProviderKind,
-    pub domain: Arc<dyn Domain>,
     pub device: Option<Device>,
     pub tcp_target: Option<TcpTarget>,
     pub slots: BlockPool,
@@ -363,21 +386,60 @@ impl ServerLink {
         let slots = arena
             .into_pool(cfg.window_size)
             .map_err(|e| ControlError::Other(format!("window arena: {e}")))?;
-        let (domain, tcp_target): (Arc<dyn Domain>, _) = match &device {
-            Some(d) => (Arc::new(VerbsDomain { pd: d.pd.clone() }), None),
-            None => {
-                let d = TcpDomain::new();
-                let t = TcpTarget::bind(d.clone(), cfg.tcp_listen)?;
-                (d, Some(t))
-            }
+        let tcp_target = match &device {
+            Some(_) => None,
+            // No default domain: a data connection reaches only the
+            // registrations of the session its hello names.
+            None => Some(TcpTarget::bind_sessions(cfg.tcp_listen)?),
         };
         Ok(ServerLink {
             kind: cfg.kind,
-            domain,
             device,
             tcp_target,
             slots,
             window_size: cfg.window_size,
         })
+    }
+}
+
+/// One session's protection domain on the server. Every window granted to
+/// the session's transfers is registered here, and only the session's own
+/// data path reaches it: verbs, the session's QP lives in `pd` (an rkey of
+/// another PD fails with IBV_WC_REM_ACCESS_ERR on it); tcp, the target
+/// serves `domain` only on connections that opened with `tcp`'s key.
+pub struct SessionDomain {
+    pub domain: Arc<dyn Domain>,
+    /// Verbs: the PD to create the session's QP in.
+    pub pd: Option<Arc<ProtectionDomain>>,
+    /// TCP: binds the session's data connections to `domain`; dropping it
+    /// unbinds the key.
+    pub tcp: Option<SessionBinding>,
+}
+
+impl ServerLink {
+    /// A fresh protection domain for a new session.
+    pub fn session_domain(&self) -> Result<SessionDomain> {
+        match (&self.device, &self.tcp_target) {
+            (Some(dev), _) => {
+                let pd = ProtectionDomain::new(&dev.ctx).map_err(provider)?;
+                Ok(SessionDomain {
+                    domain: Arc::new(VerbsDomain { pd: pd.clone() }),
+                    pd: Some(pd),
+                    tcp: None,
+                })
+            }
+            (None, Some(target)) => {
+                let d = TcpDomain::new();
+                let binding = target.bind_session(&d)?;
+                Ok(SessionDomain {
+                    domain: d,
+                    pd: None,
+                    tcp: Some(binding),
+                })
+            }
+            (None, None) => Err(ControlError::Other(
+                "the server link has neither a device nor a TCP target".into(),
+            )),
+        }
     }
 }

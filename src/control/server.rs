@@ -22,7 +22,8 @@ use crate::files::{
 };
 use crate::mem::{Block, PeerSpan};
 use crate::proto::{self, client_msg, server_msg, ClientMsg, Direction, ServerMsg};
-use crate::provider::{Access, ProviderKind, Registration};
+use crate::provider::tcp::SessionBinding;
+use crate::provider::{Access, Domain, ProviderKind, Registration};
 use crate::verbs::{QpEndpoint, VerbsChannel};
 
 /// Server settings.
@@ -40,6 +41,12 @@ pub struct ServiceConfig {
 struct Session {
     kind: ProviderKind,
     block_size: u64,
+    /// The session's own protection domain: its transfers' windows are
+    /// registered here, and only its QP / data connections reach it, so an
+    /// rkey granted to this session is useless on any other.
+    domain: Arc<dyn Domain>,
+    /// TCP: the key binding the session's data connections to `domain`.
+    _tcp_binding: Option<SessionBinding>,
     qp: Option<Mutex<VerbsChannel>>,
     /// The negotiated (initiator, responder) depths, reused on reconnect.
     rd: (u32, u32),
@@ -142,6 +149,24 @@ fn in_place<R>(f: impl FnOnce() -> R) -> R {
 }
 
 impl Service {
+    /// Register a window slice, counting refusals for lack of lockable
+    /// memory in rcp_memlock_failures_total.
+    fn register(
+        &self,
+        domain: &dyn crate::provider::Domain,
+        span: &PeerSpan,
+        access: Access,
+    ) -> Result<Arc<dyn Registration>> {
+        domain.register(span, access).map_err(|e| {
+            if let crate::provider::ProviderError::Verbs(v) = &e {
+                if v.hint == crate::verbs::Hint::Memlock {
+                    self.metrics.memlock_failure();
+                }
+            }
+            e.into()
+        })
+    }
+
     pub fn new(cfg: ServiceConfig, link: ServerLink) -> Result<Arc<Service>> {
         let slots = link.slots.capacity();
         let root = Root::open(&cfg.root)?;
@@ -227,9 +252,16 @@ impl Service {
         };
         let mut qp = None;
         let mut rd = (1, 1);
+        let sd = self.link.session_domain()?;
         match self.link.kind {
             ProviderKind::Tcp => {
                 let t = self.link.tcp_target.as_ref().expect("tcp target");
+                resp.tcp_session_key = sd
+                    .tcp
+                    .as_ref()
+                    .expect("a tcp session domain has a key")
+                    .key()
+                    .to_vec();
                 let a = t.local_addr();
                 resp.tcp_data_host = if a.ip().is_unspecified() {
                     String::new()
@@ -247,7 +279,14 @@ impl Service {
                 })?)?;
                 let dev = self.link.device.as_ref().expect("verbs device");
                 let caps = dev.ctx.caps();
-                let q = dev.queue_pair(16, 0, Access::REMOTE_WRITE | Access::REMOTE_READ, false)?;
+                let pd = sd.pd.as_ref().expect("a verbs session domain has a PD");
+                let q = dev.queue_pair_in(
+                    pd,
+                    16,
+                    0,
+                    Access::REMOTE_WRITE | Access::REMOTE_READ,
+                    false,
+                )?;
                 let params = dev.params(&q);
                 let ch = VerbsChannel::new(q);
                 let client_rd = v.max_qp_init_rd_atom.min(caps.max_qp_rd_atom).max(1);
@@ -268,6 +307,8 @@ impl Service {
             Arc::new(Session {
                 kind: self.link.kind,
                 block_size,
+                domain: sd.domain,
+                _tcp_binding: sd.tcp,
                 qp,
                 rd,
                 epoch: AtomicU64::new(0),
@@ -375,8 +416,14 @@ impl Service {
         self.metrics.transfer_started();
         let started = std::time::Instant::now();
         let (dir, r) = match Direction::try_from(open.direction) {
-            Ok(Direction::Push) => ("push", self.clone().push(open, bs, rx, tx).await),
-            Ok(Direction::Pull) => ("pull", self.clone().pull(open, bs, rx, tx).await),
+            Ok(Direction::Push) => (
+                "push",
+                self.clone().push(&*session.domain, open, bs, rx, tx).await,
+            ),
+            Ok(Direction::Pull) => (
+                "pull",
+                self.clone().pull(&*session.domain, open, bs, rx, tx).await,
+            ),
             _ => (
                 "unknown",
                 Err(ControlError::Invalid(format!(
@@ -402,6 +449,7 @@ impl Service {
     #[allow(clippy::too_many_arguments)]
     async fn grant_more(
         &self,
+        domain: &dyn Domain,
         wins: &mut HashMap<u64, Win>,
         next_voff: &mut u64,
         vlen: u64,
@@ -423,7 +471,7 @@ impl Service {
             let span = PeerSpan::new(block.arena(), block.addr(), len as usize)
                 .expect("a window lies inside its slot");
             let digests = fill(&span, *next_voff, len)?;
-            let reg = self.link.domain.register(&span, access)?;
+            let reg = self.register(domain, &span, access)?;
             let id = self.next_id.fetch_add(1, Relaxed);
             let g = proto::Grant {
                 window_id: id,
@@ -500,6 +548,7 @@ impl Service {
 
     async fn push(
         self: Arc<Self>,
+        domain: &dyn Domain,
         open: proto::Open,
         bs: u64,
         rx: &mut Streaming<ClientMsg>,
@@ -560,6 +609,7 @@ impl Service {
         let mut verified = 0u64;
         let mut no_fill = |_: &PeerSpan, _: u64, _: u64| Ok(Vec::new());
         self.grant_more(
+            domain,
             &mut wins,
             &mut next_voff,
             vlen,
@@ -629,7 +679,7 @@ impl Service {
                         // are already written; writing them again is a no-op).
                         tracing::warn!(window = d.window_id, blocks = ?bad, "block digest mismatch: asking the client to resend");
                         w.epoch += 1;
-                        let reg = self.link.domain.register(&w.span, Access::REMOTE_WRITE)?;
+                        let reg = self.register(domain, &w.span, Access::REMOTE_WRITE)?;
                         let g = proto::Grant {
                             window_id: d.window_id,
                             addr: reg.addr(),
@@ -664,6 +714,7 @@ impl Service {
                     .await
                     .map_err(|_| ControlError::Retryable("client went away".into()))?;
                     self.grant_more(
+                        domain,
                         &mut wins,
                         &mut next_voff,
                         vlen,
@@ -714,6 +765,7 @@ impl Service {
 
     async fn pull(
         self: Arc<Self>,
+        domain: &dyn Domain,
         open: proto::Open,
         bs: u64,
         rx: &mut Streaming<ClientMsg>,
@@ -762,6 +814,7 @@ impl Service {
             in_place(|| fill_window(&src, span, voff, len, bs, &moving, &mut h))
         };
         self.grant_more(
+            domain,
             &mut wins,
             &mut next_voff,
             vlen,
@@ -777,16 +830,72 @@ impl Service {
         loop {
             match self.next_msg(rx).await? {
                 client_msg::Msg::WindowDone(d) => {
-                    let w = wins.remove(&d.window_id).ok_or_else(|| {
+                    let mut w = wins.remove(&d.window_id).ok_or_else(|| {
                         ControlError::Invalid(format!(
                             "window {} is not granted to this transfer",
                             d.window_id
                         ))
                     })?;
+                    if d.epoch != w.epoch {
+                        return Err(ControlError::Invalid(format!(
+                            "window {} epoch {} is not current ({})",
+                            d.window_id, d.epoch, w.epoch
+                        )));
+                    }
+                    if !d.reread_blocks.is_empty() {
+                        // Blocks that arrived damaged: read them from the
+                        // file again and grant the window once more.
+                        self.stats.integrity_failures.fetch_add(1, Relaxed);
+                        if w.epoch >= MAX_RESENDS {
+                            return Err(ControlError::Integrity(format!(
+                                "block(s) {:?} of window {} still do not match their digests after {MAX_RESENDS} re-reads",
+                                d.reread_blocks, d.window_id
+                            )));
+                        }
+                        let mut blocks = d.reread_blocks.clone();
+                        blocks.sort_unstable();
+                        blocks.dedup();
+                        let first = w.voff / bs;
+                        let end = (w.voff + w.len).div_ceil(bs);
+                        if blocks.iter().any(|b| *b < first || *b >= end) {
+                            return Err(ControlError::Invalid(format!(
+                                "re-read of blocks {blocks:?} outside window {}",
+                                d.window_id
+                            )));
+                        }
+                        tracing::warn!(
+                            window = d.window_id,
+                            ?blocks,
+                            "pulled block digest mismatch: reading the blocks again"
+                        );
+                        // Revoke the old rkey before touching the memory.
+                        drop(w.reg.take());
+                        let digests = in_place(|| {
+                            refill_blocks(&src, &w.span, w.voff, w.len, bs, &moving, &blocks)
+                        })?;
+                        w.epoch += 1;
+                        let reg = self.register(domain, &w.span, Access::REMOTE_READ)?;
+                        let g = proto::Grant {
+                            window_id: d.window_id,
+                            addr: reg.addr(),
+                            rkey: reg.rkey(),
+                            len: w.len,
+                            file_offset: w.voff,
+                            epoch: w.epoch,
+                            block_sha256: digests,
+                        };
+                        w.reg = Some(reg);
+                        wins.insert(d.window_id, w);
+                        tx.send(msg(server_msg::Msg::Grant(g)))
+                            .await
+                            .map_err(|_| ControlError::Retryable("client went away".into()))?;
+                        continue;
+                    }
                     released += w.len;
                     self.stats.bytes_out.fetch_add(w.len, Relaxed);
                     drop(w);
                     self.grant_more(
+                        domain,
                         &mut wins,
                         &mut next_voff,
                         vlen,
@@ -897,6 +1006,35 @@ fn fill_window(
             .expect("window bounds")?;
         digests.push(d.to_vec());
         off += n as u64;
+    }
+    Ok(digests)
+}
+
+/// Read `blocks` (transfer indices inside the window at packed offset
+/// `voff`) from the file into the window again; their digests, in order.
+fn refill_blocks(
+    src: &SourceFile,
+    span: &PeerSpan,
+    voff: u64,
+    len: u64,
+    bs: u64,
+    moving: &[u64],
+    blocks: &[u64],
+) -> Result<Vec<Vec<u8>>> {
+    let first = voff / bs;
+    let mut digests = Vec::with_capacity(blocks.len());
+    for &vb in blocks {
+        let off = (vb - first) * bs;
+        let n = (len - off).min(bs) as usize;
+        let real = moving[vb as usize];
+        let d = span
+            .with_mut(off as usize, n, |buf| -> Result<[u8; 32]> {
+                fsutil::read_exact(src, real * bs, buf)
+                    .map_err(ControlError::io("reading the source file"))?;
+                Ok(files::block_digest(buf))
+            })
+            .expect("window bounds")?;
+        digests.push(d.to_vec());
     }
     Ok(digests)
 }
@@ -1051,6 +1189,22 @@ impl proto::rcp_server::Rcp for RcpService {
             return Err(Status::resource_exhausted("more than 1000000 entries"));
         }
         Ok(Response::new(proto::ListResponse { entries }))
+    }
+
+    async fn make_dir(
+        &self,
+        req: Request<proto::MakeDirRequest>,
+    ) -> std::result::Result<Response<proto::MakeDirResponse>, Status> {
+        let path = req.into_inner().path;
+        let rel = fsutil::root_rel(&path);
+        let root = &self.0.root;
+        in_place(|| root.create_dir_all(&rel)).map_err(|e| match e {
+            FileError::Path(PathError::NotADirectory { .. }) => {
+                ControlError::Invalid(format!("{path}: a non-directory is in the way"))
+            }
+            e => e.into(),
+        })?;
+        Ok(Response::new(proto::MakeDirResponse {}))
     }
 
     type CopyStream = BoxStream<proto::CopyProgress>;

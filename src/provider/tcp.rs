@@ -36,7 +36,7 @@ pub mod wire;
 
 pub use channel::{TcpChannel, DEFAULT_CONNS};
 pub use domain::{TcpDomain, TcpRegistration};
-pub use target::TcpTarget;
+pub use target::{SessionBinding, TcpTarget};
 
 /// Socket-side buffer of each reader and writer (headers and small payloads
 /// are batched through it; large payloads bypass it).

@@ -10,7 +10,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use super::domain::{Entry, TcpDomain};
-use super::wire::{Op, Request, Response, Status, MAX_LEN, RESP_LEN};
+use super::wire::{Hello, Op, Request, Response, Status, KEY_LEN, MAX_LEN, RESP_LEN};
 use super::SOCKET_BUF;
 use crate::engine::{OpKind, WcStatus, WorkCompletion, WorkRequest};
 use crate::provider::{
@@ -241,6 +241,19 @@ impl TcpChannel {
         conns: usize,
         sq_depth: u32,
     ) -> Result<TcpChannel, ProviderError> {
+        Self::connect_session(domain, addr, conns, sq_depth, None)
+    }
+
+    /// [`TcpChannel::connect`], every connection opening with a [`Hello`]
+    /// carrying `key` when given: the target then serves it against that
+    /// session's registrations only (see `TcpTarget::bind_session`).
+    pub fn connect_session(
+        domain: Arc<TcpDomain>,
+        addr: SocketAddr,
+        conns: usize,
+        sq_depth: u32,
+        key: Option<[u8; KEY_LEN]>,
+    ) -> Result<TcpChannel, ProviderError> {
         if conns == 0 || sq_depth == 0 {
             return Err(ProviderError::Protocol(format!(
                 "a TCP channel needs at least one connection and a send-queue depth > 0 \
@@ -253,6 +266,10 @@ impl TcpChannel {
                 "connecting TCP channel {i}/{conns} to {addr}"
             )))?;
             s.set_nodelay(true).map_err(io_err("setting TCP_NODELAY"))?;
+            if let Some(key) = key {
+                (&s).write_all(&Hello { key }.encode())
+                    .map_err(io_err(format!("greeting the target on connection {i}")))?;
+            }
             streams.push(s);
         }
         let mut sockets = Vec::with_capacity(conns);

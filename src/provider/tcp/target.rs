@@ -5,16 +5,20 @@ use std::collections::HashMap;
 use std::io::{self, BufReader, BufWriter, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::thread::JoinHandle;
 
 use super::domain::{Entry, TcpDomain};
-use super::wire::{Op, Request, Response, Status, REQ_LEN};
+use super::wire::{Hello, Op, Request, Response, Status, KEY_LEN, REQ_LEN};
 use super::SOCKET_BUF;
 use crate::provider::{Endpoint, ProviderError};
 
 struct Shared {
-    domain: Arc<TcpDomain>,
+    /// Serves connections that open without a [`Hello`] (none: such a
+    /// connection reaches no registration).
+    default: Option<Arc<TcpDomain>>,
+    /// Session key -> the session's domain (see [`TcpTarget::bind_session`]).
+    sessions: Mutex<HashMap<[u8; KEY_LEN], Weak<TcpDomain>>>,
     stop: AtomicBool,
     /// Live connections (clones used only to shut them down).
     conns: Mutex<HashMap<u64, TcpStream>>,
@@ -39,9 +43,26 @@ impl std::fmt::Debug for TcpTarget {
 
 impl TcpTarget {
     /// Listen on `addr` (port 0 for an ephemeral port) and serve requests
-    /// against `domain`'s registrations in background threads.
+    /// against `domain`'s registrations in background threads. Connections
+    /// that open with a session [`Hello`] are served against that session's
+    /// domain instead (see [`TcpTarget::bind_session`]).
     pub fn bind(
         domain: Arc<TcpDomain>,
+        addr: impl ToSocketAddrs,
+    ) -> Result<TcpTarget, ProviderError> {
+        Self::listen(Some(domain), addr)
+    }
+
+    /// Like [`TcpTarget::bind`] with no default domain: only connections
+    /// bound to a session reach any registration (rcpd: one domain per
+    /// session, so an rkey works only on the connections of the session it
+    /// was granted to).
+    pub fn bind_sessions(addr: impl ToSocketAddrs) -> Result<TcpTarget, ProviderError> {
+        Self::listen(None, addr)
+    }
+
+    fn listen(
+        default: Option<Arc<TcpDomain>>,
         addr: impl ToSocketAddrs,
     ) -> Result<TcpTarget, ProviderError> {
         let listener = TcpListener::bind(addr).map_err(|source| ProviderError::Io {
@@ -53,7 +74,8 @@ impl TcpTarget {
             source,
         })?;
         let shared = Arc::new(Shared {
-            domain,
+            default,
+            sessions: Mutex::new(HashMap::new()),
             stop: AtomicBool::new(false),
             conns: Mutex::new(HashMap::new()),
             workers: Mutex::new(Vec::new()),
@@ -81,6 +103,33 @@ impl TcpTarget {
     /// What a peer connects to (for the control plane).
     pub fn endpoint(&self) -> Endpoint {
         Endpoint::Tcp(self.addr)
+    }
+
+    /// A fresh random key for `domain`: connections that send it in their
+    /// [`Hello`] are served against `domain` (and nothing else) until the
+    /// binding is dropped; the target keeps only a weak reference, so the
+    /// domain's registrations die with their owner.
+    pub fn bind_session(&self, domain: &Arc<TcpDomain>) -> Result<SessionBinding, ProviderError> {
+        let mut sessions = self
+            .shared
+            .sessions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let key = loop {
+            let mut k = [0u8; KEY_LEN];
+            getrandom::getrandom(&mut k).map_err(|e| ProviderError::Io {
+                context: "drawing a session key".into(),
+                source: io::Error::other(e.to_string()),
+            })?;
+            if !sessions.contains_key(&k) {
+                break k;
+            }
+        };
+        sessions.insert(key, Arc::downgrade(domain));
+        Ok(SessionBinding {
+            key,
+            shared: Arc::downgrade(&self.shared),
+        })
     }
 
     /// Connections being served right now.
@@ -127,6 +176,37 @@ impl TcpTarget {
     }
 }
 
+/// A session key registered with a [`TcpTarget`]; dropping it unbinds the
+/// key (connections opened later with it reach nothing).
+pub struct SessionBinding {
+    key: [u8; KEY_LEN],
+    shared: Weak<Shared>,
+}
+
+impl SessionBinding {
+    /// What the session's client sends in its [`Hello`].
+    pub fn key(&self) -> [u8; KEY_LEN] {
+        self.key
+    }
+}
+
+impl std::fmt::Debug for SessionBinding {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SessionBinding(..)")
+    }
+}
+
+impl Drop for SessionBinding {
+    fn drop(&mut self) {
+        if let Some(s) = self.shared.upgrade() {
+            s.sessions
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&self.key);
+        }
+    }
+}
+
 impl Drop for TcpTarget {
     fn drop(&mut self) {
         self.shutdown();
@@ -169,7 +249,7 @@ fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
         let spawned = std::thread::Builder::new()
             .name("rcp-tcp-target".into())
             .spawn(move || {
-                match serve(&s.domain, stream) {
+                match serve(&s, stream) {
                     Ok(()) => tracing::debug!(%peer, "tcp target: connection closed"),
                     Err(e) => tracing::error!(%peer, error = %e, "tcp target: connection dropped"),
                 }
@@ -207,9 +287,10 @@ enum ServeError {
 }
 
 /// Check a request against the registration table like a NIC: the rkey
-/// exists, the range lies inside, the right is granted.
-fn authorize(domain: &TcpDomain, req: &Request) -> Option<(Arc<Entry>, usize)> {
-    let entry = domain.by_rkey(req.rkey)?;
+/// exists in the connection's domain, the range lies inside, the right is
+/// granted.
+fn authorize(domain: &Weak<TcpDomain>, req: &Request) -> Option<(Arc<Entry>, usize)> {
+    let entry = domain.upgrade()?.by_rkey(req.rkey)?;
     let right = match req.op {
         Op::Write => entry.access.remote_write(),
         Op::Read => entry.access.remote_read(),
@@ -248,7 +329,7 @@ fn out_of_range() -> io::Error {
     io::Error::other("registration range changed under a request")
 }
 
-fn serve(domain: &TcpDomain, stream: TcpStream) -> Result<(), ServeError> {
+fn serve(shared: &Shared, stream: TcpStream) -> Result<(), ServeError> {
     let mut reader = BufReader::with_capacity(SOCKET_BUF, stream.try_clone()?);
     let mut writer = BufWriter::with_capacity(SOCKET_BUF, stream);
     // After an access error the connection is in the error state (an RC QP's
@@ -256,10 +337,35 @@ fn serve(domain: &TcpDomain, stream: TcpStream) -> Result<(), ServeError> {
     // the initiator flushes them itself.
     let mut errored = false;
     let mut hdr = [0u8; REQ_LEN];
+    // The connection's domain (a QP's protection domain): the session named
+    // by its first header, else the default. Unknown session: nothing.
+    let mut domain = shared
+        .default
+        .as_ref()
+        .map(Arc::downgrade)
+        .unwrap_or_default();
+    let mut first = true;
     loop {
         if !read_header(&mut reader, &mut hdr)? {
             writer.flush()?;
             return Ok(());
+        }
+        if first {
+            first = false;
+            if let Some(hello) = Hello::decode(&hdr) {
+                let key = hello?.key;
+                domain = shared
+                    .sessions
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .get(&key)
+                    .cloned()
+                    .unwrap_or_default();
+                if domain.strong_count() == 0 {
+                    tracing::warn!("tcp target: a connection named an unknown session");
+                }
+                continue;
+            }
         }
         let req = Request::decode(&hdr)?;
         if errored {
@@ -268,7 +374,7 @@ fn serve(domain: &TcpDomain, stream: TcpStream) -> Result<(), ServeError> {
             }
             continue;
         }
-        match authorize(domain, &req) {
+        match authorize(&domain, &req) {
             None => {
                 tracing::warn!(
                     op = ?req.op, addr = format_args!("{:#x}", req.addr), rkey = format_args!("{:#x}", req.rkey),

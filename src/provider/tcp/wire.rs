@@ -13,12 +13,22 @@
 //!  0..4   magic "RCPR"        4  status (0 ok, 1 remote access error)
 //!  5..8   reserved (0)        8..16  tag (echoed)   16..20 len   20..24 reserved
 //! ```
+//! Hello (32 bytes), optional, initiator -> target, only as the first bytes of
+//! a connection: binds it to the session whose key it carries (the target then
+//! honours only that session's rkeys on it):
+//! ```text
+//!  0..4   magic "RCPH"        4  version (1)     5..8  reserved (0)
+//!  8..24  session key        24..32  reserved (0)
+//! ```
 
 /// Largest payload of one request; anything larger is garbage.
 pub const MAX_LEN: u32 = 64 << 20;
 
 pub const REQ_MAGIC: [u8; 4] = *b"RCPT";
 pub const RESP_MAGIC: [u8; 4] = *b"RCPR";
+pub const HELLO_MAGIC: [u8; 4] = *b"RCPH";
+/// Length of a session key (a [`Hello`]'s payload).
+pub const KEY_LEN: usize = 16;
 pub const VERSION: u8 = 1;
 pub const REQ_LEN: usize = 32;
 pub const RESP_LEN: usize = 24;
@@ -118,6 +128,35 @@ impl Request {
     }
 }
 
+/// The first header of a connection that belongs to a session.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Hello {
+    pub key: [u8; KEY_LEN],
+}
+
+impl Hello {
+    pub fn encode(&self) -> [u8; REQ_LEN] {
+        let mut b = [0u8; REQ_LEN];
+        b[0..4].copy_from_slice(&HELLO_MAGIC);
+        b[4] = VERSION;
+        b[8..24].copy_from_slice(&self.key);
+        b
+    }
+
+    /// `None` if `b` is not a hello (it may then be a request).
+    pub fn decode(b: &[u8; REQ_LEN]) -> Option<Result<Hello, WireError>> {
+        if b[0..4] != HELLO_MAGIC {
+            return None;
+        }
+        if b[4] != VERSION {
+            return Some(Err(WireError::BadVersion(b[4])));
+        }
+        let mut key = [0u8; KEY_LEN];
+        key.copy_from_slice(&b[8..24]);
+        Some(Ok(Hello { key }))
+    }
+}
+
 impl Response {
     pub fn encode(&self) -> [u8; RESP_LEN] {
         let mut b = [0u8; RESP_LEN];
@@ -176,6 +215,22 @@ mod tests {
         let mut b = r.encode();
         b[28..32].copy_from_slice(&(MAX_LEN + 1).to_le_bytes());
         assert_eq!(Request::decode(&b), Err(WireError::TooLong(MAX_LEN + 1)));
+    }
+
+    #[test]
+    fn hello_round_trips_and_is_not_a_request() {
+        let h = Hello { key: [7; KEY_LEN] };
+        let b = h.encode();
+        assert_eq!(Hello::decode(&b), Some(Ok(h)));
+        assert!(matches!(Request::decode(&b), Err(WireError::BadMagic(_))));
+        let r = Request {
+            op: Op::Write,
+            tag: 1,
+            addr: 2,
+            rkey: 3,
+            len: 4,
+        };
+        assert_eq!(Hello::decode(&r.encode()), None);
     }
 
     #[test]
