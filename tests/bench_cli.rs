@@ -18,9 +18,16 @@ fn bench(args: &[&str], env: &[(&str, &str)]) -> (i32, String) {
     )
 }
 
+/// Arguments, environment, what stderr must say.
+type Case = (
+    &'static [&'static str],
+    &'static [(&'static str, &'static str)],
+    &'static str,
+);
+
 #[test]
 fn bad_options_exit_1_with_a_clear_message() {
-    let cases: &[(&[&str], &[(&str, &str)], &str)] = &[
+    let cases: &[Case] = &[
         (&["--size", "0"], &[], "--size 0"),
         (&["--size", "1G"], &[], "--size 1073741824"),
         (&["--batch", "0"], &[], "--batch 0: must be in 1..=64"),
