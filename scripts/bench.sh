@@ -4,5 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/testbed.sh install
-cargo build --release --examples
+cargo build --release -p rcp-client
 bash scripts/testbed.sh run lo -- bash scripts/vm/bench.sh

@@ -5,8 +5,10 @@
 //! - [`mem`]: the hugepage arena that is registered once and carved into blocks.
 //! - [`engine`]: the transfer state machine, plain data, no I/O.
 //! - [`provider`]: the `Domain`/`Channel` interface the data path runs on (verbs or tcp).
+//! - [`bench`]: `rcp bench`, the perftest-like benchmark of the data path (loopback, server, client).
 //! - [`control`]: the gRPC control plane, rcpd's service, the client library and `rcp`'s logic.
 
+pub mod bench;
 pub mod control;
 pub mod datapath;
 pub mod doctor;

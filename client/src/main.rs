@@ -54,15 +54,15 @@ struct Cli {
     /// Work requests per doorbell (1..=64).
     #[arg(long, env = "RCP_BATCH", default_value_t = 32, global = true)]
     batch: usize,
-    /// Signal every n-th work request of a chain.
-    #[arg(long, env = "RCP_SIGNAL_EVERY", default_value_t = 32, global = true)]
-    signal_every: usize,
-    /// Post writes up to this many bytes inline (0 disables).
+    /// Signal every n-th work request of a chain (default: 32; bench: the batch).
+    #[arg(long, env = "RCP_SIGNAL_EVERY", global = true)]
+    signal_every: Option<usize>,
+    /// Post writes up to this many bytes inline (0 disables; bench default 0).
     #[arg(long, env = "RCP_INLINE", global = true)]
     inline: Option<u32>,
     /// Completion thread: poll, event, hybrid or hybrid:K (default: hybrid
-    /// on verbs, event on tcp).
-    #[arg(long, env = "RCP_POLL_MODE", global = true)]
+    /// on verbs, event on tcp; bench: poll).
+    #[arg(long, visible_alias = "mode", env = "RCP_POLL_MODE", global = true)]
     poll_mode: Option<rcp::datapath::PollMode>,
     /// Pin the completion thread to this CPU.
     #[arg(long, env = "RCP_CQ_CPU", global = true)]
@@ -95,6 +95,44 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Cmd {
+    /// rcp bench [HOST[:PORT]]: perftest-like benchmark of the data path
+    /// over verbs. Without HOST: loopback on the local device (two QPs, one
+    /// process). --server: serve one client (perftest style). Uses the
+    /// global --batch, --signal-every, --inline, --mode, --device,
+    /// --gid-index. Prints one `bench op=... ` line per run.
+    Bench {
+        /// A `rcp bench --server` to run against (port 18515 unless given).
+        host: Option<String>,
+        /// Serve a bench client: register a region per QP, send endpoints,
+        /// rkeys and addresses; exit after one client.
+        #[arg(long, env = "RCP_BENCH_SERVER", conflicts_with_all = ["host", "compare"])]
+        server: bool,
+        /// Where the server listens.
+        #[arg(long, env = "RCP_BENCH_LISTEN", default_value = "0.0.0.0:18515")]
+        listen: String,
+        /// Serve clients until killed instead of exiting after one.
+        #[arg(long, env = "RCP_BENCH_KEEP_SERVING")]
+        keep_serving: bool,
+        /// The seed's table on the local device: single post + signal every
+        /// vs batch 32 + signal last vs + inline; poll vs event p99.
+        #[arg(long, env = "RCP_BENCH_COMPARE", conflicts_with = "host")]
+        compare: bool,
+        /// write or read.
+        #[arg(long, env = "RCP_BENCH_OP", default_value = "write", value_parser = rcp::bench::parse_op)]
+        op: rcp::engine::OpKind,
+        /// Bytes per message (K/M suffixes), 1..=16M.
+        #[arg(long, env = "RCP_BENCH_SIZE", default_value = "65536", value_parser = rcp::bench::parse_bytes)]
+        size: u64,
+        /// Messages per QP (default 10000; --compare: 100000 for the 64 B runs).
+        #[arg(long, env = "RCP_BENCH_ITERS")]
+        iters: Option<u64>,
+        /// Repeat rounds of --iters until this many seconds have passed.
+        #[arg(long, env = "RCP_BENCH_SECONDS", conflicts_with = "iters")]
+        seconds: Option<f64>,
+        /// QPs in parallel, one thread each (1..=8).
+        #[arg(long, env = "RCP_BENCH_QPS", default_value_t = 1)]
+        qps: usize,
+    },
     /// rcp push [-r] LOCAL... HOST:REMOTE
     Push {
         /// Copy directories recursively (symlinks are never followed).
@@ -181,7 +219,7 @@ async fn run(c: Cli) -> Result<(), ControlError> {
         gid_index: c.gid_index,
         block_size: c.block_size,
         batch: c.batch,
-        signal_every: c.signal_every,
+        signal_every: c.signal_every.unwrap_or(32),
         inline: c.inline,
         poll_mode: c.poll_mode,
         cq_cpu: c.cq_cpu,
@@ -196,6 +234,7 @@ async fn run(c: Cli) -> Result<(), ControlError> {
     let (recursive, args, push) = match &c.cmd {
         Cmd::Push { recursive, args } => (*recursive, args.clone(), true),
         Cmd::Pull { recursive, args } => (*recursive, args.clone(), false),
+        Cmd::Bench { .. } => unreachable!("bench runs without the runtime"),
         Cmd::Doctor { host } => {
             let addr = host.as_ref().map(|h| {
                 if h.starts_with('[') || !h.contains(':') {
@@ -313,6 +352,83 @@ async fn run(c: Cli) -> Result<(), ControlError> {
     Ok(())
 }
 
+/// `rcp bench`: synchronous (the data path has its own threads).
+fn bench(c: &Cli) -> i32 {
+    use rcp::bench::{self, BenchOptions, ServerOptions};
+    let Cmd::Bench {
+        host,
+        server,
+        listen,
+        keep_serving,
+        compare,
+        op,
+        size,
+        iters,
+        seconds,
+        qps,
+    } = &c.cmd
+    else {
+        unreachable!()
+    };
+    let o = BenchOptions {
+        op: *op,
+        size: *size,
+        batch: c.batch,
+        signal_every: c.signal_every.unwrap_or(c.batch),
+        inline: c.inline.unwrap_or(0),
+        mode: c.poll_mode.unwrap_or(rcp::datapath::PollMode::Poll),
+        iters: iters.unwrap_or(10_000),
+        seconds: *seconds,
+        qps: *qps,
+        device: c.device.clone(),
+        gid_index: c.gid_index,
+    };
+    let report = |o: &BenchOptions, m: &bench::Measured, what: Option<&str>| {
+        let line = bench::format_line(o, m);
+        match what {
+            Some(w) => println!("{line}  # {w}"),
+            None => println!("{line}"),
+        }
+        if !c.quiet {
+            eprintln!("rcp bench: {}", bench::format_human(o, m));
+        }
+    };
+    let r = if *server {
+        let so = ServerOptions {
+            listen: listen.clone(),
+            device: c.device.clone(),
+            gid_index: c.gid_index,
+            keep_serving: *keep_serving,
+        };
+        bench::serve(&so, &mut |a| {
+            use std::io::Write;
+            println!("bench server listening on {a}");
+            let _ = std::io::stdout().flush();
+        })
+    } else if *compare {
+        bench::run_compare(&o, iters.unwrap_or(100_000), &mut |what, o, m| {
+            report(o, m, Some(what))
+        })
+    } else if let Some(h) = host {
+        bench::server_addr(h)
+            .and_then(|addr| bench::run_client(&addr, &o))
+            .map(|m| report(&o, &m, None))
+    } else {
+        bench::run_loopback(&o).map(|m| report(&o, &m, None))
+    };
+    match r {
+        Ok(()) => exit::OK,
+        Err(e) => {
+            eprintln!("rcp bench: {e}");
+            if e.is_usage() {
+                exit::USAGE
+            } else {
+                exit::OTHER
+            }
+        }
+    }
+}
+
 fn main() {
     let c = match Cli::try_parse() {
         Ok(c) => c,
@@ -341,6 +457,9 @@ fn main() {
             }),
         )
         .init();
+    if let Cmd::Bench { .. } = &c.cmd {
+        std::process::exit(bench(&c));
+    }
     let rt = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {

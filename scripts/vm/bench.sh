@@ -2,13 +2,14 @@
 # Runs inside the soft-RoCE VM: rcp's bench and perftest in the same boot, so
 # the figures can be compared as ratios (absolute numbers under TCG mean little).
 set -u
-B=${RCP_BENCH:-target/release/examples/bench}
+RCP=${RCP_BIN:-target/release/rcp}
+B() { "$RCP" bench "$@"; }
 echo "== bench --compare (64 B writes: single+signal-every vs batch 32 vs +inline; poll vs event p99)"
-"$B" --compare
+B --compare
 echo "== bench 1 MiB"
-"$B" --op write --size 1048576 --iters 200
-"$B" --op read --size 1048576 --iters 200
-"$B" --op write --size 1048576 --iters 200 --qps 2
+B --op write --size 1048576 --iters 200
+B --op read --size 1048576 --iters 200
+B --op write --size 1048576 --iters 200 --qps 2
 echo "== perftest (same VM)"
 pt() {
   echo "-- $*"

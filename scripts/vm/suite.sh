@@ -11,6 +11,12 @@ step() {
   if "$@"; then passed=$((passed + 1)); else failed=$((failed + 1)); failures+=("$name"); fi
 }
 ex=target/debug/examples/verbs_blocks
+# A `bench op=... msgs=N ...` line with N > 0.
+bench_line_ok() {
+  local msgs
+  msgs=$(printf '%s\n' "$1" | grep -m1 '^bench op=' | grep -o ' msgs=[0-9]*' | cut -d= -f2)
+  [ -n "$msgs" ] && [ "$msgs" -gt 0 ]
+}
 echo "=== vm[$topo]: kernel $(uname -r); rdma devices: $(ls /sys/class/infiniband | tr '\n' ' ')"
 case "$topo" in
 lo)
@@ -26,6 +32,15 @@ lo)
   }
   step "verbs_blocks WRITE+READ verified (rxe0)" serve_client 32
   step "verbs_blocks bad rkey (rxe0)" serve_client 8 --bad-rkey
+  # rcp bench loopback: a bench line with msgs > 0, exit 0.
+  bench_loopback() {
+    local out rc
+    out=$(target/debug/rcp bench --device rxe0 --iters 2000 --size 4096 "$@"); rc=$?
+    echo "$out"
+    [ $rc -eq 0 ] && bench_line_ok "$out"
+  }
+  step "rcp bench loopback write (rxe0)" bench_loopback
+  step "rcp bench loopback read, 2 QPs, event mode (rxe0)" bench_loopback --op read --qps 2 --mode event
   ;;
 netns)
   serve_client() {
@@ -36,6 +51,19 @@ netns)
   }
   step "verbs_blocks WRITE+READ verified (rxea in a -> rxeb in b)" serve_client 16
   step "verbs_blocks bad rkey (rxea -> rxeb)" serve_client 8 --bad-rkey
+  # rcp bench across the namespaces: server in b, client in a; both exit 0
+  # and the client's line parses.
+  bench_pair() {
+    local out c s
+    ip netns exec b target/debug/rcp bench --server --listen 192.168.77.2:18515 --device rxeb & s=$!
+    out=$(ip netns exec a target/debug/rcp bench 192.168.77.2 --device rxea --iters 2000 --size 4096 "$@"); c=$?
+    wait $s; local rs=$?
+    echo "$out"
+    echo "bench client rc=$c server rc=$rs"
+    [ $c -eq 0 ] && [ $rs -eq 0 ] && bench_line_ok "$out"
+  }
+  step "rcp bench write, server in b, client in a" bench_pair
+  step "rcp bench read, 2 QPs (a -> b)" bench_pair --op read --qps 2
   # A copy across a 3 s link cut: vb goes down mid-stream; the data path must
   # flush, reconnect once the link is back and resend only what was not
   # confirmed; the digest must match.

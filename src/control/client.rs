@@ -42,6 +42,7 @@ use crate::files::{
 use crate::mem::PeerSpan;
 use crate::proto::{self, client_msg, server_msg, ClientMsg, ServerMsg};
 use crate::provider::{Channel, ProviderKind};
+use crate::verbs::PortWatcher;
 
 type Rpc = proto::rcp_client::RcpClient<InterceptedService<GrpcChannel, AddBearer>>;
 
@@ -371,6 +372,21 @@ impl Client {
             self.opts.cq_cpu,
         ))
         .map_err(|e| ControlError::Usage(e.to_string()))?;
+        // Watch the port's async events so a reconnect after a link cut
+        // starts as soon as the port is ACTIVE again. Best effort: without
+        // it the reconnect backs off blind.
+        let dp = match link
+            .device
+            .as_ref()
+            .map(|d| PortWatcher::spawn(&d.ctx, d.port))
+        {
+            Some(Ok(w)) => dp.with_port_monitor(Arc::new(w)),
+            Some(Err(e)) => {
+                tracing::warn!(error = %e, "cannot watch async events; reconnects back off blind");
+                dp
+            }
+            None => dp,
+        };
         let dp = Arc::new(dp);
         if let Some(m) = &self.opts.metrics {
             let (device, qp) = match (&link.device, link.verbs_params()) {

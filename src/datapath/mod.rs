@@ -7,11 +7,13 @@
 //! - [`runner`]: [`DataPath::run`] / [`run_transfer`]: posting loop, error
 //!   batch, reconnect, [`Report`];
 //! - [`io`]: [`BlockIo`], how the runner reaches file data and windows;
+//! - [`port`]: [`PortMonitor`], port state the reconnect waits on;
 //! - [`stats`]: [`DataPathStats`], live atomics for a metrics exporter.
 
 pub mod completion;
 pub mod config;
 pub mod io;
+pub mod port;
 pub mod runner;
 pub mod stats;
 
@@ -23,5 +25,6 @@ mod tests;
 pub use completion::{completion_loop, pin_current_thread, POLL_BATCH};
 pub use config::{Backoff, ConfigError, DataPathConfig, PollMode};
 pub use io::{BlockIo, MemoryIo, NullIo, Staging};
+pub use port::PortMonitor;
 pub use runner::{run_transfer, DataPath, DataPathError, ReconnectError, Report};
 pub use stats::{DataPathStats, Latencies};

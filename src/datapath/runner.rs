@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 use super::completion::{completion_loop, pin_current_thread};
 use super::config::{ConfigError, DataPathConfig, PollMode};
 use super::io::BlockIo;
+use super::port::PortMonitor;
 use super::stats::{DataPathStats, Latencies};
 use crate::engine::{
     ErrorCause, Event, OpKind, Recovery, State, Transfer, TransferError, WcStatus, WindowError,
@@ -104,6 +105,10 @@ pub struct Report {
     pub arms: u64,
     pub waits: u64,
     pub wakeups: u64,
+    /// Async device events seen during the run (with a port monitor).
+    pub port_events: u64,
+    /// Times the reconnect path waited for the port to come back.
+    pub port_waits: u64,
 }
 
 impl Report {
@@ -126,6 +131,7 @@ struct CqBatch {
 pub struct DataPath {
     cfg: DataPathConfig,
     stats: Arc<DataPathStats>,
+    monitor: Option<Arc<dyn PortMonitor>>,
 }
 
 /// Run `transfer` to completion over `channel`; see [`DataPath::run`].
@@ -149,7 +155,18 @@ impl DataPath {
     /// other data paths).
     pub fn with_stats(cfg: DataPathConfig, stats: Arc<DataPathStats>) -> Result<Self, ConfigError> {
         cfg.validate()?;
-        Ok(DataPath { cfg, stats })
+        Ok(DataPath {
+            cfg,
+            stats,
+            monitor: None,
+        })
+    }
+
+    /// Let the reconnect path wait on `monitor` while the port is down
+    /// (and retry as soon as it is ACTIVE) instead of sleeping its backoff.
+    pub fn with_port_monitor(mut self, monitor: Arc<dyn PortMonitor>) -> Self {
+        self.monitor = Some(monitor);
+        self
     }
 
     /// The live counters.
@@ -179,6 +196,7 @@ impl DataPath {
         let (tx, rx) = mpsc::channel::<CqBatch>();
         let (recycle_tx, recycle_rx) = mpsc::channel::<Vec<WorkCompletion>>();
         let snap = Snapshot::of(&self.stats);
+        let events0 = self.monitor.as_ref().map_or(0, |m| m.events_seen());
         let (result, cq_result) = std::thread::scope(|s| {
             let stats = &*self.stats;
             let stop = &stop;
@@ -212,6 +230,7 @@ impl DataPath {
                 report: Report::default(),
                 post_times: HashMap::new(),
                 reconnect_started: None,
+                monitor: self.monitor.as_deref(),
                 post_fail_run: 0,
                 op: None,
                 inline_limit: self.cfg.inline_for(&channel.caps()),
@@ -229,6 +248,7 @@ impl DataPath {
             (Err(e), Ok(Ok(()))) => return Err(e),
         };
         snap.fill(&self.stats, &mut report);
+        report.port_events = self.monitor.as_ref().map_or(0, |m| m.events_seen()) - events0;
         Ok(report)
     }
 }
@@ -275,6 +295,7 @@ struct Poster<'a> {
     post_times: HashMap<u64, Instant>,
     /// Set by the error path until the first block confirmed after it.
     reconnect_started: Option<Instant>,
+    monitor: Option<&'a dyn PortMonitor>,
     post_fail_run: u32,
     op: Option<OpKind>,
     inline_limit: u32,
@@ -625,6 +646,8 @@ impl Poster<'_> {
         }
         let attempts = self.cfg.backoff.max_attempts;
         let mut n = 0;
+        // Reconnecting while the port is down cannot work: wait for it.
+        self.wait_port();
         loop {
             match reconnect() {
                 Ok(()) => break,
@@ -638,7 +661,9 @@ impl Poster<'_> {
                     }
                     let d = self.cfg.backoff.delay(n - 1);
                     tracing::warn!(attempt = n, error = %e, delay_ms = d.as_millis() as u64, "reconnect failed; retrying");
-                    std::thread::sleep(d);
+                    if !self.wait_port() {
+                        std::thread::sleep(d);
+                    }
                 }
             }
         }
@@ -653,5 +678,37 @@ impl Poster<'_> {
         self.reconnect_started = Some(t0);
         tracing::info!(epoch, reposting, "reconnected");
         Ok(())
+    }
+
+    /// With a port monitor and the port down: wait for PORT_ACTIVE, at most
+    /// the backoff cap, and return true (the caller retries at once). False
+    /// when there is nothing to wait for (no monitor, or the port is up).
+    fn wait_port(&mut self) -> bool {
+        let Some(m) = self.monitor else {
+            return false;
+        };
+        if m.is_active() {
+            return false;
+        }
+        let cap = self.cfg.backoff.cap;
+        tracing::warn!(
+            cap_ms = cap.as_millis() as u64,
+            "port down: waiting for PORT_ACTIVE before reconnecting"
+        );
+        self.report.port_waits += 1;
+        self.stats.port_waits.fetch_add(1, Relaxed);
+        let t = Instant::now();
+        if m.wait_active(cap) {
+            tracing::info!(
+                waited_ms = t.elapsed().as_millis() as u64,
+                "PORT_ACTIVE: reconnecting now"
+            );
+        } else {
+            tracing::warn!(
+                waited_ms = t.elapsed().as_millis() as u64,
+                "port still down; trying anyway"
+            );
+        }
+        true
     }
 }

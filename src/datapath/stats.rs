@@ -69,6 +69,8 @@ pub struct DataPathStats {
     pub reconnect_ns: AtomicU64,
     /// `post` calls that failed.
     pub post_failures: AtomicU64,
+    /// Times a reconnect waited for the port to come back (async events).
+    pub port_waits: AtomicU64,
     errors: [AtomicU64; STATUSES.len()],
 }
 

@@ -295,3 +295,70 @@ fn qp_in_error_before_the_first_post_is_flushed_and_reconnected() {
     assert!(io.done.iter().all(|&k| k == 1));
     assert_eq!(t.counters().reposted, 128);
 }
+
+/// A port that goes down with the error and comes back at `up_at`.
+struct FakePort {
+    up_at: std::sync::Mutex<Option<std::time::Instant>>,
+    events: std::sync::atomic::AtomicU64,
+}
+
+impl PortMonitor for FakePort {
+    fn is_active(&self) -> bool {
+        self.up_at
+            .lock()
+            .unwrap()
+            .is_none_or(|t| std::time::Instant::now() >= t)
+    }
+    fn wait_active(&self, timeout: Duration) -> bool {
+        let end = std::time::Instant::now() + timeout;
+        while std::time::Instant::now() < end {
+            if self.is_active() {
+                self.events.fetch_add(1, Relaxed);
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        self.is_active()
+    }
+    fn events_seen(&self) -> u64 {
+        self.events.load(Relaxed)
+    }
+}
+
+#[test]
+fn reconnect_waits_for_port_active_instead_of_sleeping() {
+    let ch = FakeChannel::new(64);
+    ch.fail_at(10, WcStatus::RetryExceeded);
+    let mut c = cfg(PollMode::Event);
+    // A blind backoff would sleep 10 s after the first failure.
+    c.backoff.initial = Duration::from_secs(10);
+    c.backoff.cap = Duration::from_secs(10);
+    let port = Arc::new(FakePort {
+        up_at: std::sync::Mutex::new(Some(std::time::Instant::now() + Duration::from_millis(300))),
+        events: Default::default(),
+    });
+    let dp = DataPath::new(c.clone())
+        .unwrap()
+        .with_port_monitor(port.clone());
+    let mut t = transfer(OpKind::Write, 256, &c, &ch);
+    let mut io = CountIo::new(256);
+    let mut calls = 0;
+    let t0 = std::time::Instant::now();
+    let r = dp
+        .run(&ch, &mut t, &mut io, &mut || {
+            calls += 1;
+            if !port.is_active() {
+                return Err("port down".into());
+            }
+            ch.reset();
+            Ok(())
+        })
+        .unwrap();
+    assert!(t.is_complete());
+    assert_eq!(r.reconnects, 1);
+    assert!(r.port_waits >= 1, "{r:?}");
+    assert_eq!(r.port_events, 1);
+    assert_eq!(calls, 1, "the first attempt waits for the port");
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    assert_eq!(dp.stats().port_waits.load(Relaxed), r.port_waits);
+}

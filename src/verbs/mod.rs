@@ -10,12 +10,15 @@
 //! - registered memory stays mapped while its `MemoryRegion` lives (`pd.rs`);
 //! - [`QueuePair::post_send`] is `unsafe`: the caller owns each local buffer
 //!   until the completion that retires its request (`qp.rs`);
-//! - every completion event is acked before the CQ is destroyed (`cq.rs`).
+//! - every completion event is acked before the CQ is destroyed (`cq.rs`);
+//! - every async event is acked right after it is copied out, so no QP or CQ
+//!   destroy waits on it (`events.rs`).
 
 pub mod channel;
 pub mod cq;
 pub mod device;
 pub mod error;
+pub mod events;
 pub mod gid;
 pub mod pd;
 pub mod post;
@@ -25,6 +28,7 @@ pub use channel::{VerbsChannel, VerbsDomain};
 pub use cq::{CompletionChannel, CompletionQueue, POLL_BATCH};
 pub use device::{device_names, Context, DeviceCaps, LinkLayer, PortAttr, PortState};
 pub use error::{Hint, VerbsError};
+pub use events::{AsyncEvent, AsyncEventKind, AsyncEvents, PortWatcher};
 pub use gid::{choose_gid, gid_table, Gid, GidChoice, GidEntry, GidType};
 pub use pd::{Access, MemoryRegion, ProtectionDomain};
 pub use post::PostScratch;

@@ -1,0 +1,510 @@
+//! `rcp bench`: a perftest-like benchmark of the data path (engine +
+//! runner) on the verbs provider.
+//!
+//! - loopback ([`run_loopback`]): two QPs on one device in one process, A
+//!   posts into B's region (the old `examples/bench.rs`);
+//! - two hosts ([`serve`] / [`run_client`]): the server registers a region
+//!   per QP and sends its QP endpoint, address and rkey over a small
+//!   line-based TCP handshake ([`wire`]); the client runs the data path
+//!   against it;
+//! - [`compare_runs`]: the seed document's table (single post + signal every
+//!   vs batch 32 + signal last vs + inline; polling vs events p99).
+//!
+//! Every run prints one machine-parsable line ([`format_line`]):
+//! `bench op=write size=64 batch=32 signal=32 inline=0 mode=poll qps=1 msgs=.. msg_per_s=.. ...`.
+//! Messages smaller than the engine's 4 KiB minimum block are posted as the
+//! first `size` bytes of each block (`DataPathConfig::payload_cap`).
+//! Latency is post → completion of each signaled request (for a chain: its
+//! tail) as seen by the completion thread. CPU time is the process's
+//! (getrusage: user + system, all threads) per message.
+
+mod run;
+pub mod wire;
+
+use std::fmt;
+
+use crate::datapath::{PollMode, Report};
+use crate::engine::OpKind;
+
+pub use run::{run_client, run_compare, run_loopback, serve, ServerOptions};
+
+/// perftest's port, the default for `rcp bench --server` and the client.
+pub const DEFAULT_PORT: u16 = 18515;
+/// Largest message: half the 32 MiB region every QP targets.
+pub const MAX_SIZE: u64 = (run::REGION / 2) as u64;
+/// Most QPs per run (each has a 32 MiB region on both sides).
+pub const MAX_QPS: usize = 8;
+/// Largest inline size asked for.
+pub const MAX_INLINE: u32 = 1024;
+
+/// What one bench run does.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BenchOptions {
+    pub op: OpKind,
+    /// Bytes per message, `1..=16 MiB`.
+    pub size: u64,
+    /// Work requests per doorbell, `1..=64`.
+    pub batch: usize,
+    /// Signal every n-th request of a chain, `1..=batch`.
+    pub signal_every: usize,
+    /// Inline writes up to this many bytes (0: never).
+    pub inline: u32,
+    pub mode: PollMode,
+    /// Messages per QP (per round with `seconds`).
+    pub iters: u64,
+    /// Repeat rounds of `iters` until this many seconds have passed.
+    pub seconds: Option<f64>,
+    /// QPs run in parallel, one thread each.
+    pub qps: usize,
+    /// RDMA device (default: the first).
+    pub device: Option<String>,
+    /// GID index (default: the first RoCE v2 IPv4-mapped GID).
+    pub gid_index: Option<u32>,
+}
+
+impl Default for BenchOptions {
+    fn default() -> Self {
+        BenchOptions {
+            op: OpKind::Write,
+            size: 65536,
+            batch: 32,
+            signal_every: 32,
+            inline: 0,
+            mode: PollMode::Poll,
+            iters: 10_000,
+            seconds: None,
+            qps: 1,
+            device: None,
+            gid_index: None,
+        }
+    }
+}
+
+/// Bad bench options, or a failed run.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    /// An option out of range (a usage error).
+    #[error("{0}")]
+    Invalid(String),
+    #[error(transparent)]
+    Verbs(#[from] crate::verbs::VerbsError),
+    #[error(transparent)]
+    DataPath(#[from] crate::datapath::DataPathError),
+    #[error("memory: {0}")]
+    Mem(String),
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        source: std::io::Error,
+    },
+    /// The peer said something unexpected.
+    #[error("bench handshake: {0}")]
+    Protocol(String),
+}
+
+impl BenchError {
+    /// Whether this is the user's input (exit code 1) rather than a failure.
+    pub fn is_usage(&self) -> bool {
+        matches!(self, BenchError::Invalid(_))
+    }
+}
+
+/// `write` or `read`.
+pub fn parse_op(s: &str) -> Result<OpKind, String> {
+    match s.trim() {
+        "write" => Ok(OpKind::Write),
+        "read" => Ok(OpKind::Read),
+        o => Err(format!("unknown op {o:?}: expected write or read")),
+    }
+}
+
+/// The op's name in the bench line.
+pub fn op_name(op: OpKind) -> &'static str {
+    match op {
+        OpKind::Write => "write",
+        OpKind::Read => "read",
+    }
+}
+
+/// Bytes with an optional K/M/G suffix (powers of 1024).
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let (num, mul) = match t.char_indices().last() {
+        Some((i, 'k' | 'K')) => (&t[..i], 1u64 << 10),
+        Some((i, 'm' | 'M')) => (&t[..i], 1 << 20),
+        Some((i, 'g' | 'G')) => (&t[..i], 1 << 30),
+        _ => (t, 1),
+    };
+    let n: u64 = num
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size"))?;
+    n.checked_mul(mul).ok_or_else(|| format!("{s:?} overflows"))
+}
+
+impl BenchOptions {
+    /// Refuse what cannot run, naming the option and its range.
+    pub fn validate(&self) -> Result<(), BenchError> {
+        let bad = |m: String| Err(BenchError::Invalid(m));
+        if self.size == 0 || self.size > MAX_SIZE {
+            return bad(format!("--size {}: must be in 1..={MAX_SIZE}", self.size));
+        }
+        if !(1..=64).contains(&self.batch) {
+            return bad(format!("--batch {}: must be in 1..=64", self.batch));
+        }
+        if !(1..=self.batch).contains(&self.signal_every) {
+            return bad(format!(
+                "--signal-every {}: must be in 1..={} (the batch)",
+                self.signal_every, self.batch
+            ));
+        }
+        if self.inline > MAX_INLINE {
+            return bad(format!(
+                "--inline {}: must be in 0..={MAX_INLINE}",
+                self.inline
+            ));
+        }
+        if self.iters == 0 {
+            return bad("--iters 0: must be at least 1".into());
+        }
+        if let Some(s) = self.seconds {
+            if !(s.is_finite() && s > 0.0) {
+                return bad(format!("--seconds {s}: must be a positive number"));
+            }
+        }
+        if !(1..=MAX_QPS).contains(&self.qps) {
+            return bad(format!("--qps {}: must be in 1..={MAX_QPS}", self.qps));
+        }
+        Ok(())
+    }
+
+    /// The engine block a message lives in (the size rounded up to a power
+    /// of two, at least 4 KiB).
+    pub fn block(&self) -> u64 {
+        self.size.next_power_of_two().max(4096)
+    }
+}
+
+/// The figures of a run: the merged data-path report and the process CPU
+/// time it took.
+#[derive(Clone, Debug, Default)]
+pub struct Measured {
+    pub report: Report,
+    pub cpu_ns: u64,
+}
+
+impl Measured {
+    fn secs(&self) -> f64 {
+        self.report.seconds.max(1e-9)
+    }
+    pub fn gbps(&self) -> f64 {
+        self.report.bytes as f64 * 8.0 / self.secs() / 1e9
+    }
+    pub fn msg_per_s(&self) -> f64 {
+        self.report.msgs as f64 / self.secs()
+    }
+    pub fn cpu_ns_per_msg(&self) -> f64 {
+        self.cpu_ns as f64 / self.report.msgs.max(1) as f64
+    }
+}
+
+struct Mode(PollMode);
+impl fmt::Display for Mode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            PollMode::Hybrid { .. } => f.write_str("hybrid"),
+            m => m.fmt(f),
+        }
+    }
+}
+
+/// The machine-parsable line (`scripts/vm/bench.sh`, `docs/benchmarks.md`).
+pub fn format_line(o: &BenchOptions, m: &Measured) -> String {
+    let r = &m.report;
+    let secs = m.secs();
+    format!(
+        "bench op={} size={} batch={} signal={} inline={} mode={} qps={} msgs={} seconds={:.3} \
+         gbps={:.3} mb_per_s={:.1} msg_per_s={:.0} p50_us={:.1} p99_us={:.1} doorbells={} \
+         signaled={} inline_posted={} completions={} cpu_ns_per_msg={:.0} polls={} empty_polls={} arms={} wakeups={}",
+        op_name(o.op),
+        o.size,
+        o.batch,
+        o.signal_every,
+        o.inline,
+        Mode(o.mode),
+        o.qps,
+        r.msgs,
+        secs,
+        m.gbps(),
+        r.bytes as f64 / secs / 1e6,
+        m.msg_per_s(),
+        r.p50_us(),
+        r.p99_us(),
+        r.doorbells,
+        r.signaled,
+        r.inline,
+        r.completions,
+        m.cpu_ns_per_msg(),
+        r.polls,
+        r.empty_polls,
+        r.arms,
+        r.wakeups,
+    )
+}
+
+/// A one-line summary for people (stderr).
+pub fn format_human(o: &BenchOptions, m: &Measured) -> String {
+    format!(
+        "{} {} B x {} on {} QP(s): {:.3} Gb/s, {:.0} msg/s, completion p50 {:.1} us p99 {:.1} us, {:.0} ns CPU/msg",
+        op_name(o.op),
+        o.size,
+        m.report.msgs,
+        o.qps,
+        m.gbps(),
+        m.msg_per_s(),
+        m.report.p50_us(),
+        m.report.p99_us(),
+        m.cpu_ns_per_msg()
+    )
+}
+
+/// The server to connect to: `HOST`, `HOST:PORT`, `[V6]`, `[V6]:PORT` or a
+/// bare IPv6 address; the port defaults to [`DEFAULT_PORT`].
+pub fn server_addr(s: &str) -> Result<String, BenchError> {
+    let s = s.trim();
+    if s.is_empty() {
+        return Err(BenchError::Invalid("empty server address".into()));
+    }
+    if s.parse::<std::net::SocketAddr>().is_ok() {
+        return Ok(s.to_string());
+    }
+    if let Some(rest) = s.strip_prefix('[') {
+        let (h, after) = rest
+            .split_once(']')
+            .ok_or_else(|| BenchError::Invalid(format!("{s:?}: missing ']'")))?;
+        return match after {
+            "" => Ok(format!("[{h}]:{DEFAULT_PORT}")),
+            p => match p.strip_prefix(':').map(str::parse::<u16>) {
+                Some(Ok(port)) => Ok(format!("[{h}]:{port}")),
+                _ => Err(BenchError::Invalid(format!("{s:?}: bad port"))),
+            },
+        };
+    }
+    if s.parse::<std::net::Ipv6Addr>().is_ok() {
+        return Ok(format!("[{s}]:{DEFAULT_PORT}"));
+    }
+    match s.split_once(':') {
+        None => Ok(format!("{s}:{DEFAULT_PORT}")),
+        Some((h, p)) if !h.is_empty() && p.parse::<u16>().is_ok() => Ok(s.to_string()),
+        _ => Err(BenchError::Invalid(format!("{s:?} is not HOST[:PORT]"))),
+    }
+}
+
+/// The seed's table on the local device: 64 B writes single post + signal
+/// every vs batch 32 + signal last vs + inline; polling vs events vs hybrid
+/// p99; then 1 MiB WRITE and READ bandwidth. `small`: messages of the 64 B
+/// runs (the latency runs do a quarter).
+pub fn compare_runs(base: &BenchOptions, small: u64) -> Vec<(&'static str, BenchOptions)> {
+    let b = BenchOptions {
+        op: OpKind::Write,
+        size: 64,
+        qps: 1,
+        seconds: None,
+        iters: small.max(1),
+        ..base.clone()
+    };
+    let lat = |mode| BenchOptions {
+        batch: 1,
+        signal_every: 1,
+        inline: 64,
+        iters: (small / 4).max(1),
+        mode,
+        ..b.clone()
+    };
+    let bw = |op| BenchOptions {
+        op,
+        size: 1 << 20,
+        batch: 32,
+        signal_every: 32,
+        inline: 0,
+        iters: 200,
+        ..b.clone()
+    };
+    vec![
+        (
+            "single post, signal every",
+            BenchOptions {
+                batch: 1,
+                signal_every: 1,
+                inline: 0,
+                ..b.clone()
+            },
+        ),
+        (
+            "batch 32, signal last",
+            BenchOptions {
+                batch: 32,
+                signal_every: 32,
+                inline: 0,
+                ..b.clone()
+            },
+        ),
+        (
+            "batch 32, signal last, inline 64",
+            BenchOptions {
+                batch: 32,
+                signal_every: 32,
+                inline: 64,
+                ..b.clone()
+            },
+        ),
+        ("latency: poll", lat(PollMode::Poll)),
+        ("latency: event", lat(PollMode::Event)),
+        (
+            "latency: hybrid",
+            lat(PollMode::Hybrid {
+                empty_polls: crate::datapath::config::DEFAULT_EMPTY_POLLS,
+            }),
+        ),
+        ("bandwidth: 1 MiB write", bw(OpKind::Write)),
+        ("bandwidth: 1 MiB read", bw(OpKind::Read)),
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn msg(o: BenchOptions) -> String {
+        o.validate().unwrap_err().to_string()
+    }
+
+    #[test]
+    fn defaults_are_valid() {
+        BenchOptions::default().validate().unwrap();
+        for (_, o) in compare_runs(&BenchOptions::default(), 100_000) {
+            o.validate().unwrap();
+        }
+    }
+
+    #[test]
+    fn bad_options_are_refused_by_name() {
+        let d = BenchOptions::default;
+        assert!(msg(BenchOptions { size: 0, ..d() }).contains("--size 0"));
+        assert!(msg(BenchOptions {
+            size: MAX_SIZE + 1,
+            ..d()
+        })
+        .contains("--size"));
+        assert!(msg(BenchOptions { batch: 0, ..d() }).contains("--batch 0"));
+        let e = msg(BenchOptions {
+            batch: 65,
+            signal_every: 1,
+            ..d()
+        });
+        assert!(e.contains("--batch 65") && e.contains("1..=64"), "{e}");
+        let e = msg(BenchOptions {
+            batch: 8,
+            signal_every: 16,
+            ..d()
+        });
+        assert!(e.contains("--signal-every 16"), "{e}");
+        assert!(msg(BenchOptions {
+            signal_every: 0,
+            ..d()
+        })
+        .contains("--signal-every 0"));
+        assert!(msg(BenchOptions { iters: 0, ..d() }).contains("--iters"));
+        assert!(msg(BenchOptions {
+            seconds: Some(0.0),
+            ..d()
+        })
+        .contains("--seconds"));
+        assert!(msg(BenchOptions { qps: 0, ..d() }).contains("--qps 0"));
+        assert!(msg(BenchOptions { qps: 99, ..d() }).contains("--qps 99"));
+        assert!(msg(BenchOptions {
+            inline: 4096,
+            ..d()
+        })
+        .contains("--inline"));
+        assert!(BenchOptions { batch: 0, ..d() }
+            .validate()
+            .unwrap_err()
+            .is_usage());
+    }
+
+    #[test]
+    fn ops_and_sizes_parse() {
+        assert_eq!(parse_op("write"), Ok(OpKind::Write));
+        assert_eq!(parse_op("read"), Ok(OpKind::Read));
+        let e = parse_op("send").unwrap_err();
+        assert!(e.contains("unknown op") && e.contains("send"), "{e}");
+        assert_eq!(parse_bytes("64"), Ok(64));
+        assert_eq!(parse_bytes("4K"), Ok(4096));
+        assert_eq!(parse_bytes("1m"), Ok(1 << 20));
+        assert_eq!(parse_bytes("1G"), Ok(1 << 30));
+        assert!(parse_bytes("x").is_err());
+        assert!(parse_bytes("99999999999999G").is_err());
+    }
+
+    #[test]
+    fn blocks_round_up_to_4k() {
+        let b = |size| {
+            BenchOptions {
+                size,
+                ..BenchOptions::default()
+            }
+            .block()
+        };
+        assert_eq!(b(64), 4096);
+        assert_eq!(b(5000), 8192);
+        assert_eq!(b(1 << 20), 1 << 20);
+        assert_eq!(b(MAX_SIZE), MAX_SIZE);
+    }
+
+    #[test]
+    fn server_addresses() {
+        assert_eq!(server_addr("node").unwrap(), "node:18515");
+        assert_eq!(server_addr("node:9").unwrap(), "node:9");
+        assert_eq!(server_addr("10.0.0.1").unwrap(), "10.0.0.1:18515");
+        assert_eq!(server_addr("10.0.0.1:7").unwrap(), "10.0.0.1:7");
+        assert_eq!(server_addr("fe80::1").unwrap(), "[fe80::1]:18515");
+        assert_eq!(server_addr("[fe80::1]").unwrap(), "[fe80::1]:18515");
+        assert_eq!(server_addr("[fe80::1]:5").unwrap(), "[fe80::1]:5");
+        assert!(server_addr("").is_err());
+        assert!(server_addr("node:x").is_err());
+        assert!(server_addr("[::1]:x").is_err());
+    }
+
+    #[test]
+    fn the_line_parses() {
+        let o = BenchOptions {
+            size: 64,
+            mode: PollMode::Hybrid { empty_polls: 7 },
+            ..BenchOptions::default()
+        };
+        let mut m = Measured {
+            cpu_ns: 2_000,
+            ..Measured::default()
+        };
+        m.report.msgs = 10;
+        m.report.bytes = 640;
+        m.report.seconds = 0.5;
+        let line = format_line(&o, &m);
+        assert!(
+            line.starts_with(
+                "bench op=write size=64 batch=32 signal=32 inline=0 mode=hybrid qps=1 msgs=10 "
+            ),
+            "{line}"
+        );
+        let kv: std::collections::HashMap<_, _> = line
+            .split_whitespace()
+            .skip(1)
+            .map(|w| w.split_once('=').unwrap())
+            .collect();
+        assert_eq!(kv["msg_per_s"], "20");
+        assert_eq!(kv["cpu_ns_per_msg"], "200");
+        assert_eq!(kv["seconds"], "0.500");
+        assert!(format_human(&o, &m).contains("20 msg/s"));
+    }
+}

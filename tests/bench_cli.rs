@@ -1,0 +1,66 @@
+//! `rcp bench` refuses bad input with exit code 1 and a message naming the
+//! option, before it touches a device (so this runs natively).
+
+mod common;
+
+use std::process::Command;
+
+fn bench(args: &[&str], env: &[(&str, &str)]) -> (i32, String) {
+    let mut c = Command::new(common::bin("rcp"));
+    c.arg("bench").args(args);
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    let out = c.output().expect("run rcp");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Arguments, environment, what stderr must say.
+type Case = (
+    &'static [&'static str],
+    &'static [(&'static str, &'static str)],
+    &'static str,
+);
+
+#[test]
+fn bad_options_exit_1_with_a_clear_message() {
+    let cases: &[Case] = &[
+        (&["--size", "0"], &[], "--size 0"),
+        (&["--size", "1G"], &[], "--size 1073741824"),
+        (&["--batch", "0"], &[], "--batch 0: must be in 1..=64"),
+        (&["--batch", "65", "--signal-every", "1"], &[], "--batch 65"),
+        (
+            &["--batch", "8", "--signal-every", "16"],
+            &[],
+            "--signal-every 16",
+        ),
+        (&["--op", "send"], &[], "unknown op \"send\""),
+        (&["--mode", "spin"], &[], "expected poll, event, hybrid"),
+        (&["--iters", "0"], &[], "--iters 0"),
+        (
+            &["--iters", "5", "--seconds", "1"],
+            &[],
+            "cannot be used with",
+        ),
+        (&["--qps", "0"], &[], "--qps 0"),
+        (&["--server", "somehost"], &[], "cannot be used with"),
+        (&["somehost:notaport"], &[], "is not HOST[:PORT]"),
+        (&[], &[("RCP_BENCH_QPS", "9")], "--qps 9"),
+        (&[], &[("RCP_BATCH", "100")], "--batch 100"),
+        (&[], &[("RCP_BENCH_OP", "atomic")], "unknown op"),
+    ];
+    for (args, env, want) in cases {
+        let (code, err) = bench(args, env);
+        assert_eq!(
+            code, 1,
+            "rcp bench {args:?} {env:?}: exit {code}, stderr {err}"
+        );
+        assert!(
+            err.contains(want),
+            "rcp bench {args:?} {env:?}: {err:?} lacks {want:?}"
+        );
+    }
+}
