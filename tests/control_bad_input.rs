@@ -114,20 +114,10 @@ fn wrong_or_missing_token_is_refused() {
     assert_eq!(r.code, 0, "{}", r.stderr);
     bg.finishes(&root);
     // The refusals were counted.
-    let m = metrics(d.metrics.as_deref().unwrap());
+    let m = common::metrics::scrape(d.metrics.as_deref().unwrap());
     assert!(m.contains("rcpd_auth_failures_total 2"), "{m}");
 }
 
-fn metrics(url: &str) -> String {
-    let hostport = url
-        .trim_start_matches("http://")
-        .trim_end_matches("/metrics");
-    let mut s = TcpStream::connect(hostport).unwrap();
-    s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
-    let mut out = String::new();
-    std::io::Read::read_to_string(&mut s, &mut out).unwrap();
-    out
-}
 
 async fn grpc(port: u16) -> RcpClient<tonic::transport::Channel> {
     RcpClient::connect(format!("http://127.0.0.1:{port}"))

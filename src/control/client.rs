@@ -135,6 +135,45 @@ pub struct Client {
     opts: ClientOptions,
 }
 
+/// A transfer that moves only `blocks` (virtual block indices) of window
+/// `g` (whose first block is `first`), packed one after another in the
+/// staging buffers: the resend of damaged pushed blocks and the re-read of
+/// damaged pulled ones.
+#[allow(clippy::too_many_arguments)]
+fn repair_transfer(
+    op: OpKind,
+    g: &proto::Grant,
+    blocks: &[u64],
+    first: u64,
+    bs: u64,
+    vlen: u64,
+    dp: &DataPath,
+    channel: &dyn Channel,
+    buffers: &[LocalSeg],
+) -> Result<(Transfer, std::collections::VecDeque<Window>)> {
+    let blen = |vb: u64| (vlen - vb * bs).min(bs);
+    let rvlen: u64 = blocks.iter().map(|&b| blen(b)).sum();
+    let windows = blocks
+        .iter()
+        .enumerate()
+        .map(|(k, &vb)| Window {
+            id: k as u64 + 1,
+            remote_addr: g.addr + (vb - first) * bs,
+            rkey: g.rkey,
+            len: blen(vb),
+            file_offset: k as u64 * bs,
+            epoch: g.epoch,
+        })
+        .collect();
+    let cfg = dp
+        .config()
+        .transfer_config(op, rvlen, bs, &channel.caps())
+        .map_err(|e| ControlError::Usage(e.to_string()))?;
+    let t = Transfer::new(cfg, buffers.to_vec())
+        .map_err(|e| ControlError::Other(format!("transfer setup: {e}")))?;
+    Ok((t, windows))
+}
+
 /// One grpc.health.v1 check on the gRPC port (no token needed): with TLS 1.3
 /// a server that refuses the client's certificate only says so by closing
 /// the connection after the handshake, and a plaintext client meets a TLS
@@ -568,26 +607,8 @@ impl PushIo {
                 g.window_id
             )));
         }
-        let blen = |vb: u64| (self.vlen - vb * bs).min(bs);
-        let rvlen: u64 = blocks.iter().map(|&b| blen(b)).sum();
-        let windows = blocks
-            .iter()
-            .enumerate()
-            .map(|(k, &vb)| Window {
-                id: k as u64 + 1,
-                remote_addr: g.addr + (vb - first) * bs,
-                rkey: g.rkey,
-                len: blen(vb),
-                file_offset: k as u64 * bs,
-                epoch: g.epoch,
-            })
-            .collect();
-        let cfg = dp
-            .config()
-            .transfer_config(OpKind::Write, rvlen, bs, &channel.caps())
-            .map_err(|e| ControlError::Usage(e.to_string()))?;
-        let mut t = Transfer::new(cfg, buffers.to_vec())
-            .map_err(|e| ControlError::Other(format!("transfer setup: {e}")))?;
+        let (mut t, windows) =
+            repair_transfer(OpKind::Write, g, &blocks, first, bs, self.vlen, dp, channel, buffers)?;
         let mut rio = RepairIo {
             staging: &self.sh.staging,
             src: &self.src,
@@ -875,26 +896,8 @@ impl PullIo {
                 g.block_sha256.len()
             )));
         }
-        let blen = |vb: u64| (self.vlen - vb * bs).min(bs);
-        let rvlen: u64 = blocks.iter().map(|&b| blen(b)).sum();
-        let windows = blocks
-            .iter()
-            .enumerate()
-            .map(|(k, &vb)| Window {
-                id: k as u64 + 1,
-                remote_addr: g.addr + (vb - first) * bs,
-                rkey: g.rkey,
-                len: blen(vb),
-                file_offset: k as u64 * bs,
-                epoch: g.epoch,
-            })
-            .collect();
-        let cfg = dp
-            .config()
-            .transfer_config(OpKind::Read, rvlen, bs, &channel.caps())
-            .map_err(|e| ControlError::Usage(e.to_string()))?;
-        let mut t = Transfer::new(cfg, buffers.to_vec())
-            .map_err(|e| ControlError::Other(format!("transfer setup: {e}")))?;
+        let (mut t, windows) =
+            repair_transfer(OpKind::Read, g, &blocks, first, bs, self.vlen, dp, channel, buffers)?;
         self.rereads += blocks.len() as u64;
         let mut rio = RereadIo {
             staging: &self.sh.staging,
