@@ -288,7 +288,7 @@ printf '%s\n' "$out" | sed 's/^/   | /'
 grep -q '^\[FAIL\] devices .*no RDMA device found' <<<"$out" || fail "doctor: no 'no RDMA device' failure"
 grep -q '^ *fix: .*rdma_rxe' <<<"$out" || fail "doctor: no fix for the missing device"
 grep -q '^\[ok  \] providers' <<<"$out" || fail "doctor: providers not ok"
-grep -q "^\[ok  \] rcpd .*127.0.0.1 answers and accepts the token" <<<"$out" || fail "doctor: rcpd check not ok"
+grep -q "^\[ok  \] rcpd .*127.0.0.1:$PORT answers and accepts the token" <<<"$out" || fail "doctor: rcpd check not ok"
 [ "$rc" = 6 ] || fail "doctor exit $rc, want 6 (no RDMA device)"
 pass "rcp doctor: 'no RDMA device' FAIL with its fix, providers ok, rcpd ok (exit 6)"
 
