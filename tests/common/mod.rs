@@ -2,6 +2,7 @@
 //! digests with the `sha256sum` command.
 #![allow(dead_code)]
 
+pub mod e2e;
 pub mod metrics;
 
 use std::io::{BufRead, BufReader, Write};
