@@ -8,7 +8,14 @@ use common::*;
 
 const T: &str = "tcp";
 
-e2e_tests!(T, resume_len = (64 << 20) + 123);
+e2e_tests!(
+    T,
+    e2e::Scale {
+        resume_len: (64 << 20) + 123,
+        resume_block: 64 << 10,
+        client_len: 3 << 20,
+    }
+);
 
 #[test]
 fn usage_errors_and_missing_paths_have_their_exit_codes() {

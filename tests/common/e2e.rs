@@ -7,6 +7,7 @@
 use std::process::{Command, Stdio};
 
 use super::*;
+use rcp::control::WINDOW_SIZE;
 
 /// A temp dir under cargo's target tmp dir: the VM mounts the repository
 /// writable, its /tmp may not be.
@@ -227,31 +228,35 @@ pub fn tree_with_empty_directories(t: &str) {
     assert!(root.join("etree/empty-file-here").is_file());
 }
 
-/// Blocks the peer must have verified before the client is killed: 4 MiB of
-/// 64 KiB blocks, so a resumed copy has well under `len` left to move.
-const VERIFIED_BEFORE_KILL: u64 = 64;
-
-/// `rcp --block-size 64K ARGS` over `t` (small blocks: the manifest grows
-/// as windows are verified, so the test can see progress).
-fn rcp64(t: &str, port: u16, args: &[&str]) -> Command {
-    rcp_cmd(
-        port,
-        t,
-        None,
-        &[&["--block-size", "64K"][..], args].concat(),
-    )
+/// How much the scenarios move on a transport: natively a lot, in the slow
+/// (TCG) VM less, with the same assertions.
+pub struct Scale {
+    /// The file a copy of which is killed and resumed.
+    pub resume_len: u64,
+    /// rcp's `--block-size` for that copy, in bytes. Blocks are verified a
+    /// window ([`WINDOW_SIZE`]) at a time; the client is killed once one
+    /// window is, so a resumed copy has well under `resume_len` left.
+    pub resume_block: u64,
+    /// Bytes each of the eight clients pushes.
+    pub client_len: u64,
 }
 
-/// Start `rcp64 args` quietly, kill it once the manifest of `name` in `dir`
-/// (the receiving side) has verified blocks, and check that nothing is
+/// `rcp --block-size BLOCK ARGS` over `t`.
+fn rcp_blocks(t: &str, port: u16, block: u64, args: &[&str]) -> Command {
+    let bs = format!("{}K", block >> 10);
+    rcp_cmd(port, t, None, &[&["--block-size", &bs][..], args].concat())
+}
+
+/// Start `rcp args` quietly, kill it once the manifest of `name` in `dir`
+/// (the receiving side) shows a verified window, and check that nothing is
 /// under the final name.
-fn kill_mid_copy(t: &str, port: u16, args: &[&str], dir: &Path, name: &str) {
-    let mut child = rcp64(t, port, args)
+fn kill_mid_copy(t: &str, port: u16, s: &Scale, args: &[&str], dir: &Path, name: &str) {
+    let mut child = rcp_blocks(t, port, s.resume_block, args)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    wait_verified(dir, name, VERIFIED_BEFORE_KILL);
+    wait_verified(dir, name, WINDOW_SIZE as u64 / s.resume_block);
     child.kill().unwrap();
     child.wait().unwrap();
     assert!(
@@ -260,59 +265,67 @@ fn kill_mid_copy(t: &str, port: u16, args: &[&str], dir: &Path, name: &str) {
     );
 }
 
-/// Run `rcp64 args` (a `--resume`) to success; it moves less than `len`,
+/// Run `rcp args` (a `--resume`) to success; it moves less than the file,
 /// and `dir` then holds just `name` with the digest `want`.
-fn resume(t: &str, port: u16, args: &[&str], len: u64, dir: &Path, name: &str, want: &str) {
-    let out = rcp64(t, port, args).output().unwrap();
+fn resume(t: &str, port: u16, s: &Scale, args: &[&str], dir: &Path, name: &str, want: &str) {
+    let out = rcp_blocks(t, port, s.resume_block, args).output().unwrap();
     let (so, se) = (
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr),
     );
     assert!(out.status.success(), "{so}{se}");
-    let m = moved(&so);
+    let (m, len) = (moved(&so), s.resume_len);
     assert!(m < len, "resume moved {m} of {len} bytes");
     println!("resumed: {}", so.trim());
     assert_eq!(sha256sum(&dir.join(name)), want);
     assert_eq!(names(dir), vec![name.to_string()]);
 }
 
-/// A push of `len` bytes killed mid-copy, then `--resume`d.
-pub fn push_resume_after_client_killed(t: &str, len: u64) {
+/// A push killed mid-copy, then `--resume`d.
+pub fn push_resume_after_client_killed(t: &str, s: &Scale) {
     let (tmp, root) = tmp_with_root();
     let d = Rcpd::start(&root, t, None, &[]);
     let src = tmp.path().join("big");
-    make_file(&src, len, 7);
+    make_file(&src, s.resume_len, 7);
     let want = sha256sum(&src);
-    let s = src.to_str().unwrap();
-    kill_mid_copy(t, d.port, &["push", "-q", s, "127.0.0.1:/"], &root, "big");
+    let p = src.to_str().unwrap();
+    kill_mid_copy(
+        t,
+        d.port,
+        s,
+        &["push", "-q", p, "127.0.0.1:/"],
+        &root,
+        "big",
+    );
     assert!(find_manifest(&root, "big").is_some(), "{:?}", names(&root));
-    let args = ["push", "--resume", s, "127.0.0.1:/"];
-    resume(t, d.port, &args, len, &root, "big", &want);
+    let args = ["push", "--resume", p, "127.0.0.1:/"];
+    resume(t, d.port, s, &args, &root, "big", &want);
 }
 
-/// A pull of `len` bytes killed mid-copy, then `--resume`d.
-pub fn pull_resume_after_client_killed(t: &str, len: u64) {
+/// A pull killed mid-copy, then `--resume`d.
+pub fn pull_resume_after_client_killed(t: &str, s: &Scale) {
     let (tmp, root) = tmp_with_root();
     let d = Rcpd::start(&root, t, None, &[]);
-    make_file(&root.join("big"), len, 9);
+    make_file(&root.join("big"), s.resume_len, 9);
     let want = sha256sum(&root.join("big"));
     let dst = tmp.path().join("dst");
     std::fs::create_dir(&dst).unwrap();
     let ds = dst.to_str().unwrap();
-    kill_mid_copy(t, d.port, &["pull", "-q", "127.0.0.1:big", ds], &dst, "big");
+    let args = ["pull", "-q", "127.0.0.1:big", ds];
+    kill_mid_copy(t, d.port, s, &args, &dst, "big");
     let args = ["pull", "--resume", "127.0.0.1:big", ds];
-    resume(t, d.port, &args, len, &dst, "big", &want);
+    resume(t, d.port, s, &args, &dst, "big", &want);
 }
 
 /// Eight clients push at once to an rcpd with three transfer slots: the
 /// excess waits, none fails.
-pub fn eight_clients_with_back_pressure(t: &str) {
+pub fn eight_clients_with_back_pressure(t: &str, s: &Scale) {
     let (tmp, root) = tmp_with_root();
     let d = Rcpd::start(&root, t, None, &["--max-transfers", "3"]);
     let mut kids = Vec::new();
     for i in 0..8u64 {
         let src = tmp.path().join(format!("c{i}"));
-        make_file(&src, (3 << 20) + i * 1000, 100 + i);
+        make_file(&src, s.client_len + i * 1000, 100 + i);
         let child = rcp_cmd(
             d.port,
             t,
@@ -339,12 +352,11 @@ pub fn eight_clients_with_back_pressure(t: &str) {
     }
 }
 
-/// The scenarios above as `#[test]`s over `$transport`, each carrying the
-/// attributes given (the VM's `#[ignore = ...]`); `resume_len` is the size
-/// of the file killed mid-copy (the VM is slow: smaller there).
+/// The scenarios above as `#[test]`s over `$transport` at the [`Scale`]
+/// given, each carrying the attributes given (the VM's `#[ignore = ...]`).
 #[macro_export]
 macro_rules! e2e_tests {
-    ($t:expr, resume_len = $len:expr $(, #[$attr:meta])* $(,)?) => {
+    ($t:expr, $scale:expr $(, #[$attr:meta])* $(,)?) => {
         #[test]
         $(#[$attr])*
         fn push_pull_small_sizes() {
@@ -372,19 +384,19 @@ macro_rules! e2e_tests {
         #[test]
         $(#[$attr])*
         fn push_resume_after_client_killed() {
-            $crate::common::e2e::push_resume_after_client_killed($t, $len);
+            $crate::common::e2e::push_resume_after_client_killed($t, &$scale);
         }
 
         #[test]
         $(#[$attr])*
         fn pull_resume_after_client_killed() {
-            $crate::common::e2e::pull_resume_after_client_killed($t, $len);
+            $crate::common::e2e::pull_resume_after_client_killed($t, &$scale);
         }
 
         #[test]
         $(#[$attr])*
         fn eight_clients_at_once_with_back_pressure() {
-            $crate::common::e2e::eight_clients_with_back_pressure($t);
+            $crate::common::e2e::eight_clients_with_back_pressure($t, &$scale);
         }
     };
 }
