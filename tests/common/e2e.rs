@@ -117,14 +117,8 @@ pub fn tree_of_200_files(t: &str) {
     assert!(r.stdout.starts_with("200 files"), "{}", r.stdout);
     println!("pushed: {}", r.stdout.trim());
     assert!(!root.join("tree/escape").exists());
-    for f in &files {
-        assert_eq!(
-            sha256sum(&tree.join(f)),
-            sha256sum(&root.join("tree").join(f)),
-            "{}",
-            f.display()
-        );
-    }
+    let want = sha256sums(&tree, &files);
+    same_digests(&files, &want, &sha256sums(&root.join("tree"), &files));
     let back = tmp.path().join("back");
     let r = rcp(
         d.port,
@@ -134,13 +128,13 @@ pub fn tree_of_200_files(t: &str) {
     );
     assert_eq!(r.code, 0, "{}{}\n{}", r.stdout, r.stderr, d.log());
     println!("pulled: {}", r.stdout.trim());
-    for f in &files {
-        assert_eq!(
-            sha256sum(&tree.join(f)),
-            sha256sum(&back.join(f)),
-            "{}",
-            f.display()
-        );
+    same_digests(&files, &want, &sha256sums(&back, &files));
+}
+
+/// Each of `files` has the digest wanted.
+fn same_digests(files: &[PathBuf], want: &[String], got: &[String]) {
+    for ((f, w), g) in files.iter().zip(want).zip(got) {
+        assert_eq!(w, g, "{}", f.display());
     }
 }
 
