@@ -64,28 +64,32 @@ netns)
   }
   step "rcp bench write, server in b, client in a" bench_pair
   step "rcp bench read, 2 QPs (a -> b)" bench_pair --op read --qps 2
-  # A copy across a 3 s link cut: vb goes down mid-stream; the data path must
-  # flush, reconnect once the link is back and resend only what was not
-  # confirmed; the digest must match.
+  # A copy across a 3 s link cut: vb goes down mid-stream. Over verbs the data
+  # path must flush, reconnect once the link is back and resend only what was
+  # not confirmed; over tcp the provider's connections must ride it out. The
+  # digest must match. Arguments: the transport (verbs or tcp), push or pull.
   linkcut() {
-    local dir op=$1
-    dir=$PWD/target/vm-linkcut-$op
+    local dir t=$1 op=$2 dev_b=() dev_a=()
+    [ "$t" = verbs ] && dev_b=(--device rxeb) && dev_a=(--device rxea)
+    dir=$PWD/target/vm-linkcut-$t-$op
     rm -rf "$dir" && mkdir -p "$dir/src" "$dir/root"
     head -c $((64 << 20)) /dev/urandom >"$dir/src/file"
     [ "$op" = pull ] && cp "$dir/src/file" "$dir/root/file"
     ip netns exec b target/debug/rcpd --listen 192.168.77.2:7471 --health-listen 192.168.77.2:7472 \
-      --root "$dir/root" --transport verbs --device rxeb --arena-mib 64 --log info >"$dir/rcpd.log" 2>&1 &
+      --root "$dir/root" --transport "$t" "${dev_b[@]}" --arena-mib 64 --log info >"$dir/rcpd.log" 2>&1 &
     local d=$!
     for _ in $(seq 100); do ip netns exec a bash -c 'exec 3<>/dev/tcp/192.168.77.2/7471' 2>/dev/null && break; sleep 0.2; done
     if [ "$op" = push ]; then
-      ip netns exec a target/debug/rcp push -v --transport verbs --device rxea "$dir/src/file" 192.168.77.2:file 2>"$dir/rcp.log" &
+      ip netns exec a target/debug/rcp push -v --transport "$t" "${dev_a[@]}" "$dir/src/file" 192.168.77.2:file 2>"$dir/rcp.log" &
     else
-      ip netns exec a target/debug/rcp pull -v --transport verbs --device rxea 192.168.77.2:file "$dir/got" 2>"$dir/rcp.log" &
+      ip netns exec a target/debug/rcp pull -v --transport "$t" "${dev_a[@]}" 192.168.77.2:file "$dir/got" 2>"$dir/rcp.log" &
     fi
     local c=$! rc
     # Cut once blocks are moving: a few seconds after the session's QPs are up.
     for _ in $(seq 300); do grep -aq "session opened" "$dir/rcpd.log" && break; sleep 0.2; done
     sleep 4
+    local mid=no
+    kill -0 $c 2>/dev/null && mid=yes
     echo "linkcut: vb down"; ip -n b link set vb down; sleep 3; ip -n b link set vb up; echo "linkcut: vb up"
     wait $c; rc=$?
     kill $d; wait $d 2>/dev/null
@@ -94,14 +98,23 @@ netns)
     want=$(sha256sum <"$dir/src/file" | cut -d' ' -f1)
     if [ "$op" = push ]; then got=$(sha256sum <"$dir/root/file" | cut -d' ' -f1); else got=$(sha256sum <"$dir/got" | cut -d' ' -f1); fi
     grep -aq "reconnected" "$dir/rcp.log" && reconnected=yes
-    echo "linkcut $op: rc=$rc reconnected=$reconnected want=$want got=$got"
-    # Whether WRs were in flight when the link went (and so whether the QP
-    # had to be reconnected) depends on timing under TCG; the copy must
-    # complete with the right digest either way.
+    # Over verbs, whether WRs were in flight when the link went (and so whether
+    # the QP had to be reconnected) depends on timing under TCG; over tcp
+    # there is no QP to reconnect. The copy must complete with the right
+    # digest either way.
+    if [ "$t" = verbs ]; then
+      echo "linkcut $op: rc=$rc reconnected=$reconnected want=$want got=$got"
+    else
+      # The cut must land mid-copy for the step to show anything.
+      echo "linkcut $t $op: rc=$rc mid-copy=$mid want=$want got=$got"
+      [ $mid = yes ] || return 1
+    fi
     [ $rc -eq 0 ] && [ "$want" = "$got" ]
   }
-  step "rcp push across a 3 s link cut (verbs, a -> b)" linkcut push
-  step "rcp pull across a 3 s link cut (verbs, b -> a)" linkcut pull
+  step "rcp push across a 3 s link cut (verbs, a -> b)" linkcut verbs push
+  step "rcp pull across a 3 s link cut (verbs, b -> a)" linkcut verbs pull
+  step "rcp push across a 3 s link cut (tcp, a -> b)" linkcut tcp push
+  step "rcp pull across a 3 s link cut (tcp, b -> a)" linkcut tcp pull
   for nb in "$@"; do
     step "${nb%%=*} (netns)" "${nb#*=}" --ignored --test-threads=1 --nocapture
   done

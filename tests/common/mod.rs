@@ -2,6 +2,7 @@
 //! digests with the `sha256sum` command.
 #![allow(dead_code)]
 
+pub mod e2e;
 pub mod metrics;
 
 use std::io::{BufRead, BufReader, Write};
@@ -141,6 +142,23 @@ pub fn sha256sum(p: &Path) -> String {
         .next()
         .unwrap()
         .to_string()
+}
+
+/// The digests `sha256sum` prints for each of `rels` beneath `base`, from
+/// one run of it (a process per file is slow in the VM).
+pub fn sha256sums(base: &Path, rels: &[PathBuf]) -> Vec<String> {
+    let out = Command::new("sha256sum")
+        .current_dir(base)
+        .args(rels)
+        .output()
+        .expect("sha256sum");
+    assert!(out.status.success(), "sha256sum in {}", base.display());
+    let digests: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| l.split_whitespace().next().unwrap().to_string())
+        .collect();
+    assert_eq!(digests.len(), rels.len(), "sha256sum in {}", base.display());
+    digests
 }
 
 /// A file of `len` pseudo-random bytes (seeded).

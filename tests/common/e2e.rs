@@ -1,0 +1,396 @@
+//! The end-to-end scenarios the issue asks for on every transport: push and
+//! pull of edge sizes and of trees, resume after the client is killed, eight
+//! clients against fewer transfer slots. control_tcp runs them natively over
+//! tcp, control_verbs in the soft-RoCE VM over verbs ([`e2e_tests!`]); every
+//! digest is compared with `sha256sum`.
+
+use std::process::{Command, Stdio};
+
+use super::*;
+use rcp::control::WINDOW_SIZE;
+
+/// A temp dir under cargo's target tmp dir: the VM mounts the repository
+/// writable, its /tmp may not be.
+pub fn tmp() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("e2e")
+        .tempdir_in(env!("CARGO_TARGET_TMPDIR"))
+        .unwrap()
+}
+
+/// A fresh temp dir with an empty `root` in it for rcpd (its log goes
+/// beside `root`, inside the temp dir).
+pub fn tmp_with_root() -> (tempfile::TempDir, PathBuf) {
+    let tmp = tmp();
+    let root = tmp.path().join("root");
+    std::fs::create_dir(&root).unwrap();
+    (tmp, root)
+}
+
+const TOKEN: &str = "s3cret";
+
+/// Push each size to rcpd and pull it back, comparing digests; nothing
+/// (temp file, manifest) is left behind on either side.
+pub fn roundtrip(t: &str, sizes: &[u64]) {
+    let (tmp, root) = tmp_with_root();
+    let d = Rcpd::start(&root, t, Some(TOKEN), &[]);
+    let back = tmp.path().join("back");
+    std::fs::create_dir(&back).unwrap();
+    for (i, &len) in sizes.iter().enumerate() {
+        let name = format!("f{len}");
+        let src = tmp.path().join(&name);
+        make_file(&src, len, i as u64 + 1);
+        let want = sha256sum(&src);
+        let r = rcp(
+            d.port,
+            t,
+            Some(TOKEN),
+            &["push", src.to_str().unwrap(), "127.0.0.1:/"],
+        );
+        assert_eq!(
+            r.code,
+            0,
+            "push {len}: {}{}\n{}",
+            r.stdout,
+            r.stderr,
+            d.log()
+        );
+        assert_eq!(sha256sum(&root.join(&name)), want, "pushed {len} bytes");
+        if len > 0 {
+            assert!(
+                r.stdout.contains(&want),
+                "summary has the digest: {}",
+                r.stdout
+            );
+        }
+        assert!(r.stdout.contains(&format!("over {t}")), "{}", r.stdout);
+        assert_eq!(moved(&r.stdout), len);
+        let r = rcp(
+            d.port,
+            t,
+            Some(TOKEN),
+            &["pull", &format!("127.0.0.1:{name}"), back.to_str().unwrap()],
+        );
+        assert_eq!(
+            r.code,
+            0,
+            "pull {len}: {}{}\n{}",
+            r.stdout,
+            r.stderr,
+            d.log()
+        );
+        assert_eq!(sha256sum(&back.join(&name)), want, "pulled {len} bytes");
+        println!("{len} bytes pulled: {}", r.stdout.trim());
+    }
+    // No temp files or manifests left behind.
+    for dir in [&root, &back] {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let n = e.unwrap().file_name().to_string_lossy().into_owned();
+            assert!(!n.starts_with('.'), "left behind: {n}");
+        }
+    }
+}
+
+/// `rcp -r` of a tree of 200 small files (and a symlink out of it, never
+/// followed) to rcpd and back.
+pub fn tree_of_200_files(t: &str) {
+    let (tmp, root) = tmp_with_root();
+    let d = Rcpd::start(&root, t, None, &[]);
+    let tree = tmp.path().join("tree");
+    let mut files = Vec::new();
+    for i in 0..200u64 {
+        let sub = tree.join(format!("d{}", i % 7)).join(format!("e{}", i % 3));
+        std::fs::create_dir_all(&sub).unwrap();
+        let f = sub.join(format!("file{i}"));
+        make_file(&f, (i * 37) % 5000, i);
+        files.push(f.strip_prefix(&tree).unwrap().to_path_buf());
+    }
+    // A symlink pointing out of the tree is never followed.
+    std::os::unix::fs::symlink("/etc/passwd", tree.join("escape")).unwrap();
+    let r = rcp(
+        d.port,
+        t,
+        None,
+        &["push", "-r", tree.to_str().unwrap(), "127.0.0.1:/"],
+    );
+    assert_eq!(r.code, 0, "{}{}\n{}", r.stdout, r.stderr, d.log());
+    assert!(r.stdout.starts_with("200 files"), "{}", r.stdout);
+    println!("pushed: {}", r.stdout.trim());
+    assert!(!root.join("tree/escape").exists());
+    let want = sha256sums(&tree, &files);
+    same_digests(&files, &want, &sha256sums(&root.join("tree"), &files));
+    let back = tmp.path().join("back");
+    let r = rcp(
+        d.port,
+        t,
+        None,
+        &["pull", "-r", "127.0.0.1:tree", back.to_str().unwrap()],
+    );
+    assert_eq!(r.code, 0, "{}{}\n{}", r.stdout, r.stderr, d.log());
+    println!("pulled: {}", r.stdout.trim());
+    same_digests(&files, &want, &sha256sums(&back, &files));
+}
+
+/// Each of `files` has the digest wanted.
+fn same_digests(files: &[PathBuf], want: &[String], got: &[String]) {
+    for ((f, w), g) in files.iter().zip(want).zip(got) {
+        assert_eq!(w, g, "{}", f.display());
+    }
+}
+
+/// `-r` copies empty directories too, both ways (scp -r, rsync -r), and a
+/// tree that is nothing but empty directories; a non-directory in the way is
+/// refused, not replaced.
+pub fn tree_with_empty_directories(t: &str) {
+    let (tmp, root) = tmp_with_root();
+    let d = Rcpd::start(&root, t, None, &[]);
+    let tree = tmp.path().join("etree");
+    let empties = ["empty", "deep/er/est", "full/empty-beside-a-file"];
+    for e in empties {
+        std::fs::create_dir_all(tree.join(e)).unwrap();
+    }
+    make_file(&tree.join("full/f"), 5000, 3);
+    let bare = tmp.path().join("bare");
+    std::fs::create_dir_all(bare.join("x/y")).unwrap();
+    for src in [&tree, &bare] {
+        let r = rcp(
+            d.port,
+            t,
+            None,
+            &["push", "-r", src.to_str().unwrap(), "127.0.0.1:/"],
+        );
+        assert_eq!(r.code, 0, "{}{}\n{}", r.stdout, r.stderr, d.log());
+    }
+    for e in empties {
+        assert!(root.join("etree").join(e).is_dir(), "pushed {e}");
+        if e != "full/empty-beside-a-file" {
+            assert!(names(&root.join("etree").join(e)).is_empty(), "{e}");
+        }
+    }
+    assert_eq!(
+        sha256sum(&tree.join("full/f")),
+        sha256sum(&root.join("etree/full/f"))
+    );
+    assert!(
+        root.join("bare/x/y").is_dir(),
+        "an all-empty tree is pushed"
+    );
+    let back = tmp.path().join("back");
+    std::fs::create_dir(&back).unwrap();
+    for name in ["etree", "bare"] {
+        let r = rcp(
+            d.port,
+            t,
+            None,
+            &[
+                "pull",
+                "-r",
+                &format!("127.0.0.1:{name}"),
+                back.to_str().unwrap(),
+            ],
+        );
+        assert_eq!(r.code, 0, "{}{}\n{}", r.stdout, r.stderr, d.log());
+    }
+    for e in empties {
+        assert!(back.join("etree").join(e).is_dir(), "pulled {e}");
+    }
+    assert_eq!(
+        sha256sum(&tree.join("full/f")),
+        sha256sum(&back.join("etree/full/f"))
+    );
+    assert!(
+        back.join("bare/x/y").is_dir(),
+        "an all-empty tree is pulled"
+    );
+    // A non-directory in the way is refused, not replaced.
+    std::fs::write(tmp.path().join("clash"), b"x").unwrap();
+    std::fs::create_dir_all(tmp.path().join("clashing/etree")).unwrap();
+    std::fs::write(root.join("etree/empty-file-here"), b"").unwrap();
+    std::fs::create_dir_all(tmp.path().join("clashing/etree/empty-file-here")).unwrap();
+    let r = rcp(
+        d.port,
+        t,
+        None,
+        &[
+            "push",
+            "-r",
+            tmp.path().join("clashing/etree").to_str().unwrap(),
+            "127.0.0.1:/",
+        ],
+    );
+    assert_ne!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    assert!(root.join("etree/empty-file-here").is_file());
+}
+
+/// How much the scenarios move on a transport: natively a lot, in the slow
+/// (TCG) VM less, with the same assertions.
+pub struct Scale {
+    /// The file a copy of which is killed and resumed.
+    pub resume_len: u64,
+    /// rcp's `--block-size` for that copy, in bytes. Blocks are verified a
+    /// window ([`WINDOW_SIZE`]) at a time; the client is killed once one
+    /// window is, so a resumed copy has well under `resume_len` left.
+    pub resume_block: u64,
+    /// Bytes each of the eight clients pushes.
+    pub client_len: u64,
+}
+
+/// `rcp --block-size BLOCK ARGS` over `t`.
+fn rcp_blocks(t: &str, port: u16, block: u64, args: &[&str]) -> Command {
+    let bs = format!("{}K", block >> 10);
+    rcp_cmd(port, t, None, &[&["--block-size", &bs][..], args].concat())
+}
+
+/// Start `rcp args` quietly, kill it once the manifest of `name` in `dir`
+/// (the receiving side) shows a verified window, and check that nothing is
+/// under the final name.
+fn kill_mid_copy(t: &str, port: u16, s: &Scale, args: &[&str], dir: &Path, name: &str) {
+    let mut child = rcp_blocks(t, port, s.resume_block, args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_verified(dir, name, WINDOW_SIZE as u64 / s.resume_block);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(
+        !dir.join(name).exists(),
+        "an interrupted copy is never under the final name"
+    );
+}
+
+/// Run `rcp args` (a `--resume`) to success; it moves less than the file,
+/// and `dir` then holds just `name` with the digest `want`.
+fn resume(t: &str, port: u16, s: &Scale, args: &[&str], dir: &Path, name: &str, want: &str) {
+    let out = rcp_blocks(t, port, s.resume_block, args).output().unwrap();
+    let (so, se) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{so}{se}");
+    let (m, len) = (moved(&so), s.resume_len);
+    assert!(m < len, "resume moved {m} of {len} bytes");
+    println!("resumed: {}", so.trim());
+    assert_eq!(sha256sum(&dir.join(name)), want);
+    assert_eq!(names(dir), vec![name.to_string()]);
+}
+
+/// A push killed mid-copy, then `--resume`d.
+pub fn push_resume_after_client_killed(t: &str, s: &Scale) {
+    let (tmp, root) = tmp_with_root();
+    let d = Rcpd::start(&root, t, None, &[]);
+    let src = tmp.path().join("big");
+    make_file(&src, s.resume_len, 7);
+    let want = sha256sum(&src);
+    let p = src.to_str().unwrap();
+    kill_mid_copy(
+        t,
+        d.port,
+        s,
+        &["push", "-q", p, "127.0.0.1:/"],
+        &root,
+        "big",
+    );
+    assert!(find_manifest(&root, "big").is_some(), "{:?}", names(&root));
+    let args = ["push", "--resume", p, "127.0.0.1:/"];
+    resume(t, d.port, s, &args, &root, "big", &want);
+}
+
+/// A pull killed mid-copy, then `--resume`d.
+pub fn pull_resume_after_client_killed(t: &str, s: &Scale) {
+    let (tmp, root) = tmp_with_root();
+    let d = Rcpd::start(&root, t, None, &[]);
+    make_file(&root.join("big"), s.resume_len, 9);
+    let want = sha256sum(&root.join("big"));
+    let dst = tmp.path().join("dst");
+    std::fs::create_dir(&dst).unwrap();
+    let ds = dst.to_str().unwrap();
+    let args = ["pull", "-q", "127.0.0.1:big", ds];
+    kill_mid_copy(t, d.port, s, &args, &dst, "big");
+    let args = ["pull", "--resume", "127.0.0.1:big", ds];
+    resume(t, d.port, s, &args, &dst, "big", &want);
+}
+
+/// Eight clients push at once to an rcpd with three transfer slots: the
+/// excess waits, none fails.
+pub fn eight_clients_with_back_pressure(t: &str, s: &Scale) {
+    let (tmp, root) = tmp_with_root();
+    let d = Rcpd::start(&root, t, None, &["--max-transfers", "3"]);
+    let mut kids = Vec::new();
+    for i in 0..8u64 {
+        let src = tmp.path().join(format!("c{i}"));
+        make_file(&src, s.client_len + i * 1000, 100 + i);
+        let child = rcp_cmd(
+            d.port,
+            t,
+            None,
+            &["push", src.to_str().unwrap(), "127.0.0.1:/"],
+        )
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+        kids.push((src, child));
+    }
+    for (src, child) in kids {
+        let out = child.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}: {}\n{}",
+            src.display(),
+            String::from_utf8_lossy(&out.stderr),
+            d.log()
+        );
+        let name = src.file_name().unwrap();
+        assert_eq!(sha256sum(&src), sha256sum(&root.join(name)));
+    }
+}
+
+/// The scenarios above as `#[test]`s over `$transport` at the [`Scale`]
+/// given, each carrying the attributes given (the VM's `#[ignore = ...]`).
+#[macro_export]
+macro_rules! e2e_tests {
+    ($t:expr, $scale:expr $(, #[$attr:meta])* $(,)?) => {
+        #[test]
+        $(#[$attr])*
+        fn push_pull_small_sizes() {
+            $crate::common::e2e::roundtrip($t, &[0, 1, 4095]);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn push_pull_33mib_plus_7() {
+            $crate::common::e2e::roundtrip($t, &[(33 << 20) + 7]);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn push_pull_tree_of_200_files() {
+            $crate::common::e2e::tree_of_200_files($t);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn push_pull_tree_with_empty_directories() {
+            $crate::common::e2e::tree_with_empty_directories($t);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn push_resume_after_client_killed() {
+            $crate::common::e2e::push_resume_after_client_killed($t, &$scale);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn pull_resume_after_client_killed() {
+            $crate::common::e2e::pull_resume_after_client_killed($t, &$scale);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn eight_clients_at_once_with_back_pressure() {
+            $crate::common::e2e::eight_clients_with_back_pressure($t, &$scale);
+        }
+    };
+}
