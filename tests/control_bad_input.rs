@@ -118,7 +118,6 @@ fn wrong_or_missing_token_is_refused() {
     assert!(m.contains("rcpd_auth_failures_total 2"), "{m}");
 }
 
-
 async fn grpc(port: u16) -> RcpClient<tonic::transport::Channel> {
     RcpClient::connect(format!("http://127.0.0.1:{port}"))
         .await

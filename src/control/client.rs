@@ -607,8 +607,17 @@ impl PushIo {
                 g.window_id
             )));
         }
-        let (mut t, windows) =
-            repair_transfer(OpKind::Write, g, &blocks, first, bs, self.vlen, dp, channel, buffers)?;
+        let (mut t, windows) = repair_transfer(
+            OpKind::Write,
+            g,
+            &blocks,
+            first,
+            bs,
+            self.vlen,
+            dp,
+            channel,
+            buffers,
+        )?;
         let mut rio = RepairIo {
             staging: &self.sh.staging,
             src: &self.src,
@@ -896,8 +905,17 @@ impl PullIo {
                 g.block_sha256.len()
             )));
         }
-        let (mut t, windows) =
-            repair_transfer(OpKind::Read, g, &blocks, first, bs, self.vlen, dp, channel, buffers)?;
+        let (mut t, windows) = repair_transfer(
+            OpKind::Read,
+            g,
+            &blocks,
+            first,
+            bs,
+            self.vlen,
+            dp,
+            channel,
+            buffers,
+        )?;
         self.rereads += blocks.len() as u64;
         let mut rio = RereadIo {
             staging: &self.sh.staging,
