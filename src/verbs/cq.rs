@@ -173,26 +173,7 @@ impl CompletionQueue {
                 "the CQ has no completion channel",
             )
         })?;
-        let mut pfd = libc::pollfd {
-            fd: ch.fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
-        // SAFETY: one valid pollfd.
-        let rc = unsafe { libc::poll(&mut pfd, 1, ms) };
-        if rc < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() == std::io::ErrorKind::Interrupted {
-                return Ok(false);
-            }
-            return Err(VerbsError::new(
-                "poll(comp_channel)",
-                e.raw_os_error().unwrap_or(0),
-                "",
-            ));
-        }
-        if rc == 0 {
+        if !super::error::wait_readable(ch.fd(), timeout, "poll(comp_channel)", "")? {
             return Ok(false);
         }
         let mut cq: *mut ibv_cq = std::ptr::null_mut();

@@ -108,6 +108,36 @@ fn guess_hint(call: &str, errno: i32) -> Hint {
     }
 }
 
+/// Wait until `fd` is readable or `timeout` passes (poll(2)); `Ok(false)` on
+/// timeout or EINTR. `call`/`context` name the wait in an error.
+pub(crate) fn wait_readable(
+    fd: std::os::raw::c_int,
+    timeout: std::time::Duration,
+    call: &'static str,
+    context: &str,
+) -> Result<bool, VerbsError> {
+    let mut pfd = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
+    // SAFETY: one valid pollfd, borrowed for the call's duration.
+    let rc = unsafe { libc::poll(&mut pfd, 1, ms) };
+    if rc < 0 {
+        let e = std::io::Error::last_os_error();
+        if e.kind() == std::io::ErrorKind::Interrupted {
+            return Ok(false);
+        }
+        return Err(VerbsError::new(
+            call,
+            e.raw_os_error().unwrap_or(0),
+            context.to_string(),
+        ));
+    }
+    Ok(rc > 0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -243,26 +243,7 @@ impl AsyncEvents {
         if let Some(e) = self.try_next()? {
             return Ok(Some(e));
         }
-        let mut pfd = libc::pollfd {
-            fd: self.fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
-        // SAFETY: one valid pollfd, for the call's duration.
-        let rc = unsafe { libc::poll(&mut pfd, 1, ms) };
-        if rc < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() == std::io::ErrorKind::Interrupted {
-                return Ok(None);
-            }
-            return Err(VerbsError::new(
-                "poll(async_fd)",
-                e.raw_os_error().unwrap_or(0),
-                self.ctx.name().to_string(),
-            ));
-        }
-        if rc == 0 {
+        if !super::error::wait_readable(self.fd(), timeout, "poll(async_fd)", self.ctx.name())? {
             return Ok(None);
         }
         self.try_next()
