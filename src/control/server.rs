@@ -149,6 +149,32 @@ fn in_place<R>(f: impl FnOnce() -> R) -> R {
 }
 
 impl Service {
+    /// Grant window `id` again for blocks to move once more: the next
+    /// epoch, a fresh registration (the old rkey is revoked when `w.reg` is
+    /// replaced) and the digests the client checks (pull).
+    fn regrant(
+        &self,
+        domain: &dyn crate::provider::Domain,
+        id: u64,
+        w: &mut Win,
+        access: Access,
+        block_sha256: Vec<Vec<u8>>,
+    ) -> Result<proto::Grant> {
+        w.epoch += 1;
+        let reg = self.register(domain, &w.span, access)?;
+        let g = proto::Grant {
+            window_id: id,
+            addr: reg.addr(),
+            rkey: reg.rkey(),
+            len: w.len,
+            file_offset: w.voff,
+            epoch: w.epoch,
+            block_sha256,
+        };
+        w.reg = Some(reg);
+        Ok(g)
+    }
+
     /// Register a window slice, counting refusals for lack of lockable
     /// memory in rcp_memlock_failures_total.
     fn register(
@@ -678,18 +704,13 @@ impl Service {
                         // a fresh rkey and the next epoch (the good blocks
                         // are already written; writing them again is a no-op).
                         tracing::warn!(window = d.window_id, blocks = ?bad, "block digest mismatch: asking the client to resend");
-                        w.epoch += 1;
-                        let reg = self.register(domain, &w.span, Access::REMOTE_WRITE)?;
-                        let g = proto::Grant {
-                            window_id: d.window_id,
-                            addr: reg.addr(),
-                            rkey: reg.rkey(),
-                            len: w.len,
-                            file_offset: w.voff,
-                            epoch: w.epoch,
-                            block_sha256: Vec::new(),
-                        };
-                        w.reg = Some(reg);
+                        let g = self.regrant(
+                            domain,
+                            d.window_id,
+                            &mut w,
+                            Access::REMOTE_WRITE,
+                            Vec::new(),
+                        )?;
                         wins.insert(d.window_id, w);
                         for m in [
                             server_msg::Msg::Ack(proto::Ack {
@@ -873,18 +894,13 @@ impl Service {
                         let digests = in_place(|| {
                             refill_blocks(&src, &w.span, w.voff, w.len, bs, &moving, &blocks)
                         })?;
-                        w.epoch += 1;
-                        let reg = self.register(domain, &w.span, Access::REMOTE_READ)?;
-                        let g = proto::Grant {
-                            window_id: d.window_id,
-                            addr: reg.addr(),
-                            rkey: reg.rkey(),
-                            len: w.len,
-                            file_offset: w.voff,
-                            epoch: w.epoch,
-                            block_sha256: digests,
-                        };
-                        w.reg = Some(reg);
+                        let g = self.regrant(
+                            domain,
+                            d.window_id,
+                            &mut w,
+                            Access::REMOTE_READ,
+                            digests,
+                        )?;
                         wins.insert(d.window_id, w);
                         tx.send(msg(server_msg::Msg::Grant(g)))
                             .await
