@@ -454,9 +454,18 @@ impl Transfer {
             .chain_len(self.credits.available().min(self.free_bufs.len()));
         let mut spans = Vec::with_capacity(room);
         while spans.len() < room {
-            match self.next_ready() {
-                Some(s) => spans.push(s),
-                None => break,
+            let Some(s) = self.next_ready() else { break };
+            // A chain ends with a window's last block, so that block's WR is
+            // signaled and the window is confirmed as soon as it lands,
+            // not when a chain reaching into later windows does; the
+            // caller also gets to post one window while it fills the next.
+            let ends_window = self
+                .windows
+                .find(s.file_offset)
+                .is_some_and(|w| s.file_offset + u64::from(s.len) >= w.end());
+            spans.push(s);
+            if ends_window {
+                break;
             }
         }
         if spans.is_empty() {

@@ -240,6 +240,35 @@ fn chain_of_32_signals_only_its_last() {
 }
 
 #[test]
+fn a_chain_ends_at_the_end_of_its_window() {
+    // Four windows of 4 blocks, room for 32 per chain: one chain per
+    // window, each signaled at its window's last block.
+    let mut t = Transfer::new(config(OpKind::Write, 16, 64, 32), bufs(64)).unwrap();
+    for k in 0..4 {
+        t.add_window(window(k + 1, 16 * BS, k * 4, 4)).unwrap();
+    }
+    let mut log = Log::default();
+    for k in 0..4u64 {
+        let b = t.poll_transmit(0).unwrap();
+        let blocks: Vec<u64> = b.blocks.iter().map(|s| s.index).collect();
+        assert_eq!(blocks, (k * 4..k * 4 + 4).collect::<Vec<_>>());
+        let signaled: Vec<usize> = (0..4).filter(|&i| b.wrs[i].signaled).collect();
+        assert_eq!(signaled, vec![3]);
+        // Its one completion confirms the whole window at once.
+        t.on_completion(&WorkCompletion {
+            wr_id: b.wrs[3].wr_id,
+            status: WcStatus::Success,
+            byte_len: BS as u32,
+        });
+        drain_events(&mut t, &mut log, false);
+        assert_eq!(log.windows_done, (1..=k + 1).collect::<Vec<_>>());
+    }
+    assert!(t.poll_transmit(0).is_none());
+    assert!(t.is_complete());
+    assert_eq!(t.counters().doorbells, 4);
+}
+
+#[test]
 fn full_run_confirms_every_block_exactly_once() {
     let n = 1000;
     let file_len = n * BS - 123; // short last block
