@@ -321,6 +321,12 @@ impl Poster<'_> {
         self.take_windows()?;
         loop {
             let mut progressed = self.absorb_ready();
+            // Windows granted while others are in flight are posted at once:
+            // waiting for the ring to drain first would turn the windows in
+            // flight into a round trip per window.
+            if self.transfer.state() == State::Running {
+                progressed |= self.take_windows()?;
+            }
             if let Some(cause) = self.handle_events()? {
                 self.recover(cause, reconnect)?;
                 progressed = true;
