@@ -671,6 +671,18 @@ impl Service {
                     }
                     // Revoke remote access before reading what landed.
                     drop(w.reg.take());
+                    // Grant the next window before checking this one, so
+                    // the client writes while we hash and write.
+                    self.grant_more(
+                        domain,
+                        &mut wins,
+                        &mut next_voff,
+                        vlen,
+                        Access::REMOTE_WRITE,
+                        tx,
+                        &mut no_fill,
+                    )
+                    .await?;
                     let first_vblock = w.voff / bs;
                     let bad = in_place(|| -> Result<Vec<u64>> {
                         let mut bad = Vec::new();
@@ -734,16 +746,6 @@ impl Service {
                     })))
                     .await
                     .map_err(|_| ControlError::Retryable("client went away".into()))?;
-                    self.grant_more(
-                        domain,
-                        &mut wins,
-                        &mut next_voff,
-                        vlen,
-                        Access::REMOTE_WRITE,
-                        tx,
-                        &mut no_fill,
-                    )
-                    .await?;
                 }
                 client_msg::Msg::Commit(c) => {
                     if verified != vlen || !wins.is_empty() {
