@@ -10,7 +10,7 @@ cargo build --workspace --examples --bins
 mapfile -t lo_bins < <(cargo test --workspace --no-run --message-format=json 2>/dev/null \
   | python3 scripts/lib-test-bins.py fabric,_verbs | grep -v "^[^ ]*netns_fabric " | awk '{print $1"="$2}')
 mapfile -t ns_bins < <(cargo test --workspace --no-run --message-format=json 2>/dev/null \
-  | python3 scripts/lib-test-bins.py netns_fabric | awk '{print $1"="$2}')
+  | python3 scripts/lib-test-bins.py netns_fabric,control_verbs | awk '{print $1"="$2}')
 [ ${#lo_bins[@]} -gt 0 ] || { echo "vm-tests: no *fabric test binaries found" >&2; exit 1; }
 rc=0
 bash scripts/testbed.sh run lo -- bash scripts/vm/suite.sh lo "${lo_bins[@]}" || rc=1

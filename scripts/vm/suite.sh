@@ -116,7 +116,18 @@ netns)
   step "rcp push across a 3 s link cut (tcp, a -> b)" linkcut tcp push
   step "rcp pull across a 3 s link cut (tcp, b -> a)" linkcut tcp pull
   for nb in "$@"; do
-    step "${nb%%=*} (netns)" "${nb#*=}" --ignored --test-threads=1 --nocapture
+    if [ "${nb%%=*}" = control_verbs ]; then
+      # The shared end-to-end scenarios (tests/common/e2e.rs) across the
+      # namespaces: the test binary, and so rcp, in a on rxea; rcpd in b on
+      # rxeb (tests/common/mod.rs, Topology). The lo-only checks (doctor
+      # names rxe0, ...) are the verbs_* tests, skipped here.
+      step "control_verbs e2e scenarios (rcp in a on rxea -> rcpd in b on rxeb)" \
+        ip netns exec a env RCP_TEST_HOST=192.168.77.2 RCP_TEST_RCPD_NETNS=b \
+        RCP_TEST_RCPD_DEVICE=rxeb RCP_TEST_RCP_DEVICE=rxea \
+        "${nb#*=}" --ignored --test-threads=1 --skip verbs_
+    else
+      step "${nb%%=*} (netns)" "${nb#*=}" --ignored --test-threads=1 --nocapture
+    fi
   done
   ;;
 esac

@@ -45,7 +45,7 @@ pub fn roundtrip(t: &str, sizes: &[u64]) {
             d.port,
             t,
             Some(TOKEN),
-            &["push", src.to_str().unwrap(), "127.0.0.1:/"],
+            &["push", src.to_str().unwrap(), &remote("/")],
         );
         assert_eq!(
             r.code,
@@ -69,7 +69,7 @@ pub fn roundtrip(t: &str, sizes: &[u64]) {
             d.port,
             t,
             Some(TOKEN),
-            &["pull", &format!("127.0.0.1:{name}"), back.to_str().unwrap()],
+            &["pull", &remote(&name), back.to_str().unwrap()],
         );
         assert_eq!(
             r.code,
@@ -111,7 +111,7 @@ pub fn tree_of_200_files(t: &str) {
         d.port,
         t,
         None,
-        &["push", "-r", tree.to_str().unwrap(), "127.0.0.1:/"],
+        &["push", "-r", tree.to_str().unwrap(), &remote("/")],
     );
     assert_eq!(r.code, 0, "{}{}\n{}", r.stdout, r.stderr, d.log());
     assert!(r.stdout.starts_with("200 files"), "{}", r.stdout);
@@ -124,7 +124,7 @@ pub fn tree_of_200_files(t: &str) {
         d.port,
         t,
         None,
-        &["pull", "-r", "127.0.0.1:tree", back.to_str().unwrap()],
+        &["pull", "-r", &remote("tree"), back.to_str().unwrap()],
     );
     assert_eq!(r.code, 0, "{}{}\n{}", r.stdout, r.stderr, d.log());
     println!("pulled: {}", r.stdout.trim());
@@ -157,7 +157,7 @@ pub fn tree_with_empty_directories(t: &str) {
             d.port,
             t,
             None,
-            &["push", "-r", src.to_str().unwrap(), "127.0.0.1:/"],
+            &["push", "-r", src.to_str().unwrap(), &remote("/")],
         );
         assert_eq!(r.code, 0, "{}{}\n{}", r.stdout, r.stderr, d.log());
     }
@@ -182,12 +182,7 @@ pub fn tree_with_empty_directories(t: &str) {
             d.port,
             t,
             None,
-            &[
-                "pull",
-                "-r",
-                &format!("127.0.0.1:{name}"),
-                back.to_str().unwrap(),
-            ],
+            &["pull", "-r", &remote(&name), back.to_str().unwrap()],
         );
         assert_eq!(r.code, 0, "{}{}\n{}", r.stdout, r.stderr, d.log());
     }
@@ -215,7 +210,7 @@ pub fn tree_with_empty_directories(t: &str) {
             "push",
             "-r",
             tmp.path().join("clashing/etree").to_str().unwrap(),
-            "127.0.0.1:/",
+            &remote("/"),
         ],
     );
     assert_ne!(r.code, 0, "{}{}", r.stdout, r.stderr);
@@ -283,16 +278,9 @@ pub fn push_resume_after_client_killed(t: &str, s: &Scale) {
     make_file(&src, s.resume_len, 7);
     let want = sha256sum(&src);
     let p = src.to_str().unwrap();
-    kill_mid_copy(
-        t,
-        d.port,
-        s,
-        &["push", "-q", p, "127.0.0.1:/"],
-        &root,
-        "big",
-    );
+    kill_mid_copy(t, d.port, s, &["push", "-q", p, &remote("/")], &root, "big");
     assert!(find_manifest(&root, "big").is_some(), "{:?}", names(&root));
-    let args = ["push", "--resume", p, "127.0.0.1:/"];
+    let args = ["push", "--resume", p, &remote("/")];
     resume(t, d.port, s, &args, &root, "big", &want);
 }
 
@@ -305,9 +293,9 @@ pub fn pull_resume_after_client_killed(t: &str, s: &Scale) {
     let dst = tmp.path().join("dst");
     std::fs::create_dir(&dst).unwrap();
     let ds = dst.to_str().unwrap();
-    let args = ["pull", "-q", "127.0.0.1:big", ds];
+    let args = ["pull", "-q", &remote("big"), ds];
     kill_mid_copy(t, d.port, s, &args, &dst, "big");
-    let args = ["pull", "--resume", "127.0.0.1:big", ds];
+    let args = ["pull", "--resume", &remote("big"), ds];
     resume(t, d.port, s, &args, &dst, "big", &want);
 }
 
@@ -324,7 +312,7 @@ pub fn eight_clients_with_back_pressure(t: &str, s: &Scale) {
             d.port,
             t,
             None,
-            &["push", src.to_str().unwrap(), "127.0.0.1:/"],
+            &["push", src.to_str().unwrap(), &remote("/")],
         )
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

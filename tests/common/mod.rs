@@ -33,16 +33,32 @@ pub struct Rcpd {
 }
 
 impl Rcpd {
-    /// Start rcpd on 127.0.0.1 with ephemeral ports.
+    /// Start rcpd on [`host`] with ephemeral ports (in the network
+    /// namespace and on the device [`Topology`] names, if any).
     pub fn start(root: &Path, transport: &str, token: Option<&str>, extra: &[&str]) -> Rcpd {
         let stderr_path = root.with_extension("rcpd.log");
         let log = std::fs::File::create(&stderr_path).expect("log file");
-        let mut cmd = Command::new(bin("rcpd"));
+        let topo = Topology::from_env();
+        let mut cmd = match &topo.rcpd_netns {
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                // ip netns exec execs the program: the child is rcpd itself.
+                c.args(["netns", "exec", ns]).arg(bin("rcpd"));
+                c
+            }
+            None => Command::new(bin("rcpd")),
+        };
+        let any = format!("{}:0", topo.host);
         cmd.arg("--root")
             .arg(root)
-            .args(["--listen", "127.0.0.1:0", "--health-listen", "127.0.0.1:0"])
-            .args(["--metrics-listen", "127.0.0.1:0"])
+            .args(["--listen", &any, "--health-listen", &any])
+            .args(["--metrics-listen", &any])
             .args(["--transport", transport, "--arena-mib", "64"])
+            .args(
+                topo.rcpd_device
+                    .iter()
+                    .flat_map(|d| ["--device", d.as_str()]),
+            )
             .args(extra)
             .env_remove("RCPD_TOKEN")
             .env_remove("RCPD_TOKEN_FILE")
@@ -80,7 +96,7 @@ impl Rcpd {
     }
 
     pub fn addr(&self) -> String {
-        format!("127.0.0.1:{}", self.port)
+        format!("{}:{}", host(), self.port)
     }
 
     pub fn log(&self) -> String {
@@ -95,6 +111,42 @@ impl Drop for Rcpd {
     }
 }
 
+/// Where the end-to-end tests run. By default rcpd and rcp share 127.0.0.1.
+/// scripts/vm/suite.sh runs the verbs scenarios again in the two-namespace
+/// topology: the test binary (and so rcp) in namespace a, rcpd in b, each on
+/// its own rxe device, through these variables.
+pub struct Topology {
+    /// `RCP_TEST_HOST`: the address rcpd listens on and rcp dials.
+    pub host: String,
+    /// `RCP_TEST_RCPD_NETNS`: the namespace rcpd runs in.
+    pub rcpd_netns: Option<String>,
+    /// `RCP_TEST_RCPD_DEVICE` / `RCP_TEST_RCP_DEVICE`: `--device` of each.
+    pub rcpd_device: Option<String>,
+    pub rcp_device: Option<String>,
+}
+
+impl Topology {
+    pub fn from_env() -> Topology {
+        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        Topology {
+            host: var("RCP_TEST_HOST").unwrap_or_else(|| "127.0.0.1".into()),
+            rcpd_netns: var("RCP_TEST_RCPD_NETNS"),
+            rcpd_device: var("RCP_TEST_RCPD_DEVICE"),
+            rcp_device: var("RCP_TEST_RCP_DEVICE"),
+        }
+    }
+}
+
+/// The address rcpd listens on (see [`Topology`]).
+pub fn host() -> String {
+    Topology::from_env().host
+}
+
+/// `HOST:path` for rcp's command line.
+pub fn remote(path: &str) -> String {
+    format!("{}:{path}", host())
+}
+
 pub struct Run {
     pub code: i32,
     pub stdout: String,
@@ -104,7 +156,13 @@ pub struct Run {
 /// `rcp ARGS` with `-P port`, the transport and optional token.
 pub fn rcp_cmd(port: u16, transport: &str, token: Option<&str>, args: &[&str]) -> Command {
     let mut cmd = Command::new(bin("rcp"));
+    let topo = Topology::from_env();
     cmd.args(["-P", &port.to_string(), "--transport", transport])
+        .args(
+            topo.rcp_device
+                .iter()
+                .flat_map(|d| ["--device", d.as_str()]),
+        )
         .args(args)
         .env_remove("RCP_TOKEN")
         .stdin(Stdio::null());
