@@ -127,6 +127,7 @@ async fn grpc(port: u16) -> RcpClient<tonic::transport::Channel> {
 async fn tcp_session(c: &mut RcpClient<tonic::transport::Channel>) -> proto::HandshakeResponse {
     c.handshake(proto::HandshakeRequest {
         version_major: 1,
+        version_minor: rcp::control::VERSION_MINOR,
         providers: vec![proto::Provider::Tcp as i32],
         block_size: 1 << 20,
         ..Default::default()
@@ -297,10 +298,28 @@ fn garbage_and_malformed_messages_are_refused() {
             .unwrap_err();
         assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
         assert!(e.message().contains("major version 2"), "{e}");
+        // A 1.0 client on tcp: its data connections would carry no
+        // session key, so it is refused by version, not by access errors.
+        let e = c
+            .handshake(proto::HandshakeRequest {
+                version_major: 1,
+                version_minor: 0,
+                providers: vec![proto::Provider::Tcp as i32],
+                block_size: 1 << 20,
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
+        assert!(
+            e.message().contains("1.0 is too old") && e.message().contains("session keys"),
+            "{e}"
+        );
         // Provider the server does not run.
         let e = c
             .handshake(proto::HandshakeRequest {
                 version_major: 1,
+                version_minor: rcp::control::VERSION_MINOR,
                 providers: vec![proto::Provider::Verbs as i32],
                 ..Default::default()
             })
@@ -311,6 +330,7 @@ fn garbage_and_malformed_messages_are_refused() {
         let e = c
             .handshake(proto::HandshakeRequest {
                 version_major: 1,
+                version_minor: rcp::control::VERSION_MINOR,
                 providers: vec![proto::Provider::Tcp as i32],
                 block_size: 5000,
                 ..Default::default()

@@ -33,7 +33,10 @@ use super::link::{
 };
 use super::movement::{self, BlockIo, Moved};
 use super::server::{moving_blocks, packed_len};
-use super::{DEFAULT_BLOCK_SIZE, DEFAULT_PORT, MAX_MESSAGE, VERSION_MAJOR, VERSION_MINOR};
+use super::{
+    DEFAULT_BLOCK_SIZE, DEFAULT_PORT, MAX_MESSAGE, TCP_SESSION_KEY_MINOR, VERSION_MAJOR,
+    VERSION_MINOR,
+};
 use crate::datapath::{DataPath, ReconnectError};
 use crate::engine::{LocalSeg, OpKind, Transfer, Window};
 use crate::files::{
@@ -390,6 +393,13 @@ impl Client {
                 .unwrap_or_default(),
         };
         let resp = self.rpc.clone().handshake(req).await?.into_inner();
+        if kind == ProviderKind::Tcp && resp.version_minor < TCP_SESSION_KEY_MINOR {
+            return Err(ControlError::Fatal(format!(
+                "rcpd speaks protocol {}.{}, too old for this rcp's tcp provider (session keys \
+                 need {VERSION_MAJOR}.{TCP_SESSION_KEY_MINOR}); upgrade rcpd or use --transport verbs",
+                resp.version_major, resp.version_minor
+            )));
+        }
         if resp.block_size != bs {
             return Err(ControlError::Invalid(format!(
                 "server granted block size {} instead of {bs}",

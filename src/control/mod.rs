@@ -33,7 +33,11 @@ pub use tls::{ClientTls, ServerTls};
 
 /// Protocol version spoken.
 pub const VERSION_MAJOR: u32 = 1;
-pub const VERSION_MINOR: u32 = 0;
+pub const VERSION_MINOR: u32 = 1;
+/// The first minor version whose tcp data connections carry the session
+/// key (1.1): a tcp session between an older and a newer end is refused at
+/// the handshake, by name, instead of failing later with access errors.
+pub const TCP_SESSION_KEY_MINOR: u32 = 1;
 /// Default gRPC port of rcpd.
 pub const DEFAULT_PORT: u16 = 7471;
 /// Default block size.

@@ -15,7 +15,9 @@ use tonic::{Request, Response, Status, Streaming};
 use super::error::{ControlError, Result};
 use super::fsutil::{self, Bitmap};
 use super::link::{connect_params, ep_from_proto, ServerLink};
-use super::{Stats, DEFAULT_BLOCK_SIZE, MAX_FILE_LEN, VERSION_MAJOR, VERSION_MINOR};
+use super::{
+    Stats, DEFAULT_BLOCK_SIZE, MAX_FILE_LEN, TCP_SESSION_KEY_MINOR, VERSION_MAJOR, VERSION_MINOR,
+};
 use crate::files::{
     self, Destination, DestinationOptions, DirHandle, FileError, FileKind, PathError, Preserve,
     Root, SourceFile, StreamingFileDigest,
@@ -238,6 +240,13 @@ impl Service {
             ProviderKind::Verbs => proto::Provider::Verbs,
             ProviderKind::Tcp => proto::Provider::Tcp,
         };
+        if want == proto::Provider::Tcp && req.version_minor < TCP_SESSION_KEY_MINOR {
+            return Err(ControlError::Status(Status::failed_precondition(format!(
+                "protocol {}.{} is too old for this rcpd's tcp provider: its data connections \
+                 need session keys (protocol {VERSION_MAJOR}.{TCP_SESSION_KEY_MINOR} or later); upgrade rcp",
+                req.version_major, req.version_minor
+            ))));
+        }
         if !req.providers.contains(&(want as i32)) {
             return Err(ControlError::Status(Status::failed_precondition(format!(
                 "this rcpd runs the {} provider; the client offered {:?} (try --transport {})",
