@@ -182,7 +182,7 @@ pub fn tree_with_empty_directories(t: &str) {
             d.port,
             t,
             None,
-            &["pull", "-r", &remote(&name), back.to_str().unwrap()],
+            &["pull", "-r", &remote(name), back.to_str().unwrap()],
         );
         assert_eq!(r.code, 0, "{}{}\n{}", r.stdout, r.stderr, d.log());
     }
