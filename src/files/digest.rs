@@ -55,6 +55,44 @@ pub fn digest_blocks_parallel(blocks: &[&[u8]]) -> Vec<Sha256Digest> {
     out
 }
 
+/// [`digest_blocks_parallel`] while `alongside` (typically feeding the
+/// whole-file digest, which must see the bytes in order) runs on a thread
+/// of its own; the calling thread takes blocks too. Blocks are handed out
+/// one at a time, so a thread that finishes early takes the next one.
+pub fn digests_alongside<R: Send>(
+    blocks: &[&[u8]],
+    alongside: impl FnOnce() -> R + Send,
+) -> (Vec<Sha256Digest>, R) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let next = AtomicUsize::new(0);
+    let take = || {
+        let mut mine = Vec::new();
+        loop {
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            let Some(b) = blocks.get(i) else { break mine };
+            mine.push((i, block_digest(b)));
+        }
+    };
+    // One thread is `alongside`'s; the others, this one included, hash.
+    let helpers = parallelism()
+        .saturating_sub(2)
+        .min(blocks.len().saturating_sub(1));
+    let mut out = vec![[0u8; 32]; blocks.len()];
+    let r = std::thread::scope(|s| {
+        let side = s.spawn(alongside);
+        let workers: Vec<_> = (0..helpers).map(|_| s.spawn(take)).collect();
+        let mut mine = take();
+        for w in workers {
+            mine.extend(w.join().expect("a digest thread panicked"));
+        }
+        for (i, d) in mine {
+            out[i] = d;
+        }
+        side.join().expect("the alongside thread panicked")
+    });
+    (out, r)
+}
+
 /// A long-lived pool of hashing threads for the data path: `submit(index, buffer)`,
 /// later `recv()` gets `(index, digest, buffer)` back (buffer returned so it can be
 /// recycled). Results come back in completion order, not submission order.
@@ -275,6 +313,27 @@ mod tests {
         let ser: Vec<_> = refs.iter().map(|b| block_digest(b)).collect();
         assert_eq!(par, ser);
         assert!(digest_blocks_parallel(&[]).is_empty());
+    }
+
+    #[test]
+    fn digests_alongside_match_serial_and_run_the_side_job() {
+        let data: Vec<Vec<u8>> = (0..9u8).map(|i| vec![i; 5000 + i as usize]).collect();
+        let refs: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
+        // The side job sees every block too, in order (as the whole-file
+        // digest does).
+        let (par, whole) = digests_alongside(&refs, || {
+            let mut h = Sha256::new();
+            for b in &refs {
+                h.update(b);
+            }
+            <[u8; 32]>::from(h.finalize())
+        });
+        let ser: Vec<_> = refs.iter().map(|b| block_digest(b)).collect();
+        assert_eq!(par, ser);
+        assert_eq!(whole, block_digest(&data.concat()));
+        let (none, r) = digests_alongside(&[], || 7);
+        assert!(none.is_empty());
+        assert_eq!(r, 7);
     }
 
     #[test]

@@ -49,7 +49,8 @@ pub mod tree;
 
 pub use commit::{Destination, DestinationOptions, Preserve, DEFAULT_BLOCK_SIZE};
 pub use digest::{
-    block_digest, digest_blocks_parallel, DigestPool, Sha256Digest, StreamingFileDigest,
+    block_digest, digest_blocks_parallel, digests_alongside, DigestPool, Sha256Digest,
+    StreamingFileDigest,
 };
 pub use error::{DigestError, FileError, ManifestError, PathError, Result};
 pub use manifest::{Manifest, SourceId};

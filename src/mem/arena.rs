@@ -460,6 +460,28 @@ impl PeerSpan {
         Some(f(s))
     }
 
+    /// Run `f` over several ranges `(at, n)` of the span at once, as shared
+    /// slices in the order given (e.g. to hash a chain's blocks on several
+    /// threads). `None` when any range is out of bounds.
+    pub fn with_many<R>(
+        &self,
+        ranges: &[(usize, usize)],
+        f: impl FnOnce(&[&[u8]]) -> R,
+    ) -> Option<R> {
+        let offs = ranges
+            .iter()
+            .map(|&(at, n)| self.check(at, n).map(|o| (o, n)))
+            .collect::<Option<Vec<_>>>()?;
+        let slices: Vec<&[u8]> = offs
+            .iter()
+            // SAFETY: as in `with`: every range is bounds-checked against the
+            // live region (Arc held for the call); shared access only, and
+            // the slices do not outlive `f`.
+            .map(|&(o, n)| unsafe { std::slice::from_raw_parts(self.region.ptr.add(o), n) })
+            .collect();
+        Some(f(&slices))
+    }
+
     pub(crate) fn region(&self) -> &Arc<Region> {
         &self.region
     }
@@ -541,6 +563,16 @@ mod tests {
         assert!(s.with_mut(8190, 4, |_| ()).is_none());
         s.with_mut(0, 4, |b| b.copy_from_slice(b"abcd")).unwrap();
         assert_eq!(s.with(0, 4, |b| b.to_vec()).unwrap(), b"abcd");
+        // Several ranges at once, in the order asked; one out of bounds
+        // refuses them all.
+        s.with_mut(4096, 4, |b| b.copy_from_slice(b"wxyz")).unwrap();
+        let got = s
+            .with_many(&[(4096, 4), (0, 2), (1, 3)], |bs| {
+                bs.iter().map(|b| b.to_vec()).collect::<Vec<_>>()
+            })
+            .unwrap();
+        assert_eq!(got, [b"wxyz".to_vec(), b"ab".to_vec(), b"bcd".to_vec()]);
+        assert!(s.with_many(&[(0, 4), (8190, 4)], |_| ()).is_none());
     }
 
     #[test]
