@@ -18,6 +18,23 @@ pub trait BlockIo {
     /// Pull: the local buffer holds file bytes `[file_offset, +local.len)`;
     /// write them out. The buffer is reused after this returns.
     fn drain(&mut self, file_offset: u64, local: LocalSeg) -> io::Result<()>;
+    /// Push: [`fill`](Self::fill) each `(file_offset, local)` of a chain
+    /// before it is posted, in order (an implementation may hash them in
+    /// parallel). On failure, the file offset of the block that failed.
+    fn fill_chain(&mut self, blocks: &[(u64, LocalSeg)]) -> Result<(), (u64, io::Error)> {
+        for &(off, local) in blocks {
+            self.fill(off, local).map_err(|e| (off, e))?;
+        }
+        Ok(())
+    }
+    /// Pull: [`drain`](Self::drain) each of the blocks confirmed together,
+    /// in order (an implementation may check them in parallel).
+    fn drain_chain(&mut self, blocks: &[(u64, LocalSeg)]) -> Result<(), (u64, io::Error)> {
+        for &(off, local) in blocks {
+            self.drain(off, local).map_err(|e| (off, e))?;
+        }
+        Ok(())
+    }
     /// A block is confirmed (after `drain` for a pull). Default: nothing.
     fn block_done(&mut self, _block: u64, _file_offset: u64, _len: u32) {}
     /// Every block of a window is confirmed (the control plane acks it).

@@ -26,8 +26,8 @@ use super::io::BlockIo;
 use super::port::PortMonitor;
 use super::stats::{DataPathStats, Latencies};
 use crate::engine::{
-    ErrorCause, Event, OpKind, Recovery, State, Transfer, TransferError, WcStatus, WindowError,
-    WorkCompletion,
+    ErrorCause, Event, LocalSeg, OpKind, Recovery, State, Transfer, TransferError, WcStatus,
+    WindowError, WorkCompletion,
 };
 use crate::provider::{Channel, ProviderError};
 
@@ -466,66 +466,94 @@ impl Poster<'_> {
     /// asks for a reconnect.
     fn handle_events(&mut self) -> Result<Option<Option<ErrorCause>>, DataPathError> {
         let mut recover = None;
-        while let Some(ev) = self.transfer.poll_event() {
-            match ev {
-                Event::BlockDone {
-                    block,
-                    local,
-                    file_offset,
-                    len,
-                } => {
-                    let cap = self.cfg.payload_cap.unwrap_or(u32::MAX);
-                    let moved = local.len.min(cap);
-                    // Every request of a transfer has one kind, learnt from
-                    // its first batch (a block is done only once posted).
-                    if self.op == Some(OpKind::Read) {
-                        let seg = crate::engine::LocalSeg {
-                            len: moved,
-                            ..local
-                        };
-                        self.io
-                            .drain(file_offset, seg)
-                            .map_err(|source| DataPathError::Io {
-                                file_offset,
-                                source,
-                            })?;
+        // Handling events may queue more (a window granted now may be done
+        // at once): go round until none is left.
+        loop {
+            let mut events = Vec::new();
+            while let Some(ev) = self.transfer.poll_event() {
+                events.push(ev);
+            }
+            if events.is_empty() {
+                break;
+            }
+            // Pull: every block confirmed here is drained (checked, written) in
+            // one call before any of them is reported done, so they can be
+            // checked in parallel.
+            let cap = self.cfg.payload_cap.unwrap_or(u32::MAX);
+            if self.op == Some(OpKind::Read) {
+                let chain: Vec<(u64, LocalSeg)> = events
+                    .iter()
+                    .filter_map(|ev| match ev {
+                        Event::BlockDone {
+                            local, file_offset, ..
+                        } => Some((
+                            *file_offset,
+                            LocalSeg {
+                                len: local.len.min(cap),
+                                ..*local
+                            },
+                        )),
+                        _ => None,
+                    })
+                    .collect();
+                if !chain.is_empty() {
+                    self.io
+                        .drain_chain(&chain)
+                        .map_err(|(file_offset, source)| DataPathError::Io {
+                            file_offset,
+                            source,
+                        })?;
+                }
+            }
+            for ev in events {
+                match ev {
+                    Event::BlockDone {
+                        block,
+                        local,
+                        file_offset,
+                        len,
+                    } => {
+                        // Drained above when this is a READ transfer (every
+                        // request of a transfer has one kind, learnt from its
+                        // first batch; a block is done only once posted).
+                        let moved = local.len.min(cap);
+                        self.io.block_done(block, file_offset, len);
+                        self.transfer.release_buffer(local)?;
+                        self.report.msgs += 1;
+                        self.report.bytes += u64::from(moved);
+                        self.stats.blocks_done.fetch_add(1, Relaxed);
+                        if let Some(t0) = self.reconnect_started.take() {
+                            let s = t0.elapsed();
+                            self.report.reconnect_seconds.push(s.as_secs_f64());
+                            self.stats
+                                .reconnect_ns
+                                .fetch_add(s.as_nanos() as u64, Relaxed);
+                            tracing::info!(
+                                seconds = s.as_secs_f64(),
+                                "first block confirmed after reconnect"
+                            );
+                        }
                     }
-                    self.io.block_done(block, file_offset, len);
-                    self.transfer.release_buffer(local)?;
-                    self.report.msgs += 1;
-                    self.report.bytes += u64::from(moved);
-                    self.stats.blocks_done.fetch_add(1, Relaxed);
-                    if let Some(t0) = self.reconnect_started.take() {
-                        let s = t0.elapsed();
-                        self.report.reconnect_seconds.push(s.as_secs_f64());
-                        self.stats
-                            .reconnect_ns
-                            .fetch_add(s.as_nanos() as u64, Relaxed);
-                        tracing::info!(
-                            seconds = s.as_secs_f64(),
-                            "first block confirmed after reconnect"
-                        );
+                    Event::WindowDone { window_id } => {
+                        self.io.window_done(window_id);
+                        self.take_windows()?;
                     }
-                }
-                Event::WindowDone { window_id } => {
-                    self.io.window_done(window_id);
-                    self.take_windows()?;
-                }
-                Event::ErrorBatch {
-                    epoch,
-                    cause,
-                    action,
-                } => {
-                    tracing::warn!(epoch, ?cause, ?action, "error batch");
-                    if action == Recovery::Reconnect {
-                        recover = Some(Some(cause));
+                    Event::ErrorBatch {
+                        epoch,
+                        cause,
+                        action,
+                    } => {
+                        tracing::warn!(epoch, ?cause, ?action, "error batch");
+                        if action == Recovery::Reconnect {
+                            recover = Some(Some(cause));
+                        }
                     }
-                }
-                Event::Timeout { wr_id, block } => {
-                    tracing::warn!(wr_id, block, "request timed out; its context is freed");
-                }
-                Event::ReadyToReconnect { epoch, unconfirmed } => {
-                    tracing::info!(epoch, unconfirmed, "failed epoch drained");
+                    Event::Timeout { wr_id, block } => {
+                        tracing::warn!(wr_id, block, "request timed out; its context is freed");
+                    }
+                    Event::ReadyToReconnect { epoch, unconfirmed } => {
+                        tracing::info!(epoch, unconfirmed, "failed epoch drained");
+                    }
                 }
             }
         }
@@ -559,14 +587,18 @@ impl Poster<'_> {
                 }
             }
             if op == OpKind::Write {
-                for (wr, span) in batch.wrs.iter().zip(&batch.blocks) {
-                    if let Err(source) = self.io.fill(span.file_offset, wr.local) {
-                        self.transfer.post_failed(&batch, 0)?;
-                        return Err(DataPathError::Io {
-                            file_offset: span.file_offset,
-                            source,
-                        });
-                    }
+                let chain: Vec<(u64, LocalSeg)> = batch
+                    .wrs
+                    .iter()
+                    .zip(&batch.blocks)
+                    .map(|(wr, span)| (span.file_offset, wr.local))
+                    .collect();
+                if let Err((file_offset, source)) = self.io.fill_chain(&chain) {
+                    self.transfer.post_failed(&batch, 0)?;
+                    return Err(DataPathError::Io {
+                        file_offset,
+                        source,
+                    });
                 }
             }
             let t = Instant::now();
