@@ -678,6 +678,47 @@ impl BlockIo for PushIo {
         self.digests.insert(vb, d);
         Ok(())
     }
+    fn fill_chain(&mut self, blocks: &[(u64, LocalSeg)]) -> Result<(), (u64, std::io::Error)> {
+        // Read every block straight into registered memory, then hash them
+        // in parallel while another thread feeds the whole-file digest.
+        let bs = self.sh.bs;
+        let outside = |voff| (voff, std::io::Error::other("local segment outside staging"));
+        let mut ranges = Vec::with_capacity(blocks.len());
+        let mut reals = Vec::with_capacity(blocks.len());
+        for &(voff, local) in blocks {
+            let real = self.sh.moving[(voff / bs) as usize] * bs;
+            let o = self.sh.slice_off(&local).map_err(|e| (voff, e))?;
+            let src = &self.src;
+            self.sh
+                .staging
+                .with_mut(o, local.len as usize, |buf| {
+                    fsutil::read_exact(src, real, buf)
+                })
+                .ok_or_else(|| outside(voff))?
+                .map_err(|e| (voff, e))?;
+            ranges.push((o, local.len as usize));
+            reals.push(real);
+        }
+        let hasher = &mut self.hasher;
+        let digests = self
+            .sh
+            .staging
+            .with_many(&ranges, |bufs| {
+                files::digests_alongside(bufs, || {
+                    if let Some(h) = hasher.as_mut() {
+                        for (&real, b) in reals.iter().zip(bufs) {
+                            fsutil::feed(h, real, b);
+                        }
+                    }
+                })
+                .0
+            })
+            .ok_or_else(|| outside(blocks[0].0))?;
+        for (&(voff, _), d) in blocks.iter().zip(digests) {
+            self.digests.insert(voff / bs, d);
+        }
+        Ok(())
+    }
     fn drain(&mut self, _: u64, _: LocalSeg) -> std::io::Result<()> {
         Ok(())
     }
@@ -730,28 +771,46 @@ fn pull_faults() -> u32 {
         .unwrap_or(0)
 }
 
-/// Check a pulled block in `staging` against `want`; write it if it
-/// matches. `Ok(false)`: it does not match (nothing written).
+/// The test fault of [`FAULT_ENV`]: damage the block at `o` if any fault
+/// is left.
+fn inject_fault(
+    staging: &PeerSpan,
+    o: usize,
+    len: usize,
+    real_block: u64,
+    faults: &mut u32,
+) -> std::io::Result<()> {
+    if *faults > 0 && len > 0 {
+        *faults -= 1;
+        staging
+            .with_mut(o, len, |b| b[0] ^= 0x5a)
+            .ok_or_else(|| std::io::Error::other("local segment outside staging"))?;
+        tracing::warn!(block = real_block, "test fault: damaged a pulled block");
+    }
+    Ok(())
+}
+
+/// Check a pulled block in `staging` against `want` (its digest `got` when
+/// already computed); write it if it matches. `Ok(false)`: it does not
+/// match (nothing written).
+#[allow(clippy::too_many_arguments)]
 fn check_pulled(
     staging: &PeerSpan,
     o: usize,
     len: usize,
     want: &[u8],
+    got: Option<[u8; 32]>,
     dest: &mut Destination,
     real_block: u64,
     faults: &mut u32,
 ) -> std::io::Result<bool> {
     let outside = || std::io::Error::other("local segment outside staging");
-    if *faults > 0 && len > 0 {
-        *faults -= 1;
-        staging
-            .with_mut(o, len, |b| b[0] ^= 0x5a)
-            .ok_or_else(outside)?;
-        tracing::warn!(block = real_block, "test fault: damaged a pulled block");
+    if got.is_none() {
+        inject_fault(staging, o, len, real_block, faults)?;
     }
     staging
         .with(o, len, |buf| -> std::io::Result<bool> {
-            let got = files::block_digest(buf);
+            let got = got.unwrap_or_else(|| files::block_digest(buf));
             if got[..] != want[..] {
                 return Ok(false);
             }
@@ -782,6 +841,50 @@ impl BlockIo for PullIo {
         Ok(())
     }
     fn drain(&mut self, voff: u64, local: LocalSeg) -> std::io::Result<()> {
+        self.settle(voff, local, None)
+    }
+    fn drain_chain(&mut self, blocks: &[(u64, LocalSeg)]) -> Result<(), (u64, std::io::Error)> {
+        // Damage first (test faults), then every block's digest in
+        // parallel, then check and write them in order.
+        let mut ranges = Vec::with_capacity(blocks.len());
+        for &(voff, local) in blocks {
+            let real_block = self.sh.moving[(voff / self.sh.bs) as usize];
+            let o = self.sh.slice_off(&local).map_err(|e| (voff, e))?;
+            let n = local.len as usize;
+            inject_fault(&self.sh.staging, o, n, real_block, &mut self.faults)
+                .map_err(|e| (voff, e))?;
+            ranges.push((o, n));
+        }
+        let digests = self
+            .sh
+            .staging
+            .with_many(&ranges, |bufs| files::digests_alongside(bufs, || ()).0)
+            .ok_or_else(|| {
+                (
+                    blocks[0].0,
+                    std::io::Error::other("local segment outside staging"),
+                )
+            })?;
+        for (&(voff, local), d) in blocks.iter().zip(digests) {
+            self.settle(voff, local, Some(d)).map_err(|e| (voff, e))?;
+        }
+        Ok(())
+    }
+    fn block_done(&mut self, _block: u64, _off: u64, len: u32) {
+        self.sh.block_done(len);
+    }
+    fn window_done(&mut self, id: u64) {
+        self.pull_window_done(id);
+    }
+    fn next_window(&mut self) -> Option<Window> {
+        self.pull_next_window()
+    }
+}
+
+impl PullIo {
+    /// Check a pulled block (its digest `got` if already computed) and write
+    /// it, or note it for a re-read under its window.
+    fn settle(&mut self, voff: u64, local: LocalSeg, got: Option<[u8; 32]>) -> std::io::Result<()> {
         let vb = voff / self.sh.bs;
         let real_block = self.sh.moving[vb as usize];
         let want = self.expected.remove(&vb).unwrap_or_default();
@@ -791,6 +894,7 @@ impl BlockIo for PullIo {
             o,
             local.len as usize,
             &want,
+            got,
             &mut self.dest,
             real_block,
             &mut self.faults,
@@ -812,10 +916,7 @@ impl BlockIo for PullIo {
         }
         Ok(())
     }
-    fn block_done(&mut self, _block: u64, _off: u64, len: u32) {
-        self.sh.block_done(len);
-    }
-    fn window_done(&mut self, id: u64) {
+    fn pull_window_done(&mut self, id: u64) {
         self.sh.live -= 1;
         self.sh.windows.remove(&id);
         let mut reread = self.bad.remove(&id).unwrap_or_default();
@@ -833,7 +934,7 @@ impl BlockIo for PullIo {
             })),
         });
     }
-    fn next_window(&mut self) -> Option<Window> {
+    fn pull_next_window(&mut self) -> Option<Window> {
         let (w, ds) = self.sh.next_grant()?;
         let first = w.file_offset / self.sh.bs;
         for (i, d) in ds.into_iter().enumerate() {
@@ -871,6 +972,7 @@ impl BlockIo for RereadIo<'_> {
             o as usize,
             local.len as usize,
             want,
+            None,
             self.dest,
             *real,
             self.faults,

@@ -694,15 +694,23 @@ impl Service {
                     .await?;
                     let first_vblock = w.voff / bs;
                     let bad = in_place(|| -> Result<Vec<u64>> {
+                        // Every block's digest in parallel, then check and
+                        // write them in order.
+                        let ranges: Vec<(usize, usize)> = (0..nblocks)
+                            .map(|i| ((i * bs) as usize, (w.len - i * bs).min(bs) as usize))
+                            .collect();
+                        let gots = w
+                            .span
+                            .with_many(&ranges, |bufs| files::digests_alongside(bufs, || ()).0)
+                            .expect("window bounds");
                         let mut bad = Vec::new();
-                        for i in 0..nblocks {
+                        for (i, got) in (0..nblocks).zip(gots) {
                             let vb = first_vblock + i;
                             let real = moving[vb as usize];
                             let off = i * bs;
                             let n = (w.len - off).min(bs) as usize;
                             w.span
                                 .with(off as usize, n, |data| -> Result<()> {
-                                    let got = files::block_digest(data);
                                     if got[..] != d.block_sha256[i as usize][..] {
                                         bad.push(vb);
                                         return Ok(());
@@ -1015,26 +1023,37 @@ fn fill_window(
     moving: &[u64],
     hasher: &mut Option<StreamingFileDigest>,
 ) -> Result<Vec<Vec<u8>>> {
-    let mut digests = Vec::new();
+    let mut ranges = Vec::new();
+    let mut reals = Vec::new();
     let mut off = 0u64;
     while off < len {
         let n = (len - off).min(bs) as usize;
-        let real = moving[((voff + off) / bs) as usize];
-        let d = span
-            .with_mut(off as usize, n, |buf| -> Result<[u8; 32]> {
-                // Straight into registered memory (O_DIRECT when aligned).
-                fsutil::read_exact(src, real * bs, buf)
-                    .map_err(ControlError::io("reading the source file"))?;
-                if let Some(h) = hasher.as_mut() {
-                    fsutil::feed(h, real * bs, buf);
-                }
-                Ok(files::block_digest(buf))
-            })
-            .expect("window bounds")?;
-        digests.push(d.to_vec());
+        let real = moving[((voff + off) / bs) as usize] * bs;
+        span.with_mut(off as usize, n, |buf| {
+            // Straight into registered memory (O_DIRECT when aligned).
+            fsutil::read_exact(src, real, buf)
+        })
+        .expect("window bounds")
+        .map_err(ControlError::io("reading the source file"))?;
+        ranges.push((off as usize, n));
+        reals.push(real);
         off += n as u64;
     }
-    Ok(digests)
+    // Block digests in parallel while another thread feeds the whole-file
+    // digest in order.
+    let digests = span
+        .with_many(&ranges, |bufs| {
+            files::digests_alongside(bufs, || {
+                if let Some(h) = hasher.as_mut() {
+                    for (&real, b) in reals.iter().zip(bufs) {
+                        fsutil::feed(h, real, b);
+                    }
+                }
+            })
+            .0
+        })
+        .expect("window bounds");
+    Ok(digests.iter().map(|d| d.to_vec()).collect())
 }
 
 /// Read `blocks` (transfer indices inside the window at packed offset
