@@ -46,6 +46,13 @@ fn bad_options_exit_1_with_a_clear_message() {
             "cannot be used with",
         ),
         (&["--qps", "0"], &[], "--qps 0"),
+        (
+            &["--tx-depth", "0"],
+            &[],
+            "--tx-depth 0: must be in 1..=128",
+        ),
+        (&["-t", "129"], &[], "--tx-depth 129"),
+        (&[], &[("RCP_BENCH_TX_DEPTH", "500")], "--tx-depth 500"),
         (&["--server", "somehost"], &[], "cannot be used with"),
         (&["somehost:notaport"], &[], "is not HOST[:PORT]"),
         (&[], &[("RCP_BENCH_QPS", "9")], "--qps 9"),

@@ -132,6 +132,10 @@ enum Cmd {
         /// QPs in parallel, one thread each (1..=8).
         #[arg(long, env = "RCP_BENCH_QPS", default_value_t = 1)]
         qps: usize,
+        /// Most work requests outstanding per QP, 1..=128 (perftest's
+        /// --tx-depth; default: the whole send queue, 128).
+        #[arg(short = 't', long, env = "RCP_BENCH_TX_DEPTH")]
+        tx_depth: Option<u32>,
     },
     /// rcp push [-r] LOCAL... HOST:REMOTE
     Push {
@@ -366,6 +370,7 @@ fn bench(c: &Cli) -> i32 {
         iters,
         seconds,
         qps,
+        tx_depth,
     } = &c.cmd
     else {
         unreachable!()
@@ -380,6 +385,7 @@ fn bench(c: &Cli) -> i32 {
         iters: iters.unwrap_or(10_000),
         seconds: *seconds,
         qps: *qps,
+        tx_depth: *tx_depth,
         device: c.device.clone(),
         gid_index: c.gid_index,
     };

@@ -142,6 +142,9 @@ pub struct DataPathConfig {
     pub backoff: Backoff,
     /// Reconnects in a row without progress before the transfer fails.
     pub max_retries: u32,
+    /// Most requests outstanding on the queue pair (perftest's `--tx-depth`);
+    /// `None`: the send-queue depth. Clamped to the send-queue depth.
+    pub tx_depth: Option<usize>,
     /// Benchmark knob, never for real transfers: post only the first N bytes
     /// of each block (perftest-style small messages; engine blocks are at
     /// least 4 KiB). The rest of each block is not moved.
@@ -160,6 +163,7 @@ impl Default for DataPathConfig {
             flush_timeout: Duration::from_secs(2),
             backoff: Backoff::default(),
             max_retries: 3,
+            tx_depth: None,
             payload_cap: None,
         }
     }
@@ -269,6 +273,13 @@ impl DataPathConfig {
                 reason: "at least one reconnect attempt".into(),
             });
         }
+        if self.tx_depth == Some(0) {
+            return Err(ConfigError::Field {
+                field: "tx_depth",
+                value: "0".into(),
+                reason: "at least one request outstanding".into(),
+            });
+        }
         if self.payload_cap == Some(0) {
             return Err(ConfigError::Field {
                 field: "payload_cap",
@@ -294,7 +305,9 @@ impl DataPathConfig {
         caps: &ChannelCaps,
     ) -> Result<TransferConfig, ConfigError> {
         self.validate()?;
-        let mut t = TransferConfig::new(op, file_len, block_size, caps.sq_depth as usize);
+        let sq = caps.sq_depth as usize;
+        let depth = self.tx_depth.map_or(sq, |d| d.min(sq));
+        let mut t = TransferConfig::new(op, file_len, block_size, depth);
         t.batch = BatchPolicy::new(self.batch, self.signal_every).expect("validated");
         t.max_inline = self.inline_for(caps);
         t.request_timeout_ns = self.request_timeout.as_nanos().min(u64::MAX as u128) as u64;
@@ -343,6 +356,23 @@ mod tests {
             .transfer_config(OpKind::Write, 1 << 20, 4096, &caps)
             .unwrap();
         assert_eq!((t.sq_depth, t.max_inline, t.batch.batch), (128, 64, 32));
+        // A tx depth caps the engine's credits, never above the SQ.
+        for (want, got) in [(Some(1), 1), (Some(16), 16), (Some(4096), 128)] {
+            let t = DataPathConfig {
+                tx_depth: want,
+                ..c.clone()
+            }
+            .transfer_config(OpKind::Write, 1 << 20, 4096, &caps)
+            .unwrap();
+            assert_eq!(t.sq_depth, got, "{want:?}");
+        }
+        let e = DataPathConfig {
+            tx_depth: Some(0),
+            ..c.clone()
+        }
+        .validate()
+        .unwrap_err();
+        assert!(e.to_string().contains("tx_depth = 0"), "{e}");
     }
 
     #[test]

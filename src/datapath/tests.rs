@@ -129,6 +129,31 @@ fn burst_of_100k_never_exceeds_sq_depth() {
 }
 
 #[test]
+fn tx_depth_caps_the_requests_outstanding() {
+    for (depth, mode) in [(1, PollMode::Poll), (3, PollMode::Event)] {
+        let ch = FakeChannel::new(128);
+        let c = DataPathConfig {
+            batch: 8,
+            signal_every: 1,
+            tx_depth: Some(depth),
+            ..cfg(mode)
+        };
+        let n = 500;
+        let mut t = transfer(OpKind::Write, n, &c, &ch);
+        let mut io = CountIo::new(n);
+        let r = run_transfer(&ch, &mut t, &mut io, &c, &mut no_reconnect).unwrap();
+        assert_eq!(r.msgs, n);
+        assert_eq!(
+            ch.max_outstanding.load(Relaxed),
+            depth as u64,
+            "depth {depth}"
+        );
+        // Chains are cut to what the depth allows.
+        assert!(r.doorbells >= n / depth as u64, "{}", r.doorbells);
+    }
+}
+
+#[test]
 fn error_mid_stream_reconnects_once_and_reposts_only_unconfirmed() {
     for flush_unsignaled in [true, false] {
         let mut ch = FakeChannel::new(128);
