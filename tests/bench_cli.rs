@@ -53,6 +53,8 @@ fn bad_options_exit_1_with_a_clear_message() {
         ),
         (&["-t", "129"], &[], "--tx-depth 129"),
         (&[], &[("RCP_BENCH_TX_DEPTH", "500")], "--tx-depth 500"),
+        (&["--qp-retry-cnt", "8"], &[], "--qp-retry-cnt"),
+        (&[], &[("RCP_QP_TIMEOUT", "32")], "--qp-timeout"),
         (&["--server", "somehost"], &[], "cannot be used with"),
         (&["somehost:notaport"], &[], "is not HOST[:PORT]"),
         (&[], &[("RCP_BENCH_QPS", "9")], "--qps 9"),

@@ -67,6 +67,14 @@ struct Cli {
     /// Pin the completion thread to this CPU.
     #[arg(long, env = "RCP_CQ_CPU", global = true)]
     cq_cpu: Option<usize>,
+    /// The data QP's local ACK timeout exponent, 0..=31 (4.096 us * 2^N;
+    /// default 14, ~67 ms).
+    #[arg(long, env = "RCP_QP_TIMEOUT", default_value_t = 14, value_parser = clap::value_parser!(u8).range(0..=31), global = true)]
+    qp_timeout: u8,
+    /// The data QP's retransmissions before a request fails and the data
+    /// path reconnects, 0..=7 (default 7; Soft-RoCE retries 7 forever).
+    #[arg(long, env = "RCP_QP_RETRY_CNT", default_value_t = 7, value_parser = clap::value_parser!(u8).range(0..=7), global = true)]
+    qp_retry_cnt: u8,
     /// Continue an interrupted copy from its manifest, moving only missing blocks.
     #[arg(long, env = "RCP_RESUME", global = true)]
     resume: bool,
@@ -227,6 +235,10 @@ async fn run(c: Cli) -> Result<(), ControlError> {
         inline: c.inline,
         poll_mode: c.poll_mode,
         cq_cpu: c.cq_cpu,
+        qp_retry: rcp::datapath::QpRetry {
+            ack_timeout: c.qp_timeout,
+            retry_cnt: c.qp_retry_cnt,
+        },
         tls: c.tls_ca.clone().map(|ca| ClientTls {
             ca,
             cert: c.tls_cert.clone(),

@@ -15,7 +15,10 @@ use tonic::{Request, Response, Status, Streaming};
 use super::error::{ControlError, Result};
 use super::fsutil::{self, Bitmap};
 use super::link::{connect_params, ep_from_proto, ServerLink};
+// The server's QPs only respond (the client issues every request): their
+// retry count never matters.
 use super::{Stats, DEFAULT_BLOCK_SIZE, MAX_FILE_LEN, VERSION_MAJOR, VERSION_MINOR};
+use crate::datapath::QpRetry;
 use crate::files::{
     self, Destination, DestinationOptions, DirHandle, FileError, FileKind, PathError, Preserve,
     Root, SourceFile, StreamingFileDigest,
@@ -318,7 +321,7 @@ impl Service {
                 let client_rd = v.max_qp_init_rd_atom.min(caps.max_qp_rd_atom).max(1);
                 let server_rd = caps.max_qp_init_rd_atom.min(v.max_qp_rd_atom).max(1);
                 rd = (server_rd, caps.max_qp_rd_atom);
-                ch.handshake(&cep, &connect_params(rd.0, rd.1))
+                ch.handshake(&cep, &connect_params(rd.0, rd.1, QpRetry::default()))
                     .map_err(|e| ControlError::Provider(e.into()))?;
                 resp.path_mtu = cep.mtu.min(ch.endpoint().mtu);
                 resp.client_rd_atomic = client_rd;
@@ -361,7 +364,7 @@ impl Service {
                     })?)?;
                 let ch = q.lock().unwrap();
                 let ep = ch.reset().map_err(|e| ControlError::Provider(e.into()))?;
-                ch.handshake(&cep, &connect_params(s.rd.0, s.rd.1))
+                ch.handshake(&cep, &connect_params(s.rd.0, s.rd.1, QpRetry::default()))
                     .map_err(|e| ControlError::Provider(e.into()))?;
                 Ok(proto::ReconnectResponse {
                     endpoint: Some(super::link::ep_to_proto(&ep)),
