@@ -134,7 +134,8 @@ enum Cmd {
         /// Messages per QP (default 10000; --compare: 100000 for the 64 B runs).
         #[arg(long, env = "RCP_BENCH_ITERS")]
         iters: Option<u64>,
-        /// Repeat rounds of --iters until this many seconds have passed.
+        /// Repeat rounds (of about 64 MiB, at most 10000 messages) until this
+        /// many seconds have passed.
         #[arg(long, env = "RCP_BENCH_SECONDS", conflicts_with = "iters")]
         seconds: Option<f64>,
         /// QPs in parallel, one thread each (1..=8).
@@ -394,7 +395,13 @@ fn bench(c: &Cli) -> i32 {
         signal_every: c.signal_every.unwrap_or(c.batch),
         inline: c.inline.unwrap_or(0),
         mode: c.poll_mode.unwrap_or(rcp::datapath::PollMode::Poll),
-        iters: iters.unwrap_or(10_000),
+        // With --seconds: rounds of about 64 MiB, so a run ends close to
+        // its seconds even with large messages.
+        iters: iters.unwrap_or(if seconds.is_some() {
+            bench::round_iters(*size)
+        } else {
+            10_000
+        }),
         seconds: *seconds,
         qps: *qps,
         tx_depth: *tx_depth,

@@ -36,6 +36,16 @@ pub const MAX_SIZE: u64 = (run::REGION / 2) as u64;
 pub const MAX_QPS: usize = 8;
 /// Largest inline size asked for.
 pub const MAX_INLINE: u32 = 1024;
+/// Bytes per round of a `--seconds` run when `--iters` is not given.
+pub const ROUND_BYTES: u64 = 64 << 20;
+
+/// Messages per round of a `--seconds` run: about [`ROUND_BYTES`], at
+/// least 1, at most 10 000 (a run overshoots its seconds by at most one
+/// round, so rounds must stay short for large messages).
+pub fn round_iters(size: u64) -> u64 {
+    (ROUND_BYTES / size.max(1)).clamp(1, 10_000)
+}
+
 /// Send-queue depth of every bench QP (the default and largest tx depth).
 pub const SQ_DEPTH: u32 = run::SQ;
 
@@ -409,6 +419,14 @@ mod tests {
         for (_, o) in compare_runs(&BenchOptions::default(), 100_000) {
             o.validate().unwrap();
         }
+    }
+
+    #[test]
+    fn seconds_rounds_stay_short_for_large_messages() {
+        assert_eq!(round_iters(1 << 20), 64);
+        assert_eq!(round_iters(MAX_SIZE), 4);
+        assert_eq!(round_iters(64), 10_000);
+        assert_eq!(round_iters(0), 10_000);
     }
 
     #[test]
