@@ -317,6 +317,10 @@ struct Poster<'a> {
 /// timers.
 const IDLE_SLICE: Duration = Duration::from_millis(50);
 
+/// In poll mode, how long the poster spins for the next completion batch
+/// before it parks (the completion thread keeps spinning on the CQ).
+pub const POSTER_SPIN: Duration = Duration::from_micros(20);
+
 impl Poster<'_> {
     fn now_ns(&self, start: Instant) -> u64 {
         start.elapsed().as_nanos() as u64
@@ -406,35 +410,40 @@ impl Poster<'_> {
         any
     }
 
-    /// Block up to `timeout` for one batch (spinning in poll mode), then
-    /// take whatever else is queued.
+    /// Block up to `timeout` for one batch, then take whatever else is
+    /// queued. In poll mode the poster spins for at most [`POSTER_SPIN`]
+    /// first and then parks: the completion thread already spins on the CQ,
+    /// and a second spinning thread starves the provider's own work (rxe's
+    /// requester/responder/completer run as kernel work on the same CPUs).
     fn wait_batch(&mut self, timeout: Duration) -> Result<bool, DataPathError> {
-        let got = if self.cfg.poll_mode == PollMode::Poll {
-            let deadline = Instant::now() + timeout;
+        let mut timeout = timeout;
+        if self.cfg.poll_mode == PollMode::Poll {
+            let t0 = Instant::now();
+            let spin_end = t0 + POSTER_SPIN.min(timeout);
             let mut spins = 0u32;
             loop {
                 match self.rx.try_recv() {
-                    Ok(b) => break Some(b),
-                    Err(TryRecvError::Disconnected) => break None,
+                    Ok(b) => return self.got_batch(Some(b)),
+                    Err(TryRecvError::Disconnected) => return self.got_batch(None),
                     Err(TryRecvError::Empty) => {}
                 }
                 spins = spins.wrapping_add(1);
-                if spins % 256 == 0 {
-                    if Instant::now() >= deadline {
-                        return Ok(false);
-                    }
-                    std::thread::yield_now();
-                } else {
-                    std::hint::spin_loop();
+                if spins % 64 == 0 && Instant::now() >= spin_end {
+                    break;
                 }
+                std::hint::spin_loop();
             }
-        } else {
-            match self.rx.recv_timeout(timeout) {
-                Ok(b) => Some(b),
-                Err(RecvTimeoutError::Timeout) => return Ok(false),
-                Err(RecvTimeoutError::Disconnected) => None,
-            }
+            timeout = timeout.saturating_sub(t0.elapsed());
+        }
+        let got = match self.rx.recv_timeout(timeout) {
+            Ok(b) => Some(b),
+            Err(RecvTimeoutError::Timeout) => return Ok(false),
+            Err(RecvTimeoutError::Disconnected) => None,
         };
+        self.got_batch(got)
+    }
+
+    fn got_batch(&mut self, got: Option<CqBatch>) -> Result<bool, DataPathError> {
         match got {
             Some(b) => {
                 self.absorb(b);
