@@ -50,7 +50,7 @@ async fn verbs_session(c: &mut RcpClient<tonic::transport::Channel>) -> VerbsSes
         .await
         .unwrap()
         .into_inner();
-    let ch = link.connect(&hs, "127.0.0.1").unwrap();
+    let ch = link.connect(&hs, "127.0.0.1", Default::default()).unwrap();
     VerbsSession {
         id: hs.session_id,
         link: Arc::new(link),

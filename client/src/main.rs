@@ -67,6 +67,14 @@ struct Cli {
     /// Pin the completion thread to this CPU.
     #[arg(long, env = "RCP_CQ_CPU", global = true)]
     cq_cpu: Option<usize>,
+    /// The data QP's local ACK timeout exponent, 0..=31 (4.096 us * 2^N;
+    /// default 14, ~67 ms).
+    #[arg(long, env = "RCP_QP_TIMEOUT", default_value_t = 14, value_parser = clap::value_parser!(u8).range(0..=31), global = true)]
+    qp_timeout: u8,
+    /// The data QP's retransmissions before a request fails and the data
+    /// path reconnects, 0..=7 (default 7; Soft-RoCE retries 7 forever).
+    #[arg(long, env = "RCP_QP_RETRY_CNT", default_value_t = 7, value_parser = clap::value_parser!(u8).range(0..=7), global = true)]
+    qp_retry_cnt: u8,
     /// Continue an interrupted copy from its manifest, moving only missing blocks.
     #[arg(long, env = "RCP_RESUME", global = true)]
     resume: bool,
@@ -126,12 +134,17 @@ enum Cmd {
         /// Messages per QP (default 10000; --compare: 100000 for the 64 B runs).
         #[arg(long, env = "RCP_BENCH_ITERS")]
         iters: Option<u64>,
-        /// Repeat rounds of --iters until this many seconds have passed.
+        /// Repeat rounds (of about 64 MiB, at most 10000 messages) until this
+        /// many seconds have passed.
         #[arg(long, env = "RCP_BENCH_SECONDS", conflicts_with = "iters")]
         seconds: Option<f64>,
         /// QPs in parallel, one thread each (1..=8).
         #[arg(long, env = "RCP_BENCH_QPS", default_value_t = 1)]
         qps: usize,
+        /// Most work requests outstanding per QP, 1..=128 (perftest's
+        /// --tx-depth; default: the whole send queue, 128).
+        #[arg(short = 't', long, env = "RCP_BENCH_TX_DEPTH")]
+        tx_depth: Option<u32>,
     },
     /// rcp push [-r] LOCAL... HOST:REMOTE
     Push {
@@ -223,6 +236,10 @@ async fn run(c: Cli) -> Result<(), ControlError> {
         inline: c.inline,
         poll_mode: c.poll_mode,
         cq_cpu: c.cq_cpu,
+        qp_retry: rcp::datapath::QpRetry {
+            ack_timeout: c.qp_timeout,
+            retry_cnt: c.qp_retry_cnt,
+        },
         tls: c.tls_ca.clone().map(|ca| ClientTls {
             ca,
             cert: c.tls_cert.clone(),
@@ -366,6 +383,7 @@ fn bench(c: &Cli) -> i32 {
         iters,
         seconds,
         qps,
+        tx_depth,
     } = &c.cmd
     else {
         unreachable!()
@@ -377,9 +395,16 @@ fn bench(c: &Cli) -> i32 {
         signal_every: c.signal_every.unwrap_or(c.batch),
         inline: c.inline.unwrap_or(0),
         mode: c.poll_mode.unwrap_or(rcp::datapath::PollMode::Poll),
-        iters: iters.unwrap_or(10_000),
+        // With --seconds: rounds of about 64 MiB, so a run ends close to
+        // its seconds even with large messages.
+        iters: iters.unwrap_or(if seconds.is_some() {
+            bench::round_iters(*size)
+        } else {
+            10_000
+        }),
         seconds: *seconds,
         qps: *qps,
+        tx_depth: *tx_depth,
         device: c.device.clone(),
         gid_index: c.gid_index,
     };

@@ -3,37 +3,59 @@
 # the figures can be compared as ratios (absolute numbers under TCG mean little).
 # perftest reports MB/sec as 2^20 bytes/s and MsgRate in Mpps; rcp bench's
 # mb_per_s is 10^6 bytes/s: the summary converts both before dividing.
+#
+# Environment: RCP_BENCH_PASSES (default 3) alternating passes of the latency
+# and 1 MiB bandwidth runs; RCP_BENCH_SECONDS (default 10) per bandwidth run
+# (rcp bench --seconds N, perftest -D N). The summary gives each pass and the
+# median.
 set -u
 RCP=${RCP_BIN:-target/release/rcp}
+PASSES=${RCP_BENCH_PASSES:-3}
+SECS=${RCP_BENCH_SECONDS:-10}
 out=$(mktemp -d)
-B() { "$RCP" bench "$@" | tee -a "$out/bench"; }
-echo "== bench --compare (64 B writes: single+signal-every vs batch 32 vs +inline; poll vs event p99)"
-B --compare
-echo "== bench 1 MiB"
-B --op write --size 1048576 --iters 200
-B --op read --size 1048576 --iters 200
-B --op write --size 1048576 --iters 200 --qps 2
-echo "== perftest (same VM)"
-# pt NAME ARGS...: the client's result line, saved as $out/NAME.
+# B TAG ARGS...: one rcp bench run, its line saved with "tag=TAG" appended.
+B() {
+  local tag=$1; shift
+  "$RCP" bench --device rxe0 "$@" | sed "s/\$/ tag=$tag/" | tee -a "$out/bench"
+}
+# pt NAME ARGS...: the client's output, saved as $out/NAME (result line) and
+# $out/NAME.full (everything).
 pt() {
   local name=$1; shift
   echo "-- $*"
   timeout 240 "$@" >/tmp/pt-server.log 2>&1 &
   sleep 1
-  timeout 200 "$@" 127.0.0.1 2>&1 | grep -E "^ *[0-9]+ +[0-9]+" | tail -n1 | tee "$out/$name"
-  [ -s "$out/$name" ] || echo "   (no result: perftest failed or timed out)"
+  timeout 200 "$@" 127.0.0.1 >"$out/$name.full" 2>&1
+  grep -E "^ *[0-9]+ +[0-9]+" "$out/$name.full" | tail -n1 | tee "$out/$name"
+  [ -s "$out/$name" ] || { echo "   (no result: perftest failed or timed out)"; tail -n5 "$out/$name.full"; }
   wait
 }
-pt w1m ib_write_bw -d rxe0 -x 1 -s 1048576 -n 200
-pt r1m ib_read_bw -d rxe0 -x 1 -s 1048576 -n 200
+echo "== qemu: $(cat /sys/class/dmi/id/product_name 2>/dev/null) kernel $(uname -r), $(nproc) vCPUs"
+echo "== bench --compare (64 B writes: single+signal-every vs batch 32 vs +inline; latency rows at tx depth 1)"
+B compare --compare
+echo "== perftest 64 B (same VM)"
 pt w64 ib_write_bw -d rxe0 -x 1 -s 64 -n 100000 --cq-mod 1
 pt w64b ib_write_bw -d rxe0 -x 1 -s 64 -n 100000 --post_list 32 --cq-mod 32
 pt w64bi ib_write_bw -d rxe0 -x 1 -s 64 -n 100000 --post_list 32 --cq-mod 32 -I 64
-pt lat ib_write_lat -d rxe0 -x 1 -s 64 -n 10000
+# Latency and bandwidth: $PASSES alternating passes, rcp then perftest.
+lat_args=(--op write --size 64 --batch 1 --signal-every 1 --inline 64 --tx-depth 1 --iters 10000)
+for p in $(seq "$PASSES"); do
+  echo "== pass $p/$PASSES: 64 B latency, one request outstanding (rcp bench -t 1; ib_write_lat)"
+  for m in poll event hybrid; do B "lat$p" "${lat_args[@]}" --mode "$m"; done
+  pt "lat$p" ib_write_lat -d rxe0 -x 1 -s 64 -n 10000 -I 64
+  grep -m1 -E "#bytes" "$out/lat$p.full"
+  echo "== pass $p/$PASSES: 1 MiB for ${SECS} s each (rcp bench --seconds; perftest -D)"
+  B "bw$p" --op write --size 1M --seconds "$SECS"
+  pt "w1m$p" ib_write_bw -d rxe0 -x 1 -s 1048576 -D "$SECS"
+  B "bw$p" --op read --size 1M --seconds "$SECS"
+  pt "r1m$p" ib_read_bw -d rxe0 -x 1 -s 1048576 -D "$SECS"
+done
+echo "== bench 1 MiB, 2 QPs"
+B qps2 --op write --size 1M --seconds "$SECS" --qps 2
 echo "== summary (same boot)"
-python3 - "$out" <<'PY'
-import re, sys, os
-d = sys.argv[1]
+python3 - "$out" "$PASSES" <<'PY'
+import re, sys, os, statistics
+d, passes = sys.argv[1], int(sys.argv[2])
 lines = open(os.path.join(d, "bench")).read().splitlines()
 def bench(**want):
     for l in lines:
@@ -45,25 +67,70 @@ def pt(name, col):
     if not os.path.exists(p) or not open(p).read().split():
         return None
     return float(open(p).read().split()[col])
+def lat_cols(name):
+    # ib_write_lat: find t_typical and the 99% percentile by the header.
+    p = os.path.join(d, name + ".full")
+    if not os.path.exists(p):
+        return None
+    hdr = next((l for l in open(p) if "#bytes" in l), None)
+    row = pt(name, 0) is not None and open(os.path.join(d, name)).read().split()
+    if not hdr or not row:
+        return None
+    names = re.findall(r"#bytes|#iterations|t_min|t_max|t_typical|t_avg|t_stdev|99\.9% percentile|99% percentile", hdr)
+    cols = dict(zip(names, row))
+    return cols
 def ratio(a, b):
-    return f"{a / b:.2f}" if a and b else "n/a"
-w = bench(op="write", size=1048576, qps=1); r = bench(op="read", size=1048576, qps=1)
-pw, pr = pt("w1m", 3), pt("r1m", 3)
-if w and pw:
-    print(f"1 MiB WRITE: rcp bench {float(w['mb_per_s']):.2f} MB/s, ib_write_bw {pw * 1048576 / 1e6:.2f} MB/s, ratio {ratio(float(w['mb_per_s']) * 1e6, pw * 1048576)}")
-if r and pr:
-    print(f"1 MiB READ:  rcp bench {float(r['mb_per_s']):.2f} MB/s, ib_read_bw  {pr * 1048576 / 1e6:.2f} MB/s, ratio {ratio(float(r['mb_per_s']) * 1e6, pr * 1048576)}")
-s = bench(op="write", size=64, batch=1, signal=1, inline=0, mode="poll")
-b = bench(op="write", size=64, batch=32, signal=32, inline=0, mode="poll")
+    return a / b if a and b else None
+def med(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+def f(x, fmt="{:.2f}"):
+    return fmt.format(x) if x is not None else "n/a"
+print("-- 64 B latency, tx depth 1 (rcp bench: post -> completion polled, a round trip;"
+      " ib_write_lat: half its ping-pong round trip)")
+p99 = {m: [] for m in ("poll", "event", "hybrid")}
+p50 = {m: [] for m in ("poll", "event", "hybrid")}
+lat99, lattyp = [], []
+for p in range(1, passes + 1):
+    row = []
+    for m in p99:
+        b = bench(tag=f"lat{p}", mode=m)
+        v = float(b["p99_us"]) if b else None
+        p99[m].append(v)
+        p50[m].append(float(b["p50_us"]) if b else None)
+        row.append(f"{m} p50 {f(p50[m][-1], '{:.1f}')} p99 {f(v, '{:.1f}')}")
+    c = lat_cols(f"lat{p}") or {}
+    t = float(c["t_typical"]) if "t_typical" in c else None
+    q = float(c["99% percentile"]) if "99% percentile" in c else None
+    lattyp.append(t); lat99.append(q)
+    row.append(f"ib_write_lat typical {f(t, '{:.1f}')} p99 {f(q, '{:.1f}')}")
+    print(f"pass {p}: " + ", ".join(row) + " (us)")
+mp = {m: med(v) for m, v in p99.items()}
+print(f"median p99: poll {f(mp['poll'], '{:.1f}')} us, event {f(mp['event'], '{:.1f}')} us, "
+      f"hybrid {f(mp['hybrid'], '{:.1f}')} us, ib_write_lat {f(med(lat99), '{:.1f}')} us "
+      f"(x2 for a round trip: {f(med(lat99) and 2 * med(lat99), '{:.1f}')} us)")
+wins = sum(1 for a, b in zip(p99["poll"], p99["event"]) if a is not None and b is not None and a < b)
+print(f"poll p99 < event p99 in {wins} of {passes} passes; median ratio poll/event "
+      f"{f(ratio(mp['poll'], mp['event']))}")
+print(f"-- 1 MiB, {passes} passes (rcp bench --seconds / perftest -D; MB = 10^6 B)")
+for op, pn, tool in (("write", "w1m", "ib_write_bw"), ("read", "r1m", "ib_read_bw")):
+    rs = []
+    for p in range(1, passes + 1):
+        b = bench(tag=f"bw{p}", op=op)
+        ours = float(b["mb_per_s"]) if b else None
+        theirs = pt(f"{pn}{p}", 3)
+        theirs = theirs * 1048576 / 1e6 if theirs else None
+        r = ratio(ours, theirs)
+        rs.append(r)
+        print(f"pass {p}: {op.upper():5} rcp bench {f(ours)} MB/s, {tool} {f(theirs)} MB/s, ratio {f(r)}")
+    print(f"1 MiB {op.upper()}: median ratio {f(med(rs))} (goal >= 0.95)")
+s = bench(tag="compare", op="write", size=64, batch=1, signal=1, inline=0)
+b = bench(tag="compare", op="write", size=64, batch=32, signal=32, inline=0)
 p1, p32 = pt("w64", 4), pt("w64b", 4)
 if s and b:
     g = float(b["msg_per_s"]) / float(s["msg_per_s"])
     pg = p32 / p1 if p1 and p32 else None
-    print(f"64 B batch 32 + signal last vs single + signal every: rcp bench {g:.2f}x, perftest {pg:.2f}x" if pg else f"64 B batching gain: rcp bench {g:.2f}x, perftest n/a")
-po = bench(op="write", size=64, batch=1, mode="poll", inline=64)
-ev = bench(op="write", size=64, batch=1, mode="event", inline=64)
-if po and ev:
-    print(f"p99 64 B: poll {float(po['p99_us']):.1f} us vs event {float(ev['p99_us']):.1f} us")
+    print(f"64 B batch 32 + signal last vs single + signal every: rcp bench {g:.2f}x, perftest {f(pg)}x")
 PY
 rm -rf "$out"
 echo "== done"

@@ -5,8 +5,10 @@
 set -u
 topo=$1; shift
 passed=0 failed=0 failures=()
+# RCP_SUITE_ONLY=REGEX: run only the steps whose name matches (e.g. 'link cut').
 step() {
   local name=$1; shift
+  if [ -n "${RCP_SUITE_ONLY:-}" ] && ! [[ $name =~ $RCP_SUITE_ONLY ]]; then return 0; fi
   echo "=== vm[$topo]: $name"
   if "$@"; then passed=$((passed + 1)); else failed=$((failed + 1)); failures+=("$name"); fi
 }
@@ -67,11 +69,15 @@ netns)
   # A copy across a 3 s link cut: vb goes down mid-stream. Over verbs the data
   # path must flush, reconnect once the link is back and resend only what was
   # not confirmed; over tcp the provider's connections must ride it out. The
-  # digest must match. Arguments: the transport (verbs or tcp), push or pull.
+  # digest must match. Arguments: the transport (verbs or tcp), push or pull,
+  # and optionally the client QP's retry count (RCP_QP_RETRY_CNT): rxe retries
+  # 7 (the default) forever, so only a lower count makes the cut fail the
+  # in-flight requests and take the error-batch + reconnect path.
   linkcut() {
-    local dir t=$1 op=$2 dev_b=() dev_a=()
+    local dir t=$1 op=$2 retry=${3:-} dev_b=() dev_a=() env_a=()
     [ "$t" = verbs ] && dev_b=(--device rxeb) && dev_a=(--device rxea)
-    dir=$PWD/target/vm-linkcut-$t-$op
+    [ -n "$retry" ] && env_a=(env RCP_QP_RETRY_CNT="$retry")
+    dir=$PWD/target/vm-linkcut-$t-$op${retry:+-retry$retry}
     rm -rf "$dir" && mkdir -p "$dir/src" "$dir/root"
     head -c $((64 << 20)) /dev/urandom >"$dir/src/file"
     [ "$op" = pull ] && cp "$dir/src/file" "$dir/root/file"
@@ -80,9 +86,9 @@ netns)
     local d=$!
     for _ in $(seq 100); do ip netns exec a bash -c 'exec 3<>/dev/tcp/192.168.77.2/7471' 2>/dev/null && break; sleep 0.2; done
     if [ "$op" = push ]; then
-      ip netns exec a target/debug/rcp push -v --transport "$t" "${dev_a[@]}" "$dir/src/file" 192.168.77.2:file 2>"$dir/rcp.log" &
+      ip netns exec a "${env_a[@]}" target/debug/rcp push -v --transport "$t" "${dev_a[@]}" "$dir/src/file" 192.168.77.2:file 2>"$dir/rcp.log" &
     else
-      ip netns exec a target/debug/rcp pull -v --transport "$t" "${dev_a[@]}" 192.168.77.2:file "$dir/got" 2>"$dir/rcp.log" &
+      ip netns exec a "${env_a[@]}" target/debug/rcp pull -v --transport "$t" "${dev_a[@]}" 192.168.77.2:file "$dir/got" 2>"$dir/rcp.log" &
     fi
     local c=$! rc
     # Cut once blocks are moving: a few seconds after the session's QPs are up.
@@ -103,7 +109,11 @@ netns)
     # there is no QP to reconnect. The copy must complete with the right
     # digest either way.
     if [ "$t" = verbs ]; then
-      echo "linkcut $op: rc=$rc reconnected=$reconnected want=$want got=$got"
+      echo "linkcut $op${retry:+ retry=$retry}: rc=$rc reconnected=$reconnected want=$want got=$got"
+      # The data path's figures: error path start -> first block confirmed
+      # after the reconnect, and PORT_ACTIVE -> that block.
+      sed 's/\x1b\[[0-9;]*m//g' "$dir/rcp.log" | grep -a "first block confirmed after reconnect" |
+        sed -E 's/.*seconds=([0-9.]+).*port_up_to_first_wr_seconds=([0-9.]+).*/linkcut figure: error path -> first WR \1 s, PORT_ACTIVE -> first WR \2 s/'
     else
       # The cut must land mid-copy for the step to show anything.
       echo "linkcut $t $op: rc=$rc mid-copy=$mid want=$want got=$got"
@@ -113,6 +123,8 @@ netns)
   }
   step "rcp push across a 3 s link cut (verbs, a -> b)" linkcut verbs push
   step "rcp pull across a 3 s link cut (verbs, b -> a)" linkcut verbs pull
+  step "rcp push across a 3 s link cut, QP retry count 3 (verbs, a -> b)" linkcut verbs push 3
+  step "rcp pull across a 3 s link cut, QP retry count 3 (verbs, b -> a)" linkcut verbs pull 3
   step "rcp push across a 3 s link cut (tcp, a -> b)" linkcut tcp push
   step "rcp pull across a 3 s link cut (tcp, b -> a)" linkcut tcp pull
   for nb in "$@"; do

@@ -36,6 +36,18 @@ pub const MAX_SIZE: u64 = (run::REGION / 2) as u64;
 pub const MAX_QPS: usize = 8;
 /// Largest inline size asked for.
 pub const MAX_INLINE: u32 = 1024;
+/// Bytes per round of a `--seconds` run when `--iters` is not given.
+pub const ROUND_BYTES: u64 = 64 << 20;
+
+/// Messages per round of a `--seconds` run: about [`ROUND_BYTES`], at
+/// least 1, at most 10 000 (a run overshoots its seconds by at most one
+/// round, so rounds must stay short for large messages).
+pub fn round_iters(size: u64) -> u64 {
+    (ROUND_BYTES / size.max(1)).clamp(1, 10_000)
+}
+
+/// Send-queue depth of every bench QP (the default and largest tx depth).
+pub const SQ_DEPTH: u32 = run::SQ;
 
 /// What one bench run does.
 #[derive(Clone, Debug, PartialEq)]
@@ -56,6 +68,9 @@ pub struct BenchOptions {
     pub seconds: Option<f64>,
     /// QPs run in parallel, one thread each.
     pub qps: usize,
+    /// Most requests outstanding per QP (perftest's `-t/--tx-depth`),
+    /// `1..=`[`SQ_DEPTH`]; `None`: the whole send queue.
+    pub tx_depth: Option<u32>,
     /// RDMA device (default: the first).
     pub device: Option<String>,
     /// GID index (default: the first RoCE v2 IPv4-mapped GID).
@@ -74,6 +89,7 @@ impl Default for BenchOptions {
             iters: 10_000,
             seconds: None,
             qps: 1,
+            tx_depth: None,
             device: None,
             gid_index: None,
         }
@@ -175,7 +191,19 @@ impl BenchOptions {
         if !(1..=MAX_QPS).contains(&self.qps) {
             return bad(format!("--qps {}: must be in 1..={MAX_QPS}", self.qps));
         }
+        if let Some(t) = self.tx_depth {
+            if !(1..=SQ_DEPTH).contains(&t) {
+                return bad(format!(
+                    "--tx-depth {t}: must be in 1..={SQ_DEPTH} (the send-queue depth)"
+                ));
+            }
+        }
         Ok(())
+    }
+
+    /// Requests outstanding per QP at most.
+    pub fn tx_depth(&self) -> u32 {
+        self.tx_depth.unwrap_or(SQ_DEPTH)
     }
 
     /// The engine block a message lives in (the size rounded up to a power
@@ -225,7 +253,8 @@ pub fn format_line(o: &BenchOptions, m: &Measured) -> String {
     format!(
         "bench op={} size={} batch={} signal={} inline={} mode={} qps={} msgs={} seconds={:.3} \
          gbps={:.3} mb_per_s={:.1} msg_per_s={:.0} p50_us={:.1} p99_us={:.1} doorbells={} \
-         signaled={} inline_posted={} completions={} cpu_ns_per_msg={:.0} polls={} empty_polls={} arms={} wakeups={}",
+         signaled={} inline_posted={} completions={} cpu_ns_per_msg={:.0} polls={} empty_polls={} arms={} wakeups={} \
+         tx_depth={}",
         op_name(o.op),
         o.size,
         o.batch,
@@ -249,6 +278,7 @@ pub fn format_line(o: &BenchOptions, m: &Measured) -> String {
         r.empty_polls,
         r.arms,
         r.wakeups,
+        o.tx_depth(),
     )
 }
 
@@ -303,7 +333,10 @@ pub fn server_addr(s: &str) -> Result<String, BenchError> {
 /// The seed's table on the local device: 64 B writes single post + signal
 /// every vs batch 32 + signal last vs + inline; polling vs events vs hybrid
 /// p99; then 1 MiB WRITE and READ bandwidth. `small`: messages of the 64 B
-/// runs (the latency runs do a quarter).
+/// runs (the latency runs do a quarter). The latency runs keep one request
+/// outstanding (tx depth 1, as ib_write_lat does): with the whole send
+/// queue in flight their p99 would be queueing, not how soon a completion
+/// is noticed.
 pub fn compare_runs(base: &BenchOptions, small: u64) -> Vec<(&'static str, BenchOptions)> {
     let b = BenchOptions {
         op: OpKind::Write,
@@ -319,6 +352,7 @@ pub fn compare_runs(base: &BenchOptions, small: u64) -> Vec<(&'static str, Bench
         inline: 64,
         iters: (small / 4).max(1),
         mode,
+        tx_depth: Some(1),
         ..b.clone()
     };
     let bw = |op| BenchOptions {
@@ -388,6 +422,38 @@ mod tests {
     }
 
     #[test]
+    fn seconds_rounds_stay_short_for_large_messages() {
+        assert_eq!(round_iters(1 << 20), 64);
+        assert_eq!(round_iters(MAX_SIZE), 4);
+        assert_eq!(round_iters(64), 10_000);
+        assert_eq!(round_iters(0), 10_000);
+    }
+
+    #[test]
+    fn compare_latency_rows_keep_one_request_outstanding() {
+        let base = BenchOptions {
+            tx_depth: Some(16),
+            ..BenchOptions::default()
+        };
+        let runs = compare_runs(&base, 1000);
+        let lat: Vec<_> = runs
+            .iter()
+            .filter(|(w, _)| w.starts_with("latency"))
+            .collect();
+        assert_eq!(lat.len(), 3);
+        for (w, o) in lat {
+            assert_eq!((o.tx_depth, o.batch, o.size), (Some(1), 1, 64), "{w}");
+        }
+        // The other rows keep what was asked for.
+        let bw = runs
+            .iter()
+            .find(|(w, _)| w.contains("1 MiB write"))
+            .unwrap();
+        assert_eq!(bw.1.tx_depth, Some(16));
+        assert_eq!(BenchOptions::default().tx_depth(), SQ_DEPTH);
+    }
+
+    #[test]
     fn bad_options_are_refused_by_name() {
         let d = BenchOptions::default;
         assert!(msg(BenchOptions { size: 0, ..d() }).contains("--size 0"));
@@ -427,6 +493,22 @@ mod tests {
             ..d()
         })
         .contains("--inline"));
+        let e = msg(BenchOptions {
+            tx_depth: Some(0),
+            ..d()
+        });
+        assert!(e.contains("--tx-depth 0") && e.contains("1..=128"), "{e}");
+        assert!(msg(BenchOptions {
+            tx_depth: Some(SQ_DEPTH + 1),
+            ..d()
+        })
+        .contains("--tx-depth 129"));
+        BenchOptions {
+            tx_depth: Some(SQ_DEPTH),
+            ..d()
+        }
+        .validate()
+        .unwrap();
         assert!(BenchOptions { batch: 0, ..d() }
             .validate()
             .unwrap_err()
@@ -505,6 +587,7 @@ mod tests {
         assert_eq!(kv["msg_per_s"], "20");
         assert_eq!(kv["cpu_ns_per_msg"], "200");
         assert_eq!(kv["seconds"], "0.500");
+        assert_eq!(kv["tx_depth"], "128");
         assert!(format_human(&o, &m).contains("20 msg/s"));
     }
 }

@@ -18,7 +18,7 @@ use crate::verbs::{
 };
 
 /// Send-queue depth of every bench QP.
-const SQ: u32 = 128;
+pub(super) const SQ: u32 = 128;
 /// Staging bytes per QP on the posting side; region bytes per QP on the
 /// target side.
 pub(super) const REGION: usize = 32 << 20;
@@ -126,6 +126,7 @@ fn run_lane(l: &Lane, o: &BenchOptions, iters: u64) -> Result<Report, BenchError
         signal_every: o.signal_every,
         max_inline: Some(o.inline),
         poll_mode: o.mode,
+        tx_depth: o.tx_depth.map(|t| t as usize),
         ..DataPathConfig::default()
     };
     if o.size < block {

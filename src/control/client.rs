@@ -72,6 +72,8 @@ pub struct ClientOptions {
     pub poll_mode: Option<crate::datapath::PollMode>,
     /// Pin the completion thread to this CPU.
     pub cq_cpu: Option<usize>,
+    /// The data QP's ACK timeout and retry count.
+    pub qp_retry: crate::datapath::QpRetry,
     pub connect_timeout: Duration,
     /// Export the data path's queue gauges, error completions, reconnects
     /// and latency here (rcpd's own metrics when it copies for a service).
@@ -94,6 +96,7 @@ impl Default for ClientOptions {
             buffers: 0,
             poll_mode: None,
             cq_cpu: None,
+            qp_retry: crate::datapath::QpRetry::default(),
             connect_timeout: Duration::from_secs(10),
             metrics: None,
             tls: None,
@@ -406,21 +409,22 @@ impl Client {
                 resp.block_size
             )));
         }
-        let link = Arc::new(link);
-        let host = self.host.clone();
-        let (l2, r2) = (link.clone(), resp.clone());
-        let channel = tokio::task::spawn_blocking(move || l2.connect(&r2, &host))
-            .await
-            .map_err(|e| ControlError::Other(e.to_string()))??;
-        let dp = DataPath::new(movement::datapath_config(
+        let mut cfg = movement::datapath_config(
             kind,
             self.opts.batch,
             self.opts.signal_every,
             self.opts.inline,
             self.opts.poll_mode,
             self.opts.cq_cpu,
-        ))
-        .map_err(|e| ControlError::Usage(e.to_string()))?;
+        );
+        cfg.qp_retry = self.opts.qp_retry;
+        let dp = DataPath::new(cfg).map_err(|e| ControlError::Usage(e.to_string()))?;
+        let link = Arc::new(link);
+        let host = self.host.clone();
+        let (l2, r2, retry) = (link.clone(), resp.clone(), self.opts.qp_retry);
+        let channel = tokio::task::spawn_blocking(move || l2.connect(&r2, &host, retry))
+            .await
+            .map_err(|e| ControlError::Other(e.to_string()))??;
         // Watch the port's async events so a reconnect after a link cut
         // starts as soon as the port is ACTIVE again. Best effort: without
         // it the reconnect backs off blind.
@@ -1123,6 +1127,7 @@ impl Session {
         let vc = self.link.verbs_channel.clone();
         let rpc = self.rpc.clone();
         let (id, rd) = (self.id, self.rd_atomic);
+        let retry = self.dp.config().qp_retry;
         let handle = tokio::runtime::Handle::current();
         let mut epoch = 0u32;
         move || {
@@ -1140,7 +1145,7 @@ impl Session {
                 .into_inner()
                 .endpoint
                 .ok_or("the server sent no endpoint")?;
-            vc.handshake(&ep_from_proto(&sep)?, &connect_params(rd, rd))?;
+            vc.handshake(&ep_from_proto(&sep)?, &connect_params(rd, rd, retry))?;
             tracing::info!(epoch, "reconnected");
             Ok(())
         }

@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use crate::datapath::QpRetry;
 use crate::engine::LocalSeg;
 use crate::mem::{Arena, ArenaConfig, BlockPool, PeerSpan};
 use crate::provider::tcp::{SessionBinding, TcpChannel, TcpDomain, TcpTarget, DEFAULT_CONNS};
@@ -197,10 +198,14 @@ fn provider(e: crate::verbs::VerbsError) -> ControlError {
     ControlError::Provider(e.into())
 }
 
-pub fn connect_params(init: u32, resp: u32) -> ConnectParams {
+/// RTR/RTS parameters: initiator and responder depths, and (for the side
+/// that issues requests) the ACK timeout and retry count.
+pub fn connect_params(init: u32, resp: u32, retry: QpRetry) -> ConnectParams {
     ConnectParams {
         max_rd_atomic: init.clamp(1, 255) as u8,
         max_dest_rd_atomic: resp.clamp(1, 255) as u8,
+        timeout: retry.ack_timeout,
+        retry_cnt: retry.retry_cnt,
         ..ConnectParams::default()
     }
 }
@@ -285,11 +290,13 @@ impl ClientLink {
         })
     }
 
-    /// Connect the data channel with what the server answered.
+    /// Connect the data channel with what the server answered; `retry`:
+    /// the QP's ACK timeout and retry count (it issues the requests).
     pub fn connect(
         &self,
         resp: &proto::HandshakeResponse,
         server_host: &str,
+        retry: QpRetry,
     ) -> Result<Arc<dyn Channel>> {
         match self.kind {
             ProviderKind::Verbs => {
@@ -305,6 +312,7 @@ impl ClientLink {
                 let params = connect_params(
                     resp.client_rd_atomic,
                     caps.max_qp_rd_atom.min(v.max_qp_init_rd_atom),
+                    retry,
                 );
                 ch.handshake(&ep, &params).map_err(provider)?;
                 Ok(ch)

@@ -18,6 +18,9 @@ use super::link::{connect_params, ep_from_proto, ServerLink};
 use super::{
     Stats, DEFAULT_BLOCK_SIZE, MAX_FILE_LEN, TCP_SESSION_KEY_MINOR, VERSION_MAJOR, VERSION_MINOR,
 };
+// The server's QPs only respond (the client issues every request): their
+// retry count never matters.
+use crate::datapath::QpRetry;
 use crate::files::{
     self, Destination, DestinationOptions, DirHandle, FileError, FileKind, PathError, Preserve,
     Root, SourceFile, StreamingFileDigest,
@@ -327,7 +330,7 @@ impl Service {
                 let client_rd = v.max_qp_init_rd_atom.min(caps.max_qp_rd_atom).max(1);
                 let server_rd = caps.max_qp_init_rd_atom.min(v.max_qp_rd_atom).max(1);
                 rd = (server_rd, caps.max_qp_rd_atom);
-                ch.handshake(&cep, &connect_params(rd.0, rd.1))
+                ch.handshake(&cep, &connect_params(rd.0, rd.1, QpRetry::default()))
                     .map_err(|e| ControlError::Provider(e.into()))?;
                 resp.path_mtu = cep.mtu.min(ch.endpoint().mtu);
                 resp.client_rd_atomic = client_rd;
@@ -370,7 +373,7 @@ impl Service {
                     })?)?;
                 let ch = q.lock().unwrap();
                 let ep = ch.reset().map_err(|e| ControlError::Provider(e.into()))?;
-                ch.handshake(&cep, &connect_params(s.rd.0, s.rd.1))
+                ch.handshake(&cep, &connect_params(s.rd.0, s.rd.1, QpRetry::default()))
                     .map_err(|e| ControlError::Provider(e.into()))?;
                 Ok(proto::ReconnectResponse {
                     endpoint: Some(super::link::ep_to_proto(&ep)),

@@ -3,8 +3,8 @@
 //! [`DataPathConfig::default`] holds the tuned defaults (chains of 32
 //! signaled at the tail, inline up to 64 bytes, busy polling);
 //! [`DataPathConfig::from_env`] applies `RCP_BATCH`, `RCP_SIGNAL_EVERY`,
-//! `RCP_INLINE`, `RCP_POLL_MODE` (`poll|event|hybrid[:K]`) and `RCP_CQ_CPU`
-//! on top, and refuses bad values with an error that names the variable and
+//! `RCP_INLINE`, `RCP_POLL_MODE` (`poll|event|hybrid[:K]`), `RCP_CQ_CPU`,
+//! `RCP_QP_TIMEOUT` and `RCP_QP_RETRY_CNT` on top, and refuses bad values with an error that names the variable and
 //! the value.
 
 use std::fmt;
@@ -94,6 +94,49 @@ impl Backoff {
     }
 }
 
+/// How long the requesting queue pair waits for an ACK, and how often it
+/// retransmits, before a request fails with `RETRY_EXC_ERR` (the error
+/// batch, then a reconnect). Set when the connection is made.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QpRetry {
+    /// Local ACK timeout exponent, `0..=31`: 4.096 us * 2^n (0: none).
+    pub ack_timeout: u8,
+    /// Retransmissions, `0..=7`. Soft-RoCE (rxe) never counts 7 down: a
+    /// dead link is then retried until it comes back, and no error surfaces.
+    pub retry_cnt: u8,
+}
+
+impl Default for QpRetry {
+    /// 14 (~67 ms) and 7, as [`crate::verbs::ConnectParams::default`].
+    fn default() -> Self {
+        QpRetry {
+            ack_timeout: 14,
+            retry_cnt: 7,
+        }
+    }
+}
+
+impl QpRetry {
+    /// Refuse values the verbs attributes cannot hold.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.ack_timeout > 31 {
+            return Err(ConfigError::Field {
+                field: "qp_retry.ack_timeout",
+                value: self.ack_timeout.to_string(),
+                reason: "out of range 0..=31".into(),
+            });
+        }
+        if self.retry_cnt > 7 {
+            return Err(ConfigError::Field {
+                field: "qp_retry.retry_cnt",
+                value: self.retry_cnt.to_string(),
+                reason: "out of range 0..=7".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
 /// A configuration value that cannot work.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ConfigError {
@@ -142,6 +185,12 @@ pub struct DataPathConfig {
     pub backoff: Backoff,
     /// Reconnects in a row without progress before the transfer fails.
     pub max_retries: u32,
+    /// ACK timeout and retry count of the requesting queue pair (applied by
+    /// whoever connects it, e.g. the client's link).
+    pub qp_retry: QpRetry,
+    /// Most requests outstanding on the queue pair (perftest's `--tx-depth`);
+    /// `None`: the send-queue depth. Clamped to the send-queue depth.
+    pub tx_depth: Option<usize>,
     /// Benchmark knob, never for real transfers: post only the first N bytes
     /// of each block (perftest-style small messages; engine blocks are at
     /// least 4 KiB). The rest of each block is not moved.
@@ -160,6 +209,8 @@ impl Default for DataPathConfig {
             flush_timeout: Duration::from_secs(2),
             backoff: Backoff::default(),
             max_retries: 3,
+            qp_retry: QpRetry::default(),
+            tx_depth: None,
             payload_cap: None,
         }
     }
@@ -251,6 +302,12 @@ impl DataPathConfig {
                 }
             };
         }
+        if let Some(t) = env_parse::<u8>(get, "RCP_QP_TIMEOUT")? {
+            self.qp_retry.ack_timeout = range("RCP_QP_TIMEOUT", t.into(), 0, 31)? as u8;
+        }
+        if let Some(r) = env_parse::<u8>(get, "RCP_QP_RETRY_CNT")? {
+            self.qp_retry.retry_cnt = range("RCP_QP_RETRY_CNT", r.into(), 0, 7)? as u8;
+        }
         self.validate()?;
         Ok(self)
     }
@@ -267,6 +324,14 @@ impl DataPathConfig {
                 field: "backoff.max_attempts",
                 value: "0".into(),
                 reason: "at least one reconnect attempt".into(),
+            });
+        }
+        self.qp_retry.validate()?;
+        if self.tx_depth == Some(0) {
+            return Err(ConfigError::Field {
+                field: "tx_depth",
+                value: "0".into(),
+                reason: "at least one request outstanding".into(),
             });
         }
         if self.payload_cap == Some(0) {
@@ -294,7 +359,9 @@ impl DataPathConfig {
         caps: &ChannelCaps,
     ) -> Result<TransferConfig, ConfigError> {
         self.validate()?;
-        let mut t = TransferConfig::new(op, file_len, block_size, caps.sq_depth as usize);
+        let sq = caps.sq_depth as usize;
+        let depth = self.tx_depth.map_or(sq, |d| d.min(sq));
+        let mut t = TransferConfig::new(op, file_len, block_size, depth);
         t.batch = BatchPolicy::new(self.batch, self.signal_every).expect("validated");
         t.max_inline = self.inline_for(caps);
         t.request_timeout_ns = self.request_timeout.as_nanos().min(u64::MAX as u128) as u64;
@@ -343,6 +410,23 @@ mod tests {
             .transfer_config(OpKind::Write, 1 << 20, 4096, &caps)
             .unwrap();
         assert_eq!((t.sq_depth, t.max_inline, t.batch.batch), (128, 64, 32));
+        // A tx depth caps the engine's credits, never above the SQ.
+        for (want, got) in [(Some(1), 1), (Some(16), 16), (Some(4096), 128)] {
+            let t = DataPathConfig {
+                tx_depth: want,
+                ..c.clone()
+            }
+            .transfer_config(OpKind::Write, 1 << 20, 4096, &caps)
+            .unwrap();
+            assert_eq!(t.sq_depth, got, "{want:?}");
+        }
+        let e = DataPathConfig {
+            tx_depth: Some(0),
+            ..c.clone()
+        }
+        .validate()
+        .unwrap_err();
+        assert!(e.to_string().contains("tx_depth = 0"), "{e}");
     }
 
     #[test]
@@ -353,8 +437,18 @@ mod tests {
             ("RCP_INLINE", "0"),
             ("RCP_POLL_MODE", "hybrid:10"),
             ("RCP_CQ_CPU", "1"),
+            ("RCP_QP_TIMEOUT", "12"),
+            ("RCP_QP_RETRY_CNT", "1"),
         ])
         .unwrap();
+        assert_eq!(
+            c.qp_retry,
+            QpRetry {
+                ack_timeout: 12,
+                retry_cnt: 1
+            }
+        );
+        assert_eq!(with(&[]).unwrap().qp_retry, QpRetry::default());
         assert_eq!((c.batch, c.signal_every, c.max_inline), (16, 4, Some(0)));
         assert_eq!(c.poll_mode, PollMode::Hybrid { empty_polls: 10 });
         assert_eq!(c.cq_cpu, Some(1));
@@ -384,6 +478,9 @@ mod tests {
             ("RCP_POLL_MODE", "hybrid:0"),
             ("RCP_CQ_CPU", "x"),
             ("RCP_CQ_CPU", "100000"),
+            ("RCP_QP_TIMEOUT", "32"),
+            ("RCP_QP_RETRY_CNT", "8"),
+            ("RCP_QP_RETRY_CNT", "-1"),
         ] {
             let e = with(&[(var, val)]).unwrap_err().to_string();
             assert!(e.contains(var), "{e}");

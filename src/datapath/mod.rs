@@ -23,7 +23,7 @@ mod fake;
 mod tests;
 
 pub use completion::{completion_loop, pin_current_thread, POLL_BATCH};
-pub use config::{Backoff, ConfigError, DataPathConfig, PollMode};
+pub use config::{Backoff, ConfigError, DataPathConfig, PollMode, QpRetry};
 pub use io::{BlockIo, MemoryIo, NullIo, Staging};
 pub use port::PortMonitor;
 pub use runner::{run_transfer, DataPath, DataPathError, ReconnectError, Report};

@@ -4,7 +4,7 @@
 //! is down and retries the moment it comes back, instead of sleeping its
 //! backoff blind.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// The state of the port a channel runs on.
 pub trait PortMonitor: Send + Sync {
@@ -14,6 +14,11 @@ pub trait PortMonitor: Send + Sync {
     fn wait_active(&self, timeout: Duration) -> bool;
     /// Async events seen so far (all kinds), for the report.
     fn events_seen(&self) -> u64;
+    /// When the monitor last saw the port come up (`PORT_ACTIVE`), if it
+    /// has; the report times link-up → first completed request from it.
+    fn active_since(&self) -> Option<Instant> {
+        None
+    }
 }
 
 impl PortMonitor for crate::verbs::PortWatcher {
@@ -25,5 +30,8 @@ impl PortMonitor for crate::verbs::PortWatcher {
     }
     fn events_seen(&self) -> u64 {
         crate::verbs::PortWatcher::events_seen(self)
+    }
+    fn active_since(&self) -> Option<Instant> {
+        crate::verbs::PortWatcher::active_since(self)
     }
 }

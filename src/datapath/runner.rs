@@ -97,6 +97,10 @@ pub struct Report {
     /// Per reconnect: seconds from the start of the error path to the first
     /// block confirmed after it.
     pub reconnect_seconds: Vec<f64>,
+    /// Per reconnect that waited for the port: seconds from the port monitor
+    /// seeing `PORT_ACTIVE` to the first block confirmed after it (the
+    /// first completed request of the new connection).
+    pub port_up_to_first_wr_seconds: Vec<f64>,
     /// Post-to-completion latency of signaled requests.
     pub latency: Latencies,
     /// Completion thread: polls, empty polls, arms, waits, wakeups.
@@ -230,6 +234,8 @@ impl DataPath {
                 report: Report::default(),
                 post_times: HashMap::new(),
                 reconnect_started: None,
+                port_up_at: None,
+                last_progress: Instant::now(),
                 monitor: self.monitor.as_deref(),
                 post_fail_run: 0,
                 op: None,
@@ -295,6 +301,11 @@ struct Poster<'a> {
     post_times: HashMap<u64, Instant>,
     /// Set by the error path until the first block confirmed after it.
     reconnect_started: Option<Instant>,
+    /// When the port came back, for a reconnect that found it down; taken
+    /// at the first block confirmed after the reconnect.
+    port_up_at: Option<Instant>,
+    /// When the last block was confirmed (or the run started).
+    last_progress: Instant,
     monitor: Option<&'a dyn PortMonitor>,
     post_fail_run: u32,
     op: Option<OpKind>,
@@ -305,6 +316,10 @@ struct Poster<'a> {
 /// Longest the poster sleeps waiting for completions before re-checking
 /// timers.
 const IDLE_SLICE: Duration = Duration::from_millis(50);
+
+/// In poll mode, how long the poster spins for the next completion batch
+/// before it parks (the completion thread keeps spinning on the CQ).
+pub const POSTER_SPIN: Duration = Duration::from_micros(20);
 
 impl Poster<'_> {
     fn now_ns(&self, start: Instant) -> u64 {
@@ -395,35 +410,40 @@ impl Poster<'_> {
         any
     }
 
-    /// Block up to `timeout` for one batch (spinning in poll mode), then
-    /// take whatever else is queued.
+    /// Block up to `timeout` for one batch, then take whatever else is
+    /// queued. In poll mode the poster spins for at most [`POSTER_SPIN`]
+    /// first and then parks: the completion thread already spins on the CQ,
+    /// and a second spinning thread starves the provider's own work (rxe's
+    /// requester/responder/completer run as kernel work on the same CPUs).
     fn wait_batch(&mut self, timeout: Duration) -> Result<bool, DataPathError> {
-        let got = if self.cfg.poll_mode == PollMode::Poll {
-            let deadline = Instant::now() + timeout;
+        let mut timeout = timeout;
+        if self.cfg.poll_mode == PollMode::Poll {
+            let t0 = Instant::now();
+            let spin_end = t0 + POSTER_SPIN.min(timeout);
             let mut spins = 0u32;
             loop {
                 match self.rx.try_recv() {
-                    Ok(b) => break Some(b),
-                    Err(TryRecvError::Disconnected) => break None,
+                    Ok(b) => return self.got_batch(Some(b)),
+                    Err(TryRecvError::Disconnected) => return self.got_batch(None),
                     Err(TryRecvError::Empty) => {}
                 }
                 spins = spins.wrapping_add(1);
-                if spins % 256 == 0 {
-                    if Instant::now() >= deadline {
-                        return Ok(false);
-                    }
-                    std::thread::yield_now();
-                } else {
-                    std::hint::spin_loop();
+                if spins % 64 == 0 && Instant::now() >= spin_end {
+                    break;
                 }
+                std::hint::spin_loop();
             }
-        } else {
-            match self.rx.recv_timeout(timeout) {
-                Ok(b) => Some(b),
-                Err(RecvTimeoutError::Timeout) => return Ok(false),
-                Err(RecvTimeoutError::Disconnected) => None,
-            }
+            timeout = timeout.saturating_sub(t0.elapsed());
+        }
+        let got = match self.rx.recv_timeout(timeout) {
+            Ok(b) => Some(b),
+            Err(RecvTimeoutError::Timeout) => return Ok(false),
+            Err(RecvTimeoutError::Disconnected) => None,
         };
+        self.got_batch(got)
+    }
+
+    fn got_batch(&mut self, got: Option<CqBatch>) -> Result<bool, DataPathError> {
         match got {
             Some(b) => {
                 self.absorb(b);
@@ -522,14 +542,24 @@ impl Poster<'_> {
                         self.report.msgs += 1;
                         self.report.bytes += u64::from(moved);
                         self.stats.blocks_done.fetch_add(1, Relaxed);
+                        let now = Instant::now();
+                        self.last_progress = now;
                         if let Some(t0) = self.reconnect_started.take() {
-                            let s = t0.elapsed();
+                            let s = now.saturating_duration_since(t0);
                             self.report.reconnect_seconds.push(s.as_secs_f64());
                             self.stats
                                 .reconnect_ns
                                 .fetch_add(s.as_nanos() as u64, Relaxed);
+                            let up = self
+                                .port_up_at
+                                .take()
+                                .map(|t| now.saturating_duration_since(t).as_secs_f64());
+                            if let Some(u) = up {
+                                self.report.port_up_to_first_wr_seconds.push(u);
+                            }
                             tracing::info!(
                                 seconds = s.as_secs_f64(),
+                                port_up_to_first_wr_seconds = up,
                                 "first block confirmed after reconnect"
                             );
                         }
@@ -705,6 +735,13 @@ impl Poster<'_> {
                 }
             }
         }
+        // Link-up → first completed request is timed when the port came
+        // back after the data path last made progress (it was down while
+        // the transfer was stuck).
+        self.port_up_at = self
+            .monitor
+            .and_then(|m| m.active_since())
+            .filter(|&a| a >= self.last_progress);
         // Completions of the old epoch still queued are stale to the engine.
         self.absorb_ready();
         self.handle_events()?;

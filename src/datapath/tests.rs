@@ -129,6 +129,31 @@ fn burst_of_100k_never_exceeds_sq_depth() {
 }
 
 #[test]
+fn tx_depth_caps_the_requests_outstanding() {
+    for (depth, mode) in [(1, PollMode::Poll), (3, PollMode::Event)] {
+        let ch = FakeChannel::new(128);
+        let c = DataPathConfig {
+            batch: 8,
+            signal_every: 1,
+            tx_depth: Some(depth),
+            ..cfg(mode)
+        };
+        let n = 500;
+        let mut t = transfer(OpKind::Write, n, &c, &ch);
+        let mut io = CountIo::new(n);
+        let r = run_transfer(&ch, &mut t, &mut io, &c, &mut no_reconnect).unwrap();
+        assert_eq!(r.msgs, n);
+        assert_eq!(
+            ch.max_outstanding.load(Relaxed),
+            depth as u64,
+            "depth {depth}"
+        );
+        // Chains are cut to what the depth allows.
+        assert!(r.doorbells >= n / depth as u64, "{}", r.doorbells);
+    }
+}
+
+#[test]
 fn error_mid_stream_reconnects_once_and_reposts_only_unconfirmed() {
     for flush_unsignaled in [true, false] {
         let mut ch = FakeChannel::new(128);
@@ -149,6 +174,8 @@ fn error_mid_stream_reconnects_once_and_reposts_only_unconfirmed() {
         assert_eq!(calls, 1);
         assert_eq!(r.reconnects, 1);
         assert_eq!(r.reconnect_seconds.len(), 1);
+        // No port monitor: no link-up time to measure from.
+        assert!(r.port_up_to_first_wr_seconds.is_empty());
         assert!(t.is_complete());
         let reposted = t.counters().reposted;
         assert!(reposted > 0 && reposted <= 128, "reposted {reposted}");
@@ -323,6 +350,10 @@ impl PortMonitor for FakePort {
     fn events_seen(&self) -> u64 {
         self.events.load(Relaxed)
     }
+    fn active_since(&self) -> Option<std::time::Instant> {
+        let up = *self.up_at.lock().unwrap();
+        up.filter(|&t| std::time::Instant::now() >= t)
+    }
 }
 
 #[test]
@@ -359,6 +390,16 @@ fn reconnect_waits_for_port_active_instead_of_sleeping() {
     assert!(r.port_waits >= 1, "{r:?}");
     assert_eq!(r.port_events, 1);
     assert_eq!(calls, 1, "the first attempt waits for the port");
+    // Timed from the port coming back, not from the error.
+    let up = *port.up_at.lock().unwrap();
+    let up_to_wr = &r.port_up_to_first_wr_seconds;
+    assert_eq!(up_to_wr.len(), 1, "{r:?}");
+    assert!(up_to_wr[0] >= 0.0 && up_to_wr[0] < 2.0, "{up_to_wr:?}");
+    assert!(
+        r.reconnect_seconds[0] > up_to_wr[0],
+        "the error path started before the port came back: {r:?}"
+    );
+    assert!(up.unwrap().elapsed().as_secs_f64() >= up_to_wr[0]);
     assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
     assert_eq!(dp.stats().port_waits.load(Relaxed), r.port_waits);
 }

@@ -265,6 +265,8 @@ struct Shared {
 
 struct Watched {
     active: bool,
+    /// When the last PORT_ACTIVE for the port was read.
+    active_at: Option<Instant>,
     fatal: bool,
     history: VecDeque<(Instant, AsyncEvent)>,
 }
@@ -286,6 +288,7 @@ impl PortWatcher {
             port,
             state: Mutex::new(Watched {
                 active,
+                active_at: None,
                 fatal: false,
                 history: VecDeque::new(),
             }),
@@ -326,6 +329,12 @@ impl PortWatcher {
     pub fn is_active(&self) -> bool {
         let w = self.shared.state.lock().unwrap();
         w.active && !w.fatal
+    }
+
+    /// When the watcher last read PORT_ACTIVE for its port (`None`: never;
+    /// the port was up from the start or is still down).
+    pub fn active_since(&self) -> Option<Instant> {
+        self.shared.state.lock().unwrap().active_at
     }
 
     /// Whether DEVICE_FATAL was seen (the context must be reopened).
@@ -415,9 +424,13 @@ fn watch(events: AsyncEvents, s: &Shared, device: &str) {
             qpn = ev.qpn,
             "async event"
         );
+        let now = Instant::now();
         let mut w = s.state.lock().unwrap();
         match ev.kind {
-            AsyncEventKind::PortActive if mine => w.active = true,
+            AsyncEventKind::PortActive if mine => {
+                w.active = true;
+                w.active_at = Some(now);
+            }
             AsyncEventKind::PortErr if mine => w.active = false,
             AsyncEventKind::DeviceFatal => w.fatal = true,
             _ => {}
@@ -425,7 +438,7 @@ fn watch(events: AsyncEvents, s: &Shared, device: &str) {
         if w.history.len() >= HISTORY {
             w.history.pop_front();
         }
-        w.history.push_back((Instant::now(), ev));
+        w.history.push_back((now, ev));
         drop(w);
         s.changed.notify_all();
     }

@@ -57,8 +57,12 @@ pub struct ConnectParams {
 
 impl Default for ConnectParams {
     fn default() -> Self {
-        // timeout 14 (~67 ms) x retry 7: a dead link surfaces as
-        // RETRY_EXC_ERR after about half a second, quick enough to reconnect.
+        // timeout 14 (~67 ms) x retry 7: on hardware a dead link surfaces
+        // as RETRY_EXC_ERR after about half a second, quick enough to
+        // reconnect. Soft-RoCE (rxe) treats retry_cnt 7 as "retry forever"
+        // (it never counts 7 down): there a dead link is retried until it
+        // comes back and no error surfaces; a lower count makes it fail
+        // (`RCP_QP_RETRY_CNT`, `DataPathConfig::qp_retry`).
         ConnectParams {
             max_rd_atomic: 16,
             max_dest_rd_atomic: 16,
