@@ -18,13 +18,20 @@
 # (perftest hangs too); rxe gained network-namespace support later, so the netns
 # topology boots the kernel from Debian unstable (fetched with a private apt list,
 # nothing added to the host's sources).
+#
+# QEMU: at least 8.1, whose TCG implements SHA-NI (sha256rnds2 ...); under 7.2 the
+# guest CPU has no sha_ni and every SHA-256 a copy computes runs in software (~4x
+# slower). Debian 12 ships 7.2, so on bookworm qemu-system-x86 comes from
+# bookworm-backports (the source is added to the host's apt sources; backports are
+# never chosen unless asked for, so nothing else changes).
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")/.." && pwd)
 series=${RCP_KERNEL_SERIES:-6.12}
 cache=${RCP_TESTBED_CACHE:-/var/cache/rcp-testbed}
 
-apt_pkgs=(qemu-system-x86 rdma-core ibverbs-providers ibverbs-utils libibverbs-dev
+qemu_min=8.1
+apt_pkgs=(rdma-core ibverbs-providers ibverbs-utils libibverbs-dev
   librdmacm-dev perftest busybox-static kmod iproute2 libclang-dev protobuf-compiler
   procps util-linux iptables pkg-config openssl)
 
@@ -87,7 +94,38 @@ netns_kernel() {
   ls /lib/modules 2>/dev/null | grep -E '^[7-9]\.' | sort -V | tail -n1 || true
 }
 
+qemu_ok() {
+  # qemu-system-x86 is installed and at least $qemu_min.
+  local st
+  st=$(dpkg-query -W -f='${Status} ${Version}' qemu-system-x86 2>/dev/null) || return 1
+  case "$st" in "install ok installed "*) ;; *) return 1 ;; esac
+  dpkg --compare-versions "${st##* }" ge "1:$qemu_min"
+}
+
+install_qemu() {
+  qemu_ok && return 0
+  local codename src=/etc/apt/sources.list.d/bookworm-backports.list
+  codename=$(. /etc/os-release 2>/dev/null && echo "${VERSION_CODENAME:-}")
+  if [ "$codename" = bookworm ]; then
+    if ! grep -qs '^[^#]*bookworm-backports' /etc/apt/sources.list /etc/apt/sources.list.d/*.list \
+      /etc/apt/sources.list.d/*.sources; then
+      log "adding bookworm-backports to $src"
+      echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian bookworm-backports main" >"$src"
+    fi
+    log "apt-get install -t bookworm-backports qemu-system-x86"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      -t bookworm-backports qemu-system-x86 >/dev/null
+  else
+    log "apt-get install qemu-system-x86"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends qemu-system-x86 >/dev/null
+  fi
+  qemu_ok || log "warning: qemu-system-x86 $(dpkg-query -W -f='${Version}' qemu-system-x86) is older than $qemu_min: no SHA-NI in the guest, SHA-256 runs in software"
+}
+
 install() {
+  install_qemu
   local missing=()
   for p in "${apt_pkgs[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
