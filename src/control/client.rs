@@ -862,7 +862,7 @@ impl BlockIo for PullIo {
         let digests = self
             .sh
             .staging
-            .with_many(&ranges, |bufs| files::digests_alongside(bufs, || ()).0)
+            .with_many(&ranges, files::digest_blocks_parallel)
             .ok_or_else(|| {
                 (
                     blocks[0].0,

@@ -704,7 +704,7 @@ impl Service {
                             .collect();
                         let gots = w
                             .span
-                            .with_many(&ranges, |bufs| files::digests_alongside(bufs, || ()).0)
+                            .with_many(&ranges, files::digest_blocks_parallel)
                             .expect("window bounds");
                         let mut bad = Vec::new();
                         for (i, got) in (0..nblocks).zip(gots) {
