@@ -4,14 +4,17 @@
 # perftest reports MB/sec as 2^20 bytes/s and MsgRate in Mpps; rcp bench's
 # mb_per_s is 10^6 bytes/s: the summary converts both before dividing.
 #
-# Environment: RCP_BENCH_PASSES (default 3) alternating passes of the latency
-# and 1 MiB bandwidth runs; RCP_BENCH_SECONDS (default 10) per bandwidth run
-# (rcp bench --seconds N, perftest -D N). The summary gives each pass and the
-# median.
+# Environment: RCP_BENCH_PASSES (default 5) alternating passes of the latency
+# and 1 MiB bandwidth runs; RCP_BENCH_MIB_ITERS (default 320, ~10 s under TCG)
+# 1 MiB messages per bandwidth run, the same count for rcp bench (--iters) and
+# perftest (-n); RCP_BENCH_LAT_ITERS (default 10000) per latency run. The
+# summary gives each pass and the median. perftest's duration mode (-D) is not
+# used: under TCG its client printed no result line in 4 of 6 runs.
 set -u
 RCP=${RCP_BIN:-target/release/rcp}
-PASSES=${RCP_BENCH_PASSES:-3}
-SECS=${RCP_BENCH_SECONDS:-10}
+PASSES=${RCP_BENCH_PASSES:-5}
+MIB=${RCP_BENCH_MIB_ITERS:-320}
+LAT=${RCP_BENCH_LAT_ITERS:-10000}
 out=$(mktemp -d)
 # B TAG ARGS...: one rcp bench run, its line saved with "tag=TAG" appended.
 B() {
@@ -38,20 +41,20 @@ pt w64 ib_write_bw -d rxe0 -x 1 -s 64 -n 100000 --cq-mod 1
 pt w64b ib_write_bw -d rxe0 -x 1 -s 64 -n 100000 --post_list 32 --cq-mod 32
 pt w64bi ib_write_bw -d rxe0 -x 1 -s 64 -n 100000 --post_list 32 --cq-mod 32 -I 64
 # Latency and bandwidth: $PASSES alternating passes, rcp then perftest.
-lat_args=(--op write --size 64 --batch 1 --signal-every 1 --inline 64 --tx-depth 1 --iters 10000)
+lat_args=(--op write --size 64 --batch 1 --signal-every 1 --inline 64 --tx-depth 1 --iters "$LAT")
 for p in $(seq "$PASSES"); do
   echo "== pass $p/$PASSES: 64 B latency, one request outstanding (rcp bench -t 1; ib_write_lat)"
   for m in poll event hybrid; do B "lat$p" "${lat_args[@]}" --mode "$m"; done
-  pt "lat$p" ib_write_lat -d rxe0 -x 1 -s 64 -n 10000 -I 64
+  pt "lat$p" ib_write_lat -d rxe0 -x 1 -s 64 -n "$LAT" -I 64
   grep -m1 -E "#bytes" "$out/lat$p.full"
-  echo "== pass $p/$PASSES: 1 MiB for ${SECS} s each (rcp bench --seconds; perftest -D)"
-  B "bw$p" --op write --size 1M --seconds "$SECS"
-  pt "w1m$p" ib_write_bw -d rxe0 -x 1 -s 1048576 -D "$SECS"
-  B "bw$p" --op read --size 1M --seconds "$SECS"
-  pt "r1m$p" ib_read_bw -d rxe0 -x 1 -s 1048576 -D "$SECS"
+  echo "== pass $p/$PASSES: $MIB x 1 MiB each (rcp bench --iters; perftest -n)"
+  B "bw$p" --op write --size 1M --iters "$MIB"
+  pt "w1m$p" ib_write_bw -d rxe0 -x 1 -s 1048576 -n "$MIB"
+  B "bw$p" --op read --size 1M --iters "$MIB"
+  pt "r1m$p" ib_read_bw -d rxe0 -x 1 -s 1048576 -n "$MIB"
 done
 echo "== bench 1 MiB, 2 QPs"
-B qps2 --op write --size 1M --seconds "$SECS" --qps 2
+B qps2 --op write --size 1M --iters "$MIB" --qps 2
 echo "== summary (same boot)"
 python3 - "$out" "$PASSES" <<'PY'
 import re, sys, os, statistics
@@ -112,7 +115,7 @@ print(f"median p99: poll {f(mp['poll'], '{:.1f}')} us, event {f(mp['event'], '{:
 wins = sum(1 for a, b in zip(p99["poll"], p99["event"]) if a is not None and b is not None and a < b)
 print(f"poll p99 < event p99 in {wins} of {passes} passes; median ratio poll/event "
       f"{f(ratio(mp['poll'], mp['event']))}")
-print(f"-- 1 MiB, {passes} passes (rcp bench --seconds / perftest -D; MB = 10^6 B)")
+print(f"-- 1 MiB, {passes} passes (rcp bench --iters / perftest -n, same count; MB = 10^6 B)")
 for op, pn, tool in (("write", "w1m", "ib_write_bw"), ("read", "r1m", "ib_read_bw")):
     rs = []
     for p in range(1, passes + 1):
