@@ -7,7 +7,9 @@
 # Environment: RCP_BENCH_PASSES (default 5) alternating passes of the latency
 # and 1 MiB bandwidth runs; RCP_BENCH_MIB_ITERS (default 320, ~10 s under TCG)
 # 1 MiB messages per bandwidth run, the same count for rcp bench (--iters) and
-# perftest (-n); RCP_BENCH_LAT_ITERS (default 10000) per latency run. The
+# perftest (-n); RCP_BENCH_LAT_ITERS (default 10000) per latency run;
+# RCP_BENCH_MSG_ITERS (default 51200, a multiple of perftest's post list of 32)
+# 64 B messages per batching run. The
 # summary gives each pass and the median. perftest's duration mode (-D) is not
 # used: under TCG its client printed no result line in 4 of 6 runs.
 set -u
@@ -15,6 +17,7 @@ RCP=${RCP_BIN:-target/release/rcp}
 PASSES=${RCP_BENCH_PASSES:-5}
 MIB=${RCP_BENCH_MIB_ITERS:-320}
 LAT=${RCP_BENCH_LAT_ITERS:-10000}
+MSGS=${RCP_BENCH_MSG_ITERS:-51200}
 out=$(mktemp -d)
 # B TAG ARGS...: one rcp bench run, its line saved with "tag=TAG" appended.
 B() {
@@ -37,12 +40,15 @@ echo "== qemu: $(cat /sys/class/dmi/id/product_name 2>/dev/null) kernel $(uname 
 echo "== bench --compare (64 B writes: single+signal-every vs batch 32 vs +inline; latency rows at tx depth 1)"
 B compare --compare
 echo "== perftest 64 B (same VM)"
-pt w64 ib_write_bw -d rxe0 -x 1 -s 64 -n 100000 --cq-mod 1
-pt w64b ib_write_bw -d rxe0 -x 1 -s 64 -n 100000 --post_list 32 --cq-mod 32
 pt w64bi ib_write_bw -d rxe0 -x 1 -s 64 -n 100000 --post_list 32 --cq-mod 32 -I 64
 # Latency and bandwidth: $PASSES alternating passes, rcp then perftest.
 lat_args=(--op write --size 64 --batch 1 --signal-every 1 --inline 64 --tx-depth 1 --iters "$LAT")
 for p in $(seq "$PASSES"); do
+  echo "== pass $p/$PASSES: 64 B x $MSGS, single post + signal every vs batch 32 + signal last"
+  B "b64$p" --op write --size 64 --iters "$MSGS" --batch 1 --signal-every 1 --inline 0
+  B "b64$p" --op write --size 64 --iters "$MSGS" --batch 32 --signal-every 32 --inline 0
+  pt "w64$p" ib_write_bw -d rxe0 -x 1 -s 64 -n "$MSGS" --cq-mod 1
+  pt "w64b$p" ib_write_bw -d rxe0 -x 1 -s 64 -n "$MSGS" --post_list 32 --cq-mod 32
   echo "== pass $p/$PASSES: 64 B latency, one request outstanding (rcp bench -t 1; ib_write_lat)"
   for m in poll event hybrid; do B "lat$p" "${lat_args[@]}" --mode "$m"; done
   pt "lat$p" ib_write_lat -d rxe0 -x 1 -s 64 -n "$LAT" -I 64
@@ -127,13 +133,18 @@ for op, pn, tool in (("write", "w1m", "ib_write_bw"), ("read", "r1m", "ib_read_b
         rs.append(r)
         print(f"pass {p}: {op.upper():5} rcp bench {f(ours)} MB/s, {tool} {f(theirs)} MB/s, ratio {f(r)}")
     print(f"1 MiB {op.upper()}: median ratio {f(med(rs))} (goal >= 0.95)")
-s = bench(tag="compare", op="write", size=64, batch=1, signal=1, inline=0)
-b = bench(tag="compare", op="write", size=64, batch=32, signal=32, inline=0)
-p1, p32 = pt("w64", 4), pt("w64b", 4)
-if s and b:
-    g = float(b["msg_per_s"]) / float(s["msg_per_s"])
-    pg = p32 / p1 if p1 and p32 else None
-    print(f"64 B batch 32 + signal last vs single + signal every: rcp bench {g:.2f}x, perftest {f(pg)}x")
+print(f"-- 64 B batch 32 + signal last vs single post + signal every, {passes} passes (msg/s ratio)")
+gs, pgs = [], []
+for p in range(1, passes + 1):
+    s = bench(tag=f"b64{p}", batch=1)
+    b = bench(tag=f"b64{p}", batch=32)
+    g = float(b["msg_per_s"]) / float(s["msg_per_s"]) if s and b else None
+    p1, p32 = pt(f"w64{p}", 4), pt(f"w64b{p}", 4)
+    pg = ratio(p32, p1)
+    gs.append(g); pgs.append(pg)
+    print(f"pass {p}: rcp bench {f(g)}x ({s and s['msg_per_s']} -> {b and b['msg_per_s']} msg/s), "
+          f"perftest {f(pg)}x ({f(p1 and p1 * 1e6, '{:.0f}')} -> {f(p32 and p32 * 1e6, '{:.0f}')} msg/s)")
+print(f"64 B batching gain: median rcp bench {f(med(gs))}x, perftest {f(med(pgs))}x (goal: rcp >= perftest)")
 PY
 rm -rf "$out"
 echo "== done"
