@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Native loopback figures for docs/benchmarks.md, all in one run:
 #  - rcp push/pull (tcp provider) of a 1 GiB file vs rsync (daemon on
-#    127.0.0.1), scp (sshd on 127.0.0.1) and iperf3 moving the same bytes;
+#    127.0.0.1; also with --fsync, since rcp fsyncs), scp (sshd on 127.0.0.1),
+#    the disk's dd conv=fdatasync speed and iperf3 moving the same bytes;
 #  - the tcp provider's raw 1 MiB WRITE bandwidth vs iperf3;
 #  - peak RSS of rcp and rcpd while pushing and pulling a 2 GiB file (goal:
 #    bounded by the arena, not the file).
@@ -66,6 +67,11 @@ rsync --daemon --config="$work/rsyncd.conf" --port=17873 --address=127.0.0.1
 sleep 0.3
 t_rsync=$(secs rsync --whole-file "$work/src/file" rsync://127.0.0.1:17873/dst/file)
 cmp "$work/src/file" "$work/dst-rsync/file"
+rm -f "$work/dst-rsync/file"
+# rcp fsyncs the destination before it renames it into place; rsync only
+# does with --fsync, so this is the like-for-like row.
+t_rsync_fsync=$(secs rsync --whole-file --fsync "$work/src/file" rsync://127.0.0.1:17873/dst/file)
+cmp "$work/src/file" "$work/dst-rsync/file"
 kill "$(cat "$work/rsyncd.pid")" 2>/dev/null || true
 rm -f "$work/dst-rsync/file"
 
@@ -85,6 +91,10 @@ cmp "$work/src/file" "$work/dst-scp/file"
 kill "$(cat "$work/sshd.pid")" 2>/dev/null || true
 if [ -f "$work/ak.bak" ]; then cp "$work/ak.bak" /root/.ssh/authorized_keys; else rm -f /root/.ssh/authorized_keys; fi
 rm -f "$work/dst-scp/file"
+
+# The disk's durable write speed, the ceiling of any copy that fsyncs.
+t_dd=$(secs dd if=/dev/zero of="$work/dd" bs=1M count="$SIZE_MIB" conv=fdatasync status=none)
+rm -f "$work/dd"
 
 # iperf3 on loopback: the same number of bytes, one stream.
 iperf3 -s -1 -p 17201 -B 127.0.0.1 >/dev/null &
@@ -108,11 +118,13 @@ cmp "$work/src/big" "$work/back/big"
 rcpd_stop
 
 push=$(mbps "$SIZE_MIB" "$t_push"); pull=$(mbps "$SIZE_MIB" "$t_pull")
-rs=$(mbps "$SIZE_MIB" "$t_rsync"); sc=$(mbps "$SIZE_MIB" "$t_scp"); ip=$(calc "$iperf_bps / 8 / 1e6")
+rs=$(mbps "$SIZE_MIB" "$t_rsync"); rsf=$(mbps "$SIZE_MIB" "$t_rsync_fsync"); dd=$(mbps "$SIZE_MIB" "$t_dd"); sc=$(mbps "$SIZE_MIB" "$t_scp"); ip=$(calc "$iperf_bps / 8 / 1e6")
 pv=$(calc "${prov:-0} * 1e9 / 8 / 1e6")
 echo "native loopback, $(nproc) cores, file ${SIZE_MIB} MiB, $(date -u +%FT%TZ)"
 echo "rcp push (tcp):  $push MB/s   rcp pull (tcp): $pull MB/s"
 echo "rsync (daemon):  $rs MB/s   push/rsync  = $(calc "$push / $rs")"
+echo "rsync --fsync:   $rsf MB/s   push/rsync-fsync = $(calc "$push / $rsf")"
+echo "disk, dd conv=fdatasync: $dd MB/s   push/disk = $(calc "$push / $dd")"
 echo "scp:             $sc MB/s   push/scp    = $(calc "$push / $sc")"
 echo "iperf3 (1 stream): $ip MB/s   push/iperf3 = $(calc "$push / $ip")   pull/iperf3 = $(calc "$pull / $ip")"
 echo "tcp provider 1 MiB WRITEs: $pv MB/s   provider/iperf3 = $(calc "$pv / $ip")"
