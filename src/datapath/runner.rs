@@ -317,6 +317,10 @@ struct Poster<'a> {
 /// timers.
 const IDLE_SLICE: Duration = Duration::from_millis(50);
 
+/// In poll mode, how long the poster spins for the next completion batch
+/// before it parks (the completion thread keeps spinning on the CQ).
+pub const POSTER_SPIN: Duration = Duration::from_micros(20);
+
 impl Poster<'_> {
     fn now_ns(&self, start: Instant) -> u64 {
         start.elapsed().as_nanos() as u64
@@ -407,17 +411,15 @@ impl Poster<'_> {
     }
 
     /// Block up to `timeout` for one batch, then take whatever else is
-    /// queued. In poll mode the poster spins on the channel for the whole
-    /// `timeout` instead of parking: a parked poster adds a futex wake-up to
-    /// every round trip. Measured in the soft-RoCE VM at tx depth 1 (5
-    /// passes, docs/benchmarks.md): spinning gave p50 285 us / p99 917 us,
-    /// parking after 20 us 324 / 1103, parking at once 338 / 1149, and
-    /// event mode 405 / 1003.
+    /// queued. In poll mode the poster spins for at most [`POSTER_SPIN`]
+    /// first and then parks: the completion thread already spins on the CQ,
+    /// and a second spinning thread starves the provider's own work (rxe's
+    /// requester/responder/completer run as kernel work on the same CPUs).
     fn wait_batch(&mut self, timeout: Duration) -> Result<bool, DataPathError> {
         let mut timeout = timeout;
         if self.cfg.poll_mode == PollMode::Poll {
             let t0 = Instant::now();
-            let spin_end = t0 + timeout;
+            let spin_end = t0 + POSTER_SPIN.min(timeout);
             let mut spins = 0u32;
             loop {
                 match self.rx.try_recv() {
