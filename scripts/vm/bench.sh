@@ -9,9 +9,9 @@
 # 1 MiB messages per bandwidth run, the same count for rcp bench (--iters) and
 # perftest (-n); RCP_BENCH_LAT_ITERS (default 10000) per latency run;
 # RCP_BENCH_MSG_ITERS (default 51200, a multiple of perftest's post list of 32)
-# 64 B messages per batching run. The
-# summary gives each pass and the median. perftest's duration mode (-D) is not
-# used: under TCG its client printed no result line in 4 of 6 runs.
+# 64 B messages per batching run. The summary gives each pass and the median.
+# perftest's duration mode (-D) is not used: under TCG its client printed no
+# result line in 4 of 6 runs.
 set -u
 RCP=${RCP_BIN:-target/release/rcp}
 PASSES=${RCP_BENCH_PASSES:-5}
