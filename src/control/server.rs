@@ -23,7 +23,7 @@ use super::{
 use crate::datapath::QpRetry;
 use crate::files::{
     self, Destination, DestinationOptions, DirHandle, FileError, FileKind, PathError, Preserve,
-    Root, SourceFile, StreamingFileDigest,
+    Root, SourceFile, StreamingFileDigest, WriteBehind,
 };
 use crate::mem::{Block, PeerSpan};
 use crate::proto::{self, client_msg, server_msg, ClientMsg, Direction, ServerMsg};
@@ -612,7 +612,7 @@ impl Service {
             resume: Some(source),
             ..DestinationOptions::default()
         };
-        let mut dest = in_place(|| -> Result<Destination> {
+        let dest = in_place(|| -> Result<Destination> {
             if open.resume {
                 if let Some(d) = Destination::resume(&dir, &name, &source, opts.clone())? {
                     return Ok(d);
@@ -642,6 +642,8 @@ impl Service {
         .await
         .map_err(|_| ControlError::Retryable("client went away".into()))?;
 
+        let mut writer = WriteBehind::spawn(dest, 2)
+            .map_err(|e| ControlError::Other(format!("cannot start the writer thread: {e}")))?;
         let mut wins: HashMap<u64, Win> = HashMap::new();
         let mut next_voff = 0u64;
         let mut verified = 0u64;
@@ -696,35 +698,46 @@ impl Service {
                     )
                     .await?;
                     let first_vblock = w.voff / bs;
-                    let bad = in_place(|| -> Result<Vec<u64>> {
-                        // Every block's digest in parallel, then check and
-                        // write them in order.
-                        let ranges: Vec<(usize, usize)> = (0..nblocks)
-                            .map(|i| ((i * bs) as usize, (w.len - i * bs).min(bs) as usize))
-                            .collect();
-                        let gots = w
-                            .span
-                            .with_many(&ranges, files::digest_blocks_parallel)
+                    // Every block's digest in parallel; the pwrite and the
+                    // whole-file digest happen behind, on the writer thread,
+                    // while this loop takes the next window.
+                    let ranges: Vec<(usize, usize)> = (0..nblocks)
+                        .map(|i| ((i * bs) as usize, (w.len - i * bs).min(bs) as usize))
+                        .collect();
+                    let gots =
+                        in_place(|| w.span.with_many(&ranges, files::digest_blocks_parallel))
                             .expect("window bounds");
-                        let mut bad = Vec::new();
-                        for (i, got) in (0..nblocks).zip(gots) {
-                            let vb = first_vblock + i;
-                            let real = moving[vb as usize];
-                            let off = i * bs;
-                            let n = (w.len - off).min(bs) as usize;
-                            w.span
-                                .with(off as usize, n, |data| -> Result<()> {
-                                    if got[..] != d.block_sha256[i as usize][..] {
-                                        bad.push(vb);
-                                        return Ok(());
-                                    }
-                                    Ok(dest.write_block(real, data, got)?)
-                                })
-                                .expect("window bounds")?;
-                        }
-                        Ok(bad)
-                    })?;
+                    let blocks: Vec<(u64, u64, usize, [u8; 32])> = (0..nblocks)
+                        .zip(&gots)
+                        .map(|(i, got)| {
+                            let real = moving[(first_vblock + i) as usize];
+                            (i, real, ranges[i as usize].1, *got)
+                        })
+                        .collect();
+                    let bad: Vec<u64> = blocks
+                        .iter()
+                        .filter(|(i, ..)| gots[*i as usize][..] != d.block_sha256[*i as usize][..])
+                        .map(|(i, ..)| first_vblock + i)
+                        .collect();
                     if !bad.is_empty() {
+                        // The good blocks are copied out and written behind;
+                        // the window stays for the resend.
+                        let good: Vec<(u64, Vec<u8>, [u8; 32])> = blocks
+                            .iter()
+                            .filter(|(i, ..)| !bad.contains(&(first_vblock + i)))
+                            .map(|&(i, real, n, got)| {
+                                let v = w.span.with((i * bs) as usize, n, <[u8]>::to_vec);
+                                (real, v.expect("window bounds"), got)
+                            })
+                            .collect();
+                        in_place(|| {
+                            writer.submit(Box::new(move |dest: &mut Destination| {
+                                for (real, data, got) in good {
+                                    dest.write_block(real, &data, got)?;
+                                }
+                                Ok(())
+                            }))
+                        })?;
                         self.stats.integrity_failures.fetch_add(1, Relaxed);
                         if w.epoch >= MAX_RESENDS {
                             return Err(ControlError::Integrity(format!(
@@ -757,9 +770,24 @@ impl Service {
                         }
                         continue;
                     }
-                    verified += w.len;
-                    self.stats.bytes_in.fetch_add(w.len, Relaxed);
-                    drop(w);
+                    let len = w.len;
+                    let span = w.span.clone();
+                    in_place(|| {
+                        writer.submit(Box::new(move |dest: &mut Destination| {
+                            for (i, real, n, got) in blocks {
+                                span.with((i * bs) as usize, n, |data| {
+                                    dest.write_block(real, data, got)
+                                })
+                                .expect("window bounds")?;
+                            }
+                            // The window's memory goes back to the pool only
+                            // now that it is written.
+                            drop(w);
+                            Ok(())
+                        }))
+                    })?;
+                    verified += len;
+                    self.stats.bytes_in.fetch_add(len, Relaxed);
                     tx.send(msg(server_msg::Msg::Ack(proto::Ack {
                         window_id: d.window_id,
                         resend_blocks: Vec::new(),
@@ -776,6 +804,7 @@ impl Service {
                     let expected: [u8; 32] = c.sha256.as_slice().try_into().map_err(|_| {
                         ControlError::Invalid("the commit digest is not 32 bytes".into())
                     })?;
+                    let dest = in_place(|| writer.finish())?;
                     let digest = match in_place(|| dest.commit(expected)) {
                         Ok(d) => d,
                         Err(e) => {

@@ -22,6 +22,8 @@
 //!   aligned, buffered otherwise ([`IoMode`]).
 //! - [`digest`]: [`block_digest`], [`digest_blocks_parallel`], [`DigestPool`], and
 //!   [`StreamingFileDigest`], the `sha256sum` of a file fed from out-of-order blocks.
+//! - [`WriteBehind`]: a [`Destination`] handed to a writer thread, so the
+//!   receiver checks window N+1 while window N is written and hashed.
 //! - [`tree`]: [`walk`] for `-r` (never follows symlinks) and
 //!   [`resolve_destination`] (scp naming rules).
 //!
@@ -46,6 +48,7 @@ pub mod path;
 pub mod reader;
 pub mod root;
 pub mod tree;
+pub mod write_behind;
 
 pub use commit::{Destination, DestinationOptions, Preserve, DEFAULT_BLOCK_SIZE};
 pub use digest::{
@@ -58,6 +61,7 @@ pub use path::{normalize, RelPath};
 pub use reader::{IoMode, ReadStats, SourceFile, DIRECT_ALIGN};
 pub use root::{DirHandle, FileKind, FileMeta, ListEntry, Resolver, Root, Timestamp};
 pub use tree::{resolve_destination, walk, Entry, EntryKind, Skipped, Tree};
+pub use write_behind::WriteBehind;
 
 /// The prefix of every temporary object next to `name`: `.rcp-<name, at most 200 bytes>.`
 pub(crate) fn temp_prefix(name: &OsStr) -> Vec<u8> {
