@@ -16,7 +16,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc as smpsc;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
@@ -41,6 +41,7 @@ use crate::datapath::{DataPath, ReconnectError};
 use crate::engine::{LocalSeg, OpKind, Transfer, Window};
 use crate::files::{
     self, Destination, DestinationOptions, DirHandle, Preserve, SourceFile, StreamingFileDigest,
+    WriteBehind,
 };
 use crate::mem::PeerSpan;
 use crate::proto::{self, client_msg, server_msg, ClientMsg, ServerMsg};
@@ -804,7 +805,7 @@ fn check_pulled(
     len: usize,
     want: &[u8],
     got: Option<[u8; 32]>,
-    dest: &mut Destination,
+    dest: &mut PulledWriter,
     real_block: u64,
     faults: &mut u32,
 ) -> std::io::Result<bool> {
@@ -818,16 +819,54 @@ fn check_pulled(
             if got[..] != want[..] {
                 return Ok(false);
             }
-            dest.write_block(real_block, buf, got)
-                .map_err(|e| std::io::Error::other(e.to_string()))?;
+            dest.write(real_block, buf, got)?;
             Ok(true)
         })
         .ok_or_else(outside)?
 }
 
+/// Pulled, verified blocks written behind: copied out of the staging
+/// buffers (the data path reuses them once a chain is drained) into
+/// recycled buffers, then written and fed to the whole-file digest on a
+/// writer thread while the next chain is read and checked.
+struct PulledWriter {
+    wb: WriteBehind,
+    free: Arc<Mutex<Vec<Vec<u8>>>>,
+}
+
+/// Bytes of pulled blocks queued for the writer at most.
+const WRITE_BEHIND_BYTES: u64 = 16 << 20;
+
+impl PulledWriter {
+    fn new(dest: Destination) -> std::io::Result<Self> {
+        let depth = (WRITE_BEHIND_BYTES / dest.block_size().max(1)).max(2) as usize;
+        Ok(PulledWriter {
+            wb: WriteBehind::spawn(dest, depth)?,
+            free: Arc::default(),
+        })
+    }
+    fn write(&mut self, real_block: u64, data: &[u8], got: [u8; 32]) -> std::io::Result<()> {
+        let mut buf = self.free.lock().unwrap().pop().unwrap_or_default();
+        buf.clear();
+        buf.extend_from_slice(data);
+        let free = self.free.clone();
+        self.wb
+            .submit(Box::new(move |d: &mut Destination| {
+                let r = d.write_block(real_block, &buf, got);
+                free.lock().unwrap().push(buf);
+                r
+            }))
+            .map_err(|e| std::io::Error::other(e.to_string()))
+    }
+    /// Wait for every queued block; the destination, ready to commit.
+    fn finish(self) -> Result<Destination> {
+        Ok(self.wb.finish()?)
+    }
+}
+
 struct PullIo {
     sh: Shared,
-    dest: Destination,
+    dest: PulledWriter,
     expected: HashMap<u64, Vec<u8>>,
     /// Packed length of the transfer.
     vlen: u64,
@@ -952,7 +991,7 @@ impl PullIo {
 /// transfer over the same data path, one single-block window per block.
 struct RereadIo<'a> {
     staging: &'a PeerSpan,
-    dest: &'a mut Destination,
+    dest: &'a mut PulledWriter,
     bs: u64,
     /// Per re-read block: transfer index, file block, expected digest.
     blocks: Vec<(u64, u64, Vec<u8>)>,
@@ -1427,7 +1466,8 @@ impl Session {
         let (gtx, grx) = smpsc::channel();
         let mut io = PullIo {
             sh: self.shared(moving, grx, out.clone(), progress),
-            dest,
+            dest: PulledWriter::new(dest)
+                .map_err(|e| ControlError::Other(format!("cannot start the writer thread: {e}")))?,
             expected: HashMap::new(),
             vlen,
             bad: HashMap::new(),
@@ -1458,7 +1498,7 @@ impl Session {
                     "pulled blocks read again after a digest mismatch"
                 );
             }
-            Ok((moved, io.dest))
+            Ok((moved, io.dest.finish()?))
         });
         let (moved, dest, committed) = drive(
             &mut inbound,
