@@ -10,7 +10,9 @@
 //! stops the thread; its error is what the next [`WriteBehind::submit`] or
 //! [`WriteBehind::finish`] returns.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{sync_channel, SyncSender};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use super::commit::Destination;
@@ -23,6 +25,10 @@ pub type Job = Box<dyn FnOnce(&mut Destination) -> Result<()> + Send>;
 pub struct WriteBehind {
     tx: Option<SyncSender<Job>>,
     thread: Option<JoinHandle<Result<Destination>>>,
+    /// Set when dropped without [`finish`](Self::finish): queued jobs are
+    /// skipped, so the destination (and its temp file lock) is released
+    /// at once.
+    abandon: Arc<AtomicBool>,
 }
 
 impl std::fmt::Debug for WriteBehind {
@@ -37,11 +43,16 @@ impl WriteBehind {
     /// Hand `dest` to a new thread; at most `depth` jobs wait in its queue.
     pub fn spawn(dest: Destination, depth: usize) -> std::io::Result<Self> {
         let (tx, rx) = sync_channel::<Job>(depth.max(1));
+        let abandon = Arc::new(AtomicBool::new(false));
+        let stop = abandon.clone();
         let thread = std::thread::Builder::new()
             .name("rcp-writer".into())
             .spawn(move || {
                 let mut dest = dest;
                 for job in rx {
+                    if stop.load(Ordering::Relaxed) {
+                        break;
+                    }
                     job(&mut dest)?;
                 }
                 Ok(dest)
@@ -49,6 +60,7 @@ impl WriteBehind {
         Ok(WriteBehind {
             tx: Some(tx),
             thread: Some(thread),
+            abandon,
         })
     }
 
@@ -92,9 +104,13 @@ impl WriteBehind {
 
 impl Drop for WriteBehind {
     fn drop(&mut self) {
+        // The transfer failed or was interrupted: skip what is still queued
+        // (it was never recorded as verified, so a resume sends it again)
+        // and wait only for the job in progress, so the destination saves
+        // its manifest and unlocks its temp file before the caller goes on,
+        // ready for a `--resume` that may already be on its way.
+        self.abandon.store(true, Ordering::Relaxed);
         self.tx = None;
-        // Let queued jobs finish so the destination (and any window memory
-        // the jobs hold) is released before the caller goes on.
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -148,6 +164,36 @@ mod tests {
         let want: [u8; 32] = Sha256::digest(&data).into();
         assert_eq!(d.commit(want).unwrap(), want);
         assert_eq!(std::fs::read(tmp.path().join("out")).unwrap(), data);
+    }
+
+    #[test]
+    fn dropping_skips_queued_jobs_and_releases_the_destination() {
+        use std::sync::atomic::AtomicUsize;
+        let tmp = tempfile::tempdir().unwrap();
+        let mut wb = WriteBehind::spawn(dest(tmp.path(), 10, 4096), 1).unwrap();
+        let ran = Arc::new(AtomicUsize::new(0));
+        let (started_tx, started_rx) = std::sync::mpsc::channel();
+        let r = ran.clone();
+        wb.submit(Box::new(move |_: &mut Destination| {
+            started_tx.send(()).unwrap();
+            std::thread::sleep(std::time::Duration::from_millis(200));
+            r.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        }))
+        .unwrap();
+        started_rx.recv().unwrap();
+        let r = ran.clone();
+        wb.submit(Box::new(move |_: &mut Destination| {
+            r.fetch_add(10, Ordering::SeqCst);
+            Ok(())
+        }))
+        .unwrap();
+        drop(wb);
+        // The job in progress finished; the queued one never ran.
+        assert_eq!(ran.load(Ordering::SeqCst), 1);
+        // The destination is gone (not resumable: its temp file too).
+        let left: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().collect();
+        assert!(left.is_empty(), "{left:?}");
     }
 
     #[test]
