@@ -725,6 +725,34 @@ mod resume {
         assert_eq!(fs::read(t.path().join("f")).unwrap(), data);
     }
 
+    /// A resume that races the end of the interrupted transfer (still
+    /// writing its last blocks, then saving its manifest) waits for it and
+    /// takes the manifest as it was left.
+    #[test]
+    fn resume_waits_for_the_interrupted_transfer_to_let_go() {
+        let t = tempfile::tempdir().unwrap();
+        let dir = DirHandle::open(t.path()).unwrap();
+        let data = pattern(LEN as usize, 14);
+        // Saves only on drop (every 1000 blocks otherwise).
+        let mut old = Destination::create(&dir, "f", LEN, opts(1000)).unwrap();
+        write(&mut old, &data, &[0, 1]);
+        let data2 = data.clone();
+        let ending = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(300));
+            write(&mut old, &data2, &[2]);
+        });
+        let t0 = std::time::Instant::now();
+        let mut d = Destination::resume(&dir, "f", &src(), opts(1000))
+            .unwrap()
+            .expect("resumed once the old transfer let go");
+        assert!(t0.elapsed() >= std::time::Duration::from_millis(250));
+        ending.join().unwrap();
+        assert_eq!(d.missing_blocks(), vec![3, 4, 5, 6, 7]);
+        finish(&mut d, &data);
+        d.commit(block_digest(&data)).unwrap();
+        assert_eq!(fs::read(t.path().join("f")).unwrap(), data);
+    }
+
     #[test]
     fn live_transfer_neither_resumed_nor_swept() {
         let t = tempfile::tempdir().unwrap();

@@ -286,11 +286,31 @@ impl Destination {
                     continue;
                 }
             };
-            if let Err(e) = rfs::flock(&fd, FlockOperation::NonBlockingLockExclusive) {
-                tracing::info!(temp = %tpath.display(), error = %e,
-                    "temp file is locked by a live transfer; not resuming it");
-                continue;
-            }
+            // A transfer that was just interrupted may still be finishing
+            // its last write and saving its manifest: give it a moment, then
+            // take the manifest as it left it.
+            let waited = match lock_within(&fd, RESUME_LOCK_WAIT) {
+                Ok(waited) => waited,
+                Err(e) => {
+                    tracing::info!(temp = %tpath.display(), error = %e,
+                        "temp file is locked by a live transfer; not resuming it");
+                    continue;
+                }
+            };
+            let m = match waited.then(|| Manifest::load(dir, mname)) {
+                Some(Ok(newer))
+                    if (
+                        &newer.final_name,
+                        &newer.temp_name,
+                        &newer.source,
+                        newer.len,
+                        newer.block_size,
+                    ) == (&m.final_name, &m.temp_name, &m.source, m.len, m.block_size) =>
+                {
+                    newer
+                }
+                _ => m,
+            };
             let st = rfs::fstat(&fd).map_err(|e| io_err("stat", &tpath, e))?;
             #[allow(clippy::unnecessary_cast)]
             if FileType::from_raw_mode(st.st_mode) != FileType::RegularFile
@@ -607,6 +627,27 @@ impl Drop for Destination {
             }
         } else {
             self.remove_files();
+        }
+    }
+}
+
+/// How long [`Destination::resume`] waits for the temp file of an
+/// interrupted transfer to be released by its old owner.
+const RESUME_LOCK_WAIT: Duration = Duration::from_secs(5);
+
+/// Take `fd`'s exclusive flock, retrying for up to `wait`. `Ok(true)` when
+/// it was held by someone else at first.
+fn lock_within(fd: &impl rustix::fd::AsFd, wait: Duration) -> rustix::io::Result<bool> {
+    let until = Instant::now() + wait;
+    let mut waited = false;
+    loop {
+        match rfs::flock(fd, FlockOperation::NonBlockingLockExclusive) {
+            Ok(()) => return Ok(waited),
+            Err(Errno::WOULDBLOCK) if Instant::now() < until => {
+                waited = true;
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) => return Err(e),
         }
     }
 }
