@@ -772,6 +772,7 @@ impl Service {
                     }
                     let len = w.len;
                     let span = w.span.clone();
+                    let (acks, window_id) = (tx.clone(), d.window_id);
                     in_place(|| {
                         writer.submit(Box::new(move |dest: &mut Destination| {
                             for (i, real, n, got) in blocks {
@@ -783,17 +784,19 @@ impl Service {
                             // The window's memory goes back to the pool only
                             // now that it is written.
                             drop(w);
+                            // Acked once written, as it was inline: the
+                            // client commits after the last ack, and a
+                            // client killed before it leaves a manifest
+                            // that knows every acked block (for --resume).
+                            let _ = acks.blocking_send(msg(server_msg::Msg::Ack(proto::Ack {
+                                window_id,
+                                resend_blocks: Vec::new(),
+                            })));
                             Ok(())
                         }))
                     })?;
                     verified += len;
                     self.stats.bytes_in.fetch_add(len, Relaxed);
-                    tx.send(msg(server_msg::Msg::Ack(proto::Ack {
-                        window_id: d.window_id,
-                        resend_blocks: Vec::new(),
-                    })))
-                    .await
-                    .map_err(|_| ControlError::Retryable("client went away".into()))?;
                 }
                 client_msg::Msg::Commit(c) => {
                     if verified != vlen || !wins.is_empty() {
