@@ -370,10 +370,98 @@ impl DataPathConfig {
     }
 }
 
-/// The CPU to pin a completion thread to on `node`: the node's last CPU
-/// (CPU 0 of a node tends to take the most interrupts).
+/// The CPU to pin a completion thread to on `node`: see [`CqCpu::Auto`].
 pub fn default_cq_cpu(node: u32) -> Option<usize> {
-    crate::mem::numa::node_cpus(node).last().copied()
+    CqCpu::Auto.cpus(Some(node)).first().copied()
+}
+
+/// Where completion threads run (`--cq-cpu auto|none|N`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CqCpu {
+    /// Pinned to a CPU of the device's NUMA node that this process may use,
+    /// the node's last first (CPU 0 of a node tends to take the most
+    /// interrupts); without NUMA information (rxe, some VMs), the last CPU
+    /// the process may use. Unpinned when the process may use one CPU only:
+    /// a spinning completion thread would then starve the poster.
+    Auto,
+    /// Wherever the scheduler puts it.
+    #[default]
+    Unpinned,
+    /// This CPU.
+    Cpu(usize),
+}
+
+impl CqCpu {
+    /// The CPUs to pin completion threads to, in order of use (thread `i`
+    /// takes entry `i % len`); empty: unpinned.
+    pub fn cpus(self, numa_node: Option<u32>) -> Vec<usize> {
+        match self {
+            CqCpu::Unpinned => Vec::new(),
+            CqCpu::Cpu(c) => vec![c],
+            CqCpu::Auto => {
+                let allowed = super::completion::allowed_cpus();
+                let node = numa_node.map(crate::mem::numa::node_cpus);
+                auto_cpus(&allowed, node.as_deref())
+            }
+        }
+    }
+
+    /// The CPU of completion thread `i` (see [`cpus`](Self::cpus)).
+    pub fn for_thread(self, numa_node: Option<u32>, i: usize) -> Option<usize> {
+        let cpus = self.cpus(numa_node);
+        (!cpus.is_empty()).then(|| cpus[i % cpus.len()])
+    }
+}
+
+/// [`CqCpu::Auto`]'s choice from the CPUs the process may use and those of
+/// the device's node (when known), last first.
+fn auto_cpus(allowed: &[usize], node: Option<&[usize]>) -> Vec<usize> {
+    if allowed.len() < 2 {
+        return Vec::new();
+    }
+    let on_node: Vec<usize> = node
+        .unwrap_or(&[])
+        .iter()
+        .copied()
+        .filter(|c| allowed.contains(c))
+        .collect();
+    let mut out = if on_node.is_empty() {
+        allowed.to_vec()
+    } else {
+        on_node
+    };
+    out.sort_unstable();
+    out.reverse();
+    out
+}
+
+impl fmt::Display for CqCpu {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CqCpu::Auto => f.write_str("auto"),
+            CqCpu::Unpinned => f.write_str("none"),
+            CqCpu::Cpu(c) => write!(f, "{c}"),
+        }
+    }
+}
+
+impl FromStr for CqCpu {
+    type Err = String;
+    /// `auto`, `none` (or `-1`) or a CPU number.
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "auto" => Ok(CqCpu::Auto),
+            "none" | "-1" => Ok(CqCpu::Unpinned),
+            n => match n.parse::<usize>() {
+                Ok(c) if c < libc::CPU_SETSIZE as usize => Ok(CqCpu::Cpu(c)),
+                Ok(c) => Err(format!(
+                    "CPU {c} is beyond CPU_SETSIZE {}",
+                    libc::CPU_SETSIZE
+                )),
+                Err(_) => Err(format!("{n:?}: expected auto, none or a CPU number")),
+            },
+        }
+    }
 }
 
 #[cfg(test)]
@@ -463,6 +551,33 @@ mod tests {
         // A smaller batch pulls the default signal_every down with it.
         assert_eq!(with(&[("RCP_BATCH", "1")]).unwrap().signal_every, 1);
         assert_eq!(with(&[("RCP_CQ_CPU", "none")]).unwrap().cq_cpu, None);
+    }
+
+    #[test]
+    fn cq_cpu_parses_and_auto_prefers_the_device_node() {
+        assert_eq!("auto".parse::<CqCpu>(), Ok(CqCpu::Auto));
+        assert_eq!("none".parse::<CqCpu>(), Ok(CqCpu::Unpinned));
+        assert_eq!(" 3 ".parse::<CqCpu>(), Ok(CqCpu::Cpu(3)));
+        let e = "fast".parse::<CqCpu>().unwrap_err();
+        assert!(e.contains("\"fast\"") && e.contains("auto"), "{e}");
+        assert!("99999"
+            .parse::<CqCpu>()
+            .unwrap_err()
+            .contains("CPU_SETSIZE"));
+        for c in [CqCpu::Auto, CqCpu::Unpinned, CqCpu::Cpu(7)] {
+            assert_eq!(c.to_string().parse::<CqCpu>(), Ok(c));
+        }
+        // Last CPU of the device's node that the process may use.
+        assert_eq!(auto_cpus(&[0, 1, 2, 3], Some(&[0, 1])), vec![1, 0]);
+        assert_eq!(auto_cpus(&[0, 2], Some(&[0, 1])), vec![0]);
+        // No NUMA information, or the node's CPUs all outside the cpuset:
+        // the process's own CPUs, last first.
+        assert_eq!(auto_cpus(&[0, 1], None), vec![1, 0]);
+        assert_eq!(auto_cpus(&[4, 5], Some(&[0, 1])), vec![5, 4]);
+        // One CPU: a pinned spinning thread would starve the poster.
+        assert!(auto_cpus(&[3], Some(&[3])).is_empty());
+        assert_eq!(CqCpu::Unpinned.for_thread(None, 0), None);
+        assert_eq!(CqCpu::Cpu(5).for_thread(None, 3), Some(5));
     }
 
     #[test]

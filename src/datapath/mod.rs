@@ -22,8 +22,8 @@ mod fake;
 #[cfg(test)]
 mod tests;
 
-pub use completion::{completion_loop, pin_current_thread, POLL_BATCH};
-pub use config::{Backoff, ConfigError, DataPathConfig, PollMode, QpRetry};
+pub use completion::{allowed_cpus, completion_loop, pin_current_thread, AvoidCpu, POLL_BATCH};
+pub use config::{Backoff, ConfigError, CqCpu, DataPathConfig, PollMode, QpRetry};
 pub use io::{BlockIo, MemoryIo, NullIo, Staging};
 pub use port::PortMonitor;
 pub use runner::{run_transfer, DataPath, DataPathError, ReconnectError, Report};

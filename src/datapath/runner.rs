@@ -20,7 +20,7 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::completion::{completion_loop, pin_current_thread};
+use super::completion::{completion_loop, pin_current_thread, AvoidCpu};
 use super::config::{ConfigError, DataPathConfig, PollMode};
 use super::io::BlockIo;
 use super::port::PortMonitor;
@@ -241,6 +241,13 @@ impl DataPath {
                 op: None,
                 inline_limit: self.cfg.inline_for(&channel.caps()),
                 sq_depth: channel.caps().sq_depth as u64,
+            };
+            // A pinned completion thread that spins owns its core: the
+            // poster (and whatever it spawns) keeps off it for the run
+            // rather than take turns with a thread that never sleeps.
+            let _off_cq_core = match (cpu, mode) {
+                (Some(c), PollMode::Poll | PollMode::Hybrid { .. }) => Some(AvoidCpu::new(c)),
+                _ => None,
             };
             let result = poster.run(reconnect);
             stop.store(true, Relaxed);

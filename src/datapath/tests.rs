@@ -403,3 +403,60 @@ fn reconnect_waits_for_port_active_instead_of_sleeping() {
     assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
     assert_eq!(dp.stats().port_waits.load(Relaxed), r.port_waits);
 }
+
+/// Records the CPUs the posting thread may use each time it fills a block.
+struct AffinityIo {
+    seen: Vec<Vec<usize>>,
+}
+
+impl BlockIo for AffinityIo {
+    fn fill(&mut self, _off: u64, _l: LocalSeg) -> io::Result<()> {
+        self.seen.push(allowed_cpus());
+        Ok(())
+    }
+    fn drain(&mut self, _off: u64, _l: LocalSeg) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+#[test]
+fn the_poster_keeps_off_a_spinning_completion_core() {
+    // On a thread of its own: the harness's threads are shared.
+    std::thread::spawn(|| {
+        let before = allowed_cpus();
+        if before.len() < 2 {
+            eprintln!("one CPU: nothing to keep off; checked by the guard's own test");
+            return;
+        }
+        let cq = *before.last().unwrap();
+        for (mode, keeps_off) in [
+            (PollMode::Poll, true),
+            (PollMode::Hybrid { empty_polls: 64 }, true),
+            (PollMode::Event, false),
+        ] {
+            let ch = FakeChannel::new(128);
+            let c = DataPathConfig {
+                cq_cpu: Some(cq),
+                ..cfg(mode)
+            };
+            let mut t = transfer(OpKind::Write, 64, &c, &ch);
+            let mut io = AffinityIo { seen: vec![] };
+            run_transfer(&ch, &mut t, &mut io, &c, &mut no_reconnect).unwrap();
+            assert_eq!(io.seen.len(), 64);
+            for s in &io.seen {
+                assert_eq!(
+                    !s.contains(&cq),
+                    keeps_off,
+                    "{mode}: poster on {s:?}, CQ on {cq}"
+                );
+            }
+            assert_eq!(
+                allowed_cpus(),
+                before,
+                "{mode}: affinity restored after the run"
+            );
+        }
+    })
+    .join()
+    .unwrap();
+}
