@@ -39,6 +39,12 @@ fn bad_options_exit_1_with_a_clear_message() {
         ),
         (&["--op", "send"], &[], "unknown op \"send\""),
         (&["--mode", "spin"], &[], "expected poll, event, hybrid"),
+        (
+            &["--cq-cpu", "fast"],
+            &[],
+            "expected auto, none or a CPU number",
+        ),
+        (&[], &[("RCP_CQ_CPU", "99999")], "beyond CPU_SETSIZE"),
         (&["--iters", "0"], &[], "--iters 0"),
         (
             &["--iters", "5", "--seconds", "1"],

@@ -64,9 +64,11 @@ struct Cli {
     /// on verbs, event on tcp; bench: poll).
     #[arg(long, visible_alias = "mode", env = "RCP_POLL_MODE", global = true)]
     poll_mode: Option<rcp::datapath::PollMode>,
-    /// Pin the completion thread to this CPU.
+    /// Completion thread's CPU: auto (a CPU of the device's NUMA node), none
+    /// (the default), or a CPU number. While a pinned completion thread
+    /// polls, the posting thread keeps off its CPU.
     #[arg(long, env = "RCP_CQ_CPU", global = true)]
-    cq_cpu: Option<usize>,
+    cq_cpu: Option<rcp::datapath::CqCpu>,
     /// The data QP's local ACK timeout exponent, 0..=31 (4.096 us * 2^N;
     /// default 14, ~67 ms).
     #[arg(long, env = "RCP_QP_TIMEOUT", default_value_t = 14, value_parser = clap::value_parser!(u8).range(0..=31), global = true)]
@@ -235,7 +237,12 @@ async fn run(c: Cli) -> Result<(), ControlError> {
         signal_every: c.signal_every.unwrap_or(32),
         inline: c.inline,
         poll_mode: c.poll_mode,
-        cq_cpu: c.cq_cpu,
+        cq_cpu: c.cq_cpu.unwrap_or_default().for_thread(
+            c.device
+                .as_deref()
+                .and_then(rcp::mem::numa::device_numa_node),
+            0,
+        ),
         qp_retry: rcp::datapath::QpRetry {
             ack_timeout: c.qp_timeout,
             retry_cnt: c.qp_retry_cnt,
@@ -395,6 +402,7 @@ fn bench(c: &Cli) -> i32 {
         signal_every: c.signal_every.unwrap_or(c.batch),
         inline: c.inline.unwrap_or(0),
         mode: c.poll_mode.unwrap_or(rcp::datapath::PollMode::Poll),
+        cq_cpu: c.cq_cpu.unwrap_or_default(),
         // With --seconds: rounds of about 64 MiB, so a run ends close to
         // its seconds even with large messages.
         iters: iters.unwrap_or(if seconds.is_some() {

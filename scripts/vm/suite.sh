@@ -43,6 +43,13 @@ lo)
   }
   step "rcp bench loopback write (rxe0)" bench_loopback
   step "rcp bench loopback read, 2 QPs, event mode (rxe0)" bench_loopback --op read --qps 2 --mode event
+  # --cq-cpu reaches the bench (it was once parsed and ignored).
+  bench_pinned() {
+    local out
+    out=$(bench_loopback --cq-cpu auto --mode poll) || return 1
+    printf '%s\n' "$out" | grep -q '^bench op=.* cq_cpu=auto'
+  }
+  step "rcp bench loopback, completion thread pinned (--cq-cpu auto, rxe0)" bench_pinned
   ;;
 netns)
   serve_client() {

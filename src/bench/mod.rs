@@ -23,7 +23,7 @@ pub mod wire;
 
 use std::fmt;
 
-use crate::datapath::{PollMode, Report};
+use crate::datapath::{CqCpu, PollMode, Report};
 use crate::engine::OpKind;
 
 pub use run::{run_client, run_compare, run_loopback, serve, ServerOptions};
@@ -62,6 +62,10 @@ pub struct BenchOptions {
     /// Inline writes up to this many bytes (0: never).
     pub inline: u32,
     pub mode: PollMode,
+    /// Where each QP's completion thread runs (default: unpinned, as
+    /// perftest's threads are); when pinned with poll or hybrid, the posting
+    /// thread keeps off that CPU.
+    pub cq_cpu: CqCpu,
     /// Messages per QP (per round with `seconds`).
     pub iters: u64,
     /// Repeat rounds of `iters` until this many seconds have passed.
@@ -86,6 +90,7 @@ impl Default for BenchOptions {
             signal_every: 32,
             inline: 0,
             mode: PollMode::Poll,
+            cq_cpu: CqCpu::Unpinned,
             iters: 10_000,
             seconds: None,
             qps: 1,
@@ -254,7 +259,7 @@ pub fn format_line(o: &BenchOptions, m: &Measured) -> String {
         "bench op={} size={} batch={} signal={} inline={} mode={} qps={} msgs={} seconds={:.3} \
          gbps={:.3} mb_per_s={:.1} msg_per_s={:.0} p50_us={:.1} p99_us={:.1} doorbells={} \
          signaled={} inline_posted={} completions={} cpu_ns_per_msg={:.0} polls={} empty_polls={} arms={} wakeups={} \
-         tx_depth={}",
+         tx_depth={} cq_cpu={}",
         op_name(o.op),
         o.size,
         o.batch,
@@ -279,6 +284,7 @@ pub fn format_line(o: &BenchOptions, m: &Measured) -> String {
         r.arms,
         r.wakeups,
         o.tx_depth(),
+        o.cq_cpu,
     )
 }
 

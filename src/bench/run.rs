@@ -105,6 +105,8 @@ struct Lane {
     mr: MemoryRegion,
     remote: Region,
     peer: Option<Peer>,
+    /// The posting device's NUMA node (for `--cq-cpu auto`).
+    numa_node: Option<u32>,
 }
 
 fn cpu_ns() -> u64 {
@@ -118,14 +120,15 @@ fn cpu_ns() -> u64 {
     t(u.user_time()) + t(u.system_time())
 }
 
-/// One data-path run of `iters` messages on one lane.
-fn run_lane(l: &Lane, o: &BenchOptions, iters: u64) -> Result<Report, BenchError> {
+/// One data-path run of `iters` messages on lane number `i`.
+fn run_lane(i: usize, l: &Lane, o: &BenchOptions, iters: u64) -> Result<Report, BenchError> {
     let block = o.block();
     let mut cfg = DataPathConfig {
         batch: o.batch,
         signal_every: o.signal_every,
         max_inline: Some(o.inline),
         poll_mode: o.mode,
+        cq_cpu: o.cq_cpu.for_thread(l.numa_node, i),
         tx_depth: o.tx_depth.map(|t| t as usize),
         ..DataPathConfig::default()
     };
@@ -228,7 +231,8 @@ fn run_lanes(lanes: &[Lane], o: &BenchOptions) -> Result<Measured, BenchError> {
         let reports: Vec<Result<Report, BenchError>> = std::thread::scope(|s| {
             let hs: Vec<_> = lanes[..n]
                 .iter()
-                .map(|l| s.spawn(move || run_lane(l, o, o.iters)))
+                .enumerate()
+                .map(|(i, l)| s.spawn(move || run_lane(i, l, o, o.iters)))
                 .collect();
             hs.into_iter()
                 .map(|h| h.join().expect("bench thread"))
@@ -277,6 +281,7 @@ fn loopback_lanes(o: &BenchOptions, qps: usize) -> Result<Vec<Lane>, BenchError>
                 _arena: b_arena,
                 _mr: b_mr,
             }),
+            numa_node: sa.ctx.numa_node(),
         });
     }
     Ok(out)
@@ -425,6 +430,7 @@ pub fn run_client(addr: &str, o: &BenchOptions) -> Result<Measured, BenchError> 
             mr,
             remote: reg,
             peer: None,
+            numa_node: s.ctx.numa_node(),
         });
     }
     wire::expect(&mut r, "ready")?;
