@@ -7,7 +7,8 @@
 # Environment: RCP_BENCH_PASSES (default 5) alternating passes of the latency
 # and 1 MiB bandwidth runs; RCP_BENCH_MIB_ITERS (default 320, ~10 s under TCG)
 # 1 MiB messages per bandwidth run, the same count for rcp bench (--iters) and
-# perftest (-n); RCP_BENCH_LAT_ITERS (default 10000) per latency run;
+# perftest (-n); rcp bench runs each in poll mode (its default) and hybrid mode
+# (the copies' default on verbs), both against the same perftest run; RCP_BENCH_LAT_ITERS (default 10000) per latency run;
 # RCP_BENCH_MSG_ITERS (default 51200, a multiple of perftest's post list of 32)
 # 64 B messages per batching run. The summary gives each pass and the median.
 # perftest's duration mode (-D) is not used: under TCG its client printed no
@@ -55,8 +56,10 @@ for p in $(seq "$PASSES"); do
   grep -m1 -E "#bytes" "$out/lat$p.full"
   echo "== pass $p/$PASSES: $MIB x 1 MiB each (rcp bench --iters; perftest -n)"
   B "bw$p" --op write --size 1M --iters "$MIB"
+  B "bwh$p" --op write --size 1M --iters "$MIB" --mode hybrid
   pt "w1m$p" ib_write_bw -d rxe0 -x 1 -s 1048576 -n "$MIB"
   B "bw$p" --op read --size 1M --iters "$MIB"
+  B "bwh$p" --op read --size 1M --iters "$MIB" --mode hybrid
   pt "r1m$p" ib_read_bw -d rxe0 -x 1 -s 1048576 -n "$MIB"
 done
 echo "== bench 1 MiB, 2 QPs"
@@ -122,17 +125,23 @@ wins = sum(1 for a, b in zip(p99["poll"], p99["event"]) if a is not None and b i
 print(f"poll p99 < event p99 in {wins} of {passes} passes; median ratio poll/event "
       f"{f(ratio(mp['poll'], mp['event']))}")
 print(f"-- 1 MiB, {passes} passes (rcp bench --iters / perftest -n, same count; MB = 10^6 B)")
+print("   rcp bench in poll mode (its default, perftest's busy polling) and in hybrid mode")
+print("   (what copies use on verbs), both against the same perftest run of the pass")
 for op, pn, tool in (("write", "w1m", "ib_write_bw"), ("read", "r1m", "ib_read_bw")):
-    rs = []
+    rs, hs = [], []
     for p in range(1, passes + 1):
         b = bench(tag=f"bw{p}", op=op)
+        h = bench(tag=f"bwh{p}", op=op)
         ours = float(b["mb_per_s"]) if b else None
+        hyb = float(h["mb_per_s"]) if h else None
         theirs = pt(f"{pn}{p}", 3)
         theirs = theirs * 1048576 / 1e6 if theirs else None
-        r = ratio(ours, theirs)
+        r, rh = ratio(ours, theirs), ratio(hyb, theirs)
         rs.append(r)
-        print(f"pass {p}: {op.upper():5} rcp bench {f(ours)} MB/s, {tool} {f(theirs)} MB/s, ratio {f(r)}")
-    print(f"1 MiB {op.upper()}: median ratio {f(med(rs))} (goal >= 0.95)")
+        hs.append(rh)
+        print(f"pass {p}: {op.upper():5} rcp bench poll {f(ours)} MB/s, hybrid {f(hyb)} MB/s, "
+              f"{tool} {f(theirs)} MB/s, ratio poll {f(r)}, hybrid {f(rh)}")
+    print(f"1 MiB {op.upper()}: median ratio poll {f(med(rs))}, hybrid {f(med(hs))} (goal >= 0.95)")
 print(f"-- 64 B batch 32 + signal last vs single post + signal every, {passes} passes (msg/s ratio)")
 gs, pgs = [], []
 for p in range(1, passes + 1):
