@@ -297,20 +297,14 @@ impl Destination {
                     continue;
                 }
             };
-            let m = match waited.then(|| Manifest::load(dir, mname)) {
-                Some(Ok(newer))
-                    if (
-                        &newer.final_name,
-                        &newer.temp_name,
-                        &newer.source,
-                        newer.len,
-                        newer.block_size,
-                    ) == (&m.final_name, &m.temp_name, &m.source, m.len, m.block_size) =>
-                {
-                    newer
+            // Only the transfer that created this (randomly named) temp file
+            // writes its manifest, so what moved on is the set of blocks.
+            let mut m = m;
+            if waited {
+                if let Ok(newer) = Manifest::load(dir, mname) {
+                    m.blocks = newer.blocks;
                 }
-                _ => m,
-            };
+            }
             let st = rfs::fstat(&fd).map_err(|e| io_err("stat", &tpath, e))?;
             #[allow(clippy::unnecessary_cast)]
             if FileType::from_raw_mode(st.st_mode) != FileType::RegularFile
