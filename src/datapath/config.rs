@@ -3,7 +3,7 @@
 //! [`DataPathConfig::default`] holds the tuned defaults (chains of 32
 //! signaled at the tail, inline up to 64 bytes, busy polling);
 //! [`DataPathConfig::from_env`] applies `RCP_BATCH`, `RCP_SIGNAL_EVERY`,
-//! `RCP_INLINE`, `RCP_POLL_MODE` (`poll|event|hybrid[:K]`), `RCP_CQ_CPU`,
+//! `RCP_INLINE`, `RCP_POLL_MODE` (`poll|event|hybrid[:K]`), `RCP_CQ_CPU` (`auto|none|N`),
 //! `RCP_QP_TIMEOUT` and `RCP_QP_RETRY_CNT` on top, and refuses bad values with an error that names the variable and
 //! the value.
 
@@ -238,15 +238,6 @@ where
 }
 
 impl DataPathConfig {
-    /// Defaults with the completion thread pinned to a CPU of `numa_node`
-    /// (the device's), when the platform says which CPUs it has.
-    pub fn for_numa_node(numa_node: Option<u32>) -> Self {
-        DataPathConfig {
-            cq_cpu: numa_node.and_then(default_cq_cpu),
-            ..Default::default()
-        }
-    }
-
     /// `self` with the `RCP_*` environment overrides applied and validated.
     pub fn from_env(self) -> Result<Self, ConfigError> {
         self.with_overrides(&|k| std::env::var(k).ok().filter(|v| !v.is_empty()))
@@ -282,25 +273,8 @@ impl DataPathConfig {
         if let Some(m) = env_parse::<PollMode>(get, "RCP_POLL_MODE")? {
             self.poll_mode = m;
         }
-        if let Some(v) = get("RCP_CQ_CPU") {
-            self.cq_cpu = match v.trim() {
-                "none" | "-1" => None,
-                s => {
-                    let cpu = s.parse::<usize>().map_err(|e| ConfigError::Env {
-                        var: "RCP_CQ_CPU",
-                        value: v.clone(),
-                        reason: format!("{e} (a CPU number or none)"),
-                    })?;
-                    if cpu >= libc::CPU_SETSIZE as usize {
-                        return Err(ConfigError::Env {
-                            var: "RCP_CQ_CPU",
-                            value: v,
-                            reason: format!("beyond CPU_SETSIZE {}", libc::CPU_SETSIZE),
-                        });
-                    }
-                    Some(cpu)
-                }
-            };
+        if let Some(c) = env_parse::<CqCpu>(get, "RCP_CQ_CPU")? {
+            self.cq_cpu = c.for_thread(None, 0);
         }
         if let Some(t) = env_parse::<u8>(get, "RCP_QP_TIMEOUT")? {
             self.qp_retry.ack_timeout = range("RCP_QP_TIMEOUT", t.into(), 0, 31)? as u8;
@@ -368,11 +342,6 @@ impl DataPathConfig {
         t.max_retries = self.max_retries;
         Ok(t)
     }
-}
-
-/// The CPU to pin a completion thread to on `node`: see [`CqCpu::Auto`].
-pub fn default_cq_cpu(node: u32) -> Option<usize> {
-    CqCpu::Auto.cpus(Some(node)).first().copied()
 }
 
 /// Where completion threads run (`--cq-cpu auto|none|N`).
