@@ -13,19 +13,27 @@
 //! - [`fsutil`]: confinement, temp file + manifest, digests.
 
 pub mod auth;
+#[cfg(any())]
 pub mod cli;
+#[cfg(any())]
 pub mod client;
+#[cfg(any())]
 pub mod copy;
+#[cfg(any())]
 pub mod daemon;
 pub mod error;
 pub mod fsutil;
 pub mod link;
+#[cfg(any())]
 pub mod movement;
+pub mod protocol;
+#[cfg(any())]
 pub mod server;
 pub mod tls;
 
 use std::sync::atomic::AtomicU64;
 
+#[cfg(any())]
 pub use client::{Client, ClientOptions, FileResult, Session};
 pub use error::{exit, ControlError};
 pub use link::Transport;

@@ -1,0 +1,373 @@
+//! The Move protocol's core: what each end of a session's Move stream does,
+//! as plain data and functions (the quinn-proto shape; `crate::engine` is
+//! the model in this repository). No sockets, no files, no clocks, no
+//! threads: the drivers in `control::server` and `control::client` move
+//! frames, run the I/O the cores ask for ([`ServerAction`],
+//! [`ClientAction`]) and pass time in as nanoseconds.
+//!
+//! # Types that matter
+//! - [`ServerCore`]: rcpd's window ledger for one session: opens files,
+//!   packs their blocks into windows of the arena (many small files share
+//!   one window), grants them, and decides what a `WindowDone` means (ack,
+//!   resend, re-read, fail), when files are committed (in batches) and when
+//!   the stream is over.
+//! - [`ClientCore`]: rcp's side: keeps up to `max_open_files` files open,
+//!   answers grants by moving windows, reports digests, sends each file's
+//!   digest when its last block is handed over, and commits pulled files in
+//!   batches.
+//! - [`Params`]: what both ends agreed at the handshake.
+//! - [`Liveness`]: keepalives and the progress timeout, the same on both
+//!   ends.
+//!
+//! # One window loop for both directions
+//! A window is a slot of the server's arena holding extents (one block of
+//! one file each, at 4 KiB-aligned offsets). The server grants it; the side
+//! that sends data puts the blocks in it (pull: the server reads them from
+//! its files before the grant; push: the client WRITEs them after it), the
+//! side that receives checks each block against the sender's digest and
+//! writes the good ones, and a block that does not match moves again under
+//! the next epoch of the same window, at most [`Params::max_retries`] times.
+//! Which side sends is the file's direction; the ledger is the same.
+//!
+//! # What the cores guarantee (tested in `tests`, with dropped, duplicated
+//! and reordered frames and random I/O outcomes)
+//! - Nothing is committed that was not verified: a file is committed only
+//!   when every block of it that moved matched the sender's digest and the
+//!   sender's file digest arrived.
+//! - Nothing verified is sent twice: a block that matched is never granted
+//!   again; only the extents that did not match are.
+//! - Every window granted is released exactly once, and no more windows are
+//!   granted at once than agreed.
+//! - A stream whose peer stops answering, or that makes no progress, ends
+//!   within the timeout with [`Reason::Retryable`].
+
+mod client;
+mod server;
+#[cfg(test)]
+mod tests;
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use sha2::{Digest as _, Sha256};
+
+pub use client::{
+    ClientAction, ClientCore, ClientEvent, FileDone, FileSpec, Held, LocalCommit, SourceMeta,
+};
+pub use server::{CommittedFile, OpenedFile, ServerAction, ServerCore, MAX_FILE_LEN};
+
+pub use crate::proto::Reason;
+
+/// A file's id on a Move stream (chosen by the client).
+pub type FileId = u32;
+/// A window's id (chosen by the server, unique within its session).
+pub type WindowId = u64;
+/// A block or file digest (its length is the check's).
+pub type Digest = Vec<u8>;
+
+/// Extents in a window start at multiples of this (O_DIRECT reads land in
+/// aligned memory; a page per tiny file is the price).
+pub const EXTENT_ALIGN: u64 = 4096;
+
+/// What both ends agreed at the handshake.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Params {
+    /// Block size (a power of two, at least 4096, at most `window_size`).
+    pub block_size: u64,
+    /// Bytes per window.
+    pub window_size: u64,
+    /// Windows the session may have granted at once.
+    pub window_count: u32,
+    /// Files the session may have open at once.
+    pub max_open_files: u32,
+    /// Bytes of a block digest.
+    pub digest_len: usize,
+    /// A stream that waits and makes no progress this long ends.
+    pub timeout_ns: u64,
+    /// Times a damaged block moves again before its file fails.
+    pub max_retries: u32,
+}
+
+impl Params {
+    /// Blocks of a file of `len` bytes.
+    pub fn blocks(&self, len: u64) -> u64 {
+        len.div_ceil(self.block_size)
+    }
+
+    /// Bytes of block `b` of a file of `len` bytes.
+    pub fn block_len(&self, len: u64, b: u64) -> u32 {
+        (len - b * self.block_size).min(self.block_size) as u32
+    }
+}
+
+/// Why a stream or a file failed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct Failure {
+    /// Machine-readable: the exit code comes from it.
+    pub reason: Reason,
+    /// What to tell the user.
+    pub message: String,
+}
+
+impl Failure {
+    /// A failure for `reason`.
+    pub fn new(reason: Reason, message: impl Into<String>) -> Self {
+        Failure {
+            reason,
+            message: message.into(),
+        }
+    }
+
+    /// The peer broke the protocol.
+    pub fn invalid(message: impl Into<String>) -> Self {
+        Failure::new(Reason::Invalid, message)
+    }
+}
+
+/// Bitmap of blocks (bit i of byte i/8, LSB first), as on the wire.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Bitmap {
+    pub bits: Vec<u8>,
+    pub len: u64,
+}
+
+impl Bitmap {
+    /// All clear.
+    pub fn new(len: u64) -> Self {
+        Bitmap {
+            bits: vec![0; len.div_ceil(8) as usize],
+            len,
+        }
+    }
+
+    /// From the wire; `None` if the length does not fit `len` bits.
+    pub fn from_bytes(bits: Vec<u8>, len: u64) -> Option<Self> {
+        (bits.len() as u64 == len.div_ceil(8)).then_some(Bitmap { bits, len })
+    }
+
+    /// Every block of `len` set except `missing`.
+    pub fn all_but(len: u64, missing: &[u64]) -> Self {
+        let mut b = Bitmap::new(len);
+        for i in 0..len {
+            b.set(i);
+        }
+        for &m in missing {
+            if m < len {
+                b.bits[(m / 8) as usize] &= !(1 << (m % 8));
+            }
+        }
+        b
+    }
+
+    /// Set bit `i`.
+    pub fn set(&mut self, i: u64) {
+        if i < self.len {
+            self.bits[(i / 8) as usize] |= 1 << (i % 8);
+        }
+    }
+
+    pub fn get(&self, i: u64) -> bool {
+        i < self.len && self.bits[(i / 8) as usize] & (1 << (i % 8)) != 0
+    }
+
+    pub fn count(&self) -> u64 {
+        self.bits.iter().map(|b| u64::from(b.count_ones())).sum()
+    }
+}
+
+/// The file digest of the Move protocol: SHA-256 over
+/// `"rcp-file-digest-v1\0" || len (u64 LE) || block_size (u64 LE) || d0 ||
+/// d1 || ...`, the digests of every block of the file in order. Cheap (it
+/// hashes 32 bytes per block, never the data again) and order-fixed.
+pub fn file_digest<'a>(
+    len: u64,
+    block_size: u64,
+    blocks: impl IntoIterator<Item = &'a [u8]>,
+) -> Digest {
+    let mut c = DigestChain::new(len, block_size);
+    for (i, d) in blocks.into_iter().enumerate() {
+        c.add(i as u64, d.to_vec());
+    }
+    c.finish().expect("every block given in order")
+}
+
+/// [`file_digest`] fed with block digests in any order.
+#[derive(Clone, Debug)]
+pub struct DigestChain {
+    hasher: Sha256,
+    next: u64,
+    blocks: u64,
+    pending: BTreeMap<u64, Digest>,
+}
+
+impl DigestChain {
+    /// For a file of `len` bytes in blocks of `block_size`.
+    pub fn new(len: u64, block_size: u64) -> Self {
+        let mut hasher = Sha256::new();
+        hasher.update(b"rcp-file-digest-v1\0");
+        hasher.update(len.to_le_bytes());
+        hasher.update(block_size.to_le_bytes());
+        DigestChain {
+            hasher,
+            next: 0,
+            blocks: len.div_ceil(block_size),
+            pending: BTreeMap::new(),
+        }
+    }
+
+    /// Block `b`'s digest; a block already given is ignored.
+    pub fn add(&mut self, b: u64, d: Digest) {
+        if b < self.next || b >= self.blocks {
+            return;
+        }
+        self.pending.entry(b).or_insert(d);
+        while let Some(d) = self.pending.remove(&self.next) {
+            self.hasher.update(&d);
+            self.next += 1;
+        }
+    }
+
+    /// Every block's digest is in.
+    pub fn is_complete(&self) -> bool {
+        self.next == self.blocks
+    }
+
+    /// The file digest, once complete.
+    pub fn finish(self) -> Option<Digest> {
+        self.is_complete()
+            .then(|| self.hasher.finalize().to_vec())
+    }
+}
+
+/// Keepalives and the progress timeout of one end of a Move stream.
+///
+/// - Every `timeout / 3` without a frame sent, the end sends an empty frame
+///   (a keepalive): a stopped process or a hung host sends none, so its peer
+///   notices within the timeout.
+/// - An end that waits (on its peer or on its own I/O) and has heard
+///   nothing from the peer for `timeout`, or seen no progress (a frame that
+///   carried something, an I/O action completed) for `timeout`, ends the
+///   stream as [`Reason::Retryable`].
+#[derive(Clone, Copy, Debug)]
+pub struct Liveness {
+    timeout: u64,
+    last_heard: u64,
+    last_progress: u64,
+    last_sent: u64,
+}
+
+impl Liveness {
+    /// Starting at `now`.
+    pub fn new(timeout_ns: u64, now: u64) -> Self {
+        Liveness {
+            timeout: timeout_ns,
+            last_heard: now,
+            last_progress: now,
+            last_sent: now,
+        }
+    }
+
+    /// A frame arrived; `progress` unless it was a keepalive.
+    pub fn heard(&mut self, now: u64, progress: bool) {
+        self.last_heard = self.last_heard.max(now);
+        if progress {
+            self.progressed(now);
+        }
+    }
+
+    /// Local I/O completed.
+    pub fn progressed(&mut self, now: u64) {
+        self.last_progress = self.last_progress.max(now);
+    }
+
+    /// A frame went out.
+    pub fn sent(&mut self, now: u64) {
+        self.last_sent = self.last_sent.max(now);
+    }
+
+    /// Whether a keepalive is due at `now`.
+    pub fn keepalive_due(&self, now: u64) -> bool {
+        self.timeout > 0 && now >= self.last_sent + self.keepalive_every()
+    }
+
+    fn keepalive_every(&self) -> u64 {
+        (self.timeout / 3).max(1)
+    }
+
+    /// Why the stream must end at `now`, if it must. `waiting`: the end has
+    /// something outstanding (it is not idle).
+    pub fn expired(&self, now: u64, waiting: bool) -> Option<Failure> {
+        if self.timeout == 0 {
+            return None;
+        }
+        let secs = |ns: u64| ns as f64 / 1e9;
+        if now >= self.last_heard + self.timeout {
+            return Some(Failure::new(
+                Reason::Retryable,
+                format!(
+                    "the peer stopped answering: nothing heard for {:.1} s (timeout {:.1} s)",
+                    secs(now - self.last_heard),
+                    secs(self.timeout)
+                ),
+            ));
+        }
+        if waiting && now >= self.last_progress + self.timeout {
+            return Some(Failure::new(
+                Reason::Retryable,
+                format!(
+                    "no progress for {:.1} s (timeout {:.1} s)",
+                    secs(now - self.last_progress),
+                    secs(self.timeout)
+                ),
+            ));
+        }
+        None
+    }
+
+    /// When [`keepalive_due`](Self::keepalive_due) or
+    /// [`expired`](Self::expired) next can change.
+    pub fn next_deadline(&self, waiting: bool) -> Option<u64> {
+        if self.timeout == 0 {
+            return None;
+        }
+        let mut t = (self.last_sent + self.keepalive_every()).min(self.last_heard + self.timeout);
+        if waiting {
+            t = t.min(self.last_progress + self.timeout);
+        }
+        Some(t)
+    }
+}
+
+/// A set of ids handed out in increasing order, most of which end roughly
+/// in order: everything below a mark, plus the few above it.
+#[derive(Clone, Debug, Default)]
+pub struct IdSet {
+    below: u64,
+    above: BTreeSet<u64>,
+}
+
+impl IdSet {
+    /// Empty, for ids from `first` on.
+    pub fn starting_at(first: u64) -> Self {
+        IdSet {
+            below: first,
+            above: BTreeSet::new(),
+        }
+    }
+
+    /// Add `id`.
+    pub fn insert(&mut self, id: u64) {
+        if id < self.below {
+            return;
+        }
+        self.above.insert(id);
+        while self.above.remove(&self.below) {
+            self.below += 1;
+        }
+    }
+
+    /// Whether `id` was added (ids below the first count as added).
+    pub fn contains(&self, id: u64) -> bool {
+        id < self.below || self.above.contains(&id)
+    }
+}
