@@ -1,24 +1,33 @@
 //! The service API's `Copy`: this rcpd copies one of its paths to or from
-//! another rcpd, acting as that rcpd's client.
+//! another rcpd, acting as that rcpd's client ([`CopyService`], the
+//! [`Copier`] `daemon` plugs into the server).
 
-use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::Stream;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Status;
 
-use super::cli::{self, Job, Observer};
-use super::client::{Client, FileResult};
+use super::client::{Client, ClientOptions, FileResult, Observer};
 use super::error::{ControlError, Result};
 use super::fsutil;
-use super::server::{Service, ServiceConfig};
+use super::jobs::{self, Job};
+use super::server::{BoxStream, Copier, Service};
 use crate::proto::{CopyProgress, CopyRequest, Direction};
 
-type Out = Pin<Box<dyn Stream<Item = std::result::Result<CopyProgress, Status>> + Send>>;
+/// Copies for services, with this rcpd's client settings (its token, TLS
+/// identity, data-path settings).
+pub struct CopyService {
+    pub opts: ClientOptions,
+}
+
+impl Copier for CopyService {
+    fn copy(&self, svc: Arc<Service>, req: CopyRequest) -> std::result::Result<BoxStream<CopyProgress>, Status> {
+        start(svc, self.opts.clone(), req)
+    }
+}
 
 #[derive(Default)]
 struct Counts {
@@ -55,7 +64,7 @@ fn snapshot(c: &Counts) -> CopyProgress {
 
 /// Validate `req` and start the copy; progress every 500 ms, then a final
 /// message (or the error status).
-pub fn start(svc: Arc<Service>, cfg: ServiceConfig, req: CopyRequest) -> Result<Out, Status> {
+fn start(svc: Arc<Service>, opts: ClientOptions, req: CopyRequest) -> Result<BoxStream<CopyProgress>, Status> {
     let dir = Direction::try_from(req.direction)
         .ok()
         .filter(|d| *d != Direction::Unspecified)
@@ -84,7 +93,7 @@ pub fn start(svc: Arc<Service>, cfg: ServiceConfig, req: CopyRequest) -> Result<
         Ok(_) | Err(crate::files::FileError::Path(crate::files::PathError::NotFound { .. })) => {}
         Err(e) => return Err(ControlError::from(e).into()),
     }
-    let mut opts = cfg.copy_client.clone();
+    let mut opts = opts;
     // The data path this copy drives shows in this rcpd's /metrics.
     opts.metrics = Some(svc.metrics.clone());
     if !req.remote_token.is_empty() {
@@ -107,13 +116,16 @@ pub fn start(svc: Arc<Service>, cfg: ServiceConfig, req: CopyRequest) -> Result<
             recursive: req.recursive,
             preserve: req.preserve,
             resume: req.resume,
+            // The final progress carries the file's sha256sum value, which
+            // services compare with what they hold.
+            sha256: true,
         };
         let work = async {
             let client = Client::connect(&req.remote, opts).await?;
             let mut session = client.session().await?;
             let t = match dir {
                 Direction::Push => {
-                    cli::push(
+                    jobs::push(
                         &client,
                         &mut session,
                         std::slice::from_ref(&local),
@@ -124,7 +136,7 @@ pub fn start(svc: Arc<Service>, cfg: ServiceConfig, req: CopyRequest) -> Result<
                     .await
                 }
                 _ => {
-                    cli::pull(
+                    jobs::pull(
                         &client,
                         &mut session,
                         std::slice::from_ref(&req.remote_path),
@@ -140,7 +152,7 @@ pub fn start(svc: Arc<Service>, cfg: ServiceConfig, req: CopyRequest) -> Result<
         };
         tokio::pin!(work);
         let mut tick = tokio::time::interval(Duration::from_millis(500));
-        let result: Result<cli::Totals> = loop {
+        let result: Result<jobs::Totals> = loop {
             tokio::select! {
                 r = &mut work => break r,
                 _ = tick.tick() => {
@@ -170,6 +182,3 @@ pub fn start(svc: Arc<Service>, cfg: ServiceConfig, req: CopyRequest) -> Result<
     });
     Ok(Box::pin(ReceiverStream::new(rx)))
 }
-
-/// Service-side error type re-exported for callers of `start`.
-pub type CopyError = ControlError;

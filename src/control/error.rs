@@ -1,6 +1,18 @@
-//! Control-plane errors and how they map to gRPC statuses and exit codes.
+//! Control-plane errors, typed end to end: every error has a [`Reason`],
+//! the exit code and the gRPC status code come from it, and a status rcpd
+//! sends carries it in its details (`google.rpc.ErrorInfo`, domain `rcp`)
+//! so the client reads it back instead of guessing from the message text.
 
 use tonic::{Code, Status};
+use tonic_types::{ErrorDetails, StatusExt};
+
+pub use crate::proto::Reason;
+
+use super::protocol::Failure;
+use crate::datapath::DataPathError;
+
+/// The `domain` of the ErrorInfo in rcpd's statuses.
+pub const ERROR_DOMAIN: &str = "rcp";
 
 /// Exit codes of `rcp` (rclone's spirit). Documented in `rcp --help` and the
 /// README.
@@ -23,6 +35,80 @@ pub mod exit {
     pub const FATAL: i32 = 6;
     /// Transfer exceeded a limit (size or space on the destination).
     pub const TRANSFER_EXCEEDED: i32 = 7;
+}
+
+/// The exit code of `reason`.
+pub fn exit_code(reason: Reason) -> i32 {
+    match reason {
+        Reason::Usage => exit::USAGE,
+        Reason::DirNotFound => exit::DIR_NOT_FOUND,
+        Reason::FileNotFound => exit::FILE_NOT_FOUND,
+        Reason::Invalid
+        | Reason::PathRefused
+        | Reason::Integrity
+        | Reason::Unauthenticated
+        | Reason::Permission
+        | Reason::Version => exit::FATAL,
+        Reason::Exceeded => exit::TRANSFER_EXCEEDED,
+        Reason::Retryable => exit::RETRYABLE,
+        Reason::Other | Reason::Unspecified => exit::OTHER,
+    }
+}
+
+/// The gRPC status code of `reason`.
+pub fn status_code(reason: Reason) -> Code {
+    match reason {
+        Reason::Usage | Reason::Invalid => Code::InvalidArgument,
+        Reason::DirNotFound | Reason::FileNotFound => Code::NotFound,
+        Reason::PathRefused | Reason::Permission => Code::PermissionDenied,
+        Reason::Integrity => Code::DataLoss,
+        Reason::Unauthenticated => Code::Unauthenticated,
+        Reason::Exceeded => Code::ResourceExhausted,
+        Reason::Retryable => Code::Unavailable,
+        Reason::Version => Code::FailedPrecondition,
+        Reason::Other | Reason::Unspecified => Code::Internal,
+    }
+}
+
+/// The reason of a status: its ErrorInfo when rcpd sent one; otherwise
+/// (a proxy, tonic's own transport errors, an older peer) its code.
+pub fn status_reason(s: &Status) -> Reason {
+    if let Some(info) = s.get_details_error_info() {
+        if info.domain == ERROR_DOMAIN {
+            if let Some(r) = Reason::from_str_name(&format!("REASON_{}", info.reason)) {
+                return r;
+            }
+        }
+    }
+    match s.code() {
+        Code::NotFound => Reason::FileNotFound,
+        // UNKNOWN is tonic's word for a broken connection (h2 errors,
+        // resets), which retrying may fix.
+        Code::Unavailable
+        | Code::DeadlineExceeded
+        | Code::Aborted
+        | Code::Cancelled
+        | Code::Unknown => Reason::Retryable,
+        Code::ResourceExhausted | Code::OutOfRange => Reason::Exceeded,
+        Code::PermissionDenied => Reason::Permission,
+        Code::Unauthenticated => Reason::Unauthenticated,
+        Code::DataLoss => Reason::Integrity,
+        Code::InvalidArgument
+        | Code::FailedPrecondition
+        | Code::AlreadyExists
+        | Code::Unimplemented => Reason::Invalid,
+        _ => Reason::Other,
+    }
+}
+
+/// A status for `reason` carrying it as ErrorInfo.
+pub fn status(reason: Reason, message: impl Into<String>) -> Status {
+    let name = reason.as_str_name().trim_start_matches("REASON_");
+    Status::with_error_details(
+        status_code(reason),
+        message,
+        ErrorDetails::with_error_info(name, ERROR_DOMAIN, std::collections::HashMap::new()),
+    )
 }
 
 /// What went wrong, classified so the CLI can pick an exit code and the
@@ -58,9 +144,10 @@ pub enum ControlError {
     #[error("provider: {0}")]
     Provider(#[from] crate::provider::ProviderError),
     #[error("data path: {0}")]
-    DataPath(String),
-    #[error("remote: {0}")]
-    Status(#[from] Status),
+    DataPath(#[from] DataPathError),
+    /// What the peer (or a protocol core) said, with its reason.
+    #[error("{}", .0.message)]
+    Failed(Failure),
     #[error("{0}")]
     Other(String),
     /// Fatal, with the message as is.
@@ -74,83 +161,129 @@ impl ControlError {
         move |source| ControlError::Io { context, source }
     }
 
-    /// The `rcp` exit code for this error.
-    pub fn exit_code(&self) -> i32 {
+    /// Why, machine-readable.
+    pub fn reason(&self) -> Reason {
         use ControlError::*;
         match self {
-            Usage(_) => exit::USAGE,
-            DirNotFound(_) => exit::DIR_NOT_FOUND,
-            FileNotFound(_) => exit::FILE_NOT_FOUND,
-            Invalid(_) | PathRefused(_) | Integrity(_) | Unauthenticated(_) | Permission(_) => {
-                exit::FATAL
-            }
-            Exceeded(_) => exit::TRANSFER_EXCEEDED,
-            Retryable(_) | DataPath(_) => exit::RETRYABLE,
-            Provider(_) => exit::RETRYABLE,
-            Io { source, .. } => match source.kind() {
-                std::io::ErrorKind::NotFound => exit::FILE_NOT_FOUND,
-                std::io::ErrorKind::PermissionDenied => exit::FATAL,
-                std::io::ErrorKind::StorageFull => exit::TRANSFER_EXCEEDED,
-                _ => exit::OTHER,
-            },
-            Status(s) => status_exit_code(s),
-            Other(_) => exit::OTHER,
-            Fatal(_) => exit::FATAL,
+            Usage(_) => Reason::Usage,
+            DirNotFound(_) => Reason::DirNotFound,
+            FileNotFound(_) => Reason::FileNotFound,
+            Invalid(_) => Reason::Invalid,
+            PathRefused(_) => Reason::PathRefused,
+            Integrity(_) => Reason::Integrity,
+            Unauthenticated(_) => Reason::Unauthenticated,
+            Permission(_) => Reason::Permission,
+            Exceeded(_) => Reason::Exceeded,
+            Retryable(_) | Provider(_) => Reason::Retryable,
+            Io { source, .. } => io_reason(source),
+            DataPath(e) => datapath_reason(e),
+            Failed(f) => f.reason,
+            Other(_) => Reason::Other,
+            Fatal(_) => Reason::Invalid,
+        }
+    }
+
+    /// The `rcp` exit code for this error.
+    pub fn exit_code(&self) -> i32 {
+        exit_code(self.reason())
+    }
+
+    /// As a protocol failure (what a core or a FileFailed carries).
+    pub fn failure(&self) -> Failure {
+        match self {
+            ControlError::Failed(f) => f.clone(),
+            e => Failure::new(e.reason(), e.to_string()),
         }
     }
 }
 
-/// Exit code for a gRPC status from a server.
-pub fn status_exit_code(s: &Status) -> i32 {
-    match s.code() {
-        Code::NotFound => {
-            if s.message().starts_with("directory not found") {
-                exit::DIR_NOT_FOUND
-            } else {
-                exit::FILE_NOT_FOUND
-            }
-        }
-        Code::Unavailable | Code::DeadlineExceeded | Code::Aborted | Code::Cancelled => {
-            exit::RETRYABLE
-        }
-        // rcpd never sends UNKNOWN itself: it is tonic's word for a broken
-        // connection (h2 errors, resets), which retrying may fix.
-        Code::Unknown => exit::RETRYABLE,
-        Code::ResourceExhausted | Code::OutOfRange => exit::TRANSFER_EXCEEDED,
-        Code::InvalidArgument
-        | Code::FailedPrecondition
-        | Code::PermissionDenied
-        | Code::Unauthenticated
-        | Code::DataLoss
-        | Code::AlreadyExists
-        | Code::Unimplemented => exit::FATAL,
-        _ => exit::OTHER,
+/// The reason of an I/O error, by its kind.
+pub fn io_reason(e: &std::io::Error) -> Reason {
+    match e.kind() {
+        std::io::ErrorKind::NotFound => Reason::FileNotFound,
+        std::io::ErrorKind::PermissionDenied => Reason::Permission,
+        std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded => Reason::Exceeded,
+        std::io::ErrorKind::InvalidData => Reason::Integrity,
+        _ => Reason::Other,
+    }
+}
+
+/// The reason of a data-path error: it keeps its class. A remote access or
+/// protection error will fail again however often it is retried; a link
+/// that stayed down or a peer that stopped answering may come back.
+pub fn datapath_reason(e: &DataPathError) -> Reason {
+    match e {
+        DataPathError::Config(_) => Reason::Usage,
+        DataPathError::Failed {
+            status: Some(s), ..
+        } if !s.is_retryable() => Reason::Permission,
+        DataPathError::Io { source, .. } => io_reason(source),
+        DataPathError::Engine(_) | DataPathError::Window(_) => Reason::Other,
+        _ => Reason::Retryable,
+    }
+}
+
+impl From<Failure> for ControlError {
+    fn from(f: Failure) -> Self {
+        ControlError::Failed(f)
+    }
+}
+
+impl From<Status> for ControlError {
+    fn from(s: Status) -> Self {
+        ControlError::Failed(Failure::new(status_reason(&s), s.message().to_string()))
     }
 }
 
 impl From<ControlError> for Status {
     fn from(e: ControlError) -> Status {
-        use ControlError::*;
-        let msg = e.to_string();
-        match e {
-            Usage(_) | Invalid(_) => tonic::Status::invalid_argument(msg),
-            DirNotFound(_) | FileNotFound(_) => tonic::Status::not_found(msg),
-            PathRefused(_) | Permission(_) => tonic::Status::permission_denied(msg),
-            Integrity(_) => tonic::Status::data_loss(msg),
-            Unauthenticated(_) => tonic::Status::unauthenticated(msg),
-            Exceeded(_) => tonic::Status::resource_exhausted(msg),
-            Retryable(_) | DataPath(_) | Provider(_) => tonic::Status::unavailable(msg),
-            Io { ref source, .. } => match source.kind() {
-                std::io::ErrorKind::NotFound => tonic::Status::not_found(msg),
-                std::io::ErrorKind::PermissionDenied => tonic::Status::permission_denied(msg),
-                std::io::ErrorKind::StorageFull => tonic::Status::resource_exhausted(msg),
-                _ => tonic::Status::internal(msg),
-            },
-            Status(s) => s,
-            Other(_) => tonic::Status::internal(msg),
-            Fatal(_) => tonic::Status::failed_precondition(msg),
-        }
+        status(e.reason(), e.to_string())
+    }
+}
+
+impl From<Failure> for Status {
+    fn from(f: Failure) -> Status {
+        status(f.reason, f.message)
     }
 }
 
 pub type Result<T, E = ControlError> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reasons_travel_in_status_details() {
+        for r in [
+            Reason::DirNotFound,
+            Reason::FileNotFound,
+            Reason::Integrity,
+            Reason::Retryable,
+            Reason::Exceeded,
+            Reason::Version,
+        ] {
+            // The message says nothing the reason could be read from.
+            let s = status(r, "something happened");
+            assert_eq!(status_reason(&s), r);
+            let e = ControlError::from(s);
+            assert_eq!(e.reason(), r);
+            assert_eq!(e.exit_code(), exit_code(r));
+        }
+        // Not found, both kinds, are told apart by the details alone.
+        assert_eq!(
+            ControlError::from(status(Reason::DirNotFound, "x")).exit_code(),
+            exit::DIR_NOT_FOUND
+        );
+        assert_eq!(
+            ControlError::from(status(Reason::FileNotFound, "x")).exit_code(),
+            exit::FILE_NOT_FOUND
+        );
+        // A status without details falls back to its code.
+        assert_eq!(
+            status_reason(&Status::unavailable("directory not found: x")),
+            Reason::Retryable
+        );
+        assert_eq!(status_reason(&Status::not_found("x")), Reason::FileNotFound);
+    }
+}

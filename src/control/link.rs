@@ -6,7 +6,6 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use crate::datapath::QpRetry;
-use crate::engine::LocalSeg;
 use crate::mem::{Arena, ArenaConfig, BlockPool, PeerSpan};
 use crate::provider::tcp::{SessionBinding, TcpChannel, TcpDomain, TcpTarget, DEFAULT_CONNS};
 use crate::provider::{Access, Channel, Domain, ProviderKind, Registration};
@@ -210,38 +209,37 @@ pub fn connect_params(init: u32, resp: u32, retry: QpRetry) -> ConnectParams {
     }
 }
 
-/// The client's local side: staging buffers registered with its provider.
+/// The client's local side: staging windows registered with its provider
+/// once, for the whole session.
 pub struct ClientLink {
     pub kind: ProviderKind,
     pub device: Option<Device>,
     pub tcp_domain: Option<Arc<TcpDomain>>,
-    pub staging: PeerSpan,
+    /// Staging windows, each laid out like the server window it moves.
+    pub slots: BlockPool,
+    /// The key every slot is registered under.
+    pub lkey: u32,
     _arena_reg: Arc<dyn Registration>,
-    _pool: BlockPool,
-    pub buffers: Vec<LocalSeg>,
     /// Verbs: the QP, created before the handshake.
     pub verbs_channel: Option<Arc<VerbsChannel>>,
 }
 
 impl ClientLink {
-    /// Open the provider and register `nbuf` staging buffers of
-    /// `block_size` bytes.
+    /// Open the provider and register `windows` staging windows of
+    /// `window_size` bytes.
     pub fn open(
         kind: ProviderKind,
         device: Option<&str>,
         gid_index: Option<u32>,
-        block_size: usize,
-        nbuf: usize,
+        window_size: usize,
+        windows: usize,
         max_inline: u32,
     ) -> Result<ClientLink> {
-        let size = block_size * nbuf;
+        let size = window_size * windows.max(1);
         let arena = Arena::new(&ArenaConfig::new(size))
             .map_err(|e| ControlError::Other(format!("staging arena: {e}")))?;
         let staging = PeerSpan::new(&arena, arena.addr(), arena.len())
             .ok_or_else(|| ControlError::Other("staging span".into()))?;
-        let pool = arena
-            .into_pool(block_size)
-            .map_err(|e| ControlError::Other(format!("staging pool: {e}")))?;
         let (device, tcp_domain, reg, verbs_channel): (_, _, Arc<dyn Registration>, _) = match kind
         {
             ProviderKind::Verbs => {
@@ -258,21 +256,16 @@ impl ClientLink {
                 (None, Some(d), reg, None)
             }
         };
-        let buffers = (0..pool.capacity())
-            .map(|i| LocalSeg {
-                addr: staging.addr() + (i * block_size) as u64,
-                len: block_size as u32,
-                lkey: reg.lkey(),
-            })
-            .collect();
+        let slots = arena
+            .into_pool(window_size)
+            .map_err(|e| ControlError::Other(format!("staging pool: {e}")))?;
         Ok(ClientLink {
             kind,
             device,
             tcp_domain,
-            staging,
+            slots,
+            lkey: reg.lkey(),
             _arena_reg: reg,
-            _pool: pool,
-            buffers,
             verbs_channel,
         })
     }

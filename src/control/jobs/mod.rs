@@ -1,13 +1,20 @@
-//! `rcp push` / `rcp pull`: resolving arguments scp-style, recursion,
-//! totals. The binary parses flags and renders progress; this does the rest.
+//! `rcp push` / `rcp pull` as jobs: what the user typed (sources and a
+//! destination, scp-style) becomes the list of files one session moves,
+//! with the tree's directories made first; totals and the summary line;
+//! `rcp doctor`'s remote check.
+//!
+//! - [`parse_remote`]: `HOST:PATH` / `[V6]:PATH`, the one parser of it;
+//! - [`push`] / [`pull`]: walk, resolve names, run one Move stream;
+//! - [`Totals`]: what the summary line says;
+//! - [`doctor`]: the local checks plus whether an rcpd answers.
 
 use std::path::{Component, Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use super::client::{local_target, Client, FileOptions, FileResult, Progress, Session};
+use super::client::{Client, FileJob, FileResult, Observer, Session};
 use super::error::{ControlError, Result};
-use crate::proto::FileType;
+use crate::proto::{Direction, FileType};
 
 /// `HOST:PATH` (or `[v6]:PATH`) split into the rcpd address and the path.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -53,18 +60,10 @@ pub struct Job {
     pub recursive: bool,
     pub preserve: bool,
     pub resume: bool,
+    /// Also compute the flat SHA-256 of every file (on the receiving side)
+    /// and show it.
+    pub sha256: bool,
 }
-
-/// Sees files start, progress and finish (the binary draws bars).
-pub trait Observer: Send + Sync {
-    fn file_start(&self, _name: &str, _len: u64) {}
-    fn progress(&self, _bytes: u64) {}
-    fn file_done(&self, _r: &FileResult) {}
-}
-
-/// An observer that ignores everything.
-pub struct Quiet;
-impl Observer for Quiet {}
 
 /// Totals of a run.
 #[derive(Clone, Debug, Default)]
@@ -75,8 +74,10 @@ pub struct Totals {
     /// Bytes moved over the data path (less after a resume).
     pub moved: u64,
     pub seconds: f64,
-    /// SHA-256 of the last file (reported when exactly one file was copied).
-    pub sha256: Option<[u8; 32]>,
+    /// The digest of the last file (reported when exactly one was copied).
+    pub digest: Option<Vec<u8>>,
+    /// Its flat SHA-256, when asked for.
+    pub sha256: Option<Vec<u8>>,
 }
 
 impl Totals {
@@ -84,7 +85,8 @@ impl Totals {
         self.files += 1;
         self.bytes += r.length;
         self.moved += r.moved;
-        self.sha256 = Some(r.sha256);
+        self.digest = Some(r.digest.clone());
+        self.sha256 = r.flat_sha256.clone();
     }
 
     /// The final summary line.
@@ -104,12 +106,45 @@ impl Totals {
             gbps
         );
         if self.files == 1 {
-            if let Some(d) = self.sha256 {
-                s.push_str(&format!(", sha256 {}", hex::encode(d)));
+            match (&self.sha256, &self.digest) {
+                (Some(f), _) => s.push_str(&format!(", sha256 {}", hex::encode(f))),
+                (None, Some(d)) => s.push_str(&format!(", digest {}", hex::encode(d))),
+                _ => {}
             }
         }
         s
     }
+}
+
+/// The caller's observer plus the totals.
+struct Counting<'a> {
+    inner: &'a dyn Observer,
+    totals: Mutex<Totals>,
+}
+
+impl Observer for Counting<'_> {
+    fn file_start(&self, name: &str, len: u64) {
+        self.inner.file_start(name, len);
+    }
+    fn progress(&self, bytes: u64) {
+        self.inner.progress(bytes);
+    }
+    fn file_done(&self, r: &FileResult) {
+        self.totals.lock().unwrap().add(r);
+        self.inner.file_done(r);
+    }
+}
+
+async fn run(session: &mut Session, files: Vec<FileJob>, obs: &dyn Observer) -> Result<Totals> {
+    let start = Instant::now();
+    let c = Counting {
+        inner: obs,
+        totals: Mutex::new(Totals::default()),
+    };
+    session.transfer(&mut files.into_iter(), &c).await?;
+    let mut t = c.totals.into_inner().unwrap();
+    t.seconds = start.elapsed().as_secs_f64();
+    Ok(t)
 }
 
 fn join_remote(base: &str, rel: &Path) -> String {
@@ -140,27 +175,12 @@ fn safe_rel(p: &str) -> Result<PathBuf> {
     Ok(pb)
 }
 
-fn progress_of(obs: &Arc<dyn Observer>) -> Progress {
-    let o = obs.clone();
-    Arc::new(move |n| o.progress(n))
-}
-
-async fn push_one(
-    session: &mut Session,
-    local: &Path,
-    remote: &str,
-    fo: FileOptions,
-    obs: &Arc<dyn Observer>,
-    totals: &mut Totals,
-) -> Result<()> {
-    let len = std::fs::metadata(local).map(|m| m.len()).unwrap_or(0);
-    obs.file_start(&local.display().to_string(), len);
-    let r = session
-        .push_file(local, remote, fo, Some(progress_of(obs)))
-        .await?;
-    obs.file_done(&r);
-    totals.add(&r);
-    Ok(())
+fn with_job(mut f: FileJob, job: &Job, create_parents: bool) -> FileJob {
+    f.spec.preserve = job.preserve;
+    f.spec.resume = job.resume;
+    f.spec.flat_sha256 = job.sha256;
+    f.spec.create_parents = create_parents;
+    f
 }
 
 /// `rcp push [-r] LOCAL... HOST:REMOTE` over `session`.
@@ -172,7 +192,6 @@ pub async fn push(
     job: &Job,
     obs: Arc<dyn Observer>,
 ) -> Result<Totals> {
-    let start = Instant::now();
     let rstat = client.stat(remote).await?;
     let remote_is_dir = rstat
         .as_ref()
@@ -182,7 +201,7 @@ pub async fn push(
             "{remote} (several sources need an existing remote directory)"
         )));
     }
-    let mut totals = Totals::default();
+    let mut files = Vec::new();
     for local in locals {
         let meta = std::fs::metadata(local).map_err(|e| match e.kind() {
             std::io::ErrorKind::NotFound => ControlError::FileNotFound(local.display().to_string()),
@@ -191,63 +210,56 @@ pub async fn push(
                 source: e,
             },
         })?;
-        let fo = FileOptions {
-            preserve: job.preserve,
-            resume: job.resume,
-            create_parents: false,
-        };
-        if meta.is_dir() {
-            if !job.recursive {
-                return Err(ControlError::Usage(format!(
-                    "{} is a directory (use -r)",
-                    local.display()
-                )));
-            }
-            let base = if remote_is_dir {
-                join_remote(remote, Path::new(&basename(&local.to_string_lossy())))
-            } else {
-                remote.to_string()
-            };
-            let tree = crate::files::walk(local)?;
-            for s in &tree.skipped {
-                tracing::warn!(path = %s.rel_path.display(), reason = s.reason, "skipped");
-            }
-            // The tree's directories first, empty ones included (scp -r,
-            // rsync -r); files then create whatever parents they need.
-            client.make_dir(&base).await?;
-            for d in tree
-                .entries
-                .iter()
-                .filter(|e| e.kind == crate::files::EntryKind::Dir)
-            {
-                client.make_dir(&join_remote(&base, &d.rel_path)).await?;
-            }
-            let files = tree
-                .entries
-                .into_iter()
-                .filter(|e| e.kind == crate::files::EntryKind::File)
-                .map(|e| e.rel_path);
-            for f in files {
-                let fo = FileOptions {
-                    create_parents: true,
-                    ..fo.clone()
-                };
-                push_one(
-                    session,
-                    &local.join(&f),
-                    &join_remote(&base, &f),
-                    fo,
-                    &obs,
-                    &mut totals,
-                )
-                .await?;
-            }
+        if !meta.is_dir() {
+            files.push(with_job(FileJob::push(local.clone(), remote), job, false));
+            continue;
+        }
+        if !job.recursive {
+            return Err(ControlError::Usage(format!(
+                "{} is a directory (use -r)",
+                local.display()
+            )));
+        }
+        let base = if remote_is_dir {
+            join_remote(remote, Path::new(&basename(&local.to_string_lossy())))
         } else {
-            push_one(session, local, remote, fo, &obs, &mut totals).await?;
+            remote.to_string()
+        };
+        let tree = crate::files::walk(local)?;
+        for s in &tree.skipped {
+            tracing::warn!(path = %s.rel_path.display(), reason = s.reason, "skipped");
+        }
+        // The tree's directories first, empty ones included (scp -r,
+        // rsync -r); files then create whatever parents they still need.
+        client.make_dir(&base).await?;
+        for d in tree
+            .entries
+            .iter()
+            .filter(|e| e.kind == crate::files::EntryKind::Dir)
+        {
+            client.make_dir(&join_remote(&base, &d.rel_path)).await?;
+        }
+        for e in tree
+            .entries
+            .into_iter()
+            .filter(|e| e.kind == crate::files::EntryKind::File)
+        {
+            let mut f = FileJob::push(local.join(&e.rel_path), &join_remote(&base, &e.rel_path));
+            f.len_hint = e.len;
+            files.push(with_job(f, job, true));
         }
     }
-    totals.seconds = start.elapsed().as_secs_f64();
-    Ok(totals)
+    run(session, files, &*obs).await
+}
+
+/// Resolve the final local path of a pull: inside `local` if it is a
+/// directory.
+pub fn local_target(local: &Path, remote: &str) -> PathBuf {
+    if local.is_dir() {
+        local.join(basename(remote))
+    } else {
+        local.to_path_buf()
+    }
 }
 
 /// `rcp pull [-r] HOST:REMOTE... LOCAL` over `session`.
@@ -259,70 +271,56 @@ pub async fn pull(
     job: &Job,
     obs: Arc<dyn Observer>,
 ) -> Result<Totals> {
-    let start = Instant::now();
     if remotes.len() > 1 && !local.is_dir() {
         return Err(ControlError::DirNotFound(format!(
             "{} (several sources need an existing local directory)",
             local.display()
         )));
     }
-    let mut totals = Totals::default();
+    let mut files = Vec::new();
     for r in remotes {
-        let st = client.stat(r).await?;
-        let Some(st) = st else {
+        let Some(st) = client.stat(r).await? else {
             return Err(if r.ends_with('/') {
                 ControlError::DirNotFound(r.clone())
             } else {
                 ControlError::FileNotFound(r.clone())
             });
         };
-        let fo = FileOptions {
-            preserve: job.preserve,
-            resume: job.resume,
-            create_parents: false,
-        };
-        if st.r#type == FileType::Dir as i32 {
-            if !job.recursive {
-                return Err(ControlError::Usage(format!("{r} is a directory (use -r)")));
-            }
-            let base = if local.is_dir() {
-                local.join(basename(r))
-            } else {
-                local.to_path_buf()
-            };
-            std::fs::create_dir_all(&base)
-                .map_err(ControlError::io(format!("creating {}", base.display())))?;
-            for e in client.list(r, true).await? {
-                let rel = safe_rel(&e.path)?;
-                let dst = base.join(&rel);
-                if e.r#type == FileType::Dir as i32 {
-                    std::fs::create_dir_all(&dst)
-                        .map_err(ControlError::io(format!("creating {}", dst.display())))?;
-                } else if e.r#type == FileType::File as i32 {
-                    obs.file_start(&dst.display().to_string(), e.length);
-                    let fo = FileOptions {
-                        create_parents: true,
-                        ..fo.clone()
-                    };
-                    let res = session
-                        .pull_file(&join_remote(r, &rel), &dst, fo, Some(progress_of(&obs)))
-                        .await?;
-                    obs.file_done(&res);
-                    totals.add(&res);
-                }
-            }
+        if st.r#type != FileType::Dir as i32 {
+            let mut f = with_job(FileJob::pull(r, local_target(local, r)), job, false);
+            f.len_hint = st.length;
+            files.push(f);
+            continue;
+        }
+        if !job.recursive {
+            return Err(ControlError::Usage(format!("{r} is a directory (use -r)")));
+        }
+        let base = if local.is_dir() {
+            local.join(basename(r))
         } else {
-            let dst = local_target(local, r);
-            obs.file_start(&dst.display().to_string(), st.length);
-            let res = session
-                .pull_file(r, &dst, fo, Some(progress_of(&obs)))
-                .await?;
-            obs.file_done(&res);
-            totals.add(&res);
+            local.to_path_buf()
+        };
+        std::fs::create_dir_all(&base)
+            .map_err(ControlError::io(format!("creating {}", base.display())))?;
+        for e in client.list(r, true).await? {
+            let rel = safe_rel(&e.path)?;
+            let dst = base.join(&rel);
+            if e.r#type == FileType::Dir as i32 {
+                std::fs::create_dir_all(&dst)
+                    .map_err(ControlError::io(format!("creating {}", dst.display())))?;
+            } else if e.r#type == FileType::File as i32 {
+                let mut f = with_job(FileJob::pull(&join_remote(r, &rel), dst), job, true);
+                f.len_hint = e.length;
+                files.push(f);
+            }
         }
     }
-    totals.seconds = start.elapsed().as_secs_f64();
-    Ok(totals)
+    run(session, files, &*obs).await
+}
+
+/// Whether `f` moves data toward the server.
+pub fn is_push(f: &FileJob) -> bool {
+    f.spec.direction == Direction::Push
 }
 
 /// `rcp doctor [HOST]`: the local checks of [`crate::doctor`], plus whether

@@ -1,0 +1,312 @@
+//! What the client's core asks for, on blocking threads: sources opened and
+//! their blocks read and hashed into staging, pulled blocks checked and
+//! written, local destinations (resumed or new), batched commits.
+
+use std::collections::HashMap;
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use crate::control::error::ControlError;
+use crate::control::fsutil;
+use crate::control::protocol::{Digest, Failure, FileId, FileSpec, Held, LocalCommit, Reason, SourceMeta};
+use crate::files::{self, Destination, DestinationOptions, DirHandle, Preserve, SourceFile};
+use crate::mem::Block;
+use crate::proto::{self, Direction};
+
+/// One file of a job: what to move and its local path.
+#[derive(Clone, Debug)]
+pub struct FileJob {
+    pub spec: FileSpec,
+    /// Push: the source; pull: the final local path.
+    pub local: PathBuf,
+    /// Its length as far as the caller knows (progress totals).
+    pub len_hint: u64,
+}
+
+impl FileJob {
+    /// Push `local` to `remote` (an existing remote directory means "inside
+    /// it").
+    pub fn push(local: PathBuf, remote: &str) -> FileJob {
+        let name = local
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        FileJob {
+            spec: FileSpec {
+                direction: Direction::Push,
+                remote: remote.to_string(),
+                name,
+                ..FileSpec::default()
+            },
+            len_hint: std::fs::metadata(&local).map_or(0, |m| m.len()),
+            local,
+        }
+    }
+
+    /// Pull `remote` to the final local path `local`.
+    pub fn pull(remote: &str, local: PathBuf) -> FileJob {
+        FileJob {
+            spec: FileSpec {
+                direction: Direction::Pull,
+                remote: remote.to_string(),
+                ..FileSpec::default()
+            },
+            local,
+            len_hint: 0,
+        }
+    }
+}
+
+fn fail(e: impl Into<ControlError>) -> Failure {
+    e.into().failure()
+}
+
+/// A file the client has open.
+pub(super) enum Local {
+    Push {
+        src: Arc<SourceFile>,
+    },
+    Pull {
+        dir: DirHandle,
+        name: OsString,
+        /// An interrupted copy found by FindResume, until CreateDest.
+        resumed: Option<Destination>,
+        dest: Arc<Mutex<Option<Destination>>>,
+    },
+}
+
+/// Push: open the local source.
+pub(super) fn open_source(path: &Path) -> Result<(Arc<SourceFile>, SourceMeta), Failure> {
+    if std::fs::metadata(path).is_ok_and(|m| m.is_dir()) {
+        return Err(Failure::new(
+            Reason::Usage,
+            format!("{} is a directory (use -r)", path.display()),
+        ));
+    }
+    let src = SourceFile::open(path).map_err(fail)?;
+    let meta = SourceMeta {
+        length: src.len(),
+        mode: src.mode(),
+        mtime_ns: fsutil::ns_from_ts(src.mtime()),
+        fingerprint: src.source_id().fingerprint.to_vec(),
+    };
+    Ok((Arc::new(src), meta))
+}
+
+/// Pull: the directory and name of the final local path, creating parents
+/// when asked.
+pub(super) fn local_dir(local: &Path, create_parents: bool) -> Result<(DirHandle, OsString), Failure> {
+    let parent = local
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    if !parent.is_dir() {
+        if create_parents {
+            std::fs::create_dir_all(parent)
+                .map_err(|e| fail(ControlError::io(format!("creating {}", parent.display()))(e)))?;
+        } else {
+            return Err(fail(ControlError::DirNotFound(parent.display().to_string())));
+        }
+    }
+    let name = local
+        .file_name()
+        .ok_or_else(|| Failure::new(Reason::Usage, format!("{} has no file name", local.display())))?
+        .to_os_string();
+    Ok((DirHandle::open(parent).map_err(fail)?, name))
+}
+
+fn dest_options(bs: u64, spec: &FileSpec, mode: u32, mtime_ns: i64) -> DestinationOptions {
+    DestinationOptions {
+        block_size: bs,
+        preserve: spec.preserve.then(|| Preserve {
+            mode: mode & 0o7777,
+            mtime: fsutil::ts_from_ns(mtime_ns),
+        }),
+        flat_sha256: spec.flat_sha256,
+        ..DestinationOptions::default()
+    }
+}
+
+/// Pull with resume: an interrupted copy of `entry` (the remote file as
+/// stat'ed, with its fingerprint) at `dir/name`, and what it holds.
+pub(super) fn find_resume(
+    dir: &DirHandle,
+    name: &OsString,
+    entry: &proto::Entry,
+    bs: u64,
+    spec: &FileSpec,
+) -> Result<Option<(Destination, Held)>, Failure> {
+    let sid = fsutil::source_id(entry.length, entry.mtime_ns, &entry.fingerprint);
+    let opts = dest_options(bs, spec, entry.mode, entry.mtime_ns);
+    let Some(d) = Destination::resume(dir, name, &sid, opts).map_err(fail)? else {
+        return Ok(None);
+    };
+    let blocks = crate::control::protocol::Bitmap::all_but(d.block_count(), &d.missing_blocks());
+    let held = Held {
+        blocks,
+        length: entry.length,
+        mtime_ns: entry.mtime_ns,
+        fingerprint: entry.fingerprint.clone(),
+    };
+    Ok(Some((d, held)))
+}
+
+/// Pull: the destination for a file the server opened (the resumed one when
+/// the server resumed it).
+pub(super) fn create_dest(
+    dir: &DirHandle,
+    name: &OsString,
+    resumed: Option<Destination>,
+    opened: &proto::Opened,
+    bs: u64,
+    spec: &FileSpec,
+) -> Result<Destination, Failure> {
+    if let (Some(d), true) = (resumed, opened.resumed) {
+        return Ok(d);
+    }
+    let sid = fsutil::source_id(opened.length, opened.mtime_ns, &opened.source_fingerprint);
+    let opts = DestinationOptions {
+        resume: Some(sid),
+        ..dest_options(bs, spec, opened.mode, opened.mtime_ns)
+    };
+    Destination::create(dir, name, opened.length, opts).map_err(fail)
+}
+
+/// Push: read each extent's block from its source into `slot` at its
+/// offset; their digests, in order.
+pub(super) fn fill(
+    slot: &mut Block,
+    extents: &[proto::Extent],
+    srcs: &HashMap<FileId, Arc<SourceFile>>,
+    bs: u64,
+) -> Result<Vec<Digest>, Failure> {
+    let mem = slot.as_mut_slice();
+    for e in extents {
+        let src = srcs
+            .get(&e.file)
+            .ok_or_else(|| Failure::new(Reason::Other, format!("file {} is not open", e.file)))?;
+        let at = e.offset as usize;
+        fsutil::read_exact(src, e.block * bs, &mut mem[at..at + e.len as usize])
+            .map_err(|x| fail(ControlError::io(format!("reading {}", src.path().display()))(x)))?;
+    }
+    let mem = slot.as_slice();
+    let slices: Vec<&[u8]> = extents
+        .iter()
+        .map(|e| &mem[e.offset as usize..(e.offset + u64::from(e.len)) as usize])
+        .collect();
+    Ok(files::digest_blocks_parallel(&slices)
+        .into_iter()
+        .map(|d| d.to_vec())
+        .collect())
+}
+
+/// Test-only fault injection (the `test-faults` feature, never in release
+/// builds): the first N pulled blocks checked get one byte flipped in local
+/// memory before their digest is checked, as if damaged on the way.
+#[cfg(feature = "test-faults")]
+pub(super) fn inject_faults(slot: &mut Block, extents: &[proto::Extent]) {
+    use std::sync::atomic::{AtomicI64, Ordering};
+    static LEFT: AtomicI64 = AtomicI64::new(-1);
+    if LEFT.load(Ordering::Relaxed) < 0 {
+        let n = std::env::var("RCP_TEST_CORRUPT_PULLED_BLOCKS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        let _ = LEFT.compare_exchange(-1, n, Ordering::Relaxed, Ordering::Relaxed);
+    }
+    let mem = slot.as_mut_slice();
+    for e in extents {
+        if e.len > 0 && LEFT.fetch_sub(1, Ordering::Relaxed) > 0 {
+            mem[e.offset as usize] ^= 0x5a;
+            tracing::warn!(file = e.file, block = e.block, "test fault: damaged a pulled block");
+        }
+    }
+}
+
+/// Pull: check each extent READ into `slot` against its digest and write
+/// the matching blocks to their files; the indices of the others.
+pub(super) fn check_and_write(
+    slot: &Block,
+    extents: &[proto::Extent],
+    digests: &[Digest],
+    dests: &HashMap<FileId, Arc<Mutex<Option<Destination>>>>,
+) -> Result<Vec<u32>, Failure> {
+    let mem = slot.as_slice();
+    let slices: Vec<&[u8]> = extents
+        .iter()
+        .map(|e| &mem[e.offset as usize..(e.offset + u64::from(e.len)) as usize])
+        .collect();
+    let got = files::digest_blocks_parallel(&slices);
+    let mut bad = Vec::new();
+    for (i, ((e, data), (g, want))) in extents
+        .iter()
+        .zip(&slices)
+        .zip(got.iter().zip(digests))
+        .enumerate()
+    {
+        if g[..] != want[..] {
+            tracing::warn!(file = e.file, block = e.block, "pulled block does not match the server's digest: reading it again");
+            bad.push(i as u32);
+            continue;
+        }
+        let dest = dests
+            .get(&e.file)
+            .ok_or_else(|| Failure::new(Reason::Other, format!("file {} has no destination", e.file)))?;
+        let mut d = dest.lock().unwrap();
+        let d = d
+            .as_mut()
+            .ok_or_else(|| Failure::new(Reason::Other, "destination already committed"))?;
+        d.write_block(e.block, data, *g).map_err(fail)?;
+    }
+    Ok(bad)
+}
+
+/// Push, resume: digests of blocks that do not move.
+pub(super) fn hash(src: &SourceFile, blocks: &[u64], bs: u64) -> Result<Vec<(u64, Digest)>, Failure> {
+    let mut buf = vec![0u8; bs as usize];
+    let mut out = Vec::with_capacity(blocks.len());
+    for &b in blocks {
+        let n = (src.len() - b * bs).min(bs) as usize;
+        fsutil::read_exact(src, b * bs, &mut buf[..n])
+            .map_err(|x| fail(ControlError::io(format!("reading {}", src.path().display()))(x)))?;
+        out.push((b, files::block_digest(&buf[..n]).to_vec()));
+    }
+    Ok(out)
+}
+
+/// Pull: seal every file, then publish them as one batch.
+pub(super) fn commit(
+    files: Vec<(FileId, Arc<Mutex<Option<Destination>>>, Digest)>,
+) -> Vec<(FileId, Result<LocalCommit, Failure>)> {
+    let mut out = Vec::with_capacity(files.len());
+    let mut sealed = Vec::new();
+    let mut ids = Vec::new();
+    for (file, dest, digest) in files {
+        let Some(d) = dest.lock().unwrap().take() else {
+            out.push((file, Err(Failure::new(Reason::Other, "committed twice"))));
+            continue;
+        };
+        let Ok(expected) = <[u8; 32]>::try_from(digest.as_slice()) else {
+            out.push((file, Err(Failure::invalid("a file digest of the wrong length"))));
+            continue;
+        };
+        match d.seal(expected) {
+            Ok(s) => {
+                sealed.push(s);
+                ids.push(file);
+            }
+            Err(e) => out.push((file, Err(fail(e)))),
+        }
+    }
+    for (file, r) in ids.into_iter().zip(files::publish(sealed)) {
+        out.push((
+            file,
+            r.map(|p| LocalCommit {
+                flat_sha256: p.flat_sha256.map(|d| d.to_vec()).unwrap_or_default(),
+            })
+            .map_err(fail),
+        ));
+    }
+    out
+}

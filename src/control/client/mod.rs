@@ -1,0 +1,339 @@
+//! The async client library: connect to an rcpd, open a session, move files
+//! over it, stat and list remote paths, ask an rcpd to copy (service API).
+//!
+//! - [`Client`]: one gRPC connection to an rcpd (TLS, token, keepalives);
+//! - [`Session`]: a handshake's worth of state: the data path (QP or TCP
+//!   connections, posting and completion threads, registered staging) set
+//!   up once and reused by every file; [`Session::transfer`] runs one Move
+//!   stream over it for any number of files;
+//! - `stream`: the driver of that stream over
+//!   [`ClientCore`](crate::control::protocol::ClientCore);
+//! - `io`: what the core asks for: reading and hashing blocks into
+//!   staging, checking and writing pulled blocks, local destinations,
+//!   batched commits.
+//!
+//! ```no_run
+//! # async fn f() -> Result<(), rcp::control::ControlError> {
+//! use rcp::control::client::{Client, ClientOptions, FileJob};
+//! let client = Client::connect("node-b:7471", ClientOptions::default()).await?;
+//! let mut session = client.session().await?;
+//! let job = FileJob::push("/data/x.bin".into(), "incoming/");
+//! let done = session.transfer_all(vec![job]).await?;
+//! println!("{} {}", done[0].path, hex::encode(&done[0].digest));
+//! session.close().await?;
+//! # Ok(()) }
+//! ```
+
+mod io;
+mod session;
+mod stream;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::{Channel as GrpcChannel, Endpoint};
+use tonic::Streaming;
+
+use super::auth::AddBearer;
+use super::error::{ControlError, Result};
+use super::link::Transport;
+use super::{DEFAULT_BLOCK_SIZE, DEFAULT_PORT, MAX_MESSAGE};
+use crate::proto;
+
+pub use io::FileJob;
+pub use session::{Session, SessionStats};
+
+type Rpc = proto::rcp_client::RcpClient<InterceptedService<GrpcChannel, AddBearer>>;
+
+/// Default files in flight on a session (open at once): enough to hide a
+/// round trip per file behind the others.
+pub const DEFAULT_TRANSFERS: u32 = 64;
+/// Default staging windows (the server grants at most this many at once).
+pub const DEFAULT_WINDOWS: u32 = 8;
+/// Default progress timeout.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Client settings (the `rcp` flags, as one struct).
+#[derive(Clone, Debug)]
+pub struct ClientOptions {
+    /// Bearer token (`RCP_TOKEN`).
+    pub token: Option<String>,
+    pub transport: Transport,
+    pub device: Option<String>,
+    pub gid_index: Option<u32>,
+    /// Block size, a power of two >= 4096.
+    pub block_size: u64,
+    /// Chain length per doorbell.
+    pub batch: usize,
+    /// Signal every n-th request of a chain.
+    pub signal_every: usize,
+    /// Inline writes up to this many bytes (None: provider default).
+    pub inline: Option<u32>,
+    /// Staging windows: the windows the server may grant at once.
+    pub windows: u32,
+    /// Files open at once on a session's stream.
+    pub transfers: u32,
+    /// Completion thread: poll, event or hybrid (default: hybrid on verbs,
+    /// event on tcp).
+    pub poll_mode: Option<crate::datapath::PollMode>,
+    /// Pin the completion thread to this CPU.
+    pub cq_cpu: Option<usize>,
+    /// The data QP's ACK timeout and retry count.
+    pub qp_retry: crate::datapath::QpRetry,
+    pub connect_timeout: Duration,
+    /// A stream that waits and makes no progress this long ends (exit 5);
+    /// also the data path's request timeout and the gRPC keepalive base.
+    pub timeout: Duration,
+    /// Export the data path's queue gauges, error completions, reconnects
+    /// and latency here (rcpd's own metrics when it copies for a service).
+    pub metrics: Option<Arc<crate::metrics::Metrics>>,
+    /// TLS to rcpd's gRPC port (with a client certificate for mTLS).
+    pub tls: Option<super::tls::ClientTls>,
+}
+
+impl Default for ClientOptions {
+    fn default() -> Self {
+        ClientOptions {
+            token: None,
+            transport: Transport::Auto,
+            device: None,
+            gid_index: None,
+            block_size: DEFAULT_BLOCK_SIZE,
+            batch: 32,
+            signal_every: 32,
+            inline: None,
+            windows: DEFAULT_WINDOWS,
+            transfers: DEFAULT_TRANSFERS,
+            poll_mode: None,
+            cq_cpu: None,
+            qp_retry: crate::datapath::QpRetry::default(),
+            connect_timeout: Duration::from_secs(10),
+            timeout: DEFAULT_TIMEOUT,
+            metrics: None,
+            tls: None,
+        }
+    }
+}
+
+/// A connection to one rcpd.
+#[derive(Clone)]
+pub struct Client {
+    rpc: Rpc,
+    host: String,
+    opts: ClientOptions,
+}
+
+/// One grpc.health.v1 check on the gRPC port (no token needed): with TLS 1.3
+/// a server that refuses the client's certificate only says so by closing
+/// the connection after the handshake, and a plaintext client meets a TLS
+/// server as an HTTP/2 framing error. Both are named here instead of
+/// surfacing as a cancelled first request.
+async fn probe(ch: &GrpcChannel, uri: &str, tls: Option<&super::tls::ClientTls>) -> Result<()> {
+    use tonic_health::pb::{health_client::HealthClient, HealthCheckRequest};
+    let r = HealthClient::new(ch.clone())
+        .check(HealthCheckRequest {
+            service: String::new(),
+        })
+        .await;
+    let Err(st) = r else { return Ok(()) };
+    let why = source_chain(&st);
+    // The first request on a fresh connection failing at the transport
+    // (closed, reset, broken pipe, HTTP/2 framing) means the peer refused
+    // how we talk to it.
+    let refused = matches!(
+        st.code(),
+        tonic::Code::Cancelled
+            | tonic::Code::Unavailable
+            | tonic::Code::Unknown
+            | tonic::Code::Internal
+    );
+    if !refused {
+        // Unimplemented: an rcpd without the health service; anything else
+        // shows up again on the first real request.
+        return Ok(());
+    }
+    Err(match tls {
+        Some(t) => ControlError::Fatal(format!(
+            "rcpd at {uri} closed the TLS connection after the handshake: it requires a client \
+             certificate signed by its --tls-client-ca ({}): {why}",
+            match &t.cert {
+                Some(c) => format!("{} was refused", c.display()),
+                None => "give --tls-cert and --tls-key".to_string(),
+            }
+        )),
+        None => ControlError::Retryable(format!(
+            "rcpd at {uri} dropped the first request: if it requires TLS, give --tls-ca \
+             (and --tls-cert/--tls-key for mutual TLS): {why}"
+        )),
+    })
+}
+
+/// An error and its sources, `: `-joined (tonic's transport errors keep the
+/// reason, e.g. a certificate problem, in the source chain).
+fn source_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        let m = c.to_string();
+        if !s.contains(&m) {
+            s.push_str(": ");
+            s.push_str(&m);
+        }
+        cur = c.source();
+    }
+    s
+}
+
+/// `host:port`, `[v6]:port`, `host` or `[v6]` (default port) split into the
+/// bare host (`[v6]` keeps its brackets) and the port. The one parser of
+/// rcpd addresses.
+pub fn split_host_port(addr: &str, default_port: u16) -> Result<(String, u16)> {
+    let bad = |why: &str| ControlError::Usage(format!("{addr:?}: {why}"));
+    let (host, port) = if let Some(rest) = addr.strip_prefix('[') {
+        let (h, after) = rest.split_once(']').ok_or_else(|| bad("unclosed ["))?;
+        let port = match after.strip_prefix(':') {
+            Some(p) => p.parse::<u16>().map_err(|_| bad("bad port"))?,
+            None if after.is_empty() => default_port,
+            None => return Err(bad("junk after ]")),
+        };
+        (format!("[{h}]"), port)
+    } else {
+        match addr.rsplit_once(':') {
+            Some((h, _)) if h.contains(':') => {
+                return Err(bad("an IPv6 address needs brackets: [ADDR]:PORT"))
+            }
+            Some((h, p)) => (h.to_string(), p.parse::<u16>().map_err(|_| bad("bad port"))?),
+            None => (addr.to_string(), default_port),
+        }
+    };
+    if host.is_empty() || host == "[]" {
+        return Err(bad("empty host"));
+    }
+    Ok((host, port))
+}
+
+/// `host:port`, `[v6]:port` or `host` (default port) into a URI and the
+/// bare host.
+pub fn endpoint_uri(addr: &str) -> Result<(String, String)> {
+    let (host, port) = split_host_port(addr, DEFAULT_PORT)?;
+    Ok((format!("http://{host}:{port}"), host))
+}
+
+impl Client {
+    /// Connect to `addr` (`host:port`, `[v6]:port`).
+    pub async fn connect(addr: &str, opts: ClientOptions) -> Result<Client> {
+        let (mut uri, host) = endpoint_uri(addr)?;
+        if opts.tls.is_some() {
+            uri = uri.replacen("http://", "https://", 1);
+        }
+        // HTTP/2 pings notice a dead host or a cut path even while the
+        // stream is quiet; a stalled peer process is the Move stream's own
+        // timeout.
+        let ping = (opts.timeout / 3).max(Duration::from_secs(1));
+        let mut ep = Endpoint::from_shared(uri.clone())
+            .map_err(|e| ControlError::Usage(format!("{addr}: {e}")))?
+            .connect_timeout(opts.connect_timeout)
+            .tcp_nodelay(true)
+            .http2_keep_alive_interval(ping)
+            .keep_alive_timeout(ping)
+            .keep_alive_while_idle(true);
+        if let Some(t) = &opts.tls {
+            ep = ep
+                .tls_config(t.config(&host)?)
+                .map_err(|e| ControlError::Usage(format!("TLS configuration: {e}")))?;
+        }
+        let ch = ep.connect().await.map_err(|e| {
+            let why = source_chain(&e);
+            // A handshake the server refused is not worth retrying.
+            if opts.tls.is_some() && why.contains("certificate") {
+                ControlError::Fatal(format!("TLS to rcpd at {uri}: {why}"))
+            } else {
+                ControlError::Retryable(format!("connecting to rcpd at {uri}: {why}"))
+            }
+        })?;
+        probe(&ch, &uri, opts.tls.as_ref()).await?;
+        let auth = AddBearer::new(opts.token.as_deref()).map_err(ControlError::Usage)?;
+        let rpc = proto::rcp_client::RcpClient::with_interceptor(ch, auth)
+            .max_decoding_message_size(MAX_MESSAGE)
+            .max_encoding_message_size(MAX_MESSAGE);
+        Ok(Client { rpc, host, opts })
+    }
+
+    pub fn options(&self) -> &ClientOptions {
+        &self.opts
+    }
+
+    /// Metadata of a remote path (`None` if it does not exist).
+    pub async fn stat(&self, path: &str) -> Result<Option<proto::Entry>> {
+        self.stat_with(path, false).await
+    }
+
+    /// [`stat`](Self::stat), with the file's fingerprint when asked.
+    pub async fn stat_with(&self, path: &str, fingerprint: bool) -> Result<Option<proto::Entry>> {
+        let r = self
+            .rpc
+            .clone()
+            .stat(proto::StatRequest {
+                path: path.into(),
+                fingerprint,
+            })
+            .await?
+            .into_inner();
+        Ok(if r.exists { r.entry } else { None })
+    }
+
+    /// Entries beneath a remote directory.
+    pub async fn list(&self, path: &str, recursive: bool) -> Result<Vec<proto::Entry>> {
+        Ok(self
+            .rpc
+            .clone()
+            .list(proto::ListRequest {
+                path: path.into(),
+                recursive,
+            })
+            .await?
+            .into_inner()
+            .entries)
+    }
+
+    /// `mkdir -p` of a remote directory.
+    pub async fn make_dir(&self, path: &str) -> Result<()> {
+        self.rpc
+            .clone()
+            .make_dir(proto::MakeDirRequest { path: path.into() })
+            .await?;
+        Ok(())
+    }
+
+    /// Service API: ask this rcpd to copy to or from another rcpd; progress
+    /// messages until the end.
+    pub async fn copy(&self, req: proto::CopyRequest) -> Result<Streaming<proto::CopyProgress>> {
+        Ok(self.rpc.clone().copy(req).await?.into_inner())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints() {
+        assert_eq!(
+            endpoint_uri("node:7471").unwrap(),
+            ("http://node:7471".into(), "node".into())
+        );
+        assert_eq!(
+            endpoint_uri("[fe80::1]:9").unwrap(),
+            ("http://[fe80::1]:9".into(), "[fe80::1]".into())
+        );
+        assert_eq!(endpoint_uri("node").unwrap().0, "http://node:7471");
+        assert_eq!(endpoint_uri("[::1]").unwrap().0, "http://[::1]:7471");
+        assert!(endpoint_uri("node:x").is_err());
+        assert!(endpoint_uri("[::1").is_err());
+        assert!(endpoint_uri(":1").is_err());
+        // A bare IPv6 address is ambiguous without brackets.
+        assert!(endpoint_uri("fe80::1:7471").is_err());
+        assert_eq!(split_host_port("h", 9).unwrap(), ("h".into(), 9));
+    }
+}

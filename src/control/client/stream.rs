@@ -1,0 +1,551 @@
+//! The driver of one Move stream on the client: frames in and out of a
+//! [`ClientCore`], its I/O on blocking threads, windows through the
+//! session's data path, time passed in.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+
+use super::io::{self, FileJob, Local};
+use super::session::{FileResult, Observer, Session};
+use crate::control::error::{ControlError, Result};
+use crate::control::protocol::{
+    ClientAction, ClientCore, ClientEvent, Digest, Failure, FileId, Held, LocalCommit, Reason,
+    SourceMeta, WindowId,
+};
+use crate::datapath::DpEvent;
+use crate::engine::{Extent, OpKind, WindowJob};
+use crate::files::{Destination, DirHandle};
+use crate::mem::Block;
+use crate::proto::{self, ClientFrame, Direction};
+
+/// An answer from a blocking job.
+enum Done {
+    Source(FileId, Result<(Arc<crate::files::SourceFile>, SourceMeta), Failure>),
+    Resume(FileId, Result<(DirHandle, std::ffi::OsString, Option<(Destination, Held)>), Failure>),
+    Dest(FileId, Result<(DirHandle, std::ffi::OsString, Destination), Failure>),
+    Filled {
+        grant: proto::Grant,
+        slot: Block,
+        r: Result<Vec<Digest>, Failure>,
+    },
+    Checked {
+        window: WindowId,
+        epoch: u32,
+        bytes: u64,
+        slot: Block,
+        r: Result<Vec<u32>, Failure>,
+    },
+    Hashed(FileId, Result<Vec<(u64, Digest)>, Failure>),
+    SourceChecked(FileId, Result<(), Failure>),
+    Committed(Vec<(FileId, Result<LocalCommit, Failure>)>),
+}
+
+/// A window lent to the data path.
+struct Lent {
+    grant: proto::Grant,
+    slot: Block,
+    /// Push: the digests of what was written.
+    digests: Vec<Digest>,
+}
+
+struct Driver<'a> {
+    s: &'a mut Session,
+    core: ClientCore,
+    t0: Instant,
+    out: Option<mpsc::UnboundedSender<ClientFrame>>,
+    jobs: HashMap<FileId, (FileJob, Instant)>,
+    locals: HashMap<FileId, Local>,
+    lent: HashMap<u64, Lent>,
+    next_dp: u64,
+    done_tx: mpsc::UnboundedSender<Done>,
+    done_rx: mpsc::UnboundedReceiver<Done>,
+}
+
+fn now_of(t0: Instant) -> u64 {
+    t0.elapsed().as_nanos() as u64
+}
+
+/// Run one Move stream for `files` over `s`.
+pub(super) async fn run(
+    s: &mut Session,
+    files: &mut (dyn Iterator<Item = FileJob> + Send),
+    obs: &dyn Observer,
+) -> Result<()> {
+    let (out_tx, out_rx) = mpsc::unbounded_channel();
+    let core = ClientCore::new(s.params, s.id, 0);
+    let mut inbound = s
+        .rpc
+        .clone()
+        .r#move(UnboundedReceiverStream::new(out_rx))
+        .await?
+        .into_inner();
+    let mut events = s.events.take().ok_or_else(|| {
+        ControlError::Other("the session's data path is gone (an earlier stream failed)".into())
+    })?;
+    let (done_tx, done_rx) = mpsc::unbounded_channel();
+    let mut d = Driver {
+        s,
+        core,
+        t0: Instant::now(),
+        out: Some(out_tx),
+        jobs: HashMap::new(),
+        locals: HashMap::new(),
+        lent: HashMap::new(),
+        next_dp: 1,
+        done_tx,
+        done_rx,
+    };
+    let mut fed_all = false;
+    let mut server_open = true;
+    let end = loop {
+        // Feed files while the core has room.
+        while !fed_all && d.core.room() > 0 {
+            match files.next() {
+                Some(job) => {
+                    obs.file_start(&job.local.display().to_string(), job.len_hint);
+                    let id = d.core.add_file(job.spec.clone());
+                    d.jobs.insert(id, (job, Instant::now()));
+                }
+                None => {
+                    fed_all = true;
+                    d.core.finish();
+                }
+            }
+        }
+        if let Some(r) = d.act() {
+            break r;
+        }
+        while let Some(ClientEvent::FileDone(f)) = d.core.poll_event() {
+            let Some((job, started)) = d.jobs.remove(&f.file) else {
+                continue;
+            };
+            let path = match job.spec.direction {
+                Direction::Push => f.remote_path,
+                _ => job.local.display().to_string(),
+            };
+            obs.file_done(&FileResult {
+                path,
+                length: f.length,
+                moved: f.moved,
+                digest: f.digest,
+                flat_sha256: (!f.flat_sha256.is_empty()).then_some(f.flat_sha256),
+                seconds: started.elapsed().as_secs_f64(),
+                resumed: f.resumed,
+            });
+        }
+        let now = now_of(d.t0);
+        while let Some(f) = d.core.poll_frame(now) {
+            if let Some(o) = &d.out {
+                let _ = o.send(f);
+            }
+        }
+        let deadline = d
+            .core
+            .poll_timeout()
+            .map(|t| tokio::time::Instant::from_std(d.t0 + Duration::from_nanos(t)));
+        tokio::select! {
+            m = inbound.message(), if server_open => {
+                let now = now_of(d.t0);
+                match m {
+                    Ok(Some(f)) => d.core.handle_frame(now, f),
+                    Ok(None) => {
+                        server_open = false;
+                        d.core.server_closed(now, Ok(()));
+                    }
+                    Err(st) => {
+                        server_open = false;
+                        let e = ControlError::from(st);
+                        d.core.server_closed(now, Err(e.failure()));
+                    }
+                }
+            }
+            Some(x) = d.done_rx.recv() => {
+                d.apply(x, obs);
+                while let Ok(x) = d.done_rx.try_recv() {
+                    d.apply(x, obs);
+                }
+            }
+            ev = events.recv() => match ev {
+                Some(ev) => d.data_path(ev),
+                None => d.core.abort(Failure::new(Reason::Retryable, "the data path stopped")),
+            },
+            _ = sleep_until(deadline), if deadline.is_some() => {
+                let now = now_of(d.t0);
+                d.core.handle_timeout(now);
+            }
+        }
+    };
+    // What is queued (an Abort) goes out, then our side closes.
+    let now = now_of(d.t0);
+    while let Some(f) = d.core.poll_frame(now) {
+        if let Some(o) = &d.out {
+            let _ = o.send(f);
+        }
+    }
+    d.out = None;
+    // Windows still lent to the device stay the device's until the data
+    // path is closed.
+    let lent: Vec<Block> = d.lent.drain().map(|(_, l)| l.slot).collect();
+    let locals = std::mem::take(&mut d.locals);
+    drop(d);
+    s.quarantine.extend(lent);
+    // Destinations left are suspended for --resume: off the runtime.
+    tokio::task::spawn_blocking(move || drop(locals));
+    match end {
+        Ok(()) => {
+            // Let the server see our end and close its side.
+            if server_open {
+                let _ = tokio::time::timeout(Duration::from_secs(5), async {
+                    while let Ok(Some(_)) = inbound.message().await {}
+                })
+                .await;
+            }
+            s.events = Some(events);
+            Ok(())
+        }
+        Err(f) => {
+            // A failed stream may leave windows in the data path: the
+            // session is not reused.
+            Err(ControlError::Failed(f))
+        }
+    }
+}
+
+impl Driver<'_> {
+    fn now(&self) -> u64 {
+        now_of(self.t0)
+    }
+
+    fn spawn(&self, f: impl FnOnce() -> Done + Send + 'static) {
+        let tx = self.done_tx.clone();
+        tokio::task::spawn_blocking(move || {
+            let _ = tx.send(f());
+        });
+    }
+
+    fn src(&self, file: FileId) -> Option<Arc<crate::files::SourceFile>> {
+        match self.locals.get(&file)? {
+            Local::Push { src } => Some(src.clone()),
+            Local::Pull { .. } => None,
+        }
+    }
+
+    fn dest(&self, file: FileId) -> Option<Arc<Mutex<Option<Destination>>>> {
+        match self.locals.get(&file)? {
+            Local::Pull { dest, .. } => Some(dest.clone()),
+            Local::Push { .. } => None,
+        }
+    }
+
+    /// Start every action the core has; the outcome when it ended.
+    fn act(&mut self) -> Option<std::result::Result<(), Failure>> {
+        let bs = self.s.params.block_size;
+        while let Some(a) = self.core.poll_action() {
+            match a {
+                ClientAction::OpenSource { file } => {
+                    let path = self.jobs[&file].0.local.clone();
+                    self.spawn(move || Done::Source(file, io::open_source(&path)));
+                }
+                ClientAction::FindResume { file } => {
+                    let (job, _) = &self.jobs[&file];
+                    let (spec, local) = (job.spec.clone(), job.local.clone());
+                    let (rpc, tx) = (self.s.rpc.clone(), self.done_tx.clone());
+                    tokio::spawn(async move {
+                        let st = rpc
+                            .clone()
+                            .stat(proto::StatRequest {
+                                path: spec.remote.clone(),
+                                fingerprint: true,
+                            })
+                            .await;
+                        let entry = match st {
+                            Ok(r) => r.into_inner().entry.filter(|e| e.r#type == proto::FileType::File as i32),
+                            Err(e) => {
+                                let _ = tx.send(Done::Resume(file, Err(ControlError::from(e).failure())));
+                                return;
+                            }
+                        };
+                        let r = tokio::task::spawn_blocking(move || {
+                            let (dir, name) = io::local_dir(&local, spec.create_parents)?;
+                            let found = match entry {
+                                Some(e) => io::find_resume(&dir, &name, &e, bs, &spec)?,
+                                None => None,
+                            };
+                            Ok((dir, name, found))
+                        })
+                        .await
+                        .unwrap_or_else(|e| Err(Failure::new(Reason::Other, e.to_string())));
+                        let _ = tx.send(Done::Resume(file, r));
+                    });
+                }
+                ClientAction::CreateDest { file, opened } => {
+                    let (job, _) = &self.jobs[&file];
+                    let (spec, local) = (job.spec.clone(), job.local.clone());
+                    let prior = match self.locals.remove(&file) {
+                        Some(Local::Pull { dir, name, resumed, .. }) => Some((dir, name, resumed)),
+                        _ => None,
+                    };
+                    self.spawn(move || {
+                        let r = (|| {
+                            let (dir, name, resumed) = match prior {
+                                Some(p) => p,
+                                None => {
+                                    let (d, n) = io::local_dir(&local, spec.create_parents)?;
+                                    (d, n, None)
+                                }
+                            };
+                            let d = io::create_dest(&dir, &name, resumed, &opened, bs, &spec)?;
+                            Ok((dir, name, d))
+                        })();
+                        Done::Dest(file, r)
+                    });
+                }
+                ClientAction::Send { grant } => self.send(grant),
+                ClientAction::Fetch { grant } => self.fetch(grant),
+                ClientAction::Hash { file, blocks } => {
+                    let Some(src) = self.src(file) else { continue };
+                    self.spawn(move || Done::Hashed(file, io::hash(&src, &blocks, bs)));
+                }
+                ClientAction::CheckSource { file } => {
+                    let Some(src) = self.src(file) else { continue };
+                    self.spawn(move || {
+                        Done::SourceChecked(
+                            file,
+                            src.check_unchanged()
+                                .map_err(|e| ControlError::from(e).failure()),
+                        )
+                    });
+                }
+                ClientAction::Commit { files } => {
+                    let batch: Vec<_> = files
+                        .into_iter()
+                        .filter_map(|(f, d)| Some((f, self.dest(f)?, d)))
+                        .collect();
+                    self.spawn(move || Done::Committed(io::commit(batch)));
+                }
+                ClientAction::Close { file } => {
+                    if let Some(l) = self.locals.remove(&file) {
+                        tokio::task::spawn_blocking(move || drop(l));
+                    }
+                }
+                ClientAction::End(r) => return Some(r),
+            }
+        }
+        None
+    }
+
+    fn take_slot(&mut self) -> Option<Block> {
+        let b = self.s.link.slots.take();
+        if b.is_none() {
+            // The server granted more windows at once than agreed.
+            self.core.abort(Failure::invalid("more windows granted than staging slots"));
+        }
+        b
+    }
+
+    fn send(&mut self, grant: proto::Grant) {
+        let Some(mut slot) = self.take_slot() else { return };
+        let bs = self.s.params.block_size;
+        let srcs: HashMap<FileId, Arc<crate::files::SourceFile>> = grant
+            .extents
+            .iter()
+            .filter_map(|e| Some((e.file, self.src(e.file)?)))
+            .collect();
+        self.spawn(move || {
+            let r = io::fill(&mut slot, &grant.extents, &srcs, bs);
+            Done::Filled { grant, slot, r }
+        });
+    }
+
+    fn fetch(&mut self, grant: proto::Grant) {
+        let Some(slot) = self.take_slot() else { return };
+        self.submit(OpKind::Read, grant, slot, Vec::new());
+    }
+
+    /// Lend a staging slot to the data path for a window.
+    fn submit(&mut self, op: OpKind, grant: proto::Grant, slot: Block, digests: Vec<Digest>) {
+        let id = self.next_dp;
+        self.next_dp += 1;
+        let job = WindowJob {
+            id,
+            op,
+            local_addr: slot.addr(),
+            lkey: self.s.link.lkey,
+            remote_addr: grant.addr,
+            rkey: grant.rkey,
+            extents: grant
+                .extents
+                .iter()
+                .map(|e| Extent {
+                    offset: e.offset,
+                    len: e.len,
+                })
+                .collect(),
+        };
+        let dp = self.s.dp.as_ref().expect("a live session has a data path");
+        // SAFETY: `slot` lies in the staging arena registered under
+        // `link.lkey` with this session's provider, and every extent lies
+        // inside it (the core checked each against the window size, which
+        // is at most the slot's). The slot is moved into `self.lent` and
+        // nothing touches it until the data path reports this id done;
+        // a stream that ends first hands it to `Session::quarantine`, which
+        // keeps it until the data path is closed.
+        let r = unsafe { dp.submit(job) };
+        self.lent.insert(
+            id,
+            Lent {
+                grant,
+                slot,
+                digests,
+            },
+        );
+        if let Err(e) = r {
+            let f = ControlError::DataPath(e).failure();
+            self.core.abort(f);
+        }
+    }
+
+    fn data_path(&mut self, ev: DpEvent) {
+        match ev {
+            DpEvent::WindowDone { id } => {
+                let Some(l) = self.lent.remove(&id) else { return };
+                let (window, epoch) = (l.grant.window, l.grant.epoch);
+                match Direction::try_from(self.dir_of(&l.grant)) {
+                    Ok(Direction::Push) => {
+                        drop(l.slot);
+                        let now = self.now();
+                        self.core.sent(now, window, epoch, Ok(l.digests));
+                    }
+                    _ => {
+                        let dests: HashMap<FileId, _> = l
+                            .grant
+                            .extents
+                            .iter()
+                            .filter_map(|e| Some((e.file, self.dest(e.file)?)))
+                            .collect();
+                        let bytes: u64 = l.grant.extents.iter().map(|e| u64::from(e.len)).sum();
+                        let Lent { grant, slot, .. } = l;
+                        #[allow(unused_mut)]
+                        let mut slot = slot;
+                        self.spawn(move || {
+                            #[cfg(feature = "test-faults")]
+                            io::inject_faults(&mut slot, &grant.extents);
+                            let r = io::check_and_write(&slot, &grant.extents, &grant.digests, &dests);
+                            Done::Checked {
+                                window: grant.window,
+                                epoch: grant.epoch,
+                                bytes,
+                                slot,
+                                r,
+                            }
+                        });
+                    }
+                }
+            }
+            DpEvent::Reconnected { epoch, seconds } => {
+                tracing::info!(epoch, seconds, "data path reconnected");
+            }
+            DpEvent::Failed(e) => {
+                let f = ControlError::DataPath(e).failure();
+                self.core.abort(f);
+            }
+        }
+    }
+
+    fn dir_of(&self, g: &proto::Grant) -> i32 {
+        g.extents
+            .first()
+            .and_then(|e| self.jobs.get(&e.file))
+            .map_or(0, |(j, _)| j.spec.direction as i32)
+    }
+
+    fn apply(&mut self, d: Done, obs: &dyn Observer) {
+        let now = self.now();
+        match d {
+            Done::Source(file, r) => {
+                let r = r.map(|(src, meta)| {
+                    self.locals.insert(file, Local::Push { src });
+                    meta
+                });
+                self.core.source_ready(now, file, r);
+            }
+            Done::Resume(file, r) => {
+                let r = r.map(|(dir, name, found)| {
+                    let (resumed, held) = match found {
+                        Some((d, h)) => (Some(d), Some(h)),
+                        None => (None, None),
+                    };
+                    self.locals.insert(
+                        file,
+                        Local::Pull {
+                            dir,
+                            name,
+                            resumed,
+                            dest: Arc::new(Mutex::new(None)),
+                        },
+                    );
+                    held
+                });
+                self.core.resume_found(now, file, r);
+            }
+            Done::Dest(file, r) => {
+                let r = r.map(|(dir, name, d)| {
+                    self.locals.insert(
+                        file,
+                        Local::Pull {
+                            dir,
+                            name,
+                            resumed: None,
+                            dest: Arc::new(Mutex::new(Some(d))),
+                        },
+                    );
+                });
+                self.core.dest_ready(now, file, r);
+            }
+            Done::Filled { grant, slot, r } => match r {
+                Ok(digests) => {
+                    let bytes: u64 = grant.extents.iter().map(|e| u64::from(e.len)).sum();
+                    obs.progress(bytes);
+                    self.submit(OpKind::Write, grant, slot, digests);
+                }
+                Err(f) => {
+                    drop(slot);
+                    self.core.sent(now, grant.window, grant.epoch, Err(f));
+                }
+            },
+            Done::Checked {
+                window,
+                epoch,
+                bytes,
+                slot,
+                r,
+            } => {
+                drop(slot);
+                if let Ok(bad) = &r {
+                    if bad.is_empty() {
+                        obs.progress(bytes);
+                    }
+                }
+                self.core.fetched(now, window, epoch, r);
+            }
+            Done::Hashed(file, r) => self.core.hashed(now, file, r),
+            Done::SourceChecked(file, r) => self.core.source_checked(now, file, r),
+            Done::Committed(rs) => {
+                for (file, r) in rs {
+                    self.core.committed(now, file, r);
+                }
+            }
+        }
+    }
+}
+
+async fn sleep_until(t: Option<tokio::time::Instant>) {
+    match t {
+        Some(t) => tokio::time::sleep_until(t).await,
+        None => std::future::pending().await,
+    }
+}

@@ -1,0 +1,424 @@
+//! The I/O the server's ledger asks for, on blocking threads: destinations
+//! and sources beneath the root, window slots filled, registered, revoked
+//! and verified, batched commits.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::OwnedSemaphorePermit;
+
+use super::{Service, Session};
+use crate::control::error::ControlError;
+use crate::control::fsutil;
+use crate::control::protocol::{
+    Bitmap, CommittedFile, Digest, Failure, FileId, OpenedFile, Reason,
+};
+use crate::files::{
+    self, Destination, DestinationOptions, DirHandle, FileError, FileKind, PathError, Preserve,
+    SourceFile,
+};
+use crate::mem::{Block, PeerSpan};
+use crate::proto::{self, Direction};
+use crate::provider::{Access, Registration};
+
+/// Files below this length are not checked against the free space up
+/// front (one statvfs each); a full disk still fails them at fallocate.
+const SPACE_CHECK_FROM: u64 = 64 << 20;
+
+/// What the server holds of an open file.
+#[derive(Clone)]
+pub(super) enum Held {
+    Push {
+        dest: Arc<Mutex<Option<Destination>>>,
+        /// Where it goes, relative to the root.
+        path: String,
+    },
+    Pull {
+        src: Arc<SourceFile>,
+    },
+}
+
+/// A window's arena slot and, while granted, its registration.
+pub(super) struct Slot {
+    pub block: Block,
+    pub reg: Option<Arc<dyn Registration>>,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl Slot {
+    pub fn new(block: Block, permit: OwnedSemaphorePermit) -> Self {
+        Slot {
+            block,
+            reg: None,
+            _permit: permit,
+        }
+    }
+}
+
+fn fail(e: impl Into<ControlError>) -> Failure {
+    e.into().failure()
+}
+
+/// One Move stream's view of the service.
+pub(super) struct StreamIo {
+    pub svc: Arc<Service>,
+    pub session: Arc<Session>,
+    pub bs: u64,
+    /// Directories opened for this stream's pushes, by path.
+    dirs: Mutex<HashMap<String, DirHandle>>,
+}
+
+impl StreamIo {
+    pub fn new(svc: Arc<Service>, session: Arc<Session>) -> Self {
+        let bs = session.block_size;
+        StreamIo {
+            svc,
+            session,
+            bs,
+            dirs: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// [`ServerAction::Open`](crate::control::protocol::ServerAction::Open).
+    pub fn open(&self, o: &proto::OpenFile) -> Result<(Held, OpenedFile), Failure> {
+        match Direction::try_from(o.direction) {
+            Ok(Direction::Push) => self.open_push(o).map_err(fail),
+            _ => self.open_pull(o).map_err(fail),
+        }
+    }
+
+    fn dir(&self, rel: &str, create: bool) -> Result<DirHandle, ControlError> {
+        if let Some(d) = self.dirs.lock().unwrap().get(rel) {
+            return Ok(d.try_clone()?);
+        }
+        let root = self.svc.root();
+        let d = if create {
+            root.create_dir_all(rel)?
+        } else {
+            root.open_dir(rel)?
+        };
+        self.dirs
+            .lock()
+            .unwrap()
+            .insert(rel.to_string(), d.try_clone()?);
+        Ok(d)
+    }
+
+    /// Where a push lands: the directory and the final name, scp-style (an
+    /// existing directory means "inside it").
+    fn push_target(&self, open: &proto::OpenFile) -> Result<(DirHandle, String, String), ControlError> {
+        let root = self.svc.root();
+        let rel = fsutil::root_rel(&open.path);
+        let rp = files::normalize(&rel)?;
+        match root.stat(&rel) {
+            Ok(m) if m.kind == FileKind::Dir => {
+                let d = self.dir(&rel, false)?;
+                let name = open.name.clone();
+                let shown = if rel == "." {
+                    name.clone()
+                } else {
+                    format!("{rel}/{name}")
+                };
+                Ok((d, name, shown))
+            }
+            Ok(m) if m.kind != FileKind::File => Err(ControlError::Invalid(format!(
+                "{} exists and is not a regular file",
+                open.path
+            ))),
+            Ok(_) | Err(FileError::Path(PathError::NotFound { .. })) => {
+                let name = rp
+                    .file_name()
+                    .ok_or_else(|| ControlError::Invalid("cannot write over the root".into()))?
+                    .to_string();
+                let parent = fsutil::rel_str(&rp.parent());
+                let dir = self.dir(&parent, open.create_parents).map_err(|e| match e {
+                    ControlError::FileNotFound(_) | ControlError::DirNotFound(_) => {
+                        ControlError::DirNotFound(format!("{parent} (parent of {})", open.path))
+                    }
+                    e => e,
+                })?;
+                Ok((dir, name, fsutil::rel_str(&rp)))
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    fn open_push(&self, open: &proto::OpenFile) -> Result<(Held, OpenedFile), ControlError> {
+        let (dir, name, path) = self.push_target(open)?;
+        if open.length >= SPACE_CHECK_FROM {
+            check_space(dir.display(), open.length)?;
+        }
+        let source = fsutil::source_id(open.length, open.mtime_ns, &open.source_fingerprint);
+        let opts = DestinationOptions {
+            block_size: self.bs,
+            preserve: open.preserve.then(|| Preserve {
+                mode: open.mode & 0o7777,
+                mtime: fsutil::ts_from_ns(open.mtime_ns),
+            }),
+            // Always resumable: an interrupted push can be continued with
+            // --resume (the temp file and manifest stay hidden until then).
+            resume: Some(source),
+            flat_sha256: open.flat_sha256,
+            ..DestinationOptions::default()
+        };
+        let dest = match open.resume {
+            true => Destination::resume(&dir, &name, &source, opts.clone())?,
+            false => None,
+        };
+        let dest = match dest {
+            Some(d) => d,
+            None => Destination::create(&dir, &name, open.length, opts)?,
+        };
+        let total = open.length.div_ceil(self.bs);
+        let missing = dest.missing_blocks();
+        let skip = ((missing.len() as u64) < total).then(|| Bitmap::all_but(total, &missing));
+        tracing::debug!(path, length = open.length, resumed = skip.is_some(), "push");
+        Ok((
+            Held::Push {
+                dest: Arc::new(Mutex::new(Some(dest))),
+                path: path.clone(),
+            },
+            OpenedFile {
+                length: open.length,
+                mode: open.mode,
+                mtime_ns: open.mtime_ns,
+                path,
+                skip,
+                fingerprint: Vec::new(),
+            },
+        ))
+    }
+
+    fn open_pull(&self, open: &proto::OpenFile) -> Result<(Held, OpenedFile), ControlError> {
+        let rel = fsutil::root_rel(&open.path);
+        let src = SourceFile::open_in(self.svc.root(), &rel)?;
+        let length = src.len();
+        let mtime = fsutil::ns_from_ts(src.mtime());
+        let id = src.source_id();
+        let mut skip = None;
+        if open.resume
+            && open.have_length == length
+            && open.have_mtime_ns == mtime
+            && fsutil::fingerprint(&open.source_fingerprint) == id.fingerprint
+        {
+            skip = Bitmap::from_bytes(open.have_blocks.clone(), length.div_ceil(self.bs))
+                .filter(|b| b.count() > 0);
+        }
+        tracing::debug!(path = %rel, length, resumed = skip.is_some(), "pull");
+        let opened = OpenedFile {
+            length,
+            mode: src.mode(),
+            mtime_ns: mtime,
+            path: rel,
+            skip,
+            fingerprint: id.fingerprint.to_vec(),
+        };
+        Ok((Held::Pull { src: Arc::new(src) }, opened))
+    }
+
+    /// The used length of a window of `extents`.
+    fn used(extents: &[proto::Extent]) -> usize {
+        extents
+            .iter()
+            .map(|e| (e.offset + u64::from(e.len)) as usize)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// [`ServerAction::Grant`](crate::control::protocol::ServerAction::Grant):
+    /// revoke what was granted before, fill (pull), register the used part
+    /// of the slot. Returns address, rkey and (pull) the digests.
+    pub fn grant(
+        &self,
+        slot: &mut Slot,
+        extents: &[proto::Extent],
+        fill: Option<&HashMap<FileId, Held>>,
+        len: usize,
+    ) -> Result<(u64, u32, Vec<Digest>), Failure> {
+        // Revoke the old rkey before touching the memory.
+        slot.reg = None;
+        let mut digests = Vec::new();
+        if let Some(files) = fill {
+            let mem = slot.block.as_mut_slice();
+            for e in extents {
+                let Some(Held::Pull { src }) = files.get(&e.file) else {
+                    return Err(Failure::new(Reason::Other, format!("file {} is not open", e.file)));
+                };
+                let at = e.offset as usize;
+                fsutil::read_exact(src, e.block * self.bs, &mut mem[at..at + e.len as usize])
+                    .map_err(|e| fail(ControlError::io("reading the source file")(e)))?;
+            }
+            let mem = slot.block.as_slice();
+            let slices: Vec<&[u8]> = extents
+                .iter()
+                .map(|e| &mem[e.offset as usize..(e.offset + u64::from(e.len)) as usize])
+                .collect();
+            digests = files::digest_blocks_parallel(&slices)
+                .into_iter()
+                .map(|d| d.to_vec())
+                .collect();
+        }
+        let access = if fill.is_some() {
+            Access::REMOTE_READ
+        } else {
+            Access::REMOTE_WRITE
+        };
+        let span = PeerSpan::new(slot.block.arena(), slot.block.addr(), len.max(Self::used(extents)))
+            .expect("a window lies inside its slot");
+        let reg = self.register(&span, access).map_err(fail)?;
+        let r = (reg.addr(), reg.rkey(), digests);
+        slot.reg = Some(reg);
+        Ok(r)
+    }
+
+    /// Register a window, counting refusals for lack of lockable memory in
+    /// rcp_memlock_failures_total.
+    fn register(&self, span: &PeerSpan, access: Access) -> Result<Arc<dyn Registration>, ControlError> {
+        self.session.domain.register(span, access).map_err(|e| {
+            if let crate::provider::ProviderError::Verbs(v) = &e {
+                if v.hint == crate::verbs::Hint::Memlock {
+                    self.svc.metrics.memlock_failure();
+                }
+            }
+            e.into()
+        })
+    }
+
+    /// [`ServerAction::Verify`](crate::control::protocol::ServerAction::Verify):
+    /// revoke, digest what landed, write the blocks that match; the indices
+    /// of those that do not.
+    pub fn verify(
+        &self,
+        slot: &mut Slot,
+        extents: &[proto::Extent],
+        expected: &[Digest],
+        files: &HashMap<FileId, Held>,
+    ) -> Result<Vec<u32>, Failure> {
+        // Revoke remote access before reading what landed.
+        slot.reg = None;
+        let mem = slot.block.as_slice();
+        let slices: Vec<&[u8]> = extents
+            .iter()
+            .map(|e| &mem[e.offset as usize..(e.offset + u64::from(e.len)) as usize])
+            .collect();
+        let got = files::digest_blocks_parallel(&slices);
+        let mut bad = Vec::new();
+        for (i, ((e, data), (g, want))) in extents
+            .iter()
+            .zip(&slices)
+            .zip(got.iter().zip(expected))
+            .enumerate()
+        {
+            if g[..] != want[..] {
+                bad.push(i as u32);
+                continue;
+            }
+            let Some(Held::Push { dest, .. }) = files.get(&e.file) else {
+                return Err(Failure::new(Reason::Other, format!("file {} is not open", e.file)));
+            };
+            let mut d = dest.lock().unwrap();
+            let d = d
+                .as_mut()
+                .ok_or_else(|| Failure::new(Reason::Other, "destination already committed"))?;
+            d.write_block(e.block, data, *g).map_err(fail)?;
+        }
+        if !bad.is_empty() {
+            self.svc
+                .stats
+                .integrity_failures
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            tracing::warn!(blocks = bad.len(), "block digest mismatch: asking the client to resend");
+        }
+        Ok(bad)
+    }
+
+    /// [`ServerAction::Hash`](crate::control::protocol::ServerAction::Hash).
+    pub fn hash(&self, held: &Held, blocks: &[u64], length: u64) -> Result<Vec<(u64, Digest)>, Failure> {
+        let Held::Pull { src } = held else {
+            return Err(Failure::new(Reason::Other, "hash of a pushed file"));
+        };
+        let mut buf = vec![0u8; self.bs as usize];
+        let mut out = Vec::with_capacity(blocks.len());
+        for &b in blocks {
+            let n = (length - b * self.bs).min(self.bs) as usize;
+            fsutil::read_exact(src, b * self.bs, &mut buf[..n])
+                .map_err(|e| fail(ControlError::io("reading the source file")(e)))?;
+            out.push((b, files::block_digest(&buf[..n]).to_vec()));
+        }
+        Ok(out)
+    }
+
+    /// [`ServerAction::CheckSource`](crate::control::protocol::ServerAction::CheckSource).
+    pub fn check_source(&self, held: &Held) -> Result<(), Failure> {
+        match held {
+            Held::Pull { src } => src.check_unchanged().map_err(fail),
+            Held::Push { .. } => Ok(()),
+        }
+    }
+
+    /// [`ServerAction::Commit`](crate::control::protocol::ServerAction::Commit):
+    /// seal every file, then publish them as one batch.
+    pub fn commit(&self, files: Vec<(FileId, Held, Digest)>) -> Vec<(FileId, Result<CommittedFile, Failure>)> {
+        let mut out = Vec::with_capacity(files.len());
+        let mut sealed = Vec::new();
+        let mut meta = Vec::new();
+        for (file, held, digest) in files {
+            let Held::Push { dest, path } = held else {
+                out.push((file, Err(Failure::new(Reason::Other, "commit of a pulled file"))));
+                continue;
+            };
+            let Some(d) = dest.lock().unwrap().take() else {
+                out.push((file, Err(Failure::new(Reason::Other, "committed twice"))));
+                continue;
+            };
+            let expected: [u8; 32] = match digest.as_slice().try_into() {
+                Ok(x) => x,
+                Err(_) => {
+                    out.push((file, Err(Failure::invalid("a file digest of the wrong length"))));
+                    continue;
+                }
+            };
+            match d.seal(expected) {
+                Ok(s) => {
+                    sealed.push(s);
+                    meta.push((file, path));
+                }
+                Err(e) => {
+                    self.svc
+                        .stats
+                        .integrity_failures
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    out.push((file, Err(fail(e))));
+                }
+            }
+        }
+        for ((file, path), r) in meta.into_iter().zip(files::publish(sealed)) {
+            out.push((
+                file,
+                r.map(|p| {
+                    tracing::debug!(path, "push committed");
+                    CommittedFile {
+                        path,
+                        length: p.len,
+                        digest: p.derived_digest.to_vec(),
+                        flat_sha256: p.flat_sha256.map(|d| d.to_vec()).unwrap_or_default(),
+                    }
+                })
+                .map_err(fail),
+            ));
+        }
+        out
+    }
+}
+
+fn check_space(dir: &std::path::Path, need: u64) -> Result<(), ControlError> {
+    if let Ok(s) = nix::sys::statvfs::statvfs(dir) {
+        let avail = s.blocks_available() * s.fragment_size();
+        if need > avail {
+            return Err(ControlError::Exceeded(format!(
+                "{need} bytes do not fit: {avail} bytes free at the destination"
+            )));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,317 @@
+//! The rcpd service: sessions, the Move stream driver, metadata requests.
+//!
+//! - [`Service`]: what all sessions share (the root, the window arena and
+//!   provider, limits, counters) and its gRPC face [`RcpService`];
+//! - `session`: the handshake, a protection domain and QP per session,
+//!   reconnects;
+//! - `stream`: the driver of one Move stream over
+//!   [`ServerCore`](crate::control::protocol::ServerCore): it moves frames,
+//!   runs the core's I/O actions on blocking threads and passes time in;
+//! - `io`: those actions: opening destinations and sources beneath the
+//!   root, filling, registering and verifying windows, batched commits.
+//!
+//! The service knows nothing of the client library: the `Copy` API is
+//! served through a [`Copier`] that `daemon` plugs in.
+
+mod io;
+mod session;
+mod stream;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::Stream;
+use tokio::sync::{mpsc, Semaphore};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+use super::error::{ControlError, Result};
+use super::fsutil;
+use super::link::ServerLink;
+use super::Stats;
+use crate::files::{self, FileError, FileKind, PathError, Root, SourceFile};
+use crate::proto::{self, ClientFrame, ServerFrame};
+use crate::provider::ProviderKind;
+
+pub use session::{check_block_size, Session};
+
+/// Server settings.
+#[derive(Clone, Debug)]
+pub struct ServiceConfig {
+    pub root: PathBuf,
+    /// Move streams served at once; more wait (back-pressure).
+    pub max_transfers: usize,
+    /// Windows one session may have granted at once.
+    pub windows_per_session: u32,
+    /// Files one session may have open at once.
+    pub max_open_files: u32,
+    /// A stream that waits and makes no progress this long ends; a stream
+    /// whose client sends nothing (not even keepalives) this long too.
+    pub timeout: Duration,
+}
+
+/// The service API's `Copy`, served by whoever can be a client of another
+/// rcpd (`control::copy`, plugged in by `control::daemon`).
+pub trait Copier: Send + Sync {
+    fn copy(
+        &self,
+        svc: Arc<Service>,
+        req: proto::CopyRequest,
+    ) -> std::result::Result<BoxStream<proto::CopyProgress>, Status>;
+}
+
+/// Shared state of the service.
+pub struct Service {
+    cfg: ServiceConfig,
+    link: Arc<ServerLink>,
+    root: Root,
+    sessions: Mutex<HashMap<u64, Arc<Session>>>,
+    transfers: Arc<Semaphore>,
+    slots: Arc<Semaphore>,
+    copier: Option<Arc<dyn Copier>>,
+    pub stats: Arc<Stats>,
+    /// The exported metrics (`crate::metrics`): transfers, bytes, throughput.
+    pub metrics: Arc<crate::metrics::Metrics>,
+}
+
+/// A server-streaming response.
+pub type BoxStream<T> =
+    Pin<Box<dyn Stream<Item = std::result::Result<T, Status>> + Send + 'static>>;
+
+/// Run blocking work from async code: on a worker of the multi-threaded
+/// runtime without stalling it, inline elsewhere.
+pub(crate) fn in_place<R>(f: impl FnOnce() -> R) -> R {
+    match tokio::runtime::Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(f)
+        }
+        _ => f(),
+    }
+}
+
+impl Service {
+    pub fn new(
+        cfg: ServiceConfig,
+        link: ServerLink,
+        copier: Option<Arc<dyn Copier>>,
+    ) -> Result<Arc<Service>> {
+        let slots = link.slots.capacity();
+        let root = Root::open(&cfg.root)?;
+        tracing::info!(root = %cfg.root.display(), resolver = ?root.resolver(), "serving root");
+        Ok(Arc::new(Service {
+            root,
+            transfers: Arc::new(Semaphore::new(cfg.max_transfers.max(1))),
+            slots: Arc::new(Semaphore::new(slots)),
+            cfg,
+            link: Arc::new(link),
+            sessions: Mutex::new(HashMap::new()),
+            copier,
+            stats: Arc::new(Stats::default()),
+            metrics: Arc::new(crate::metrics::Metrics::new()),
+        }))
+    }
+
+    pub fn kind(&self) -> ProviderKind {
+        self.link.kind
+    }
+
+    pub fn root(&self) -> &Root {
+        &self.root
+    }
+
+    pub fn config(&self) -> &ServiceConfig {
+        &self.cfg
+    }
+}
+
+fn entry(
+    path: String,
+    kind: FileKind,
+    len: u64,
+    mode: u32,
+    mtime: files::Timestamp,
+) -> proto::Entry {
+    let t = match kind {
+        FileKind::File => proto::FileType::File,
+        FileKind::Dir => proto::FileType::Dir,
+        FileKind::Symlink => proto::FileType::Symlink,
+        FileKind::Other => proto::FileType::Other,
+    };
+    proto::Entry {
+        path,
+        r#type: t as i32,
+        length: len,
+        mode,
+        mtime_ns: fsutil::ns_from_ts(mtime),
+        fingerprint: Vec::new(),
+    }
+}
+
+/// The gRPC face of [`Service`].
+#[derive(Clone)]
+pub struct RcpService(pub Arc<Service>);
+
+#[tonic::async_trait]
+impl proto::rcp_server::Rcp for RcpService {
+    async fn handshake(
+        &self,
+        req: Request<proto::HandshakeRequest>,
+    ) -> std::result::Result<Response<proto::HandshakeResponse>, Status> {
+        let s = self.0.clone();
+        let r = in_place(|| s.handshake(req.into_inner()))?;
+        Ok(Response::new(r))
+    }
+
+    type MoveStream = BoxStream<ServerFrame>;
+
+    async fn r#move(
+        &self,
+        req: Request<Streaming<ClientFrame>>,
+    ) -> std::result::Result<Response<Self::MoveStream>, Status> {
+        let (tx, rx) = mpsc::channel(64);
+        let s = self.0.clone();
+        tokio::spawn(stream::run(s, req.into_inner(), tx));
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn reconnect(
+        &self,
+        req: Request<proto::ReconnectRequest>,
+    ) -> std::result::Result<Response<proto::ReconnectResponse>, Status> {
+        Ok(Response::new(in_place(|| {
+            self.0.reconnect(req.into_inner())
+        })?))
+    }
+
+    async fn close_session(
+        &self,
+        req: Request<proto::CloseSessionRequest>,
+    ) -> std::result::Result<Response<proto::CloseSessionResponse>, Status> {
+        let id = req.into_inner().session_id;
+        let s = self.0.sessions.lock().unwrap().remove(&id);
+        match s {
+            Some(s) => {
+                in_place(|| drop(s));
+                Ok(Response::new(proto::CloseSessionResponse {}))
+            }
+            None => Err(ControlError::Invalid(format!("unknown session {id:#x}")).into()),
+        }
+    }
+
+    async fn stat(
+        &self,
+        req: Request<proto::StatRequest>,
+    ) -> std::result::Result<Response<proto::StatResponse>, Status> {
+        let r = req.into_inner();
+        let rel = fsutil::root_rel(&r.path);
+        let root = &self.0.root;
+        match in_place(|| root.lstat(&rel)) {
+            Ok(m) => {
+                let mut e = entry(String::new(), m.kind, m.len, m.mode, m.mtime);
+                if r.fingerprint && m.kind == FileKind::File {
+                    let src =
+                        in_place(|| SourceFile::open_in(root, &rel)).map_err(ControlError::from)?;
+                    e.fingerprint = src.source_id().fingerprint.to_vec();
+                }
+                Ok(Response::new(proto::StatResponse {
+                    exists: true,
+                    entry: Some(e),
+                }))
+            }
+            Err(FileError::Path(PathError::NotFound { .. })) => {
+                Ok(Response::new(proto::StatResponse {
+                    exists: false,
+                    entry: None,
+                }))
+            }
+            Err(e) => Err(ControlError::from(e).into()),
+        }
+    }
+
+    async fn list(
+        &self,
+        req: Request<proto::ListRequest>,
+    ) -> std::result::Result<Response<proto::ListResponse>, Status> {
+        let r = req.into_inner();
+        let rel = fsutil::root_rel(&r.path);
+        let root = &self.0.root;
+        let entries = in_place(|| -> Result<Vec<proto::Entry>> {
+            let m = root.stat(&rel).map_err(|e| match e {
+                FileError::Path(PathError::NotFound { .. }) => {
+                    ControlError::DirNotFound(r.path.clone())
+                }
+                e => e.into(),
+            })?;
+            if m.kind != FileKind::Dir {
+                return Err(ControlError::DirNotFound(format!(
+                    "{} is not a directory",
+                    r.path
+                )));
+            }
+            let mut out = Vec::new();
+            if r.recursive {
+                let t = root.walk(&rel)?;
+                for e in t.entries {
+                    let kind = match e.kind {
+                        files::EntryKind::File => FileKind::File,
+                        files::EntryKind::Dir => FileKind::Dir,
+                        files::EntryKind::Symlink => FileKind::Symlink,
+                    };
+                    out.push(entry(
+                        e.rel_path.to_string_lossy().into_owned(),
+                        kind,
+                        e.len,
+                        e.mode,
+                        e.mtime,
+                    ));
+                }
+            } else {
+                for e in root.list(&rel)? {
+                    out.push(entry(
+                        e.name.to_string_lossy().into_owned(),
+                        e.meta.kind,
+                        e.meta.len,
+                        e.meta.mode,
+                        e.meta.mtime,
+                    ));
+                }
+            }
+            Ok(out)
+        })?;
+        if entries.len() > 1_000_000 {
+            return Err(ControlError::Exceeded("more than 1000000 entries".into()).into());
+        }
+        Ok(Response::new(proto::ListResponse { entries }))
+    }
+
+    async fn make_dir(
+        &self,
+        req: Request<proto::MakeDirRequest>,
+    ) -> std::result::Result<Response<proto::MakeDirResponse>, Status> {
+        let path = req.into_inner().path;
+        let rel = fsutil::root_rel(&path);
+        let root = &self.0.root;
+        in_place(|| root.create_dir_all(&rel)).map_err(|e| match e {
+            FileError::Path(PathError::NotADirectory { .. }) => {
+                ControlError::Invalid(format!("{path}: a non-directory is in the way"))
+            }
+            e => e.into(),
+        })?;
+        Ok(Response::new(proto::MakeDirResponse {}))
+    }
+
+    type CopyStream = BoxStream<proto::CopyProgress>;
+
+    async fn copy(
+        &self,
+        req: Request<proto::CopyRequest>,
+    ) -> std::result::Result<Response<Self::CopyStream>, Status> {
+        let Some(c) = self.0.copier.clone() else {
+            return Err(Status::unimplemented("this rcpd does not copy to other rcpds"));
+        };
+        Ok(Response::new(c.copy(self.0.clone(), req.into_inner())?))
+    }
+}

@@ -1,0 +1,248 @@
+//! Sessions on the server: the handshake (versions, provider, link
+//! parameters, a protection domain and QP of its own) and reconnects.
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::Service;
+use crate::control::error::{status, ControlError, Reason, Result};
+use crate::control::link::{connect_params, ep_from_proto, ep_to_proto};
+use crate::control::{DEFAULT_BLOCK_SIZE, VERSION_MAJOR, VERSION_MINOR};
+// The server's QPs only respond (the client issues every request): their
+// retry count never matters.
+use crate::datapath::QpRetry;
+use crate::proto;
+use crate::provider::tcp::SessionBinding;
+use crate::provider::{Access, Domain, ProviderKind};
+use crate::verbs::{QpEndpoint, VerbsChannel};
+
+/// One client's session: its own protection domain (its windows are
+/// reachable only by its own data path) and, over verbs, its QP.
+pub struct Session {
+    pub kind: ProviderKind,
+    pub block_size: u64,
+    /// Windows this session may have granted at once, files open at once.
+    pub window_count: u32,
+    pub max_open_files: u32,
+    /// The session's own protection domain: its windows are registered
+    /// here, and only its QP / data connections reach it, so an rkey
+    /// granted to this session is useless on any other.
+    pub domain: Arc<dyn Domain>,
+    /// TCP: the key binding the session's data connections to `domain`.
+    _tcp_binding: Option<SessionBinding>,
+    qp: Option<Mutex<VerbsChannel>>,
+    /// The negotiated (initiator, responder) depths, reused on reconnect.
+    rd: (u32, u32),
+    epoch: AtomicU64,
+    /// Move streams running on it, and when it was last used: sessions of
+    /// clients that vanished without CloseSession are reaped when idle.
+    pub active: AtomicU64,
+    pub last_used: Mutex<Instant>,
+}
+
+/// A session unused this long (and with nothing running) is closed.
+const SESSION_IDLE: Duration = Duration::from_secs(30 * 60);
+
+const MAX_SESSIONS: usize = 4096;
+
+fn random_u64() -> u64 {
+    let mut b = [0u8; 8];
+    getrandom::getrandom(&mut b).expect("getrandom");
+    u64::from_ne_bytes(b) | 1
+}
+
+/// Check a block size: power of two, 4 KiB ..= `max`; 0 means the default.
+pub fn check_block_size(bs: u64, max: u64) -> Result<u64> {
+    if bs == 0 {
+        return Ok(DEFAULT_BLOCK_SIZE.min(max));
+    }
+    if !bs.is_power_of_two() || bs < 4096 || bs > max {
+        return Err(ControlError::Invalid(format!(
+            "block size {bs} must be a power of two between 4096 and {max}"
+        )));
+    }
+    Ok(bs)
+}
+
+impl Service {
+    pub(super) fn session(&self, id: u64) -> Result<Arc<Session>> {
+        self.sessions
+            .lock()
+            .unwrap()
+            .get(&id)
+            .cloned()
+            .ok_or_else(|| ControlError::Invalid(format!("unknown session {id:#x}")))
+    }
+
+    pub(super) fn handshake(
+        &self,
+        req: proto::HandshakeRequest,
+    ) -> std::result::Result<proto::HandshakeResponse, tonic::Status> {
+        if req.version_major != VERSION_MAJOR {
+            return Err(status(
+                Reason::Version,
+                format!(
+                    "protocol {}.{} is not supported: this rcpd speaks {VERSION_MAJOR}.{VERSION_MINOR}; \
+                     use an rcp of the same major version",
+                    req.version_major, req.version_minor
+                ),
+            ));
+        }
+        Ok(self.handshake_v2(req)?)
+    }
+
+    fn handshake_v2(&self, req: proto::HandshakeRequest) -> Result<proto::HandshakeResponse> {
+        let want = match self.link.kind {
+            ProviderKind::Verbs => proto::Provider::Verbs,
+            ProviderKind::Tcp => proto::Provider::Tcp,
+        };
+        if !req.providers.contains(&(want as i32)) {
+            return Err(ControlError::Failed(crate::control::protocol::Failure::new(
+                Reason::Invalid,
+                format!(
+                    "this rcpd runs the {} provider; the client offered {:?} (try --transport {})",
+                    self.link.kind,
+                    req.providers
+                        .iter()
+                        .map(|p| proto::Provider::try_from(*p)
+                            .map(|p| p.as_str_name())
+                            .unwrap_or("?"))
+                        .collect::<Vec<_>>(),
+                    self.link.kind
+                ),
+            )));
+        }
+        if !req.checks.is_empty() && !req.checks.contains(&(proto::Check::Sha256 as i32)) {
+            return Err(ControlError::Invalid(
+                "the client offered no check this rcpd knows (sha256)".into(),
+            ));
+        }
+        let block_size = check_block_size(req.block_size, self.link.window_size as u64)?;
+        self.sessions.lock().unwrap().retain(|id, s| {
+            let keep =
+                s.active.load(Relaxed) > 0 || s.last_used.lock().unwrap().elapsed() < SESSION_IDLE;
+            if !keep {
+                tracing::info!(session = format_args!("{id:#x}"), "idle session reaped");
+            }
+            keep
+        });
+        if self.sessions.lock().unwrap().len() >= MAX_SESSIONS {
+            return Err(ControlError::Exceeded(format!(
+                "{MAX_SESSIONS} sessions open; close some"
+            )));
+        }
+        let window_count = req
+            .window_count
+            .clamp(1, self.cfg.windows_per_session)
+            .min(self.link.slots.capacity() as u32);
+        let id = random_u64();
+        let mut resp = proto::HandshakeResponse {
+            version_major: VERSION_MAJOR,
+            version_minor: VERSION_MINOR,
+            session_id: id,
+            provider: want as i32,
+            block_size,
+            window_size: self.link.window_size as u64,
+            window_count,
+            check: proto::Check::Sha256 as i32,
+            max_open_files: self.cfg.max_open_files,
+            ..Default::default()
+        };
+        let mut qp = None;
+        let mut rd = (1, 1);
+        let sd = self.link.session_domain()?;
+        match self.link.kind {
+            ProviderKind::Tcp => {
+                let t = self.link.tcp_target.as_ref().expect("tcp target");
+                resp.tcp_session_key = sd
+                    .tcp
+                    .as_ref()
+                    .expect("a tcp session domain has a key")
+                    .key()
+                    .to_vec();
+                let a = t.local_addr();
+                resp.tcp_data_host = if a.ip().is_unspecified() {
+                    String::new()
+                } else {
+                    a.ip().to_string()
+                };
+                resp.tcp_data_port = u32::from(a.port());
+            }
+            ProviderKind::Verbs => {
+                let v = req.verbs.as_ref().ok_or_else(|| {
+                    ControlError::Invalid("verbs chosen but the request has no verbs params".into())
+                })?;
+                let cep = ep_from_proto(v.endpoint.as_ref().ok_or_else(|| {
+                    ControlError::Invalid("verbs params without an endpoint".into())
+                })?)?;
+                let dev = self.link.device.as_ref().expect("verbs device");
+                let caps = dev.ctx.caps();
+                let pd = sd.pd.as_ref().expect("a verbs session domain has a PD");
+                let q = dev.queue_pair_in(
+                    pd,
+                    16,
+                    0,
+                    Access::REMOTE_WRITE | Access::REMOTE_READ,
+                    false,
+                )?;
+                let params = dev.params(&q);
+                let ch = VerbsChannel::new(q);
+                let client_rd = v.max_qp_init_rd_atom.min(caps.max_qp_rd_atom).max(1);
+                let server_rd = caps.max_qp_init_rd_atom.min(v.max_qp_rd_atom).max(1);
+                rd = (server_rd, caps.max_qp_rd_atom);
+                ch.handshake(&cep, &connect_params(rd.0, rd.1, QpRetry::default()))
+                    .map_err(|e| ControlError::Provider(e.into()))?;
+                resp.path_mtu = cep.mtu.min(ch.endpoint().mtu);
+                resp.client_rd_atomic = client_rd;
+                resp.server_rd_atomic = server_rd;
+                resp.max_inline = v.max_inline;
+                resp.verbs = Some(params);
+                qp = Some(Mutex::new(ch));
+            }
+        }
+        self.sessions.lock().unwrap().insert(
+            id,
+            Arc::new(Session {
+                kind: self.link.kind,
+                block_size,
+                window_count,
+                max_open_files: self.cfg.max_open_files,
+                domain: sd.domain,
+                _tcp_binding: sd.tcp,
+                qp,
+                rd,
+                epoch: AtomicU64::new(0),
+                active: AtomicU64::new(0),
+                last_used: Mutex::new(Instant::now()),
+            }),
+        );
+        tracing::info!(session = format_args!("{id:#x}"), client = %req.client_name, provider = %self.link.kind, block_size, window_count, "session opened");
+        Ok(resp)
+    }
+
+    pub(super) fn reconnect(&self, req: proto::ReconnectRequest) -> Result<proto::ReconnectResponse> {
+        let s = self.session(req.session_id)?;
+        let epoch = s.epoch.fetch_add(1, Relaxed) as u32 + 1;
+        match &s.qp {
+            None => Ok(proto::ReconnectResponse {
+                endpoint: None,
+                epoch,
+            }),
+            Some(q) => {
+                let cep: QpEndpoint =
+                    ep_from_proto(req.endpoint.as_ref().ok_or_else(|| {
+                        ControlError::Invalid("reconnect without endpoint".into())
+                    })?)?;
+                let ch = q.lock().unwrap();
+                let ep = ch.reset().map_err(|e| ControlError::Provider(e.into()))?;
+                ch.handshake(&cep, &connect_params(s.rd.0, s.rd.1, QpRetry::default()))
+                    .map_err(|e| ControlError::Provider(e.into()))?;
+                Ok(proto::ReconnectResponse {
+                    endpoint: Some(ep_to_proto(&ep)),
+                    epoch,
+                })
+            }
+        }
+    }
+}

@@ -1,0 +1,451 @@
+//! The driver of one Move stream: frames in and out of a
+//! [`ServerCore`], its I/O actions on blocking threads (their answers come
+//! back over a channel and are fed to the core in batches), time passed in.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc;
+use tonic::{Status, Streaming};
+
+use super::io::{Held, Slot, StreamIo};
+use super::Service;
+use crate::control::error::ControlError;
+use crate::control::protocol::{
+    CommittedFile, Digest, Failure, FileId, OpenedFile, Params, Reason, ServerAction, ServerCore,
+    WindowId,
+};
+use crate::proto::{self, ClientFrame, Direction, ServerFrame};
+
+type Tx = mpsc::Sender<Result<ServerFrame, Status>>;
+
+/// Digest bytes of the session's check (SHA-256).
+const DIGEST_LEN: usize = 32;
+/// Times a damaged block moves again before its file fails.
+const MAX_RETRIES: u32 = 3;
+
+/// An answer from a blocking job.
+enum Done {
+    Opened(Vec<(FileId, Result<(Held, OpenedFile), Failure>)>),
+    Granted {
+        window: WindowId,
+        epoch: u32,
+        slot: Option<Slot>,
+        r: Result<(u64, u32, Vec<Digest>), Failure>,
+    },
+    Verified {
+        window: WindowId,
+        epoch: u32,
+        slot: Slot,
+        r: Result<Vec<u32>, Failure>,
+    },
+    Hashed(FileId, Result<Vec<(u64, Digest)>, Failure>),
+    Checked(FileId, Result<(), Failure>),
+    Committed(Vec<(FileId, Result<CommittedFile, Failure>)>),
+}
+
+/// What the driver knows of an open file.
+struct FileInfo {
+    held: Held,
+    dir: &'static str,
+    length: u64,
+    started: Instant,
+}
+
+/// Run one Move stream to its end.
+pub(super) async fn run(svc: Arc<Service>, mut rx: Streaming<ClientFrame>, tx: Tx) {
+    let timeout = svc.cfg.timeout;
+    let first = match tokio::time::timeout(timeout, rx.message()).await {
+        Ok(Ok(Some(f))) => f,
+        Ok(Ok(None)) => return,
+        Ok(Err(s)) => {
+            tracing::debug!(status = %s, "move stream broke before its first frame");
+            return;
+        }
+        Err(_) => {
+            let e = Failure::new(Reason::Retryable, "no frame from the client");
+            let _ = tx.send(Err(e.into())).await;
+            return;
+        }
+    };
+    let session = match svc.session(first.session_id) {
+        Ok(s) => s,
+        Err(e) => {
+            let _ = tx.send(Err(e.into())).await;
+            return;
+        }
+    };
+    // Wait for a transfer slot; the client hears keepalives meanwhile, so
+    // a queued client does not take the wait for a dead server.
+    let permit = loop {
+        tokio::select! {
+            p = svc.transfers.clone().acquire_owned() => match p {
+                Ok(p) => break p,
+                Err(_) => {
+                    let _ = tx.send(Err(ControlError::Retryable("rcpd is shutting down".into()).into())).await;
+                    return;
+                }
+            },
+            _ = tokio::time::sleep(timeout / 3) => {
+                if tx.send(Ok(ServerFrame::default())).await.is_err() {
+                    return;
+                }
+            }
+        }
+    };
+    session.active.fetch_add(1, Relaxed);
+    svc.stats.active.fetch_add(1, Relaxed);
+    let mut d = Driver::new(svc.clone(), session.clone(), tx);
+    d.core.handle_frame(d.now(), first);
+    d.run(&mut rx).await;
+    svc.stats.active.fetch_sub(1, Relaxed);
+    session.active.fetch_sub(1, Relaxed);
+    *session.last_used.lock().unwrap() = Instant::now();
+    drop(permit);
+}
+
+struct Driver {
+    svc: Arc<Service>,
+    io: Arc<StreamIo>,
+    core: ServerCore,
+    t0: Instant,
+    tx: Tx,
+    files: HashMap<FileId, FileInfo>,
+    slots: HashMap<WindowId, Slot>,
+    done_tx: mpsc::UnboundedSender<Done>,
+    done_rx: mpsc::UnboundedReceiver<Done>,
+}
+
+impl Driver {
+    fn new(svc: Arc<Service>, session: Arc<super::Session>, tx: Tx) -> Driver {
+        let p = Params {
+            block_size: session.block_size,
+            window_size: svc.link.window_size as u64,
+            window_count: session.window_count,
+            max_open_files: session.max_open_files,
+            digest_len: DIGEST_LEN,
+            timeout_ns: svc.cfg.timeout.as_nanos() as u64,
+            max_retries: MAX_RETRIES,
+        };
+        let (done_tx, done_rx) = mpsc::unbounded_channel();
+        Driver {
+            io: Arc::new(StreamIo::new(svc.clone(), session)),
+            svc,
+            core: ServerCore::new(p, 0),
+            t0: Instant::now(),
+            tx,
+            files: HashMap::new(),
+            slots: HashMap::new(),
+            done_tx,
+            done_rx,
+        }
+    }
+
+    fn now(&self) -> u64 {
+        self.t0.elapsed().as_nanos() as u64
+    }
+
+    async fn run(&mut self, rx: &mut Streaming<ClientFrame>) {
+        let mut client_open = true;
+        let end = loop {
+            if let Some(r) = self.act() {
+                break r;
+            }
+            let now = self.now();
+            let mut gone = false;
+            while let Some(f) = self.core.poll_frame(now) {
+                if self.tx.send(Ok(f)).await.is_err() {
+                    gone = true;
+                    break;
+                }
+            }
+            if gone {
+                // Nobody reads the response any more: the client is gone.
+                self.core.client_closed(self.now());
+                if client_open {
+                    client_open = false;
+                }
+                continue;
+            }
+            let deadline = self
+                .core
+                .poll_timeout()
+                .map(|t| tokio::time::Instant::from_std(self.t0 + Duration::from_nanos(t)));
+            tokio::select! {
+                m = rx.message(), if client_open => {
+                    let now = self.now();
+                    match m {
+                        Ok(Some(f)) => self.core.handle_frame(now, f),
+                        Ok(None) => {
+                            client_open = false;
+                            self.core.client_closed(now);
+                        }
+                        Err(s) => {
+                            tracing::debug!(status = %s, "the client's side of the stream broke");
+                            client_open = false;
+                            self.core.client_closed(now);
+                        }
+                    }
+                }
+                Some(d) = self.done_rx.recv() => {
+                    self.apply(d);
+                    while let Ok(d) = self.done_rx.try_recv() {
+                        self.apply(d);
+                    }
+                }
+                _ = sleep_until(deadline), if deadline.is_some() => {
+                    let now = self.now();
+                    self.core.handle_timeout(now);
+                }
+            }
+        };
+        // The last frames (FileFailed), then the status.
+        while let Some(f) = self.core.poll_frame(self.now()) {
+            if self.tx.send(Ok(f)).await.is_err() {
+                break;
+            }
+        }
+        let open = std::mem::take(&mut self.files);
+        match end {
+            Ok(()) => tracing::debug!("move stream done"),
+            Err(f) => {
+                tracing::warn!(reason = ?f.reason, error = %f.message, files_open = open.len(), "move stream ended with an error");
+                self.svc.stats.transfers_failed.fetch_add(open.len().max(1) as u64, Relaxed);
+                for fi in open.values() {
+                    self.svc.metrics.transfer_ended(fi.dir, "error", 0, fi.started.elapsed().as_secs_f64(), None);
+                }
+                let _ = self.tx.send(Err(f.into())).await;
+            }
+        }
+        // Destinations left are suspended for --resume (an fdatasync and a
+        // manifest each), windows revoked: off the runtime's threads.
+        let slots = std::mem::take(&mut self.slots);
+        tokio::task::spawn_blocking(move || {
+            drop(slots);
+            drop(open);
+        });
+    }
+
+    /// Start every action the core has; the outcome when it ended.
+    fn act(&mut self) -> Option<Result<(), Failure>> {
+        let mut opens = Vec::new();
+        while let Some(a) = self.core.poll_action() {
+            match a {
+                ServerAction::Open { file, open } => opens.push((file, open)),
+                ServerAction::Grant {
+                    window,
+                    epoch,
+                    extents,
+                    fill,
+                } => self.grant(window, epoch, extents, fill),
+                ServerAction::Verify {
+                    window,
+                    epoch,
+                    extents,
+                    expected,
+                } => self.verify(window, epoch, extents, expected),
+                ServerAction::Release { window } => {
+                    self.slots.remove(&window);
+                }
+                ServerAction::Hash { file, blocks } => {
+                    let Some(fi) = self.files.get(&file) else { continue };
+                    let (io, held, len, tx) = (self.io.clone(), fi.held.clone(), fi.length, self.done_tx.clone());
+                    tokio::task::spawn_blocking(move || {
+                        let _ = tx.send(Done::Hashed(file, io.hash(&held, &blocks, len)));
+                    });
+                }
+                ServerAction::CheckSource { file } => {
+                    let Some(fi) = self.files.get(&file) else { continue };
+                    let (io, held, tx) = (self.io.clone(), fi.held.clone(), self.done_tx.clone());
+                    tokio::task::spawn_blocking(move || {
+                        let _ = tx.send(Done::Checked(file, io.check_source(&held)));
+                    });
+                }
+                ServerAction::Commit { files } => {
+                    let batch: Vec<(FileId, Held, Digest)> = files
+                        .into_iter()
+                        .filter_map(|(f, d)| Some((f, self.files.get(&f)?.held.clone(), d)))
+                        .collect();
+                    let (io, tx) = (self.io.clone(), self.done_tx.clone());
+                    tokio::task::spawn_blocking(move || {
+                        let _ = tx.send(Done::Committed(io.commit(batch)));
+                    });
+                }
+                ServerAction::Close { file } => {
+                    if let Some(fi) = self.files.remove(&file) {
+                        if fi.dir == "pull" {
+                            self.svc.stats.transfers_ok.fetch_add(1, Relaxed);
+                            self.svc.metrics.transfer_ended("pull", "ok", fi.length, fi.started.elapsed().as_secs_f64(), None);
+                        }
+                        // A destination dropped uncommitted syncs its manifest.
+                        tokio::task::spawn_blocking(move || drop(fi));
+                    }
+                }
+                ServerAction::End(r) => return Some(r),
+            }
+        }
+        if !opens.is_empty() {
+            let (io, tx) = (self.io.clone(), self.done_tx.clone());
+            tokio::task::spawn_blocking(move || {
+                let r = opens
+                    .into_iter()
+                    .map(|(file, o)| (file, io.open(&o)))
+                    .collect();
+                let _ = tx.send(Done::Opened(r));
+            });
+        }
+        None
+    }
+
+    fn grant(&mut self, window: WindowId, epoch: u32, extents: Vec<proto::Extent>, fill: bool) {
+        let slot = self.slots.remove(&window);
+        let fills: Option<HashMap<FileId, Held>> = fill.then(|| {
+            extents
+                .iter()
+                .filter_map(|e| Some((e.file, self.files.get(&e.file)?.held.clone())))
+                .collect()
+        });
+        let (io, tx, svc) = (self.io.clone(), self.done_tx.clone(), self.svc.clone());
+        let len = self.svc.link.window_size;
+        tokio::spawn(async move {
+            let mut slot = match slot {
+                Some(s) => s,
+                None => {
+                    // A slot of the shared arena: waits while other sessions
+                    // hold them all.
+                    let Ok(permit) = svc.slots.clone().acquire_owned().await else {
+                        let _ = tx.send(Done::Granted {
+                            window,
+                            epoch,
+                            slot: None,
+                            r: Err(Failure::new(Reason::Retryable, "rcpd is shutting down")),
+                        });
+                        return;
+                    };
+                    let block = svc.link.slots.take().expect("a permit per free slot");
+                    Slot::new(block, permit)
+                }
+            };
+            let _ = len;
+            let r = tokio::task::spawn_blocking(move || {
+                let used = extents
+                    .iter()
+                    .map(|e| (e.offset + u64::from(e.len)) as usize)
+                    .max()
+                    .unwrap_or(0);
+                let r = io.grant(&mut slot, &extents, fills.as_ref(), used);
+                (slot, r)
+            })
+            .await;
+            let (slot, r) = match r {
+                Ok((s, r)) => (Some(s), r),
+                Err(e) => (None, Err(Failure::new(Reason::Other, format!("grant job: {e}")))),
+            };
+            let _ = tx.send(Done::Granted {
+                window,
+                epoch,
+                slot,
+                r,
+            });
+        });
+    }
+
+    fn verify(&mut self, window: WindowId, epoch: u32, extents: Vec<proto::Extent>, expected: Vec<Digest>) {
+        let Some(mut slot) = self.slots.remove(&window) else {
+            let now = self.now();
+            self.core.verified(now, window, epoch, Err(Failure::new(Reason::Other, "verify of a window without a slot")));
+            return;
+        };
+        let files: HashMap<FileId, Held> = extents
+            .iter()
+            .filter_map(|e| Some((e.file, self.files.get(&e.file)?.held.clone())))
+            .collect();
+        let (io, tx) = (self.io.clone(), self.done_tx.clone());
+        tokio::task::spawn_blocking(move || {
+            let r = io.verify(&mut slot, &extents, &expected, &files);
+            let _ = tx.send(Done::Verified {
+                window,
+                epoch,
+                slot,
+                r,
+            });
+        });
+    }
+
+    fn apply(&mut self, d: Done) {
+        let now = self.now();
+        match d {
+            Done::Opened(rs) => {
+                for (file, r) in rs {
+                    let r = r.map(|(held, opened)| {
+                        let dir = match held {
+                            Held::Push { .. } => "push",
+                            Held::Pull { .. } => "pull",
+                        };
+                        self.svc.metrics.transfer_started();
+                        self.files.insert(
+                            file,
+                            FileInfo {
+                                held,
+                                dir,
+                                length: opened.length,
+                                started: Instant::now(),
+                            },
+                        );
+                        opened
+                    });
+                    self.core.opened(now, file, r);
+                }
+            }
+            Done::Granted {
+                window,
+                epoch,
+                slot,
+                r,
+            } => {
+                if let Some(s) = slot {
+                    self.slots.insert(window, s);
+                }
+                self.core.granted(now, window, epoch, r);
+            }
+            Done::Verified {
+                window,
+                epoch,
+                slot,
+                r,
+            } => {
+                self.slots.insert(window, slot);
+                self.core.verified(now, window, epoch, r);
+            }
+            Done::Hashed(file, r) => self.core.hashed(now, file, r),
+            Done::Checked(file, r) => self.core.source_checked(now, file, r),
+            Done::Committed(rs) => {
+                for (file, r) in rs {
+                    if let (Ok(c), Some(fi)) = (&r, self.files.get(&file)) {
+                        self.svc.stats.transfers_ok.fetch_add(1, Relaxed);
+                        self.svc.stats.bytes_in.fetch_add(c.length, Relaxed);
+                        self.svc.metrics.transfer_ended("push", "ok", c.length, fi.started.elapsed().as_secs_f64(), None);
+                    }
+                    self.core.committed(now, file, r);
+                }
+            }
+        }
+    }
+}
+
+async fn sleep_until(t: Option<tokio::time::Instant>) {
+    match t {
+        Some(t) => tokio::time::sleep_until(t).await,
+        None => std::future::pending().await,
+    }
+}
+
+#[allow(dead_code)]
+fn direction_name(d: Direction) -> &'static str {
+    match d {
+        Direction::Push => "push",
+        _ => "pull",
+    }
+}
