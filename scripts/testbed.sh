@@ -9,8 +9,10 @@
 #
 # CMD runs as root in the guest, with the host's root file system (read-only, so it
 # sees the binaries just built) and the repository writable. The exit code of CMD is
-# the exit code of `run`. Environment: RCP_VM_MEM (default 4G), RCP_VM_CPUS (default 2),
-# RCP_KERNEL_SERIES (default: 6.12 for lo, the newest installed for netns).
+# the exit code of `run`, which ends with how long the boot and CMD took ("testbed:
+# topology=lo boot ~N s, setup + command M s, total T s"). Environment: RCP_VM_MEM
+# (default 4G), RCP_VM_CPUS (default 2), RCP_KERNEL_SERIES (default: 6.12 for lo, the
+# newest installed for netns).
 #
 # Kernels: Debian 12's 6.12 (bookworm-backports) for the lo topology, the baseline of
 # ../shared/rdma-testbed.md. Its rxe opens its UDP socket in the initial network
@@ -196,15 +198,19 @@ run() {
   [ -n "$ver" ] || { log "no test kernel for topology $topo: run '$0 install' first"; exit 1; }
   local script
   script=$(mktemp "$here/target/.testbed.XXXXXX.sh" 2>/dev/null || { mkdir -p "$here/target"; mktemp "$here/target/.testbed.XXXXXX.sh"; })
+  local rc=0 t0 t1 booted=$script.booted
   {
     echo "cd '$PWD'"
+    # When the guest starts running: the boot time (the guest's clock comes
+    # from the host's RTC, to the second).
+    echo "date +%s > '$booted' 2>/dev/null || true"
     guest_setup "$topo"
     printf '%q ' "$@"; echo
     echo 'rc=$?; echo "testbed: exit $rc"; exit $rc'
   } >"$script"
   chmod +x "$script"
   log "booting $ver (TCG) topology=$topo"
-  local rc=0
+  t0=$(date +%s)
   # Through a pipe: vng reopens its standard output, which would rewrite a
   # log file from its start.
   set +e
@@ -212,7 +218,15 @@ run() {
     --rwdir "$here" --user root --exec "bash $script" </dev/null | cat
   rc=${PIPESTATUS[0]}
   set -e
-  rm -f "$script"
+  t1=$(date +%s)
+  local b
+  b=$(cat "$booted" 2>/dev/null || true)
+  if [[ "$b" =~ ^[0-9]+$ ]] && [ "$b" -ge "$t0" ] && [ "$b" -le "$t1" ]; then
+    log "topology=$topo boot ~$((b - t0)) s, setup + command $((t1 - b)) s, total $((t1 - t0)) s"
+  else
+    log "topology=$topo total $((t1 - t0)) s (boot time unknown)"
+  fi
+  rm -f "$script" "$booted"
   return $rc
 }
 

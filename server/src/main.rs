@@ -1,13 +1,14 @@
-//! rcpd: the rcp daemon. Flags mirror the RCPD_* environment variables of
-//! the Kubernetes manifests (deploy/rcpd-env.txt); a flag beats the
-//! environment.
+//! rcpd: the rcp daemon. Every flag is also an RCPD_* environment variable
+//! (what the Kubernetes manifests set); a flag beats the environment.
+//! `rcpd --print-env` (hidden) lists those variables, from this command
+//! definition: scripts/validate-manifests.sh checks deploy/ against it.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use clap::Parser;
+use clap::{CommandFactory, Parser};
 use rcp::control::daemon::{self, DaemonConfig};
 use rcp::control::{ServerTls, Transport};
 
@@ -28,8 +29,8 @@ struct Args {
     #[arg(long, env = "RCPD_METRICS_LISTEN")]
     metrics_listen: Option<String>,
     /// Every path is resolved beneath this directory.
-    #[arg(long, env = "RCPD_ROOT")]
-    root: PathBuf,
+    #[arg(long, env = "RCPD_ROOT", required_unless_present = "print_env")]
+    root: Option<PathBuf>,
     /// auto (verbs when an RDMA port is ACTIVE, else tcp), verbs or tcp.
     #[arg(long, env = "RCPD_TRANSPORT", default_value = "auto")]
     transport: Transport,
@@ -82,6 +83,18 @@ struct Args {
     /// Seconds running transfers get to finish after SIGTERM/SIGINT.
     #[arg(long, env = "RCPD_SHUTDOWN_GRACE", default_value_t = 30)]
     shutdown_grace: u64,
+    /// Print every RCPD_* variable rcpd reads, one per line, and exit.
+    #[arg(long, hide = true)]
+    print_env: bool,
+}
+
+/// The RCPD_* variables of the command definition, in flag order.
+fn env_names() -> Vec<String> {
+    Args::command()
+        .get_arguments()
+        .filter_map(|a| a.get_env())
+        .map(|e| e.to_string_lossy().into_owned())
+        .collect()
 }
 
 fn addr_opt(s: Option<&str>, what: &str) -> anyhow::Result<Option<SocketAddr>> {
@@ -97,6 +110,13 @@ fn addr_opt(s: Option<&str>, what: &str) -> anyhow::Result<Option<SocketAddr>> {
 
 fn main() -> anyhow::Result<()> {
     let a = Args::parse();
+    if a.print_env {
+        for name in env_names() {
+            println!("{name}");
+        }
+        return Ok(());
+    }
+    let root = a.root.context("--root is required")?;
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(
@@ -125,7 +145,7 @@ fn main() -> anyhow::Result<()> {
         listen: a.listen,
         health_listen: addr_opt(Some(&a.health_listen), "--health-listen")?,
         metrics_listen: addr_opt(a.metrics_listen.as_deref(), "--metrics-listen")?,
-        root: a.root,
+        root,
         transport: a.transport,
         device: a.device,
         gid_index: a.gid_index,

@@ -124,10 +124,18 @@ pub async fn run(
         .map_err(ControlError::io("local address"))?;
     let (reporter, health_svc) = tonic_health::server::health_reporter();
     reporter.set_serving::<RcpServer<RcpService>>().await;
-    let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
+    // Reflection in both versions: grpc.reflection.v1, and v1alpha for the
+    // clients that still ask only that (older grpcurl, grpcui, Postman).
+    let reflection_builder = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
+    };
+    let reflection = reflection_builder()
         .build_v1()
-        .map_err(|e| ControlError::Other(format!("reflection: {e}")))?;
+        .map_err(|e| ControlError::Other(format!("reflection v1: {e}")))?;
+    let reflection_v1alpha = reflection_builder()
+        .build_v1alpha()
+        .map_err(|e| ControlError::Other(format!("reflection v1alpha: {e}")))?;
     let rcp = RcpServer::new(RcpService(svc.clone()))
         .max_decoding_message_size(MAX_MESSAGE)
         .max_encoding_message_size(MAX_MESSAGE);
@@ -179,6 +187,7 @@ pub async fn run(
         builder
             .add_service(health_svc)
             .add_service(reflection)
+            .add_service(reflection_v1alpha)
             .add_service(rcp)
             .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
                 let _ = stop_rx.await;
