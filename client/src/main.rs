@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
-use rcp::control::cli::{self, parse_remote, Job, Observer, Totals};
+use rcp::control::client::{Observer, Quiet};
+use rcp::control::jobs::{self, parse_remote, Job, Totals};
 use rcp::control::{exit, Client, ClientOptions, ClientTls, ControlError, FileResult, Transport};
 
 const AFTER_HELP: &str = "\
@@ -80,6 +81,17 @@ struct Cli {
     /// Continue an interrupted copy from its manifest, moving only missing blocks.
     #[arg(long, env = "RCP_RESUME", global = true)]
     resume: bool,
+    /// Files in flight at once (open on the session's stream).
+    #[arg(long, env = "RCP_TRANSFERS", default_value_t = rcp::control::client::DEFAULT_TRANSFERS, value_parser = clap::value_parser!(u32).range(1..=4096), global = true)]
+    transfers: u32,
+    /// Seconds without progress (or without a word from rcpd) before the
+    /// copy gives up with exit code 5; --resume continues it.
+    #[arg(long, env = "RCP_TIMEOUT", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..), global = true)]
+    timeout: u64,
+    /// Also compute each file's flat SHA-256 (the sha256sum value) on the
+    /// receiving side and print it in the summary.
+    #[arg(long, env = "RCP_SHA256", global = true)]
+    sha256: bool,
     /// Preserve mode and mtime.
     #[arg(short = 'p', long, env = "RCP_PRESERVE", global = true)]
     preserve: bool,
@@ -247,6 +259,8 @@ async fn run(c: Cli) -> Result<(), ControlError> {
             ack_timeout: c.qp_timeout,
             retry_cnt: c.qp_retry_cnt,
         },
+        transfers: c.transfers,
+        timeout: Duration::from_secs(c.timeout),
         tls: c.tls_ca.clone().map(|ca| ClientTls {
             ca,
             cert: c.tls_cert.clone(),
@@ -260,14 +274,18 @@ async fn run(c: Cli) -> Result<(), ControlError> {
         Cmd::Pull { recursive, args } => (*recursive, args.clone(), false),
         Cmd::Bench { .. } => unreachable!("bench runs without the runtime"),
         Cmd::Doctor { host } => {
-            let addr = host.as_ref().map(|h| {
-                if h.starts_with('[') || !h.contains(':') {
-                    format!("{h}:{}", c.port)
-                } else {
-                    format!("[{h}]:{}", c.port)
+            let addr = match host {
+                // A bare IPv6 address, or HOST / HOST:PORT / [V6]:PORT.
+                Some(h) if h.parse::<std::net::Ipv6Addr>().is_ok() => {
+                    Some(format!("[{h}]:{}", c.port))
                 }
-            });
-            let d = cli::doctor(addr, opts).await;
+                Some(h) => {
+                    let (host, port) = rcp::control::client::split_host_port(h, c.port)?;
+                    Some(format!("{host}:{port}"))
+                }
+                None => None,
+            };
+            let d = jobs::doctor(addr, opts).await;
             for check in &d.checks {
                 println!("{check}");
             }
@@ -283,6 +301,7 @@ async fn run(c: Cli) -> Result<(), ControlError> {
         recursive,
         preserve: c.preserve,
         resume: c.resume,
+        sha256: c.sha256,
     };
     let (last, rest) = args.split_last().expect("clap requires 2 args");
     let (addr, local_paths, remote_paths, local_dest) = if push {
@@ -344,10 +363,10 @@ async fn run(c: Cli) -> Result<(), ControlError> {
             file: Mutex::new(None),
         })
     } else {
-        Arc::new(cli::Quiet)
+        Arc::new(Quiet)
     };
     let totals: Result<Totals, ControlError> = if push {
-        cli::push(
+        jobs::push(
             &client,
             &mut session,
             &local_paths,
@@ -357,7 +376,7 @@ async fn run(c: Cli) -> Result<(), ControlError> {
         )
         .await
     } else {
-        cli::pull(
+        jobs::pull(
             &client,
             &mut session,
             &remote_paths,

@@ -49,6 +49,14 @@ struct Args {
     /// Transfers served at once; more wait (back-pressure), they do not fail.
     #[arg(long, env = "RCPD_MAX_TRANSFERS", default_value_t = 16)]
     max_transfers: usize,
+    /// Files one session may have open at once.
+    #[arg(long, env = "RCPD_MAX_OPEN_FILES", default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    max_open_files: u32,
+    /// Seconds a session's stream may wait without progress (or without a
+    /// word from its client) before it is ended and its slots, windows and
+    /// registrations are freed; what it wrote stays resumable.
+    #[arg(long, env = "RCPD_TIMEOUT", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    timeout: u64,
     /// Bearer token clients must send (prefer --token-file).
     #[arg(long, env = "RCPD_TOKEN", hide_env_values = true)]
     token: Option<String>,
@@ -152,6 +160,8 @@ fn main() -> anyhow::Result<()> {
         arena_mib: a.arena_mib,
         hugepage_dir: a.hugepage_dir,
         max_transfers: a.max_transfers,
+        max_open_files: a.max_open_files,
+        timeout: Duration::from_secs(a.timeout),
         token,
         cq_cpu: a.cq_cpu,
         batch: a.batch,

@@ -15,6 +15,7 @@ use tonic::transport::Server;
 
 use super::auth::CheckBearer;
 use super::client::ClientOptions;
+use super::copy::CopyService;
 use super::error::{ControlError, Result};
 use super::link::{resolve_transport, ServerLink, ServerLinkConfig, Transport};
 use super::server::{RcpService, Service, ServiceConfig};
@@ -39,6 +40,11 @@ pub struct DaemonConfig {
     pub batch: usize,
     pub signal_every: usize,
     pub shutdown_grace: Duration,
+    /// A Move stream that waits and makes no progress this long is ended,
+    /// and its slots, windows and registrations are freed.
+    pub timeout: Duration,
+    /// Files one session may have open at once.
+    pub max_open_files: u32,
     /// TLS on the gRPC port (mTLS when it names a client CA).
     pub tls: Option<super::tls::ServerTls>,
     /// CA to trust when this rcpd copies to/from another (Copy API);
@@ -96,8 +102,12 @@ pub async fn run(
     let scfg = ServiceConfig {
         root: root.clone(),
         max_transfers: cfg.max_transfers,
-        windows_per_transfer: 4,
-        copy_client: ClientOptions {
+        windows_per_session: 8,
+        max_open_files: cfg.max_open_files,
+        timeout: cfg.timeout,
+    };
+    let copier = CopyService {
+        opts: ClientOptions {
             token: cfg.token.clone(),
             transport: cfg.transport,
             device: cfg.device.clone(),
@@ -105,15 +115,15 @@ pub async fn run(
             batch: cfg.batch,
             signal_every: cfg.signal_every,
             cq_cpu: cfg.cq_cpu,
+            timeout: cfg.timeout,
             tls: cfg
                 .tls
                 .as_ref()
                 .and_then(|t| t.as_client(cfg.tls_peer_ca.clone())),
             ..ClientOptions::default()
         },
-        idle_timeout: Duration::from_secs(300),
     };
-    let svc = Service::new(scfg, link)?;
+    let svc = Service::new(scfg, link, Some(Arc::new(copier)))?;
     let stats = svc.stats.clone();
 
     let listener = tokio::net::TcpListener::bind(cfg.listen)
@@ -177,7 +187,12 @@ pub async fn run(
     on_bound(&bound, &why);
 
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let mut builder = Server::builder();
+    // HTTP/2 pings notice a dead client host or a cut path; a stopped
+    // client process is the Move stream's own timeout.
+    let ping = (cfg.timeout / 3).max(Duration::from_secs(1));
+    let mut builder = Server::builder()
+        .http2_keepalive_interval(Some(ping))
+        .http2_keepalive_timeout(Some(ping));
     if let Some(t) = &cfg.tls {
         builder = builder
             .tls_config(t.config()?)

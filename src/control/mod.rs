@@ -1,57 +1,59 @@
-//! The control plane: the gRPC protocol (`proto/rcp/v1/rcp.proto`), the
-//! rcpd service, the async client library and the CLI's copy logic.
+//! The control plane: the gRPC protocol (`proto/rcp/v1/rcp.proto`,
+//! protocol 2), the rcpd service, the async client library and the jobs
+//! `rcp` runs.
 //!
-//! - [`server`]: [`server::Service`] (sessions, window grants from the
-//!   arena, per-window verification, commit) and its gRPC face;
-//! - [`client`]: [`Client`] / [`Session`]: handshake, push and pull of one
-//!   file, stat, list, the service API's `Copy`;
+//! Layers, each importing only those below it:
+//! - [`protocol`]: the Move protocol's cores, no I/O
+//!   ([`protocol::ServerCore`], [`protocol::ClientCore`]);
+//! - [`server`]: [`server::Service`] (sessions, the Move stream driver,
+//!   metadata requests) and its gRPC face;
+//! - [`client`]: [`Client`] / [`Session`]: handshake, one data path per
+//!   session, [`Session::transfer`] of many files, stat, list, `Copy`;
+//! - [`jobs`]: `rcp push/pull` (argument resolution, trees, totals);
+//! - [`copy`]: the service API's `Copy` over [`jobs`], plugged into the
+//!   server as its [`server::Copier`];
 //! - [`daemon`]: building and serving rcpd (auth, health, reflection,
-//!   shutdown, metrics);
-//! - [`cli`]: `rcp push/pull` (argument resolution, recursion, summaries);
-//! - [`link`]: provider setup on both ends;
-//! - [`movement`]: the one function that moves a transfer's blocks;
-//! - [`fsutil`]: confinement, temp file + manifest, digests.
+//!   keepalives, shutdown, metrics);
+//! - beside them: [`link`] (provider setup on both ends), [`error`] (typed
+//!   errors, reasons, exit codes), [`auth`], [`tls`], [`fsutil`].
 
 pub mod auth;
-#[cfg(any())]
-pub mod cli;
-#[cfg(any())]
 pub mod client;
-#[cfg(any())]
 pub mod copy;
-#[cfg(any())]
 pub mod daemon;
 pub mod error;
 pub mod fsutil;
+pub mod jobs;
 pub mod link;
-#[cfg(any())]
-pub mod movement;
 pub mod protocol;
-#[cfg(any())]
 pub mod server;
 pub mod tls;
 
 use std::sync::atomic::AtomicU64;
 
-#[cfg(any())]
 pub use client::{Client, ClientOptions, FileResult, Session};
 pub use error::{exit, ControlError};
 pub use link::Transport;
 pub use tls::{ClientTls, ServerTls};
 
+/// Run blocking work from async code: on a worker of the multi-threaded
+/// runtime without stalling it, inline elsewhere.
+pub(crate) fn in_place<R>(f: impl FnOnce() -> R) -> R {
+    match tokio::runtime::Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(f)
+        }
+        _ => f(),
+    }
+}
+
 /// Protocol version spoken.
-pub const VERSION_MAJOR: u32 = 1;
-pub const VERSION_MINOR: u32 = 1;
-/// The first minor version whose tcp data connections carry the session
-/// key (1.1): a tcp session between an older and a newer end is refused at
-/// the handshake, by name, instead of failing later with access errors.
-pub const TCP_SESSION_KEY_MINOR: u32 = 1;
+pub const VERSION_MAJOR: u32 = 2;
+pub const VERSION_MINOR: u32 = 0;
 /// Default gRPC port of rcpd.
 pub const DEFAULT_PORT: u16 = 7471;
 /// Default block size.
 pub const DEFAULT_BLOCK_SIZE: u64 = 1 << 20;
-/// Largest file accepted (16 TiB).
-pub const MAX_FILE_LEN: u64 = 16 << 40;
 /// gRPC message size limit, both ways.
 pub const MAX_MESSAGE: usize = 4 << 20;
 /// Window size of rcpd's arena slots (also the largest block size).

@@ -45,7 +45,7 @@ pub fn roundtrip(t: &str, sizes: &[u64]) {
             d.port,
             t,
             Some(TOKEN),
-            &["push", src.to_str().unwrap(), &remote("/")],
+            &["push", "--sha256", src.to_str().unwrap(), &remote("/")],
         );
         assert_eq!(
             r.code,
@@ -69,7 +69,7 @@ pub fn roundtrip(t: &str, sizes: &[u64]) {
             d.port,
             t,
             Some(TOKEN),
-            &["pull", &remote(&name), back.to_str().unwrap()],
+            &["pull", "--sha256", &remote(&name), back.to_str().unwrap()],
         );
         assert_eq!(
             r.code,
@@ -80,6 +80,9 @@ pub fn roundtrip(t: &str, sizes: &[u64]) {
             d.log()
         );
         assert_eq!(sha256sum(&back.join(&name)), want, "pulled {len} bytes");
+        if len > 0 {
+            assert!(r.stdout.contains(&want), "summary has the digest: {}", r.stdout);
+        }
         println!("{len} bytes pulled: {}", r.stdout.trim());
     }
     // No temp files or manifests left behind.
@@ -334,6 +337,92 @@ pub fn eight_clients_with_back_pressure(t: &str, s: &Scale) {
     }
 }
 
+/// Send `sig` (STOP, CONT, KILL) to `pid`.
+pub fn signal(pid: u32, sig: &str) {
+    let st = Command::new("kill")
+        .args([&format!("-{sig}"), &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(st.success(), "kill -{sig} {pid}");
+}
+
+/// A client stopped (SIGSTOP) mid-push holds rcpd's only transfer slot:
+/// after `--timeout` rcpd evicts it, another client's copy proceeds, and
+/// the stopped copy's temp file stays for `--resume`.
+pub fn stopped_client_is_evicted(t: &str, s: &Scale) {
+    let (tmp, root) = tmp_with_root();
+    let d = Rcpd::start(&root, t, None, &["--max-transfers", "1", "--timeout", "3"]);
+    let src = tmp.path().join("big");
+    make_file(&src, s.resume_len, 11);
+    let want = sha256sum(&src);
+    let p = src.to_str().unwrap();
+    let mut stopped = rcp_blocks(t, d.port, s.resume_block, &["push", "-q", p, &remote("/")])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_verified(&root, "big", WINDOW_SIZE as u64 / s.resume_block);
+    signal(stopped.id(), "STOP");
+    let t0 = std::time::Instant::now();
+    let other = tmp.path().join("other");
+    make_file(&other, 5000, 12);
+    let r = rcp(d.port, t, None, &["push", other.to_str().unwrap(), &remote("/")]);
+    assert_eq!(r.code, 0, "{}{}\n{}", r.stdout, r.stderr, d.log());
+    assert_eq!(sha256sum(&root.join("other")), sha256sum(&other));
+    println!("the other client finished {:.1} s after the stop", t0.elapsed().as_secs_f64());
+    let log = d.log();
+    assert!(
+        log.contains("stopped answering") || log.contains("no progress") || log.contains("unfinished"),
+        "rcpd says why it ended the stopped client's stream: {log}"
+    );
+    assert!(!root.join("big").exists(), "nothing under the final name");
+    assert!(find_manifest(&root, "big").is_some(), "{:?}", names(&root));
+    signal(stopped.id(), "KILL");
+    stopped.wait().unwrap();
+    let args = ["push", "--resume", p, &remote("/")];
+    let out = rcp_blocks(t, d.port, s.resume_block, &args).output().unwrap();
+    let so = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{so}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(moved(&so) < s.resume_len, "resume moved {} of {}", moved(&so), s.resume_len);
+    assert_eq!(sha256sum(&root.join("big")), want);
+}
+
+/// rcpd stopped (SIGSTOP) mid-copy: the client gives up with the retry
+/// code within its `--timeout`, and once rcpd runs again `--resume`
+/// continues the copy.
+pub fn stopped_server_makes_the_client_give_up(t: &str, s: &Scale) {
+    let (tmp, root) = tmp_with_root();
+    let d = Rcpd::start(&root, t, None, &[]);
+    let src = tmp.path().join("big");
+    make_file(&src, s.resume_len, 13);
+    let want = sha256sum(&src);
+    let p = src.to_str().unwrap();
+    let args = ["--timeout", "3", "push", "-q", p, &remote("/")];
+    let child = rcp_blocks(t, d.port, s.resume_block, &args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_verified(&root, "big", WINDOW_SIZE as u64 / s.resume_block);
+    signal(d.child.id(), "STOP");
+    let t0 = std::time::Instant::now();
+    let out = child.wait_with_output().unwrap();
+    let waited = t0.elapsed().as_secs_f64();
+    signal(d.child.id(), "CONT");
+    let se = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(5), "exit 5 (retry): {se}");
+    println!("the client gave up {waited:.1} s after rcpd stopped: {}", se.trim());
+    // The timeout is 3 s; the client heard rcpd last at most then.
+    assert!(waited < 3.0 + 6.0, "gave up after {waited:.1} s");
+    assert!(!root.join("big").exists());
+    let args = ["push", "--resume", p, &remote("/")];
+    let out = rcp_blocks(t, d.port, s.resume_block, &args).output().unwrap();
+    let so = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{so}{}\n{}", String::from_utf8_lossy(&out.stderr), d.log());
+    assert!(moved(&so) < s.resume_len, "resume moved {} of {}", moved(&so), s.resume_len);
+    assert_eq!(sha256sum(&root.join("big")), want);
+}
+
 /// The scenarios above as `#[test]`s over `$transport` at the [`Scale`]
 /// given, each carrying the attributes given (the VM's `#[ignore = ...]`).
 #[macro_export]
@@ -379,6 +468,18 @@ macro_rules! e2e_tests {
         $(#[$attr])*
         fn eight_clients_at_once_with_back_pressure() {
             $crate::common::e2e::eight_clients_with_back_pressure($t, &$scale);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn stopped_client_is_evicted() {
+            $crate::common::e2e::stopped_client_is_evicted($t, &$scale);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn stopped_server_makes_the_client_give_up() {
+            $crate::common::e2e::stopped_server_makes_the_client_give_up($t, &$scale);
         }
     };
 }

@@ -315,7 +315,7 @@ impl Drop for Session {
         // Close the data path before the staging it may still be writing
         // is returned (quarantine drops after this).
         if let Some(dp) = self.dp.take() {
-            let _ = crate::control::server::in_place(|| dp.close());
+            let _ = crate::control::in_place(|| dp.close());
         }
     }
 }

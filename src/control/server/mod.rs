@@ -31,7 +31,7 @@ use tonic::{Request, Response, Status, Streaming};
 use super::error::{ControlError, Result};
 use super::fsutil;
 use super::link::ServerLink;
-use super::Stats;
+use super::{in_place, Stats};
 use crate::files::{self, FileError, FileKind, PathError, Root, SourceFile};
 use crate::proto::{self, ClientFrame, ServerFrame};
 use crate::provider::ProviderKind;
@@ -80,17 +80,6 @@ pub struct Service {
 /// A server-streaming response.
 pub type BoxStream<T> =
     Pin<Box<dyn Stream<Item = std::result::Result<T, Status>> + Send + 'static>>;
-
-/// Run blocking work from async code: on a worker of the multi-threaded
-/// runtime without stalling it, inline elsewhere.
-pub(crate) fn in_place<R>(f: impl FnOnce() -> R) -> R {
-    match tokio::runtime::Handle::try_current() {
-        Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
-            tokio::task::block_in_place(f)
-        }
-        _ => f(),
-    }
-}
 
 impl Service {
     pub fn new(
