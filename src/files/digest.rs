@@ -1,11 +1,11 @@
-//! Integrity: per-block SHA-256 (parallel) and the whole-file SHA-256 computed from
-//! blocks arriving in any order, without reading the file a second time.
+//! Integrity: per-block SHA-256 (hashed on a process-wide pool) and the whole-file
+//! SHA-256 computed from blocks arriving in any order, without reading the file a
+//! second time.
 
 use std::collections::BTreeMap;
-use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
+use std::sync::OnceLock;
 
+use rayon::prelude::*;
 use sha2::{Digest, Sha256};
 
 use super::error::DigestError;
@@ -34,150 +34,66 @@ fn parallelism() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
-/// SHA-256 of each block, spread over `available_parallelism` scoped threads.
-/// Output order matches input order.
+/// The process-wide hashing pool, created by [`set_pool_threads`] or on first use.
+static POOL: OnceLock<rayon::ThreadPool> = OnceLock::new();
+
+fn build_pool(threads: usize) -> rayon::ThreadPool {
+    let threads = if threads == 0 { parallelism() } else { threads };
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .thread_name(|i| format!("rcp-digest-{i}"))
+        .build()
+        .expect("spawn the digest threads")
+}
+
+fn pool() -> &'static rayon::ThreadPool {
+    POOL.get_or_init(|| build_pool(0))
+}
+
+/// Create the process-wide hashing pool now with `threads` threads (`0`:
+/// `available_parallelism`), e.g. as many as the CPUs of the NIC's NUMA node.
+/// Without this call the pool is created on first use with the default size.
+/// The pool lives as long as the process; its size cannot change once it
+/// exists ([`DigestError::PoolStarted`]), so call this at startup.
+pub fn set_pool_threads(threads: usize) -> Result<(), DigestError> {
+    if let Some(p) = POOL.get() {
+        return Err(DigestError::PoolStarted {
+            threads: p.current_num_threads(),
+        });
+    }
+    POOL.set(build_pool(threads))
+        .map_err(|_| DigestError::PoolStarted {
+            threads: pool().current_num_threads(),
+        })
+}
+
+/// Threads of the hashing pool (creating it if it does not exist yet).
+pub fn pool_threads() -> usize {
+    pool().current_num_threads()
+}
+
+/// SHA-256 of each block, spread over the process-wide hashing pool
+/// ([`set_pool_threads`]). Output order matches input order. A single block is
+/// hashed on the calling thread.
 pub fn digest_blocks_parallel(blocks: &[&[u8]]) -> Vec<Sha256Digest> {
-    let n = parallelism().min(blocks.len()).max(1);
-    if n == 1 {
+    if blocks.len() <= 1 {
         return blocks.iter().map(|b| block_digest(b)).collect();
     }
-    let mut out = vec![[0u8; 32]; blocks.len()];
-    let per = blocks.len().div_ceil(n);
-    std::thread::scope(|s| {
-        for (ins, outs) in blocks.chunks(per).zip(out.chunks_mut(per)) {
-            s.spawn(move || {
-                for (b, o) in ins.iter().zip(outs.iter_mut()) {
-                    *o = block_digest(b);
-                }
-            });
-        }
-    });
-    out
+    pool().install(|| blocks.par_iter().map(|b| block_digest(b)).collect())
 }
 
 /// [`digest_blocks_parallel`] while `alongside` (typically feeding the
-/// whole-file digest, which must see the bytes in order) runs on a thread
-/// of its own; the calling thread takes blocks too. Blocks are handed out
-/// one at a time, so a thread that finishes early takes the next one.
+/// whole-file digest, which must see the bytes in order) runs on one thread
+/// of the pool; the others hash the blocks (with a one-thread pool, one after
+/// the other).
 pub fn digests_alongside<R: Send>(
     blocks: &[&[u8]],
     alongside: impl FnOnce() -> R + Send,
 ) -> (Vec<Sha256Digest>, R) {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    let next = AtomicUsize::new(0);
-    let take = || {
-        let mut mine = Vec::new();
-        loop {
-            let i = next.fetch_add(1, Ordering::Relaxed);
-            let Some(b) = blocks.get(i) else { break mine };
-            mine.push((i, block_digest(b)));
-        }
-    };
-    // One thread is `alongside`'s; the others, this one included, hash.
-    let helpers = parallelism()
-        .saturating_sub(2)
-        .min(blocks.len().saturating_sub(1));
-    let mut out = vec![[0u8; 32]; blocks.len()];
-    let r = std::thread::scope(|s| {
-        let side = s.spawn(alongside);
-        let workers: Vec<_> = (0..helpers).map(|_| s.spawn(take)).collect();
-        let mut mine = take();
-        for w in workers {
-            mine.extend(w.join().expect("a digest thread panicked"));
-        }
-        for (i, d) in mine {
-            out[i] = d;
-        }
-        side.join().expect("the alongside thread panicked")
+    let (r, out) = pool().join(alongside, || {
+        blocks.par_iter().map(|b| block_digest(b)).collect()
     });
     (out, r)
-}
-
-/// A long-lived pool of hashing threads for the data path: `submit(index, buffer)`,
-/// later `recv()` gets `(index, digest, buffer)` back (buffer returned so it can be
-/// recycled). Results come back in completion order, not submission order.
-pub struct DigestPool<T: AsRef<[u8]> + Send + 'static> {
-    tx: Option<mpsc::Sender<(u64, T)>>,
-    rx: mpsc::Receiver<(u64, Sha256Digest, T)>,
-    workers: Vec<JoinHandle<()>>,
-    outstanding: usize,
-}
-
-impl<T: AsRef<[u8]> + Send + 'static> DigestPool<T> {
-    /// `threads == 0` means `available_parallelism`.
-    pub fn new(threads: usize) -> Self {
-        let threads = if threads == 0 { parallelism() } else { threads };
-        let (tx, work_rx) = mpsc::channel::<(u64, T)>();
-        let (done_tx, rx) = mpsc::channel();
-        let work_rx = Arc::new(Mutex::new(work_rx));
-        let workers = (0..threads)
-            .map(|i| {
-                let work_rx = Arc::clone(&work_rx);
-                let done_tx = done_tx.clone();
-                std::thread::Builder::new()
-                    .name(format!("rcp-digest-{i}"))
-                    .spawn(move || loop {
-                        let job = match work_rx.lock() {
-                            Ok(g) => g.recv(),
-                            Err(_) => return,
-                        };
-                        let Ok((idx, buf)) = job else { return };
-                        let d = block_digest(buf.as_ref());
-                        if done_tx.send((idx, d, buf)).is_err() {
-                            return;
-                        }
-                    })
-                    .expect("spawn digest thread")
-            })
-            .collect();
-        DigestPool {
-            tx: Some(tx),
-            rx,
-            workers,
-            outstanding: 0,
-        }
-    }
-
-    /// Queue a block for hashing.
-    pub fn submit(&mut self, index: u64, data: T) {
-        self.outstanding += 1;
-        self.tx
-            .as_ref()
-            .expect("pool alive")
-            .send((index, data))
-            .expect("digest workers alive");
-    }
-
-    /// Number of submitted blocks whose result was not yet collected.
-    pub fn outstanding(&self) -> usize {
-        self.outstanding
-    }
-
-    /// Wait for the next finished block; `None` if nothing is outstanding.
-    pub fn recv(&mut self) -> Option<(u64, Sha256Digest, T)> {
-        if self.outstanding == 0 {
-            return None;
-        }
-        let r = self.rx.recv().ok()?;
-        self.outstanding -= 1;
-        Some(r)
-    }
-
-    /// A finished block if one is ready, without waiting.
-    pub fn try_recv(&mut self) -> Option<(u64, Sha256Digest, T)> {
-        let r = self.rx.try_recv().ok()?;
-        self.outstanding -= 1;
-        Some(r)
-    }
-}
-
-impl<T: AsRef<[u8]> + Send + 'static> Drop for DigestPool<T> {
-    fn drop(&mut self) {
-        self.tx.take();
-        for w in self.workers.drain(..) {
-            let _ = w.join();
-        }
-    }
 }
 
 /// Default bound on out-of-order bytes a [`StreamingFileDigest`] holds.
@@ -334,23 +250,6 @@ mod tests {
         let (none, r) = digests_alongside(&[], || 7);
         assert!(none.is_empty());
         assert_eq!(r, 7);
-    }
-
-    #[test]
-    fn pool_returns_every_block() {
-        let mut pool = DigestPool::new(3);
-        for i in 0..20u64 {
-            pool.submit(i, vec![i as u8; 4096]);
-        }
-        let mut got = Vec::new();
-        while let Some((i, d, buf)) = pool.recv() {
-            assert_eq!(d, block_digest(&buf));
-            assert_eq!(buf[0], i as u8);
-            got.push(i);
-        }
-        got.sort();
-        assert_eq!(got, (0..20).collect::<Vec<_>>());
-        assert_eq!(pool.outstanding(), 0);
     }
 
     #[test]

@@ -76,6 +76,8 @@ pub enum DigestError {
     Gap { at: u64, len: u64 },
     #[error("not a SHA-256 hex digest: {0:?}")]
     BadHex(String),
+    #[error("the hashing pool already runs with {threads} threads; size it before first use")]
+    PoolStarted { threads: usize },
 }
 
 /// Everything the file layer can fail with.

@@ -20,8 +20,9 @@
 //! - [`SourceFile`] (sending side): length/mode/mtime, a [`SourceId`], and
 //!   `read_at` straight into the caller's (registered) buffer, `O_DIRECT` when
 //!   aligned, buffered otherwise ([`IoMode`]).
-//! - [`digest`]: [`block_digest`], [`digest_blocks_parallel`], [`DigestPool`], and
-//!   [`StreamingFileDigest`], the `sha256sum` of a file fed from out-of-order blocks.
+//! - [`digest`]: [`block_digest`], [`digest_blocks_parallel`] (on a process-wide pool,
+//!   [`set_pool_threads`]), and [`StreamingFileDigest`], the `sha256sum` of a file fed
+//!   from out-of-order blocks.
 //! - [`WriteBehind`]: a [`Destination`] handed to a writer thread, so the
 //!   receiver checks window N+1 while window N is written and hashed.
 //! - [`tree`]: [`walk`] for `-r` (never follows symlinks) and
@@ -52,7 +53,7 @@ pub mod write_behind;
 
 pub use commit::{Destination, DestinationOptions, Preserve, DEFAULT_BLOCK_SIZE};
 pub use digest::{
-    block_digest, digest_blocks_parallel, digests_alongside, DigestPool, Sha256Digest,
+    block_digest, digest_blocks_parallel, digests_alongside, set_pool_threads, Sha256Digest,
     StreamingFileDigest,
 };
 pub use error::{DigestError, FileError, ManifestError, PathError, Result};
