@@ -1,6 +1,26 @@
-//! Integrity: per-block SHA-256 (hashed on a process-wide pool) and the whole-file
-//! SHA-256 computed from blocks arriving in any order, without reading the file a
-//! second time.
+//! Integrity: per-block SHA-256 (hashed on a process-wide pool), the derived file
+//! digest built from the block digests, and (on request) the flat whole-file SHA-256
+//! computed from blocks arriving in any order, without reading the file a second time.
+//!
+//! # The derived file digest (`rcp-file-digest-v1`)
+//! What identifies a file's contents in rcp is not the flat `sha256sum` value but a
+//! digest *derived from the block digests*, so neither end makes a second, serial pass
+//! over the bytes: each block is hashed once (in parallel) anyway. For a file of
+//! `len` bytes cut into blocks of `block_size` bytes (the last one may be short; a
+//! 0-byte file has no block), with `d_i` the SHA-256 of block `i`:
+//!
+//! ```text
+//! file_digest = SHA-256( "rcp-file-digest-v1" 0x00
+//!                        || len        as u64 little endian
+//!                        || block_size as u64 little endian
+//!                        || d_0 || d_1 || ... || d_(n-1) )      n = ceil(len / block_size)
+//! ```
+//!
+//! Every block of the file appears, in index order. All fields have fixed lengths,
+//! so the encoding is unambiguous; the length and block size are part of it, so the
+//! same bytes cut differently (or a file truncated at a block boundary) give another
+//! digest. Both ends must use the same block size. See [`file_digest`] and
+//! [`FileDigest`].
 
 use std::collections::BTreeMap;
 use std::sync::OnceLock;
@@ -16,6 +36,60 @@ pub type Sha256Digest = [u8; 32];
 /// SHA-256 of one block.
 pub fn block_digest(data: &[u8]) -> Sha256Digest {
     Sha256::digest(data).into()
+}
+
+/// The domain-separation prefix of the derived file digest (see the module doc).
+pub const FILE_DIGEST_TAG: &[u8; 19] = b"rcp-file-digest-v1\0";
+
+/// The derived file digest, built incrementally: [`push`](Self::push) the digest of
+/// every block, in index order, then [`finish`](Self::finish). See the module doc for
+/// the encoding.
+#[derive(Clone)]
+pub struct FileDigest {
+    hasher: Sha256,
+    blocks: u64,
+}
+
+impl FileDigest {
+    /// For a file of `len` bytes in blocks of `block_size` bytes.
+    pub fn new(len: u64, block_size: u64) -> Self {
+        let mut hasher = Sha256::new();
+        hasher.update(FILE_DIGEST_TAG);
+        hasher.update(len.to_le_bytes());
+        hasher.update(block_size.to_le_bytes());
+        FileDigest { hasher, blocks: 0 }
+    }
+
+    /// The next block's SHA-256.
+    pub fn push(&mut self, block_digest: &Sha256Digest) {
+        self.hasher.update(block_digest);
+        self.blocks += 1;
+    }
+
+    /// Block digests pushed so far.
+    pub fn blocks(&self) -> u64 {
+        self.blocks
+    }
+
+    /// The digest. The caller has pushed every block (`len.div_ceil(block_size)`
+    /// of them); with any other number the result is simply another digest.
+    pub fn finish(self) -> Sha256Digest {
+        self.hasher.finalize().into()
+    }
+}
+
+/// The derived file digest of a `len`-byte file in `block_size` blocks from the
+/// digests of all its blocks, in index order (see the module doc).
+pub fn file_digest<'a>(
+    len: u64,
+    block_size: u64,
+    block_digests: impl IntoIterator<Item = &'a Sha256Digest>,
+) -> Sha256Digest {
+    let mut d = FileDigest::new(len, block_size);
+    for b in block_digests {
+        d.push(b);
+    }
+    d.finish()
 }
 
 /// Lower-case hex, as `sha256sum` prints it.
@@ -219,6 +293,39 @@ mod tests {
         assert!(from_hex("abc").is_err());
         let s = StreamingFileDigest::new(Some(0), 0);
         assert_eq!(to_hex(&s.finish().unwrap()), EMPTY);
+    }
+
+    /// The encoding built by hand, hashed in one go.
+    fn by_hand(len: u64, bs: u64, blocks: &[Sha256Digest]) -> Sha256Digest {
+        let mut m = b"rcp-file-digest-v1\0".to_vec();
+        m.extend_from_slice(&len.to_le_bytes());
+        m.extend_from_slice(&bs.to_le_bytes());
+        for b in blocks {
+            m.extend_from_slice(b);
+        }
+        Sha256::digest(&m).into()
+    }
+
+    #[test]
+    fn file_digest_encoding() {
+        let (a, b) = (block_digest(b"a"), block_digest(b"b"));
+        assert_eq!(file_digest(0, 4096, []), by_hand(0, 4096, &[]));
+        assert_eq!(file_digest(2, 1, [&a, &b]), by_hand(2, 1, &[a, b]));
+        let mut inc = FileDigest::new(2, 1);
+        inc.push(&a);
+        inc.push(&b);
+        assert_eq!(inc.blocks(), 2);
+        assert_eq!(inc.finish(), file_digest(2, 1, &[a, b]));
+        // Order, length, block size and the block set all count.
+        let base = file_digest(2, 1, [&a, &b]);
+        for other in [
+            file_digest(2, 1, [&b, &a]),
+            file_digest(3, 1, [&a, &b]),
+            file_digest(2, 2, [&a, &b]),
+            file_digest(2, 1, [&a]),
+        ] {
+            assert_ne!(other, base);
+        }
     }
 
     #[test]

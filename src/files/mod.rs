@@ -53,8 +53,8 @@ pub mod write_behind;
 
 pub use commit::{Destination, DestinationOptions, Preserve, DEFAULT_BLOCK_SIZE};
 pub use digest::{
-    block_digest, digest_blocks_parallel, digests_alongside, set_pool_threads, Sha256Digest,
-    StreamingFileDigest,
+    block_digest, digest_blocks_parallel, digests_alongside, file_digest, set_pool_threads,
+    FileDigest, Sha256Digest, StreamingFileDigest,
 };
 pub use error::{DigestError, FileError, ManifestError, PathError, Result};
 pub use manifest::{Manifest, SourceId};
