@@ -73,13 +73,34 @@ pub(crate) fn temp_prefix(name: &OsStr) -> Vec<u8> {
     out
 }
 
+/// 8 bytes no one else can predict, distinct for every call in this process:
+/// SHA-256 of a per-process random key and a counter (one `getrandom` per
+/// process, not one per temporary file).
+fn unique_tag() -> [u8; 8] {
+    use sha2::{Digest, Sha256};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::OnceLock;
+    static KEY: OnceLock<[u8; 32]> = OnceLock::new();
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let key = KEY.get_or_init(|| {
+        let mut k = [0u8; 32];
+        getrandom::getrandom(&mut k).expect("getrandom");
+        k
+    });
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let h = Sha256::new()
+        .chain_update(key)
+        .chain_update(n.to_le_bytes())
+        .finalize();
+    h[..8].try_into().expect("8 bytes")
+}
+
 /// `.rcp-<name>.<16 hex>.<suffix>`, the name of a temporary object next to `name`,
-/// kept within NAME_MAX by shortening `name`.
+/// kept within NAME_MAX by shortening `name`. The 16 hex digits are unpredictable
+/// to other processes; creation uses `O_EXCL` all the same.
 pub(crate) fn temp_name(name: &OsStr, suffix: &str) -> OsString {
-    let mut b = [0u8; 8];
-    getrandom::getrandom(&mut b).expect("getrandom");
     let mut out = temp_prefix(name);
-    out.extend_from_slice(hex::encode(b).as_bytes());
+    out.extend_from_slice(hex::encode(unique_tag()).as_bytes());
     out.push(b'.');
     out.extend_from_slice(suffix.as_bytes());
     OsString::from_vec(out)
