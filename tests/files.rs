@@ -285,6 +285,13 @@ fn pattern(len: usize, seed: u64) -> Vec<u8> {
         .collect()
 }
 
+/// The derived file digest of `data` cut in `bs` blocks (through `file_digest`,
+/// whose encoding `derived_digest::fixed_vectors` checks independently).
+fn derived(data: &[u8], bs: u64) -> Sha256Digest {
+    let blocks: Vec<Sha256Digest> = data.chunks(bs as usize).map(block_digest).collect();
+    file_digest(data.len() as u64, bs, &blocks)
+}
+
 /// Shuffle deterministically (Fisher-Yates with an xorshift).
 fn shuffle<T>(v: &mut [T], seed: u64) {
     let mut x = seed | 1;
@@ -335,8 +342,16 @@ mod destination {
         assert_eq!(fs::metadata(&temp).unwrap().len(), 100_000);
         fill(&mut d, &data, 7);
         assert_eq!(fs::read(t.path().join("f")).unwrap(), b"old contents");
-        let got = d.commit(block_digest(&data)).unwrap();
-        assert_eq!(got, block_digest(&data));
+        let got = d.commit(derived(&data, 4096)).unwrap();
+        assert_eq!(
+            got,
+            Published {
+                path: t.path().join("f"),
+                len: 100_000,
+                derived_digest: derived(&data, 4096),
+                flat_sha256: None,
+            }
+        );
         assert_eq!(fs::read(t.path().join("f")).unwrap(), data);
         assert_eq!(names(t.path()), ["f"]);
     }
@@ -427,10 +442,6 @@ mod destination {
             d.write_block(1, &[0; 4096], [0; 32]),
             Err(FileError::BadBlock { expected: 904, .. })
         ));
-        assert!(matches!(
-            d.write_at(4999, &[0; 2]),
-            Err(FileError::OutOfRange { .. })
-        ));
         fs::create_dir(t.path().join("sub")).unwrap();
         assert!(matches!(
             Destination::create(&dir, "sub", 1, opts(4096)),
@@ -460,8 +471,8 @@ mod destination {
             },
         });
         let mut d = Destination::create(&dir, "p", 3, o).unwrap();
-        d.write_at(0, b"abc").unwrap();
-        d.commit(block_digest(b"abc")).unwrap();
+        d.write_block(0, b"abc", block_digest(b"abc")).unwrap();
+        d.commit(derived(b"abc", 4096)).unwrap();
         let m = fs::metadata(t.path().join("p")).unwrap();
         assert_eq!(m.permissions().mode() & 0o7777, 0o640);
         assert_eq!((m.mtime(), m.mtime_nsec()), (1_234_567_890, 123_456_789));
@@ -473,7 +484,7 @@ mod destination {
         let dir = DirHandle::open(t.path()).unwrap();
         let d = Destination::create(&dir, "e", 0, opts(4096)).unwrap();
         assert_eq!(d.block_count(), 0);
-        d.commit(block_digest(b"")).unwrap();
+        d.commit(file_digest(0, 4096, [])).unwrap();
         assert_eq!(fs::metadata(t.path().join("e")).unwrap().len(), 0);
     }
 
@@ -485,17 +496,20 @@ mod destination {
         let dir = DirHandle::open(t.path()).unwrap();
         let data = pattern(64 * 512 - 100, 9);
         let mut o = opts(512);
+        o.flat_sha256 = true;
         o.max_pending_digest_bytes = 1024;
         let mut d = Destination::create(&dir, "bp", data.len() as u64, o).unwrap();
         for i in (0..d.block_count()).rev() {
             let b = &data[i as usize * 512..(i as usize * 512 + 512).min(data.len())];
             d.write_block(i, b, block_digest(b)).unwrap();
             if i > 0 {
-                assert_eq!(d.digested_up_to(), 0);
+                assert_eq!(d.digested_up_to(), Some(0));
             }
         }
-        assert_eq!(d.digested_up_to(), data.len() as u64);
-        d.commit(block_digest(&data)).unwrap();
+        assert_eq!(d.digested_up_to(), Some(data.len() as u64));
+        let p = d.commit_flat(block_digest(&data)).unwrap();
+        assert_eq!(p.flat_sha256, Some(block_digest(&data)));
+        assert_eq!(p.derived_digest, derived(&data, 512));
         assert_eq!(fs::read(t.path().join("bp")).unwrap(), data);
     }
 }
@@ -587,14 +601,18 @@ mod resume {
 
         let data = pattern(LEN as usize, 11);
         let dir = DirHandle::open(t.path()).unwrap();
-        let mut d = Destination::resume(&dir, "f", &src(), opts(1))
+        // Resumed with the flat SHA-256 on (the killed writer had it off).
+        let mut o = opts(1);
+        o.flat_sha256 = true;
+        let mut d = Destination::resume(&dir, "f", &src(), o)
             .unwrap()
             .expect("resumable");
         assert_eq!(d.missing_blocks(), vec![1, 3, 4, 7]);
         // Blocks 0 was re-read and hashed; 2, 5, 6 wait for the gap at block 1.
-        assert_eq!(d.digested_up_to(), BS);
+        assert_eq!(d.digested_up_to(), Some(BS));
         finish(&mut d, &data);
-        d.commit(block_digest(&data)).unwrap();
+        let p = d.commit(derived(&data, BS)).unwrap();
+        assert_eq!(p.flat_sha256, Some(block_digest(&data)));
         assert_eq!(fs::read(t.path().join("f")).unwrap(), data);
         assert_eq!(names(t.path()), ["f"]);
     }
@@ -618,13 +636,14 @@ mod resume {
         // Suspend again half way, resume again.
         write(&mut d, &data, &[0, 2]);
         d.suspend().unwrap();
-        let mut d = Destination::resume(&dir, "f", &src(), opts(1000))
-            .unwrap()
-            .unwrap();
+        let mut o = opts(1000);
+        o.flat_sha256 = true;
+        let mut d = Destination::resume(&dir, "f", &src(), o).unwrap().unwrap();
         assert_eq!(d.missing_blocks(), vec![4, 5, 6]);
-        assert_eq!(d.digested_up_to(), 4 * BS);
+        assert_eq!(d.digested_up_to(), Some(4 * BS));
         finish(&mut d, &data);
-        d.commit(block_digest(&data)).unwrap();
+        let p = d.commit(derived(&data, BS)).unwrap();
+        assert_eq!(p.flat_sha256, Some(block_digest(&data)));
         assert_eq!(fs::read(t.path().join("f")).unwrap(), data);
         assert_eq!(names(t.path()), ["f"]);
     }
@@ -721,7 +740,7 @@ mod resume {
             .unwrap();
         assert_eq!(d.missing_blocks(), vec![1, 3, 4, 5, 6, 7]);
         finish(&mut d, &data);
-        d.commit(block_digest(&data)).unwrap();
+        d.commit(derived(&data, BS)).unwrap();
         assert_eq!(fs::read(t.path().join("f")).unwrap(), data);
     }
 
@@ -749,7 +768,7 @@ mod resume {
         ending.join().unwrap();
         assert_eq!(d.missing_blocks(), vec![3, 4, 5, 6, 7]);
         finish(&mut d, &data);
-        d.commit(block_digest(&data)).unwrap();
+        d.commit(derived(&data, BS)).unwrap();
         assert_eq!(fs::read(t.path().join("f")).unwrap(), data);
     }
 
@@ -835,6 +854,7 @@ mod whole_file_digest {
         let dir = DirHandle::open(t.path()).unwrap();
         let o = DestinationOptions {
             block_size: bs as u64,
+            flat_sha256: true,
             max_pending_digest_bytes: 4 << 20,
             ..Default::default()
         };
@@ -846,8 +866,12 @@ mod whole_file_digest {
         for &i in &idx {
             d.write_block(i as u64, blocks[i], digests[i]).unwrap();
         }
-        let got = d.commit(digest::from_hex(&expect).unwrap()).unwrap();
-        assert_eq!(digest::to_hex(&got), expect);
+        let got = d.commit_flat(digest::from_hex(&expect).unwrap()).unwrap();
+        assert_eq!(digest::to_hex(&got.flat_sha256.unwrap()), expect);
+        assert_eq!(
+            got.derived_digest,
+            file_digest(len as u64, bs as u64, &digests)
+        );
         assert_eq!(sha256sum(&t.path().join("copy")), expect);
     }
 }

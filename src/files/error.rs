@@ -100,9 +100,11 @@ pub enum FileError {
         #[source]
         source: ManifestError,
     },
-    #[error("{path}: whole-file SHA-256 mismatch: expected {expected}, received data hashes to {actual}; temp file removed")]
+    #[error("{path}: {what} mismatch: expected {expected}, received data hashes to {actual}; temp file removed")]
     DigestMismatch {
         path: PathBuf,
+        /// Which digest: "derived file digest" or "whole-file SHA-256".
+        what: &'static str,
         expected: String,
         actual: String,
     },

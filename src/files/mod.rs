@@ -51,7 +51,9 @@ pub mod root;
 pub mod tree;
 pub mod write_behind;
 
-pub use commit::{Destination, DestinationOptions, Preserve, DEFAULT_BLOCK_SIZE};
+pub use commit::{
+    publish, Destination, DestinationOptions, Preserve, Published, Sealed, DEFAULT_BLOCK_SIZE,
+};
 pub use digest::{
     block_digest, digest_blocks_parallel, digests_alongside, file_digest, set_pool_threads,
     FileDigest, Sha256Digest, StreamingFileDigest,

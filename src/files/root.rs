@@ -134,6 +134,10 @@ impl DirHandle {
     pub(crate) fn fd_owned(&self) -> &OwnedFd {
         &self.fd
     }
+    /// Whether `self` and `other` are clones of one handle (one open directory).
+    pub(crate) fn same_handle(&self, other: &DirHandle) -> bool {
+        Arc::ptr_eq(&self.fd, &other.fd)
+    }
     /// The path used in messages (root path + relative path on the server).
     pub fn display(&self) -> &Path {
         &self.display
