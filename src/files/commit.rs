@@ -5,9 +5,10 @@
 //! Life of a [`Destination`]:
 //! 1. [`Destination::create`] (or [`Destination::resume`]) makes
 //!    `.rcp-<final>.<random>.part` in the target directory with `O_CREAT|O_EXCL` and
-//!    takes an exclusive `flock` on it (so no one else resumes or sweeps it), and
-//!    pre-sizes it (`fallocate`, or `ftruncate` where unsupported; a full disk fails
-//!    here, before any byte moves).
+//!    takes an exclusive `flock` on it (so no one else resumes or sweeps it). A file of
+//!    more than one block is pre-sized (`fallocate`, or `ftruncate` where unsupported;
+//!    a full disk fails here, before any byte moves); a file of at most one block is
+//!    not (its one `pwrite` sizes it, and fails as early).
 //! 2. [`write_block`](Destination::write_block) `pwrite`s a verified block and records
 //!    its digest. With [`DestinationOptions::flat_sha256`] it also feeds the streaming
 //!    flat SHA-256 (the `sha256sum` value): out-of-order pieces are held in memory up
@@ -28,6 +29,11 @@
 //!    [`suspend`](Destination::suspend) keeps both for a later resume. Dropping an
 //!    unpublished destination (or [`Sealed`]) suspends it if it keeps a manifest,
 //!    else aborts it.
+//!
+//! A manifest is kept only for a resumable file ([`DestinationOptions::resume`]) of
+//! more than one block: with at most one block there is nothing to resume (the one
+//! block is simply sent again), so such a destination never writes one, and is
+//! removed rather than suspended.
 //!
 //! Invariant: nothing but a complete, digest-verified file whose bytes are on stable
 //! storage is ever visible under the final name, and an existing file there is
@@ -51,7 +57,7 @@ use super::digest::{
     block_digest, file_digest, to_hex, Sha256Digest, StreamingFileDigest, DEFAULT_MAX_PENDING,
 };
 use super::error::{io_err, DigestError, FileError, Result};
-use super::manifest::{Manifest, SourceId};
+use super::manifest::{block_count, Manifest, SourceId};
 use super::path::check_name_os;
 use super::root::{list_fd, DirHandle, FileKind, Timestamp};
 use super::{temp_name, temp_prefix};
@@ -78,6 +84,7 @@ pub struct DestinationOptions {
     pub preserve: Option<Preserve>,
     /// Enable resume: keep a manifest, and keep the temp file when dropped without
     /// commit. The id is recorded so a later resume only continues the same source.
+    /// Files of at most one block keep no manifest all the same (see the module doc).
     pub resume: Option<SourceId>,
     /// The derived file digest if the sender announced it up front (recorded in the
     /// manifest; a resume with a different announced digest is refused).
@@ -185,7 +192,9 @@ impl Destination {
         };
         rfs::flock(&fd, FlockOperation::NonBlockingLockExclusive)
             .map_err(|e| remove(io_err("lock temp file", &tpath, e)))?;
-        if len > 0 {
+        // One block is one pwrite, which sizes the file (and meets a full disk)
+        // as early as fallocate would: spare small files the call.
+        if block_count(len, opts.block_size) > 1 {
             match rfs::fallocate(&fd, FallocateFlags::empty(), 0, len) {
                 Ok(()) => {}
                 Err(Errno::OPNOTSUPP | Errno::NOSYS) => {
@@ -242,7 +251,8 @@ impl Destination {
     ///
     /// Returns the resumed destination; [`missing_blocks`](Self::missing_blocks)
     /// says what the sender still has to send. `Ok(None)`: start afresh with
-    /// [`create`](Self::create).
+    /// [`create`](Self::create). A file of at most one block is never resumed (it
+    /// keeps no manifest; its bare `.part`, if any, is swept).
     pub fn resume(
         dir: &DirHandle,
         final_name: impl AsRef<OsStr>,
@@ -364,7 +374,12 @@ impl Destination {
                 finished: false,
             };
             d.rebuild(&m.blocks)?;
-            d.save_manifest()?;
+            if d.keeps_manifest() {
+                d.save_manifest()?;
+            } else {
+                // Left by an older rcp: a one-block file keeps no manifest now.
+                let _ = rfs::unlinkat(dir.fd(), mname, AtFlags::empty());
+            }
             found = Some(d);
         }
         // Sweep leftovers of this name: temp files with no manifest, not in use
@@ -409,9 +424,10 @@ impl Destination {
         Ok(())
     }
 
-    /// Whether this destination keeps a resume manifest (resume is enabled).
+    /// Whether this destination keeps a resume manifest: resume is enabled and the
+    /// file has more than one block.
     pub fn keeps_manifest(&self) -> bool {
-        self.opts.resume.is_some()
+        self.opts.resume.is_some() && self.block_count() > 1
     }
 
     /// Total length of the file being received.
@@ -491,17 +507,20 @@ impl Destination {
         self.file
             .write_all_at(data, offset)
             .map_err(|e| io_err("write", self.temp_path(), e))?;
-        // Start writeback of what was just written (DONTNEED on dirty pages
-        // queues them for writing without waiting, and drops nothing
-        // dirty), so the disk works while the copy goes on and the sync at
-        // publish waits for the tail, not the whole file. Advice only: an
-        // error here changes nothing but speed.
-        let _ = rfs::fadvise(
-            &self.file,
-            offset,
-            std::num::NonZeroU64::new(want),
-            rfs::Advice::DontNeed,
-        );
+        if n > 1 {
+            // Start writeback of what was just written (DONTNEED on dirty pages
+            // queues them for writing without waiting, and drops nothing
+            // dirty), so the disk works while the copy goes on and the sync at
+            // publish waits for the tail, not the whole file. Advice only: an
+            // error here changes nothing but speed. (A one-block file is all
+            // tail: the sync at publish starts it.)
+            let _ = rfs::fadvise(
+                &self.file,
+                offset,
+                std::num::NonZeroU64::new(want),
+                rfs::Advice::DontNeed,
+            );
+        }
         if let Some(flat) = &mut self.flat {
             match flat.update(offset, data) {
                 Ok(()) => {}
@@ -672,7 +691,8 @@ impl Destination {
     }
 
     /// Stop for now, keeping temp file and an up-to-date manifest for
-    /// [`resume`](Self::resume). Without resume enabled this is [`abort`](Self::abort).
+    /// [`resume`](Self::resume). For a destination that keeps no manifest (resume
+    /// off, or at most one block) this is [`abort`](Self::abort).
     pub fn suspend(mut self) -> Result<()> {
         if !self.keeps_manifest() {
             self.remove_files();
