@@ -1490,14 +1490,18 @@ mod batch {
 mod pool {
     use super::*;
 
-    fn digest_threads() -> usize {
-        fs::read_dir("/proc/self/task")
+    /// Ids of this process's threads named `rcp-digest-*`.
+    fn digest_threads() -> Vec<String> {
+        let mut v: Vec<String> = fs::read_dir("/proc/self/task")
             .unwrap()
+            .map(|t| t.unwrap().path())
             .filter(|t| {
-                let comm = t.as_ref().unwrap().path().join("comm");
-                fs::read_to_string(comm).is_ok_and(|c| c.starts_with("rcp-digest-"))
+                fs::read_to_string(t.join("comm")).is_ok_and(|c| c.starts_with("rcp-digest-"))
             })
-            .count()
+            .map(|t| t.file_name().unwrap().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
     }
 
     #[test]
@@ -1505,9 +1509,17 @@ mod pool {
         if std::env::var("RCP_FILES_POOL_CHILD").is_err() {
             return;
         }
-        assert_eq!(digest_threads(), 0);
+        assert!(digest_threads().is_empty());
         set_pool_threads(3).unwrap();
         assert_eq!(digest::pool_threads(), 3);
+        // The threads name themselves once they first run (later on a busy
+        // machine).
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while digest_threads().len() < 3 && std::time::Instant::now() < until {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        let threads = digest_threads();
+        assert_eq!(threads.len(), 3, "{threads:?}");
         let data: Vec<Vec<u8>> = (0..20u8).map(|i| vec![i; 10_000]).collect();
         let refs: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
         for _ in 0..5 {
@@ -1519,8 +1531,8 @@ mod pool {
             let (got, side) = digests_alongside(&refs, || 7);
             assert_eq!((got.len(), side), (20, 7));
         }
-        // The same three threads serve every call.
-        assert_eq!(digest_threads(), 3);
+        // The same three threads served every call.
+        assert_eq!(digest_threads(), threads);
         assert!(matches!(
             set_pool_threads(2),
             Err(DigestError::PoolStarted { threads: 3 })
