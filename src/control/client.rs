@@ -1377,6 +1377,8 @@ impl Session {
         let opts = |preserve: Option<Preserve>| DestinationOptions {
             block_size: bs,
             preserve,
+            // The server announces the flat whole-file SHA-256.
+            flat_sha256: true,
             ..DestinationOptions::default()
         };
         // With --resume: the remote file's identity, and what we hold of it.
@@ -1516,9 +1518,11 @@ impl Session {
             .try_into()
             .map_err(|_| ControlError::Invalid("the server digest is not 32 bytes".into()))?;
         // Verifies the whole-file digest, applies -p, fsyncs, renames.
-        let digest = tokio::task::spawn_blocking(move || dest.commit(expected))
+        let digest = tokio::task::spawn_blocking(move || dest.commit_flat(expected))
             .await
-            .map_err(|e| ControlError::Other(e.to_string()))??;
+            .map_err(|e| ControlError::Other(e.to_string()))??
+            .flat_sha256
+            .expect("commit_flat returns the flat digest");
         let _ = out.send(ClientMsg {
             msg: Some(client_msg::Msg::Commit(proto::Commit {
                 sha256: digest.to_vec(),

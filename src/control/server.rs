@@ -610,6 +610,8 @@ impl Service {
             // Always resumable: an interrupted push can be continued with
             // --resume (the temp file and manifest stay hidden until then).
             resume: Some(source),
+            // The client announces the flat whole-file SHA-256.
+            flat_sha256: true,
             ..DestinationOptions::default()
         };
         let dest = in_place(|| -> Result<Destination> {
@@ -808,8 +810,8 @@ impl Service {
                         ControlError::Invalid("the commit digest is not 32 bytes".into())
                     })?;
                     let dest = in_place(|| writer.finish())?;
-                    let digest = match in_place(|| dest.commit(expected)) {
-                        Ok(d) => d,
+                    let digest = match in_place(|| dest.commit_flat(expected)) {
+                        Ok(p) => p.flat_sha256.expect("commit_flat returns the flat digest"),
                         Err(e) => {
                             self.stats.integrity_failures.fetch_add(1, Relaxed);
                             return Err(e.into());
