@@ -285,6 +285,13 @@ fn pattern(len: usize, seed: u64) -> Vec<u8> {
         .collect()
 }
 
+/// The derived file digest of `data` cut in `bs` blocks (through `file_digest`,
+/// whose encoding `derived_digest::fixed_vectors` checks independently).
+fn derived(data: &[u8], bs: u64) -> Sha256Digest {
+    let blocks: Vec<Sha256Digest> = data.chunks(bs as usize).map(block_digest).collect();
+    file_digest(data.len() as u64, bs, &blocks)
+}
+
 /// Shuffle deterministically (Fisher-Yates with an xorshift).
 fn shuffle<T>(v: &mut [T], seed: u64) {
     let mut x = seed | 1;
@@ -335,8 +342,16 @@ mod destination {
         assert_eq!(fs::metadata(&temp).unwrap().len(), 100_000);
         fill(&mut d, &data, 7);
         assert_eq!(fs::read(t.path().join("f")).unwrap(), b"old contents");
-        let got = d.commit(block_digest(&data)).unwrap();
-        assert_eq!(got, block_digest(&data));
+        let got = d.commit(derived(&data, 4096)).unwrap();
+        assert_eq!(
+            got,
+            Published {
+                path: t.path().join("f"),
+                len: 100_000,
+                derived_digest: derived(&data, 4096),
+                flat_sha256: None,
+            }
+        );
         assert_eq!(fs::read(t.path().join("f")).unwrap(), data);
         assert_eq!(names(t.path()), ["f"]);
     }
@@ -427,10 +442,6 @@ mod destination {
             d.write_block(1, &[0; 4096], [0; 32]),
             Err(FileError::BadBlock { expected: 904, .. })
         ));
-        assert!(matches!(
-            d.write_at(4999, &[0; 2]),
-            Err(FileError::OutOfRange { .. })
-        ));
         fs::create_dir(t.path().join("sub")).unwrap();
         assert!(matches!(
             Destination::create(&dir, "sub", 1, opts(4096)),
@@ -460,8 +471,8 @@ mod destination {
             },
         });
         let mut d = Destination::create(&dir, "p", 3, o).unwrap();
-        d.write_at(0, b"abc").unwrap();
-        d.commit(block_digest(b"abc")).unwrap();
+        d.write_block(0, b"abc", block_digest(b"abc")).unwrap();
+        d.commit(derived(b"abc", 4096)).unwrap();
         let m = fs::metadata(t.path().join("p")).unwrap();
         assert_eq!(m.permissions().mode() & 0o7777, 0o640);
         assert_eq!((m.mtime(), m.mtime_nsec()), (1_234_567_890, 123_456_789));
@@ -473,7 +484,7 @@ mod destination {
         let dir = DirHandle::open(t.path()).unwrap();
         let d = Destination::create(&dir, "e", 0, opts(4096)).unwrap();
         assert_eq!(d.block_count(), 0);
-        d.commit(block_digest(b"")).unwrap();
+        d.commit(file_digest(0, 4096, [])).unwrap();
         assert_eq!(fs::metadata(t.path().join("e")).unwrap().len(), 0);
     }
 
@@ -485,17 +496,20 @@ mod destination {
         let dir = DirHandle::open(t.path()).unwrap();
         let data = pattern(64 * 512 - 100, 9);
         let mut o = opts(512);
+        o.flat_sha256 = true;
         o.max_pending_digest_bytes = 1024;
         let mut d = Destination::create(&dir, "bp", data.len() as u64, o).unwrap();
         for i in (0..d.block_count()).rev() {
             let b = &data[i as usize * 512..(i as usize * 512 + 512).min(data.len())];
             d.write_block(i, b, block_digest(b)).unwrap();
             if i > 0 {
-                assert_eq!(d.digested_up_to(), 0);
+                assert_eq!(d.digested_up_to(), Some(0));
             }
         }
-        assert_eq!(d.digested_up_to(), data.len() as u64);
-        d.commit(block_digest(&data)).unwrap();
+        assert_eq!(d.digested_up_to(), Some(data.len() as u64));
+        let p = d.commit_flat(block_digest(&data)).unwrap();
+        assert_eq!(p.flat_sha256, Some(block_digest(&data)));
+        assert_eq!(p.derived_digest, derived(&data, 512));
         assert_eq!(fs::read(t.path().join("bp")).unwrap(), data);
     }
 }
@@ -587,14 +601,20 @@ mod resume {
 
         let data = pattern(LEN as usize, 11);
         let dir = DirHandle::open(t.path()).unwrap();
-        let mut d = Destination::resume(&dir, "f", &src(), opts(1))
+        // Resumed with the flat SHA-256 on (the killed writer had it off).
+        let mut o = opts(1);
+        o.flat_sha256 = true;
+        let mut d = Destination::resume(&dir, "f", &src(), o)
             .unwrap()
             .expect("resumable");
         assert_eq!(d.missing_blocks(), vec![1, 3, 4, 7]);
         // Blocks 0 was re-read and hashed; 2, 5, 6 wait for the gap at block 1.
-        assert_eq!(d.digested_up_to(), BS);
+        assert_eq!(d.digested_up_to(), Some(BS));
         finish(&mut d, &data);
-        d.commit(block_digest(&data)).unwrap();
+        // Derived from the re-checked old blocks and the new ones alike.
+        assert_eq!(d.derived_digest(), Some(derived(&data, BS)));
+        let p = d.commit(derived(&data, BS)).unwrap();
+        assert_eq!(p.flat_sha256, Some(block_digest(&data)));
         assert_eq!(fs::read(t.path().join("f")).unwrap(), data);
         assert_eq!(names(t.path()), ["f"]);
     }
@@ -618,13 +638,14 @@ mod resume {
         // Suspend again half way, resume again.
         write(&mut d, &data, &[0, 2]);
         d.suspend().unwrap();
-        let mut d = Destination::resume(&dir, "f", &src(), opts(1000))
-            .unwrap()
-            .unwrap();
+        let mut o = opts(1000);
+        o.flat_sha256 = true;
+        let mut d = Destination::resume(&dir, "f", &src(), o).unwrap().unwrap();
         assert_eq!(d.missing_blocks(), vec![4, 5, 6]);
-        assert_eq!(d.digested_up_to(), 4 * BS);
+        assert_eq!(d.digested_up_to(), Some(4 * BS));
         finish(&mut d, &data);
-        d.commit(block_digest(&data)).unwrap();
+        let p = d.commit(derived(&data, BS)).unwrap();
+        assert_eq!(p.flat_sha256, Some(block_digest(&data)));
         assert_eq!(fs::read(t.path().join("f")).unwrap(), data);
         assert_eq!(names(t.path()), ["f"]);
     }
@@ -721,7 +742,7 @@ mod resume {
             .unwrap();
         assert_eq!(d.missing_blocks(), vec![1, 3, 4, 5, 6, 7]);
         finish(&mut d, &data);
-        d.commit(block_digest(&data)).unwrap();
+        d.commit(derived(&data, BS)).unwrap();
         assert_eq!(fs::read(t.path().join("f")).unwrap(), data);
     }
 
@@ -749,7 +770,7 @@ mod resume {
         ending.join().unwrap();
         assert_eq!(d.missing_blocks(), vec![3, 4, 5, 6, 7]);
         finish(&mut d, &data);
-        d.commit(block_digest(&data)).unwrap();
+        d.commit(derived(&data, BS)).unwrap();
         assert_eq!(fs::read(t.path().join("f")).unwrap(), data);
     }
 
@@ -835,6 +856,7 @@ mod whole_file_digest {
         let dir = DirHandle::open(t.path()).unwrap();
         let o = DestinationOptions {
             block_size: bs as u64,
+            flat_sha256: true,
             max_pending_digest_bytes: 4 << 20,
             ..Default::default()
         };
@@ -846,8 +868,12 @@ mod whole_file_digest {
         for &i in &idx {
             d.write_block(i as u64, blocks[i], digests[i]).unwrap();
         }
-        let got = d.commit(digest::from_hex(&expect).unwrap()).unwrap();
-        assert_eq!(digest::to_hex(&got), expect);
+        let got = d.commit_flat(digest::from_hex(&expect).unwrap()).unwrap();
+        assert_eq!(digest::to_hex(&got.flat_sha256.unwrap()), expect);
+        assert_eq!(
+            got.derived_digest,
+            file_digest(len as u64, bs as u64, &digests)
+        );
         assert_eq!(sha256sum(&t.path().join("copy")), expect);
     }
 }
@@ -1129,5 +1155,408 @@ mod tree {
         // source names must be plain.
         assert!(rd("dir", true, "..", false).is_err());
         assert!(rd("dir", true, "a/b", false).is_err());
+    }
+}
+
+mod derived_digest {
+    use super::*;
+    use sha2::{Digest, Sha256};
+
+    /// `bytes(range(256)) * 40`: 10240 bytes, three 4 KiB blocks (the last short).
+    fn three_blocks() -> Vec<u8> {
+        (0..40).flat_map(|_| 0..=255u8).collect()
+    }
+
+    /// The encoding of the module doc, built by hand and hashed with sha2.
+    fn by_hand(len: u64, bs: u64, data: &[u8]) -> Sha256Digest {
+        let mut m = Vec::new();
+        m.extend_from_slice(b"rcp-file-digest-v1\0");
+        m.extend_from_slice(&len.to_le_bytes());
+        m.extend_from_slice(&bs.to_le_bytes());
+        for c in data.chunks(bs as usize) {
+            m.extend_from_slice(&Sha256::digest(c));
+        }
+        Sha256::digest(&m).into()
+    }
+
+    #[test]
+    fn fixed_vectors() {
+        // Computed outside rcp (Python hashlib over the same encoding).
+        let bs = DEFAULT_BLOCK_SIZE;
+        let empty = "9f1acdb3774ddf11778345d0ff5d75903a18f16613e9f5b5b1f88cec1af37521";
+        let abc = "21b9da15cee8ddb6fefcf8ef3620fb98fb81bdba6fab8be53ac8e057b042dda0";
+        let three = "ad2c54291de4cda373467e37371f1057d085aba7ad3dc39ace41bc643e4a6e12";
+        assert_eq!(digest::to_hex(&file_digest(0, bs, [])), empty);
+        assert_eq!(digest::to_hex(&by_hand(0, bs, b"")), empty);
+        assert_eq!(
+            digest::to_hex(&file_digest(3, bs, [&block_digest(b"abc")])),
+            abc
+        );
+        assert_eq!(digest::to_hex(&by_hand(3, bs, b"abc")), abc);
+        let data = three_blocks();
+        assert_eq!(digest::to_hex(&derived(&data, 4096)), three);
+        assert_eq!(digest::to_hex(&by_hand(10240, 4096, &data)), three);
+        let mut inc = FileDigest::new(10240, 4096);
+        for c in data.chunks(4096) {
+            inc.push(&block_digest(c));
+        }
+        assert_eq!(inc.blocks(), 3);
+        assert_eq!(digest::to_hex(&inc.finish()), three);
+    }
+
+    #[test]
+    fn order_length_and_block_size_count() {
+        let data = three_blocks();
+        let d: Vec<Sha256Digest> = data.chunks(4096).map(block_digest).collect();
+        let base = file_digest(10240, 4096, &d);
+        let swapped = [d[0], d[2], d[1]]; // blocks 0 and 1 are equal
+        assert_ne!(file_digest(10240, 4096, &swapped), base);
+        assert_ne!(file_digest(10241, 4096, &d), base);
+        assert_ne!(file_digest(10240, 8192, &d), base);
+        assert_ne!(file_digest(10240, 4096, &d[..2]), base);
+        // The flat SHA-256 is another value altogether.
+        assert_ne!(block_digest(&data), base);
+    }
+
+    /// A destination derives the same digest from its recorded blocks, and
+    /// computes the flat SHA-256 only when asked, equal to sha2 over the file.
+    #[test]
+    fn destination_derives_it_and_flat_sha256_on_request() {
+        let t = tempfile::tempdir().unwrap();
+        let dir = DirHandle::open(t.path()).unwrap();
+        let data = three_blocks();
+        for flat in [false, true] {
+            let o = DestinationOptions {
+                block_size: 4096,
+                flat_sha256: flat,
+                ..Default::default()
+            };
+            let name = format!("f{flat}");
+            let mut d = Destination::create(&dir, &name, data.len() as u64, o).unwrap();
+            for (i, c) in data.chunks(4096).enumerate().rev() {
+                assert_eq!(d.derived_digest(), None);
+                d.write_block(i as u64, c, block_digest(c)).unwrap();
+            }
+            let want = by_hand(10240, 4096, &data);
+            assert_eq!(d.derived_digest(), Some(want));
+            let sealed = d.seal(want).unwrap();
+            assert_eq!(sealed.derived_digest(), want);
+            let p = sealed.publish().unwrap();
+            assert_eq!(p.derived_digest, want);
+            let on_disk: Sha256Digest = Sha256::digest(fs::read(&p.path).unwrap()).into();
+            assert_eq!(p.flat_sha256, flat.then_some(on_disk));
+            assert_eq!(
+                digest::to_hex(&on_disk),
+                "e96760a87768717bcebcfd25ddc7d46b4dbc95a4b0014def080c08539f7d90d0"
+            );
+        }
+        // seal_flat needs the flat SHA-256 on; the destination is then
+        // dropped (not resumable: removed).
+        let mut d = Destination::create(&dir, "g", 3, DestinationOptions::default()).unwrap();
+        d.write_block(0, b"abc", block_digest(b"abc")).unwrap();
+        assert!(matches!(
+            d.seal_flat(block_digest(b"abc")),
+            Err(FileError::Destination { .. })
+        ));
+        assert_eq!(names(t.path()), ["ffalse", "ftrue"]);
+    }
+}
+
+mod batch {
+    use super::*;
+
+    fn resumable(len: u64, bs: u64, seed: u8) -> DestinationOptions {
+        DestinationOptions {
+            block_size: bs,
+            resume: Some(SourceId {
+                len,
+                mtime: Timestamp::default(),
+                fingerprint: [seed; 32],
+            }),
+            ..Default::default()
+        }
+    }
+
+    /// A destination for `name` holding all of `data`.
+    fn filled(dir: &DirHandle, name: &str, data: &[u8], o: DestinationOptions) -> Destination {
+        let bs = o.block_size as usize;
+        let mut d = Destination::create(dir, name, data.len() as u64, o).unwrap();
+        for (i, c) in data.chunks(bs).enumerate() {
+            d.write_block(i as u64, c, block_digest(c)).unwrap();
+        }
+        d
+    }
+
+    #[test]
+    fn hundred_files_one_bad_digest() {
+        let t = tempfile::tempdir().unwrap();
+        let dir = DirHandle::open(t.path()).unwrap();
+        let sub = t.path().join("sub");
+        fs::create_dir(&sub).unwrap();
+        let subdir = DirHandle::open(&sub).unwrap();
+        const BAD: usize = 37;
+        let bs = 4096u64;
+        let mut sealed = Vec::new();
+        let mut want = Vec::new();
+        for i in 0..100usize {
+            // Empty, one-block and multi-block files, resumable or not, in
+            // two directories.
+            let data = pattern([0, 100, 4096, 9000, 20_000][i % 5], i as u64);
+            let o = if i % 2 == 0 {
+                resumable(data.len() as u64, bs, i as u8)
+            } else {
+                DestinationOptions {
+                    block_size: bs,
+                    ..Default::default()
+                }
+            };
+            let d = if i % 3 == 0 { &subdir } else { &dir };
+            let name = format!("f{i:03}");
+            let dest = filled(d, &name, &data, o);
+            if i == BAD {
+                let e = dest.seal(block_digest(b"not it")).unwrap_err();
+                assert!(matches!(e, FileError::DigestMismatch { .. }), "{e}");
+                assert!(e.to_string().contains("derived file digest"), "{e}");
+                continue;
+            }
+            sealed.push(dest.seal(derived(&data, bs)).unwrap());
+            want.push((d.display().join(&name), data));
+        }
+        // Sealed is not published: nothing under a final name yet.
+        for (path, _) in &want {
+            assert!(!path.exists(), "{path:?} visible before publish");
+        }
+        let results = publish(sealed);
+        assert_eq!(results.len(), 99);
+        for (r, (path, data)) in results.into_iter().zip(&want) {
+            let p = r.unwrap();
+            assert_eq!(&p.path, path);
+            assert_eq!(p.len, data.len() as u64);
+            assert_eq!(p.derived_digest, derived(data, bs));
+            assert_eq!(p.flat_sha256, None);
+            assert_eq!(&fs::read(path).unwrap(), data);
+        }
+        // The bad one never appeared; no temp file or manifest is left.
+        let all: Vec<String> = names(t.path()).into_iter().chain(names(&sub)).collect();
+        assert_eq!(all.len(), 99 + 1, "{all:?}"); // + "sub"
+        assert!(!all.iter().any(|n| n.starts_with(".rcp-")), "{all:?}");
+        assert!(!all.contains(&format!("f{BAD:03}")));
+    }
+
+    /// A directory appears under a final name between seal and publish: that
+    /// file fails alone, keeping its temp and manifest if it is resumable, and
+    /// the directory is untouched.
+    #[test]
+    fn final_name_is_a_directory() {
+        let t = tempfile::tempdir().unwrap();
+        let dir = DirHandle::open(t.path()).unwrap();
+        let bs = 4096u64;
+        let a = pattern(10_000, 1);
+        let b = pattern(10_000, 2);
+        let c = pattern(100, 3);
+        let sa = filled(&dir, "a", &a, resumable(10_000, bs, 1))
+            .seal(derived(&a, bs))
+            .unwrap();
+        let sb = filled(&dir, "b", &b, resumable(10_000, bs, 2))
+            .seal(derived(&b, bs))
+            .unwrap();
+        let c_opts = DestinationOptions {
+            block_size: bs,
+            ..Default::default()
+        };
+        let sc = filled(&dir, "c", &c, c_opts.clone())
+            .seal(derived(&c, bs))
+            .unwrap();
+        let b_temp = sb.temp_path();
+        fs::create_dir(t.path().join("b")).unwrap();
+        fs::write(t.path().join("b/inside"), "x").unwrap();
+        let r = publish(vec![sa, sb, sc]);
+        assert_eq!(r[0].as_ref().unwrap().path, t.path().join("a"));
+        assert!(
+            matches!(&r[1], Err(FileError::IsADirectory { path }) if *path == t.path().join("b")),
+            "{:?}",
+            r[1]
+        );
+        assert_eq!(r[2].as_ref().unwrap().len, 100);
+        assert_eq!(fs::read(t.path().join("a")).unwrap(), a);
+        assert_eq!(fs::read(t.path().join("c")).unwrap(), c);
+        assert_eq!(names(&t.path().join("b")), ["inside"]);
+        // b is resumable: its temp and manifest wait for a resume.
+        let n = names(t.path());
+        assert_eq!(n.len(), 5, "{n:?}");
+        assert!(b_temp.exists());
+        let src = SourceId {
+            len: 10_000,
+            mtime: Timestamp::default(),
+            fingerprint: [2; 32],
+        };
+        fs::remove_dir_all(t.path().join("b")).unwrap();
+        let d = Destination::resume(&dir, "b", &src, resumable(10_000, bs, 2))
+            .unwrap()
+            .expect("kept for resume");
+        assert!(d.missing_blocks().is_empty());
+        d.commit(derived(&b, bs)).unwrap();
+        assert_eq!(fs::read(t.path().join("b")).unwrap(), b);
+        // Not resumable: the temp file goes.
+        let sc = filled(&dir, "d", &c, c_opts).seal(derived(&c, bs)).unwrap();
+        fs::create_dir(t.path().join("d")).unwrap();
+        assert!(matches!(sc.publish(), Err(FileError::IsADirectory { .. })));
+        assert_eq!(names(t.path()), ["a", "b", "c", "d"]);
+    }
+
+    /// Files on two file systems in one batch (a syncfs each, or an fdatasync
+    /// for a file alone on its file system).
+    #[test]
+    fn batch_across_file_systems() {
+        let Ok(shm) = tempfile::tempdir_in("/dev/shm") else {
+            return;
+        };
+        let t = tempfile::tempdir().unwrap();
+        let dirs = [
+            DirHandle::open(t.path()).unwrap(),
+            DirHandle::open(shm.path()).unwrap(),
+        ];
+        let mut sealed = Vec::new();
+        let mut want = Vec::new();
+        // Three files on the first, one on the second.
+        for (i, d) in [0, 0, 1, 0].into_iter().enumerate() {
+            let data = pattern(5000 + i, 40 + i as u64);
+            let o = DestinationOptions {
+                block_size: 4096,
+                ..Default::default()
+            };
+            let name = format!("x{i}");
+            sealed.push(
+                filled(&dirs[d], &name, &data, o)
+                    .seal(derived(&data, 4096))
+                    .unwrap(),
+            );
+            want.push((dirs[d].display().join(name), data));
+        }
+        for (r, (path, data)) in publish(sealed).into_iter().zip(want) {
+            assert_eq!(r.unwrap().path, path);
+            assert_eq!(fs::read(&path).unwrap(), data);
+        }
+        assert!(publish(Vec::new()).is_empty());
+    }
+
+    /// At most one block: no manifest ever, even with resume on; such a file is
+    /// removed, not suspended. More blocks: a manifest from the start.
+    #[test]
+    fn single_block_files_keep_no_manifest() {
+        let t = tempfile::tempdir().unwrap();
+        let dir = DirHandle::open(t.path()).unwrap();
+        let len = 16 << 10;
+        let data = pattern(len, 50);
+        let o = resumable(len as u64, DEFAULT_BLOCK_SIZE, 5);
+        let mut d = Destination::create(&dir, "small", len as u64, o.clone()).unwrap();
+        assert!(!d.keeps_manifest());
+        let only_temp = |n: Vec<String>| n.len() == 1 && n[0].ends_with(".part");
+        assert!(only_temp(names(t.path())), "{:?}", names(t.path()));
+        d.write_block(0, &data, block_digest(&data)).unwrap();
+        assert!(only_temp(names(t.path())), "{:?}", names(t.path()));
+        drop(d); // interrupted: nothing to resume, nothing left
+        assert!(names(t.path()).is_empty());
+        let src = o.resume.unwrap();
+        assert!(Destination::resume(&dir, "small", &src, o.clone())
+            .unwrap()
+            .is_none());
+        let d = Destination::create(&dir, "small", len as u64, o.clone()).unwrap();
+        d.suspend().unwrap();
+        assert!(names(t.path()).is_empty());
+        let mut d = Destination::create(&dir, "small", len as u64, o.clone()).unwrap();
+        d.write_block(0, &data, block_digest(&data)).unwrap();
+        let p = d.commit(derived(&data, DEFAULT_BLOCK_SIZE)).unwrap();
+        assert_eq!(fs::read(&p.path).unwrap(), data);
+        assert_eq!(names(t.path()), ["small"]);
+        // Empty files too.
+        let e = Destination::create(&dir, "empty", 0, resumable(0, 4096, 6)).unwrap();
+        assert!(!e.keeps_manifest());
+        assert_eq!(names(t.path()).len(), 2);
+        drop(e);
+        // Two blocks: the manifest is there right after create.
+        let two = resumable(8192, 4096, 7);
+        let d = Destination::create(&dir, "two", 8192, two).unwrap();
+        assert!(d.keeps_manifest());
+        let n = names(t.path());
+        assert!(n.iter().any(|n| n.ends_with(".part.manifest")), "{n:?}");
+        d.abort();
+        assert_eq!(names(t.path()), ["small"]);
+    }
+}
+
+/// The hashing pool: sized once, lives on (runs in a child process, so that
+/// no other test has created the pool first).
+mod pool {
+    use super::*;
+
+    /// Ids of this process's threads named `rcp-digest-*`.
+    fn digest_threads() -> Vec<String> {
+        let mut v: Vec<String> = fs::read_dir("/proc/self/task")
+            .unwrap()
+            .map(|t| t.unwrap().path())
+            .filter(|t| {
+                fs::read_to_string(t.join("comm")).is_ok_and(|c| c.starts_with("rcp-digest-"))
+            })
+            .map(|t| t.file_name().unwrap().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn child_pool() {
+        if std::env::var("RCP_FILES_POOL_CHILD").is_err() {
+            return;
+        }
+        assert!(digest_threads().is_empty());
+        set_pool_threads(3).unwrap();
+        assert_eq!(digest::pool_threads(), 3);
+        // The threads name themselves once they first run (later on a busy
+        // machine).
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while digest_threads().len() < 3 && std::time::Instant::now() < until {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        let threads = digest_threads();
+        assert_eq!(threads.len(), 3, "{threads:?}");
+        let data: Vec<Vec<u8>> = (0..20u8).map(|i| vec![i; 10_000]).collect();
+        let refs: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
+        for _ in 0..5 {
+            let got = digest_blocks_parallel(&refs);
+            assert_eq!(
+                got,
+                refs.iter().map(|b| block_digest(b)).collect::<Vec<_>>()
+            );
+            let (got, side) = digests_alongside(&refs, || 7);
+            assert_eq!((got.len(), side), (20, 7));
+        }
+        // The same three threads served every call.
+        assert_eq!(digest_threads(), threads);
+        assert!(matches!(
+            set_pool_threads(2),
+            Err(DigestError::PoolStarted { threads: 3 })
+        ));
+        println!("POOL-CHILD-OK");
+    }
+
+    #[test]
+    fn pool_is_sized_once_and_lives_on() {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "pool::child_pool",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("RCP_FILES_POOL_CHILD", "1")
+            .output()
+            .unwrap();
+        let so = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && so.contains("POOL-CHILD-OK"),
+            "{so}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 }

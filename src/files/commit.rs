@@ -1,28 +1,44 @@
 //! Atomic destination: data goes to a temp file beside the final name and appears
-//! under the final name only by `renameat` after the whole-file digest matched.
+//! under the final name only by `renameat`, after the file digest matched and the
+//! bytes are on stable storage.
 //!
 //! Life of a [`Destination`]:
 //! 1. [`Destination::create`] (or [`Destination::resume`]) makes
-//!    `.rcp-<final>.<random>.part` in the target directory with `O_CREAT|O_EXCL`,
-//!    takes an exclusive `flock` on it (so no one else resumes or sweeps it), and
-//!    pre-sizes it (`fallocate`, or `ftruncate` where unsupported; a full disk fails
-//!    here, before any byte moves).
-//! 2. [`write_block`](Destination::write_block) / [`write_at`](Destination::write_at)
-//!    `pwrite` verified data and feed the streaming whole-file SHA-256. Out-of-order
-//!    pieces are held in memory up to `max_pending_digest_bytes`; beyond that they are
-//!    re-read from the temp file (page cache) when their turn comes.
-//! 3. [`commit`](Destination::commit): whole-file digest must equal the expected one
-//!    (else the temp file is removed and [`FileError::DigestMismatch`] returned);
-//!    optional mode/mtime (`-p`); `fsync` file; `renameat` over the final name (an
-//!    existing file is replaced only now, atomically); `fsync` the directory; the
-//!    manifest is removed.
-//! 4. Otherwise [`abort`](Destination::abort) removes temp + manifest;
+//!    `.rcp-<final>.<random>.part` in the target directory with `O_CREAT|O_EXCL` and
+//!    takes an exclusive `flock` on it (so no one else resumes or sweeps it). A file of
+//!    more than one block is pre-sized (`fallocate`, or `ftruncate` where unsupported;
+//!    a full disk fails here, before any byte moves); a file of at most one block is
+//!    not (its one `pwrite` sizes it, and fails as early).
+//! 2. [`write_block`](Destination::write_block) `pwrite`s a verified block and records
+//!    its digest. With [`DestinationOptions::flat_sha256`] it also feeds the streaming
+//!    flat SHA-256 (the `sha256sum` value): out-of-order pieces are held in memory up
+//!    to `max_pending_digest_bytes`, beyond that re-read from the temp file (page cache)
+//!    when their turn comes. Without it nothing but the block digests is hashed.
+//! 3. [`seal`](Destination::seal): every block must be recorded; the file digest
+//!    derived from the recorded block digests ([`super::digest::file_digest`]) must
+//!    equal the expected one (else the temp file and manifest are removed and
+//!    [`FileError::DigestMismatch`] returned); optional mode/mtime (`-p`). No fsync,
+//!    no rename: the result is a [`Sealed`] file.
+//! 4. [`publish`] a batch of sealed files: their data is made durable in as few calls
+//!    as possible (one `syncfs` per file system holding several of them, `fdatasync`
+//!    for a file alone on its file system), THEN each is renamed over its final name
+//!    (an existing file there is replaced only now, atomically), THEN each distinct
+//!    parent directory is fsynced once, then the manifests are removed.
+//!    [`commit`](Destination::commit) is `seal` + `publish` of one.
+//! 5. Otherwise [`abort`](Destination::abort) removes temp + manifest;
 //!    [`suspend`](Destination::suspend) keeps both for a later resume. Dropping an
-//!    uncommitted destination suspends it if resume was enabled
-//!    ([`DestinationOptions::resume`]), else aborts it.
+//!    unpublished destination (or [`Sealed`]) suspends it if it keeps a manifest,
+//!    else aborts it.
 //!
-//! Invariant: nothing but a complete, digest-verified file is ever visible under the
-//! final name, and an existing file there is untouched until the final rename.
+//! A manifest is kept only for a resumable file ([`DestinationOptions::resume`]) of
+//! more than one block: with at most one block there is nothing to resume (the one
+//! block is simply sent again), so such a destination never writes one, and is
+//! removed rather than suspended.
+//!
+//! Invariant: nothing but a complete, digest-verified file whose bytes are on stable
+//! storage is ever visible under the final name, and an existing file there is
+//! untouched until the final rename. In a batch, a file that fails (digest, rename,
+//! sync) is not published and does not keep the others from being published.
 //! A process killed with SIGKILL leaves only the `.rcp-…part` (and manifest), which
 //! [`Destination::resume`] for the same name either resumes or sweeps.
 
@@ -37,9 +53,11 @@ use std::time::{Duration, Instant};
 use rustix::fs::{self as rfs, AtFlags, FallocateFlags, FileType, FlockOperation, Mode, OFlags};
 use rustix::io::Errno;
 
-use super::digest::{block_digest, to_hex, Sha256Digest, StreamingFileDigest, DEFAULT_MAX_PENDING};
+use super::digest::{
+    block_digest, file_digest, to_hex, Sha256Digest, StreamingFileDigest, DEFAULT_MAX_PENDING,
+};
 use super::error::{io_err, DigestError, FileError, Result};
-use super::manifest::{Manifest, SourceId};
+use super::manifest::{block_count, Manifest, SourceId};
 use super::path::check_name_os;
 use super::root::{list_fd, DirHandle, FileKind, Timestamp};
 use super::{temp_name, temp_prefix};
@@ -66,15 +84,20 @@ pub struct DestinationOptions {
     pub preserve: Option<Preserve>,
     /// Enable resume: keep a manifest, and keep the temp file when dropped without
     /// commit. The id is recorded so a later resume only continues the same source.
+    /// Files of at most one block keep no manifest all the same (see the module doc).
     pub resume: Option<SourceId>,
-    /// The whole-file digest if the sender announced it up front (recorded in the
+    /// The derived file digest if the sender announced it up front (recorded in the
     /// manifest; a resume with a different announced digest is refused).
     pub expected_digest: Option<Sha256Digest>,
+    /// Also compute the flat whole-file SHA-256 (the `sha256sum` value) while the
+    /// blocks are written, and return it from [`Destination::seal`] /
+    /// [`publish`]. Off by default: it is a second, serial pass over every byte.
+    pub flat_sha256: bool,
     /// Write the manifest after this many newly verified blocks...
     pub manifest_every_blocks: u64,
     /// ...or when this much time has passed since the last write, whichever first.
     pub manifest_interval: Duration,
-    /// Out-of-order bytes held in memory for the whole-file digest.
+    /// Out-of-order bytes held in memory for the flat SHA-256 ([`Self::flat_sha256`]).
     pub max_pending_digest_bytes: usize,
 }
 
@@ -85,6 +108,7 @@ impl Default for DestinationOptions {
             preserve: None,
             resume: None,
             expected_digest: None,
+            flat_sha256: false,
             manifest_every_blocks: 64,
             manifest_interval: Duration::from_secs(1),
             max_pending_digest_bytes: DEFAULT_MAX_PENDING,
@@ -99,8 +123,9 @@ pub struct Destination {
     manifest_name: OsString,
     manifest: Manifest,
     opts: DestinationOptions,
-    digest: StreamingFileDigest,
-    /// Written to disk but not yet hashed (digest back-pressure or resume): offset -> len.
+    /// The flat SHA-256, with [`DestinationOptions::flat_sha256`] only.
+    flat: Option<StreamingFileDigest>,
+    /// Written to disk but not yet fed to `flat` (back-pressure or resume): offset -> len.
     deferred: BTreeMap<u64, u64>,
     unsaved: u64,
     last_save: Instant,
@@ -116,6 +141,17 @@ impl std::fmt::Debug for Destination {
             .field("verified_blocks", &self.manifest.blocks.len())
             .finish()
     }
+}
+
+/// What [`Destination::seal`] compares.
+enum Expect {
+    Derived(Sha256Digest),
+    Flat(Sha256Digest),
+}
+
+fn flat_digest(len: u64, opts: &DestinationOptions) -> Option<StreamingFileDigest> {
+    opts.flat_sha256
+        .then(|| StreamingFileDigest::new(Some(len), opts.max_pending_digest_bytes))
 }
 
 fn manifest_name_for(temp: &OsStr) -> OsString {
@@ -156,7 +192,9 @@ impl Destination {
         };
         rfs::flock(&fd, FlockOperation::NonBlockingLockExclusive)
             .map_err(|e| remove(io_err("lock temp file", &tpath, e)))?;
-        if len > 0 {
+        // One block is one pwrite, which sizes the file (and meets a full disk)
+        // as early as fallocate would: spare small files the call.
+        if block_count(len, opts.block_size) > 1 {
             match rfs::fallocate(&fd, FallocateFlags::empty(), 0, len) {
                 Ok(()) => {}
                 Err(Errno::OPNOTSUPP | Errno::NOSYS) => {
@@ -179,18 +217,18 @@ impl Destination {
             blocks: BTreeMap::new(),
         };
         let mut d = Destination {
-            dir: dir.try_clone().map_err(remove)?,
+            dir: dir.clone(),
             file: File::from(fd),
             manifest_name: manifest_name_for(&temp),
             manifest,
-            digest: StreamingFileDigest::new(Some(len), opts.max_pending_digest_bytes),
+            flat: flat_digest(len, &opts),
             opts,
             deferred: BTreeMap::new(),
             unsaved: 0,
             last_save: Instant::now(),
             finished: false,
         };
-        if d.resumable() {
+        if d.keeps_manifest() {
             // From now on a crash leaves a manifest next to the temp file.
             if let Err(e) = d.save_manifest() {
                 d.abort();
@@ -213,7 +251,8 @@ impl Destination {
     ///
     /// Returns the resumed destination; [`missing_blocks`](Self::missing_blocks)
     /// says what the sender still has to send. `Ok(None)`: start afresh with
-    /// [`create`](Self::create).
+    /// [`create`](Self::create). A file of at most one block is never resumed (it
+    /// keeps no manifest; its bare `.part`, if any, is swept).
     pub fn resume(
         dir: &DirHandle,
         final_name: impl AsRef<OsStr>,
@@ -320,10 +359,10 @@ impl Destination {
                 opts.expected_digest = m.expected_digest;
             }
             let mut d = Destination {
-                dir: dir.try_clone()?,
+                dir: dir.clone(),
                 file: File::from(fd),
                 manifest_name: mname.clone(),
-                digest: StreamingFileDigest::new(Some(m.len), opts.max_pending_digest_bytes),
+                flat: flat_digest(m.len, &opts),
                 manifest: Manifest {
                     blocks: BTreeMap::new(),
                     ..m.clone()
@@ -335,7 +374,12 @@ impl Destination {
                 finished: false,
             };
             d.rebuild(&m.blocks)?;
-            d.save_manifest()?;
+            if d.keeps_manifest() {
+                d.save_manifest()?;
+            } else {
+                // Left by an older rcp: a one-block file keeps no manifest now.
+                let _ = rfs::unlinkat(dir.fd(), mname, AtFlags::empty());
+            }
             found = Some(d);
         }
         // Sweep leftovers of this name: temp files with no manifest, not in use
@@ -352,8 +396,8 @@ impl Destination {
         Ok(found)
     }
 
-    /// Re-read verified blocks from the temp file, check their digests, rebuild the
-    /// whole-file digest.
+    /// Re-read verified blocks from the temp file, check their digests (and feed the
+    /// flat SHA-256, if enabled).
     fn rebuild(&mut self, blocks: &BTreeMap<u64, Sha256Digest>) -> Result<()> {
         let bs = self.manifest.block_size;
         let mut buf = vec![0u8; bs as usize];
@@ -369,17 +413,21 @@ impl Destination {
                 continue;
             }
             self.manifest.blocks.insert(i, want);
-            if off == self.digest.next_offset() {
-                self.digest.update(off, b)?;
-            } else {
-                self.deferred.insert(off, n);
+            if let Some(flat) = &mut self.flat {
+                if off == flat.next_offset() {
+                    flat.update(off, b)?;
+                } else {
+                    self.deferred.insert(off, n);
+                }
             }
         }
         Ok(())
     }
 
-    fn resumable(&self) -> bool {
-        self.opts.resume.is_some()
+    /// Whether this destination keeps a resume manifest: resume is enabled and the
+    /// file has more than one block.
+    pub fn keeps_manifest(&self) -> bool {
+        self.opts.resume.is_some() && self.block_count() > 1
     }
 
     /// Total length of the file being received.
@@ -413,9 +461,15 @@ impl Destination {
     pub fn temp_path(&self) -> PathBuf {
         self.dir.display().join(&self.manifest.temp_name)
     }
-    /// Bytes hashed so far into the whole-file digest (contiguous from 0).
-    pub fn digested_up_to(&self) -> u64 {
-        self.digest.next_offset()
+    /// Bytes hashed so far into the flat SHA-256 (contiguous from 0); `None` without
+    /// [`DestinationOptions::flat_sha256`].
+    pub fn digested_up_to(&self) -> Option<u64> {
+        self.flat.as_ref().map(StreamingFileDigest::next_offset)
+    }
+    /// The derived file digest of the recorded blocks, once every block is recorded.
+    pub fn derived_digest(&self) -> Option<Sha256Digest> {
+        (self.manifest.blocks.len() as u64 == self.block_count())
+            .then(|| file_digest(self.len(), self.block_size(), self.manifest.blocks.values()))
     }
 
     /// Write a received, verified block. `digest` is its SHA-256 (already checked
@@ -449,10 +503,37 @@ impl Destination {
             tracing::debug!(block = index, "duplicate block ignored");
             return Ok(());
         }
-        self.write_at(index * self.block_size(), data)?;
+        let offset = index * self.block_size();
+        self.file
+            .write_all_at(data, offset)
+            .map_err(|e| io_err("write", self.temp_path(), e))?;
+        if n > 1 {
+            // Start writeback of what was just written (DONTNEED on dirty pages
+            // queues them for writing without waiting, and drops nothing
+            // dirty), so the disk works while the copy goes on and the sync at
+            // publish waits for the tail, not the whole file. Advice only: an
+            // error here changes nothing but speed. (A one-block file is all
+            // tail: the sync at publish starts it.)
+            let _ = rfs::fadvise(
+                &self.file,
+                offset,
+                std::num::NonZeroU64::new(want),
+                rfs::Advice::DontNeed,
+            );
+        }
+        if let Some(flat) = &mut self.flat {
+            match flat.update(offset, data) {
+                Ok(()) => {}
+                Err(DigestError::Backpressure { .. }) => {
+                    self.deferred.insert(offset, want);
+                }
+                Err(e) => return Err(e.into()),
+            }
+            self.drain_deferred()?;
+        }
         self.manifest.blocks.insert(index, digest);
         self.unsaved += 1;
-        if self.resumable()
+        if self.keeps_manifest()
             && (self.unsaved >= self.opts.manifest_every_blocks
                 || self.last_save.elapsed() >= self.opts.manifest_interval)
         {
@@ -461,56 +542,26 @@ impl Destination {
         Ok(())
     }
 
-    /// Write `data` at `offset` (pwrite) and feed the whole-file digest. Ranges must
-    /// not overlap earlier writes. Not recorded in the manifest (use
-    /// [`write_block`](Self::write_block) for resumable transfers).
-    pub fn write_at(&mut self, offset: u64, data: &[u8]) -> Result<()> {
-        let n = data.len() as u64;
-        if offset.checked_add(n).is_none_or(|end| end > self.len()) {
-            return Err(FileError::OutOfRange {
-                path: self.temp_path(),
-                offset,
-                len: n,
-                file_len: self.len(),
-            });
-        }
-        self.file
-            .write_all_at(data, offset)
-            .map_err(|e| io_err("write", self.temp_path(), e))?;
-        // Start writeback of what was just written (DONTNEED on dirty pages
-        // queues them for writing without waiting, and drops nothing
-        // dirty), so the disk works while the copy goes on and the fsync at
-        // commit waits for the tail, not the whole file. Advice only: an
-        // error here changes nothing but speed.
-        let _ = rfs::fadvise(
-            &self.file,
-            offset,
-            std::num::NonZeroU64::new(n),
-            rfs::Advice::DontNeed,
-        );
-        match self.digest.update(offset, data) {
-            Ok(()) => {}
-            Err(DigestError::Backpressure { .. }) => {
-                self.deferred.insert(offset, n);
-            }
-            Err(e) => return Err(e.into()),
-        }
-        self.drain_deferred()
-    }
-
-    /// Hash pieces kept on disk whose turn has come.
+    /// Feed the flat SHA-256 the pieces kept on disk whose turn has come.
     fn drain_deferred(&mut self) -> Result<()> {
+        let Some(flat) = &mut self.flat else {
+            return Ok(());
+        };
         let mut buf = Vec::new();
         while let Some((&off, &n)) = self.deferred.first_key_value() {
-            if off != self.digest.next_offset() {
+            if off != flat.next_offset() {
                 break;
             }
             self.deferred.remove(&off);
             buf.resize(n as usize, 0);
-            self.file
-                .read_exact_at(&mut buf, off)
-                .map_err(|e| io_err("read temp file", self.temp_path(), e))?;
-            self.digest.update(off, &buf)?;
+            self.file.read_exact_at(&mut buf, off).map_err(|e| {
+                io_err(
+                    "read temp file",
+                    self.dir.display().join(&self.manifest.temp_name),
+                    e,
+                )
+            })?;
+            flat.update(off, &buf)?;
         }
         Ok(())
     }
@@ -526,30 +577,62 @@ impl Destination {
         Ok(())
     }
 
-    /// Verify and publish: see the module doc. Returns the whole-file digest.
-    pub fn commit(mut self, expected: Sha256Digest) -> Result<Sha256Digest> {
-        self.drain_deferred()?;
-        let got = self.digest.next_offset();
-        if got != self.len() {
+    /// Verify without publishing: every block recorded, the file digest derived from
+    /// the recorded block digests equal to `expected`, `-p` applied. No fsync, no
+    /// rename: [`publish`] does those, for many files at once. On a digest mismatch
+    /// the temp file (and manifest) is removed; on other errors the destination is
+    /// dropped (kept for resume if it keeps a manifest, else removed).
+    pub fn seal(self, expected: Sha256Digest) -> Result<Sealed> {
+        self.seal_checked(Expect::Derived(expected))
+    }
+
+    /// [`seal`](Self::seal), for a caller that knows only the flat whole-file SHA-256
+    /// (the `sha256sum` value): that is what is compared with `expected_flat` (needs
+    /// [`DestinationOptions::flat_sha256`]). The blocks were each checked against the
+    /// sender's digests as they arrived ([`write_block`](Self::write_block)).
+    pub fn seal_flat(self, expected_flat: Sha256Digest) -> Result<Sealed> {
+        self.seal_checked(Expect::Flat(expected_flat))
+    }
+
+    fn seal_checked(mut self, expect: Expect) -> Result<Sealed> {
+        if let Some(first) = (0..self.block_count()).find(|i| !self.manifest.blocks.contains_key(i))
+        {
             return Err(FileError::Incomplete {
                 path: self.final_path(),
-                missing_from: got,
+                missing_from: first * self.block_size(),
                 len: self.len(),
             });
         }
-        let digest = std::mem::replace(&mut self.digest, StreamingFileDigest::new(None, 0));
-        let actual = digest.finish()?;
+        let derived = file_digest(self.len(), self.block_size(), self.manifest.blocks.values());
+        self.drain_deferred()?;
+        let flat = self
+            .flat
+            .take()
+            .map(StreamingFileDigest::finish)
+            .transpose()?;
+        let (what, expected, actual) = match expect {
+            Expect::Derived(e) => ("derived file digest", e, derived),
+            Expect::Flat(e) => match flat {
+                Some(f) => ("whole-file SHA-256", e, f),
+                None => return Err(FileError::Destination {
+                    path: self.final_path(),
+                    why:
+                        "the flat SHA-256 was not computed (DestinationOptions::flat_sha256 is off)",
+                }),
+            },
+        };
         if actual != expected {
             let path = self.final_path();
             self.abort();
             return Err(FileError::DigestMismatch {
                 path,
+                what,
                 expected: to_hex(&expected),
                 actual: to_hex(&actual),
             });
         }
-        let tpath = self.temp_path();
         if let Some(p) = self.opts.preserve {
+            let tpath = self.temp_path();
             rfs::fchmod(&self.file, Mode::from_raw_mode(p.mode & 0o7777))
                 .map_err(|e| io_err("chmod", &tpath, e))?;
             let ts = rustix::fs::Timespec {
@@ -565,25 +648,33 @@ impl Destination {
             )
             .map_err(|e| io_err("futimens", &tpath, e))?;
         }
-        self.file
-            .sync_all()
-            .map_err(|e| io_err("fsync", &tpath, e))?;
-        let fin = &self.manifest.final_name;
-        match rfs::renameat(self.dir.fd(), &self.manifest.temp_name, self.dir.fd(), fin) {
-            Ok(()) => {}
-            Err(e @ (Errno::ISDIR | Errno::NOTEMPTY | Errno::EXIST)) => {
-                let path = self.final_path();
-                tracing::debug!(error = %e, "rename over a directory");
-                return Err(FileError::IsADirectory { path });
-            }
-            Err(e) => return Err(io_err("rename into place", self.final_path(), e)),
-        }
-        self.finished = true;
-        rfs::fsync(self.dir.fd()).map_err(|e| io_err("fsync directory", self.dir.display(), e))?;
-        if self.resumable() {
-            let _ = rfs::unlinkat(self.dir.fd(), &self.manifest_name, AtFlags::empty());
-        }
-        Ok(actual)
+        Ok(Sealed {
+            dest: self,
+            derived,
+            flat,
+        })
+    }
+
+    /// [`seal`](Self::seal) and [`publish`] this one file.
+    pub fn commit(self, expected: Sha256Digest) -> Result<Published> {
+        self.seal(expected)?.publish()
+    }
+
+    /// [`seal_flat`](Self::seal_flat) and [`publish`] this one file. On success the
+    /// [`Published::flat_sha256`] is always `Some` (and equal to `expected_flat`).
+    pub fn commit_flat(self, expected_flat: Sha256Digest) -> Result<Published> {
+        self.seal_flat(expected_flat)?.publish()
+    }
+
+    /// Make this file's data durable on its own: `fdatasync`, or `fsync` when `-p`
+    /// changed its mode and times.
+    fn sync_file(&self) -> Result<()> {
+        let r = if self.opts.preserve.is_some() {
+            self.file.sync_all()
+        } else {
+            self.file.sync_data()
+        };
+        r.map_err(|e| io_err("fdatasync", self.temp_path(), e))
     }
 
     /// Give up: remove the temp file and its manifest.
@@ -594,13 +685,16 @@ impl Destination {
     fn remove_files(&mut self) {
         self.finished = true;
         let _ = rfs::unlinkat(self.dir.fd(), &self.manifest.temp_name, AtFlags::empty());
-        let _ = rfs::unlinkat(self.dir.fd(), &self.manifest_name, AtFlags::empty());
+        if self.keeps_manifest() {
+            let _ = rfs::unlinkat(self.dir.fd(), &self.manifest_name, AtFlags::empty());
+        }
     }
 
     /// Stop for now, keeping temp file and an up-to-date manifest for
-    /// [`resume`](Self::resume). Without resume enabled this is [`abort`](Self::abort).
+    /// [`resume`](Self::resume). For a destination that keeps no manifest (resume
+    /// off, or at most one block) this is [`abort`](Self::abort).
     pub fn suspend(mut self) -> Result<()> {
-        if !self.resumable() {
+        if !self.keeps_manifest() {
             self.remove_files();
             return Ok(());
         }
@@ -615,13 +709,227 @@ impl Drop for Destination {
         if self.finished {
             return;
         }
-        if self.resumable() {
+        if self.keeps_manifest() {
             if let Err(e) = self.save_manifest() {
                 tracing::warn!(error = %e, "could not save resume manifest on drop");
             }
         } else {
             self.remove_files();
         }
+    }
+}
+
+/// A verified file waiting to be published: every block present, its digest
+/// matched, `-p` applied, still under its temp name. Give it to [`publish`] (with
+/// others). Dropped unpublished, it is kept for resume if it keeps a manifest
+/// ([`Destination::keeps_manifest`]), else removed, as a [`Destination`] is.
+#[derive(Debug)]
+pub struct Sealed {
+    dest: Destination,
+    derived: Sha256Digest,
+    flat: Option<Sha256Digest>,
+}
+
+impl Sealed {
+    pub fn final_path(&self) -> PathBuf {
+        self.dest.final_path()
+    }
+    pub fn temp_path(&self) -> PathBuf {
+        self.dest.temp_path()
+    }
+    pub fn len(&self) -> u64 {
+        self.dest.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.dest.is_empty()
+    }
+    /// The derived file digest (it matched the expected one).
+    pub fn derived_digest(&self) -> Sha256Digest {
+        self.derived
+    }
+    /// The flat whole-file SHA-256, with [`DestinationOptions::flat_sha256`].
+    pub fn flat_sha256(&self) -> Option<Sha256Digest> {
+        self.flat
+    }
+    /// [`publish`] this one file.
+    pub fn publish(self) -> Result<Published> {
+        publish(vec![self]).pop().expect("one result per file")
+    }
+    /// Give up: remove the temp file and its manifest.
+    pub fn abort(self) {
+        self.dest.abort()
+    }
+    fn published(&self) -> Published {
+        Published {
+            path: self.final_path(),
+            len: self.len(),
+            derived_digest: self.derived,
+            flat_sha256: self.flat,
+        }
+    }
+}
+
+/// A file now under its final name, durably.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Published {
+    /// The final path (directory as shown in messages + final name).
+    pub path: PathBuf,
+    pub len: u64,
+    /// The derived file digest ([`super::digest::file_digest`]).
+    pub derived_digest: Sha256Digest,
+    /// The flat whole-file SHA-256, with [`DestinationOptions::flat_sha256`].
+    pub flat_sha256: Option<Sha256Digest>,
+}
+
+/// Publish sealed files: results in the order given.
+///
+/// 1. Their data is made durable: one `syncfs(2)` per file system that holds
+///    several of them (file systems told apart by the `st_dev` of the files'
+///    directories), `fdatasync` (`fsync` with `-p`) for a file alone on its file
+///    system. If a `syncfs` fails, each of its files is synced on its own, so only
+///    the ones whose data did not reach the disk fail.
+/// 2. THEN each file that is durable is renamed over its final name (an existing
+///    file there is replaced atomically; a directory there fails that file with
+///    [`FileError::IsADirectory`]).
+/// 3. THEN each distinct parent directory of a renamed file is fsynced once (if that
+///    fails, its files are already under their final names, durable in content, and
+///    get the error).
+/// 4. Then their manifests are removed.
+///
+/// A file that fails any step is not published (never visible under its final name
+/// unless step 3 failed) and does not stop the others; it is dropped like a
+/// [`Destination`]: kept with its manifest for resume if it keeps one, else removed.
+pub fn publish(sealed: Vec<Sealed>) -> Vec<Result<Published>> {
+    let mut results: Vec<Option<Result<Published>>> = (0..sealed.len()).map(|_| None).collect();
+    let mut slots: Vec<Option<Sealed>> = sealed.into_iter().map(Some).collect();
+
+    // Each file's directory, one entry per distinct directory.
+    let mut dirs: Vec<DirInfo> = Vec::new();
+    let mut dir_of = Vec::with_capacity(slots.len());
+    let stat_dirs = slots.len() > 1;
+    for s in slots.iter().flatten() {
+        dir_of.push(DirInfo::index(&mut dirs, &s.dest.dir, stat_dirs));
+    }
+
+    // 1. Durable data.
+    let mut groups: Vec<(Option<u64>, Vec<usize>)> = Vec::new();
+    for (i, &d) in dir_of.iter().enumerate() {
+        let dev = dirs[d].id.map(|(dev, _)| dev);
+        match groups.iter_mut().find(|(g, _)| g.is_some() && *g == dev) {
+            Some((_, members)) => members.push(i),
+            None => groups.push((dev, vec![i])),
+        }
+    }
+    for (_, members) in &groups {
+        let synced_together = members.len() > 1 && {
+            let any = slots[members[0]].as_ref().expect("not yet taken");
+            match rfs::syncfs(any.dest.dir.fd()) {
+                Ok(()) => true,
+                Err(e) => {
+                    tracing::warn!(dir = %any.dest.dir.display().display(), error = %e,
+                        "syncfs failed; syncing the files of the batch one by one");
+                    false
+                }
+            }
+        };
+        if synced_together {
+            continue;
+        }
+        for &i in members {
+            let s = slots[i].as_ref().expect("not yet taken");
+            if let Err(e) = s.dest.sync_file() {
+                results[i] = Some(Err(e));
+                slots[i] = None; // dropped: suspended or removed
+            }
+        }
+    }
+
+    // 2. Rename into place.
+    let mut renamed_in = vec![false; dirs.len()];
+    for (i, slot) in slots.iter_mut().enumerate() {
+        let Some(s) = slot.as_mut() else { continue };
+        let d = &mut s.dest;
+        match rfs::renameat(
+            d.dir.fd(),
+            &d.manifest.temp_name,
+            d.dir.fd(),
+            &d.manifest.final_name,
+        ) {
+            Ok(()) => {
+                d.finished = true;
+                renamed_in[dir_of[i]] = true;
+            }
+            Err(e) => {
+                let path = d.final_path();
+                results[i] = Some(Err(match e {
+                    Errno::ISDIR | Errno::NOTEMPTY | Errno::EXIST => {
+                        tracing::debug!(error = %e, "rename over a directory");
+                        FileError::IsADirectory { path }
+                    }
+                    e => io_err("rename into place", path, e),
+                }));
+                *slot = None;
+            }
+        }
+    }
+
+    // 3. The new names, durable.
+    let mut dir_err: Vec<Option<rustix::io::Errno>> = vec![None; dirs.len()];
+    for (d, info) in dirs.iter().enumerate() {
+        if renamed_in[d] {
+            dir_err[d] = rfs::fsync(info.handle.fd()).err();
+        }
+    }
+
+    // 4. Manifests go; results.
+    for (i, slot) in slots.iter_mut().enumerate() {
+        let Some(s) = slot.take() else { continue };
+        if s.dest.keeps_manifest() {
+            let _ = rfs::unlinkat(s.dest.dir.fd(), &s.dest.manifest_name, AtFlags::empty());
+        }
+        let info = &dirs[dir_of[i]];
+        results[i] = Some(match dir_err[dir_of[i]] {
+            None => Ok(s.published()),
+            Some(e) => Err(io_err(
+                "fsync directory (file renamed into place)",
+                info.handle.display(),
+                e,
+            )),
+        });
+    }
+    results
+        .into_iter()
+        .map(|r| r.expect("every file has a result"))
+        .collect()
+}
+
+/// A directory of files being published.
+struct DirInfo {
+    handle: DirHandle,
+    /// `(st_dev, st_ino)`, when looked at.
+    id: Option<(u64, u64)>,
+}
+
+impl DirInfo {
+    /// The index in `dirs` of `dir` (same handle, or the same directory by
+    /// device and inode when `stat`), added if new.
+    fn index(dirs: &mut Vec<DirInfo>, dir: &DirHandle, stat: bool) -> usize {
+        if let Some(i) = dirs.iter().position(|d| d.handle.same_handle(dir)) {
+            return i;
+        }
+        #[allow(clippy::unnecessary_cast)]
+        let id = stat
+            .then(|| rfs::fstat(dir.fd()).ok())
+            .flatten()
+            .map(|st| (st.st_dev as u64, st.st_ino as u64));
+        if let Some(i) = dirs.iter().position(|d| id.is_some() && d.id == id) {
+            return i;
+        }
+        dirs.push(DirInfo {
+            handle: dir.clone(),
+            id,
+        });
+        dirs.len() - 1
     }
 }
 

@@ -1,11 +1,31 @@
-//! Integrity: per-block SHA-256 (parallel) and the whole-file SHA-256 computed from
-//! blocks arriving in any order, without reading the file a second time.
+//! Integrity: per-block SHA-256 (hashed on a process-wide pool), the derived file
+//! digest built from the block digests, and (on request) the flat whole-file SHA-256
+//! computed from blocks arriving in any order, without reading the file a second time.
+//!
+//! # The derived file digest (`rcp-file-digest-v1`)
+//! What identifies a file's contents in rcp is not the flat `sha256sum` value but a
+//! digest *derived from the block digests*, so neither end makes a second, serial pass
+//! over the bytes: each block is hashed once (in parallel) anyway. For a file of
+//! `len` bytes cut into blocks of `block_size` bytes (the last one may be short; a
+//! 0-byte file has no block), with `d_i` the SHA-256 of block `i`:
+//!
+//! ```text
+//! file_digest = SHA-256( "rcp-file-digest-v1" 0x00
+//!                        || len        as u64 little endian
+//!                        || block_size as u64 little endian
+//!                        || d_0 || d_1 || ... || d_(n-1) )      n = ceil(len / block_size)
+//! ```
+//!
+//! Every block of the file appears, in index order. All fields have fixed lengths,
+//! so the encoding is unambiguous; the length and block size are part of it, so the
+//! same bytes cut differently (or a file truncated at a block boundary) give another
+//! digest. Both ends must use the same block size. See [`file_digest`] and
+//! [`FileDigest`].
 
 use std::collections::BTreeMap;
-use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
+use std::sync::OnceLock;
 
+use rayon::prelude::*;
 use sha2::{Digest, Sha256};
 
 use super::error::DigestError;
@@ -16,6 +36,60 @@ pub type Sha256Digest = [u8; 32];
 /// SHA-256 of one block.
 pub fn block_digest(data: &[u8]) -> Sha256Digest {
     Sha256::digest(data).into()
+}
+
+/// The domain-separation prefix of the derived file digest (see the module doc).
+pub const FILE_DIGEST_TAG: &[u8; 19] = b"rcp-file-digest-v1\0";
+
+/// The derived file digest, built incrementally: [`push`](Self::push) the digest of
+/// every block, in index order, then [`finish`](Self::finish). See the module doc for
+/// the encoding.
+#[derive(Clone)]
+pub struct FileDigest {
+    hasher: Sha256,
+    blocks: u64,
+}
+
+impl FileDigest {
+    /// For a file of `len` bytes in blocks of `block_size` bytes.
+    pub fn new(len: u64, block_size: u64) -> Self {
+        let mut hasher = Sha256::new();
+        hasher.update(FILE_DIGEST_TAG);
+        hasher.update(len.to_le_bytes());
+        hasher.update(block_size.to_le_bytes());
+        FileDigest { hasher, blocks: 0 }
+    }
+
+    /// The next block's SHA-256.
+    pub fn push(&mut self, block_digest: &Sha256Digest) {
+        self.hasher.update(block_digest);
+        self.blocks += 1;
+    }
+
+    /// Block digests pushed so far.
+    pub fn blocks(&self) -> u64 {
+        self.blocks
+    }
+
+    /// The digest. The caller has pushed every block (`len.div_ceil(block_size)`
+    /// of them); with any other number the result is simply another digest.
+    pub fn finish(self) -> Sha256Digest {
+        self.hasher.finalize().into()
+    }
+}
+
+/// The derived file digest of a `len`-byte file in `block_size` blocks from the
+/// digests of all its blocks, in index order (see the module doc).
+pub fn file_digest<'a>(
+    len: u64,
+    block_size: u64,
+    block_digests: impl IntoIterator<Item = &'a Sha256Digest>,
+) -> Sha256Digest {
+    let mut d = FileDigest::new(len, block_size);
+    for b in block_digests {
+        d.push(b);
+    }
+    d.finish()
 }
 
 /// Lower-case hex, as `sha256sum` prints it.
@@ -34,150 +108,66 @@ fn parallelism() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
-/// SHA-256 of each block, spread over `available_parallelism` scoped threads.
-/// Output order matches input order.
+/// The process-wide hashing pool, created by [`set_pool_threads`] or on first use.
+static POOL: OnceLock<rayon::ThreadPool> = OnceLock::new();
+
+fn build_pool(threads: usize) -> rayon::ThreadPool {
+    let threads = if threads == 0 { parallelism() } else { threads };
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .thread_name(|i| format!("rcp-digest-{i}"))
+        .build()
+        .expect("spawn the digest threads")
+}
+
+fn pool() -> &'static rayon::ThreadPool {
+    POOL.get_or_init(|| build_pool(0))
+}
+
+/// Create the process-wide hashing pool now with `threads` threads (`0`:
+/// `available_parallelism`), e.g. as many as the CPUs of the NIC's NUMA node.
+/// Without this call the pool is created on first use with the default size.
+/// The pool lives as long as the process; its size cannot change once it
+/// exists ([`DigestError::PoolStarted`]), so call this at startup.
+pub fn set_pool_threads(threads: usize) -> Result<(), DigestError> {
+    if let Some(p) = POOL.get() {
+        return Err(DigestError::PoolStarted {
+            threads: p.current_num_threads(),
+        });
+    }
+    POOL.set(build_pool(threads))
+        .map_err(|_| DigestError::PoolStarted {
+            threads: pool().current_num_threads(),
+        })
+}
+
+/// Threads of the hashing pool (creating it if it does not exist yet).
+pub fn pool_threads() -> usize {
+    pool().current_num_threads()
+}
+
+/// SHA-256 of each block, spread over the process-wide hashing pool
+/// ([`set_pool_threads`]). Output order matches input order. A single block is
+/// hashed on the calling thread.
 pub fn digest_blocks_parallel(blocks: &[&[u8]]) -> Vec<Sha256Digest> {
-    let n = parallelism().min(blocks.len()).max(1);
-    if n == 1 {
+    if blocks.len() <= 1 {
         return blocks.iter().map(|b| block_digest(b)).collect();
     }
-    let mut out = vec![[0u8; 32]; blocks.len()];
-    let per = blocks.len().div_ceil(n);
-    std::thread::scope(|s| {
-        for (ins, outs) in blocks.chunks(per).zip(out.chunks_mut(per)) {
-            s.spawn(move || {
-                for (b, o) in ins.iter().zip(outs.iter_mut()) {
-                    *o = block_digest(b);
-                }
-            });
-        }
-    });
-    out
+    pool().install(|| blocks.par_iter().map(|b| block_digest(b)).collect())
 }
 
 /// [`digest_blocks_parallel`] while `alongside` (typically feeding the
-/// whole-file digest, which must see the bytes in order) runs on a thread
-/// of its own; the calling thread takes blocks too. Blocks are handed out
-/// one at a time, so a thread that finishes early takes the next one.
+/// whole-file digest, which must see the bytes in order) runs on one thread
+/// of the pool; the others hash the blocks (with a one-thread pool, one after
+/// the other).
 pub fn digests_alongside<R: Send>(
     blocks: &[&[u8]],
     alongside: impl FnOnce() -> R + Send,
 ) -> (Vec<Sha256Digest>, R) {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    let next = AtomicUsize::new(0);
-    let take = || {
-        let mut mine = Vec::new();
-        loop {
-            let i = next.fetch_add(1, Ordering::Relaxed);
-            let Some(b) = blocks.get(i) else { break mine };
-            mine.push((i, block_digest(b)));
-        }
-    };
-    // One thread is `alongside`'s; the others, this one included, hash.
-    let helpers = parallelism()
-        .saturating_sub(2)
-        .min(blocks.len().saturating_sub(1));
-    let mut out = vec![[0u8; 32]; blocks.len()];
-    let r = std::thread::scope(|s| {
-        let side = s.spawn(alongside);
-        let workers: Vec<_> = (0..helpers).map(|_| s.spawn(take)).collect();
-        let mut mine = take();
-        for w in workers {
-            mine.extend(w.join().expect("a digest thread panicked"));
-        }
-        for (i, d) in mine {
-            out[i] = d;
-        }
-        side.join().expect("the alongside thread panicked")
+    let (r, out) = pool().join(alongside, || {
+        blocks.par_iter().map(|b| block_digest(b)).collect()
     });
     (out, r)
-}
-
-/// A long-lived pool of hashing threads for the data path: `submit(index, buffer)`,
-/// later `recv()` gets `(index, digest, buffer)` back (buffer returned so it can be
-/// recycled). Results come back in completion order, not submission order.
-pub struct DigestPool<T: AsRef<[u8]> + Send + 'static> {
-    tx: Option<mpsc::Sender<(u64, T)>>,
-    rx: mpsc::Receiver<(u64, Sha256Digest, T)>,
-    workers: Vec<JoinHandle<()>>,
-    outstanding: usize,
-}
-
-impl<T: AsRef<[u8]> + Send + 'static> DigestPool<T> {
-    /// `threads == 0` means `available_parallelism`.
-    pub fn new(threads: usize) -> Self {
-        let threads = if threads == 0 { parallelism() } else { threads };
-        let (tx, work_rx) = mpsc::channel::<(u64, T)>();
-        let (done_tx, rx) = mpsc::channel();
-        let work_rx = Arc::new(Mutex::new(work_rx));
-        let workers = (0..threads)
-            .map(|i| {
-                let work_rx = Arc::clone(&work_rx);
-                let done_tx = done_tx.clone();
-                std::thread::Builder::new()
-                    .name(format!("rcp-digest-{i}"))
-                    .spawn(move || loop {
-                        let job = match work_rx.lock() {
-                            Ok(g) => g.recv(),
-                            Err(_) => return,
-                        };
-                        let Ok((idx, buf)) = job else { return };
-                        let d = block_digest(buf.as_ref());
-                        if done_tx.send((idx, d, buf)).is_err() {
-                            return;
-                        }
-                    })
-                    .expect("spawn digest thread")
-            })
-            .collect();
-        DigestPool {
-            tx: Some(tx),
-            rx,
-            workers,
-            outstanding: 0,
-        }
-    }
-
-    /// Queue a block for hashing.
-    pub fn submit(&mut self, index: u64, data: T) {
-        self.outstanding += 1;
-        self.tx
-            .as_ref()
-            .expect("pool alive")
-            .send((index, data))
-            .expect("digest workers alive");
-    }
-
-    /// Number of submitted blocks whose result was not yet collected.
-    pub fn outstanding(&self) -> usize {
-        self.outstanding
-    }
-
-    /// Wait for the next finished block; `None` if nothing is outstanding.
-    pub fn recv(&mut self) -> Option<(u64, Sha256Digest, T)> {
-        if self.outstanding == 0 {
-            return None;
-        }
-        let r = self.rx.recv().ok()?;
-        self.outstanding -= 1;
-        Some(r)
-    }
-
-    /// A finished block if one is ready, without waiting.
-    pub fn try_recv(&mut self) -> Option<(u64, Sha256Digest, T)> {
-        let r = self.rx.try_recv().ok()?;
-        self.outstanding -= 1;
-        Some(r)
-    }
-}
-
-impl<T: AsRef<[u8]> + Send + 'static> Drop for DigestPool<T> {
-    fn drop(&mut self) {
-        self.tx.take();
-        for w in self.workers.drain(..) {
-            let _ = w.join();
-        }
-    }
 }
 
 /// Default bound on out-of-order bytes a [`StreamingFileDigest`] holds.
@@ -305,6 +295,39 @@ mod tests {
         assert_eq!(to_hex(&s.finish().unwrap()), EMPTY);
     }
 
+    /// The encoding built by hand, hashed in one go.
+    fn by_hand(len: u64, bs: u64, blocks: &[Sha256Digest]) -> Sha256Digest {
+        let mut m = b"rcp-file-digest-v1\0".to_vec();
+        m.extend_from_slice(&len.to_le_bytes());
+        m.extend_from_slice(&bs.to_le_bytes());
+        for b in blocks {
+            m.extend_from_slice(b);
+        }
+        Sha256::digest(&m).into()
+    }
+
+    #[test]
+    fn file_digest_encoding() {
+        let (a, b) = (block_digest(b"a"), block_digest(b"b"));
+        assert_eq!(file_digest(0, 4096, []), by_hand(0, 4096, &[]));
+        assert_eq!(file_digest(2, 1, [&a, &b]), by_hand(2, 1, &[a, b]));
+        let mut inc = FileDigest::new(2, 1);
+        inc.push(&a);
+        inc.push(&b);
+        assert_eq!(inc.blocks(), 2);
+        assert_eq!(inc.finish(), file_digest(2, 1, &[a, b]));
+        // Order, length, block size and the block set all count.
+        let base = file_digest(2, 1, [&a, &b]);
+        for other in [
+            file_digest(2, 1, [&b, &a]),
+            file_digest(3, 1, [&a, &b]),
+            file_digest(2, 2, [&a, &b]),
+            file_digest(2, 1, [&a]),
+        ] {
+            assert_ne!(other, base);
+        }
+    }
+
     #[test]
     fn parallel_matches_serial() {
         let data: Vec<Vec<u8>> = (0..37u8).map(|i| vec![i; 1000 + i as usize]).collect();
@@ -334,23 +357,6 @@ mod tests {
         let (none, r) = digests_alongside(&[], || 7);
         assert!(none.is_empty());
         assert_eq!(r, 7);
-    }
-
-    #[test]
-    fn pool_returns_every_block() {
-        let mut pool = DigestPool::new(3);
-        for i in 0..20u64 {
-            pool.submit(i, vec![i as u8; 4096]);
-        }
-        let mut got = Vec::new();
-        while let Some((i, d, buf)) = pool.recv() {
-            assert_eq!(d, block_digest(&buf));
-            assert_eq!(buf[0], i as u8);
-            got.push(i);
-        }
-        got.sort();
-        assert_eq!(got, (0..20).collect::<Vec<_>>());
-        assert_eq!(pool.outstanding(), 0);
     }
 
     #[test]

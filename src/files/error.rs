@@ -76,6 +76,8 @@ pub enum DigestError {
     Gap { at: u64, len: u64 },
     #[error("not a SHA-256 hex digest: {0:?}")]
     BadHex(String),
+    #[error("the hashing pool already runs with {threads} threads; size it before first use")]
+    PoolStarted { threads: usize },
 }
 
 /// Everything the file layer can fail with.
@@ -98,9 +100,11 @@ pub enum FileError {
         #[source]
         source: ManifestError,
     },
-    #[error("{path}: whole-file SHA-256 mismatch: expected {expected}, received data hashes to {actual}; temp file removed")]
+    #[error("{path}: {what} mismatch: expected {expected}, received data hashes to {actual}; temp file removed")]
     DigestMismatch {
         path: PathBuf,
+        /// Which digest: "derived file digest" or "whole-file SHA-256".
+        what: &'static str,
         expected: String,
         actual: String,
     },

@@ -3,7 +3,7 @@
 //! A manifest lives beside its temp file, named `<temp>.manifest`
 //! (`.rcp-<final>.<random>.part.manifest`). It records the format version, final
 //! and temp names, total length, block size, the [`SourceId`] of what is being
-//! copied, the whole-file digest the sender announced (if any), and a bitmap of
+//! copied, the derived file digest the sender announced (if any), and a bitmap of
 //! verified blocks with their SHA-256. It is always replaced atomically (write
 //! `<manifest>.tmp`, fsync, rename) and ends with a SHA-256 of its own bytes, so a
 //! torn or corrupted manifest is detected ([`ManifestError::Checksum`]) and never
@@ -52,6 +52,7 @@ pub struct Manifest {
     pub len: u64,
     pub block_size: u64,
     pub source: SourceId,
+    /// The derived file digest announced by the sender ([`super::digest::file_digest`]).
     pub expected_digest: Option<Sha256Digest>,
     /// Verified blocks: index -> SHA-256 of the block.
     pub blocks: BTreeMap<u64, Sha256Digest>,

@@ -22,6 +22,7 @@ use std::fs::File;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use rustix::fs::{self as rfs, AtFlags, FileType, Mode, OFlags, ResolveFlags};
 use rustix::io::Errno;
@@ -101,9 +102,13 @@ pub struct ListEntry {
 
 /// An open directory (`O_RDONLY|O_DIRECTORY`, so it can be fsynced) plus the path to
 /// show in error messages. Where a [`super::commit::Destination`] is created.
-#[derive(Debug)]
+///
+/// Clones share the one fd (no `dup`: every destination keeps a handle of its
+/// directory, and with many small files in flight a descriptor and a syscall per
+/// file add up).
+#[derive(Debug, Clone)]
 pub struct DirHandle {
-    fd: OwnedFd,
+    fd: Arc<OwnedFd>,
     display: PathBuf,
 }
 
@@ -119,7 +124,7 @@ impl DirHandle {
         )
         .map_err(|e| io_err("open directory", path, e))?;
         Ok(DirHandle {
-            fd,
+            fd: Arc::new(fd),
             display: path.to_owned(),
         })
     }
@@ -129,18 +134,18 @@ impl DirHandle {
     pub(crate) fn fd_owned(&self) -> &OwnedFd {
         &self.fd
     }
+    /// Whether `self` and `other` are clones of one handle (one open directory).
+    pub(crate) fn same_handle(&self, other: &DirHandle) -> bool {
+        Arc::ptr_eq(&self.fd, &other.fd)
+    }
     /// The path used in messages (root path + relative path on the server).
     pub fn display(&self) -> &Path {
         &self.display
     }
+    /// A handle sharing this one's fd (never fails; kept for callers that
+    /// expect a `Result`).
     pub fn try_clone(&self) -> Result<DirHandle> {
-        Ok(DirHandle {
-            fd: self
-                .fd
-                .try_clone()
-                .map_err(|e| io_err("dup", &self.display, e))?,
-            display: self.display.clone(),
-        })
+        Ok(self.clone())
     }
     /// `fstat` of the directory itself.
     pub fn meta(&self) -> Result<FileMeta> {
@@ -388,7 +393,7 @@ impl Root {
     pub(crate) fn open_dir_rel(&self, r: &RelPath) -> Result<DirHandle> {
         let fd = self.resolve(r, OFlags::RDONLY | OFlags::DIRECTORY, true)?;
         Ok(DirHandle {
-            fd,
+            fd: Arc::new(fd),
             display: self.display(r),
         })
     }

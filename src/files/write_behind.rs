@@ -1,8 +1,8 @@
 //! Write-behind for a [`Destination`]: a thread of its own writes verified
-//! blocks and feeds the whole-file digest while the caller checks the next
-//! window. Without it the receiver's loop does per-block hashing, the
-//! `pwrite` and the (serial) whole-file SHA-256 one after the other, and the
-//! sender waits on that chain.
+//! blocks (and feeds the flat whole-file SHA-256, when enabled) while the
+//! caller checks the next window. Without it the receiver's loop does
+//! per-block hashing and the `pwrite` (and the serial flat SHA-256) one after
+//! the other, and the sender waits on that chain.
 //!
 //! Jobs are closures run in order against the destination; the queue is
 //! bounded, so a slow disk pushes back on the caller (and through it on the
@@ -139,6 +139,7 @@ mod tests {
             len,
             DestinationOptions {
                 block_size: bs,
+                flat_sha256: true,
                 ..DestinationOptions::default()
             },
         )
@@ -162,7 +163,7 @@ mod tests {
         }
         let d = wb.finish().unwrap();
         let want: [u8; 32] = Sha256::digest(&data).into();
-        assert_eq!(d.commit(want).unwrap(), want);
+        assert_eq!(d.commit_flat(want).unwrap().flat_sha256, Some(want));
         assert_eq!(std::fs::read(tmp.path().join("out")).unwrap(), data);
     }
 
@@ -200,8 +201,10 @@ mod tests {
     fn a_failed_job_is_reported_and_later_jobs_are_refused() {
         let tmp = tempfile::tempdir().unwrap();
         let mut wb = WriteBehind::spawn(dest(tmp.path(), 10, 4096), 1).unwrap();
-        wb.submit(Box::new(|d: &mut Destination| d.write_at(8, b"too long")))
-            .unwrap();
+        wb.submit(Box::new(|d: &mut Destination| {
+            d.write_block(1, b"x", block_digest(b"x"))
+        }))
+        .unwrap();
         // The error surfaces at the latest by finish; a submit in between
         // either queues (writer not yet failed) or returns it.
         let mut err = None;
@@ -219,8 +222,8 @@ mod tests {
             matches!(
                 e,
                 FileError::OutOfRange {
-                    offset: 8,
-                    len: 8,
+                    offset: 4096,
+                    len: 1,
                     ..
                 }
             ),
