@@ -37,7 +37,7 @@ use super::{
     DEFAULT_BLOCK_SIZE, DEFAULT_PORT, MAX_MESSAGE, TCP_SESSION_KEY_MINOR, VERSION_MAJOR,
     VERSION_MINOR,
 };
-use crate::datapath::{DataPath, ReconnectError};
+use crate::datapath::legacy::{span_mut_for_legacy_control, DataPath, ReconnectError};
 use crate::engine::{LocalSeg, OpKind, Transfer, Window};
 use crate::files::{
     self, Destination, DestinationOptions, DirHandle, Preserve, SourceFile, StreamingFileDigest,
@@ -582,11 +582,10 @@ impl BlockIo for RepairIo<'_> {
             .checked_sub(self.staging.addr())
             .ok_or_else(|| std::io::Error::other("local segment outside staging"))?;
         let src = self.src;
-        self.staging
-            .with_mut(o as usize, local.len as usize, |buf| {
-                fsutil::read_exact(src, real, buf)
-            })
-            .ok_or_else(|| std::io::Error::other("local segment outside staging"))?
+        span_mut_for_legacy_control(self.staging, o as usize, local.len as usize, |buf| {
+            fsutil::read_exact(src, real, buf)
+        })
+        .ok_or_else(|| std::io::Error::other("local segment outside staging"))?
     }
     fn drain(&mut self, _: u64, _: LocalSeg) -> std::io::Result<()> {
         Ok(())
@@ -668,18 +667,20 @@ impl BlockIo for PushIo {
         let real = self.sh.moving[vb as usize] * self.sh.bs;
         let o = self.sh.slice_off(&local)?;
         let (src, hasher) = (&self.src, &mut self.hasher);
-        let d = self
-            .sh
-            .staging
-            .with_mut(o, local.len as usize, |buf| -> std::io::Result<[u8; 32]> {
+        let d = span_mut_for_legacy_control(
+            &self.sh.staging,
+            o,
+            local.len as usize,
+            |buf| -> std::io::Result<[u8; 32]> {
                 // Straight into registered memory (O_DIRECT when aligned).
                 fsutil::read_exact(src, real, buf)?;
                 if let Some(h) = hasher.as_mut() {
                     fsutil::feed(h, real, buf);
                 }
                 Ok(files::block_digest(buf))
-            })
-            .ok_or_else(|| std::io::Error::other("local segment outside staging"))??;
+            },
+        )
+        .ok_or_else(|| std::io::Error::other("local segment outside staging"))??;
         self.digests.insert(vb, d);
         Ok(())
     }
@@ -694,13 +695,11 @@ impl BlockIo for PushIo {
             let real = self.sh.moving[(voff / bs) as usize] * bs;
             let o = self.sh.slice_off(&local).map_err(|e| (voff, e))?;
             let src = &self.src;
-            self.sh
-                .staging
-                .with_mut(o, local.len as usize, |buf| {
-                    fsutil::read_exact(src, real, buf)
-                })
-                .ok_or_else(|| outside(voff))?
-                .map_err(|e| (voff, e))?;
+            span_mut_for_legacy_control(&self.sh.staging, o, local.len as usize, |buf| {
+                fsutil::read_exact(src, real, buf)
+            })
+            .ok_or_else(|| outside(voff))?
+            .map_err(|e| (voff, e))?;
             ranges.push((o, local.len as usize));
             reals.push(real);
         }
@@ -787,8 +786,7 @@ fn inject_fault(
 ) -> std::io::Result<()> {
     if *faults > 0 && len > 0 {
         *faults -= 1;
-        staging
-            .with_mut(o, len, |b| b[0] ^= 0x5a)
+        span_mut_for_legacy_control(staging, o, len, |b| b[0] ^= 0x5a)
             .ok_or_else(|| std::io::Error::other("local segment outside staging"))?;
         tracing::warn!(block = real_block, "test fault: damaged a pulled block");
     }

@@ -4,8 +4,9 @@
 
 use std::time::Duration;
 
-pub use crate::datapath::BlockIo;
-use crate::datapath::{DataPath, DataPathConfig, DataPathError, PollMode, ReconnectError};
+pub use crate::datapath::legacy::BlockIo;
+use crate::datapath::legacy::{DataPath, DataPathError, ReconnectError};
+use crate::datapath::{DataPathConfig, PollMode};
 use crate::engine::Transfer;
 use crate::provider::{Channel, ProviderKind};
 

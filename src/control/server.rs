@@ -20,6 +20,7 @@ use super::{
 };
 // The server's QPs only respond (the client issues every request): their
 // retry count never matters.
+use crate::datapath::legacy::span_mut_for_legacy_control;
 use crate::datapath::QpRetry;
 use crate::files::{
     self, Destination, DestinationOptions, DirHandle, FileError, FileKind, PathError, Preserve,
@@ -1064,7 +1065,7 @@ fn fill_window(
     while off < len {
         let n = (len - off).min(bs) as usize;
         let real = moving[((voff + off) / bs) as usize] * bs;
-        span.with_mut(off as usize, n, |buf| {
+        span_mut_for_legacy_control(span, off as usize, n, |buf| {
             // Straight into registered memory (O_DIRECT when aligned).
             fsutil::read_exact(src, real, buf)
         })
@@ -1108,13 +1109,12 @@ fn refill_blocks(
         let off = (vb - first) * bs;
         let n = (len - off).min(bs) as usize;
         let real = moving[vb as usize];
-        let d = span
-            .with_mut(off as usize, n, |buf| -> Result<[u8; 32]> {
-                fsutil::read_exact(src, real * bs, buf)
-                    .map_err(ControlError::io("reading the source file"))?;
-                Ok(files::block_digest(buf))
-            })
-            .expect("window bounds")?;
+        let d = span_mut_for_legacy_control(span, off as usize, n, |buf| -> Result<[u8; 32]> {
+            fsutil::read_exact(src, real * bs, buf)
+                .map_err(ControlError::io("reading the source file"))?;
+            Ok(files::block_digest(buf))
+        })
+        .expect("window bounds")?;
         digests.push(d.to_vec());
     }
     Ok(digests)

@@ -889,9 +889,11 @@ impl Stream {
 
     /// When [`poll_timeout`](Self::poll_timeout) next has work: the oldest
     /// outstanding request's post time plus the timeout. `None` if timeouts
-    /// are disabled or nothing is outstanding.
+    /// are disabled, nothing is outstanding, or the stream has failed.
     pub fn next_timeout(&self) -> Option<u64> {
-        if self.cfg.request_timeout_ns == 0 {
+        if self.cfg.request_timeout_ns == 0
+            || !matches!(self.state, State::Running | State::Flushing)
+        {
             return None;
         }
         let oldest = self.inflight.oldest()?;
@@ -1009,6 +1011,11 @@ impl Stream {
     /// Next queued event, oldest first.
     pub fn poll_event(&mut self) -> Option<Event> {
         self.events.pop_front()
+    }
+
+    /// Whether [`poll_event`](Self::poll_event) has something.
+    pub fn has_events(&self) -> bool {
+        !self.events.is_empty()
     }
 
     /// Where the stream stands.
