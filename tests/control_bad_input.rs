@@ -179,22 +179,26 @@ fn write_block(dp: &DataPort, addr: u64, rkey: u32, data: &[u8]) -> WcStatus {
     let domain = TcpDomain::new();
     let arena = Arena::new(&ArenaConfig::new(2 << 20)).unwrap();
     let span = PeerSpan::new(&arena, arena.addr(), 4096).unwrap();
-    span.with_mut(0, 4096, |b| b.copy_from_slice(data)).unwrap();
+    // SAFETY: a fresh arena of this function's own; nothing is posted yet.
+    unsafe { span.with_mut(0, 4096, |b| b.copy_from_slice(data)) }.unwrap();
     let reg = domain.register_span(&span, Access::LOCAL_WRITE).unwrap();
     let addr_port = format!("127.0.0.1:{}", dp.port).parse().unwrap();
     let ch = TcpChannel::connect_session(domain, addr_port, 1, 8, dp.key).unwrap();
-    ch.post(&[WorkRequest {
-        wr_id: 1,
-        kind: OpKind::Write,
-        local: LocalSeg {
-            addr: span.addr(),
-            len: 4096,
-            lkey: rcp::provider::Registration::lkey(&*reg),
-        },
-        remote: RemoteSeg { addr, rkey },
-        signaled: true,
-        inline: false,
-    }])
+    // SAFETY: the span is registered in the channel's domain and left alone until the completion below is polled (the arena outlives it).
+    unsafe {
+        ch.post(&[WorkRequest {
+            wr_id: 1,
+            kind: OpKind::Write,
+            local: LocalSeg {
+                addr: span.addr(),
+                len: 4096,
+                lkey: rcp::provider::Registration::lkey(&*reg),
+            },
+            remote: RemoteSeg { addr, rkey },
+            signaled: true,
+            inline: false,
+        }])
+    }
     .unwrap();
     let mut wc = [WorkCompletion {
         wr_id: 0,

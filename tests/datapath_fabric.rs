@@ -1,5 +1,6 @@
 //! The data path on a real RDMA device (soft-RoCE in the test VM): the
-//! engine + runner on `VerbsChannel`, two QPs on one device, data verified
+//! engine + legacy runner (`datapath::legacy`, what the control plane uses
+//! today) on `VerbsChannel`, two QPs on one device, data verified
 //! byte for byte.
 //!
 //! `#[ignore]`d in a plain `cargo test` (no device); run them in the VM:
@@ -11,7 +12,8 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rcp::datapath::*;
+use rcp::datapath::legacy::*;
+use rcp::datapath::{DataPathConfig, PollMode};
 use rcp::engine::{LocalSeg, OpKind, Transfer, WcStatus, Window};
 use rcp::mem::{Arena, ArenaConfig, PeerSpan};
 use rcp::provider::Channel;
@@ -146,9 +148,9 @@ fn move_and_verify(op: OpKind, len: usize, block: u64, windows: u64) {
     let file = match op {
         OpKind::Write => data.clone(),
         OpKind::Read => {
-            whole(&b)
-                .with_mut(0, len, |d| d.copy_from_slice(&data))
-                .unwrap();
+            // SAFETY: B's region is the target of the transfer below, which
+            // has not started: nothing names it yet.
+            unsafe { whole(&b).with_mut(0, len, |d| d.copy_from_slice(&data)) }.unwrap();
             vec![0u8; len]
         }
     };

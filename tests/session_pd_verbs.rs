@@ -62,18 +62,19 @@ async fn verbs_session(c: &mut RcpClient<tonic::transport::Channel>) -> VerbsSes
 fn write(s: &VerbsSession, addr: u64, rkey: u32, data: &[u8]) -> WcStatus {
     let local = s.link.buffers[0];
     let o = (local.addr - s.link.staging.addr()) as usize;
-    s.link
-        .staging
-        .with_mut(o, BS, |b| b.copy_from_slice(data))
-        .unwrap();
-    s.ch.post(&[WorkRequest {
-        wr_id: 7,
-        kind: OpKind::Write,
-        local,
-        remote: RemoteSeg { addr, rkey },
-        signaled: true,
-        inline: false,
-    }])
+    // SAFETY: staging buffer 0 is this function's alone: the one request below is posted after the copy and polled to completion before it returns.
+    unsafe { s.link.staging.with_mut(o, BS, |b| b.copy_from_slice(data)) }.unwrap();
+    // SAFETY: the local buffer is in the session's staging registration and left alone until the completion below is polled.
+    unsafe {
+        s.ch.post(&[WorkRequest {
+            wr_id: 7,
+            kind: OpKind::Write,
+            local,
+            remote: RemoteSeg { addr, rkey },
+            signaled: true,
+            inline: false,
+        }])
+    }
     .unwrap();
     let mut wc = [WorkCompletion {
         wr_id: 0,

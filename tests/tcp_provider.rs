@@ -43,7 +43,8 @@ impl Mem {
     }
 
     fn fill(&self, off: usize, len: usize, seed: u64) {
-        self.span.with_mut(off, len, |b| pattern(b, seed)).unwrap();
+        // SAFETY: the test touches this range only between requests: none in flight names it now.
+        unsafe { self.span.with_mut(off, len, |b| pattern(b, seed)) }.unwrap();
     }
 
     fn bytes(&self, off: usize, len: usize) -> Vec<u8> {
@@ -203,8 +204,11 @@ fn write_then_read_blocks_from_4k_to_4m() {
         let seed = size as u64;
         r.local.fill(0, size, seed);
         id += 1;
-        r.ch.post(&[r.wr(id, OpKind::Write, 0, 4 * MIB, size, rkey, true)])
-            .unwrap();
+        // SAFETY: the rig's arenas are registered in the channel's domain; the test touches a posted range again only after collecting the completion that retires it (or the channel's error and its flushes).
+        unsafe {
+            r.ch.post(&[r.wr(id, OpKind::Write, 0, 4 * MIB, size, rkey, true)])
+        }
+        .unwrap();
         let wcs = collect(&r.ch, 1, T);
         assert_eq!((wcs[0].wr_id, wcs[0].status), (id, WcStatus::Success));
         assert!(
@@ -212,10 +216,14 @@ fn write_then_read_blocks_from_4k_to_4m() {
             "WRITE of {size} bytes differs"
         );
         // Read it back into a zeroed, different local region.
-        r.local.span.with_mut(8 * MIB, size, |b| b.fill(0)).unwrap();
+        // SAFETY: the test touches this range only between requests: none in flight names it now.
+        unsafe { r.local.span.with_mut(8 * MIB, size, |b| b.fill(0)) }.unwrap();
         id += 1;
-        r.ch.post(&[r.wr(id, OpKind::Read, 8 * MIB, 4 * MIB, size, rkey, true)])
-            .unwrap();
+        // SAFETY: the rig's arenas are registered in the channel's domain; the test touches a posted range again only after collecting the completion that retires it (or the channel's error and its flushes).
+        unsafe {
+            r.ch.post(&[r.wr(id, OpKind::Read, 8 * MIB, 4 * MIB, size, rkey, true)])
+        }
+        .unwrap();
         let wcs = collect(&r.ch, 1, T);
         assert_eq!(
             wcs[0],
@@ -257,7 +265,8 @@ fn chain_of_32_with_only_the_last_signaled_completes_once() {
             )
         })
         .collect();
-    r.ch.post(&chain).unwrap();
+    // SAFETY: the rig's arenas are registered in the channel's domain; the test touches a posted range again only after collecting the completion that retires it (or the channel's error and its flushes).
+    unsafe { r.ch.post(&chain) }.unwrap();
     let wcs = collect(&r.ch, 1, T);
     assert_eq!((wcs[0].wr_id, wcs[0].status), (31, WcStatus::Success));
     // Every write retired by that completion has landed.
@@ -275,7 +284,8 @@ fn chain_of_32_with_only_the_last_signaled_completes_once() {
 /// target's memory is untouched.
 fn expect_remote_access(r: &Rig, wr: WorkRequest) {
     let before = r.remote.snapshot();
-    r.ch.post(&[wr]).unwrap();
+    // SAFETY: the rig's arenas are registered in the channel's domain; the test touches a posted range again only after collecting the completion that retires it (or the channel's error and its flushes).
+    unsafe { r.ch.post(&[wr]) }.unwrap();
     let wcs = collect(&r.ch, 1, T);
     assert_eq!(
         (wcs[0].wr_id, wcs[0].status),
@@ -320,16 +330,19 @@ fn read_without_remote_read_right_is_a_remote_access_error() {
     let r = rig(4 * MIB, 4 * MIB, 16);
     let win = r.remote.reg(0, MIB, Access::REMOTE_WRITE);
     let before = r.local.snapshot();
-    r.ch.post(&[r.wr(3, OpKind::Read, 0, 0, 4096, win.rkey(), true)])
-        .unwrap();
+    // SAFETY: the rig's arenas are registered in the channel's domain; the test touches a posted range again only after collecting the completion that retires it (or the channel's error and its flushes).
+    unsafe {
+        r.ch.post(&[r.wr(3, OpKind::Read, 0, 0, 4096, win.rkey(), true)])
+    }
+    .unwrap();
     let wcs = collect(&r.ch, 1, T);
     assert_eq!((wcs[0].wr_id, wcs[0].status), (3, WcStatus::RemoteAccess));
     assert!(r.local.snapshot() == before, "local memory changed");
     // A WRITE-only window does accept writes (on a fresh channel).
     let ch = r.channel(16);
     r.local.fill(0, 4096, 33);
-    ch.post(&[r.wr(4, OpKind::Write, 0, 0, 4096, win.rkey(), true)])
-        .unwrap();
+    // SAFETY: the rig's arenas are registered in the channel's domain; the test touches a posted range again only after collecting the completion that retires it (or the channel's error and its flushes).
+    unsafe { ch.post(&[r.wr(4, OpKind::Write, 0, 0, 4096, win.rkey(), true)]) }.unwrap();
     assert_eq!(collect(&ch, 1, T)[0].status, WcStatus::Success);
     assert!(r.remote.bytes(0, 4096) == expected(4096, 33));
 }
@@ -342,8 +355,8 @@ fn revoked_registration_is_a_remote_access_error() {
         .reg(0, MIB, Access::REMOTE_WRITE | Access::REMOTE_READ);
     let rkey = win.rkey();
     r.local.fill(0, 4096, 5);
-    r.ch.post(&[r.wr(1, OpKind::Write, 0, 0, 4096, rkey, true)])
-        .unwrap();
+    // SAFETY: the rig's arenas are registered in the channel's domain; the test touches a posted range again only after collecting the completion that retires it (or the channel's error and its flushes).
+    unsafe { r.ch.post(&[r.wr(1, OpKind::Write, 0, 0, 4096, rkey, true)]) }.unwrap();
     assert_eq!(collect(&r.ch, 1, T)[0].status, WcStatus::Success);
     drop(win);
     r.local.fill(0, 4096, 6);
@@ -364,7 +377,8 @@ fn after_an_error_the_rest_and_later_posts_are_flushed() {
             r.wr(i as u64, OpKind::Write, i * blk, i * blk, blk, rkey, false)
         })
         .collect();
-    r.ch.post(&chain).unwrap();
+    // SAFETY: the rig's arenas are registered in the channel's domain; the test touches a posted range again only after collecting the completion that retires it (or the channel's error and its flushes).
+    unsafe { r.ch.post(&chain) }.unwrap();
     // The error first, then flushes; #0..#2 may have succeeded silently.
     let first = collect(&r.ch, 1, T);
     assert_eq!(
@@ -392,10 +406,13 @@ fn after_an_error_the_rest_and_later_posts_are_flushed() {
     // Nothing after the bad request was executed.
     assert!(r.remote.bytes(3 * blk, 5 * blk) == before[3 * blk..8 * blk]);
     // Later posts complete with Flushed, signaled or not.
-    r.ch.post(&[
-        r.wr(100, OpKind::Write, 0, 0, blk, r.rreg.rkey(), false),
-        r.wr(101, OpKind::Read, 0, 0, blk, r.rreg.rkey(), true),
-    ])
+    // SAFETY: the rig's arenas are registered in the channel's domain; the test touches a posted range again only after collecting the completion that retires it (or the channel's error and its flushes).
+    unsafe {
+        r.ch.post(&[
+            r.wr(100, OpKind::Write, 0, 0, blk, r.rreg.rkey(), false),
+            r.wr(101, OpKind::Read, 0, 0, blk, r.rreg.rkey(), true),
+        ])
+    }
     .unwrap();
     let later = collect(&r.ch, 2, T);
     assert_eq!(
@@ -414,7 +431,8 @@ fn bad_local_segments_are_local_protection_errors_and_post_nothing() {
     let before = r.remote.snapshot();
     let mut wr = r.wr(1, OpKind::Write, 0, 0, 4096, r.rreg.rkey(), true);
     wr.local.lkey ^= 1;
-    r.ch.post(&[wr]).unwrap();
+    // SAFETY: the rig's arenas are registered in the channel's domain; the test touches a posted range again only after collecting the completion that retires it (or the channel's error and its flushes).
+    unsafe { r.ch.post(&[wr]) }.unwrap();
     let wcs = collect(&r.ch, 1, T);
     assert_eq!(
         (wcs[0].wr_id, wcs[0].status),
@@ -427,13 +445,15 @@ fn bad_local_segments_are_local_protection_errors_and_post_nothing() {
     let mut wr = r.wr(2, OpKind::Read, 0, 0, 4096, r.rreg.rkey(), true);
     wr.local.lkey = ro.lkey();
     let lbefore = r.local.snapshot();
-    ch.post(&[wr]).unwrap();
+    // SAFETY: the rig's arenas are registered in the channel's domain; the test touches a posted range again only after collecting the completion that retires it (or the channel's error and its flushes).
+    unsafe { ch.post(&[wr]) }.unwrap();
     assert_eq!(collect(&ch, 1, T)[0].status, WcStatus::LocalProtection);
     // Out of the local registration's bounds.
     let ch = r.channel(16);
     let mut wr = r.wr(3, OpKind::Write, MIB - 100, 0, 4096, r.rreg.rkey(), true);
     wr.local.lkey = ro.lkey();
-    ch.post(&[wr]).unwrap();
+    // SAFETY: the rig's arenas are registered in the channel's domain; the test touches a posted range again only after collecting the completion that retires it (or the channel's error and its flushes).
+    unsafe { ch.post(&[wr]) }.unwrap();
     assert_eq!(collect(&ch, 1, T)[0].status, WcStatus::LocalProtection);
     assert!(r.local.snapshot() == lbefore);
     assert!(r.remote.snapshot() == before);
@@ -447,10 +467,12 @@ fn posting_past_the_depth_is_refused() {
     let chain: Vec<_> = (0..5)
         .map(|i| r.wr(i, OpKind::Write, 0, 0, 4096, r.rreg.rkey(), true))
         .collect();
-    let e = r.ch.post(&chain).unwrap_err();
+    // SAFETY: the rig's arenas are registered in the channel's domain; the test touches a posted range again only after collecting the completion that retires it (or the channel's error and its flushes).
+    let e = unsafe { r.ch.post(&chain) }.unwrap_err();
     assert_eq!(e.posted, 0);
     assert!(e.to_string().contains("depth 4"), "{e}");
-    r.ch.post(&chain[..4]).unwrap();
+    // SAFETY: the rig's arenas are registered in the channel's domain; the test touches a posted range again only after collecting the completion that retires it (or the channel's error and its flushes).
+    unsafe { r.ch.post(&chain[..4]) }.unwrap();
     assert_eq!(collect(&r.ch, 4, T).len(), 4);
 }
 
@@ -511,13 +533,12 @@ fn garbage_on_one_connection_does_not_disturb_a_valid_channel() {
                 )
             })
             .collect();
-        r.ch.post(&writes).unwrap();
+        // SAFETY: the rig's arenas are registered in the channel's domain; the test touches a posted range again only after collecting the completion that retires it (or the channel's error and its flushes).
+        unsafe { r.ch.post(&writes) }.unwrap();
         let wcs = collect(&r.ch, 4, T);
         assert!(wcs.iter().all(|w| w.status.is_success()), "{wcs:?}");
-        r.local
-            .span
-            .with_mut(8 * MIB, 8 * MIB, |b| b.fill(0))
-            .unwrap();
+        // SAFETY: the test touches this range only between requests: none in flight names it now.
+        unsafe { r.local.span.with_mut(8 * MIB, 8 * MIB, |b| b.fill(0)) }.unwrap();
         let reads: Vec<_> = (0..64)
             .map(|i| {
                 r.wr(
@@ -531,7 +552,8 @@ fn garbage_on_one_connection_does_not_disturb_a_valid_channel() {
                 )
             })
             .collect();
-        r.ch.post(&reads).unwrap();
+        // SAFETY: the rig's arenas are registered in the channel's domain; the test touches a posted range again only after collecting the completion that retires it (or the channel's error and its flushes).
+        unsafe { r.ch.post(&reads) }.unwrap();
         let wcs = collect(&r.ch, 64, T);
         assert!(wcs.iter().all(|w| w.status.is_success()), "{wcs:?}");
         for i in 0..64 {
@@ -544,8 +566,8 @@ fn garbage_on_one_connection_does_not_disturb_a_valid_channel() {
     assert!(!r.ch.is_broken());
     // And the target still accepts new channels.
     let ch = r.channel(16);
-    ch.post(&[r.wr(1, OpKind::Read, 0, 0, 4096, r.rreg.rkey(), true)])
-        .unwrap();
+    // SAFETY: the rig's arenas are registered in the channel's domain; the test touches a posted range again only after collecting the completion that retires it (or the channel's error and its flushes).
+    unsafe { ch.post(&[r.wr(1, OpKind::Read, 0, 0, 4096, r.rreg.rkey(), true)]) }.unwrap();
     assert_eq!(collect(&ch, 1, T)[0].status, WcStatus::Success);
 }
 
@@ -584,7 +606,8 @@ fn hundred_thousand_small_writes_respecting_depth() {
                     i % CHAIN == CHAIN - 1,
                 ));
             }
-            r.ch.post(&chain).unwrap();
+            // SAFETY: the rig's arenas are registered in the channel's domain; the test touches a posted range again only after collecting the completion that retires it (or the channel's error and its flushes).
+            unsafe { r.ch.post(&chain) }.unwrap();
             posted += CHAIN;
             outstanding += CHAIN;
         }
@@ -655,7 +678,8 @@ fn killing_the_target_mid_stream_fails_in_flight_requests_without_hanging() {
                             inline: false,
                         })
                         .collect();
-                    ch.post(&chain).unwrap();
+                    // SAFETY: the rig's arenas are registered in the channel's domain; the test touches a posted range again only after collecting the completion that retires it (or the channel's error and its flushes).
+                    unsafe { ch.post(&chain) }.unwrap();
                     posted += 16;
                 }
                 let k = ch.poll(&mut buf).unwrap();
@@ -706,11 +730,12 @@ fn killing_the_target_mid_stream_fails_in_flight_requests_without_hanging() {
     // Later posts are flushed too.
     let mut wr = r.wr(1 << 40, OpKind::Write, 0, 0, 4096, rkey, true);
     wr.signaled = false;
-    ch.post(&[wr]).unwrap();
+    // SAFETY: the rig's arenas are registered in the channel's domain; the test touches a posted range again only after collecting the completion that retires it (or the channel's error and its flushes).
+    unsafe { ch.post(&[wr]) }.unwrap();
     assert_eq!(collect(&*ch, 1, T)[0].status, WcStatus::Flushed);
     // The first channel of the rig is dead too.
-    r.ch.post(&[r.wr(7, OpKind::Read, 0, 0, 4096, rkey, true)])
-        .unwrap();
+    // SAFETY: the rig's arenas are registered in the channel's domain; the test touches a posted range again only after collecting the completion that retires it (or the channel's error and its flushes).
+    unsafe { r.ch.post(&[r.wr(7, OpKind::Read, 0, 0, 4096, rkey, true)]) }.unwrap();
     assert!(!collect(&r.ch, 1, T)[0].status.is_success());
 }
 
@@ -764,7 +789,8 @@ fn bandwidth_of_1mib_writes_over_loopback() {
                     )
                 })
                 .collect();
-            ch.post(&chain).unwrap();
+            // SAFETY: the rig's arenas are registered in the channel's domain; the test touches a posted range again only after collecting the completion that retires it (or the channel's error and its flushes).
+            unsafe { ch.post(&chain) }.unwrap();
             posted += CHAIN;
             outstanding += CHAIN;
         }

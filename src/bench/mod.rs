@@ -12,11 +12,15 @@
 //!
 //! Every run prints one machine-parsable line ([`format_line`]):
 //! `bench op=write size=64 batch=32 signal=32 inline=0 mode=poll qps=1 msgs=.. msg_per_s=.. ...`.
-//! Messages smaller than the engine's 4 KiB minimum block are posted as the
-//! first `size` bytes of each block (`DataPathConfig::payload_cap`).
-//! Latency is post → completion of each signaled request (for a chain: its
-//! tail) as seen by the completion thread. CPU time is the process's
-//! (getrusage: user + system, all threads) per message.
+//! Each QP runs one session data path ([`crate::datapath::DataPath`]) for
+//! the whole run: the peer's 32 MiB region is cut into 4 MiB windows (one
+//! window per message above that), each window holds one extent per
+//! message, every `block` bytes (`size` rounded up to a power of two, at
+//! least 4 KiB: messages under 4 KiB are the first `size` bytes of 4 KiB
+//! slots), and every window is in flight at once, submitted again as soon
+//! as it is done. Latency is post → completion of each signaled request
+//! (for a chain: its tail) as seen by the completion thread. CPU time is
+//! the process's (getrusage: user + system, all threads) per message.
 
 mod run;
 pub mod wire;

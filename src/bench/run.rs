@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use super::wire::{self, QpInfo, Region};
 use super::{BenchError, BenchOptions, Measured, MAX_QPS};
-use crate::datapath::{run_transfer, DataPathConfig, NullIo, ReconnectError, Report};
-use crate::engine::{LocalSeg, Transfer, Window};
+use crate::datapath::{DataPath, DataPathConfig, DpEvent, ReconnectError, ReconnectFn, Report};
+use crate::engine::{Extent, WindowJob};
 use crate::mem::{Arena, ArenaConfig};
 use crate::provider::Channel;
 use crate::verbs::{
@@ -22,6 +22,8 @@ pub(super) const SQ: u32 = 128;
 /// Staging bytes per QP on the posting side; region bytes per QP on the
 /// target side.
 pub(super) const REGION: usize = 32 << 20;
+/// Bytes per window (larger messages: one message per window).
+const WINDOW: u64 = 4 << 20;
 
 struct Side {
     ctx: Arc<Context>,
@@ -93,14 +95,14 @@ fn params(local: &QpInfo, peer: &QpInfo) -> ConnectParams {
 /// The target side of a loopback lane, kept for the lane's life (and for
 /// reconnects).
 struct Peer {
-    ch: VerbsChannel,
+    ch: Arc<VerbsChannel>,
     _arena: Arena,
     _mr: MemoryRegion,
 }
 
 /// One QP that posts, its staging, and the region it targets.
 struct Lane {
-    ch: VerbsChannel,
+    ch: Arc<VerbsChannel>,
     arena: Arena,
     mr: MemoryRegion,
     remote: Region,
@@ -120,10 +122,58 @@ fn cpu_ns() -> u64 {
     t(u.user_time()) + t(u.system_time())
 }
 
-/// One data-path run of `iters` messages on lane number `i`.
-fn run_lane(i: usize, l: &Lane, o: &BenchOptions, iters: u64) -> Result<Report, BenchError> {
-    let block = o.block();
-    let mut cfg = DataPathConfig {
+/// The windows of a lane: `count` windows of `per` messages, message `k`
+/// of window `w` at offset `w * bytes + k * slot` on both sides (staging
+/// and the peer's region have the same layout).
+#[derive(Clone, Copy, Debug)]
+struct Layout {
+    slot: u64,
+    per: u64,
+    bytes: u64,
+    count: u64,
+}
+
+fn layout(l: &Lane, o: &BenchOptions) -> Result<Layout, BenchError> {
+    let slot = o.block();
+    let bytes = WINDOW.max(slot);
+    let room = l.remote.len.min(l.arena.len() as u64);
+    let count = room / bytes;
+    if count == 0 {
+        return Err(BenchError::Invalid(format!(
+            "--size {}: larger than the {room} byte region",
+            o.size
+        )));
+    }
+    Ok(Layout {
+        slot,
+        per: bytes / slot,
+        bytes,
+        count,
+    })
+}
+
+/// Messages `n` of `o.size` bytes into window slot `w`.
+fn window(l: &Lane, o: &BenchOptions, lay: &Layout, id: u64, w: u64, n: u64) -> WindowJob {
+    let base = w * lay.bytes;
+    WindowJob {
+        id,
+        op: o.op,
+        local_addr: l.arena.addr() + base,
+        lkey: l.mr.lkey(),
+        remote_addr: l.remote.addr + base,
+        rkey: l.remote.rkey,
+        extents: (0..n)
+            .map(|k| Extent {
+                offset: k * lay.slot,
+                len: o.size as u32,
+            })
+            .collect(),
+    }
+}
+
+/// The data path of lane number `i`, for every round of a run.
+fn start_lane(i: usize, l: &Lane, o: &BenchOptions) -> Result<DataPath, BenchError> {
+    let cfg = DataPathConfig {
         batch: o.batch,
         signal_every: o.signal_every,
         max_inline: Some(o.inline),
@@ -132,66 +182,94 @@ fn run_lane(i: usize, l: &Lane, o: &BenchOptions, iters: u64) -> Result<Report, 
         tx_depth: o.tx_depth.map(|t| t as usize),
         ..DataPathConfig::default()
     };
-    if o.size < block {
-        cfg.payload_cap = Some(o.size as u32);
-    }
-    let wlen = (l.remote.len / block) * block;
-    let nbuf = (l.arena.len() as u64 / block).min(u64::from(SQ));
-    if wlen == 0 || nbuf == 0 {
-        return Err(BenchError::Invalid(format!(
-            "--size {}: larger than the {} byte region",
-            o.size,
-            l.remote.len.min(l.arena.len() as u64)
-        )));
-    }
-    let caps = l.ch.caps();
-    let tc = cfg
-        .transfer_config(o.op, iters * block, block, &caps)
-        .map_err(crate::datapath::DataPathError::from)?;
-    let bufs = (0..nbuf)
-        .map(|i| LocalSeg {
-            addr: l.arena.addr() + i * block,
-            len: block as u32,
-            lkey: l.mr.lkey(),
-        })
-        .collect();
-    let mut t = Transfer::new(tc, bufs).map_err(|e| BenchError::Invalid(format!("engine: {e}")))?;
-    // Windows of the remote region, all mapped onto the same memory.
-    let total = iters * block;
-    let (base, rkey) = (l.remote.addr, l.remote.rkey);
-    let mut k = 0u64;
-    let mut io = NullIo {
-        windows: move || {
-            let off = k * wlen;
-            (off < total).then(|| {
-                k += 1;
-                Window {
-                    id: k,
-                    remote_addr: base,
-                    rkey,
-                    len: wlen.min(total - off),
-                    file_offset: off,
-                    epoch: 0,
+    let me = l.ch.clone();
+    let peer = l.peer.as_ref().map(|p| p.ch.clone());
+    let reconnect: ReconnectFn = Box::new(move || -> Result<(), ReconnectError> {
+        let Some(p) = &peer else {
+            return Err("the bench does not reconnect across hosts; run it again".into());
+        };
+        let ea = me.reset()?;
+        let eb = p.reset()?;
+        me.handshake(&eb, &ConnectParams::default())?;
+        p.handshake(&ea, &ConnectParams::default())?;
+        Ok(())
+    });
+    let ch: Arc<dyn Channel> = l.ch.clone();
+    Ok(DataPath::start(cfg, ch, reconnect, None)?)
+}
+
+/// Rounds of `o.iters` messages on lane number `i` until `deadline` (one
+/// round without it): every window slot of the region in flight, each
+/// submitted again as soon as it is done. The report's seconds are from the
+/// first submit to the last window done.
+fn run_lane(
+    i: usize,
+    l: &Lane,
+    o: &BenchOptions,
+    deadline: Option<Instant>,
+) -> Result<Report, BenchError> {
+    let lay = layout(l, o)?;
+    let dp = start_lane(i, l, o)?;
+    let mut events = dp.take_events().expect("fresh data path");
+    let t0 = Instant::now();
+    let mut seq = 0u64;
+    let result = (|| -> Result<(), BenchError> {
+        loop {
+            let mut left = o.iters;
+            let mut in_flight = 0u64;
+            let mut submit = |w: u64, left: &mut u64| -> Result<bool, BenchError> {
+                if *left == 0 {
+                    return Ok(false);
                 }
-            })
-        },
-    };
-    let r = run_transfer(
-        &l.ch,
-        &mut t,
-        &mut io,
-        &cfg,
-        &mut || -> Result<(), ReconnectError> {
-            let Some(p) = &l.peer else {
-                return Err("the bench does not reconnect across hosts; run it again".into());
+                let n = (*left).min(lay.per);
+                *left -= n;
+                // Window ids name their slot: id % count.
+                let id = seq * lay.count + w;
+                seq += 1;
+                // SAFETY: window slot `w` of the staging arena (registered
+                // under `l.mr`, alive as long as the lane) is used by this
+                // window alone: a slot is submitted again only after its
+                // WindowDone, and the bench never reads or writes the
+                // staging memory. On failure the data path is closed and the
+                // lane's channel reset (or dropped) before the arena is
+                // reused.
+                unsafe { dp.submit(window(l, o, &lay, id, w, n)) }?;
+                Ok(true)
             };
-            let ea = l.ch.reset()?;
-            let eb = p.ch.reset()?;
-            l.ch.handshake(&eb, &ConnectParams::default())?;
-            p.ch.handshake(&ea, &ConnectParams::default())?;
-            Ok(())
-        },
-    )?;
+            for w in 0..lay.count {
+                if submit(w, &mut left)? {
+                    in_flight += 1;
+                }
+            }
+            while in_flight > 0 {
+                match events.blocking_recv() {
+                    Some(DpEvent::WindowDone { id }) => {
+                        in_flight -= 1;
+                        if submit(id % lay.count, &mut left)? {
+                            in_flight += 1;
+                        }
+                    }
+                    Some(DpEvent::Reconnected { epoch, seconds }) => {
+                        tracing::warn!(lane = i, epoch, seconds, "bench lane reconnected");
+                    }
+                    Some(DpEvent::Failed(e)) => return Err(e.into()),
+                    None => return Err(crate::datapath::DataPathError::Stopped.into()),
+                }
+            }
+            match deadline {
+                Some(d) if Instant::now() < d => continue,
+                _ => return Ok(()),
+            }
+        }
+    })();
+    let seconds = t0.elapsed().as_secs_f64();
+    let mut r = dp.close();
+    if let Err(e) = result {
+        // Nothing may still write the staging arena when it is reused.
+        let _ = l.ch.set_error();
+        return Err(e);
+    }
+    r.seconds = seconds;
     Ok(r)
 }
 
@@ -220,33 +298,27 @@ fn merge(into: &mut Report, r: Report, seconds_max: bool) {
     }
 }
 
-/// Run `o` on the first `o.qps` lanes, one thread each; repeat rounds
-/// until `o.seconds` when set.
+/// Run `o` on the first `o.qps` lanes, one thread and one data path each;
+/// each lane repeats rounds of `o.iters` until `o.seconds` when set.
 fn run_lanes(lanes: &[Lane], o: &BenchOptions) -> Result<Measured, BenchError> {
     let n = o.qps.min(lanes.len());
     let cpu0 = cpu_ns();
-    let t0 = Instant::now();
+    let deadline = o
+        .seconds
+        .map(|s| Instant::now() + Duration::from_secs_f64(s));
+    let reports: Vec<Result<Report, BenchError>> = std::thread::scope(|s| {
+        let hs: Vec<_> = lanes[..n]
+            .iter()
+            .enumerate()
+            .map(|(i, l)| s.spawn(move || run_lane(i, l, o, deadline)))
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().expect("bench thread"))
+            .collect()
+    });
     let mut total = Report::default();
-    loop {
-        let reports: Vec<Result<Report, BenchError>> = std::thread::scope(|s| {
-            let hs: Vec<_> = lanes[..n]
-                .iter()
-                .enumerate()
-                .map(|(i, l)| s.spawn(move || run_lane(i, l, o, o.iters)))
-                .collect();
-            hs.into_iter()
-                .map(|h| h.join().expect("bench thread"))
-                .collect()
-        });
-        let mut round = Report::default();
-        for r in reports {
-            merge(&mut round, r?, true);
-        }
-        merge(&mut total, round, false);
-        match o.seconds {
-            Some(s) if t0.elapsed().as_secs_f64() < s => continue,
-            _ => break,
-        }
+    for r in reports {
+        merge(&mut total, r?, true);
     }
     Ok(Measured {
         report: total,
@@ -272,12 +344,12 @@ fn loopback_lanes(o: &BenchOptions, qps: usize) -> Result<Vec<Lane>, BenchError>
             len: b_arena.len() as u64,
         };
         out.push(Lane {
-            ch: a,
+            ch: Arc::new(a),
             arena,
             mr,
             remote,
             peer: Some(Peer {
-                ch: b,
+                ch: Arc::new(b),
                 _arena: b_arena,
                 _mr: b_mr,
             }),
@@ -425,7 +497,7 @@ pub fn run_client(addr: &str, o: &BenchOptions) -> Result<Measured, BenchError> 
         ch.handshake(&peer.ep, &params(&me, &peer))?;
         let (arena, mr) = region(&s)?;
         lanes.push(Lane {
-            ch,
+            ch: Arc::new(ch),
             arena,
             mr,
             remote: reg,

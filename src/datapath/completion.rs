@@ -94,7 +94,8 @@ impl Drop for AvoidCpu {
 /// Poll `channel` until `stop` is set or `deliver` returns false (the
 /// receiver is gone), handing every non-empty batch to `deliver` with the
 /// time it was polled. Counts polls, empty polls, arms, waits and wakeups in
-/// `stats`. A provider error ends the loop with that error.
+/// `stats` (and sets the `cq_fill` gauge); completions themselves are the
+/// engine's to count. A provider error ends the loop with that error.
 pub fn completion_loop(
     channel: &dyn Channel,
     mode: PollMode,
@@ -116,7 +117,6 @@ pub fn completion_loop(
             stats.empty_polls.fetch_add(1, Relaxed);
             return Ok(None);
         }
-        stats.completed.fetch_add(n as u64, Relaxed);
         stats.cq_fill.store(n as u64, Relaxed);
         Ok(Some(deliver(&wcs[..n], Instant::now())))
     };

@@ -11,7 +11,7 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
-use crate::engine::{BatchPolicy, OpKind, TransferConfig};
+use crate::engine::{BatchPolicy, OpKind, StreamConfig, TransferConfig};
 use crate::provider::ChannelCaps;
 
 /// Default number of empty polls before hybrid mode arms and sleeps.
@@ -191,9 +191,10 @@ pub struct DataPathConfig {
     /// Most requests outstanding on the queue pair (perftest's `--tx-depth`);
     /// `None`: the send-queue depth. Clamped to the send-queue depth.
     pub tx_depth: Option<usize>,
-    /// Benchmark knob, never for real transfers: post only the first N bytes
-    /// of each block (perftest-style small messages; engine blocks are at
-    /// least 4 KiB). The rest of each block is not moved.
+    /// Legacy runner only, a benchmark knob, never for real transfers: post
+    /// only the first N bytes of each block (perftest-style small messages;
+    /// `Transfer` blocks are at least 4 KiB). The session data path refuses
+    /// it: its windows carry extents of any length.
     pub payload_cap: Option<u32>,
 }
 
@@ -321,6 +322,26 @@ impl DataPathConfig {
     /// The inline limit on a channel with `caps`.
     pub fn inline_for(&self, caps: &ChannelCaps) -> u32 {
         self.max_inline.unwrap_or(64).min(caps.max_inline)
+    }
+
+    /// The stream configuration over a channel with `caps`: the send-queue
+    /// depth (capped by `tx_depth`), the batch policy, the inline limit
+    /// (decided here, once), the request timeout and the retry budget.
+    pub fn stream_config(&self, caps: &ChannelCaps) -> Result<StreamConfig, ConfigError> {
+        self.validate()?;
+        let sq = caps.sq_depth as usize;
+        let depth = self.tx_depth.map_or(sq, |d| d.min(sq));
+        let mut c = StreamConfig::new(depth);
+        c.batch = BatchPolicy::new(self.batch, self.signal_every).expect("validated");
+        c.max_inline = self.inline_for(caps);
+        c.request_timeout_ns = self.request_timeout.as_nanos().min(u64::MAX as u128) as u64;
+        c.max_retries = self.max_retries;
+        c.validate().map_err(|e| ConfigError::Field {
+            field: "sq_depth",
+            value: depth.to_string(),
+            reason: e.to_string(),
+        })?;
+        Ok(c)
     }
 
     /// The engine configuration for a transfer of `file_len` bytes in blocks
@@ -477,6 +498,22 @@ mod tests {
             .unwrap();
             assert_eq!(t.sq_depth, got, "{want:?}");
         }
+        let sc = c.stream_config(&caps).unwrap();
+        assert_eq!((sc.sq_depth, sc.max_inline, sc.batch.batch), (128, 64, 32));
+        assert_eq!(sc.request_timeout_ns, 30_000_000_000);
+        let sc = DataPathConfig {
+            tx_depth: Some(16),
+            max_inline: Some(0),
+            ..c.clone()
+        }
+        .stream_config(&caps)
+        .unwrap();
+        assert_eq!((sc.sq_depth, sc.max_inline), (16, 0));
+        let no_sq = ChannelCaps {
+            sq_depth: 0,
+            ..caps
+        };
+        assert!(c.stream_config(&no_sq).is_err());
         let e = DataPathConfig {
             tx_depth: Some(0),
             ..c.clone()

@@ -1,9 +1,11 @@
 //! A fake channel for unit tests: completes signaled requests in order at
 //! post time, enforces the send-queue depth, and can inject an error at the
-//! n-th request (everything after it is flushed until `reset`).
+//! n-th request (everything after it is flushed until `reset`), swallow
+//! completions (lost CQEs, until `reset`), refuse a post part-way, and
+//! record the CPUs the posting thread may use.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Condvar, Mutex};
 use std::time::Duration;
 
@@ -33,6 +35,15 @@ pub struct FakeChannel {
     pub max_outstanding: AtomicU64,
     pub overflows: AtomicU64,
     pub resets: AtomicU64,
+    /// Requests posted (accepted).
+    pub posted: AtomicU64,
+    /// Successful completions are not reported (until `reset`).
+    pub swallow: AtomicBool,
+    /// Refuse the next post after this many of its requests.
+    pub refuse_after: Mutex<Option<usize>>,
+    /// Record `allowed_cpus()` of the posting thread at every post.
+    pub record_cpus: AtomicBool,
+    pub post_cpus: Mutex<Vec<Vec<usize>>>,
 }
 
 impl FakeChannel {
@@ -52,6 +63,11 @@ impl FakeChannel {
             max_outstanding: AtomicU64::new(0),
             overflows: AtomicU64::new(0),
             resets: AtomicU64::new(0),
+            posted: AtomicU64::new(0),
+            swallow: AtomicBool::new(false),
+            refuse_after: Mutex::new(None),
+            record_cpus: AtomicBool::new(false),
+            post_cpus: Mutex::new(Vec::new()),
         }
     }
 
@@ -70,6 +86,7 @@ impl FakeChannel {
         let mut i = self.inner.lock().unwrap();
         i.error = false;
         i.sq.clear();
+        self.swallow.store(false, Relaxed);
         self.resets.fetch_add(1, Relaxed);
     }
 }
@@ -81,10 +98,28 @@ impl Channel for FakeChannel {
     fn caps(&self) -> ChannelCaps {
         self.caps
     }
-    fn post(&self, wrs: &[WorkRequest]) -> Result<(), PostFailure> {
+    /// # Safety
+    ///
+    /// None needed: the fake touches no memory.
+    unsafe fn post(&self, wrs: &[WorkRequest]) -> Result<(), PostFailure> {
         self.posts.fetch_add(1, Relaxed);
+        if self.record_cpus.load(Relaxed) {
+            self.post_cpus
+                .lock()
+                .unwrap()
+                .push(super::completion::allowed_cpus());
+        }
+        let refuse = self.refuse_after.lock().unwrap().take();
         let mut i = self.inner.lock().unwrap();
         for (k, wr) in wrs.iter().enumerate() {
+            if refuse == Some(k) {
+                drop(i);
+                self.cv.notify_all();
+                return Err(PostFailure {
+                    posted: k,
+                    error: ProviderError::Protocol("refused (test)".into()),
+                });
+            }
             if i.sq.len() >= self.caps.sq_depth as usize {
                 self.overflows.fetch_add(1, Relaxed);
                 return Err(PostFailure {
@@ -93,6 +128,7 @@ impl Channel for FakeChannel {
                 });
             }
             i.sq.push_back((wr.wr_id, wr.signaled));
+            self.posted.fetch_add(1, Relaxed);
             self.max_outstanding.fetch_max(i.sq.len() as u64, Relaxed);
             let n = i.posted_total;
             i.posted_total += 1;
@@ -112,7 +148,9 @@ impl Channel for FakeChannel {
             match status {
                 Some(WcStatus::Flushed) if !wr.signaled && !self.flush_unsignaled => {}
                 Some(s) => i.cq.push_back(wc(s)),
-                None if wr.signaled => i.cq.push_back(wc(WcStatus::Success)),
+                None if wr.signaled && !self.swallow.load(Relaxed) => {
+                    i.cq.push_back(wc(WcStatus::Success))
+                }
                 None => {}
             }
         }

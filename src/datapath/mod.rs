@@ -1,19 +1,51 @@
-//! The data path runtime: drives the engine ([`crate::engine::Transfer`])
-//! over a provider [`Channel`](crate::provider::Channel).
+//! The data path runtime: drives the engine over a provider
+//! [`Channel`](crate::provider::Channel).
+//!
+//! # Where to start
+//!
+//! [`DataPath`] is the session-long data path: [`DataPath::start`] takes a
+//! [`DataPathConfig`], an `Arc<dyn Channel>`, the reconnect callback and an
+//! optional [`PortMonitor`], and starts two threads that live until
+//! [`DataPath::close`] (or drop):
+//! - the posting thread owns an [`engine::Stream`](crate::engine::Stream),
+//!   takes windows from [`DataPath::submit`] (an `unsafe fn`: the caller
+//!   lends the window's staging memory to the device until its
+//!   [`DpEvent::WindowDone`]) and completion batches from one input queue,
+//!   posts one chain per doorbell, runs the error path (flush, wait for the
+//!   port, reconnect with backoff, repost only the unconfirmed) and
+//!   publishes the engine's counters into [`DataPathStats`];
+//! - the completion thread, pinned per `cq_cpu`, polls the channel in
+//!   batches ([`completion_loop`]: poll, event or hybrid) and hands them to
+//!   the posting thread, which keeps off its CPU while it spins.
+//!
+//! Events come out of [`DataPath::take_events`] as a tokio unbounded
+//! channel of [`DpEvent`] (`WindowDone`, `Reconnected`, `Failed`); `close`
+//! returns the [`Report`] (`rcp bench`'s figures).
+//!
+//! The data path does no file I/O and knows no file: the caller fills a
+//! WRITE window's staging region before `submit` and reads a READ window's
+//! after `WindowDone`.
+//!
+//! # Modules
 //!
 //! - [`config`]: [`DataPathConfig`] (batch, signaling, inline, poll mode,
-//!   CQ CPU, timeouts, reconnect backoff) with `RCP_*` overrides;
-//! - [`completion`]: the completion thread's loop (poll / event / hybrid);
-//! - [`runner`]: [`DataPath::run`] / [`run_transfer`]: posting loop, error
-//!   batch, reconnect, [`Report`];
-//! - [`io`]: [`BlockIo`], how the runner reaches file data and windows;
+//!   CQ CPU, timeouts, reconnect backoff) with `RCP_*` overrides, and the
+//!   [`StreamConfig`](crate::engine::StreamConfig) it becomes on a channel;
+//! - [`runner`]: [`DataPath`], [`DpEvent`], [`DataPathError`];
+//! - [`completion`]: the completion thread's loop, CPU pinning, [`AvoidCpu`];
 //! - [`port`]: [`PortMonitor`], port state the reconnect waits on;
-//! - [`stats`]: [`DataPathStats`], live atomics for a metrics exporter.
+//! - [`stats`]: [`DataPathStats`], live atomics for a metrics exporter, and
+//!   [`Latencies`];
+//! - [`report`]: the [`Report`] a data path returns;
+//! - [`legacy`]: the per-file runner the control plane still uses
+//!   (`legacy::DataPath::run` over an `engine::Transfer`, [`legacy::BlockIo`]);
+//!   it goes when the control plane moves to [`DataPath`].
 
 pub mod completion;
 pub mod config;
-pub mod io;
+pub mod legacy;
 pub mod port;
+pub mod report;
 pub mod runner;
 pub mod stats;
 
@@ -24,7 +56,7 @@ mod tests;
 
 pub use completion::{allowed_cpus, completion_loop, pin_current_thread, AvoidCpu, POLL_BATCH};
 pub use config::{Backoff, ConfigError, CqCpu, DataPathConfig, PollMode, QpRetry};
-pub use io::{BlockIo, MemoryIo, NullIo, Staging};
 pub use port::PortMonitor;
-pub use runner::{run_transfer, DataPath, DataPathError, ReconnectError, Report};
+pub use report::Report;
+pub use runner::{DataPath, DataPathError, DpEvent, ReconnectError, ReconnectFn, POSTER_SPIN};
 pub use stats::{DataPathStats, Latencies};

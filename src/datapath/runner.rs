@@ -1,50 +1,81 @@
-//! The transfer runner: drives an engine [`Transfer`] over a [`Channel`].
+//! The session data path: one [`DataPath`] per session drives an engine
+//! [`Stream`] over one provider [`Channel`] for as long as the session lasts.
 //!
-//! Threads: the calling thread owns the `Transfer` (it is `&mut`) and is the
-//! only one that posts; a scoped completion thread per run polls the
-//! channel's CQ ([`completion_loop`]) and sends each batch, stamped with the
-//! time it was polled, over an mpsc channel (batch vectors come back over a
-//! second channel for reuse). No lock is shared on the fast path.
+//! Threads, both started by [`DataPath::start`] and both living until
+//! [`DataPath::close`] (or drop):
+//! - the *posting thread* (`rcp-post`) owns the `Stream`. It waits on one
+//!   input queue that carries both the completion thread's batches and the
+//!   windows [`DataPath::submit`] hands in (so a submission wakes it at
+//!   once), absorbs everything queued, acts on the stream's events
+//!   (`WindowDone` → [`DpEvent::WindowDone`], error batch → the error path),
+//!   posts every chain the stream allows (one `post` per chain, the engine's
+//!   batches reused, no allocation per request) and publishes the engine's
+//!   counters into [`DataPathStats`]. With nothing queued and nothing
+//!   outstanding it blocks (no spinning); in poll mode, with requests
+//!   outstanding, it spins [`POSTER_SPIN`] for the next batch before it
+//!   parks. While a pinned completion thread polls (poll, hybrid), it keeps
+//!   off that CPU ([`AvoidCpu`]).
+//! - the *completion thread* (`rcp-cq`), pinned per `cq_cpu`, runs
+//!   [`completion_loop`] (poll / event / hybrid) and sends every non-empty
+//!   batch, stamped with the time it was polled, to the posting thread.
 //!
-//! Fast path, per loop: absorb completion batches → act on engine events
-//! (`BlockDone` → drain (pull) → `release_buffer`; `WindowDone` → control
-//! plane) → post every chain the engine allows (fill (push) → one `post`
-//! per chain) → wait for the next batch. The error path is apart: on an
-//! `ErrorBatch` asking to reconnect it waits (bounded) for the failed
-//! epoch's flushes, calls the caller's `reconnect` with exponential backoff
-//! and then `Transfer::reconnected`, which reposts the unconfirmed blocks.
+//! The error path is apart from the fast path and runs on the posting
+//! thread: on an error batch asking to reconnect it waits (at most
+//! `flush_timeout`) for the failed epoch's flushes, waits for `PORT_ACTIVE`
+//! when a [`PortMonitor`] says the port is down, calls the caller's
+//! `reconnect` with [`Backoff`](super::Backoff), then
+//! [`Stream::reconnected`], which posts exactly the unconfirmed extents
+//! again, and reports [`DpEvent::Reconnected`]. A terminal failure is one
+//! [`DpEvent::Failed`]; every window not done by then is lost.
+//!
+//! Counting: the engine's [`Counters`](crate::engine::stream::Counters) are
+//! the one count of requests posted, doorbells, signaled, inline,
+//! completions, errors and post failures; [`Report`] and [`DataPathStats`]
+//! read them. The completion thread counts only its own polls, arms, waits
+//! and wakeups; this runner only what the engine cannot see (post →
+//! completion latency of signaled requests, reconnect and port times).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashSet;
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use super::completion::{completion_loop, pin_current_thread, AvoidCpu};
 use super::config::{ConfigError, DataPathConfig, PollMode};
-use super::io::BlockIo;
 use super::port::PortMonitor;
+use super::report::Report;
 use super::stats::{DataPathStats, Latencies};
-use crate::engine::{
-    ErrorCause, Event, LocalSeg, OpKind, Recovery, State, Transfer, TransferError, WcStatus,
-    WindowError, WorkCompletion,
-};
+use crate::engine::slots::WrId;
+use crate::engine::stream::{Batch, ErrorCause, Event, Recovery, State, WindowError};
+use crate::engine::{Stream, StreamConfig, WcStatus, WindowJob, WorkCompletion};
 use crate::provider::{Channel, ProviderError};
 
 /// An error from the caller's reconnect callback.
 pub type ReconnectError = Box<dyn std::error::Error + Send + Sync>;
 
-/// Why a run ended without completing the transfer.
+/// The caller's reconnect callback: replace the connection after an error
+/// batch (verbs: reset the QP, exchange endpoints, handshake). Called on the
+/// posting thread, retried with backoff.
+pub type ReconnectFn = Box<dyn FnMut() -> Result<(), ReconnectError> + Send>;
+
+/// Why the data path could not start, refused a window, or stopped.
 #[derive(Debug, thiserror::Error)]
 pub enum DataPathError {
     #[error("data path configuration: {0}")]
     Config(#[from] ConfigError),
-    #[error("transfer failed: {reason} (status {}, block {})",
+    #[error("data path failed: {reason} (status {}, window {}, extent {})",
         .status.map_or("none", |s| s.label()),
-        .block.map_or("none".to_string(), |b| b.to_string()))]
+        .window.map_or("none".to_string(), |w| w.to_string()),
+        .extent.map_or("none".to_string(), |e| e.to_string()))]
     Failed {
         status: Option<WcStatus>,
-        block: Option<u64>,
+        window: Option<u64>,
+        extent: Option<u32>,
         reason: &'static str,
     },
     #[error("reconnect failed after {attempts} attempts: {source}")]
@@ -56,74 +87,43 @@ pub enum DataPathError {
     Completion(#[source] ProviderError),
     #[error("the completion thread panicked")]
     CompletionPanicked,
-    #[error("block I/O at file offset {file_offset}: {source}")]
-    Io {
-        file_offset: u64,
-        source: std::io::Error,
-    },
-    #[error("engine: {0}")]
-    Engine(#[from] TransferError),
-    #[error("window refused: {0}")]
-    Window(#[from] WindowError),
-    #[error("stalled: nothing outstanding and no window to post into ({confirmed} of {total} bytes confirmed)")]
-    NoWindow { confirmed: u64, total: u64 },
+    #[error("window {id} refused: {source}")]
+    Window { id: u64, source: WindowError },
+    #[error("the data path has stopped (failed or closed)")]
+    Stopped,
+    #[error("starting a data-path thread: {0}")]
+    Spawn(#[source] std::io::Error),
 }
 
-/// What a run did. Counts are for this run only.
-#[derive(Clone, Debug, Default)]
-pub struct Report {
-    /// Bytes in blocks confirmed (capped by `payload_cap` when set).
-    pub bytes: u64,
-    /// Wall time of the run.
-    pub seconds: f64,
-    /// Blocks (messages) confirmed.
-    pub msgs: u64,
-    /// Requests posted.
-    pub posted: u64,
-    /// `post` calls.
-    pub doorbells: u64,
-    /// Signaled requests posted.
-    pub signaled: u64,
-    /// Inline requests posted.
-    pub inline: u64,
-    /// Completions received.
-    pub completions: u64,
-    /// Error completions by status label.
-    pub errors: BTreeMap<&'static str, u64>,
-    /// Failed `post` calls.
-    pub post_failures: u64,
-    /// Reconnects.
-    pub reconnects: u64,
-    /// Per reconnect: seconds from the start of the error path to the first
-    /// block confirmed after it.
-    pub reconnect_seconds: Vec<f64>,
-    /// Per reconnect that waited for the port: seconds from the port monitor
-    /// seeing `PORT_ACTIVE` to the first block confirmed after it (the
-    /// first completed request of the new connection).
-    pub port_up_to_first_wr_seconds: Vec<f64>,
-    /// Post-to-completion latency of signaled requests.
-    pub latency: Latencies,
-    /// Completion thread: polls, empty polls, arms, waits, wakeups.
-    pub polls: u64,
-    pub empty_polls: u64,
-    pub arms: u64,
-    pub waits: u64,
-    pub wakeups: u64,
-    /// Async device events seen during the run (with a port monitor).
-    pub port_events: u64,
-    /// Times the reconnect path waited for the port to come back.
-    pub port_waits: u64,
+impl DataPathError {
+    /// Whether a new session may succeed where this one failed (the
+    /// connection went away) as opposed to a failure a retry would repeat
+    /// (a remote access error, a bad window).
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            DataPathError::Failed { status, .. } => status.is_none_or(|s| s.is_retryable()),
+            DataPathError::Reconnect { .. }
+            | DataPathError::Completion(_)
+            | DataPathError::Stopped => true,
+            _ => false,
+        }
+    }
 }
 
-impl Report {
-    /// Median post→completion latency in microseconds.
-    pub fn p50_us(&self) -> f64 {
-        self.latency.quantile(0.5).unwrap_or(0) as f64 / 1e3
-    }
-    /// 99th percentile post→completion latency in microseconds.
-    pub fn p99_us(&self) -> f64 {
-        self.latency.quantile(0.99).unwrap_or(0) as f64 / 1e3
-    }
+/// What the data path tells its owner, in order.
+#[derive(Debug)]
+pub enum DpEvent {
+    /// Every extent of the window is confirmed: its staging region is the
+    /// caller's again (read it after a READ), its id free.
+    WindowDone { id: u64 },
+    /// The connection was replaced after an error batch; `seconds` from the
+    /// error to the new epoch.
+    Reconnected { epoch: u32, seconds: f64 },
+    /// Terminal: the data path posts no more, and every window not done is
+    /// lost (redo it on a new session). Memory of those windows is the
+    /// caller's again once [`DataPath::close`] has returned and the channel
+    /// has been reset or dropped (see [`DataPath::submit`]).
+    Failed(DataPathError),
 }
 
 struct CqBatch {
@@ -131,49 +131,235 @@ struct CqBatch {
     wcs: Vec<WorkCompletion>,
 }
 
-/// Runs transfers with one configuration and one set of live counters.
-pub struct DataPath {
-    cfg: DataPathConfig,
-    stats: Arc<DataPathStats>,
-    monitor: Option<Arc<dyn PortMonitor>>,
+/// How the completion thread ended.
+enum CqEnd {
+    Stopped,
+    Error(ProviderError),
+    Panicked,
 }
 
-/// Run `transfer` to completion over `channel`; see [`DataPath::run`].
-pub fn run_transfer(
-    channel: &dyn Channel,
-    transfer: &mut Transfer,
-    io: &mut dyn BlockIo,
-    cfg: &DataPathConfig,
-    reconnect: &mut dyn FnMut() -> Result<(), ReconnectError>,
-) -> Result<Report, DataPathError> {
-    DataPath::new(cfg.clone())?.run(channel, transfer, io, reconnect)
+/// The posting thread's one input queue.
+enum Input {
+    Cq(CqBatch),
+    Submit(WindowJob),
+    CqEnded(CqEnd),
+    Close,
 }
+
+/// What the caller's side and the posting thread share.
+#[derive(Default)]
+struct Shared {
+    /// Failed or closing: `submit` refuses.
+    stopped: AtomicBool,
+    /// Ids submitted and not yet done (so `submit` refuses a live id at
+    /// once instead of the posting thread later).
+    live: Mutex<HashSet<u64>>,
+    /// The posting thread's kernel thread id (tests read its CPU time).
+    #[cfg(test)]
+    poster_tid: std::sync::atomic::AtomicI32,
+}
+
+/// A session-long data path over one channel. See the module docs.
+pub struct DataPath {
+    tx: Sender<Input>,
+    shared: Arc<Shared>,
+    events: Mutex<Option<UnboundedReceiver<DpEvent>>>,
+    poster: Option<JoinHandle<Report>>,
+    stats: Arc<DataPathStats>,
+    cfg: DataPathConfig,
+    stream_cfg: StreamConfig,
+}
+
+impl std::fmt::Debug for DataPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DataPath")
+            .field("stream", &self.stream_cfg)
+            .field("stopped", &self.shared.stopped.load(Relaxed))
+            .finish_non_exhaustive()
+    }
+}
+
+/// In poll mode, how long the poster spins for the next completion batch
+/// before it parks (the completion thread keeps spinning on the CQ).
+pub const POSTER_SPIN: Duration = Duration::from_micros(20);
+
+/// Longest the error path sleeps at once while it waits for flushes.
+const IDLE_SLICE: Duration = Duration::from_millis(50);
 
 impl DataPath {
-    /// A data path with fresh counters.
-    pub fn new(cfg: DataPathConfig) -> Result<Self, ConfigError> {
-        Self::with_stats(cfg, Arc::new(DataPathStats::default()))
-    }
-
-    /// A data path counting into `stats` (shared with an exporter or with
-    /// other data paths).
-    pub fn with_stats(cfg: DataPathConfig, stats: Arc<DataPathStats>) -> Result<Self, ConfigError> {
+    /// Start the posting and completion threads over `channel`. `reconnect`
+    /// replaces the connection after an error batch; with `monitor`, a
+    /// reconnect waits for the port while it is down instead of sleeping its
+    /// backoff blind.
+    pub fn start(
+        cfg: DataPathConfig,
+        channel: Arc<dyn Channel>,
+        reconnect: ReconnectFn,
+        monitor: Option<Arc<dyn PortMonitor>>,
+    ) -> Result<DataPath, DataPathError> {
         cfg.validate()?;
+        if let Some(cap) = cfg.payload_cap {
+            return Err(ConfigError::Field {
+                field: "payload_cap",
+                value: cap.to_string(),
+                reason: "a legacy-runner knob; windows carry extents of any length".into(),
+            }
+            .into());
+        }
+        let stream_cfg = cfg.stream_config(&channel.caps())?;
+        let stream = Stream::new(stream_cfg).expect("stream_config validated it");
+        let depth = stream_cfg.sq_depth;
+        let stats = Arc::new(DataPathStats::default());
+        stats.sq_free.store(depth as u64, Relaxed);
+        let shared = Arc::new(Shared::default());
+        let (tx, rx) = mpsc::channel::<Input>();
+        let (ev_tx, ev_rx) = unbounded_channel();
+        let (recycle_tx, recycle_rx) = mpsc::channel::<Vec<WorkCompletion>>();
+        let stop = Arc::new(AtomicBool::new(false));
+
+        let cq = {
+            let (channel, stats, stop, tx) =
+                (channel.clone(), stats.clone(), stop.clone(), tx.clone());
+            let (mode, cpu) = (cfg.poll_mode, cfg.cq_cpu);
+            std::thread::Builder::new()
+                .name("rcp-cq".into())
+                .spawn(move || {
+                    if let Some(cpu) = cpu {
+                        if let Err(e) = pin_current_thread(cpu) {
+                            tracing::warn!(cpu, error = %e, "cannot pin the completion thread");
+                        }
+                    }
+                    let run = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                        completion_loop(&*channel, mode, &stop, &stats, &mut |wcs, at| {
+                            let mut v = recycle_rx
+                                .try_recv()
+                                .unwrap_or_else(|_| Vec::with_capacity(wcs.len()));
+                            v.clear();
+                            v.extend_from_slice(wcs);
+                            tx.send(Input::Cq(CqBatch { at, wcs: v })).is_ok()
+                        })
+                    }));
+                    let end = match run {
+                        Ok(Ok(())) => CqEnd::Stopped,
+                        Ok(Err(e)) => CqEnd::Error(e),
+                        Err(_) => CqEnd::Panicked,
+                    };
+                    let _ = tx.send(Input::CqEnded(end));
+                })
+                .map_err(DataPathError::Spawn)?
+        };
+
+        let now = Instant::now();
+        let poster = Poster {
+            events0: monitor.as_ref().map_or(0, |m| m.events_seen()),
+            cfg: cfg.clone(),
+            stream,
+            channel,
+            rx,
+            recycle: recycle_tx,
+            events: ev_tx,
+            reconnect,
+            monitor,
+            stats: stats.clone(),
+            shared: shared.clone(),
+            start: now,
+            post_times: vec![(u64::MAX, now); depth],
+            latency: Latencies::default(),
+            reconnect_seconds: Vec::new(),
+            port_up_to_first_wr: Vec::new(),
+            port_waits: 0,
+            reconnect_started: None,
+            port_up_at: None,
+            last_progress: now,
+            last_confirmed: 0,
+            post_fail_run: 0,
+            closing: false,
+            failed: false,
+            cq_ended: false,
+            batch: Batch::default(),
+            sq_depth: depth as u64,
+        };
+        let poster = std::thread::Builder::new()
+            .name("rcp-post".into())
+            .spawn({
+                let stop = stop.clone();
+                move || poster.run(cq, stop)
+            })
+            .map_err(|e| {
+                // The completion thread's next send fails (the poster and
+                // its receiver are gone), or it sees `stop`.
+                stop.store(true, Relaxed);
+                DataPathError::Spawn(e)
+            })?;
         Ok(DataPath {
-            cfg,
+            tx,
+            shared,
+            events: Mutex::new(Some(ev_rx)),
+            poster: Some(poster),
             stats,
-            monitor: None,
+            cfg,
+            stream_cfg,
         })
     }
 
-    /// Let the reconnect path wait on `monitor` while the port is down
-    /// (and retry as soon as it is ACTIVE) instead of sleeping its backoff.
-    pub fn with_port_monitor(mut self, monitor: Arc<dyn PortMonitor>) -> Self {
-        self.monitor = Some(monitor);
-        self
+    /// Queue a window; the posting thread is woken at once. Windows are
+    /// served in the order submitted. Refused at once if the data path has
+    /// stopped ([`DataPathError::Stopped`]), the extents are not sorted and
+    /// disjoint, one is empty or overflows, or a window with the same id is
+    /// live (submitted and not done).
+    ///
+    /// # Safety
+    ///
+    /// For every extent `e` of `w`, `[w.local_addr + e.offset, + e.len)` is
+    /// memory registered under `w.lkey` with the provider of the channel
+    /// this data path runs on, stays mapped, and is lent to the device:
+    /// the caller (and everyone else) does not write it (WRITE window: the
+    /// device reads it) or neither reads nor writes it (READ window: the
+    /// device writes it)
+    /// - until [`DpEvent::WindowDone`] for `w.id` has been received, or
+    /// - if that never comes (the data path failed, or was closed first),
+    ///   until [`close`](Self::close) or drop has returned *and* the
+    ///   channel has been reset or dropped: a request may still be in the
+    ///   device after the data path gave up on it (`close` waits up to
+    ///   `flush_timeout` for requests in flight;
+    ///   [`Report::outstanding_at_close`] says how many it left).
+    ///
+    /// The remote side (`remote_addr`, `rkey`) is the peer's to vouch for;
+    /// the device refuses a bad rkey or range (the window then fails).
+    pub unsafe fn submit(&self, w: WindowJob) -> Result<(), DataPathError> {
+        if self.shared.stopped.load(Relaxed) {
+            return Err(DataPathError::Stopped);
+        }
+        let id = w.id;
+        w.validate()
+            .map_err(|source| DataPathError::Window { id, source })?;
+        if !self.shared.live.lock().unwrap().insert(id) {
+            return Err(DataPathError::Window {
+                id,
+                source: WindowError::DuplicateId(id),
+            });
+        }
+        self.tx.send(Input::Submit(w)).map_err(|_| {
+            self.shared.live.lock().unwrap().remove(&id);
+            DataPathError::Stopped
+        })
     }
 
-    /// The live counters.
+    /// The event stream, once (`None` after the first call). Use it from
+    /// async code with `.recv().await`, from a thread with
+    /// `blocking_recv()`. It ends (`None`) when the data path is closed.
+    /// Events not taken accumulate (one per window).
+    pub fn take_events(&self) -> Option<UnboundedReceiver<DpEvent>> {
+        self.events.lock().unwrap().take()
+    }
+
+    /// Whether the data path has failed or is closing (submit refuses).
+    pub fn is_stopped(&self) -> bool {
+        self.shared.stopped.load(Relaxed)
+    }
+
+    /// Live counters for the metrics exporter (the engine's, published by
+    /// the posting thread, plus the completion thread's).
     pub fn stats(&self) -> &Arc<DataPathStats> {
         &self.stats
     }
@@ -183,590 +369,513 @@ impl DataPath {
         &self.cfg
     }
 
-    /// Run `transfer` (built for this channel, e.g. from
-    /// [`DataPathConfig::transfer_config`]) until it is complete or fails.
-    /// Windows already added are used, and `io.next_window()` is asked for
-    /// more. `reconnect` replaces the connection after an error batch (for
-    /// verbs: reset, exchange endpoints, handshake); it is retried with
-    /// backoff.
-    pub fn run(
-        &self,
-        channel: &dyn Channel,
-        transfer: &mut Transfer,
-        io: &mut dyn BlockIo,
-        reconnect: &mut dyn FnMut() -> Result<(), ReconnectError>,
-    ) -> Result<Report, DataPathError> {
-        let stop = AtomicBool::new(false);
-        let (tx, rx) = mpsc::channel::<CqBatch>();
-        let (recycle_tx, recycle_rx) = mpsc::channel::<Vec<WorkCompletion>>();
-        let snap = Snapshot::of(&self.stats);
-        let events0 = self.monitor.as_ref().map_or(0, |m| m.events_seen());
-        let (result, cq_result) = std::thread::scope(|s| {
-            let stats = &*self.stats;
-            let stop = &stop;
-            let (mode, cpu) = (self.cfg.poll_mode, self.cfg.cq_cpu);
-            let handle = std::thread::Builder::new()
-                .name("rcp-cq".into())
-                .spawn_scoped(s, move || {
-                    if let Some(cpu) = cpu {
-                        if let Err(e) = pin_current_thread(cpu) {
-                            tracing::warn!(cpu, error = %e, "cannot pin the completion thread");
-                        }
-                    }
-                    completion_loop(channel, mode, stop, stats, &mut |wcs, at| {
-                        let mut v = recycle_rx
-                            .try_recv()
-                            .unwrap_or_else(|_| Vec::with_capacity(wcs.len()));
-                        v.clear();
-                        v.extend_from_slice(wcs);
-                        tx.send(CqBatch { at, wcs: v }).is_ok()
-                    })
-                })
-                .expect("spawn the completion thread");
-            let mut poster = Poster {
-                cfg: &self.cfg,
-                stats: &self.stats,
-                channel,
-                transfer,
-                io,
-                rx,
-                recycle: recycle_tx,
-                report: Report::default(),
-                post_times: HashMap::new(),
-                reconnect_started: None,
-                port_up_at: None,
-                last_progress: Instant::now(),
-                monitor: self.monitor.as_deref(),
-                post_fail_run: 0,
-                op: None,
-                inline_limit: self.cfg.inline_for(&channel.caps()),
-                sq_depth: channel.caps().sq_depth as u64,
-            };
-            // A pinned completion thread that spins owns its core: the
-            // poster (and whatever it spawns) keeps off it for the run
-            // rather than take turns with a thread that never sleeps.
-            let _off_cq_core = match (cpu, mode) {
-                (Some(c), PollMode::Poll | PollMode::Hybrid { .. }) => Some(AvoidCpu::new(c)),
-                _ => None,
-            };
-            let result = poster.run(reconnect);
-            stop.store(true, Relaxed);
-            drop(poster); // drops rx: the completion thread's next send fails
-            (result, handle.join())
-        });
-        let mut report = match (result, cq_result) {
-            (Ok(r), _) => r,
-            (Err(_), Ok(Err(e))) => return Err(DataPathError::Completion(e)),
-            (Err(_), Err(_)) => return Err(DataPathError::CompletionPanicked),
-            (Err(e), Ok(Ok(()))) => return Err(e),
-        };
-        snap.fill(&self.stats, &mut report);
-        report.port_events = self.monitor.as_ref().map_or(0, |m| m.events_seen()) - events0;
-        Ok(report)
+    /// The engine configuration it runs with (depth, batch policy, inline
+    /// limit as decided for this channel).
+    pub fn stream_config(&self) -> &StreamConfig {
+        &self.stream_cfg
     }
-}
 
-struct Snapshot {
-    polls: u64,
-    empty_polls: u64,
-    arms: u64,
-    waits: u64,
-    wakeups: u64,
-}
+    /// Stop: windows not yet posted are dropped, requests in flight get up
+    /// to `flush_timeout` to retire, both threads are joined. Returns what
+    /// the data path did over its life.
+    pub fn close(mut self) -> Report {
+        self.shutdown()
+    }
 
-impl Snapshot {
-    fn of(s: &DataPathStats) -> Self {
-        Snapshot {
-            polls: s.polls.load(Relaxed),
-            empty_polls: s.empty_polls.load(Relaxed),
-            arms: s.arms.load(Relaxed),
-            waits: s.waits.load(Relaxed),
-            wakeups: s.wakeups.load(Relaxed),
+    /// The posting thread's kernel thread id, once it runs (0 before).
+    #[cfg(test)]
+    pub(crate) fn poster_tid(&self) -> i32 {
+        self.shared.poster_tid.load(Relaxed)
+    }
+
+    fn shutdown(&mut self) -> Report {
+        self.shared.stopped.store(true, Relaxed);
+        let _ = self.tx.send(Input::Close);
+        match self.poster.take().map(JoinHandle::join) {
+            Some(Ok(r)) => r,
+            Some(Err(_)) => {
+                tracing::error!("the data path's posting thread panicked");
+                Report::default()
+            }
+            None => Report::default(),
         }
     }
-    fn fill(&self, s: &DataPathStats, r: &mut Report) {
-        let now = Snapshot::of(s);
-        r.polls = now.polls - self.polls;
-        r.empty_polls = now.empty_polls - self.empty_polls;
-        r.arms = now.arms - self.arms;
-        r.waits = now.waits - self.waits;
-        r.wakeups = now.wakeups - self.wakeups;
+}
+
+impl Drop for DataPath {
+    fn drop(&mut self) {
+        if self.poster.is_some() {
+            self.shutdown();
+        }
     }
 }
 
-/// The posting side: owns the transfer for the run.
-struct Poster<'a> {
-    cfg: &'a DataPathConfig,
-    stats: &'a DataPathStats,
-    channel: &'a dyn Channel,
-    transfer: &'a mut Transfer,
-    io: &'a mut dyn BlockIo,
-    rx: Receiver<CqBatch>,
+/// The posting thread's state: owns the stream.
+struct Poster {
+    cfg: DataPathConfig,
+    stream: Stream,
+    channel: Arc<dyn Channel>,
+    rx: Receiver<Input>,
     recycle: Sender<Vec<WorkCompletion>>,
-    report: Report,
-    /// Post time of each outstanding signaled request.
-    post_times: HashMap<u64, Instant>,
-    /// Set by the error path until the first block confirmed after it.
-    reconnect_started: Option<Instant>,
-    /// When the port came back, for a reconnect that found it down; taken
-    /// at the first block confirmed after the reconnect.
+    events: UnboundedSender<DpEvent>,
+    reconnect: ReconnectFn,
+    monitor: Option<Arc<dyn PortMonitor>>,
+    stats: Arc<DataPathStats>,
+    shared: Arc<Shared>,
+    /// Engine time is nanoseconds since this.
+    start: Instant,
+    /// By slot index: the `wr_id` and post time of the last signaled
+    /// request posted in that slot.
+    post_times: Vec<(u64, Instant)>,
+    latency: Latencies,
+    reconnect_seconds: Vec<f64>,
+    port_up_to_first_wr: Vec<f64>,
+    port_waits: u64,
+    /// Set by the error path until the first extent confirmed after it:
+    /// when it started and the extents confirmed by then.
+    reconnect_started: Option<(Instant, u64)>,
+    /// When the port came back, for a reconnect that found it down.
     port_up_at: Option<Instant>,
-    /// When the last block was confirmed (or the run started).
+    /// When an extent was last confirmed (or the start).
     last_progress: Instant,
-    monitor: Option<&'a dyn PortMonitor>,
+    last_confirmed: u64,
     post_fail_run: u32,
-    op: Option<OpKind>,
-    inline_limit: u32,
+    closing: bool,
+    failed: bool,
+    cq_ended: bool,
+    /// The chain being posted (its vector reused).
+    batch: Batch,
     sq_depth: u64,
+    events0: u64,
 }
 
-/// Longest the poster sleeps waiting for completions before re-checking
-/// timers.
-const IDLE_SLICE: Duration = Duration::from_millis(50);
-
-/// In poll mode, how long the poster spins for the next completion batch
-/// before it parks (the completion thread keeps spinning on the CQ).
-pub const POSTER_SPIN: Duration = Duration::from_micros(20);
-
-impl Poster<'_> {
-    fn now_ns(&self, start: Instant) -> u64 {
-        start.elapsed().as_nanos() as u64
+impl Poster {
+    fn now_ns(&self) -> u64 {
+        self.start.elapsed().as_nanos() as u64
     }
 
-    fn run(
-        &mut self,
-        reconnect: &mut dyn FnMut() -> Result<(), ReconnectError>,
-    ) -> Result<Report, DataPathError> {
-        let start = Instant::now();
-        // Engine time is nanoseconds since `start` (pending timers of an
-        // earlier run would look young; a fresh run posts fresh requests).
-        self.take_windows()?;
+    fn run(mut self, cq: JoinHandle<()>, stop: Arc<AtomicBool>) -> Report {
+        // A pinned completion thread that spins owns its core: the poster
+        // keeps off it rather than take turns with a thread that never
+        // sleeps.
+        #[cfg(test)]
+        self.shared
+            .poster_tid
+            .store(nix::unistd::gettid().as_raw(), Relaxed);
+        let _off_cq_core = match (self.cfg.cq_cpu, self.cfg.poll_mode) {
+            (Some(c), PollMode::Poll | PollMode::Hybrid { .. }) => Some(AvoidCpu::new(c)),
+            _ => None,
+        };
         loop {
-            let mut progressed = self.absorb_ready();
-            // Windows granted while others are in flight are posted at once:
-            // waiting for the ring to drain first would turn the windows in
-            // flight into a round trip per window.
-            if self.transfer.state() == State::Running {
-                progressed |= self.take_windows()?;
-            }
-            if let Some(cause) = self.handle_events()? {
-                self.recover(cause, reconnect)?;
-                progressed = true;
-            }
-            progressed |= self.post_all(start)?;
-            if self.transfer.is_complete() {
-                // Let the last events (WindowDone) out.
-                self.handle_events()?;
+            self.drain_inputs();
+            if self.closing {
                 break;
             }
-            if let Some(t) = self.transfer.next_timeout() {
-                let now = self.now_ns(start);
+            let wait = self.step();
+            if self.closing {
+                break;
+            }
+            self.wait_input(wait);
+        }
+        self.finish(cq, &stop)
+    }
+
+    /// One round after the inputs are absorbed: timers, events (and the
+    /// error path), posting, publishing. Returns how long to wait for the
+    /// next input (`None`: until one comes).
+    fn step(&mut self) -> Option<Duration> {
+        loop {
+            self.note_progress();
+            if let Some(t) = self.stream.next_timeout() {
+                let now = self.now_ns();
                 if now >= t {
-                    self.transfer.poll_timeout(now);
-                    continue;
+                    self.stream.poll_timeout(now);
                 }
             }
-            if progressed {
-                continue;
-            }
-            if self.transfer.state() == State::Running && self.transfer.outstanding() == 0 {
-                // Nothing in flight and nothing postable: ask for windows.
-                if !self.take_windows()? {
-                    return Err(DataPathError::NoWindow {
-                        confirmed: self.transfer.bytes_confirmed(),
-                        total: self.transfer.plan().len(),
-                    });
+            if let Some(cause) = self.handle_events() {
+                self.recover(cause);
+                if self.closing {
+                    return None;
                 }
-                continue;
             }
-            if matches!(self.transfer.state(), State::NeedsReconnect) {
-                // Reached without an ErrorBatch in this loop (timeout path).
-                self.recover(None, reconnect)?;
-                continue;
+            if !self.failed {
+                self.post_all();
             }
-            let wait = self
-                .transfer
-                .next_timeout()
-                .map(|t| Duration::from_nanos(t.saturating_sub(self.now_ns(start))))
-                .unwrap_or(IDLE_SLICE)
-                .min(IDLE_SLICE);
-            self.wait_batch(wait)?;
+            self.publish();
+            // A post failure may have raised an error batch: act on it now.
+            if !self.stream.has_events() {
+                break;
+            }
         }
-        let mut report = std::mem::take(&mut self.report);
-        report.seconds = start.elapsed().as_secs_f64();
-        Ok(report)
+        let t = self.stream.next_timeout()?;
+        Some(Duration::from_nanos(t.saturating_sub(self.now_ns())))
     }
 
-    /// Add every window the control plane has now; true if any.
-    fn take_windows(&mut self) -> Result<bool, DataPathError> {
-        let mut any = false;
-        while let Some(w) = self.io.next_window() {
-            self.transfer.add_window(w)?;
-            any = true;
+    fn drain_inputs(&mut self) {
+        loop {
+            match self.rx.try_recv() {
+                Ok(i) => self.input(i),
+                Err(TryRecvError::Empty) => return,
+                Err(TryRecvError::Disconnected) => {
+                    self.closing = true;
+                    return;
+                }
+            }
         }
-        Ok(any)
     }
 
-    /// Feed every batch already queued; true if any.
-    fn absorb_ready(&mut self) -> bool {
-        let mut any = false;
-        while let Ok(b) = self.rx.try_recv() {
-            self.absorb(b);
-            any = true;
-        }
-        any
-    }
-
-    /// Block up to `timeout` for one batch, then take whatever else is
-    /// queued. In poll mode the poster spins for at most [`POSTER_SPIN`]
-    /// first and then parks: the completion thread already spins on the CQ,
-    /// and a second spinning thread starves the provider's own work (rxe's
-    /// requester/responder/completer run as kernel work on the same CPUs).
-    fn wait_batch(&mut self, timeout: Duration) -> Result<bool, DataPathError> {
+    /// Wait up to `timeout` (`None`: without limit) for one input and take
+    /// it. In poll mode with requests outstanding, spin briefly first.
+    fn wait_input(&mut self, timeout: Option<Duration>) {
         let mut timeout = timeout;
-        if self.cfg.poll_mode == PollMode::Poll {
+        if self.cfg.poll_mode == PollMode::Poll && self.stream.outstanding() > 0 {
             let t0 = Instant::now();
-            let spin_end = t0 + POSTER_SPIN.min(timeout);
+            let spin = timeout.map_or(POSTER_SPIN, |t| t.min(POSTER_SPIN));
+            let end = t0 + spin;
             let mut spins = 0u32;
             loop {
                 match self.rx.try_recv() {
-                    Ok(b) => return self.got_batch(Some(b)),
-                    Err(TryRecvError::Disconnected) => return self.got_batch(None),
+                    Ok(i) => return self.input(i),
+                    Err(TryRecvError::Disconnected) => {
+                        self.closing = true;
+                        return;
+                    }
                     Err(TryRecvError::Empty) => {}
                 }
                 spins = spins.wrapping_add(1);
-                if spins % 64 == 0 && Instant::now() >= spin_end {
+                if spins % 64 == 0 && Instant::now() >= end {
                     break;
                 }
                 std::hint::spin_loop();
             }
-            timeout = timeout.saturating_sub(t0.elapsed());
+            timeout = timeout.map(|t| t.saturating_sub(t0.elapsed()));
         }
-        let got = match self.rx.recv_timeout(timeout) {
-            Ok(b) => Some(b),
-            Err(RecvTimeoutError::Timeout) => return Ok(false),
-            Err(RecvTimeoutError::Disconnected) => None,
+        let got = match timeout {
+            Some(t) => match self.rx.recv_timeout(t) {
+                Ok(i) => Some(i),
+                Err(RecvTimeoutError::Timeout) => None,
+                Err(RecvTimeoutError::Disconnected) => {
+                    self.closing = true;
+                    None
+                }
+            },
+            None => match self.rx.recv() {
+                Ok(i) => Some(i),
+                Err(_) => {
+                    self.closing = true;
+                    None
+                }
+            },
         };
-        self.got_batch(got)
+        if let Some(i) = got {
+            self.input(i);
+        }
     }
 
-    fn got_batch(&mut self, got: Option<CqBatch>) -> Result<bool, DataPathError> {
-        match got {
-            Some(b) => {
-                self.absorb(b);
-                self.absorb_ready();
-                Ok(true)
+    fn input(&mut self, i: Input) {
+        match i {
+            Input::Cq(b) => self.absorb(b),
+            Input::Submit(w) => {
+                let id = w.id;
+                if let Err(e) = self.stream.add_window(w) {
+                    // Only a failed stream refuses a window `submit` let
+                    // through; the Failed event already said it is lost.
+                    self.shared.live.lock().unwrap().remove(&id);
+                    tracing::debug!(window = id, error = %e, "window dropped");
+                }
             }
-            // The completion thread ended (provider error): run() reports it.
-            None => Err(DataPathError::Completion(ProviderError::Closed)),
+            Input::CqEnded(end) => {
+                self.cq_ended = true;
+                match end {
+                    CqEnd::Stopped => {}
+                    CqEnd::Error(e) => self.fail(DataPathError::Completion(e)),
+                    CqEnd::Panicked => self.fail(DataPathError::CompletionPanicked),
+                }
+            }
+            Input::Close => self.closing = true,
         }
     }
 
     fn absorb(&mut self, b: CqBatch) {
         for wc in &b.wcs {
-            self.report.completions += 1;
-            if let Some(t) = self.post_times.remove(&wc.wr_id) {
-                if wc.status.is_success() {
-                    self.report
-                        .latency
-                        .record(b.at.saturating_duration_since(t).as_nanos() as u64);
+            if !wc.status.is_success() {
+                continue;
+            }
+            let i = WrId(wc.wr_id).index();
+            if let Some(slot) = self.post_times.get_mut(i) {
+                if slot.0 == wc.wr_id {
+                    slot.0 = u64::MAX;
+                    self.latency
+                        .record(b.at.saturating_duration_since(slot.1).as_nanos() as u64);
                 }
             }
-            if !wc.status.is_success() {
-                *self.report.errors.entry(wc.status.label()).or_default() += 1;
-                self.stats.count_error(wc.status);
-            }
         }
-        self.transfer.on_completions(&b.wcs);
-        self.update_sq_free();
+        self.stream.on_completions(&b.wcs);
         let _ = self.recycle.send(b.wcs);
     }
 
-    fn update_sq_free(&self) {
-        let used = self.transfer.credits_in_use() as u64;
+    /// Time the first extent confirmed after a reconnect.
+    fn note_progress(&mut self) {
+        let c = self.stream.counters().extents_confirmed;
+        if c == self.last_confirmed {
+            return;
+        }
+        self.last_confirmed = c;
+        let now = Instant::now();
+        self.last_progress = now;
+        let Some((t0, at)) = self.reconnect_started else {
+            return;
+        };
+        if c <= at {
+            return;
+        }
+        self.reconnect_started = None;
+        let s = now.saturating_duration_since(t0);
+        self.reconnect_seconds.push(s.as_secs_f64());
         self.stats
-            .sq_free
-            .store(self.sq_depth.saturating_sub(used), Relaxed);
+            .reconnect_ns
+            .fetch_add(s.as_nanos() as u64, Relaxed);
+        let up = self
+            .port_up_at
+            .take()
+            .map(|t| now.saturating_duration_since(t).as_secs_f64());
+        if let Some(u) = up {
+            self.port_up_to_first_wr.push(u);
+        }
+        tracing::info!(
+            seconds = s.as_secs_f64(),
+            port_up_to_first_wr_seconds = up,
+            "first extent confirmed after reconnect"
+        );
     }
 
-    /// Act on queued engine events. Returns the cause when an error batch
-    /// asks for a reconnect.
-    fn handle_events(&mut self) -> Result<Option<Option<ErrorCause>>, DataPathError> {
+    /// Act on the stream's events; the cause when an error batch asks for a
+    /// reconnect.
+    fn handle_events(&mut self) -> Option<ErrorCause> {
         let mut recover = None;
-        // Handling events may queue more (a window granted now may be done
-        // at once): go round until none is left.
-        loop {
-            let mut events = Vec::new();
-            while let Some(ev) = self.transfer.poll_event() {
-                events.push(ev);
-            }
-            if events.is_empty() {
-                break;
-            }
-            // Pull: every block confirmed here is drained (checked, written) in
-            // one call before any of them is reported done, so they can be
-            // checked in parallel.
-            let cap = self.cfg.payload_cap.unwrap_or(u32::MAX);
-            if self.op == Some(OpKind::Read) {
-                let chain: Vec<(u64, LocalSeg)> = events
-                    .iter()
-                    .filter_map(|ev| match ev {
-                        Event::BlockDone {
-                            local, file_offset, ..
-                        } => Some((
-                            *file_offset,
-                            LocalSeg {
-                                len: local.len.min(cap),
-                                ..*local
-                            },
-                        )),
-                        _ => None,
-                    })
-                    .collect();
-                if !chain.is_empty() {
-                    self.io
-                        .drain_chain(&chain)
-                        .map_err(|(file_offset, source)| DataPathError::Io {
-                            file_offset,
-                            source,
-                        })?;
+        while let Some(ev) = self.stream.poll_event() {
+            match ev {
+                Event::WindowDone { id } => {
+                    self.shared.live.lock().unwrap().remove(&id);
+                    let _ = self.events.send(DpEvent::WindowDone { id });
                 }
-            }
-            for ev in events {
-                match ev {
-                    Event::BlockDone {
-                        block,
-                        local,
-                        file_offset,
-                        len,
-                    } => {
-                        // Drained above when this is a READ transfer (every
-                        // request of a transfer has one kind, learnt from its
-                        // first batch; a block is done only once posted).
-                        let moved = local.len.min(cap);
-                        self.io.block_done(block, file_offset, len);
-                        self.transfer.release_buffer(local)?;
-                        self.report.msgs += 1;
-                        self.report.bytes += u64::from(moved);
-                        self.stats.blocks_done.fetch_add(1, Relaxed);
-                        let now = Instant::now();
-                        self.last_progress = now;
-                        if let Some(t0) = self.reconnect_started.take() {
-                            let s = now.saturating_duration_since(t0);
-                            self.report.reconnect_seconds.push(s.as_secs_f64());
-                            self.stats
-                                .reconnect_ns
-                                .fetch_add(s.as_nanos() as u64, Relaxed);
-                            let up = self
-                                .port_up_at
-                                .take()
-                                .map(|t| now.saturating_duration_since(t).as_secs_f64());
-                            if let Some(u) = up {
-                                self.report.port_up_to_first_wr_seconds.push(u);
-                            }
-                            tracing::info!(
-                                seconds = s.as_secs_f64(),
-                                port_up_to_first_wr_seconds = up,
-                                "first block confirmed after reconnect"
-                            );
-                        }
+                Event::ErrorBatch {
+                    epoch,
+                    cause,
+                    action,
+                } => {
+                    tracing::warn!(epoch, ?cause, ?action, "error batch");
+                    if action == Recovery::Reconnect {
+                        recover = Some(cause);
                     }
-                    Event::WindowDone { window_id } => {
-                        self.io.window_done(window_id);
-                        self.take_windows()?;
-                    }
-                    Event::ErrorBatch {
-                        epoch,
-                        cause,
-                        action,
-                    } => {
-                        tracing::warn!(epoch, ?cause, ?action, "error batch");
-                        if action == Recovery::Reconnect {
-                            recover = Some(Some(cause));
-                        }
-                    }
-                    Event::Timeout { wr_id, block } => {
-                        tracing::warn!(wr_id, block, "request timed out; its context is freed");
-                    }
-                    Event::ReadyToReconnect { epoch, unconfirmed } => {
-                        tracing::info!(epoch, unconfirmed, "failed epoch drained");
-                    }
+                }
+                Event::Timeout {
+                    wr_id,
+                    window,
+                    extent,
+                } => {
+                    tracing::warn!(
+                        wr_id,
+                        window,
+                        extent,
+                        "request timed out; its context is freed"
+                    );
+                }
+                Event::ReadyToReconnect { epoch, unconfirmed } => {
+                    tracing::info!(epoch, unconfirmed, "failed epoch drained");
                 }
             }
         }
         if let State::Failed {
             status,
-            block,
+            window,
+            extent,
             reason,
-        } = self.transfer.state()
+        } = self.stream.state()
         {
-            return Err(DataPathError::Failed {
+            self.fail(DataPathError::Failed {
                 status,
-                block,
+                window,
+                extent,
                 reason,
             });
         }
-        Ok(recover)
+        if self.failed {
+            None
+        } else {
+            recover
+        }
     }
 
-    /// Post every chain the engine allows now; true if any was posted.
-    fn post_all(&mut self, start: Instant) -> Result<bool, DataPathError> {
-        let mut any = false;
-        while let Some(mut batch) = self.transfer.poll_transmit(self.now_ns(start)) {
-            let op = batch.wrs[0].kind;
-            self.op = Some(op);
-            if let Some(cap) = self.cfg.payload_cap {
-                for wr in &mut batch.wrs {
-                    wr.local.len = wr.local.len.min(cap);
-                    wr.inline = op == OpKind::Write
-                        && self.inline_limit > 0
-                        && wr.local.len <= self.inline_limit;
-                }
-            }
-            if op == OpKind::Write {
-                let chain: Vec<(u64, LocalSeg)> = batch
-                    .wrs
-                    .iter()
-                    .zip(&batch.blocks)
-                    .map(|(wr, span)| (span.file_offset, wr.local))
-                    .collect();
-                if let Err((file_offset, source)) = self.io.fill_chain(&chain) {
-                    self.transfer.post_failed(&batch, 0)?;
-                    return Err(DataPathError::Io {
-                        file_offset,
-                        source,
-                    });
-                }
-            }
+    /// Post every chain the stream allows now.
+    fn post_all(&mut self) {
+        let now = self.now_ns();
+        while self.stream.poll_transmit_into(now, &mut self.batch) {
             let t = Instant::now();
-            let res = self.channel.post(&batch.wrs);
+            // SAFETY: every local segment of the chain is an extent of a
+            // window handed in through `DataPath::submit`, whose caller
+            // guaranteed (its `# Safety`) that the bytes are registered
+            // under the window's lkey with this channel's provider and left
+            // to the device until the window's `WindowDone` (which the
+            // stream raises only after the completion retiring this request)
+            // or until the data path stopped and the channel was reset or
+            // dropped. The stream posts an extent again only after the
+            // request before it was retired by a reconnect.
+            let res = unsafe { self.channel.post(&self.batch.wrs) };
             let posted = match &res {
-                Ok(()) => batch.wrs.len(),
+                Ok(()) => self.batch.wrs.len(),
                 Err(f) => f.posted,
             };
-            for wr in &batch.wrs[..posted] {
+            for wr in &self.batch.wrs[..posted] {
                 if wr.signaled {
-                    self.post_times.insert(wr.wr_id, t);
+                    self.post_times[WrId(wr.wr_id).index()] = (wr.wr_id, t);
                 }
-                self.report.signaled += u64::from(wr.signaled);
-                self.report.inline += u64::from(wr.inline);
-                self.stats
-                    .bytes_posted
-                    .fetch_add(u64::from(wr.local.len), Relaxed);
-            }
-            let signaled = batch.wrs[..posted].iter().filter(|w| w.signaled).count() as u64;
-            let inline = batch.wrs[..posted].iter().filter(|w| w.inline).count() as u64;
-            self.stats.signaled.fetch_add(signaled, Relaxed);
-            self.stats.inline.fetch_add(inline, Relaxed);
-            self.stats.posted.fetch_add(posted as u64, Relaxed);
-            self.report.posted += posted as u64;
-            if posted > 0 || res.is_ok() {
-                self.report.doorbells += 1;
-                self.stats.doorbells.fetch_add(1, Relaxed);
             }
             match res {
-                Ok(()) => {
-                    self.post_fail_run = 0;
-                    any = true;
-                }
+                Ok(()) => self.post_fail_run = 0,
                 Err(f) => {
-                    self.report.post_failures += 1;
-                    self.stats.post_failures.fetch_add(1, Relaxed);
                     self.post_fail_run += 1;
-                    tracing::warn!(posted = f.posted, chain = batch.wrs.len(), error = %f.error, "post failed");
-                    self.transfer.post_failed(&batch, f.posted)?;
+                    tracing::warn!(
+                        posted = f.posted,
+                        chain = self.batch.wrs.len(),
+                        error = %f.error,
+                        "post failed"
+                    );
+                    if let Err(e) = self.stream.post_failed(&self.batch, f.posted) {
+                        tracing::error!(error = %e, "engine refused post_failed");
+                    }
                     if matches!(f.error, ProviderError::Closed) || self.post_fail_run >= 3 {
                         // The connection is unusable: take the error path.
-                        self.transfer.connection_lost();
+                        self.stream.connection_lost();
+                        return;
                     }
-                    self.update_sq_free();
-                    return Ok(any || f.posted > 0);
+                    // Try again at once: the refused requests are first in
+                    // line; three refusals in a row end it above.
                 }
             }
         }
-        self.update_sq_free();
-        Ok(any)
+    }
+
+    fn publish(&self) {
+        let used = self.stream.credits_in_use() as u64;
+        self.stats
+            .publish(self.stream.counters(), self.sq_depth.saturating_sub(used));
+    }
+
+    fn fail(&mut self, e: DataPathError) {
+        if self.failed {
+            return;
+        }
+        self.failed = true;
+        self.shared.stopped.store(true, Relaxed);
+        tracing::error!(error = %e, "data path failed");
+        let _ = self.events.send(DpEvent::Failed(e));
+    }
+
+    /// Wait about `d`, taking inputs meanwhile; returns early on close.
+    fn pause(&mut self, d: Duration) {
+        let end = Instant::now() + d;
+        while !self.closing {
+            let now = Instant::now();
+            if now >= end {
+                return;
+            }
+            self.wait_input(Some(end - now));
+        }
     }
 
     /// The error path: wait (bounded) for the failed epoch's flushes, then
     /// reconnect with backoff and start the next epoch.
-    fn recover(
-        &mut self,
-        cause: Option<ErrorCause>,
-        reconnect: &mut dyn FnMut() -> Result<(), ReconnectError>,
-    ) -> Result<(), DataPathError> {
+    fn recover(&mut self, cause: ErrorCause) {
         let t0 = Instant::now();
         tracing::warn!(
             ?cause,
-            outstanding = self.transfer.outstanding(),
+            outstanding = self.stream.outstanding(),
             "error path: flushing"
         );
         let deadline = t0 + self.cfg.flush_timeout;
-        while self.transfer.state() == State::Flushing {
+        while self.stream.state() == State::Flushing {
             let now = Instant::now();
             if now >= deadline {
                 tracing::warn!(
-                    outstanding = self.transfer.outstanding(),
+                    outstanding = self.stream.outstanding(),
                     "flush incomplete after {:?}: reconnecting anyway",
                     self.cfg.flush_timeout
                 );
                 break;
             }
-            self.wait_batch((deadline - now).min(IDLE_SLICE))?;
+            self.wait_input(Some((deadline - now).min(IDLE_SLICE)));
+            self.drain_inputs();
             // Successful completions of the failed epoch still confirm
-            // blocks; a non-retryable one fails the transfer here.
-            if let Some(_again) = self.handle_events()? {
-                // The engine raises one error batch per epoch; ignore.
+            // extents; a non-retryable one fails the stream here.
+            self.note_progress();
+            let _ = self.handle_events();
+            if self.closing || self.failed {
+                return;
             }
         }
-        let attempts = self.cfg.backoff.max_attempts;
-        let mut n = 0;
+        if self.closing || self.failed {
+            return;
+        }
         // Reconnecting while the port is down cannot work: wait for it.
         self.wait_port();
+        let attempts = self.cfg.backoff.max_attempts;
+        let mut n = 0;
         loop {
-            match reconnect() {
+            if self.closing {
+                return;
+            }
+            match (self.reconnect)() {
                 Ok(()) => break,
                 Err(e) => {
                     n += 1;
                     if n >= attempts {
-                        return Err(DataPathError::Reconnect {
+                        self.fail(DataPathError::Reconnect {
                             attempts: n,
                             source: e,
                         });
+                        return;
                     }
                     let d = self.cfg.backoff.delay(n - 1);
                     tracing::warn!(attempt = n, error = %e, delay_ms = d.as_millis() as u64, "reconnect failed; retrying");
                     if !self.wait_port() {
-                        std::thread::sleep(d);
+                        self.pause(d);
                     }
                 }
             }
         }
         // Link-up → first completed request is timed when the port came
-        // back after the data path last made progress (it was down while
-        // the transfer was stuck).
+        // back after the data path last made progress.
         self.port_up_at = self
             .monitor
+            .as_ref()
             .and_then(|m| m.active_since())
             .filter(|&a| a >= self.last_progress);
-        // Completions of the old epoch still queued are stale to the engine.
-        self.absorb_ready();
-        self.handle_events()?;
-        let reposting = self.transfer.unconfirmed().len();
-        let epoch = self.transfer.reconnected()?;
-        self.post_times.clear();
-        self.report.reconnects += 1;
-        self.stats.reconnects.fetch_add(1, Relaxed);
-        self.reconnect_started = Some(t0);
-        tracing::info!(epoch, reposting, "reconnected");
-        Ok(())
+        // Completions of the old epoch still queued are stale to the engine
+        // (or confirm what they retire, before the epoch turns).
+        self.drain_inputs();
+        self.note_progress();
+        let _ = self.handle_events();
+        if self.closing || self.failed {
+            return;
+        }
+        let reposting = self.stream.unconfirmed().len();
+        match self.stream.reconnected() {
+            Ok(epoch) => {
+                self.reconnect_started = Some((t0, self.stream.counters().extents_confirmed));
+                let seconds = t0.elapsed().as_secs_f64();
+                tracing::info!(epoch, reposting, seconds, "reconnected");
+                let _ = self.events.send(DpEvent::Reconnected { epoch, seconds });
+            }
+            Err(e) => tracing::error!(error = %e, "reconnected on a failed stream"),
+        }
     }
 
     /// With a port monitor and the port down: wait for PORT_ACTIVE, at most
     /// the backoff cap, and return true (the caller retries at once). False
     /// when there is nothing to wait for (no monitor, or the port is up).
     fn wait_port(&mut self) -> bool {
-        let Some(m) = self.monitor else {
+        let Some(m) = self.monitor.clone() else {
             return false;
         };
         if m.is_active() {
@@ -777,7 +886,7 @@ impl Poster<'_> {
             cap_ms = cap.as_millis() as u64,
             "port down: waiting for PORT_ACTIVE before reconnecting"
         );
-        self.report.port_waits += 1;
+        self.port_waits += 1;
         self.stats.port_waits.fetch_add(1, Relaxed);
         let t = Instant::now();
         if m.wait_active(cap) {
@@ -792,5 +901,63 @@ impl Poster<'_> {
             );
         }
         true
+    }
+
+    /// Close: post nothing more, give the requests in flight up to
+    /// `flush_timeout` to retire, stop and join the completion thread.
+    fn finish(mut self, cq: JoinHandle<()>, stop: &AtomicBool) -> Report {
+        self.shared.stopped.store(true, Relaxed);
+        let deadline = Instant::now() + self.cfg.flush_timeout;
+        while self.stream.outstanding() > 0 && !self.cq_ended {
+            let now = Instant::now();
+            if now >= deadline {
+                tracing::warn!(
+                    outstanding = self.stream.outstanding(),
+                    "closing with requests still in flight"
+                );
+                break;
+            }
+            self.wait_input(Some(deadline - now));
+            self.drain_inputs();
+            let _ = self.handle_events();
+        }
+        stop.store(true, Relaxed);
+        if cq.join().is_err() {
+            tracing::error!("the completion thread panicked");
+        }
+        self.drain_inputs();
+        let _ = self.handle_events();
+        self.note_progress();
+        self.publish();
+        let c = self.stream.counters();
+        let s = &self.stats;
+        Report {
+            bytes: c.bytes_confirmed,
+            seconds: self.start.elapsed().as_secs_f64(),
+            msgs: c.extents_confirmed,
+            windows_done: c.windows_done,
+            posted: c.posted,
+            doorbells: c.doorbells,
+            signaled: c.signaled,
+            inline: c.inline,
+            completions: c.completions,
+            errors: c.errors.iter().collect(),
+            post_failures: c.post_failures,
+            reconnects: c.reconnects,
+            reconnect_seconds: std::mem::take(&mut self.reconnect_seconds),
+            port_up_to_first_wr_seconds: std::mem::take(&mut self.port_up_to_first_wr),
+            latency: std::mem::take(&mut self.latency),
+            polls: s.polls.load(Relaxed),
+            empty_polls: s.empty_polls.load(Relaxed),
+            arms: s.arms.load(Relaxed),
+            waits: s.waits.load(Relaxed),
+            wakeups: s.wakeups.load(Relaxed),
+            port_events: self
+                .monitor
+                .as_ref()
+                .map_or(0, |m| m.events_seen().saturating_sub(self.events0)),
+            port_waits: self.port_waits,
+            outstanding_at_close: self.stream.outstanding() as u64,
+        }
     }
 }

@@ -3,33 +3,19 @@
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
-use crate::engine::WcStatus;
-
-/// Error statuses counted separately (index = position here).
-const STATUSES: [WcStatus; 11] = [
-    WcStatus::Flushed,
-    WcStatus::RemoteAccess,
-    WcStatus::RemoteInvalidRequest,
-    WcStatus::RemoteOperation,
-    WcStatus::RetryExceeded,
-    WcStatus::RnrRetryExceeded,
-    WcStatus::LocalProtection,
-    WcStatus::LocalLength,
-    WcStatus::LocalQpOperation,
-    WcStatus::Fatal,
-    WcStatus::Other(0),
-];
-
-fn status_index(s: WcStatus) -> Option<usize> {
-    match s {
-        WcStatus::Success => None,
-        WcStatus::Other(_) => Some(STATUSES.len() - 1),
-        s => STATUSES.iter().position(|&x| x == s),
-    }
-}
+use crate::engine::stream::Counters;
+use crate::engine::{WcStatus, ERROR_STATUSES};
 
 /// Data-path counters, shared (`Arc`) with whoever exports them. All
 /// monotonic except the gauges `sq_free` and `cq_fill`.
+///
+/// The session data path ([`super::DataPath`]) does not count into these:
+/// its posting thread stores the engine's [`Counters`] here after every
+/// round ([`publish`](Self::publish)), the engine being the one count of
+/// what was posted, signaled, completed and confirmed. Only the completion
+/// thread's own figures (polls, empty polls, arms, waits, wakeups, the CQ
+/// fill gauge) and the runner's (reconnect time, port waits) are counted
+/// where they happen. (The legacy runner still counts into them itself.)
 #[derive(Debug, Default)]
 pub struct DataPathStats {
     /// Work requests posted.
@@ -42,10 +28,22 @@ pub struct DataPathStats {
     pub inline: AtomicU64,
     /// Bytes in requests posted.
     pub bytes_posted: AtomicU64,
-    /// Completions polled (all statuses).
+    /// Completions received (all statuses, stale ones included).
     pub completed: AtomicU64,
-    /// Blocks confirmed.
+    /// Blocks (extents) confirmed.
     pub blocks_done: AtomicU64,
+    /// Bytes in blocks (extents) confirmed.
+    pub bytes_confirmed: AtomicU64,
+    /// Windows done.
+    pub windows_done: AtomicU64,
+    /// Completions that named no live request.
+    pub stale: AtomicU64,
+    /// Requests that timed out.
+    pub timeouts: AtomicU64,
+    /// Epochs that failed (error batches).
+    pub error_batches: AtomicU64,
+    /// Extents posted again after a reconnect.
+    pub reposted: AtomicU64,
     /// Gauge: free send-queue entries (swqe_avail) after the last post or
     /// completion.
     pub sq_free: AtomicU64,
@@ -71,25 +69,50 @@ pub struct DataPathStats {
     pub post_failures: AtomicU64,
     /// Times a reconnect waited for the port to come back (async events).
     pub port_waits: AtomicU64,
-    errors: [AtomicU64; STATUSES.len()],
+    errors: [AtomicU64; ERROR_STATUSES.len()],
 }
 
 impl DataPathStats {
-    /// Count an error completion.
+    /// Count an error completion (legacy runner).
     pub fn count_error(&self, s: WcStatus) {
-        if let Some(i) = status_index(s) {
+        if let Some(i) = s.error_index() {
             self.errors[i].fetch_add(1, Relaxed);
         }
     }
 
     /// Error completions by [`WcStatus::label`], non-zero ones only.
     pub fn errors(&self) -> Vec<(&'static str, u64)> {
-        STATUSES
+        ERROR_STATUSES
             .iter()
             .zip(&self.errors)
             .map(|(s, n)| (s.label(), n.load(Relaxed)))
             .filter(|&(_, n)| n > 0)
             .collect()
+    }
+
+    /// Store the engine's counters (the session data path's posting thread,
+    /// after every round) and the free send-queue entries.
+    pub fn publish(&self, c: &Counters, sq_free: u64) {
+        let set = |a: &AtomicU64, v: u64| a.store(v, Relaxed);
+        set(&self.posted, c.posted);
+        set(&self.doorbells, c.doorbells);
+        set(&self.signaled, c.signaled);
+        set(&self.inline, c.inline);
+        set(&self.bytes_posted, c.bytes_posted);
+        set(&self.completed, c.completions);
+        set(&self.blocks_done, c.extents_confirmed);
+        set(&self.bytes_confirmed, c.bytes_confirmed);
+        set(&self.windows_done, c.windows_done);
+        set(&self.stale, c.stale);
+        set(&self.timeouts, c.timeouts);
+        set(&self.error_batches, c.error_batches);
+        set(&self.reposted, c.reposted);
+        set(&self.reconnects, c.reconnects);
+        set(&self.post_failures, c.post_failures);
+        for (a, &n) in self.errors.iter().zip(&c.errors.0) {
+            set(a, n);
+        }
+        set(&self.sq_free, sq_free);
     }
 }
 
@@ -188,5 +211,33 @@ mod tests {
         s.count_error(WcStatus::Other(99));
         s.count_error(WcStatus::Success);
         assert_eq!(s.errors(), vec![("wr_flush_err", 2), ("other", 1)]);
+    }
+}
+
+#[cfg(test)]
+mod publish_tests {
+    use super::*;
+
+    #[test]
+    fn publish_stores_the_engine_counters() {
+        let s = DataPathStats::default();
+        let mut c = Counters {
+            posted: 10,
+            doorbells: 2,
+            signaled: 2,
+            inline: 1,
+            completions: 3,
+            extents_confirmed: 9,
+            windows_done: 1,
+            ..Counters::default()
+        };
+        c.errors.count(WcStatus::Flushed);
+        s.publish(&c, 7);
+        s.publish(&c, 7);
+        assert_eq!(s.posted.load(Relaxed), 10, "stored, not added");
+        assert_eq!(s.blocks_done.load(Relaxed), 9);
+        assert_eq!(s.completed.load(Relaxed), 3);
+        assert_eq!(s.sq_free.load(Relaxed), 7);
+        assert_eq!(s.errors(), vec![("wr_flush_err", 1)]);
     }
 }

@@ -1,78 +1,37 @@
-//! Runner and completion-loop tests on the fake channel (no device). They
-//! check the runtime's bookkeeping, not RDMA: tests/datapath_fabric.rs does
-//! that on soft-RoCE.
+//! Session data path and completion-loop tests on the fake channel (no
+//! device, no memory touched). They check the runtime's bookkeeping, not
+//! RDMA: tests/datapath_fabric.rs does that on soft-RoCE, tests/tcp_datapath.rs
+//! on the TCP provider.
 
-use std::io;
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
-use std::sync::Arc;
-use std::time::Duration;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::fake::FakeChannel;
 use super::*;
-use crate::engine::{LocalSeg, OpKind, Transfer, WcStatus, Window};
+use crate::engine::{Extent, OpKind, WcStatus, WindowJob};
+use crate::provider::Channel;
 
-const BLOCK: u64 = 4096;
+const SLOT: u64 = 4096;
 
-fn transfer(op: OpKind, blocks: u64, cfg: &DataPathConfig, ch: &FakeChannel) -> Transfer {
-    let caps = crate::provider::Channel::caps(ch);
-    let tc = cfg
-        .transfer_config(op, blocks * BLOCK, BLOCK, &caps)
-        .unwrap();
-    let bufs = (0..caps.sq_depth as u64)
-        .map(|i| LocalSeg {
-            addr: 0x1_0000_0000 + i * BLOCK,
-            len: BLOCK as u32,
-            lkey: 7,
-        })
-        .collect();
-    let mut t = Transfer::new(tc, bufs).unwrap();
-    t.add_window(Window {
-        id: 1,
-        remote_addr: 0x2_0000_0000,
+/// A window of `n` extents of `len` bytes, one every 4 KiB.
+fn job(id: u64, op: OpKind, n: u64, len: u32) -> WindowJob {
+    WindowJob {
+        id,
+        op,
+        local_addr: 0x1_0000_0000 + (id << 24),
+        lkey: 7,
+        remote_addr: 0x2_0000_0000 + (id << 24),
         rkey: 9,
-        len: blocks * BLOCK,
-        file_offset: 0,
-        epoch: 0,
-    })
-    .unwrap();
-    t
-}
-
-/// Counts fills, drains and confirmations per block.
-#[derive(Default)]
-struct CountIo {
-    filled: Vec<u32>,
-    drained: Vec<u32>,
-    done: Vec<u32>,
-    windows_done: Vec<u64>,
-}
-
-impl CountIo {
-    fn new(blocks: u64) -> Self {
-        let v = vec![0; blocks as usize];
-        CountIo {
-            filled: v.clone(),
-            drained: v.clone(),
-            done: v,
-            windows_done: vec![],
-        }
-    }
-}
-
-impl BlockIo for CountIo {
-    fn fill(&mut self, off: u64, _l: LocalSeg) -> io::Result<()> {
-        self.filled[(off / BLOCK) as usize] += 1;
-        Ok(())
-    }
-    fn drain(&mut self, off: u64, _l: LocalSeg) -> io::Result<()> {
-        self.drained[(off / BLOCK) as usize] += 1;
-        Ok(())
-    }
-    fn block_done(&mut self, b: u64, _o: u64, _l: u32) {
-        self.done[b as usize] += 1;
-    }
-    fn window_done(&mut self, id: u64) {
-        self.windows_done.push(id);
+        extents: (0..n)
+            .map(|k| Extent {
+                offset: k * SLOT,
+                len,
+            })
+            .collect(),
     }
 }
 
@@ -88,169 +47,585 @@ fn cfg(mode: PollMode) -> DataPathConfig {
     }
 }
 
-fn no_reconnect() -> Result<(), ReconnectError> {
-    panic!("no reconnect expected")
+fn no_reconnect() -> ReconnectFn {
+    Box::new(|| panic!("no reconnect expected"))
+}
+
+/// A reconnect that resets the fake and counts its calls.
+fn resetting(ch: &Arc<FakeChannel>) -> (ReconnectFn, Arc<AtomicU32>) {
+    let calls = Arc::new(AtomicU32::new(0));
+    let (ch, n) = (ch.clone(), calls.clone());
+    let f: ReconnectFn = Box::new(move || {
+        n.fetch_add(1, Relaxed);
+        ch.reset();
+        Ok(())
+    });
+    (f, calls)
+}
+
+fn start(c: DataPathConfig, ch: &Arc<FakeChannel>, reconnect: ReconnectFn) -> DataPath {
+    let ch: Arc<dyn Channel> = ch.clone();
+    DataPath::start(c, ch, reconnect, None).unwrap()
+}
+
+fn submit(dp: &DataPath, w: WindowJob) {
+    // SAFETY: the fake channel touches no memory.
+    unsafe { dp.submit(w) }.unwrap();
+}
+
+/// Wait for every window in `ids` to be done (each exactly once); other
+/// events are returned.
+fn wait_done(ev: &mut UnboundedReceiver<DpEvent>, ids: &[u64]) -> Vec<DpEvent> {
+    let mut done: HashMap<u64, u32> = HashMap::new();
+    let mut other = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while done.len() < ids.len() {
+        assert!(Instant::now() < deadline, "windows not done: {done:?}");
+        match ev.blocking_recv().expect("data path ended") {
+            DpEvent::WindowDone { id } => {
+                assert!(ids.contains(&id), "unknown window {id}");
+                *done.entry(id).or_default() += 1;
+                assert_eq!(done[&id], 1, "window {id} done twice");
+            }
+            DpEvent::Failed(e) => panic!("failed: {e}"),
+            e => other.push(e),
+        }
+    }
+    other
+}
+
+fn wait_failed(ev: &mut UnboundedReceiver<DpEvent>) -> DataPathError {
+    loop {
+        match ev.blocking_recv().expect("data path ended") {
+            DpEvent::Failed(e) => return e,
+            DpEvent::WindowDone { .. } | DpEvent::Reconnected { .. } => {}
+        }
+    }
 }
 
 #[test]
 fn a_batch_of_32_is_one_post() {
-    let ch = FakeChannel::new(128);
-    let c = cfg(PollMode::Event);
-    let mut t = transfer(OpKind::Write, 32, &c, &ch);
-    let mut io = CountIo::new(32);
-    let r = run_transfer(&ch, &mut t, &mut io, &c, &mut no_reconnect).unwrap();
+    let ch = Arc::new(FakeChannel::new(128));
+    let dp = start(cfg(PollMode::Event), &ch, no_reconnect());
+    let mut ev = dp.take_events().unwrap();
+    assert!(dp.take_events().is_none(), "taken once");
+    submit(&dp, job(1, OpKind::Write, 32, 4096));
+    wait_done(&mut ev, &[1]);
+    let r = dp.close();
     assert_eq!(ch.posts.load(Relaxed), 1);
     assert_eq!((r.doorbells, r.posted, r.signaled), (1, 32, 1));
-    assert_eq!((r.msgs, r.bytes), (32, 32 * BLOCK));
-    assert!(io.filled.iter().all(|&n| n == 1));
-    assert!(io.done.iter().all(|&n| n == 1));
-    assert_eq!(io.windows_done, [1]);
+    assert_eq!((r.msgs, r.bytes, r.windows_done), (32, 32 * 4096, 1));
+    assert_eq!(r.completions, 1);
     assert_eq!(r.latency.count(), 1);
+    assert_eq!(r.outstanding_at_close, 0);
+    assert!(
+        ev.blocking_recv().is_none(),
+        "events end with the data path"
+    );
 }
 
 #[test]
 fn burst_of_100k_never_exceeds_sq_depth() {
-    let ch = FakeChannel::new(128);
-    let c = cfg(PollMode::Hybrid { empty_polls: 64 });
+    let ch = Arc::new(FakeChannel::new(128));
+    let dp = start(
+        cfg(PollMode::Hybrid { empty_polls: 64 }),
+        &ch,
+        no_reconnect(),
+    );
+    let mut ev = dp.take_events().unwrap();
+    let ids: Vec<u64> = (0..100).collect();
+    for &id in &ids {
+        submit(&dp, job(id, OpKind::Write, 1000, 64));
+    }
+    wait_done(&mut ev, &ids);
+    let stats = dp.stats().clone();
+    let r = dp.close();
     let n = 100_000;
-    let mut t = transfer(OpKind::Write, n, &c, &ch);
-    let mut io = CountIo::new(n);
-    let dp = DataPath::new(c).unwrap();
-    let r = dp.run(&ch, &mut t, &mut io, &mut no_reconnect).unwrap();
-    assert!(t.is_complete());
     assert_eq!(r.msgs, n);
     assert!(ch.max_outstanding.load(Relaxed) <= 128);
     assert_eq!(ch.overflows.load(Relaxed), 0);
-    assert!(io.done.iter().all(|&k| k == 1));
     assert_eq!(r.doorbells, ch.posts.load(Relaxed));
-    assert_eq!(dp.stats().posted.load(Relaxed), n);
-    assert_eq!(dp.stats().sq_free.load(Relaxed), 128);
+    assert_eq!(r.posted, ch.posted.load(Relaxed));
+    // The live stats are the engine's counters, published.
+    assert_eq!(stats.posted.load(Relaxed), n);
+    assert_eq!(stats.blocks_done.load(Relaxed), n);
+    assert_eq!(stats.windows_done.load(Relaxed), 100);
+    assert_eq!(stats.doorbells.load(Relaxed), r.doorbells);
+    assert_eq!(stats.completed.load(Relaxed), r.completions);
+    assert_eq!(stats.sq_free.load(Relaxed), 128);
     assert!(r.doorbells >= n / 32, "{}", r.doorbells);
 }
 
 #[test]
 fn tx_depth_caps_the_requests_outstanding() {
     for (depth, mode) in [(1, PollMode::Poll), (3, PollMode::Event)] {
-        let ch = FakeChannel::new(128);
+        let ch = Arc::new(FakeChannel::new(128));
         let c = DataPathConfig {
             batch: 8,
             signal_every: 1,
             tx_depth: Some(depth),
             ..cfg(mode)
         };
-        let n = 500;
-        let mut t = transfer(OpKind::Write, n, &c, &ch);
-        let mut io = CountIo::new(n);
-        let r = run_transfer(&ch, &mut t, &mut io, &c, &mut no_reconnect).unwrap();
-        assert_eq!(r.msgs, n);
+        let dp = start(c, &ch, no_reconnect());
+        assert_eq!(dp.stream_config().sq_depth, depth);
+        let mut ev = dp.take_events().unwrap();
+        submit(&dp, job(1, OpKind::Write, 500, 100));
+        wait_done(&mut ev, &[1]);
+        let r = dp.close();
+        assert_eq!(r.msgs, 500);
         assert_eq!(
             ch.max_outstanding.load(Relaxed),
             depth as u64,
             "depth {depth}"
         );
         // Chains are cut to what the depth allows.
-        assert!(r.doorbells >= n / depth as u64, "{}", r.doorbells);
+        assert!(r.doorbells >= 500 / depth as u64, "{}", r.doorbells);
     }
 }
 
 #[test]
 fn error_mid_stream_reconnects_once_and_reposts_only_unconfirmed() {
     for flush_unsignaled in [true, false] {
-        let mut ch = FakeChannel::new(128);
-        ch.flush_unsignaled = flush_unsignaled;
+        let mut fake = FakeChannel::new(128);
+        fake.flush_unsignaled = flush_unsignaled;
         // Request 1000 fails (mid-chain: unsignaled), later ones are flushed.
-        ch.fail_at(1000, WcStatus::RetryExceeded);
-        let c = cfg(PollMode::Event);
-        let n = 4096;
-        let mut t = transfer(OpKind::Read, n, &c, &ch);
-        let mut io = CountIo::new(n);
-        let mut calls = 0;
-        let r = run_transfer(&ch, &mut t, &mut io, &c, &mut || {
-            calls += 1;
-            ch.reset();
-            Ok(())
-        })
-        .unwrap();
-        assert_eq!(calls, 1);
+        fake.fail_at(1000, WcStatus::RetryExceeded);
+        let ch = Arc::new(fake);
+        let (reconnect, calls) = resetting(&ch);
+        let dp = start(cfg(PollMode::Event), &ch, reconnect);
+        let mut ev = dp.take_events().unwrap();
+        let ids: Vec<u64> = (0..8).collect();
+        for &id in &ids {
+            submit(&dp, job(id, OpKind::Read, 512, 4096));
+        }
+        let other = wait_done(&mut ev, &ids);
+        let stats = dp.stats().clone();
+        let r = dp.close();
+        assert_eq!(calls.load(Relaxed), 1);
+        assert!(
+            matches!(other[..], [DpEvent::Reconnected { epoch: 1, .. }]),
+            "{other:?}"
+        );
         assert_eq!(r.reconnects, 1);
         assert_eq!(r.reconnect_seconds.len(), 1);
         // No port monitor: no link-up time to measure from.
         assert!(r.port_up_to_first_wr_seconds.is_empty());
-        assert!(t.is_complete());
-        let reposted = t.counters().reposted;
+        let n = 8 * 512;
+        let reposted = stats.reposted.load(Relaxed);
         assert!(reposted > 0 && reposted <= 128, "reposted {reposted}");
-        // Every block posted once, plus the unconfirmed ones once more.
+        // Every extent posted once, plus the unconfirmed ones once more.
         assert_eq!(r.posted, n + reposted);
-        assert!(io.done.iter().all(|&k| k == 1), "every block done once");
-        assert!(
-            io.drained.iter().all(|&k| k == 1),
-            "every block drained once"
-        );
+        assert_eq!(r.msgs, n, "every extent confirmed once");
         assert_eq!(r.errors.get("retry_exc_err"), Some(&1));
         assert!(r.errors.get("wr_flush_err").copied().unwrap_or(0) > 0);
+        assert_eq!(stats.error_batches.load(Relaxed), 1);
     }
 }
 
 #[test]
-fn remote_access_error_fails_without_reconnect() {
-    let ch = FakeChannel::new(128);
+fn remote_access_error_fails_without_reconnect_and_refuses_submits() {
+    let ch = Arc::new(FakeChannel::new(128));
     ch.fail_at(40, WcStatus::RemoteAccess);
-    let c = cfg(PollMode::Event);
-    let mut t = transfer(OpKind::Write, 1024, &c, &ch);
-    let mut io = CountIo::new(1024);
-    let e = run_transfer(&ch, &mut t, &mut io, &c, &mut no_reconnect).unwrap_err();
+    let dp = start(cfg(PollMode::Event), &ch, no_reconnect());
+    let mut ev = dp.take_events().unwrap();
+    submit(&dp, job(5, OpKind::Write, 1024, 4096));
+    let e = wait_failed(&mut ev);
     match &e {
-        DataPathError::Failed { status, block, .. } => {
+        DataPathError::Failed {
+            status,
+            window,
+            extent,
+            ..
+        } => {
             assert_eq!(*status, Some(WcStatus::RemoteAccess));
-            assert_eq!(*block, Some(40));
+            assert_eq!((*window, *extent), (Some(5), Some(40)));
         }
         other => panic!("{other:?}"),
     }
+    assert!(!e.is_retryable());
     let msg = e.to_string();
     assert!(
         msg.contains("rem_access_err") && msg.contains("40"),
         "{msg}"
     );
+    assert!(dp.is_stopped());
+    // SAFETY: the fake channel touches no memory.
+    let refused = unsafe { dp.submit(job(6, OpKind::Write, 1, 1)) };
+    assert!(
+        matches!(refused, Err(DataPathError::Stopped)),
+        "{refused:?}"
+    );
     assert_eq!(ch.resets.load(Relaxed), 0);
+    let r = dp.close();
+    assert_eq!(r.windows_done, 0);
 }
 
 #[test]
 fn reconnect_failures_back_off_then_give_up() {
-    let ch = FakeChannel::new(64);
+    let ch = Arc::new(FakeChannel::new(64));
     ch.fail_at(10, WcStatus::RetryExceeded);
     let mut c = cfg(PollMode::Event);
     c.backoff.max_attempts = 3;
-    let mut t = transfer(OpKind::Write, 256, &c, &ch);
-    let mut io = CountIo::new(256);
-    let mut calls = 0;
-    let e = run_transfer(&ch, &mut t, &mut io, &c, &mut || {
-        calls += 1;
-        Err("peer unreachable".into())
-    })
-    .unwrap_err();
-    assert_eq!(calls, 3);
+    let calls = Arc::new(AtomicU32::new(0));
+    let n = calls.clone();
+    let dp = start(
+        c,
+        &ch,
+        Box::new(move || {
+            n.fetch_add(1, Relaxed);
+            Err("peer unreachable".into())
+        }),
+    );
+    let mut ev = dp.take_events().unwrap();
+    submit(&dp, job(1, OpKind::Write, 256, 4096));
+    let e = wait_failed(&mut ev);
+    assert_eq!(calls.load(Relaxed), 3);
     assert!(
         matches!(e, DataPathError::Reconnect { attempts: 3, .. }),
         "{e}"
     );
+    assert!(e.is_retryable());
+    dp.close();
 }
 
 #[test]
-fn missing_window_is_an_error_not_a_hang() {
-    let ch = FakeChannel::new(64);
-    let c = cfg(PollMode::Event);
-    let caps = crate::provider::Channel::caps(&ch);
-    let tc = c
-        .transfer_config(OpKind::Write, 8 * BLOCK, BLOCK, &caps)
-        .unwrap();
-    let bufs = vec![LocalSeg {
-        addr: 0x1000,
-        len: BLOCK as u32,
-        lkey: 1,
-    }];
-    let mut t = Transfer::new(tc, bufs).unwrap();
-    let e = run_transfer(&ch, &mut t, &mut CountIo::new(8), &c, &mut no_reconnect).unwrap_err();
-    assert!(matches!(e, DataPathError::NoWindow { .. }), "{e}");
+fn hybrid_wakes_on_completions_and_drains() {
+    let ch = Arc::new(FakeChannel::new(128));
+    let dp = start(
+        cfg(PollMode::Hybrid { empty_polls: 8 }),
+        &ch,
+        no_reconnect(),
+    );
+    let mut ev = dp.take_events().unwrap();
+    submit(&dp, job(1, OpKind::Write, 2048, 4096));
+    wait_done(&mut ev, &[1]);
+    let r = dp.close();
+    assert_eq!(r.msgs, 2048);
+    assert_eq!(r.completions, 64);
+}
+
+#[test]
+fn qp_in_error_before_the_first_post_is_flushed_and_reconnected() {
+    let ch = Arc::new(FakeChannel::new(128));
+    ch.set_error();
+    let (reconnect, calls) = resetting(&ch);
+    let dp = start(cfg(PollMode::Event), &ch, reconnect);
+    let mut ev = dp.take_events().unwrap();
+    submit(&dp, job(1, OpKind::Write, 300, 4096));
+    wait_done(&mut ev, &[1]);
+    let stats = dp.stats().clone();
+    let r = dp.close();
+    assert_eq!((r.reconnects, calls.load(Relaxed)), (1, 1));
+    assert_eq!(stats.reposted.load(Relaxed), 128);
+    assert_eq!(r.msgs, 300);
+}
+
+#[test]
+fn a_request_timeout_takes_the_error_path() {
+    let ch = Arc::new(FakeChannel::new(64));
+    // Completions are lost until the reconnect resets the fake.
+    ch.swallow.store(true, Relaxed);
+    let c = DataPathConfig {
+        request_timeout: Duration::from_millis(100),
+        ..cfg(PollMode::Event)
+    };
+    let (reconnect, calls) = resetting(&ch);
+    let dp = start(c, &ch, reconnect);
+    let mut ev = dp.take_events().unwrap();
+    let t0 = Instant::now();
+    submit(&dp, job(1, OpKind::Read, 200, 4096));
+    wait_done(&mut ev, &[1]);
+    assert!(t0.elapsed() >= Duration::from_millis(100));
+    let stats = dp.stats().clone();
+    let r = dp.close();
+    assert_eq!(calls.load(Relaxed), 1);
+    assert_eq!(stats.timeouts.load(Relaxed), 64, "every request in flight");
+    assert_eq!(r.reconnects, 1);
+    assert_eq!(r.msgs, 200);
+}
+
+#[test]
+fn a_post_failure_puts_the_unposted_back() {
+    let ch = Arc::new(FakeChannel::new(128));
+    *ch.refuse_after.lock().unwrap() = Some(3);
+    let dp = start(cfg(PollMode::Event), &ch, no_reconnect());
+    let mut ev = dp.take_events().unwrap();
+    submit(&dp, job(1, OpKind::Write, 100, 4096));
+    wait_done(&mut ev, &[1]);
+    let r = dp.close();
+    assert_eq!(r.post_failures, 1);
+    assert_eq!(r.msgs, 100);
+    assert_eq!(r.posted, 100, "requests refused are not counted as posted");
+    assert_eq!(ch.posted.load(Relaxed), 100);
+    assert_eq!(r.reconnects, 0);
+}
+
+#[test]
+fn many_windows_submitted_from_other_threads() {
+    let ch = Arc::new(FakeChannel::new(128));
+    let dp = Arc::new(start(cfg(PollMode::Poll), &ch, no_reconnect()));
+    let mut ev = dp.take_events().unwrap();
+    let ids: Vec<u64> = (0..1000).collect();
+    std::thread::scope(|s| {
+        for t in 0..4u64 {
+            let dp = &dp;
+            s.spawn(move || {
+                for id in (t * 250)..(t + 1) * 250 {
+                    let op = if id % 2 == 0 {
+                        OpKind::Write
+                    } else {
+                        OpKind::Read
+                    };
+                    submit(dp, job(id, op, 1 + id % 7, 1 + id as u32 % 300));
+                }
+            });
+        }
+        wait_done(&mut ev, &ids);
+    });
+    let dp = Arc::into_inner(dp).unwrap();
+    let r = dp.close();
+    assert_eq!(r.windows_done, 1000);
+    let extents: u64 = ids.iter().map(|id| 1 + id % 7).sum();
+    assert_eq!(r.msgs, extents);
+}
+
+#[test]
+fn bad_and_duplicate_windows_are_refused_at_submit() {
+    let ch = Arc::new(FakeChannel::new(16));
+    ch.swallow.store(true, Relaxed);
+    let dp = start(cfg(PollMode::Event), &ch, no_reconnect());
+    let mut bad = job(1, OpKind::Write, 2, 10);
+    bad.extents[1].offset = 5;
+    // SAFETY: the fake channel touches no memory.
+    let e = unsafe { dp.submit(bad) }.unwrap_err();
+    assert!(
+        matches!(
+            e,
+            DataPathError::Window {
+                id: 1,
+                source: crate::engine::stream::WindowError::Overlap { index: 1 }
+            }
+        ),
+        "{e}"
+    );
+    submit(&dp, job(2, OpKind::Write, 4, 10));
+    // SAFETY: as above.
+    let e = unsafe { dp.submit(job(2, OpKind::Read, 1, 1)) }.unwrap_err();
+    assert!(e.to_string().contains("window 2"), "{e}");
+    // An empty window is done at once, and its id is free again.
+    let mut ev = dp.take_events().unwrap();
+    let mut empty = job(3, OpKind::Read, 0, 1);
+    empty.extents.clear();
+    submit(&dp, empty.clone());
+    wait_done(&mut ev, &[3]);
+    submit(&dp, empty);
+    wait_done(&mut ev, &[3]);
+    dp.close();
+}
+
+#[test]
+fn close_while_windows_are_outstanding_returns_promptly() {
+    // Completions never come: close gives the requests in flight the flush
+    // timeout, drops what is queued, and says what it left.
+    let ch = Arc::new(FakeChannel::new(64));
+    ch.swallow.store(true, Relaxed);
+    let dp = start(cfg(PollMode::Poll), &ch, no_reconnect());
+    for id in 0..50 {
+        submit(&dp, job(id, OpKind::Write, 1000, 4096));
+    }
+    std::thread::sleep(Duration::from_millis(20));
+    let t0 = Instant::now();
+    let r = dp.close();
+    let took = t0.elapsed();
+    assert!(took < Duration::from_secs(2), "close took {took:?}");
+    assert_eq!(r.outstanding_at_close, 64);
+    assert_eq!(r.windows_done, 0);
+
+    // With completions flowing, queued windows are dropped at once.
+    let ch = Arc::new(FakeChannel::new(64));
+    let dp = start(cfg(PollMode::Event), &ch, no_reconnect());
+    for id in 0..50 {
+        submit(&dp, job(id, OpKind::Write, 10_000, 64));
+    }
+    let t0 = Instant::now();
+    let r = dp.close();
+    assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+    assert!(r.msgs < 500_000, "closing does not finish the queue");
+    assert_eq!(r.outstanding_at_close, 0);
+}
+
+/// User + system time of thread `tid` of this process, in clock ticks.
+fn thread_ticks(tid: i32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/self/task/{tid}/stat")).unwrap();
+    let after = &stat[stat.rfind(')').unwrap() + 2..];
+    let f: Vec<&str> = after.split_whitespace().collect();
+    // Fields 14 and 15 of stat; `after` starts at field 3.
+    f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
+}
+
+#[test]
+fn an_idle_poster_sleeps_even_in_poll_mode() {
+    let ch = Arc::new(FakeChannel::new(64));
+    let dp = start(cfg(PollMode::Poll), &ch, no_reconnect());
+    let mut ev = dp.take_events().unwrap();
+    submit(&dp, job(1, OpKind::Write, 64, 64));
+    wait_done(&mut ev, &[1]);
+    let tid = dp.poster_tid();
+    assert_ne!(tid, 0);
+    let before = thread_ticks(tid);
+    std::thread::sleep(Duration::from_millis(500));
+    let spent = thread_ticks(tid) - before;
+    // A spinning thread would spend ~50 ticks (USER_HZ 100) in 500 ms.
+    assert!(spent <= 5, "idle poster spent {spent} ticks");
+    // ... and wakes at once for the next window.
+    let t0 = Instant::now();
+    submit(&dp, job(2, OpKind::Write, 1, 64));
+    wait_done(&mut ev, &[2]);
+    assert!(t0.elapsed() < Duration::from_millis(200));
+    dp.close();
+}
+
+/// A port that goes down with the error and comes back at `up_at`.
+struct FakePort {
+    up_at: Mutex<Option<Instant>>,
+    events: std::sync::atomic::AtomicU64,
+}
+
+impl PortMonitor for FakePort {
+    fn is_active(&self) -> bool {
+        self.up_at
+            .lock()
+            .unwrap()
+            .is_none_or(|t| Instant::now() >= t)
+    }
+    fn wait_active(&self, timeout: Duration) -> bool {
+        let end = Instant::now() + timeout;
+        while Instant::now() < end {
+            if self.is_active() {
+                self.events.fetch_add(1, Relaxed);
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        self.is_active()
+    }
+    fn events_seen(&self) -> u64 {
+        self.events.load(Relaxed)
+    }
+    fn active_since(&self) -> Option<Instant> {
+        let up = *self.up_at.lock().unwrap();
+        up.filter(|&t| Instant::now() >= t)
+    }
+}
+
+#[test]
+fn reconnect_waits_for_port_active_instead_of_sleeping() {
+    let ch = Arc::new(FakeChannel::new(64));
+    ch.fail_at(10, WcStatus::RetryExceeded);
+    let mut c = cfg(PollMode::Event);
+    // A blind backoff would sleep 10 s after the first failure.
+    c.backoff.initial = Duration::from_secs(10);
+    c.backoff.cap = Duration::from_secs(10);
+    let port = Arc::new(FakePort {
+        up_at: Mutex::new(Some(Instant::now() + Duration::from_millis(300))),
+        events: Default::default(),
+    });
+    let calls = Arc::new(AtomicU32::new(0));
+    let reconnect: ReconnectFn = {
+        let (port, ch, calls) = (port.clone(), ch.clone(), calls.clone());
+        Box::new(move || {
+            calls.fetch_add(1, Relaxed);
+            if !port.is_active() {
+                return Err("port down".into());
+            }
+            ch.reset();
+            Ok(())
+        })
+    };
+    let dyn_ch: Arc<dyn Channel> = ch.clone();
+    let monitor: Arc<dyn PortMonitor> = port.clone();
+    let dp = DataPath::start(c, dyn_ch, reconnect, Some(monitor)).unwrap();
+    let mut ev = dp.take_events().unwrap();
+    let t0 = Instant::now();
+    submit(&dp, job(1, OpKind::Write, 256, 4096));
+    wait_done(&mut ev, &[1]);
+    let stats = dp.stats().clone();
+    let r = dp.close();
+    assert_eq!(r.reconnects, 1);
+    assert!(r.port_waits >= 1, "{r:?}");
+    assert_eq!(r.port_events, 1);
+    assert_eq!(
+        calls.load(Relaxed),
+        1,
+        "the first attempt waits for the port"
+    );
+    // Timed from the port coming back, not from the error.
+    let up = *port.up_at.lock().unwrap();
+    let up_to_wr = &r.port_up_to_first_wr_seconds;
+    assert_eq!(up_to_wr.len(), 1, "{r:?}");
+    assert!(up_to_wr[0] >= 0.0 && up_to_wr[0] < 2.0, "{up_to_wr:?}");
+    assert!(
+        r.reconnect_seconds[0] > up_to_wr[0],
+        "the error path started before the port came back: {r:?}"
+    );
+    assert!(up.unwrap().elapsed().as_secs_f64() >= up_to_wr[0]);
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    assert_eq!(stats.port_waits.load(Relaxed), r.port_waits);
+}
+
+#[test]
+fn the_poster_keeps_off_a_spinning_completion_core() {
+    // On a thread of its own: the harness's threads are shared.
+    std::thread::spawn(|| {
+        let before = allowed_cpus();
+        if before.len() < 2 {
+            eprintln!("one CPU: nothing to keep off; checked by the guard's own test");
+            return;
+        }
+        let cq = *before.last().unwrap();
+        for (mode, keeps_off) in [
+            (PollMode::Poll, true),
+            (PollMode::Hybrid { empty_polls: 64 }, true),
+            (PollMode::Event, false),
+        ] {
+            let ch = Arc::new(FakeChannel::new(128));
+            ch.record_cpus.store(true, Relaxed);
+            let c = DataPathConfig {
+                cq_cpu: Some(cq),
+                batch: 4,
+                signal_every: 4,
+                ..cfg(mode)
+            };
+            let dp = start(c, &ch, no_reconnect());
+            let mut ev = dp.take_events().unwrap();
+            submit(&dp, job(1, OpKind::Write, 64, 64));
+            wait_done(&mut ev, &[1]);
+            dp.close();
+            let seen = ch.post_cpus.lock().unwrap();
+            assert_eq!(seen.len(), 16);
+            for s in seen.iter() {
+                assert_eq!(
+                    !s.contains(&cq),
+                    keeps_off,
+                    "{mode}: poster on {s:?}, CQ on {cq}"
+                );
+            }
+            assert_eq!(allowed_cpus(), before, "{mode}: the caller is left alone");
+        }
+    })
+    .join()
+    .unwrap();
+}
+
+#[test]
+fn payload_cap_is_refused() {
+    let ch: Arc<dyn Channel> = Arc::new(FakeChannel::new(16));
+    let c = DataPathConfig {
+        payload_cap: Some(64),
+        ..cfg(PollMode::Event)
+    };
+    let e = DataPath::start(c, ch, no_reconnect(), None).unwrap_err();
+    assert!(e.to_string().contains("payload_cap"), "{e}");
 }
 
 fn run_loop_idle(mode: PollMode, for_ms: u64) -> (Arc<DataPathStats>, FakeChannel) {
@@ -294,169 +669,4 @@ fn hybrid_arms_and_waits_after_k_empty_polls() {
     let (s, ch) = run_loop_idle(PollMode::Poll, 20);
     assert_eq!(ch.arms.load(Relaxed), 0);
     assert!(s.empty_polls.load(Relaxed) > 100);
-}
-
-#[test]
-fn hybrid_wakes_on_completions_and_drains() {
-    let ch = FakeChannel::new(128);
-    let c = cfg(PollMode::Hybrid { empty_polls: 8 });
-    let mut t = transfer(OpKind::Write, 2048, &c, &ch);
-    let r = run_transfer(&ch, &mut t, &mut CountIo::new(2048), &c, &mut no_reconnect).unwrap();
-    assert_eq!(r.msgs, 2048);
-    assert_eq!(r.completions, 64);
-}
-
-#[test]
-fn qp_in_error_before_the_first_post_is_flushed_and_reconnected() {
-    let ch = FakeChannel::new(128);
-    ch.set_error();
-    let c = cfg(PollMode::Event);
-    let mut t = transfer(OpKind::Write, 300, &c, &ch);
-    let mut io = CountIo::new(300);
-    let r = run_transfer(&ch, &mut t, &mut io, &c, &mut || {
-        ch.reset();
-        Ok(())
-    })
-    .unwrap();
-    assert_eq!(r.reconnects, 1);
-    assert!(io.done.iter().all(|&k| k == 1));
-    assert_eq!(t.counters().reposted, 128);
-}
-
-/// A port that goes down with the error and comes back at `up_at`.
-struct FakePort {
-    up_at: std::sync::Mutex<Option<std::time::Instant>>,
-    events: std::sync::atomic::AtomicU64,
-}
-
-impl PortMonitor for FakePort {
-    fn is_active(&self) -> bool {
-        self.up_at
-            .lock()
-            .unwrap()
-            .is_none_or(|t| std::time::Instant::now() >= t)
-    }
-    fn wait_active(&self, timeout: Duration) -> bool {
-        let end = std::time::Instant::now() + timeout;
-        while std::time::Instant::now() < end {
-            if self.is_active() {
-                self.events.fetch_add(1, Relaxed);
-                return true;
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        self.is_active()
-    }
-    fn events_seen(&self) -> u64 {
-        self.events.load(Relaxed)
-    }
-    fn active_since(&self) -> Option<std::time::Instant> {
-        let up = *self.up_at.lock().unwrap();
-        up.filter(|&t| std::time::Instant::now() >= t)
-    }
-}
-
-#[test]
-fn reconnect_waits_for_port_active_instead_of_sleeping() {
-    let ch = FakeChannel::new(64);
-    ch.fail_at(10, WcStatus::RetryExceeded);
-    let mut c = cfg(PollMode::Event);
-    // A blind backoff would sleep 10 s after the first failure.
-    c.backoff.initial = Duration::from_secs(10);
-    c.backoff.cap = Duration::from_secs(10);
-    let port = Arc::new(FakePort {
-        up_at: std::sync::Mutex::new(Some(std::time::Instant::now() + Duration::from_millis(300))),
-        events: Default::default(),
-    });
-    let dp = DataPath::new(c.clone())
-        .unwrap()
-        .with_port_monitor(port.clone());
-    let mut t = transfer(OpKind::Write, 256, &c, &ch);
-    let mut io = CountIo::new(256);
-    let mut calls = 0;
-    let t0 = std::time::Instant::now();
-    let r = dp
-        .run(&ch, &mut t, &mut io, &mut || {
-            calls += 1;
-            if !port.is_active() {
-                return Err("port down".into());
-            }
-            ch.reset();
-            Ok(())
-        })
-        .unwrap();
-    assert!(t.is_complete());
-    assert_eq!(r.reconnects, 1);
-    assert!(r.port_waits >= 1, "{r:?}");
-    assert_eq!(r.port_events, 1);
-    assert_eq!(calls, 1, "the first attempt waits for the port");
-    // Timed from the port coming back, not from the error.
-    let up = *port.up_at.lock().unwrap();
-    let up_to_wr = &r.port_up_to_first_wr_seconds;
-    assert_eq!(up_to_wr.len(), 1, "{r:?}");
-    assert!(up_to_wr[0] >= 0.0 && up_to_wr[0] < 2.0, "{up_to_wr:?}");
-    assert!(
-        r.reconnect_seconds[0] > up_to_wr[0],
-        "the error path started before the port came back: {r:?}"
-    );
-    assert!(up.unwrap().elapsed().as_secs_f64() >= up_to_wr[0]);
-    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
-    assert_eq!(dp.stats().port_waits.load(Relaxed), r.port_waits);
-}
-
-/// Records the CPUs the posting thread may use each time it fills a block.
-struct AffinityIo {
-    seen: Vec<Vec<usize>>,
-}
-
-impl BlockIo for AffinityIo {
-    fn fill(&mut self, _off: u64, _l: LocalSeg) -> io::Result<()> {
-        self.seen.push(allowed_cpus());
-        Ok(())
-    }
-    fn drain(&mut self, _off: u64, _l: LocalSeg) -> io::Result<()> {
-        Ok(())
-    }
-}
-
-#[test]
-fn the_poster_keeps_off_a_spinning_completion_core() {
-    // On a thread of its own: the harness's threads are shared.
-    std::thread::spawn(|| {
-        let before = allowed_cpus();
-        if before.len() < 2 {
-            eprintln!("one CPU: nothing to keep off; checked by the guard's own test");
-            return;
-        }
-        let cq = *before.last().unwrap();
-        for (mode, keeps_off) in [
-            (PollMode::Poll, true),
-            (PollMode::Hybrid { empty_polls: 64 }, true),
-            (PollMode::Event, false),
-        ] {
-            let ch = FakeChannel::new(128);
-            let c = DataPathConfig {
-                cq_cpu: Some(cq),
-                ..cfg(mode)
-            };
-            let mut t = transfer(OpKind::Write, 64, &c, &ch);
-            let mut io = AffinityIo { seen: vec![] };
-            run_transfer(&ch, &mut t, &mut io, &c, &mut no_reconnect).unwrap();
-            assert_eq!(io.seen.len(), 64);
-            for s in &io.seen {
-                assert_eq!(
-                    !s.contains(&cq),
-                    keeps_off,
-                    "{mode}: poster on {s:?}, CQ on {cq}"
-                );
-            }
-            assert_eq!(
-                allowed_cpus(),
-                before,
-                "{mode}: affinity restored after the run"
-            );
-        }
-    })
-    .join()
-    .unwrap();
 }

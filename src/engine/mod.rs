@@ -9,7 +9,19 @@
 //!
 //! # Where to start
 //!
-//! * [`Transfer`] is the one type a runtime drives: build it from a
+//! * [`Stream`] is what the session-long data path drives: build it from a
+//!   [`StreamConfig`], queue [`WindowJob`]s (a region of the peer's arena
+//!   and a staging region of the same layout, with a list of [`Extent`]s),
+//!   post the [`stream::Batch`]es from [`Stream::poll_transmit_into`], feed
+//!   completions to [`Stream::on_completions`], act on [`stream::Event`]s
+//!   (`WindowDone`, `ErrorBatch`, ...) and call [`Stream::reconnected`]
+//!   after an error batch asks for it. Its [`stream::Counters`] are the one
+//!   count of what was posted and confirmed. Its module docs spell out the
+//!   protocol. The stream types that share a name with a `Transfer` type
+//!   (`Batch`, `Event`, `State`, `Counters`, ...) live at `engine::stream::`.
+//! * [`Transfer`] moves one file (a [`BlockPlan`] of uniform blocks) for the
+//!   legacy runner (`datapath::legacy`); it goes when the control plane
+//!   moves to [`Stream`]. Build it from a
 //!   [`TransferConfig`] and the local staging buffers, feed it [`Window`]
 //!   grants, post the [`Batch`]es from [`Transfer::poll_transmit`], feed
 //!   completions to [`Transfer::on_completion`], act on [`Event`]s from
@@ -32,6 +44,7 @@ pub mod blocks;
 pub mod credits;
 pub mod inflight;
 pub mod slots;
+pub mod stream;
 pub mod transfer;
 pub mod window;
 // Shared with the providers; its field docs live on the types.
@@ -40,9 +53,12 @@ pub mod wr;
 
 pub use batch::{BatchPolicy, BatchPolicyError};
 pub use blocks::{BlockPlan, BlockSizeError, BlockSpan, BlockState};
+pub use stream::{Extent, Stream, StreamConfig, StreamError, WindowJob};
 pub use transfer::{
     Batch, ConfigError, Counters, ErrorCause, Event, Recovery, State, Transfer, TransferConfig,
     TransferError,
 };
 pub use window::{Window, WindowError};
-pub use wr::{LocalSeg, OpKind, RemoteSeg, WcStatus, WorkCompletion, WorkRequest};
+pub use wr::{
+    ErrorCounts, LocalSeg, OpKind, RemoteSeg, WcStatus, WorkCompletion, WorkRequest, ERROR_STATUSES,
+};

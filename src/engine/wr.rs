@@ -121,3 +121,64 @@ pub struct WorkCompletion {
     /// Bytes moved (meaningful for successful reads).
     pub byte_len: u32,
 }
+
+/// Every non-success status, in a fixed order: the index of
+/// [`WcStatus::error_index`] and of [`ErrorCounts`].
+pub const ERROR_STATUSES: [WcStatus; 11] = [
+    WcStatus::Flushed,
+    WcStatus::RemoteAccess,
+    WcStatus::RemoteInvalidRequest,
+    WcStatus::RemoteOperation,
+    WcStatus::RetryExceeded,
+    WcStatus::RnrRetryExceeded,
+    WcStatus::LocalProtection,
+    WcStatus::LocalLength,
+    WcStatus::LocalQpOperation,
+    WcStatus::Fatal,
+    WcStatus::Other(0),
+];
+
+impl WcStatus {
+    /// Position in [`ERROR_STATUSES`] (every `Other(_)` shares the last);
+    /// `None` for `Success`.
+    pub fn error_index(self) -> Option<usize> {
+        match self {
+            WcStatus::Success => None,
+            WcStatus::Other(_) => Some(ERROR_STATUSES.len() - 1),
+            s => ERROR_STATUSES.iter().position(|&x| x == s),
+        }
+    }
+}
+
+/// Error completions counted by status, a fixed array (no allocation, cheap
+/// to copy into a metrics exporter's atomics).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ErrorCounts(pub [u64; ERROR_STATUSES.len()]);
+
+impl ErrorCounts {
+    /// Count one completion with `status` (success is not counted).
+    pub fn count(&mut self, status: WcStatus) {
+        if let Some(i) = status.error_index() {
+            self.0[i] += 1;
+        }
+    }
+
+    /// How many completions had `status`.
+    pub fn get(&self, status: WcStatus) -> u64 {
+        status.error_index().map_or(0, |i| self.0[i])
+    }
+
+    /// Non-zero counts by [`WcStatus::label`], in [`ERROR_STATUSES`] order.
+    pub fn iter(&self) -> impl Iterator<Item = (&'static str, u64)> + '_ {
+        ERROR_STATUSES
+            .iter()
+            .zip(self.0)
+            .filter(|&(_, n)| n > 0)
+            .map(|(s, n)| (s.label(), n))
+    }
+
+    /// All error completions.
+    pub fn total(&self) -> u64 {
+        self.0.iter().sum()
+    }
+}

@@ -385,8 +385,20 @@ impl Drop for Block {
 
 /// A span of arena memory that a peer may access through a registration
 /// (an RDMA window, or the TCP provider's emulation of one). Accesses are
-/// bounds-checked copies; the caller (the protocol) guarantees that the
-/// owner leaves the span alone while it is granted, exactly as with DMA.
+/// bounds-checked.
+///
+/// A `PeerSpan` is `Clone`, and clones (and other spans over the same
+/// arena) alias: the same bytes are reachable from several handles, and a
+/// device or a peer may write them at any time while a request or a grant
+/// names them. Shared access ([`with`](Self::with),
+/// [`with_many`](Self::with_many)) is safe; writing through
+/// [`with_mut`](Self::with_mut) is `unsafe`, and its contract covers every
+/// alias: whoever calls it guarantees that nobody else (no request in
+/// flight, no peer holding a grant, no other borrower through any span)
+/// touches the range meanwhile. Likewise `Channel::post` is `unsafe` and
+/// obliges its caller to leave a posted request's bytes alone until it is
+/// retired. With both obligations met, a shared slice is never written
+/// under it.
 #[derive(Clone)]
 pub struct PeerSpan {
     region: Arc<Region>,
@@ -443,11 +455,26 @@ impl PeerSpan {
     /// Run `f` over `[at, at+n)` of the span as a mutable slice (e.g. to
     /// `read_exact` a socket straight into registered memory). `None` when
     /// the range is out of bounds.
-    pub fn with_mut<R>(&self, at: usize, n: usize, f: impl FnOnce(&mut [u8]) -> R) -> Option<R> {
+    ///
+    /// # Safety
+    ///
+    /// While `f` runs, nothing else reads or writes `[at, at+n)`: no work
+    /// request in flight names it (neither as a local segment nor, through
+    /// a grant, as a remote one), and no other borrower reaches it through
+    /// this span, a clone of it, or any other span or block of the arena.
+    /// The arena cannot see DMA or the peers' grants, so the caller (who
+    /// owns the protocol) vouches for it.
+    pub unsafe fn with_mut<R>(
+        &self,
+        at: usize,
+        n: usize,
+        f: impl FnOnce(&mut [u8]) -> R,
+    ) -> Option<R> {
         let o = self.check(at, n)?;
-        // SAFETY: bounds checked against the live region (Arc held). The span
-        // is granted to one peer operation at a time by the protocol, so no
-        // other reference to these bytes exists while `f` runs.
+        // SAFETY: bounds checked against the live region (Arc held); the
+        // caller guarantees (this function's contract) that no other
+        // reference to, and no device access of, these bytes exists while
+        // `f` runs.
         let s = unsafe { std::slice::from_raw_parts_mut(self.region.ptr.add(o), n) };
         Some(f(s))
     }
@@ -455,7 +482,10 @@ impl PeerSpan {
     /// Run `f` over `[at, at+n)` as a shared slice.
     pub fn with<R>(&self, at: usize, n: usize, f: impl FnOnce(&[u8]) -> R) -> Option<R> {
         let o = self.check(at, n)?;
-        // SAFETY: as in with_mut; shared access only.
+        // SAFETY: bounds checked against the live region (Arc held); shared
+        // access only, and any writer of these bytes (with_mut, a posted
+        // READ, a peer's granted WRITE) is bound by an unsafe contract to
+        // exclude this read.
         let s = unsafe { std::slice::from_raw_parts(self.region.ptr.add(o), n) };
         Some(f(s))
     }
@@ -560,12 +590,16 @@ mod tests {
         assert!(PeerSpan::new(&a, a.addr() - 1, 10).is_none());
         assert!(PeerSpan::new(&a, a.addr() + a.len() as u64 - 4, 8).is_none());
         let s = PeerSpan::new(&a, a.addr() + 4096, 8192).unwrap();
-        assert!(s.with_mut(8190, 4, |_| ()).is_none());
-        s.with_mut(0, 4, |b| b.copy_from_slice(b"abcd")).unwrap();
+        // SAFETY (this block and the next): the test owns the arena and
+        // posts nothing; no other borrower exists.
+        unsafe {
+            assert!(s.with_mut(8190, 4, |_| ()).is_none());
+            s.with_mut(0, 4, |b| b.copy_from_slice(b"abcd")).unwrap();
+        }
         assert_eq!(s.with(0, 4, |b| b.to_vec()).unwrap(), b"abcd");
         // Several ranges at once, in the order asked; one out of bounds
         // refuses them all.
-        s.with_mut(4096, 4, |b| b.copy_from_slice(b"wxyz")).unwrap();
+        unsafe { s.with_mut(4096, 4, |b| b.copy_from_slice(b"wxyz")) }.unwrap();
         let got = s
             .with_many(&[(4096, 4), (0, 2), (1, 3)], |bs| {
                 bs.iter().map(|b| b.to_vec()).collect::<Vec<_>>()

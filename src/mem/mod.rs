@@ -6,7 +6,10 @@
 //! [`PeerSpan`] or memory registration holding its `Arc` is dropped; a
 //! [`Block`] is the single owner of its bytes; while a work request naming a
 //! block is in flight the device owns those bytes until the completion that
-//! retires it, and the data path does not touch them.
+//! retires it, and the data path does not touch them. [`PeerSpan`]s alias
+//! (they are `Clone`, several may cover the same bytes): writing through one
+//! ([`PeerSpan::with_mut`]) is `unsafe`, its caller vouching that no request,
+//! grant or other borrower touches the range meanwhile.
 
 pub mod arena;
 pub mod memlock;

@@ -101,16 +101,26 @@ pub trait Domain: Send + Sync {
 
 /// A connected channel. `post` is called from the posting thread, `poll`,
 /// `arm` and `wait` from the completion thread.
-///
-/// Contract for `post`: every local segment lies in memory registered with
-/// this provider under its lkey, and the caller neither reads nor writes it
-/// until the completion that retires the request (the engine lends each
-/// local buffer to exactly one in-flight request).
 pub trait Channel: Send + Sync {
     fn kind(&self) -> ProviderKind;
     fn caps(&self) -> ChannelCaps;
-    /// Post the chain with one doorbell.
-    fn post(&self, wrs: &[WorkRequest]) -> Result<(), PostFailure>;
+    /// Post the chain with one doorbell. The requests the provider accepted
+    /// (all, or the `posted` prefix of a [`PostFailure`]) are executed and
+    /// retired in order; each one is retired by its own completion or by a
+    /// later signaled one of the same channel, or by the channel being
+    /// reset or dropped.
+    ///
+    /// # Safety
+    ///
+    /// For every accepted request, `[local.addr, local.addr + local.len)`
+    /// is memory registered with this channel's provider under
+    /// `local.lkey`, stays mapped, and is lent to the device until the
+    /// request is retired: the caller (and everyone else) neither writes it
+    /// (WRITE: the device reads it, possibly after `post` returns) nor reads
+    /// or writes it (READ: the device writes it) before then. The provider
+    /// checks lkeys and bounds against its registrations, but it cannot see
+    /// who else holds the bytes.
+    unsafe fn post(&self, wrs: &[WorkRequest]) -> Result<(), PostFailure>;
     /// Take up to `out.len()` completions; returns how many.
     fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize, ProviderError>;
     /// Ask for an event on the next completion (then poll once more before

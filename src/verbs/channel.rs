@@ -108,13 +108,18 @@ impl Channel for VerbsChannel {
         self.caps
     }
 
-    fn post(&self, wrs: &[WorkRequest]) -> Result<(), PostFailure> {
+    /// # Safety
+    ///
+    /// As [`Channel::post`]: every local segment is registered memory lent
+    /// to the device until the request is retired.
+    unsafe fn post(&self, wrs: &[WorkRequest]) -> Result<(), PostFailure> {
         let qp = self.qp.lock().unwrap();
         let mut scratch = self.scratch.lock().unwrap();
-        // SAFETY: the Channel contract: every local segment is registered
-        // memory lent by the engine to exactly this request until the
-        // completion that retires it; lkeys come from our own registrations,
-        // so the device refuses anything outside them.
+        // SAFETY: the caller's contract (Channel::post) is post_send's: it
+        // owns each local buffer until the completion that retires its
+        // request and leaves it to the device until then; lkeys come from
+        // registrations in this QP's PD, so the device refuses anything
+        // outside them.
         unsafe { qp.post_send(wrs, &mut scratch) }.map_err(|e| PostFailure {
             posted: e.posted,
             error: ProviderError::Verbs(VerbsError::new(

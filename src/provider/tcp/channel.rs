@@ -442,7 +442,15 @@ impl Channel for TcpChannel {
         self.caps
     }
 
-    fn post(&self, wrs: &[WorkRequest]) -> Result<(), PostFailure> {
+    /// # Safety
+    ///
+    /// As [`Channel::post`]: the local segment of every request is
+    /// registered in this channel's domain and left to the channel until the
+    /// request is retired. WRITE payloads are copied out of it before `post`
+    /// returns; READ payloads are copied into it by a reader thread, before
+    /// the completion that retires the request is reported (a request whose
+    /// payload is still landing is never flushed early: [`Slot::busy`]).
+    unsafe fn post(&self, wrs: &[WorkRequest]) -> Result<(), PostFailure> {
         if wrs.is_empty() {
             return Ok(());
         }
@@ -659,9 +667,12 @@ fn reader_loop(sh: &Shared, c: usize, stream: TcpStream) {
                     }
                 }
                 // Straight from the socket into registered memory.
-                let res = entry
-                    .span
-                    .with_mut(off, len as usize, |b| r.read_exact(b))
+                // SAFETY: these bytes are the local segment of request
+                // `p.seq`, which the poster lent to this channel until its
+                // completion (Channel::post's contract); that completion is
+                // not reported while the slot is `landing`, and only this
+                // reader lands payloads for this request.
+                let res = unsafe { entry.span.with_mut(off, len as usize, |b| r.read_exact(b)) }
                     .unwrap_or_else(|| Err(io::Error::other("local range changed")));
                 let mut st = lock(&sh.state);
                 if let Some(s) = st.slots.get_mut(&p.seq) {

@@ -1,4 +1,4 @@
-//! Block I/O: where the data path gets the bytes of a block before a WRITE
+//! Block I/O (legacy runner): where the data path gets the bytes of a block before a WRITE
 //! and puts them after a READ, plus the control-plane hooks (windows).
 //!
 //! The local buffers are the caller's registered memory; the engine hands
@@ -81,12 +81,20 @@ impl Staging {
     }
 
     /// Run `f` over the bytes of `local`, mutably.
-    pub fn with_mut<R>(&self, local: &LocalSeg, f: impl FnOnce(&mut [u8]) -> R) -> io::Result<R> {
+    ///
+    /// # Safety
+    ///
+    /// As [`PeerSpan::with_mut`]: no request in flight names these bytes
+    /// (e.g. `local` is the buffer [`BlockIo::fill`] was handed, before it
+    /// is posted) and no other borrower touches them while `f` runs.
+    pub unsafe fn with_mut<R>(
+        &self,
+        local: &LocalSeg,
+        f: impl FnOnce(&mut [u8]) -> R,
+    ) -> io::Result<R> {
         let o = self.offset(local)?;
-        Ok(self
-            .span
-            .with_mut(o, local.len as usize, f)
-            .expect("bounds checked"))
+        // SAFETY: the caller's contract above is `with_mut`'s.
+        Ok(unsafe { self.span.with_mut(o, local.len as usize, f) }.expect("bounds checked"))
     }
 
     /// Run `f` over the bytes of `local`.
@@ -145,7 +153,10 @@ impl BlockIo for MemoryIo {
     fn fill(&mut self, file_offset: u64, local: LocalSeg) -> io::Result<()> {
         let r = self.range(file_offset, local.len)?;
         let src = &self.file[r];
-        self.staging.with_mut(&local, |d| d.copy_from_slice(src))
+        // SAFETY: the runner calls `fill` with the staging buffer the engine
+        // lent to this block just before posting it: no request names it
+        // yet, and this `MemoryIo` is its only user.
+        unsafe { self.staging.with_mut(&local, |d| d.copy_from_slice(src)) }
     }
 
     fn drain(&mut self, file_offset: u64, local: LocalSeg) -> io::Result<()> {

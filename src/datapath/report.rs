@@ -1,0 +1,72 @@
+//! What a data path did: [`Report`], for `rcp bench`'s line, logs and the
+//! metrics exporter's histograms.
+
+use std::collections::BTreeMap;
+
+use super::stats::Latencies;
+
+/// What a data path did. The session data path ([`super::DataPath`]) fills
+/// the request counts from the engine's counters when it closes; the legacy
+/// runner counts them per run.
+#[derive(Clone, Debug, Default)]
+pub struct Report {
+    /// Bytes in blocks (extents) confirmed (legacy: capped by
+    /// `payload_cap` when set).
+    pub bytes: u64,
+    /// Wall time of the run (session data path: from `start` to `close`).
+    pub seconds: f64,
+    /// Blocks (extents, messages) confirmed.
+    pub msgs: u64,
+    /// Windows done.
+    pub windows_done: u64,
+    /// Requests posted.
+    pub posted: u64,
+    /// `post` calls.
+    pub doorbells: u64,
+    /// Signaled requests posted.
+    pub signaled: u64,
+    /// Inline requests posted.
+    pub inline: u64,
+    /// Completions received.
+    pub completions: u64,
+    /// Error completions by status label.
+    pub errors: BTreeMap<&'static str, u64>,
+    /// Failed `post` calls.
+    pub post_failures: u64,
+    /// Reconnects.
+    pub reconnects: u64,
+    /// Per reconnect: seconds from the start of the error path to the first
+    /// block confirmed after it.
+    pub reconnect_seconds: Vec<f64>,
+    /// Per reconnect that waited for the port: seconds from the port monitor
+    /// seeing `PORT_ACTIVE` to the first block confirmed after it (the
+    /// first completed request of the new connection).
+    pub port_up_to_first_wr_seconds: Vec<f64>,
+    /// Post-to-completion latency of signaled requests.
+    pub latency: Latencies,
+    /// Completion thread: polls, empty polls, arms, waits, wakeups.
+    pub polls: u64,
+    pub empty_polls: u64,
+    pub arms: u64,
+    pub waits: u64,
+    pub wakeups: u64,
+    /// Async device events seen during the run (with a port monitor).
+    pub port_events: u64,
+    /// Times the reconnect path waited for the port to come back.
+    pub port_waits: u64,
+    /// Session data path: requests still outstanding when `close` gave up
+    /// waiting for them (`flush_timeout`); if not 0, the device may still
+    /// touch their memory until the channel is reset or dropped.
+    pub outstanding_at_close: u64,
+}
+
+impl Report {
+    /// Median post→completion latency in microseconds.
+    pub fn p50_us(&self) -> f64 {
+        self.latency.quantile(0.5).unwrap_or(0) as f64 / 1e3
+    }
+    /// 99th percentile post→completion latency in microseconds.
+    pub fn p99_us(&self) -> f64 {
+        self.latency.quantile(0.99).unwrap_or(0) as f64 / 1e3
+    }
+}
