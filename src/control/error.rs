@@ -214,12 +214,9 @@ pub fn io_reason(e: &std::io::Error) -> Reason {
 pub fn datapath_reason(e: &DataPathError) -> Reason {
     match e {
         DataPathError::Config(_) => Reason::Usage,
-        DataPathError::Failed {
-            status: Some(s), ..
-        } if !s.is_retryable() => Reason::Permission,
-        DataPathError::Io { source, .. } => io_reason(source),
-        DataPathError::Engine(_) | DataPathError::Window(_) => Reason::Other,
-        _ => Reason::Retryable,
+        _ if e.is_retryable() => Reason::Retryable,
+        DataPathError::Failed { .. } => Reason::Permission,
+        _ => Reason::Other,
     }
 }
 

@@ -42,7 +42,7 @@ use super::{DEFAULT_BLOCK_SIZE, DEFAULT_PORT, MAX_MESSAGE};
 use crate::proto;
 
 pub use io::FileJob;
-pub use session::{Session, SessionStats};
+pub use session::{datapath_config, FileResult, Observer, Quiet, Session, SessionStats};
 
 type Rpc = proto::rcp_client::RcpClient<InterceptedService<GrpcChannel, AddBearer>>;
 

@@ -119,24 +119,7 @@ pub(super) async fn run(
         if let Some(r) = d.act() {
             break r;
         }
-        while let Some(ClientEvent::FileDone(f)) = d.core.poll_event() {
-            let Some((job, started)) = d.jobs.remove(&f.file) else {
-                continue;
-            };
-            let path = match job.spec.direction {
-                Direction::Push => f.remote_path,
-                _ => job.local.display().to_string(),
-            };
-            obs.file_done(&FileResult {
-                path,
-                length: f.length,
-                moved: f.moved,
-                digest: f.digest,
-                flat_sha256: (!f.flat_sha256.is_empty()).then_some(f.flat_sha256),
-                seconds: started.elapsed().as_secs_f64(),
-                resumed: f.resumed,
-            });
-        }
+        d.report(obs);
         let now = now_of(d.t0);
         while let Some(f) = d.core.poll_frame(now) {
             if let Some(o) = &d.out {
@@ -179,6 +162,7 @@ pub(super) async fn run(
             }
         }
     };
+    d.report(obs);
     // What is queued (an Abort) goes out, then our side closes.
     let now = now_of(d.t0);
     while let Some(f) = d.core.poll_frame(now) {
@@ -216,6 +200,28 @@ pub(super) async fn run(
 }
 
 impl Driver<'_> {
+    /// Tell the observer of every file the core finished.
+    fn report(&mut self, obs: &dyn Observer) {
+        while let Some(ClientEvent::FileDone(f)) = self.core.poll_event() {
+            let Some((job, started)) = self.jobs.remove(&f.file) else {
+                continue;
+            };
+            let path = match job.spec.direction {
+                Direction::Push => f.remote_path,
+                _ => job.local.display().to_string(),
+            };
+            obs.file_done(&FileResult {
+                path,
+                length: f.length,
+                moved: f.moved,
+                digest: f.digest,
+                flat_sha256: (!f.flat_sha256.is_empty()).then_some(f.flat_sha256),
+                seconds: started.elapsed().as_secs_f64(),
+                resumed: f.resumed,
+            });
+        }
+    }
+
     fn now(&self) -> u64 {
         now_of(self.t0)
     }

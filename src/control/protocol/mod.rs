@@ -48,7 +48,6 @@ mod tests;
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use sha2::{Digest as _, Sha256};
 
 pub use client::{
     ClientAction, ClientCore, ClientEvent, FileDone, FileSpec, Held, LocalCommit, SourceMeta,
@@ -175,10 +174,11 @@ impl Bitmap {
     }
 }
 
-/// The file digest of the Move protocol: SHA-256 over
-/// `"rcp-file-digest-v1\0" || len (u64 LE) || block_size (u64 LE) || d0 ||
-/// d1 || ...`, the digests of every block of the file in order. Cheap (it
-/// hashes 32 bytes per block, never the data again) and order-fixed.
+/// The file digest of the Move protocol, [`crate::files::file_digest`]:
+/// SHA-256 over `"rcp-file-digest-v1\0" || len (u64 LE) || block_size (u64
+/// LE) || d0 || d1 || ...`, the digests of every block of the file in
+/// order. Cheap (it hashes 32 bytes per block, never the data again) and
+/// order-fixed.
 pub fn file_digest<'a>(
     len: u64,
     block_size: u64,
@@ -188,30 +188,39 @@ pub fn file_digest<'a>(
     for (i, d) in blocks.into_iter().enumerate() {
         c.add(i as u64, d.to_vec());
     }
-    c.finish().expect("every block given in order")
+    c.finish().unwrap_or_default()
 }
 
-/// [`file_digest`] fed with block digests in any order.
-#[derive(Clone, Debug)]
+/// [`file_digest`] fed with block digests in any order (windows are filled
+/// concurrently); built on [`crate::files::FileDigest`].
+#[derive(Clone)]
 pub struct DigestChain {
-    hasher: Sha256,
+    digest: crate::files::FileDigest,
     next: u64,
     blocks: u64,
     pending: BTreeMap<u64, Digest>,
+    /// A digest of the wrong length was given.
+    bad: bool,
+}
+
+impl std::fmt::Debug for DigestChain {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DigestChain")
+            .field("next", &self.next)
+            .field("blocks", &self.blocks)
+            .finish_non_exhaustive()
+    }
 }
 
 impl DigestChain {
     /// For a file of `len` bytes in blocks of `block_size`.
     pub fn new(len: u64, block_size: u64) -> Self {
-        let mut hasher = Sha256::new();
-        hasher.update(b"rcp-file-digest-v1\0");
-        hasher.update(len.to_le_bytes());
-        hasher.update(block_size.to_le_bytes());
         DigestChain {
-            hasher,
+            digest: crate::files::FileDigest::new(len, block_size),
             next: 0,
             blocks: len.div_ceil(block_size),
             pending: BTreeMap::new(),
+            bad: false,
         }
     }
 
@@ -222,7 +231,10 @@ impl DigestChain {
         }
         self.pending.entry(b).or_insert(d);
         while let Some(d) = self.pending.remove(&self.next) {
-            self.hasher.update(&d);
+            match <&[u8; 32]>::try_from(d.as_slice()) {
+                Ok(d) => self.digest.push(d),
+                Err(_) => self.bad = true,
+            }
             self.next += 1;
         }
     }
@@ -232,10 +244,9 @@ impl DigestChain {
         self.next == self.blocks
     }
 
-    /// The file digest, once complete.
+    /// The file digest, once complete (and every block digest was one).
     pub fn finish(self) -> Option<Digest> {
-        self.is_complete()
-            .then(|| self.hasher.finalize().to_vec())
+        (self.is_complete() && !self.bad).then(|| self.digest.finish().to_vec())
     }
 }
 
