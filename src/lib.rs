@@ -3,7 +3,10 @@
 //! Where to start:
 //! - [`verbs`]: safe types over libibverbs ([`verbs::Context`], [`verbs::QueuePair`], ...).
 //! - [`mem`]: the hugepage arena that is registered once and carved into blocks.
-//! - [`engine`]: the transfer state machine, plain data, no I/O.
+//! - [`engine`]: the data-movement state machines, plain data, no I/O:
+//!   [`engine::Stream`] (a session's windows) and the per-file [`engine::Transfer`].
+//! - [`datapath`]: [`datapath::DataPath`], the session-long runtime that drives a
+//!   `Stream` over a channel (posting thread, pinned completion thread, reconnect).
 //! - [`provider`]: the `Domain`/`Channel` interface the data path runs on (verbs or tcp).
 //! - [`bench`]: `rcp bench`, the perftest-like benchmark of the data path (loopback, server, client).
 //! - [`control`]: the gRPC control plane, rcpd's service, the client library and `rcp`'s logic.

@@ -1,7 +1,7 @@
-//! The transfer engine: deterministic state, no I/O.
+//! The data-movement engine: deterministic state, no I/O.
 //!
 //! Everything here is plain data and functions (the quinn-proto way): which
-//! blocks to post next, which requests a signaled completion retires, how many
+//! extents (blocks) to post next, which requests a signaled completion retires, how many
 //! send-queue credits are free, which `wr_id` maps to which block, what an
 //! error batch leaves unconfirmed and must be posted again after a reconnect.
 //! No threads, no clocks (time is passed in as nanoseconds), no `unsafe`. The
@@ -30,7 +30,7 @@
 //! * [`wr`] holds the words shared with providers: [`WorkRequest`],
 //!   [`WorkCompletion`], [`WcStatus`].
 //!
-//! The other modules are the parts `Transfer` is built from, each usable and
+//! The other modules are the parts `Stream` and `Transfer` are built from, each usable and
 //! tested alone: [`batch`] (chain length, selective signaling), [`credits`]
 //! (send-queue back-pressure), [`slots`] (`wr_id` → context, stale
 //! detection, timeouts), [`inflight`] (the RC retirement rule), [`blocks`]
