@@ -16,10 +16,7 @@ async fn copy(a: &Rcpd, req: CopyRequest) -> Result<rcp::proto::CopyProgress, to
     )
     .await
     .unwrap();
-    let mut s = c.copy(req).await.map_err(|e| match e {
-        rcp::control::ControlError::Status(s) => s,
-        e => panic!("{e}"),
-    })?;
+    let mut s = c.copy(req).await.map_err(tonic::Status::from)?;
     let mut last = None;
     while let Some(p) = s.message().await? {
         last = Some(p);

@@ -71,6 +71,9 @@ pub struct Session {
     /// Staging lent to the device by a stream that failed: kept until the
     /// data path is closed (see `DataPath::submit`'s contract).
     pub(super) quarantine: Vec<Block>,
+    /// What the session's files did (the data path's report is filed
+    /// under it).
+    pub(super) direction: Option<&'static str>,
     /// Which provider and why (for the user).
     pub transport: String,
     pub kind: ProviderKind,
@@ -212,6 +215,7 @@ impl Client {
             id: resp.session_id,
             params,
             quarantine: Vec::new(),
+            direction: None,
             transport: why,
             kind,
         })
@@ -299,7 +303,7 @@ impl Session {
         // The device has let go of every window now.
         self.quarantine.clear();
         if let Some(m) = &self.opts.metrics {
-            m.datapath_report(&self.kind.to_string(), &report);
+            m.datapath_report(self.direction.unwrap_or("none"), &report);
         }
         self.rpc
             .close_session(proto::CloseSessionRequest {

@@ -106,6 +106,10 @@ pub(super) async fn run(
         while !fed_all && d.core.room() > 0 {
             match files.next() {
                 Some(job) => {
+                    d.s.direction.get_or_insert(match job.spec.direction {
+                        Direction::Push => "push",
+                        _ => "pull",
+                    });
                     obs.file_start(&job.local.display().to_string(), job.len_hint);
                     let id = d.core.add_file(job.spec.clone());
                     d.jobs.insert(id, (job, Instant::now()));
@@ -534,6 +538,9 @@ impl Driver<'_> {
                 if let Ok(bad) = &r {
                     if bad.is_empty() {
                         obs.progress(bytes);
+                    }
+                    if epoch > 0 {
+                        tracing::warn!(window, epoch, damaged_again = bad.len(), "pulled blocks read again after a digest mismatch");
                     }
                 }
                 self.core.fetched(now, window, epoch, r);
