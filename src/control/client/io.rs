@@ -201,10 +201,12 @@ pub(super) fn fill(
         .collect())
 }
 
-/// Test-only fault injection (the `test-faults` feature, never in release
-/// builds): the first N pulled blocks checked get one byte flipped in local
-/// memory before their digest is checked, as if damaged on the way.
-#[cfg(feature = "test-faults")]
+/// Test-only fault injection, compiled only into debug builds (the test
+/// suite's; never into release builds): with
+/// `RCP_TEST_CORRUPT_PULLED_BLOCKS=N`, the first N pulled blocks checked get
+/// one byte flipped in local memory before their digest is checked, as if
+/// damaged on the way.
+#[cfg(debug_assertions)]
 pub(super) fn inject_faults(slot: &mut Block, extents: &[proto::Extent]) {
     use std::sync::atomic::{AtomicI64, Ordering};
     static LEFT: AtomicI64 = AtomicI64::new(-1);

@@ -442,7 +442,7 @@ impl Driver<'_> {
                         #[allow(unused_mut)]
                         let mut slot = slot;
                         self.spawn(move || {
-                            #[cfg(feature = "test-faults")]
+                            #[cfg(debug_assertions)]
                             io::inject_faults(&mut slot, &grant.extents);
                             let r = io::check_and_write(&slot, &grant.extents, &grant.digests, &dests);
                             Done::Checked {
