@@ -140,6 +140,7 @@ impl Client {
                 .unwrap_or_default(),
             checks: vec![proto::Check::Sha256 as i32],
             window_count: windows,
+            timeout_ms: o.timeout.as_millis().min(u128::from(u32::MAX)) as u32,
         };
         let resp = self.rpc.clone().handshake(req).await?.into_inner();
         if resp.version_major != VERSION_MAJOR {
@@ -170,6 +171,10 @@ impl Client {
             max_open_files: o.transfers.clamp(1, resp.max_open_files.max(1)),
             digest_len: DIGEST_LEN,
             timeout_ns: o.timeout.as_nanos() as u64,
+            keepalive_ns: Params::keepalive_for(
+                o.timeout.as_nanos() as u64,
+                u64::from(resp.timeout_ms) * 1_000_000,
+            ),
             max_retries: MAX_RETRIES,
         };
         let link = Arc::new(link);

@@ -219,7 +219,7 @@ impl ClientCore {
             },
             actions: VecDeque::new(),
             events: VecDeque::new(),
-            live: Liveness::new(p.timeout_ns, now),
+            live: Liveness::new(p.timeout_ns, p.keepalive_ns, now),
             phase: Phase::Running,
         }
     }

@@ -80,13 +80,24 @@ pub struct Params {
     pub max_open_files: u32,
     /// Bytes of a block digest.
     pub digest_len: usize,
-    /// A stream that waits and makes no progress this long ends.
+    /// A stream that waits and makes no progress this long ends, as does
+    /// one whose peer sent nothing this long.
     pub timeout_ns: u64,
+    /// A keepalive goes out when nothing was sent this long: a third of the
+    /// shorter of the two ends' timeouts (see [`Params::keepalive_for`]).
+    pub keepalive_ns: u64,
     /// Times a damaged block moves again before its file fails.
     pub max_retries: u32,
 }
 
 impl Params {
+    /// The keepalive period of a session whose ends time out after `own`
+    /// and `peer` nanoseconds (0: the peer did not say).
+    pub fn keepalive_for(own: u64, peer: u64) -> u64 {
+        let shorter = if peer == 0 { own } else { own.min(peer) };
+        (shorter / 3).max(1)
+    }
+
     /// Blocks of a file of `len` bytes.
     pub fn blocks(&self, len: u64) -> u64 {
         len.div_ceil(self.block_size)
@@ -252,9 +263,10 @@ impl DigestChain {
 
 /// Keepalives and the progress timeout of one end of a Move stream.
 ///
-/// - Every `timeout / 3` without a frame sent, the end sends an empty frame
-///   (a keepalive): a stopped process or a hung host sends none, so its peer
-///   notices within the timeout.
+/// - Every keepalive period (a third of the shorter of both ends' timeouts)
+///   without a frame sent, the end sends an empty frame (a keepalive): a
+///   stopped process or a hung host sends none, so its peer notices within
+///   its timeout.
 /// - An end that waits (on its peer or on its own I/O) and has heard
 ///   nothing from the peer for `timeout`, or seen no progress (a frame that
 ///   carried something, an I/O action completed) for `timeout`, ends the
@@ -262,16 +274,19 @@ impl DigestChain {
 #[derive(Clone, Copy, Debug)]
 pub struct Liveness {
     timeout: u64,
+    keepalive: u64,
     last_heard: u64,
     last_progress: u64,
     last_sent: u64,
 }
 
 impl Liveness {
-    /// Starting at `now`.
-    pub fn new(timeout_ns: u64, now: u64) -> Self {
+    /// Starting at `now`: end after `timeout_ns`, keepalives every
+    /// `keepalive_ns`.
+    pub fn new(timeout_ns: u64, keepalive_ns: u64, now: u64) -> Self {
         Liveness {
             timeout: timeout_ns,
+            keepalive: keepalive_ns.max(1),
             last_heard: now,
             last_progress: now,
             last_sent: now,
@@ -302,7 +317,7 @@ impl Liveness {
     }
 
     fn keepalive_every(&self) -> u64 {
-        (self.timeout / 3).max(1)
+        self.keepalive
     }
 
     /// Why the stream must end at `now`, if it must. `waiting`: the end has

@@ -212,7 +212,7 @@ impl ServerCore {
             io: 0,
             out: ServerFrame::default(),
             actions: VecDeque::new(),
-            live: Liveness::new(p.timeout_ns, now),
+            live: Liveness::new(p.timeout_ns, p.keepalive_ns, now),
             phase: Phase::Running,
             client_closed: false,
         }

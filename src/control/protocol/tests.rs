@@ -647,6 +647,7 @@ fn params() -> Params {
         max_open_files: 4,
         digest_len: 32,
         timeout_ns: 10_000_000_000,
+        keepalive_ns: 10_000_000_000 / 3,
         max_retries: 3,
     }
 }
@@ -968,6 +969,7 @@ proptest! {
             max_open_files: max_open,
             digest_len: 32,
             timeout_ns: 10_000_000_000,
+            keepalive_ns: 10_000_000_000 / 3,
             max_retries: 3,
         };
         let dir = if pull { Direction::Pull } else { Direction::Push };

@@ -25,6 +25,9 @@ pub struct Session {
     /// Windows this session may have granted at once, files open at once.
     pub window_count: u32,
     pub max_open_files: u32,
+    /// The client's timeout (0: it did not say): keepalives go out every
+    /// third of the shorter of it and ours.
+    pub client_timeout_ns: u64,
     /// The session's own protection domain: its windows are registered
     /// here, and only its QP / data connections reach it, so an rkey
     /// granted to this session is useless on any other.
@@ -147,6 +150,7 @@ impl Service {
             window_count,
             check: proto::Check::Sha256 as i32,
             max_open_files: self.cfg.max_open_files,
+            timeout_ms: self.cfg.timeout.as_millis().min(u128::from(u32::MAX)) as u32,
             ..Default::default()
         };
         let mut qp = None;
@@ -208,6 +212,7 @@ impl Service {
                 block_size,
                 window_count,
                 max_open_files: self.cfg.max_open_files,
+                client_timeout_ns: u64::from(req.timeout_ms) * 1_000_000,
                 domain: sd.domain,
                 _tcp_binding: sd.tcp,
                 qp,

@@ -88,7 +88,10 @@ pub(super) async fn run(svc: Arc<Service>, mut rx: Streaming<ClientFrame>, tx: T
                     return;
                 }
             },
-            _ = tokio::time::sleep(timeout / 3) => {
+            _ = tokio::time::sleep(Duration::from_nanos(Params::keepalive_for(
+                timeout.as_nanos() as u64,
+                session.client_timeout_ns,
+            ))) => {
                 if tx.send(Ok(ServerFrame::default())).await.is_err() {
                     return;
                 }
@@ -127,6 +130,10 @@ impl Driver {
             max_open_files: session.max_open_files,
             digest_len: DIGEST_LEN,
             timeout_ns: svc.cfg.timeout.as_nanos() as u64,
+            keepalive_ns: Params::keepalive_for(
+                svc.cfg.timeout.as_nanos() as u64,
+                session.client_timeout_ns,
+            ),
             max_retries: MAX_RETRIES,
         };
         let (done_tx, done_rx) = mpsc::unbounded_channel();

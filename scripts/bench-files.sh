@@ -1,0 +1,179 @@
+#!/usr/bin/env bash
+# Small-file figures for docs/benchmarks.md, all in one run (native loopback,
+# tcp provider):
+#  - `rcp push -r` and `rcp pull -r` of a tree of RCP_BENCH_FILES (2000) files
+#    of RCP_BENCH_FILE_KIB (16) KiB against `rsync -a` to and from an rsync
+#    daemon on 127.0.0.1 and `scp -r` through an sshd on 127.0.0.1, on tmpfs
+#    (/dev/shm) and on disk (/var/tmp; rsync with and without --fsync, since
+#    rcp makes every file durable before it is renamed into place);
+#    RCP_BENCH_PASSES (5) interleaved passes (rcp, rsync, rsync --fsync,
+#    scp, rcp, ...), medians and the spread, files per second;
+#  - a tree of RCP_BENCH_TINY (100000) files of 100 bytes pushed and pulled
+#    once, with the peak RSS of rcp and rcpd.
+# Installs what it needs (rsync, openssh-server/client, time).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+N=${RCP_BENCH_FILES:-2000}
+KIB=${RCP_BENCH_FILE_KIB:-16}
+PASSES=${RCP_BENCH_PASSES:-5}
+TINY=${RCP_BENCH_TINY:-100000}
+need=()
+for p in rsync openssh-server openssh-client time; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || need+=("$p")
+done
+if ((${#need[@]})); then
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+fi
+cargo build --release --workspace --bins
+R=$PWD/target/release
+shm=$(mktemp -d /dev/shm/rcp-bench.XXXXXX)
+disk=$(mktemp -d /var/tmp/rcp-bench.XXXXXX)
+pids=()
+cleanup() {
+  kill "${pids[@]}" 2>/dev/null || true
+  [ -f "$disk/ak.bak" ] && cp "$disk/ak.bak" /root/.ssh/authorized_keys
+  [ -f "$disk/ak.new" ] && [ ! -f "$disk/ak.bak" ] && rm -f /root/.ssh/authorized_keys
+  rm -rf "$shm" "$disk"
+}
+trap cleanup EXIT
+calc() { python3 -c "print($1)"; }
+now() { date +%s.%N; }
+
+make_tree() { # DIR COUNT BYTES
+  python3 - "$1" "$2" "$3" <<'PY'
+import os, sys
+d, n, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+for i in range(n):
+    sub = os.path.join(d, "d%02d" % (i % 20), "e%d" % (i % 7))
+    os.makedirs(sub, exist_ok=True)
+    with open(os.path.join(sub, "f%06d" % i), "wb") as f:
+        f.write(os.urandom(size))
+PY
+}
+
+# scp's sshd with throwaway keys, rsync's daemon: one of each for the run.
+ssh-keygen -q -t ed25519 -N '' -f "$disk/key"
+ssh-keygen -q -t ed25519 -N '' -f "$disk/hostkey"
+mkdir -p /root/.ssh && chmod 700 /root/.ssh
+if [ -f /root/.ssh/authorized_keys ]; then cp /root/.ssh/authorized_keys "$disk/ak.bak"; else touch "$disk/ak.new"; fi
+cat "$disk/key.pub" >>/root/.ssh/authorized_keys
+mkdir -p /run/sshd
+/usr/sbin/sshd -p 17822 -o ListenAddress=127.0.0.1 -h "$disk/hostkey" -o PidFile="$disk/sshd.pid" \
+  -o PermitRootLogin=prohibit-password
+SCP=(scp -q -r -P 17822 -i "$disk/key" -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null)
+cat >"$disk/rsyncd.conf" <<CONF
+pid file = $disk/rsyncd.pid
+use chroot = no
+[shm]
+path = $shm/dst
+read only = no
+uid = root
+gid = root
+[disk]
+path = $disk/dst
+read only = no
+uid = root
+gid = root
+CONF
+mkdir -p "$shm/dst" "$disk/dst"
+rsync --daemon --config="$disk/rsyncd.conf" --port=17873 --address=127.0.0.1
+sleep 0.5
+
+rcpd_start() { # ROOT [RSS-FILE]
+  local rss=${2:-/dev/null}
+  /usr/bin/time -f "%M" -o "$rss" "$R/rcpd" --listen 127.0.0.1:17471 --health-listen none \
+    --root "$1" --transport tcp --log warn &
+  RCPD=$!
+  for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/17471) 2>/dev/null && break; sleep 0.1; done
+}
+rcpd_stop() { pkill -TERM -P "$RCPD" || true; wait "$RCPD" || true; }
+RCP=("$R/rcp" -q --transport tcp -P 17471)
+
+# One timed run of "$@"; prints seconds. Not timed: emptying the target and
+# (on disk) syncing what the previous run left dirty.
+timed() { # WHERE(shm|disk) CLEAN-DIR CMD...
+  local where=$1 clean=$2; shift 2
+  rm -rf "$clean" && mkdir -p "$clean"
+  [ "$where" = disk ] && sync
+  local t0 t1
+  t0=$(now); "$@" >/dev/null; t1=$(now)
+  calc "round($t1 - $t0, 4)"
+}
+
+declare -A T
+add() { T[$1]+="$2 "; }
+report() { # NAME
+  python3 - "$1" "$N" ${T[$1]} <<'PY'
+import statistics, sys
+name, n, xs = sys.argv[1], int(sys.argv[2]), [float(x) for x in sys.argv[3:]]
+fs = sorted(n / x for x in xs)
+print(f"{name:34s} median {statistics.median(fs):8.0f} files/s   spread {fs[0]:.0f}..{fs[-1]:.0f}   ({len(xs)} passes)")
+PY
+}
+ratio() { # A B
+  python3 - "$N" "${T[$1]}" "${T[$2]}" "$1" "$2" <<'PY'
+import statistics, sys
+n = int(sys.argv[1])
+a = [n / float(x) for x in sys.argv[2].split()]
+b = [n / float(x) for x in sys.argv[3].split()]
+r = sorted(x / y for x, y in zip(a, b))
+print(f"  {sys.argv[4]} / {sys.argv[5]}: median {statistics.median(r):.2f}  spread {r[0]:.2f}..{r[-1]:.2f}")
+PY
+}
+
+for where in shm disk; do
+  base=$([ "$where" = shm ] && echo "$shm" || echo "$disk")
+  make_tree "$base/src/tree" "$N" $((KIB * 1024))
+  mkdir -p "$base/root" "$base/back"
+  # The server side of pulls: the tree under rcpd's root, rsync's module
+  # and scp's path alike.
+  cp -r "$base/src/tree" "$base/root/srv"
+  rm -rf "$base/dst/srv" && cp -r "$base/src/tree" "$base/dst/srv"
+  rcpd_start "$base/root"
+  for p in $(seq "$PASSES"); do
+    add "$where rcp push" "$(timed "$where" "$base/root/tree" "${RCP[@]}" push -r "$base/src/tree" 127.0.0.1:/)"
+    add "$where rsync -a push" "$(timed "$where" "$base/dst/tree" rsync -a "$base/src/tree" "rsync://127.0.0.1:17873/$where/")"
+    if [ "$where" = disk ]; then
+      add "$where rsync -a --fsync push" "$(timed "$where" "$base/dst/tree" rsync -a --fsync "$base/src/tree" "rsync://127.0.0.1:17873/$where/")"
+    fi
+    add "$where scp -r push" "$(timed "$where" "$base/dst/tree" "${SCP[@]}" "$base/src/tree" root@127.0.0.1:"$base/dst/")"
+    add "$where rcp pull" "$(timed "$where" "$base/back/srv" "${RCP[@]}" pull -r 127.0.0.1:srv "$base/back/")"
+    add "$where rsync -a pull" "$(timed "$where" "$base/back/srv" rsync -a "rsync://127.0.0.1:17873/$where/srv" "$base/back/")"
+    if [ "$where" = disk ]; then
+      add "$where rsync -a --fsync pull" "$(timed "$where" "$base/back/srv" rsync -a --fsync "rsync://127.0.0.1:17873/$where/srv" "$base/back/")"
+    fi
+    add "$where scp -r pull" "$(timed "$where" "$base/back/srv" "${SCP[@]}" root@127.0.0.1:"$base/dst/srv" "$base/back/")"
+  done
+  diff -r "$base/src/tree" "$base/root/tree"
+  diff -r "$base/src/tree" "$base/back/srv"
+  rcpd_stop
+done
+
+echo "native loopback, $(nproc) cores, $N files x $KIB KiB, $PASSES interleaved passes, $(date -u +%FT%TZ)"
+for k in "shm rcp push" "shm rsync -a push" "shm scp -r push" "shm rcp pull" "shm rsync -a pull" "shm scp -r pull" \
+  "disk rcp push" "disk rsync -a push" "disk rsync -a --fsync push" "disk scp -r push" \
+  "disk rcp pull" "disk rsync -a pull" "disk rsync -a --fsync pull" "disk scp -r pull"; do
+  report "$k"
+done
+echo "ratios (pass by pass):"
+ratio "shm rcp push" "shm rsync -a push"
+ratio "shm rcp pull" "shm rsync -a pull"
+ratio "shm rcp push" "shm scp -r push"
+ratio "disk rcp push" "disk rsync -a --fsync push"
+ratio "disk rcp pull" "disk rsync -a --fsync pull"
+ratio "disk rcp push" "disk rsync -a push"
+
+# A tree of tiny files, once each way, with the peak RSS of both ends.
+rm -rf "$shm/src" "$shm/root" "$shm/back" "$shm/dst"
+make_tree "$shm/tiny" "$TINY" 100
+mkdir -p "$shm/root" "$shm/back"
+rcpd_start "$shm/root" "$disk/rcpd.rss"
+/usr/bin/time -f "%e %M" -o "$disk/push.t" "${RCP[@]}" push -r "$shm/tiny" 127.0.0.1:/
+/usr/bin/time -f "%e %M" -o "$disk/pull.t" "${RCP[@]}" pull -r 127.0.0.1:tiny "$shm/back/"
+rcpd_stop
+diff -r "$shm/tiny" "$shm/back/tiny"
+read -r ps pm <"$disk/push.t"
+read -r ls lm <"$disk/pull.t"
+echo "tiny files: $TINY x 100 B on tmpfs: push $ps s ($(calc "round($TINY / $ps)") files/s), pull $ls s ($(calc "round($TINY / $ls)") files/s)"
+echo "  peak RSS: rcp push $((pm / 1024)) MiB, rcp pull $((lm / 1024)) MiB, rcpd $(($(cat "$disk/rcpd.rss") / 1024)) MiB (both runs)"
