@@ -1,7 +1,9 @@
 //! Hostile and broken input against rcpd over TCP: path escapes, wrong
-//! tokens, forged rkeys, garbage on the gRPC port, malformed messages, a
-//! killed daemon. Each is refused with the right error while another copy
-//! in flight finishes, and nothing stored is lost.
+//! tokens, forged rkeys, garbage on the gRPC port, malformed Move frames
+//! (protocol 2, sent by hand with `common::raw`), another protocol major, a
+//! killed daemon. Each is refused with the right error (and the
+//! machine-readable reason in the status details) while another copy in
+//! flight finishes, and nothing stored is lost.
 
 mod common;
 
@@ -12,12 +14,12 @@ use std::process::{Child, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::raw::{self, grpc, Client, Move, Session};
 use common::*;
-use rcp::engine::{LocalSeg, OpKind, RemoteSeg, WcStatus, WorkCompletion, WorkRequest};
-use rcp::mem::{Arena, ArenaConfig, PeerSpan};
-use rcp::proto::{self, client_msg, rcp_client::RcpClient, server_msg, ClientMsg};
-use rcp::provider::tcp::{TcpChannel, TcpDomain};
-use rcp::provider::{Access, Channel};
+use rcp::control::error::Reason;
+use rcp::engine::WcStatus;
+use rcp::proto::{self, ClientFrame};
+use rcp::provider::{Channel, ProviderKind};
 use tonic::Code;
 
 const T: &str = "tcp";
@@ -118,150 +120,85 @@ fn wrong_or_missing_token_is_refused() {
     assert!(m.contains("rcpd_auth_failures_total 2"), "{m}");
 }
 
-async fn grpc(port: u16) -> RcpClient<tonic::transport::Channel> {
-    RcpClient::connect(format!("http://127.0.0.1:{port}"))
-        .await
-        .unwrap()
+const MIB: u64 = 1 << 20;
+const BS4K: u64 = 4096;
+
+/// A raw session over tcp with `bs`-byte blocks.
+async fn tcp_session(c: &mut Client, bs: u64) -> Session {
+    Session::open(c, ProviderKind::Tcp, bs).await
 }
 
-async fn tcp_session(c: &mut RcpClient<tonic::transport::Channel>) -> proto::HandshakeResponse {
-    c.handshake(proto::HandshakeRequest {
-        version_major: 1,
-        version_minor: rcp::control::VERSION_MINOR,
-        providers: vec![proto::Provider::Tcp as i32],
-        block_size: 1 << 20,
-        ..Default::default()
-    })
-    .await
-    .unwrap()
-    .into_inner()
+/// A fresh data connection of `s` presenting its own key.
+fn own(s: &Session) -> Arc<dyn Channel> {
+    s.tcp_channel(Some(s.key()))
 }
 
-fn open_msg(session: u64, dir: proto::Direction, path: &str, bs: u64) -> ClientMsg {
-    ClientMsg {
-        msg: Some(client_msg::Msg::Open(proto::Open {
-            session_id: session,
-            direction: dir as i32,
-            path: path.into(),
-            block_size: bs,
-            ..Default::default()
-        })),
-    }
-}
-
-/// Where a session's data connections go, and the key that binds them to it.
-#[derive(Clone)]
-struct DataPort {
-    port: u32,
-    key: Option<[u8; 16]>,
-}
-
-fn data_port(hs: &proto::HandshakeResponse) -> DataPort {
-    DataPort {
-        port: hs.tcp_data_port,
-        key: Some(
-            hs.tcp_session_key
-                .as_slice()
-                .try_into()
-                .expect("a 16-byte session key"),
-        ),
-    }
-}
-
-/// Post one WRITE of 4 KiB to (addr, rkey) over a fresh channel; the status.
-fn forged_write(dp: &DataPort, addr: u64, rkey: u32) -> WcStatus {
-    write_block(dp, addr, rkey, &[0xee; 4096])
-}
-
-/// Post one WRITE of `data` (4 KiB) to (addr, rkey) over a fresh channel of
-/// the session `dp` belongs to.
-fn write_block(dp: &DataPort, addr: u64, rkey: u32, data: &[u8]) -> WcStatus {
-    let domain = TcpDomain::new();
-    let arena = Arena::new(&ArenaConfig::new(2 << 20)).unwrap();
-    let span = PeerSpan::new(&arena, arena.addr(), 4096).unwrap();
-    // SAFETY: a fresh arena of this function's own; nothing is posted yet.
-    unsafe { span.with_mut(0, 4096, |b| b.copy_from_slice(data)) }.unwrap();
-    let reg = domain.register_span(&span, Access::LOCAL_WRITE).unwrap();
-    let addr_port = format!("127.0.0.1:{}", dp.port).parse().unwrap();
-    let ch = TcpChannel::connect_session(domain, addr_port, 1, 8, dp.key).unwrap();
-    // SAFETY: the span is registered in the channel's domain and left alone until the completion below is polled (the arena outlives it).
-    unsafe {
-        ch.post(&[WorkRequest {
-            wr_id: 1,
-            kind: OpKind::Write,
-            local: LocalSeg {
-                addr: span.addr(),
-                len: 4096,
-                lkey: rcp::provider::Registration::lkey(&*reg),
-            },
-            remote: RemoteSeg { addr, rkey },
-            signaled: true,
-            inline: false,
-        }])
-    }
-    .unwrap();
-    let mut wc = [WorkCompletion {
-        wr_id: 0,
-        status: WcStatus::Success,
-        byte_len: 0,
-    }; 4];
-    for _ in 0..500 {
-        let n = ch.poll(&mut wc).unwrap();
-        if n > 0 {
-            return wc[0].status;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    panic!("no completion for the forged write");
+/// Open a push of `len` bytes to `path` as file 1 on a new stream of `sid`;
+/// the stream and the first grant (after Opened).
+async fn push_granted(c: &mut Client, sid: u64, path: &str, len: u64) -> (Move, proto::Grant) {
+    let mut m = Move::open(c, sid, vec![raw::push(1, path, len)]).await;
+    let o = m.opened().await;
+    assert_eq!((o.file, o.length), (1, len), "{o:?}");
+    let g = m.grant().await;
+    assert_eq!(g.epoch, 0, "{g:?}");
+    assert!(g.extents.iter().all(|e| e.file == 1), "{g:?}");
+    (m, g)
 }
 
 #[test]
 fn forged_rkeys_are_refused() {
     let (tmp, root, d) = setup(None);
-    make_file(&root.join("readonly"), 3 << 20, 5);
+    make_file(&root.join("readonly"), 3 * MIB, 5);
+    let data = std::fs::read(root.join("readonly")).unwrap();
     let before = sha256sum(&root.join("readonly"));
     let bg = copy_in_flight(&d, tmp.path(), None);
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         let mut c = grpc(d.port).await;
-        let hs = tcp_session(&mut c).await;
-        // A real grant, for a pull: REMOTE_READ only.
-        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        tx.send(open_msg(
-            hs.session_id,
-            proto::Direction::Pull,
-            "readonly",
-            1 << 20,
-        ))
-        .unwrap();
-        let mut s = c
-            .transfer(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
-            .await
-            .unwrap()
-            .into_inner();
-        let mut grant = None;
-        while grant.is_none() {
-            match s.message().await.unwrap().unwrap().msg.unwrap() {
-                server_msg::Msg::Grant(g) => grant = Some(g),
-                server_msg::Msg::Opened(_) => {}
-                m => panic!("unexpected {m:?}"),
-            }
-        }
-        let g = grant.unwrap();
-        let port = data_port(&hs);
-        let st = tokio::task::spawn_blocking(move || {
-            (
+        let s = Arc::new(tcp_session(&mut c, MIB).await);
+        // A real grant, for a pull: REMOTE_READ only, the three blocks of
+        // the file in one window with their digests.
+        let mut m = Move::open(&mut c, s.id(), vec![raw::pull(1, "readonly")]).await;
+        assert_eq!(m.opened().await.length, 3 * MIB);
+        let g = m.grant().await;
+        assert_eq!(g.extents.len(), 3, "{g:?}");
+        assert_eq!(g.digests.len(), 3, "{g:?}");
+        let (s2, g2) = (s.clone(), g.clone());
+        let (st, window) = tokio::task::spawn_blocking(move || {
+            let st = (
                 // WRITE into a window granted for READ: no access.
-                forged_write(&port, g.addr, g.rkey),
-                // An rkey nobody granted.
-                forged_write(&port, g.addr, g.rkey ^ 0x5a5a_1234),
-            )
+                s2.write_on(&*own(&s2), g2.addr, g2.rkey, &[0xee; 4096]),
+                // An rkey nobody granted, for a WRITE and a READ.
+                s2.write_on(&*own(&s2), g2.addr, g2.rkey ^ 0x5a5a_1234, &[0xee; 4096]),
+                s2.read_on(&*own(&s2), g2.addr, g2.rkey ^ 0x5a5a_1234, 4096)
+                    .0,
+            );
+            // The window as granted, read with its own rkey.
+            let (ok, window) = s2.read(g2.addr, g2.rkey, g2.len as usize);
+            assert_eq!(ok, WcStatus::Success);
+            (st, window)
         })
         .await
         .unwrap();
-        assert_eq!(st.0, WcStatus::RemoteAccess);
-        assert_eq!(st.1, WcStatus::RemoteAccess);
-        drop(tx);
+        assert_eq!(st.0, WcStatus::RemoteAccess, "WRITE into a READ window");
+        assert_eq!(st.1, WcStatus::RemoteAccess, "forged rkey, WRITE");
+        assert_eq!(st.2, WcStatus::RemoteAccess, "forged rkey, READ");
+        // The window holds the file's blocks, untouched: each matches the
+        // grant's digest and the file's own bytes.
+        for (e, dg) in g.extents.iter().zip(&g.digests) {
+            let at = e.offset as usize;
+            let got = &window[at..at + e.len as usize];
+            let want = &data[(e.block * MIB) as usize..][..e.len as usize];
+            assert!(got == want, "block {} changed in the window", e.block);
+            assert_eq!(&raw::sha256(got), dg, "block {}", e.block);
+        }
+        m.send_done(raw::pulled(&g, vec![]));
+        let end = m.end().await;
+        assert_eq!(end.file, 1);
+        assert_eq!(end.digest, raw::file_digest(&data, MIB), "the file digest");
+        m.close();
+        m.finish().await;
+        assert!(m.inbox.is_empty(), "{:?}", m.inbox);
     });
     bg.finishes(&root);
     assert_eq!(
@@ -271,9 +208,47 @@ fn forged_rkeys_are_refused() {
     );
 }
 
+/// Protocol 1 (one Transfer stream per file) and anything newer than this
+/// rcpd are refused at the handshake by version, naming both.
 #[test]
-fn garbage_and_malformed_messages_are_refused() {
+fn another_protocol_major_is_refused_at_the_handshake() {
+    let (_tmp, _root, d) = setup(None);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let mut c = grpc(d.port).await;
+        for (major, minor) in [(1, 0), (1, 3), (3, 0)] {
+            let e = c
+                .handshake(proto::HandshakeRequest {
+                    version_major: major,
+                    version_minor: minor,
+                    ..raw::hello(ProviderKind::Tcp, MIB)
+                })
+                .await
+                .unwrap_err();
+            assert_eq!(e.code(), Code::FailedPrecondition, "{major}.{minor}: {e:?}");
+            assert_eq!(raw::reason(&e), Reason::Version, "{e:?}");
+            let theirs = format!("{major}.{minor}");
+            let ours = format!(
+                "{}.{}",
+                rcp::control::VERSION_MAJOR,
+                rcp::control::VERSION_MINOR
+            );
+            assert_eq!(ours, "2.0");
+            assert!(
+                e.message().contains(&theirs) && e.message().contains(&ours),
+                "names both versions: {e:?}"
+            );
+        }
+        // Refused, not half-open: a protocol-2 handshake still works.
+        let s = tcp_session(&mut c, MIB).await;
+        assert_ne!(s.id(), 0);
+    });
+}
+
+#[test]
+fn garbage_and_malformed_frames_are_refused() {
     let (tmp, root, d) = setup(None);
+    make_file(&root.join("src"), 8192, 7);
     let bg = copy_in_flight(&d, tmp.path(), None);
     // Random bytes, and an HTTP/2 preface followed by junk.
     for junk in [
@@ -291,190 +266,230 @@ fn garbage_and_malformed_messages_are_refused() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         let mut c = grpc(d.port).await;
-        // Unknown major version.
-        let e = c
-            .handshake(proto::HandshakeRequest {
-                version_major: 2,
-                providers: vec![proto::Provider::Tcp as i32],
-                ..Default::default()
-            })
-            .await
-            .unwrap_err();
-        assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
-        assert!(e.message().contains("major version 2"), "{e}");
-        // A 1.0 client on tcp: its data connections would carry no
-        // session key, so it is refused by version, not by access errors.
-        let e = c
-            .handshake(proto::HandshakeRequest {
-                version_major: 1,
-                version_minor: 0,
-                providers: vec![proto::Provider::Tcp as i32],
-                block_size: 1 << 20,
-                ..Default::default()
-            })
-            .await
-            .unwrap_err();
-        assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
-        assert!(
-            e.message().contains("1.0 is too old") && e.message().contains("session keys"),
-            "{e}"
-        );
-        // Provider the server does not run.
-        let e = c
-            .handshake(proto::HandshakeRequest {
-                version_major: 1,
-                version_minor: rcp::control::VERSION_MINOR,
-                providers: vec![proto::Provider::Verbs as i32],
-                ..Default::default()
-            })
-            .await
-            .unwrap_err();
-        assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
-        // Bad block size in the handshake.
-        let e = c
-            .handshake(proto::HandshakeRequest {
-                version_major: 1,
-                version_minor: rcp::control::VERSION_MINOR,
-                providers: vec![proto::Provider::Tcp as i32],
-                block_size: 5000,
-                ..Default::default()
-            })
-            .await
-            .unwrap_err();
-        assert_eq!(e.code(), Code::InvalidArgument, "{e}");
-        let hs = tcp_session(&mut c).await;
-
-        async fn stream_err(
-            c: &mut RcpClient<tonic::transport::Channel>,
-            msgs: Vec<ClientMsg>,
-        ) -> tonic::Status {
-            let mut s = c
-                .transfer(tokio_stream::iter(msgs).chain(tokio_stream::pending()))
-                .await
-                .unwrap()
-                .into_inner();
-            loop {
-                match s.message().await {
-                    Ok(Some(_)) => continue,
-                    Ok(None) => panic!("stream ended without an error"),
-                    Err(e) => return e,
-                }
-            }
-        }
-        use tokio_stream::StreamExt as _;
-        let sid = hs.session_id;
-        let wd = |id| ClientMsg {
-            msg: Some(client_msg::Msg::WindowDone(proto::WindowDone {
-                window_id: id,
-                epoch: 0,
-                block_sha256: vec![],
-                ..Default::default()
-            })),
-        };
-        let cases: Vec<(Vec<ClientMsg>, Code, &str)> = vec![
-            (vec![wd(1)], Code::InvalidArgument, "must be Open"),
+        let hello = || raw::hello(ProviderKind::Tcp, MIB);
+        // Handshakes rcpd cannot serve.
+        let cases = [
             (
-                vec![ClientMsg { msg: None }],
-                Code::InvalidArgument,
-                "empty",
+                // A provider the server does not run.
+                proto::HandshakeRequest {
+                    providers: vec![proto::Provider::Verbs as i32],
+                    ..hello()
+                },
+                "tcp provider",
             ),
             (
-                vec![open_msg(12345, proto::Direction::Push, "x", 1 << 20)],
-                Code::InvalidArgument,
-                "unknown session",
-            ),
-            (
-                vec![open_msg(sid, proto::Direction::Push, "x", 5000)],
-                Code::InvalidArgument,
+                proto::HandshakeRequest {
+                    block_size: 5000,
+                    ..hello()
+                },
                 "block size",
             ),
             (
-                vec![open_msg(sid, proto::Direction::Unspecified, "x", 1 << 20)],
+                proto::HandshakeRequest {
+                    checks: vec![proto::Check::Unspecified as i32],
+                    ..hello()
+                },
+                "no check",
+            ),
+        ];
+        for (req, what) in cases {
+            let e = c.handshake(req).await.unwrap_err();
+            assert_eq!(e.code(), Code::InvalidArgument, "{what}: {e:?}");
+            assert_eq!(raw::reason(&e), Reason::Invalid, "{what}: {e:?}");
+            assert!(e.message().contains(what), "{what}: {e:?}");
+        }
+        let s = tcp_session(&mut c, MIB).await;
+        let s4 = Arc::new(tcp_session(&mut c, BS4K).await);
+        let sid = s.id();
+        let frame = |session_id, open: Vec<proto::OpenFile>| ClientFrame {
+            session_id,
+            open,
+            ..Default::default()
+        };
+        let never = proto::WindowDone {
+            window: 999_999,
+            ..Default::default()
+        };
+        let bad_dir = |direction| proto::OpenFile {
+            direction,
+            ..raw::push(1, "x", 10)
+        };
+        // Frames refused outright: (first frame, code, reason, words of
+        // the message).
+        let cases: Vec<(ClientFrame, Code, Reason, &str)> = vec![
+            (
+                frame(12345, vec![raw::push(1, "x", 10)]),
                 Code::InvalidArgument,
+                Reason::Invalid,
+                "unknown session",
+            ),
+            (
+                ClientFrame::default(),
+                Code::InvalidArgument,
+                Reason::Invalid,
+                "unknown session",
+            ),
+            (
+                frame(sid, vec![bad_dir(proto::Direction::Unspecified as i32)]),
+                Code::InvalidArgument,
+                Reason::Invalid,
                 "neither push nor pull",
             ),
             (
-                vec![open_msg(sid, proto::Direction::Pull, "nope", 1 << 20)],
+                frame(sid, vec![bad_dir(77)]),
+                Code::InvalidArgument,
+                Reason::Invalid,
+                "neither push nor pull",
+            ),
+            (
+                frame(sid, vec![raw::pull(1, "nope")]),
                 Code::NotFound,
+                Reason::FileNotFound,
                 "nope",
             ),
             (
-                vec![
-                    open_msg(sid, proto::Direction::Push, "y", 1 << 20),
-                    wd(999_999),
-                ],
+                ClientFrame {
+                    done: vec![never.clone()],
+                    ..frame(sid, vec![raw::push(1, "y", 10)])
+                },
                 Code::InvalidArgument,
-                "not granted",
+                Reason::Invalid,
+                "window 999999 was never granted",
+            ),
+            (
+                ClientFrame {
+                    done: vec![never],
+                    ..frame(sid, vec![])
+                },
+                Code::InvalidArgument,
+                Reason::Invalid,
+                "never granted",
+            ),
+            (
+                ClientFrame {
+                    end: vec![proto::FileEnd {
+                        file: 1,
+                        digest: vec![0; 16],
+                    }],
+                    ..frame(sid, vec![raw::push(1, "y", 10)])
+                },
+                Code::InvalidArgument,
+                Reason::Invalid,
+                "a file digest of 16 bytes",
+            ),
+            (
+                ClientFrame {
+                    end: vec![proto::FileEnd {
+                        file: 1,
+                        digest: vec![0; 32],
+                    }],
+                    ..frame(sid, vec![raw::pull(1, "src")])
+                },
+                Code::InvalidArgument,
+                Reason::Invalid,
+                "FileEnd for pulled file 1",
             ),
         ];
-        for (msgs, code, what) in cases {
-            let e = stream_err(&mut c, msgs).await;
-            assert_eq!(e.code(), code, "{what}: {e}");
-            assert!(e.message().contains(what), "{what}: {e}");
-        }
-        // Push with a window done but wrong digests: refused, nothing stored.
-        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        let mut o = open_msg(sid, proto::Direction::Push, "forged", 1 << 20);
-        if let Some(client_msg::Msg::Open(op)) = o.msg.as_mut() {
-            op.length = 8192;
-        }
-        tx.send(o).unwrap();
-        let mut s = c
-            .transfer(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
-            .await
-            .unwrap()
-            .into_inner();
-        let mut gid = None;
-        while gid.is_none() {
-            if let server_msg::Msg::Grant(g) = s.message().await.unwrap().unwrap().msg.unwrap() {
-                gid = Some(g.window_id);
+        for (first, code, reason, what) in cases {
+            let mut m = Move::start(&mut c, first).await;
+            let e = m.status().await;
+            assert_eq!(e.code(), code, "{what}: {e:?}");
+            assert_eq!(raw::reason(&e), reason, "{what}: {e:?}");
+            assert!(e.message().contains(what), "{what}: {e:?}");
+            // A failure of one file is also reported as FileFailed.
+            for f in &m.inbox.failed {
+                assert_eq!((f.file, f.reason), (1, reason as i32), "{what}: {f:?}");
             }
+            if code == Code::NotFound {
+                assert_eq!(m.inbox.failed.len(), 1, "{what}: {:?}", m.inbox);
+            }
+            assert!(m.inbox.grants.is_empty(), "{what}: {:?}", m.inbox);
         }
+
+        // Answers to a live push window (two 4 KiB extents) that do not fit
+        // its grant.
+        type Answer = fn(&proto::Grant) -> proto::WindowDone;
+        let wrong: [(Answer, &str); 5] = [
+            (
+                |g| proto::WindowDone {
+                    epoch: 1,
+                    ..raw::pushed(g, vec![vec![0; 32]; 2])
+                },
+                "epoch 1 is not granted (current epoch 0)",
+            ),
+            (
+                |g| raw::pushed(g, vec![vec![0; 32]]),
+                "needs 2 block digests of 32 bytes, got 1",
+            ),
+            (
+                |g| raw::pushed(g, vec![vec![0; 32]; 3]),
+                "needs 2 block digests of 32 bytes, got 3",
+            ),
+            (
+                |g| raw::pushed(g, vec![vec![0; 16]; 2]),
+                "block digests of 32 bytes",
+            ),
+            (|g| raw::pulled(g, vec![]), "block digests of 32 bytes"),
+        ];
+        for (done, what) in wrong {
+            let (mut m, g) = push_granted(&mut c, s4.id(), "forged", 8192).await;
+            assert_eq!(g.extents.len(), 2, "{g:?}");
+            m.send_done(done(&g));
+            let e = m.status().await;
+            assert_eq!(e.code(), Code::InvalidArgument, "{what}: {e:?}");
+            assert_eq!(raw::reason(&e), Reason::Invalid, "{what}: {e:?}");
+            assert!(e.message().contains(what), "{what}: {e:?}");
+            assert!(m.inbox.acks.is_empty(), "{what}: {:?}", m.inbox);
+        }
+
         // Digests that never match: asked again 3 times, then DATA_LOSS.
+        let (mut m, g) = push_granted(&mut c, sid, "forged", 8192).await;
+        assert_eq!(g.extents.len(), 1, "{g:?}");
         let mut epoch = 0;
-        let e = 'outer: loop {
-            tx.send(ClientMsg {
-                msg: Some(client_msg::Msg::WindowDone(proto::WindowDone {
-                    window_id: gid.unwrap(),
-                    epoch,
-                    block_sha256: vec![vec![0u8; 32]],
-                    ..Default::default()
-                })),
-            })
-            .unwrap();
-            loop {
-                match s.message().await {
-                    Ok(Some(m)) => match m.msg.unwrap() {
-                        server_msg::Msg::Ack(a) => assert_eq!(a.resend_blocks, vec![0]),
-                        server_msg::Msg::Grant(g) => {
-                            assert_eq!(g.epoch, epoch + 1);
-                            epoch = g.epoch;
-                            break;
-                        }
-                        m => panic!("unexpected {m:?}"),
-                    },
-                    Ok(None) => panic!("no error"),
-                    Err(e) => break 'outer e,
+        m.send_done(raw::pushed(&g, vec![vec![0u8; 32]]));
+        let e = loop {
+            match m.frame_or_status().await {
+                Ok(f) => {
+                    for a in &f.acks {
+                        assert_eq!((a.window, &a.resend[..]), (g.window, &[0][..]), "{a:?}");
+                    }
+                    for again in f.grants {
+                        assert_eq!((again.window, again.epoch), (g.window, epoch + 1));
+                        assert_eq!(again.extents, g.extents, "the same extent again");
+                        epoch = again.epoch;
+                        m.send_done(raw::pushed(&again, vec![vec![0u8; 32]]));
+                    }
+                    m.inbox.failed.extend(f.failed);
                 }
+                Err(e) => break e,
             }
         };
         assert_eq!(epoch, 3, "three resends before giving up");
-        assert_eq!(e.code(), Code::DataLoss, "{e}");
-        // An oversized message.
-        let mut big = open_msg(sid, proto::Direction::Push, "z", 1 << 20);
-        if let Some(client_msg::Msg::Open(op)) = big.msg.as_mut() {
-            op.path = "a".repeat(5 << 20);
-        }
-        let e = stream_err(&mut c, vec![big]).await;
-        assert!(
-            matches!(
-                e.code(),
-                Code::OutOfRange | Code::ResourceExhausted | Code::Internal
-            ),
-            "{e}"
-        );
+        assert_eq!(e.code(), Code::DataLoss, "{e:?}");
+        assert_eq!(raw::reason(&e), Reason::Integrity, "{e:?}");
+        assert!(e.message().contains("after 3 resends"), "{e:?}");
+        let f = m.inbox.failed.pop_front().expect("FileFailed");
+        assert_eq!((f.file, f.reason), (1, Reason::Integrity as i32), "{f:?}");
+
+        // Blocks that all match, then a file digest that does not: nothing
+        // is committed.
+        let data = vec![0x17u8; 4096];
+        let (mut m, g) = push_granted(&mut c, s4.id(), "liar", 4096).await;
+        let (s4c, g2, d2) = (s4.clone(), g.clone(), data.clone());
+        let st = tokio::task::spawn_blocking(move || s4c.write(g2.addr, g2.rkey, &d2))
+            .await
+            .unwrap();
+        assert_eq!(st, WcStatus::Success);
+        m.send_done(raw::pushed(&g, vec![raw::sha256(&data)]));
+        assert!(m.ack().await.resend.is_empty());
+        m.send_end(1, raw::file_digest(&[0x18u8; 4096], BS4K));
+        let e = m.status().await;
+        assert_eq!(raw::reason(&e), Reason::Integrity, "{e:?}");
+        assert!(m.inbox.committed.is_empty(), "{:?}", m.inbox);
     });
-    assert!(!root.join("forged").exists());
+    for name in ["x", "y", "z", "forged", "liar", "nope"] {
+        assert!(!root.join(name).exists(), "{name} is under its final name");
+    }
     bg.finishes(&root);
     // Still serving.
     let f = tmp.path().join("after");
@@ -486,6 +501,110 @@ fn garbage_and_malformed_messages_are_refused() {
         &["push", f.to_str().unwrap(), "127.0.0.1:/"],
     );
     assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(std::fs::read(root.join("after")).unwrap(), b"still here");
+}
+
+/// A frame larger than rcpd decodes (5 MiB of path; tonic's limit is 4 MiB)
+/// fails the stream with an error status, as the first frame and later.
+#[test]
+#[ignore = "bug: rcpd ends the Move stream with OK when a client frame fails to decode \
+            (control/server/stream.rs drops the decode error)"]
+fn an_oversized_frame_is_refused() {
+    let (_tmp, root, d) = setup(None);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let mut c = grpc(d.port).await;
+        let s = tcp_session(&mut c, MIB).await;
+        let big = || ClientFrame {
+            session_id: s.id(),
+            open: vec![proto::OpenFile {
+                path: "a".repeat(5 << 20),
+                ..raw::push(1, "z", 10)
+            }],
+            ..Default::default()
+        };
+        let first = Move::start(&mut c, big()).await.status().await;
+        let mut m = Move::open(&mut c, s.id(), vec![]).await;
+        m.send(big());
+        let later = m.status().await;
+        for e in [first, later] {
+            assert!(
+                matches!(
+                    e.code(),
+                    Code::OutOfRange | Code::ResourceExhausted | Code::InvalidArgument
+                ),
+                "{e:?}"
+            );
+        }
+    });
+    assert!(!root.join("z").exists());
+}
+
+/// A second OpenFile with an id already taken is a duplicate the core
+/// drops (`ServerCore::on_open`): while the file is open and after it was
+/// committed. Nothing is opened for it, the stream goes on, and its path
+/// never appears.
+#[test]
+fn a_second_open_of_a_file_id_is_ignored() {
+    let (_tmp, root, d) = setup(None);
+    let data: Vec<u8> = (0..4096u32).map(|i| (i % 253) as u8).collect();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let mut c = grpc(d.port).await;
+        let s = Arc::new(tcp_session(&mut c, BS4K).await);
+        let (mut m, g) = push_granted(&mut c, s.id(), "dup", 4096).await;
+        m.send_open(vec![raw::push(1, "dup2", 8192)]);
+        let (s2, g2, d2) = (s.clone(), g.clone(), data.clone());
+        let st = tokio::task::spawn_blocking(move || s2.write(g2.addr, g2.rkey, &d2))
+            .await
+            .unwrap();
+        assert_eq!(st, WcStatus::Success);
+        m.send_done(raw::pushed(&g, vec![raw::sha256(&data)]));
+        assert!(m.ack().await.resend.is_empty());
+        m.send_end(1, raw::file_digest(&data, BS4K));
+        let cm = m.committed().await;
+        assert_eq!(
+            (cm.file, cm.path.as_str(), cm.length),
+            (1, "dup", 4096),
+            "{cm:?}"
+        );
+        // The id of a committed file, again.
+        m.send_open(vec![raw::push(1, "dup3", 4096)]);
+        m.close();
+        m.finish().await;
+        assert!(
+            m.inbox.is_empty(),
+            "nothing for the duplicates: {:?}",
+            m.inbox
+        );
+    });
+    assert_eq!(std::fs::read(root.join("dup")).unwrap(), data);
+    assert!(!root.join("dup2").exists());
+    assert!(!root.join("dup3").exists());
+}
+
+/// File id 0 (a proto3 default: a client that forgot to set it) must be
+/// refused or served, never left without an answer.
+#[test]
+#[ignore = "bug: ServerCore drops an OpenFile with file id 0 as a duplicate \
+            (finished = IdSet::starting_at(1)): no Opened, no FileFailed, no status"]
+fn file_id_zero_is_answered() {
+    let (_tmp, _root, d) = setup(None);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let mut c = grpc(d.port).await;
+        let s = tcp_session(&mut c, BS4K).await;
+        let mut m = Move::open(&mut c, s.id(), vec![raw::push(0, "zero", 4096)]).await;
+        let r = tokio::time::timeout(Duration::from_secs(10), m.frame_or_status()).await;
+        match r {
+            Ok(Ok(f)) => assert!(
+                !f.opened.is_empty() || !f.failed.is_empty(),
+                "an answer for file 0: {f:?}"
+            ),
+            Ok(Err(e)) => assert_eq!(raw::reason(&e), Reason::Invalid, "{e:?}"),
+            Err(_) => panic!("no answer to an OpenFile with file id 0 in 10 s"),
+        }
+    });
 }
 
 #[test]
@@ -574,7 +693,6 @@ fn health_port_serves_without_auth() {
             tonic_health::pb::health_check_response::ServingStatus::Serving as i32
         );
     });
-    let _ = Arc::new(());
 }
 
 fn nix_kill(pid: u32, sig: &str) {
@@ -587,93 +705,129 @@ fn nix_kill(pid: u32, sig: &str) {
 
 #[test]
 fn a_damaged_block_is_sent_again() {
-    use sha2::{Digest, Sha256};
     let (_tmp, root, d) = setup(None);
     let rt = tokio::runtime::Runtime::new().unwrap();
     let good: Vec<u8> = (0..8192u32).map(|i| (i % 251) as u8).collect();
-    let digest = |b: &[u8]| Sha256::digest(b).to_vec();
     rt.block_on(async {
         let mut c = grpc(d.port).await;
-        let hs = tcp_session(&mut c).await;
-        let port = data_port(&hs);
-        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        let mut o = open_msg(hs.session_id, proto::Direction::Push, "resent", 4096);
-        if let Some(client_msg::Msg::Open(op)) = o.msg.as_mut() {
-            op.length = 8192;
-        }
-        tx.send(o).unwrap();
-        let mut s = c
-            .transfer(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
-            .await
-            .unwrap()
-            .into_inner();
-        let next = |m: Option<proto::ServerMsg>| m.unwrap().msg.unwrap();
-        assert!(matches!(
-            next(s.message().await.unwrap()),
-            server_msg::Msg::Opened(_)
-        ));
-        let server_msg::Msg::Grant(g) = next(s.message().await.unwrap()) else {
-            panic!("no grant")
+        let s = Arc::new(tcp_session(&mut c, BS4K).await);
+        let open = proto::OpenFile {
+            flat_sha256: true,
+            ..raw::push(1, "resent", 8192)
         };
-        assert_eq!((g.len, g.epoch), (8192, 0));
+        let mut m = Move::open(&mut c, s.id(), vec![open]).await;
+        assert_eq!(m.opened().await.path, "resent");
+        let g = m.grant().await;
+        assert_eq!((g.len, g.epoch, g.extents.len()), (8192, 0, 2), "{g:?}");
+        let (e0, e1) = (g.extents[0], g.extents[1]);
+        assert_eq!((e0.block, e1.block), (0, 1), "{g:?}");
         // Block 0 intact, block 1 damaged on the way.
         let (b0, b1) = (good[..4096].to_vec(), good[4096..].to_vec());
-        let (g2, p2) = (g.clone(), port.clone());
+        let (s2, g2) = (s.clone(), g.clone());
         let st = tokio::task::spawn_blocking(move || {
             (
-                write_block(&p2, g2.addr, g2.rkey, &b0),
-                write_block(&p2, g2.addr + 4096, g2.rkey, &[0u8; 4096]),
+                s2.write(g2.addr + e0.offset, g2.rkey, &b0),
+                s2.write(g2.addr + e1.offset, g2.rkey, &[0u8; 4096]),
             )
         })
         .await
         .unwrap();
         assert_eq!(st, (WcStatus::Success, WcStatus::Success));
-        let done = |epoch| ClientMsg {
-            msg: Some(client_msg::Msg::WindowDone(proto::WindowDone {
-                window_id: g.window_id,
-                epoch,
-                block_sha256: vec![digest(&good[..4096]), digest(&good[4096..])],
-                ..Default::default()
-            })),
-        };
-        tx.send(done(0)).unwrap();
-        let server_msg::Msg::Ack(a) = next(s.message().await.unwrap()) else {
-            panic!("no ack")
-        };
-        assert_eq!(a.resend_blocks, vec![1]);
-        let server_msg::Msg::Grant(again) = next(s.message().await.unwrap()) else {
-            panic!("no new grant")
-        };
-        assert_eq!((again.window_id, again.epoch), (g.window_id, 1));
+        let digests = vec![raw::sha256(&good[..4096]), raw::sha256(&good[4096..])];
+        m.send_done(raw::pushed(&g, digests.clone()));
+        let a = m.ack().await;
+        assert_eq!((a.window, a.resend), (g.window, vec![1]));
+        // Just the damaged extent, under the next epoch and a fresh rkey.
+        let again = m.grant().await;
+        assert_eq!((again.window, again.epoch), (g.window, 1));
+        assert_eq!(again.extents, vec![e1], "only block 1, at its offset");
         assert_ne!(again.rkey, g.rkey, "a fresh rkey");
-        let old = g.rkey;
+        let (old, again2) = (g.rkey, again.clone());
         let st = tokio::task::spawn_blocking(move || {
             (
                 // The old rkey is revoked.
-                write_block(&port, again.addr, old, &[1u8; 4096]),
-                write_block(&port, again.addr + 4096, again.rkey, &b1),
+                s.write_on(&*own(&s), again2.addr + e1.offset, old, &[1u8; 4096]),
+                s.write(again2.addr + e1.offset, again2.rkey, &b1),
             )
         })
         .await
         .unwrap();
         assert_eq!(st, (WcStatus::RemoteAccess, WcStatus::Success));
-        tx.send(done(1)).unwrap();
-        let server_msg::Msg::Ack(a) = next(s.message().await.unwrap()) else {
-            panic!("no ack")
-        };
-        assert!(a.resend_blocks.is_empty());
-        tx.send(ClientMsg {
-            msg: Some(client_msg::Msg::Commit(proto::Commit {
-                sha256: digest(&good),
-            })),
-        })
-        .unwrap();
-        let server_msg::Msg::Committed(c) = next(s.message().await.unwrap()) else {
-            panic!("no commit")
-        };
-        assert_eq!(c.sha256, digest(&good));
+        m.send_done(raw::pushed(&again, vec![digests[1].clone()]));
+        let a = m.ack().await;
+        assert_eq!(a.window, g.window);
+        assert!(a.resend.is_empty(), "{a:?}");
+        let fd = raw::file_digest(&good, BS4K);
+        m.send_end(1, fd.clone());
+        let cm = m.committed().await;
+        assert_eq!((cm.file, cm.length), (1, 8192), "{cm:?}");
+        assert_eq!(cm.digest, fd, "the file digest");
+        assert_eq!(cm.flat_sha256, raw::sha256(&good), "the flat SHA-256");
+        m.close();
+        m.finish().await;
+        assert!(m.inbox.is_empty(), "{:?}", m.inbox);
     });
     assert_eq!(std::fs::read(root.join("resent")).unwrap(), good);
+}
+
+/// Pull: a block the client reports damaged (WindowDone.bad) is read from
+/// the file again and granted alone under the next epoch, with its digest
+/// and a fresh rkey; the old rkey is revoked.
+#[test]
+fn a_damaged_pulled_block_is_granted_again() {
+    let (_tmp, root, d) = setup(None);
+    make_file(&root.join("src"), 2 * BS4K + 5, 11);
+    let data = std::fs::read(root.join("src")).unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let mut c = grpc(d.port).await;
+        let s = Arc::new(tcp_session(&mut c, BS4K).await);
+        let mut m = Move::open(&mut c, s.id(), vec![raw::pull(1, "src")]).await;
+        assert_eq!(m.opened().await.length, data.len() as u64);
+        let g = m.grant().await;
+        assert_eq!(
+            (g.epoch, g.extents.len(), g.digests.len()),
+            (0, 3, 3),
+            "{g:?}"
+        );
+        let block = |b: u64| {
+            &data[(b * BS4K) as usize..][..(data.len() - (b * BS4K) as usize).min(BS4K as usize)]
+        };
+        for (e, dg) in g.extents.iter().zip(&g.digests) {
+            assert_eq!(dg, &raw::sha256(block(e.block)), "{e:?}");
+        }
+        // Block 1 "arrived damaged".
+        m.send_done(raw::pulled(&g, vec![1]));
+        let again = m.grant().await;
+        assert_eq!((again.window, again.epoch), (g.window, 1));
+        assert_eq!(
+            again.extents,
+            vec![g.extents[1]],
+            "only block 1, at its offset"
+        );
+        assert_eq!(again.digests, vec![g.digests[1].clone()]);
+        assert_ne!(again.rkey, g.rkey, "a fresh rkey");
+        let (s2, g2, a2) = (s.clone(), g.clone(), again.clone());
+        let e1 = again.extents[0];
+        let (old, new) = tokio::task::spawn_blocking(move || {
+            let at = a2.addr + e1.offset;
+            (
+                s2.read_on(&*own(&s2), at, g2.rkey, e1.len as usize).0,
+                s2.read(at, a2.rkey, e1.len as usize),
+            )
+        })
+        .await
+        .unwrap();
+        assert_eq!(old, WcStatus::RemoteAccess, "the old rkey is revoked");
+        assert_eq!(new.0, WcStatus::Success);
+        assert!(new.1 == block(1), "block 1 read again from the file");
+        m.send_done(raw::pulled(&again, vec![]));
+        let end = m.end().await;
+        assert_eq!(end.digest, raw::file_digest(&data, BS4K));
+        m.close();
+        m.finish().await;
+        assert!(m.inbox.is_empty(), "{:?}", m.inbox);
+    });
 }
 
 /// Two sessions at once: session 2 uses session 1's currently valid window
@@ -682,65 +836,37 @@ fn a_damaged_block_is_sent_again() {
 /// as written and its copy commits with the right digest.
 #[test]
 fn an_rkey_works_only_in_its_own_session() {
-    use sha2::{Digest, Sha256};
     let (_tmp, root, d) = setup(None);
     let rt = tokio::runtime::Runtime::new().unwrap();
     let good: Vec<u8> = (0..8192u32).map(|i| (i % 249) as u8).collect();
-    let digest = |b: &[u8]| Sha256::digest(b).to_vec();
     rt.block_on(async {
         let mut c = grpc(d.port).await;
-        let hs1 = tcp_session(&mut c).await;
-        let hs2 = tcp_session(&mut c).await;
-        assert_ne!(hs1.tcp_session_key, hs2.tcp_session_key);
-        let (p1, p2) = (data_port(&hs1), data_port(&hs2));
-        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        let mut o = open_msg(hs1.session_id, proto::Direction::Push, "victim", 4096);
-        if let Some(client_msg::Msg::Open(op)) = o.msg.as_mut() {
-            op.length = 8192;
-        }
-        tx.send(o).unwrap();
-        let mut s = c
-            .transfer(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
-            .await
-            .unwrap()
-            .into_inner();
-        let next = |m: Option<proto::ServerMsg>| m.unwrap().msg.unwrap();
-        assert!(matches!(
-            next(s.message().await.unwrap()),
-            server_msg::Msg::Opened(_)
-        ));
-        let server_msg::Msg::Grant(g) = next(s.message().await.unwrap()) else {
-            panic!("no grant")
+        let s1 = Arc::new(tcp_session(&mut c, BS4K).await);
+        let s2 = Arc::new(tcp_session(&mut c, BS4K).await);
+        assert_ne!(s1.hs.tcp_session_key, s2.hs.tcp_session_key);
+        let open = proto::OpenFile {
+            flat_sha256: true,
+            ..raw::push(1, "victim", 8192)
         };
+        let mut m = Move::open(&mut c, s1.id(), vec![open]).await;
+        m.opened().await;
+        let g = m.grant().await;
+        assert_eq!(g.extents.len(), 2, "{g:?}");
+        let (e0, e1) = (g.extents[0], g.extents[1]);
         let (b0, b1) = (good[..4096].to_vec(), good[4096..].to_vec());
-        let g2 = g.clone();
+        let (g2, s1b) = (g.clone(), s1.clone());
         let st = tokio::task::spawn_blocking(move || {
-            let mine = (
-                write_block(&p1, g2.addr, g2.rkey, &b0),
-                write_block(&p1, g2.addr + 4096, g2.rkey, &b1),
-            );
+            let (lo, hi) = (g2.addr + e0.offset, g2.addr + e1.offset);
+            let mine = (s1b.write(lo, g2.rkey, &b0), s1b.write(hi, g2.rkey, &b1));
+            let junk = [0xee; 4096];
             // Session 1's window is live and its rkey valid: session 2
             // tries it over its own data connection...
-            let other = forged_write(&p2, g2.addr, g2.rkey);
-            let other_hi = forged_write(&p2, g2.addr + 4096, g2.rkey);
+            let other = s2.write(lo, g2.rkey, &junk);
+            let other_hi = s2.write_on(&*own(&s2), hi, g2.rkey, &junk);
             // ...and so do a connection bound to no session and one naming
             // a key nobody was given.
-            let unbound = forged_write(
-                &DataPort {
-                    key: None,
-                    ..p2.clone()
-                },
-                g2.addr,
-                g2.rkey,
-            );
-            let unknown = forged_write(
-                &DataPort {
-                    key: Some([0x42; 16]),
-                    ..p2.clone()
-                },
-                g2.addr,
-                g2.rkey,
-            );
+            let unbound = s2.write_on(&*s2.tcp_channel(None), lo, g2.rkey, &junk);
+            let unknown = s2.write_on(&*s2.tcp_channel(Some([0x42; 16])), lo, g2.rkey, &junk);
             (mine, other, other_hi, unbound, unknown)
         })
         .await
@@ -751,42 +877,24 @@ fn an_rkey_works_only_in_its_own_session() {
         assert_eq!(st.3, WcStatus::RemoteAccess, "no session");
         assert_eq!(st.4, WcStatus::RemoteAccess, "unknown session");
         // Session 1's bytes are intact: no block needs resending.
-        tx.send(ClientMsg {
-            msg: Some(client_msg::Msg::WindowDone(proto::WindowDone {
-                window_id: g.window_id,
-                epoch: 0,
-                block_sha256: vec![digest(&good[..4096]), digest(&good[4096..])],
-                ..Default::default()
-            })),
-        })
-        .unwrap();
-        let server_msg::Msg::Ack(a) = next(s.message().await.unwrap()) else {
-            panic!("no ack")
-        };
-        assert!(a.resend_blocks.is_empty(), "{:?}", a.resend_blocks);
-        tx.send(ClientMsg {
-            msg: Some(client_msg::Msg::Commit(proto::Commit {
-                sha256: digest(&good),
-            })),
-        })
-        .unwrap();
-        let server_msg::Msg::Committed(cm) = next(s.message().await.unwrap()) else {
-            panic!("no commit")
-        };
-        assert_eq!(cm.sha256, digest(&good));
+        m.send_done(raw::pushed(
+            &g,
+            vec![raw::sha256(&good[..4096]), raw::sha256(&good[4096..])],
+        ));
+        let a = m.ack().await;
+        assert!(a.resend.is_empty(), "{a:?}");
+        let fd = raw::file_digest(&good, BS4K);
+        m.send_end(1, fd.clone());
+        let cm = m.committed().await;
+        assert_eq!(cm.digest, fd);
+        assert_eq!(cm.flat_sha256, raw::sha256(&good));
+        m.close();
+        m.finish().await;
     });
     assert_eq!(std::fs::read(root.join("victim")).unwrap(), good);
     assert_eq!(
         sha256sum(&root.join("victim")),
-        hex_digest(&good),
+        hex::encode(raw::sha256(&good)),
         "session 1's copy has the right digest"
     );
-}
-
-fn hex_digest(b: &[u8]) -> String {
-    use sha2::{Digest, Sha256};
-    Sha256::digest(b)
-        .iter()
-        .map(|x| format!("{x:02x}"))
-        .collect()
 }

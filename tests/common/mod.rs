@@ -4,6 +4,7 @@
 
 pub mod e2e;
 pub mod metrics;
+pub mod raw;
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
