@@ -507,8 +507,6 @@ fn garbage_and_malformed_frames_are_refused() {
 /// A frame larger than rcpd decodes (5 MiB of path; tonic's limit is 4 MiB)
 /// fails the stream with an error status, as the first frame and later.
 #[test]
-#[ignore = "bug: rcpd ends the Move stream with OK when a client frame fails to decode \
-            (control/server/stream.rs drops the decode error)"]
 fn an_oversized_frame_is_refused() {
     let (_tmp, root, d) = setup(None);
     let rt = tokio::runtime::Runtime::new().unwrap();
@@ -586,8 +584,6 @@ fn a_second_open_of_a_file_id_is_ignored() {
 /// File id 0 (a proto3 default: a client that forgot to set it) must be
 /// refused or served, never left without an answer.
 #[test]
-#[ignore = "bug: ServerCore drops an OpenFile with file id 0 as a duplicate \
-            (finished = IdSet::starting_at(1)): no Opened, no FileFailed, no status"]
 fn file_id_zero_is_answered() {
     let (_tmp, _root, d) = setup(None);
     let rt = tokio::runtime::Runtime::new().unwrap();

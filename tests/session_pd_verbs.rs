@@ -4,8 +4,8 @@
 //! a pulled block damaged on the way is read again. (What a protection
 //! domain and a window registration cost is `examples/pd_registration_cost.rs`.)
 //!
-//! `cargo build --workspace --bins --features rcp/test-faults && cargo test
-//! --features rcp/test-faults --test session_pd_verbs --no-run`, then
+//! `cargo build --workspace --bins && cargo test
+//! --test session_pd_verbs --no-run`, then
 //! `scripts/testbed.sh run lo -- <test binary> --ignored --test-threads=1 --nocapture`.
 
 mod common;
@@ -92,7 +92,7 @@ fn verbs_rkey_of_another_session_is_rem_access_err() {
     println!("victim sha256 {got} (session 1's data, intact)");
 }
 
-/// Over verbs too: a pulled block damaged once (rcp's `test-faults`
+/// Over verbs too: a pulled block damaged once (rcp's debug-build
 /// injection) is read again under a fresh grant and the copy ends with the
 /// right digest.
 #[test]
@@ -118,7 +118,7 @@ fn verbs_damaged_pulled_block_is_read_again() {
     assert!(out.status.success(), "{stdout}{stderr}\n{}", d.log());
     assert!(
         stderr.contains("does not match the server's digest: reading it again"),
-        "the fault was injected (is rcp built with --features rcp/test-faults?): {stderr}"
+        "the fault was injected (is rcp a debug build?): {stderr}"
     );
     for l in stderr.lines().filter(|l| l.contains("again")) {
         println!("{l}");

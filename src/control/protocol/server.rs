@@ -330,6 +330,14 @@ impl ServerCore {
         self.end(Err(Failure::invalid(message)));
     }
 
+    /// The client's side of the stream broke (a frame that does not decode,
+    /// a transport error): the stream ends with `f`.
+    pub fn client_failed(&mut self, now: u64, f: Failure) {
+        self.live.heard(now, true);
+        self.client_closed = true;
+        self.end(Err(f));
+    }
+
     /// The client closed its side of the stream.
     pub fn client_closed(&mut self, now: u64) {
         self.live.heard(now, true);
@@ -391,6 +399,9 @@ impl ServerCore {
     fn on_open(&mut self, o: proto::OpenFile) {
         if self.phase != Phase::Running {
             return;
+        }
+        if o.file == 0 {
+            return self.violation("file id 0 is reserved: ids start at 1".into());
         }
         if self.files.contains_key(&o.file) || self.finished.contains(u64::from(o.file)) {
             // A duplicate of an OpenFile already taken.

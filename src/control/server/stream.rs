@@ -62,6 +62,7 @@ pub(super) async fn run(svc: Arc<Service>, mut rx: Streaming<ClientFrame>, tx: T
         Ok(Ok(None)) => return,
         Ok(Err(s)) => {
             tracing::debug!(status = %s, "move stream broke before its first frame");
+            let _ = tx.send(Err(ControlError::from(s).into())).await;
             return;
         }
         Err(_) => {
@@ -190,9 +191,13 @@ impl Driver {
                             self.core.client_closed(now);
                         }
                         Err(s) => {
+                            // A frame that does not decode, or the
+                            // connection broke: either way the stream ends
+                            // with what went wrong, never as a success.
                             tracing::debug!(status = %s, "the client's side of the stream broke");
                             client_open = false;
-                            self.core.client_closed(now);
+                            let f = ControlError::from(s).failure();
+                            self.core.client_failed(now, f);
                         }
                     }
                 }
