@@ -19,6 +19,7 @@ pub mod engine;
 pub mod files;
 pub mod mem;
 pub mod metrics;
+pub mod parse;
 pub mod provider;
 pub mod verbs;
 

@@ -143,7 +143,7 @@ enum Cmd {
         #[arg(long, env = "RCP_BENCH_OP", default_value = "write", value_parser = rcp::bench::parse_op)]
         op: rcp::engine::OpKind,
         /// Bytes per message (K/M suffixes), 1..=16M.
-        #[arg(long, env = "RCP_BENCH_SIZE", default_value = "65536", value_parser = rcp::bench::parse_bytes)]
+        #[arg(long, env = "RCP_BENCH_SIZE", default_value = "65536", value_parser = parse_bytes)]
         size: u64,
         /// Messages per QP (default 10000; --compare: 100000 for the 64 B runs).
         #[arg(long, env = "RCP_BENCH_ITERS")]
@@ -187,15 +187,12 @@ enum Cmd {
     },
 }
 
+fn parse_bytes(s: &str) -> Result<u64, String> {
+    rcp::parse::bytes(s).map_err(|e| e.to_string())
+}
+
 fn parse_size(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let (num, mul) = match t.char_indices().last() {
-        Some((i, 'k' | 'K')) => (&t[..i], 1u64 << 10),
-        Some((i, 'm' | 'M')) => (&t[..i], 1 << 20),
-        _ => (t, 1),
-    };
-    let n: u64 = num.parse().map_err(|_| format!("{s:?} is not a size"))?;
-    let v = n.checked_mul(mul).ok_or("size overflows")?;
+    let v = rcp::parse::bytes(s).map_err(|e| e.to_string())?;
     if !v.is_power_of_two() || !(4096..=(4 << 20)).contains(&v) {
         return Err(format!(
             "block size {v} must be a power of two between 4096 and 4194304"
@@ -275,12 +272,9 @@ async fn run(c: Cli) -> Result<(), ControlError> {
         Cmd::Bench { .. } => unreachable!("bench runs without the runtime"),
         Cmd::Doctor { host } => {
             let addr = match host {
-                // A bare IPv6 address, or HOST / HOST:PORT / [V6]:PORT.
-                Some(h) if h.parse::<std::net::Ipv6Addr>().is_ok() => {
-                    Some(format!("[{h}]:{}", c.port))
-                }
                 Some(h) => {
-                    let (host, port) = rcp::control::client::split_host_port(h, c.port)?;
+                    let (host, port) = rcp::parse::host_port(h, c.port)
+                        .map_err(|e| ControlError::Usage(e.to_string()))?;
                     Some(format!("{host}:{port}"))
                 }
                 None => None,

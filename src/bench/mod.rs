@@ -151,22 +151,6 @@ pub fn op_name(op: OpKind) -> &'static str {
     }
 }
 
-/// Bytes with an optional K/M/G suffix (powers of 1024).
-pub fn parse_bytes(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let (num, mul) = match t.char_indices().last() {
-        Some((i, 'k' | 'K')) => (&t[..i], 1u64 << 10),
-        Some((i, 'm' | 'M')) => (&t[..i], 1 << 20),
-        Some((i, 'g' | 'G')) => (&t[..i], 1 << 30),
-        _ => (t, 1),
-    };
-    let n: u64 = num
-        .trim()
-        .parse()
-        .map_err(|_| format!("{s:?} is not a size"))?;
-    n.checked_mul(mul).ok_or_else(|| format!("{s:?} overflows"))
-}
-
 impl BenchOptions {
     /// Refuse what cannot run, naming the option and its range.
     pub fn validate(&self) -> Result<(), BenchError> {
@@ -311,33 +295,9 @@ pub fn format_human(o: &BenchOptions, m: &Measured) -> String {
 /// The server to connect to: `HOST`, `HOST:PORT`, `[V6]`, `[V6]:PORT` or a
 /// bare IPv6 address; the port defaults to [`DEFAULT_PORT`].
 pub fn server_addr(s: &str) -> Result<String, BenchError> {
-    let s = s.trim();
-    if s.is_empty() {
-        return Err(BenchError::Invalid("empty server address".into()));
-    }
-    if s.parse::<std::net::SocketAddr>().is_ok() {
-        return Ok(s.to_string());
-    }
-    if let Some(rest) = s.strip_prefix('[') {
-        let (h, after) = rest
-            .split_once(']')
-            .ok_or_else(|| BenchError::Invalid(format!("{s:?}: missing ']'")))?;
-        return match after {
-            "" => Ok(format!("[{h}]:{DEFAULT_PORT}")),
-            p => match p.strip_prefix(':').map(str::parse::<u16>) {
-                Some(Ok(port)) => Ok(format!("[{h}]:{port}")),
-                _ => Err(BenchError::Invalid(format!("{s:?}: bad port"))),
-            },
-        };
-    }
-    if s.parse::<std::net::Ipv6Addr>().is_ok() {
-        return Ok(format!("[{s}]:{DEFAULT_PORT}"));
-    }
-    match s.split_once(':') {
-        None => Ok(format!("{s}:{DEFAULT_PORT}")),
-        Some((h, p)) if !h.is_empty() && p.parse::<u16>().is_ok() => Ok(s.to_string()),
-        _ => Err(BenchError::Invalid(format!("{s:?} is not HOST[:PORT]"))),
-    }
+    let (host, port) =
+        crate::parse::host_port(s, DEFAULT_PORT).map_err(|e| BenchError::Invalid(e.to_string()))?;
+    Ok(format!("{host}:{port}"))
 }
 
 /// The seed's table on the local device: 64 B writes single post + signal
@@ -526,17 +486,11 @@ mod tests {
     }
 
     #[test]
-    fn ops_and_sizes_parse() {
+    fn ops_parse() {
         assert_eq!(parse_op("write"), Ok(OpKind::Write));
         assert_eq!(parse_op("read"), Ok(OpKind::Read));
         let e = parse_op("send").unwrap_err();
         assert!(e.contains("unknown op") && e.contains("send"), "{e}");
-        assert_eq!(parse_bytes("64"), Ok(64));
-        assert_eq!(parse_bytes("4K"), Ok(4096));
-        assert_eq!(parse_bytes("1m"), Ok(1 << 20));
-        assert_eq!(parse_bytes("1G"), Ok(1 << 30));
-        assert!(parse_bytes("x").is_err());
-        assert!(parse_bytes("99999999999999G").is_err());
     }
 
     #[test]

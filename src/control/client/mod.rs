@@ -185,38 +185,11 @@ fn source_chain(e: &(dyn std::error::Error + 'static)) -> String {
     s
 }
 
-/// `host:port`, `[v6]:port`, `host` or `[v6]` (default port) split into the
-/// bare host (`[v6]` keeps its brackets) and the port. The one parser of
-/// rcpd addresses.
-pub fn split_host_port(addr: &str, default_port: u16) -> Result<(String, u16)> {
-    let bad = |why: &str| ControlError::Usage(format!("{addr:?}: {why}"));
-    let (host, port) = if let Some(rest) = addr.strip_prefix('[') {
-        let (h, after) = rest.split_once(']').ok_or_else(|| bad("unclosed ["))?;
-        let port = match after.strip_prefix(':') {
-            Some(p) => p.parse::<u16>().map_err(|_| bad("bad port"))?,
-            None if after.is_empty() => default_port,
-            None => return Err(bad("junk after ]")),
-        };
-        (format!("[{h}]"), port)
-    } else {
-        match addr.rsplit_once(':') {
-            Some((h, _)) if h.contains(':') => {
-                return Err(bad("an IPv6 address needs brackets: [ADDR]:PORT"))
-            }
-            Some((h, p)) => (h.to_string(), p.parse::<u16>().map_err(|_| bad("bad port"))?),
-            None => (addr.to_string(), default_port),
-        }
-    };
-    if host.is_empty() || host == "[]" {
-        return Err(bad("empty host"));
-    }
-    Ok((host, port))
-}
-
 /// `host:port`, `[v6]:port` or `host` (default port) into a URI and the
 /// bare host.
 pub fn endpoint_uri(addr: &str) -> Result<(String, String)> {
-    let (host, port) = split_host_port(addr, DEFAULT_PORT)?;
+    let (host, port) = crate::parse::host_port(addr, DEFAULT_PORT)
+        .map_err(|e| ControlError::Usage(e.to_string()))?;
     Ok((format!("http://{host}:{port}"), host))
 }
 
@@ -332,8 +305,7 @@ mod tests {
         assert!(endpoint_uri("node:x").is_err());
         assert!(endpoint_uri("[::1").is_err());
         assert!(endpoint_uri(":1").is_err());
-        // A bare IPv6 address is ambiguous without brackets.
-        assert!(endpoint_uri("fe80::1:7471").is_err());
-        assert_eq!(split_host_port("h", 9).unwrap(), ("h".into(), 9));
+        // A bare IPv6 address is a host, never host:port.
+        assert_eq!(endpoint_uri("fe80::1").unwrap().0, "http://[fe80::1]:7471");
     }
 }
