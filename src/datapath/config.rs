@@ -11,7 +11,7 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
-use crate::engine::{BatchPolicy, OpKind, StreamConfig, TransferConfig};
+use crate::engine::{BatchPolicy, StreamConfig};
 use crate::provider::ChannelCaps;
 
 /// Default number of empty polls before hybrid mode arms and sleeps.
@@ -191,11 +191,6 @@ pub struct DataPathConfig {
     /// Most requests outstanding on the queue pair (perftest's `--tx-depth`);
     /// `None`: the send-queue depth. Clamped to the send-queue depth.
     pub tx_depth: Option<usize>,
-    /// Legacy runner only, a benchmark knob, never for real transfers: post
-    /// only the first N bytes of each block (perftest-style small messages;
-    /// `Transfer` blocks are at least 4 KiB). The session data path refuses
-    /// it: its windows carry extents of any length.
-    pub payload_cap: Option<u32>,
 }
 
 impl Default for DataPathConfig {
@@ -212,7 +207,6 @@ impl Default for DataPathConfig {
             max_retries: 3,
             qp_retry: QpRetry::default(),
             tx_depth: None,
-            payload_cap: None,
         }
     }
 }
@@ -309,13 +303,6 @@ impl DataPathConfig {
                 reason: "at least one request outstanding".into(),
             });
         }
-        if self.payload_cap == Some(0) {
-            return Err(ConfigError::Field {
-                field: "payload_cap",
-                value: "0".into(),
-                reason: "a message carries at least one byte".into(),
-            });
-        }
         Ok(())
     }
 
@@ -342,26 +329,6 @@ impl DataPathConfig {
             reason: e.to_string(),
         })?;
         Ok(c)
-    }
-
-    /// The engine configuration for a transfer of `file_len` bytes in blocks
-    /// of `block_size` over a channel with `caps`.
-    pub fn transfer_config(
-        &self,
-        op: OpKind,
-        file_len: u64,
-        block_size: u64,
-        caps: &ChannelCaps,
-    ) -> Result<TransferConfig, ConfigError> {
-        self.validate()?;
-        let sq = caps.sq_depth as usize;
-        let depth = self.tx_depth.map_or(sq, |d| d.min(sq));
-        let mut t = TransferConfig::new(op, file_len, block_size, depth);
-        t.batch = BatchPolicy::new(self.batch, self.signal_every).expect("validated");
-        t.max_inline = self.inline_for(caps);
-        t.request_timeout_ns = self.request_timeout.as_nanos().min(u64::MAX as u128) as u64;
-        t.max_retries = self.max_retries;
-        Ok(t)
     }
 }
 
@@ -484,19 +451,15 @@ mod tests {
             ..caps
         };
         assert_eq!(c.inline_for(&small), 28);
-        let t = c
-            .transfer_config(OpKind::Write, 1 << 20, 4096, &caps)
-            .unwrap();
-        assert_eq!((t.sq_depth, t.max_inline, t.batch.batch), (128, 64, 32));
         // A tx depth caps the engine's credits, never above the SQ.
         for (want, got) in [(Some(1), 1), (Some(16), 16), (Some(4096), 128)] {
-            let t = DataPathConfig {
+            let sc = DataPathConfig {
                 tx_depth: want,
                 ..c.clone()
             }
-            .transfer_config(OpKind::Write, 1 << 20, 4096, &caps)
+            .stream_config(&caps)
             .unwrap();
-            assert_eq!(t.sq_depth, got, "{want:?}");
+            assert_eq!(sc.sq_depth, got, "{want:?}");
         }
         let sc = c.stream_config(&caps).unwrap();
         assert_eq!((sc.sq_depth, sc.max_inline, sc.batch.batch), (128, 64, 32));
