@@ -3,10 +3,13 @@
 //! Where to start:
 //! - [`verbs`]: safe types over libibverbs ([`verbs::Context`], [`verbs::QueuePair`], ...).
 //! - [`mem`]: the hugepage arena that is registered once and carved into blocks.
-//! - [`engine`]: the data-movement state machines, plain data, no I/O:
-//!   [`engine::Stream`] (a session's windows) and the per-file [`engine::Transfer`].
+//! - [`engine`]: the data-movement state machine, plain data, no I/O:
+//!   [`engine::Stream`] moves a session's windows ([`engine::WindowJob`]: a staging
+//!   region, the peer's region, the extents between them).
 //! - [`datapath`]: [`datapath::DataPath`], the session-long runtime that drives a
-//!   `Stream` over a channel (posting thread, pinned completion thread, reconnect).
+//!   `Stream` over a channel (posting thread, pinned completion thread, reconnect):
+//!   `unsafe` [`submit`](datapath::DataPath::submit) a window, wait for its
+//!   [`datapath::DpEvent::WindowDone`], `close` for the [`datapath::Report`].
 //! - [`provider`]: the `Domain`/`Channel` interface the data path runs on (verbs or tcp).
 //! - [`bench`]: `rcp bench`, the perftest-like benchmark of the data path (loopback, server, client).
 //! - [`control`]: the gRPC control plane, rcpd's service, the client library and `rcp`'s logic.

@@ -7,94 +7,22 @@
 //! both ends), so the same tests run on one rxe on `lo` and across two
 //! namespaces joined by veth.
 
-use std::sync::Arc;
+mod common;
+
 use std::time::{Duration, Instant};
 
+use common::verbs_rig::{bytes, fill, Side};
 use rcp::engine::{LocalSeg, OpKind, RemoteSeg, WcStatus, WorkCompletion, WorkRequest};
-use rcp::mem::{Arena, ArenaConfig, Backing, PeerSpan};
+use rcp::mem::{Backing, PeerSpan};
 use rcp::verbs::*;
 
 const NEEDS: &str = "needs an RDMA device: run scripts/test-all.sh (soft-RoCE VM)";
 
-struct Side {
-    ctx: Arc<Context>,
-    pd: Arc<ProtectionDomain>,
-    cq: Arc<CompletionQueue>,
-    qp: QueuePair,
-    arena: Arena,
-    mr: MemoryRegion,
-}
-
-fn dev(var: &str) -> Option<String> {
-    std::env::var(var).ok().filter(|s| !s.is_empty())
-}
-
-fn side(dev: Option<String>, arena_bytes: usize, remote: Access) -> Side {
-    let names = device_names();
-    assert!(
-        !names.is_empty(),
-        "no RDMA device found: the fabric tests must run where one exists"
-    );
-    let ctx = Context::open(dev.as_deref()).expect("open device");
-    let (port, choice) = ctx
-        .select_port(None)
-        .expect("an ACTIVE port with a usable GID");
-    eprintln!(
-        "device {} port {} GID {}: {}",
-        ctx.name(),
-        port.port,
-        choice.entry.gid,
-        choice.reason
-    );
-    let pd = ProtectionDomain::new(&ctx).unwrap();
-    let ch = CompletionChannel::new(&ctx).unwrap();
-    let cq = CompletionQueue::new(&ctx, 1024, Some(&ch)).unwrap();
-    let qp = QueuePair::new(
-        &pd,
-        &cq,
-        &cq,
-        QpConfig {
-            port: port.port,
-            gid_index: choice.entry.index,
-            sq_depth: 256,
-            max_send_sge: 1,
-            max_inline: 64,
-            remote_access: remote,
-        },
-    )
-    .unwrap();
-    let mut cfg = ArenaConfig::new(arena_bytes);
-    cfg.numa_node = ctx.numa_node();
-    let arena = Arena::new(&cfg).unwrap();
-    let mr = pd
-        .register_arena(&arena, Access::LOCAL_WRITE | remote)
-        .unwrap();
-    Side {
-        ctx,
-        pd,
-        cq,
-        qp,
-        arena,
-        mr,
-    }
-}
+/// Send-queue depth of the test QPs (CQs of four times that).
+const SQ: u32 = 256;
 
 fn pair(arena_bytes: usize) -> (Side, Side) {
-    let mut a = side(
-        dev("RCP_TEST_DEV_A"),
-        arena_bytes,
-        Access::REMOTE_WRITE | Access::REMOTE_READ,
-    );
-    let mut b = side(
-        dev("RCP_TEST_DEV_B"),
-        arena_bytes,
-        Access::REMOTE_WRITE | Access::REMOTE_READ,
-    );
-    let (ea, eb) = (a.qp.endpoint(), b.qp.endpoint());
-    a.qp.handshake(&eb, &ConnectParams::default()).unwrap();
-    b.qp.handshake(&ea, &ConnectParams::default()).unwrap();
-    assert_eq!(a.qp.state(), QpState::Rts);
-    (a, b)
+    common::verbs_rig::pair(arena_bytes, arena_bytes, SQ)
 }
 
 fn wait_completions(cq: &CompletionQueue, n: usize) -> Vec<WorkCompletion> {
@@ -117,27 +45,6 @@ fn wait_completions(cq: &CompletionQueue, n: usize) -> Vec<WorkCompletion> {
         }
     }
     out
-}
-
-fn fill(span: &PeerSpan, seed: u64) {
-    // SAFETY: the test touches a span only between requests: none in flight names it now.
-    unsafe {
-        span.with_mut(0, span.len(), |b| {
-            let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-            for c in b.chunks_mut(8) {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                let v = x.to_le_bytes();
-                c.copy_from_slice(&v[..c.len()]);
-            }
-        })
-    }
-    .unwrap();
-}
-
-fn bytes(span: &PeerSpan) -> Vec<u8> {
-    span.with(0, span.len(), |b| b.to_vec()).unwrap()
 }
 
 fn op(
@@ -198,9 +105,11 @@ fn write_and_read_4k_to_4m_every_byte_checked() {
         // WRITE: A's [0, size) -> B's [8 MiB, 8 MiB + size)
         let src = PeerSpan::new(&a.arena, a.arena.addr(), size).unwrap();
         let dst = PeerSpan::new(&b.arena, b.arena.addr() + (8 << 20), size).unwrap();
-        fill(&src, size as u64);
         // SAFETY: the test touches a span only between requests: none in flight names it now.
-        unsafe { dst.with_mut(0, size, |d| d.fill(0)) }.unwrap();
+        unsafe {
+            fill(&src, size as u64);
+            dst.with_mut(0, size, |d| d.fill(0)).unwrap();
+        }
         id += 1;
         post(
             &a,
@@ -225,9 +134,11 @@ fn write_and_read_4k_to_4m_every_byte_checked() {
         // READ: B's [4 MiB, +size) -> A's [8 MiB, +size)
         let rsrc = PeerSpan::new(&b.arena, b.arena.addr() + (4 << 20), size).unwrap();
         let rdst = PeerSpan::new(&a.arena, a.arena.addr() + (8 << 20), size).unwrap();
-        fill(&rsrc, !(size as u64));
         // SAFETY: the test touches a span only between requests: none in flight names it now.
-        unsafe { rdst.with_mut(0, size, |d| d.fill(0)) }.unwrap();
+        unsafe {
+            fill(&rsrc, !(size as u64));
+            rdst.with_mut(0, size, |d| d.fill(0)).unwrap();
+        }
         id += 1;
         post(
             &a,
@@ -262,7 +173,8 @@ fn chained_batch_with_one_signal_retires_all() {
     for i in 0..32u64 {
         let off = i * 65536;
         let src = PeerSpan::new(&a.arena, a.arena.addr() + off, 65536).unwrap();
-        fill(&src, i);
+        // SAFETY: nothing is posted until the chain below, after the fills.
+        unsafe { fill(&src, i) };
         let mut w = op(
             OpKind::Write,
             i,
@@ -309,7 +221,8 @@ fn wrong_rkey_and_out_of_bounds_are_remote_access_errors() {
         };
         let before = bytes(&PeerSpan::new(&b.arena, b.arena.addr(), b.arena.len()).unwrap());
         let src = PeerSpan::new(&a.arena, a.arena.addr(), 4096).unwrap();
-        fill(&src, 77);
+        // SAFETY: a fresh pair: nothing is posted on it yet.
+        unsafe { fill(&src, 77) };
         post(&a, &[op(kind, 1, &a, src.addr(), 4096, raddr, rkey)]);
         let wc = wait_completions(&a.cq, 1);
         assert_eq!(wc[0].status, WcStatus::RemoteAccess, "{case}: {:?}", wc[0]);
@@ -347,7 +260,8 @@ fn qp_resets_and_reconnects_with_fresh_psn() {
     a.qp.handshake(&eb, &ConnectParams::default()).unwrap();
     b.qp.handshake(&ea, &ConnectParams::default()).unwrap();
     let src = PeerSpan::new(&a.arena, a.arena.addr(), 8192).unwrap();
-    fill(&src, 5);
+    // SAFETY: the reset QP has nothing in flight; the write below is posted after.
+    unsafe { fill(&src, 5) };
     post(
         &a,
         &[op(

@@ -1,17 +1,17 @@
-//! Data-path configuration: set in code, overridable from the environment.
+//! Data-path configuration, set in code.
 //!
 //! [`DataPathConfig::default`] holds the tuned defaults (chains of 32
 //! signaled at the tail, inline up to 64 bytes, busy polling);
-//! [`DataPathConfig::from_env`] applies `RCP_BATCH`, `RCP_SIGNAL_EVERY`,
-//! `RCP_INLINE`, `RCP_POLL_MODE` (`poll|event|hybrid[:K]`), `RCP_CQ_CPU` (`auto|none|N`),
-//! `RCP_QP_TIMEOUT` and `RCP_QP_RETRY_CNT` on top, and refuses bad values with an error that names the variable and
-//! the value.
+//! [`DataPathConfig::stream_config`] turns it into the engine's
+//! [`StreamConfig`] on a channel. The binaries read their flags (and the
+//! `RCP_*` variables behind them) with clap and fill the fields; nothing
+//! here reads the environment.
 
 use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
-use crate::engine::{BatchPolicy, OpKind, StreamConfig, TransferConfig};
+use crate::engine::{BatchPolicy, StreamConfig};
 use crate::provider::ChannelCaps;
 
 /// Default number of empty polls before hybrid mode arms and sleeps.
@@ -140,16 +140,6 @@ impl QpRetry {
 /// A configuration value that cannot work.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ConfigError {
-    /// An environment override could not be parsed or is out of range.
-    #[error("{var}={value:?}: {reason}")]
-    Env {
-        /// The variable.
-        var: &'static str,
-        /// Its value.
-        value: String,
-        /// What is wrong.
-        reason: String,
-    },
     /// A field out of range.
     #[error("{field} = {value}: {reason}")]
     Field {
@@ -191,11 +181,6 @@ pub struct DataPathConfig {
     /// Most requests outstanding on the queue pair (perftest's `--tx-depth`);
     /// `None`: the send-queue depth. Clamped to the send-queue depth.
     pub tx_depth: Option<usize>,
-    /// Legacy runner only, a benchmark knob, never for real transfers: post
-    /// only the first N bytes of each block (perftest-style small messages;
-    /// `Transfer` blocks are at least 4 KiB). The session data path refuses
-    /// it: its windows carry extents of any length.
-    pub payload_cap: Option<u32>,
 }
 
 impl Default for DataPathConfig {
@@ -212,81 +197,11 @@ impl Default for DataPathConfig {
             max_retries: 3,
             qp_retry: QpRetry::default(),
             tx_depth: None,
-            payload_cap: None,
         }
-    }
-}
-
-fn env_parse<T: FromStr>(
-    get: &dyn Fn(&str) -> Option<String>,
-    var: &'static str,
-) -> Result<Option<T>, ConfigError>
-where
-    T::Err: fmt::Display,
-{
-    match get(var) {
-        None => Ok(None),
-        Some(value) => value
-            .trim()
-            .parse::<T>()
-            .map(Some)
-            .map_err(|e| ConfigError::Env {
-                var,
-                value: value.clone(),
-                reason: e.to_string(),
-            }),
     }
 }
 
 impl DataPathConfig {
-    /// `self` with the `RCP_*` environment overrides applied and validated.
-    pub fn from_env(self) -> Result<Self, ConfigError> {
-        self.with_overrides(&|k| std::env::var(k).ok().filter(|v| !v.is_empty()))
-    }
-
-    /// [`from_env`](Self::from_env) over any variable source (testable).
-    pub fn with_overrides(
-        mut self,
-        get: &dyn Fn(&str) -> Option<String>,
-    ) -> Result<Self, ConfigError> {
-        let range = |var: &'static str, v: usize, lo: usize, hi: usize| {
-            if (lo..=hi).contains(&v) {
-                Ok(v)
-            } else {
-                Err(ConfigError::Env {
-                    var,
-                    value: v.to_string(),
-                    reason: format!("out of range {lo}..={hi}"),
-                })
-            }
-        };
-        if let Some(b) = env_parse::<usize>(get, "RCP_BATCH")? {
-            self.batch = range("RCP_BATCH", b, 1, 64)?;
-            // A smaller batch drags signal_every along unless set too.
-            self.signal_every = self.signal_every.min(self.batch);
-        }
-        if let Some(s) = env_parse::<usize>(get, "RCP_SIGNAL_EVERY")? {
-            self.signal_every = range("RCP_SIGNAL_EVERY", s, 1, self.batch)?;
-        }
-        if let Some(i) = env_parse::<u32>(get, "RCP_INLINE")? {
-            self.max_inline = Some(i);
-        }
-        if let Some(m) = env_parse::<PollMode>(get, "RCP_POLL_MODE")? {
-            self.poll_mode = m;
-        }
-        if let Some(c) = env_parse::<CqCpu>(get, "RCP_CQ_CPU")? {
-            self.cq_cpu = c.for_thread(None, 0);
-        }
-        if let Some(t) = env_parse::<u8>(get, "RCP_QP_TIMEOUT")? {
-            self.qp_retry.ack_timeout = range("RCP_QP_TIMEOUT", t.into(), 0, 31)? as u8;
-        }
-        if let Some(r) = env_parse::<u8>(get, "RCP_QP_RETRY_CNT")? {
-            self.qp_retry.retry_cnt = range("RCP_QP_RETRY_CNT", r.into(), 0, 7)? as u8;
-        }
-        self.validate()?;
-        Ok(self)
-    }
-
     /// Check the fields that have ranges.
     pub fn validate(&self) -> Result<(), ConfigError> {
         BatchPolicy::new(self.batch, self.signal_every).map_err(|e| ConfigError::Field {
@@ -307,13 +222,6 @@ impl DataPathConfig {
                 field: "tx_depth",
                 value: "0".into(),
                 reason: "at least one request outstanding".into(),
-            });
-        }
-        if self.payload_cap == Some(0) {
-            return Err(ConfigError::Field {
-                field: "payload_cap",
-                value: "0".into(),
-                reason: "a message carries at least one byte".into(),
             });
         }
         Ok(())
@@ -342,26 +250,6 @@ impl DataPathConfig {
             reason: e.to_string(),
         })?;
         Ok(c)
-    }
-
-    /// The engine configuration for a transfer of `file_len` bytes in blocks
-    /// of `block_size` over a channel with `caps`.
-    pub fn transfer_config(
-        &self,
-        op: OpKind,
-        file_len: u64,
-        block_size: u64,
-        caps: &ChannelCaps,
-    ) -> Result<TransferConfig, ConfigError> {
-        self.validate()?;
-        let sq = caps.sq_depth as usize;
-        let depth = self.tx_depth.map_or(sq, |d| d.min(sq));
-        let mut t = TransferConfig::new(op, file_len, block_size, depth);
-        t.batch = BatchPolicy::new(self.batch, self.signal_every).expect("validated");
-        t.max_inline = self.inline_for(caps);
-        t.request_timeout_ns = self.request_timeout.as_nanos().min(u64::MAX as u128) as u64;
-        t.max_retries = self.max_retries;
-        Ok(t)
     }
 }
 
@@ -457,15 +345,6 @@ impl FromStr for CqCpu {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::collections::HashMap;
-
-    fn with(vars: &[(&str, &str)]) -> Result<DataPathConfig, ConfigError> {
-        let m: HashMap<String, String> = vars
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        DataPathConfig::default().with_overrides(&move |k| m.get(k).cloned())
-    }
 
     #[test]
     fn defaults() {
@@ -484,19 +363,15 @@ mod tests {
             ..caps
         };
         assert_eq!(c.inline_for(&small), 28);
-        let t = c
-            .transfer_config(OpKind::Write, 1 << 20, 4096, &caps)
-            .unwrap();
-        assert_eq!((t.sq_depth, t.max_inline, t.batch.batch), (128, 64, 32));
         // A tx depth caps the engine's credits, never above the SQ.
         for (want, got) in [(Some(1), 1), (Some(16), 16), (Some(4096), 128)] {
-            let t = DataPathConfig {
+            let sc = DataPathConfig {
                 tx_depth: want,
                 ..c.clone()
             }
-            .transfer_config(OpKind::Write, 1 << 20, 4096, &caps)
+            .stream_config(&caps)
             .unwrap();
-            assert_eq!(t.sq_depth, got, "{want:?}");
+            assert_eq!(sc.sq_depth, got, "{want:?}");
         }
         let sc = c.stream_config(&caps).unwrap();
         assert_eq!((sc.sq_depth, sc.max_inline, sc.batch.batch), (128, 64, 32));
@@ -524,39 +399,29 @@ mod tests {
     }
 
     #[test]
-    fn overrides_apply() {
-        let c = with(&[
-            ("RCP_BATCH", "16"),
-            ("RCP_SIGNAL_EVERY", "4"),
-            ("RCP_INLINE", "0"),
-            ("RCP_POLL_MODE", "hybrid:10"),
-            ("RCP_CQ_CPU", "1"),
-            ("RCP_QP_TIMEOUT", "12"),
-            ("RCP_QP_RETRY_CNT", "1"),
-        ])
-        .unwrap();
+    fn poll_mode_parses_and_prints_back() {
+        assert_eq!("poll".parse::<PollMode>(), Ok(PollMode::Poll));
+        assert_eq!(" event ".parse::<PollMode>(), Ok(PollMode::Event));
         assert_eq!(
-            c.qp_retry,
-            QpRetry {
-                ack_timeout: 12,
-                retry_cnt: 1
-            }
-        );
-        assert_eq!(with(&[]).unwrap().qp_retry, QpRetry::default());
-        assert_eq!((c.batch, c.signal_every, c.max_inline), (16, 4, Some(0)));
-        assert_eq!(c.poll_mode, PollMode::Hybrid { empty_polls: 10 });
-        assert_eq!(c.cq_cpu, Some(1));
-        assert_eq!(
-            with(&[("RCP_POLL_MODE", "hybrid")]).unwrap().poll_mode,
-            PollMode::Hybrid { empty_polls: 1024 }
+            "hybrid".parse::<PollMode>(),
+            Ok(PollMode::Hybrid {
+                empty_polls: DEFAULT_EMPTY_POLLS
+            })
         );
         assert_eq!(
-            with(&[("RCP_POLL_MODE", "event")]).unwrap().poll_mode,
-            PollMode::Event
+            "hybrid:10".parse::<PollMode>(),
+            Ok(PollMode::Hybrid { empty_polls: 10 })
         );
-        // A smaller batch pulls the default signal_every down with it.
-        assert_eq!(with(&[("RCP_BATCH", "1")]).unwrap().signal_every, 1);
-        assert_eq!(with(&[("RCP_CQ_CPU", "none")]).unwrap().cq_cpu, None);
+        for bad in ["spin", "hybrid:0", "hybrid:x", ""] {
+            assert!(bad.parse::<PollMode>().is_err(), "{bad:?}");
+        }
+        for m in [
+            PollMode::Poll,
+            PollMode::Event,
+            PollMode::Hybrid { empty_polls: 7 },
+        ] {
+            assert_eq!(m.to_string().parse::<PollMode>(), Ok(m));
+        }
     }
 
     #[test]
@@ -584,29 +449,6 @@ mod tests {
         assert!(auto_cpus(&[3], Some(&[3])).is_empty());
         assert_eq!(CqCpu::Unpinned.for_thread(None, 0), None);
         assert_eq!(CqCpu::Cpu(5).for_thread(None, 3), Some(5));
-    }
-
-    #[test]
-    fn bad_values_name_variable_and_value() {
-        for (var, val) in [
-            ("RCP_BATCH", "0"),
-            ("RCP_BATCH", "65"),
-            ("RCP_BATCH", "lots"),
-            ("RCP_SIGNAL_EVERY", "33"),
-            ("RCP_SIGNAL_EVERY", "0"),
-            ("RCP_INLINE", "-1"),
-            ("RCP_POLL_MODE", "spin"),
-            ("RCP_POLL_MODE", "hybrid:0"),
-            ("RCP_CQ_CPU", "x"),
-            ("RCP_CQ_CPU", "100000"),
-            ("RCP_QP_TIMEOUT", "32"),
-            ("RCP_QP_RETRY_CNT", "8"),
-            ("RCP_QP_RETRY_CNT", "-1"),
-        ] {
-            let e = with(&[(var, val)]).unwrap_err().to_string();
-            assert!(e.contains(var), "{e}");
-            assert!(e.contains(val), "{e}");
-        }
     }
 
     #[test]

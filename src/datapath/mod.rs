@@ -8,9 +8,10 @@
 //! optional [`PortMonitor`], and starts two threads that live until
 //! [`DataPath::close`] (or drop):
 //! - the posting thread owns an [`engine::Stream`](crate::engine::Stream),
-//!   takes windows from [`DataPath::submit`] (an `unsafe fn`: the caller
-//!   lends the window's staging memory to the device until its
-//!   [`DpEvent::WindowDone`]) and completion batches from one input queue,
+//!   takes windows ([`WindowJob`](crate::engine::WindowJob)s) from
+//!   [`DataPath::submit`] (an `unsafe fn`: the caller lends the window's
+//!   staging memory to the device until its [`DpEvent::WindowDone`]) and
+//!   completion batches from one input queue,
 //!   posts one chain per doorbell, runs the error path (flush, wait for the
 //!   port, reconnect with backoff, repost only the unconfirmed) and
 //!   publishes the engine's counters into [`DataPathStats`];
@@ -29,21 +30,17 @@
 //! # Modules
 //!
 //! - [`config`]: [`DataPathConfig`] (batch, signaling, inline, poll mode,
-//!   CQ CPU, timeouts, reconnect backoff) with `RCP_*` overrides, and the
+//!   CQ CPU, timeouts, reconnect backoff, tx depth) and the
 //!   [`StreamConfig`](crate::engine::StreamConfig) it becomes on a channel;
 //! - [`runner`]: [`DataPath`], [`DpEvent`], [`DataPathError`];
 //! - [`completion`]: the completion thread's loop, CPU pinning, [`AvoidCpu`];
 //! - [`port`]: [`PortMonitor`], port state the reconnect waits on;
 //! - [`stats`]: [`DataPathStats`], live atomics for a metrics exporter, and
 //!   [`Latencies`];
-//! - [`report`]: the [`Report`] a data path returns;
-//! - [`legacy`]: the per-file runner the control plane still uses
-//!   (`legacy::DataPath::run` over an `engine::Transfer`, [`legacy::BlockIo`]);
-//!   it goes when the control plane moves to [`DataPath`].
+//! - [`report`]: the [`Report`] a data path returns.
 
 pub mod completion;
 pub mod config;
-pub mod legacy;
 pub mod port;
 pub mod report;
 pub mod runner;

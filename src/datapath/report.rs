@@ -5,15 +5,13 @@ use std::collections::BTreeMap;
 
 use super::stats::Latencies;
 
-/// What a data path did. The session data path ([`super::DataPath`]) fills
-/// the request counts from the engine's counters when it closes; the legacy
-/// runner counts them per run.
+/// What a data path did. [`super::DataPath`] fills the request counts from
+/// the engine's counters when it closes.
 #[derive(Clone, Debug, Default)]
 pub struct Report {
-    /// Bytes in blocks (extents) confirmed (legacy: capped by
-    /// `payload_cap` when set).
+    /// Bytes in extents confirmed.
     pub bytes: u64,
-    /// Wall time of the run (session data path: from `start` to `close`).
+    /// Wall time from `start` to `close`.
     pub seconds: f64,
     /// Blocks (extents, messages) confirmed.
     pub msgs: u64,
@@ -54,7 +52,7 @@ pub struct Report {
     pub port_events: u64,
     /// Times the reconnect path waited for the port to come back.
     pub port_waits: u64,
-    /// Session data path: requests still outstanding when `close` gave up
+    /// Requests still outstanding when `close` gave up
     /// waiting for them (`flush_timeout`); if not 0, the device may still
     /// touch their memory until the channel is reset or dropped.
     pub outstanding_at_close: u64,

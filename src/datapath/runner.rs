@@ -198,14 +198,6 @@ impl DataPath {
         monitor: Option<Arc<dyn PortMonitor>>,
     ) -> Result<DataPath, DataPathError> {
         cfg.validate()?;
-        if let Some(cap) = cfg.payload_cap {
-            return Err(ConfigError::Field {
-                field: "payload_cap",
-                value: cap.to_string(),
-                reason: "a legacy-runner knob; windows carry extents of any length".into(),
-            }
-            .into());
-        }
         let stream_cfg = cfg.stream_config(&channel.caps())?;
         let stream = Stream::new(stream_cfg).expect("stream_config validated it");
         let depth = stream_cfg.sq_depth;

@@ -4,7 +4,9 @@
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use crate::engine::stream::Counters;
-use crate::engine::{WcStatus, ERROR_STATUSES};
+#[cfg(test)]
+use crate::engine::WcStatus;
+use crate::engine::ERROR_STATUSES;
 
 /// Data-path counters, shared (`Arc`) with whoever exports them. All
 /// monotonic except the gauges `sq_free` and `cq_fill`.
@@ -15,7 +17,7 @@ use crate::engine::{WcStatus, ERROR_STATUSES};
 /// what was posted, signaled, completed and confirmed. Only the completion
 /// thread's own figures (polls, empty polls, arms, waits, wakeups, the CQ
 /// fill gauge) and the runner's (reconnect time, port waits) are counted
-/// where they happen. (The legacy runner still counts into them itself.)
+/// where they happen.
 #[derive(Debug, Default)]
 pub struct DataPathStats {
     /// Work requests posted.
@@ -73,14 +75,16 @@ pub struct DataPathStats {
 }
 
 impl DataPathStats {
-    /// Count an error completion (legacy runner).
-    pub fn count_error(&self, s: WcStatus) {
+    /// Count an error completion by hand (tests of the exporter; the data
+    /// path publishes the engine's counts instead).
+    #[cfg(test)]
+    pub(crate) fn count_error(&self, s: WcStatus) {
         if let Some(i) = s.error_index() {
             self.errors[i].fetch_add(1, Relaxed);
         }
     }
 
-    /// Error completions by [`WcStatus::label`], non-zero ones only.
+    /// Error completions by [`WcStatus::label`](crate::engine::WcStatus::label), non-zero ones only.
     pub fn errors(&self) -> Vec<(&'static str, u64)> {
         ERROR_STATUSES
             .iter()

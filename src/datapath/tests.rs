@@ -617,17 +617,6 @@ fn the_poster_keeps_off_a_spinning_completion_core() {
     .unwrap();
 }
 
-#[test]
-fn payload_cap_is_refused() {
-    let ch: Arc<dyn Channel> = Arc::new(FakeChannel::new(16));
-    let c = DataPathConfig {
-        payload_cap: Some(64),
-        ..cfg(PollMode::Event)
-    };
-    let e = DataPath::start(c, ch, no_reconnect(), None).unwrap_err();
-    assert!(e.to_string().contains("payload_cap"), "{e}");
-}
-
 fn run_loop_idle(mode: PollMode, for_ms: u64) -> (Arc<DataPathStats>, FakeChannel) {
     let ch = FakeChannel::new(16);
     let stats = Arc::new(DataPathStats::default());

@@ -5,6 +5,7 @@
 pub mod e2e;
 pub mod metrics;
 pub mod raw;
+pub mod verbs_rig;
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};

@@ -1,0 +1,137 @@
+//! The verbs rig of the fabric tests (tests/fabric.rs, tests/datapath_fabric.rs):
+//! a side is a device context, a protection domain, a completion queue, an
+//! RC queue pair and an arena registered for local and remote access; a pair
+//! is two sides connected in-process. Devices: `RCP_TEST_DEV_A` /
+//! `RCP_TEST_DEV_B` (default: the first device for both ends), so the same
+//! tests run on one rxe on `lo` and across two namespaces joined by veth.
+//! Plus the fill pattern the tests verify against.
+
+use std::sync::Arc;
+
+use rcp::mem::{Arena, ArenaConfig, PeerSpan};
+use rcp::verbs::{
+    device_names, Access, CompletionChannel, CompletionQueue, ConnectParams, Context, MemoryRegion,
+    ProtectionDomain, QpConfig, QpState, QueuePair,
+};
+
+/// One end. Fields drop in order: the queue pair before the registration
+/// before the memory.
+pub struct Side {
+    pub qp: QueuePair,
+    pub mr: MemoryRegion,
+    pub arena: Arena,
+    pub cq: Arc<CompletionQueue>,
+    pub pd: Arc<ProtectionDomain>,
+    pub ctx: Arc<Context>,
+}
+
+/// The device named by `var`, if set and not empty.
+pub fn dev(var: &str) -> Option<String> {
+    std::env::var(var).ok().filter(|s| !s.is_empty())
+}
+
+/// A side on the device named by `var` (default: the first device): an RC
+/// queue pair of `sq_depth` send entries (a CQ of four times that, with a
+/// completion channel) allowing remote WRITE and READ, in INIT; an arena of
+/// `arena_bytes` on the device's NUMA node, registered for local write and
+/// remote WRITE and READ.
+pub fn side(var: &str, arena_bytes: usize, sq_depth: u32) -> Side {
+    assert!(
+        !device_names().is_empty(),
+        "no RDMA device found: the fabric tests must run where one exists"
+    );
+    let ctx = Context::open(dev(var).as_deref()).expect("open device");
+    let (port, choice) = ctx
+        .select_port(None)
+        .expect("an ACTIVE port with a usable GID");
+    eprintln!(
+        "device {} port {} GID {}: {}",
+        ctx.name(),
+        port.port,
+        choice.entry.gid,
+        choice.reason
+    );
+    let pd = ProtectionDomain::new(&ctx).unwrap();
+    let cc = CompletionChannel::new(&ctx).unwrap();
+    let cq = CompletionQueue::new(&ctx, 4 * sq_depth, Some(&cc)).unwrap();
+    let remote = Access::REMOTE_WRITE | Access::REMOTE_READ;
+    let qp = QueuePair::new(
+        &pd,
+        &cq,
+        &cq,
+        QpConfig {
+            port: port.port,
+            gid_index: choice.entry.index,
+            sq_depth,
+            max_send_sge: 1,
+            max_inline: 64,
+            remote_access: remote,
+        },
+    )
+    .unwrap();
+    let mut cfg = ArenaConfig::new(arena_bytes);
+    cfg.numa_node = ctx.numa_node();
+    let arena = Arena::new(&cfg).unwrap();
+    let mr = pd
+        .register_arena(&arena, Access::LOCAL_WRITE | remote)
+        .unwrap();
+    Side {
+        qp,
+        mr,
+        arena,
+        cq,
+        pd,
+        ctx,
+    }
+}
+
+/// Sides A (`RCP_TEST_DEV_A`, `a_bytes` of arena) and B (`RCP_TEST_DEV_B`,
+/// `b_bytes`), their queue pairs connected to each other (RTS).
+pub fn pair(a_bytes: usize, b_bytes: usize, sq_depth: u32) -> (Side, Side) {
+    let mut a = side("RCP_TEST_DEV_A", a_bytes, sq_depth);
+    let mut b = side("RCP_TEST_DEV_B", b_bytes, sq_depth);
+    let (ea, eb) = (a.qp.endpoint(), b.qp.endpoint());
+    a.qp.handshake(&eb, &ConnectParams::default()).unwrap();
+    b.qp.handshake(&ea, &ConnectParams::default()).unwrap();
+    assert_eq!(a.qp.state(), QpState::Rts);
+    (a, b)
+}
+
+/// The test pattern of `seed` over `b` (xorshift64, 8 bytes at a time).
+pub fn pattern_into(b: &mut [u8], seed: u64) {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    for c in b.chunks_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        c.copy_from_slice(&x.to_le_bytes()[..c.len()]);
+    }
+}
+
+/// `len` bytes of the test pattern of `seed`.
+pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    pattern_into(&mut v, seed);
+    v
+}
+
+/// Fill `span` with the test pattern of `seed`.
+///
+/// # Safety
+///
+/// No request in flight names `span`, and none that does is posted until
+/// this returns (as [`PeerSpan::with_mut`]).
+pub unsafe fn fill(span: &PeerSpan, seed: u64) {
+    // SAFETY: the caller's contract, passed on.
+    unsafe { span.with_mut(0, span.len(), |b| pattern_into(b, seed)) }.unwrap();
+}
+
+/// The whole of `arena` (rounded up to huge pages: at least what was asked).
+pub fn whole(arena: &Arena) -> PeerSpan {
+    PeerSpan::new(arena, arena.addr(), arena.len()).unwrap()
+}
+
+/// A copy of `span`'s bytes.
+pub fn bytes(span: &PeerSpan) -> Vec<u8> {
+    span.with(0, span.len(), <[u8]>::to_vec).unwrap()
+}
