@@ -28,7 +28,9 @@ pub fn host_port(addr: &str, default_port: u16) -> Result<(String, u16), ParseEr
         return Ok((format!("[{s}]"), default_port));
     }
     let (host, port) = if let Some(rest) = s.strip_prefix('[') {
-        let (h, after) = rest.split_once(']').ok_or_else(|| err(addr, "unclosed ["))?;
+        let (h, after) = rest
+            .split_once(']')
+            .ok_or_else(|| err(addr, "unclosed ["))?;
         if h.parse::<Ipv6Addr>().is_err() {
             return Err(err(addr, "not an IPv6 address inside [ ]"));
         }
@@ -41,7 +43,10 @@ pub fn host_port(addr: &str, default_port: u16) -> Result<(String, u16), ParseEr
     } else {
         match s.rsplit_once(':') {
             Some((h, _)) if h.contains(':') => {
-                return Err(err(addr, "an IPv6 address with a port needs brackets: [ADDR]:PORT"))
+                return Err(err(
+                    addr,
+                    "an IPv6 address with a port needs brackets: [ADDR]:PORT",
+                ))
             }
             Some((h, p)) => (
                 h.to_string(),

@@ -24,7 +24,11 @@ pub struct CopyService {
 }
 
 impl Copier for CopyService {
-    fn copy(&self, svc: Arc<Service>, req: CopyRequest) -> std::result::Result<BoxStream<CopyProgress>, Status> {
+    fn copy(
+        &self,
+        svc: Arc<Service>,
+        req: CopyRequest,
+    ) -> std::result::Result<BoxStream<CopyProgress>, Status> {
         start(svc, self.opts.clone(), req)
     }
 }
@@ -64,7 +68,11 @@ fn snapshot(c: &Counts) -> CopyProgress {
 
 /// Validate `req` and start the copy; progress every 500 ms, then a final
 /// message (or the error status).
-fn start(svc: Arc<Service>, opts: ClientOptions, req: CopyRequest) -> Result<BoxStream<CopyProgress>, Status> {
+fn start(
+    svc: Arc<Service>,
+    opts: ClientOptions,
+    req: CopyRequest,
+) -> Result<BoxStream<CopyProgress>, Status> {
     let dir = Direction::try_from(req.direction)
         .ok()
         .filter(|d| *d != Direction::Unspecified)

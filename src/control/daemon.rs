@@ -207,9 +207,12 @@ pub async fn run(
             .add_service(rcp)
             // No Nagle: a small frame waiting for an ACK delayed by 40 ms
             // turns every grant and ack into a 40 ms round trip.
-            .serve_with_incoming_shutdown(TcpIncoming::from(listener).with_nodelay(Some(true)), async {
-                let _ = stop_rx.await;
-            }),
+            .serve_with_incoming_shutdown(
+                TcpIncoming::from(listener).with_nodelay(Some(true)),
+                async {
+                    let _ = stop_rx.await;
+                },
+            ),
     );
     shutdown.await;
     let active = stats.active.load(Relaxed);

@@ -81,7 +81,11 @@ pub fn roundtrip(t: &str, sizes: &[u64]) {
         );
         assert_eq!(sha256sum(&back.join(&name)), want, "pulled {len} bytes");
         if len > 0 {
-            assert!(r.stdout.contains(&want), "summary has the digest: {}", r.stdout);
+            assert!(
+                r.stdout.contains(&want),
+                "summary has the digest: {}",
+                r.stdout
+            );
         }
         println!("{len} bytes pulled: {}", r.stdout.trim());
     }
@@ -369,13 +373,23 @@ pub fn stopped_client_is_evicted(t: &str, s: &Scale) {
     let t0 = std::time::Instant::now();
     let other = tmp.path().join("other");
     make_file(&other, 5000, 12);
-    let r = rcp(d.port, t, None, &["push", other.to_str().unwrap(), &remote("/")]);
+    let r = rcp(
+        d.port,
+        t,
+        None,
+        &["push", other.to_str().unwrap(), &remote("/")],
+    );
     assert_eq!(r.code, 0, "{}{}\n{}", r.stdout, r.stderr, d.log());
     assert_eq!(sha256sum(&root.join("other")), sha256sum(&other));
-    println!("the other client finished {:.1} s after the stop", t0.elapsed().as_secs_f64());
+    println!(
+        "the other client finished {:.1} s after the stop",
+        t0.elapsed().as_secs_f64()
+    );
     let log = d.log();
     assert!(
-        log.contains("stopped answering") || log.contains("no progress") || log.contains("unfinished"),
+        log.contains("stopped answering")
+            || log.contains("no progress")
+            || log.contains("unfinished"),
         "rcpd says why it ended the stopped client's stream: {log}"
     );
     assert!(!root.join("big").exists(), "nothing under the final name");
@@ -383,9 +397,15 @@ pub fn stopped_client_is_evicted(t: &str, s: &Scale) {
     signal(stopped.id(), "KILL");
     stopped.wait().unwrap();
     let args = ["push", "--resume", p, &remote("/")];
-    let out = rcp_blocks(t, d.port, s.resume_block, &args).output().unwrap();
+    let out = rcp_blocks(t, d.port, s.resume_block, &args)
+        .output()
+        .unwrap();
     let so = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{so}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{so}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(moved(&so) < len, "resume moved {} of {len}", moved(&so));
     assert_eq!(sha256sum(&root.join("big")), want);
 }
@@ -414,15 +434,30 @@ pub fn stopped_server_makes_the_client_give_up(t: &str, s: &Scale) {
     signal(d.child.id(), "CONT");
     let se = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(5), "exit 5 (retry): {se}");
-    println!("the client gave up {waited:.1} s after rcpd stopped: {}", se.trim());
+    println!(
+        "the client gave up {waited:.1} s after rcpd stopped: {}",
+        se.trim()
+    );
     // The timeout is 3 s; the client heard rcpd last at most then.
     assert!(waited < 3.0 + 6.0, "gave up after {waited:.1} s");
     assert!(!root.join("big").exists());
     let args = ["push", "--resume", p, &remote("/")];
-    let out = rcp_blocks(t, d.port, s.resume_block, &args).output().unwrap();
+    let out = rcp_blocks(t, d.port, s.resume_block, &args)
+        .output()
+        .unwrap();
     let so = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{so}{}\n{}", String::from_utf8_lossy(&out.stderr), d.log());
-    assert!(moved(&so) < s.resume_len, "resume moved {} of {}", moved(&so), s.resume_len);
+    assert!(
+        out.status.success(),
+        "{so}{}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        d.log()
+    );
+    assert!(
+        moved(&so) < s.resume_len,
+        "resume moved {} of {}",
+        moved(&so),
+        s.resume_len
+    );
     assert_eq!(sha256sum(&root.join("big")), want);
 }
 

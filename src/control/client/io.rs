@@ -9,7 +9,9 @@ use std::sync::{Arc, Mutex};
 
 use crate::control::error::ControlError;
 use crate::control::fsutil;
-use crate::control::protocol::{Digest, Failure, FileId, FileSpec, Held, LocalCommit, Reason, SourceMeta};
+use crate::control::protocol::{
+    Digest, Failure, FileId, FileSpec, Held, LocalCommit, Reason, SourceMeta,
+};
 use crate::files::{self, Destination, DestinationOptions, DirHandle, Preserve, SourceFile};
 use crate::mem::Block;
 use crate::proto::{self, Direction};
@@ -62,6 +64,10 @@ fn fail(e: impl Into<ControlError>) -> Failure {
     e.into().failure()
 }
 
+/// A pulled file's destination, shared by the window jobs that write it
+/// and taken by the commit.
+pub(super) type SharedDest = Arc<Mutex<Option<Destination>>>;
+
 /// A file the client has open.
 pub(super) enum Local {
     Push {
@@ -71,8 +77,8 @@ pub(super) enum Local {
         dir: DirHandle,
         name: OsString,
         /// An interrupted copy found by FindResume, until CreateDest.
-        resumed: Option<Destination>,
-        dest: Arc<Mutex<Option<Destination>>>,
+        resumed: Option<Box<Destination>>,
+        dest: SharedDest,
     },
 }
 
@@ -96,22 +102,35 @@ pub(super) fn open_source(path: &Path) -> Result<(Arc<SourceFile>, SourceMeta), 
 
 /// Pull: the directory and name of the final local path, creating parents
 /// when asked.
-pub(super) fn local_dir(local: &Path, create_parents: bool) -> Result<(DirHandle, OsString), Failure> {
+pub(super) fn local_dir(
+    local: &Path,
+    create_parents: bool,
+) -> Result<(DirHandle, OsString), Failure> {
     let parent = local
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
     if !parent.is_dir() {
         if create_parents {
-            std::fs::create_dir_all(parent)
-                .map_err(|e| fail(ControlError::io(format!("creating {}", parent.display()))(e)))?;
+            std::fs::create_dir_all(parent).map_err(|e| {
+                fail(ControlError::io(format!("creating {}", parent.display()))(
+                    e,
+                ))
+            })?;
         } else {
-            return Err(fail(ControlError::DirNotFound(parent.display().to_string())));
+            return Err(fail(ControlError::DirNotFound(
+                parent.display().to_string(),
+            )));
         }
     }
     let name = local
         .file_name()
-        .ok_or_else(|| Failure::new(Reason::Usage, format!("{} has no file name", local.display())))?
+        .ok_or_else(|| {
+            Failure::new(
+                Reason::Usage,
+                format!("{} has no file name", local.display()),
+            )
+        })?
         .to_os_string();
     Ok((DirHandle::open(parent).map_err(fail)?, name))
 }
@@ -157,13 +176,13 @@ pub(super) fn find_resume(
 pub(super) fn create_dest(
     dir: &DirHandle,
     name: &OsString,
-    resumed: Option<Destination>,
+    resumed: Option<Box<Destination>>,
     opened: &proto::Opened,
     bs: u64,
     spec: &FileSpec,
 ) -> Result<Destination, Failure> {
     if let (Some(d), true) = (resumed, opened.resumed) {
-        return Ok(d);
+        return Ok(*d);
     }
     let sid = fsutil::source_id(opened.length, opened.mtime_ns, &opened.source_fingerprint);
     let opts = DestinationOptions {
@@ -187,8 +206,12 @@ pub(super) fn fill(
             .get(&e.file)
             .ok_or_else(|| Failure::new(Reason::Other, format!("file {} is not open", e.file)))?;
         let at = e.offset as usize;
-        fsutil::read_exact(src, e.block * bs, &mut mem[at..at + e.len as usize])
-            .map_err(|x| fail(ControlError::io(format!("reading {}", src.path().display()))(x)))?;
+        fsutil::read_exact(src, e.block * bs, &mut mem[at..at + e.len as usize]).map_err(|x| {
+            fail(ControlError::io(format!(
+                "reading {}",
+                src.path().display()
+            ))(x))
+        })?;
     }
     let mem = slot.as_slice();
     let slices: Vec<&[u8]> = extents
@@ -221,7 +244,11 @@ pub(super) fn inject_faults(slot: &mut Block, extents: &[proto::Extent]) {
     for e in extents {
         if e.len > 0 && LEFT.fetch_sub(1, Ordering::Relaxed) > 0 {
             mem[e.offset as usize] ^= 0x5a;
-            tracing::warn!(file = e.file, block = e.block, "test fault: damaged a pulled block");
+            tracing::warn!(
+                file = e.file,
+                block = e.block,
+                "test fault: damaged a pulled block"
+            );
         }
     }
 }
@@ -232,7 +259,7 @@ pub(super) fn check_and_write(
     slot: &Block,
     extents: &[proto::Extent],
     digests: &[Digest],
-    dests: &HashMap<FileId, Arc<Mutex<Option<Destination>>>>,
+    dests: &HashMap<FileId, SharedDest>,
 ) -> Result<Vec<u32>, Failure> {
     let mem = slot.as_slice();
     let slices: Vec<&[u8]> = extents
@@ -248,13 +275,17 @@ pub(super) fn check_and_write(
         .enumerate()
     {
         if g[..] != want[..] {
-            tracing::warn!(file = e.file, block = e.block, "pulled block does not match the server's digest: reading it again");
+            tracing::warn!(
+                file = e.file,
+                block = e.block,
+                "pulled block does not match the server's digest: reading it again"
+            );
             bad.push(i as u32);
             continue;
         }
-        let dest = dests
-            .get(&e.file)
-            .ok_or_else(|| Failure::new(Reason::Other, format!("file {} has no destination", e.file)))?;
+        let dest = dests.get(&e.file).ok_or_else(|| {
+            Failure::new(Reason::Other, format!("file {} has no destination", e.file))
+        })?;
         let mut d = dest.lock().unwrap();
         let d = d
             .as_mut()
@@ -265,13 +296,21 @@ pub(super) fn check_and_write(
 }
 
 /// Push, resume: digests of blocks that do not move.
-pub(super) fn hash(src: &SourceFile, blocks: &[u64], bs: u64) -> Result<Vec<(u64, Digest)>, Failure> {
+pub(super) fn hash(
+    src: &SourceFile,
+    blocks: &[u64],
+    bs: u64,
+) -> Result<Vec<(u64, Digest)>, Failure> {
     let mut buf = vec![0u8; bs as usize];
     let mut out = Vec::with_capacity(blocks.len());
     for &b in blocks {
         let n = (src.len() - b * bs).min(bs) as usize;
-        fsutil::read_exact(src, b * bs, &mut buf[..n])
-            .map_err(|x| fail(ControlError::io(format!("reading {}", src.path().display()))(x)))?;
+        fsutil::read_exact(src, b * bs, &mut buf[..n]).map_err(|x| {
+            fail(ControlError::io(format!(
+                "reading {}",
+                src.path().display()
+            ))(x))
+        })?;
         out.push((b, files::block_digest(&buf[..n]).to_vec()));
     }
     Ok(out)
@@ -279,7 +318,7 @@ pub(super) fn hash(src: &SourceFile, blocks: &[u64], bs: u64) -> Result<Vec<(u64
 
 /// Pull: seal every file, then publish them as one batch.
 pub(super) fn commit(
-    files: Vec<(FileId, Arc<Mutex<Option<Destination>>>, Digest)>,
+    files: Vec<(FileId, SharedDest, Digest)>,
 ) -> Vec<(FileId, Result<LocalCommit, Failure>)> {
     let mut out = Vec::with_capacity(files.len());
     let mut sealed = Vec::new();
@@ -290,7 +329,10 @@ pub(super) fn commit(
             continue;
         };
         let Ok(expected) = <[u8; 32]>::try_from(digest.as_slice()) else {
-            out.push((file, Err(Failure::invalid("a file digest of the wrong length"))));
+            out.push((
+                file,
+                Err(Failure::invalid("a file digest of the wrong length")),
+            ));
             continue;
         };
         match d.seal(expected) {

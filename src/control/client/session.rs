@@ -122,7 +122,14 @@ impl Client {
         // Ask the QP for inline room; the data path clamps per WR.
         let inline = o.inline.unwrap_or(64);
         let link = tokio::task::spawn_blocking(move || {
-            ClientLink::open(kind, dev.as_deref(), gid, WINDOW_SIZE, windows as usize, inline)
+            ClientLink::open(
+                kind,
+                dev.as_deref(),
+                gid,
+                WINDOW_SIZE,
+                windows as usize,
+                inline,
+            )
         })
         .await
         .map_err(|e| ControlError::Other(e.to_string()))??;
@@ -144,13 +151,15 @@ impl Client {
         };
         let resp = self.rpc.clone().handshake(req).await?.into_inner();
         if resp.version_major != VERSION_MAJOR {
-            return Err(ControlError::Failed(crate::control::protocol::Failure::new(
-                crate::control::error::Reason::Version,
-                format!(
-                    "rcpd speaks protocol {}.{}, this rcp {VERSION_MAJOR}.{VERSION_MINOR}",
-                    resp.version_major, resp.version_minor
+            return Err(ControlError::Failed(
+                crate::control::protocol::Failure::new(
+                    crate::control::error::Reason::Version,
+                    format!(
+                        "rcpd speaks protocol {}.{}, this rcp {VERSION_MAJOR}.{VERSION_MINOR}",
+                        resp.version_major, resp.version_minor
+                    ),
                 ),
-            )));
+            ));
         }
         if resp.block_size != bs {
             return Err(ControlError::Invalid(format!(
@@ -158,7 +167,10 @@ impl Client {
                 resp.block_size
             )));
         }
-        if resp.window_size > WINDOW_SIZE as u64 || resp.window_count == 0 || resp.window_count > windows {
+        if resp.window_size > WINDOW_SIZE as u64
+            || resp.window_count == 0
+            || resp.window_count > windows
+        {
             return Err(ControlError::Invalid(format!(
                 "server windows of {} bytes x {} do not fit this rcp's staging ({WINDOW_SIZE} x {windows})",
                 resp.window_size, resp.window_count
@@ -198,7 +210,13 @@ impl Client {
             }
             None => None,
         };
-        let reconnect = reconnector(&link, &self.rpc, resp.session_id, resp.client_rd_atomic, retry);
+        let reconnect = reconnector(
+            &link,
+            &self.rpc,
+            resp.session_id,
+            resp.client_rd_atomic,
+            retry,
+        );
         let cfg = datapath_config(kind, &o);
         let dp = DataPath::start(cfg, channel.clone(), reconnect, monitor)
             .map_err(ControlError::DataPath)?;

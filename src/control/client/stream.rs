@@ -22,11 +22,21 @@ use crate::files::{Destination, DirHandle};
 use crate::mem::Block;
 use crate::proto::{self, ClientFrame, Direction};
 
+/// What FindResume found: the local directory and name, and an
+/// interrupted copy there with what it holds.
+type Found = (DirHandle, std::ffi::OsString, Option<(Destination, Held)>);
+
 /// An answer from a blocking job.
 enum Done {
-    Source(FileId, Result<(Arc<crate::files::SourceFile>, SourceMeta), Failure>),
-    Resume(FileId, Result<(DirHandle, std::ffi::OsString, Option<(Destination, Held)>), Failure>),
-    Dest(FileId, Result<(DirHandle, std::ffi::OsString, Destination), Failure>),
+    Source(
+        FileId,
+        Result<(Arc<crate::files::SourceFile>, SourceMeta), Failure>,
+    ),
+    Resume(FileId, Result<Found, Failure>),
+    Dest(
+        FileId,
+        Result<(DirHandle, std::ffi::OsString, Destination), Failure>,
+    ),
     Filled {
         grant: proto::Grant,
         slot: Block,
@@ -244,7 +254,7 @@ impl Driver<'_> {
         }
     }
 
-    fn dest(&self, file: FileId) -> Option<Arc<Mutex<Option<Destination>>>> {
+    fn dest(&self, file: FileId) -> Option<io::SharedDest> {
         match self.locals.get(&file)? {
             Local::Pull { dest, .. } => Some(dest.clone()),
             Local::Push { .. } => None,
@@ -273,9 +283,13 @@ impl Driver<'_> {
                             })
                             .await;
                         let entry = match st {
-                            Ok(r) => r.into_inner().entry.filter(|e| e.r#type == proto::FileType::File as i32),
+                            Ok(r) => r
+                                .into_inner()
+                                .entry
+                                .filter(|e| e.r#type == proto::FileType::File as i32),
                             Err(e) => {
-                                let _ = tx.send(Done::Resume(file, Err(ControlError::from(e).failure())));
+                                let _ = tx
+                                    .send(Done::Resume(file, Err(ControlError::from(e).failure())));
                                 return;
                             }
                         };
@@ -296,7 +310,9 @@ impl Driver<'_> {
                     let (job, _) = &self.jobs[&file];
                     let (spec, local) = (job.spec.clone(), job.local.clone());
                     let prior = match self.locals.remove(&file) {
-                        Some(Local::Pull { dir, name, resumed, .. }) => Some((dir, name, resumed)),
+                        Some(Local::Pull {
+                            dir, name, resumed, ..
+                        }) => Some((dir, name, resumed)),
                         _ => None,
                     };
                     self.spawn(move || {
@@ -352,13 +368,16 @@ impl Driver<'_> {
         let b = self.s.link.slots.take();
         if b.is_none() {
             // The server granted more windows at once than agreed.
-            self.core.abort(Failure::invalid("more windows granted than staging slots"));
+            self.core
+                .abort(Failure::invalid("more windows granted than staging slots"));
         }
         b
     }
 
     fn send(&mut self, grant: proto::Grant) {
-        let Some(mut slot) = self.take_slot() else { return };
+        let Some(mut slot) = self.take_slot() else {
+            return;
+        };
         let bs = self.s.params.block_size;
         let srcs: HashMap<FileId, Arc<crate::files::SourceFile>> = grant
             .extents
@@ -422,7 +441,9 @@ impl Driver<'_> {
     fn data_path(&mut self, ev: DpEvent) {
         match ev {
             DpEvent::WindowDone { id } => {
-                let Some(l) = self.lent.remove(&id) else { return };
+                let Some(l) = self.lent.remove(&id) else {
+                    return;
+                };
                 let (window, epoch) = (l.grant.window, l.grant.epoch);
                 match Direction::try_from(self.dir_of(&l.grant)) {
                     Ok(Direction::Push) => {
@@ -444,7 +465,8 @@ impl Driver<'_> {
                         self.spawn(move || {
                             #[cfg(debug_assertions)]
                             io::inject_faults(&mut slot, &grant.extents);
-                            let r = io::check_and_write(&slot, &grant.extents, &grant.digests, &dests);
+                            let r =
+                                io::check_and_write(&slot, &grant.extents, &grant.digests, &dests);
                             Done::Checked {
                                 window: grant.window,
                                 epoch: grant.epoch,
@@ -486,7 +508,7 @@ impl Driver<'_> {
             Done::Resume(file, r) => {
                 let r = r.map(|(dir, name, found)| {
                     let (resumed, held) = match found {
-                        Some((d, h)) => (Some(d), Some(h)),
+                        Some((d, h)) => (Some(Box::new(d)), Some(h)),
                         None => (None, None),
                     };
                     self.locals.insert(
@@ -540,7 +562,12 @@ impl Driver<'_> {
                         obs.progress(bytes);
                     }
                     if epoch > 0 {
-                        tracing::warn!(window, epoch, damaged_again = bad.len(), "pulled blocks read again after a digest mismatch");
+                        tracing::warn!(
+                            window,
+                            epoch,
+                            damaged_again = bad.len(),
+                            "pulled blocks read again after a digest mismatch"
+                        );
                     }
                 }
                 self.core.fetched(now, window, epoch, r);

@@ -300,7 +300,8 @@ impl ClientCore {
 
     /// The frame to send now, or a keepalive when due.
     pub fn poll_frame(&mut self, now: u64) -> Option<ClientFrame> {
-        if frame_is_empty(&self.out) && (self.phase == Phase::Ended || !self.live.keepalive_due(now))
+        if frame_is_empty(&self.out)
+            && (self.phase == Phase::Ended || !self.live.keepalive_due(now))
         {
             return None;
         }
@@ -360,7 +361,9 @@ impl ClientCore {
     }
 
     fn violation(&mut self, message: String) {
-        self.end(Err(Failure::invalid(format!("the server broke the protocol: {message}"))));
+        self.end(Err(Failure::invalid(format!(
+            "the server broke the protocol: {message}"
+        ))));
     }
 
     fn maybe_finish(&mut self) {
@@ -603,10 +606,7 @@ impl ClientCore {
                 ));
             }
             if g.epoch > p.max_retries {
-                return self.violation(format!(
-                    "window {} granted {} times",
-                    g.window, g.epoch
-                ));
+                return self.violation(format!("window {} granted {} times", g.window, g.epoch));
             }
         } else if g.epoch != 0 || self.finished.contains(g.window) {
             // A grant of a window already over: a duplicate.
@@ -661,7 +661,10 @@ impl ClientCore {
                 return Err(format!("window {} names unknown file {}", g.window, e.file));
             };
             if !matches!(f.state, State::Open | State::Creating) {
-                return Err(format!("window {} names file {} before it opened", g.window, e.file));
+                return Err(format!(
+                    "window {} names file {} before it opened",
+                    g.window, e.file
+                ));
             }
             if *dir.get_or_insert(f.spec.direction) != f.spec.direction {
                 return Err(format!("window {} mixes directions", g.window));
@@ -685,7 +688,10 @@ impl ClientCore {
             && (g.digests.len() != g.extents.len()
                 || g.digests.iter().any(|d| d.len() != p.digest_len))
         {
-            return Err(format!("window {}: digests do not match its extents", g.window));
+            return Err(format!(
+                "window {}: digests do not match its extents",
+                g.window
+            ));
         }
         Ok(dir)
     }
@@ -698,11 +704,11 @@ impl ClientCore {
         if w.state != WinState::Held {
             return;
         }
-        let ready = w
-            .grant
-            .extents
-            .iter()
-            .all(|e| self.files.get(&e.file).is_some_and(|f| f.state == State::Open));
+        let ready = w.grant.extents.iter().all(|e| {
+            self.files
+                .get(&e.file)
+                .is_some_and(|f| f.state == State::Open)
+        });
         if !ready {
             return;
         }
@@ -714,7 +720,13 @@ impl ClientCore {
 
     /// The answer to [`ClientAction::Send`]: the digest of each extent, in
     /// order.
-    pub fn sent(&mut self, now: u64, window: WindowId, epoch: u32, r: Result<Vec<Digest>, Failure>) {
+    pub fn sent(
+        &mut self,
+        now: u64,
+        window: WindowId,
+        epoch: u32,
+        r: Result<Vec<Digest>, Failure>,
+    ) {
         self.answered(now);
         if self.phase != Phase::Running {
             return;
@@ -757,7 +769,13 @@ impl ClientCore {
 
     /// The answer to [`ClientAction::Fetch`]: indices of the extents whose
     /// digest did not match (every other block is written).
-    pub fn fetched(&mut self, now: u64, window: WindowId, epoch: u32, r: Result<Vec<u32>, Failure>) {
+    pub fn fetched(
+        &mut self,
+        now: u64,
+        window: WindowId,
+        epoch: u32,
+        r: Result<Vec<u32>, Failure>,
+    ) {
         self.answered(now);
         if self.phase != Phase::Running {
             return;

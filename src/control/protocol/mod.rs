@@ -48,7 +48,6 @@ mod tests;
 
 use std::collections::{BTreeMap, BTreeSet};
 
-
 pub use client::{
     ClientAction, ClientCore, ClientEvent, FileDone, FileSpec, Held, LocalCommit, SourceMeta,
 };

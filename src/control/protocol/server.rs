@@ -3,10 +3,10 @@
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
+use super::EXTENT_ALIGN;
 use super::{
     Bitmap, Digest, DigestChain, Failure, FileId, IdSet, Liveness, Params, Reason, WindowId,
 };
-use super::EXTENT_ALIGN;
 use crate::proto::{self, ClientFrame, Direction, ServerFrame};
 
 /// Most extents in one window (a 4 MiB window of 4 KiB-aligned extents
@@ -366,8 +366,8 @@ impl ServerCore {
 
     /// A frame from the client.
     pub fn handle_frame(&mut self, now: u64, f: ClientFrame) {
-        let progress = !(f.open.is_empty() && f.done.is_empty() && f.end.is_empty())
-            || f.abort.is_some();
+        let progress =
+            !(f.open.is_empty() && f.done.is_empty() && f.end.is_empty()) || f.abort.is_some();
         self.live.heard(now, progress);
         if self.phase != Phase::Running {
             return;
@@ -724,7 +724,13 @@ impl ServerCore {
 
     /// The answer to [`ServerAction::Verify`]: indices of the extents whose
     /// digest did not match (every other one is written).
-    pub fn verified(&mut self, now: u64, window: WindowId, epoch: u32, r: Result<Vec<u32>, Failure>) {
+    pub fn verified(
+        &mut self,
+        now: u64,
+        window: WindowId,
+        epoch: u32,
+        r: Result<Vec<u32>, Failure>,
+    ) {
         self.answered(now);
         if self.phase != Phase::Running {
             return;
@@ -745,7 +751,10 @@ impl ServerCore {
     fn settle(&mut self, window: WindowId, mut bad: Vec<u32>) {
         bad.sort_unstable();
         bad.dedup();
-        let w = self.windows.get_mut(&window).expect("checked by the caller");
+        let w = self
+            .windows
+            .get_mut(&window)
+            .expect("checked by the caller");
         let (dir, epoch) = (w.dir, w.epoch);
         let extents = std::mem::take(&mut w.extents);
         let mut again = Vec::new();
@@ -787,7 +796,11 @@ impl ServerCore {
                     format!(
                         "{what} still did not match its digest after {} {}",
                         self.p.max_retries,
-                        if dir == Direction::Push { "resends" } else { "re-reads" }
+                        if dir == Direction::Push {
+                            "resends"
+                        } else {
+                            "re-reads"
+                        }
                     ),
                 ),
             );
@@ -798,7 +811,12 @@ impl ServerCore {
             w.extents = again.clone();
             w.digests.clear();
             let epoch = w.epoch;
-            tracing::debug!(window, epoch, blocks = again.len(), "granting damaged blocks again");
+            tracing::debug!(
+                window,
+                epoch,
+                blocks = again.len(),
+                "granting damaged blocks again"
+            );
             self.action(ServerAction::Grant {
                 window,
                 epoch,

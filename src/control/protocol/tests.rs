@@ -227,7 +227,11 @@ impl Sim {
         if !close && self.rng.chance(self.faults.drop) {
             return;
         }
-        let n = if !close && self.rng.chance(self.faults.dup) { 2 } else { 1 };
+        let n = if !close && self.rng.chance(self.faults.dup) {
+            2
+        } else {
+            1
+        };
         for _ in 0..n {
             let mut at = self.latency().max(self.to_server.last().map_or(0, |x| x.0));
             if close {
@@ -242,7 +246,11 @@ impl Sim {
         if !close && self.rng.chance(self.faults.drop) {
             return;
         }
-        let n = if !close && self.rng.chance(self.faults.dup) { 2 } else { 1 };
+        let n = if !close && self.rng.chance(self.faults.dup) {
+            2
+        } else {
+            1
+        };
         for _ in 0..n {
             let mut at = self.latency().max(self.to_client.last().map_or(0, |x| x.0));
             if close {
@@ -324,7 +332,10 @@ impl Sim {
     fn server_action_now(&mut self, a: ServerAction) {
         match a {
             ServerAction::Release { window } => {
-                assert!(self.seen.granted.contains(&window), "release of {window} never granted");
+                assert!(
+                    self.seen.granted.contains(&window),
+                    "release of {window} never granted"
+                );
                 *self.seen.released.entry(window).or_default() += 1;
                 self.rkeys.remove(&window);
                 self.windows.remove(&window);
@@ -463,11 +474,15 @@ impl Sim {
             ServerAction::Commit { files } => {
                 for (file, want) in files {
                     let r = self.publish(file, &want);
-                    self.server.committed(now, file, r.map(|digest| CommittedFile {
-                        digest,
-                        path: self.server_paths[&file].clone(),
-                        ..CommittedFile::default()
-                    }));
+                    self.server.committed(
+                        now,
+                        file,
+                        r.map(|digest| CommittedFile {
+                            digest,
+                            path: self.server_paths[&file].clone(),
+                            ..CommittedFile::default()
+                        }),
+                    );
                 }
             }
             other => panic!("not an I/O action: {other:?}"),
@@ -478,8 +493,16 @@ impl Sim {
     fn publish(&mut self, file: FileId, want: &[u8]) -> Result<Vec<u8>, Failure> {
         let d = self.dests.remove(&file).expect("a destination");
         let n = self.p.blocks(d.len);
-        assert_eq!(d.digests.len() as u64, n, "file {file} committed with blocks missing");
-        let got = file_digest(d.len, self.p.block_size, d.digests.values().map(Vec::as_slice));
+        assert_eq!(
+            d.digests.len() as u64,
+            n,
+            "file {file} committed with blocks missing"
+        );
+        let got = file_digest(
+            d.len,
+            self.p.block_size,
+            d.digests.values().map(Vec::as_slice),
+        );
         if got != want {
             return Err(Failure::new(Reason::Integrity, "file digest differs"));
         }
@@ -535,7 +558,8 @@ impl Sim {
                     let mem = self.windows.get_mut(&grant.window).expect("granted");
                     mem[e.offset as usize..e.offset as usize + b.len()].copy_from_slice(&b);
                 }
-                self.client.sent(now, grant.window, grant.epoch, Ok(digests));
+                self.client
+                    .sent(now, grant.window, grant.epoch, Ok(digests));
             }
             ClientAction::Fetch { grant } => {
                 assert_eq!(
@@ -614,7 +638,10 @@ impl Sim {
                 Direction::Push => &self.server_paths[file],
                 _ => &self.paths[file],
             };
-            assert!(by_path[path.as_str()] == data, "file {file} ({path}) published damaged");
+            assert!(
+                by_path[path.as_str()] == data,
+                "file {file} ({path}) published damaged"
+            );
         }
     }
 
@@ -626,7 +653,12 @@ impl Sim {
     /// reported done once.
     fn check_complete(&self) {
         self.check();
-        assert!(self.ok(), "ended {:?} / {:?}", self.seen.client_end, self.seen.server_end);
+        assert!(
+            self.ok(),
+            "ended {:?} / {:?}",
+            self.seen.client_end,
+            self.seen.server_end
+        );
         assert_eq!(self.seen.published.len(), self.paths.len());
         let mut done = self.seen.done_events.clone();
         done.sort_unstable();
@@ -634,7 +666,11 @@ impl Sim {
         want.sort_unstable();
         assert_eq!(done, want);
         for w in &self.seen.granted {
-            assert_eq!(self.seen.released.get(w), Some(&1), "window {w} not released");
+            assert_eq!(
+                self.seen.released.get(w),
+                Some(&1),
+                "window {w} not released"
+            );
         }
     }
 }
@@ -807,7 +843,11 @@ fn a_silent_server_ends_the_client_within_the_timeout() {
     }
     let (at, r) = ended.expect("the client gave up");
     assert_eq!(r.unwrap_err().reason, Reason::Retryable);
-    assert!(at <= p.timeout_ns, "gave up at {at}, timeout {}", p.timeout_ns);
+    assert!(
+        at <= p.timeout_ns,
+        "gave up at {at}, timeout {}",
+        p.timeout_ns
+    );
 }
 
 #[test]
@@ -1036,19 +1076,38 @@ fn a_window_of_tiny_files_fits_a_frame() {
             ..Default::default()
         })
         .collect();
-    s.handle_frame(0, ClientFrame { open, ..Default::default() });
+    s.handle_frame(
+        0,
+        ClientFrame {
+            open,
+            ..Default::default()
+        },
+    );
     let mut q: VecDeque<ServerAction> = VecDeque::new();
     while let Some(a) = s.poll_action() {
         q.push_back(a);
     }
     for a in q {
         if let ServerAction::Open { file, .. } = a {
-            s.opened(0, file, Ok(OpenedFile { length: 10, ..OpenedFile::default() }));
+            s.opened(
+                0,
+                file,
+                Ok(OpenedFile {
+                    length: 10,
+                    ..OpenedFile::default()
+                }),
+            );
         }
     }
     let mut grants = 0;
     while let Some(a) = s.poll_action() {
-        if let ServerAction::Grant { window, epoch, extents, .. } = a {
+        if let ServerAction::Grant {
+            window,
+            epoch,
+            extents,
+            ..
+        } = a
+        {
             grants += 1;
             assert_eq!(extents.len(), 1024, "4 MiB of 4 KiB-aligned extents");
             let ds = vec![vec![0u8; 32]; extents.len()];

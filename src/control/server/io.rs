@@ -106,7 +106,10 @@ impl StreamIo {
 
     /// Where a push lands: the directory and the final name, scp-style (an
     /// existing directory means "inside it").
-    fn push_target(&self, open: &proto::OpenFile) -> Result<(DirHandle, String, String), ControlError> {
+    fn push_target(
+        &self,
+        open: &proto::OpenFile,
+    ) -> Result<(DirHandle, String, String), ControlError> {
         let root = self.svc.root();
         let rel = fsutil::root_rel(&open.path);
         let rp = files::normalize(&rel)?;
@@ -131,12 +134,14 @@ impl StreamIo {
                     .ok_or_else(|| ControlError::Invalid("cannot write over the root".into()))?
                     .to_string();
                 let parent = fsutil::rel_str(&rp.parent());
-                let dir = self.dir(&parent, open.create_parents).map_err(|e| match e {
-                    ControlError::FileNotFound(_) | ControlError::DirNotFound(_) => {
-                        ControlError::DirNotFound(format!("{parent} (parent of {})", open.path))
-                    }
-                    e => e,
-                })?;
+                let dir = self
+                    .dir(&parent, open.create_parents)
+                    .map_err(|e| match e {
+                        ControlError::FileNotFound(_) | ControlError::DirNotFound(_) => {
+                            ControlError::DirNotFound(format!("{parent} (parent of {})", open.path))
+                        }
+                        e => e,
+                    })?;
                 Ok((dir, name, fsutil::rel_str(&rp)))
             }
             Err(e) => Err(e.into()),
@@ -242,7 +247,10 @@ impl StreamIo {
             let mem = slot.block.as_mut_slice();
             for e in extents {
                 let Some(Held::Pull { src }) = files.get(&e.file) else {
-                    return Err(Failure::new(Reason::Other, format!("file {} is not open", e.file)));
+                    return Err(Failure::new(
+                        Reason::Other,
+                        format!("file {} is not open", e.file),
+                    ));
                 };
                 let at = e.offset as usize;
                 fsutil::read_exact(src, e.block * self.bs, &mut mem[at..at + e.len as usize])
@@ -263,8 +271,12 @@ impl StreamIo {
         } else {
             Access::REMOTE_WRITE
         };
-        let span = PeerSpan::new(slot.block.arena(), slot.block.addr(), len.max(Self::used(extents)))
-            .expect("a window lies inside its slot");
+        let span = PeerSpan::new(
+            slot.block.arena(),
+            slot.block.addr(),
+            len.max(Self::used(extents)),
+        )
+        .expect("a window lies inside its slot");
         let reg = self.register(&span, access).map_err(fail)?;
         let r = (reg.addr(), reg.rkey(), digests);
         slot.reg = Some(reg);
@@ -273,7 +285,11 @@ impl StreamIo {
 
     /// Register a window, counting refusals for lack of lockable memory in
     /// rcp_memlock_failures_total.
-    fn register(&self, span: &PeerSpan, access: Access) -> Result<Arc<dyn Registration>, ControlError> {
+    fn register(
+        &self,
+        span: &PeerSpan,
+        access: Access,
+    ) -> Result<Arc<dyn Registration>, ControlError> {
         self.session.domain.register(span, access).map_err(|e| {
             if let crate::provider::ProviderError::Verbs(v) = &e {
                 if v.hint == crate::verbs::Hint::Memlock {
@@ -314,7 +330,10 @@ impl StreamIo {
                 continue;
             }
             let Some(Held::Push { dest, .. }) = files.get(&e.file) else {
-                return Err(Failure::new(Reason::Other, format!("file {} is not open", e.file)));
+                return Err(Failure::new(
+                    Reason::Other,
+                    format!("file {} is not open", e.file),
+                ));
             };
             let mut d = dest.lock().unwrap();
             let d = d
@@ -327,13 +346,21 @@ impl StreamIo {
                 .stats
                 .integrity_failures
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            tracing::warn!(blocks = bad.len(), "block digest mismatch: asking the client to resend");
+            tracing::warn!(
+                blocks = bad.len(),
+                "block digest mismatch: asking the client to resend"
+            );
         }
         Ok(bad)
     }
 
     /// [`ServerAction::Hash`](crate::control::protocol::ServerAction::Hash).
-    pub fn hash(&self, held: &Held, blocks: &[u64], length: u64) -> Result<Vec<(u64, Digest)>, Failure> {
+    pub fn hash(
+        &self,
+        held: &Held,
+        blocks: &[u64],
+        length: u64,
+    ) -> Result<Vec<(u64, Digest)>, Failure> {
         let Held::Pull { src } = held else {
             return Err(Failure::new(Reason::Other, "hash of a pushed file"));
         };
@@ -358,13 +385,19 @@ impl StreamIo {
 
     /// [`ServerAction::Commit`](crate::control::protocol::ServerAction::Commit):
     /// seal every file, then publish them as one batch.
-    pub fn commit(&self, files: Vec<(FileId, Held, Digest)>) -> Vec<(FileId, Result<CommittedFile, Failure>)> {
+    pub fn commit(
+        &self,
+        files: Vec<(FileId, Held, Digest)>,
+    ) -> Vec<(FileId, Result<CommittedFile, Failure>)> {
         let mut out = Vec::with_capacity(files.len());
         let mut sealed = Vec::new();
         let mut meta = Vec::new();
         for (file, held, digest) in files {
             let Held::Push { dest, path } = held else {
-                out.push((file, Err(Failure::new(Reason::Other, "commit of a pulled file"))));
+                out.push((
+                    file,
+                    Err(Failure::new(Reason::Other, "commit of a pulled file")),
+                ));
                 continue;
             };
             let Some(d) = dest.lock().unwrap().take() else {
@@ -374,7 +407,10 @@ impl StreamIo {
             let expected: [u8; 32] = match digest.as_slice().try_into() {
                 Ok(x) => x,
                 Err(_) => {
-                    out.push((file, Err(Failure::invalid("a file digest of the wrong length"))));
+                    out.push((
+                        file,
+                        Err(Failure::invalid("a file digest of the wrong length")),
+                    ));
                     continue;
                 }
             };

@@ -299,7 +299,9 @@ impl proto::rcp_server::Rcp for RcpService {
         req: Request<proto::CopyRequest>,
     ) -> std::result::Result<Response<Self::CopyStream>, Status> {
         let Some(c) = self.0.copier.clone() else {
-            return Err(Status::unimplemented("this rcpd does not copy to other rcpds"));
+            return Err(Status::unimplemented(
+                "this rcpd does not copy to other rcpds",
+            ));
         };
         Ok(Response::new(c.copy(self.0.clone(), req.into_inner())?))
     }

@@ -101,9 +101,10 @@ impl Service {
             ProviderKind::Tcp => proto::Provider::Tcp,
         };
         if !req.providers.contains(&(want as i32)) {
-            return Err(ControlError::Failed(crate::control::protocol::Failure::new(
-                Reason::Invalid,
-                format!(
+            return Err(ControlError::Failed(
+                crate::control::protocol::Failure::new(
+                    Reason::Invalid,
+                    format!(
                     "this rcpd runs the {} provider; the client offered {:?} (try --transport {})",
                     self.link.kind,
                     req.providers
@@ -114,7 +115,8 @@ impl Service {
                         .collect::<Vec<_>>(),
                     self.link.kind
                 ),
-            )));
+                ),
+            ));
         }
         if !req.checks.is_empty() && !req.checks.contains(&(proto::Check::Sha256 as i32)) {
             return Err(ControlError::Invalid(
@@ -226,7 +228,10 @@ impl Service {
         Ok(resp)
     }
 
-    pub(super) fn reconnect(&self, req: proto::ReconnectRequest) -> Result<proto::ReconnectResponse> {
+    pub(super) fn reconnect(
+        &self,
+        req: proto::ReconnectRequest,
+    ) -> Result<proto::ReconnectResponse> {
         let s = self.session(req.session_id)?;
         let epoch = s.epoch.fetch_add(1, Relaxed) as u32 + 1;
         match &s.qp {

@@ -26,9 +26,12 @@ const DIGEST_LEN: usize = 32;
 /// Times a damaged block moves again before its file fails.
 const MAX_RETRIES: u32 = 3;
 
+/// What opening a file gave.
+type OpenResult = Result<(Held, OpenedFile), Failure>;
+
 /// An answer from a blocking job.
 enum Done {
-    Opened(Vec<(FileId, Result<(Held, OpenedFile), Failure>)>),
+    Opened(Vec<(FileId, OpenResult)>),
     Granted {
         window: WindowId,
         epoch: u32,
@@ -224,9 +227,18 @@ impl Driver {
             Ok(()) => tracing::debug!("move stream done"),
             Err(f) => {
                 tracing::warn!(reason = ?f.reason, error = %f.message, files_open = open.len(), "move stream ended with an error");
-                self.svc.stats.transfers_failed.fetch_add(open.len().max(1) as u64, Relaxed);
+                self.svc
+                    .stats
+                    .transfers_failed
+                    .fetch_add(open.len().max(1) as u64, Relaxed);
                 for fi in open.values() {
-                    self.svc.metrics.transfer_ended(fi.dir, "error", 0, fi.started.elapsed().as_secs_f64(), None);
+                    self.svc.metrics.transfer_ended(
+                        fi.dir,
+                        "error",
+                        0,
+                        fi.started.elapsed().as_secs_f64(),
+                        None,
+                    );
                 }
                 let _ = self.tx.send(Err(f.into())).await;
             }
@@ -262,14 +274,23 @@ impl Driver {
                     self.slots.remove(&window);
                 }
                 ServerAction::Hash { file, blocks } => {
-                    let Some(fi) = self.files.get(&file) else { continue };
-                    let (io, held, len, tx) = (self.io.clone(), fi.held.clone(), fi.length, self.done_tx.clone());
+                    let Some(fi) = self.files.get(&file) else {
+                        continue;
+                    };
+                    let (io, held, len, tx) = (
+                        self.io.clone(),
+                        fi.held.clone(),
+                        fi.length,
+                        self.done_tx.clone(),
+                    );
                     tokio::task::spawn_blocking(move || {
                         let _ = tx.send(Done::Hashed(file, io.hash(&held, &blocks, len)));
                     });
                 }
                 ServerAction::CheckSource { file } => {
-                    let Some(fi) = self.files.get(&file) else { continue };
+                    let Some(fi) = self.files.get(&file) else {
+                        continue;
+                    };
                     let (io, held, tx) = (self.io.clone(), fi.held.clone(), self.done_tx.clone());
                     tokio::task::spawn_blocking(move || {
                         let _ = tx.send(Done::Checked(file, io.check_source(&held)));
@@ -289,7 +310,13 @@ impl Driver {
                     if let Some(fi) = self.files.remove(&file) {
                         if fi.dir == "pull" {
                             self.svc.stats.transfers_ok.fetch_add(1, Relaxed);
-                            self.svc.metrics.transfer_ended("pull", "ok", fi.length, fi.started.elapsed().as_secs_f64(), None);
+                            self.svc.metrics.transfer_ended(
+                                "pull",
+                                "ok",
+                                fi.length,
+                                fi.started.elapsed().as_secs_f64(),
+                                None,
+                            );
                         }
                         // A destination dropped uncommitted syncs its manifest.
                         tokio::task::spawn_blocking(move || drop(fi));
@@ -353,7 +380,10 @@ impl Driver {
             .await;
             let (slot, r) = match r {
                 Ok((s, r)) => (Some(s), r),
-                Err(e) => (None, Err(Failure::new(Reason::Other, format!("grant job: {e}")))),
+                Err(e) => (
+                    None,
+                    Err(Failure::new(Reason::Other, format!("grant job: {e}"))),
+                ),
             };
             let _ = tx.send(Done::Granted {
                 window,
@@ -364,10 +394,24 @@ impl Driver {
         });
     }
 
-    fn verify(&mut self, window: WindowId, epoch: u32, extents: Vec<proto::Extent>, expected: Vec<Digest>) {
+    fn verify(
+        &mut self,
+        window: WindowId,
+        epoch: u32,
+        extents: Vec<proto::Extent>,
+        expected: Vec<Digest>,
+    ) {
         let Some(mut slot) = self.slots.remove(&window) else {
             let now = self.now();
-            self.core.verified(now, window, epoch, Err(Failure::new(Reason::Other, "verify of a window without a slot")));
+            self.core.verified(
+                now,
+                window,
+                epoch,
+                Err(Failure::new(
+                    Reason::Other,
+                    "verify of a window without a slot",
+                )),
+            );
             return;
         };
         let files: HashMap<FileId, Held> = extents
@@ -438,7 +482,13 @@ impl Driver {
                     if let (Ok(c), Some(fi)) = (&r, self.files.get(&file)) {
                         self.svc.stats.transfers_ok.fetch_add(1, Relaxed);
                         self.svc.stats.bytes_in.fetch_add(c.length, Relaxed);
-                        self.svc.metrics.transfer_ended("push", "ok", c.length, fi.started.elapsed().as_secs_f64(), None);
+                        self.svc.metrics.transfer_ended(
+                            "push",
+                            "ok",
+                            c.length,
+                            fi.started.elapsed().as_secs_f64(),
+                            None,
+                        );
                     }
                     self.core.committed(now, file, r);
                 }
