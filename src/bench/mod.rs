@@ -295,8 +295,8 @@ pub fn format_human(o: &BenchOptions, m: &Measured) -> String {
 /// The server to connect to: `HOST`, `HOST:PORT`, `[V6]`, `[V6]:PORT` or a
 /// bare IPv6 address; the port defaults to [`DEFAULT_PORT`].
 pub fn server_addr(s: &str) -> Result<String, BenchError> {
-    let (host, port) =
-        crate::parse::host_port(s, DEFAULT_PORT).map_err(|e| BenchError::Invalid(e.to_string()))?;
+    let (host, port) = crate::parse::host_port(s, DEFAULT_PORT)
+        .map_err(|e| BenchError::Invalid(format!("{s:?} is not HOST[:PORT] ({})", e.why)))?;
     Ok(format!("{host}:{port}"))
 }
 
