@@ -12,7 +12,15 @@
 //!   [`datapath::DpEvent::WindowDone`], `close` for the [`datapath::Report`].
 //! - [`provider`]: the `Domain`/`Channel` interface the data path runs on (verbs or tcp).
 //! - [`bench`]: `rcp bench`, the perftest-like benchmark of the data path (loopback, server, client).
-//! - [`control`]: the gRPC control plane, rcpd's service, the client library and `rcp`'s logic.
+//! - [`files`]: files beneath a root, atomic destinations sealed and published in
+//!   batches, block digests and the derived file digest.
+//! - [`control`]: the gRPC control plane: the Move protocol's I/O-free cores
+//!   ([`control::protocol::ServerCore`], [`control::protocol::ClientCore`]), rcpd's
+//!   [`control::server::Service`], the client library ([`control::Client`],
+//!   [`control::Session`]: one data path per session, many files in flight), and
+//!   `rcp`'s jobs ([`control::jobs`]).
+//! - [`metrics`], [`doctor`]: Prometheus counters, `rcp doctor`'s checks.
+//! - [`parse`]: `HOST[:PORT]` and sizes, parsed once for every binary.
 
 pub mod bench;
 pub mod control;

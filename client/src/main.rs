@@ -2,11 +2,12 @@
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
+use indicatif::{ProgressBar, ProgressStyle};
 use rcp::control::client::{Observer, Quiet};
 use rcp::control::jobs::{self, parse_remote, Job, Totals};
 use rcp::control::{exit, Client, ClientOptions, ClientTls, ControlError, FileResult, Transport};
@@ -201,37 +202,32 @@ fn parse_size(s: &str) -> Result<u64, String> {
     Ok(v)
 }
 
+/// Progress on a terminal: one bar for the whole job (many files are in
+/// flight at once, their blocks sharing windows), with the files done.
 struct Bars {
-    multi: MultiProgress,
     total: ProgressBar,
-    file: Mutex<Option<ProgressBar>>,
+    started: AtomicU64,
+    done: AtomicU64,
+}
+
+impl Bars {
+    fn show(&self, last: &str) {
+        let (d, n) = (self.done.load(Relaxed), self.started.load(Relaxed));
+        self.total.set_message(format!("{d}/{n} files {last}"));
+    }
 }
 
 impl Observer for Bars {
-    fn file_start(&self, name: &str, len: u64) {
+    fn file_start(&self, _name: &str, len: u64) {
         self.total.inc_length(len);
-        let pb = self.multi.add(ProgressBar::new(len));
-        pb.set_style(
-            ProgressStyle::with_template(
-                "{wide_msg} {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}",
-            )
-            .expect("template"),
-        );
-        pb.set_message(name.to_string());
-        if let Some(old) = self.file.lock().unwrap().replace(pb) {
-            old.finish_and_clear();
-        }
+        self.started.fetch_add(1, Relaxed);
     }
     fn progress(&self, n: u64) {
         self.total.inc(n);
-        if let Some(pb) = &*self.file.lock().unwrap() {
-            pb.inc(n);
-        }
     }
-    fn file_done(&self, _r: &FileResult) {
-        if let Some(pb) = self.file.lock().unwrap().take() {
-            pb.finish_and_clear();
-        }
+    fn file_done(&self, r: &FileResult) {
+        self.done.fetch_add(1, Relaxed);
+        self.show(&r.path);
     }
 }
 
@@ -342,19 +338,18 @@ async fn run(c: Cli) -> Result<(), ControlError> {
         eprintln!("rcp: transport {}", session.transport);
     }
     let obs: Arc<dyn Observer> = if !c.quiet && std::io::stderr().is_terminal() {
-        let multi = MultiProgress::new();
-        let total = multi.add(ProgressBar::new(0));
+        let total = ProgressBar::new(0);
         total.set_style(
             ProgressStyle::with_template(
-                "total {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta} {wide_bar}",
+                "{bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta} {wide_bar} {msg}",
             )
             .expect("template"),
         );
         total.enable_steady_tick(Duration::from_millis(200));
         Arc::new(Bars {
-            multi,
             total,
-            file: Mutex::new(None),
+            started: AtomicU64::new(0),
+            done: AtomicU64::new(0),
         })
     } else {
         Arc::new(Quiet)
@@ -513,6 +508,7 @@ fn main() {
             std::process::exit(exit::OTHER);
         }
     };
+    rcp::control::raise_open_file_limit();
     match rt.block_on(run(c)) {
         Ok(()) => std::process::exit(exit::OK),
         Err(e) => {

@@ -50,7 +50,7 @@ struct Args {
     #[arg(long, env = "RCPD_MAX_TRANSFERS", default_value_t = 16)]
     max_transfers: usize,
     /// Files one session may have open at once.
-    #[arg(long, env = "RCPD_MAX_OPEN_FILES", default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    #[arg(long, env = "RCPD_MAX_OPEN_FILES", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=65536))]
     max_open_files: u32,
     /// Seconds a session's stream may wait without progress (or without a
     /// word from its client) before it is ended and its slots, windows and
@@ -63,9 +63,10 @@ struct Args {
     /// File holding the bearer token.
     #[arg(long, env = "RCPD_TOKEN_FILE")]
     token_file: Option<PathBuf>,
-    /// CPU for the completion thread of copies this rcpd makes (Copy API).
+    /// CPU for the completion thread of copies this rcpd makes (Copy API):
+    /// auto, none (the default) or a CPU number, as rcp's --cq-cpu.
     #[arg(long, env = "RCPD_CQ_CPU")]
-    cq_cpu: Option<usize>,
+    cq_cpu: Option<rcp::datapath::CqCpu>,
     /// Work requests per doorbell for copies this rcpd makes.
     #[arg(long, env = "RCPD_BATCH", default_value_t = 32)]
     batch: usize,
@@ -132,6 +133,23 @@ fn main() -> anyhow::Result<()> {
                 .with_context(|| format!("bad --log filter {:?}", a.log))?,
         )
         .init();
+    // auto: a CPU of the device's NUMA node (the same rule as rcp's).
+    let cq_cpu = a.cq_cpu.unwrap_or_default().for_thread(
+        a.device
+            .as_deref()
+            .and_then(rcp::mem::numa::device_numa_node),
+        0,
+    );
+    let nofile = rcp::control::raise_open_file_limit();
+    let want = a.max_transfers as u64 * u64::from(a.max_open_files) + 256;
+    if want > nofile {
+        tracing::warn!(
+            nofile,
+            max_transfers = a.max_transfers,
+            max_open_files = a.max_open_files,
+            "the open-file limit is below --max-transfers x --max-open-files: busy sessions may fail to open files"
+        );
+    }
     let token = match (&a.token, &a.token_file) {
         (Some(_), Some(_)) => bail!("give --token or --token-file, not both"),
         (Some(t), None) => Some(t.trim().to_string()),
@@ -163,7 +181,7 @@ fn main() -> anyhow::Result<()> {
         max_open_files: a.max_open_files,
         timeout: Duration::from_secs(a.timeout),
         token,
-        cq_cpu: a.cq_cpu,
+        cq_cpu,
         batch: a.batch,
         signal_every: a.signal_every,
         shutdown_grace: Duration::from_secs(a.shutdown_grace),

@@ -36,6 +36,24 @@ pub use error::{exit, ControlError};
 pub use link::Transport;
 pub use tls::{ClientTls, ServerTls};
 
+/// Raise this process's open-file limit to its hard limit: a session keeps
+/// a file descriptor per file in flight, rcpd one per file of every
+/// session. Returns the soft limit now in force.
+pub fn raise_open_file_limit() -> u64 {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok((soft, hard)) if soft < hard => match setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+            Ok(()) => hard,
+            Err(e) => {
+                tracing::warn!(error = %e, soft, hard, "cannot raise the open-file limit");
+                soft
+            }
+        },
+        Ok((soft, _)) => soft,
+        Err(_) => 1024,
+    }
+}
+
 /// Run blocking work from async code: on a worker of the multi-threaded
 /// runtime without stalling it, inline elsewhere.
 pub(crate) fn in_place<R>(f: impl FnOnce() -> R) -> R {

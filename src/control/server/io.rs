@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::OwnedSemaphorePermit;
 
-use super::{Service, Session};
+use super::{Service, SessionState};
 use crate::control::error::ControlError;
 use crate::control::fsutil;
 use crate::control::protocol::{
@@ -62,14 +62,14 @@ fn fail(e: impl Into<ControlError>) -> Failure {
 /// One Move stream's view of the service.
 pub(super) struct StreamIo {
     pub svc: Arc<Service>,
-    pub session: Arc<Session>,
+    pub session: Arc<SessionState>,
     pub bs: u64,
     /// Directories opened for this stream's pushes, by path.
     dirs: Mutex<HashMap<String, DirHandle>>,
 }
 
 impl StreamIo {
-    pub fn new(svc: Arc<Service>, session: Arc<Session>) -> Self {
+    pub fn new(svc: Arc<Service>, session: Arc<SessionState>) -> Self {
         let bs = session.block_size;
         StreamIo {
             svc,

@@ -36,7 +36,7 @@ use crate::files::{self, FileError, FileKind, PathError, Root, SourceFile};
 use crate::proto::{self, ClientFrame, ServerFrame};
 use crate::provider::ProviderKind;
 
-pub use session::{check_block_size, Session};
+pub use session::{check_block_size, SessionState};
 
 /// Server settings.
 #[derive(Clone, Debug)]
@@ -68,7 +68,7 @@ pub struct Service {
     cfg: ServiceConfig,
     link: Arc<ServerLink>,
     root: Root,
-    sessions: Mutex<HashMap<u64, Arc<Session>>>,
+    sessions: Mutex<HashMap<u64, Arc<SessionState>>>,
     transfers: Arc<Semaphore>,
     slots: Arc<Semaphore>,
     copier: Option<Arc<dyn Copier>>,

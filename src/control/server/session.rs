@@ -17,9 +17,9 @@ use crate::provider::tcp::SessionBinding;
 use crate::provider::{Access, Domain, ProviderKind};
 use crate::verbs::{QpEndpoint, VerbsChannel};
 
-/// One client's session: its own protection domain (its windows are
+/// One client's session as rcpd keeps it: its own protection domain (its windows are
 /// reachable only by its own data path) and, over verbs, its QP.
-pub struct Session {
+pub struct SessionState {
     pub kind: ProviderKind,
     pub block_size: u64,
     /// Windows this session may have granted at once, files open at once.
@@ -69,7 +69,7 @@ pub fn check_block_size(bs: u64, max: u64) -> Result<u64> {
 }
 
 impl Service {
-    pub(super) fn session(&self, id: u64) -> Result<Arc<Session>> {
+    pub(super) fn session(&self, id: u64) -> Result<Arc<SessionState>> {
         self.sessions
             .lock()
             .unwrap()
@@ -209,7 +209,7 @@ impl Service {
         }
         self.sessions.lock().unwrap().insert(
             id,
-            Arc::new(Session {
+            Arc::new(SessionState {
                 kind: self.link.kind,
                 block_size,
                 window_count,

@@ -126,7 +126,7 @@ struct Driver {
 }
 
 impl Driver {
-    fn new(svc: Arc<Service>, session: Arc<super::Session>, tx: Tx) -> Driver {
+    fn new(svc: Arc<Service>, session: Arc<super::SessionState>, tx: Tx) -> Driver {
         let p = Params {
             block_size: session.block_size,
             window_size: svc.link.window_size as u64,
