@@ -88,10 +88,20 @@ pub trait Registration: Send + Sync + fmt::Debug {
     fn access(&self) -> Access;
 }
 
-/// Memory registration (a protection domain). Dropping a registration
-/// revokes its rkey.
+/// Memory registration (a protection domain), or access to memory
+/// registered once (memory windows). Dropping a registration revokes its
+/// rkey.
 pub trait Domain: Send + Sync {
     fn kind(&self) -> ProviderKind;
+    /// Whether a registration's rkey reaches exactly its span (true), or
+    /// possibly more of the arena slot the span lies in (false: memory
+    /// windows on a device that checks only the bounds of the region a
+    /// window is bound into). Where false, whoever registers a span that
+    /// does not fill its slot keeps the rest of the slot free of anything
+    /// the peer may not see.
+    fn exact_bounds(&self) -> bool {
+        true
+    }
     fn register(
         &self,
         span: &PeerSpan,

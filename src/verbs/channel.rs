@@ -1,15 +1,19 @@
-//! The verbs provider: [`Domain`] over a PD, [`Channel`] over an RC QP.
+//! The verbs provider: [`Domain`] over a PD ([`VerbsDomain`]: a
+//! registration per grant) or over memory windows bound to one QP
+//! ([`MwDomain`]: the memory registered once), [`Channel`] over an RC QP.
 
+use std::fmt;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::cq::CompletionQueue;
+use super::mw::{MemoryWindow, MwPool, MW_TIMEOUT};
 use super::pd::{Access, MemoryRegion, ProtectionDomain};
 use super::post::PostScratch;
 use super::qp::{ConnectParams, QpEndpoint, QueuePair};
 use super::VerbsError;
 use crate::engine::{WorkCompletion, WorkRequest};
-use crate::mem::PeerSpan;
+use crate::mem::{Arena, PeerSpan};
 use crate::provider::{
     Channel, ChannelCaps, Domain, PostFailure, ProviderError, ProviderKind, Registration,
 };
@@ -50,6 +54,195 @@ impl Domain for VerbsDomain {
     }
 }
 
+/// An arena registered once, as one region per slot of `slot` bytes with
+/// LOCAL_WRITE | MW_BIND and no remote access of its own: memory windows
+/// are bound into the region of the slot a grant lies in. One region per
+/// slot rather than one for the arena bounds what a window's rkey can reach
+/// by the slot even on a device that checks only a window's region, not
+/// the window (rxe), and a slot is granted to one session at a time.
+pub struct RegisteredSlots {
+    base: u64,
+    slot: usize,
+    regions: Vec<Arc<MemoryRegion>>,
+}
+
+impl fmt::Debug for RegisteredSlots {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "RegisteredSlots({:#x}, {} x {} bytes)",
+            self.base,
+            self.regions.len(),
+            self.slot
+        )
+    }
+}
+
+impl RegisteredSlots {
+    /// Register every whole slot of `slot` bytes of `arena` in `pd`.
+    pub fn register(
+        pd: &Arc<ProtectionDomain>,
+        arena: &Arena,
+        slot: usize,
+        access: Access,
+    ) -> Result<RegisteredSlots, VerbsError> {
+        let count = arena.len() / slot.max(1);
+        let regions = (0..count)
+            .map(|i| {
+                let span = PeerSpan::new(arena, arena.addr() + (i * slot) as u64, slot)
+                    .expect("a slot lies inside its arena");
+                pd.register_span(&span, access).map(Arc::new)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(RegisteredSlots {
+            base: arena.addr(),
+            slot,
+            regions,
+        })
+    }
+
+    /// The region holding all of `[addr, addr+len)`, if one slot does.
+    pub fn region_of(&self, addr: u64, len: usize) -> Option<&Arc<MemoryRegion>> {
+        let i = usize::try_from(addr.checked_sub(self.base)? / self.slot as u64).ok()?;
+        self.regions.get(i).filter(|r| r.covers(addr, len))
+    }
+
+    /// How many slots (regions).
+    pub fn len(&self) -> usize {
+        self.regions.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.regions.is_empty()
+    }
+
+    pub fn slot_size(&self) -> usize {
+        self.slot
+    }
+}
+
+/// One session's domain when the memory is registered once: a grant binds
+/// a type-2 memory window of `pool` over the granted span (in the region of
+/// its slot) to the session's QP (`channel`), so its rkey works through
+/// that QP only, and the registration it returns invalidates the window
+/// when dropped.
+pub struct MwDomain {
+    /// The arena, registered once per slot in the PD of `channel`'s QP.
+    pub slots: Arc<RegisteredSlots>,
+    pub pool: Arc<MwPool>,
+    pub channel: Arc<VerbsChannel>,
+}
+
+impl Domain for MwDomain {
+    fn kind(&self) -> ProviderKind {
+        ProviderKind::Verbs
+    }
+
+    /// A window's rkey reaches at most the slot it lies in: exactly the
+    /// window where the device checks window bounds, as the verbs spec
+    /// says; the whole slot where it checks only the region's (rxe).
+    fn exact_bounds(&self) -> bool {
+        false
+    }
+
+    fn register(
+        &self,
+        span: &PeerSpan,
+        access: Access,
+    ) -> Result<Arc<dyn Registration>, ProviderError> {
+        let mr = self
+            .slots
+            .region_of(span.addr(), span.len())
+            .ok_or_else(|| {
+                ProviderError::Protocol(format!(
+                    "{span:?} does not lie in one slot of {:?}",
+                    self.slots
+                ))
+            })?;
+        let mut mw = self.pool.take()?;
+        match self
+            .channel
+            .bind_window(&mut mw, mr, span.addr(), span.len(), access)
+        {
+            Ok(rkey) => Ok(Arc::new(WindowRegistration {
+                mw: Mutex::new(Some(mw)),
+                pool: self.pool.clone(),
+                channel: self.channel.clone(),
+                lkey: mr.lkey(),
+                rkey,
+                addr: span.addr(),
+                len: span.len(),
+                access: access.remote(),
+            })),
+            Err(e) => {
+                self.pool.put(mw);
+                Err(e.into())
+            }
+        }
+    }
+}
+
+/// A granted span as a bound memory window: dropping it invalidates the
+/// window on its QP (or, when that fails, deallocates it) before the window
+/// goes back to the pool, so its rkey fails from then on.
+pub struct WindowRegistration {
+    mw: Mutex<Option<MemoryWindow>>,
+    pool: Arc<MwPool>,
+    channel: Arc<VerbsChannel>,
+    lkey: u32,
+    rkey: u32,
+    addr: u64,
+    len: usize,
+    access: Access,
+}
+
+impl fmt::Debug for WindowRegistration {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "MW({:#x}+{} rkey={:#x} {:?})",
+            self.addr, self.len, self.rkey, self.access
+        )
+    }
+}
+
+impl Registration for WindowRegistration {
+    fn lkey(&self) -> u32 {
+        self.lkey
+    }
+    fn rkey(&self) -> u32 {
+        self.rkey
+    }
+    fn addr(&self) -> u64 {
+        self.addr
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn access(&self) -> Access {
+        self.access
+    }
+}
+
+impl Drop for WindowRegistration {
+    fn drop(&mut self) {
+        let Some(mut mw) = self.mw.get_mut().unwrap().take() else {
+            return;
+        };
+        if let Err(e) = self.channel.invalidate_window(&mut mw) {
+            // Refused before posting (bound before a reconnect) or failed
+            // (the QP is in the error state): the pool deallocates it, which
+            // revokes the rkey whatever the device kept.
+            if e.errno == libc::EINVAL {
+                tracing::debug!(rkey = format_args!("{:#x}", self.rkey), error = %e, "memory window revoked by deallocation");
+            } else {
+                tracing::warn!(rkey = format_args!("{:#x}", self.rkey), error = %e, "memory window revoked by deallocation");
+            }
+        }
+        self.pool.put(mw);
+    }
+}
+
 /// An RC QP and its send CQ as a provider channel.
 pub struct VerbsChannel {
     qp: Mutex<QueuePair>,
@@ -87,6 +280,45 @@ impl VerbsChannel {
     /// reconnect; returns the new endpoint to send to the peer.
     pub fn reset(&self) -> Result<QpEndpoint, VerbsError> {
         self.qp.lock().unwrap().reset()
+    }
+
+    /// Reset the QP and connect it to `remote` again in one step (nothing
+    /// is bound or posted in between); returns the new endpoint.
+    pub fn reconnect(
+        &self,
+        remote: &QpEndpoint,
+        p: &ConnectParams,
+    ) -> Result<QpEndpoint, VerbsError> {
+        let mut qp = self.qp.lock().unwrap();
+        let ep = qp.reset()?;
+        qp.handshake(remote, p)?;
+        Ok(ep)
+    }
+
+    /// Bind `mw` to this channel's QP over `[addr, addr+len)` of `mr`
+    /// ([`MemoryWindow::bind`]); the new rkey. Only for a QP whose CQ no
+    /// data path polls (rcpd's).
+    pub fn bind_window(
+        &self,
+        mw: &mut MemoryWindow,
+        mr: &Arc<MemoryRegion>,
+        addr: u64,
+        len: usize,
+        access: Access,
+    ) -> Result<u32, VerbsError> {
+        let mut qp = self.qp.lock().unwrap();
+        mw.bind(&mut qp, mr, addr, len, access, MW_TIMEOUT)
+    }
+
+    /// Invalidate `mw` on this channel's QP ([`MemoryWindow::invalidate`]).
+    pub fn invalidate_window(&self, mw: &mut MemoryWindow) -> Result<(), VerbsError> {
+        let mut qp = self.qp.lock().unwrap();
+        mw.invalidate(&mut qp, MW_TIMEOUT)
+    }
+
+    /// The QP number.
+    pub fn qpn(&self) -> u32 {
+        self.qp.lock().unwrap().qpn()
     }
 
     /// Force the QP into the error state (flushes outstanding WRs).

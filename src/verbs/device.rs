@@ -1,6 +1,7 @@
 //! Devices: list, open by name, capabilities and port attributes.
 
 use std::ffi::CStr;
+use std::fmt;
 use std::sync::Arc;
 
 use rdma_sys::*;
@@ -17,8 +18,58 @@ pub struct DeviceCaps {
     pub max_qp_rd_atom: u32,
     pub max_qp_init_rd_atom: u32,
     pub max_mr_size: u64,
+    /// Memory windows the device can have allocated at once.
     pub max_mw: u32,
+    /// Which memory windows the device supports (`device_cap_flags`).
+    pub mem_windows: MemWindowCaps,
     pub phys_port_cnt: u8,
+}
+
+/// The memory-window bits of `device_cap_flags`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MemWindowCaps {
+    /// IBV_DEVICE_MEM_WINDOW: memory windows at all (type 1).
+    pub any: bool,
+    /// IBV_DEVICE_MEM_WINDOW_TYPE_2A: type 2 windows bound to a QP number.
+    pub type_2a: bool,
+    /// IBV_DEVICE_MEM_WINDOW_TYPE_2B: type 2 windows bound to a QP number
+    /// and PD (rxe).
+    pub type_2b: bool,
+}
+
+impl MemWindowCaps {
+    pub fn from_flags(flags: u32) -> MemWindowCaps {
+        let has = |f: ibv_device_cap_flags| flags & f.0 == f.0;
+        MemWindowCaps {
+            any: has(ibv_device_cap_flags::IBV_DEVICE_MEM_WINDOW),
+            type_2a: has(ibv_device_cap_flags::IBV_DEVICE_MEM_WINDOW_TYPE_2A),
+            type_2b: has(ibv_device_cap_flags::IBV_DEVICE_MEM_WINDOW_TYPE_2B),
+        }
+    }
+
+    /// Type 2 windows (2A or 2B): bound by a work request on one QP.
+    pub fn type_2(&self) -> bool {
+        self.type_2a || self.type_2b
+    }
+}
+
+impl fmt::Display for MemWindowCaps {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut v = Vec::new();
+        if self.any {
+            v.push("MEM_WINDOW");
+        }
+        if self.type_2a {
+            v.push("MEM_WINDOW_TYPE_2A");
+        }
+        if self.type_2b {
+            v.push("MEM_WINDOW_TYPE_2B");
+        }
+        if v.is_empty() {
+            v.push("no memory windows");
+        }
+        f.write_str(&v.join("|"))
+    }
 }
 
 /// Port link layer.
@@ -177,6 +228,7 @@ impl Context {
                 max_qp_init_rd_atom: attr.max_qp_init_rd_atom.max(0) as u32,
                 max_mr_size: attr.max_mr_size,
                 max_mw: attr.max_mw.max(0) as u32,
+                mem_windows: MemWindowCaps::from_flags(attr.device_cap_flags),
                 phys_port_cnt: attr.phys_port_cnt,
             };
             Ok(Arc::new(Context {
@@ -318,5 +370,20 @@ mod tests {
         assert_eq!(mtu_enum(1500), ibv_mtu::IBV_MTU_1024);
         assert_eq!(mtu_bytes(mtu_enum(2048)), 2048);
         assert_eq!(mtu_bytes(mtu_enum(100)), 256);
+    }
+
+    #[test]
+    fn memory_window_flags() {
+        // What rxe advertises: MEM_WINDOW | MEM_WINDOW_TYPE_2B.
+        let rxe = MemWindowCaps::from_flags(
+            ibv_device_cap_flags::IBV_DEVICE_MEM_WINDOW.0
+                | ibv_device_cap_flags::IBV_DEVICE_MEM_WINDOW_TYPE_2B.0
+                | ibv_device_cap_flags::IBV_DEVICE_RC_RNR_NAK_GEN.0,
+        );
+        assert!(rxe.any && rxe.type_2b && !rxe.type_2a && rxe.type_2());
+        assert_eq!(rxe.to_string(), "MEM_WINDOW|MEM_WINDOW_TYPE_2B");
+        let type1 = MemWindowCaps::from_flags(ibv_device_cap_flags::IBV_DEVICE_MEM_WINDOW.0);
+        assert!(!type1.type_2());
+        assert!(!MemWindowCaps::from_flags(0).type_2());
     }
 }

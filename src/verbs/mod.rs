@@ -3,11 +3,15 @@
 //! Ownership follows the verbs object tree: a [`QueuePair`] holds its
 //! [`ProtectionDomain`] and [`CompletionQueue`]s, which hold the
 //! [`Context`]; a [`MemoryRegion`] holds its PD and the arena mapping it
-//! covers. Nothing is destroyed while a child lives.
+//! covers; a [`MemoryWindow`] holds its PD and, while it may be bound, the
+//! region it is bound into. Nothing is destroyed while a child lives.
 //!
 //! `unsafe` invariants, where they live:
 //! - `ibv_*` handles are valid from creation to `Drop` (each type's `Drop`);
 //! - registered memory stays mapped while its `MemoryRegion` lives (`pd.rs`);
+//! - a memory window keeps its region registered while it may be bound, and
+//!   one whose bind or invalidate did not succeed is revoked by
+//!   deallocation, never reused (`mw.rs`);
 //! - [`QueuePair::post_send`] is `unsafe`: the caller owns each local buffer
 //!   until the completion that retires its request (`qp.rs`);
 //! - every completion event is acked before the CQ is destroyed (`cq.rs`);
@@ -20,16 +24,20 @@ pub mod device;
 pub mod error;
 pub mod events;
 pub mod gid;
+pub mod mw;
 pub mod pd;
 pub mod post;
 pub mod qp;
 
-pub use channel::{VerbsChannel, VerbsDomain};
+pub use channel::{MwDomain, RegisteredSlots, VerbsChannel, VerbsDomain, WindowRegistration};
 pub use cq::{CompletionChannel, CompletionQueue, POLL_BATCH};
-pub use device::{device_names, Context, DeviceCaps, LinkLayer, PortAttr, PortState};
+pub use device::{
+    device_names, Context, DeviceCaps, LinkLayer, MemWindowCaps, PortAttr, PortState,
+};
 pub use error::{Hint, VerbsError};
 pub use events::{AsyncEvent, AsyncEventKind, AsyncEvents, PortWatcher};
 pub use gid::{choose_gid, gid_table, Gid, GidChoice, GidEntry, GidType};
+pub use mw::{MemoryWindow, MwPool, MwState};
 pub use pd::{Access, MemoryRegion, ProtectionDomain};
 pub use post::PostScratch;
 pub use qp::{ConnectParams, PostError, QpConfig, QpEndpoint, QpState, QueuePair};

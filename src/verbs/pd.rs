@@ -27,6 +27,10 @@ impl Access {
     );
     /// Peers may RDMA READ from it (pull windows).
     pub const REMOTE_READ: Access = Access(ibv_access_flags::IBV_ACCESS_REMOTE_READ.0);
+    /// Memory windows may be bound to it (a region registered once whose
+    /// remote access is granted window by window, [`super::mw`]). Gives no
+    /// remote access of its own.
+    pub const MW_BIND: Access = Access(ibv_access_flags::IBV_ACCESS_MW_BIND.0);
 
     pub fn bits(self) -> u32 {
         self.0
@@ -42,6 +46,15 @@ impl Access {
 
     pub fn remote_read(self) -> bool {
         self.0 & ibv_access_flags::IBV_ACCESS_REMOTE_READ.0 != 0
+    }
+
+    /// Only the remote rights (what a memory window may carry).
+    pub fn remote(self) -> Access {
+        Access(
+            self.0
+                & (ibv_access_flags::IBV_ACCESS_REMOTE_READ.0
+                    | ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0),
+        )
     }
 }
 
@@ -63,6 +76,9 @@ impl fmt::Debug for Access {
         }
         if self.remote_read() {
             v.push("REMOTE_READ");
+        }
+        if self.contains(Access::MW_BIND) {
+            v.push("MW_BIND");
         }
         if v.is_empty() {
             v.push("LOCAL_READ");
@@ -217,6 +233,25 @@ impl MemoryRegion {
     }
     pub fn access(&self) -> Access {
         self.access
+    }
+
+    /// Whether `[addr, addr+len)` lies inside the registration.
+    pub fn covers(&self, addr: u64, len: usize) -> bool {
+        addr >= self.addr
+            && (addr - self.addr)
+                .checked_add(len as u64)
+                .is_some_and(|end| end <= self.len as u64)
+    }
+
+    /// The PD it is registered in.
+    pub fn pd(&self) -> &Arc<ProtectionDomain> {
+        &self._pd
+    }
+
+    /// The handle, for work requests that name the region (a memory-window
+    /// bind). Valid while `self` lives.
+    pub(crate) fn raw(&self) -> *mut ibv_mr {
+        self.mr
     }
 }
 

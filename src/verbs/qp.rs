@@ -3,6 +3,7 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use rdma_sys::*;
 
@@ -12,7 +13,7 @@ use super::error::{Hint, VerbsError};
 use super::gid::Gid;
 use super::pd::{Access, ProtectionDomain};
 use super::post::PostScratch;
-use crate::engine::{OpKind, WorkRequest};
+use crate::engine::{OpKind, WcStatus, WorkCompletion, WorkRequest};
 
 /// What the peer needs to reach this QP (exchanged over the control plane).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -97,6 +98,9 @@ pub struct QueuePair {
     local: QpEndpoint,
     state: QpState,
     path_mtu: u32,
+    /// Resets so far: a memory window bound before one is revoked by
+    /// deallocating it, never by an invalidate the device may refuse.
+    resets: u64,
 }
 
 // SAFETY: ibv_post_send and ibv_modify_qp are thread-safe in libibverbs;
@@ -203,6 +207,7 @@ impl QueuePair {
             },
             state: QpState::Reset,
             path_mtu: port.active_mtu,
+            resets: 0,
         };
         me.move_to_init()?;
         Ok(me)
@@ -390,6 +395,7 @@ impl QueuePair {
             "ibv_modify_qp(RESET)",
         )?;
         self.state = QpState::Reset;
+        self.resets += 1;
         let ctx = self.pd.context().clone();
         let port = ctx.port(self.cfg.port)?;
         self.local.gid = super::gid::query_gid(&ctx, self.cfg.port, self.cfg.gid_index)?;
@@ -398,6 +404,97 @@ impl QueuePair {
         self.local.psn = random_psn();
         self.move_to_init()?;
         Ok(self.local)
+    }
+
+    /// How many times the QP was reset ([`QueuePair::reset`]).
+    pub fn resets(&self) -> u64 {
+        self.resets
+    }
+
+    /// Post one signaled work request built by hand (a memory-window bind
+    /// or a local invalidate, [`super::mw`]). Only in RTS: a request posted
+    /// in another state is refused here, not queued.
+    ///
+    /// # Safety
+    /// Every handle `wr` names (a memory window, the memory region of a
+    /// bind) stays valid until the request completes, and the remote access
+    /// a bind gives (to the span it names, for the peer of this QP) is the
+    /// caller's to give: nothing else owns those bytes while the window is
+    /// bound (as for a registration with remote access).
+    pub(crate) unsafe fn post_one(&self, wr: &mut ibv_send_wr) -> Result<(), VerbsError> {
+        if self.state != QpState::Rts {
+            return Err(VerbsError::new(
+                "ibv_post_send",
+                libc::EINVAL,
+                format!(
+                    "QP {:#x} is {:?}, not RTS: nothing can be bound or invalidated on it",
+                    self.local.qpn, self.state
+                ),
+            ));
+        }
+        wr.next = std::ptr::null_mut();
+        wr.send_flags |= ibv_send_flags::IBV_SEND_SIGNALED.0;
+        let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
+        // SAFETY: qp is valid; `wr` is one complete request (next is null)
+        // that lives for the call; the handles it names are valid until its
+        // completion (the caller's contract).
+        let rc = unsafe { ibv_post_send(self.qp, wr, &mut bad) };
+        if rc != 0 {
+            return Err(VerbsError::new(
+                "ibv_post_send",
+                rc,
+                format!("opcode {} on QP {:#x}", wr.opcode, self.local.qpn),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Wait up to `timeout` for the completion of `wr_id` on the send CQ
+    /// and return its status. Completions of other requests are dropped:
+    /// use it only on a QP whose CQ nobody else polls (rcpd's, which only
+    /// respond to their peer and post nothing but binds and invalidates).
+    pub(crate) fn wait_send(&self, wr_id: u64, timeout: Duration) -> Result<WcStatus, VerbsError> {
+        let mut wc = [WorkCompletion {
+            wr_id: 0,
+            status: WcStatus::Success,
+            byte_len: 0,
+        }; 4];
+        let t = Instant::now();
+        let mut polls = 0u32;
+        loop {
+            let n = self.send_cq.poll(&mut wc)?;
+            for c in &wc[..n] {
+                if c.wr_id == wr_id {
+                    return Ok(c.status);
+                }
+                tracing::debug!(
+                    wr_id = c.wr_id,
+                    status = c.status.label(),
+                    qpn = self.local.qpn,
+                    "a stale completion dropped"
+                );
+            }
+            if t.elapsed() >= timeout {
+                return Err(VerbsError::new(
+                    "ibv_poll_cq",
+                    libc::ETIMEDOUT,
+                    format!(
+                        "waiting {timeout:?} for request {wr_id:#x} on QP {:#x}",
+                        self.local.qpn
+                    ),
+                ));
+            }
+            // A local operation completes in microseconds: spin briefly,
+            // then give the CPU away between polls.
+            polls += 1;
+            if polls < 64 {
+                std::hint::spin_loop();
+            } else if polls < 256 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+        }
     }
 
     /// Move to the error state (flushes every outstanding WR with
