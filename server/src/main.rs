@@ -10,6 +10,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::{CommandFactory, Parser};
 use rcp::control::daemon::{self, DaemonConfig};
+use rcp::control::link::MemoryWindows;
 use rcp::control::{ServerTls, Transport};
 
 #[derive(Parser, Debug)]
@@ -46,6 +47,12 @@ struct Args {
     /// hugetlbfs mount to allocate the arena from.
     #[arg(long, env = "RCPD_HUGEPAGE_DIR")]
     hugepage_dir: Option<PathBuf>,
+    /// Verbs: auto (register the arena once and grant each window through a
+    /// type-2 memory window bound to the session's QP, where the device has
+    /// them; else a registration per grant), on (memory windows or fail),
+    /// off (a protection domain per session, a registration per grant).
+    #[arg(long, env = "RCPD_MEMORY_WINDOWS", default_value = "auto")]
+    memory_windows: MemoryWindows,
     /// Transfers served at once; more wait (back-pressure), they do not fail.
     #[arg(long, env = "RCPD_MAX_TRANSFERS", default_value_t = 16)]
     max_transfers: usize,
@@ -177,6 +184,7 @@ fn main() -> anyhow::Result<()> {
         gid_index: a.gid_index,
         arena_mib: a.arena_mib,
         hugepage_dir: a.hugepage_dir,
+        memory_windows: a.memory_windows,
         max_transfers: a.max_transfers,
         max_open_files: a.max_open_files,
         timeout: Duration::from_secs(a.timeout),

@@ -18,7 +18,7 @@ use super::auth::CheckBearer;
 use super::client::ClientOptions;
 use super::copy::CopyService;
 use super::error::{ControlError, Result};
-use super::link::{resolve_transport, ServerLink, ServerLinkConfig, Transport};
+use super::link::{resolve_transport, MemoryWindows, ServerLink, ServerLinkConfig, Transport};
 use super::server::{RcpService, Service, ServiceConfig};
 use super::{Stats, MAX_MESSAGE, WINDOW_SIZE};
 use crate::proto::rcp_server::RcpServer;
@@ -35,6 +35,9 @@ pub struct DaemonConfig {
     pub gid_index: Option<u32>,
     pub arena_mib: usize,
     pub hugepage_dir: Option<PathBuf>,
+    /// Verbs: grant windows through memory windows (the arena registered
+    /// once) or with a registration each.
+    pub memory_windows: MemoryWindows,
     pub max_transfers: usize,
     pub token: Option<String>,
     pub cq_cpu: Option<usize>,
@@ -96,6 +99,7 @@ pub async fn run(
         hugepage_dir: cfg.hugepage_dir.clone(),
         window_size: WINDOW_SIZE,
         tcp_listen: SocketAddr::new(cfg.listen.ip(), 0),
+        memory_windows: cfg.memory_windows,
     };
     let link = tokio::task::spawn_blocking(move || ServerLink::open(&lcfg))
         .await

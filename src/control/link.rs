@@ -1,5 +1,6 @@
 //! Provider setup for both ends: the client's staging memory and channel,
-//! the server's window arena, domain, TCP target and per-session QPs.
+//! the server's window arena (registered once for memory windows, or per
+//! grant), TCP target and per-session QPs and domains.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -10,8 +11,9 @@ use crate::mem::{Arena, ArenaConfig, BlockPool, PeerSpan};
 use crate::provider::tcp::{SessionBinding, TcpChannel, TcpDomain, TcpTarget, DEFAULT_CONNS};
 use crate::provider::{Access, Channel, Domain, ProviderKind, Registration};
 use crate::verbs::{
-    device_names, CompletionChannel, CompletionQueue, ConnectParams, Context, Gid,
-    ProtectionDomain, QpConfig, QpEndpoint, QueuePair, VerbsChannel, VerbsDomain,
+    device_names, CompletionChannel, CompletionQueue, ConnectParams, Context, Gid, MwDomain,
+    MwPool, ProtectionDomain, QpConfig, QpEndpoint, QueuePair, RegisteredSlots, VerbsChannel,
+    VerbsDomain,
 };
 
 use super::error::{ControlError, Result};
@@ -182,13 +184,14 @@ impl Device {
         .map_err(provider)
     }
 
-    pub fn params(&self, qp: &QueuePair) -> proto::VerbsParams {
+    /// The verbs parameters of `ch`'s QP for the peer.
+    pub fn params(&self, ch: &VerbsChannel) -> proto::VerbsParams {
         let caps = self.ctx.caps();
         proto::VerbsParams {
-            endpoint: Some(ep_to_proto(&qp.endpoint())),
+            endpoint: Some(ep_to_proto(&ch.endpoint())),
             max_qp_rd_atom: caps.max_qp_rd_atom,
             max_qp_init_rd_atom: caps.max_qp_init_rd_atom,
-            max_inline: qp.max_inline(),
+            max_inline: ch.caps().max_inline,
         }
     }
 }
@@ -349,6 +352,34 @@ impl ClientLink {
     }
 }
 
+/// Whether rcpd gives access to its windows through memory windows
+/// (`--memory-windows`, `RCPD_MEMORY_WINDOWS`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum MemoryWindows {
+    /// Memory windows where the device has type-2 windows, else a
+    /// registration per grant (said once in the log, with the reason).
+    #[default]
+    Auto,
+    /// Memory windows or rcpd does not start.
+    On,
+    /// A protection domain per session and a registration per grant.
+    Off,
+}
+
+impl std::str::FromStr for MemoryWindows {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "auto" => Ok(MemoryWindows::Auto),
+            "on" => Ok(MemoryWindows::On),
+            "off" => Ok(MemoryWindows::Off),
+            o => Err(format!(
+                "unknown memory-windows mode {o:?} (auto, on or off)"
+            )),
+        }
+    }
+}
+
 /// How the server builds its memory and provider.
 #[derive(Clone, Debug)]
 pub struct ServerLinkConfig {
@@ -360,18 +391,46 @@ pub struct ServerLinkConfig {
     pub window_size: usize,
     /// Where the TCP target listens (port 0: ephemeral).
     pub tcp_listen: SocketAddr,
+    /// Verbs: memory windows or a registration per grant.
+    pub memory_windows: MemoryWindows,
+}
+
+/// How a verbs rcpd makes a granted window reachable.
+pub enum WindowAccess {
+    /// The arena registered once at start (a region per window slot, in
+    /// the device's PD, where every session's QP lives); a grant binds a
+    /// type-2 memory window of `pool` to the session's QP.
+    MemoryWindows {
+        slots: Arc<RegisteredSlots>,
+        pool: Arc<MwPool>,
+    },
+    /// A protection domain per session (its QP in it) and a registration
+    /// per grant in it: the device has no type-2 memory windows, or
+    /// `--memory-windows off`, or the TCP provider (whose per-grant
+    /// registration is a table entry).
+    PerGrant {
+        /// Why (for the log and `doctor`-style reports).
+        reason: String,
+    },
 }
 
 /// The server's provider: window slots of its arena, the device (verbs) or
-/// the TCP target, and a protection domain per session
-/// ([`ServerLink::session_domain`]) to register the windows it is granted.
+/// the TCP target, how windows are made reachable ([`WindowAccess`]), and
+/// a domain per session ([`ServerLink::session_domain`]) through which the
+/// windows granted to it are reachable.
 pub struct ServerLink {
     pub kind: ProviderKind,
     pub device: Option<Device>,
     pub tcp_target: Option<TcpTarget>,
+    pub windows: WindowAccess,
     pub slots: BlockPool,
     pub window_size: usize,
 }
+
+/// rcpd's side of a session's QP: it only responds to the client's
+/// requests; its send queue carries the binds and invalidates of memory
+/// windows, one at a time.
+const SERVER_SQ_DEPTH: u32 = 16;
 
 impl ServerLink {
     pub fn open(cfg: &ServerLinkConfig) -> Result<ServerLink> {
@@ -384,6 +443,12 @@ impl ServerLink {
         acfg.numa_node = device.as_ref().and_then(|d| d.ctx.numa_node());
         let arena =
             Arena::new(&acfg).map_err(|e| ControlError::Other(format!("window arena: {e}")))?;
+        let windows = match &device {
+            Some(dev) => window_access(dev, &arena, cfg)?,
+            None => WindowAccess::PerGrant {
+                reason: "the tcp provider registers each grant (a table entry)".into(),
+            },
+        };
         let slots = arena
             .into_pool(cfg.window_size)
             .map_err(|e| ControlError::Other(format!("window arena: {e}")))?;
@@ -397,44 +462,139 @@ impl ServerLink {
             kind: cfg.kind,
             device,
             tcp_target,
+            windows,
             slots,
             window_size: cfg.window_size,
         })
     }
+
+    /// Whether grants bind memory windows (else: a registration each).
+    pub fn memory_windows(&self) -> bool {
+        matches!(self.windows, WindowAccess::MemoryWindows { .. })
+    }
 }
 
-/// One session's protection domain on the server. Every window granted to
-/// the session's transfers is registered here, and only the session's own
-/// data path reaches it: verbs, the session's QP lives in `pd` (an rkey of
-/// another PD fails with IBV_WC_REM_ACCESS_ERR on it); tcp, the target
-/// serves `domain` only on connections that opened with `tcp`'s key.
+/// Memory windows if the device has them (and they are not turned off):
+/// the arena registered once; otherwise a registration per grant. Said
+/// once, with the reason.
+fn window_access(dev: &Device, arena: &Arena, cfg: &ServerLinkConfig) -> Result<WindowAccess> {
+    let caps = dev.ctx.caps();
+    let slots = arena.len() / cfg.window_size.max(1);
+    let name = dev.ctx.name();
+    let why_not = || -> std::result::Result<(Arc<RegisteredSlots>, Arc<MwPool>), String> {
+        if cfg.memory_windows == MemoryWindows::Off {
+            return Err("--memory-windows off".into());
+        }
+        if !caps.mem_windows.type_2() {
+            return Err(format!(
+                "{name} has no type-2 memory windows (device_cap_flags: {})",
+                caps.mem_windows
+            ));
+        }
+        if (caps.max_mw as usize) < slots {
+            return Err(format!(
+                "{name} allows {} memory windows, fewer than the arena's {slots} window slots",
+                caps.max_mw
+            ));
+        }
+        crate::mem::ensure_lockable(arena.len() as u64)
+            .map_err(|e| format!("registering the {} MiB arena: {e}", arena.len() >> 20))?;
+        let pool = Arc::new(MwPool::new(&dev.pd));
+        // One allocated up front: a provider without alloc_mw says so here.
+        let probe = pool.take().map_err(|e| e.to_string())?;
+        pool.put(probe);
+        let regs = RegisteredSlots::register(
+            &dev.pd,
+            arena,
+            cfg.window_size,
+            Access::LOCAL_WRITE | Access::MW_BIND,
+        )
+        .map_err(|e| format!("registering the arena for memory windows: {e}"))?;
+        Ok((Arc::new(regs), pool))
+    };
+    match why_not() {
+        Ok((regs, pool)) => {
+            tracing::info!(
+                device = %name,
+                caps = %caps.mem_windows,
+                max_mw = caps.max_mw,
+                regions = regs.len(),
+                arena_mib = arena.len() >> 20,
+                "memory windows: the window arena is registered once (a region per window slot, \
+                 no remote access of its own); each grant binds a type-2 window to the session's QP"
+            );
+            Ok(WindowAccess::MemoryWindows { slots: regs, pool })
+        }
+        Err(reason) if cfg.memory_windows == MemoryWindows::On => Err(ControlError::Other(
+            format!("--memory-windows on, but memory windows are unavailable: {reason}"),
+        )),
+        Err(reason) => {
+            let msg =
+                "no memory windows: a protection domain per session and a registration per grant";
+            if cfg.memory_windows == MemoryWindows::Off {
+                tracing::info!(device = %name, %reason, "{msg}");
+            } else {
+                tracing::warn!(device = %name, %reason, "{msg}");
+            }
+            Ok(WindowAccess::PerGrant { reason })
+        }
+    }
+}
+
+/// One session's access to the server's memory. Every window granted to the
+/// session's transfers is reachable through `domain`, and only through the
+/// session's own data path: verbs with memory windows, each window is bound
+/// to the session's QP (`channel`), so its rkey fails on every other QP;
+/// verbs without, the session's QP lives in a protection domain of its own
+/// where its windows are registered (an rkey of another PD fails with
+/// IBV_WC_REM_ACCESS_ERR on it); tcp, the target serves `domain` only on
+/// connections that opened with `tcp`'s key.
 pub struct SessionDomain {
     pub domain: Arc<dyn Domain>,
-    /// Verbs: the PD to create the session's QP in.
-    pub pd: Option<Arc<ProtectionDomain>>,
+    /// Verbs: the session's QP, in INIT, to connect in the handshake.
+    pub channel: Option<Arc<VerbsChannel>>,
     /// TCP: binds the session's data connections to `domain`; dropping it
     /// unbinds the key.
     pub tcp: Option<SessionBinding>,
 }
 
 impl ServerLink {
-    /// A fresh protection domain for a new session.
+    /// A new session's domain and (verbs) QP.
     pub fn session_domain(&self) -> Result<SessionDomain> {
         match (&self.device, &self.tcp_target) {
             (Some(dev), _) => {
-                let pd = ProtectionDomain::new(&dev.ctx).map_err(provider)?;
-                Ok(SessionDomain {
-                    domain: Arc::new(VerbsDomain { pd: pd.clone() }),
-                    pd: Some(pd),
-                    tcp: None,
-                })
+                let remote = Access::REMOTE_WRITE | Access::REMOTE_READ;
+                match &self.windows {
+                    WindowAccess::MemoryWindows { slots, pool } => {
+                        let q = dev.queue_pair_in(&dev.pd, SERVER_SQ_DEPTH, 0, remote, false)?;
+                        let ch = Arc::new(VerbsChannel::new(q));
+                        Ok(SessionDomain {
+                            domain: Arc::new(MwDomain {
+                                slots: slots.clone(),
+                                pool: pool.clone(),
+                                channel: ch.clone(),
+                            }),
+                            channel: Some(ch),
+                            tcp: None,
+                        })
+                    }
+                    WindowAccess::PerGrant { .. } => {
+                        let pd = ProtectionDomain::new(&dev.ctx).map_err(provider)?;
+                        let q = dev.queue_pair_in(&pd, SERVER_SQ_DEPTH, 0, remote, false)?;
+                        Ok(SessionDomain {
+                            domain: Arc::new(VerbsDomain { pd }),
+                            channel: Some(Arc::new(VerbsChannel::new(q))),
+                            tcp: None,
+                        })
+                    }
+                }
             }
             (None, Some(target)) => {
                 let d = TcpDomain::new();
                 let binding = target.bind_session(&d)?;
                 Ok(SessionDomain {
                     domain: d,
-                    pd: None,
+                    channel: None,
                     tcp: Some(binding),
                 })
             }

@@ -1,6 +1,14 @@
 //! The I/O the server's ledger asks for, on blocking threads: destinations
-//! and sources beneath the root, window slots filled, registered, revoked
+//! and sources beneath the root, window slots filled, made reachable
+//! (a memory window bound to the session's QP, or a registration), revoked
 //! and verified, batched commits.
+//!
+//! Revoking is dropping the slot's registration: a memory window is
+//! invalidated on the session's QP (its rkey fails from the next request
+//! on), a registration deregistered. Both happen before the server touches
+//! the slot's bytes again (grant: before filling it; verify: before reading
+//! what landed). These run on blocking threads: an invalidate is a post and
+//! a poll of the QP's CQ.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -231,8 +239,10 @@ impl StreamIo {
     }
 
     /// [`ServerAction::Grant`](crate::control::protocol::ServerAction::Grant):
-    /// revoke what was granted before, fill (pull), register the used part
-    /// of the slot. Returns address, rkey and (pull) the digests.
+    /// revoke what was granted before, fill (pull), make the used part of
+    /// the slot reachable by the session (bind a memory window to its QP,
+    /// or register it in its PD). Returns address, rkey and (pull) the
+    /// digests.
     pub fn grant(
         &self,
         slot: &mut Slot,
@@ -265,6 +275,13 @@ impl StreamIo {
                 .into_iter()
                 .map(|d| d.to_vec())
                 .collect();
+            if !self.session.domain.exact_bounds() {
+                // The window's rkey may reach the rest of its slot (memory
+                // windows on a device that checks only the slot region's
+                // bounds): leave nothing there of an earlier grant.
+                let end = len.max(Self::used(extents));
+                slot.block.as_mut_slice()[end..].fill(0);
+            }
         }
         let access = if fill.is_some() {
             Access::REMOTE_READ

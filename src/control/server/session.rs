@@ -1,5 +1,6 @@
 //! Sessions on the server: the handshake (versions, provider, link
-//! parameters, a protection domain and QP of its own) and reconnects.
+//! parameters, a QP and a domain of its own: memory windows bound to its
+//! QP, or a protection domain of its own) and reconnects.
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
@@ -14,10 +15,10 @@ use crate::control::{DEFAULT_BLOCK_SIZE, VERSION_MAJOR, VERSION_MINOR};
 use crate::datapath::QpRetry;
 use crate::proto;
 use crate::provider::tcp::SessionBinding;
-use crate::provider::{Access, Domain, ProviderKind};
+use crate::provider::{Domain, ProviderKind};
 use crate::verbs::{QpEndpoint, VerbsChannel};
 
-/// One client's session as rcpd keeps it: its own protection domain (its windows are
+/// One client's session as rcpd keeps it: its own domain (its windows are
 /// reachable only by its own data path) and, over verbs, its QP.
 pub struct SessionState {
     pub kind: ProviderKind,
@@ -28,13 +29,16 @@ pub struct SessionState {
     /// The client's timeout (0: it did not say): keepalives go out every
     /// third of the shorter of it and ours.
     pub client_timeout_ns: u64,
-    /// The session's own protection domain: its windows are registered
-    /// here, and only its QP / data connections reach it, so an rkey
+    /// The session's own domain: its windows are granted through it, and
+    /// only its QP / data connections reach them (memory windows bound to
+    /// its QP, or registrations in its own protection domain), so an rkey
     /// granted to this session is useless on any other.
     pub domain: Arc<dyn Domain>,
     /// TCP: the key binding the session's data connections to `domain`.
     _tcp_binding: Option<SessionBinding>,
-    qp: Option<Mutex<VerbsChannel>>,
+    /// Verbs: the session's QP (memory windows are bound on it, under its
+    /// lock, so never while a reconnect resets it).
+    qp: Option<Arc<VerbsChannel>>,
     /// The negotiated (initiator, responder) depths, reused on reconnect.
     rd: (u32, u32),
     epoch: AtomicU64,
@@ -184,16 +188,8 @@ impl Service {
                 })?)?;
                 let dev = self.link.device.as_ref().expect("verbs device");
                 let caps = dev.ctx.caps();
-                let pd = sd.pd.as_ref().expect("a verbs session domain has a PD");
-                let q = dev.queue_pair_in(
-                    pd,
-                    16,
-                    0,
-                    Access::REMOTE_WRITE | Access::REMOTE_READ,
-                    false,
-                )?;
-                let params = dev.params(&q);
-                let ch = VerbsChannel::new(q);
+                let ch = sd.channel.clone().expect("a verbs session domain has a QP");
+                let params = dev.params(&ch);
                 let client_rd = v.max_qp_init_rd_atom.min(caps.max_qp_rd_atom).max(1);
                 let server_rd = caps.max_qp_init_rd_atom.min(v.max_qp_rd_atom).max(1);
                 rd = (server_rd, caps.max_qp_rd_atom);
@@ -204,7 +200,7 @@ impl Service {
                 resp.server_rd_atomic = server_rd;
                 resp.max_inline = v.max_inline;
                 resp.verbs = Some(params);
-                qp = Some(Mutex::new(ch));
+                qp = Some(ch);
             }
         }
         self.sessions.lock().unwrap().insert(
@@ -244,9 +240,13 @@ impl Service {
                     ep_from_proto(req.endpoint.as_ref().ok_or_else(|| {
                         ControlError::Invalid("reconnect without endpoint".into())
                     })?)?;
-                let ch = q.lock().unwrap();
-                let ep = ch.reset().map_err(|e| ControlError::Provider(e.into()))?;
-                ch.handshake(&cep, &connect_params(s.rd.0, s.rd.1, QpRetry::default()))
+                // Reset and connect under one lock: no bind or invalidate
+                // of a memory window comes in between. Windows bound
+                // before stay bound (rxe keeps a type-2 window's binding
+                // across ERR -> RESET -> RTS: the client reposts into
+                // them), and are revoked by deallocation when done.
+                let ep = q
+                    .reconnect(&cep, &connect_params(s.rd.0, s.rd.1, QpRetry::default()))
                     .map_err(|e| ControlError::Provider(e.into()))?;
                 Ok(proto::ReconnectResponse {
                     endpoint: Some(ep_to_proto(&ep)),

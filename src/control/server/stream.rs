@@ -271,7 +271,12 @@ impl Driver {
                     expected,
                 } => self.verify(window, epoch, extents, expected),
                 ServerAction::Release { window } => {
-                    self.slots.remove(&window);
+                    // A pull window is still reachable: revoking it may be an
+                    // invalidate posted and polled on the session's QP, so the
+                    // slot goes back off the runtime's threads.
+                    if let Some(slot) = self.slots.remove(&window) {
+                        tokio::task::spawn_blocking(move || drop(slot));
+                    }
                 }
                 ServerAction::Hash { file, blocks } => {
                     let Some(fi) = self.files.get(&file) else {
