@@ -429,7 +429,8 @@ pub struct ServerLink {
 
 /// rcpd's side of a session's QP: it only responds to the client's
 /// requests; its send queue carries the binds and invalidates of memory
-/// windows, one at a time.
+/// windows, one at a time, whose completions rcpd sleeps for on the CQ's
+/// completion channel.
 const SERVER_SQ_DEPTH: u32 = 16;
 
 impl ServerLink {
@@ -566,7 +567,7 @@ impl ServerLink {
                 let remote = Access::REMOTE_WRITE | Access::REMOTE_READ;
                 match &self.windows {
                     WindowAccess::MemoryWindows { slots, pool } => {
-                        let q = dev.queue_pair_in(&dev.pd, SERVER_SQ_DEPTH, 0, remote, false)?;
+                        let q = dev.queue_pair_in(&dev.pd, SERVER_SQ_DEPTH, 0, remote, true)?;
                         let ch = Arc::new(VerbsChannel::new(q));
                         Ok(SessionDomain {
                             domain: Arc::new(MwDomain {

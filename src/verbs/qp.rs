@@ -453,19 +453,23 @@ impl QueuePair {
     /// and return its status. Completions of other requests are dropped:
     /// use it only on a QP whose CQ nobody else polls (rcpd's, which only
     /// respond to their peer and post nothing but binds and invalidates).
+    /// Spins for a few microseconds (what a local operation takes on
+    /// hardware), then sleeps on the CQ's completion channel if it has one
+    /// (on rxe a kernel worker runs the request: a spinning or yielding
+    /// poller only keeps it waiting), else polls every 50 us.
     pub(crate) fn wait_send(&self, wr_id: u64, timeout: Duration) -> Result<WcStatus, VerbsError> {
+        const SPIN: Duration = Duration::from_micros(20);
         let mut wc = [WorkCompletion {
             wr_id: 0,
             status: WcStatus::Success,
             byte_len: 0,
         }; 4];
         let t = Instant::now();
-        let mut polls = 0u32;
-        loop {
-            let n = self.send_cq.poll(&mut wc)?;
+        let mut find = |cq: &CompletionQueue| -> Result<Option<WcStatus>, VerbsError> {
+            let n = cq.poll(&mut wc)?;
             for c in &wc[..n] {
                 if c.wr_id == wr_id {
-                    return Ok(c.status);
+                    return Ok(Some(c.status));
                 }
                 tracing::debug!(
                     wr_id = c.wr_id,
@@ -474,7 +478,14 @@ impl QueuePair {
                     "a stale completion dropped"
                 );
             }
-            if t.elapsed() >= timeout {
+            Ok(None)
+        };
+        loop {
+            if let Some(st) = find(&self.send_cq)? {
+                return Ok(st);
+            }
+            let spent = t.elapsed();
+            if spent >= timeout {
                 return Err(VerbsError::new(
                     "ibv_poll_cq",
                     libc::ETIMEDOUT,
@@ -484,13 +495,16 @@ impl QueuePair {
                     ),
                 ));
             }
-            // A local operation completes in microseconds: spin briefly,
-            // then give the CPU away between polls.
-            polls += 1;
-            if polls < 64 {
+            if spent < SPIN {
                 std::hint::spin_loop();
-            } else if polls < 256 {
-                std::thread::yield_now();
+            } else if self.send_cq.channel().is_some() {
+                // Arm, poll once more (a completion that came before the
+                // arm raises no event), then sleep until one comes.
+                self.send_cq.req_notify()?;
+                if let Some(st) = find(&self.send_cq)? {
+                    return Ok(st);
+                }
+                self.send_cq.wait_event(timeout - spent)?;
             } else {
                 std::thread::sleep(Duration::from_micros(50));
             }
