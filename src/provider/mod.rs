@@ -5,8 +5,14 @@
 //! [`WorkRequest`]s with one doorbell and report [`WorkCompletion`]s. The
 //! engine and the data path run unchanged on either provider:
 //! - `verbs` ([`crate::verbs::channel`]): RC queue pairs over libibverbs;
+//!   a domain registers each span in a PD ([`crate::verbs::VerbsDomain`]),
+//!   or grants spans of memory registered once through type-2 memory
+//!   windows bound to one QP ([`crate::verbs::MwDomain`], rcpd where the
+//!   device has them);
 //! - `tcp` ([`tcp`]): one-sided WRITE/READ emulated over TCP for hosts
-//!   without RDMA, with the same registration, bounds, rkey and access rules.
+//!   without RDMA, with the same registration, bounds, rkey and access
+//!   rules. Its registration stays per grant: an entry in the session's
+//!   table, nothing pinned, so there is nothing to register once.
 
 use std::fmt;
 use std::sync::Arc;

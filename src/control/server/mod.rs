@@ -2,13 +2,15 @@
 //!
 //! - [`Service`]: what all sessions share (the root, the window arena and
 //!   provider, limits, counters) and its gRPC face [`RcpService`];
-//! - `session`: the handshake, a protection domain and QP per session,
-//!   reconnects;
+//! - `session`: the handshake, a QP per session (its windows reach it
+//!   through memory windows bound to it, or a protection domain of its
+//!   own: [`ServerLink::session_domain`]), reconnects;
 //! - `stream`: the driver of one Move stream over
 //!   [`ServerCore`](crate::control::protocol::ServerCore): it moves frames,
 //!   runs the core's I/O actions on blocking threads and passes time in;
 //! - `io`: those actions: opening destinations and sources beneath the
-//!   root, filling, registering and verifying windows, batched commits.
+//!   root, filling windows, making them reachable (a memory-window bind or
+//!   a registration), revoking and verifying them, batched commits.
 //!
 //! The service knows nothing of the client library: the `Copy` API is
 //! served through a [`Copier`] that `daemon` plugs in.
