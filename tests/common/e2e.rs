@@ -363,12 +363,25 @@ pub fn stopped_client_is_evicted(t: &str, s: &Scale) {
     make_file(&src, len, 11);
     let want = sha256sum(&src);
     let p = src.to_str().unwrap();
+    let err = tmp.path().join("stopped.err");
     let mut stopped = rcp_blocks(t, d.port, s.resume_block, &["push", "-q", p, &remote("/")])
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(std::fs::File::create(&err).unwrap())
         .spawn()
         .unwrap();
-    wait_verified(&root, "big", WINDOW_SIZE as u64 / s.resume_block);
+    wait_verified_while(
+        &root,
+        "big",
+        WINDOW_SIZE as u64 / s.resume_block,
+        &mut stopped,
+        || {
+            format!(
+                "{}\n{}",
+                std::fs::read_to_string(&err).unwrap_or_default(),
+                d.log()
+            )
+        },
+    );
     signal(stopped.id(), "STOP");
     let t0 = std::time::Instant::now();
     let other = tmp.path().join("other");

@@ -71,6 +71,8 @@ struct Driver<'a> {
     locals: HashMap<FileId, Local>,
     lent: HashMap<u64, Lent>,
     next_dp: u64,
+    /// The data path's confirmed bytes when last looked at.
+    confirmed: u64,
     done_tx: mpsc::UnboundedSender<Done>,
     done_rx: mpsc::UnboundedReceiver<Done>,
 }
@@ -106,6 +108,7 @@ pub(super) async fn run(
         locals: HashMap::new(),
         lent: HashMap::new(),
         next_dp: 1,
+        confirmed: 0,
         done_tx,
         done_rx,
     };
@@ -135,6 +138,17 @@ pub(super) async fn run(
         }
         d.report(obs);
         let now = now_of(d.t0);
+        // Bytes landing in a window are progress before its WindowDone is:
+        // a slow link is not a stalled client.
+        let confirmed = d.s.dp.as_ref().map_or(0, |dp| {
+            dp.stats()
+                .bytes_confirmed
+                .load(std::sync::atomic::Ordering::Relaxed)
+        });
+        if confirmed > d.confirmed {
+            d.confirmed = confirmed;
+            d.core.note_progress(now);
+        }
         while let Some(f) = d.core.poll_frame(now) {
             if let Some(o) = &d.out {
                 let _ = o.send(f);
