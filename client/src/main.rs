@@ -311,6 +311,8 @@ fn progress_ticker(
     tokio::spawn(async move {
         let t0 = Instant::now();
         let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+        // A stalled runtime prints one late line, not a burst of them.
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let (mut last_t, mut last_b) = (t0, 0u64);
         loop {
             tick.tick().await;
