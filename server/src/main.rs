@@ -73,6 +73,13 @@ struct Args {
     /// Signal every n-th work request.
     #[arg(long, env = "RCPD_SIGNAL_EVERY", default_value_t = 32)]
     signal_every: usize,
+    /// Bytes per second each copy this rcpd makes through the Copy API may
+    /// move (K/M/G suffixes, fractions allowed; 0: unlimited). rcpd's own
+    /// sessions never post (their clients post every request, under
+    /// rcp's --bwlimit), so this limits only the copies rcpd makes as a
+    /// client, each on its own.
+    #[arg(long, env = "RCPD_BWLIMIT", value_parser = parse_rate)]
+    bwlimit: Option<u64>,
     /// Log filter (tracing EnvFilter syntax, e.g. info or rcp=debug).
     #[arg(long, env = "RCPD_LOG", default_value = "info")]
     log: String,
@@ -104,6 +111,10 @@ fn env_names() -> Vec<String> {
         .filter_map(|a| a.get_env())
         .map(|e| e.to_string_lossy().into_owned())
         .collect()
+}
+
+fn parse_rate(s: &str) -> Result<u64, String> {
+    rcp::parse::bytes(s).map_err(|e| e.to_string())
 }
 
 fn addr_opt(s: Option<&str>, what: &str) -> anyhow::Result<Option<SocketAddr>> {
@@ -188,7 +199,16 @@ fn main() -> anyhow::Result<()> {
         tls: ServerTls::from_flags(a.tls_cert, a.tls_key, a.tls_client_ca)
             .map_err(|e| anyhow::anyhow!(e))?,
         tls_peer_ca: a.tls_peer_ca,
+        bwlimit: a.bwlimit.filter(|&r| r > 0),
     };
+    // A rate too low for the timeout would fail every copy: say so now.
+    rcp::control::ClientOptions {
+        bwlimit: cfg.bwlimit,
+        timeout: cfg.timeout,
+        ..Default::default()
+    }
+    .check_bwlimit()
+    .map_err(|e| anyhow::anyhow!("{e}"))?;
     let rt = tokio::runtime::Runtime::new().context("starting the runtime")?;
     rt.block_on(daemon::run(cfg, daemon::shutdown_signal(), |b, why| {
         let mut line = format!("rcpd listening on {} transport {why}", b.grpc);

@@ -51,6 +51,11 @@ pub struct DaemonConfig {
     /// CA to trust when this rcpd copies to/from another (Copy API);
     /// default: the client CA.
     pub tls_peer_ca: Option<PathBuf>,
+    /// Bytes per second each copy this rcpd makes (Copy API) may post, on
+    /// the data path it drives as that copy's client (`None`: unlimited).
+    /// rcpd's own sessions post nothing: their clients do, under their own
+    /// `--bwlimit`.
+    pub bwlimit: Option<u64>,
 }
 
 /// Addresses actually bound (port 0 resolved).
@@ -117,6 +122,7 @@ pub async fn run(
             signal_every: cfg.signal_every,
             cq_cpu: cfg.cq_cpu,
             timeout: cfg.timeout,
+            bwlimit: cfg.bwlimit,
             tls: cfg
                 .tls
                 .as_ref()

@@ -181,6 +181,10 @@ pub struct DataPathConfig {
     /// Most requests outstanding on the queue pair (perftest's `--tx-depth`);
     /// `None`: the send-queue depth. Clamped to the send-queue depth.
     pub tx_depth: Option<usize>,
+    /// Post at most this many bytes per second (`None`: as fast as the
+    /// channel goes): the posting thread takes a chain's bytes from a
+    /// [`TokenBucket`](super::TokenBucket) before it posts it.
+    pub rate_limit: Option<super::RateLimit>,
 }
 
 impl Default for DataPathConfig {
@@ -197,6 +201,7 @@ impl Default for DataPathConfig {
             max_retries: 3,
             qp_retry: QpRetry::default(),
             tx_depth: None,
+            rate_limit: None,
         }
     }
 }
@@ -217,6 +222,15 @@ impl DataPathConfig {
             });
         }
         self.qp_retry.validate()?;
+        if let Some(r) = self.rate_limit {
+            if r.bytes_per_sec == 0 || r.burst == 0 {
+                return Err(ConfigError::Field {
+                    field: "rate_limit",
+                    value: format!("{}/{}", r.bytes_per_sec, r.burst),
+                    reason: "rate and burst must be at least 1 byte".into(),
+                });
+            }
+        }
         if self.tx_depth == Some(0) {
             return Err(ConfigError::Field {
                 field: "tx_depth",

@@ -90,6 +90,9 @@ pub struct ClientOptions {
     pub metrics: Option<Arc<crate::metrics::Metrics>>,
     /// TLS to rcpd's gRPC port (with a client certificate for mTLS).
     pub tls: Option<super::tls::ClientTls>,
+    /// Post at most this many bytes per second on the session's data path
+    /// (`--bwlimit`; `None` or 0: unlimited).
+    pub bwlimit: Option<u64>,
 }
 
 impl Default for ClientOptions {
@@ -112,6 +115,7 @@ impl Default for ClientOptions {
             timeout: DEFAULT_TIMEOUT,
             metrics: None,
             tls: None,
+            bwlimit: None,
         }
     }
 }

@@ -21,6 +21,8 @@ use crate::verbs::PortWatcher;
 
 /// Digest bytes of the only check so far (SHA-256).
 const DIGEST_LEN: usize = 32;
+/// The name of that check (`--json`'s `check`).
+const CHECK_NAME: &str = "sha256";
 /// Times a damaged block moves again before its file fails.
 const MAX_RETRIES: u32 = 3;
 
@@ -42,6 +44,8 @@ pub struct FileResult {
     /// Push: the remote path relative to the server root; pull: the local
     /// path.
     pub path: String,
+    /// Where it came from: push, the local path; pull, the remote path.
+    pub source: String,
     pub length: u64,
     /// Bytes moved over the data path (less than `length` after a resume).
     pub moved: u64,
@@ -97,6 +101,10 @@ pub fn datapath_config(kind: ProviderKind, o: &ClientOptions) -> DataPathConfig 
         // A request outstanding this long means the peer or the link is
         // gone: the error path takes over.
         request_timeout: o.timeout,
+        rate_limit: o
+            .bwlimit
+            .filter(|&r| r > 0)
+            .map(crate::datapath::RateLimit::new),
         ..DataPathConfig::default()
     }
 }
@@ -117,6 +125,7 @@ impl Client {
                 "block size {bs} must be a power of two between 4096 and {WINDOW_SIZE}"
             )));
         }
+        o.check_bwlimit()?;
         let windows = o.windows.clamp(1, 64);
         let (dev, gid) = (o.device.clone(), o.gid_index);
         // Ask the QP for inline room; the data path clamps per WR.
@@ -245,6 +254,30 @@ impl Client {
     }
 }
 
+impl ClientOptions {
+    /// Refuse a rate so low that one window takes longer than half the
+    /// progress timeout: a window is done (progress, for both ends) only
+    /// when all of it has moved, so at that rate the stream would time out.
+    pub fn check_bwlimit(&self) -> Result<()> {
+        let Some(rate) = self.bwlimit.filter(|&r| r > 0) else {
+            return Ok(());
+        };
+        let window = WINDOW_SIZE as f64 / rate as f64;
+        let half = self.timeout.as_secs_f64() / 2.0;
+        if window > half {
+            return Err(ControlError::Usage(format!(
+                "--bwlimit {rate} B/s: one {} MiB window would take {window:.0} s, more than \
+                 half the {} s --timeout; give a higher rate (K/M/G suffixes) or --timeout {} \
+                 or more",
+                WINDOW_SIZE >> 20,
+                self.timeout.as_secs(),
+                (window * 2.0).ceil() as u64
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// The data path's reconnect callback: verbs resets the QP, exchanges fresh
 /// endpoints with `Reconnect` and connects again; a TCP channel cannot be
 /// replaced under a running stream (the caller resumes).
@@ -287,6 +320,12 @@ impl Session {
 
     pub fn block_size(&self) -> u64 {
         self.params.block_size
+    }
+
+    /// The block check the handshake agreed on (`sha256`); file digests
+    /// are derived from its block digests (`rcp-file-digest-v1`).
+    pub fn check(&self) -> &'static str {
+        CHECK_NAME
     }
 
     /// Move `files` over one Move stream, up to the session's files in

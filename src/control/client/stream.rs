@@ -181,7 +181,7 @@ pub(super) async fn run(
                 }
             }
             ev = events.recv() => match ev {
-                Some(ev) => d.data_path(ev),
+                Some(ev) => d.data_path(ev, obs),
                 None => d.core.abort(Failure::new(Reason::Retryable, "the data path stopped")),
             },
             _ = sleep_until(deadline), if deadline.is_some() => {
@@ -234,12 +234,13 @@ impl Driver<'_> {
             let Some((job, started)) = self.jobs.remove(&f.file) else {
                 continue;
             };
-            let path = match job.spec.direction {
-                Direction::Push => f.remote_path,
-                _ => job.local.display().to_string(),
+            let (path, source) = match job.spec.direction {
+                Direction::Push => (f.remote_path, job.local.display().to_string()),
+                _ => (job.local.display().to_string(), job.spec.remote.clone()),
             };
             obs.file_done(&FileResult {
                 path,
+                source,
                 length: f.length,
                 moved: f.moved,
                 digest: f.digest,
@@ -452,7 +453,7 @@ impl Driver<'_> {
         }
     }
 
-    fn data_path(&mut self, ev: DpEvent) {
+    fn data_path(&mut self, ev: DpEvent, obs: &dyn Observer) {
         match ev {
             DpEvent::WindowDone { id } => {
                 let Some(l) = self.lent.remove(&id) else {
@@ -461,6 +462,10 @@ impl Driver<'_> {
                 let (window, epoch) = (l.grant.window, l.grant.epoch);
                 match Direction::try_from(self.dir_of(&l.grant)) {
                     Ok(Direction::Push) => {
+                        // Progress is what the device has written (it
+                        // runs behind the staging under --bwlimit).
+                        let bytes: u64 = l.grant.extents.iter().map(|e| u64::from(e.len)).sum();
+                        obs.progress(bytes);
                         drop(l.slot);
                         let now = self.now();
                         self.core.sent(now, window, epoch, Ok(l.digests));
@@ -554,8 +559,6 @@ impl Driver<'_> {
             }
             Done::Filled { grant, slot, r } => match r {
                 Ok(digests) => {
-                    let bytes: u64 = grant.extents.iter().map(|e| u64::from(e.len)).sum();
-                    obs.progress(bytes);
                     self.submit(OpKind::Write, grant, slot, digests);
                 }
                 Err(f) => {
