@@ -25,7 +25,10 @@ fn main() {
             let s = t.elapsed().as_secs_f64();
             gbps.push((per_round as f64 * (1 << 20) as f64) / s / 1e9);
         }
-        println!("{name:10} {:6.2} GB/s per core (median of {rounds}; sink {sink:x})", median(gbps));
+        println!(
+            "{name:10} {:6.2} GB/s per core (median of {rounds}; sink {sink:x})",
+            median(gbps)
+        );
     };
     run("sha256", &|b| {
         use sha2::Digest;

@@ -90,6 +90,12 @@ struct Cli {
     /// copy gives up with exit code 5; --resume continues it.
     #[arg(long, env = "RCP_TIMEOUT", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..), global = true)]
     timeout: u64,
+    /// How every block is checked end to end: sha256 (the default,
+    /// cryptographic), xxh3 (xxh3-128: fast, catches damage, not an
+    /// attacker) or none (the link's CRCs only). rcpd may restrict the
+    /// choice (RCPD_VERIFY).
+    #[arg(long, env = "RCP_VERIFY", default_value = "sha256", global = true)]
+    verify: rcp::files::Check,
     /// Also compute each file's flat SHA-256 (the sha256sum value) on the
     /// receiving side and print it in the summary.
     #[arg(long, env = "RCP_SHA256", global = true)]
@@ -413,6 +419,7 @@ async fn run(c: Cli) -> Result<(), ControlError> {
             retry_cnt: c.qp_retry_cnt,
         },
         transfers: c.transfers,
+        verify: c.verify,
         timeout: Duration::from_secs(c.timeout),
         tls: c.tls_ca.clone().map(|ca| ClientTls {
             ca,
@@ -571,7 +578,7 @@ async fn run(c: Cli) -> Result<(), ControlError> {
         };
         println!("{}", line("summary", &l));
     } else if !c.quiet {
-        println!("{}", totals.summary(&transport));
+        println!("{}", totals.summary_checked(&transport, c.verify));
     }
     Ok(())
 }

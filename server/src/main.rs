@@ -57,6 +57,16 @@ struct Args {
     /// registrations are freed; what it wrote stays resumable.
     #[arg(long, env = "RCPD_TIMEOUT", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
     timeout: u64,
+    /// The block checks clients may ask for (rcp --verify), comma-separated:
+    /// sha256, xxh3, none. Restrict it to sha256 to have every copy checked
+    /// cryptographically.
+    #[arg(
+        long,
+        env = "RCPD_VERIFY",
+        value_delimiter = ',',
+        default_value = "sha256,xxh3,none"
+    )]
+    verify: Vec<rcp::files::Check>,
     /// Bearer token clients must send (prefer --token-file).
     #[arg(long, env = "RCPD_TOKEN", hide_env_values = true)]
     token: Option<String>,
@@ -191,6 +201,7 @@ fn main() -> anyhow::Result<()> {
         max_transfers: a.max_transfers,
         max_open_files: a.max_open_files,
         timeout: Duration::from_secs(a.timeout),
+        checks: a.verify,
         token,
         cq_cpu,
         batch: a.batch,

@@ -46,6 +46,8 @@ pub struct DaemonConfig {
     pub timeout: Duration,
     /// Files one session may have open at once.
     pub max_open_files: u32,
+    /// Checks clients may ask for.
+    pub checks: Vec<crate::files::Check>,
     /// TLS on the gRPC port (mTLS when it names a client CA).
     pub tls: Option<super::tls::ServerTls>,
     /// CA to trust when this rcpd copies to/from another (Copy API);
@@ -111,6 +113,7 @@ pub async fn run(
         windows_per_session: 8,
         max_open_files: cfg.max_open_files,
         timeout: cfg.timeout,
+        checks: cfg.checks.clone(),
     };
     let copier = CopyService {
         opts: ClientOptions {

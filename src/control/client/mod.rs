@@ -74,6 +74,8 @@ pub struct ClientOptions {
     pub windows: u32,
     /// Files open at once on a session's stream.
     pub transfers: u32,
+    /// How blocks are checked end to end (`--verify`).
+    pub verify: crate::files::Check,
     /// Completion thread: poll, event or hybrid (default: hybrid on verbs,
     /// event on tcp).
     pub poll_mode: Option<crate::datapath::PollMode>,
@@ -108,6 +110,7 @@ impl Default for ClientOptions {
             inline: None,
             windows: DEFAULT_WINDOWS,
             transfers: DEFAULT_TRANSFERS,
+            verify: crate::files::Check::Sha256,
             poll_mode: None,
             cq_cpu: None,
             qp_retry: crate::datapath::QpRetry::default(),

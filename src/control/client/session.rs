@@ -11,7 +11,7 @@ use crate::control::error::{ControlError, Result};
 use crate::control::link::{
     connect_params, ep_from_proto, ep_to_proto, resolve_transport, ClientLink,
 };
-use crate::control::protocol::Params;
+use crate::control::protocol::{check_from_wire, check_to_wire, Params};
 use crate::control::{VERSION_MAJOR, VERSION_MINOR, WINDOW_SIZE};
 use crate::datapath::{DataPath, DataPathConfig, DpEvent, PollMode, ReconnectError, Report};
 use crate::mem::Block;
@@ -19,10 +19,6 @@ use crate::proto;
 use crate::provider::{Channel, ProviderKind};
 use crate::verbs::PortWatcher;
 
-/// Digest bytes of the only check so far (SHA-256).
-const DIGEST_LEN: usize = 32;
-/// The name of that check (`--json`'s `check`).
-const CHECK_NAME: &str = "sha256";
 /// Times a damaged block moves again before its file fails.
 const MAX_RETRIES: u32 = 3;
 
@@ -154,7 +150,7 @@ impl Client {
             client_name: std::fs::read_to_string("/proc/sys/kernel/hostname")
                 .map(|h| h.trim().to_string())
                 .unwrap_or_default(),
-            checks: vec![proto::Check::Sha256 as i32],
+            checks: vec![check_to_wire(o.verify) as i32],
             window_count: windows,
             timeout_ms: o.timeout.as_millis().min(u128::from(u32::MAX)) as u32,
         };
@@ -169,6 +165,20 @@ impl Client {
                     ),
                 ),
             ));
+        }
+        let check = match check_from_wire(resp.check) {
+            Some(c) if c == o.verify => c,
+            _ => {
+                return Err(ControlError::Invalid(format!(
+                    "rcpd chose check {} where this rcp asked for {}",
+                    resp.check, o.verify
+                )))
+            }
+        };
+        if check.is_none() {
+            tracing::warn!(
+                "--verify none: blocks are not checked end to end, only by the link's CRCs"
+            );
         }
         if resp.block_size != bs {
             return Err(ControlError::Invalid(format!(
@@ -190,7 +200,7 @@ impl Client {
             window_size: resp.window_size,
             window_count: resp.window_count,
             max_open_files: o.transfers.clamp(1, resp.max_open_files.max(1)),
-            digest_len: DIGEST_LEN,
+            check,
             timeout_ns: o.timeout.as_nanos() as u64,
             keepalive_ns: Params::keepalive_for(
                 o.timeout.as_nanos() as u64,
@@ -322,10 +332,10 @@ impl Session {
         self.params.block_size
     }
 
-    /// The block check the handshake agreed on (`sha256`); file digests
-    /// are derived from its block digests (`rcp-file-digest-v1`).
+    /// The block check the handshake agreed on; file digests are derived
+    /// from its block digests (`rcp-file-digest-v1`).
     pub fn check(&self) -> &'static str {
-        CHECK_NAME
+        self.params.check.name()
     }
 
     /// Move `files` over one Move stream, up to the session's files in

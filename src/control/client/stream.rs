@@ -278,7 +278,7 @@ impl Driver<'_> {
 
     /// Start every action the core has; the outcome when it ended.
     fn act(&mut self) -> Option<std::result::Result<(), Failure>> {
-        let bs = self.s.params.block_size;
+        let (bs, check) = (self.s.params.block_size, self.s.params.check);
         while let Some(a) = self.core.poll_action() {
             match a {
                 ClientAction::OpenSource { file } => {
@@ -311,7 +311,7 @@ impl Driver<'_> {
                         let r = tokio::task::spawn_blocking(move || {
                             let (dir, name) = io::local_dir(&local, spec.create_parents)?;
                             let found = match entry {
-                                Some(e) => io::find_resume(&dir, &name, &e, bs, &spec)?,
+                                Some(e) => io::find_resume(check, &dir, &name, &e, bs, &spec)?,
                                 None => None,
                             };
                             Ok((dir, name, found))
@@ -339,7 +339,8 @@ impl Driver<'_> {
                                     (d, n, None)
                                 }
                             };
-                            let d = io::create_dest(&dir, &name, resumed, &opened, bs, &spec)?;
+                            let d =
+                                io::create_dest(check, &dir, &name, resumed, &opened, bs, &spec)?;
                             Ok((dir, name, d))
                         })();
                         Done::Dest(file, r)
@@ -349,7 +350,7 @@ impl Driver<'_> {
                 ClientAction::Fetch { grant } => self.fetch(grant),
                 ClientAction::Hash { file, blocks } => {
                     let Some(src) = self.src(file) else { continue };
-                    self.spawn(move || Done::Hashed(file, io::hash(&src, &blocks, bs)));
+                    self.spawn(move || Done::Hashed(file, io::hash(check, &src, &blocks, bs)));
                 }
                 ClientAction::CheckSource { file } => {
                     let Some(src) = self.src(file) else { continue };
@@ -366,7 +367,7 @@ impl Driver<'_> {
                         .into_iter()
                         .filter_map(|(f, d)| Some((f, self.dest(f)?, d)))
                         .collect();
-                    self.spawn(move || Done::Committed(io::commit(batch)));
+                    self.spawn(move || Done::Committed(io::commit(check, batch)));
                 }
                 ClientAction::Close { file } => {
                     if let Some(l) = self.locals.remove(&file) {
@@ -393,14 +394,14 @@ impl Driver<'_> {
         let Some(mut slot) = self.take_slot() else {
             return;
         };
-        let bs = self.s.params.block_size;
+        let (bs, check) = (self.s.params.block_size, self.s.params.check);
         let srcs: HashMap<FileId, Arc<crate::files::SourceFile>> = grant
             .extents
             .iter()
             .filter_map(|e| Some((e.file, self.src(e.file)?)))
             .collect();
         self.spawn(move || {
-            let r = io::fill(&mut slot, &grant.extents, &srcs, bs);
+            let r = io::fill(check, &mut slot, &grant.extents, &srcs, bs);
             Done::Filled { grant, slot, r }
         });
     }
@@ -479,13 +480,19 @@ impl Driver<'_> {
                             .collect();
                         let bytes: u64 = l.grant.extents.iter().map(|e| u64::from(e.len)).sum();
                         let Lent { grant, slot, .. } = l;
+                        let check = self.s.params.check;
                         #[allow(unused_mut)]
                         let mut slot = slot;
                         self.spawn(move || {
                             #[cfg(debug_assertions)]
                             io::inject_faults(&mut slot, &grant.extents);
-                            let r =
-                                io::check_and_write(&slot, &grant.extents, &grant.digests, &dests);
+                            let r = io::check_and_write(
+                                check,
+                                &slot,
+                                &grant.extents,
+                                &grant.digests,
+                                &dests,
+                            );
                             Done::Checked {
                                 window: grant.window,
                                 epoch: grant.epoch,

@@ -102,6 +102,20 @@ impl Totals {
     }
 
     /// The final summary line.
+    /// The final summary line, for blocks checked with `check` (named when
+    /// it is not SHA-256; `none` loudly).
+    pub fn summary_checked(&self, transport: &str, check: crate::files::Check) -> String {
+        let mut s = self.summary(transport);
+        match check {
+            crate::files::Check::Sha256 => {}
+            crate::files::Check::None => {
+                s.push_str(", NOT VERIFIED end to end (--verify none: only the link's CRCs)")
+            }
+            c => s.push_str(&format!(", checked with {c}")),
+        }
+        s
+    }
+
     pub fn summary(&self, transport: &str) -> String {
         let gbps = self.gbps();
         let mut s = format!(

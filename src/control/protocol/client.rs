@@ -573,7 +573,7 @@ impl ClientCore {
         match dir {
             Direction::Push => {
                 f.state = State::Open;
-                f.chain = Some(DigestChain::new(o.length, p.block_size));
+                f.chain = Some(DigestChain::new(p.check, o.length, p.block_size));
                 if !skipped.is_empty() {
                     f.checking = true;
                     self.action(ClientAction::Hash {
@@ -709,7 +709,7 @@ impl ClientCore {
         let dir = dir.ok_or_else(|| format!("window {} has no extents", g.window))?;
         if dir == Direction::Pull
             && (g.digests.len() != g.extents.len()
-                || g.digests.iter().any(|d| d.len() != p.digest_len))
+                || g.digests.iter().any(|d| d.len() != p.digest_len()))
         {
             return Err(format!(
                 "window {}: digests do not match its extents",
@@ -863,7 +863,7 @@ impl ClientCore {
     }
 
     fn on_end(&mut self, e: proto::FileEnd) {
-        let dl = self.p.digest_len;
+        let dl = self.p.digest_len();
         let Some(f) = self.files.get_mut(&e.file) else {
             return;
         };

@@ -525,7 +525,7 @@ impl ServerCore {
             .filter(|&b| fs.blocks[b as usize] == Block::Skip)
             .collect();
         if dir == Direction::Pull {
-            fs.chain = Some(DigestChain::new(o.length, p.block_size));
+            fs.chain = Some(DigestChain::new(p.check, o.length, p.block_size));
         }
         match dir {
             Direction::Push => self.queue_push.extend(runs),
@@ -692,7 +692,7 @@ impl ServerCore {
     }
 
     fn on_window_done(&mut self, d: proto::WindowDone) {
-        let dl = self.p.digest_len;
+        let dl = self.p.digest_len();
         let Some(w) = self.windows.get_mut(&d.window) else {
             if d.window >= self.next_window {
                 self.violation(format!("window {} was never granted", d.window));
@@ -864,7 +864,7 @@ impl ServerCore {
     }
 
     fn on_file_end(&mut self, e: proto::FileEnd) {
-        let dl = self.p.digest_len;
+        let dl = self.p.digest_len();
         let Some(fs) = self.files.get_mut(&e.file) else {
             return; // a duplicate for a file already committed
         };

@@ -681,7 +681,7 @@ fn params() -> Params {
         window_size: 16384,
         window_count: 2,
         max_open_files: 4,
-        digest_len: 32,
+        check: crate::files::Check::Sha256,
         timeout_ns: 10_000_000_000,
         keepalive_ns: 10_000_000_000 / 3,
         max_retries: 3,
@@ -1016,7 +1016,7 @@ fn file_digest_is_order_fixed() {
     h.update(a);
     h.update(b);
     assert_eq!(d1, h.finalize().to_vec());
-    let mut c = DigestChain::new(8192, 4096);
+    let mut c = DigestChain::new(crate::files::Check::Sha256, 8192, 4096);
     c.add(1, b.to_vec());
     assert!(!c.is_complete());
     c.add(0, a.to_vec());
@@ -1071,7 +1071,7 @@ proptest! {
             window_size: bs * win_blocks,
             window_count,
             max_open_files: max_open,
-            digest_len: 32,
+            check: crate::files::Check::Sha256,
             timeout_ns: 10_000_000_000,
             keepalive_ns: 10_000_000_000 / 3,
             max_retries: 3,
