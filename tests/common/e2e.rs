@@ -9,13 +9,16 @@ use std::process::{Command, Stdio};
 use super::*;
 use rcp::control::WINDOW_SIZE;
 
-/// A temp dir under cargo's target tmp dir: the VM mounts the repository
-/// writable, its /tmp may not be.
+/// A temp dir under `RCP_TEST_TMPDIR` when set (the VM suite points it at
+/// the guest's tmpfs: every file syscall on the repository's 9p mount costs
+/// tens of milliseconds under TCG), else under cargo's target tmp dir (the
+/// VM mounts the repository writable, its /tmp may not be).
 pub fn tmp() -> tempfile::TempDir {
-    tempfile::Builder::new()
-        .prefix("e2e")
-        .tempdir_in(env!("CARGO_TARGET_TMPDIR"))
-        .unwrap()
+    let base = std::env::var_os("RCP_TEST_TMPDIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| env!("CARGO_TARGET_TMPDIR").into());
+    std::fs::create_dir_all(&base).unwrap();
+    tempfile::Builder::new().prefix("e2e").tempdir_in(base).unwrap()
 }
 
 /// A fresh temp dir with an empty `root` in it for rcpd (its log goes
