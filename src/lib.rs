@@ -20,7 +20,8 @@
 //!   [`control::Session`]: one data path per session, many files in flight), and
 //!   `rcp`'s jobs ([`control::jobs`]).
 //! - [`metrics`], [`doctor`]: Prometheus counters, `rcp doctor`'s checks.
-//! - [`parse`]: `HOST[:PORT]` and sizes, parsed once for every binary.
+//! - [`parse`]: `HOST[:PORT]`, sizes, rates and durations, parsed once for every binary.
+//! - [`json`]: the `--json` lines (schema in `docs/json.md`).
 
 pub mod bench;
 pub mod control;
@@ -28,6 +29,7 @@ pub mod datapath;
 pub mod doctor;
 pub mod engine;
 pub mod files;
+pub mod json;
 pub mod mem;
 pub mod metrics;
 pub mod parse;

@@ -1,6 +1,7 @@
 //! The small parsers of what users type, written once: `HOST[:PORT]`
-//! addresses and byte sizes with K/M/G suffixes. The binaries' flags, the
-//! client library and `rcp bench` all go through these.
+//! addresses, byte sizes (and rates) with K/M/G suffixes, durations. The
+//! binaries' flags, the client library and `rcp bench` all go through
+//! these.
 
 use std::net::Ipv6Addr;
 
@@ -61,7 +62,9 @@ pub fn host_port(addr: &str, default_port: u16) -> Result<(String, u16), ParseEr
     Ok((host, port))
 }
 
-/// Bytes with an optional K/M/G suffix (powers of 1024, either case).
+/// Bytes with an optional K/M/G suffix (powers of 1024, either case). With
+/// a suffix the number may have a fraction (`1.5M`, as rsync and rclone
+/// take rates), rounded down to a whole byte.
 pub fn bytes(s: &str) -> Result<u64, ParseError> {
     let t = s.trim();
     let (num, mul) = match t.char_indices().last() {
@@ -70,8 +73,48 @@ pub fn bytes(s: &str) -> Result<u64, ParseError> {
         Some((i, 'g' | 'G')) => (&t[..i], 1 << 30),
         _ => (t, 1),
     };
-    let n: u64 = num.trim().parse().map_err(|_| err(s, "not a size"))?;
-    n.checked_mul(mul).ok_or_else(|| err(s, "too large"))
+    let num = num.trim();
+    if let Ok(n) = num.parse::<u64>() {
+        return n.checked_mul(mul).ok_or_else(|| err(s, "too large"));
+    }
+    // A fraction: digits, one dot, digits (no sign, no exponent), and only
+    // with a suffix (a fraction of a byte means nothing).
+    let (whole, frac) = num.split_once('.').ok_or_else(|| err(s, "not a size"))?;
+    let digits = |x: &str| x.bytes().all(|b| b.is_ascii_digit());
+    if mul == 1 || (whole.is_empty() && frac.is_empty()) || !digits(whole) || !digits(frac) {
+        return Err(err(s, "not a size"));
+    }
+    let v: f64 = num.parse().map_err(|_| err(s, "not a size"))?;
+    let b = v * mul as f64;
+    if b >= u64::MAX as f64 {
+        return Err(err(s, "too large"));
+    }
+    Ok(b as u64)
+}
+
+/// A duration as rclone writes one: `1.5`, `2s`, `500ms`, `1m` (a bare
+/// number is seconds; `s`, `ms`, `m`, `h` suffixes; fractions allowed).
+pub fn duration(s: &str) -> Result<std::time::Duration, ParseError> {
+    let t = s.trim();
+    let (num, unit) = if let Some(n) = t.strip_suffix("ms") {
+        (n, 1e-3)
+    } else if let Some(n) = t.strip_suffix('s') {
+        (n, 1.0)
+    } else if let Some(n) = t.strip_suffix('m') {
+        (n, 60.0)
+    } else if let Some(n) = t.strip_suffix('h') {
+        (n, 3600.0)
+    } else {
+        (t, 1.0)
+    };
+    let num = num.trim();
+    if num.is_empty() || !num.bytes().all(|b| b.is_ascii_digit() || b == b'.') {
+        return Err(err(s, "not a duration (e.g. 1, 2.5s, 500ms, 1m)"));
+    }
+    let v: f64 = num
+        .parse()
+        .map_err(|_| err(s, "not a duration (e.g. 1, 2.5s, 500ms, 1m)"))?;
+    std::time::Duration::try_from_secs_f64(v * unit).map_err(|_| err(s, "too large"))
 }
 
 #[cfg(test)]
@@ -102,5 +145,27 @@ mod tests {
         assert!(bytes("x").is_err());
         assert!(bytes("1T").is_err());
         assert!(bytes("99999999999999G").is_err());
+        // Fractions with a suffix (rates), rounded down; never without one.
+        assert_eq!(bytes("1.5M").unwrap(), 3 << 19);
+        assert_eq!(bytes("0.5k").unwrap(), 512);
+        assert_eq!(bytes(".25K").unwrap(), 256);
+        assert_eq!(bytes("2.M").unwrap(), 2 << 20);
+        for bad in ["1.5", "1.5.5M", "-1M", "1e3K", ".K", "1,5M", "NaNM", "infK"] {
+            assert!(bytes(bad).is_err(), "{bad}");
+        }
+        assert!(bytes("99999999999999.5G").is_err());
+    }
+
+    #[test]
+    fn durations() {
+        use std::time::Duration;
+        assert_eq!(duration("1").unwrap(), Duration::from_secs(1));
+        assert_eq!(duration("2.5s").unwrap(), Duration::from_millis(2500));
+        assert_eq!(duration("500ms").unwrap(), Duration::from_millis(500));
+        assert_eq!(duration("1m").unwrap(), Duration::from_secs(60));
+        assert_eq!(duration("0").unwrap(), Duration::ZERO);
+        for bad in ["", "s", "-1", "1x", "1e3", "fast"] {
+            assert!(duration(bad).is_err(), "{bad}");
+        }
     }
 }

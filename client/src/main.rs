@@ -4,13 +4,14 @@ use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use clap::{Parser, Subcommand};
+use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
-use rcp::control::client::{Observer, Quiet};
-use rcp::control::jobs::{self, parse_remote, Job, Totals};
+use rcp::control::client::Observer;
+use rcp::control::jobs::{self, parse_remote, Job, Plan, Totals};
 use rcp::control::{exit, Client, ClientOptions, ClientTls, ControlError, FileResult, Transport};
+use rcp::json::{self, line};
 
 const AFTER_HELP: &str = "\
 Remote paths are HOST:PATH or [IPV6]:PATH, resolved beneath the server's --root.
@@ -89,6 +90,12 @@ struct Cli {
     /// copy gives up with exit code 5; --resume continues it.
     #[arg(long, env = "RCP_TIMEOUT", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..), global = true)]
     timeout: u64,
+    /// How every block is checked end to end: sha256 (the default,
+    /// cryptographic), xxh3 (xxh3-128: fast, catches damage, not an
+    /// attacker) or none (the link's CRCs only). rcpd may restrict the
+    /// choice (RCPD_VERIFY).
+    #[arg(long, env = "RCP_VERIFY", default_value = "sha256", global = true)]
+    verify: rcp::files::Check,
     /// Also compute each file's flat SHA-256 (the sha256sum value) on the
     /// receiving side and print it in the summary.
     #[arg(long, env = "RCP_SHA256", global = true)]
@@ -99,6 +106,10 @@ struct Cli {
     /// No progress, no summary.
     #[arg(short, long, env = "RCP_QUIET", global = true)]
     quiet: bool,
+    /// Print one JSON object per line on stdout instead of the human
+    /// output (push, pull, bench, doctor; schema in docs/json.md).
+    #[arg(long, env = "RCP_JSON", global = true)]
+    json: bool,
     /// Talk TLS to rcpd, trusting this PEM CA.
     #[arg(long, env = "RCP_TLS_CA", global = true)]
     tls_ca: Option<PathBuf>,
@@ -161,11 +172,10 @@ enum Cmd {
         #[arg(short = 't', long, env = "RCP_BENCH_TX_DEPTH")]
         tx_depth: Option<u32>,
     },
-    /// rcp push [-r] LOCAL... HOST:REMOTE
+    /// rcp push [-r] [-n] [--bwlimit RATE] LOCAL... HOST:REMOTE
     Push {
-        /// Copy directories recursively (symlinks are never followed).
-        #[arg(short, long, env = "RCP_RECURSIVE")]
-        recursive: bool,
+        #[command(flatten)]
+        copy: CopyArgs,
         /// Local sources, then HOST:REMOTE.
         #[arg(required = true, num_args = 2..)]
         args: Vec<String>,
@@ -177,19 +187,43 @@ enum Cmd {
         /// An rcpd to check (HOST or [IPV6]; the port is -P).
         host: Option<String>,
     },
-    /// rcp pull [-r] HOST:REMOTE... LOCAL
+    /// rcp pull [-r] [-n] [--bwlimit RATE] HOST:REMOTE... LOCAL
     Pull {
-        /// Copy directories recursively.
-        #[arg(short, long, env = "RCP_RECURSIVE")]
-        recursive: bool,
+        #[command(flatten)]
+        copy: CopyArgs,
         /// HOST:REMOTE sources, then the local destination.
         #[arg(required = true, num_args = 2..)]
         args: Vec<String>,
     },
 }
 
+/// What push and pull share.
+#[derive(Args, Debug, Clone)]
+struct CopyArgs {
+    /// Copy directories recursively (symlinks are never followed).
+    #[arg(short, long, env = "RCP_RECURSIVE")]
+    recursive: bool,
+    /// List what would be copied (a line per file with its size) and the
+    /// totals; move no byte, create nothing on either side.
+    #[arg(short = 'n', long, env = "RCP_DRY_RUN")]
+    dry_run: bool,
+    /// Bytes per second at most (K/M/G suffixes, powers of 1024, fractions
+    /// allowed: 500K, 1.5M; 0: unlimited). Unlike rsync, a bare number is
+    /// bytes, not KiB.
+    #[arg(long, env = "RCP_BWLIMIT", value_parser = parse_bytes)]
+    bwlimit: Option<u64>,
+    /// Print progress every INTERVAL (rclone's --stats: 1, 2.5s, 500ms,
+    /// 1m; 0: never): a JSON line with --json, else a line on stderr.
+    #[arg(long, visible_alias = "progress-interval", env = "RCP_STATS", value_parser = parse_interval)]
+    stats: Option<Duration>,
+}
+
 fn parse_bytes(s: &str) -> Result<u64, String> {
     rcp::parse::bytes(s).map_err(|e| e.to_string())
+}
+
+fn parse_interval(s: &str) -> Result<Duration, String> {
+    rcp::parse::duration(s).map_err(|e| e.to_string())
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -211,24 +245,183 @@ struct Bars {
 }
 
 impl Bars {
+    fn new() -> Bars {
+        let total = ProgressBar::new(0);
+        total.set_style(
+            ProgressStyle::with_template(
+                "{bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta} {wide_bar} {msg}",
+            )
+            .expect("template"),
+        );
+        total.enable_steady_tick(Duration::from_millis(200));
+        Bars {
+            total,
+            started: AtomicU64::new(0),
+            done: AtomicU64::new(0),
+        }
+    }
+
     fn show(&self, last: &str) {
         let (d, n) = (self.done.load(Relaxed), self.started.load(Relaxed));
         self.total.set_message(format!("{d}/{n} files {last}"));
     }
 }
 
-impl Observer for Bars {
+/// What the binary watches of a job: the bars (on a terminal), the
+/// counts behind `--stats`, and with `--json` a line per file.
+struct Watch {
+    bars: Option<Bars>,
+    /// `--json`: the file lines' direction, transport and check.
+    json: Option<(&'static str, String, &'static str)>,
+    bytes: AtomicU64,
+    files_done: AtomicU64,
+}
+
+impl Observer for Watch {
     fn file_start(&self, _name: &str, len: u64) {
-        self.total.inc_length(len);
-        self.started.fetch_add(1, Relaxed);
+        if let Some(b) = &self.bars {
+            b.total.inc_length(len);
+            b.started.fetch_add(1, Relaxed);
+        }
     }
     fn progress(&self, n: u64) {
-        self.total.inc(n);
+        self.bytes.fetch_add(n, Relaxed);
+        if let Some(b) = &self.bars {
+            b.total.inc(n);
+        }
     }
     fn file_done(&self, r: &FileResult) {
-        self.done.fetch_add(1, Relaxed);
-        self.show(&r.path);
+        self.files_done.fetch_add(1, Relaxed);
+        if let Some(b) = &self.bars {
+            b.done.fetch_add(1, Relaxed);
+            b.show(&r.path);
+        }
+        if let Some((dir, transport, check)) = &self.json {
+            println!(
+                "{}",
+                line("file", &json::FileLine::new(r, dir, transport, check))
+            );
+        }
     }
+}
+
+/// `--stats`: a progress line every `every` until the task is aborted.
+fn progress_ticker(
+    watch: Arc<Watch>,
+    plan: &Plan,
+    every: Duration,
+    as_json: bool,
+) -> tokio::task::JoinHandle<()> {
+    let (direction, bytes_total, files_total) =
+        (plan.direction(), plan.bytes(), plan.files.len() as u64);
+    tokio::spawn(async move {
+        let t0 = Instant::now();
+        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+        // A stalled runtime prints one late line, not a burst of them.
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let (mut last_t, mut last_b) = (t0, 0u64);
+        loop {
+            tick.tick().await;
+            let (now, bytes) = (Instant::now(), watch.bytes.load(Relaxed));
+            let dt = now.duration_since(last_t).as_secs_f64().max(1e-9);
+            let p = json::ProgressLine {
+                direction,
+                bytes,
+                bytes_total,
+                files_done: watch.files_done.load(Relaxed),
+                files_total,
+                seconds: now.duration_since(t0).as_secs_f64(),
+                bytes_per_second: bytes.saturating_sub(last_b) as f64 / dt,
+            };
+            (last_t, last_b) = (now, bytes);
+            if as_json {
+                println!("{}", line("progress", &p));
+            } else {
+                eprintln!(
+                    "rcp: {} {}/{} bytes ({:.1}%), {}/{} files, {:.1} MB/s, {:.1} s",
+                    p.direction,
+                    p.bytes,
+                    p.bytes_total,
+                    p.bytes as f64 * 100.0 / p.bytes_total.max(1) as f64,
+                    p.files_done,
+                    p.files_total,
+                    p.bytes_per_second / 1e6,
+                    p.seconds
+                );
+            }
+        }
+    })
+}
+
+/// `--dry-run`: what the plan would copy, and the totals.
+fn print_plan(plan: &Plan, as_json: bool, quiet: bool, seconds: f64) {
+    let dir = plan.direction();
+    for f in &plan.files {
+        if as_json {
+            let l = json::PlanLine {
+                direction: dir,
+                source: f.source.clone(),
+                path: f.dest.clone(),
+                bytes: f.bytes,
+            };
+            println!("{}", line("plan", &l));
+        } else if !quiet {
+            println!("would {dir} {} -> {} ({} bytes)", f.source, f.dest, f.bytes);
+        }
+    }
+    let (files, bytes, dirs) = (plan.files.len() as u64, plan.bytes(), plan.dirs() as u64);
+    if as_json {
+        let l = json::SummaryLine {
+            direction: dir,
+            dry_run: true,
+            files,
+            dirs,
+            bytes,
+            moved: 0,
+            seconds,
+            gbps: 0.0,
+            transport: None,
+            check: None,
+            digest_format: None,
+            digest: None,
+            sha256: None,
+            reconnects: None,
+        };
+        println!("{}", line("summary", &l));
+    } else if !quiet {
+        println!(
+            "dry run: {files} file{}, {bytes} bytes, {dirs} director{} to make; nothing copied",
+            if files == 1 { "" } else { "s" },
+            if dirs == 1 { "y" } else { "ies" },
+        );
+    }
+}
+
+/// Where a copy's threads go, from the device's NUMA node: the hashing
+/// pool sized to the node's CPUs, and the completion thread pinned to a
+/// dedicated core of it when `--cq-cpu` says so or, by default, when the
+/// node has the CPUs for it. Said at `-v`.
+fn placement(c: &Cli) -> Option<usize> {
+    let device = c
+        .device
+        .clone()
+        .or_else(|| rcp::verbs::device_names().into_iter().next());
+    let node = device.as_deref().and_then(rcp::mem::numa::device_numa_node);
+    let cpus = rcp::datapath::config::node_cpus_allowed(node).len();
+    if rcp::files::set_pool_threads(cpus).is_ok() {
+        tracing::info!(
+            threads = cpus,
+            ?node,
+            "block hashing pool sized to the device's NUMA node"
+        );
+    }
+    let (cq, why) = match c.cq_cpu {
+        Some(x) => (x, format!("completion thread: --cq-cpu {x}")),
+        None => rcp::datapath::CqCpu::default_for_copies(node),
+    };
+    let cpu = cq.for_thread(node, 0);
+    tracing::info!(cpu, "{why}");
+    cpu
 }
 
 async fn run(c: Cli) -> Result<(), ControlError> {
@@ -242,17 +435,13 @@ async fn run(c: Cli) -> Result<(), ControlError> {
         signal_every: c.signal_every.unwrap_or(32),
         inline: c.inline,
         poll_mode: c.poll_mode,
-        cq_cpu: c.cq_cpu.unwrap_or_default().for_thread(
-            c.device
-                .as_deref()
-                .and_then(rcp::mem::numa::device_numa_node),
-            0,
-        ),
+        cq_cpu: placement(&c),
         qp_retry: rcp::datapath::QpRetry {
             ack_timeout: c.qp_timeout,
             retry_cnt: c.qp_retry_cnt,
         },
         transfers: c.transfers,
+        verify: c.verify,
         timeout: Duration::from_secs(c.timeout),
         tls: c.tls_ca.clone().map(|ca| ClientTls {
             ca,
@@ -260,11 +449,15 @@ async fn run(c: Cli) -> Result<(), ControlError> {
             key: c.tls_key.clone(),
             domain: c.tls_domain.clone(),
         }),
+        bwlimit: match &c.cmd {
+            Cmd::Push { copy, .. } | Cmd::Pull { copy, .. } => copy.bwlimit.filter(|&r| r > 0),
+            _ => None,
+        },
         ..ClientOptions::default()
     };
-    let (recursive, args, push) = match &c.cmd {
-        Cmd::Push { recursive, args } => (*recursive, args.clone(), true),
-        Cmd::Pull { recursive, args } => (*recursive, args.clone(), false),
+    let (copy, args, push) = match &c.cmd {
+        Cmd::Push { copy, args } => (copy.clone(), args.clone(), true),
+        Cmd::Pull { copy, args } => (copy.clone(), args.clone(), false),
         Cmd::Bench { .. } => unreachable!("bench runs without the runtime"),
         Cmd::Doctor { host } => {
             let addr = match host {
@@ -276,10 +469,25 @@ async fn run(c: Cli) -> Result<(), ControlError> {
                 None => None,
             };
             let d = jobs::doctor(addr, opts).await;
+            let count = |l| d.checks.iter().filter(|c| c.level == l).count() as u64;
+            let failures = count(rcp::doctor::Level::Fail);
             for check in &d.checks {
-                println!("{check}");
+                if c.json {
+                    println!("{}", line("check", &json::CheckLine::new(check)));
+                } else {
+                    println!("{check}");
+                }
             }
-            if d.checks.iter().any(|c| c.level == rcp::doctor::Level::Fail) {
+            if c.json {
+                let l = json::DoctorLine {
+                    ok: failures == 0,
+                    checks: d.checks.len() as u64,
+                    warnings: count(rcp::doctor::Level::Warn),
+                    failures,
+                };
+                println!("{}", line("doctor", &l));
+            }
+            if failures > 0 {
                 return Err(ControlError::Fatal(
                     "doctor found problems (FAIL above)".into(),
                 ));
@@ -287,8 +495,9 @@ async fn run(c: Cli) -> Result<(), ControlError> {
             return Ok(());
         }
     };
+    opts.check_bwlimit()?;
     let job = Job {
-        recursive,
+        recursive: copy.recursive,
         preserve: c.preserve,
         resume: c.resume,
         sha256: c.sha256,
@@ -333,55 +542,71 @@ async fn run(c: Cli) -> Result<(), ControlError> {
     };
 
     let client = Client::connect(&addr, opts).await?;
+    let t0 = Instant::now();
+    let plan = if push {
+        jobs::plan_push(&client, &local_paths, &remote_paths[0], &job).await?
+    } else {
+        let dest = local_dest.as_deref().expect("pull has a destination");
+        jobs::plan_pull(&client, &remote_paths, dest, &job).await?
+    };
+    if copy.dry_run {
+        // No session: nothing is set up on rcpd, nothing moves.
+        print_plan(&plan, c.json, c.quiet, t0.elapsed().as_secs_f64());
+        return Ok(());
+    }
     let mut session = client.session().await?;
     if c.transport == Transport::Auto || c.verbose > 0 {
         eprintln!("rcp: transport {}", session.transport);
     }
-    let obs: Arc<dyn Observer> = if !c.quiet && std::io::stderr().is_terminal() {
-        let total = ProgressBar::new(0);
-        total.set_style(
-            ProgressStyle::with_template(
-                "{bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta} {wide_bar} {msg}",
-            )
-            .expect("template"),
-        );
-        total.enable_steady_tick(Duration::from_millis(200));
-        Arc::new(Bars {
-            total,
-            started: AtomicU64::new(0),
-            done: AtomicU64::new(0),
-        })
-    } else {
-        Arc::new(Quiet)
-    };
-    let totals: Result<Totals, ControlError> = if push {
-        jobs::push(
-            &client,
-            &mut session,
-            &local_paths,
-            &remote_paths[0],
-            &job,
-            obs,
-        )
-        .await
-    } else {
-        jobs::pull(
-            &client,
-            &mut session,
-            &remote_paths,
-            local_dest.as_deref().expect("pull has a destination"),
-            &job,
-            obs,
-        )
-        .await
-    };
     let transport = session.kind.to_string();
-    let _ = session.close().await;
+    let watch = Arc::new(Watch {
+        bars: (!c.quiet && std::io::stderr().is_terminal()).then(Bars::new),
+        json: c
+            .json
+            .then(|| (plan.direction(), transport.clone(), session.check())),
+        bytes: AtomicU64::new(0),
+        files_done: AtomicU64::new(0),
+    });
+    let ticker = copy
+        .stats
+        .filter(|d| !d.is_zero() && (c.json || !c.quiet))
+        .map(|every| progress_ticker(watch.clone(), &plan, every, c.json));
+    let (direction, dirs, check) = (plan.direction(), plan.dirs() as u64, session.check());
+    let obs: Arc<dyn Observer> = watch.clone();
+    let totals: Result<Totals, ControlError> =
+        jobs::execute(&client, &mut session, plan, obs).await;
+    if let Some(t) = ticker {
+        t.abort();
+    }
+    let stats = session.close().await.ok();
     let totals = totals?;
-    if !c.quiet {
-        println!("{}", totals.summary(&transport));
+    if c.json {
+        let one = totals.files == 1;
+        let l = json::SummaryLine {
+            direction,
+            dry_run: false,
+            files: totals.files,
+            dirs,
+            bytes: totals.bytes,
+            moved: totals.moved,
+            seconds: totals.seconds,
+            gbps: totals.gbps(),
+            transport: Some(transport),
+            check: Some(check),
+            digest_format: Some(json::DIGEST_FORMAT),
+            digest: totals.digest.as_deref().filter(|_| one).map(hex),
+            sha256: totals.sha256.as_deref().filter(|_| one).map(hex),
+            reconnects: stats.map(|s| s.report.reconnects),
+        };
+        println!("{}", line("summary", &l));
+    } else if !c.quiet {
+        println!("{}", totals.summary_checked(&transport, c.verify));
     }
     Ok(())
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
 /// `rcp bench`: synchronous (the data path has its own threads).
@@ -425,10 +650,14 @@ fn bench(c: &Cli) -> i32 {
         gid_index: c.gid_index,
     };
     let report = |o: &BenchOptions, m: &bench::Measured, what: Option<&str>| {
-        let line = bench::format_line(o, m);
-        match what {
-            Some(w) => println!("{line}  # {w}"),
-            None => println!("{line}"),
+        if c.json {
+            println!("{}", bench::json_line(o, m, what));
+        } else {
+            let line = bench::format_line(o, m);
+            match what {
+                Some(w) => println!("{line}  # {w}"),
+                None => println!("{line}"),
+            }
         }
         if !c.quiet {
             eprintln!("rcp bench: {}", bench::format_human(o, m));
@@ -443,7 +672,14 @@ fn bench(c: &Cli) -> i32 {
         };
         bench::serve(&so, &mut |a| {
             use std::io::Write;
-            println!("bench server listening on {a}");
+            if c.json {
+                let l = json::ListeningLine {
+                    addr: a.to_string(),
+                };
+                println!("{}", line("listening", &l));
+            } else {
+                println!("bench server listening on {a}");
+            }
             let _ = std::io::stdout().flush();
         })
     } else if *compare {
@@ -461,13 +697,40 @@ fn bench(c: &Cli) -> i32 {
         Ok(()) => exit::OK,
         Err(e) => {
             eprintln!("rcp bench: {e}");
-            if e.is_usage() {
-                exit::USAGE
+            let (code, reason) = if e.is_usage() {
+                (exit::USAGE, "USAGE")
             } else {
-                exit::OTHER
+                (exit::OTHER, "OTHER")
+            };
+            if c.json {
+                print_error(code, reason, &e.to_string());
             }
+            code
         }
     }
+}
+
+/// `--json`'s error line (the human message goes to stderr as well).
+fn print_error(code: i32, reason: &str, message: &str) {
+    let l = json::ErrorLine {
+        code,
+        reason: reason.to_string(),
+        message: message.trim_end().to_string(),
+    };
+    println!("{}", line("error", &l));
+}
+
+/// Whether `--json` was asked for, before (or without) a successful parse:
+/// a usage error is then a JSON line too.
+fn json_asked() -> bool {
+    let arg = std::env::args_os().any(|a| a == "--json");
+    let env = std::env::var("RCP_JSON").is_ok_and(|v| {
+        matches!(
+            v.trim().to_ascii_lowercase().as_str(),
+            "1" | "true" | "yes" | "on" | "y"
+        )
+    });
+    arg || env
 }
 
 fn main() {
@@ -481,6 +744,9 @@ fn main() {
                 _ => exit::USAGE,
             };
             let _ = e.print();
+            if code != exit::OK && json_asked() {
+                print_error(code, "USAGE", &e.render().to_string());
+            }
             std::process::exit(code);
         }
     };
@@ -509,10 +775,19 @@ fn main() {
         }
     };
     rcp::control::raise_open_file_limit();
+    let as_json = c.json;
     match rt.block_on(run(c)) {
         Ok(()) => std::process::exit(exit::OK),
         Err(e) => {
             eprintln!("rcp: {e}");
+            if as_json {
+                let reason = e.reason();
+                print_error(
+                    e.exit_code(),
+                    reason.as_str_name().trim_start_matches("REASON_"),
+                    &e.to_string(),
+                );
+            }
             std::process::exit(e.exit_code());
         }
     }

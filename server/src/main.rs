@@ -64,6 +64,16 @@ struct Args {
     /// registrations are freed; what it wrote stays resumable.
     #[arg(long, env = "RCPD_TIMEOUT", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
     timeout: u64,
+    /// The block checks clients may ask for (rcp --verify), comma-separated:
+    /// sha256, xxh3, none. Restrict it to sha256 to have every copy checked
+    /// cryptographically.
+    #[arg(
+        long,
+        env = "RCPD_VERIFY",
+        value_delimiter = ',',
+        default_value = "sha256,xxh3,none"
+    )]
+    verify: Vec<rcp::files::Check>,
     /// Bearer token clients must send (prefer --token-file).
     #[arg(long, env = "RCPD_TOKEN", hide_env_values = true)]
     token: Option<String>,
@@ -80,6 +90,13 @@ struct Args {
     /// Signal every n-th work request.
     #[arg(long, env = "RCPD_SIGNAL_EVERY", default_value_t = 32)]
     signal_every: usize,
+    /// Bytes per second each copy this rcpd makes through the Copy API may
+    /// move (K/M/G suffixes, fractions allowed; 0: unlimited). rcpd's own
+    /// sessions never post (their clients post every request, under
+    /// rcp's --bwlimit), so this limits only the copies rcpd makes as a
+    /// client, each on its own.
+    #[arg(long, env = "RCPD_BWLIMIT", value_parser = parse_rate)]
+    bwlimit: Option<u64>,
     /// Log filter (tracing EnvFilter syntax, e.g. info or rcp=debug).
     #[arg(long, env = "RCPD_LOG", default_value = "info")]
     log: String,
@@ -113,6 +130,10 @@ fn env_names() -> Vec<String> {
         .collect()
 }
 
+fn parse_rate(s: &str) -> Result<u64, String> {
+    rcp::parse::bytes(s).map_err(|e| e.to_string())
+}
+
 fn addr_opt(s: Option<&str>, what: &str) -> anyhow::Result<Option<SocketAddr>> {
     match s.map(str::trim) {
         None | Some("") | Some("none") | Some("off") => Ok(None),
@@ -140,13 +161,29 @@ fn main() -> anyhow::Result<()> {
                 .with_context(|| format!("bad --log filter {:?}", a.log))?,
         )
         .init();
-    // auto: a CPU of the device's NUMA node (the same rule as rcp's).
-    let cq_cpu = a.cq_cpu.unwrap_or_default().for_thread(
-        a.device
-            .as_deref()
-            .and_then(rcp::mem::numa::device_numa_node),
-        0,
-    );
+    // The device's NUMA node: the hashing pool (rcpd verifies and fills
+    // windows) is sized to its CPUs; the completion thread of copies it
+    // makes follows rcp's rule (auto: a CPU of the node; by default a
+    // dedicated core when the node has the CPUs for one).
+    let device = a
+        .device
+        .clone()
+        .or_else(|| rcp::verbs::device_names().into_iter().next());
+    let node = device.as_deref().and_then(rcp::mem::numa::device_numa_node);
+    let cpus = rcp::datapath::config::node_cpus_allowed(node).len();
+    if rcp::files::set_pool_threads(cpus).is_ok() {
+        tracing::info!(
+            threads = cpus,
+            ?node,
+            "block hashing pool sized to the device's NUMA node"
+        );
+    }
+    let (cq, why) = match a.cq_cpu {
+        Some(x) => (x, format!("completion thread of copies: --cq-cpu {x}")),
+        None => rcp::datapath::CqCpu::default_for_copies(node),
+    };
+    let cq_cpu = cq.for_thread(node, 0);
+    tracing::info!(cpu = cq_cpu, "{why}");
     let nofile = rcp::control::raise_open_file_limit();
     let want = a.max_transfers as u64 * u64::from(a.max_open_files) + 256;
     if want > nofile {
@@ -188,6 +225,7 @@ fn main() -> anyhow::Result<()> {
         max_transfers: a.max_transfers,
         max_open_files: a.max_open_files,
         timeout: Duration::from_secs(a.timeout),
+        checks: a.verify,
         token,
         cq_cpu,
         batch: a.batch,
@@ -196,7 +234,16 @@ fn main() -> anyhow::Result<()> {
         tls: ServerTls::from_flags(a.tls_cert, a.tls_key, a.tls_client_ca)
             .map_err(|e| anyhow::anyhow!(e))?,
         tls_peer_ca: a.tls_peer_ca,
+        bwlimit: a.bwlimit.filter(|&r| r > 0),
     };
+    // A rate too low for the timeout would fail every copy: say so now.
+    rcp::control::ClientOptions {
+        bwlimit: cfg.bwlimit,
+        timeout: cfg.timeout,
+        ..Default::default()
+    }
+    .check_bwlimit()
+    .map_err(|e| anyhow::anyhow!("{e}"))?;
     let rt = tokio::runtime::Runtime::new().context("starting the runtime")?;
     rt.block_on(daemon::run(cfg, daemon::shutdown_signal(), |b, why| {
         let mut line = format!("rcpd listening on {} transport {why}", b.grpc);

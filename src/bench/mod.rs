@@ -276,6 +276,44 @@ pub fn format_line(o: &BenchOptions, m: &Measured) -> String {
     )
 }
 
+/// The run as a `--json` line: the fields of [`format_line`], unrounded
+/// (`label`: the `--compare` row).
+pub fn json_line(o: &BenchOptions, m: &Measured, label: Option<&str>) -> String {
+    let r = &m.report;
+    let secs = m.secs();
+    crate::json::line(
+        "bench",
+        &crate::json::BenchLine {
+            label: label.map(str::to_string),
+            op: op_name(o.op),
+            size: o.size,
+            batch: o.batch,
+            signal: o.signal_every,
+            inline: o.inline,
+            mode: Mode(o.mode).to_string(),
+            qps: o.qps,
+            msgs: r.msgs,
+            seconds: secs,
+            gbps: m.gbps(),
+            mb_per_s: r.bytes as f64 / secs / 1e6,
+            msg_per_s: m.msg_per_s(),
+            p50_us: r.p50_us(),
+            p99_us: r.p99_us(),
+            doorbells: r.doorbells,
+            signaled: r.signaled,
+            inline_posted: r.inline,
+            completions: r.completions,
+            cpu_ns_per_msg: m.cpu_ns_per_msg(),
+            polls: r.polls,
+            empty_polls: r.empty_polls,
+            arms: r.arms,
+            wakeups: r.wakeups,
+            tx_depth: o.tx_depth(),
+            cq_cpu: o.cq_cpu.to_string(),
+        },
+    )
+}
+
 /// A one-line summary for people (stderr).
 pub fn format_human(o: &BenchOptions, m: &Measured) -> String {
     format!(
@@ -553,5 +591,18 @@ mod tests {
         assert_eq!(kv["seconds"], "0.500");
         assert_eq!(kv["tx_depth"], "128");
         assert!(format_human(&o, &m).contains("20 msg/s"));
+        // --json: the same keys as the line, as JSON.
+        let v: serde_json::Value = serde_json::from_str(&json_line(&o, &m, None)).unwrap();
+        assert_eq!(
+            (v["type"].as_str(), v["version"].as_u64()),
+            (Some("bench"), Some(1))
+        );
+        for k in kv.keys() {
+            assert!(!v[*k].is_null(), "{k} missing from the JSON line");
+        }
+        assert_eq!(v["msg_per_s"], 20.0);
+        assert_eq!(v["mode"], "hybrid");
+        assert_eq!(v["cq_cpu"], "none");
+        assert!(v["label"].is_null());
     }
 }

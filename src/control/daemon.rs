@@ -49,11 +49,18 @@ pub struct DaemonConfig {
     pub timeout: Duration,
     /// Files one session may have open at once.
     pub max_open_files: u32,
+    /// Checks clients may ask for.
+    pub checks: Vec<crate::files::Check>,
     /// TLS on the gRPC port (mTLS when it names a client CA).
     pub tls: Option<super::tls::ServerTls>,
     /// CA to trust when this rcpd copies to/from another (Copy API);
     /// default: the client CA.
     pub tls_peer_ca: Option<PathBuf>,
+    /// Bytes per second each copy this rcpd makes (Copy API) may post, on
+    /// the data path it drives as that copy's client (`None`: unlimited).
+    /// rcpd's own sessions post nothing: their clients do, under their own
+    /// `--bwlimit`.
+    pub bwlimit: Option<u64>,
 }
 
 /// Addresses actually bound (port 0 resolved).
@@ -110,6 +117,7 @@ pub async fn run(
         windows_per_session: 8,
         max_open_files: cfg.max_open_files,
         timeout: cfg.timeout,
+        checks: cfg.checks.clone(),
     };
     let copier = CopyService {
         opts: ClientOptions {
@@ -121,6 +129,7 @@ pub async fn run(
             signal_every: cfg.signal_every,
             cq_cpu: cfg.cq_cpu,
             timeout: cfg.timeout,
+            bwlimit: cfg.bwlimit,
             tls: cfg
                 .tls
                 .as_ref()

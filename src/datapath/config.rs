@@ -181,6 +181,10 @@ pub struct DataPathConfig {
     /// Most requests outstanding on the queue pair (perftest's `--tx-depth`);
     /// `None`: the send-queue depth. Clamped to the send-queue depth.
     pub tx_depth: Option<usize>,
+    /// Post at most this many bytes per second (`None`: as fast as the
+    /// channel goes): the posting thread takes a chain's bytes from a
+    /// [`TokenBucket`](super::TokenBucket) before it posts it.
+    pub rate_limit: Option<super::RateLimit>,
 }
 
 impl Default for DataPathConfig {
@@ -197,6 +201,7 @@ impl Default for DataPathConfig {
             max_retries: 3,
             qp_retry: QpRetry::default(),
             tx_depth: None,
+            rate_limit: None,
         }
     }
 }
@@ -217,6 +222,15 @@ impl DataPathConfig {
             });
         }
         self.qp_retry.validate()?;
+        if let Some(r) = self.rate_limit {
+            if r.bytes_per_sec == 0 || r.burst == 0 {
+                return Err(ConfigError::Field {
+                    field: "rate_limit",
+                    value: format!("{}/{}", r.bytes_per_sec, r.burst),
+                    reason: "rate and burst must be at least 1 byte".into(),
+                });
+            }
+        }
         if self.tx_depth == Some(0) {
             return Err(ConfigError::Field {
                 field: "tx_depth",
@@ -291,6 +305,56 @@ impl CqCpu {
     }
 }
 
+/// CPUs the process may use on the device's NUMA node (all it may use when
+/// the node is unknown or offers none of them).
+pub fn node_cpus_allowed(numa_node: Option<u32>) -> Vec<usize> {
+    let allowed = super::completion::allowed_cpus();
+    let on_node: Vec<usize> = numa_node
+        .map(crate::mem::numa::node_cpus)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|c| allowed.contains(c))
+        .collect();
+    if on_node.is_empty() {
+        allowed
+    } else {
+        on_node
+    }
+}
+
+/// The node CPUs at which a dedicated completion core pays by default: one
+/// core polling, one posting, the rest hashing and doing file I/O.
+pub const DEDICATED_CQ_FROM_CPUS: usize = 4;
+
+impl CqCpu {
+    /// What `--cq-cpu` means when not given, for a copy: a dedicated,
+    /// pinned completion core ([`CqCpu::Auto`]) when the device's node
+    /// offers the process at least [`DEDICATED_CQ_FROM_CPUS`] CPUs,
+    /// unpinned below that (on 2 vCPUs pinning measured worse). Also the
+    /// sentence that says which, for `-v`.
+    pub fn default_for_copies(numa_node: Option<u32>) -> (CqCpu, String) {
+        Self::default_for_cpus(node_cpus_allowed(numa_node).len())
+    }
+
+    /// [`default_for_copies`](Self::default_for_copies) for a node that
+    /// offers the process `n` CPUs.
+    pub fn default_for_cpus(n: usize) -> (CqCpu, String) {
+        if n >= DEDICATED_CQ_FROM_CPUS {
+            (
+                CqCpu::Auto,
+                format!("completion thread on a dedicated core: the device's node offers {n} CPUs"),
+            )
+        } else {
+            (
+                CqCpu::Unpinned,
+                format!(
+                    "completion thread unpinned: the device's node offers {n} CPUs, fewer than {DEDICATED_CQ_FROM_CPUS}"
+                ),
+            )
+        }
+    }
+}
+
 /// [`CqCpu::Auto`]'s choice from the CPUs the process may use and those of
 /// the device's node (when known), last first.
 fn auto_cpus(allowed: &[usize], node: Option<&[usize]>) -> Vec<usize> {
@@ -344,6 +408,21 @@ impl FromStr for CqCpu {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_dedicated_completion_core_by_default_from_4_cpus() {
+        for n in 0..4 {
+            assert_eq!(CqCpu::default_for_cpus(n).0, CqCpu::Unpinned, "{n} CPUs");
+        }
+        for n in [4, 8, 64] {
+            let (c, why) = CqCpu::default_for_cpus(n);
+            assert_eq!(c, CqCpu::Auto, "{n} CPUs");
+            assert!(
+                why.contains("dedicated") && why.contains(&n.to_string()),
+                "{why}"
+            );
+        }
+    }
+
     use super::*;
 
     #[test]

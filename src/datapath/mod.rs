@@ -30,15 +30,18 @@
 //! # Modules
 //!
 //! - [`config`]: [`DataPathConfig`] (batch, signaling, inline, poll mode,
-//!   CQ CPU, timeouts, reconnect backoff, tx depth) and the
+//!   CQ CPU, timeouts, reconnect backoff, tx depth, rate limit) and the
 //!   [`StreamConfig`](crate::engine::StreamConfig) it becomes on a channel;
 //! - [`runner`]: [`DataPath`], [`DpEvent`], [`DataPathError`];
+//! - [`bucket`]: [`TokenBucket`], the rate limit the posting thread
+//!   consults before each chain ([`RateLimit`]);
 //! - [`completion`]: the completion thread's loop, CPU pinning, [`AvoidCpu`];
 //! - [`port`]: [`PortMonitor`], port state the reconnect waits on;
 //! - [`stats`]: [`DataPathStats`], live atomics for a metrics exporter, and
 //!   [`Latencies`];
 //! - [`report`]: the [`Report`] a data path returns.
 
+pub mod bucket;
 pub mod completion;
 pub mod config;
 pub mod port;
@@ -51,6 +54,7 @@ mod fake;
 #[cfg(test)]
 mod tests;
 
+pub use bucket::{RateLimit, TokenBucket};
 pub use completion::{allowed_cpus, completion_loop, pin_current_thread, AvoidCpu, POLL_BATCH};
 pub use config::{Backoff, ConfigError, CqCpu, DataPathConfig, PollMode, QpRetry};
 pub use port::PortMonitor;

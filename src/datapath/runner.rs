@@ -10,7 +10,11 @@
 //!   (`WindowDone` → [`DpEvent::WindowDone`], error batch → the error path),
 //!   posts every chain the stream allows (one `post` per chain, the engine's
 //!   batches reused, no allocation per request) and publishes the engine's
-//!   counters into [`DataPathStats`]. With nothing queued and nothing
+//!   counters into [`DataPathStats`]. With a rate limit it takes each
+//!   chain's bytes from a [`TokenBucket`] first; short of tokens it waits
+//!   on its input queue until the bucket will hold them, so completions
+//!   and submissions are still taken at once meanwhile (no spinning, no
+//!   sleep that delays them). With nothing queued and nothing
 //!   outstanding it blocks (no spinning); in poll mode, with requests
 //!   outstanding, it spins [`POSTER_SPIN`] for the next batch before it
 //!   parks. While a pinned completion thread polls (poll, hybrid), it keeps
@@ -45,6 +49,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
+use super::bucket::TokenBucket;
 use super::completion::{completion_loop, pin_current_thread, AvoidCpu};
 use super::config::{ConfigError, DataPathConfig, PollMode};
 use super::port::PortMonitor;
@@ -243,6 +248,8 @@ impl DataPath {
 
         let now = Instant::now();
         let poster = Poster {
+            // Engine time starts at `now`: the bucket starts empty there.
+            bucket: cfg.rate_limit.map(|r| TokenBucket::new(r, 0)),
             events0: monitor.as_ref().map_or(0, |m| m.events_seen()),
             cfg: cfg.clone(),
             stream,
@@ -439,6 +446,8 @@ struct Poster {
     batch: Batch,
     sq_depth: u64,
     events0: u64,
+    /// The rate limit, if any: a chain's bytes are taken before it posts.
+    bucket: Option<TokenBucket>,
 }
 
 impl Poster {
@@ -476,6 +485,7 @@ impl Poster {
     /// error path), posting, publishing. Returns how long to wait for the
     /// next input (`None`: until one comes).
     fn step(&mut self) -> Option<Duration> {
+        let mut throttled;
         loop {
             self.note_progress();
             if let Some(t) = self.stream.next_timeout() {
@@ -490,17 +500,21 @@ impl Poster {
                     return None;
                 }
             }
-            if !self.failed {
-                self.post_all();
-            }
+            throttled = if self.failed { None } else { self.post_all() };
             self.publish();
             // A post failure may have raised an error batch: act on it now.
             if !self.stream.has_events() {
                 break;
             }
         }
-        let t = self.stream.next_timeout()?;
-        Some(Duration::from_nanos(t.saturating_sub(self.now_ns())))
+        let timer = self
+            .stream
+            .next_timeout()
+            .map(|t| Duration::from_nanos(t.saturating_sub(self.now_ns())));
+        match (timer, throttled) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
     fn drain_inputs(&mut self) {
@@ -699,10 +713,20 @@ impl Poster {
         }
     }
 
-    /// Post every chain the stream allows now.
-    fn post_all(&mut self) {
+    /// Post every chain the stream (and the rate limit) allows now; with a
+    /// chain held back by the rate limit, how long until it may go.
+    fn post_all(&mut self) -> Option<Duration> {
         let now = self.now_ns();
-        while self.stream.poll_transmit_into(now, &mut self.batch) {
+        loop {
+            if let Some(b) = &mut self.bucket {
+                let need = self.stream.next_chain_bytes()?;
+                if let Err(wait) = b.take(need, now) {
+                    return Some(wait);
+                }
+            }
+            if !self.stream.poll_transmit_into(now, &mut self.batch) {
+                return None;
+            }
             let t = Instant::now();
             // SAFETY: every local segment of the chain is an extent of a
             // window handed in through `DataPath::submit`, whose caller
@@ -726,6 +750,13 @@ impl Poster {
             match res {
                 Ok(()) => self.post_fail_run = 0,
                 Err(f) => {
+                    if let Some(b) = &mut self.bucket {
+                        let refused: u64 = self.batch.wrs[f.posted.min(self.batch.wrs.len())..]
+                            .iter()
+                            .map(|w| u64::from(w.local.len))
+                            .sum();
+                        b.give_back(refused);
+                    }
                     self.post_fail_run += 1;
                     tracing::warn!(
                         posted = f.posted,
@@ -739,7 +770,7 @@ impl Poster {
                     if matches!(f.error, ProviderError::Closed) || self.post_fail_run >= 3 {
                         // The connection is unusable: take the error path.
                         self.stream.connection_lost();
-                        return;
+                        return None;
                     }
                     // Try again at once: the refused requests are first in
                     // line; three refusals in a row end it above.

@@ -659,3 +659,46 @@ fn hybrid_arms_and_waits_after_k_empty_polls() {
     assert_eq!(ch.arms.load(Relaxed), 0);
     assert!(s.empty_polls.load(Relaxed) > 100);
 }
+
+/// With a rate limit the poster takes each chain's bytes from the bucket:
+/// 1 MiB at 2 MiB/s is done no sooner than 0.5 s after the start, and the
+/// poster sleeps while it waits for tokens (no spinning).
+#[test]
+fn a_rate_limited_data_path_posts_no_faster_than_its_rate() {
+    let ch = Arc::new(FakeChannel::new(128));
+    let rate = 2u64 << 20;
+    let c = DataPathConfig {
+        rate_limit: Some(RateLimit::new(rate)),
+        ..cfg(PollMode::Event)
+    };
+    let t0 = Instant::now();
+    let dp = start(c, &ch, no_reconnect());
+    let mut ev = dp.take_events().unwrap();
+    // 8 windows of 32 x 4 KiB: a chain of 128 KiB each.
+    for id in 1..=8 {
+        submit(&dp, job(id, OpKind::Write, 32, 4096));
+    }
+    wait_done(&mut ev, &[1]);
+    let first = t0.elapsed();
+    let tid = dp.poster_tid();
+    let before = thread_ticks(tid);
+    wait_done(&mut ev, &[2, 3, 4, 5, 6, 7, 8]);
+    let all = t0.elapsed();
+    let spent = thread_ticks(tid) - before;
+    let r = dp.close();
+    assert_eq!(r.bytes, 1 << 20);
+    // The bucket starts empty: 128 KiB takes 62.5 ms, 1 MiB 500 ms.
+    assert!(
+        first >= Duration::from_micros(62_500),
+        "first window {first:?}"
+    );
+    assert!(all >= Duration::from_millis(500), "1 MiB in {all:?}");
+    assert!(all < Duration::from_secs(5), "1 MiB in {all:?}");
+    // A spinning poster would spend ~40 ticks (USER_HZ 100) in the
+    // 440 ms after the first window.
+    assert!(spent <= 10, "throttled poster spent {spent} ticks");
+    assert_eq!(
+        r.doorbells, 8,
+        "whole chains, each when its bytes are earned"
+    );
+}

@@ -549,6 +549,29 @@ impl Stream {
         self.poll_transmit_into(now, &mut b).then_some(b)
     }
 
+    /// Bytes of the chain [`poll_transmit`](Self::poll_transmit) would
+    /// return now, without taking it (`None`: nothing can be posted). A
+    /// rate limiter asks this before it lets the chain go.
+    pub fn next_chain_bytes(&self) -> Option<u64> {
+        if self.state != State::Running {
+            return None;
+        }
+        let room = self.cfg.batch.chain_len(self.credits.available());
+        if room == 0 {
+            return None;
+        }
+        let run = self.ready.iter().find(|r| r.start < r.end)?;
+        let n = room.min((run.end - run.start) as usize);
+        let job = &self.win(run.win).job;
+        let first = run.start as usize;
+        Some(
+            job.extents[first..first + n]
+                .iter()
+                .map(|e| u64::from(e.len))
+                .sum(),
+        )
+    }
+
     /// [`poll_transmit`](Self::poll_transmit) into `out` (cleared first, its
     /// capacity reused); false, and `out` empty, if nothing can be posted.
     pub fn poll_transmit_into(&mut self, now: u64, out: &mut Batch) -> bool {

@@ -54,7 +54,7 @@ use rustix::fs::{self as rfs, AtFlags, FallocateFlags, FileType, FlockOperation,
 use rustix::io::Errno;
 
 use super::digest::{
-    block_digest, file_digest, to_hex, Sha256Digest, StreamingFileDigest, DEFAULT_MAX_PENDING,
+    file_digest_with, to_hex, Check, Sha256Digest, StreamingFileDigest, DEFAULT_MAX_PENDING,
 };
 use super::error::{io_err, DigestError, FileError, Result};
 use super::manifest::{block_count, Manifest, SourceId};
@@ -89,6 +89,11 @@ pub struct DestinationOptions {
     /// The derived file digest if the sender announced it up front (recorded in the
     /// manifest; a resume with a different announced digest is refused).
     pub expected_digest: Option<Sha256Digest>,
+    /// How the blocks are checked ([`Check`]): the digests given to
+    /// [`Destination::write_block`] are of this check, the derived file
+    /// digest is hashed with it, and a resume continues only a copy checked
+    /// the same way.
+    pub check: Check,
     /// Also compute the flat whole-file SHA-256 (the `sha256sum` value) while the
     /// blocks are written, and return it from [`Destination::seal`] /
     /// [`publish`]. Off by default: it is a second, serial pass over every byte.
@@ -108,6 +113,7 @@ impl Default for DestinationOptions {
             preserve: None,
             resume: None,
             expected_digest: None,
+            check: Check::Sha256,
             flat_sha256: false,
             manifest_every_blocks: 64,
             manifest_interval: Duration::from_secs(1),
@@ -214,6 +220,7 @@ impl Destination {
                 fingerprint: [0; 32],
             }),
             expected_digest: opts.expected_digest,
+            check: opts.check,
             blocks: BTreeMap::new(),
         };
         let mut d = Destination {
@@ -301,6 +308,10 @@ impl Destination {
                 Some("block size differs")
             } else if opts.expected_digest.is_some() && m.expected_digest != opts.expected_digest {
                 Some("the announced whole-file digest differs")
+            } else if m.check != opts.check {
+                // Never mixed: blocks checked one way under a file digest of
+                // another would prove nothing.
+                Some("it was checked with another --verify; starting afresh")
             } else {
                 None
             };
@@ -407,7 +418,7 @@ impl Destination {
             self.file
                 .read_exact_at(b, off)
                 .map_err(|e| io_err("read temp file", self.temp_path(), e))?;
-            if block_digest(b) != want {
+            if self.manifest.check.block(b) != want {
                 tracing::warn!(temp = %self.temp_path().display(), block = i,
                     "resumed block does not match its recorded digest; will be sent again");
                 continue;
@@ -468,11 +479,18 @@ impl Destination {
     }
     /// The derived file digest of the recorded blocks, once every block is recorded.
     pub fn derived_digest(&self) -> Option<Sha256Digest> {
-        (self.manifest.blocks.len() as u64 == self.block_count())
-            .then(|| file_digest(self.len(), self.block_size(), self.manifest.blocks.values()))
+        (self.manifest.blocks.len() as u64 == self.block_count()).then(|| {
+            file_digest_with(
+                self.manifest.check,
+                self.len(),
+                self.block_size(),
+                self.manifest.blocks.values(),
+            )
+        })
     }
 
-    /// Write a received, verified block. `digest` is its SHA-256 (already checked
+    /// Write a received, verified block. `digest` is its digest under the
+    /// destination's [`Check`] (already checked
     /// by the caller against the sender's). Duplicates of a recorded block are
     /// ignored. Recorded in the manifest (saved at the configured rate).
     pub fn write_block(&mut self, index: u64, data: &[u8], digest: Sha256Digest) -> Result<()> {
@@ -495,7 +513,7 @@ impl Destination {
             });
         }
         debug_assert_eq!(
-            block_digest(data),
+            self.manifest.check.block(data),
             digest,
             "write_block: digest is not of data"
         );
@@ -603,7 +621,12 @@ impl Destination {
                 len: self.len(),
             });
         }
-        let derived = file_digest(self.len(), self.block_size(), self.manifest.blocks.values());
+        let derived = file_digest_with(
+            self.manifest.check,
+            self.len(),
+            self.block_size(),
+            self.manifest.blocks.values(),
+        );
         self.drain_deferred()?;
         let flat = self
             .flat
@@ -963,7 +986,9 @@ fn discard(dir: &DirHandle, temp: &OsStr, manifest: &OsStr) {
         Mode::empty(),
     ) {
         Ok(fd) => {
-            if rfs::flock(&fd, FlockOperation::NonBlockingLockExclusive).is_err() {
+            // A transfer that was just interrupted may still hold it for a
+            // moment (as in resume); one that is really live keeps it.
+            if lock_within(&fd, RESUME_LOCK_WAIT).is_err() {
                 return; // in use
             }
             // Unlink while holding the lock.

@@ -10,11 +10,14 @@
 //! trusted. [`super::commit::Destination`] writes it after `fdatasync` of the temp
 //! file, so every block it lists is on disk.
 //!
-//! Binary layout (little endian), version 1:
-//! `"RCPMANIF" u32:version u32:n final_name u32:n temp_name u64:len u64:block_size
-//!  u64:src.len i64:src.mtime.sec u32:src.mtime.nsec [32]:src.fingerprint
-//!  u8:has_expected [32]:expected u64:block_count [ceil(block_count/8)]:bitmap
-//!  [32]*popcount:digests-in-index-order [32]:sha256(all preceding bytes)`
+//! Binary layout (little endian), version 2:
+//! `"RCPMANIF" u32:version u8:check u32:n final_name u32:n temp_name u64:len
+//!  u64:block_size u64:src.len i64:src.mtime.sec u32:src.mtime.nsec
+//!  [32]:src.fingerprint u8:has_expected [32]:expected u64:block_count
+//!  [ceil(block_count/8)]:bitmap [32]*popcount:digests-in-index-order
+//!  [32]:sha256(all preceding bytes)`. `check` is the [`Check`] the digests
+//! are of (digests shorter than 32 bytes are zero-padded). Version 1 had no
+//! `check` byte: its digests are SHA-256.
 
 use std::collections::BTreeMap;
 use std::ffi::{OsStr, OsString};
@@ -25,14 +28,14 @@ use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use rustix::fs::{self as rfs, Mode, OFlags};
 use sha2::{Digest, Sha256};
 
-use super::digest::Sha256Digest;
+use super::digest::{Check, Sha256Digest};
 use super::error::{io_err, FileError, ManifestError, Result};
 use super::path::{check_name_os, MAX_NAME};
 use super::root::{DirHandle, Timestamp};
 
 const MAGIC: &[u8; 8] = b"RCPMANIF";
 /// Current manifest format version.
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 
 /// What identifies the source of a copy, so a resume never mixes two different
 /// files: length, mtime, and a fingerprint (by default the SHA-256 of the first
@@ -54,7 +57,10 @@ pub struct Manifest {
     pub source: SourceId,
     /// The derived file digest announced by the sender ([`super::digest::file_digest`]).
     pub expected_digest: Option<Sha256Digest>,
-    /// Verified blocks: index -> SHA-256 of the block.
+    /// What the block digests are: a resume continues only a copy checked
+    /// the same way.
+    pub check: Check,
+    /// Verified blocks: index -> digest of the block.
     pub blocks: BTreeMap<u64, Sha256Digest>,
 }
 
@@ -79,6 +85,7 @@ impl Manifest {
         let mut b = Vec::with_capacity(128 + self.blocks.len() * 32);
         b.extend_from_slice(MAGIC);
         b.extend_from_slice(&VERSION.to_le_bytes());
+        b.push(self.check.id());
         for name in [&self.final_name, &self.temp_name] {
             b.extend_from_slice(&(name.len() as u32).to_le_bytes());
             b.extend_from_slice(name.as_bytes());
@@ -115,7 +122,7 @@ impl Manifest {
             return Err(Truncated);
         }
         let version = u32::from_le_bytes(bytes[8..12].try_into().unwrap());
-        if version != VERSION {
+        if version != VERSION && version != 1 {
             return Err(UnsupportedVersion(version));
         }
         let (body, sum) = bytes.split_at(bytes.len() - 32);
@@ -123,6 +130,10 @@ impl Manifest {
             return Err(Checksum);
         }
         let mut c = Cursor(&body[12..]);
+        let check = match version {
+            1 => Check::Sha256,
+            _ => Check::from_id(c.take(1)?[0]).ok_or(Invalid("unknown check"))?,
+        };
         let name = |c: &mut Cursor| -> std::result::Result<OsString, ManifestError> {
             let n = c.u32()? as usize;
             if n > MAX_NAME {
@@ -178,6 +189,7 @@ impl Manifest {
             block_size,
             source,
             expected_digest,
+            check,
             blocks,
         })
     }
@@ -268,8 +280,29 @@ mod tests {
                 fingerprint: [9; 32],
             },
             expected_digest: Some([7; 32]),
+            check: Check::Xxh3,
             blocks,
         }
+    }
+
+    #[test]
+    fn the_check_round_trips_and_version_1_means_sha256() {
+        for c in Check::ALL {
+            let mut m = sample();
+            m.check = c;
+            assert_eq!(Manifest::decode(&m.encode()).unwrap().check, c);
+        }
+        // A version 1 manifest: no check byte, SHA-256 digests.
+        let m = sample();
+        let v2 = m.encode();
+        let mut v1 = v2[..8].to_vec();
+        v1.extend_from_slice(&1u32.to_le_bytes());
+        v1.extend_from_slice(&v2[13..v2.len() - 32]);
+        let sum: [u8; 32] = Sha256::digest(&v1).into();
+        v1.extend_from_slice(&sum);
+        let back = Manifest::decode(&v1).unwrap();
+        assert_eq!(back.check, Check::Sha256);
+        assert_eq!(back.blocks, m.blocks);
     }
 
     #[test]
@@ -301,11 +334,11 @@ mod tests {
         );
         assert_eq!(Manifest::decode(b"garbage"), Err(ManifestError::BadMagic));
         assert_eq!(Manifest::decode(b"RCPMANIF"), Err(ManifestError::Truncated));
-        let mut v2 = b.clone();
-        v2[8] = 2;
+        let mut v3 = b.clone();
+        v3[8] = 3;
         assert_eq!(
-            Manifest::decode(&v2),
-            Err(ManifestError::UnsupportedVersion(2))
+            Manifest::decode(&v3),
+            Err(ManifestError::UnsupportedVersion(3))
         );
     }
 }

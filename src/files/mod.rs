@@ -80,8 +80,8 @@ pub use commit::{
     publish, Destination, DestinationOptions, Preserve, Published, Sealed, DEFAULT_BLOCK_SIZE,
 };
 pub use digest::{
-    block_digest, digest_blocks_parallel, digests_alongside, file_digest, set_pool_threads,
-    FileDigest, Sha256Digest, StreamingFileDigest,
+    block_digest, digest_blocks_parallel, digests_alongside, file_digest, file_digest_with,
+    set_pool_threads, Check, FileDigest, Sha256Digest, StreamingFileDigest,
 };
 pub use error::{DigestError, FileError, ManifestError, PathError, Result};
 pub use manifest::{Manifest, SourceId};

@@ -9,13 +9,16 @@ use std::process::{Command, Stdio};
 use super::*;
 use rcp::control::WINDOW_SIZE;
 
-/// A temp dir under cargo's target tmp dir: the VM mounts the repository
-/// writable, its /tmp may not be.
+/// A temp dir under `RCP_TEST_TMPDIR` when set (the VM suite points it at
+/// the guest's tmpfs: every file syscall on the repository's 9p mount costs
+/// tens of milliseconds under TCG), else under cargo's target tmp dir (the
+/// VM mounts the repository writable, its /tmp may not be).
 pub fn tmp() -> tempfile::TempDir {
-    tempfile::Builder::new()
-        .prefix("e2e")
-        .tempdir_in(env!("CARGO_TARGET_TMPDIR"))
-        .unwrap()
+    let base = std::env::var_os("RCP_TEST_TMPDIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| env!("CARGO_TARGET_TMPDIR").into());
+    std::fs::create_dir_all(&base).unwrap();
+    tempfile::Builder::new().prefix("e2e").tempdir_in(base).unwrap()
 }
 
 /// A fresh temp dir with an empty `root` in it for rcpd (its log goes
@@ -363,12 +366,25 @@ pub fn stopped_client_is_evicted(t: &str, s: &Scale) {
     make_file(&src, len, 11);
     let want = sha256sum(&src);
     let p = src.to_str().unwrap();
+    let err = tmp.path().join("stopped.err");
     let mut stopped = rcp_blocks(t, d.port, s.resume_block, &["push", "-q", p, &remote("/")])
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(std::fs::File::create(&err).unwrap())
         .spawn()
         .unwrap();
-    wait_verified(&root, "big", WINDOW_SIZE as u64 / s.resume_block);
+    wait_verified_while(
+        &root,
+        "big",
+        WINDOW_SIZE as u64 / s.resume_block,
+        &mut stopped,
+        || {
+            format!(
+                "{}\n{}",
+                std::fs::read_to_string(&err).unwrap_or_default(),
+                d.log()
+            )
+        },
+    );
     signal(stopped.id(), "STOP");
     let t0 = std::time::Instant::now();
     let other = tmp.path().join("other");
@@ -461,6 +477,142 @@ pub fn stopped_server_makes_the_client_give_up(t: &str, s: &Scale) {
     assert_eq!(sha256sum(&root.join("big")), want);
 }
 
+/// Every check (`--verify sha256|xxh3|none`) round-trips a file both ways
+/// with the right bytes; the summary names the check (`none` loudly); an
+/// rcpd that accepts only sha256 refuses the others by name.
+pub fn every_check_round_trips(t: &str) {
+    let (tmp, root) = tmp_with_root();
+    let d = Rcpd::start(&root, t, None, &[]);
+    let src = tmp.path().join("f");
+    make_file(&src, (5 << 20) + 11, 21);
+    let want = sha256sum(&src);
+    let back = tmp.path().join("back");
+    std::fs::create_dir(&back).unwrap();
+    for (check, says) in [
+        ("sha256", "digest "),
+        ("xxh3", "checked with xxh3"),
+        ("none", "NOT VERIFIED"),
+    ] {
+        let name = format!("f-{check}");
+        let r = rcp(
+            d.port,
+            t,
+            None,
+            &[
+                "--verify",
+                check,
+                "push",
+                src.to_str().unwrap(),
+                &remote(&name),
+            ],
+        );
+        assert_eq!(
+            r.code,
+            0,
+            "push --verify {check}: {}{}\n{}",
+            r.stdout,
+            r.stderr,
+            d.log()
+        );
+        assert!(
+            r.stdout.contains(says),
+            "push --verify {check}: {}",
+            r.stdout
+        );
+        assert_eq!(sha256sum(&root.join(&name)), want, "pushed with {check}");
+        let r = rcp(
+            d.port,
+            t,
+            None,
+            &[
+                "--verify",
+                check,
+                "pull",
+                &remote(&name),
+                back.to_str().unwrap(),
+            ],
+        );
+        assert_eq!(r.code, 0, "pull --verify {check}: {}{}", r.stdout, r.stderr);
+        assert!(
+            r.stdout.contains(says),
+            "pull --verify {check}: {}",
+            r.stdout
+        );
+        assert_eq!(sha256sum(&back.join(&name)), want, "pulled with {check}");
+    }
+    let strict_root = tmp.path().join("strict");
+    std::fs::create_dir(&strict_root).unwrap();
+    let strict = Rcpd::start(&strict_root, t, None, &["--verify", "sha256"]);
+    for check in ["xxh3", "none"] {
+        let r = rcp(
+            strict.port,
+            t,
+            None,
+            &[
+                "--verify",
+                check,
+                "push",
+                src.to_str().unwrap(),
+                &remote("/"),
+            ],
+        );
+        assert_eq!(
+            r.code, 6,
+            "--verify {check} against RCPD_VERIFY=sha256: {}",
+            r.stderr
+        );
+        assert!(
+            r.stderr.contains("sha256") && r.stderr.contains(check),
+            "the refusal names both: {}",
+            r.stderr
+        );
+    }
+    assert!(names(&strict_root).is_empty());
+}
+
+/// A push interrupted under one check and resumed under another starts
+/// afresh (never mixes blocks checked two ways) and ends right.
+pub fn resume_across_a_change_of_check(t: &str, s: &Scale) {
+    let (tmp, root) = tmp_with_root();
+    let d = Rcpd::start(&root, t, None, &[]);
+    let src = tmp.path().join("big");
+    make_file(&src, s.resume_len, 23);
+    let want = sha256sum(&src);
+    let p = src.to_str().unwrap();
+    kill_mid_copy(
+        t,
+        d.port,
+        s,
+        &["--verify", "sha256", "push", "-q", p, &remote("/")],
+        &root,
+        "big",
+    );
+    assert!(find_manifest(&root, "big").is_some());
+    let args = ["--verify", "xxh3", "push", "--resume", p, &remote("/")];
+    let out = rcp_blocks(t, d.port, s.resume_block, &args)
+        .output()
+        .unwrap();
+    let so = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{so}{}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        d.log()
+    );
+    assert_eq!(
+        moved(&so),
+        s.resume_len,
+        "a change of check moves everything again: {so}"
+    );
+    assert!(
+        d.log().contains("checked with another --verify"),
+        "rcpd says why it did not resume: {}",
+        d.log()
+    );
+    assert_eq!(sha256sum(&root.join("big")), want);
+    assert_eq!(names(&root), vec!["big".to_string()]);
+}
+
 /// The scenarios above as `#[test]`s over `$transport` at the [`Scale`]
 /// given, each carrying the attributes given (the VM's `#[ignore = ...]`).
 #[macro_export]
@@ -506,6 +658,18 @@ macro_rules! e2e_tests {
         $(#[$attr])*
         fn eight_clients_at_once_with_back_pressure() {
             $crate::common::e2e::eight_clients_with_back_pressure($t, &$scale);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn every_check_round_trips() {
+            $crate::common::e2e::every_check_round_trips($t);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn resume_across_a_change_of_check() {
+            $crate::common::e2e::resume_across_a_change_of_check($t, &$scale);
         }
 
         #[test]

@@ -283,6 +283,36 @@ pub fn wait_verified(dir: &Path, name: &str, blocks: u64) {
     );
 }
 
+/// [`wait_verified`] while `child` (the copy) runs: if it ends first, fail
+/// at once with what `why` says (its stderr, rcpd's log).
+pub fn wait_verified_while(
+    dir: &Path,
+    name: &str,
+    blocks: u64,
+    child: &mut Child,
+    why: impl Fn() -> String,
+) {
+    let mut first = None;
+    wait_for(
+        "verified blocks in the manifest",
+        Duration::from_secs(120),
+        || {
+            if let Ok(Some(st)) = child.try_wait() {
+                panic!(
+                    "the copy ended ({st}) before the manifest showed {blocks} blocks: {}",
+                    why()
+                );
+            }
+            let Some(m) = find_manifest(dir, name) else {
+                return false;
+            };
+            let len = std::fs::metadata(&m).map(|m| m.len()).unwrap_or(0);
+            let f = *first.get_or_insert(len);
+            len >= f + 40 * blocks
+        },
+    );
+}
+
 /// Names in `dir`.
 pub fn names(dir: &Path) -> Vec<String> {
     let mut v: Vec<String> = std::fs::read_dir(dir)

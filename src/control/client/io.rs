@@ -12,7 +12,7 @@ use crate::control::fsutil;
 use crate::control::protocol::{
     Digest, Failure, FileId, FileSpec, Held, LocalCommit, Reason, SourceMeta,
 };
-use crate::files::{self, Destination, DestinationOptions, DirHandle, Preserve, SourceFile};
+use crate::files::{self, Check, Destination, DestinationOptions, DirHandle, Preserve, SourceFile};
 use crate::mem::Block;
 use crate::proto::{self, Direction};
 
@@ -135,9 +135,16 @@ pub(super) fn local_dir(
     Ok((DirHandle::open(parent).map_err(fail)?, name))
 }
 
-fn dest_options(bs: u64, spec: &FileSpec, mode: u32, mtime_ns: i64) -> DestinationOptions {
+fn dest_options(
+    check: Check,
+    bs: u64,
+    spec: &FileSpec,
+    mode: u32,
+    mtime_ns: i64,
+) -> DestinationOptions {
     DestinationOptions {
         block_size: bs,
+        check,
         preserve: spec.preserve.then(|| Preserve {
             mode: mode & 0o7777,
             mtime: fsutil::ts_from_ns(mtime_ns),
@@ -150,6 +157,7 @@ fn dest_options(bs: u64, spec: &FileSpec, mode: u32, mtime_ns: i64) -> Destinati
 /// Pull with resume: an interrupted copy of `entry` (the remote file as
 /// stat'ed, with its fingerprint) at `dir/name`, and what it holds.
 pub(super) fn find_resume(
+    check: Check,
     dir: &DirHandle,
     name: &OsString,
     entry: &proto::Entry,
@@ -157,7 +165,7 @@ pub(super) fn find_resume(
     spec: &FileSpec,
 ) -> Result<Option<(Destination, Held)>, Failure> {
     let sid = fsutil::source_id(entry.length, entry.mtime_ns, &entry.fingerprint);
-    let opts = dest_options(bs, spec, entry.mode, entry.mtime_ns);
+    let opts = dest_options(check, bs, spec, entry.mode, entry.mtime_ns);
     let Some(d) = Destination::resume(dir, name, &sid, opts).map_err(fail)? else {
         return Ok(None);
     };
@@ -174,6 +182,7 @@ pub(super) fn find_resume(
 /// Pull: the destination for a file the server opened (the resumed one when
 /// the server resumed it).
 pub(super) fn create_dest(
+    check: Check,
     dir: &DirHandle,
     name: &OsString,
     resumed: Option<Box<Destination>>,
@@ -187,7 +196,7 @@ pub(super) fn create_dest(
     let sid = fsutil::source_id(opened.length, opened.mtime_ns, &opened.source_fingerprint);
     let opts = DestinationOptions {
         resume: Some(sid),
-        ..dest_options(bs, spec, opened.mode, opened.mtime_ns)
+        ..dest_options(check, bs, spec, opened.mode, opened.mtime_ns)
     };
     Destination::create(dir, name, opened.length, opts).map_err(fail)
 }
@@ -195,6 +204,7 @@ pub(super) fn create_dest(
 /// Push: read each extent's block from its source into `slot` at its
 /// offset; their digests, in order.
 pub(super) fn fill(
+    check: Check,
     slot: &mut Block,
     extents: &[proto::Extent],
     srcs: &HashMap<FileId, Arc<SourceFile>>,
@@ -218,9 +228,10 @@ pub(super) fn fill(
         .iter()
         .map(|e| &mem[e.offset as usize..(e.offset + u64::from(e.len)) as usize])
         .collect();
-    Ok(files::digest_blocks_parallel(&slices)
-        .into_iter()
-        .map(|d| d.to_vec())
+    Ok(check
+        .blocks(&slices)
+        .iter()
+        .map(|d| check.wire(d))
         .collect())
 }
 
@@ -256,6 +267,7 @@ pub(super) fn inject_faults(slot: &mut Block, extents: &[proto::Extent]) {
 /// Pull: check each extent READ into `slot` against its digest and write
 /// the matching blocks to their files; the indices of the others.
 pub(super) fn check_and_write(
+    check: Check,
     slot: &Block,
     extents: &[proto::Extent],
     digests: &[Digest],
@@ -266,7 +278,7 @@ pub(super) fn check_and_write(
         .iter()
         .map(|e| &mem[e.offset as usize..(e.offset + u64::from(e.len)) as usize])
         .collect();
-    let got = files::digest_blocks_parallel(&slices);
+    let got = check.blocks(&slices);
     let mut bad = Vec::new();
     for (i, ((e, data), (g, want))) in extents
         .iter()
@@ -274,7 +286,7 @@ pub(super) fn check_and_write(
         .zip(got.iter().zip(digests))
         .enumerate()
     {
-        if g[..] != want[..] {
+        if g[..check.digest_len()] != want[..] {
             tracing::warn!(
                 file = e.file,
                 block = e.block,
@@ -297,6 +309,7 @@ pub(super) fn check_and_write(
 
 /// Push, resume: digests of blocks that do not move.
 pub(super) fn hash(
+    check: Check,
     src: &SourceFile,
     blocks: &[u64],
     bs: u64,
@@ -311,13 +324,14 @@ pub(super) fn hash(
                 src.path().display()
             ))(x))
         })?;
-        out.push((b, files::block_digest(&buf[..n]).to_vec()));
+        out.push((b, check.wire(&check.block(&buf[..n]))));
     }
     Ok(out)
 }
 
 /// Pull: seal every file, then publish them as one batch.
 pub(super) fn commit(
+    check: Check,
     files: Vec<(FileId, SharedDest, Digest)>,
 ) -> Vec<(FileId, Result<LocalCommit, Failure>)> {
     let mut out = Vec::with_capacity(files.len());
@@ -328,7 +342,7 @@ pub(super) fn commit(
             out.push((file, Err(Failure::new(Reason::Other, "committed twice"))));
             continue;
         };
-        let Ok(expected) = <[u8; 32]>::try_from(digest.as_slice()) else {
+        let Some(expected) = check.from_wire(&digest) else {
             out.push((
                 file,
                 Err(Failure::invalid("a file digest of the wrong length")),

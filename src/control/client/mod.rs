@@ -74,6 +74,8 @@ pub struct ClientOptions {
     pub windows: u32,
     /// Files open at once on a session's stream.
     pub transfers: u32,
+    /// How blocks are checked end to end (`--verify`).
+    pub verify: crate::files::Check,
     /// Completion thread: poll, event or hybrid (default: hybrid on verbs,
     /// event on tcp).
     pub poll_mode: Option<crate::datapath::PollMode>,
@@ -90,6 +92,9 @@ pub struct ClientOptions {
     pub metrics: Option<Arc<crate::metrics::Metrics>>,
     /// TLS to rcpd's gRPC port (with a client certificate for mTLS).
     pub tls: Option<super::tls::ClientTls>,
+    /// Post at most this many bytes per second on the session's data path
+    /// (`--bwlimit`; `None` or 0: unlimited).
+    pub bwlimit: Option<u64>,
 }
 
 impl Default for ClientOptions {
@@ -105,6 +110,7 @@ impl Default for ClientOptions {
             inline: None,
             windows: DEFAULT_WINDOWS,
             transfers: DEFAULT_TRANSFERS,
+            verify: crate::files::Check::Sha256,
             poll_mode: None,
             cq_cpu: None,
             qp_retry: crate::datapath::QpRetry::default(),
@@ -112,6 +118,7 @@ impl Default for ClientOptions {
             timeout: DEFAULT_TIMEOUT,
             metrics: None,
             tls: None,
+            bwlimit: None,
         }
     }
 }

@@ -11,7 +11,7 @@ use crate::control::error::{ControlError, Result};
 use crate::control::link::{
     connect_params, ep_from_proto, ep_to_proto, resolve_transport, ClientLink,
 };
-use crate::control::protocol::Params;
+use crate::control::protocol::{check_from_wire, check_to_wire, Params};
 use crate::control::{VERSION_MAJOR, VERSION_MINOR, WINDOW_SIZE};
 use crate::datapath::{DataPath, DataPathConfig, DpEvent, PollMode, ReconnectError, Report};
 use crate::mem::Block;
@@ -19,8 +19,6 @@ use crate::proto;
 use crate::provider::{Channel, ProviderKind};
 use crate::verbs::PortWatcher;
 
-/// Digest bytes of the only check so far (SHA-256).
-const DIGEST_LEN: usize = 32;
 /// Times a damaged block moves again before its file fails.
 const MAX_RETRIES: u32 = 3;
 
@@ -42,6 +40,8 @@ pub struct FileResult {
     /// Push: the remote path relative to the server root; pull: the local
     /// path.
     pub path: String,
+    /// Where it came from: push, the local path; pull, the remote path.
+    pub source: String,
     pub length: u64,
     /// Bytes moved over the data path (less than `length` after a resume).
     pub moved: u64,
@@ -97,6 +97,10 @@ pub fn datapath_config(kind: ProviderKind, o: &ClientOptions) -> DataPathConfig 
         // A request outstanding this long means the peer or the link is
         // gone: the error path takes over.
         request_timeout: o.timeout,
+        rate_limit: o
+            .bwlimit
+            .filter(|&r| r > 0)
+            .map(crate::datapath::RateLimit::new),
         ..DataPathConfig::default()
     }
 }
@@ -117,6 +121,7 @@ impl Client {
                 "block size {bs} must be a power of two between 4096 and {WINDOW_SIZE}"
             )));
         }
+        o.check_bwlimit()?;
         let windows = o.windows.clamp(1, 64);
         let (dev, gid) = (o.device.clone(), o.gid_index);
         // Ask the QP for inline room; the data path clamps per WR.
@@ -145,7 +150,7 @@ impl Client {
             client_name: std::fs::read_to_string("/proc/sys/kernel/hostname")
                 .map(|h| h.trim().to_string())
                 .unwrap_or_default(),
-            checks: vec![proto::Check::Sha256 as i32],
+            checks: vec![check_to_wire(o.verify) as i32],
             window_count: windows,
             timeout_ms: o.timeout.as_millis().min(u128::from(u32::MAX)) as u32,
         };
@@ -160,6 +165,20 @@ impl Client {
                     ),
                 ),
             ));
+        }
+        let check = match check_from_wire(resp.check) {
+            Some(c) if c == o.verify => c,
+            _ => {
+                return Err(ControlError::Invalid(format!(
+                    "rcpd chose check {} where this rcp asked for {}",
+                    resp.check, o.verify
+                )))
+            }
+        };
+        if check.is_none() {
+            tracing::warn!(
+                "--verify none: blocks are not checked end to end, only by the link's CRCs"
+            );
         }
         if resp.block_size != bs {
             return Err(ControlError::Invalid(format!(
@@ -181,7 +200,7 @@ impl Client {
             window_size: resp.window_size,
             window_count: resp.window_count,
             max_open_files: o.transfers.clamp(1, resp.max_open_files.max(1)),
-            digest_len: DIGEST_LEN,
+            check,
             timeout_ns: o.timeout.as_nanos() as u64,
             keepalive_ns: Params::keepalive_for(
                 o.timeout.as_nanos() as u64,
@@ -245,6 +264,30 @@ impl Client {
     }
 }
 
+impl ClientOptions {
+    /// Refuse a rate so low that one window takes longer than half the
+    /// progress timeout: a window is done (progress, for both ends) only
+    /// when all of it has moved, so at that rate the stream would time out.
+    pub fn check_bwlimit(&self) -> Result<()> {
+        let Some(rate) = self.bwlimit.filter(|&r| r > 0) else {
+            return Ok(());
+        };
+        let window = WINDOW_SIZE as f64 / rate as f64;
+        let half = self.timeout.as_secs_f64() / 2.0;
+        if window > half {
+            return Err(ControlError::Usage(format!(
+                "--bwlimit {rate} B/s: one {} MiB window would take {window:.0} s, more than \
+                 half the {} s --timeout; give a higher rate (K/M/G suffixes) or --timeout {} \
+                 or more",
+                WINDOW_SIZE >> 20,
+                self.timeout.as_secs(),
+                (window * 2.0).ceil() as u64
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// The data path's reconnect callback: verbs resets the QP, exchanges fresh
 /// endpoints with `Reconnect` and connects again; a TCP channel cannot be
 /// replaced under a running stream (the caller resumes).
@@ -287,6 +330,12 @@ impl Session {
 
     pub fn block_size(&self) -> u64 {
         self.params.block_size
+    }
+
+    /// The block check the handshake agreed on; file digests are derived
+    /// from its block digests (`rcp-file-digest-v1`).
+    pub fn check(&self) -> &'static str {
+        self.params.check.name()
     }
 
     /// Move `files` over one Move stream, up to the session's files in

@@ -71,6 +71,8 @@ struct Driver<'a> {
     locals: HashMap<FileId, Local>,
     lent: HashMap<u64, Lent>,
     next_dp: u64,
+    /// The data path's confirmed bytes when last looked at.
+    confirmed: u64,
     done_tx: mpsc::UnboundedSender<Done>,
     done_rx: mpsc::UnboundedReceiver<Done>,
 }
@@ -106,6 +108,7 @@ pub(super) async fn run(
         locals: HashMap::new(),
         lent: HashMap::new(),
         next_dp: 1,
+        confirmed: 0,
         done_tx,
         done_rx,
     };
@@ -135,6 +138,17 @@ pub(super) async fn run(
         }
         d.report(obs);
         let now = now_of(d.t0);
+        // Bytes landing in a window are progress before its WindowDone is:
+        // a slow link is not a stalled client.
+        let confirmed = d.s.dp.as_ref().map_or(0, |dp| {
+            dp.stats()
+                .bytes_confirmed
+                .load(std::sync::atomic::Ordering::Relaxed)
+        });
+        if confirmed > d.confirmed {
+            d.confirmed = confirmed;
+            d.core.note_progress(now);
+        }
         while let Some(f) = d.core.poll_frame(now) {
             if let Some(o) = &d.out {
                 let _ = o.send(f);
@@ -167,7 +181,7 @@ pub(super) async fn run(
                 }
             }
             ev = events.recv() => match ev {
-                Some(ev) => d.data_path(ev),
+                Some(ev) => d.data_path(ev, obs),
                 None => d.core.abort(Failure::new(Reason::Retryable, "the data path stopped")),
             },
             _ = sleep_until(deadline), if deadline.is_some() => {
@@ -220,12 +234,13 @@ impl Driver<'_> {
             let Some((job, started)) = self.jobs.remove(&f.file) else {
                 continue;
             };
-            let path = match job.spec.direction {
-                Direction::Push => f.remote_path,
-                _ => job.local.display().to_string(),
+            let (path, source) = match job.spec.direction {
+                Direction::Push => (f.remote_path, job.local.display().to_string()),
+                _ => (job.local.display().to_string(), job.spec.remote.clone()),
             };
             obs.file_done(&FileResult {
                 path,
+                source,
                 length: f.length,
                 moved: f.moved,
                 digest: f.digest,
@@ -263,7 +278,7 @@ impl Driver<'_> {
 
     /// Start every action the core has; the outcome when it ended.
     fn act(&mut self) -> Option<std::result::Result<(), Failure>> {
-        let bs = self.s.params.block_size;
+        let (bs, check) = (self.s.params.block_size, self.s.params.check);
         while let Some(a) = self.core.poll_action() {
             match a {
                 ClientAction::OpenSource { file } => {
@@ -296,7 +311,7 @@ impl Driver<'_> {
                         let r = tokio::task::spawn_blocking(move || {
                             let (dir, name) = io::local_dir(&local, spec.create_parents)?;
                             let found = match entry {
-                                Some(e) => io::find_resume(&dir, &name, &e, bs, &spec)?,
+                                Some(e) => io::find_resume(check, &dir, &name, &e, bs, &spec)?,
                                 None => None,
                             };
                             Ok((dir, name, found))
@@ -324,7 +339,8 @@ impl Driver<'_> {
                                     (d, n, None)
                                 }
                             };
-                            let d = io::create_dest(&dir, &name, resumed, &opened, bs, &spec)?;
+                            let d =
+                                io::create_dest(check, &dir, &name, resumed, &opened, bs, &spec)?;
                             Ok((dir, name, d))
                         })();
                         Done::Dest(file, r)
@@ -334,7 +350,7 @@ impl Driver<'_> {
                 ClientAction::Fetch { grant } => self.fetch(grant),
                 ClientAction::Hash { file, blocks } => {
                     let Some(src) = self.src(file) else { continue };
-                    self.spawn(move || Done::Hashed(file, io::hash(&src, &blocks, bs)));
+                    self.spawn(move || Done::Hashed(file, io::hash(check, &src, &blocks, bs)));
                 }
                 ClientAction::CheckSource { file } => {
                     let Some(src) = self.src(file) else { continue };
@@ -351,7 +367,7 @@ impl Driver<'_> {
                         .into_iter()
                         .filter_map(|(f, d)| Some((f, self.dest(f)?, d)))
                         .collect();
-                    self.spawn(move || Done::Committed(io::commit(batch)));
+                    self.spawn(move || Done::Committed(io::commit(check, batch)));
                 }
                 ClientAction::Close { file } => {
                     if let Some(l) = self.locals.remove(&file) {
@@ -378,14 +394,14 @@ impl Driver<'_> {
         let Some(mut slot) = self.take_slot() else {
             return;
         };
-        let bs = self.s.params.block_size;
+        let (bs, check) = (self.s.params.block_size, self.s.params.check);
         let srcs: HashMap<FileId, Arc<crate::files::SourceFile>> = grant
             .extents
             .iter()
             .filter_map(|e| Some((e.file, self.src(e.file)?)))
             .collect();
         self.spawn(move || {
-            let r = io::fill(&mut slot, &grant.extents, &srcs, bs);
+            let r = io::fill(check, &mut slot, &grant.extents, &srcs, bs);
             Done::Filled { grant, slot, r }
         });
     }
@@ -438,7 +454,7 @@ impl Driver<'_> {
         }
     }
 
-    fn data_path(&mut self, ev: DpEvent) {
+    fn data_path(&mut self, ev: DpEvent, obs: &dyn Observer) {
         match ev {
             DpEvent::WindowDone { id } => {
                 let Some(l) = self.lent.remove(&id) else {
@@ -447,6 +463,10 @@ impl Driver<'_> {
                 let (window, epoch) = (l.grant.window, l.grant.epoch);
                 match Direction::try_from(self.dir_of(&l.grant)) {
                     Ok(Direction::Push) => {
+                        // Progress is what the device has written (it
+                        // runs behind the staging under --bwlimit).
+                        let bytes: u64 = l.grant.extents.iter().map(|e| u64::from(e.len)).sum();
+                        obs.progress(bytes);
                         drop(l.slot);
                         let now = self.now();
                         self.core.sent(now, window, epoch, Ok(l.digests));
@@ -460,13 +480,19 @@ impl Driver<'_> {
                             .collect();
                         let bytes: u64 = l.grant.extents.iter().map(|e| u64::from(e.len)).sum();
                         let Lent { grant, slot, .. } = l;
+                        let check = self.s.params.check;
                         #[allow(unused_mut)]
                         let mut slot = slot;
                         self.spawn(move || {
                             #[cfg(debug_assertions)]
                             io::inject_faults(&mut slot, &grant.extents);
-                            let r =
-                                io::check_and_write(&slot, &grant.extents, &grant.digests, &dests);
+                            let r = io::check_and_write(
+                                check,
+                                &slot,
+                                &grant.extents,
+                                &grant.digests,
+                                &dests,
+                            );
                             Done::Checked {
                                 window: grant.window,
                                 epoch: grant.epoch,
@@ -540,8 +566,6 @@ impl Driver<'_> {
             }
             Done::Filled { grant, slot, r } => match r {
                 Ok(digests) => {
-                    let bytes: u64 = grant.extents.iter().map(|e| u64::from(e.len)).sum();
-                    obs.progress(bytes);
                     self.submit(OpKind::Write, grant, slot, digests);
                 }
                 Err(f) => {

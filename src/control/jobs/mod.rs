@@ -4,7 +4,10 @@
 //! `rcp doctor`'s remote check.
 //!
 //! - [`parse_remote`]: `HOST:PATH` / `[V6]:PATH`, the one parser of it;
-//! - [`push`] / [`pull`]: walk, resolve names, run one Move stream;
+//! - [`plan_push`] / [`plan_pull`]: walk, resolve names into a [`Plan`]
+//!   without creating anything (what `--dry-run` lists);
+//! - [`execute`]: make the plan's directories, run one Move stream;
+//! - [`push`] / [`pull`]: both;
 //! - [`Totals`]: what the summary line says;
 //! - [`doctor`]: the local checks plus whether an rcpd answers.
 
@@ -89,13 +92,32 @@ impl Totals {
         self.sha256 = r.flat_sha256.clone();
     }
 
-    /// The final summary line.
-    pub fn summary(&self, transport: &str) -> String {
-        let gbps = if self.seconds > 0.0 {
+    /// Moved bits per second / 1e9.
+    pub fn gbps(&self) -> f64 {
+        if self.seconds > 0.0 {
             self.moved as f64 * 8.0 / self.seconds / 1e9
         } else {
             0.0
-        };
+        }
+    }
+
+    /// The final summary line.
+    /// The final summary line, for blocks checked with `check` (named when
+    /// it is not SHA-256; `none` loudly).
+    pub fn summary_checked(&self, transport: &str, check: crate::files::Check) -> String {
+        let mut s = self.summary(transport);
+        match check {
+            crate::files::Check::Sha256 => {}
+            crate::files::Check::None => {
+                s.push_str(", NOT VERIFIED end to end (--verify none: only the link's CRCs)")
+            }
+            c => s.push_str(&format!(", checked with {c}")),
+        }
+        s
+    }
+
+    pub fn summary(&self, transport: &str) -> String {
+        let gbps = self.gbps();
         let mut s = format!(
             "{} file{}, {} bytes ({} moved) in {:.3} s, {:.3} Gb/s over {transport}",
             self.files,
@@ -183,15 +205,63 @@ fn with_job(mut f: FileJob, job: &Job, create_parents: bool) -> FileJob {
     f
 }
 
-/// `rcp push [-r] LOCAL... HOST:REMOTE` over `session`.
-pub async fn push(
+/// One file a job would move.
+#[derive(Clone, Debug)]
+pub struct Planned {
+    pub job: FileJob,
+    /// Where it comes from: push, the local path; pull, the remote path.
+    pub source: String,
+    /// Where it goes: push, the remote path (beneath rcpd's root; for a
+    /// single file pushed to a path that does not exist yet, as given);
+    /// pull, the local path.
+    pub dest: String,
+    /// Its length when the plan was made.
+    pub bytes: u64,
+}
+
+/// What a push or pull will do, resolved before anything is created on
+/// either side: only remote Stat/List and local stat/walk went into it
+/// (what `--dry-run` lists).
+#[derive(Clone, Debug, Default)]
+pub struct Plan {
+    pub push: bool,
+    /// Push `-r`: the remote directories to make first (empty ones
+    /// included), parents before children.
+    pub remote_dirs: Vec<String>,
+    /// Pull `-r`: the local directories to make first.
+    pub local_dirs: Vec<PathBuf>,
+    pub files: Vec<Planned>,
+}
+
+impl Plan {
+    /// Bytes of every file.
+    pub fn bytes(&self) -> u64 {
+        self.files.iter().map(|f| f.bytes).sum()
+    }
+
+    /// Directories it would make.
+    pub fn dirs(&self) -> usize {
+        self.remote_dirs.len() + self.local_dirs.len()
+    }
+
+    /// `"push"` or `"pull"`.
+    pub fn direction(&self) -> &'static str {
+        if self.push {
+            "push"
+        } else {
+            "pull"
+        }
+    }
+}
+
+/// Resolve `rcp push [-r] LOCAL... HOST:REMOTE` into a [`Plan`]: stats the
+/// remote destination, walks the local trees; creates nothing.
+pub async fn plan_push(
     client: &Client,
-    session: &mut Session,
     locals: &[PathBuf],
     remote: &str,
     job: &Job,
-    obs: Arc<dyn Observer>,
-) -> Result<Totals> {
+) -> Result<Plan> {
     let rstat = client.stat(remote).await?;
     let remote_is_dir = rstat
         .as_ref()
@@ -201,7 +271,10 @@ pub async fn push(
             "{remote} (several sources need an existing remote directory)"
         )));
     }
-    let mut files = Vec::new();
+    let mut plan = Plan {
+        push: true,
+        ..Plan::default()
+    };
     for local in locals {
         let meta = std::fs::metadata(local).map_err(|e| match e.kind() {
             std::io::ErrorKind::NotFound => ControlError::FileNotFound(local.display().to_string()),
@@ -211,7 +284,19 @@ pub async fn push(
             },
         })?;
         if !meta.is_dir() {
-            files.push(with_job(FileJob::push(local.clone(), remote), job, false));
+            let dest = if remote_is_dir {
+                join_remote(remote, Path::new(&basename(&local.to_string_lossy())))
+            } else {
+                remote.to_string()
+            };
+            let mut f = FileJob::push(local.clone(), remote);
+            f.len_hint = meta.len();
+            plan.files.push(Planned {
+                job: with_job(f, job, false),
+                source: local.display().to_string(),
+                dest,
+                bytes: meta.len(),
+            });
             continue;
         }
         if !job.recursive {
@@ -231,25 +316,63 @@ pub async fn push(
         }
         // The tree's directories first, empty ones included (scp -r,
         // rsync -r); files then create whatever parents they still need.
-        client.make_dir(&base).await?;
+        plan.remote_dirs.push(base.clone());
         for d in tree
             .entries
             .iter()
             .filter(|e| e.kind == crate::files::EntryKind::Dir)
         {
-            client.make_dir(&join_remote(&base, &d.rel_path)).await?;
+            plan.remote_dirs.push(join_remote(&base, &d.rel_path));
         }
         for e in tree
             .entries
             .into_iter()
             .filter(|e| e.kind == crate::files::EntryKind::File)
         {
-            let mut f = FileJob::push(local.join(&e.rel_path), &join_remote(&base, &e.rel_path));
+            let src = local.join(&e.rel_path);
+            let dest = join_remote(&base, &e.rel_path);
+            let mut f = FileJob::push(src.clone(), &dest);
             f.len_hint = e.len;
-            files.push(with_job(f, job, true));
+            plan.files.push(Planned {
+                job: with_job(f, job, true),
+                source: src.display().to_string(),
+                dest,
+                bytes: e.len,
+            });
         }
     }
+    Ok(plan)
+}
+
+/// Make the plan's directories, then move its files over `session`.
+pub async fn execute(
+    client: &Client,
+    session: &mut Session,
+    plan: Plan,
+    obs: Arc<dyn Observer>,
+) -> Result<Totals> {
+    for d in &plan.remote_dirs {
+        client.make_dir(d).await?;
+    }
+    for d in &plan.local_dirs {
+        std::fs::create_dir_all(d)
+            .map_err(ControlError::io(format!("creating {}", d.display())))?;
+    }
+    let files = plan.files.into_iter().map(|p| p.job).collect();
     run(session, files, &*obs).await
+}
+
+/// `rcp push [-r] LOCAL... HOST:REMOTE` over `session`.
+pub async fn push(
+    client: &Client,
+    session: &mut Session,
+    locals: &[PathBuf],
+    remote: &str,
+    job: &Job,
+    obs: Arc<dyn Observer>,
+) -> Result<Totals> {
+    let plan = plan_push(client, locals, remote, job).await?;
+    execute(client, session, plan, obs).await
 }
 
 /// Resolve the final local path of a pull: inside `local` if it is a
@@ -262,22 +385,21 @@ pub fn local_target(local: &Path, remote: &str) -> PathBuf {
     }
 }
 
-/// `rcp pull [-r] HOST:REMOTE... LOCAL` over `session`.
-pub async fn pull(
+/// Resolve `rcp pull [-r] HOST:REMOTE... LOCAL` into a [`Plan`]: stats and
+/// lists the remote sources; creates nothing.
+pub async fn plan_pull(
     client: &Client,
-    session: &mut Session,
     remotes: &[String],
     local: &Path,
     job: &Job,
-    obs: Arc<dyn Observer>,
-) -> Result<Totals> {
+) -> Result<Plan> {
     if remotes.len() > 1 && !local.is_dir() {
         return Err(ControlError::DirNotFound(format!(
             "{} (several sources need an existing local directory)",
             local.display()
         )));
     }
-    let mut files = Vec::new();
+    let mut plan = Plan::default();
     for r in remotes {
         let Some(st) = client.stat(r).await? else {
             return Err(if r.ends_with('/') {
@@ -287,9 +409,15 @@ pub async fn pull(
             });
         };
         if st.r#type != FileType::Dir as i32 {
-            let mut f = with_job(FileJob::pull(r, local_target(local, r)), job, false);
+            let dst = local_target(local, r);
+            let mut f = with_job(FileJob::pull(r, dst.clone()), job, false);
             f.len_hint = st.length;
-            files.push(f);
+            plan.files.push(Planned {
+                job: f,
+                source: r.clone(),
+                dest: dst.display().to_string(),
+                bytes: st.length,
+            });
             continue;
         }
         if !job.recursive {
@@ -300,22 +428,39 @@ pub async fn pull(
         } else {
             local.to_path_buf()
         };
-        std::fs::create_dir_all(&base)
-            .map_err(ControlError::io(format!("creating {}", base.display())))?;
+        plan.local_dirs.push(base.clone());
         for e in client.list(r, true).await? {
             let rel = safe_rel(&e.path)?;
             let dst = base.join(&rel);
             if e.r#type == FileType::Dir as i32 {
-                std::fs::create_dir_all(&dst)
-                    .map_err(ControlError::io(format!("creating {}", dst.display())))?;
+                plan.local_dirs.push(dst);
             } else if e.r#type == FileType::File as i32 {
-                let mut f = with_job(FileJob::pull(&join_remote(r, &rel), dst), job, true);
+                let src = join_remote(r, &rel);
+                let mut f = with_job(FileJob::pull(&src, dst.clone()), job, true);
                 f.len_hint = e.length;
-                files.push(f);
+                plan.files.push(Planned {
+                    job: f,
+                    source: src,
+                    dest: dst.display().to_string(),
+                    bytes: e.length,
+                });
             }
         }
     }
-    run(session, files, &*obs).await
+    Ok(plan)
+}
+
+/// `rcp pull [-r] HOST:REMOTE... LOCAL` over `session`.
+pub async fn pull(
+    client: &Client,
+    session: &mut Session,
+    remotes: &[String],
+    local: &Path,
+    job: &Job,
+    obs: Arc<dyn Observer>,
+) -> Result<Totals> {
+    let plan = plan_pull(client, remotes, local, job).await?;
+    execute(client, session, plan, obs).await
 }
 
 /// Whether `f` moves data toward the server.

@@ -191,6 +191,10 @@ pub struct ClientCore {
     actions: VecDeque<ClientAction>,
     events: VecDeque<ClientEvent>,
     live: Liveness,
+    /// Ours: grows with every answered action and data-path movement.
+    progress: u64,
+    /// The peer's, as last heard.
+    peer_progress: u64,
     phase: Phase,
 }
 
@@ -220,6 +224,8 @@ impl ClientCore {
             actions: VecDeque::new(),
             events: VecDeque::new(),
             live: Liveness::new(p.timeout_ns, p.keepalive_ns, now),
+            progress: 0,
+            peer_progress: 0,
             phase: Phase::Running,
         }
     }
@@ -307,8 +313,9 @@ impl ClientCore {
         }
         self.live.sent(now);
         let session = self.out.session_id;
-        let f = std::mem::take(&mut self.out);
+        let mut f = std::mem::take(&mut self.out);
         self.out.session_id = session;
+        f.progress = self.progress;
         Some(f)
     }
 
@@ -349,7 +356,21 @@ impl ClientCore {
 
     fn answered(&mut self, now: u64) {
         self.io = self.io.saturating_sub(1);
+        self.note_progress(now);
+    }
+
+    /// Something moved here (an action finished; the data path confirmed
+    /// bytes): progress, and the next frame (a keepalive at least) says so.
+    pub fn note_progress(&mut self, now: u64) {
+        self.progress += 1;
         self.live.progressed(now);
+    }
+
+    /// Whether a frame carrying the peer's `progress` counter moved it.
+    fn peer_moved(&mut self, progress: u64) -> bool {
+        let moved = progress > self.peer_progress;
+        self.peer_progress = self.peer_progress.max(progress);
+        moved
     }
 
     fn end(&mut self, r: Result<(), Failure>) {
@@ -469,12 +490,14 @@ impl ClientCore {
 
     /// A frame from the server.
     pub fn handle_frame(&mut self, now: u64, f: ServerFrame) {
-        let progress = !(f.opened.is_empty()
-            && f.grants.is_empty()
-            && f.acks.is_empty()
-            && f.ends.is_empty()
-            && f.committed.is_empty()
-            && f.failed.is_empty());
+        let moved = self.peer_moved(f.progress);
+        let progress = moved
+            || !(f.opened.is_empty()
+                && f.grants.is_empty()
+                && f.acks.is_empty()
+                && f.ends.is_empty()
+                && f.committed.is_empty()
+                && f.failed.is_empty());
         self.live.heard(now, progress);
         if self.phase != Phase::Running {
             return;
@@ -550,7 +573,7 @@ impl ClientCore {
         match dir {
             Direction::Push => {
                 f.state = State::Open;
-                f.chain = Some(DigestChain::new(o.length, p.block_size));
+                f.chain = Some(DigestChain::new(p.check, o.length, p.block_size));
                 if !skipped.is_empty() {
                     f.checking = true;
                     self.action(ClientAction::Hash {
@@ -686,7 +709,7 @@ impl ClientCore {
         let dir = dir.ok_or_else(|| format!("window {} has no extents", g.window))?;
         if dir == Direction::Pull
             && (g.digests.len() != g.extents.len()
-                || g.digests.iter().any(|d| d.len() != p.digest_len))
+                || g.digests.iter().any(|d| d.len() != p.digest_len()))
         {
             return Err(format!(
                 "window {}: digests do not match its extents",
@@ -840,7 +863,7 @@ impl ClientCore {
     }
 
     fn on_end(&mut self, e: proto::FileEnd) {
-        let dl = self.p.digest_len;
+        let dl = self.p.digest_len();
         let Some(f) = self.files.get_mut(&e.file) else {
             return;
         };
@@ -967,7 +990,7 @@ impl ClientCore {
         if self.committing == 0 {
             self.answered(now);
         } else {
-            self.live.progressed(now);
+            self.note_progress(now);
         }
         if self.phase != Phase::Running {
             return;

@@ -77,8 +77,9 @@ pub struct Params {
     pub window_count: u32,
     /// Files the session may have open at once.
     pub max_open_files: u32,
-    /// Bytes of a block digest.
-    pub digest_len: usize,
+    /// How blocks are checked (the digests' length and the file digest's
+    /// hash follow from it).
+    pub check: crate::files::Check,
     /// A stream that waits and makes no progress this long ends, as does
     /// one whose peer sent nothing this long.
     pub timeout_ns: u64,
@@ -90,6 +91,11 @@ pub struct Params {
 }
 
 impl Params {
+    /// Bytes of a block digest on the wire.
+    pub fn digest_len(&self) -> usize {
+        self.check.digest_len()
+    }
+
     /// The keepalive period of a session whose ends time out after `own`
     /// and `peer` nanoseconds (0: the peer did not say).
     pub fn keepalive_for(own: u64, peer: u64) -> u64 {
@@ -105,6 +111,25 @@ impl Params {
     /// Bytes of block `b` of a file of `len` bytes.
     pub fn block_len(&self, len: u64, b: u64) -> u32 {
         (len - b * self.block_size).min(self.block_size) as u32
+    }
+}
+
+/// A check on the wire.
+pub fn check_to_wire(c: crate::files::Check) -> crate::proto::Check {
+    match c {
+        crate::files::Check::Sha256 => crate::proto::Check::Sha256,
+        crate::files::Check::Xxh3 => crate::proto::Check::Xxh3,
+        crate::files::Check::None => crate::proto::Check::None,
+    }
+}
+
+/// A check from the wire (`None` for one this build does not know).
+pub fn check_from_wire(c: i32) -> Option<crate::files::Check> {
+    match crate::proto::Check::try_from(c).ok()? {
+        crate::proto::Check::Sha256 => Some(crate::files::Check::Sha256),
+        crate::proto::Check::Xxh3 => Some(crate::files::Check::Xxh3),
+        crate::proto::Check::None => Some(crate::files::Check::None),
+        crate::proto::Check::Unspecified => None,
     }
 }
 
@@ -194,7 +219,7 @@ pub fn file_digest<'a>(
     block_size: u64,
     blocks: impl IntoIterator<Item = &'a [u8]>,
 ) -> Digest {
-    let mut c = DigestChain::new(len, block_size);
+    let mut c = DigestChain::new(crate::files::Check::Sha256, len, block_size);
     for (i, d) in blocks.into_iter().enumerate() {
         c.add(i as u64, d.to_vec());
     }
@@ -205,6 +230,7 @@ pub fn file_digest<'a>(
 /// concurrently); built on [`crate::files::FileDigest`].
 #[derive(Clone)]
 pub struct DigestChain {
+    check: crate::files::Check,
     digest: crate::files::FileDigest,
     next: u64,
     blocks: u64,
@@ -223,10 +249,12 @@ impl std::fmt::Debug for DigestChain {
 }
 
 impl DigestChain {
-    /// For a file of `len` bytes in blocks of `block_size`.
-    pub fn new(len: u64, block_size: u64) -> Self {
+    /// For a file of `len` bytes in blocks of `block_size`, checked with
+    /// `check`.
+    pub fn new(check: crate::files::Check, len: u64, block_size: u64) -> Self {
         DigestChain {
-            digest: crate::files::FileDigest::new(len, block_size),
+            check,
+            digest: crate::files::FileDigest::with_check(check, len, block_size),
             next: 0,
             blocks: len.div_ceil(block_size),
             pending: BTreeMap::new(),
@@ -241,9 +269,9 @@ impl DigestChain {
         }
         self.pending.entry(b).or_insert(d);
         while let Some(d) = self.pending.remove(&self.next) {
-            match <&[u8; 32]>::try_from(d.as_slice()) {
-                Ok(d) => self.digest.push(d),
-                Err(_) => self.bad = true,
+            match self.check.from_wire(&d) {
+                Some(d) => self.digest.push(&d),
+                None => self.bad = true,
             }
             self.next += 1;
         }
@@ -254,9 +282,11 @@ impl DigestChain {
         self.next == self.blocks
     }
 
-    /// The file digest, once complete (and every block digest was one).
+    /// The file digest (as on the wire), once complete (and every block
+    /// digest was one).
     pub fn finish(self) -> Option<Digest> {
-        (self.is_complete() && !self.bad).then(|| self.digest.finish().to_vec())
+        let check = self.check;
+        (self.is_complete() && !self.bad).then(|| check.wire(&self.digest.finish()))
     }
 }
 

@@ -179,6 +179,10 @@ pub struct ServerCore {
     out: ServerFrame,
     actions: VecDeque<ServerAction>,
     live: Liveness,
+    /// Ours: grows with every answered action and data-path movement.
+    progress: u64,
+    /// The peer's, as last heard.
+    peer_progress: u64,
     phase: Phase,
     client_closed: bool,
 }
@@ -213,6 +217,8 @@ impl ServerCore {
             out: ServerFrame::default(),
             actions: VecDeque::new(),
             live: Liveness::new(p.timeout_ns, p.keepalive_ns, now),
+            progress: 0,
+            peer_progress: 0,
             phase: Phase::Running,
             client_closed: false,
         }
@@ -244,7 +250,9 @@ impl ServerCore {
             return None;
         }
         self.live.sent(now);
-        Some(std::mem::take(&mut self.out))
+        let mut f = std::mem::take(&mut self.out);
+        f.progress = self.progress;
+        Some(f)
     }
 
     /// When [`handle_timeout`](Self::handle_timeout) next has work.
@@ -302,7 +310,21 @@ impl ServerCore {
 
     fn answered(&mut self, now: u64) {
         self.io = self.io.saturating_sub(1);
+        self.note_progress(now);
+    }
+
+    /// Something moved here (an action finished; the data path confirmed
+    /// bytes): progress, and the next frame (a keepalive at least) says so.
+    pub fn note_progress(&mut self, now: u64) {
+        self.progress += 1;
         self.live.progressed(now);
+    }
+
+    /// Whether a frame carrying the peer's `progress` counter moved it.
+    fn peer_moved(&mut self, progress: u64) -> bool {
+        let moved = progress > self.peer_progress;
+        self.peer_progress = self.peer_progress.max(progress);
+        moved
     }
 
     /// End the stream: a failure also goes out as FileFailed for `file`.
@@ -366,8 +388,10 @@ impl ServerCore {
 
     /// A frame from the client.
     pub fn handle_frame(&mut self, now: u64, f: ClientFrame) {
-        let progress =
-            !(f.open.is_empty() && f.done.is_empty() && f.end.is_empty()) || f.abort.is_some();
+        let moved = self.peer_moved(f.progress);
+        let progress = moved
+            || !(f.open.is_empty() && f.done.is_empty() && f.end.is_empty())
+            || f.abort.is_some();
         self.live.heard(now, progress);
         if self.phase != Phase::Running {
             return;
@@ -501,7 +525,7 @@ impl ServerCore {
             .filter(|&b| fs.blocks[b as usize] == Block::Skip)
             .collect();
         if dir == Direction::Pull {
-            fs.chain = Some(DigestChain::new(o.length, p.block_size));
+            fs.chain = Some(DigestChain::new(p.check, o.length, p.block_size));
         }
         match dir {
             Direction::Push => self.queue_push.extend(runs),
@@ -668,7 +692,7 @@ impl ServerCore {
     }
 
     fn on_window_done(&mut self, d: proto::WindowDone) {
-        let dl = self.p.digest_len;
+        let dl = self.p.digest_len();
         let Some(w) = self.windows.get_mut(&d.window) else {
             if d.window >= self.next_window {
                 self.violation(format!("window {} was never granted", d.window));
@@ -840,7 +864,7 @@ impl ServerCore {
     }
 
     fn on_file_end(&mut self, e: proto::FileEnd) {
-        let dl = self.p.digest_len;
+        let dl = self.p.digest_len();
         let Some(fs) = self.files.get_mut(&e.file) else {
             return; // a duplicate for a file already committed
         };
@@ -902,7 +926,7 @@ impl ServerCore {
         if self.committing == 0 {
             self.answered(now);
         } else {
-            self.live.progressed(now);
+            self.note_progress(now);
         }
         if self.phase != Phase::Running {
             return;

@@ -681,7 +681,7 @@ fn params() -> Params {
         window_size: 16384,
         window_count: 2,
         max_open_files: 4,
-        digest_len: 32,
+        check: crate::files::Check::Sha256,
         timeout_ns: 10_000_000_000,
         keepalive_ns: 10_000_000_000 / 3,
         max_retries: 3,
@@ -914,6 +914,70 @@ fn a_silent_client_is_evicted_and_a_live_idle_one_is_not() {
 }
 
 #[test]
+fn keepalives_whose_progress_grows_keep_a_slow_client_and_others_do_not() {
+    let p = params();
+    // A push with a window granted; the client's WindowDone takes longer
+    // than the timeout (a slow link), but its keepalives say bytes land.
+    let run = |moving: bool| -> Option<(u64, Failure)> {
+        let mut s = ServerCore::new(p, 0);
+        s.handle_frame(
+            0,
+            ClientFrame {
+                open: vec![proto::OpenFile {
+                    file: 1,
+                    direction: Direction::Push as i32,
+                    path: "x".into(),
+                    length: 5000,
+                    ..Default::default()
+                }],
+                progress: 1,
+                ..Default::default()
+            },
+        );
+        let mut now = 0;
+        let mut progress = 1;
+        for _ in 0..40 {
+            while let Some(a) = s.poll_action() {
+                match a {
+                    ServerAction::Open { file, open } => s.opened(
+                        now,
+                        file,
+                        Ok(OpenedFile {
+                            length: open.length,
+                            ..OpenedFile::default()
+                        }),
+                    ),
+                    ServerAction::Grant { window, epoch, .. } => {
+                        s.granted(now, window, epoch, Ok((0, 1, Vec::new())))
+                    }
+                    ServerAction::End(Err(f)) => return Some((now, f)),
+                    _ => {}
+                }
+            }
+            while s.poll_frame(now).is_some() {}
+            now += p.keepalive_ns;
+            if moving {
+                progress += 1;
+            }
+            s.handle_frame(
+                now,
+                ClientFrame {
+                    progress,
+                    ..Default::default()
+                },
+            );
+            s.handle_timeout(now);
+        }
+        None
+    };
+    assert!(run(true).is_none(), "a slow but moving client is kept");
+    let (at, f) = run(false).expect("a client whose keepalives show no progress is evicted");
+    assert_eq!(f.reason, Reason::Retryable);
+    assert!(f.message.contains("no progress"), "{}", f.message);
+    assert!(at <= p.timeout_ns + p.keepalive_ns);
+}
+
+#[test]
 fn an_old_or_forged_window_is_refused_or_ignored() {
     let p = params();
     let mut s = ServerCore::new(p, 0);
@@ -952,7 +1016,7 @@ fn file_digest_is_order_fixed() {
     h.update(a);
     h.update(b);
     assert_eq!(d1, h.finalize().to_vec());
-    let mut c = DigestChain::new(8192, 4096);
+    let mut c = DigestChain::new(crate::files::Check::Sha256, 8192, 4096);
     c.add(1, b.to_vec());
     assert!(!c.is_complete());
     c.add(0, a.to_vec());
@@ -1007,7 +1071,7 @@ proptest! {
             window_size: bs * win_blocks,
             window_count,
             max_open_files: max_open,
-            digest_len: 32,
+            check: crate::files::Check::Sha256,
             timeout_ns: 10_000_000_000,
             keepalive_ns: 10_000_000_000 / 3,
             max_retries: 3,

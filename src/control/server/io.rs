@@ -171,6 +171,7 @@ impl StreamIo {
             // Always resumable: an interrupted push can be continued with
             // --resume (the temp file and manifest stay hidden until then).
             resume: Some(source),
+            check: self.session.check,
             flat_sha256: open.flat_sha256,
             ..DestinationOptions::default()
         };
@@ -271,9 +272,11 @@ impl StreamIo {
                 .iter()
                 .map(|e| &mem[e.offset as usize..(e.offset + u64::from(e.len)) as usize])
                 .collect();
-            digests = files::digest_blocks_parallel(&slices)
-                .into_iter()
-                .map(|d| d.to_vec())
+            let check = self.session.check;
+            digests = check
+                .blocks(&slices)
+                .iter()
+                .map(|d| check.wire(d))
                 .collect();
             if !self.session.domain.exact_bounds() {
                 // The window's rkey may reach the rest of its slot (memory
@@ -334,7 +337,8 @@ impl StreamIo {
             .iter()
             .map(|e| &mem[e.offset as usize..(e.offset + u64::from(e.len)) as usize])
             .collect();
-        let got = files::digest_blocks_parallel(&slices);
+        let check = self.session.check;
+        let got = check.blocks(&slices);
         let mut bad = Vec::new();
         for (i, ((e, data), (g, want))) in extents
             .iter()
@@ -342,7 +346,7 @@ impl StreamIo {
             .zip(got.iter().zip(expected))
             .enumerate()
         {
-            if g[..] != want[..] {
+            if g[..check.digest_len()] != want[..] {
                 bad.push(i as u32);
                 continue;
             }
@@ -387,7 +391,8 @@ impl StreamIo {
             let n = (length - b * self.bs).min(self.bs) as usize;
             fsutil::read_exact(src, b * self.bs, &mut buf[..n])
                 .map_err(|e| fail(ControlError::io("reading the source file")(e)))?;
-            out.push((b, files::block_digest(&buf[..n]).to_vec()));
+            let check = self.session.check;
+            out.push((b, check.wire(&check.block(&buf[..n]))));
         }
         Ok(out)
     }
@@ -421,15 +426,12 @@ impl StreamIo {
                 out.push((file, Err(Failure::new(Reason::Other, "committed twice"))));
                 continue;
             };
-            let expected: [u8; 32] = match digest.as_slice().try_into() {
-                Ok(x) => x,
-                Err(_) => {
-                    out.push((
-                        file,
-                        Err(Failure::invalid("a file digest of the wrong length")),
-                    ));
-                    continue;
-                }
+            let Some(expected) = self.session.check.from_wire(&digest) else {
+                out.push((
+                    file,
+                    Err(Failure::invalid("a file digest of the wrong length")),
+                ));
+                continue;
             };
             match d.seal(expected) {
                 Ok(s) => {
@@ -453,7 +455,7 @@ impl StreamIo {
                     CommittedFile {
                         path,
                         length: p.len,
-                        digest: p.derived_digest.to_vec(),
+                        digest: self.session.check.wire(&p.derived_digest),
                         flat_sha256: p.flat_sha256.map(|d| d.to_vec()).unwrap_or_default(),
                     }
                 })

@@ -53,6 +53,8 @@ pub struct ServiceConfig {
     /// A stream that waits and makes no progress this long ends; a stream
     /// whose client sends nothing (not even keepalives) this long too.
     pub timeout: Duration,
+    /// The checks a client may ask for (`RCPD_VERIFY`).
+    pub checks: Vec<crate::files::Check>,
 }
 
 /// The service API's `Copy`, served by whoever can be a client of another

@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 use super::Service;
 use crate::control::error::{status, ControlError, Reason, Result};
 use crate::control::link::{connect_params, ep_from_proto, ep_to_proto};
+use crate::control::protocol::{check_from_wire, check_to_wire};
 use crate::control::{DEFAULT_BLOCK_SIZE, VERSION_MAJOR, VERSION_MINOR};
+use crate::files::Check;
 // The server's QPs only respond (the client issues every request): their
 // retry count never matters.
 use crate::datapath::QpRetry;
@@ -26,6 +28,8 @@ pub struct SessionState {
     /// Windows this session may have granted at once, files open at once.
     pub window_count: u32,
     pub max_open_files: u32,
+    /// How the session's blocks are checked.
+    pub check: Check,
     /// The client's timeout (0: it did not say): keepalives go out every
     /// third of the shorter of it and ours.
     pub client_timeout_ns: u64,
@@ -122,11 +126,30 @@ impl Service {
                 ),
             ));
         }
-        if !req.checks.is_empty() && !req.checks.contains(&(proto::Check::Sha256 as i32)) {
-            return Err(ControlError::Invalid(
-                "the client offered no check this rcpd knows (sha256)".into(),
-            ));
-        }
+        // The client's preference, first one this rcpd accepts; an older
+        // client that offers none means SHA-256.
+        let offered: Vec<Option<Check>> = if req.checks.is_empty() {
+            vec![Some(Check::Sha256)]
+        } else {
+            req.checks.iter().map(|&c| check_from_wire(c)).collect()
+        };
+        let check = offered
+            .iter()
+            .flatten()
+            .find(|c| self.cfg.checks.contains(c))
+            .copied()
+            .ok_or_else(|| {
+                let names = |v: &mut dyn Iterator<Item = Check>| {
+                    v.map(Check::name).collect::<Vec<_>>().join(", ")
+                };
+                let accepted = names(&mut self.cfg.checks.iter().copied());
+                let asked = names(&mut offered.iter().flatten().copied());
+                ControlError::Invalid(if asked.is_empty() {
+                    format!("the client offered no check this rcpd knows (it accepts {accepted}: RCPD_VERIFY)")
+                } else {
+                    format!("this rcpd accepts only the checks {accepted} (RCPD_VERIFY); the client asked for {asked}")
+                })
+            })?;
         let block_size = check_block_size(req.block_size, self.link.window_size as u64)?;
         self.sessions.lock().unwrap().retain(|id, s| {
             let keep =
@@ -154,7 +177,7 @@ impl Service {
             block_size,
             window_size: self.link.window_size as u64,
             window_count,
-            check: proto::Check::Sha256 as i32,
+            check: check_to_wire(check) as i32,
             max_open_files: self.cfg.max_open_files,
             timeout_ms: self.cfg.timeout.as_millis().min(u128::from(u32::MAX)) as u32,
             ..Default::default()
@@ -211,6 +234,7 @@ impl Service {
                 window_count,
                 max_open_files: self.cfg.max_open_files,
                 client_timeout_ns: u64::from(req.timeout_ms) * 1_000_000,
+                check,
                 domain: sd.domain,
                 _tcp_binding: sd.tcp,
                 qp,
@@ -220,7 +244,7 @@ impl Service {
                 last_used: Mutex::new(Instant::now()),
             }),
         );
-        tracing::info!(session = format_args!("{id:#x}"), client = %req.client_name, provider = %self.link.kind, block_size, window_count, "session opened");
+        tracing::info!(session = format_args!("{id:#x}"), client = %req.client_name, provider = %self.link.kind, block_size, window_count, check = %check, "session opened");
         Ok(resp)
     }
 

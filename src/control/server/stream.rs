@@ -21,8 +21,6 @@ use crate::proto::{self, ClientFrame, Direction, ServerFrame};
 
 type Tx = mpsc::Sender<Result<ServerFrame, Status>>;
 
-/// Digest bytes of the session's check (SHA-256).
-const DIGEST_LEN: usize = 32;
 /// Times a damaged block moves again before its file fails.
 const MAX_RETRIES: u32 = 3;
 
@@ -132,7 +130,7 @@ impl Driver {
             window_size: svc.link.window_size as u64,
             window_count: session.window_count,
             max_open_files: session.max_open_files,
-            digest_len: DIGEST_LEN,
+            check: session.check,
             timeout_ns: svc.cfg.timeout.as_nanos() as u64,
             keepalive_ns: Params::keepalive_for(
                 svc.cfg.timeout.as_nanos() as u64,

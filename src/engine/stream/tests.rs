@@ -290,6 +290,35 @@ fn a_chain_ends_at_the_end_of_its_window() {
 }
 
 #[test]
+fn next_chain_bytes_is_the_chain_poll_transmit_returns() {
+    // Depth 6, chains of 4: a window of 3 extents of 100, one of 5 of 7.
+    let mut s = Stream::new(config(6, 4)).unwrap();
+    assert_eq!(s.next_chain_bytes(), None, "nothing queued");
+    s.add_window(job(1, OpKind::Write, 3, 100)).unwrap();
+    s.add_window(job(2, OpKind::Write, 5, 7)).unwrap();
+    let mut sizes = Vec::new();
+    loop {
+        let peek = s.next_chain_bytes();
+        // Peeking takes nothing.
+        assert_eq!(s.next_chain_bytes(), peek);
+        match s.poll_transmit(0) {
+            Some(b) => {
+                let bytes: u64 = b.wrs.iter().map(|w| u64::from(w.local.len)).sum();
+                assert_eq!(peek, Some(bytes));
+                sizes.push(bytes);
+            }
+            None => {
+                assert_eq!(peek, None);
+                break;
+            }
+        }
+    }
+    // The first window's run, then the second's up to the credits left
+    // (6 - 3 = 3), then nothing until completions return credits.
+    assert_eq!(sizes, vec![300, 21]);
+}
+
+#[test]
 fn long_run_confirms_every_extent_exactly_once() {
     let mut c = StreamConfig::new(64);
     c.batch = BatchPolicy::new(16, 5).unwrap();
