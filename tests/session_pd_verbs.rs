@@ -58,11 +58,8 @@ impl Path {
 }
 
 fn tmp() -> tempfile::TempDir {
-    // The VM mounts the repository writable; /tmp may not be.
-    tempfile::Builder::new()
-        .prefix("session-pd-verbs")
-        .tempdir_in(env!("CARGO_TARGET_TMPDIR"))
-        .unwrap()
+    // RCP_TEST_TMPDIR (the guest's tmpfs in the VM suite) or cargo's.
+    common::e2e::tmp()
 }
 
 #[test]
