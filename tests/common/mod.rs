@@ -266,7 +266,9 @@ pub fn find_manifest(dir: &Path, name: &str) -> Option<PathBuf> {
 }
 
 /// Wait until the manifest of `name` records at least `blocks` more verified
-/// blocks than when first seen (each adds an index and a digest).
+/// blocks than when first seen. It is decoded, not measured: what a block
+/// adds to its length depends on the format and the check (32 bytes of
+/// SHA-256, 16 of xxh3, none without a check).
 pub fn wait_verified(dir: &Path, name: &str, blocks: u64) {
     let mut first = None;
     wait_for(
@@ -276,9 +278,15 @@ pub fn wait_verified(dir: &Path, name: &str, blocks: u64) {
             let Some(m) = find_manifest(dir, name) else {
                 return false;
             };
-            let len = std::fs::metadata(&m).map(|m| m.len()).unwrap_or(0);
-            let f = *first.get_or_insert(len);
-            len >= f + 40 * blocks
+            let Some(n) = std::fs::read(&m)
+                .ok()
+                .and_then(|b| rcp::files::Manifest::decode(&b).ok())
+                .map(|man| man.blocks.len() as u64)
+            else {
+                return false;
+            };
+            let f = *first.get_or_insert(n);
+            n >= f + blocks
         },
     );
 }
