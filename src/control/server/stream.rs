@@ -17,7 +17,7 @@ use crate::control::protocol::{
     CommittedFile, Digest, Failure, FileId, OpenedFile, Params, Reason, ServerAction, ServerCore,
     WindowId,
 };
-use crate::proto::{self, ClientFrame, Direction, ServerFrame};
+use crate::proto::{self, ClientFrame, ServerFrame};
 
 type Tx = mpsc::Sender<Result<ServerFrame, Status>>;
 
@@ -499,13 +499,5 @@ async fn sleep_until(t: Option<tokio::time::Instant>) {
     match t {
         Some(t) => tokio::time::sleep_until(t).await,
         None => std::future::pending().await,
-    }
-}
-
-#[allow(dead_code)]
-fn direction_name(d: Direction) -> &'static str {
-    match d {
-        Direction::Push => "push",
-        _ => "pull",
     }
 }
