@@ -11,7 +11,7 @@
 //! [`DataPathStats`] (which holds the engine's own counters) at scrape time,
 //! taking only what grew since the last scrape; latencies and reconnect times
 //! come from its [`Report`] once, when the data path closes. [`serve`] answers
-//! `GET /metrics`.
+//! `GET /metrics` over hyper/axum (what tonic already brings).
 
 use std::sync::{Arc, Mutex};
 
@@ -21,8 +21,6 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
-
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::datapath::{DataPathStats, Report};
 
@@ -335,55 +333,54 @@ impl Metrics {
     }
 }
 
-/// Serve `GET /metrics` (text format 0.0.4 / OpenMetrics text) on `listener`
-/// until the task is dropped. Anything else gets 404; a malformed request is
-/// answered 400 and closed, and never stops the server.
+/// The Content-Type of [`Metrics::render`]'s output.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// The `/metrics` routes: `GET` (and `HEAD`) `/metrics` renders `metrics`;
+/// any other path is 404, another method on `/metrics` 405.
+pub fn router(metrics: Arc<Metrics>) -> axum::Router {
+    use axum::http::{header, StatusCode};
+    use axum::routing::get;
+    axum::Router::new()
+        .route(
+            "/metrics",
+            get(
+                |axum::extract::State(m): axum::extract::State<Arc<Metrics>>| async move {
+                    ([(header::CONTENT_TYPE, CONTENT_TYPE)], m.render())
+                },
+            ),
+        )
+        .fallback(|| async { (StatusCode::NOT_FOUND, "only /metrics here\n") })
+        .with_state(metrics)
+}
+
+/// How long a connection may take to send a request's headers.
+const HEADER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Serve [`router`] over HTTP/1 on `listener` until the task is dropped. A
+/// malformed request is answered 400 by hyper and closed; a client that sends
+/// no complete headers within 5 s is dropped; neither stops the server.
 pub async fn serve(listener: tokio::net::TcpListener, metrics: Arc<Metrics>) {
+    let app = router(metrics);
     loop {
-        let Ok((mut sock, _)) = listener.accept().await else {
-            continue;
-        };
-        let m = metrics.clone();
-        tokio::spawn(async move {
-            let mut buf = vec![0u8; 4096];
-            let mut n = 0;
-            while n < buf.len() {
-                match tokio::time::timeout(
-                    std::time::Duration::from_secs(5),
-                    sock.read(&mut buf[n..]),
-                )
-                .await
-                {
-                    Ok(Ok(0)) | Err(_) | Ok(Err(_)) => break,
-                    Ok(Ok(k)) => n += k,
-                }
-                if buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
-                    break;
-                }
+        let sock = match listener.accept().await {
+            Ok((s, _)) => s,
+            Err(e) => {
+                // Out of fds, typically: wait instead of spinning.
+                tracing::debug!(error = %e, "metrics: accept failed");
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                continue;
             }
-            let req = String::from_utf8_lossy(&buf[..n]);
-            let first = req.lines().next().unwrap_or("");
-            let (status, ctype, body) =
-                match first.split_whitespace().collect::<Vec<_>>().as_slice() {
-                    ["GET", "/metrics", _] => (
-                        "200 OK",
-                        "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                        m.render(),
-                    ),
-                    ["GET", _, _] => (
-                        "404 Not Found",
-                        "text/plain",
-                        "only /metrics here\n".to_string(),
-                    ),
-                    _ => ("400 Bad Request", "text/plain", "bad request\n".to_string()),
-                };
-            let head = format!(
-                "HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-                body.len()
-            );
-            let _ = sock.write_all(head.as_bytes()).await;
-            let _ = sock.write_all(body.as_bytes()).await;
-            let _ = sock.shutdown().await;
+        };
+        let svc = hyper_util::service::TowerToHyperService::new(app.clone());
+        tokio::spawn(async move {
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(HEADER_TIMEOUT)
+                .serve_connection(hyper_util::rt::TokioIo::new(sock), svc);
+            if let Err(e) = conn.await {
+                tracing::debug!(error = %e, "metrics: connection ended");
+            }
         });
     }
 }
@@ -582,6 +579,15 @@ mod tests {
         }
     }
 
+    async fn request(addr: std::net::SocketAddr, raw: &[u8]) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(raw).await.unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.unwrap();
+        out
+    }
+
     #[tokio::test]
     async fn serves_metrics_over_http() {
         let m = Arc::new(Metrics::new());
@@ -590,24 +596,43 @@ mod tests {
         let addr = l.local_addr().unwrap();
         let task = tokio::spawn(serve(l, m));
         let get = |path: &'static str| async move {
-            let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-            s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
-                .await
-                .unwrap();
-            let mut out = String::new();
-            s.read_to_string(&mut out).await.unwrap();
-            out
+            request(
+                addr,
+                format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes(),
+            )
+            .await
         };
         let ok = get("/metrics").await;
         assert!(ok.starts_with("HTTP/1.1 200"), "{ok}");
+        assert!(
+            ok.to_ascii_lowercase()
+                .contains(&format!("content-type: {CONTENT_TYPE}")),
+            "{ok}"
+        );
         assert!(ok.contains("rcp_memlock_failures_total 1"), "{ok}");
+        assert!(ok.contains("rcpd_auth_failures_total 0"), "{ok}");
+        assert!(ok.ends_with("# EOF\n"), "{ok}");
         assert!(get("/other").await.starts_with("HTTP/1.1 404"));
-        // Garbage does not take the server down.
-        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-        s.write_all(b"\x00\x01garbage\r\n\r\n").await.unwrap();
-        let mut out = String::new();
-        s.read_to_string(&mut out).await.unwrap();
-        assert!(out.starts_with("HTTP/1.1 400"), "{out}");
+        assert!(get("/").await.starts_with("HTTP/1.1 404"));
+        // The HTTP/1.0 scrape of tests/common/metrics.rs: answered, then closed.
+        let old = request(addr, b"GET /metrics HTTP/1.0\r\n\r\n").await;
+        assert!(old.starts_with("HTTP/1.0 200"), "{old}");
+        let post = request(
+            addr,
+            b"POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+        )
+        .await;
+        assert!(post.starts_with("HTTP/1.1 405"), "{post}");
+        // Garbage is refused and does not take the server down.
+        let bad = request(addr, b"\x00\x01garbage\r\n\r\n").await;
+        assert!(bad.is_empty() || bad.starts_with("HTTP/1.1 400"), "{bad}");
+        // Two requests on one kept-alive connection.
+        let two = request(
+            addr,
+            b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\nGET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        )
+        .await;
+        assert_eq!(two.matches("HTTP/1.1 200").count(), 2, "{two}");
         assert!(get("/metrics").await.starts_with("HTTP/1.1 200"));
         task.abort();
     }
