@@ -101,11 +101,9 @@ pub(super) async fn run(svc: Arc<Service>, mut rx: Streaming<ClientFrame>, tx: T
         }
     };
     session.active.fetch_add(1, Relaxed);
-    svc.stats.active.fetch_add(1, Relaxed);
     let mut d = Driver::new(svc.clone(), session.clone(), tx);
     d.core.handle_frame(d.now(), first);
     d.run(&mut rx).await;
-    svc.stats.active.fetch_sub(1, Relaxed);
     session.active.fetch_sub(1, Relaxed);
     *session.last_used.lock().unwrap() = Instant::now();
     drop(permit);
@@ -225,10 +223,6 @@ impl Driver {
             Ok(()) => tracing::debug!("move stream done"),
             Err(f) => {
                 tracing::warn!(reason = ?f.reason, error = %f.message, files_open = open.len(), "move stream ended with an error");
-                self.svc
-                    .stats
-                    .transfers_failed
-                    .fetch_add(open.len().max(1) as u64, Relaxed);
                 for fi in open.values() {
                     self.svc.metrics.transfer_ended(
                         fi.dir,
@@ -307,7 +301,6 @@ impl Driver {
                 ServerAction::Close { file } => {
                     if let Some(fi) = self.files.remove(&file) {
                         if fi.dir == "pull" {
-                            self.svc.stats.transfers_ok.fetch_add(1, Relaxed);
                             self.svc.metrics.transfer_ended(
                                 "pull",
                                 "ok",
@@ -478,8 +471,6 @@ impl Driver {
             Done::Committed(rs) => {
                 for (file, r) in rs {
                     if let (Ok(c), Some(fi)) = (&r, self.files.get(&file)) {
-                        self.svc.stats.transfers_ok.fetch_add(1, Relaxed);
-                        self.svc.stats.bytes_in.fetch_add(c.length, Relaxed);
                         self.svc.metrics.transfer_ended(
                             "push",
                             "ok",
