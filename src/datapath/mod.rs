@@ -56,8 +56,11 @@ mod tests;
 
 pub use bucket::{RateLimit, TokenBucket};
 pub use completion::{allowed_cpus, completion_loop, pin_current_thread, AvoidCpu, POLL_BATCH};
-pub use config::{Backoff, ConfigError, CqCpu, DataPathConfig, PollMode, QpRetry};
+pub use config::{Backoff, ConfigError, CqCpu, DataPathConfig, PollMode, QpRetry, RailPause};
 pub use port::PortMonitor;
-pub use report::Report;
-pub use runner::{DataPath, DataPathError, DpEvent, ReconnectError, ReconnectFn, POSTER_SPIN};
-pub use stats::{DataPathStats, Latencies};
+pub use report::{RailReport, Report};
+pub use runner::{
+    DataPath, DataPathError, DpEvent, FenceFn, RailReconnectFn, RailSpec, ReconnectError,
+    ReconnectFn, POSTER_SPIN,
+};
+pub use stats::{DataPathStats, Latencies, RailStats};
