@@ -52,6 +52,8 @@ pub mod stats;
 #[cfg(test)]
 mod fake;
 #[cfg(test)]
+mod rail_tests;
+#[cfg(test)]
 mod tests;
 
 pub use bucket::{RateLimit, TokenBucket};
