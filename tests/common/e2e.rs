@@ -18,7 +18,10 @@ pub fn tmp() -> tempfile::TempDir {
         .map(std::path::PathBuf::from)
         .unwrap_or_else(|| env!("CARGO_TARGET_TMPDIR").into());
     std::fs::create_dir_all(&base).unwrap();
-    tempfile::Builder::new().prefix("e2e").tempdir_in(base).unwrap()
+    tempfile::Builder::new()
+        .prefix("e2e")
+        .tempdir_in(base)
+        .unwrap()
 }
 
 /// A fresh temp dir with an empty `root` in it for rcpd (its log goes
