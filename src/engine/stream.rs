@@ -1310,9 +1310,8 @@ impl Stream {
                 .iter()
                 .map(|id| rail.slots.get(id).expect("queued ids are live").user),
         );
-        for i in retired..ctxs.len() {
-            let c = ctxs[i];
-            let w = self.win_mut(c.win);
+        for c in &ctxs[retired..] {
+            let w = self.wins[c.win as usize].as_mut().expect("live window");
             debug_assert!(
                 !w.confirmed[c.ext as usize],
                 "a live request of a confirmed extent"

@@ -1017,8 +1017,8 @@ fn check(
     assert_eq!(posted, c.posted);
     assert!(c.posted >= p.extents);
     assert_eq!(c.posted - c.reposted, p.extents, "only reposts post twice");
-    for r in 0..s.rails() {
-        assert!(s.rail_credits_in_use(r) <= depths[r]);
+    for (r, &d) in depths.iter().enumerate() {
+        assert!(s.rail_credits_in_use(r) <= d);
     }
 }
 
