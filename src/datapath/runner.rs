@@ -30,7 +30,7 @@
 //!   thread asks it to bring its rail back: it fences the rail's queue pair
 //!   (the rail's [`FenceFn`], if any), waits out the rail's cool-down, waits
 //!   for `PORT_ACTIVE` while a [`PortMonitor`] says the port is down, and
-//!   calls the rail's reconnect callback with [`Backoff`](super::Backoff),
+//!   calls the rail's reconnect callback with [`Backoff`],
 //!   then tells the posting thread. The other rails post meanwhile.
 //! - with several rails, a *port watcher* per rail that has a
 //!   [`PortMonitor`] (`rcp-port`): the port going down is the rail's
