@@ -211,11 +211,12 @@ run() {
   chmod +x "$script"
   log "booting $ver (TCG) topology=$topo"
   t0=$(date +%s)
-  # Through a pipe: vng reopens its standard output, which would rewrite a
-  # log file from its start.
+  # Both through pipes: qemu reopens its standard output and error
+  # (/proc/self/fd/1 and 2) with O_TRUNC, which would rewrite a log file
+  # they point at from its start (losing what earlier steps wrote).
   set +e
   vng --run "/boot/vmlinuz-$ver" --disable-kvm --memory "${RCP_VM_MEM:-4G}" --cpus "${RCP_VM_CPUS:-2}" \
-    --rwdir "$here" --user root --exec "bash $script" </dev/null | cat
+    --rwdir "$here" --user root --exec "bash $script" </dev/null 2> >(cat >&2) | cat
   rc=${PIPESTATUS[0]}
   set -e
   t1=$(date +%s)

@@ -1,9 +1,17 @@
-//! Prometheus metrics for `rcpd` (and anything else that runs transfers).
+//! Prometheus metrics for `rcpd` (and anything else that runs transfers): the
+//! one registry and the one `/metrics` server.
 //!
-//! Names carry the `rcp_` prefix. Live queue gauges (free SQ slots, the
-//! swqe_avail of the seed document; CQ fill) are read from each data path's
-//! [`DataPathStats`] at scrape time; per-transfer figures are recorded when a
-//! transfer ends. [`serve`] answers `GET /metrics` in the text format.
+//! Names carry the `rcp_` prefix, rcpd's own (integrity and auth failures) the
+//! `rcpd_` prefix; both live in one registry and go out through one encoder.
+//! Every event is counted once, where it happens: a transfer when it ends
+//! ([`Metrics::transfer_ended`]), an auth refusal in the interceptor, a digest
+//! mismatch where it is found. Data-path figures are never counted here: live
+//! queue gauges (free SQ slots, the swqe_avail of the seed document; CQ fill)
+//! and error completions and reconnects are read from each data path's
+//! [`DataPathStats`] (which holds the engine's own counters) at scrape time,
+//! taking only what grew since the last scrape; latencies and reconnect times
+//! come from its [`Report`] once, when the data path closes. [`serve`] answers
+//! `GET /metrics` over hyper/axum (what tonic already brings).
 
 use std::sync::{Arc, Mutex};
 
@@ -13,7 +21,6 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::datapath::{DataPathStats, Report};
 
@@ -58,6 +65,8 @@ pub struct Metrics {
     throughput: HistFamily,
     memlock_failures: Counter,
     active_transfers: Gauge,
+    integrity_failures: Counter,
+    auth_failures: Counter,
     tracked: Mutex<Vec<Tracked>>,
 }
 
@@ -75,7 +84,7 @@ impl Default for Metrics {
 
 impl Metrics {
     pub fn new() -> Metrics {
-        let mut r = Registry::with_prefix("rcp");
+        let mut root = Registry::default();
         let m = Metrics {
             registry: Registry::default(),
             sq_free: Family::default(),
@@ -91,8 +100,11 @@ impl Metrics {
             throughput: Family::new_with_constructor(throughput_hist as fn() -> Histogram),
             memlock_failures: Counter::default(),
             active_transfers: Gauge::default(),
+            integrity_failures: Counter::default(),
+            auth_failures: Counter::default(),
             tracked: Mutex::new(Vec::new()),
         };
+        let r = root.sub_registry_with_prefix("rcp");
         r.register(
             "sq_free_slots",
             "Free send-queue slots (swqe_avail) per device and QP",
@@ -158,7 +170,21 @@ impl Metrics {
             "Transfers in progress",
             m.active_transfers.clone(),
         );
-        Metrics { registry: r, ..m }
+        let d = root.sub_registry_with_prefix("rcpd");
+        d.register(
+            "integrity_failures",
+            "Block or whole-file digest mismatches found by rcpd",
+            m.integrity_failures.clone(),
+        );
+        d.register(
+            "auth_failures",
+            "Requests refused for a missing or wrong token",
+            m.auth_failures.clone(),
+        );
+        Metrics {
+            registry: root,
+            ..m
+        }
     }
 
     /// Follow a data path's live counters under `device`/`qp` labels until
@@ -215,6 +241,21 @@ impl Metrics {
         if let Some(r) = report {
             self.datapath_report(direction, r);
         }
+    }
+
+    /// Transfers in progress now.
+    pub fn active_transfers(&self) -> i64 {
+        self.active_transfers.get()
+    }
+
+    /// `n` blocks (or a whole file) did not match their digests.
+    pub fn integrity_failures(&self, n: u64) {
+        self.integrity_failures.inc_by(n);
+    }
+
+    /// A request was refused for a missing or wrong token.
+    pub fn auth_failure(&self) {
+        self.auth_failures.inc();
     }
 
     /// A registration was refused for lack of lockable memory.
@@ -292,55 +333,54 @@ impl Metrics {
     }
 }
 
-/// Serve `GET /metrics` (text format 0.0.4 / OpenMetrics text) on `listener`
-/// until the task is dropped. Anything else gets 404; a malformed request is
-/// answered 400 and closed, and never stops the server.
+/// The Content-Type of [`Metrics::render`]'s output.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// The `/metrics` routes: `GET` (and `HEAD`) `/metrics` renders `metrics`;
+/// any other path is 404, another method on `/metrics` 405.
+pub fn router(metrics: Arc<Metrics>) -> axum::Router {
+    use axum::http::{header, StatusCode};
+    use axum::routing::get;
+    axum::Router::new()
+        .route(
+            "/metrics",
+            get(
+                |axum::extract::State(m): axum::extract::State<Arc<Metrics>>| async move {
+                    ([(header::CONTENT_TYPE, CONTENT_TYPE)], m.render())
+                },
+            ),
+        )
+        .fallback(|| async { (StatusCode::NOT_FOUND, "only /metrics here\n") })
+        .with_state(metrics)
+}
+
+/// How long a connection may take to send a request's headers.
+const HEADER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Serve [`router`] over HTTP/1 on `listener` until the task is dropped. A
+/// malformed request is answered 400 by hyper and closed; a client that sends
+/// no complete headers within 5 s is dropped; neither stops the server.
 pub async fn serve(listener: tokio::net::TcpListener, metrics: Arc<Metrics>) {
+    let app = router(metrics);
     loop {
-        let Ok((mut sock, _)) = listener.accept().await else {
-            continue;
-        };
-        let m = metrics.clone();
-        tokio::spawn(async move {
-            let mut buf = vec![0u8; 4096];
-            let mut n = 0;
-            while n < buf.len() {
-                match tokio::time::timeout(
-                    std::time::Duration::from_secs(5),
-                    sock.read(&mut buf[n..]),
-                )
-                .await
-                {
-                    Ok(Ok(0)) | Err(_) | Ok(Err(_)) => break,
-                    Ok(Ok(k)) => n += k,
-                }
-                if buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
-                    break;
-                }
+        let sock = match listener.accept().await {
+            Ok((s, _)) => s,
+            Err(e) => {
+                // Out of fds, typically: wait instead of spinning.
+                tracing::debug!(error = %e, "metrics: accept failed");
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                continue;
             }
-            let req = String::from_utf8_lossy(&buf[..n]);
-            let first = req.lines().next().unwrap_or("");
-            let (status, ctype, body) =
-                match first.split_whitespace().collect::<Vec<_>>().as_slice() {
-                    ["GET", "/metrics", _] => (
-                        "200 OK",
-                        "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                        m.render(),
-                    ),
-                    ["GET", _, _] => (
-                        "404 Not Found",
-                        "text/plain",
-                        "only /metrics here\n".to_string(),
-                    ),
-                    _ => ("400 Bad Request", "text/plain", "bad request\n".to_string()),
-                };
-            let head = format!(
-                "HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-                body.len()
-            );
-            let _ = sock.write_all(head.as_bytes()).await;
-            let _ = sock.write_all(body.as_bytes()).await;
-            let _ = sock.shutdown().await;
+        };
+        let svc = hyper_util::service::TowerToHyperService::new(app.clone());
+        tokio::spawn(async move {
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(HEADER_TIMEOUT)
+                .serve_connection(hyper_util::rt::TokioIo::new(sock), svc);
+            if let Err(e) = conn.await {
+                tracing::debug!(error = %e, "metrics: connection ended");
+            }
         });
     }
 }
@@ -413,6 +453,141 @@ mod tests {
         assert!(t.contains("rcp_reconnects_total 2"), "{t}");
     }
 
+    /// One event, one count: a transfer, an integrity failure, an auth
+    /// refusal each show once however often the registry is rendered, and
+    /// a data path's published counts are taken once.
+    #[test]
+    fn each_event_counted_once() {
+        let m = Metrics::new();
+        let t = m.render();
+        for zero in [
+            "rcp_active_transfers 0",
+            "rcpd_integrity_failures_total 0",
+            "rcpd_auth_failures_total 0",
+        ] {
+            assert!(t.lines().any(|l| l == zero), "{zero}: {t}");
+        }
+        m.transfer_started();
+        assert_eq!(m.active_transfers(), 1);
+        m.transfer_ended("pull", "ok", 4096, 0.1, None);
+        m.integrity_failures(3);
+        m.auth_failure();
+        let s = Arc::new(DataPathStats::default());
+        m.track("tcp", 1, 64, 64, &s);
+        let mut c = crate::engine::stream::Counters::default();
+        c.errors.count(WcStatus::RetryExceeded);
+        c.reconnects = 1;
+        s.publish(&c, 64);
+        s.publish(&c, 64);
+        for _ in 0..3 {
+            let t = m.render();
+            for want in [
+                r#"rcp_transfers_total{direction="pull",outcome="ok"} 1"#,
+                r#"rcp_bytes_total{direction="pull"} 4096"#,
+                "rcp_active_transfers 0",
+                "rcpd_integrity_failures_total 3",
+                "rcpd_auth_failures_total 1",
+                r#"rcp_error_cqes_total{status="retry_exc_err"} 1"#,
+                "rcp_reconnects_total 1",
+            ] {
+                assert!(t.lines().any(|l| l == want), "{want}: {t}");
+            }
+            // One encoder: one terminator, at the end.
+            assert_eq!(t.matches("# EOF").count(), 1, "{t}");
+            assert!(t.ends_with("# EOF\n"), "{t}");
+        }
+    }
+
+    /// Every metric name the deployment's rules may use, and every one the
+    /// README and docs/deploy.md name (with the labels they give), is
+    /// exported.
+    #[test]
+    fn documented_names_are_exported() {
+        let m = Metrics::new();
+        let s = Arc::new(DataPathStats::default());
+        m.track("rxe0", 1, 8, 8, &s);
+        s.count_error(WcStatus::Flushed);
+        m.transfer_started();
+        m.transfer_ended("push", "ok", 1, 1.0, None);
+        m.cq_overrun();
+        m.memlock_failure();
+        let t = m.render();
+        let names: Vec<&str> = t
+            .lines()
+            .filter(|l| l.starts_with("# TYPE "))
+            .filter_map(|l| l.split_whitespace().nth(2))
+            .collect();
+        let exported = |n: &str| {
+            let base = ["_total", "_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|s| n.strip_suffix(s))
+                .unwrap_or(n);
+            names.contains(&n) || names.contains(&base)
+        };
+        let listed = include_str!("../deploy/monitoring/rcp-metrics.txt");
+        for n in listed.lines().map(str::trim).filter(|l| !l.is_empty()) {
+            assert!(
+                exported(n),
+                "{n} (deploy/monitoring/rcp-metrics.txt): {names:?}"
+            );
+        }
+        // The label names of a sample line of `name`, "le" left out.
+        let labels_of = |name: &str| -> Vec<Vec<String>> {
+            t.lines()
+                .filter_map(|l| l.strip_prefix(name)?.strip_prefix('{'))
+                .map(|l| {
+                    let inner = &l[..l.find('}').unwrap()];
+                    let mut v: Vec<String> = inner
+                        .split(',')
+                        .filter_map(|kv| Some(kv.split_once('=')?.0.to_string()))
+                        .filter(|k| k != "le")
+                        .collect();
+                    v.sort();
+                    v
+                })
+                .collect()
+        };
+        for doc in [
+            include_str!("../README.md"),
+            include_str!("../docs/deploy.md"),
+        ] {
+            let mut rest = doc;
+            while let Some(i) = rest.find("rcp") {
+                let w: String = rest[i..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect();
+                let after = &rest[i + w.len()..];
+                rest = after;
+                if !(w.starts_with("rcp_") || w.starts_with("rcpd_")) || w.ends_with('_') {
+                    continue;
+                }
+                assert!(exported(&w), "{w} (documented): {names:?}");
+                if let Some(l) = after.strip_prefix('{') {
+                    let mut want: Vec<String> = l[..l.find('}').unwrap()]
+                        .split(',')
+                        .map(|kv| kv.split('=').next().unwrap_or(kv).trim().to_string())
+                        .collect();
+                    want.sort();
+                    let got = labels_of(&w);
+                    assert!(
+                        got.contains(&want),
+                        "{w}{{{want:?}}} documented; exported {got:?}"
+                    );
+                }
+            }
+        }
+    }
+
+    async fn request(addr: std::net::SocketAddr, raw: &[u8]) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(raw).await.unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.unwrap();
+        out
+    }
+
     #[tokio::test]
     async fn serves_metrics_over_http() {
         let m = Arc::new(Metrics::new());
@@ -421,24 +596,43 @@ mod tests {
         let addr = l.local_addr().unwrap();
         let task = tokio::spawn(serve(l, m));
         let get = |path: &'static str| async move {
-            let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-            s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
-                .await
-                .unwrap();
-            let mut out = String::new();
-            s.read_to_string(&mut out).await.unwrap();
-            out
+            request(
+                addr,
+                format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes(),
+            )
+            .await
         };
         let ok = get("/metrics").await;
         assert!(ok.starts_with("HTTP/1.1 200"), "{ok}");
+        assert!(
+            ok.to_ascii_lowercase()
+                .contains(&format!("content-type: {CONTENT_TYPE}")),
+            "{ok}"
+        );
         assert!(ok.contains("rcp_memlock_failures_total 1"), "{ok}");
+        assert!(ok.contains("rcpd_auth_failures_total 0"), "{ok}");
+        assert!(ok.ends_with("# EOF\n"), "{ok}");
         assert!(get("/other").await.starts_with("HTTP/1.1 404"));
-        // Garbage does not take the server down.
-        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-        s.write_all(b"\x00\x01garbage\r\n\r\n").await.unwrap();
-        let mut out = String::new();
-        s.read_to_string(&mut out).await.unwrap();
-        assert!(out.starts_with("HTTP/1.1 400"), "{out}");
+        assert!(get("/").await.starts_with("HTTP/1.1 404"));
+        // The HTTP/1.0 scrape of tests/common/metrics.rs: answered, then closed.
+        let old = request(addr, b"GET /metrics HTTP/1.0\r\n\r\n").await;
+        assert!(old.starts_with("HTTP/1.0 200"), "{old}");
+        let post = request(
+            addr,
+            b"POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+        )
+        .await;
+        assert!(post.starts_with("HTTP/1.1 405"), "{post}");
+        // Garbage is refused and does not take the server down.
+        let bad = request(addr, b"\x00\x01garbage\r\n\r\n").await;
+        assert!(bad.is_empty() || bad.starts_with("HTTP/1.1 400"), "{bad}");
+        // Two requests on one kept-alive connection.
+        let two = request(
+            addr,
+            b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\nGET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        )
+        .await;
+        assert_eq!(two.matches("HTTP/1.1 200").count(), 2, "{two}");
         assert!(get("/metrics").await.starts_with("HTTP/1.1 200"));
         task.abort();
     }

@@ -764,6 +764,25 @@ fn a_damaged_block_is_sent_again() {
         assert!(m.inbox.is_empty(), "{:?}", m.inbox);
     });
     assert_eq!(std::fs::read(root.join("resent")).unwrap(), good);
+    // The damaged block counted once, the file once, as a good push.
+    let t = common::metrics::scrape(d.metrics.as_deref().unwrap());
+    assert_eq!(
+        common::metrics::sample(&t, "rcpd_integrity_failures_total"),
+        Some(1.0),
+        "{t}"
+    );
+    let ok = r#"rcp_transfers_total{direction="push",outcome="ok"}"#;
+    assert_eq!(common::metrics::sample(&t, ok), Some(1.0), "{t}");
+    assert_eq!(
+        common::metrics::sample(&t, r#"rcp_bytes_total{direction="push"}"#),
+        Some(8192.0),
+        "{t}"
+    );
+    assert_eq!(
+        common::metrics::sample(&t, "rcp_active_transfers"),
+        Some(0.0),
+        "{t}"
+    );
 }
 
 /// Pull: a block the client reports damaged (WindowDone.bad) is read from

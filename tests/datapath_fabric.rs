@@ -229,7 +229,7 @@ fn move_and_verify(op: OpKind, len: usize, extent: u32, windows: u64) {
                 }
             }
             DpEvent::Failed(e) => panic!("{op:?}: data path failed: {e}"),
-            e @ DpEvent::Reconnected { .. } => panic!("{op:?}: unexpected {e:?}"),
+            e => panic!("{op:?}: unexpected {e:?}"),
         }
     }
     let secs = t0.elapsed().as_secs_f64();

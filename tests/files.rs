@@ -1560,3 +1560,230 @@ mod pool {
         );
     }
 }
+
+/// `O_DIRECT` writes of a destination: aligned blocks go direct where the file
+/// system takes them (ext4 under /var/tmp here), the rest buffered, the bytes the
+/// same either way, and buffered reads of the temp file see what went direct.
+mod direct_writes {
+    use super::*;
+    use std::os::unix::fs::{FileExt, OpenOptionsExt};
+
+    const BS: usize = 16 * 1024;
+
+    /// `len` bytes of `pattern(len, seed)` starting at a 4096-aligned address, as
+    /// in registered memory (safe: align_offset).
+    struct Aligned {
+        storage: Vec<u8>,
+        off: usize,
+        len: usize,
+    }
+
+    impl Aligned {
+        fn new(len: usize, seed: u64) -> Aligned {
+            let mut storage = vec![0u8; len + DIRECT_ALIGN];
+            let off = storage.as_ptr().align_offset(DIRECT_ALIGN);
+            storage[off..off + len].copy_from_slice(&pattern(len, seed));
+            Aligned { storage, off, len }
+        }
+        fn bytes(&self) -> &[u8] {
+            &self.storage[self.off..self.off + self.len]
+        }
+    }
+
+    /// Whether `dir` takes an aligned `O_DIRECT` write at all (probed apart from
+    /// the code under test).
+    fn takes_o_direct(dir: &Path) -> bool {
+        let p = dir.join("probe");
+        let Ok(f) = fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(&p)
+        else {
+            return false;
+        };
+        let buf = Aligned::new(4096, 1);
+        let ok = f.write_at(buf.bytes(), 0).is_ok();
+        let _ = fs::remove_file(&p);
+        ok
+    }
+
+    fn opts(direct_io: bool) -> DestinationOptions {
+        DestinationOptions {
+            block_size: BS as u64,
+            direct_io,
+            ..Default::default()
+        }
+    }
+
+    /// Write every block of `data` (shuffled) into a new destination `name`.
+    fn write_all(dir: &DirHandle, name: &str, data: &[u8], o: DestinationOptions) -> Destination {
+        let mut d = Destination::create(dir, name, data.len() as u64, o).unwrap();
+        let mut idx: Vec<u64> = (0..d.block_count()).collect();
+        shuffle(&mut idx, 5);
+        for i in idx {
+            let b = &data[i as usize * BS..(i as usize * BS + BS).min(data.len())];
+            d.write_block(i, b, block_digest(b)).unwrap();
+        }
+        d
+    }
+
+    fn var_tmp() -> tempfile::TempDir {
+        tempfile::tempdir_in("/var/tmp").unwrap()
+    }
+
+    #[test]
+    fn aligned_blocks_go_direct_the_short_last_one_buffered() {
+        let t = var_tmp();
+        let direct = takes_o_direct(t.path());
+        eprintln!("/var/tmp takes O_DIRECT: {direct}");
+        let dir = DirHandle::open(t.path()).unwrap();
+        // 5 full blocks and a short one of 1234 bytes.
+        let data = Aligned::new(5 * BS + 1234, 41);
+        let d = write_all(&dir, "f", data.bytes(), opts(true));
+        let s = d.write_stats();
+        eprintln!("{s:?} {:?} {:?}", d.write_mode(), d.direct_unavailable());
+        assert_eq!(s.direct_writes + s.buffered_writes, 6);
+        if direct {
+            assert_eq!(
+                d.write_mode(),
+                IoMode::Direct,
+                "{:?}",
+                d.direct_unavailable()
+            );
+            assert_eq!(s.direct_writes, 5, "{s:?}");
+            assert_eq!(s.buffered_writes, 1, "the short last block: {s:?}");
+        }
+        let p = d.commit(derived(data.bytes(), BS as u64)).unwrap();
+        assert_eq!(p.len, data.len as u64);
+        assert_eq!(fs::read(t.path().join("f")).unwrap(), data.bytes());
+
+        // A last block whose length is aligned goes direct too.
+        let data = Aligned::new(3 * BS + 8192, 42);
+        let d = write_all(&dir, "g", data.bytes(), opts(true));
+        if direct {
+            assert_eq!(d.write_stats().direct_writes, 4, "{:?}", d.write_stats());
+        }
+        d.commit(derived(data.bytes(), BS as u64)).unwrap();
+        assert_eq!(fs::read(t.path().join("g")).unwrap(), data.bytes());
+    }
+
+    #[test]
+    fn data_equal_direct_or_buffered() {
+        let t = var_tmp();
+        let dir = DirHandle::open(t.path()).unwrap();
+        let data = Aligned::new(7 * BS + 4097, 43);
+        for (name, on) in [("on", true), ("off", false)] {
+            let d = write_all(&dir, name, data.bytes(), opts(on));
+            if !on {
+                assert_eq!(d.write_stats().direct_writes, 0);
+                assert!(d.direct_unavailable().unwrap().contains("off"));
+            }
+            d.commit(derived(data.bytes(), BS as u64)).unwrap();
+        }
+        assert_eq!(fs::read(t.path().join("on")).unwrap(), data.bytes());
+        assert_eq!(
+            fs::read(t.path().join("on")).unwrap(),
+            fs::read(t.path().join("off")).unwrap()
+        );
+    }
+
+    #[test]
+    fn unaligned_buffers_are_written_buffered() {
+        let t = var_tmp();
+        let dir = DirHandle::open(t.path()).unwrap();
+        // The same bytes one past an aligned address.
+        let mut storage = vec![0u8; 4 * BS + 1 + DIRECT_ALIGN];
+        let off = storage.as_ptr().align_offset(DIRECT_ALIGN) + 1;
+        let data = &mut storage[off..off + 4 * BS];
+        data.copy_from_slice(&pattern(4 * BS, 44));
+        let d = write_all(&dir, "u", data, opts(true));
+        assert_eq!(d.write_stats().direct_writes, 0, "{:?}", d.write_stats());
+        d.commit(derived(data, BS as u64)).unwrap();
+        assert_eq!(fs::read(t.path().join("u")).unwrap(), &data[..]);
+    }
+
+    #[test]
+    fn tmpfs_falls_back_to_buffered() {
+        let Ok(t) = tempfile::tempdir_in("/dev/shm") else {
+            eprintln!("no /dev/shm: skipped");
+            return;
+        };
+        let dir = DirHandle::open(t.path()).unwrap();
+        let data = Aligned::new(4 * BS + 100, 45);
+        let d = write_all(&dir, "f", data.bytes(), opts(true));
+        let s = d.write_stats();
+        eprintln!("tmpfs: {s:?} ({:?})", d.direct_unavailable());
+        assert_eq!(d.write_mode(), IoMode::Buffered);
+        assert_eq!(s.direct_writes, 0);
+        assert_eq!(s.buffered_writes, 5);
+        assert!(d.direct_unavailable().is_some());
+        d.commit(derived(data.bytes(), BS as u64)).unwrap();
+        assert_eq!(fs::read(t.path().join("f")).unwrap(), data.bytes());
+    }
+
+    #[test]
+    fn one_block_file_stays_buffered() {
+        let t = var_tmp();
+        let dir = DirHandle::open(t.path()).unwrap();
+        let data = Aligned::new(BS, 46);
+        let d = write_all(&dir, "one", data.bytes(), opts(true));
+        assert_eq!(d.write_stats().direct_writes, 0);
+        assert_eq!(d.write_stats().buffered_writes, 1);
+        d.commit(derived(data.bytes(), BS as u64)).unwrap();
+        assert_eq!(fs::read(t.path().join("one")).unwrap(), data.bytes());
+    }
+
+    /// Pages of the temp file cached before a direct write of their range do not
+    /// hide it: a buffered read afterwards, the flat SHA-256's re-reads and a
+    /// resume's re-check all see the new bytes.
+    #[test]
+    fn buffered_reads_see_direct_writes() {
+        let t = var_tmp();
+        let dir = DirHandle::open(t.path()).unwrap();
+        let n = 8;
+        let data = Aligned::new(n * BS, 47);
+        let source = SourceId {
+            len: data.len as u64,
+            mtime: Timestamp::default(),
+            fingerprint: [9; 32],
+        };
+        let o = DestinationOptions {
+            flat_sha256: true,
+            // Nothing held back in memory: every out-of-order piece is read
+            // again from the temp file.
+            max_pending_digest_bytes: 0,
+            resume: Some(source),
+            manifest_every_blocks: 1,
+            ..opts(true)
+        };
+        let mut d = Destination::create(&dir, "c", data.len as u64, o.clone()).unwrap();
+        // Cache the (zero) pages of the whole temp file first.
+        let before = fs::read(d.temp_path()).unwrap();
+        assert!(before.iter().all(|&b| b == 0));
+        let block = |i: usize| &data.bytes()[i * BS..(i + 1) * BS];
+        // Reverse order: the flat digest re-reads each piece when its turn comes.
+        for i in (n / 2..n).rev() {
+            d.write_block(i as u64, block(i), block_digest(block(i)))
+                .unwrap();
+        }
+        let mid = fs::read(d.temp_path()).unwrap();
+        assert_eq!(&mid[n / 2 * BS..], &data.bytes()[n / 2 * BS..]);
+        // Interrupted here: the resume re-reads (buffered) what went direct.
+        drop(d);
+        let mut d = Destination::resume(&dir, "c", &source, o).unwrap().unwrap();
+        assert_eq!(d.missing_blocks(), (0..n as u64 / 2).collect::<Vec<_>>());
+        for i in (0..n / 2).rev() {
+            d.write_block(i as u64, block(i), block_digest(block(i)))
+                .unwrap();
+        }
+        let s = d.write_stats();
+        if takes_o_direct(t.path()) {
+            assert_eq!(s.direct_writes, n as u64 / 2, "{s:?}");
+        }
+        let p = d.commit_flat(block_digest(data.bytes())).unwrap();
+        assert_eq!(p.flat_sha256, Some(block_digest(data.bytes())));
+        assert_eq!(fs::read(t.path().join("c")).unwrap(), data.bytes());
+    }
+}

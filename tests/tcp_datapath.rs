@@ -121,7 +121,7 @@ fn wait_done(ev: &mut UnboundedReceiver<DpEvent>, n: usize) -> Vec<u64> {
         match ev.blocking_recv().expect("data path ended") {
             DpEvent::WindowDone { id } => done.push(id),
             DpEvent::Failed(e) => panic!("{e}"),
-            DpEvent::Reconnected { .. } => panic!("unexpected reconnect"),
+            e => panic!("unexpected {e:?}"),
         }
     }
     done

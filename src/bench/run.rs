@@ -253,6 +253,13 @@ fn run_lane(
                         tracing::warn!(lane = i, epoch, seconds, "bench lane reconnected");
                     }
                     Some(DpEvent::Failed(e)) => return Err(e.into()),
+                    // One rail per lane: never raised.
+                    Some(
+                        e @ (DpEvent::RailDown { .. }
+                        | DpEvent::RailFenced { .. }
+                        | DpEvent::RailPaused { .. }
+                        | DpEvent::RailUp { .. }),
+                    ) => tracing::warn!(lane = i, ?e, "bench lane rail event"),
                     None => return Err(crate::datapath::DataPathError::Stopped.into()),
                 }
             }

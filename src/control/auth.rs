@@ -1,13 +1,12 @@
 //! Bearer-token authentication of gRPC requests.
 
-use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
 use tonic::metadata::{Ascii, MetadataValue};
 use tonic::service::Interceptor;
 use tonic::{Request, Status};
 
-use super::Stats;
+use crate::metrics::Metrics;
 
 /// Compare without an early exit on the first differing byte.
 pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
@@ -21,18 +20,19 @@ pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 }
 
 /// Server side: requests must carry `authorization: Bearer <token>` when a
-/// token is configured.
+/// token is configured. Each refusal is counted once
+/// (`rcpd_auth_failures_total`).
 #[derive(Clone)]
 pub struct CheckBearer {
     token: Option<Arc<Vec<u8>>>,
-    stats: Arc<Stats>,
+    metrics: Arc<Metrics>,
 }
 
 impl CheckBearer {
-    pub fn new(token: Option<String>, stats: Arc<Stats>) -> Self {
+    pub fn new(token: Option<String>, metrics: Arc<Metrics>) -> Self {
         CheckBearer {
             token: token.map(|t| Arc::new(t.into_bytes())),
-            stats,
+            metrics,
         }
     }
 }
@@ -43,7 +43,7 @@ impl Interceptor for CheckBearer {
             return Ok(req);
         };
         let fail = |m: &str| {
-            self.stats.auth_failures.fetch_add(1, Relaxed);
+            self.metrics.auth_failure();
             Err(Status::unauthenticated(m.to_string()))
         };
         let Some(v) = req.metadata().get("authorization") else {
@@ -87,7 +87,42 @@ impl Interceptor for AddBearer {
 
 #[cfg(test)]
 mod tests {
-    use super::constant_time_eq;
+    use super::*;
+
+    fn refusals(m: &Metrics) -> String {
+        m.render()
+            .lines()
+            .find(|l| l.starts_with("rcpd_auth_failures_total "))
+            .unwrap_or_default()
+            .to_string()
+    }
+
+    /// Each refused request is counted once, an accepted one not at all.
+    #[test]
+    fn each_refusal_counted_once() {
+        let m = Arc::new(Metrics::new());
+        let mut c = CheckBearer::new(Some("tok".into()), m.clone());
+        let with = |v: Option<&str>| {
+            let mut r = Request::new(());
+            if let Some(v) = v {
+                r.metadata_mut().insert("authorization", v.parse().unwrap());
+            }
+            r
+        };
+        assert_eq!(refusals(&m), "rcpd_auth_failures_total 0");
+        assert!(c.call(with(Some("Bearer nope"))).is_err());
+        assert_eq!(refusals(&m), "rcpd_auth_failures_total 1");
+        assert!(c.call(with(None)).is_err());
+        assert!(c.call(with(Some("Basic tok"))).is_err());
+        assert_eq!(refusals(&m), "rcpd_auth_failures_total 3");
+        assert!(c.call(with(Some("Bearer tok"))).is_ok());
+        // Rendering again counts nothing.
+        assert_eq!(refusals(&m), "rcpd_auth_failures_total 3");
+        // Without a token nothing is refused or counted.
+        let mut open = CheckBearer::new(None, m.clone());
+        assert!(open.call(with(None)).is_ok());
+        assert_eq!(refusals(&m), "rcpd_auth_failures_total 3");
+    }
 
     #[test]
     fn ct_eq() {

@@ -4,11 +4,9 @@
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_stream::wrappers::TcpListenerStream;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::server::TcpIncoming;
@@ -20,7 +18,7 @@ use super::copy::CopyService;
 use super::error::{ControlError, Result};
 use super::link::{resolve_transport, MemoryWindows, ServerLink, ServerLinkConfig, Transport};
 use super::server::{RcpService, Service, ServiceConfig};
-use super::{Stats, MAX_MESSAGE, WINDOW_SIZE};
+use super::{MAX_MESSAGE, WINDOW_SIZE};
 use crate::proto::rcp_server::RcpServer;
 
 /// rcpd's settings (flags / `RCPD_*`).
@@ -138,7 +136,7 @@ pub async fn run(
         },
     };
     let svc = Service::new(scfg, link, Some(Arc::new(copier)))?;
-    let stats = svc.stats.clone();
+    let metrics = svc.metrics.clone();
 
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
@@ -163,7 +161,7 @@ pub async fn run(
     let rcp = RcpServer::new(RcpService(svc.clone()))
         .max_decoding_message_size(MAX_MESSAGE)
         .max_encoding_message_size(MAX_MESSAGE);
-    let rcp = InterceptedService::new(rcp, CheckBearer::new(cfg.token.clone(), stats.clone()));
+    let rcp = InterceptedService::new(rcp, CheckBearer::new(cfg.token.clone(), metrics.clone()));
 
     let health = match cfg.health_listen {
         Some(a) => {
@@ -181,13 +179,13 @@ pub async fn run(
         }
         None => None,
     };
-    let metrics = match cfg.metrics_listen {
+    let metrics_addr = match cfg.metrics_listen {
         Some(a) => {
             let l = tokio::net::TcpListener::bind(a)
                 .await
                 .map_err(ControlError::io(format!("binding metrics {a}")))?;
             let addr = l.local_addr().map_err(ControlError::io("local address"))?;
-            tokio::spawn(serve_metrics(l, stats.clone(), svc.metrics.clone()));
+            tokio::spawn(crate::metrics::serve(l, metrics.clone()));
             Some(addr)
         }
         None => None,
@@ -195,9 +193,9 @@ pub async fn run(
     let bound = Bound {
         grpc: grpc_addr,
         health,
-        metrics,
+        metrics: metrics_addr,
     };
-    tracing::info!(grpc = %grpc_addr, ?health, ?metrics, root = %root.display(), transport = %why, "rcpd serving");
+    tracing::info!(grpc = %grpc_addr, ?health, metrics = ?metrics_addr, root = %root.display(), transport = %why, "rcpd serving");
     on_bound(&bound, &why);
 
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -228,7 +226,7 @@ pub async fn run(
             ),
     );
     shutdown.await;
-    let active = stats.active.load(Relaxed);
+    let active = metrics.active_transfers();
     tracing::info!(active, grace = ?cfg.shutdown_grace, "shutting down: no new requests; running transfers may finish");
     reporter.set_not_serving::<RcpServer<RcpService>>().await;
     let _ = stop_tx.send(());
@@ -237,69 +235,9 @@ pub async fn run(
         Ok(Ok(Err(e))) => tracing::warn!(error = %e, "server error at shutdown"),
         Ok(Err(e)) => tracing::warn!(error = %e, "server task failed"),
         Err(_) => tracing::warn!(
-            active = stats.active.load(Relaxed),
+            active = metrics.active_transfers(),
             "shutdown deadline passed; cutting the remaining transfers (their temp files stay for --resume)"
         ),
     }
     Ok(())
-}
-
-/// A minimal HTTP/1.0 responder for `GET /metrics` (Prometheus text).
-async fn serve_metrics(
-    l: tokio::net::TcpListener,
-    stats: Arc<Stats>,
-    metrics: Arc<crate::metrics::Metrics>,
-) {
-    loop {
-        let Ok((mut s, _)) = l.accept().await else {
-            continue;
-        };
-        let stats = stats.clone();
-        let metrics = metrics.clone();
-        tokio::spawn(async move {
-            let mut buf = vec![0u8; 2048];
-            let n = match tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf)).await {
-                Ok(Ok(n)) => n,
-                _ => return,
-            };
-            let req = String::from_utf8_lossy(&buf[..n]);
-            let (status, body) = if req.starts_with("GET /metrics") {
-                ("200 OK", metrics_text(&stats, &metrics))
-            } else {
-                ("404 Not Found", "not found; try /metrics\n".to_string())
-            };
-            let resp = format!(
-                "HTTP/1.0 {status}\r\nContent-Type: application/openmetrics-text; version=1.0.0; charset=utf-8\r\nContent-Length: {}\r\n\r\n{body}",
-                body.len()
-            );
-            let _ = s.write_all(resp.as_bytes()).await;
-        });
-    }
-}
-
-/// The library's metrics (`crate::metrics`: rcp_transfers_total,
-/// rcp_bytes_total, throughput, ...) plus rcpd's own counters, in the
-/// Prometheus text format.
-pub fn metrics_text(s: &Stats, m: &crate::metrics::Metrics) -> String {
-    let v = |a: &std::sync::atomic::AtomicU64| a.load(Relaxed);
-    let mut out = m.render();
-    // Keep an OpenMetrics "# EOF" terminator last.
-    let eof = out.ends_with("# EOF\n");
-    if eof {
-        out.truncate(out.len() - "# EOF\n".len());
-    }
-    out.push_str(&format!(
-        "# HELP rcpd_integrity_failures Block or whole-file digest mismatches.\n\
-         # TYPE rcpd_integrity_failures counter\n\
-         rcpd_integrity_failures_total {}\n\
-         # HELP rcpd_auth_failures Requests refused for a missing or wrong token.\n\
-         # TYPE rcpd_auth_failures counter\n\
-         rcpd_auth_failures_total {}\n",
-        v(&s.integrity_failures),
-        v(&s.auth_failures),
-    ));
-    if eof {
-        out.push_str("# EOF\n");
-    }
-    out
 }

@@ -1,9 +1,7 @@
 //! Glue between the control plane and [`crate::files`]: remote path
-//! strings, error mapping, timestamps, bitmaps, whole-file digests.
+//! strings, error mapping, timestamps, source identities, exact reads.
 
-use crate::files::{
-    self, DigestError, FileError, PathError, SourceFile, SourceId, StreamingFileDigest, Timestamp,
-};
+use crate::files::{self, FileError, PathError, SourceFile, SourceId, Timestamp};
 
 use super::error::ControlError;
 
@@ -87,79 +85,6 @@ pub fn source_id(len: u64, mtime_ns: i64, fp: &[u8]) -> SourceId {
         mtime: ts_from_ns(mtime_ns),
         fingerprint: fingerprint(fp),
     }
-}
-
-/// Bitmap of blocks (bit i of byte i/8, LSB first).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Bitmap {
-    pub bits: Vec<u8>,
-    pub len: u64,
-}
-
-impl Bitmap {
-    pub fn new(len: u64) -> Self {
-        Bitmap {
-            bits: vec![0; len.div_ceil(8) as usize],
-            len,
-        }
-    }
-    pub fn from_bytes(bits: Vec<u8>, len: u64) -> Option<Self> {
-        (bits.len() as u64 == len.div_ceil(8)).then_some(Bitmap { bits, len })
-    }
-    /// Every block of `len` set except `missing`.
-    pub fn all_but(len: u64, missing: &[u64]) -> Self {
-        let mut b = Bitmap::new(len);
-        b.bits.iter_mut().for_each(|x| *x = 0xff);
-        for &m in missing {
-            if m < len {
-                b.bits[(m / 8) as usize] &= !(1 << (m % 8));
-            }
-        }
-        if len % 8 != 0 {
-            if let Some(last) = b.bits.last_mut() {
-                *last &= (1u8 << (len % 8)) - 1;
-            }
-        }
-        b
-    }
-    pub fn get(&self, i: u64) -> bool {
-        i < self.len && self.bits[(i / 8) as usize] & (1 << (i % 8)) != 0
-    }
-    pub fn count(&self) -> u64 {
-        self.bits.iter().map(|b| u64::from(b.count_ones())).sum()
-    }
-}
-
-/// Feed the whole-file digest, ignoring data it has already hashed (a block
-/// posted again after a reconnect).
-pub fn feed(d: &mut StreamingFileDigest, offset: u64, data: &[u8]) {
-    if offset + data.len() as u64 <= d.next_offset() {
-        return;
-    }
-    match d.update(offset, data) {
-        Ok(()) | Err(DigestError::Overlap { .. }) => {}
-        Err(e) => tracing::debug!(error = %e, offset, "whole-file digest refused a piece"),
-    }
-}
-
-/// Whole-file SHA-256 of a source read end to end (after a resume, when not
-/// every byte passed through this process).
-pub fn whole_file_digest(src: &SourceFile) -> Result<[u8; 32], ControlError> {
-    let mut d = StreamingFileDigest::new(Some(src.len()), 0);
-    let mut buf = vec![0u8; 1 << 20];
-    let mut off = 0;
-    while off < src.len() {
-        let n = src.read_at(off, &mut buf)?;
-        if n == 0 {
-            return Err(ControlError::Retryable(format!(
-                "{} shrank while being read",
-                src.path().display()
-            )));
-        }
-        d.update(off, &buf[..n]).map_err(FileError::from)?;
-        off += n as u64;
-    }
-    Ok(d.finish().map_err(FileError::from)?)
 }
 
 /// Read exactly `buf.len()` bytes at `offset`.

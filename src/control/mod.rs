@@ -29,8 +29,6 @@ pub mod protocol;
 pub mod server;
 pub mod tls;
 
-use std::sync::atomic::AtomicU64;
-
 pub use client::{Client, ClientOptions, FileResult, Session};
 pub use error::{exit, ControlError};
 pub use link::Transport;
@@ -76,15 +74,3 @@ pub const DEFAULT_BLOCK_SIZE: u64 = 1 << 20;
 pub const MAX_MESSAGE: usize = 4 << 20;
 /// Window size of rcpd's arena slots (also the largest block size).
 pub const WINDOW_SIZE: usize = 4 << 20;
-
-/// Live counters of a server (exported on `/metrics`).
-#[derive(Debug, Default)]
-pub struct Stats {
-    pub active: AtomicU64,
-    pub transfers_ok: AtomicU64,
-    pub transfers_failed: AtomicU64,
-    pub bytes_in: AtomicU64,
-    pub bytes_out: AtomicU64,
-    pub integrity_failures: AtomicU64,
-    pub auth_failures: AtomicU64,
-}

@@ -185,6 +185,46 @@ pub struct DataPathConfig {
     /// channel goes): the posting thread takes a chain's bytes from a
     /// [`TokenBucket`](super::TokenBucket) before it posts it.
     pub rate_limit: Option<super::RateLimit>,
+    /// How a rail that fails repeatedly is paused (data paths of several
+    /// rails).
+    pub rail_pause: RailPause,
+}
+
+/// How a data path of several rails pauses a rail that fails repeatedly:
+/// a failure within `flap_window` of the rail's previous one pauses it for
+/// `initial`, doubling with each further repeat up to `cap`
+/// ([`crate::engine::stream::RailPolicy`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RailPause {
+    /// Failures this close together are repeats.
+    pub flap_window: Duration,
+    /// The first cool-down (zero: never pause).
+    pub initial: Duration,
+    /// The longest.
+    pub cap: Duration,
+}
+
+impl Default for RailPause {
+    /// Repeats within 60 s; 1 s, 2 s, 4 s, ... up to 32 s.
+    fn default() -> Self {
+        RailPause {
+            flap_window: Duration::from_secs(60),
+            initial: Duration::from_secs(1),
+            cap: Duration::from_secs(32),
+        }
+    }
+}
+
+impl RailPause {
+    /// The engine's policy, in nanoseconds.
+    pub fn policy(&self) -> crate::engine::stream::RailPolicy {
+        let ns = |d: Duration| d.as_nanos().min(u64::MAX as u128) as u64;
+        crate::engine::stream::RailPolicy {
+            flap_window_ns: ns(self.flap_window),
+            cooldown_ns: ns(self.initial),
+            cooldown_cap_ns: ns(self.cap),
+        }
+    }
 }
 
 impl Default for DataPathConfig {
@@ -202,6 +242,7 @@ impl Default for DataPathConfig {
             qp_retry: QpRetry::default(),
             tx_depth: None,
             rate_limit: None,
+            rail_pause: RailPause::default(),
         }
     }
 }
@@ -258,6 +299,7 @@ impl DataPathConfig {
         c.max_inline = self.inline_for(caps);
         c.request_timeout_ns = self.request_timeout.as_nanos().min(u64::MAX as u128) as u64;
         c.max_retries = self.max_retries;
+        c.rail_policy = self.rail_pause.policy();
         c.validate().map_err(|e| ConfigError::Field {
             field: "sq_depth",
             value: depth.to_string(),

@@ -76,6 +76,13 @@ impl FakeChannel {
         self.inner.lock().unwrap().fail_at = Some((n, status));
     }
 
+    /// The `k`-th request posted from now on (0-based) completes with
+    /// `status`.
+    pub fn fail_after(&self, k: u64, status: WcStatus) {
+        let mut i = self.inner.lock().unwrap();
+        i.fail_at = Some((i.posted_total + k, status));
+    }
+
     /// Like `VerbsChannel::set_error`: later requests are flushed.
     pub fn set_error(&self) {
         self.inner.lock().unwrap().error = true;

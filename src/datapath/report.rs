@@ -56,6 +56,52 @@ pub struct Report {
     /// waiting for them (`flush_timeout`); if not 0, the device may still
     /// touch their memory until the channel is reset or dropped.
     pub outstanding_at_close: u64,
+    /// Per rail (a one-rail data path has one entry); the fields above are
+    /// the totals. With several rails `reconnect_seconds` holds each rail's
+    /// failure → rejoin times.
+    pub rails: Vec<RailReport>,
+}
+
+/// What one rail of a data path did.
+#[derive(Clone, Debug, Default)]
+pub struct RailReport {
+    /// Bytes in the extents the rail's completions confirmed.
+    pub bytes: u64,
+    /// Extents the rail confirmed.
+    pub msgs: u64,
+    /// Requests posted on the rail.
+    pub posted: u64,
+    /// Bytes in them.
+    pub bytes_posted: u64,
+    /// Chains posted on the rail.
+    pub doorbells: u64,
+    /// Completions from the rail.
+    pub completions: u64,
+    /// The rail's error completions by status label.
+    pub errors: BTreeMap<&'static str, u64>,
+    /// Stale completions of the rail (old epoch, fenced requests).
+    pub stale: u64,
+    /// Epochs of the rail that failed.
+    pub failures: u64,
+    /// Times it was fenced.
+    pub fences: u64,
+    /// Extents moved off it to the other rails.
+    pub requeued: u64,
+    /// Times it was paused.
+    pub pauses: u64,
+    /// Its reconnects.
+    pub reconnects: u64,
+    /// Reconnects given up (the rail was paused instead).
+    pub reconnect_failures: u64,
+    /// Per failure: seconds from the rail's failure to its rejoining.
+    pub reconnect_seconds: Vec<f64>,
+    /// Per fence: seconds from the rail's failure to the last of its
+    /// extents being posted on another rail.
+    pub failover_seconds: Vec<f64>,
+    /// Async device events its port monitor saw.
+    pub port_events: u64,
+    /// Times its reconnect waited for its port.
+    pub port_waits: u64,
 }
 
 impl Report {

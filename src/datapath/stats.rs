@@ -3,7 +3,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
-use crate::engine::stream::Counters;
+use crate::engine::stream::{Counters, RailCounters, RailState};
 #[cfg(test)]
 use crate::engine::WcStatus;
 use crate::engine::ERROR_STATUSES;
@@ -72,9 +72,100 @@ pub struct DataPathStats {
     /// Times a reconnect waited for the port to come back (async events).
     pub port_waits: AtomicU64,
     errors: [AtomicU64; ERROR_STATUSES.len()],
+    /// One entry per rail (a one-rail data path has one too); the fields
+    /// above are the totals.
+    pub rails: Vec<RailStats>,
+}
+
+/// One rail's live counters, published like the totals of
+/// [`DataPathStats`] from the engine's [`RailCounters`].
+#[derive(Debug, Default)]
+pub struct RailStats {
+    /// Work requests posted on the rail.
+    pub posted: AtomicU64,
+    /// Bytes in requests posted on the rail.
+    pub bytes_posted: AtomicU64,
+    /// Completions from the rail (stale ones included).
+    pub completed: AtomicU64,
+    /// Blocks (extents) the rail's completions confirmed.
+    pub blocks_done: AtomicU64,
+    /// Bytes in them: what the rail carried.
+    pub bytes_confirmed: AtomicU64,
+    /// Non-success completions (error CQEs) of the rail.
+    pub error_cqes: AtomicU64,
+    /// Stale completions (old epoch, fenced request).
+    pub stale: AtomicU64,
+    /// Epochs of the rail that failed.
+    pub failures: AtomicU64,
+    /// Times the rail was fenced (its extents moved to the others).
+    pub fences: AtomicU64,
+    /// Extents moved off the rail by fences.
+    pub requeued: AtomicU64,
+    /// Times the rail was paused (cool-down after repeated failures).
+    pub pauses: AtomicU64,
+    /// Reconnects of the rail.
+    pub reconnects: AtomicU64,
+    /// Reconnects of the rail given up (then paused).
+    pub reconnect_failures: AtomicU64,
+    /// Requests of the rail that timed out.
+    pub timeouts: AtomicU64,
+    /// Times the rail's reconnect waited for its port.
+    pub port_waits: AtomicU64,
+    /// Gauge: free send-queue entries of the rail.
+    pub sq_free: AtomicU64,
+    /// Gauge: the rail's state, [`RailStats::STATES`] index.
+    pub state: AtomicU64,
+}
+
+impl RailStats {
+    /// The values of the `state` gauge, by index.
+    pub const STATES: [&'static str; 5] =
+        ["running", "flushing", "needs_reconnect", "paused", "down"];
+
+    /// The `state` gauge's label.
+    pub fn state_label(&self) -> &'static str {
+        Self::STATES
+            .get(self.state.load(Relaxed) as usize)
+            .copied()
+            .unwrap_or("unknown")
+    }
+
+    /// Store the engine's counters of the rail, its free send-queue
+    /// entries and its state.
+    pub fn publish(&self, c: &RailCounters, sq_free: u64, state: RailState) {
+        let set = |a: &AtomicU64, v: u64| a.store(v, Relaxed);
+        set(&self.posted, c.posted);
+        set(&self.bytes_posted, c.bytes_posted);
+        set(&self.completed, c.completions);
+        set(&self.blocks_done, c.extents_confirmed);
+        set(&self.bytes_confirmed, c.bytes_confirmed);
+        set(&self.error_cqes, c.errors.total());
+        set(&self.stale, c.stale);
+        set(&self.failures, c.failures);
+        set(&self.fences, c.fences);
+        set(&self.requeued, c.requeued);
+        set(&self.pauses, c.pauses);
+        set(&self.reconnects, c.reconnects);
+        set(&self.reconnect_failures, c.reconnect_failures);
+        set(&self.timeouts, c.timeouts);
+        set(&self.sq_free, sq_free);
+        let i = Self::STATES
+            .iter()
+            .position(|&l| l == state.label())
+            .unwrap_or(0);
+        set(&self.state, i as u64);
+    }
 }
 
 impl DataPathStats {
+    /// Zeroed counters with an entry per rail.
+    pub fn with_rails(n: usize) -> Self {
+        DataPathStats {
+            rails: (0..n).map(|_| RailStats::default()).collect(),
+            ..DataPathStats::default()
+        }
+    }
+
     /// Count an error completion by hand (tests of the exporter; the data
     /// path publishes the engine's counts instead).
     #[cfg(test)]

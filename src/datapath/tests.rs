@@ -98,7 +98,12 @@ fn wait_failed(ev: &mut UnboundedReceiver<DpEvent>) -> DataPathError {
     loop {
         match ev.blocking_recv().expect("data path ended") {
             DpEvent::Failed(e) => return e,
-            DpEvent::WindowDone { .. } | DpEvent::Reconnected { .. } => {}
+            DpEvent::WindowDone { .. }
+            | DpEvent::Reconnected { .. }
+            | DpEvent::RailDown { .. }
+            | DpEvent::RailFenced { .. }
+            | DpEvent::RailPaused { .. }
+            | DpEvent::RailUp { .. } => {}
         }
     }
 }

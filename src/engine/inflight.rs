@@ -55,6 +55,11 @@ impl InFlight {
         self.queue.drain(..)
     }
 
+    /// The outstanding requests, oldest first.
+    pub fn iter(&self) -> impl Iterator<Item = WrId> + '_ {
+        self.queue.iter().copied()
+    }
+
     /// Oldest outstanding request.
     pub fn oldest(&self) -> Option<WrId> {
         self.queue.front().copied()

@@ -21,6 +21,12 @@
 //!   was posted and confirmed. Its module docs spell out the protocol; its
 //!   other types (`Batch`, `Event`, `State`, `Counters`, ...) live at
 //!   `engine::stream::`.
+//! * Several queue pairs (*rails*, one per RDMA port): build the stream with
+//!   [`Stream::with_rails`]; [`stream::rail`] is the rail model (chains go to
+//!   the rail with the most free credits; a failed rail is fenced and its
+//!   extents posted on the others at once; the `wr_id`/epoch scheme that
+//!   keeps a fenced rail's late completions from confirming anything;
+//!   pauses; the fencing contract with the caller).
 //! * [`wr`] holds the words shared with providers: [`WorkRequest`],
 //!   [`WorkCompletion`], [`WcStatus`].
 //!

@@ -10,7 +10,9 @@
 //!    a full disk fails here, before any byte moves); a file of at most one block is
 //!    not (its one `pwrite` sizes it, and fails as early).
 //! 2. [`write_block`](Destination::write_block) `pwrite`s a verified block and records
-//!    its digest. With [`DestinationOptions::flat_sha256`] it also feeds the streaming
+//!    its digest: straight from the caller's buffer, with `O_DIRECT` when the buffer,
+//!    offset and length are aligned and the file system allows it, buffered otherwise
+//!    (the short last block, a file of one block, tmpfs; [`super::direct`]). With [`DestinationOptions::flat_sha256`] it also feeds the streaming
 //!    flat SHA-256 (the `sha256sum` value): out-of-order pieces are held in memory up
 //!    to `max_pending_digest_bytes`, beyond that re-read from the temp file (page cache)
 //!    when their turn comes. Without it nothing but the block digests is hashed.
@@ -56,9 +58,11 @@ use rustix::io::Errno;
 use super::digest::{
     file_digest_with, to_hex, Check, Sha256Digest, StreamingFileDigest, DEFAULT_MAX_PENDING,
 };
+use super::direct::{DirectWrites, WriteStats};
 use super::error::{io_err, DigestError, FileError, Result};
 use super::manifest::{block_count, Manifest, SourceId};
 use super::path::check_name_os;
+use super::reader::IoMode;
 use super::root::{list_fd, DirHandle, FileKind, Timestamp};
 use super::{temp_name, temp_prefix};
 
@@ -104,6 +108,9 @@ pub struct DestinationOptions {
     pub manifest_interval: Duration,
     /// Out-of-order bytes held in memory for the flat SHA-256 ([`Self::flat_sha256`]).
     pub max_pending_digest_bytes: usize,
+    /// Write aligned blocks with `O_DIRECT` where the file system allows it
+    /// (on by default; the rule and the fallback in [`super::direct`]).
+    pub direct_io: bool,
 }
 
 impl Default for DestinationOptions {
@@ -118,6 +125,7 @@ impl Default for DestinationOptions {
             manifest_every_blocks: 64,
             manifest_interval: Duration::from_secs(1),
             max_pending_digest_bytes: DEFAULT_MAX_PENDING,
+            direct_io: true,
         }
     }
 }
@@ -125,7 +133,10 @@ impl Default for DestinationOptions {
 /// A file being received; see the module doc.
 pub struct Destination {
     dir: DirHandle,
+    /// The temp file, buffered: reads, the unaligned writes, syncs.
     file: File,
+    /// Its `O_DIRECT` twin, for the aligned writes, where allowed.
+    direct: DirectWrites,
     manifest_name: OsString,
     manifest: Manifest,
     opts: DestinationOptions,
@@ -226,6 +237,7 @@ impl Destination {
         let mut d = Destination {
             dir: dir.clone(),
             file: File::from(fd),
+            direct: DirectWrites::new(opts.direct_io),
             manifest_name: manifest_name_for(&temp),
             manifest,
             flat: flat_digest(len, &opts),
@@ -372,6 +384,7 @@ impl Destination {
             let mut d = Destination {
                 dir: dir.clone(),
                 file: File::from(fd),
+                direct: DirectWrites::new(opts.direct_io),
                 manifest_name: mname.clone(),
                 flat: flat_digest(m.len, &opts),
                 manifest: Manifest {
@@ -489,6 +502,22 @@ impl Destination {
         })
     }
 
+    /// How the blocks written so far went to disk.
+    pub fn write_stats(&self) -> WriteStats {
+        self.direct.stats()
+    }
+    /// The path an aligned block takes now: [`IoMode::Direct`] once the
+    /// first aligned block of a file of more than one block found the file
+    /// system willing (see [`super::direct`]), else [`IoMode::Buffered`].
+    pub fn write_mode(&self) -> IoMode {
+        self.direct.mode()
+    }
+    /// Why aligned blocks are not written with `O_DIRECT`, once that was
+    /// decided.
+    pub fn direct_unavailable(&self) -> Option<&str> {
+        self.direct.unavailable()
+    }
+
     /// Write a received, verified block. `digest` is its digest under the
     /// destination's [`Check`] (already checked
     /// by the caller against the sender's). Duplicates of a recorded block are
@@ -522,10 +551,20 @@ impl Destination {
             return Ok(());
         }
         let offset = index * self.block_size();
-        self.file
-            .write_all_at(data, offset)
-            .map_err(|e| io_err("write", self.temp_path(), e))?;
-        if n > 1 {
+        // A file of one block is one buffered pwrite: no second fd for it.
+        let mode = if n > 1 {
+            self.direct.write_all_at(
+                &self.dir,
+                &self.manifest.temp_name,
+                &self.file,
+                data,
+                offset,
+            )
+        } else {
+            self.direct.write_buffered(&self.file, data, offset)
+        }
+        .map_err(|e| io_err("write", self.temp_path(), e))?;
+        if n > 1 && mode == IoMode::Buffered {
             // Start writeback of what was just written (DONTNEED on dirty pages
             // queues them for writing without waiting, and drops nothing
             // dirty), so the disk works while the copy goes on and the sync at

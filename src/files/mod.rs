@@ -12,7 +12,8 @@
 //! - [`DirHandle`]: an open directory to create files in: from [`Root::open_dir`] /
 //!   [`Root::create_dir_all`] (server) or [`DirHandle::open`] (client, local path).
 //! - [`Destination`] (receiving side): a temp file `.rcp-<final>.<random>.part` in
-//!   that directory; `write_block` writes verified blocks and records their digests;
+//!   that directory; `write_block` writes verified blocks (`O_DIRECT` when aligned and
+//!   the file system allows it, buffered otherwise: [`direct`]) and records their digests;
 //!   `seal(expected)` checks that every block is there and that the file digest
 //!   derived from the block digests ([`file_digest`]) matches, and applies `-p`,
 //!   giving a [`Sealed`] file; [`publish`] takes a batch of them: data durable (one
@@ -61,6 +62,10 @@
 //! - **Paths confined beneath the root.** No remote path, `..`, or symlink (however
 //!   chained) resolves outside [`Root`]; every step is relative to an fd already
 //!   beneath it. Names given for new objects are single plain components.
+//! - **Direct writes change neither of the above.** A block written with `O_DIRECT`
+//!   is covered by the same `fdatasync`/`syncfs` before the rename (and before each
+//!   manifest save) as a buffered one, and the kernel drops cached pages of the
+//!   range it wrote, so buffered reads of the temp file (resume, flat SHA-256) see it.
 //! - No `unsafe` here: fds are owned (`OwnedFd`/`File`) via `rustix`.
 
 use std::ffi::{OsStr, OsString};
@@ -68,6 +73,7 @@ use std::os::unix::ffi::{OsStrExt, OsStringExt};
 
 pub mod commit;
 pub mod digest;
+pub mod direct;
 pub mod error;
 pub mod manifest;
 pub mod path;
@@ -83,6 +89,7 @@ pub use digest::{
     block_digest, digest_blocks_parallel, digests_alongside, file_digest, file_digest_with,
     set_pool_threads, Check, FileDigest, Sha256Digest, StreamingFileDigest,
 };
+pub use direct::WriteStats;
 pub use error::{DigestError, FileError, ManifestError, PathError, Result};
 pub use manifest::{Manifest, SourceId};
 pub use path::{normalize, RelPath};

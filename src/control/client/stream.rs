@@ -507,6 +507,15 @@ impl Driver<'_> {
             DpEvent::Reconnected { epoch, seconds } => {
                 tracing::info!(epoch, seconds, "data path reconnected");
             }
+            // Rail events come only from a data path of several rails
+            // (issue 15); this session runs one. Wiring rails in means
+            // fencing the windows RailFenced names (datapath::runner docs).
+            e @ (DpEvent::RailDown { .. }
+            | DpEvent::RailFenced { .. }
+            | DpEvent::RailPaused { .. }
+            | DpEvent::RailUp { .. }) => {
+                tracing::warn!(?e, "data path rail event");
+            }
             DpEvent::Failed(e) => {
                 let f = ControlError::DataPath(e).failure();
                 self.core.abort(f);

@@ -17,7 +17,7 @@ use std::time::Instant;
 
 use super::client::{Client, FileJob, FileResult, Observer, Session};
 use super::error::{ControlError, Result};
-use crate::proto::{Direction, FileType};
+use crate::proto::FileType;
 
 /// `HOST:PATH` (or `[v6]:PATH`) split into the rcpd address and the path.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -461,11 +461,6 @@ pub async fn pull(
 ) -> Result<Totals> {
     let plan = plan_pull(client, remotes, local, job).await?;
     execute(client, session, plan, obs).await
-}
-
-/// Whether `f` moves data toward the server.
-pub fn is_push(f: &FileJob) -> bool {
-    f.spec.direction == Direction::Push
 }
 
 /// `rcp doctor [HOST]`: the local checks of [`crate::doctor`], plus whether

@@ -363,10 +363,7 @@ impl StreamIo {
             d.write_block(e.block, data, *g).map_err(fail)?;
         }
         if !bad.is_empty() {
-            self.svc
-                .stats
-                .integrity_failures
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.svc.metrics.integrity_failures(bad.len() as u64);
             tracing::warn!(
                 blocks = bad.len(),
                 "block digest mismatch: asking the client to resend"
@@ -439,10 +436,9 @@ impl StreamIo {
                     meta.push((file, path));
                 }
                 Err(e) => {
-                    self.svc
-                        .stats
-                        .integrity_failures
-                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    if matches!(e, FileError::DigestMismatch { .. }) {
+                        self.svc.metrics.integrity_failures(1);
+                    }
                     out.push((file, Err(fail(e))));
                 }
             }

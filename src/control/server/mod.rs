@@ -32,8 +32,8 @@ use tonic::{Request, Response, Status, Streaming};
 
 use super::error::{ControlError, Result};
 use super::fsutil;
+use super::in_place;
 use super::link::ServerLink;
-use super::{in_place, Stats};
 use crate::files::{self, FileError, FileKind, PathError, Root, SourceFile};
 use crate::proto::{self, ClientFrame, ServerFrame};
 use crate::provider::ProviderKind;
@@ -76,8 +76,9 @@ pub struct Service {
     transfers: Arc<Semaphore>,
     slots: Arc<Semaphore>,
     copier: Option<Arc<dyn Copier>>,
-    pub stats: Arc<Stats>,
-    /// The exported metrics (`crate::metrics`): transfers, bytes, throughput.
+    /// The one set of counters rcpd exports (`crate::metrics`): transfers,
+    /// bytes, throughput, integrity and auth failures, the data paths of the
+    /// copies it drives.
     pub metrics: Arc<crate::metrics::Metrics>,
 }
 
@@ -102,7 +103,6 @@ impl Service {
             link: Arc::new(link),
             sessions: Mutex::new(HashMap::new()),
             copier,
-            stats: Arc::new(Stats::default()),
             metrics: Arc::new(crate::metrics::Metrics::new()),
         }))
     }

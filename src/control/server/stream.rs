@@ -17,7 +17,7 @@ use crate::control::protocol::{
     CommittedFile, Digest, Failure, FileId, OpenedFile, Params, Reason, ServerAction, ServerCore,
     WindowId,
 };
-use crate::proto::{self, ClientFrame, Direction, ServerFrame};
+use crate::proto::{self, ClientFrame, ServerFrame};
 
 type Tx = mpsc::Sender<Result<ServerFrame, Status>>;
 
@@ -101,11 +101,9 @@ pub(super) async fn run(svc: Arc<Service>, mut rx: Streaming<ClientFrame>, tx: T
         }
     };
     session.active.fetch_add(1, Relaxed);
-    svc.stats.active.fetch_add(1, Relaxed);
     let mut d = Driver::new(svc.clone(), session.clone(), tx);
     d.core.handle_frame(d.now(), first);
     d.run(&mut rx).await;
-    svc.stats.active.fetch_sub(1, Relaxed);
     session.active.fetch_sub(1, Relaxed);
     *session.last_used.lock().unwrap() = Instant::now();
     drop(permit);
@@ -225,10 +223,6 @@ impl Driver {
             Ok(()) => tracing::debug!("move stream done"),
             Err(f) => {
                 tracing::warn!(reason = ?f.reason, error = %f.message, files_open = open.len(), "move stream ended with an error");
-                self.svc
-                    .stats
-                    .transfers_failed
-                    .fetch_add(open.len().max(1) as u64, Relaxed);
                 for fi in open.values() {
                     self.svc.metrics.transfer_ended(
                         fi.dir,
@@ -312,7 +306,6 @@ impl Driver {
                 ServerAction::Close { file } => {
                     if let Some(fi) = self.files.remove(&file) {
                         if fi.dir == "pull" {
-                            self.svc.stats.transfers_ok.fetch_add(1, Relaxed);
                             self.svc.metrics.transfer_ended(
                                 "pull",
                                 "ok",
@@ -483,8 +476,6 @@ impl Driver {
             Done::Committed(rs) => {
                 for (file, r) in rs {
                     if let (Ok(c), Some(fi)) = (&r, self.files.get(&file)) {
-                        self.svc.stats.transfers_ok.fetch_add(1, Relaxed);
-                        self.svc.stats.bytes_in.fetch_add(c.length, Relaxed);
                         self.svc.metrics.transfer_ended(
                             "push",
                             "ok",
@@ -504,13 +495,5 @@ async fn sleep_until(t: Option<tokio::time::Instant>) {
     match t {
         Some(t) => tokio::time::sleep_until(t).await,
         None => std::future::pending().await,
-    }
-}
-
-#[allow(dead_code)]
-fn direction_name(d: Direction) -> &'static str {
-    match d {
-        Direction::Push => "push",
-        _ => "pull",
     }
 }
