@@ -11,13 +11,14 @@ use common::*;
 
 const V: &str = "verbs";
 
-// The VM is slow (TCG), more so with small blocks: the resumed file is
-// three 4 MiB windows of rcp's default 1 MiB blocks (killed once the first
-// is verified, with seconds of copy left), the eight clients push 1 MiB each.
+// The VM is slow (TCG), more so with small blocks: the resumed file is six
+// 4 MiB windows of rcp's default 1 MiB blocks (killed once a window's worth
+// is verified: the manifest is saved about once a second, and the copy must
+// still be running then), the eight clients push 1 MiB each.
 e2e_tests!(
     V,
     e2e::Scale {
-        resume_len: (12 << 20) + 123,
+        resume_len: (24 << 20) + 123,
         resume_block: 1 << 20,
         client_len: 1 << 20,
     },

@@ -265,29 +265,24 @@ pub fn find_manifest(dir: &Path, name: &str) -> Option<PathBuf> {
     })
 }
 
-/// Wait until the manifest of `name` records at least `blocks` more verified
-/// blocks than when first seen. It is decoded, not measured: what a block
-/// adds to its length depends on the format and the check (32 bytes of
-/// SHA-256, 16 of xxh3, none without a check).
+/// How many verified blocks the resume manifest of `name` in `dir` records
+/// (None: no manifest yet, or one caught mid-write). It is decoded, not
+/// measured: what a block adds to its length depends on the format and the
+/// check (32 bytes of SHA-256, 16 of xxh3, none without a check).
+pub fn verified_blocks(dir: &Path, name: &str) -> Option<u64> {
+    let m = find_manifest(dir, name)?;
+    let b = std::fs::read(m).ok()?;
+    let man = rcp::files::Manifest::decode(&b).ok()?;
+    Some(man.blocks.len() as u64)
+}
+
+/// Wait until the manifest of the copy of `name` (a fresh one: the copy
+/// started with none) records at least `blocks` verified blocks.
 pub fn wait_verified(dir: &Path, name: &str, blocks: u64) {
-    let mut first = None;
     wait_for(
         "verified blocks in the manifest",
         Duration::from_secs(120),
-        || {
-            let Some(m) = find_manifest(dir, name) else {
-                return false;
-            };
-            let Some(n) = std::fs::read(&m)
-                .ok()
-                .and_then(|b| rcp::files::Manifest::decode(&b).ok())
-                .map(|man| man.blocks.len() as u64)
-            else {
-                return false;
-            };
-            let f = *first.get_or_insert(n);
-            n >= f + blocks
-        },
+        || verified_blocks(dir, name).is_some_and(|n| n >= blocks),
     );
 }
 
@@ -300,7 +295,6 @@ pub fn wait_verified_while(
     child: &mut Child,
     why: impl Fn() -> String,
 ) {
-    let mut first = None;
     wait_for(
         "verified blocks in the manifest",
         Duration::from_secs(120),
@@ -311,12 +305,7 @@ pub fn wait_verified_while(
                     why()
                 );
             }
-            let Some(m) = find_manifest(dir, name) else {
-                return false;
-            };
-            let len = std::fs::metadata(&m).map(|m| m.len()).unwrap_or(0);
-            let f = *first.get_or_insert(len);
-            len >= f + 40 * blocks
+            verified_blocks(dir, name).is_some_and(|n| n >= blocks)
         },
     );
 }
