@@ -147,3 +147,22 @@ done
 if [ -n "$OLD" ]; then
   echo "  new/old (sha256): push $(ratio "${MBS[rcp push sha256]}" "${MBS[old rcp push]}")  pull $(ratio "${MBS[rcp pull sha256]}" "${MBS[old rcp pull]}")"
 fi
+
+# Peak RSS of both ends while copying a RCP_BENCH_RSS_MIB (2048) MiB file
+# (0: skip): a fresh rcpd, one push and one pull; rcp's maximum resident set
+# from /usr/bin/time, rcpd's VmHWM from /proc after both.
+RSS_MIB=${RCP_BENCH_RSS_MIB:-2048}
+if [ "$RSS_MIB" -gt 0 ]; then
+  rm -f "$w/src/file" "$w/root/file" "$w/root/pull-src" "$w/back/file" "$w/rsync/"*
+  head -c $((RSS_MIB << 20)) /dev/urandom >"$w/src/big"
+  rcpd_start "$R" 17483
+  RSS_RCPD=${pids[-1]}
+  /usr/bin/time -f "%M" -o "$w/rss-push" "$R/rcp" -q --transport tcp -P 17483 push "$w/src/big" 127.0.0.1:big
+  cmp "$w/src/big" "$w/root/big"
+  rm -f "$w/src/big"
+  /usr/bin/time -f "%M" -o "$w/rss-pull" "$R/rcp" -q --transport tcp -P 17483 pull 127.0.0.1:big "$w/back/big"
+  cmp "$w/root/big" "$w/back/big"
+  hwm=$(awk '/VmHWM/{print $2}' "/proc/$RSS_RCPD/status")
+  echo "peak RSS copying a ${RSS_MIB} MiB file (sha256): rcp push $(( $(tail -1 "$w/rss-push") / 1024 )) MiB," \
+    "rcp pull $(( $(tail -1 "$w/rss-pull") / 1024 )) MiB, rcpd (both) $((hwm / 1024)) MiB"
+fi
