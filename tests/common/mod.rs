@@ -55,7 +55,14 @@ impl Rcpd {
             .arg(root)
             .args(["--listen", &any, "--health-listen", &any])
             .args(["--metrics-listen", &any])
-            .args(["--transport", transport, "--arena-mib", "64"])
+            .args(["--transport", transport])
+            // 64 MiB unless the test sizes the arena itself.
+            .args(
+                (!extra.contains(&"--arena-mib"))
+                    .then_some(["--arena-mib", "64"])
+                    .into_iter()
+                    .flatten(),
+            )
             .args(
                 topo.rcpd_device
                     .iter()
