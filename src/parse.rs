@@ -1,7 +1,7 @@
 //! The small parsers of what users type, written once: `HOST[:PORT]`
-//! addresses, byte sizes (and rates) with K/M/G suffixes, durations. The
-//! binaries' flags, the client library and `rcp bench` all go through
-//! these.
+//! addresses, byte sizes (and rates) with K/M/G suffixes, durations, lists
+//! of RDMA rails (`--device mlx5_0,mlx5_1:2`). The binaries' flags, the
+//! client library and `rcp bench` all go through these.
 
 use std::net::Ipv6Addr;
 
@@ -117,6 +117,76 @@ pub fn duration(s: &str) -> Result<std::time::Duration, ParseError> {
     std::time::Duration::try_from_secs_f64(v * unit).map_err(|_| err(s, "too large"))
 }
 
+/// One rail named on the command line: an RDMA device and, for a device
+/// with several ports, which one (`None`: its first ACTIVE port).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct RailName {
+    pub device: String,
+    pub port: Option<u8>,
+}
+
+impl std::fmt::Display for RailName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.port {
+            Some(p) => write!(f, "{}:{p}", self.device),
+            None => f.write_str(&self.device),
+        }
+    }
+}
+
+/// The most rails a list may name (the engine's limit, 64).
+pub const MAX_RAIL_NAMES: usize = crate::engine::stream::MAX_RAILS;
+
+/// A comma-separated list of rails, `NAME[:PORT],...` (`mlx5_0,mlx5_1`,
+/// `mlx5_0:1,mlx5_0:2`): in order, at least one, none twice. A device name
+/// is what `ibv_devices` prints (letters, digits, `_`, `-`, `.`); a port is
+/// 1..=255. Spaces around the commas are ignored.
+pub fn rails(s: &str) -> Result<Vec<RailName>, ParseError> {
+    let mut out: Vec<RailName> = Vec::new();
+    for item in s.split(',') {
+        let item = item.trim();
+        if item.is_empty() {
+            return Err(err(s, "an empty rail name (NAME[:PORT],...)"));
+        }
+        let (device, port) = match item.split_once(':') {
+            Some((d, p)) => {
+                let port = p
+                    .parse::<u8>()
+                    .ok()
+                    .filter(|&p| p > 0)
+                    .ok_or_else(|| err(s, "a port is a number 1..=255 (NAME:PORT)"))?;
+                (d, Some(port))
+            }
+            None => (item, None),
+        };
+        if device.is_empty()
+            || !device
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'))
+        {
+            return Err(err(
+                s,
+                "a device name has only letters, digits, _ - and . (NAME[:PORT],...)",
+            ));
+        }
+        let r = RailName {
+            device: device.to_string(),
+            port,
+        };
+        // The same port twice, or a whole device and one of its ports.
+        if out.iter().any(|o| {
+            o.device == r.device && (o.port == r.port || o.port.is_none() || r.port.is_none())
+        }) {
+            return Err(err(s, "a rail named twice"));
+        }
+        out.push(r);
+    }
+    if out.len() > MAX_RAIL_NAMES {
+        return Err(err(s, "more rails than a session takes (64)"));
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -167,5 +237,43 @@ mod tests {
         for bad in ["", "s", "-1", "1x", "1e3", "fast"] {
             assert!(duration(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn rail_lists() {
+        let r = |d: &str, p| RailName {
+            device: d.into(),
+            port: p,
+        };
+        assert_eq!(rails("mlx5_0").unwrap(), vec![r("mlx5_0", None)]);
+        assert_eq!(
+            rails("mlx5_0,mlx5_1").unwrap(),
+            vec![r("mlx5_0", None), r("mlx5_1", None)]
+        );
+        assert_eq!(
+            rails("mlx5_0:1, mlx5_0:2 ,rxe-b.1").unwrap(),
+            vec![
+                r("mlx5_0", Some(1)),
+                r("mlx5_0", Some(2)),
+                r("rxe-b.1", None)
+            ]
+        );
+        assert_eq!(rails("mlx5_0:2").unwrap()[0].to_string(), "mlx5_0:2");
+        assert_eq!(rails("rxea0").unwrap()[0].to_string(), "rxea0");
+        for bad in [
+            "", ",", "a,,b", "a,", "a:0", "a:256", "a:x", ":1", "a b", "a/b", "a,a", "a:1,a:1",
+            "a,a:1",
+        ] {
+            assert!(rails(bad).is_err(), "{bad}");
+        }
+        assert_eq!(MAX_RAIL_NAMES, 64, "the refusal says 64");
+        let names = |n: usize| {
+            (0..n)
+                .map(|i| format!("d{i}"))
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        assert_eq!(rails(&names(MAX_RAIL_NAMES)).unwrap().len(), MAX_RAIL_NAMES);
+        assert!(rails(&names(MAX_RAIL_NAMES + 1)).is_err());
     }
 }
