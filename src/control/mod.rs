@@ -14,7 +14,8 @@
 //!   server as its [`server::Copier`];
 //! - [`daemon`]: building and serving rcpd (auth, health, reflection,
 //!   keepalives, shutdown, metrics);
-//! - beside them: [`link`] (provider setup on both ends), [`error`] (typed
+//! - beside them: [`link`] (provider setup on both ends), [`rails`] (the
+//!   rule pairing a session's rails with the peer's), [`error`] (typed
 //!   errors, reasons, exit codes), [`auth`], [`tls`], [`fsutil`].
 
 pub mod auth;
@@ -26,6 +27,7 @@ pub mod fsutil;
 pub mod jobs;
 pub mod link;
 pub mod protocol;
+pub mod rails;
 pub mod server;
 pub mod tls;
 
