@@ -104,6 +104,7 @@ pub fn diagnose(opts: &DoctorOptions) -> Diagnosis {
             "",
         );
         device(&mut d, opts);
+        rails(&mut d, &names, opts.gid_index);
     }
     memlock_check(&mut d, opts.arena_bytes);
     hugepages(&mut d, opts.arena_bytes);
@@ -254,6 +255,73 @@ fn device(d: &mut Diagnosis, opts: &DoctorOptions) {
             "device reports no NUMA node (single node or software device)",
             "",
         ),
+    }
+}
+
+/// Every ACTIVE port of every device, a `rail` line each (device:port, the
+/// GID a QP would be addressed by, its netdev, NUMA node, MTU), then a
+/// `rails` line counting them: what a session over several rails could
+/// use, and the GIDs `crate::control::rails::pair` would match by subnet
+/// with the peer's.
+fn rails(d: &mut Diagnosis, names: &[String], gid_index: Option<u32>) {
+    let mut found = Vec::new();
+    for name in names {
+        let ctx = match Context::open(Some(name)) {
+            Ok(c) => c,
+            Err(e) => {
+                d.push("rail", Level::Warn, e.to_string(), "");
+                continue;
+            }
+        };
+        for p in 1..=ctx.caps().phys_port_cnt.max(1) {
+            let Ok(port) = ctx.port(p) else { continue };
+            if port.state != PortState::Active {
+                continue;
+            }
+            let numa = ctx
+                .numa_node()
+                .map_or_else(|| "-".to_string(), |n| n.to_string());
+            let rail = format!("{name}:{p}");
+            match gid_table(&ctx, p, port.gid_tbl_len)
+                .map_err(|e| e.to_string())
+                .and_then(|t| choose_gid(&t, gid_index))
+            {
+                Ok(c) => d.push(
+                    "rail",
+                    Level::Ok,
+                    format!(
+                        "{rail} GID {} (index {}, netdev {}), NUMA node {numa}, MTU {}",
+                        c.entry.gid,
+                        c.entry.index,
+                        c.entry.netdev.as_deref().unwrap_or("-"),
+                        port.active_mtu
+                    ),
+                    "",
+                ),
+                Err(e) => d.push(
+                    "rail",
+                    Level::Warn,
+                    format!("{rail}: {e}"),
+                    "give the netdev an IPv4 address or pass --gid-index",
+                ),
+            }
+            found.push(rail);
+        }
+    }
+    if found.is_empty() {
+        d.push(
+            "rails",
+            Level::Warn,
+            "no ACTIVE port on any device",
+            "bring a netdev up (`ip link set <nic> up`), check `rdma link`",
+        );
+    } else {
+        d.push(
+            "rails",
+            Level::Ok,
+            format!("{} ACTIVE port(s): {}", found.len(), found.join(", ")),
+            "",
+        );
     }
 }
 
