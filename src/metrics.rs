@@ -10,8 +10,11 @@
 //! and error completions and reconnects are read from each data path's
 //! [`DataPathStats`] (which holds the engine's own counters) at scrape time,
 //! taking only what grew since the last scrape; latencies and reconnect times
-//! come from its [`Report`] once, when the data path closes. [`serve`] answers
-//! `GET /metrics` over hyper/axum (what tonic already brings).
+//! come from its [`Report`] once, when the data path closes. Each rail of a
+//! data path has its own series (`rcp_rail_*`, the data path's labels plus
+//! `rail`, its index), read from the rail's [`RailStats`] the same way.
+//! [`serve`] answers `GET /metrics` over hyper/axum (what tonic already
+//! brings).
 
 use std::sync::{Arc, Mutex};
 
@@ -22,7 +25,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
-use crate::datapath::{DataPathStats, Report};
+use crate::datapath::{DataPathStats, RailStats, Report};
 
 type Labels = Vec<(String, String)>;
 
@@ -47,6 +50,52 @@ struct Tracked {
     stats: Arc<DataPathStats>,
     last_errors: Vec<(&'static str, u64)>,
     last_reconnects: u64,
+    /// Per rail: its [`RailCounts`] at the last scrape.
+    last_rails: Vec<RailCounts>,
+}
+
+/// The counters of one rail exported as `rcp_rail_*_total`.
+#[derive(Clone, Copy, Default)]
+struct RailCounts([u64; RAIL_COUNTERS.len()]);
+
+/// `(name, help, read)`: the per-rail counters, each the engine's count
+/// published in [`RailStats`].
+type RailCounter = (&'static str, &'static str, fn(&RailStats) -> u64);
+
+const RAIL_COUNTERS: [RailCounter; 6] = {
+    use std::sync::atomic::Ordering::Relaxed;
+    [
+        (
+            "rail_bytes",
+            "Payload bytes a rail's completions confirmed",
+            |r| r.bytes_confirmed.load(Relaxed),
+        ),
+        ("rail_error_cqes", "Error completions of a rail", |r| {
+            r.error_cqes.load(Relaxed)
+        }),
+        ("rail_failures", "Epochs of a rail that failed", |r| {
+            r.failures.load(Relaxed)
+        }),
+        (
+            "rail_requeued_blocks",
+            "Blocks moved off a failed rail to the others",
+            |r| r.requeued.load(Relaxed),
+        ),
+        ("rail_reconnects", "Reconnects of a rail", |r| {
+            r.reconnects.load(Relaxed)
+        }),
+        (
+            "rail_pauses",
+            "Times a rail was paused (cool-down after repeated failures)",
+            |r| r.pauses.load(Relaxed),
+        ),
+    ]
+};
+
+impl RailCounts {
+    fn of(r: &RailStats) -> RailCounts {
+        RailCounts(RAIL_COUNTERS.map(|(_, _, read)| read(r)))
+    }
 }
 
 /// Every metric rcp exports.
@@ -67,6 +116,10 @@ pub struct Metrics {
     active_transfers: Gauge,
     integrity_failures: Counter,
     auth_failures: Counter,
+    /// `rcp_rail_*_total`, in the order of [`RAIL_COUNTERS`].
+    rail_counters: Vec<Family<Labels, Counter>>,
+    /// `rcp_rail_up`: 1 while the rail carries chains, 0 otherwise.
+    rail_up: Family<Labels, Gauge>,
     tracked: Mutex<Vec<Tracked>>,
 }
 
@@ -102,6 +155,8 @@ impl Metrics {
             active_transfers: Gauge::default(),
             integrity_failures: Counter::default(),
             auth_failures: Counter::default(),
+            rail_counters: RAIL_COUNTERS.iter().map(|_| Family::default()).collect(),
+            rail_up: Family::default(),
             tracked: Mutex::new(Vec::new()),
         };
         let r = root.sub_registry_with_prefix("rcp");
@@ -170,6 +225,14 @@ impl Metrics {
             "Transfers in progress",
             m.active_transfers.clone(),
         );
+        for ((name, help, _), f) in RAIL_COUNTERS.iter().zip(&m.rail_counters) {
+            r.register(*name, *help, f.clone());
+        }
+        r.register(
+            "rail_up",
+            "Whether a rail carries chains (1) or is down, flushing, reconnecting or paused (0)",
+            m.rail_up.clone(),
+        );
         let d = root.sub_registry_with_prefix("rcpd");
         d.register(
             "integrity_failures",
@@ -209,6 +272,7 @@ impl Metrics {
             stats: stats.clone(),
             last_errors: Vec::new(),
             last_reconnects: 0,
+            last_rails: vec![RailCounts::default(); stats.rails.len()],
         });
     }
 
@@ -294,7 +358,28 @@ impl Metrics {
                 self.reconnects.inc_by(rc - e.last_reconnects);
                 e.last_reconnects = rc;
             }
-            if Arc::strong_count(&e.stats) == 1 {
+            let gone = Arc::strong_count(&e.stats) == 1;
+            for (k, (rail, last)) in s.rails.iter().zip(&mut e.last_rails).enumerate() {
+                let mut l = e.labels.clone();
+                l.push(("rail".to_string(), k.to_string()));
+                let now = RailCounts::of(rail);
+                for (i, f) in self.rail_counters.iter().enumerate() {
+                    // Created at zero on the first scrape, so every rail
+                    // shows each of its series.
+                    let c = f.get_or_create(&l);
+                    if now.0[i] > last.0[i] {
+                        c.inc_by(now.0[i] - last.0[i]);
+                    }
+                }
+                *last = now;
+                if gone {
+                    self.rail_up.remove(&l);
+                } else {
+                    let up = rail.state_label() == RailStats::STATES[0];
+                    self.rail_up.get_or_create(&l).set(i64::from(up));
+                }
+            }
+            if gone {
                 // The data path is gone: its queue gauges go with it.
                 self.sq_free.remove(&e.labels);
                 self.sq_depth.remove(&e.labels);
@@ -453,6 +538,55 @@ mod tests {
         assert!(t.contains("rcp_reconnects_total 2"), "{t}");
     }
 
+    #[test]
+    fn each_rail_has_its_series_counted_once() {
+        let m = Metrics::new();
+        let s = Arc::new(DataPathStats::with_rails(2));
+        m.track("rxea0", 9, 128, 128, &s);
+        s.rails[0].bytes_confirmed.store(4096, Relaxed);
+        s.rails[1].bytes_confirmed.store(1 << 20, Relaxed);
+        s.rails[1].failures.store(1, Relaxed);
+        s.rails[1].requeued.store(12, Relaxed);
+        // Rail 1 is paused (RailStats::STATES[3]).
+        s.rails[1].state.store(3, Relaxed);
+        let t = m.render();
+        for line in [
+            r#"rcp_rail_bytes_total{device="rxea0",qp="9",rail="0"} 4096"#,
+            r#"rcp_rail_bytes_total{device="rxea0",qp="9",rail="1"} 1048576"#,
+            r#"rcp_rail_failures_total{device="rxea0",qp="9",rail="0"} 0"#,
+            r#"rcp_rail_failures_total{device="rxea0",qp="9",rail="1"} 1"#,
+            r#"rcp_rail_requeued_blocks_total{device="rxea0",qp="9",rail="1"} 12"#,
+            r#"rcp_rail_reconnects_total{device="rxea0",qp="9",rail="1"} 0"#,
+            r#"rcp_rail_up{device="rxea0",qp="9",rail="0"} 1"#,
+            r#"rcp_rail_up{device="rxea0",qp="9",rail="1"} 0"#,
+        ] {
+            assert!(t.lines().any(|l| l == line), "{line}:\n{t}");
+        }
+        // The engine's counts are totals: what grew since the last scrape
+        // is added, nothing twice.
+        s.rails[1].bytes_confirmed.store(3 << 20, Relaxed);
+        s.rails[1].state.store(0, Relaxed);
+        let t = m.render();
+        for line in [
+            r#"rcp_rail_bytes_total{device="rxea0",qp="9",rail="0"} 4096"#,
+            r#"rcp_rail_bytes_total{device="rxea0",qp="9",rail="1"} 3145728"#,
+            r#"rcp_rail_failures_total{device="rxea0",qp="9",rail="1"} 1"#,
+            r#"rcp_rail_up{device="rxea0",qp="9",rail="1"} 1"#,
+        ] {
+            assert!(t.lines().any(|l| l == line), "{line}:\n{t}");
+        }
+        // The data path ends: its last counts are kept, its gauges go.
+        s.rails[0].reconnects.store(2, Relaxed);
+        drop(s);
+        let t = m.render();
+        assert!(
+            t.lines()
+                .any(|l| l == r#"rcp_rail_reconnects_total{device="rxea0",qp="9",rail="0"} 2"#),
+            "{t}"
+        );
+        assert!(!t.contains("rcp_rail_up{"), "{t}");
+    }
+
     /// One event, one count: a transfer, an integrity failure, an auth
     /// refusal each show once however often the registry is rendered, and
     /// a data path's published counts are taken once.
@@ -504,7 +638,8 @@ mod tests {
     #[test]
     fn documented_names_are_exported() {
         let m = Metrics::new();
-        let s = Arc::new(DataPathStats::default());
+        // A data path has one rail at least (DataPath::start: one).
+        let s = Arc::new(DataPathStats::with_rails(1));
         m.track("rxe0", 1, 8, 8, &s);
         s.count_error(WcStatus::Flushed);
         m.transfer_started();
