@@ -601,6 +601,11 @@ async fn run(c: Cli) -> Result<(), ControlError> {
         println!("{}", line("summary", &l));
     } else if !c.quiet {
         println!("{}", totals.summary_checked(&transport, c.verify));
+        if c.verbose > 0 {
+            for l in stats.iter().flat_map(|s| jobs::rail_lines(&s.report)) {
+                println!("{l}");
+            }
+        }
     }
     Ok(())
 }

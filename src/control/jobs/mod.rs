@@ -138,6 +138,32 @@ impl Totals {
     }
 }
 
+/// `rcp -v`'s line per rail of the session's data path, from its report
+/// (the engine's counts): what the rail carried and what happened to it.
+pub fn rail_lines(r: &crate::datapath::Report) -> Vec<String> {
+    r.rails
+        .iter()
+        .enumerate()
+        .map(|(k, x)| {
+            let errors: u64 = x.errors.values().sum();
+            let mut s = format!(
+                "rail {k}: {} blocks, {} bytes, {errors} error CQEs, {} failures, {} blocks \
+                 requeued, {} reconnects, {} pauses",
+                x.msgs, x.bytes, x.failures, x.requeued, x.reconnects, x.pauses
+            );
+            if !x.failover_seconds.is_empty() {
+                let f: Vec<String> = x
+                    .failover_seconds
+                    .iter()
+                    .map(|s| format!("{s:.3}"))
+                    .collect();
+                s.push_str(&format!(", failover {} s", f.join(" ")));
+            }
+            s
+        })
+        .collect()
+}
+
 /// The caller's observer plus the totals.
 struct Counting<'a> {
     inner: &'a dyn Observer,
@@ -524,5 +550,38 @@ mod tests {
         assert!(parse_remote(":x", 1).is_none());
         assert!(safe_rel("../x").is_err());
         assert!(safe_rel("a/b").is_ok());
+    }
+
+    #[test]
+    fn a_line_per_rail() {
+        use crate::datapath::{RailReport, Report};
+        let mut r = Report::default();
+        assert!(rail_lines(&r).is_empty());
+        r.rails = vec![
+            RailReport {
+                msgs: 3,
+                bytes: 3 << 20,
+                ..RailReport::default()
+            },
+            RailReport {
+                msgs: 1,
+                bytes: 1 << 20,
+                failures: 1,
+                requeued: 7,
+                reconnects: 1,
+                failover_seconds: vec![0.0126],
+                errors: [("wr_flush_err", 5u64)].into_iter().collect(),
+                ..RailReport::default()
+            },
+        ];
+        assert_eq!(
+            rail_lines(&r),
+            vec![
+                "rail 0: 3 blocks, 3145728 bytes, 0 error CQEs, 0 failures, 0 blocks requeued, \
+                 0 reconnects, 0 pauses",
+                "rail 1: 1 blocks, 1048576 bytes, 5 error CQEs, 1 failures, 7 blocks requeued, \
+                 1 reconnects, 0 pauses, failover 0.013 s",
+            ]
+        );
     }
 }
