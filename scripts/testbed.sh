@@ -6,13 +6,17 @@
 #   scripts/testbed.sh run netns -- CMD   run CMD in the VM with two namespaces a, b joined
 #                                          by veth (va 192.168.77.1 / vb 192.168.77.2),
 #                                          rxe device rxea in a and rxeb in b
+#   scripts/testbed.sh run rails -- CMD   two namespaces a, b joined by two veth pairs, two
+#                                          rails: va0 192.168.77.1 / vb0 192.168.77.2 and
+#                                          va1 192.168.78.1 / vb1 192.168.78.2; rxe devices
+#                                          rxea0, rxea1 in a and rxeb0, rxeb1 in b
 #
 # CMD runs as root in the guest, with the host's root file system (read-only, so it
 # sees the binaries just built) and the repository writable. The exit code of CMD is
 # the exit code of `run`, which ends with how long the boot and CMD took ("testbed:
 # topology=lo boot ~N s, setup + command M s, total T s"). Environment: RCP_VM_MEM
 # (default 4G), RCP_VM_CPUS (default 2), RCP_KERNEL_SERIES (default: 6.12 for lo, the
-# newest installed for netns).
+# newest installed for netns and rails).
 #
 # Kernels: Debian 12's 6.12 (bookworm-backports) for the lo topology, the baseline of
 # ../shared/rdma-testbed.md. Its rxe opens its UDP socket in the initial network
@@ -171,14 +175,34 @@ ip netns exec a rdma link add rxea type rxe netdev va
 ip netns exec b rdma link add rxeb type rxe netdev vb
 GUEST
     ;;
-  *) log "unknown topology $1 (lo or netns)"; exit 2 ;;
+  rails)
+    # Two rails per side: a subnet per veth pair, an rxe device per veth. A rail
+    # is cut with `ip -n a link set va1 down` (tests/rails_fabric.rs).
+    cat <<'GUEST'
+ip netns add a; ip netns add b
+ip -n a link set lo up; ip -n b link set lo up
+for r in 0 1; do
+  ip link add va$r type veth peer name vb$r
+  ip link set va$r netns a; ip link set vb$r netns b
+  ip -n a addr add 192.168.$((77 + r)).1/24 dev va$r; ip -n a link set va$r up
+  ip -n b addr add 192.168.$((77 + r)).2/24 dev vb$r; ip -n b link set vb$r up
+  ip netns exec a rdma link add rxea$r type rxe netdev va$r
+  ip netns exec b rdma link add rxeb$r type rxe netdev vb$r
+done
+GUEST
+    ;;
+  *) log "unknown topology $1 (lo, netns or rails)"; exit 2 ;;
   esac
+  # Every rxe port of the topology ACTIVE (four with two rails a side).
+  local want=1
+  [ "$1" = rails ] && want=4
+  echo "want=$want"
   cat <<'GUEST'
 echo "testbed: rdma links:"; rdma link show
 for i in 1 2 3 4 5 6 7 8 9 10; do
-  if rdma link show | grep -q 'state ACTIVE'; then break; fi; sleep 0.5
+  if [ "$(rdma link show | grep -c 'state ACTIVE')" -ge "$want" ]; then break; fi; sleep 0.5
 done
-rdma link show | grep -q 'state ACTIVE' || { echo "testbed: no ACTIVE rxe port"; exit 97; }
+[ "$(rdma link show | grep -c 'state ACTIVE')" -ge "$want" ] || { echo "testbed: fewer than $want ACTIVE rxe ports"; exit 97; }
 set +e
 GUEST
 }
@@ -190,7 +214,7 @@ run() {
   local ver
   if [ -n "${RCP_KERNEL_SERIES:-}" ]; then
     ver=$(kernel_version "$RCP_KERNEL_SERIES")
-  elif [ "$topo" = netns ]; then
+  elif [ "$topo" = netns ] || [ "$topo" = rails ]; then
     ver=$(netns_kernel)
   else
     ver=$(kernel_version "$series")
@@ -234,5 +258,5 @@ run() {
 case "${1:-}" in
 install) install ;;
 run) shift; run "$@" ;;
-*) sed -n '2,14p' "$0"; exit 2 ;;
+*) sed -n '2,18p' "$0"; exit 2 ;;
 esac
