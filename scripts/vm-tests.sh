@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The soft-RoCE suite: builds the tests, boots the VM once per topology and runs
-# every `#[ignore]`d RDMA test (test targets named *fabric or *_verbs) plus the two-process
-# examples there. A VM that cannot boot or an rxe device that cannot be created
-# is a failure, never a skip. Prints how long each part took ("== vm NAME took N s":
+# The soft-RoCE suite: builds the tests, boots the VM once per topology (lo, netns,
+# rails) and runs every `#[ignore]`d RDMA test (test targets named *fabric or *_verbs;
+# *netns_fabric in netns, *rails_fabric in rails) plus the two-process examples
+# there. A VM that cannot boot or an rxe device that cannot be created is a failure,
+# never a skip. Prints how long each part took ("== vm NAME took N s":
 # the build, each topology's boot + run) and a summary at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,9 +18,12 @@ t=$SECONDS
 bash scripts/testbed.sh install
 cargo build --workspace --examples --bins
 mapfile -t lo_bins < <(cargo test --workspace --no-run --message-format=json 2>/dev/null \
-  | python3 scripts/lib-test-bins.py fabric,_verbs | grep -v "^[^ ]*netns_fabric " | awk '{print $1"="$2}')
+  | python3 scripts/lib-test-bins.py fabric,_verbs | grep -Ev "^[^ ]*(netns|rails)_fabric " | awk '{print $1"="$2}')
 mapfile -t ns_bins < <(cargo test --workspace --no-run --message-format=json 2>/dev/null \
   | python3 scripts/lib-test-bins.py netns_fabric,control_verbs | awk '{print $1"="$2}')
+mapfile -t rails_bins < <(cargo test --workspace --no-run --message-format=json 2>/dev/null \
+  | python3 scripts/lib-test-bins.py rails_fabric | awk '{print $1"="$2}')
+[ ${#rails_bins[@]} -gt 0 ] || { echo "vm-tests: no *rails_fabric test binary found" >&2; exit 1; }
 [ ${#lo_bins[@]} -gt 0 ] || { echo "vm-tests: no *fabric test binaries found" >&2; exit 1; }
 took "install + build (examples, bins, test binaries)" "$t"
 rc=0
@@ -29,6 +33,9 @@ took "topology lo (boot + suite)" "$t"
 t=$SECONDS
 bash scripts/testbed.sh run netns -- bash scripts/vm/suite.sh netns "${ns_bins[@]}" || rc=1
 took "topology netns (boot + suite)" "$t"
+t=$SECONDS
+bash scripts/testbed.sh run rails -- bash scripts/vm/suite.sh rails "${rails_bins[@]}" || rc=1
+took "topology rails (boot + suite)" "$t"
 echo "== vm times:"
 for x in "${times[@]}"; do echo "==   $x"; done
 echo "== vm total took $((SECONDS - t_all)) s"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs inside the soft-RoCE VM (see scripts/testbed.sh). Arguments: the topology
-# (lo or netns), then "name=path" pairs of test binaries to run with --ignored.
+# (lo, netns or rails), then "name=path" pairs of test binaries to run with --ignored.
 # Every step's result is counted; any failure makes the script fail.
 set -u
 topo=$1; shift
@@ -161,6 +161,23 @@ netns)
     else
       step "${nb%%=*} (netns)" "${nb#*=}" --ignored --test-threads=1 --nocapture
     fi
+  done
+  ;;
+rails)
+  # Two rails a side (scripts/testbed.sh): rxea0/rxea1 in a, rxeb0/rxeb1 in
+  # b, a subnet per veth pair. Each rail alone first (perftest-free: the
+  # verbs_blocks example), then the rails tests (doctor, pairing by subnet,
+  # a copy over both rails, one rail cut for 5 s).
+  serve_client() {
+    ip netns exec b "$ex" serve --listen "$1:7470" --device "$2" --mib 8 & local s=$!
+    ip netns exec a "$ex" client --connect "$1:7470" --device "$3" --mib 8; local c=$?
+    wait $s; local rs=$?
+    [ $c -eq 0 ] && [ $rs -eq 0 ]
+  }
+  step "verbs_blocks on rail 0 (rxea0 -> rxeb0, 192.168.77.0/24)" serve_client 192.168.77.2 rxeb0 rxea0
+  step "verbs_blocks on rail 1 (rxea1 -> rxeb1, 192.168.78.0/24)" serve_client 192.168.78.2 rxeb1 rxea1
+  for nb in "$@"; do
+    step "${nb%%=*} (rails)" "${nb#*=}" --ignored --test-threads=1 --nocapture
   done
   ;;
 esac
