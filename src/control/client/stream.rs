@@ -283,7 +283,7 @@ impl Driver<'_> {
             match a {
                 ClientAction::OpenSource { file } => {
                     let path = self.jobs[&file].0.local.clone();
-                    self.spawn(move || Done::Source(file, io::open_source(&path)));
+                    self.spawn(move || Done::Source(file, io::open_source(&path, bs)));
                 }
                 ClientAction::FindResume { file } => {
                     let (job, _) = &self.jobs[&file];
