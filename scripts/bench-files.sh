@@ -32,6 +32,8 @@ disk=$(mktemp -d /var/tmp/rcp-bench.XXXXXX)
 pids=()
 cleanup() {
   kill "${pids[@]}" 2>/dev/null || true
+  # sshd and the rsync daemon detach: their pid files name them.
+  for f in "$disk/sshd.pid" "$disk/rsyncd.pid"; do [ -f "$f" ] && kill "$(cat "$f")" 2>/dev/null; done
   [ -f "$disk/ak.bak" ] && cp "$disk/ak.bak" /root/.ssh/authorized_keys
   [ -f "$disk/ak.new" ] && [ ! -f "$disk/ak.bak" ] && rm -f /root/.ssh/authorized_keys
   rm -rf "$shm" "$disk"

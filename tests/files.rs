@@ -325,6 +325,38 @@ mod destination {
         }
     }
 
+    /// On tmpfs (/dev/shm) a file is sized sparse after a free-space check,
+    /// not fallocated: one larger than the free space is refused at create,
+    /// naming the shortfall, with no temp file left; one that fits is sized.
+    #[test]
+    fn tmpfs_destination_checks_free_space_and_sizes_sparse() {
+        let t = tempfile::tempdir_in("/dev/shm").unwrap();
+        let dir = DirHandle::open(t.path()).unwrap();
+        let free = {
+            let v = rustix::fs::statvfs(t.path()).unwrap();
+            v.f_bavail * v.f_frsize
+        };
+        let e = Destination::create(&dir, "huge", free + (1 << 30), opts(1 << 20)).unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            msg.contains("bytes needed") && msg.contains("free"),
+            "{msg}"
+        );
+        assert!(
+            matches!(&e, FileError::Io { source, .. } if source.kind() == std::io::ErrorKind::StorageFull),
+            "{e:?}"
+        );
+        assert_eq!(
+            fs::read_dir(t.path()).unwrap().count(),
+            0,
+            "no temp file left"
+        );
+        let d = Destination::create(&dir, "fits", 8 << 20, opts(1 << 20)).unwrap();
+        let m = fs::metadata(d.temp_path()).unwrap();
+        assert_eq!(m.len(), 8 << 20);
+        assert!(m.blocks() * 512 < 8 << 20, "sized sparse, not allocated");
+    }
+
     #[test]
     fn commit_publishes_atomically_and_replaces() {
         let t = tempfile::tempdir().unwrap();
@@ -948,7 +980,10 @@ mod source {
             assert_eq!(s.direct_reads, 6);
         }
         assert_eq!(f.len(), data.len() as u64);
-        assert_eq!(f.source_id().fingerprint, block_digest(&data[..64 << 10]));
+        assert_eq!(
+            f.source_id().unwrap().fingerprint,
+            block_digest(&data[..64 << 10])
+        );
         f.check_unchanged().unwrap();
         // Growing the file is noticed.
         use std::io::Write;

@@ -531,8 +531,11 @@ fn reconnect_waits_for_port_active_instead_of_sleeping() {
     // A blind backoff would sleep 10 s after the first failure.
     c.backoff.initial = Duration::from_secs(10);
     c.backoff.cap = Duration::from_secs(10);
+    // Up 1.5 s from now: long after the failure at the tenth request even on
+    // a loaded machine (at 300 ms the port was sometimes back before the
+    // error path looked, and nothing waited).
     let port = Arc::new(FakePort {
-        up_at: Mutex::new(Some(Instant::now() + Duration::from_millis(300))),
+        up_at: Mutex::new(Some(Instant::now() + Duration::from_millis(1500))),
         events: Default::default(),
     });
     let calls = Arc::new(AtomicU32::new(0));

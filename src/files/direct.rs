@@ -46,6 +46,15 @@ const FALLBACK_ALIGN: u64 = 4096;
 const TMPFS_MAGIC: i64 = 0x0102_1994;
 const RAMFS_MAGIC: i64 = 0x8584_58f6;
 
+/// Whether `fd`'s file system keeps files in memory (tmpfs, ramfs): no
+/// device to write to directly, and nothing to gain from `fallocate`, which
+/// there allocates and zeroes every page that the writes then copy over.
+pub(super) fn memory_backed(fd: impl rustix::fd::AsFd) -> bool {
+    // `f_type` is not an i64 on every target.
+    #[allow(clippy::unnecessary_cast)]
+    rfs::fstatfs(fd).is_ok_and(|fs| matches!(fs.f_type as i64, TMPFS_MAGIC | RAMFS_MAGIC))
+}
+
 /// File systems (by `st_dev`) that refused `O_DIRECT` with `EINVAL`.
 static REFUSED: Mutex<Vec<u64>> = Mutex::new(Vec::new());
 
@@ -218,11 +227,7 @@ fn decide(dir: &DirHandle, temp: &std::ffi::OsStr, file: &File) -> State {
             u64::from(st.stx_dio_offset_align),
         )
     } else {
-        // `f_type` is not an i64 on every target.
-        #[allow(clippy::unnecessary_cast)]
-        let memory_backed = rfs::fstatfs(file)
-            .is_ok_and(|fs| matches!(fs.f_type as i64, TMPFS_MAGIC | RAMFS_MAGIC));
-        if memory_backed {
+        if memory_backed(file) {
             return State::Off(
                 "memory-backed file system (tmpfs): no device to write to directly".into(),
             );

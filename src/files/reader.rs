@@ -20,6 +20,7 @@ use std::os::fd::OwnedFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::OnceLock;
 
 use rustix::fs::{self as rfs, Mode, OFlags};
 use sha2::{Digest, Sha256};
@@ -59,7 +60,11 @@ pub struct SourceFile {
     direct_reads: AtomicU64,
     buffered_reads: AtomicU64,
     meta: FileMeta,
-    id: SourceId,
+    /// The SHA-256 of the first [`FINGERPRINT_BYTES`], read and hashed on
+    /// the first [`SourceFile::source_id`]: only a file whose copy keeps a
+    /// resume manifest needs it, and for a small file it would hash every
+    /// byte a second time.
+    fingerprint: OnceLock<[u8; 32]>,
 }
 
 impl SourceFile {
@@ -133,13 +138,6 @@ impl SourceFile {
                 (None, Some(e.to_string()))
             }
         };
-        let mut head = vec![0u8; FINGERPRINT_BYTES.min(meta.len as usize)];
-        read_full(&buffered, &mut head, 0, false).map_err(|e| io_err("read", display, e))?;
-        let id = SourceId {
-            len: meta.len,
-            mtime: meta.mtime,
-            fingerprint: Sha256::digest(&head).into(),
-        };
         Ok(SourceFile {
             path: display.to_owned(),
             direct_ok: AtomicBool::new(direct.is_some()),
@@ -149,7 +147,7 @@ impl SourceFile {
             direct_reads: AtomicU64::new(0),
             buffered_reads: AtomicU64::new(0),
             meta,
-            id,
+            fingerprint: OnceLock::new(),
         })
     }
 
@@ -173,8 +171,25 @@ impl SourceFile {
         &self.meta
     }
     /// Size + mtime + SHA-256 of the first 64 KiB, fixed at open.
-    pub fn source_id(&self) -> SourceId {
-        self.id
+    /// What identifies this source to a resume: length, mtime and the
+    /// fingerprint of its start (read and hashed on the first call).
+    pub fn source_id(&self) -> Result<SourceId> {
+        let fingerprint = match self.fingerprint.get() {
+            Some(f) => *f,
+            None => {
+                let mut head = vec![0u8; FINGERPRINT_BYTES.min(self.meta.len as usize)];
+                read_full(&self.buffered, &mut head, 0, false)
+                    .map_err(|e| io_err("read", &self.path, e))?;
+                *self
+                    .fingerprint
+                    .get_or_init(|| Sha256::digest(&head).into())
+            }
+        };
+        Ok(SourceId {
+            len: self.meta.len,
+            mtime: self.meta.mtime,
+            fingerprint,
+        })
     }
     /// The mode aligned reads will use.
     pub fn io_mode(&self) -> IoMode {

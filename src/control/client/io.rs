@@ -83,7 +83,10 @@ pub(super) enum Local {
 }
 
 /// Push: open the local source.
-pub(super) fn open_source(path: &Path) -> Result<(Arc<SourceFile>, SourceMeta), Failure> {
+/// Push: open the local source. Its fingerprint (for a resume manifest) is
+/// read only for a file of more than one `bs` block: a smaller copy keeps no
+/// manifest, and the fingerprint would hash its bytes a second time.
+pub(super) fn open_source(path: &Path, bs: u64) -> Result<(Arc<SourceFile>, SourceMeta), Failure> {
     if std::fs::metadata(path).is_ok_and(|m| m.is_dir()) {
         return Err(Failure::new(
             Reason::Usage,
@@ -95,7 +98,11 @@ pub(super) fn open_source(path: &Path) -> Result<(Arc<SourceFile>, SourceMeta), 
         length: src.len(),
         mode: src.mode(),
         mtime_ns: fsutil::ns_from_ts(src.mtime()),
-        fingerprint: src.source_id().fingerprint.to_vec(),
+        fingerprint: if src.len() > bs {
+            src.source_id().map_err(fail)?.fingerprint.to_vec()
+        } else {
+            Vec::new()
+        },
     };
     Ok((Arc::new(src), meta))
 }

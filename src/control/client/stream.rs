@@ -54,6 +54,10 @@ enum Done {
     Committed(Vec<(FileId, Result<LocalCommit, Failure>)>),
 }
 
+/// Blocking work of one file, batched by [`Driver::spawn_batch`]; an
+/// answer for the driver, if it wants one.
+type Job = Box<dyn FnOnce() -> Option<Done> + Send>;
+
 /// A window lent to the data path.
 struct Lent {
     grant: proto::Grant,
@@ -262,6 +266,25 @@ impl Driver<'_> {
         });
     }
 
+    /// Run `jobs` one after another on one blocking thread, each answer
+    /// sent as soon as it is ready: many small files' opens (or checks, or
+    /// closes) cost one hand-off to the blocking pool, not one each.
+    fn spawn_batch(&self, jobs: Vec<Job>) {
+        if jobs.is_empty() {
+            return;
+        }
+        let tx = self.done_tx.clone();
+        tokio::task::spawn_blocking(move || {
+            for j in jobs {
+                if let Some(d) = j() {
+                    if tx.send(d).is_err() {
+                        return;
+                    }
+                }
+            }
+        });
+    }
+
     fn src(&self, file: FileId) -> Option<Arc<crate::files::SourceFile>> {
         match self.locals.get(&file)? {
             Local::Push { src } => Some(src.clone()),
@@ -279,11 +302,14 @@ impl Driver<'_> {
     /// Start every action the core has; the outcome when it ended.
     fn act(&mut self) -> Option<std::result::Result<(), Failure>> {
         let (bs, check) = (self.s.params.block_size, self.s.params.check);
+        let mut batch: Vec<Job> = Vec::new();
         while let Some(a) = self.core.poll_action() {
             match a {
                 ClientAction::OpenSource { file } => {
                     let path = self.jobs[&file].0.local.clone();
-                    self.spawn(move || Done::Source(file, io::open_source(&path)));
+                    batch.push(Box::new(move || {
+                        Some(Done::Source(file, io::open_source(&path, bs)))
+                    }));
                 }
                 ClientAction::FindResume { file } => {
                     let (job, _) = &self.jobs[&file];
@@ -354,13 +380,13 @@ impl Driver<'_> {
                 }
                 ClientAction::CheckSource { file } => {
                     let Some(src) = self.src(file) else { continue };
-                    self.spawn(move || {
-                        Done::SourceChecked(
+                    batch.push(Box::new(move || {
+                        Some(Done::SourceChecked(
                             file,
                             src.check_unchanged()
                                 .map_err(|e| ControlError::from(e).failure()),
-                        )
-                    });
+                        ))
+                    }));
                 }
                 ClientAction::Commit { files } => {
                     let batch: Vec<_> = files
@@ -371,12 +397,19 @@ impl Driver<'_> {
                 }
                 ClientAction::Close { file } => {
                     if let Some(l) = self.locals.remove(&file) {
-                        tokio::task::spawn_blocking(move || drop(l));
+                        batch.push(Box::new(move || {
+                            drop(l);
+                            None
+                        }));
                     }
                 }
-                ClientAction::End(r) => return Some(r),
+                ClientAction::End(r) => {
+                    self.spawn_batch(batch);
+                    return Some(r);
+                }
             }
         }
+        self.spawn_batch(batch);
         None
     }
 

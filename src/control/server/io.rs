@@ -208,12 +208,19 @@ impl StreamIo {
         let src = SourceFile::open_in(self.svc.root(), &rel)?;
         let length = src.len();
         let mtime = fsutil::ns_from_ts(src.mtime());
-        let id = src.source_id();
+        // The fingerprint only where the client keeps a resume manifest
+        // (more than one block): for a small file it would hash every byte
+        // a second time.
+        let fingerprint = if length > self.bs {
+            src.source_id()?.fingerprint.to_vec()
+        } else {
+            Vec::new()
+        };
         let mut skip = None;
         if open.resume
             && open.have_length == length
             && open.have_mtime_ns == mtime
-            && fsutil::fingerprint(&open.source_fingerprint) == id.fingerprint
+            && open.source_fingerprint == fingerprint
         {
             skip = Bitmap::from_bytes(open.have_blocks.clone(), length.div_ceil(self.bs))
                 .filter(|b| b.count() > 0);
@@ -225,7 +232,7 @@ impl StreamIo {
             mtime_ns: mtime,
             path: rel,
             skip,
-            fingerprint: id.fingerprint.to_vec(),
+            fingerprint,
         };
         Ok((Held::Pull { src: Arc::new(src) }, opened))
     }

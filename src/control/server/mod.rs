@@ -207,7 +207,11 @@ impl proto::rcp_server::Rcp for RcpService {
                 if r.fingerprint && m.kind == FileKind::File {
                     let src =
                         in_place(|| SourceFile::open_in(root, &rel)).map_err(ControlError::from)?;
-                    e.fingerprint = src.source_id().fingerprint.to_vec();
+                    e.fingerprint = src
+                        .source_id()
+                        .map_err(ControlError::from)?
+                        .fingerprint
+                        .to_vec();
                 }
                 Ok(Response::new(proto::StatResponse {
                     exists: true,
