@@ -397,33 +397,6 @@ fn print_plan(plan: &Plan, as_json: bool, quiet: bool, seconds: f64) {
     }
 }
 
-/// Where a copy's threads go, from the device's NUMA node: the hashing
-/// pool sized to the node's CPUs, and the completion thread pinned to a
-/// dedicated core of it when `--cq-cpu` says so or, by default, when the
-/// node has the CPUs for it. Said at `-v`.
-fn placement(c: &Cli) -> Option<usize> {
-    let device = c
-        .device
-        .clone()
-        .or_else(|| rcp::verbs::device_names().into_iter().next());
-    let node = device.as_deref().and_then(rcp::mem::numa::device_numa_node);
-    let cpus = rcp::datapath::config::node_cpus_allowed(node).len();
-    if rcp::files::set_pool_threads(cpus).is_ok() {
-        tracing::info!(
-            threads = cpus,
-            ?node,
-            "block hashing pool sized to the device's NUMA node"
-        );
-    }
-    let (cq, why) = match c.cq_cpu {
-        Some(x) => (x, format!("completion thread: --cq-cpu {x}")),
-        None => rcp::datapath::CqCpu::default_for_copies(node),
-    };
-    let cpu = cq.for_thread(node, 0);
-    tracing::info!(cpu, "{why}");
-    cpu
-}
-
 async fn run(c: Cli) -> Result<(), ControlError> {
     let opts = ClientOptions {
         token: std::env::var("RCP_TOKEN").ok().filter(|t| !t.is_empty()),
@@ -435,7 +408,7 @@ async fn run(c: Cli) -> Result<(), ControlError> {
         signal_every: c.signal_every.unwrap_or(32),
         inline: c.inline,
         poll_mode: c.poll_mode,
-        cq_cpu: placement(&c),
+        cq_cpu: rcp::control::place_copy_threads(c.device.as_deref(), c.cq_cpu),
         qp_retry: rcp::datapath::QpRetry {
             ack_timeout: c.qp_timeout,
             retry_cnt: c.qp_retry_cnt,

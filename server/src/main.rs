@@ -161,29 +161,9 @@ fn main() -> anyhow::Result<()> {
                 .with_context(|| format!("bad --log filter {:?}", a.log))?,
         )
         .init();
-    // The device's NUMA node: the hashing pool (rcpd verifies and fills
-    // windows) is sized to its CPUs; the completion thread of copies it
-    // makes follows rcp's rule (auto: a CPU of the node; by default a
-    // dedicated core when the node has the CPUs for one).
-    let device = a
-        .device
-        .clone()
-        .or_else(|| rcp::verbs::device_names().into_iter().next());
-    let node = device.as_deref().and_then(rcp::mem::numa::device_numa_node);
-    let cpus = rcp::datapath::config::node_cpus_allowed(node).len();
-    if rcp::files::set_pool_threads(cpus).is_ok() {
-        tracing::info!(
-            threads = cpus,
-            ?node,
-            "block hashing pool sized to the device's NUMA node"
-        );
-    }
-    let (cq, why) = match a.cq_cpu {
-        Some(x) => (x, format!("completion thread of copies: --cq-cpu {x}")),
-        None => rcp::datapath::CqCpu::default_for_copies(node),
-    };
-    let cq_cpu = cq.for_thread(node, 0);
-    tracing::info!(cpu = cq_cpu, "{why}");
+    // The hashing pool (rcpd verifies and fills windows) and the
+    // completion thread of the copies it makes, placed as rcp's are.
+    let cq_cpu = rcp::control::place_copy_threads(a.device.as_deref(), a.cq_cpu);
     let nofile = rcp::control::raise_open_file_limit();
     let want = a.max_transfers as u64 * u64::from(a.max_open_files) + 256;
     if want > nofile {

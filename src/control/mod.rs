@@ -54,6 +54,38 @@ pub fn raise_open_file_limit() -> u64 {
     }
 }
 
+/// Where a process's copy threads go, from the NUMA node of `device` (or of
+/// the first device): the block-hashing pool sized to the node's CPUs, and
+/// the CPU of a data path's completion thread, from `cq_cpu` when given or
+/// else the default for copies (a dedicated core when the node has the
+/// CPUs for one). Both are logged. Call once, before the first copy.
+pub fn place_copy_threads(
+    device: Option<&str>,
+    cq_cpu: Option<crate::datapath::CqCpu>,
+) -> Option<usize> {
+    let device = device
+        .map(str::to_owned)
+        .or_else(|| crate::verbs::device_names().into_iter().next());
+    let node = device
+        .as_deref()
+        .and_then(crate::mem::numa::device_numa_node);
+    let cpus = crate::datapath::config::node_cpus_allowed(node).len();
+    if crate::files::set_pool_threads(cpus).is_ok() {
+        tracing::info!(
+            threads = cpus,
+            ?node,
+            "block hashing pool sized to the device's NUMA node"
+        );
+    }
+    let (cq, why) = match cq_cpu {
+        Some(x) => (x, format!("completion thread: --cq-cpu {x}")),
+        None => crate::datapath::CqCpu::default_for_copies(node),
+    };
+    let cpu = cq.for_thread(node, 0);
+    tracing::info!(cpu, "{why}");
+    cpu
+}
+
 /// Run blocking work from async code: on a worker of the multi-threaded
 /// runtime without stalling it, inline elsewhere.
 pub(crate) fn in_place<R>(f: impl FnOnce() -> R) -> R {

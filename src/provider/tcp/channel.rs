@@ -632,6 +632,13 @@ fn reader_loop(sh: &Shared, c: usize, stream: TcpStream) {
         match (resp.status, p.dest) {
             (Status::RemoteAccess, _) => {
                 let mut st = lock(&sh.state);
+                if st.broken {
+                    // Another connection failed the channel first. Like a
+                    // QP already in the error state, this WR is flushed, not
+                    // counted as a second access error.
+                    sh.flush_if_idle(&mut st, p.seq);
+                    return;
+                }
                 let culprit = st
                     .slots
                     .remove(&p.seq)
