@@ -521,6 +521,8 @@ pub struct Stream {
     scratch: Vec<WrId>,
     /// The latest time the runtime passed in.
     now: u64,
+    /// The rail of the last chain posted (ties go round from it).
+    last_rail: usize,
 }
 
 impl Stream {
@@ -582,6 +584,8 @@ impl Stream {
             counters: Counters::default(),
             scratch: Vec::new(),
             now: 0,
+            // The first chain goes to rail 0.
+            last_rail: n - 1,
         })
     }
 
@@ -663,13 +667,18 @@ impl Stream {
     }
 
     /// The rail the next chain goes to and how long it may be: the running
-    /// rail with the most free credits (the lowest index on a tie).
+    /// rail with the most free credits; on a tie, the first after the rail
+    /// of the previous chain (round robin: a stream that never fills a
+    /// rail still spreads its chains over every running one).
     fn pick_rail(&self) -> Option<(usize, usize)> {
         if self.failed.is_some() {
             return None;
         }
+        let n = self.rails.len();
         let mut best: Option<(usize, usize, usize)> = None;
-        for (i, r) in self.rails.iter().enumerate() {
+        for k in 1..=n {
+            let i = (self.last_rail + k) % n;
+            let r = &self.rails[i];
             if r.state != RailState::Running {
                 continue;
             }
@@ -748,6 +757,7 @@ impl Stream {
                 Some(&r) => break r,
             }
         };
+        self.last_rail = r;
         // A chain ends with the run, and a window's runs end at its last
         // extent: that extent's request is signaled and the window is done
         // as soon as it lands, not when a chain reaching into the next
