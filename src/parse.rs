@@ -187,6 +187,29 @@ pub fn rails(s: &str) -> Result<Vec<RailName>, ParseError> {
     Ok(out)
 }
 
+/// A `--device` value: [`rails`] parsed once, for clap.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct RailList(pub Vec<RailName>);
+
+impl std::str::FromStr for RailList {
+    type Err = ParseError;
+    fn from_str(s: &str) -> Result<Self, ParseError> {
+        rails(s).map(RailList)
+    }
+}
+
+impl std::fmt::Display for RailList {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (k, r) in self.0.iter().enumerate() {
+            if k > 0 {
+                f.write_str(",")?;
+            }
+            write!(f, "{r}")?;
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

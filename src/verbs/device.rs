@@ -313,7 +313,43 @@ impl Context {
         &self,
         gid_index: Option<u32>,
     ) -> Result<(PortAttr, super::gid::GidChoice), VerbsError> {
-        let port = self.active_port()?;
+        self.select_rail_port(None, gid_index)
+    }
+
+    /// [`select_port`](Self::select_port) on port `port` when given (a rail
+    /// named `NAME:PORT`): it must be ACTIVE.
+    pub fn select_rail_port(
+        &self,
+        port: Option<u8>,
+        gid_index: Option<u32>,
+    ) -> Result<(PortAttr, super::gid::GidChoice), VerbsError> {
+        let port = match port {
+            None => self.active_port()?,
+            Some(p) => {
+                if p > self.caps.phys_port_cnt.max(1) {
+                    return Err(VerbsError::new(
+                        "ibv_query_port",
+                        libc::EINVAL,
+                        format!(
+                            "{} has {} port(s); there is no port {p}",
+                            self.name,
+                            self.caps.phys_port_cnt.max(1)
+                        ),
+                    )
+                    .with_hint(Hint::PortDown));
+                }
+                let a = self.port(p)?;
+                if a.state != PortState::Active {
+                    return Err(VerbsError::new(
+                        "ibv_query_port",
+                        libc::ENETDOWN,
+                        format!("{} port {p} is {:?}, not ACTIVE", self.name, a.state),
+                    )
+                    .with_hint(Hint::PortDown));
+                }
+                a
+            }
+        };
         let table = super::gid::gid_table(self, port.port, port.gid_tbl_len)?;
         let choice = super::gid::choose_gid(&table, gid_index).map_err(|why| {
             VerbsError::new(
