@@ -12,6 +12,7 @@ use rcp::control::client::Observer;
 use rcp::control::jobs::{self, parse_remote, Job, Plan, Totals};
 use rcp::control::{exit, Client, ClientOptions, ClientTls, ControlError, FileResult, Transport};
 use rcp::json::{self, line};
+use rcp::parse::RailList;
 
 const AFTER_HELP: &str = "\
 Remote paths are HOST:PATH or [IPV6]:PATH, resolved beneath the server's --root.
@@ -45,9 +46,14 @@ struct Cli {
     /// auto (verbs when an RDMA port is ACTIVE, else tcp), verbs or tcp.
     #[arg(long, env = "RCP_TRANSPORT", default_value = "auto", global = true)]
     transport: Transport,
-    /// RDMA device (default: the first with an ACTIVE port).
+    /// RDMA rails: devices, comma-separated, NAME[:PORT] where a device has
+    /// several ports (default: every ACTIVE port of this network namespace
+    /// on the NUMA node of the first).
     #[arg(long, env = "RCP_DEVICE", global = true)]
-    device: Option<String>,
+    device: Option<RailList>,
+    /// Queue pairs per rail, for links one QP cannot fill (1..=16).
+    #[arg(long, env = "RCP_QPS_PER_RAIL", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=16), global = true)]
+    qps_per_rail: u32,
     /// GID index (default: first RoCE v2 IPv4-mapped GID).
     #[arg(long, env = "RCP_GID_INDEX", global = true)]
     gid_index: Option<u32>,
@@ -216,6 +222,16 @@ struct CopyArgs {
     /// 1m; 0: never): a JSON line with --json, else a line on stderr.
     #[arg(long, visible_alias = "progress-interval", env = "RCP_STATS", value_parser = parse_interval)]
     stats: Option<Duration>,
+}
+
+impl Cli {
+    /// The first rail's device (where the copy threads are placed).
+    fn first_device(&self) -> Option<String> {
+        self.device
+            .as_ref()
+            .and_then(|d| d.0.first())
+            .map(|r| r.device.clone())
+    }
 }
 
 fn parse_bytes(s: &str) -> Result<u64, String> {
@@ -401,14 +417,15 @@ async fn run(c: Cli) -> Result<(), ControlError> {
     let opts = ClientOptions {
         token: std::env::var("RCP_TOKEN").ok().filter(|t| !t.is_empty()),
         transport: c.transport,
-        device: c.device.clone(),
+        rails: c.device.clone().map(|d| d.0).unwrap_or_default(),
+        qps_per_rail: c.qps_per_rail,
         gid_index: c.gid_index,
         block_size: c.block_size,
         batch: c.batch,
         signal_every: c.signal_every.unwrap_or(32),
         inline: c.inline,
         poll_mode: c.poll_mode,
-        cq_cpu: rcp::control::place_copy_threads(c.device.as_deref(), c.cq_cpu),
+        cq_cpu: rcp::control::place_copy_threads(c.first_device().as_deref(), c.cq_cpu),
         qp_retry: rcp::datapath::QpRetry {
             ack_timeout: c.qp_timeout,
             retry_cnt: c.qp_retry_cnt,
@@ -575,7 +592,10 @@ async fn run(c: Cli) -> Result<(), ControlError> {
     } else if !c.quiet {
         println!("{}", totals.summary_checked(&transport, c.verify));
         if c.verbose > 0 {
-            for l in stats.iter().flat_map(|s| jobs::rail_lines(&s.report)) {
+            for l in stats
+                .iter()
+                .flat_map(|s| jobs::rail_lines(&s.report, &s.rails))
+            {
                 println!("{l}");
             }
         }
@@ -606,6 +626,22 @@ fn bench(c: &Cli) -> i32 {
     else {
         unreachable!()
     };
+    // The bench measures one device.
+    let device = match c.device.as_ref().map(|d| d.0.as_slice()) {
+        None => None,
+        Some([r]) if r.port.is_none() => Some(r.device.clone()),
+        Some(r) => {
+            let m = format!(
+                "--device {}: rcp bench measures one device (NAME, no port)",
+                rcp::parse::RailList(r.to_vec())
+            );
+            eprintln!("rcp bench: {m}");
+            if c.json {
+                print_error(exit::USAGE, "USAGE", &m);
+            }
+            return exit::USAGE;
+        }
+    };
     let o = BenchOptions {
         op: *op,
         size: *size,
@@ -624,7 +660,7 @@ fn bench(c: &Cli) -> i32 {
         seconds: *seconds,
         qps: *qps,
         tx_depth: *tx_depth,
-        device: c.device.clone(),
+        device: device.clone(),
         gid_index: c.gid_index,
     };
     let report = |o: &BenchOptions, m: &bench::Measured, what: Option<&str>| {
@@ -644,7 +680,7 @@ fn bench(c: &Cli) -> i32 {
     let r = if *server {
         let so = ServerOptions {
             listen: listen.clone(),
-            device: c.device.clone(),
+            device: device.clone(),
             gid_index: c.gid_index,
             keep_serving: *keep_serving,
         };

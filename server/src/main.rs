@@ -12,6 +12,7 @@ use clap::{CommandFactory, Parser};
 use rcp::control::daemon::{self, DaemonConfig};
 use rcp::control::link::MemoryWindows;
 use rcp::control::{ServerTls, Transport};
+use rcp::parse::RailList;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -35,9 +36,11 @@ struct Args {
     /// auto (verbs when an RDMA port is ACTIVE, else tcp), verbs or tcp.
     #[arg(long, env = "RCPD_TRANSPORT", default_value = "auto")]
     transport: Transport,
-    /// RDMA device (default: the first with an ACTIVE port).
+    /// RDMA rails: devices, comma-separated, NAME[:PORT] where a device has
+    /// several ports (default: every ACTIVE port of this network namespace
+    /// on the NUMA node of the first).
     #[arg(long, env = "RCPD_DEVICE")]
-    device: Option<String>,
+    device: Option<RailList>,
     /// GID index (default: first RoCE v2 IPv4-mapped GID).
     #[arg(long, env = "RCPD_GID_INDEX")]
     gid_index: Option<u32>,
@@ -163,7 +166,13 @@ fn main() -> anyhow::Result<()> {
         .init();
     // The hashing pool (rcpd verifies and fills windows) and the
     // completion thread of the copies it makes, placed as rcp's are.
-    let cq_cpu = rcp::control::place_copy_threads(a.device.as_deref(), a.cq_cpu);
+    let cq_cpu = rcp::control::place_copy_threads(
+        a.device
+            .as_ref()
+            .and_then(|d| d.0.first())
+            .map(|r| r.device.as_str()),
+        a.cq_cpu,
+    );
     let nofile = rcp::control::raise_open_file_limit();
     let want = a.max_transfers as u64 * u64::from(a.max_open_files) + 256;
     if want > nofile {
@@ -197,7 +206,7 @@ fn main() -> anyhow::Result<()> {
         metrics_listen: addr_opt(a.metrics_listen.as_deref(), "--metrics-listen")?,
         root,
         transport: a.transport,
-        device: a.device,
+        rails: a.device.map(|d| d.0).unwrap_or_default(),
         gid_index: a.gid_index,
         arena_mib: a.arena_mib,
         hugepage_dir: a.hugepage_dir,

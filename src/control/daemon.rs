@@ -29,7 +29,9 @@ pub struct DaemonConfig {
     pub metrics_listen: Option<SocketAddr>,
     pub root: PathBuf,
     pub transport: Transport,
-    pub device: Option<String>,
+    /// Verbs: the rails rcpd serves on (`RCPD_DEVICE=a,b`; empty: the
+    /// default rails).
+    pub rails: Vec<crate::parse::RailName>,
     pub gid_index: Option<u32>,
     pub arena_mib: usize,
     pub hugepage_dir: Option<PathBuf>,
@@ -94,11 +96,11 @@ pub async fn run(
             root.display()
         )));
     }
-    let (kind, why) = resolve_transport(cfg.transport, cfg.device.as_deref());
+    let (kind, why) = resolve_transport(cfg.transport, &cfg.rails);
     let arena_bytes = cfg.arena_mib.max(8) << 20;
     let lcfg = ServerLinkConfig {
         kind,
-        device: cfg.device.clone(),
+        rails: cfg.rails.clone(),
         gid_index: cfg.gid_index,
         arena_bytes,
         hugepage_dir: cfg.hugepage_dir.clone(),
@@ -121,7 +123,7 @@ pub async fn run(
         opts: ClientOptions {
             token: cfg.token.clone(),
             transport: cfg.transport,
-            device: cfg.device.clone(),
+            rails: cfg.rails.clone(),
             gid_index: cfg.gid_index,
             batch: cfg.batch,
             signal_every: cfg.signal_every,

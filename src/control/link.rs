@@ -17,6 +17,8 @@ use crate::verbs::{
 };
 
 use super::error::{ControlError, Result};
+use super::rails::RailAddr;
+use crate::parse::RailName;
 use crate::proto;
 
 /// Which provider to use.
@@ -40,15 +42,16 @@ impl std::str::FromStr for Transport {
     }
 }
 
-/// Resolve `auto`: the provider and a sentence saying why.
-pub fn resolve_transport(t: Transport, device: Option<&str>) -> (ProviderKind, String) {
+/// Resolve `auto`: the provider and a sentence saying why. `rails`: the
+/// devices named by `--device` (empty: every device).
+pub fn resolve_transport(t: Transport, rails: &[RailName]) -> (ProviderKind, String) {
     match t {
         Transport::Verbs => (ProviderKind::Verbs, "verbs (asked for)".into()),
         Transport::Tcp => (ProviderKind::Tcp, "tcp (asked for)".into()),
         Transport::Auto => {
-            let names = match device {
-                Some(d) => vec![d.to_string()],
-                None => device_names(),
+            let names = match rails {
+                [] => device_names(),
+                r => r.iter().map(|r| r.device.clone()).collect(),
             };
             if names.is_empty() {
                 return (
@@ -77,6 +80,98 @@ pub fn resolve_transport(t: Transport, device: Option<&str>) -> (ProviderKind, S
             )
         }
     }
+}
+
+/// An ACTIVE port seen while choosing the default rails.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PortSeen {
+    pub rail: RailName,
+    pub numa_node: Option<u32>,
+    /// The netdev of its GID is in this process's network namespace (a
+    /// port whose netdev lives in another one is some other tenant's).
+    pub local_netdev: bool,
+}
+
+/// The rails taken without `--device`: every ACTIVE port whose netdev is
+/// in this network namespace, on the NUMA node of the first of them (the
+/// node the arena is placed on; a port of unknown node goes with any).
+/// Returns the rails and, for the log, the ports left out with why.
+pub fn pick_default_rails(seen: &[PortSeen]) -> (Vec<RailName>, Vec<(RailName, String)>) {
+    let mut skipped = Vec::new();
+    let ours: Vec<&PortSeen> = seen
+        .iter()
+        .filter(|p| {
+            if !p.local_netdev {
+                skipped.push((
+                    p.rail.clone(),
+                    "its netdev is in another network namespace".into(),
+                ));
+            }
+            p.local_netdev
+        })
+        .collect();
+    let node = ours.iter().find_map(|p| p.numa_node);
+    let mut rails = Vec::new();
+    for p in ours {
+        match (node, p.numa_node) {
+            (Some(n), Some(m)) if n != m => skipped.push((
+                p.rail.clone(),
+                format!("NUMA node {m}, not the arena's node {n}"),
+            )),
+            _ => rails.push(p.rail.clone()),
+        }
+    }
+    (rails, skipped)
+}
+
+/// Every ACTIVE port of every device, for [`pick_default_rails`].
+fn ports_seen(gid_index: Option<u32>) -> Vec<PortSeen> {
+    let mut out = Vec::new();
+    for name in device_names() {
+        let Ok(ctx) = Context::open(Some(&name)) else {
+            continue;
+        };
+        for p in 1..=ctx.caps().phys_port_cnt.max(1) {
+            let Ok(port) = ctx.port(p) else { continue };
+            if port.state != crate::verbs::PortState::Active {
+                continue;
+            }
+            let netdev = crate::verbs::gid_table(&ctx, p, port.gid_tbl_len)
+                .ok()
+                .and_then(|t| crate::verbs::choose_gid(&t, gid_index).ok())
+                .and_then(|c| c.entry.netdev);
+            out.push(PortSeen {
+                rail: RailName {
+                    device: name.clone(),
+                    port: Some(p),
+                },
+                numa_node: ctx.numa_node(),
+                // Without a netdev (InfiniBand) the port is nobody else's.
+                local_netdev: netdev.map_or(true, |n| {
+                    std::path::Path::new("/sys/class/net").join(n).exists()
+                }),
+            });
+        }
+    }
+    out
+}
+
+/// `rails`, or (empty) the default ([`pick_default_rails`]), logged.
+pub fn rails_or_default(rails: &[RailName], gid_index: Option<u32>) -> Vec<RailName> {
+    if !rails.is_empty() {
+        return rails.to_vec();
+    }
+    let (picked, skipped) = pick_default_rails(&ports_seen(gid_index));
+    for (r, why) in &skipped {
+        tracing::info!(rail = %r, "rail not used by default: {why}");
+    }
+    if !picked.is_empty() {
+        tracing::info!(
+            rails = %crate::parse::RailList(picked.clone()),
+            "no --device: every ACTIVE port of this namespace and NUMA node"
+        );
+    }
+    picked
 }
 
 pub fn ep_to_proto(e: &QpEndpoint) -> proto::QpEndpoint {
@@ -115,27 +210,46 @@ pub fn ep_from_proto(e: &proto::QpEndpoint) -> Result<QpEndpoint> {
     })
 }
 
-/// A device opened with its active port and chosen GID.
+/// A device opened with its active port and chosen GID: one rail.
 pub struct Device {
     pub ctx: Arc<Context>,
     pub pd: Arc<ProtectionDomain>,
     pub port: u8,
     pub gid_index: u32,
+    pub gid: Gid,
     pub gid_reason: String,
 }
 
 impl Device {
-    pub fn open(name: Option<&str>, gid_index: Option<u32>) -> Result<Device> {
-        let ctx = Context::open(name).map_err(provider)?;
-        let (port, gid) = ctx.select_port(gid_index).map_err(provider)?;
+    /// Open `rail` (`None`: the first device with an ACTIVE port).
+    pub fn open(rail: Option<&RailName>, gid_index: Option<u32>) -> Result<Device> {
+        let ctx = Context::open(rail.map(|r| r.device.as_str())).map_err(provider)?;
+        let (port, gid) = ctx
+            .select_rail_port(rail.and_then(|r| r.port), gid_index)
+            .map_err(provider)?;
         let pd = ProtectionDomain::new(&ctx).map_err(provider)?;
         Ok(Device {
             ctx,
             pd,
             port: port.port,
             gid_index: gid.entry.index,
+            gid: gid.entry.gid,
             gid_reason: gid.reason,
         })
+    }
+
+    /// `device:port`, for logs and summaries.
+    pub fn rail_name(&self) -> String {
+        format!("{}:{}", self.ctx.name(), self.port)
+    }
+
+    /// The rail's address for pairing (the subnet's prefix is not known
+    /// here: [`RailAddr`]'s default applies).
+    pub fn rail_addr(&self) -> RailAddr {
+        RailAddr {
+            gid: self.gid,
+            prefix_len: 0,
+        }
     }
 
     /// A new RC QP in INIT with its own CQ, in the device's PD.
@@ -212,27 +326,47 @@ pub fn connect_params(init: u32, resp: u32, retry: QpRetry) -> ConnectParams {
     }
 }
 
+/// One of the client's rails: the device, the session's QP on it and the
+/// staging registered in its protection domain.
+pub struct ClientRail {
+    pub device: Device,
+    /// The rail's QP, created before the handshake.
+    pub channel: Arc<VerbsChannel>,
+    /// The key the staging is registered under in the rail's PD.
+    pub lkey: u32,
+    // Fields drop in order: the QP before the registration.
+    _reg: Arc<dyn Registration>,
+}
+
+impl ClientRail {
+    /// The handshake's parameters for this rail's QP.
+    pub fn params(&self) -> proto::VerbsParams {
+        self.device.params(&self.channel)
+    }
+}
+
 /// The client's local side: staging windows registered with its provider
-/// once, for the whole session.
+/// once, for the whole session (verbs: in every rail's PD).
 pub struct ClientLink {
     pub kind: ProviderKind,
-    pub device: Option<Device>,
+    /// Verbs: one per rail, in the order given (`--device`, each repeated
+    /// `--qps-per-rail` times).
+    pub rails: Vec<ClientRail>,
     pub tcp_domain: Option<Arc<TcpDomain>>,
+    /// TCP: the staging's registration.
+    tcp_reg: Option<Arc<dyn Registration>>,
     /// Staging windows, each laid out like the server window it moves.
+    /// Declared last: the arena outlives every registration of it.
     pub slots: BlockPool,
-    /// The key every slot is registered under.
-    pub lkey: u32,
-    _arena_reg: Arc<dyn Registration>,
-    /// Verbs: the QP, created before the handshake.
-    pub verbs_channel: Option<Arc<VerbsChannel>>,
 }
 
 impl ClientLink {
     /// Open the provider and register `windows` staging windows of
-    /// `window_size` bytes.
+    /// `window_size` bytes; verbs: a QP and a registration on each of
+    /// `rails` (empty: the first device with an ACTIVE port).
     pub fn open(
         kind: ProviderKind,
-        device: Option<&str>,
+        rails: &[RailName],
         gid_index: Option<u32>,
         window_size: usize,
         windows: usize,
@@ -243,51 +377,147 @@ impl ClientLink {
             .map_err(|e| ControlError::Other(format!("staging arena: {e}")))?;
         let staging = PeerSpan::new(&arena, arena.addr(), arena.len())
             .ok_or_else(|| ControlError::Other("staging span".into()))?;
-        let (device, tcp_domain, reg, verbs_channel): (_, _, Arc<dyn Registration>, _) = match kind
-        {
+        let mut out = Vec::new();
+        let mut tcp_domain = None;
+        let mut tcp_reg = None;
+        match kind {
             ProviderKind::Verbs => {
-                let dev = Device::open(device, gid_index)?;
-                let reg =
-                    VerbsDomain { pd: dev.pd.clone() }.register(&staging, Access::LOCAL_WRITE)?;
-                let qp = dev.queue_pair(256, max_inline, Access::LOCAL_READ, true)?;
-                let ch = Arc::new(VerbsChannel::new(qp));
-                (Some(dev), None, reg, Some(ch))
+                let names: Vec<Option<&RailName>> = match rails {
+                    [] => vec![None],
+                    r => r.iter().map(Some).collect(),
+                };
+                let several = names.len() > 1;
+                let mut first_err = None;
+                for name in names {
+                    // With several rails, one that cannot open (its port
+                    // is down) is left out of this session; the others
+                    // carry it.
+                    let dev = match Device::open(name, gid_index) {
+                        Ok(d) => d,
+                        Err(e) if several => {
+                            tracing::warn!(
+                                rail = %name.map(ToString::to_string).unwrap_or_default(),
+                                error = %e,
+                                "rail left out of this session"
+                            );
+                            first_err.get_or_insert(e);
+                            continue;
+                        }
+                        Err(e) => return Err(e),
+                    };
+                    let reg = VerbsDomain { pd: dev.pd.clone() }
+                        .register(&staging, Access::LOCAL_WRITE)?;
+                    let qp = dev.queue_pair(256, max_inline, Access::LOCAL_READ, true)?;
+                    out.push(ClientRail {
+                        device: dev,
+                        channel: Arc::new(VerbsChannel::new(qp)),
+                        lkey: reg.lkey(),
+                        _reg: reg,
+                    });
+                }
+                if out.is_empty() {
+                    return Err(first_err.expect("a rail failed to open"));
+                }
             }
             ProviderKind::Tcp => {
                 let d = TcpDomain::new();
-                let reg: Arc<dyn Registration> = d.register_span(&staging, Access::LOCAL_WRITE)?;
-                (None, Some(d), reg, None)
+                tcp_reg =
+                    Some(d.register_span(&staging, Access::LOCAL_WRITE)? as Arc<dyn Registration>);
+                tcp_domain = Some(d);
             }
-        };
+        }
         let slots = arena
             .into_pool(window_size)
             .map_err(|e| ControlError::Other(format!("staging pool: {e}")))?;
         Ok(ClientLink {
             kind,
-            device,
+            rails: out,
             tcp_domain,
+            tcp_reg,
             slots,
-            lkey: reg.lkey(),
-            _arena_reg: reg,
-            verbs_channel,
         })
     }
 
-    /// Verbs parameters for the handshake request.
+    /// The key of the staging on rail 0 (verbs) or the TCP domain.
+    pub fn lkey(&self) -> u32 {
+        match (&self.tcp_reg, self.rails.first()) {
+            (Some(r), _) => r.lkey(),
+            (None, Some(r)) => r.lkey,
+            (None, None) => 0,
+        }
+    }
+
+    /// Verbs parameters of rail 0 for the handshake request.
     pub fn verbs_params(&self) -> Option<proto::VerbsParams> {
-        let dev = self.device.as_ref()?;
-        let ch = self.verbs_channel.as_ref()?;
-        let caps = dev.ctx.caps();
-        Some(proto::VerbsParams {
-            endpoint: Some(ep_to_proto(&ch.endpoint())),
-            max_qp_rd_atom: caps.max_qp_rd_atom,
-            max_qp_init_rd_atom: caps.max_qp_init_rd_atom,
-            max_inline: ch.caps().max_inline,
-        })
+        self.rails.first().map(ClientRail::params)
     }
 
-    /// Connect the data channel with what the server answered; `retry`:
-    /// the QP's ACK timeout and retry count (it issues the requests).
+    /// Every rail's parameters for the handshake request.
+    pub fn rail_params(&self) -> Vec<proto::RailParams> {
+        self.rails
+            .iter()
+            .map(|r| proto::RailParams {
+                verbs: Some(r.params()),
+                prefix_len: u32::from(r.device.rail_addr().prefix_len),
+            })
+            .collect()
+    }
+
+    /// Verbs: connect the rails rcpd paired (its `rails`, or rail 0 alone
+    /// to an rcpd that sent none); the local rail of each session rail, in
+    /// the session's order. `retry`: the QPs' ACK timeout and retry count
+    /// (they issue the requests).
+    pub fn connect_rails(
+        &self,
+        resp: &proto::HandshakeResponse,
+        retry: QpRetry,
+    ) -> Result<Vec<usize>> {
+        let pairs: Vec<(usize, &proto::VerbsParams)> = if resp.rails.is_empty() {
+            let v = resp.verbs.as_ref().ok_or_else(|| {
+                ControlError::Invalid("server chose verbs but sent no endpoint".into())
+            })?;
+            vec![(0, v)]
+        } else {
+            let mut seen = std::collections::HashSet::new();
+            resp.rails
+                .iter()
+                .map(|p| {
+                    let k = p.client_rail as usize;
+                    if k >= self.rails.len() || !seen.insert(k) {
+                        return Err(ControlError::Invalid(format!(
+                            "rcpd paired client rail {k}, which this rcp has not (it has {}) or gave twice",
+                            self.rails.len()
+                        )));
+                    }
+                    let v = p.verbs.as_ref().ok_or_else(|| {
+                        ControlError::Invalid("a rail pairing without an endpoint".into())
+                    })?;
+                    Ok((k, v))
+                })
+                .collect::<Result<_>>()?
+        };
+        for &(k, v) in &pairs {
+            let rail = &self.rails[k];
+            let ep = ep_from_proto(
+                v.endpoint
+                    .as_ref()
+                    .ok_or_else(|| ControlError::Invalid("server sent no QP endpoint".into()))?,
+            )?;
+            let caps = rail.device.ctx.caps();
+            let params = connect_params(
+                resp.client_rd_atomic,
+                caps.max_qp_rd_atom.min(v.max_qp_init_rd_atom),
+                retry,
+            );
+            rail.channel.handshake(&ep, &params).map_err(provider)?;
+        }
+        Ok(pairs.into_iter().map(|(k, _)| k).collect())
+    }
+
+    /// Connect the data channel: verbs, rail 0 alone ([`connect_rails`]
+    /// for several); tcp, the session's connections.
+    ///
+    /// [`connect_rails`]: Self::connect_rails
     pub fn connect(
         &self,
         resp: &proto::HandshakeResponse,
@@ -296,22 +526,8 @@ impl ClientLink {
     ) -> Result<Arc<dyn Channel>> {
         match self.kind {
             ProviderKind::Verbs => {
-                let ch = self.verbs_channel.clone().expect("verbs link has a QP");
-                let v = resp.verbs.as_ref().ok_or_else(|| {
-                    ControlError::Invalid("server chose verbs but sent no endpoint".into())
-                })?;
-                let ep =
-                    ep_from_proto(v.endpoint.as_ref().ok_or_else(|| {
-                        ControlError::Invalid("server sent no QP endpoint".into())
-                    })?)?;
-                let caps = self.device.as_ref().expect("device").ctx.caps();
-                let params = connect_params(
-                    resp.client_rd_atomic,
-                    caps.max_qp_rd_atom.min(v.max_qp_init_rd_atom),
-                    retry,
-                );
-                ch.handshake(&ep, &params).map_err(provider)?;
-                Ok(ch)
+                let used = self.connect_rails(resp, retry)?;
+                Ok(self.rails[used[0]].channel.clone())
             }
             ProviderKind::Tcp => {
                 let host = if resp.tcp_data_host.is_empty()
@@ -384,7 +600,9 @@ impl std::str::FromStr for MemoryWindows {
 #[derive(Clone, Debug)]
 pub struct ServerLinkConfig {
     pub kind: ProviderKind,
-    pub device: Option<String>,
+    /// Verbs: the rails rcpd serves on (empty: the default rails); the
+    /// arena sits on the first one's NUMA node.
+    pub rails: Vec<RailName>,
     pub gid_index: Option<u32>,
     pub arena_bytes: usize,
     pub hugepage_dir: Option<PathBuf>,
@@ -420,7 +638,12 @@ pub enum WindowAccess {
 /// windows granted to it are reachable.
 pub struct ServerLink {
     pub kind: ProviderKind,
+    /// Verbs: rail 0 (its PD holds the arena's registration for memory
+    /// windows).
     pub device: Option<Device>,
+    /// Verbs: rails 1.. (a session's window reaches them through a
+    /// registration per grant in a protection domain of its own on each).
+    pub extra: Vec<Device>,
     pub tcp_target: Option<TcpTarget>,
     pub windows: WindowAccess,
     pub slots: BlockPool,
@@ -435,9 +658,20 @@ const SERVER_SQ_DEPTH: u32 = 16;
 
 impl ServerLink {
     pub fn open(cfg: &ServerLinkConfig) -> Result<ServerLink> {
-        let device = match cfg.kind {
-            ProviderKind::Verbs => Some(Device::open(cfg.device.as_deref(), cfg.gid_index)?),
-            ProviderKind::Tcp => None,
+        let (device, extra) = match cfg.kind {
+            ProviderKind::Verbs => {
+                let names = rails_or_default(&cfg.rails, cfg.gid_index);
+                let mut devs = match names.as_slice() {
+                    [] => vec![Device::open(None, cfg.gid_index)?],
+                    n => n
+                        .iter()
+                        .map(|r| Device::open(Some(r), cfg.gid_index))
+                        .collect::<Result<Vec<_>>>()?,
+                };
+                let first = devs.remove(0);
+                (Some(first), devs)
+            }
+            ProviderKind::Tcp => (None, Vec::new()),
         };
         let mut acfg = ArenaConfig::new(cfg.arena_bytes);
         acfg.hugepage_dir = cfg.hugepage_dir.clone();
@@ -462,6 +696,7 @@ impl ServerLink {
         Ok(ServerLink {
             kind: cfg.kind,
             device,
+            extra,
             tcp_target,
             windows,
             slots,
@@ -472,6 +707,30 @@ impl ServerLink {
     /// Whether grants bind memory windows (else: a registration each).
     pub fn memory_windows(&self) -> bool {
         matches!(self.windows, WindowAccess::MemoryWindows { .. })
+    }
+
+    /// Verbs: every rail, rail 0 first.
+    pub fn rails(&self) -> Vec<&Device> {
+        self.device.iter().chain(&self.extra).collect()
+    }
+
+    /// Verbs: a new session's domain on rail `k` for a session over
+    /// several rails: a protection domain of its own there, the session's
+    /// QP for the rail in it, and a registration per grant (a memory
+    /// window is bound to one QP, so it cannot serve several rails).
+    pub fn rail_domain(&self, k: usize) -> Result<SessionDomain> {
+        let dev = *self
+            .rails()
+            .get(k)
+            .ok_or_else(|| ControlError::Other(format!("rcpd has no rail {k}")))?;
+        let remote = Access::REMOTE_WRITE | Access::REMOTE_READ;
+        let pd = ProtectionDomain::new(&dev.ctx).map_err(provider)?;
+        let q = dev.queue_pair_in(&pd, SERVER_SQ_DEPTH, 0, remote, false)?;
+        Ok(SessionDomain {
+            domain: Arc::new(VerbsDomain { pd }),
+            channel: Some(Arc::new(VerbsChannel::new(q))),
+            tcp: None,
+        })
     }
 }
 
@@ -603,5 +862,56 @@ impl ServerLink {
                 "the server link has neither a device nor a TCP target".into(),
             )),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seen(dev: &str, numa: Option<u32>, local: bool) -> PortSeen {
+        PortSeen {
+            rail: RailName {
+                device: dev.into(),
+                port: Some(1),
+            },
+            numa_node: numa,
+            local_netdev: local,
+        }
+    }
+
+    fn names(r: &[RailName]) -> Vec<String> {
+        r.iter().map(ToString::to_string).collect()
+    }
+
+    #[test]
+    fn default_rails_are_this_namespaces_ports_on_the_first_ones_node() {
+        let (r, skipped) = pick_default_rails(&[
+            seen("mlx5_0", Some(0), true),
+            seen("mlx5_1", Some(1), true),
+            seen("mlx5_2", Some(0), true),
+            seen("mlx5_3", Some(0), false),
+        ]);
+        assert_eq!(names(&r), ["mlx5_0:1", "mlx5_2:1"]);
+        let why: Vec<String> = skipped.iter().map(|(r, w)| format!("{r}: {w}")).collect();
+        assert_eq!(
+            why,
+            [
+                "mlx5_3:1: its netdev is in another network namespace",
+                "mlx5_1:1: NUMA node 1, not the arena's node 0",
+            ]
+        );
+    }
+
+    #[test]
+    fn default_rails_without_numa_information_take_every_local_port() {
+        let (r, skipped) = pick_default_rails(&[
+            seen("rxea0", None, true),
+            seen("rxeb0", None, false),
+            seen("rxea1", None, true),
+        ]);
+        assert_eq!(names(&r), ["rxea0:1", "rxea1:1"]);
+        assert_eq!(skipped.len(), 1);
+        assert!(pick_default_rails(&[]).0.is_empty());
     }
 }

@@ -99,7 +99,7 @@ pub(crate) fn in_place<R>(f: impl FnOnce() -> R) -> R {
 
 /// Protocol version spoken.
 pub const VERSION_MAJOR: u32 = 2;
-pub const VERSION_MINOR: u32 = 0;
+pub const VERSION_MINOR: u32 = 1;
 /// Default gRPC port of rcpd.
 pub const DEFAULT_PORT: u16 = 7471;
 /// Default block size.

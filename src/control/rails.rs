@@ -23,6 +23,9 @@ use std::net::{Ipv4Addr, Ipv6Addr};
 
 use crate::verbs::Gid;
 
+/// The most QPs per rail a session takes (`--qps-per-rail`).
+pub const MAX_QPS_PER_RAIL: u32 = 16;
+
 /// A rail's address for pairing.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RailAddr {

@@ -84,7 +84,10 @@ impl Session {
     pub async fn open(c: &mut Client, kind: ProviderKind, block_size: u64) -> Session {
         let dev = super::Topology::from_env().rcp_device;
         let link = tokio::task::spawn_blocking(move || {
-            ClientLink::open(kind, dev.as_deref(), None, STAGING, 2, 0).unwrap()
+            let rails = dev
+                .map(|d| rcp::parse::rails(&d).expect("a rail list"))
+                .unwrap_or_default();
+            ClientLink::open(kind, &rails, None, STAGING, 2, 0).unwrap()
         })
         .await
         .unwrap();
@@ -184,7 +187,7 @@ impl Session {
             local: LocalSeg {
                 addr: local,
                 len: len as u32,
-                lkey: self.link.lkey,
+                lkey: self.link.lkey(),
             },
             remote: RemoteSeg { addr, rkey },
             signaled: true,

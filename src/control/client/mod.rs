@@ -60,7 +60,11 @@ pub struct ClientOptions {
     /// Bearer token (`RCP_TOKEN`).
     pub token: Option<String>,
     pub transport: Transport,
-    pub device: Option<String>,
+    /// Verbs: the rails to use (`--device a,b`; empty: every ACTIVE port
+    /// of this namespace on the arena's NUMA node).
+    pub rails: Vec<crate::parse::RailName>,
+    /// QPs on each rail (`--qps-per-rail`, 1..=16).
+    pub qps_per_rail: u32,
     pub gid_index: Option<u32>,
     /// Block size, a power of two >= 4096.
     pub block_size: u64,
@@ -102,7 +106,8 @@ impl Default for ClientOptions {
         ClientOptions {
             token: None,
             transport: Transport::Auto,
-            device: None,
+            rails: Vec::new(),
+            qps_per_rail: 1,
             gid_index: None,
             block_size: DEFAULT_BLOCK_SIZE,
             batch: 32,

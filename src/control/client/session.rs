@@ -1,6 +1,8 @@
 //! A client session: the handshake, and the data path it sets up once for
 //! every file moved over it.
 
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
 use std::sync::Arc;
 
 use tokio::sync::mpsc::UnboundedReceiver;
@@ -9,15 +11,17 @@ use super::io::FileJob;
 use super::{Client, ClientOptions, Rpc};
 use crate::control::error::{ControlError, Result};
 use crate::control::link::{
-    connect_params, ep_from_proto, ep_to_proto, resolve_transport, ClientLink,
+    connect_params, ep_from_proto, ep_to_proto, rails_or_default, resolve_transport, ClientLink,
 };
 use crate::control::protocol::{check_from_wire, check_to_wire, Params};
+use crate::control::rails::MAX_QPS_PER_RAIL;
 use crate::control::{VERSION_MAJOR, VERSION_MINOR, WINDOW_SIZE};
-use crate::datapath::{DataPath, DataPathConfig, DpEvent, PollMode, ReconnectError, Report};
+use crate::datapath::{DataPath, DataPathConfig, DpEvent, PollMode, RailSpec, Report};
 use crate::mem::Block;
+use crate::parse::RailName;
 use crate::proto;
 use crate::provider::{Channel, ProviderKind};
-use crate::verbs::PortWatcher;
+use crate::verbs::{PortWatcher, VerbsChannel};
 
 /// Times a damaged block moves again before its file fails.
 const MAX_RETRIES: u32 = 3;
@@ -57,6 +61,8 @@ pub struct FileResult {
 #[derive(Clone, Debug, Default)]
 pub struct SessionStats {
     pub report: Report,
+    /// Each rail's `device:port`, in the data path's order (empty: tcp).
+    pub rails: Vec<String>,
 }
 
 /// A session: one data path, any number of files.
@@ -68,6 +74,12 @@ pub struct Session {
     pub(super) link: Arc<ClientLink>,
     pub(super) id: u64,
     pub(super) params: Params,
+    /// The staging's key on the session's rail 0 (each job's `lkey`).
+    pub(super) lkey: u32,
+    /// Several rails: each window's rkey on every rail, by rail 0's.
+    pub(super) keys: Option<Arc<RailKeys>>,
+    /// Each rail's `device:port`, in the data path's order.
+    pub(super) rail_names: Vec<String>,
     /// Staging lent to the device by a stream that failed: kept until the
     /// data path is closed (see `DataPath::submit`'s contract).
     pub(super) quarantine: Vec<Block>,
@@ -108,7 +120,7 @@ pub fn datapath_config(kind: ProviderKind, o: &ClientOptions) -> DataPathConfig 
 impl Client {
     /// Open a session: provider, handshake, data path.
     pub async fn session(&self) -> Result<Session> {
-        let (kind, why) = resolve_transport(self.opts.transport, self.opts.device.as_deref());
+        let (kind, why) = resolve_transport(self.opts.transport, &self.opts.rails);
         self.session_with(kind, why).await
     }
 
@@ -123,18 +135,20 @@ impl Client {
         }
         o.check_bwlimit()?;
         let windows = o.windows.clamp(1, 64);
-        let (dev, gid) = (o.device.clone(), o.gid_index);
+        let gid = o.gid_index;
+        let per = o.qps_per_rail.clamp(1, MAX_QPS_PER_RAIL);
+        // Each rail `per` times, a QP each.
+        let names: Vec<RailName> = match kind {
+            ProviderKind::Verbs => rails_or_default(&o.rails, gid)
+                .iter()
+                .flat_map(|r| std::iter::repeat(r.clone()).take(per as usize))
+                .collect(),
+            ProviderKind::Tcp => Vec::new(),
+        };
         // Ask the QP for inline room; the data path clamps per WR.
         let inline = o.inline.unwrap_or(64);
         let link = tokio::task::spawn_blocking(move || {
-            ClientLink::open(
-                kind,
-                dev.as_deref(),
-                gid,
-                WINDOW_SIZE,
-                windows as usize,
-                inline,
-            )
+            ClientLink::open(kind, &names, gid, WINDOW_SIZE, windows as usize, inline)
         })
         .await
         .map_err(|e| ControlError::Other(e.to_string()))??;
@@ -146,6 +160,8 @@ impl Client {
                 ProviderKind::Tcp => proto::Provider::Tcp as i32,
             }],
             verbs: link.verbs_params(),
+            rails: link.rail_params(),
+            qps_per_rail: per,
             block_size: bs,
             client_name: std::fs::read_to_string("/proc/sys/kernel/hostname")
                 .map(|h| h.trim().to_string())
@@ -210,43 +226,98 @@ impl Client {
         };
         let link = Arc::new(link);
         let (l2, r2, host, retry) = (link.clone(), resp.clone(), self.host.clone(), o.qp_retry);
-        let channel: Arc<dyn Channel> =
-            tokio::task::spawn_blocking(move || l2.connect(&r2, &host, retry))
-                .await
-                .map_err(|e| ControlError::Other(e.to_string()))??;
-        // Watch the port's async events so a reconnect after a link cut
-        // starts as soon as the port is ACTIVE again. Best effort: without
-        // it the reconnect backs off blind.
-        let monitor: Option<Arc<dyn crate::datapath::PortMonitor>> = match link
-            .device
-            .as_ref()
-            .map(|d| PortWatcher::spawn(&d.ctx, d.port))
-        {
-            Some(Ok(w)) => Some(Arc::new(w)),
-            Some(Err(e)) => {
-                tracing::warn!(error = %e, "cannot watch async events; reconnects back off blind");
-                None
-            }
-            None => None,
-        };
-        let reconnect = reconnector(
-            &link,
-            &self.rpc,
-            resp.session_id,
-            resp.client_rd_atomic,
-            retry,
-        );
         let cfg = datapath_config(kind, &o);
-        let dp = DataPath::start(cfg, channel.clone(), reconnect, monitor)
-            .map_err(ControlError::DataPath)?;
-        if let Some(m) = &o.metrics {
-            let (device, qp) = match (&link.device, link.verbs_params()) {
-                (Some(d), Some(p)) => (d.ctx.name().to_string(), p.endpoint.map_or(0, |e| e.qpn)),
-                _ => ("tcp".to_string(), resp.session_id as u32),
-            };
-            let sq = channel.caps().sq_depth;
-            m.track(&device, qp, sq, sq, dp.stats());
-        }
+        let mut rail_names = Vec::new();
+        let (dp, lkey, keys) = match kind {
+            ProviderKind::Tcp => {
+                let channel: Arc<dyn Channel> =
+                    tokio::task::spawn_blocking(move || l2.connect(&r2, &host, retry))
+                        .await
+                        .map_err(|e| ControlError::Other(e.to_string()))??;
+                let reconnect: crate::datapath::ReconnectFn =
+                    Box::new(|| Err("the TCP data connection broke; rerun with --resume".into()));
+                let dp = DataPath::start(cfg, channel.clone(), reconnect, None)
+                    .map_err(ControlError::DataPath)?;
+                if let Some(m) = &o.metrics {
+                    let sq = channel.caps().sq_depth;
+                    m.track("tcp", resp.session_id as u32, sq, sq, dp.stats());
+                }
+                (dp, link.lkey(), None)
+            }
+            ProviderKind::Verbs => {
+                let used = tokio::task::spawn_blocking(move || l2.connect_rails(&r2, retry))
+                    .await
+                    .map_err(|e| ControlError::Other(e.to_string()))??;
+                rail_names = used
+                    .iter()
+                    .map(|&l| link.rails[l].device.rail_name())
+                    .collect();
+                for (k, (&local, p)) in used.iter().zip(&resp.rails).enumerate() {
+                    tracing::info!(
+                        rail = k,
+                        device = %link.rails[local].device.rail_name(),
+                        gid = %link.rails[local].device.gid,
+                        by = %p.paired_by,
+                        "session rail"
+                    );
+                }
+                let keys = (used.len() > 1).then(|| Arc::new(RailKeys::default()));
+                let epoch = Arc::new(AtomicU32::new(0));
+                let mut specs = Vec::with_capacity(used.len());
+                for (k, &local) in used.iter().enumerate() {
+                    let rail = &link.rails[local];
+                    let reconnect = reconnector(
+                        rail.channel.clone(),
+                        &self.rpc,
+                        resp.session_id,
+                        resp.client_rd_atomic,
+                        retry,
+                        epoch.clone(),
+                    );
+                    let ch: Arc<dyn Channel> = rail.channel.clone();
+                    let mut spec = RailSpec::new(ch, reconnect);
+                    spec.numa_node = rail.device.ctx.numa_node();
+                    // Watch the port's async events so a reconnect after a
+                    // link cut starts as soon as the port is ACTIVE again
+                    // (and, with several rails, a port going down fails
+                    // its rail at once). Best effort: without it the
+                    // reconnect backs off blind.
+                    match PortWatcher::spawn(&rail.device.ctx, rail.device.port) {
+                        Ok(w) => spec = spec.with_monitor(Arc::new(w)),
+                        Err(e) => tracing::warn!(
+                            error = %e,
+                            rail = k,
+                            "cannot watch async events; reconnects back off blind"
+                        ),
+                    }
+                    if keys.is_some() {
+                        let f = rail.channel.clone();
+                        spec = spec.with_fence(Box::new(move |_| {
+                            f.set_error()?;
+                            Ok(())
+                        }));
+                    }
+                    if let (Some(keys), true) = (&keys, k > 0) {
+                        let (keys, lkey) = (keys.clone(), rail.lkey);
+                        spec = spec.with_keys(Box::new(move |_, rkey| (lkey, keys.get(rkey, k))));
+                    }
+                    specs.push(spec);
+                }
+                let dp = DataPath::start_rails(cfg, specs).map_err(ControlError::DataPath)?;
+                let first = &link.rails[used[0]];
+                if let Some(m) = &o.metrics {
+                    let sq = first.channel.caps().sq_depth;
+                    m.track(
+                        first.device.ctx.name(),
+                        first.channel.endpoint().qpn,
+                        sq,
+                        sq,
+                        dp.stats(),
+                    );
+                }
+                (dp, first.lkey, keys)
+            }
+        };
         let events = dp.take_events();
         Ok(Session {
             rpc: self.rpc.clone(),
@@ -256,6 +327,9 @@ impl Client {
             link,
             id: resp.session_id,
             params,
+            lkey,
+            keys,
+            rail_names,
             quarantine: Vec::new(),
             direction: None,
             transport: why,
@@ -288,37 +362,63 @@ impl ClientOptions {
     }
 }
 
-/// The data path's reconnect callback: verbs resets the QP, exchanges fresh
-/// endpoints with `Reconnect` and connects again; a TCP channel cannot be
-/// replaced under a running stream (the caller resumes).
+/// A window's rkey on each rail of a session, by its rkey on rail 0: filled
+/// from each Grant before its job is submitted, emptied at its WindowDone;
+/// the data path reads it when it posts a window's extents on another rail
+/// ([`RailSpec::with_keys`]).
+#[derive(Default)]
+pub struct RailKeys(std::sync::Mutex<HashMap<u32, Vec<u32>>>);
+
+impl RailKeys {
+    pub fn insert(&self, rkey: u32, rails: Vec<u32>) {
+        self.0.lock().unwrap().insert(rkey, rails);
+    }
+
+    pub fn remove(&self, rkey: u32) {
+        self.0.lock().unwrap().remove(&rkey);
+    }
+
+    /// The rkey on `rail` of the window whose rail-0 rkey is `rkey`. A
+    /// window that is not known (never: the stream driver inserts before it
+    /// submits) keeps `rkey`, which the rail's device refuses with a remote
+    /// access error: the rail fails, the bytes never land elsewhere.
+    pub fn get(&self, rkey: u32, rail: usize) -> u32 {
+        self.0
+            .lock()
+            .unwrap()
+            .get(&rkey)
+            .and_then(|v| v.get(rail).copied())
+            .unwrap_or(rkey)
+    }
+}
+
+/// A rail's reconnect callback: reset its QP, exchange fresh endpoints
+/// with `Reconnect` (naming the rail) and connect again.
 fn reconnector(
-    link: &Arc<ClientLink>,
+    vc: Arc<VerbsChannel>,
     rpc: &Rpc,
     id: u64,
     rd: u32,
     retry: crate::datapath::QpRetry,
-) -> Box<dyn FnMut() -> std::result::Result<(), ReconnectError> + Send> {
-    let vc = link.verbs_channel.clone();
+    epoch: Arc<AtomicU32>,
+) -> crate::datapath::RailReconnectFn {
     let rpc = rpc.clone();
     let handle = tokio::runtime::Handle::current();
-    let mut epoch = 0u32;
-    Box::new(move || {
-        let Some(vc) = &vc else {
-            return Err("the TCP data connection broke; rerun with --resume".into());
-        };
+    Box::new(move |rail: usize| {
         let ep = vc.reset()?;
-        epoch += 1;
+        let epoch = epoch.fetch_add(1, Relaxed) + 1;
         let resp = handle.block_on(rpc.clone().reconnect(proto::ReconnectRequest {
             session_id: id,
             endpoint: Some(ep_to_proto(&ep)),
             epoch,
+            rail: rail as u32,
         }))?;
         let sep = resp
             .into_inner()
             .endpoint
             .ok_or("the server sent no endpoint")?;
         vc.handshake(&ep_from_proto(&sep)?, &connect_params(rd, rd, retry))?;
-        tracing::info!(epoch, "reconnected");
+        tracing::info!(epoch, rail, "reconnected");
         Ok(())
     })
 }
@@ -326,6 +426,11 @@ fn reconnector(
 impl Session {
     pub fn id(&self) -> u64 {
         self.id
+    }
+
+    /// The rails of the session's data path (1: one QP, or tcp).
+    pub fn rails(&self) -> usize {
+        self.dp.as_ref().map_or(1, |d| d.stats().rails.len())
     }
 
     pub fn block_size(&self) -> u64 {
@@ -382,7 +487,10 @@ impl Session {
                 session_id: self.id,
             })
             .await?;
-        Ok(SessionStats { report })
+        Ok(SessionStats {
+            report,
+            rails: std::mem::take(&mut self.rail_names),
+        })
     }
 }
 

@@ -446,13 +446,26 @@ impl Driver<'_> {
 
     /// Lend a staging slot to the data path for a window.
     fn submit(&mut self, op: OpKind, grant: proto::Grant, slot: Block, digests: Vec<Digest>) {
+        if let Some(keys) = &self.s.keys {
+            // Several rails: the window's key on each, before any of its
+            // extents can be posted on one.
+            let rails = self.s.rails();
+            if grant.rail_rkeys.len() != rails || grant.rail_rkeys.first() != Some(&grant.rkey) {
+                drop(slot);
+                return self.core.abort(Failure::invalid(format!(
+                    "a grant with {} rail rkeys on a session of {rails} rails",
+                    grant.rail_rkeys.len()
+                )));
+            }
+            keys.insert(grant.rkey, grant.rail_rkeys.clone());
+        }
         let id = self.next_dp;
         self.next_dp += 1;
         let job = WindowJob {
             id,
             op,
             local_addr: slot.addr(),
-            lkey: self.s.link.lkey,
+            lkey: self.s.lkey,
             remote_addr: grant.addr,
             rkey: grant.rkey,
             extents: grant
@@ -466,7 +479,8 @@ impl Driver<'_> {
         };
         let dp = self.s.dp.as_ref().expect("a live session has a data path");
         // SAFETY: `slot` lies in the staging arena registered under
-        // `link.lkey` with this session's provider, and every extent lies
+        // `lkey` (and on every other rail under the keys just noted) with
+        // this session's provider, and every extent lies
         // inside it (the core checked each against the window size, which
         // is at most the slot's). The slot is moved into `self.lent` and
         // nothing touches it until the data path reports this id done;
@@ -493,6 +507,9 @@ impl Driver<'_> {
                 let Some(l) = self.lent.remove(&id) else {
                     return;
                 };
+                if let Some(keys) = &self.s.keys {
+                    keys.remove(l.grant.rkey);
+                }
                 let (window, epoch) = (l.grant.window, l.grant.epoch);
                 match Direction::try_from(self.dir_of(&l.grant)) {
                     Ok(Direction::Push) => {

@@ -140,14 +140,15 @@ impl Totals {
 
 /// `rcp -v`'s line per rail of the session's data path, from its report
 /// (the engine's counts): what the rail carried and what happened to it.
-pub fn rail_lines(r: &crate::datapath::Report) -> Vec<String> {
+pub fn rail_lines(r: &crate::datapath::Report, names: &[String]) -> Vec<String> {
     r.rails
         .iter()
         .enumerate()
         .map(|(k, x)| {
             let errors: u64 = x.errors.values().sum();
+            let name = names.get(k).map(|n| format!(" ({n})")).unwrap_or_default();
             let mut s = format!(
-                "rail {k}: {} blocks, {} bytes, {errors} error CQEs, {} failures, {} blocks \
+                "rail {k}{name}: {} blocks, {} bytes, {errors} error CQEs, {} failures, {} blocks \
                  requeued, {} reconnects, {} pauses",
                 x.msgs, x.bytes, x.failures, x.requeued, x.reconnects, x.pauses
             );
@@ -497,7 +498,7 @@ pub async fn doctor(
 ) -> crate::doctor::Diagnosis {
     use crate::doctor::{diagnose, Check, DoctorOptions, Level};
     let d_opts = DoctorOptions {
-        device: opts.device.clone(),
+        device: opts.rails.first().map(|r| r.device.clone()),
         gid_index: opts.gid_index,
         arena_bytes: 32 << 20,
     };
@@ -556,7 +557,7 @@ mod tests {
     fn a_line_per_rail() {
         use crate::datapath::{RailReport, Report};
         let mut r = Report::default();
-        assert!(rail_lines(&r).is_empty());
+        assert!(rail_lines(&r, &[]).is_empty());
         r.rails = vec![
             RailReport {
                 msgs: 3,
@@ -575,9 +576,9 @@ mod tests {
             },
         ];
         assert_eq!(
-            rail_lines(&r),
+            rail_lines(&r, &["rxea0:1".to_string()]),
             vec![
-                "rail 0: 3 blocks, 3145728 bytes, 0 error CQEs, 0 failures, 0 blocks requeued, \
+                "rail 0 (rxea0:1): 3 blocks, 3145728 bytes, 0 error CQEs, 0 failures, 0 blocks requeued, \
                  0 reconnects, 0 pauses",
                 "rail 1: 1 blocks, 1048576 bytes, 5 error CQEs, 1 failures, 7 blocks requeued, \
                  1 reconnects, 0 pauses, failover 0.013 s",

@@ -51,7 +51,7 @@ use std::collections::{BTreeMap, BTreeSet};
 pub use client::{
     ClientAction, ClientCore, ClientEvent, FileDone, FileSpec, Held, LocalCommit, SourceMeta,
 };
-pub use server::{CommittedFile, OpenedFile, ServerAction, ServerCore, MAX_FILE_LEN};
+pub use server::{CommittedFile, Granted, OpenedFile, ServerAction, ServerCore, MAX_FILE_LEN};
 
 pub use crate::proto::Reason;
 

@@ -16,6 +16,17 @@ const MAX_EXTENTS: usize = 4096;
 /// Largest file accepted (16 TiB).
 pub const MAX_FILE_LEN: u64 = 16 << 40;
 
+/// A window made reachable ([`ServerCore::granted`]): its address, its
+/// rkey, and (a session over several rails) its rkey on each rail, the
+/// first being `rkey`; pull: the digest of each extent as read.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Granted {
+    pub addr: u64,
+    pub rkey: u32,
+    pub rail_rkeys: Vec<u32>,
+    pub digests: Vec<Digest>,
+}
+
 /// What the driver must do for the ledger. Each action that expects an
 /// answer names the method that takes it.
 #[derive(Debug, PartialEq, Eq)]
@@ -623,19 +634,18 @@ impl ServerCore {
     }
 
     /// The answer to [`ServerAction::Grant`]: where the window is and its
-    /// rkey; pull: the digest of each extent as read.
-    pub fn granted(
-        &mut self,
-        now: u64,
-        window: WindowId,
-        epoch: u32,
-        r: Result<(u64, u32, Vec<Digest>), Failure>,
-    ) {
+    /// keys; pull: the digest of each extent as read.
+    pub fn granted(&mut self, now: u64, window: WindowId, epoch: u32, r: Result<Granted, Failure>) {
         self.answered(now);
         if self.phase != Phase::Running {
             return;
         }
-        let (addr, rkey, digests) = match r {
+        let Granted {
+            addr,
+            rkey,
+            rail_rkeys,
+            digests,
+        } = match r {
             Ok(v) => v,
             Err(f) => return self.end(Err(f)),
         };
@@ -666,6 +676,7 @@ impl ServerCore {
             epoch,
             addr,
             rkey,
+            rail_rkeys,
             len,
             extents: extents.clone(),
             digests: if dir == Direction::Pull {

@@ -434,8 +434,17 @@ impl Sim {
                 let rkey = self.next_rkey;
                 self.next_rkey += 1;
                 self.rkeys.insert(window, rkey);
-                self.server
-                    .granted(now, window, epoch, Ok((window << 32, rkey, digests)));
+                self.server.granted(
+                    now,
+                    window,
+                    epoch,
+                    Ok(Granted {
+                        addr: window << 32,
+                        rkey,
+                        rail_rkeys: Vec::new(),
+                        digests,
+                    }),
+                );
             }
             ServerAction::Verify {
                 window,
@@ -882,9 +891,17 @@ fn a_silent_client_is_evicted_and_a_live_idle_one_is_not() {
                         ..OpenedFile::default()
                     }),
                 ),
-                ServerAction::Grant { window, epoch, .. } => {
-                    s.granted(now, window, epoch, Ok((0, 1, Vec::new())))
-                }
+                ServerAction::Grant { window, epoch, .. } => s.granted(
+                    now,
+                    window,
+                    epoch,
+                    Ok(Granted {
+                        addr: 0,
+                        rkey: 1,
+                        rail_rkeys: Vec::new(),
+                        digests: Vec::new(),
+                    }),
+                ),
                 ServerAction::End(r) => ended = Some((now, r)),
                 _ => {}
             }
@@ -947,9 +964,17 @@ fn keepalives_whose_progress_grows_keep_a_slow_client_and_others_do_not() {
                             ..OpenedFile::default()
                         }),
                     ),
-                    ServerAction::Grant { window, epoch, .. } => {
-                        s.granted(now, window, epoch, Ok((0, 1, Vec::new())))
-                    }
+                    ServerAction::Grant { window, epoch, .. } => s.granted(
+                        now,
+                        window,
+                        epoch,
+                        Ok(Granted {
+                            addr: 0,
+                            rkey: 1,
+                            rail_rkeys: Vec::new(),
+                            digests: Vec::new(),
+                        }),
+                    ),
                     ServerAction::End(Err(f)) => return Some((now, f)),
                     _ => {}
                 }
@@ -1175,7 +1200,17 @@ fn a_window_of_tiny_files_fits_a_frame() {
             grants += 1;
             assert_eq!(extents.len(), 1024, "4 MiB of 4 KiB-aligned extents");
             let ds = vec![vec![0u8; 32]; extents.len()];
-            s.granted(0, window, epoch, Ok((1, 2, ds)));
+            s.granted(
+                0,
+                window,
+                epoch,
+                Ok(Granted {
+                    addr: 1,
+                    rkey: 2,
+                    rail_rkeys: Vec::new(),
+                    digests: ds,
+                }),
+            );
         }
     }
     assert_eq!(grants, 1);

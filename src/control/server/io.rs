@@ -19,7 +19,7 @@ use super::{Service, SessionState};
 use crate::control::error::ControlError;
 use crate::control::fsutil;
 use crate::control::protocol::{
-    Bitmap, CommittedFile, Digest, Failure, FileId, OpenedFile, Reason,
+    Bitmap, CommittedFile, Digest, Failure, FileId, Granted, OpenedFile, Reason,
 };
 use crate::files::{
     self, Destination, DestinationOptions, DirHandle, FileError, FileKind, PathError, Preserve,
@@ -46,10 +46,11 @@ pub(super) enum Held {
     },
 }
 
-/// A window's arena slot and, while granted, its registration.
+/// A window's arena slot and, while granted, its registrations (one per
+/// rail of the session; dropping them revokes every rkey).
 pub(super) struct Slot {
     pub block: Block,
-    pub reg: Option<Arc<dyn Registration>>,
+    pub reg: Vec<Arc<dyn Registration>>,
     _permit: OwnedSemaphorePermit,
 }
 
@@ -57,7 +58,7 @@ impl Slot {
     pub fn new(block: Block, permit: OwnedSemaphorePermit) -> Self {
         Slot {
             block,
-            reg: None,
+            reg: Vec::new(),
             _permit: permit,
         }
     }
@@ -257,9 +258,9 @@ impl StreamIo {
         extents: &[proto::Extent],
         fill: Option<&HashMap<FileId, Held>>,
         len: usize,
-    ) -> Result<(u64, u32, Vec<Digest>), Failure> {
-        // Revoke the old rkey before touching the memory.
-        slot.reg = None;
+    ) -> Result<Granted, Failure> {
+        // Revoke the old rkeys before touching the memory.
+        slot.reg.clear();
         let mut digests = Vec::new();
         if let Some(files) = fill {
             let mem = slot.block.as_mut_slice();
@@ -304,20 +305,39 @@ impl StreamIo {
             len.max(Self::used(extents)),
         )
         .expect("a window lies inside its slot");
-        let reg = self.register(&span, access).map_err(fail)?;
-        let r = (reg.addr(), reg.rkey(), digests);
-        slot.reg = Some(reg);
-        Ok(r)
+        let reg = self
+            .register(&*self.session.domain, &span, access)
+            .map_err(fail)?;
+        let (addr, rkey) = (reg.addr(), reg.rkey());
+        slot.reg.push(reg);
+        // The other rails of the session: the same bytes, registered in
+        // each rail's own domain.
+        for d in self.session.rail_domains() {
+            let r = self.register(&**d, &span, access).map_err(fail)?;
+            slot.reg.push(r);
+        }
+        let rail_rkeys = if slot.reg.len() > 1 {
+            slot.reg.iter().map(|r| r.rkey()).collect()
+        } else {
+            Vec::new()
+        };
+        Ok(Granted {
+            addr,
+            rkey,
+            rail_rkeys,
+            digests,
+        })
     }
 
-    /// Register a window, counting refusals for lack of lockable memory in
-    /// rcp_memlock_failures_total.
+    /// Register a window in `domain`, counting refusals for lack of
+    /// lockable memory in rcp_memlock_failures_total.
     fn register(
         &self,
+        domain: &dyn crate::provider::Domain,
         span: &PeerSpan,
         access: Access,
     ) -> Result<Arc<dyn Registration>, ControlError> {
-        self.session.domain.register(span, access).map_err(|e| {
+        domain.register(span, access).map_err(|e| {
             if let crate::provider::ProviderError::Verbs(v) = &e {
                 if v.hint == crate::verbs::Hint::Memlock {
                     self.svc.metrics.memlock_failure();
@@ -338,7 +358,7 @@ impl StreamIo {
         files: &HashMap<FileId, Held>,
     ) -> Result<Vec<u32>, Failure> {
         // Revoke remote access before reading what landed.
-        slot.reg = None;
+        slot.reg.clear();
         let mem = slot.block.as_slice();
         let slices: Vec<&[u8]> = extents
             .iter()

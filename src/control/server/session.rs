@@ -8,8 +8,9 @@ use std::time::{Duration, Instant};
 
 use super::Service;
 use crate::control::error::{status, ControlError, Reason, Result};
-use crate::control::link::{connect_params, ep_from_proto, ep_to_proto};
+use crate::control::link::{connect_params, ep_from_proto, ep_to_proto, SessionDomain};
 use crate::control::protocol::{check_from_wire, check_to_wire};
+use crate::control::rails::{pair, RailAddr, MAX_QPS_PER_RAIL};
 use crate::control::{DEFAULT_BLOCK_SIZE, VERSION_MAJOR, VERSION_MINOR};
 use crate::files::Check;
 // The server's QPs only respond (the client issues every request): their
@@ -43,6 +44,10 @@ pub struct SessionState {
     /// Verbs: the session's QP (memory windows are bound on it, under its
     /// lock, so never while a reconnect resets it).
     qp: Option<Arc<VerbsChannel>>,
+    /// Verbs, a session over several rails: rails 1.. (rail 0 is `domain`
+    /// and `qp`), each a QP in a protection domain of its own on its
+    /// device, where every grant is registered too.
+    rails: Vec<RailState>,
     /// The negotiated (initiator, responder) depths, reused on reconnect.
     rd: (u32, u32),
     epoch: AtomicU64,
@@ -50,6 +55,21 @@ pub struct SessionState {
     /// clients that vanished without CloseSession are reaped when idle.
     pub active: AtomicU64,
     pub last_used: Mutex<Instant>,
+}
+
+/// One more rail of a session: its QP and the domain its grants are
+/// registered in.
+pub struct RailState {
+    domain: Arc<dyn Domain>,
+    qp: Arc<VerbsChannel>,
+}
+
+impl SessionState {
+    /// The domains of rails 1.. (each grant is registered in all of them
+    /// after `domain`).
+    pub fn rail_domains(&self) -> impl Iterator<Item = &Arc<dyn Domain>> {
+        self.rails.iter().map(|r| &r.domain)
+    }
 }
 
 /// A session unused this long (and with nothing running) is closed.
@@ -184,9 +204,10 @@ impl Service {
         };
         let mut qp = None;
         let mut rd = (1, 1);
-        let sd = self.link.session_domain()?;
-        match self.link.kind {
+        let mut rails = Vec::new();
+        let sd = match self.link.kind {
             ProviderKind::Tcp => {
+                let sd = self.link.session_domain()?;
                 let t = self.link.tcp_target.as_ref().expect("tcp target");
                 resp.tcp_session_key = sd
                     .tcp
@@ -201,31 +222,21 @@ impl Service {
                     a.ip().to_string()
                 };
                 resp.tcp_data_port = u32::from(a.port());
+                sd
             }
             ProviderKind::Verbs => {
-                let v = req.verbs.as_ref().ok_or_else(|| {
-                    ControlError::Invalid("verbs chosen but the request has no verbs params".into())
-                })?;
-                let cep = ep_from_proto(v.endpoint.as_ref().ok_or_else(|| {
-                    ControlError::Invalid("verbs params without an endpoint".into())
-                })?)?;
-                let dev = self.link.device.as_ref().expect("verbs device");
-                let caps = dev.ctx.caps();
-                let ch = sd.channel.clone().expect("a verbs session domain has a QP");
-                let params = dev.params(&ch);
-                let client_rd = v.max_qp_init_rd_atom.min(caps.max_qp_rd_atom).max(1);
-                let server_rd = caps.max_qp_init_rd_atom.min(v.max_qp_rd_atom).max(1);
-                rd = (server_rd, caps.max_qp_rd_atom);
-                ch.handshake(&cep, &connect_params(rd.0, rd.1, QpRetry::default()))
-                    .map_err(|e| ControlError::Provider(e.into()))?;
-                resp.path_mtu = cep.mtu.min(ch.endpoint().mtu);
-                resp.client_rd_atomic = client_rd;
-                resp.server_rd_atomic = server_rd;
-                resp.max_inline = v.max_inline;
-                resp.verbs = Some(params);
-                qp = Some(ch);
+                let (sd, mut more) = self.verbs_rails(id, &req, &mut resp, &mut rd)?;
+                qp = sd.channel.clone();
+                rails = more
+                    .drain(..)
+                    .map(|d| RailState {
+                        qp: d.channel.expect("a verbs rail has a QP"),
+                        domain: d.domain,
+                    })
+                    .collect();
+                sd
             }
-        }
+        };
         self.sessions.lock().unwrap().insert(
             id,
             Arc::new(SessionState {
@@ -238,6 +249,7 @@ impl Service {
                 domain: sd.domain,
                 _tcp_binding: sd.tcp,
                 qp,
+                rails,
                 rd,
                 epoch: AtomicU64::new(0),
                 active: AtomicU64::new(0),
@@ -248,13 +260,142 @@ impl Service {
         Ok(resp)
     }
 
+    /// Verbs: pair the client's rails with rcpd's (the rule of
+    /// [`crate::control::rails`], logged a pair at a time), make a QP for
+    /// each pair and connect it; fills the response's endpoints and depths.
+    /// One pair on rail 0 is today's session (memory windows where the
+    /// device has them); otherwise every rail gets a protection domain of
+    /// its own and a registration per grant. Returns rail 0's domain and
+    /// those of rails 1.. .
+    fn verbs_rails(
+        &self,
+        id: u64,
+        req: &proto::HandshakeRequest,
+        resp: &mut proto::HandshakeResponse,
+        rd: &mut (u32, u32),
+    ) -> Result<(SessionDomain, Vec<SessionDomain>)> {
+        let offered: Vec<(&proto::VerbsParams, u8)> = if req.rails.is_empty() {
+            vec![(
+                req.verbs.as_ref().ok_or_else(|| {
+                    ControlError::Invalid("verbs chosen but the request has no verbs params".into())
+                })?,
+                0,
+            )]
+        } else {
+            req.rails
+                .iter()
+                .map(|r| {
+                    let v = r.verbs.as_ref().ok_or_else(|| {
+                        ControlError::Invalid("a rail without verbs params".into())
+                    })?;
+                    Ok((v, r.prefix_len.min(128) as u8))
+                })
+                .collect::<Result<_>>()?
+        };
+        let mut ceps = Vec::with_capacity(offered.len());
+        for (v, _) in &offered {
+            ceps.push(ep_from_proto(v.endpoint.as_ref().ok_or_else(|| {
+                ControlError::Invalid("verbs params without an endpoint".into())
+            })?)?);
+        }
+        let client: Vec<RailAddr> = ceps
+            .iter()
+            .zip(&offered)
+            .map(|(e, (_, p))| RailAddr {
+                gid: e.gid,
+                prefix_len: *p,
+            })
+            .collect();
+        // --qps-per-rail: each of rcpd's rails as many times as the
+        // client repeated each of its own.
+        let per = req.qps_per_rail.clamp(1, MAX_QPS_PER_RAIL) as usize;
+        let devs = self.link.rails();
+        let server: Vec<(usize, RailAddr)> = devs
+            .iter()
+            .enumerate()
+            .flat_map(|(k, d)| std::iter::repeat((k, d.rail_addr())).take(per))
+            .collect();
+        let addrs: Vec<RailAddr> = server.iter().map(|(_, a)| *a).collect();
+        let pairs = pair(&client, &addrs).map_err(|e| ControlError::Invalid(e.to_string()))?;
+        let single = pairs.len() == 1 && server[pairs[0].remote].0 == 0;
+        let mut domains = Vec::with_capacity(pairs.len());
+        let (mut client_rd, mut server_rd, mut resp_rd) = (u32::MAX, u32::MAX, u32::MAX);
+        let mut mtu = u32::MAX;
+        for p in &pairs {
+            let (v, cep) = (offered[p.local].0, &ceps[p.local]);
+            let k = server[p.remote].0;
+            let dev = devs[k];
+            let sd = if single {
+                self.link.session_domain()?
+            } else {
+                self.link.rail_domain(k)?
+            };
+            let caps = dev.ctx.caps();
+            client_rd = client_rd.min(v.max_qp_init_rd_atom.min(caps.max_qp_rd_atom).max(1));
+            server_rd = server_rd.min(caps.max_qp_init_rd_atom.min(v.max_qp_rd_atom).max(1));
+            resp_rd = resp_rd.min(caps.max_qp_rd_atom);
+            domains.push((sd, cep, dev, p));
+        }
+        *rd = (server_rd, resp_rd);
+        for (sd, cep, dev, p) in &domains {
+            let ch = sd
+                .channel
+                .as_ref()
+                .expect("a verbs session domain has a QP");
+            ch.handshake(cep, &connect_params(rd.0, rd.1, QpRetry::default()))
+                .map_err(|e| ControlError::Provider(e.into()))?;
+            mtu = mtu.min(cep.mtu.min(ch.endpoint().mtu));
+            tracing::info!(
+                session = format_args!("{id:#x}"),
+                client_rail = p.local,
+                client_gid = %cep.gid,
+                rail = %dev.rail_name(),
+                gid = %dev.gid,
+                by = %p.by,
+                "rail paired"
+            );
+            if !req.rails.is_empty() {
+                resp.rails.push(proto::RailPairing {
+                    client_rail: p.local as u32,
+                    verbs: Some(dev.params(ch)),
+                    paired_by: p.by.to_string(),
+                });
+            }
+        }
+        resp.path_mtu = mtu;
+        resp.client_rd_atomic = client_rd;
+        resp.server_rd_atomic = server_rd;
+        resp.max_inline = offered[pairs[0].local].0.max_inline;
+        let mut sds = domains.into_iter().map(|(sd, ..)| sd);
+        let first = sds.next().expect("pair() gives at least one pair");
+        resp.verbs = Some(
+            self.link.rails()[server[pairs[0].remote].0]
+                .params(first.channel.as_ref().expect("a verbs rail has a QP")),
+        );
+        Ok((first, sds.collect()))
+    }
+
     pub(super) fn reconnect(
         &self,
         req: proto::ReconnectRequest,
     ) -> Result<proto::ReconnectResponse> {
         let s = self.session(req.session_id)?;
         let epoch = s.epoch.fetch_add(1, Relaxed) as u32 + 1;
-        match &s.qp {
+        let qp = match req.rail {
+            0 => s.qp.as_ref(),
+            k => Some(
+                &s.rails
+                    .get(k as usize - 1)
+                    .ok_or_else(|| {
+                        ControlError::Invalid(format!(
+                            "reconnect of rail {k}: the session has {} rail(s)",
+                            s.rails.len() + 1
+                        ))
+                    })?
+                    .qp,
+            ),
+        };
+        match qp {
             None => Ok(proto::ReconnectResponse {
                 endpoint: None,
                 epoch,

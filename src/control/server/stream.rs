@@ -14,8 +14,8 @@ use super::io::{Held, Slot, StreamIo};
 use super::Service;
 use crate::control::error::ControlError;
 use crate::control::protocol::{
-    CommittedFile, Digest, Failure, FileId, OpenedFile, Params, Reason, ServerAction, ServerCore,
-    WindowId,
+    CommittedFile, Digest, Failure, FileId, Granted, OpenedFile, Params, Reason, ServerAction,
+    ServerCore, WindowId,
 };
 use crate::proto::{self, ClientFrame, ServerFrame};
 
@@ -34,7 +34,7 @@ enum Done {
         window: WindowId,
         epoch: u32,
         slot: Option<Slot>,
-        r: Result<(u64, u32, Vec<Digest>), Failure>,
+        r: Result<Granted, Failure>,
     },
     Verified {
         window: WindowId,
