@@ -66,6 +66,16 @@ fn bad_options_exit_1_with_a_clear_message() {
         (&[], &[("RCP_BENCH_QPS", "9")], "--qps 9"),
         (&[], &[("RCP_BATCH", "100")], "--batch 100"),
         (&[], &[("RCP_BENCH_OP", "atomic")], "unknown op"),
+        (
+            &["--device", "rxe0,rxe1"],
+            &[],
+            "--device rxe0,rxe1: rcp bench measures one device",
+        ),
+        (&["--device", "rxe0:0"], &[], "a port is a number 1..=255"),
+        (&[], &[("RCP_DEVICE", "rxe0,,rxe1")], "an empty rail name"),
+        (&["--device", "rxe0,rxe0"], &[], "a rail named twice"),
+        (&["--qps-per-rail", "0"], &[], "--qps-per-rail"),
+        (&[], &[("RCP_QPS_PER_RAIL", "17")], "17"),
     ];
     for (args, env, want) in cases {
         let (code, err) = bench(args, env);

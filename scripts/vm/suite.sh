@@ -177,7 +177,14 @@ rails)
   step "verbs_blocks on rail 0 (rxea0 -> rxeb0, 192.168.77.0/24)" serve_client 192.168.77.2 rxeb0 rxea0
   step "verbs_blocks on rail 1 (rxea1 -> rxeb1, 192.168.78.0/24)" serve_client 192.168.78.2 rxeb1 rxea1
   for nb in "$@"; do
-    step "${nb%%=*} (rails)" "${nb#*=}" --ignored --test-threads=1 --nocapture
+    if [ "${nb%%=*}" = control_rails_fabric ]; then
+      # rcp in a (the test binary), rcpd in b: sessions over both rails.
+      step "rcp push/pull over two rails (rcp in a -> rcpd in b)" \
+        ip netns exec a env RCP_TEST_HOST=192.168.77.2 RCP_TEST_RCPD_NETNS=b \
+        "${nb#*=}" --ignored --test-threads=1 --nocapture
+    else
+      step "${nb%%=*} (rails)" "${nb#*=}" --ignored --test-threads=1 --nocapture
+    fi
   done
   ;;
 esac

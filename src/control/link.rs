@@ -147,9 +147,8 @@ fn ports_seen(gid_index: Option<u32>) -> Vec<PortSeen> {
                 },
                 numa_node: ctx.numa_node(),
                 // Without a netdev (InfiniBand) the port is nobody else's.
-                local_netdev: netdev.map_or(true, |n| {
-                    std::path::Path::new("/sys/class/net").join(n).exists()
-                }),
+                local_netdev: netdev
+                    .is_none_or(|n| std::path::Path::new("/sys/class/net").join(n).exists()),
             });
         }
     }

@@ -141,7 +141,7 @@ impl Client {
         let names: Vec<RailName> = match kind {
             ProviderKind::Verbs => rails_or_default(&o.rails, gid)
                 .iter()
-                .flat_map(|r| std::iter::repeat(r.clone()).take(per as usize))
+                .flat_map(|r| std::iter::repeat_n(r.clone(), per as usize))
                 .collect(),
             ProviderKind::Tcp => Vec::new(),
         };

@@ -313,7 +313,7 @@ impl Service {
         let server: Vec<(usize, RailAddr)> = devs
             .iter()
             .enumerate()
-            .flat_map(|(k, d)| std::iter::repeat((k, d.rail_addr())).take(per))
+            .flat_map(|(k, d)| std::iter::repeat_n((k, d.rail_addr()), per))
             .collect();
         let addrs: Vec<RailAddr> = server.iter().map(|(_, a)| *a).collect();
         let pairs = pair(&client, &addrs).map_err(|e| ControlError::Invalid(e.to_string()))?;
@@ -337,13 +337,27 @@ impl Service {
             domains.push((sd, cep, dev, p));
         }
         *rd = (server_rd, resp_rd);
-        for (sd, cep, dev, p) in &domains {
-            let ch = sd
-                .channel
-                .as_ref()
-                .expect("a verbs session domain has a QP");
-            ch.handshake(cep, &connect_params(rd.0, rd.1, QpRetry::default()))
-                .map_err(|e| ControlError::Provider(e.into()))?;
+        let several = domains.len() > 1;
+        let mut connected = Vec::with_capacity(domains.len());
+        let mut first_err = None;
+        for (sd, cep, dev, p) in domains {
+            let ch = sd.channel.clone().expect("a verbs session domain has a QP");
+            // With several pairs, one whose QP cannot connect (its port
+            // went down) is left out; the client sees fewer pairs.
+            match ch.handshake(cep, &connect_params(rd.0, rd.1, QpRetry::default())) {
+                Ok(()) => {}
+                Err(e) if several => {
+                    tracing::warn!(
+                        session = format_args!("{id:#x}"),
+                        rail = %dev.rail_name(),
+                        error = %e,
+                        "rail left out of this session"
+                    );
+                    first_err.get_or_insert(e);
+                    continue;
+                }
+                Err(e) => return Err(ControlError::Provider(e.into())),
+            }
             mtu = mtu.min(cep.mtu.min(ch.endpoint().mtu));
             tracing::info!(
                 session = format_args!("{id:#x}"),
@@ -357,21 +371,24 @@ impl Service {
             if !req.rails.is_empty() {
                 resp.rails.push(proto::RailPairing {
                     client_rail: p.local as u32,
-                    verbs: Some(dev.params(ch)),
+                    verbs: Some(dev.params(&ch)),
                     paired_by: p.by.to_string(),
                 });
             }
+            connected.push((sd, dev, p.local));
+        }
+        if connected.is_empty() {
+            let e = first_err.expect("a pair failed to connect");
+            return Err(ControlError::Provider(e.into()));
         }
         resp.path_mtu = mtu;
         resp.client_rd_atomic = client_rd;
         resp.server_rd_atomic = server_rd;
-        resp.max_inline = offered[pairs[0].local].0.max_inline;
-        let mut sds = domains.into_iter().map(|(sd, ..)| sd);
-        let first = sds.next().expect("pair() gives at least one pair");
-        resp.verbs = Some(
-            self.link.rails()[server[pairs[0].remote].0]
-                .params(first.channel.as_ref().expect("a verbs rail has a QP")),
-        );
+        resp.max_inline = offered[connected[0].2].0.max_inline;
+        let mut sds = connected.into_iter();
+        let (first, dev, _) = sds.next().expect("at least one rail connected");
+        resp.verbs = Some(dev.params(first.channel.as_ref().expect("a verbs rail has a QP")));
+        let sds = sds.map(|(sd, ..)| sd);
         Ok((first, sds.collect()))
     }
 
