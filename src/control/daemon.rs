@@ -107,6 +107,7 @@ pub async fn run(
         window_size: WINDOW_SIZE,
         tcp_listen: SocketAddr::new(cfg.listen.ip(), 0),
         memory_windows: cfg.memory_windows,
+        tcp_fallback: cfg.transport == Transport::Auto,
     };
     let link = tokio::task::spawn_blocking(move || ServerLink::open(&lcfg))
         .await

@@ -610,6 +610,9 @@ pub struct ServerLinkConfig {
     pub tcp_listen: SocketAddr,
     /// Verbs: memory windows or a registration per grant.
     pub memory_windows: MemoryWindows,
+    /// Verbs: also serve sessions over the tcp provider (rcpd's
+    /// `--transport auto`), for clients whose rails are all down.
+    pub tcp_fallback: bool,
 }
 
 /// How a verbs rcpd makes a granted window reachable.
@@ -686,12 +689,20 @@ impl ServerLink {
         let slots = arena
             .into_pool(cfg.window_size)
             .map_err(|e| ControlError::Other(format!("window arena: {e}")))?;
-        let tcp_target = match &device {
-            Some(_) => None,
-            // No default domain: a data connection reaches only the
-            // registrations of the session its hello names.
-            None => Some(TcpTarget::bind_sessions(cfg.tcp_listen)?),
+        // No default domain: a data connection reaches only the
+        // registrations of the session its hello names.
+        let tcp_target = if device.is_none() || cfg.tcp_fallback {
+            Some(TcpTarget::bind_sessions(cfg.tcp_listen)?)
+        } else {
+            None
         };
+        if let (Some(_), Some(t)) = (&device, &tcp_target) {
+            tracing::info!(
+                tcp_data = %t.local_addr(),
+                "the tcp provider is served too (transport auto): sessions of clients whose \
+                 rails are all down continue over it"
+            );
+        }
         Ok(ServerLink {
             kind: cfg.kind,
             device,
@@ -818,10 +829,22 @@ pub struct SessionDomain {
 }
 
 impl ServerLink {
-    /// A new session's domain and (verbs) QP.
-    pub fn session_domain(&self) -> Result<SessionDomain> {
-        match (&self.device, &self.tcp_target) {
-            (Some(dev), _) => {
+    /// Whether this rcpd serves sessions over `kind`.
+    pub fn serves(&self, kind: ProviderKind) -> bool {
+        match kind {
+            ProviderKind::Verbs => self.device.is_some(),
+            ProviderKind::Tcp => self.tcp_target.is_some(),
+        }
+    }
+
+    /// A new session's domain and (verbs) QP on `kind`'s provider.
+    pub fn session_domain(&self, kind: ProviderKind) -> Result<SessionDomain> {
+        let tcp = match kind {
+            ProviderKind::Tcp => self.tcp_target.as_ref(),
+            ProviderKind::Verbs => None,
+        };
+        match (&self.device, tcp) {
+            (Some(dev), None) => {
                 let remote = Access::REMOTE_WRITE | Access::REMOTE_READ;
                 match &self.windows {
                     WindowAccess::MemoryWindows { slots, pool } => {
@@ -848,7 +871,7 @@ impl ServerLink {
                     }
                 }
             }
-            (None, Some(target)) => {
+            (_, Some(target)) => {
                 let d = TcpDomain::new();
                 let binding = target.bind_session(&d)?;
                 Ok(SessionDomain {
@@ -857,9 +880,9 @@ impl ServerLink {
                     tcp: Some(binding),
                 })
             }
-            (None, None) => Err(ControlError::Other(
-                "the server link has neither a device nor a TCP target".into(),
-            )),
+            (None, None) => Err(ControlError::Other(format!(
+                "this rcpd does not serve the {kind} provider"
+            ))),
         }
     }
 }

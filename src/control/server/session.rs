@@ -124,11 +124,19 @@ impl Service {
     }
 
     fn handshake_v2(&self, req: proto::HandshakeRequest) -> Result<proto::HandshakeResponse> {
-        let want = match self.link.kind {
-            ProviderKind::Verbs => proto::Provider::Verbs,
-            ProviderKind::Tcp => proto::Provider::Tcp,
-        };
-        if !req.providers.contains(&(want as i32)) {
+        // The client's preference, first one this rcpd serves (a verbs
+        // rcpd of `--transport auto` serves tcp too, for a client whose
+        // rails are all down).
+        let offered: Vec<ProviderKind> = req
+            .providers
+            .iter()
+            .filter_map(|p| match proto::Provider::try_from(*p) {
+                Ok(proto::Provider::Verbs) => Some(ProviderKind::Verbs),
+                Ok(proto::Provider::Tcp) => Some(ProviderKind::Tcp),
+                _ => None,
+            })
+            .collect();
+        let Some(kind) = offered.iter().copied().find(|&k| self.link.serves(k)) else {
             return Err(ControlError::Failed(
                 crate::control::protocol::Failure::new(
                     Reason::Invalid,
@@ -145,7 +153,11 @@ impl Service {
                 ),
                 ),
             ));
-        }
+        };
+        let want = match kind {
+            ProviderKind::Verbs => proto::Provider::Verbs,
+            ProviderKind::Tcp => proto::Provider::Tcp,
+        };
         // The client's preference, first one this rcpd accepts; an older
         // client that offers none means SHA-256.
         let offered: Vec<Option<Check>> = if req.checks.is_empty() {
@@ -205,9 +217,9 @@ impl Service {
         let mut qp = None;
         let mut rd = (1, 1);
         let mut rails = Vec::new();
-        let sd = match self.link.kind {
+        let sd = match kind {
             ProviderKind::Tcp => {
-                let sd = self.link.session_domain()?;
+                let sd = self.link.session_domain(kind)?;
                 let t = self.link.tcp_target.as_ref().expect("tcp target");
                 resp.tcp_session_key = sd
                     .tcp
@@ -240,7 +252,7 @@ impl Service {
         self.sessions.lock().unwrap().insert(
             id,
             Arc::new(SessionState {
-                kind: self.link.kind,
+                kind,
                 block_size,
                 window_count,
                 max_open_files: self.cfg.max_open_files,
@@ -256,7 +268,7 @@ impl Service {
                 last_used: Mutex::new(Instant::now()),
             }),
         );
-        tracing::info!(session = format_args!("{id:#x}"), client = %req.client_name, provider = %self.link.kind, block_size, window_count, check = %check, "session opened");
+        tracing::info!(session = format_args!("{id:#x}"), client = %req.client_name, provider = %kind, block_size, window_count, check = %check, "session opened");
         Ok(resp)
     }
 
@@ -326,7 +338,7 @@ impl Service {
             let k = server[p.remote].0;
             let dev = devs[k];
             let sd = if single {
-                self.link.session_domain()?
+                self.link.session_domain(ProviderKind::Verbs)?
             } else {
                 self.link.rail_domain(k)?
             };
