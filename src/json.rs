@@ -148,6 +148,9 @@ pub struct SummaryLine {
     /// Data-path reconnects of the session (verbs, after a link error);
     /// `null` when unknown.
     pub reconnects: Option<u64>,
+    /// `--transport auto`: why the copy left verbs for tcp midway (every
+    /// RDMA rail down past `--tcp-fallback-after`); `null`: it did not.
+    pub fallback: Option<String>,
 }
 
 /// `"type": "check"`: one finding of `rcp doctor`.

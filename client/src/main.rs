@@ -51,6 +51,16 @@ struct Cli {
     /// on the NUMA node of the first).
     #[arg(long, env = "RCP_DEVICE", global = true)]
     device: Option<RailList>,
+    /// With --transport auto: when every RDMA rail has been down this many
+    /// seconds with blocks waiting, continue the copy over the tcp provider
+    /// (0: never; rcpd of --transport auto serves both).
+    #[arg(
+        long,
+        env = "RCP_TCP_FALLBACK_AFTER",
+        default_value_t = 10,
+        global = true
+    )]
+    tcp_fallback_after: u64,
     /// Queue pairs per rail, for links one QP cannot fill (1..=16).
     #[arg(long, env = "RCP_QPS_PER_RAIL", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=16), global = true)]
     qps_per_rail: u32,
@@ -402,6 +412,7 @@ fn print_plan(plan: &Plan, as_json: bool, quiet: bool, seconds: f64) {
             digest: None,
             sha256: None,
             reconnects: None,
+            fallback: None,
         };
         println!("{}", line("summary", &l));
     } else if !quiet {
@@ -419,6 +430,8 @@ async fn run(c: Cli) -> Result<(), ControlError> {
         transport: c.transport,
         rails: c.device.clone().map(|d| d.0).unwrap_or_default(),
         qps_per_rail: c.qps_per_rail,
+        tcp_fallback_after: (c.transport == Transport::Auto && c.tcp_fallback_after > 0)
+            .then(|| Duration::from_secs(c.tcp_fallback_after)),
         gid_index: c.gid_index,
         block_size: c.block_size,
         batch: c.batch,
@@ -548,7 +561,8 @@ async fn run(c: Cli) -> Result<(), ControlError> {
     if c.transport == Transport::Auto || c.verbose > 0 {
         eprintln!("rcp: transport {}", session.transport);
     }
-    let transport = session.kind.to_string();
+    let mut transport = session.kind.to_string();
+    let mut fell_back = None;
     let watch = Arc::new(Watch {
         bars: (!c.quiet && std::io::stderr().is_terminal()).then(Bars::new),
         json: c
@@ -563,8 +577,31 @@ async fn run(c: Cli) -> Result<(), ControlError> {
         .map(|every| progress_ticker(watch.clone(), &plan, every, c.json));
     let (direction, dirs, check) = (plan.direction(), plan.dirs() as u64, session.check());
     let obs: Arc<dyn Observer> = watch.clone();
-    let totals: Result<Totals, ControlError> =
-        jobs::execute(&client, &mut session, plan, obs).await;
+    let mut totals: Result<Totals, ControlError> =
+        jobs::execute(&client, &mut session, plan, obs.clone()).await;
+    if let (Err(_), Some(why)) = (&totals, session.fallback().map(str::to_owned)) {
+        // --transport auto, every rail down: the same copy again over the
+        // tcp provider, resuming what was verified. Said loudly.
+        eprintln!("rcp: WARNING: {why}");
+        tracing::warn!("{why}");
+        let _ = session.close().await;
+        let job = Job {
+            resume: true,
+            ..job.clone()
+        };
+        let plan = if push {
+            jobs::plan_push(&client, &local_paths, &remote_paths[0], &job).await?
+        } else {
+            let dest = local_dest.as_deref().expect("pull has a destination");
+            jobs::plan_pull(&client, &remote_paths, dest, &job).await?
+        };
+        session = client
+            .session_with(rcp::provider::ProviderKind::Tcp, format!("tcp: {why}"))
+            .await?;
+        transport = session.kind.to_string();
+        fell_back = Some(why);
+        totals = jobs::execute(&client, &mut session, plan, obs).await;
+    }
     if let Some(t) = ticker {
         t.abort();
     }
@@ -587,10 +624,15 @@ async fn run(c: Cli) -> Result<(), ControlError> {
             digest: totals.digest.as_deref().filter(|_| one).map(hex),
             sha256: totals.sha256.as_deref().filter(|_| one).map(hex),
             reconnects: stats.map(|s| s.report.reconnects),
+            fallback: fell_back,
         };
         println!("{}", line("summary", &l));
     } else if !c.quiet {
-        println!("{}", totals.summary_checked(&transport, c.verify));
+        let over = match &fell_back {
+            Some(_) => format!("{transport} (FELL BACK from verbs: every RDMA rail was down)"),
+            None => transport,
+        };
+        println!("{}", totals.summary_checked(&over, c.verify));
         if c.verbose > 0 {
             for l in stats
                 .iter()

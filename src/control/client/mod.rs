@@ -65,6 +65,10 @@ pub struct ClientOptions {
     pub rails: Vec<crate::parse::RailName>,
     /// QPs on each rail (`--qps-per-rail`, 1..=16).
     pub qps_per_rail: u32,
+    /// `--transport auto`: give up on RDMA when every rail has been down
+    /// this long with blocks waiting (`Session::fallback`), so the caller
+    /// can continue over tcp; `None`: never.
+    pub tcp_fallback_after: Option<Duration>,
     pub gid_index: Option<u32>,
     /// Block size, a power of two >= 4096.
     pub block_size: u64,
@@ -108,6 +112,7 @@ impl Default for ClientOptions {
             transport: Transport::Auto,
             rails: Vec::new(),
             qps_per_rail: 1,
+            tcp_fallback_after: None,
             gid_index: None,
             block_size: DEFAULT_BLOCK_SIZE,
             batch: 32,

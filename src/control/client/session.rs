@@ -80,6 +80,9 @@ pub struct Session {
     pub(super) keys: Option<Arc<RailKeys>>,
     /// Each rail's `device:port`, in the data path's order.
     pub(super) rail_names: Vec<String>,
+    /// Set when the stream gave up on RDMA because every rail stayed down
+    /// (`ClientOptions::tcp_fallback_after`): why, for the user.
+    pub(super) fallback: Option<String>,
     /// Staging lent to the device by a stream that failed: kept until the
     /// data path is closed (see `DataPath::submit`'s contract).
     pub(super) quarantine: Vec<Block>,
@@ -330,6 +333,7 @@ impl Client {
             lkey,
             keys,
             rail_names,
+            fallback: None,
             quarantine: Vec::new(),
             direction: None,
             transport: why,
@@ -426,6 +430,12 @@ fn reconnector(
 impl Session {
     pub fn id(&self) -> u64 {
         self.id
+    }
+
+    /// Why the last transfer gave up on RDMA to continue over tcp
+    /// (`--transport auto`, every rail down past `tcp_fallback_after`).
+    pub fn fallback(&self) -> Option<&str> {
+        self.fallback.as_deref()
     }
 
     /// The rails of the session's data path (1: one QP, or tcp).

@@ -21,6 +21,7 @@ use crate::engine::{Extent, OpKind, WindowJob};
 use crate::files::{Destination, DirHandle};
 use crate::mem::Block;
 use crate::proto::{self, ClientFrame, Direction};
+use crate::provider::ProviderKind;
 
 /// What FindResume found: the local directory and name, and an
 /// interrupted copy there with what it holds.
@@ -77,6 +78,11 @@ struct Driver<'a> {
     next_dp: u64,
     /// The data path's confirmed bytes when last looked at.
     confirmed: u64,
+    /// When they last grew, and each rail's failures then (the tcp
+    /// fallback's watch: [`Driver::rails_all_down`]).
+    progressed: (Instant, Vec<u64>),
+    /// `--transport auto` over verbs: the tcp fallback's limit.
+    fallback_after: Option<Duration>,
     done_tx: mpsc::UnboundedSender<Done>,
     done_rx: mpsc::UnboundedReceiver<Done>,
 }
@@ -113,9 +119,19 @@ pub(super) async fn run(
         lent: HashMap::new(),
         next_dp: 1,
         confirmed: 0,
+        progressed: (Instant::now(), Vec::new()),
+        fallback_after: None,
         done_tx,
         done_rx,
     };
+    d.fallback_after =
+        d.s.opts
+            .tcp_fallback_after
+            .filter(|_| d.s.kind == ProviderKind::Verbs);
+    let fallback = d.fallback_after;
+    // --transport auto: look at the rails every second.
+    let mut watch = tokio::time::interval(Duration::from_secs(1));
+    watch.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut fed_all = false;
     let mut server_open = true;
     let end = loop {
@@ -152,6 +168,14 @@ pub(super) async fn run(
         if confirmed > d.confirmed {
             d.confirmed = confirmed;
             d.core.note_progress(now);
+            d.progressed = (Instant::now(), d.rail_failures());
+        }
+        if let Some(after) = fallback {
+            if let Some(why) = d.rails_all_down(after) {
+                tracing::warn!("{why}");
+                d.s.fallback = Some(why.clone());
+                d.core.abort(Failure::new(Reason::Retryable, why));
+            }
         }
         while let Some(f) = d.core.poll_frame(now) {
             if let Some(o) = &d.out {
@@ -192,6 +216,7 @@ pub(super) async fn run(
                 let now = now_of(d.t0);
                 d.core.handle_timeout(now);
             }
+            _ = watch.tick(), if fallback.is_some() => {}
         }
     };
     d.report(obs);
@@ -567,10 +592,52 @@ impl Driver<'_> {
                 tracing::warn!(?e, "data path rail event");
             }
             DpEvent::Failed(e) => {
+                if self.fallback_after.is_some() && e.is_retryable() && self.s.fallback.is_none() {
+                    let why = format!(
+                        "the RDMA data path gave up ({e}) (transport auto): continuing over the \
+                         tcp provider"
+                    );
+                    tracing::warn!("{why}");
+                    self.s.fallback = Some(why);
+                }
                 let f = ControlError::DataPath(e).failure();
                 self.core.abort(f);
             }
         }
+    }
+
+    /// Each rail's failures so far.
+    fn rail_failures(&self) -> Vec<u64> {
+        self.s.dp.as_ref().map_or(Vec::new(), |dp| {
+            dp.stats()
+                .rails
+                .iter()
+                .map(|r| r.failures.load(std::sync::atomic::Ordering::Relaxed))
+                .collect()
+        })
+    }
+
+    /// Every rail has failed since the last confirmed byte, more than
+    /// `after` ago, with windows waiting on the data path: the sentence
+    /// saying so. Covers links that are down (ports down, rails fenced and
+    /// waiting) and paths that drop RDMA traffic (rails failing again as
+    /// soon as they reconnect); not a copy with nothing to move.
+    fn rails_all_down(&self, after: Duration) -> Option<String> {
+        if self.s.fallback.is_some() || self.lent.is_empty() {
+            return None;
+        }
+        let (since, ref before) = self.progressed;
+        let waited = since.elapsed();
+        if waited < after {
+            return None;
+        }
+        every_rail_failed(before, &self.rail_failures()).then(|| {
+            format!(
+                "every RDMA rail has been down for {:.0} s (transport auto): continuing over \
+                 the tcp provider",
+                waited.as_secs_f64()
+            )
+        })
     }
 
     fn dir_of(&self, g: &proto::Grant) -> i32 {
@@ -666,9 +733,35 @@ impl Driver<'_> {
     }
 }
 
+/// Whether every rail's failure count (`now`) grew past `before` (taken
+/// at the last confirmed byte; a rail missing there had none).
+fn every_rail_failed(before: &[u64], now: &[u64]) -> bool {
+    !now.is_empty()
+        && now
+            .iter()
+            .enumerate()
+            .all(|(k, &f)| f > before.get(k).copied().unwrap_or(0))
+}
+
 async fn sleep_until(t: Option<tokio::time::Instant>) {
     match t {
         Some(t) => tokio::time::sleep_until(t).await,
         None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::every_rail_failed;
+
+    #[test]
+    fn the_fallback_needs_every_rail_to_have_failed_since_the_last_progress() {
+        assert!(every_rail_failed(&[0, 0], &[1, 2]));
+        assert!(every_rail_failed(&[], &[1, 1]));
+        // One rail still good: no fallback.
+        assert!(!every_rail_failed(&[1, 0], &[1, 3]));
+        assert!(!every_rail_failed(&[0, 0], &[0, 0]));
+        // No data path, no rails: nothing to judge.
+        assert!(!every_rail_failed(&[], &[]));
     }
 }
