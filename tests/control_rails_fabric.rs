@@ -207,12 +207,23 @@ fn push_with(
     extra: &[&str],
     cut: impl FnOnce(Instant) + Send + 'static,
 ) -> Run {
+    push_over(d, "verbs", src, extra, cut)
+}
+
+/// [`push_with`] with `--transport transport`.
+fn push_over(
+    d: &Rcpd,
+    transport: &str,
+    src: &Path,
+    extra: &[&str],
+    cut: impl FnOnce(Instant) + Send + 'static,
+) -> Run {
     use std::io::{BufRead, BufReader, Read};
     let dst = remote("/");
     let mut args = vec!["--device", RAILS_A, "push", "-v"];
     args.extend(extra);
     args.extend([src.to_str().unwrap(), dst.as_str()]);
-    let mut child = rcp_cmd(d.port, "verbs", None, &args)
+    let mut child = rcp_cmd(d.port, transport, None, &args)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
@@ -332,6 +343,94 @@ fn both_rails_cut_for_3s_survive_through_reconnect() {
     assert!(
         lines.iter().map(|l| l.reconnects).sum::<u64>() >= 1,
         "the copy went through a reconnect: {}",
+        r.stdout
+    );
+}
+
+/// RoCE v2 (UDP 4791) leaving namespace a dropped while IP still flows:
+/// rail 0's QP gets no answers though its port stays ACTIVE, and the
+/// control plane and the tcp provider still reach rcpd over va0. Undone on
+/// drop.
+struct DropRoce;
+
+impl DropRoce {
+    fn start() -> DropRoce {
+        iptables("-A");
+        DropRoce
+    }
+}
+
+impl Drop for DropRoce {
+    fn drop(&mut self) {
+        iptables("-D");
+    }
+}
+
+fn iptables(op: &str) {
+    let st = Command::new("iptables")
+        .args([op, "OUTPUT", "-p", "udp", "--dport", "4791", "-j", "DROP"])
+        .status()
+        .expect("run iptables");
+    assert!(st.success(), "iptables {op} OUTPUT ... udp 4791 DROP: {st}");
+}
+
+#[test]
+#[ignore = "needs the rails topology: scripts/testbed.sh run rails"]
+fn every_rail_down_past_the_limit_continues_over_tcp() {
+    let (tmp, root) = tmp_with_root();
+    // --transport auto: rcpd serves verbs and, for this, tcp.
+    let d = Rcpd::start(
+        &root,
+        "auto",
+        None,
+        &["--arena-mib", "128", "--device", RAILS_B],
+    );
+    let src = tmp.path().join("big");
+    make_file(&src, 64 << 20, 17);
+    let want = sha256sum(&src);
+    let drop_roce = std::sync::Arc::new(std::sync::Mutex::new(None));
+    let held = drop_roce.clone();
+    let r = push_over(
+        &d,
+        "auto",
+        &src,
+        // A short limit, and QPs that give up after 2 retries (rxe at 7
+        // retries forever) so the black-holed rail fails rather than hangs.
+        &["--tcp-fallback-after", "3", "--qp-retry-cnt", "2"],
+        move |t0| {
+            std::thread::sleep(Duration::from_millis(1000));
+            link("va1", "down");
+            *held.lock().unwrap() = Some(DropRoce::start());
+            println!(
+                "va1 down, RoCE dropped on va0 at {:.2} s",
+                t0.elapsed().as_secs_f64()
+            );
+        },
+    );
+    drop(drop_roce.lock().unwrap().take());
+    link("va1", "up");
+    ok(&r, "push with every rail down", &d);
+    println!(
+        "{}\n{}",
+        r.stdout.trim(),
+        r.stderr
+            .lines()
+            .filter(|l| l.contains("WARNING"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    assert_eq!(sha256sum(&root.join("big")), want);
+    assert!(
+        r.stderr
+            .contains("rcp: WARNING: every RDMA rail has been down")
+            || r.stderr
+                .contains("rcp: WARNING: the RDMA data path gave up"),
+        "said loudly on stderr: {}",
+        r.stderr
+    );
+    assert!(
+        r.stdout.contains("over tcp (FELL BACK from verbs"),
+        "and in the summary: {}",
         r.stdout
     );
 }
