@@ -143,7 +143,7 @@ fn push_and_pull_over_two_rails_by_default() {
     let (tmp, root) = tmp_with_root();
     let d = rcpd(&root, None);
     let src = tmp.path().join("f");
-    make_file(&src, 24 << 20, 7);
+    make_file(&src, 32 << 20, 7);
     let want = sha256sum(&src);
     let r = rcp(
         d.port,
@@ -279,7 +279,7 @@ fn one_rail_cut_for_5s_is_absorbed_and_rejoins() {
     let d = rcpd(&root, Some(RAILS_B));
     let src = tmp.path().join("big");
     // Long enough that rail 1 is back before the end.
-    make_file(&src, 160 << 20, 11);
+    make_file(&src, 96 << 20, 11);
     let want = sha256sum(&src);
     // Rail 1 slower than rail 0 (20 ms more on va1): it holds its blocks
     // longer, so it has some in flight when it is cut, whatever else
@@ -323,7 +323,7 @@ fn both_rails_cut_for_3s_survive_through_reconnect() {
     let (tmp, root) = tmp_with_root();
     let d = rcpd(&root, Some(RAILS_B));
     let src = tmp.path().join("big");
-    make_file(&src, 64 << 20, 13);
+    make_file(&src, 48 << 20, 13);
     let want = sha256sum(&src);
     let r = push_with(&d, &src, &[], |t0| {
         std::thread::sleep(Duration::from_millis(1000));
@@ -386,7 +386,7 @@ fn every_rail_down_past_the_limit_continues_over_tcp() {
         &["--arena-mib", "128", "--device", RAILS_B],
     );
     let src = tmp.path().join("big");
-    make_file(&src, 64 << 20, 17);
+    make_file(&src, 96 << 20, 17);
     let want = sha256sum(&src);
     let drop_roce = std::sync::Arc::new(std::sync::Mutex::new(None));
     let held = drop_roce.clone();
@@ -398,9 +398,10 @@ fn every_rail_down_past_the_limit_continues_over_tcp() {
         // retries forever) so the black-holed rail fails rather than hangs.
         &["--tcp-fallback-after", "3", "--qp-retry-cnt", "2"],
         move |t0| {
-            std::thread::sleep(Duration::from_millis(1000));
-            link("va1", "down");
+            // Early and RoCE first: process starts take ~1 s each under TCG.
+            std::thread::sleep(Duration::from_millis(300));
             *held.lock().unwrap() = Some(DropRoce::start());
+            link("va1", "down");
             println!(
                 "va1 down, RoCE dropped on va0 at {:.2} s",
                 t0.elapsed().as_secs_f64()
