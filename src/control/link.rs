@@ -733,15 +733,21 @@ impl ServerLink {
             .rails()
             .get(k)
             .ok_or_else(|| ControlError::Other(format!("rcpd has no rail {k}")))?;
-        let remote = Access::REMOTE_WRITE | Access::REMOTE_READ;
-        let pd = ProtectionDomain::new(&dev.ctx).map_err(provider)?;
-        let q = dev.queue_pair_in(&pd, SERVER_SQ_DEPTH, 0, remote, false)?;
-        Ok(SessionDomain {
-            domain: Arc::new(VerbsDomain { pd }),
-            channel: Some(Arc::new(VerbsChannel::new(q))),
-            tcp: None,
-        })
+        per_grant_domain(dev)
     }
+}
+
+/// A session's domain on `dev` without memory windows: a protection domain
+/// of its own, the session's QP in it, a registration per grant.
+fn per_grant_domain(dev: &Device) -> Result<SessionDomain> {
+    let remote = Access::REMOTE_WRITE | Access::REMOTE_READ;
+    let pd = ProtectionDomain::new(&dev.ctx).map_err(provider)?;
+    let q = dev.queue_pair_in(&pd, SERVER_SQ_DEPTH, 0, remote, false)?;
+    Ok(SessionDomain {
+        domain: Arc::new(VerbsDomain { pd }),
+        channel: Some(Arc::new(VerbsChannel::new(q))),
+        tcp: None,
+    })
 }
 
 /// Memory windows if the device has them (and they are not turned off):
@@ -860,15 +866,7 @@ impl ServerLink {
                             tcp: None,
                         })
                     }
-                    WindowAccess::PerGrant { .. } => {
-                        let pd = ProtectionDomain::new(&dev.ctx).map_err(provider)?;
-                        let q = dev.queue_pair_in(&pd, SERVER_SQ_DEPTH, 0, remote, false)?;
-                        Ok(SessionDomain {
-                            domain: Arc::new(VerbsDomain { pd }),
-                            channel: Some(Arc::new(VerbsChannel::new(q))),
-                            tcp: None,
-                        })
-                    }
+                    WindowAccess::PerGrant { .. } => per_grant_domain(dev),
                 }
             }
             (_, Some(target)) => {
