@@ -1412,8 +1412,20 @@ impl Poster {
             let r = self.stream.poll_transmit_rail_into(now, &mut self.batch)?;
             let rt = &mut self.rails[r];
             if let Some(keys) = &rt.keys {
+                // A chain is one window's run: its requests share their
+                // keys, so the map (a lock and a lookup) is asked once.
+                let mut last: Option<((u32, u32), (u32, u32))> = None;
                 for wr in &mut self.batch.wrs {
-                    (wr.local.lkey, wr.remote.rkey) = keys(wr.local.lkey, wr.remote.rkey);
+                    let from = (wr.local.lkey, wr.remote.rkey);
+                    let to = match last {
+                        Some((f, t)) if f == from => t,
+                        _ => {
+                            let t = keys(from.0, from.1);
+                            last = Some((from, t));
+                            t
+                        }
+                    };
+                    (wr.local.lkey, wr.remote.rkey) = to;
                 }
             }
             let t = Instant::now();
