@@ -546,12 +546,16 @@ async fn run(c: Cli) -> Result<(), ControlError> {
 
     let client = Client::connect(&addr, opts).await?;
     let t0 = Instant::now();
-    let plan = if push {
-        jobs::plan_push(&client, &local_paths, &remote_paths[0], &job).await?
-    } else {
-        let dest = local_dest.as_deref().expect("pull has a destination");
-        jobs::plan_pull(&client, &remote_paths, dest, &job).await?
+    // The plan of `job` (again, with resume, after a tcp fallback).
+    let plan_of = async |job: &Job| {
+        if push {
+            jobs::plan_push(&client, &local_paths, &remote_paths[0], job).await
+        } else {
+            let dest = local_dest.as_deref().expect("pull has a destination");
+            jobs::plan_pull(&client, &remote_paths, dest, job).await
+        }
     };
+    let plan = plan_of(&job).await?;
     if copy.dry_run {
         // No session: nothing is set up on rcpd, nothing moves.
         print_plan(&plan, c.json, c.quiet, t0.elapsed().as_secs_f64());
@@ -589,12 +593,7 @@ async fn run(c: Cli) -> Result<(), ControlError> {
             resume: true,
             ..job.clone()
         };
-        let plan = if push {
-            jobs::plan_push(&client, &local_paths, &remote_paths[0], &job).await?
-        } else {
-            let dest = local_dest.as_deref().expect("pull has a destination");
-            jobs::plan_pull(&client, &remote_paths, dest, &job).await?
-        };
+        let plan = plan_of(&job).await?;
         session = client
             .session_with(rcp::provider::ProviderKind::Tcp, format!("tcp: {why}"))
             .await?;
