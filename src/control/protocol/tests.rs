@@ -898,8 +898,7 @@ fn a_silent_client_is_evicted_and_a_live_idle_one_is_not() {
                     Ok(Granted {
                         addr: 0,
                         rkey: 1,
-                        rail_rkeys: Vec::new(),
-                        digests: Vec::new(),
+                        ..Granted::default()
                     }),
                 ),
                 ServerAction::End(r) => ended = Some((now, r)),
@@ -971,8 +970,7 @@ fn keepalives_whose_progress_grows_keep_a_slow_client_and_others_do_not() {
                         Ok(Granted {
                             addr: 0,
                             rkey: 1,
-                            rail_rkeys: Vec::new(),
-                            digests: Vec::new(),
+                            ..Granted::default()
                         }),
                     ),
                     ServerAction::End(Err(f)) => return Some((now, f)),
