@@ -297,7 +297,9 @@ fn one_rail_cut_for_5s_is_absorbed_and_rejoins() {
     println!("{}", r.stdout.trim());
     assert_eq!(sha256sum(&root.join("big")), want);
     let lines = rail_lines(&r.stdout);
-    both_carried(&lines, &r.stdout);
+    // Rail 1's confirmed blocks depend on timing (those in flight at the
+    // cut are requeued, not counted); that it carried some is below.
+    assert_eq!(lines.len(), 2, "two rail lines: {}", r.stdout);
     let x = &lines[1];
     assert!(x.failures >= 1, "rail 1 failed: {}", r.stdout);
     assert!(
