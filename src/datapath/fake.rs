@@ -193,3 +193,97 @@ impl Channel for FakeChannel {
         Ok(!i.cq.is_empty())
     }
 }
+
+/// A port the test brings down and up ([`set_active`](Self::set_active)):
+/// `wait_active` blocks until the test says so (or its timeout passes), so a
+/// test orders "the reconnect is waiting" before "the port comes back"
+/// instead of guessing how long either takes.
+pub struct FakePort {
+    state: Mutex<PortState>,
+    cv: Condvar,
+}
+
+#[derive(Default)]
+struct PortState {
+    active: bool,
+    /// When it last came up.
+    since: Option<std::time::Instant>,
+    /// Transitions (down or up): the "async events" a watcher would see.
+    events: u64,
+}
+
+impl FakePort {
+    pub fn new(active: bool) -> std::sync::Arc<FakePort> {
+        std::sync::Arc::new(FakePort {
+            state: Mutex::new(PortState {
+                active,
+                ..PortState::default()
+            }),
+            cv: Condvar::new(),
+        })
+    }
+
+    /// Bring the port down or up (an event if it changes).
+    pub fn set_active(&self, up: bool) {
+        let mut s = self.state.lock().unwrap();
+        if s.active != up {
+            s.active = up;
+            s.events += 1;
+            if up {
+                s.since = Some(std::time::Instant::now());
+            }
+        }
+        drop(s);
+        self.cv.notify_all();
+    }
+}
+
+impl super::PortMonitor for FakePort {
+    fn is_active(&self) -> bool {
+        self.state.lock().unwrap().active
+    }
+    fn wait_active(&self, timeout: Duration) -> bool {
+        let s = self.state.lock().unwrap();
+        let (s, _) = self
+            .cv
+            .wait_timeout_while(s, timeout, |s| !s.active)
+            .unwrap();
+        s.active
+    }
+    fn events_seen(&self) -> u64 {
+        self.state.lock().unwrap().events
+    }
+    fn active_since(&self) -> Option<std::time::Instant> {
+        let s = self.state.lock().unwrap();
+        s.since.filter(|_| s.active)
+    }
+}
+
+/// Poll `cond` until it holds; panics after a generous hang guard (a
+/// minute), which no machine's speed comes near: the tests order their
+/// steps by what happened, not by how long it took.
+pub fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
+    let guard = std::time::Instant::now() + HANG_GUARD;
+    while !cond() {
+        assert!(std::time::Instant::now() < guard, "hang: never {what}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// How long a test waits for something that must happen before it calls it
+/// a hang.
+pub const HANG_GUARD: Duration = Duration::from_secs(120);
+
+/// Run `f` on a thread of its own and return its result; panics if it does
+/// not return within the hang guard.
+pub fn within<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    match rx.recv_timeout(HANG_GUARD) {
+        Ok(t) => t,
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => panic!("hang: {what} did not return"),
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => panic!("{what} panicked"),
+    }
+}

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use super::fake::FakeChannel;
+use super::fake::{wait_until, within, FakeChannel, FakePort, HANG_GUARD};
 use super::*;
 use crate::engine::stream::ErrorCause;
 use crate::engine::{Extent, OpKind, WcStatus, WindowJob};
@@ -78,7 +78,7 @@ fn rail(ch: &Arc<FakeChannel>, reconnect: RailReconnectFn) -> RailSpec {
 fn wait_done(ev: &mut UnboundedReceiver<DpEvent>, ids: &[u64]) -> Vec<(Instant, DpEvent)> {
     let mut done: HashMap<u64, u32> = HashMap::new();
     let mut other = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(30);
+    let deadline = Instant::now() + HANG_GUARD;
     while done.len() < ids.len() {
         assert!(
             Instant::now() < deadline,
@@ -241,49 +241,11 @@ fn a_failing_rail_is_absorbed_while_it_reconnects_in_the_background() {
     assert_eq!((r.rails[1].fences, r.rails[1].reconnects), (1, 1));
     assert_eq!(r.rails[0].fences, 0);
     assert_eq!(r.rails[1].errors.get("retry_exc_err"), Some(&1));
-    assert_eq!(r.rails[1].failover_seconds.len(), 1);
-    assert!(r.rails[1].failover_seconds[0] < 1.0, "{r:?}");
+    assert_eq!(r.rails[1].failover_seconds.len(), 1, "one failover");
     assert_eq!(r.rails[1].reconnect_seconds.len(), 1);
     assert_eq!(r.reconnects, 1);
     assert!(stats.rails[1].error_cqes.load(Relaxed) >= 1);
     assert_eq!(stats.rails[1].fences.load(Relaxed), 1);
-}
-
-/// A port that is down during `[down, up)`.
-struct Port {
-    span: Mutex<(Instant, Instant)>,
-    events: std::sync::atomic::AtomicU64,
-}
-
-impl Port {
-    fn new(down: Duration, up: Duration) -> Arc<Port> {
-        let now = Instant::now();
-        Arc::new(Port {
-            span: Mutex::new((now + down, now + up)),
-            events: Default::default(),
-        })
-    }
-}
-
-impl PortMonitor for Port {
-    fn is_active(&self) -> bool {
-        let (d, u) = *self.span.lock().unwrap();
-        let now = Instant::now();
-        !(d <= now && now < u)
-    }
-    fn wait_active(&self, timeout: Duration) -> bool {
-        let end = Instant::now() + timeout;
-        while Instant::now() < end {
-            if self.is_active() {
-                return true;
-            }
-            std::thread::sleep(Duration::from_millis(2));
-        }
-        self.is_active()
-    }
-    fn events_seen(&self) -> u64 {
-        self.events.load(Relaxed)
-    }
 }
 
 #[test]
@@ -293,9 +255,11 @@ fn a_port_going_down_fails_the_rail_and_its_fence_releases_the_windows() {
         Arc::new(FakeChannel::new(64)),
     );
     // Rail 1's link is dead: nothing it posts ever completes (rxe retries
-    // forever, no error surfaces); its port says so from 150 ms to 450 ms.
+    // forever, no error surfaces); its port says so when the test brings it
+    // down, once rail 1 carries requests, and comes back when the test
+    // brings it up, once the rail's reconnect waits for it.
     b.swallow.store(true, Relaxed);
-    let port = Port::new(Duration::from_millis(150), Duration::from_millis(450));
+    let port = FakePort::new(true);
     let (reconnect, calls) = resetting(&b, 1);
     let fences = Arc::new(AtomicU32::new(0));
     let fence: FenceFn = {
@@ -309,8 +273,10 @@ fn a_port_going_down_fails_the_rail_and_its_fence_releases_the_windows() {
             Ok(())
         })
     };
+    // The request timeout never fires here: only the port says the rail
+    // is gone.
     let c = DataPathConfig {
-        request_timeout: Duration::from_secs(30),
+        request_timeout: Duration::from_secs(3600),
         ..cfg()
     };
     let monitor: Arc<dyn PortMonitor> = port.clone();
@@ -323,18 +289,17 @@ fn a_port_going_down_fails_the_rail_and_its_fence_releases_the_windows() {
     )
     .unwrap();
     let mut ev = dp.take_events().unwrap();
-    let t0 = Instant::now();
     let ids: Vec<u64> = (0..8).collect();
     for &id in &ids {
         submit(&dp, job(id, 256));
     }
+    let stats = dp.stats().clone();
+    wait_until("rail 1 carries requests", || b.posted.load(Relaxed) > 0);
+    assert_eq!(stats.rails[1].blocks_done.load(Relaxed), 0);
+    port.set_active(false);
+    // Held by rail 1 until its port went down, then done over rail 0.
     let other = wait_done(&mut ev, &ids);
-    let took = t0.elapsed();
-    // Held by rail 1 until its port went down, then at once: not after
-    // the 30 s request timeout.
-    assert!(took >= Duration::from_millis(140), "{took:?}");
-    assert!(took < Duration::from_secs(5), "{took:?}");
-    assert_eq!(names(&other)[..2], ["down 1", "fenced 1"]);
+    assert_eq!(names(&other), ["down 1", "fenced 1"]);
     assert!(matches!(
         other[0].1,
         DpEvent::RailDown {
@@ -344,16 +309,13 @@ fn a_port_going_down_fails_the_rail_and_its_fence_releases_the_windows() {
         }
     ));
     assert_eq!(fences.load(Relaxed), 1);
-    // The rail comes back once its port does.
-    let up = match other.get(2) {
-        Some((t, DpEvent::RailUp { rail: 1 })) => *t,
-        None => {
-            assert!(matches!(next_other(&mut ev), DpEvent::RailUp { rail: 1 }));
-            Instant::now()
-        }
-        Some(e) => panic!("{:?}", e.1),
-    };
-    assert!(up >= t0 + Duration::from_millis(440), "up before the port");
+    // The rail comes back once its port does, and not before.
+    wait_until("rail 1's reconnect waits for its port", || {
+        stats.rails[1].port_waits.load(Relaxed) >= 1
+    });
+    assert_eq!(calls.load(Relaxed), 0, "no attempt while the port is down");
+    port.set_active(true);
+    assert!(matches!(next_other(&mut ev), DpEvent::RailUp { rail: 1 }));
     assert_eq!(
         calls.load(Relaxed),
         1,
@@ -361,7 +323,7 @@ fn a_port_going_down_fails_the_rail_and_its_fence_releases_the_windows() {
     );
     let r = dp.close();
     assert_eq!(r.msgs, 8 * 256);
-    assert!(r.rails[1].port_waits >= 1, "{r:?}");
+    assert_eq!(r.rails[1].port_waits, 1, "{r:?}");
     assert_eq!(r.rails[1].fences, 1);
     assert!(r.rails[1].requeued > 0);
     assert_eq!(r.outstanding_at_close, 0);
@@ -413,7 +375,7 @@ fn a_flapping_rail_is_paused_with_growing_cooldowns() {
         live += 1;
     }
     let mut seen: Vec<(Instant, DpEvent)> = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(20);
+    let deadline = Instant::now() + HANG_GUARD;
     let ups = |s: &[(Instant, DpEvent)]| {
         s.iter()
             .filter(|e| matches!(e.1, DpEvent::RailUp { .. }))
@@ -535,7 +497,8 @@ fn a_rail_that_cannot_reconnect_is_paused_while_the_other_carries_the_copy() {
     };
     let mut c = cfg();
     c.backoff.max_attempts = 2;
-    c.rail_pause.initial = Duration::from_secs(10);
+    // A cool-down no test waits out.
+    c.rail_pause.initial = Duration::from_secs(3600);
     let dp = DataPath::start_rails(
         c,
         vec![
@@ -553,12 +516,10 @@ fn a_rail_that_cannot_reconnect_is_paused_while_the_other_carries_the_copy() {
     if other.len() < 3 {
         other.push((Instant::now(), next_other(&mut ev)));
     }
-    assert_eq!(names(&other), ["down 1", "fenced 1", "paused 1 10000ms"]);
+    assert_eq!(names(&other), ["down 1", "fenced 1", "paused 1 3600000ms"]);
     assert_eq!(calls.load(Relaxed), 2, "max_attempts, then a pause");
-    // Closing does not wait out the cool-down.
-    let t0 = Instant::now();
-    let r = dp.close();
-    assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+    // Closing does not wait out the hour's cool-down.
+    let r = within("close", move || dp.close());
     assert_eq!(r.msgs, 8 * 256);
     assert_eq!(r.rails[1].reconnect_failures, 1);
     assert!(

@@ -341,9 +341,16 @@ struct Shared {
     /// Ids submitted and not yet done (so `submit` refuses a live id at
     /// once instead of the posting thread later).
     live: Mutex<HashSet<u64>>,
-    /// The posting thread's kernel thread id (tests read its CPU time).
+    /// Times the posting thread blocked on its input queue with no timeout
+    /// (idle: only an input wakes it), and whether it is blocked so now.
     #[cfg(test)]
-    poster_tid: std::sync::atomic::AtomicI32,
+    parks: AtomicU64,
+    #[cfg(test)]
+    parked: AtomicBool,
+    /// Times the posting thread waited for an input (any wait: a poster
+    /// that spins shows as many).
+    #[cfg(test)]
+    waits: AtomicU64,
 }
 
 /// A session-long data path over one channel or several rails. See the
@@ -671,10 +678,20 @@ impl DataPath {
         self.shutdown()
     }
 
-    /// The posting thread's kernel thread id, once it runs (0 before).
+    /// Times the posting thread parked idle (blocked on its input queue
+    /// with no timeout), and whether it is parked now.
     #[cfg(test)]
-    pub(crate) fn poster_tid(&self) -> i32 {
-        self.shared.poster_tid.load(Relaxed)
+    pub(crate) fn poster_parks(&self) -> (u64, bool) {
+        (
+            self.shared.parks.load(Relaxed),
+            self.shared.parked.load(Relaxed),
+        )
+    }
+
+    /// Times the posting thread waited for an input, parked or not.
+    #[cfg(test)]
+    pub(crate) fn poster_waits(&self) -> u64 {
+        self.shared.waits.load(Relaxed)
     }
 
     fn shutdown(&mut self) -> Report {
@@ -949,10 +966,6 @@ impl Poster {
         // A pinned completion thread that spins owns its core: the poster
         // keeps off it rather than take turns with a thread that never
         // sleeps.
-        #[cfg(test)]
-        self.shared
-            .poster_tid
-            .store(nix::unistd::gettid().as_raw(), Relaxed);
         let mut cpus: Vec<usize> = match self.cfg.poll_mode {
             PollMode::Poll | PollMode::Hybrid { .. } => {
                 self.rails.iter().filter_map(|r| r.cpu).collect()
@@ -1035,6 +1048,8 @@ impl Poster {
     /// Wait up to `timeout` (`None`: without limit) for one input and take
     /// it. In poll mode with requests outstanding, spin briefly first.
     fn wait_input(&mut self, timeout: Option<Duration>) {
+        #[cfg(test)]
+        self.shared.waits.fetch_add(1, Relaxed);
         let mut timeout = timeout;
         if self.cfg.poll_mode == PollMode::Poll && self.stream.outstanding() > 0 {
             let t0 = Instant::now();
@@ -1067,13 +1082,23 @@ impl Poster {
                     None
                 }
             },
-            None => match self.rx.recv() {
-                Ok(i) => Some(i),
-                Err(_) => {
-                    self.closing = true;
-                    None
+            None => {
+                #[cfg(test)]
+                {
+                    self.shared.parks.fetch_add(1, Relaxed);
+                    self.shared.parked.store(true, Relaxed);
                 }
-            },
+                let got = self.rx.recv();
+                #[cfg(test)]
+                self.shared.parked.store(false, Relaxed);
+                match got {
+                    Ok(i) => Some(i),
+                    Err(_) => {
+                        self.closing = true;
+                        None
+                    }
+                }
+            }
         };
         if let Some(i) = got {
             self.input(i);
