@@ -3,7 +3,8 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use super::{
-    Bitmap, Digest, DigestChain, Failure, FileId, IdSet, Liveness, Params, Reason, WindowId,
+    Bitmap, Digest, DigestChain, Failure, FileId, FrameSeq, IdSet, Liveness, Params, Reason,
+    SeqCheck, WindowId,
 };
 use crate::proto::{self, ClientFrame, Direction, ServerFrame};
 
@@ -191,6 +192,8 @@ pub struct ClientCore {
     actions: VecDeque<ClientAction>,
     events: VecDeque<ClientEvent>,
     live: Liveness,
+    /// Frame numbers, sent and heard.
+    seq: FrameSeq,
     /// Ours: grows with every answered action and data-path movement.
     progress: u64,
     /// The peer's, as last heard.
@@ -224,6 +227,7 @@ impl ClientCore {
             actions: VecDeque::new(),
             events: VecDeque::new(),
             live: Liveness::new(p.timeout_ns, p.keepalive_ns, now),
+            seq: FrameSeq::default(),
             progress: 0,
             peer_progress: 0,
             phase: Phase::Running,
@@ -316,6 +320,7 @@ impl ClientCore {
         let mut f = std::mem::take(&mut self.out);
         self.out.session_id = session;
         f.progress = self.progress;
+        f.seq = self.seq.stamp();
         Some(f)
     }
 
@@ -490,6 +495,14 @@ impl ClientCore {
 
     /// A frame from the server.
     pub fn handle_frame(&mut self, now: u64, f: ServerFrame) {
+        match self.seq.check(f.seq) {
+            SeqCheck::Take => {}
+            SeqCheck::Duplicate => return self.live.heard(now, false),
+            SeqCheck::Gap { expected, got } => {
+                self.live.heard(now, false);
+                return self.end(Err(FrameSeq::lost(expected, got)));
+            }
+        }
         let moved = self.peer_moved(f.progress);
         let progress = moved
             || !(f.opened.is_empty()

@@ -39,7 +39,9 @@
 //! - Every window granted is released exactly once, and no more windows are
 //!   granted at once than agreed.
 //! - A stream whose peer stops answering, or that makes no progress, ends
-//!   within the timeout with [`Reason::Retryable`].
+//!   within the timeout with [`Reason::Retryable`]; so does one that lost
+//!   or reordered frames ([`FrameSeq`]: at the next frame that arrives, a
+//!   keepalive at the latest). Duplicated frames change nothing.
 
 mod client;
 mod server;
@@ -390,6 +392,68 @@ impl Liveness {
             t = t.min(self.last_progress + self.timeout);
         }
         Some(t)
+    }
+}
+
+/// The numbers of the frames on one Move stream: each end numbers the
+/// frames it sends from 1 (`seq`) and checks the peer's.
+///
+/// The stream is ordered and lossless, so a frame whose number is not the
+/// next one means frames were lost or reordered on the way (a broken relay,
+/// a stream cut and spliced): the receiver cannot know what it missed, and
+/// ends the stream as [`Reason::Retryable`] (a new stream starts clean)
+/// instead of taking what follows for a protocol violation. A number
+/// already seen is a duplicate and is ignored. A frame numbered 0 carries
+/// no number (a keepalive sent before the core started, or an older peer)
+/// and is taken as it comes.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct FrameSeq {
+    sent: u64,
+    heard: u64,
+}
+
+/// What [`FrameSeq::check`] found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SeqCheck {
+    /// The next frame (or an unnumbered one): take it.
+    Take,
+    /// Seen before: ignore it.
+    Duplicate,
+    /// Frames `expected..got` are missing.
+    Gap { expected: u64, got: u64 },
+}
+
+impl FrameSeq {
+    /// The number of the next frame sent.
+    pub fn stamp(&mut self) -> u64 {
+        self.sent += 1;
+        self.sent
+    }
+
+    /// A frame numbered `seq` arrived.
+    pub fn check(&mut self, seq: u64) -> SeqCheck {
+        if seq == 0 {
+            return SeqCheck::Take;
+        }
+        if seq <= self.heard {
+            return SeqCheck::Duplicate;
+        }
+        if seq != self.heard + 1 {
+            return SeqCheck::Gap {
+                expected: self.heard + 1,
+                got: seq,
+            };
+        }
+        self.heard = seq;
+        SeqCheck::Take
+    }
+
+    /// The failure a gap ends the stream with.
+    pub fn lost(expected: u64, got: u64) -> Failure {
+        Failure::new(
+            Reason::Retryable,
+            format!("frames lost on the stream: frame {got} came where {expected} was next"),
+        )
     }
 }
 

@@ -5,7 +5,8 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use super::EXTENT_ALIGN;
 use super::{
-    Bitmap, Digest, DigestChain, Failure, FileId, IdSet, Liveness, Params, Reason, WindowId,
+    Bitmap, Digest, DigestChain, Failure, FileId, FrameSeq, IdSet, Liveness, Params, Reason,
+    SeqCheck, WindowId,
 };
 use crate::proto::{self, ClientFrame, Direction, ServerFrame};
 
@@ -190,6 +191,8 @@ pub struct ServerCore {
     out: ServerFrame,
     actions: VecDeque<ServerAction>,
     live: Liveness,
+    /// Frame numbers, sent and heard.
+    seq: FrameSeq,
     /// Ours: grows with every answered action and data-path movement.
     progress: u64,
     /// The peer's, as last heard.
@@ -228,6 +231,7 @@ impl ServerCore {
             out: ServerFrame::default(),
             actions: VecDeque::new(),
             live: Liveness::new(p.timeout_ns, p.keepalive_ns, now),
+            seq: FrameSeq::default(),
             progress: 0,
             peer_progress: 0,
             phase: Phase::Running,
@@ -263,6 +267,7 @@ impl ServerCore {
         self.live.sent(now);
         let mut f = std::mem::take(&mut self.out);
         f.progress = self.progress;
+        f.seq = self.seq.stamp();
         Some(f)
     }
 
@@ -399,6 +404,14 @@ impl ServerCore {
 
     /// A frame from the client.
     pub fn handle_frame(&mut self, now: u64, f: ClientFrame) {
+        match self.seq.check(f.seq) {
+            SeqCheck::Take => {}
+            SeqCheck::Duplicate => return self.live.heard(now, false),
+            SeqCheck::Gap { expected, got } => {
+                self.live.heard(now, false);
+                return self.end(Err(FrameSeq::lost(expected, got)));
+            }
+        }
         let moved = self.peer_moved(f.progress);
         let progress = moved
             || !(f.open.is_empty() && f.done.is_empty() && f.end.is_empty())
