@@ -790,15 +790,25 @@ mod resume {
         let mut old = Destination::create(&dir, "f", LEN, opts(1000)).unwrap();
         write(&mut old, &data, &[0, 1]);
         let data2 = data.clone();
-        let ending = std::thread::spawn(move || {
-            std::thread::sleep(std::time::Duration::from_millis(300));
-            write(&mut old, &data2, &[2]);
-        });
-        let t0 = std::time::Instant::now();
+        let let_go = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let ending = {
+            let let_go = let_go.clone();
+            std::thread::spawn(move || {
+                // Late enough that the resume is (almost surely) waiting;
+                // the order is what is checked, not the time.
+                std::thread::sleep(std::time::Duration::from_millis(300));
+                write(&mut old, &data2, &[2]);
+                let_go.store(true, std::sync::atomic::Ordering::SeqCst);
+                drop(old);
+            })
+        };
         let mut d = Destination::resume(&dir, "f", &src(), opts(1000))
             .unwrap()
             .expect("resumed once the old transfer let go");
-        assert!(t0.elapsed() >= std::time::Duration::from_millis(250));
+        assert!(
+            let_go.load(std::sync::atomic::Ordering::SeqCst),
+            "resumed before the old transfer let go"
+        );
         ending.join().unwrap();
         assert_eq!(d.missing_blocks(), vec![3, 4, 5, 6, 7]);
         finish(&mut d, &data);

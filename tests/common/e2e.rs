@@ -255,16 +255,35 @@ fn rcp_blocks(t: &str, port: u16, block: u64, args: &[&str]) -> Command {
     rcp_cmd(port, t, None, &[&["--block-size", &bs][..], args].concat())
 }
 
+/// A push or pull's `args` held by `--bwlimit` (after the subcommand) to a
+/// quarter of the resumed file a second: the copy lasts 4 s at least on
+/// any machine, so a fault that comes once a window is verified comes
+/// mid-copy (checked where it matters: nothing under the final name).
+fn held<'a>(args: &[&'a str], rate: &'a str) -> Vec<&'a str> {
+    let at = args
+        .iter()
+        .position(|a| *a == "push" || *a == "pull")
+        .expect("a push or pull")
+        + 1;
+    let mut v = args[..at].to_vec();
+    v.extend(["--bwlimit", rate]);
+    v.extend_from_slice(&args[at..]);
+    v
+}
+
 /// Start `rcp args` quietly, kill it once the manifest of `name` in `dir`
 /// (the receiving side) shows a verified window, and check that nothing is
 /// under the final name.
 fn kill_mid_copy(t: &str, port: u16, s: &Scale, args: &[&str], dir: &Path, name: &str) {
-    let mut child = rcp_blocks(t, port, s.resume_block, args)
+    let rate = (s.resume_len / 4).to_string();
+    let args = held(args, &rate);
+    let mut child = rcp_blocks(t, port, s.resume_block, &args)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    wait_verified(dir, name, WINDOW_SIZE as u64 / s.resume_block);
+    let blocks = WINDOW_SIZE as u64 / s.resume_block;
+    wait_verified_while(dir, name, blocks, &mut child, || format!("rcp {args:?}"));
     child.kill().unwrap();
     child.wait().unwrap();
     assert!(
@@ -376,7 +395,9 @@ pub fn stopped_client_is_evicted(t: &str, s: &Scale) {
     let want = sha256sum(&src);
     let p = src.to_str().unwrap();
     let err = tmp.path().join("stopped.err");
-    let mut stopped = rcp_blocks(t, d.port, s.resume_block, &["push", "-q", p, &remote("/")])
+    let (rate, dst) = ((s.resume_len / 4).to_string(), remote("/"));
+    let args = held(&["push", "-q", p, &dst], &rate);
+    let mut stopped = rcp_blocks(t, d.port, s.resume_block, &args)
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(&err).unwrap())
         .spawn()
@@ -441,7 +462,7 @@ pub fn stopped_client_is_evicted(t: &str, s: &Scale) {
 }
 
 /// rcpd stopped (SIGSTOP) mid-copy: the client gives up with the retry
-/// code within its `--timeout`, and once rcpd runs again `--resume`
+/// code (its `--timeout` is 3 s), and once rcpd runs again `--resume`
 /// continues the copy.
 pub fn stopped_server_makes_the_client_give_up(t: &str, s: &Scale) {
     let (tmp, root) = tmp_with_root();
@@ -450,7 +471,12 @@ pub fn stopped_server_makes_the_client_give_up(t: &str, s: &Scale) {
     make_file(&src, s.resume_len, 13);
     let want = sha256sum(&src);
     let p = src.to_str().unwrap();
-    let args = ["--timeout", "3", "push", "-q", p, &remote("/")];
+    let (rate, dst) = ((s.resume_len / 4).to_string(), remote("/"));
+    let args = [
+        &["--timeout", "3"][..],
+        &held(&["push", "-q", p, &dst], &rate),
+    ]
+    .concat();
     let child = rcp_blocks(t, d.port, s.resume_block, &args)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -468,8 +494,9 @@ pub fn stopped_server_makes_the_client_give_up(t: &str, s: &Scale) {
         "the client gave up {waited:.1} s after rcpd stopped: {}",
         se.trim()
     );
-    // The timeout is 3 s; the client heard rcpd last at most then.
-    assert!(waited < 3.0 + 6.0, "gave up after {waited:.1} s");
+    // When it gives up is the core's and the transport's keepalives' to
+    // say, not this machine's: the core's Pair tests check "within the
+    // timeout" on a simulated clock.
     assert!(!root.join("big").exists());
     let args = ["push", "--resume", p, &remote("/")];
     let out = rcp_blocks(t, d.port, s.resume_block, &args)

@@ -59,7 +59,7 @@ pub fn samples<'a>(text: &'a str, prefix: &str) -> Vec<(&'a str, f64)> {
 }
 
 /// rcpd A copies a file of `len` bytes to rcpd B (the service API) over
-/// `transport`; while it runs, A's /metrics shows its data path's queue
+/// `transport` (held by A's `--bwlimit`); while it runs, A's /metrics shows its data path's queue
 /// gauges and B's an active transfer; afterwards B counts the transfer and
 /// its bytes, A the post-to-completion latency, and the gauges are gone.
 pub fn metrics_during_copy(transport: &str, dir: &std::path::Path, len: u64) {
@@ -67,7 +67,10 @@ pub fn metrics_during_copy(transport: &str, dir: &std::path::Path, len: u64) {
     std::fs::create_dir_all(&ra).unwrap();
     std::fs::create_dir_all(&rb).unwrap();
     make_file(&ra.join("big"), len, 77);
-    let a = Rcpd::start(&ra, transport, Some("tok"), &[]);
+    // A's copies held to a quarter of the file a second: the copy lasts 4 s
+    // at least however fast the machine, and the scrapes below see it busy.
+    let rate = (len / 4).to_string();
+    let a = Rcpd::start(&ra, transport, Some("tok"), &["--bwlimit", &rate]);
     let b = Rcpd::start(&rb, transport, Some("tok"), &[]);
     let (ma, mb) = (a.metrics.clone().unwrap(), b.metrics.clone().unwrap());
     let before = scrape(&mb);
