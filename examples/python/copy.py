@@ -24,8 +24,9 @@ and the exit code is 0. On failure the gRPC status is printed on stderr
     copy.py: UNAUTHENTICATED: <message>
 and the exit code is 1 (2: bad usage).
 
-The stubs come from gen_stubs.py (grpcio-tools); this looks for them in
---stubs DIR, $RCP_PY_STUBS, or build/ beside this file.
+It is a small program over the `rcp` package (python/: `pip install
+./python[copy]`; found beside this repository when not installed), whose
+Copy API needs grpcio and no generated stubs.
 """
 
 import os
@@ -38,7 +39,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 
 import argparse  # noqa: E402
-import importlib  # noqa: E402
+
+try:
+    import rcp  # noqa: E402,F401
+except ImportError:
+    sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))
+from rcp import _copy  # noqa: E402
 
 PROG = "copy.py"
 
@@ -66,8 +72,6 @@ def parse_args(argv):
                     help="data path between the two rcpds (default: LOCAL_RCPD's choice)")
     ap.add_argument("--block-size", type=int, default=0, help="bytes (power of two, 4096..4 MiB)")
     ap.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
-    ap.add_argument("--stubs", default=os.environ.get("RCP_PY_STUBS") or os.path.join(HERE, "build"),
-                    help="directory of the generated stubs (gen_stubs.py --out)")
     a = ap.parse_args(argv)
     if bool(a.tls_cert) != bool(a.tls_key):
         ap.error("--tls-cert and --tls-key go together")
@@ -78,30 +82,6 @@ def parse_args(argv):
     return a
 
 
-def load_stubs(stubs):
-    if not os.path.isfile(os.path.join(stubs, "rcp", "v1", "rcp_pb2_grpc.py")):
-        sys.exit("%s: no stubs in %s: run gen_stubs.py first (or give --stubs DIR)" % (PROG, stubs))
-    sys.path.insert(0, stubs)
-    return importlib.import_module("rcp.v1.rcp_pb2"), importlib.import_module("rcp.v1.rcp_pb2_grpc")
-
-
-def read(path):
-    with open(path, "rb") as f:
-        return f.read()
-
-
-def channel(grpc, a):
-    if not a.tls_ca:
-        return grpc.insecure_channel(a.local_rcpd)
-    creds = grpc.ssl_channel_credentials(
-        root_certificates=read(a.tls_ca),
-        private_key=read(a.tls_key) if a.tls_key else None,
-        certificate_chain=read(a.tls_cert) if a.tls_cert else None,
-    )
-    options = [("grpc.ssl_target_name_override", a.tls_server_name)] if a.tls_server_name else []
-    return grpc.secure_channel(a.local_rcpd, creds, options=options)
-
-
 def percent(done, total):
     return " (%d%%)" % (100 * done // total) if total else ""
 
@@ -110,36 +90,26 @@ def main(argv=None):
     a = parse_args(sys.argv[1:] if argv is None else argv)
     import grpc
 
-    pb, pb_grpc = load_stubs(a.stubs)
     token = a.token or os.environ.get("RCP_TOKEN", "")
     if a.token_file:
-        token = read(a.token_file).decode().strip()
-    metadata = [("authorization", "Bearer " + token)] if token else []
-
-    req = pb.CopyRequest(
-        direction=pb.DIRECTION_PUSH if a.direction == "push" else pb.DIRECTION_PULL,
-        local_path=a.local_path,
-        remote=a.remote,
-        remote_path=a.remote_path,
-        recursive=a.recursive,
-        preserve=a.preserve,
-        resume=a.resume,
-        remote_token=a.remote_token,
-        transport=a.transport or "",
-        block_size=a.block_size,
-    )
+        with open(a.token_file) as f:
+            token = f.read().strip()
     arrow = "->" if a.direction == "push" else "<-"
     print("%s: %s:%s %s %s:%s" % (PROG, a.local_rcpd, a.local_path, arrow, a.remote, a.remote_path),
           file=sys.stderr, flush=True)
     final = None
-    with channel(grpc, a) as ch:
-        stub = pb_grpc.RcpStub(ch)
+    with _copy.channel(a.local_rcpd, a.tls_ca, a.tls_cert, a.tls_key, a.tls_server_name) as ch:
         try:
-            for p in stub.Copy(req, metadata=metadata, timeout=a.timeout):
+            for p in _copy.copy_stream(ch, token, timeout=a.timeout, direction=a.direction,
+                                       local_path=a.local_path, remote=a.remote,
+                                       remote_path=a.remote_path, recursive=a.recursive,
+                                       preserve=a.preserve, resume=a.resume,
+                                       remote_token=a.remote_token, transport=a.transport or "",
+                                       block_size=a.block_size):
                 print("progress: %d/%d bytes%s, %d/%d files" % (
-                    p.bytes_done, p.bytes_total, percent(p.bytes_done, p.bytes_total),
-                    p.files_done, p.files_total), file=sys.stderr, flush=True)
-                if p.done:
+                    p["bytes_done"], p["bytes_total"], percent(p["bytes_done"], p["bytes_total"]),
+                    p["files_done"], p["files_total"]), file=sys.stderr, flush=True)
+                if p["done"]:
                     final = p
         except grpc.RpcError as e:
             # A failed copy sends its last progress (with `error`), then
@@ -149,11 +119,11 @@ def main(argv=None):
     if final is None:
         print("%s: the progress stream ended without a final message" % PROG, file=sys.stderr)
         return 1
-    if final.error:
-        print("%s: copy failed: %s" % (PROG, final.error), file=sys.stderr)
+    if final["error"]:
+        print("%s: copy failed: %s" % (PROG, final["error"]), file=sys.stderr)
         return 1
-    print("done: %d files, %d bytes%s" % (final.files_done, final.bytes_done,
-                                          ", sha256 " + final.sha256 if final.sha256 else ""))
+    print("done: %d files, %d bytes%s" % (final["files_done"], final["bytes_done"],
+                                          ", sha256 " + final["sha256"] if final["sha256"] else ""))
     return 0
 
 

@@ -119,6 +119,11 @@ struct Args {
     /// Seconds running transfers get to finish after SIGTERM/SIGINT.
     #[arg(long, env = "RCPD_SHUTDOWN_GRACE", default_value_t = 30)]
     shutdown_grace: u64,
+    /// Also serve on this unix socket (mode 0660): the gRPC API, and the
+    /// service protocol through which local services hand rcpd their
+    /// buffers (memfds) to move (docs/buffers.md).
+    #[arg(long, env = "RCPD_SOCKET")]
+    socket: Option<PathBuf>,
     /// Print every RCPD_* variable rcpd reads, one per line, and exit.
     #[arg(long, hide = true)]
     print_env: bool,
@@ -224,6 +229,7 @@ fn main() -> anyhow::Result<()> {
             .map_err(|e| anyhow::anyhow!(e))?,
         tls_peer_ca: a.tls_peer_ca,
         bwlimit: a.bwlimit.filter(|&r| r > 0),
+        socket: a.socket,
     };
     // A rate too low for the timeout would fail every copy: say so now.
     rcp::control::ClientOptions {
@@ -241,6 +247,9 @@ fn main() -> anyhow::Result<()> {
         }
         if let Some(m) = b.metrics {
             line.push_str(&format!(" metrics http://{m}/metrics"));
+        }
+        if let Some(s) = &b.socket {
+            line.push_str(&format!(" socket {}", s.display()));
         }
         println!("{line}");
     }))

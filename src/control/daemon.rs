@@ -13,6 +13,7 @@ use tonic::transport::server::TcpIncoming;
 use tonic::transport::Server;
 
 use super::auth::CheckBearer;
+use super::buffers::socket::Socket;
 use super::client::ClientOptions;
 use super::copy::CopyService;
 use super::error::{ControlError, Result};
@@ -61,6 +62,9 @@ pub struct DaemonConfig {
     /// rcpd's own sessions post nothing: their clients do, under their own
     /// `--bwlimit`.
     pub bwlimit: Option<u64>,
+    /// A unix socket serving the gRPC API and the service protocol for
+    /// buffers (docs/buffers.md), mode 0660.
+    pub socket: Option<PathBuf>,
 }
 
 /// Addresses actually bound (port 0 resolved).
@@ -69,6 +73,7 @@ pub struct Bound {
     pub grpc: SocketAddr,
     pub health: Option<SocketAddr>,
     pub metrics: Option<SocketAddr>,
+    pub socket: Option<PathBuf>,
 }
 
 /// Wait for SIGTERM or SIGINT.
@@ -120,26 +125,30 @@ pub async fn run(
         timeout: cfg.timeout,
         checks: cfg.checks.clone(),
     };
+    let peer_opts = ClientOptions {
+        token: cfg.token.clone(),
+        transport: cfg.transport,
+        rails: cfg.rails.clone(),
+        gid_index: cfg.gid_index,
+        batch: cfg.batch,
+        signal_every: cfg.signal_every,
+        cq_cpu: cfg.cq_cpu,
+        timeout: cfg.timeout,
+        bwlimit: cfg.bwlimit,
+        tls: cfg
+            .tls
+            .as_ref()
+            .and_then(|t| t.as_client(cfg.tls_peer_ca.clone())),
+        ..ClientOptions::default()
+    };
     let copier = CopyService {
-        opts: ClientOptions {
-            token: cfg.token.clone(),
-            transport: cfg.transport,
-            rails: cfg.rails.clone(),
-            gid_index: cfg.gid_index,
-            batch: cfg.batch,
-            signal_every: cfg.signal_every,
-            cq_cpu: cfg.cq_cpu,
-            timeout: cfg.timeout,
-            bwlimit: cfg.bwlimit,
-            tls: cfg
-                .tls
-                .as_ref()
-                .and_then(|t| t.as_client(cfg.tls_peer_ca.clone())),
-            ..ClientOptions::default()
-        },
+        opts: peer_opts.clone(),
     };
     let svc = Service::new(scfg, link, Some(Arc::new(copier)))?;
     let metrics = svc.metrics.clone();
+    svc.buffers.set_client_options(peer_opts);
+    *svc.buffers.token.lock().unwrap() = cfg.token.clone();
+    *svc.buffers.default_check.lock().unwrap() = cfg.checks.first().copied();
 
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
@@ -193,10 +202,22 @@ pub async fn run(
         }
         None => None,
     };
+    // The unix socket: the same gRPC services, and the service protocol.
+    let socket = match &cfg.socket {
+        Some(p) => {
+            let sock = super::buffers::socket::bind(p).map_err(ControlError::io(format!(
+                "binding the unix socket {}",
+                p.display()
+            )))?;
+            Some(sock)
+        }
+        None => None,
+    };
     let bound = Bound {
         grpc: grpc_addr,
         health,
         metrics: metrics_addr,
+        socket: socket.as_ref().map(|s| s.path.clone()),
     };
     tracing::info!(grpc = %grpc_addr, ?health, metrics = ?metrics_addr, root = %root.display(), transport = %why, "rcpd serving");
     on_bound(&bound, &why);
@@ -212,6 +233,39 @@ pub async fn run(
         builder = builder
             .tls_config(t.config()?)
             .map_err(|e| ControlError::Usage(format!("TLS configuration: {e}")))?;
+    }
+    let (unix_stop_tx, unix_stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let mut unix_tasks = Vec::new();
+    if let Some(sock) = socket {
+        let (tx, rx) = tokio::sync::mpsc::channel(16);
+        let Socket { listener, path } = sock;
+        unix_tasks.push(tokio::spawn(super::buffers::socket::accept_loop(
+            listener,
+            tx,
+            svc.buffers.clone(),
+        )));
+        let reflection = reflection_builder()
+            .build_v1()
+            .map_err(|e| ControlError::Other(format!("reflection v1: {e}")))?;
+        let reflection_v1alpha = reflection_builder()
+            .build_v1alpha()
+            .map_err(|e| ControlError::Other(format!("reflection v1alpha: {e}")))?;
+        let router = Server::builder()
+            .add_service(health_svc.clone())
+            .add_service(reflection)
+            .add_service(reflection_v1alpha)
+            .add_service(rcp.clone());
+        unix_tasks.push(tokio::spawn(async move {
+            let _ = router
+                .serve_with_incoming_shutdown(
+                    tokio_stream::wrappers::ReceiverStream::new(rx),
+                    async {
+                        let _ = unix_stop_rx.await;
+                    },
+                )
+                .await;
+            let _ = std::fs::remove_file(&path);
+        }));
     }
     let server = tokio::spawn(
         builder
@@ -233,6 +287,7 @@ pub async fn run(
     tracing::info!(active, grace = ?cfg.shutdown_grace, "shutting down: no new requests; running transfers may finish");
     reporter.set_not_serving::<RcpServer<RcpService>>().await;
     let _ = stop_tx.send(());
+    let _ = unix_stop_tx.send(());
     match tokio::time::timeout(cfg.shutdown_grace, server).await {
         Ok(Ok(Ok(()))) => tracing::info!("stopped cleanly"),
         Ok(Ok(Err(e))) => tracing::warn!(error = %e, "server error at shutdown"),
@@ -241,6 +296,12 @@ pub async fn run(
             active = metrics.active_transfers(),
             "shutdown deadline passed; cutting the remaining transfers (their temp files stay for --resume)"
         ),
+    }
+    for t in unix_tasks {
+        t.abort();
+    }
+    if let Some(p) = &cfg.socket {
+        let _ = std::fs::remove_file(p);
     }
     Ok(())
 }

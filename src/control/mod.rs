@@ -19,6 +19,7 @@
 //!   errors, reasons, exit codes), [`auth`], [`tls`], [`fsutil`].
 
 pub mod auth;
+pub mod buffers;
 pub mod client;
 pub mod copy;
 pub mod daemon;

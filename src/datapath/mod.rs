@@ -56,6 +56,7 @@
 pub mod bucket;
 pub mod completion;
 pub mod config;
+pub mod lend;
 pub mod port;
 pub mod report;
 pub mod runner;

@@ -21,6 +21,12 @@ pub enum Backing {
     HugeTlbFs(PathBuf),
     /// Normal pages with `MADV_HUGEPAGE` (no huge pages configured).
     Transparent,
+    /// A service's memfd, mapped shared (`crate::mem::memfd`): the
+    /// service maps the same pages.
+    Memfd {
+        /// The memfd is `MFD_HUGETLB`.
+        huge: bool,
+    },
 }
 
 /// How to build an arena.
@@ -218,6 +224,24 @@ impl Arena {
 
     pub(crate) fn region(&self) -> &Arc<Region> {
         &self.region
+    }
+
+    /// An arena over a mapping made elsewhere in this module tree (a
+    /// service's memfd), unmapped with `munmap` when the last holder goes.
+    ///
+    /// # Safety
+    ///
+    /// `[ptr, ptr + len)` is a live mapping, readable and writable, that
+    /// nothing else unmaps, and no Rust reference to its bytes exists.
+    pub(crate) unsafe fn adopt(ptr: *mut u8, len: usize, backing: Backing) -> Arena {
+        Arena {
+            region: Arc::new(Region {
+                ptr,
+                len,
+                backing,
+                numa_node: None,
+            }),
+        }
     }
 }
 

@@ -12,6 +12,7 @@
 //! grant or other borrower touches the range meanwhile.
 
 pub mod arena;
+pub mod memfd;
 pub mod memlock;
 pub mod numa;
 

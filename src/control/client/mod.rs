@@ -301,6 +301,22 @@ impl Client {
     pub async fn copy(&self, req: proto::CopyRequest) -> Result<Streaming<proto::CopyProgress>> {
         Ok(self.rpc.clone().copy(req).await?.into_inner())
     }
+
+    /// Buffers: ask for a grant on an exposed buffer (docs/buffers.md).
+    pub async fn buffer_grant(
+        &self,
+        req: proto::BufferGrantRequest,
+    ) -> std::result::Result<proto::BufferGrantResponse, tonic::Status> {
+        Ok(self.rpc.clone().buffer_grant(req).await?.into_inner())
+    }
+
+    /// Buffers: end a grant.
+    pub async fn buffer_done(
+        &self,
+        req: proto::BufferDoneRequest,
+    ) -> std::result::Result<proto::BufferDoneResponse, tonic::Status> {
+        Ok(self.rpc.clone().buffer_done(req).await?.into_inner())
+    }
 }
 
 #[cfg(test)]

@@ -453,6 +453,31 @@ impl Session {
         self.params.check.name()
     }
 
+    /// The data path and its events, for a driver of their own (buffers,
+    /// `control::buffers::peer`); the session keeps its link and rcpd's
+    /// resources until it is closed or dropped.
+    pub(crate) fn take_data_path(&mut self) -> Option<(DataPath, UnboundedReceiver<DpEvent>)> {
+        let events = self.events.take()?;
+        Some((self.dp.take()?, events))
+    }
+
+    /// The domain the session's local memory registers in: rail 0's
+    /// protection domain, or the tcp provider's domain.
+    pub(crate) fn local_domain(&self) -> Arc<dyn crate::provider::Domain> {
+        match (&self.link.tcp_domain, self.link.rails.first()) {
+            (Some(d), _) => d.clone(),
+            (None, Some(r)) => Arc::new(crate::verbs::VerbsDomain {
+                pd: r.device.pd.clone(),
+            }),
+            (None, None) => unreachable!("a session has a tcp domain or a rail"),
+        }
+    }
+
+    /// The check the handshake agreed on.
+    pub(crate) fn check_kind(&self) -> crate::files::Check {
+        self.params.check
+    }
+
     /// Move `files` over one Move stream, up to the session's files in
     /// flight at once; `obs` sees each start, the progress and each result.
     /// The first file that fails ends the stream with its error (what was

@@ -80,6 +80,9 @@ pub struct Service {
     /// bytes, throughput, integrity and auth failures, the data paths of the
     /// copies it drives.
     pub metrics: Arc<crate::metrics::Metrics>,
+    /// Services' buffers, their exposures and the grants made on them
+    /// (`control::buffers`).
+    pub buffers: Arc<crate::control::buffers::Buffers>,
 }
 
 /// A server-streaming response.
@@ -104,6 +107,7 @@ impl Service {
             sessions: Mutex::new(HashMap::new()),
             copier,
             metrics: Arc::new(crate::metrics::Metrics::new()),
+            buffers: crate::control::buffers::Buffers::new(),
         }))
     }
 
@@ -312,5 +316,28 @@ impl proto::rcp_server::Rcp for RcpService {
             ));
         };
         Ok(Response::new(c.copy(self.0.clone(), req.into_inner())?))
+    }
+
+    async fn buffer_grant(
+        &self,
+        req: Request<proto::BufferGrantRequest>,
+    ) -> std::result::Result<Response<proto::BufferGrantResponse>, Status> {
+        let peer = req.remote_addr().map(|a| a.ip());
+        let req = req.into_inner();
+        let id = req.session_id;
+        let session = self.0.session(id)?;
+        *session.last_used.lock().unwrap() = std::time::Instant::now();
+        let r = crate::control::buffers::grant::grant(&self.0.buffers, &session, id, req, peer)?;
+        Ok(Response::new(r))
+    }
+
+    async fn buffer_done(
+        &self,
+        req: Request<proto::BufferDoneRequest>,
+    ) -> std::result::Result<Response<proto::BufferDoneResponse>, Status> {
+        let req = req.into_inner();
+        let id = req.session_id;
+        let r = crate::control::buffers::grant::done(&self.0.buffers, id, req)?;
+        Ok(Response::new(r))
     }
 }

@@ -1,0 +1,1 @@
+//! The Rust client of the service protocol (docs/buffers.md).

@@ -1,0 +1,206 @@
+//! Buffers from services (docs/buffers.md): memory a local service hands
+//! to rcpd over its unix socket (a sealed memfd), exposed under a name and
+//! moved by one-sided RDMA (or the tcp provider) between two rcpds, with no
+//! staging copy.
+//!
+//! - [`socket`]: the unix socket: gRPC and the service protocol on one
+//!   path, told apart by a connection's first bytes;
+//! - [`wire`]: the service protocol's frames (JSON, fds as SCM_RIGHTS);
+//! - [`service`]: one service connection: its buffers, exposures,
+//!   operations and events;
+//! - [`grant`]: the exposing side of an operation (`BufferGrant`,
+//!   `BufferDone`): a grant per operation, revoked at its end;
+//! - [`peer`]: the initiating side: a session per peer rcpd, windows posted
+//!   from the service's pages ([`crate::datapath::lend`]);
+//! - [`client`]: the Rust client of the service protocol.
+//!
+//! [`Buffers`] is what one rcpd shares between them.
+
+pub mod client;
+pub mod grant;
+pub mod peer;
+pub mod service;
+pub mod socket;
+pub mod wire;
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+
+use serde_json::Value;
+use tokio::sync::mpsc::UnboundedSender;
+
+use super::client::ClientOptions;
+use super::error::Reason;
+use crate::mem::memfd::ServiceBuffer;
+
+/// What a peer may do to an exposed range.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Access {
+    pub read: bool,
+    pub write: bool,
+}
+
+impl Access {
+    pub fn parse(s: &str) -> Option<Access> {
+        match s {
+            "read" | "r" => Some(Access {
+                read: true,
+                write: false,
+            }),
+            "write" | "w" => Some(Access {
+                read: false,
+                write: true,
+            }),
+            "rw" | "readwrite" | "read,write" => Some(Access {
+                read: true,
+                write: true,
+            }),
+            _ => None,
+        }
+    }
+}
+
+/// A buffer range a service named for the network.
+pub struct Exposure {
+    /// The service connection that owns it.
+    pub owner: u64,
+    pub buffer: ServiceBuffer,
+    pub offset: u64,
+    pub len: u64,
+    pub access: Access,
+    /// Empty: any peer rcpd.
+    pub peers: Vec<IpAddr>,
+    /// The owner's events.
+    pub events: UnboundedSender<Value>,
+}
+
+/// An error for a service or a peer: a reason and a sentence.
+#[derive(Clone, Debug)]
+pub struct OpError {
+    pub reason: Reason,
+    pub message: String,
+}
+
+impl OpError {
+    pub fn new(reason: Reason, message: impl Into<String>) -> OpError {
+        OpError {
+            reason,
+            message: message.into(),
+        }
+    }
+
+    /// The service protocol's name of the reason (docs/buffers.md).
+    pub fn reason_name(&self) -> &'static str {
+        reason_name(self.reason)
+    }
+
+    pub fn to_json(&self) -> Value {
+        serde_json::json!({"reason": self.reason_name(), "message": self.message})
+    }
+}
+
+impl std::fmt::Display for OpError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.reason_name(), self.message)
+    }
+}
+
+impl From<super::error::ControlError> for OpError {
+    fn from(e: super::error::ControlError) -> OpError {
+        OpError::new(e.reason(), e.to_string())
+    }
+}
+
+impl From<OpError> for tonic::Status {
+    fn from(e: OpError) -> tonic::Status {
+        super::error::status(e.reason, e.message)
+    }
+}
+
+/// The service protocol's lower-case reason names.
+pub fn reason_name(r: Reason) -> &'static str {
+    match r {
+        Reason::Usage | Reason::Invalid | Reason::PathRefused | Reason::Version => "invalid",
+        Reason::DirNotFound | Reason::FileNotFound => "not_found",
+        Reason::Integrity => "integrity",
+        Reason::Unauthenticated => "unauthenticated",
+        Reason::Permission => "permission",
+        Reason::Exceeded => "exceeded",
+        Reason::Retryable => "retryable",
+        Reason::Other | Reason::Unspecified => "other",
+    }
+}
+
+/// What one rcpd shares between its service connections, the grants it
+/// made to peers and the sessions it opened to them.
+#[derive(Default)]
+pub struct Buffers {
+    next_conn: AtomicU64,
+    /// Exposures by name.
+    pub(crate) exposures: Mutex<HashMap<String, Arc<Exposure>>>,
+    /// Grants made to peers' sessions, by grant id.
+    pub(crate) grants: grant::Grants,
+    /// Sessions to peer rcpds, by (address, check).
+    pub(crate) peers: peer::Peers,
+    /// How this rcpd connects to peers (token, TLS, transport...), set by
+    /// the daemon.
+    opts: Mutex<Option<ClientOptions>>,
+    /// The check a service's operation uses when it names none.
+    pub default_check: Mutex<Option<crate::files::Check>>,
+    /// This rcpd's timeout: a grant whose peer says nothing this long is
+    /// revoked.
+    pub timeout: Mutex<Option<std::time::Duration>>,
+    /// rcpd's bearer token: a service says it in `hello`.
+    pub token: Mutex<Option<String>>,
+}
+
+impl Buffers {
+    pub fn new() -> Arc<Buffers> {
+        Arc::default()
+    }
+
+    /// The options this rcpd's sessions to peers are opened with.
+    pub fn set_client_options(&self, o: ClientOptions) {
+        *self.timeout.lock().unwrap() = Some(o.timeout);
+        *self.opts.lock().unwrap() = Some(o);
+    }
+
+    pub(crate) fn client_options(&self) -> ClientOptions {
+        self.opts.lock().unwrap().clone().unwrap_or_default()
+    }
+
+    pub(crate) fn grant_timeout(&self) -> std::time::Duration {
+        self.timeout
+            .lock()
+            .unwrap()
+            .unwrap_or(super::client::DEFAULT_TIMEOUT)
+    }
+
+    pub(crate) fn new_conn(&self) -> u64 {
+        self.next_conn.fetch_add(1, Relaxed) + 1
+    }
+
+    /// Everything of connection `conn` goes: its exposures are withdrawn
+    /// and every grant made on them is revoked (registrations dropped
+    /// first, then the leases).
+    pub(crate) fn owner_gone(&self, conn: u64) {
+        let names: Vec<String> = {
+            let mut ex = self.exposures.lock().unwrap();
+            let names: Vec<String> = ex
+                .iter()
+                .filter(|(_, e)| e.owner == conn)
+                .map(|(n, _)| n.clone())
+                .collect();
+            for n in &names {
+                ex.remove(n);
+            }
+            names
+        };
+        let revoked = self.grants.revoke_owner(conn);
+        if !names.is_empty() || revoked > 0 {
+            tracing::info!(conn, exposures = ?names, grants_revoked = revoked, "service gone: exposures withdrawn");
+        }
+    }
+}

@@ -1,0 +1,416 @@
+//! The initiating side of a buffer operation: rcpd is the client of the
+//! peer rcpd, as for the Copy API. One session per (peer, check), kept for
+//! every operation to that peer, on one rail; its data path is a
+//! [`LendingPath`] (the service's pages are the windows' local bytes, no
+//! staging). A buffer is registered in the session's domain once, on first
+//! use, and forgotten when its service releases it.
+//!
+//! An operation: lease its local ranges, `BufferGrant` on the peer, post a
+//! window per descriptor (split into requests of the session's block
+//! size), wait for every window, compare or send the digests in
+//! `BufferDone`. A failed data path fails the operations on it and the
+//! session is made anew by the next one.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::oneshot;
+
+use super::grant::digests;
+use super::{Buffers, OpError};
+use crate::control::client::{Client, Session};
+use crate::control::error::{status_reason, Reason};
+use crate::datapath::lend::LendingPath;
+use crate::datapath::DpEvent;
+use crate::engine::{Extent, OpKind, WindowJob};
+use crate::files::Check;
+use crate::mem::memfd::{LeaseKind, LeasedRange, ServiceBuffer};
+use crate::proto;
+use crate::provider::{Access, Domain, Registration};
+
+type Key = (String, &'static str);
+
+/// Sessions to peers, by (address, check name).
+#[derive(Default)]
+pub struct Peers(Mutex<HashMap<Key, Arc<PeerLink>>>);
+
+impl Peers {
+    /// Forget buffer `uid`'s registrations (its service released it; the
+    /// operations still running hold their own).
+    pub(crate) fn forget_buffer(&self, uid: u64) {
+        let links: Vec<Arc<PeerLink>> = self.0.lock().unwrap().values().cloned().collect();
+        for l in links {
+            let r = l.regs.lock().unwrap().remove(&uid);
+            crate::control::in_place(|| drop(r));
+        }
+    }
+
+    /// Sessions open now.
+    pub fn len(&self) -> usize {
+        self.0.lock().unwrap().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+type Waiter = oneshot::Sender<Result<LeasedRange, String>>;
+
+/// One session to a peer rcpd.
+pub struct PeerLink {
+    key: Key,
+    client: Client,
+    session_id: u64,
+    block_size: u64,
+    check: Check,
+    domain: Arc<dyn Domain>,
+    path: Arc<LendingPath>,
+    regs: Mutex<HashMap<u64, Arc<dyn Registration>>>,
+    waiters: Mutex<HashMap<u64, Waiter>>,
+    next: AtomicU64,
+    dead: Mutex<Option<String>>,
+    /// Declared last: closed (CloseSession) after the data path.
+    session: Mutex<Option<Session>>,
+}
+
+impl Drop for PeerLink {
+    fn drop(&mut self) {
+        let s = self.session.get_mut().unwrap().take();
+        // The lending path closes when its last holder goes (the driver
+        // task's clone went first); the session's CloseSession is best
+        // effort.
+        if let Some(s) = s {
+            if let Ok(h) = tokio::runtime::Handle::try_current() {
+                h.spawn(async move {
+                    let _ = s.close().await;
+                });
+            }
+        }
+    }
+}
+
+impl PeerLink {
+    fn fail(&self, why: String) {
+        self.dead.lock().unwrap().get_or_insert(why.clone());
+        let ws: Vec<Waiter> = self
+            .waiters
+            .lock()
+            .unwrap()
+            .drain()
+            .map(|(_, w)| w)
+            .collect();
+        for w in ws {
+            let _ = w.send(Err(why.clone()));
+        }
+    }
+
+    fn dead(&self) -> Option<String> {
+        self.dead.lock().unwrap().clone()
+    }
+
+    /// The buffer's registration in this session's domain (made once).
+    fn registration(
+        &self,
+        uid: u64,
+        buf: &ServiceBuffer,
+    ) -> Result<Arc<dyn Registration>, OpError> {
+        if let Some(r) = self.regs.lock().unwrap().get(&uid) {
+            return Ok(r.clone());
+        }
+        let r = crate::control::in_place(|| self.domain.register(&buf.span(), Access::LOCAL_WRITE))
+            .map_err(|e| OpError::new(Reason::Other, format!("registering the buffer: {e}")))?;
+        self.regs.lock().unwrap().insert(uid, r.clone());
+        Ok(r)
+    }
+}
+
+/// The session to `peer` under `check`, opened on first use.
+async fn link(bufs: &Arc<Buffers>, peer: &str, check: Check) -> Result<Arc<PeerLink>, OpError> {
+    let key = (peer.to_string(), check.name());
+    if let Some(l) = bufs.peers.0.lock().unwrap().get(&key) {
+        if l.dead().is_none() {
+            return Ok(l.clone());
+        }
+    }
+    let mut o = bufs.client_options();
+    o.verify = check;
+    o.qps_per_rail = 1;
+    // One rail: a window's lkey is one rail's registration.
+    let (kind, _) = crate::control::link::resolve_transport(o.transport, &o.rails);
+    if kind == crate::provider::ProviderKind::Verbs {
+        o.rails = crate::control::link::rails_or_default(&o.rails, o.gid_index)
+            .into_iter()
+            .take(1)
+            .collect();
+    }
+    let client = Client::connect(peer, o)
+        .await
+        .map_err(|e| OpError::new(e.reason(), format!("peer {peer}: {e}")))?;
+    let mut session = client
+        .session()
+        .await
+        .map_err(|e| OpError::new(e.reason(), format!("peer {peer}: session: {e}")))?;
+    let (dp, events) = session
+        .take_data_path()
+        .ok_or_else(|| OpError::new(Reason::Other, "the session has no data path"))?;
+    let path = LendingPath::new(dp, events)
+        .map_err(|e| OpError::new(Reason::Other, format!("peer {peer}: {e}")))?;
+    let l = Arc::new(PeerLink {
+        key: key.clone(),
+        session_id: session.id(),
+        block_size: session.block_size(),
+        check: session.check_kind(),
+        domain: session.local_domain(),
+        client,
+        path: Arc::new(path),
+        regs: Mutex::new(HashMap::new()),
+        waiters: Mutex::new(HashMap::new()),
+        next: AtomicU64::new(0),
+        dead: Mutex::new(None),
+        session: Mutex::new(Some(session)),
+    });
+    tracing::info!(peer, check = check.name(), session = l.session_id, transport = %l.domain.kind(), "buffer session to a peer");
+    // The driver: window ends to their operations; a failed path fails them
+    // all and the link is dropped.
+    let (d, b) = (l.clone(), bufs.clone());
+    let path = l.path.clone();
+    tokio::spawn(async move {
+        while let Some((ev, range)) = path.next_event().await {
+            match ev {
+                DpEvent::WindowDone { id } => {
+                    let w = d.waiters.lock().unwrap().remove(&id);
+                    if let (Some(w), Some(r)) = (w, range) {
+                        let _ = w.send(Ok(r));
+                    }
+                }
+                DpEvent::Failed(e) => {
+                    d.fail(format!("the data path to {} failed: {e}", d.key.0));
+                    break;
+                }
+                _ => {}
+            }
+        }
+        d.fail(format!("the session to {} ended", d.key.0));
+        let mut m = b.peers.0.lock().unwrap();
+        if m.get(&d.key).is_some_and(|x| Arc::ptr_eq(x, &d)) {
+            m.remove(&d.key);
+        }
+    });
+    bufs.peers.0.lock().unwrap().insert(key, l.clone());
+    Ok(l)
+}
+
+/// One operation a service asked for.
+pub struct OpSpec {
+    pub buffer: ServiceBuffer,
+    pub buffer_uid: u64,
+    pub peer: String,
+    pub name: String,
+    pub write: bool,
+    /// (local offset, remote offset, len).
+    pub descs: Vec<(u64, u64, u64)>,
+    pub message: String,
+    pub check: Check,
+}
+
+/// Run `op`; the bytes moved.
+pub async fn run(bufs: &Arc<Buffers>, op: &OpSpec, cancelled: &AtomicBool) -> Result<u64, OpError> {
+    if op.descs.is_empty() {
+        return Err(OpError::new(Reason::Invalid, "no descriptors"));
+    }
+    let kind = if op.write {
+        LeaseKind::Shared
+    } else {
+        LeaseKind::Exclusive
+    };
+    let mut local = Vec::with_capacity(op.descs.len());
+    for &(lo, ro, len) in &op.descs {
+        let r = op
+            .buffer
+            .lease(lo, len, kind)
+            .ok_or_else(|| {
+                OpError::new(
+                    Reason::Invalid,
+                    format!(
+                        "descriptor ({lo}, {ro}, {len}): local range [{lo}, {}) is empty or outside \
+                         the buffer's {} bytes",
+                        lo.saturating_add(len),
+                        op.buffer.len()
+                    ),
+                )
+            })?
+            .map_err(|e| OpError::new(Reason::Invalid, e.to_string()))?;
+        local.push(r);
+    }
+    if cancelled.load(Relaxed) {
+        return Err(OpError::new(Reason::Other, "cancelled"));
+    }
+    let link = link(bufs, &op.peer, op.check).await?;
+    let reg = link.registration(op.buffer_uid, &op.buffer)?;
+    let grant = link
+        .client
+        .buffer_grant(proto::BufferGrantRequest {
+            session_id: link.session_id,
+            name: op.name.clone(),
+            access: if op.write {
+                proto::BufferAccess::Write
+            } else {
+                proto::BufferAccess::Read
+            } as i32,
+            ranges: op
+                .descs
+                .iter()
+                .map(|&(_, offset, len)| proto::BufferRange { offset, len })
+                .collect(),
+            message: op.message.clone(),
+        })
+        .await
+        .map_err(|s| {
+            OpError::new(
+                status_reason(&s),
+                format!("peer {}: {}", op.peer, s.message()),
+            )
+        })?;
+    if grant.ranges.len() != op.descs.len() {
+        return Err(OpError::new(
+            Reason::Invalid,
+            format!(
+                "peer granted {} ranges for {}",
+                grant.ranges.len(),
+                op.descs.len()
+            ),
+        ));
+    }
+    let done = |failed: String, digests: Vec<Vec<u8>>, bad: Vec<u32>| {
+        let (c, id, g) = (link.client.clone(), link.session_id, grant.grant);
+        async move {
+            c.buffer_done(proto::BufferDoneRequest {
+                session_id: id,
+                grant: g,
+                digests,
+                failed,
+                bad,
+            })
+            .await
+        }
+    };
+    let sent = if op.write {
+        digests(link.check, &local)
+    } else {
+        Vec::new()
+    };
+    let chunk = link
+        .block_size
+        .clamp(4096, crate::control::WINDOW_SIZE as u64);
+    let mut waits = Vec::with_capacity(local.len());
+    let mut failure = None;
+    for ((r, g), &(_, _, len)) in local.into_iter().zip(&grant.ranges).zip(&op.descs) {
+        let id = link.next.fetch_add(1, Relaxed) + 1;
+        let extents = (0..len.div_ceil(chunk))
+            .map(|i| Extent {
+                offset: i * chunk,
+                len: (len - i * chunk).min(chunk) as u32,
+            })
+            .collect();
+        let job = WindowJob {
+            id,
+            op: if op.write {
+                OpKind::Write
+            } else {
+                OpKind::Read
+            },
+            local_addr: r.span().addr(),
+            lkey: reg.lkey(),
+            remote_addr: g.addr,
+            rkey: g.rkey,
+            extents,
+        };
+        let (tx, rx) = oneshot::channel();
+        link.waiters.lock().unwrap().insert(id, tx);
+        if let Some(why) = link.dead() {
+            link.waiters.lock().unwrap().remove(&id);
+            failure = Some(why);
+            break;
+        }
+        if let Err(e) = link.path.submit(job, r, reg.clone()) {
+            link.waiters.lock().unwrap().remove(&id);
+            failure = Some(e.to_string());
+            break;
+        }
+        waits.push(rx);
+    }
+    let mut landed = Vec::with_capacity(waits.len());
+    for w in waits {
+        match w.await {
+            Ok(Ok(r)) => landed.push(r),
+            Ok(Err(why)) => {
+                failure.get_or_insert(why);
+            }
+            Err(_) => {
+                failure.get_or_insert_with(|| "the data path dropped the window".into());
+            }
+        }
+    }
+    if let Some(why) = failure {
+        let _ = done(why.clone(), Vec::new(), Vec::new()).await;
+        return Err(OpError::new(
+            Reason::Retryable,
+            format!("peer {}: {why}", op.peer),
+        ));
+    }
+    if cancelled.load(Relaxed) {
+        let _ = done("cancelled".into(), Vec::new(), Vec::new()).await;
+        return Err(OpError::new(Reason::Other, "cancelled"));
+    }
+    let bytes: u64 = op.descs.iter().map(|d| d.2).sum();
+    if op.write {
+        let resp = done(String::new(), sent, Vec::new()).await.map_err(|s| {
+            OpError::new(
+                status_reason(&s),
+                format!("peer {}: {}", op.peer, s.message()),
+            )
+        })?;
+        if !resp.bad.is_empty() {
+            return Err(OpError::new(
+                Reason::Integrity,
+                format!(
+                    "peer {}: ranges {:?} did not land intact",
+                    op.peer, resp.bad
+                ),
+            ));
+        }
+    } else {
+        let got = digests(link.check, &landed);
+        let bad: Vec<u32> = if link.check.is_none() {
+            Vec::new()
+        } else {
+            got.iter()
+                .zip(&grant.digests)
+                .enumerate()
+                .filter(|(_, (a, b))| a != b)
+                .map(|(i, _)| i as u32)
+                .collect()
+        };
+        drop(landed);
+        done(String::new(), Vec::new(), bad.clone())
+            .await
+            .map_err(|s| {
+                OpError::new(
+                    status_reason(&s),
+                    format!("peer {}: {}", op.peer, s.message()),
+                )
+            })?;
+        if !bad.is_empty() {
+            return Err(OpError::new(
+                Reason::Integrity,
+                format!(
+                    "peer {}: ranges {bad:?} read do not match their digests",
+                    op.peer
+                ),
+            ));
+        }
+    }
+    Ok(bytes)
+}

@@ -1,0 +1,504 @@
+//! One service connection on the unix socket (the service protocol,
+//! docs/buffers.md): its buffers, exposures, operations and events. When
+//! the connection ends, for whatever reason, its operations are cancelled,
+//! its exposures withdrawn, the grants on them revoked, and its buffers
+//! unmapped as soon as the last operation on them has retired.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use tokio::net::UnixStream;
+use tokio::sync::{mpsc, watch};
+
+use super::peer::{self, OpSpec};
+use super::wire::{self, FrameReader};
+use super::{Access, Buffers, Exposure, OpError};
+use crate::control::error::Reason;
+use crate::files::Check;
+use crate::mem::memfd::ServiceBuffer;
+
+/// The protocol version `hello` speaks.
+pub const VERSION: u64 = 1;
+
+/// Where an operation is.
+#[derive(Clone, Debug)]
+pub enum OpState {
+    Running,
+    Done { bytes: u64 },
+    Failed(OpError),
+    Cancelled,
+}
+
+impl OpState {
+    fn name(&self) -> &'static str {
+        match self {
+            OpState::Running => "running",
+            OpState::Done { .. } => "done",
+            OpState::Failed(_) => "failed",
+            OpState::Cancelled => "cancelled",
+        }
+    }
+
+    fn to_json(&self, handle: u64) -> Value {
+        let mut v = json!({"handle": handle, "state": self.name()});
+        match self {
+            OpState::Done { bytes } => v["bytes"] = json!(bytes),
+            OpState::Failed(e) => v["failure"] = e.to_json(),
+            _ => {}
+        }
+        v
+    }
+}
+
+struct Op {
+    buffer: u64,
+    cancelled: AtomicBool,
+    state: watch::Receiver<OpState>,
+}
+
+struct Buf {
+    buffer: ServiceBuffer,
+    uid: u64,
+}
+
+/// One service connection's state.
+struct Conn {
+    id: u64,
+    bufs: Arc<Buffers>,
+    out: mpsc::UnboundedSender<Value>,
+    buffers: Mutex<HashMap<u64, Buf>>,
+    next_buf: AtomicU64,
+    ops: Mutex<HashMap<u64, Arc<Op>>>,
+    next_op: AtomicU64,
+    /// `uid=U pid=P` of the peer (SO_PEERCRED).
+    cred: String,
+    hello: AtomicBool,
+    name: Mutex<String>,
+}
+
+/// Buffer ids are unique across rcpd's connections (registrations in the
+/// peer sessions are keyed by them).
+static NEXT_UID: AtomicU64 = AtomicU64::new(1);
+
+fn bad(m: impl Into<String>) -> OpError {
+    OpError::new(Reason::Invalid, m)
+}
+
+fn u64_field(v: &Value, k: &str) -> Result<u64, OpError> {
+    v.get(k)
+        .and_then(Value::as_u64)
+        .ok_or_else(|| bad(format!("{k}: a non-negative integer is required")))
+}
+
+fn str_field<'a>(v: &'a Value, k: &str) -> Result<&'a str, OpError> {
+    v.get(k)
+        .and_then(Value::as_str)
+        .ok_or_else(|| bad(format!("{k}: a string is required")))
+}
+
+/// Serve one connection whose magic was already read.
+pub async fn serve(bufs: Arc<Buffers>, stream: UnixStream, mut reader: FrameReader) {
+    let cred = match stream.peer_cred() {
+        Ok(c) => format!(
+            "uid={} pid={}",
+            c.uid(),
+            c.pid().map_or("?".into(), |p| p.to_string())
+        ),
+        Err(_) => "uid=? pid=?".into(),
+    };
+    let stream = Arc::new(stream);
+    let (tx, mut rx) = mpsc::unbounded_channel::<Value>();
+    let w = stream.clone();
+    let writer = tokio::spawn(async move {
+        while let Some(v) = rx.recv().await {
+            if wire::send(&w, &wire::encode(&v), &[]).await.is_err() {
+                break;
+            }
+        }
+    });
+    let conn = Arc::new(Conn {
+        id: bufs.new_conn(),
+        bufs,
+        out: tx,
+        buffers: Mutex::new(HashMap::new()),
+        next_buf: AtomicU64::new(0),
+        ops: Mutex::new(HashMap::new()),
+        next_op: AtomicU64::new(0),
+        cred,
+        hello: AtomicBool::new(false),
+        name: Mutex::new(String::new()),
+    });
+    tracing::info!(conn = conn.id, peer = %conn.cred, "service connected");
+    loop {
+        let frame = match reader.next(&stream).await {
+            Ok(Some(f)) => f,
+            Ok(None) => break,
+            Err(e) => {
+                tracing::info!(conn = conn.id, error = %e, "service connection broke");
+                break;
+            }
+        };
+        let id = frame.get("id").cloned().unwrap_or(Value::Null);
+        let op = frame
+            .get("op")
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_string();
+        let fd = if op == "register" {
+            reader.fds.pop_front()
+        } else {
+            None
+        };
+        // Requests that may wait run on their own; the rest answer in order.
+        let c = conn.clone();
+        let slow = matches!(
+            op.as_str(),
+            "wait" | "cancel" | "release" | "write" | "read"
+        );
+        let task = async move {
+            let r = c.handle(&op, &frame, fd).await;
+            let mut reply = match r {
+                Ok(Value::Object(m)) => Value::Object(m),
+                Ok(_) => json!({}),
+                Err(e) => json!({"error": e.to_json()}),
+            };
+            reply["re"] = id;
+            let _ = c.out.send(reply);
+        };
+        if slow {
+            tokio::spawn(task);
+        } else {
+            task.await;
+        }
+    }
+    conn.close().await;
+    drop(conn);
+    writer.abort();
+}
+
+impl Conn {
+    async fn handle(
+        self: &Arc<Self>,
+        op: &str,
+        v: &Value,
+        fd: Option<std::os::fd::OwnedFd>,
+    ) -> Result<Value, OpError> {
+        if op != "hello" && !self.hello.load(Relaxed) {
+            return Err(OpError::new(
+                Reason::Unauthenticated,
+                "say hello first (with rcpd's token when it has one)",
+            ));
+        }
+        match op {
+            "hello" => self.hello(v),
+            "register" => self.register(v, fd),
+            "release" => self.release(v).await,
+            "expose" => self.expose(v),
+            "unexpose" => {
+                let name = str_field(v, "name")?;
+                let mut ex = self.bufs.exposures.lock().unwrap();
+                match ex.get(name) {
+                    Some(e) if e.owner == self.id => {
+                        ex.remove(name);
+                        Ok(json!({}))
+                    }
+                    _ => Err(OpError::new(
+                        Reason::FileNotFound,
+                        format!("{name:?} is not exposed by this connection"),
+                    )),
+                }
+            }
+            "write" | "read" => self.start(op == "write", v),
+            "wait" => self.wait(v).await,
+            "status" => {
+                let h = u64_field(v, "handle")?;
+                let o = self.op(h)?;
+                let s = o.state.borrow().clone();
+                Ok(s.to_json(h))
+            }
+            "cancel" => {
+                let h = u64_field(v, "handle")?;
+                let o = self.op(h)?;
+                o.cancelled.store(true, Relaxed);
+                let mut rx = o.state.clone();
+                let s = rx
+                    .wait_for(|s| !matches!(s, OpState::Running))
+                    .await
+                    .map(|s| s.clone())
+                    .unwrap_or(OpState::Cancelled);
+                Ok(s.to_json(h))
+            }
+            o => Err(bad(format!("unknown request {o:?}"))),
+        }
+    }
+
+    fn hello(&self, v: &Value) -> Result<Value, OpError> {
+        if let Some(want) = self.bufs.token.lock().unwrap().clone() {
+            let got = v.get("token").and_then(Value::as_str).unwrap_or("");
+            if !crate::control::auth::constant_time_eq(got.as_bytes(), want.as_bytes()) {
+                return Err(OpError::new(
+                    Reason::Unauthenticated,
+                    "rcpd has a token: give it in hello (RCP_TOKEN)",
+                ));
+            }
+        }
+        let ver = v.get("version").and_then(Value::as_u64).unwrap_or(VERSION);
+        if ver != VERSION {
+            return Err(OpError::new(
+                Reason::Version,
+                format!("service protocol {ver}; this rcpd speaks {VERSION}"),
+            ));
+        }
+        let name = v
+            .get("name")
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_string();
+        tracing::info!(conn = self.id, peer = %self.cred, name = %name, "service hello");
+        *self.name.lock().unwrap() = name;
+        self.hello.store(true, Relaxed);
+        Ok(json!({
+            "session": self.id,
+            "version": VERSION,
+            "check": self.default_check().name(),
+        }))
+    }
+
+    fn default_check(&self) -> Check {
+        self.bufs.default_check.lock().unwrap().unwrap_or_default()
+    }
+
+    fn register(&self, v: &Value, fd: Option<std::os::fd::OwnedFd>) -> Result<Value, OpError> {
+        let size = u64_field(v, "size")?;
+        let fd = fd.ok_or_else(|| {
+            bad("register carries the memfd as SCM_RIGHTS on its frame; none came")
+        })?;
+        let buffer = ServiceBuffer::from_memfd(fd, size).map_err(|e| bad(e.to_string()))?;
+        let id = self.next_buf.fetch_add(1, Relaxed) + 1;
+        let uid = NEXT_UID.fetch_add(1, Relaxed);
+        tracing::info!(
+            conn = self.id,
+            peer = %self.cred,
+            buffer = id,
+            size,
+            huge = buffer.huge(),
+            "buffer registered"
+        );
+        self.buffers.lock().unwrap().insert(id, Buf { buffer, uid });
+        Ok(json!({"buffer": id}))
+    }
+
+    fn buffer(&self, v: &Value) -> Result<(u64, ServiceBuffer, u64), OpError> {
+        let id = u64_field(v, "buffer")?;
+        let b = self.buffers.lock().unwrap();
+        let b = b
+            .get(&id)
+            .ok_or_else(|| bad(format!("no buffer {id} on this connection")))?;
+        Ok((id, b.buffer.clone(), b.uid))
+    }
+
+    fn op(&self, h: u64) -> Result<Arc<Op>, OpError> {
+        self.ops
+            .lock()
+            .unwrap()
+            .get(&h)
+            .cloned()
+            .ok_or_else(|| bad(format!("no operation {h} on this connection")))
+    }
+
+    async fn release(&self, v: &Value) -> Result<Value, OpError> {
+        let (id, buffer, uid) = self.buffer(v)?;
+        self.bufs
+            .exposures
+            .lock()
+            .unwrap()
+            .retain(|_, e| !(e.owner == self.id && e.buffer.addr() == buffer.addr()));
+        drop(buffer);
+        let ops: Vec<Arc<Op>> = self
+            .ops
+            .lock()
+            .unwrap()
+            .values()
+            .filter(|o| o.buffer == id)
+            .cloned()
+            .collect();
+        for o in &ops {
+            o.cancelled.store(true, Relaxed);
+        }
+        for o in ops {
+            let mut rx = o.state.clone();
+            let _ = rx.wait_for(|s| !matches!(s, OpState::Running)).await;
+        }
+        self.buffers.lock().unwrap().remove(&id);
+        self.bufs.peers.forget_buffer(uid);
+        Ok(json!({}))
+    }
+
+    fn expose(&self, v: &Value) -> Result<Value, OpError> {
+        let (_, buffer, _) = self.buffer(v)?;
+        let name = str_field(v, "name")?;
+        if name.is_empty() || name.len() > 256 {
+            return Err(bad("name: 1..=256 bytes"));
+        }
+        let offset = v.get("offset").and_then(Value::as_u64).unwrap_or(0);
+        let len = match v.get("len").and_then(Value::as_u64) {
+            Some(l) => l,
+            None => buffer.len().saturating_sub(offset),
+        };
+        if len == 0 || offset.checked_add(len).is_none_or(|e| e > buffer.len()) {
+            return Err(bad(format!(
+                "[{offset}, +{len}) is not a non-empty range of the buffer's {} bytes",
+                buffer.len()
+            )));
+        }
+        let a = v.get("access").and_then(Value::as_str).unwrap_or("rw");
+        let access =
+            Access::parse(a).ok_or_else(|| bad(format!("access {a:?}: read, write or rw")))?;
+        let mut peers = Vec::new();
+        if let Some(list) = v.get("peers").and_then(Value::as_array) {
+            for p in list {
+                let s = p.as_str().unwrap_or("");
+                let ip: IpAddr = s
+                    .parse()
+                    .map_err(|_| bad(format!("peers: {s:?} is not an IP address")))?;
+                peers.push(super::grant::canonical(ip));
+            }
+        }
+        let mut ex = self.bufs.exposures.lock().unwrap();
+        if let Some(e) = ex.get(name) {
+            if e.owner != self.id {
+                return Err(OpError::new(
+                    Reason::Permission,
+                    format!("{name:?} is exposed by another service"),
+                ));
+            }
+        }
+        ex.insert(
+            name.to_string(),
+            Arc::new(Exposure {
+                owner: self.id,
+                buffer,
+                offset,
+                len,
+                access,
+                peers,
+                events: self.out.clone(),
+            }),
+        );
+        tracing::info!(conn = self.id, name, offset, len, ?access, "buffer exposed");
+        Ok(json!({}))
+    }
+
+    fn start(self: &Arc<Self>, write: bool, v: &Value) -> Result<Value, OpError> {
+        let (bid, buffer, uid) = self.buffer(v)?;
+        let peer = str_field(v, "peer")?.to_string();
+        let name = str_field(v, "name")?.to_string();
+        let descs = v
+            .get("descs")
+            .and_then(Value::as_array)
+            .ok_or_else(|| bad("descs: a list of [local_off, remote_off, len]"))?
+            .iter()
+            .map(|d| {
+                let a = d.as_array().filter(|a| a.len() == 3);
+                let n = |i: usize| a.and_then(|a| a[i].as_u64());
+                match (n(0), n(1), n(2)) {
+                    (Some(l), Some(r), Some(len)) => Ok((l, r, len)),
+                    _ => Err(bad(format!(
+                        "descs: {d} is not [local_off, remote_off, len]"
+                    ))),
+                }
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let message = v
+            .get("message")
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_string();
+        let check = match v.get("check").and_then(Value::as_str) {
+            Some(c) => Check::from_name(c).ok_or_else(|| bad(format!("check {c:?}")))?,
+            None => self.default_check(),
+        };
+        let h = self.next_op.fetch_add(1, Relaxed) + 1;
+        let (tx, rx) = watch::channel(OpState::Running);
+        let op = Arc::new(Op {
+            buffer: bid,
+            cancelled: AtomicBool::new(false),
+            state: rx,
+        });
+        self.ops.lock().unwrap().insert(h, op.clone());
+        let spec = OpSpec {
+            buffer,
+            buffer_uid: uid,
+            peer,
+            name,
+            write,
+            descs,
+            message,
+            check,
+        };
+        let c = self.clone();
+        tokio::spawn(async move {
+            let r = peer::run(&c.bufs, &spec, &op.cancelled).await;
+            let st = match r {
+                Ok(bytes) => OpState::Done { bytes },
+                Err(_) if op.cancelled.load(Relaxed) => OpState::Cancelled,
+                Err(e) => OpState::Failed(e),
+            };
+            drop(spec);
+            if let OpState::Failed(e) = &st {
+                tracing::info!(conn = c.id, handle = h, error = %e, "buffer operation failed");
+            }
+            let mut ev = st.to_json(h);
+            ev["event"] = json!("done");
+            let _ = c.out.send(ev);
+            let _ = tx.send(st);
+        });
+        Ok(json!({"handle": h}))
+    }
+
+    async fn wait(&self, v: &Value) -> Result<Value, OpError> {
+        let h = u64_field(v, "handle")?;
+        let o = self.op(h)?;
+        let mut rx = o.state.clone();
+        let fin = rx.wait_for(|s| !matches!(s, OpState::Running));
+        let s = match v.get("timeout_ms").and_then(Value::as_u64) {
+            Some(ms) => match tokio::time::timeout(Duration::from_millis(ms), fin).await {
+                Ok(r) => r.map(|s| s.clone()).unwrap_or(OpState::Cancelled),
+                Err(_) => OpState::Running,
+            },
+            None => fin.await.map(|s| s.clone()).unwrap_or(OpState::Cancelled),
+        };
+        Ok(s.to_json(h))
+    }
+
+    /// The connection ended: cancel its operations, withdraw its
+    /// exposures and revoke their grants; the buffers go when the last
+    /// operation on them has retired.
+    async fn close(&self) {
+        let ops: Vec<Arc<Op>> = self.ops.lock().unwrap().values().cloned().collect();
+        for o in &ops {
+            o.cancelled.store(true, Relaxed);
+        }
+        self.bufs.owner_gone(self.id);
+        for o in ops {
+            let mut rx = o.state.clone();
+            let _ = rx.wait_for(|s| !matches!(s, OpState::Running)).await;
+        }
+        let bufs: Vec<Buf> = self
+            .buffers
+            .lock()
+            .unwrap()
+            .drain()
+            .map(|(_, b)| b)
+            .collect();
+        for b in &bufs {
+            self.bufs.peers.forget_buffer(b.uid);
+        }
+        crate::control::in_place(|| drop(bufs));
+        tracing::info!(conn = self.id, peer = %self.cred, "service disconnected: its buffers are released");
+    }
+}
