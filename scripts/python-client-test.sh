@@ -93,7 +93,7 @@ reported() { grep -q "^done: 1 files, $2 bytes, sha256 $3\$" "$work/$1.stdout"; 
 has_progress() { grep -q '^progress: [0-9]*/[0-9]* bytes' "$work/$1.stderr"; }
 status_is() { [ "$rc" -ne 0 ] && grep -q "^copy.py: $2: " "$work/$1.stderr"; }
 
-start_rcpd a tok
+start_rcpd a tok --socket "$work/a.sock"
 a=$addr
 start_rcpd b tok
 b=$addr
@@ -115,6 +115,21 @@ copy pull --token tok "$a" pull data/back.bin "$b" incoming/src.bin
 check "pull: copy.py exits 0" [ "$rc" -eq 0 ]
 check "pull: A's copy has the source's sha256sum" [ "$(digest "$work/a/data/back.bin" 2>/dev/null)" = "$want" ]
 check "pull: copy.py prints the final sha256" reported pull "$len" "$want"
+
+# The same Copy through rcpd A's unix socket (gRPC on --socket), with the
+# rcp package (python/).
+rc=0
+PYTHONPATH=python RCP_TOKEN=tok "$py" -c '
+import sys, rcp
+c = rcp.connect(sys.argv[1])
+last = list(c.copy("push", "data/src.bin", sys.argv[2], "incoming/sock.bin", transport="tcp"))[-1]
+assert last["done"] and not last["error"], last
+print("done:", last["files_done"], "files,", last["bytes_done"], "bytes, sha256", last["sha256"])
+' "$work/a.sock" "$b" >"$work/sock.stdout" 2>"$work/sock.stderr" || rc=$?
+sed "s/^/    sock| /" "$work/sock.stderr" "$work/sock.stdout"
+check "push over the unix socket (rcp package): exits 0" [ "$rc" -eq 0 ]
+check "push over the unix socket: B's copy has the source's sha256sum" [ "$(digest "$work/b/incoming/sock.bin" 2>/dev/null)" = "$want" ]
+check "push over the unix socket: the package reports the source's sha256" reported sock "$len" "$want"
 
 # A refuses a wrong token: nothing is copied.
 copy badtoken --token wrong "$a" push data/src.bin "$b" incoming/bad.bin

@@ -49,6 +49,7 @@ step "cargo clippy" cargo clippy --workspace --all-targets -- -D warnings
 step "native tests" native_tests
 # Both use target/debug/rcpd, built by the native tests.
 step "Python service client" bash scripts/python-client-test.sh
+step "Python buffers (two rcpds, tcp)" bash scripts/python-buffers-test.sh
 step "Kubernetes manifests" bash scripts/validate-manifests.sh
 step "soft-RoCE VM suite" bash scripts/vm-tests.sh
 summary

@@ -1,0 +1,324 @@
+"""rcp: the service client of rcpd (docs/buffers.md).
+
+A service connects to its node's rcpd over the unix socket, hands it
+buffers (memfds it maps too: zero copy), exposes them under names and moves
+ranges to or from buffers other services exposed on other nodes' rcpds.
+
+    import rcp
+    c = rcp.connect()                      # RCP_SOCKET, else /run/rcp/rcpd.sock
+    buf = c.create_buffer(64 << 20)        # buf.view: a writable memoryview
+    c.expose(buf, "kv0", access="rw")
+    h = c.write(buf, "node-b:7471", "kv0", [(0, 0, 1 << 20)], message="layer 0")
+    h.wait()                               # {'state': 'done', 'bytes': ...}
+    ev = c.next_event(timeout=5)           # {'event': 'written', ...} for our exposures
+
+The buffer API needs only the standard library. The Copy API
+(`Client.copy`) speaks gRPC to rcpd on the same socket and needs grpcio
+(`pip install ./python[copy]`).
+"""
+
+import fcntl
+import json
+import mmap
+import os
+import queue
+import socket
+import struct
+import threading
+
+__all__ = ["connect", "Client", "Buffer", "Handle", "RcpError", "DEFAULT_SOCKET", "HUGE_PAGE"]
+
+DEFAULT_SOCKET = "/run/rcp/rcpd.sock"
+HUGE_PAGE = 2 << 20
+MAGIC = b"RCPB"
+VERSION = 1
+
+
+class RcpError(Exception):
+    """An error rcpd answered: `reason` (invalid, not_found, permission,
+    exceeded, retryable, integrity, unauthenticated, other) and a message."""
+
+    def __init__(self, reason, message):
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+        self.message = message
+
+
+class Buffer:
+    """A memfd this process maps and rcpd maps too. `view` is a writable
+    memoryview of all of it (numpy: `np.frombuffer(buf.view, dtype)`)."""
+
+    def __init__(self, client, buffer_id, size, mm, huge):
+        self.client = client
+        self.id = buffer_id
+        self.size = size
+        self.huge = huge
+        self._mm = mm
+        self.view = memoryview(mm)
+
+    def __len__(self):
+        return self.size
+
+    def release(self):
+        """Tell rcpd to let go (after its operations on it retired)."""
+        self.client.release(self)
+
+    def __repr__(self):
+        return f"Buffer(id={self.id}, size={self.size}, huge={self.huge})"
+
+
+class Handle:
+    """An operation in flight: wait, status, cancel."""
+
+    def __init__(self, client, handle):
+        self.client = client
+        self.id = handle
+
+    def wait(self, timeout=None):
+        """The final state (`{'state': 'done', 'bytes': N}`), or
+        `{'state': 'running'}` after `timeout` seconds. A failed
+        operation's state is 'failed' with 'failure': {reason, message}."""
+        f = {"handle": self.id}
+        if timeout is not None:
+            f["timeout_ms"] = int(timeout * 1000)
+        return self.client._request("wait", **f)
+
+    def status(self):
+        return self.client._request("status", handle=self.id)
+
+    def cancel(self):
+        """Cancel; answers once the operation has retired."""
+        return self.client._request("cancel", handle=self.id)
+
+    def result(self, timeout=None):
+        """Wait; raise RcpError unless the operation is done."""
+        s = self.wait(timeout)
+        if s.get("state") == "done":
+            return s
+        e = s.get("failure") or {"reason": "other", "message": s.get("state")}
+        raise RcpError(e["reason"], e["message"])
+
+    def __repr__(self):
+        return f"Handle({self.id})"
+
+
+def _memfd(size, huge):
+    """A sealed memfd of `size` bytes and its mapping; huge: True, False or
+    'auto' (huge pages when size is a multiple of 2 MiB and there are
+    pages for it)."""
+    tries = []
+    if huge is True or (huge == "auto" and size % HUGE_PAGE == 0):
+        tries.append(True)
+    if huge is not True:
+        tries.append(False)
+    err = None
+    for h in tries:
+        flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
+        if h:
+            flags |= os.MFD_HUGETLB
+        try:
+            fd = os.memfd_create("rcp-buffer", flags)
+        except OSError as e:
+            err = e
+            continue
+        try:
+            os.ftruncate(fd, size)
+            # No shrinking: rcpd refuses a buffer that could be truncated
+            # under its mapping.
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            return fd, mm, h
+        except OSError as e:
+            os.close(fd)
+            err = e
+    raise err
+
+
+class Client:
+    """A connection to rcpd's unix socket. Everything registered over it
+    lives as long as it does (or until released)."""
+
+    def __init__(self, path=None, token=None, name=None):
+        self.path = path or os.environ.get("RCP_SOCKET") or DEFAULT_SOCKET
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.connect(self.path)
+        self._sock.sendall(MAGIC)
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._next = 0
+        self._pending = {}
+        self._events = queue.Queue()
+        self._closed = None
+        self._reader = threading.Thread(target=self._read_loop, daemon=True)
+        self._reader.start()
+        token = token if token is not None else os.environ.get("RCP_TOKEN")
+        hello = {"version": VERSION, "name": name or f"pid {os.getpid()}"}
+        if token:
+            hello["token"] = token
+        self.hello = self._request("hello", **hello)
+
+    # -- framing ---------------------------------------------------------
+
+    def _recv_exact(self, n):
+        b = bytearray()
+        while len(b) < n:
+            chunk = self._sock.recv(n - len(b))
+            if not chunk:
+                raise EOFError("rcpd closed the connection")
+            b += chunk
+        return bytes(b)
+
+    def _read_loop(self):
+        try:
+            while True:
+                (n,) = struct.unpack("<I", self._recv_exact(4))
+                msg = json.loads(self._recv_exact(n))
+                if "re" in msg:
+                    with self._lock:
+                        slot = self._pending.pop(msg["re"], None)
+                    if slot is not None:
+                        slot[1] = msg
+                        slot[0].set()
+                elif "event" in msg:
+                    self._events.put(msg)
+        except (EOFError, OSError, ValueError) as e:
+            self._closed = e
+            with self._lock:
+                pending, self._pending = self._pending, {}
+            for slot in pending.values():
+                slot[0].set()
+            self._events.put(None)
+
+    def _request(self, op, _fds=(), **fields):
+        with self._lock:
+            if self._closed is not None:
+                raise RcpError("retryable", f"connection to rcpd closed: {self._closed}")
+            self._next += 1
+            rid = self._next
+            slot = [threading.Event(), None]
+            self._pending[rid] = slot
+        body = json.dumps(dict(fields, id=rid, op=op)).encode()
+        frame = struct.pack("<I", len(body)) + body
+        with self._send_lock:
+            if _fds:
+                sent = socket.send_fds(self._sock, [frame], list(_fds))
+                if sent < len(frame):
+                    self._sock.sendall(frame[sent:])
+            else:
+                self._sock.sendall(frame)
+        slot[0].wait()
+        msg = slot[1]
+        if msg is None:
+            raise RcpError("retryable", f"connection to rcpd closed: {self._closed}")
+        if "error" in msg:
+            e = msg["error"]
+            raise RcpError(e.get("reason", "other"), e.get("message", ""))
+        msg.pop("re", None)
+        return msg
+
+    # -- buffers ---------------------------------------------------------
+
+    def create_buffer(self, size, huge="auto"):
+        """A new buffer of `size` bytes: a memfd (MFD_HUGETLB where huge
+        pages are configured and `size` is a multiple of 2 MiB), sealed
+        against shrinking, mapped here, handed to rcpd (SCM_RIGHTS)."""
+        fd, mm, h = _memfd(size, huge)
+        try:
+            r = self._request("register", _fds=[fd], size=size)
+        finally:
+            os.close(fd)
+        return Buffer(self, r["buffer"], size, mm, h)
+
+    def register_fd(self, fd, size):
+        """Hand rcpd an fd you made yourself (it must be a memfd sealed with
+        F_SEAL_SHRINK); the buffer id."""
+        return self._request("register", _fds=[fd], size=size)["buffer"]
+
+    def release(self, buf):
+        bid = buf.id if isinstance(buf, Buffer) else buf
+        return self._request("release", buffer=bid)
+
+    def expose(self, buf, name, offset=0, length=None, access="rw", peers=None):
+        """Make [offset, offset+length) of `buf` reachable from other
+        rcpds as `name`: access 'read', 'write' or 'rw'; peers: IP
+        addresses of the rcpds allowed (None: any)."""
+        f = {"buffer": buf.id, "name": name, "offset": offset, "access": access}
+        if length is not None:
+            f["len"] = length
+        if peers:
+            f["peers"] = list(peers)
+        return self._request("expose", **f)
+
+    def unexpose(self, name):
+        return self._request("unexpose", name=name)
+
+    def _op(self, op, buf, peer, name, descs, message, check):
+        f = {
+            "buffer": buf.id,
+            "peer": peer,
+            "name": name,
+            "descs": [[int(a), int(b), int(c)] for a, b, c in descs],
+        }
+        if message:
+            f["message"] = message
+        if check:
+            f["check"] = check
+        return Handle(self, self._request(op, **f)["handle"])
+
+    def write(self, buf, peer, name, descs, message=None, check=None):
+        """Write ranges of `buf` into `peer`'s buffer `name`: descs is a
+        list of (local offset, remote offset, length). A Handle."""
+        return self._op("write", buf, peer, name, descs, message, check)
+
+    def read(self, buf, peer, name, descs, message=None, check=None):
+        """Read ranges of `peer`'s buffer `name` into `buf`."""
+        return self._op("read", buf, peer, name, descs, message, check)
+
+    def next_event(self, timeout=None):
+        """The next event (`written` / `read` on our exposures, `done` of
+        our operations), or None after `timeout` seconds or when the
+        connection closed."""
+        try:
+            return self._events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def events(self, timeout=None):
+        """Events until none comes for `timeout` seconds."""
+        while True:
+            ev = self.next_event(timeout)
+            if ev is None:
+                return
+            yield ev
+
+    def close(self):
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        self.close()
+
+    # -- the Copy API (gRPC on the same socket) --------------------------
+
+    def copy(self, direction, local_path, remote, remote_path, recursive=False,
+             preserve=False, resume=False, remote_token="", transport="", block_size=0,
+             token=None):
+        """Ask rcpd to copy one of its paths to ('push') or from ('pull')
+        another rcpd. Yields progress dicts; the last has done=True. Needs
+        grpcio."""
+        from . import _copy
+        return _copy.copy(self.path, token if token is not None else os.environ.get("RCP_TOKEN"),
+                          direction, local_path, remote, remote_path, recursive, preserve,
+                          resume, remote_token, transport, block_size)
+
+
+def connect(path=None, token=None, name=None):
+    """Connect to rcpd's socket: `path`, else $RCP_SOCKET, else
+    /run/rcp/rcpd.sock."""
+    return Client(path, token, name)

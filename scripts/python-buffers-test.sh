@@ -1,0 +1,271 @@
+#!/usr/bin/env bash
+# End to end test of buffers from services (docs/buffers.md), natively over
+# the tcp provider: two rcpds (--socket each), a Python service on each
+# (the rcpd package from python/, installed with pip into a virtualenv),
+# a buffer written from one into the other and read back, bytes and
+# digests checked; then the faults: an fd that is not a memfd, an
+# unsealed memfd, an unknown name, a range outside the exposure, access
+# not granted, a peer not allowed, the owning service killed while a
+# write into it is held mid-transfer (--bwlimit on the writer's rcpd),
+# the remote rcpd gone, many services at once on one rcpd.
+#
+# Uses target/debug/rcpd (RCPD_BIN overrides), building it when missing.
+# Prints PASS/FAIL per check and ends with "N passed, M failed"; exits
+# non-zero if anything failed.
+set -euo pipefail
+here=$(cd "$(dirname "$0")/.." && pwd)
+cd "$here"
+target=${CARGO_TARGET_DIR:-$here/target}
+venv=${RCP_PYBUF_VENV:-$target/venv/python-buffers}
+py=${PYTHON:-python3}
+if ! [ -x "$venv/bin/python" ]; then
+  "$py" -m venv "$venv" >/dev/null 2>&1 || {
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null
+    "$py" -m venv "$venv"
+  }
+fi
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check --force-reinstall --no-deps ./python >&2
+py=$venv/bin/python
+# From elsewhere than the repository root, so `import rcp` is the installed
+# package, not python/ on the path.
+"$py" -c 'import os, rcp; assert "site-packages" in rcp.__file__, rcp.__file__'
+
+rcpd=${RCPD_BIN:-$target/debug/rcpd}
+if [[ ! -x "$rcpd" ]]; then
+  cargo build --quiet -p rcp-server --bin rcpd
+fi
+while read -r v; do unset "$v"; done < <(compgen -e | grep -E '^(RCPD_|RCP_TOKEN$|RCP_SOCKET$)' || true)
+
+mkdir -p "$target/python-buffers"
+work=$(mktemp -d "$target/python-buffers/run.XXXXXX")
+pids=()
+cleanup() {
+  local p
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+passed=0 failed=0
+check() { # check WHAT CMD...: PASS if CMD succeeds
+  local what=$1; shift
+  if "$@"; then
+    passed=$((passed + 1)); echo "PASS $what"
+  else
+    failed=$((failed + 1)); echo "FAIL $what"
+  fi
+}
+
+# start_rcpd NAME [FLAG...]: rcpd with root $work/NAME and socket
+# $work/NAME.sock; sets $addr and $pid.
+start_rcpd() {
+  local name=$1; shift
+  mkdir -p "$work/$name"
+  "$rcpd" --root "$work/$name" --listen 127.0.0.1:0 --health-listen none --transport tcp \
+    --arena-mib 16 --socket "$work/$name.sock" --log info "$@" \
+    >"$work/$name.out" 2>"$work/$name.log" &
+  pid=$!
+  pids+=("$pid")
+  local i
+  for i in $(seq 1 300); do
+    if grep -q '^rcpd listening on ' "$work/$name.out" 2>/dev/null; then
+      addr=$(awk '/^rcpd listening on /{print $4; exit}' "$work/$name.out")
+      return 0
+    fi
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.1
+  done
+  echo "rcpd $name did not start:"; cat "$work/$name.log"
+  return 1
+}
+
+# wait_for FILE PATTERN: up to 30 s for PATTERN to appear in FILE.
+wait_for() {
+  local i
+  for i in $(seq 1 300); do
+    grep -q "$2" "$1" 2>/dev/null && return 0
+    sleep 0.1
+  done
+  echo "timed out waiting for $2 in $1:"; cat "$1" || true
+  return 1
+}
+
+ex=examples/python/buffers.py
+start_rcpd a
+a=$addr
+start_rcpd b
+b=$addr
+b_pid=$pid
+echo "rcpd A $a, rcpd B $b (tcp, sockets $work/a.sock $work/b.sock)"
+check "the socket file has mode 0660" [ "$(stat -c %a "$work/a.sock")" = 660 ]
+size=$((24 << 20))
+
+# A service on B exposes kv0 for writes; one on A writes all of it.
+"$py" $ex serve --socket "$work/b.sock" --name kv0 --size $size --access write \
+  >"$work/serve.out" 2>"$work/serve.err" &
+pids+=($!)
+wait_for "$work/serve.out" '^exposed kv0'
+"$py" $ex send --socket "$work/a.sock" --peer "$b" --name kv0 --size $size --seed 3 \
+  --message "layer 0" >"$work/send.out" 2>"$work/send.err" || true
+wait_for "$work/serve.out" '^sha256 '
+sent=$(awk '/^done /{print $4}' "$work/send.out")
+got=$(awk '/^sha256 /{print $2}' "$work/serve.out")
+check "write: the sender's operation is done, all bytes" grep -q "^done $size sha256 " "$work/send.out"
+check "write: the receiver's buffer has the sender's sha256" [ -n "$sent" ] && [ "$sent" = "$got" ]
+check "write: the owner's event names the writer's message and 24 verified ranges" \
+  "$py" -c '
+import json, sys
+ev = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")][0]
+assert ev["event"] == "written" and ev["message"] == "layer 0", ev
+assert ev["check"] == "sha256" and len(ev["ranges"]) == 24 and "error" not in ev, ev
+assert all(len(r[2]) == 64 for r in ev["ranges"]), ev' "$work/serve.out"
+check "write: rcpd A logged the service's uid and pid with its registration" \
+  grep -q "buffer registered.*uid=$(id -u) pid=[0-9]" "$work/a.log"
+
+# A service on B exposes kv1 for reads; one on A reads it (xxh3 this time).
+"$py" $ex serve --socket "$work/b.sock" --name kv1 --size $size --access read --seed 9 \
+  >"$work/serve2.out" 2>"$work/serve2.err" &
+pids+=($!)
+wait_for "$work/serve2.out" '^exposed kv1'
+"$py" $ex fetch --socket "$work/a.sock" --peer "$b" --name kv1 --size $size --check xxh3 \
+  >"$work/fetch.out" 2>"$work/fetch.err" || true
+wait_for "$work/serve2.out" '^sha256 '
+check "read: the reader's buffer has the owner's sha256" \
+  [ "$(awk '/^done /{print $4}' "$work/fetch.out")" = "$(awk '/^sha256 /{print $2}' "$work/serve2.out")" ]
+check "read: the owner's event says read, under xxh3" "$py" -c '
+import json, sys
+ev = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")][0]
+assert ev["event"] == "read" and ev["check"] == "xxh3" and "error" not in ev, ev
+assert all(len(r[2]) == 32 for r in ev["ranges"]), ev' "$work/serve2.out"
+
+# The faults, one Python program against the two rcpds.
+cat >"$work/faults.py" <<'EOF'
+import os, sys, tempfile, rcp
+a_sock, b_sock, b = sys.argv[1:4]
+ok = True
+def expect(what, fn, reason, text=""):
+    global ok
+    try:
+        r = fn()
+    except rcp.RcpError as e:
+        good = e.reason == reason and text in e.message
+        print(("PASS" if good else "FAIL"), what, "->", e)
+        ok &= good
+        return
+    print("FAIL", what, "-> no error:", r)
+    ok = False
+ca = rcp.connect(a_sock)
+cb = rcp.connect(b_sock)
+f = tempfile.TemporaryFile()
+f.truncate(4096)
+expect("register: a file that is not a memfd", lambda: ca.register_fd(f.fileno(), 4096), "invalid", "not a memfd")
+fd = os.memfd_create("unsealed", os.MFD_ALLOW_SEALING)
+os.ftruncate(fd, 4096)
+expect("register: a memfd without F_SEAL_SHRINK", lambda: ca.register_fd(fd, 4096), "invalid", "F_SEAL_SHRINK")
+src = ca.create_buffer(1 << 20)
+dst = cb.create_buffer(1 << 20)
+cb.expose(dst, "half", offset=0, length=512 << 10, access="write")
+cb.expose(dst, "ro", offset=512 << 10, length=512 << 10, access="read")
+cb.expose(dst, "elsewhere", access="rw", peers=["192.0.2.7"])
+expect("unknown name", lambda: ca.write(src, b, "nope", [(0, 0, 4096)]).result(), "not_found", '"nope"')
+expect("a range outside the exposure", lambda: ca.write(src, b, "half", [(0, 500 << 10, 64 << 10)]).result(),
+       "invalid", "outside the exposed [0, 524288)")
+expect("access not granted (write into a read exposure)", lambda: ca.write(src, b, "ro", [(0, 512 << 10, 4096)]).result(),
+       "permission", "not exposed for write")
+expect("a peer the exposure does not list", lambda: ca.read(src, b, "elsewhere", [(0, 0, 4096)]).result(),
+       "permission", "not exposed to peer")
+expect("a local range outside the buffer", lambda: ca.write(src, b, "half", [(1 << 20, 0, 4096)]).result(),
+       "invalid", "outside the buffer")
+# The good path still works on the same connections after all that.
+src.view[:4096] = b"x" * 4096
+r = ca.write(src, b, "half", [(0, 4096, 4096)]).result()
+good = r["bytes"] == 4096 and bytes(dst.view[4096:8192]) == b"x" * 4096
+print("PASS" if good else "FAIL", "after the refusals a write lands:", r)
+ok &= good
+sys.exit(0 if ok else 1)
+EOF
+check "faults: refused fds, names, ranges, access and peers, each with its reason" \
+  "$py" "$work/faults.py" "$work/a.sock" "$work/b.sock" "$b"
+
+# Many services at once on one rcpd: 8 writers on A into 8 owners on B.
+for i in $(seq 1 8); do
+  "$py" $ex serve --socket "$work/b.sock" --name "m$i" --size $((2 << 20)) --access write \
+    >"$work/m$i.out" 2>&1 &
+  pids+=($!)
+done
+for i in $(seq 1 8); do wait_for "$work/m$i.out" "^exposed m$i"; done
+mp=()
+for i in $(seq 1 8); do
+  "$py" $ex send --socket "$work/a.sock" --peer "$b" --name "m$i" --size $((2 << 20)) --seed "$i" \
+    --chunk 256K >"$work/ms$i.out" 2>&1 &
+  mp+=($!)
+done
+for p in "${mp[@]}"; do wait "$p" || true; done
+same=0
+for i in $(seq 1 8); do
+  wait_for "$work/m$i.out" '^sha256 ' || true
+  [ -n "$(awk '/^done /{print $4}' "$work/ms$i.out")" ] &&
+    [ "$(awk '/^done /{print $4}' "$work/ms$i.out")" = "$(awk '/^sha256 /{print $2}' "$work/m$i.out")" ] &&
+    same=$((same + 1))
+done
+check "8 services at once: every owner got its writer's bytes ($same of 8)" [ "$same" -eq 8 ]
+
+# The owner killed mid-operation: A's rcpd posts at 1 MiB/s (its
+# --bwlimit), so a 16 MiB write is still moving when the owner on B is
+# killed; the write fails with a clear reason, B keeps serving others.
+start_rcpd slow --bwlimit 1M --timeout 20
+slow=$addr
+"$py" $ex serve --socket "$work/b.sock" --name victim --size $((16 << 20)) --access write \
+  >"$work/victim.out" 2>&1 &
+victim=$!
+pids+=("$victim")
+wait_for "$work/victim.out" '^exposed victim'
+"$py" $ex send --socket "$work/slow.sock" --peer "$b" --name victim --size $((16 << 20)) \
+  >"$work/vsend.out" 2>"$work/vsend.err" &
+vs=$!
+pids+=("$vs")
+# Mid-transfer: the slow rcpd opened its session to B (the write is being
+# granted and posted at 1 MiB/s: 16 s for all of it); the sender must still
+# be running when the owner is killed, which is asserted below.
+wait_for "$work/slow.log" 'buffer session to a peer'
+sleep 2
+still=0
+kill -0 "$vs" 2>/dev/null && still=1
+kill -9 "$victim"
+rc=0
+wait "$vs" || rc=$?
+check "owner killed: the write was still running when the owner died" [ "$still" -eq 1 ]
+check "owner killed: the writer's operation fails, naming why" \
+  bash -c "[ $rc -ne 0 ] && grep -Eq 'failed|retryable' '$work/vsend.err'"
+check "owner killed: rcpd B logged the owner gone and its exposure withdrawn" \
+  wait_for "$work/b.log" 'service gone: exposures withdrawn'
+# B still serves: another write lands.
+"$py" $ex serve --socket "$work/b.sock" --name after --size $((1 << 20)) --access write \
+  >"$work/after.out" 2>&1 &
+pids+=($!)
+wait_for "$work/after.out" '^exposed after'
+"$py" $ex send --socket "$work/a.sock" --peer "$b" --name after --size $((1 << 20)) --seed 5 \
+  >"$work/asend.out" 2>&1 || true
+wait_for "$work/after.out" '^sha256 ' || true
+check "owner killed: rcpd B serves the next service" \
+  [ "$(awk '/^done /{print $4}' "$work/asend.out")" = "$(awk '/^sha256 /{print $2}' "$work/after.out")" ]
+
+# The remote rcpd gone: B is killed; a write to it fails as retryable.
+kill -9 "$b_pid"
+wait "$b_pid" 2>/dev/null || true
+cat >"$work/gone.py" <<'EOF'
+import sys, rcp
+c = rcp.connect(sys.argv[1])
+buf = c.create_buffer(1 << 20)
+s = c.write(buf, sys.argv[2], "kv0", [(0, 0, 4096)]).wait()
+print(s)
+sys.exit(0 if s["state"] == "failed" and s["failure"]["reason"] == "retryable" else 1)
+EOF
+check "remote rcpd gone: the operation fails as retryable" "$py" "$work/gone.py" "$work/a.sock" "$b"
+
+if [ "$failed" -gt 0 ]; then
+  for n in a b slow; do echo "--- rcpd $n log"; tail -n 30 "$work/$n.log"; done
+fi
+echo "python-buffers: $passed passed, $failed failed"
+[ "$failed" -eq 0 ]
