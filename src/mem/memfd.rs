@@ -88,7 +88,7 @@ pub fn map_memfd(fd: OwnedFd, size: u64) -> Result<Arena, MemfdError> {
         return Err(MemfdError::TooLarge { size, file });
     }
     let huge = nix::sys::statfs::fstatfs(fd.as_fd())
-        .map(|s| i64::from(s.filesystem_type().0) == HUGETLBFS_MAGIC)
+        .map(|s| s.filesystem_type().0 == HUGETLBFS_MAGIC)
         .unwrap_or(false);
     if huge && size % HUGE_PAGE as u64 != 0 {
         return Err(MemfdError::HugeUnaligned { size });
