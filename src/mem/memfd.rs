@@ -364,6 +364,119 @@ impl LeasedRange {
     }
 }
 
+/// A service's own side of a buffer (the Rust client,
+/// `control::buffers::client`): a memfd sealed against shrinking, mapped
+/// shared here; rcpd maps the same pages. Bytes are copied in and out
+/// (`write_at`, `read_at`), never lent as slices: rcpd's device may write
+/// them at any time an operation runs.
+pub struct LocalBuffer {
+    fd: OwnedFd,
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain shared memory; every access copies through
+// raw pointers, bounds checked, and no reference to it is handed out.
+unsafe impl Send for LocalBuffer {}
+// SAFETY: as above.
+unsafe impl Sync for LocalBuffer {}
+
+impl fmt::Debug for LocalBuffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "LocalBuffer({} bytes)", self.len)
+    }
+}
+
+impl LocalBuffer {
+    /// A new buffer of `len` bytes (normal pages), sealed with
+    /// `F_SEAL_SHRINK`, mapped.
+    pub fn create(len: u64) -> std::io::Result<LocalBuffer> {
+        use nix::sys::memfd::{memfd_create, MemFdCreateFlag};
+        let io = |e: nix::Error| std::io::Error::from(e);
+        let fd = memfd_create(
+            c"rcp-buffer",
+            MemFdCreateFlag::MFD_ALLOW_SEALING | MemFdCreateFlag::MFD_CLOEXEC,
+        )
+        .map_err(io)?;
+        nix::unistd::ftruncate(&fd, len as i64).map_err(io)?;
+        nix::fcntl::fcntl(
+            fd.as_raw_fd(),
+            nix::fcntl::FcntlArg::F_ADD_SEALS(nix::fcntl::SealFlag::F_SEAL_SHRINK),
+        )
+        .map_err(io)?;
+        let n = usize::try_from(len).map_err(|_| std::io::ErrorKind::InvalidInput)?;
+        // SAFETY: a new shared mapping of a memfd we own that cannot shrink
+        // (sealed above), at a kernel-chosen address.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                n,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(LocalBuffer {
+            fd,
+            ptr: p.cast(),
+            len: n,
+        })
+    }
+
+    pub fn len(&self) -> u64 {
+        self.len as u64
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The memfd, to hand to rcpd.
+    pub fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    fn range(&self, off: u64, n: usize) -> Option<usize> {
+        let o = usize::try_from(off).ok()?;
+        (o.checked_add(n)? <= self.len).then_some(o)
+    }
+
+    /// Copy `data` in at `off`; false when it does not fit.
+    pub fn write_at(&self, off: u64, data: &[u8]) -> bool {
+        let Some(o) = self.range(off, data.len()) else {
+            return false;
+        };
+        // SAFETY: [o, o + len) is inside the live mapping (checked); a copy
+        // through raw pointers, no reference to the shared bytes is made.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.add(o), data.len()) };
+        true
+    }
+
+    /// Copy `out.len()` bytes out from `off`; false when out of range.
+    pub fn read_at(&self, off: u64, out: &mut [u8]) -> bool {
+        let Some(o) = self.range(off, out.len()) else {
+            return false;
+        };
+        // SAFETY: as in `write_at`, the other way.
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(o), out.as_mut_ptr(), out.len()) };
+        true
+    }
+}
+
+impl Drop for LocalBuffer {
+    fn drop(&mut self) {
+        // SAFETY: ptr/len are what mmap returned; nothing refers to them
+        // (accesses copy and return).
+        unsafe {
+            libc::munmap(self.ptr.cast(), self.len);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

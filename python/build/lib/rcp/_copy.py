@@ -86,8 +86,11 @@ def channel(target, tls_ca=None, tls_cert=None, tls_key=None, server_name=None):
 
     if target.startswith("/"):
         target = "unix:" + target
+    # grpcio names a unix socket's path as the HTTP/2 :authority, which is
+    # not a valid authority: rcpd's HTTP/2 server refuses the stream.
+    local = [("grpc.default_authority", "localhost")] if target.startswith("unix:") else []
     if not tls_ca:
-        return grpc.insecure_channel(target)
+        return grpc.insecure_channel(target, options=local)
 
     def read(p):
         with open(p, "rb") as f:
