@@ -233,7 +233,7 @@ fn another_protocol_major_is_refused_at_the_handshake() {
                 rcp::control::VERSION_MAJOR,
                 rcp::control::VERSION_MINOR
             );
-            assert_eq!(ours, "2.1");
+            assert_eq!(ours, "2.2");
             assert!(
                 e.message().contains(&theirs) && e.message().contains(&ours),
                 "names both versions: {e:?}"
@@ -331,14 +331,14 @@ fn garbage_and_malformed_frames_are_refused() {
             ),
             (
                 frame(sid, vec![bad_dir(proto::Direction::Unspecified as i32)]),
-                Code::InvalidArgument,
-                Reason::Invalid,
-                "neither push nor pull",
+                Code::Aborted,
+                Reason::Protocol,
+                "OpenFile: file 1: direction 0 is neither push nor pull",
             ),
             (
                 frame(sid, vec![bad_dir(77)]),
-                Code::InvalidArgument,
-                Reason::Invalid,
+                Code::Aborted,
+                Reason::Protocol,
                 "neither push nor pull",
             ),
             (
@@ -352,18 +352,76 @@ fn garbage_and_malformed_frames_are_refused() {
                     done: vec![never.clone()],
                     ..frame(sid, vec![raw::push(1, "y", 10)])
                 },
-                Code::InvalidArgument,
-                Reason::Invalid,
-                "window 999999 was never granted",
+                Code::Aborted,
+                Reason::Protocol,
+                "WindowDone: window 999999 was never granted",
             ),
             (
                 ClientFrame {
                     done: vec![never],
                     ..frame(sid, vec![])
                 },
-                Code::InvalidArgument,
-                Reason::Invalid,
+                Code::Aborted,
+                Reason::Protocol,
                 "never granted",
+            ),
+            // Window 0, with no file open or with one: never granted
+            // either (window ids start at 1).
+            (
+                ClientFrame {
+                    done: vec![proto::WindowDone::default()],
+                    ..frame(sid, vec![])
+                },
+                Code::Aborted,
+                Reason::Protocol,
+                "the client broke the protocol: WindowDone: window 0 was never granted",
+            ),
+            (
+                ClientFrame {
+                    done: vec![proto::WindowDone::default()],
+                    ..frame(sid, vec![raw::push(1, "y", 10)])
+                },
+                Code::Aborted,
+                Reason::Protocol,
+                "WindowDone: window 0 was never granted",
+            ),
+            // FileEnd for a file never opened: 0, 7, and 7 beside an open
+            // file 1.
+            (
+                ClientFrame {
+                    end: vec![proto::FileEnd {
+                        file: 0,
+                        digest: vec![0; 32],
+                    }],
+                    ..frame(sid, vec![])
+                },
+                Code::Aborted,
+                Reason::Protocol,
+                "FileEnd: file 0 was never opened",
+            ),
+            (
+                ClientFrame {
+                    end: vec![proto::FileEnd {
+                        file: 7,
+                        digest: vec![0; 32],
+                    }],
+                    ..frame(sid, vec![])
+                },
+                Code::Aborted,
+                Reason::Protocol,
+                "FileEnd: file 7 was never opened",
+            ),
+            (
+                ClientFrame {
+                    end: vec![proto::FileEnd {
+                        file: 7,
+                        digest: vec![0; 32],
+                    }],
+                    ..frame(sid, vec![raw::push(1, "y", 10)])
+                },
+                Code::Aborted,
+                Reason::Protocol,
+                "FileEnd: file 7 was never opened",
             ),
             (
                 ClientFrame {
@@ -373,9 +431,10 @@ fn garbage_and_malformed_frames_are_refused() {
                     }],
                     ..frame(sid, vec![raw::push(1, "y", 10)])
                 },
-                Code::InvalidArgument,
-                Reason::Invalid,
-                "a file digest of 16 bytes",
+                Code::Aborted,
+                Reason::Protocol,
+                // The file is not open yet when its FileEnd is read.
+                "FileEnd: file 1 is not open yet",
             ),
             (
                 ClientFrame {
@@ -385,9 +444,9 @@ fn garbage_and_malformed_frames_are_refused() {
                     }],
                     ..frame(sid, vec![raw::pull(1, "src")])
                 },
-                Code::InvalidArgument,
-                Reason::Invalid,
-                "FileEnd for pulled file 1",
+                Code::Aborted,
+                Reason::Protocol,
+                "FileEnd: FileEnd for pulled file 1",
             ),
         ];
         for (first, code, reason, what) in cases {
@@ -436,8 +495,8 @@ fn garbage_and_malformed_frames_are_refused() {
             assert_eq!(g.extents.len(), 2, "{g:?}");
             m.send_done(done(&g));
             let e = m.status().await;
-            assert_eq!(e.code(), Code::InvalidArgument, "{what}: {e:?}");
-            assert_eq!(raw::reason(&e), Reason::Invalid, "{what}: {e:?}");
+            assert_eq!(e.code(), Code::Aborted, "{what}: {e:?}");
+            assert_eq!(raw::reason(&e), Reason::Protocol, "{what}: {e:?}");
             assert!(e.message().contains(what), "{what}: {e:?}");
             assert!(m.inbox.acks.is_empty(), "{what}: {:?}", m.inbox);
         }
@@ -583,6 +642,127 @@ fn a_second_open_of_a_file_id_is_ignored() {
 
 /// File id 0 (a proto3 default: a client that forgot to set it) must be
 /// refused or served, never left without an answer.
+/// Later in a stream, with a push open and its window written: a frame
+/// outside the protocol ends the stream with a violation naming it, the
+/// file is not committed (though the right answers follow), and rcpd logs
+/// it once.
+#[test]
+fn a_frame_outside_the_protocol_later_in_a_stream_ends_it() {
+    let (_tmp, root, d) = setup(None);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let data = vec![9u8; 4096];
+    rt.block_on(async {
+        let mut c = grpc(d.port).await;
+        let s = Arc::new(tcp_session(&mut c, BS4K).await);
+        type Forged = fn(&proto::Grant) -> ClientFrame;
+        let forged: [(&str, Forged, &str); 4] = [
+            (
+                "w0",
+                |_| ClientFrame {
+                    done: vec![proto::WindowDone::default()],
+                    ..Default::default()
+                },
+                "WindowDone: window 0 was never granted",
+            ),
+            (
+                "wnext",
+                |g| ClientFrame {
+                    done: vec![proto::WindowDone {
+                        window: g.window + 1,
+                        ..Default::default()
+                    }],
+                    ..Default::default()
+                },
+                "was never granted",
+            ),
+            (
+                "f7",
+                |_| ClientFrame {
+                    end: vec![proto::FileEnd {
+                        file: 7,
+                        digest: vec![0; 32],
+                    }],
+                    ..Default::default()
+                },
+                "FileEnd: file 7 was never opened",
+            ),
+            (
+                "f16",
+                |_| ClientFrame {
+                    end: vec![proto::FileEnd {
+                        file: 1,
+                        digest: vec![0; 16],
+                    }],
+                    ..Default::default()
+                },
+                "FileEnd: file 1: a file digest of 16 bytes, not 32",
+            ),
+        ];
+        for (name, forge, what) in forged {
+            let path = format!("later-{name}");
+            let (mut m, g) = push_granted(&mut c, s.id(), &path, 4096).await;
+            assert_eq!(s.write(g.addr, g.rkey, &data), WcStatus::Success);
+            // The forged frame, then every right answer (rcpd may have
+            // ended the stream before they go out).
+            m.send(forge(&g));
+            m.try_send(ClientFrame {
+                done: vec![raw::pushed(&g, vec![raw::sha256(&data)])],
+                end: vec![proto::FileEnd {
+                    file: 1,
+                    digest: raw::file_digest(&data, BS4K),
+                }],
+                ..Default::default()
+            });
+            let e = m.status().await;
+            assert_eq!(e.code(), Code::Aborted, "{name}: {e:?}");
+            assert_eq!(raw::reason(&e), Reason::Protocol, "{name}: {e:?}");
+            assert!(e.message().contains(what), "{name}: {e:?}");
+            assert!(m.inbox.committed.is_empty(), "{name}: {:?}", m.inbox);
+            assert!(!root.join(&path).exists(), "{name}: committed");
+        }
+    });
+    // One line each in rcpd's log.
+    let log = d.log();
+    for what in ["window 0 was never granted", "file 7 was never opened"] {
+        let n = log.lines().filter(|l| l.contains(what)).count();
+        assert_eq!(n, 1, "{what}: {n} lines in\n{log}");
+    }
+}
+
+/// Abort is the client's last word: the stream ends with it (retryable,
+/// naming it); rcpd reads nothing after it and commits nothing.
+#[test]
+fn a_frame_after_abort_changes_nothing() {
+    let (_tmp, root, d) = setup(None);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let data = vec![3u8; 4096];
+    rt.block_on(async {
+        let mut c = grpc(d.port).await;
+        let s = Arc::new(tcp_session(&mut c, BS4K).await);
+        let (mut m, g) = push_granted(&mut c, s.id(), "aborted", 4096).await;
+        assert_eq!(s.write(g.addr, g.rkey, &data), WcStatus::Success);
+        m.send(ClientFrame {
+            abort: Some(proto::Abort {
+                reason: "changed my mind".into(),
+            }),
+            ..Default::default()
+        });
+        m.try_send(ClientFrame {
+            done: vec![raw::pushed(&g, vec![raw::sha256(&data)])],
+            end: vec![proto::FileEnd {
+                file: 1,
+                digest: raw::file_digest(&data, BS4K),
+            }],
+            ..Default::default()
+        });
+        let e = m.status().await;
+        assert_eq!(raw::reason(&e), Reason::Retryable, "{e:?}");
+        assert!(e.message().contains("changed my mind"), "{e:?}");
+        assert!(m.inbox.committed.is_empty(), "{:?}", m.inbox);
+        assert!(!root.join("aborted").exists());
+    });
+}
+
 #[test]
 fn file_id_zero_is_answered() {
     let (_tmp, _root, d) = setup(None);
@@ -597,7 +777,7 @@ fn file_id_zero_is_answered() {
                 !f.opened.is_empty() || !f.failed.is_empty(),
                 "an answer for file 0: {f:?}"
             ),
-            Ok(Err(e)) => assert_eq!(raw::reason(&e), Reason::Invalid, "{e:?}"),
+            Ok(Err(e)) => assert_eq!(raw::reason(&e), Reason::Protocol, "{e:?}"),
             Err(_) => panic!("no answer to an OpenFile with file id 0 in 10 s"),
         }
     });

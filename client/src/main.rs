@@ -27,7 +27,8 @@ Exit codes:
   4  file not found
   5  temporary error (network, server unavailable): retry, --resume continues
   6  fatal error (integrity mismatch, authentication, permission, refused request)
-  7  transfer exceeded a limit (size, space at the destination)";
+  7  transfer exceeded a limit (size, space at the destination)
+  8  protocol violation: rcpd (or this rcp) sent a message outside the protocol";
 
 #[derive(Parser, Debug)]
 #[command(name = "rcp", version, about = "Copy files between hosts over RDMA (rcpd on the other side)", after_help = AFTER_HELP)]

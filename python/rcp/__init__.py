@@ -36,7 +36,8 @@ VERSION = 1
 
 class RcpError(Exception):
     """An error rcpd answered: `reason` (invalid, not_found, permission,
-    exceeded, retryable, integrity, unauthenticated, other) and a message."""
+    exceeded, retryable, integrity, unauthenticated, protocol, other) and a
+    message."""
 
     def __init__(self, reason, message):
         super().__init__(f"{reason}: {message}")

@@ -35,6 +35,9 @@ pub mod exit {
     pub const FATAL: i32 = 6;
     /// Transfer exceeded a limit (size or space on the destination).
     pub const TRANSFER_EXCEEDED: i32 = 7;
+    /// A peer broke the protocol (a message outside it): a bug in rcp or
+    /// rcpd, or a hostile peer; retrying will not help.
+    pub const PROTOCOL: i32 = 8;
 }
 
 /// The exit code of `reason`.
@@ -51,6 +54,7 @@ pub fn exit_code(reason: Reason) -> i32 {
         | Reason::Version => exit::FATAL,
         Reason::Exceeded => exit::TRANSFER_EXCEEDED,
         Reason::Retryable => exit::RETRYABLE,
+        Reason::Protocol => exit::PROTOCOL,
         Reason::Other | Reason::Unspecified => exit::OTHER,
     }
 }
@@ -66,6 +70,7 @@ pub fn status_code(reason: Reason) -> Code {
         Reason::Exceeded => Code::ResourceExhausted,
         Reason::Retryable => Code::Unavailable,
         Reason::Version => Code::FailedPrecondition,
+        Reason::Protocol => Code::Aborted,
         Reason::Other | Reason::Unspecified => Code::Internal,
     }
 }
@@ -84,11 +89,12 @@ pub fn status_reason(s: &Status) -> Reason {
         Code::NotFound => Reason::FileNotFound,
         // UNKNOWN is tonic's word for a broken connection (h2 errors,
         // resets), which retrying may fix.
-        Code::Unavailable
-        | Code::DeadlineExceeded
-        | Code::Aborted
-        | Code::Cancelled
-        | Code::Unknown => Reason::Retryable,
+        Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled | Code::Unknown => {
+            Reason::Retryable
+        }
+        // Only rcpd says ABORTED (tonic's transport never does): a
+        // protocol violation.
+        Code::Aborted => Reason::Protocol,
         Code::ResourceExhausted | Code::OutOfRange => Reason::Exceeded,
         Code::PermissionDenied => Reason::Permission,
         Code::Unauthenticated => Reason::Unauthenticated,
@@ -148,6 +154,9 @@ pub enum ControlError {
     /// What the peer (or a protocol core) said, with its reason.
     #[error("{}", .0.message)]
     Failed(Failure),
+    /// A message outside the protocol (the handshake's answer, a frame).
+    #[error(transparent)]
+    Protocol(#[from] super::protocol::Violation),
     #[error("{0}")]
     Other(String),
     /// Fatal, with the message as is.
@@ -178,6 +187,7 @@ impl ControlError {
             Io { source, .. } => io_reason(source),
             DataPath(e) => datapath_reason(e),
             Failed(f) => f.reason,
+            Protocol(_) => Reason::Protocol,
             Other(_) => Reason::Other,
             Fatal(_) => Reason::Invalid,
         }
@@ -259,6 +269,7 @@ mod tests {
             Reason::Retryable,
             Reason::Exceeded,
             Reason::Version,
+            Reason::Protocol,
         ] {
             // The message says nothing the reason could be read from.
             let s = status(r, "something happened");
@@ -282,5 +293,27 @@ mod tests {
             Reason::Retryable
         );
         assert_eq!(status_reason(&Status::not_found("x")), Reason::FileNotFound);
+        // A protocol violation has a code, a reason and an exit code of its
+        // own, without details too.
+        let v = super::super::protocol::Violation::new(
+            super::super::protocol::Side::Client,
+            super::super::protocol::FrameKind::WindowDone,
+            "window 0 was never granted",
+        );
+        let s = Status::from(ControlError::from(v));
+        assert_eq!(s.code(), Code::Aborted);
+        assert!(
+            s.message()
+                .contains("the client broke the protocol: WindowDone: window 0"),
+            "{s:?}"
+        );
+        assert_eq!(status_reason(&s), Reason::Protocol);
+        assert_eq!(
+            status_reason(&Status::aborted("x")),
+            Reason::Protocol,
+            "by its code alone"
+        );
+        assert_eq!(exit_code(Reason::Protocol), exit::PROTOCOL);
+        assert_eq!(exit::PROTOCOL, 8);
     }
 }

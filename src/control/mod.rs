@@ -98,9 +98,10 @@ pub(crate) fn in_place<R>(f: impl FnOnce() -> R) -> R {
     }
 }
 
-/// Protocol version spoken.
+/// Protocol version spoken. 2.1: rails. 2.2: `REASON_PROTOCOL` for
+/// messages outside the protocol.
 pub const VERSION_MAJOR: u32 = 2;
-pub const VERSION_MINOR: u32 = 1;
+pub const VERSION_MINOR: u32 = 2;
 /// Default gRPC port of rcpd.
 pub const DEFAULT_PORT: u16 = 7471;
 /// Default block size.

@@ -297,6 +297,16 @@ impl Move {
         self.tx.as_ref().expect("not closed").send(f).unwrap();
     }
 
+    /// [`send`](Self::send), for a frame rcpd may no longer read (the
+    /// stream ended before it): whether it went out.
+    pub fn try_send(&self, f: ClientFrame) -> bool {
+        let f = ClientFrame {
+            session_id: self.session_id,
+            ..f
+        };
+        self.tx.as_ref().is_some_and(|tx| tx.send(f).is_ok())
+    }
+
     pub fn send_open(&self, open: Vec<proto::OpenFile>) {
         self.send(ClientFrame {
             open,

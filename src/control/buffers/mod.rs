@@ -129,6 +129,7 @@ pub fn reason_name(r: Reason) -> &'static str {
         Reason::Permission => "permission",
         Reason::Exceeded => "exceeded",
         Reason::Retryable => "retryable",
+        Reason::Protocol => "protocol",
         Reason::Other | Reason::Unspecified => "other",
     }
 }

@@ -3,8 +3,8 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use super::{
-    Bitmap, Digest, DigestChain, Failure, FileId, FrameSeq, IdSet, Liveness, Params, Reason,
-    SeqCheck, WindowId,
+    Bitmap, Digest, DigestChain, Failure, FileId, FrameKind, FrameSeq, IdSet, Liveness, Params,
+    Reason, SeqCheck, Side, Violation, WindowId,
 };
 use crate::proto::{self, ClientFrame, Direction, ServerFrame};
 
@@ -386,10 +386,9 @@ impl ClientCore {
         self.actions.push_back(ClientAction::End(r));
     }
 
-    fn violation(&mut self, message: String) {
-        self.end(Err(Failure::invalid(format!(
-            "the server broke the protocol: {message}"
-        ))));
+    /// A message outside the protocol from the server: the stream ends.
+    fn violation(&mut self, frame: FrameKind, why: String) {
+        self.end(Err(Violation::new(Side::Server, frame, why).into()));
     }
 
     fn maybe_finish(&mut self) {
@@ -543,7 +542,10 @@ impl ClientCore {
     fn on_opened(&mut self, o: proto::Opened) {
         let p = self.p;
         let Some(f) = self.files.get_mut(&o.file) else {
-            return self.violation(format!("Opened for unknown file {}", o.file));
+            return self.violation(
+                FrameKind::Opened,
+                format!("Opened for unknown file {}", o.file),
+            );
         };
         if f.state != State::Opening {
             return; // duplicate
@@ -551,10 +553,13 @@ impl ClientCore {
         let dir = f.spec.direction;
         if dir == Direction::Push && o.length != f.length {
             let want = f.length;
-            return self.violation(format!(
-                "file {}: opened with length {} instead of {want}",
-                o.file, o.length
-            ));
+            return self.violation(
+                FrameKind::Opened,
+                format!(
+                    "file {}: opened with length {} instead of {want}",
+                    o.file, o.length
+                ),
+            );
         }
         let n = p.blocks(o.length);
         let skip = if o.skip_blocks.is_empty() {
@@ -562,14 +567,22 @@ impl ClientCore {
         } else {
             match Bitmap::from_bytes(o.skip_blocks.clone(), n) {
                 Some(b) => Some(b),
-                None => return self.violation(format!("file {}: a bad skip bitmap", o.file)),
+                None => {
+                    return self.violation(
+                        FrameKind::Opened,
+                        format!("file {}: a bad skip bitmap", o.file),
+                    )
+                }
             }
         };
         if let (Direction::Pull, Some(s)) = (dir, &skip) {
             // Only blocks we hold may be skipped.
             let held = f.held.as_ref().map(|h| &h.blocks);
             if (0..n).any(|b| s.get(b) && !held.is_some_and(|h| h.get(b))) {
-                return self.violation(format!("file {}: skips blocks we do not hold", o.file));
+                return self.violation(
+                    FrameKind::Opened,
+                    format!("file {}: skips blocks we do not hold", o.file),
+                );
             }
         }
         f.length = o.length;
@@ -636,26 +649,32 @@ impl ClientCore {
                 return; // duplicate
             }
             if g.epoch != w.epoch + 1 || w.state != WinState::Answered {
-                return self.violation(format!(
-                    "window {} granted at epoch {} while at epoch {}",
-                    g.window, g.epoch, w.epoch
-                ));
+                return self.violation(
+                    FrameKind::Grant,
+                    format!(
+                        "window {} granted at epoch {} while at epoch {}",
+                        g.window, g.epoch, w.epoch
+                    ),
+                );
             }
             if g.epoch > p.max_retries {
-                return self.violation(format!("window {} granted {} times", g.window, g.epoch));
+                return self.violation(
+                    FrameKind::Grant,
+                    format!("window {} granted {} times", g.window, g.epoch),
+                );
             }
         } else if g.epoch != 0 || self.finished.contains(g.window) {
             // A grant of a window already over: a duplicate.
             return;
         } else if self.windows.len() >= p.window_count as usize {
-            return self.violation(format!(
-                "more than {} windows granted at once",
-                p.window_count
-            ));
+            return self.violation(
+                FrameKind::Grant,
+                format!("more than {} windows granted at once", p.window_count),
+            );
         }
         let dir = match self.check_extents(&g) {
             Ok(d) => d,
-            Err(m) => return self.violation(m),
+            Err(m) => return self.violation(FrameKind::Grant, m),
         };
         match self.windows.get_mut(&g.window) {
             Some(w) => {
@@ -863,7 +882,10 @@ impl ClientCore {
             return; // duplicate
         };
         if w.dir != Direction::Push {
-            return self.violation(format!("Ack for pulled window {}", a.window));
+            return self.violation(
+                FrameKind::Ack,
+                format!("Ack for pulled window {}", a.window),
+            );
         }
         if w.state != WinState::Answered {
             return; // stale: an Ack of an earlier epoch
@@ -881,7 +903,10 @@ impl ClientCore {
             return;
         };
         if f.spec.direction != Direction::Pull || e.digest.len() != dl {
-            return self.violation(format!("a bad FileEnd for file {}", e.file));
+            return self.violation(
+                FrameKind::FileEnd,
+                format!("a bad FileEnd for file {}", e.file),
+            );
         }
         if f.end.is_none() {
             f.end = Some(e.digest);
@@ -894,7 +919,10 @@ impl ClientCore {
             return; // duplicate
         };
         if f.spec.direction != Direction::Push || !f.end_sent {
-            return self.violation(format!("file {} committed before its FileEnd", c.file));
+            return self.violation(
+                FrameKind::Committed,
+                format!("file {} committed before its FileEnd", c.file),
+            );
         }
         let f = self.files.remove(&c.file).expect("present");
         self.active -= 1;

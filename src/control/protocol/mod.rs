@@ -42,6 +42,14 @@
 //!   within the timeout with [`Reason::Retryable`]; so does one that lost
 //!   or reordered frames ([`FrameSeq`]: at the next frame that arrives, a
 //!   keepalive at the latest). Duplicated frames change nothing.
+//! - A message outside the protocol (a WindowDone for a window never
+//!   granted, window 0 included; a FileEnd for a file never opened, file 0
+//!   included; a frame after Abort; ...) ends the stream with a
+//!   [`Violation`] naming the message and why ([`Reason::Protocol`]), and
+//!   nothing is committed after it. A frame after Abort reaches a core
+//!   only if its driver keeps reading (the server's stops at the Abort, so
+//!   the stream's status is the abort's); the core still refuses it and
+//!   logs it, once.
 
 mod client;
 mod server;
@@ -154,9 +162,92 @@ impl Failure {
         }
     }
 
-    /// The peer broke the protocol.
+    /// A request that cannot be served as asked (not a protocol
+    /// violation: see [`Violation`]).
     pub fn invalid(message: impl Into<String>) -> Self {
         Failure::new(Reason::Invalid, message)
+    }
+}
+
+/// Which end of a Move stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Side {
+    Client,
+    Server,
+}
+
+impl std::fmt::Display for Side {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Side::Client => "the client",
+            Side::Server => "the server",
+        })
+    }
+}
+
+/// The kinds of message a Move stream carries (the parts of a
+/// `ClientFrame` and a `ServerFrame`), to name the one that broke the
+/// protocol.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FrameKind {
+    // Client -> server.
+    OpenFile,
+    WindowDone,
+    FileEnd,
+    Abort,
+    /// A frame of the client's after its Abort (the Abort is its last).
+    AfterAbort,
+    // Server -> client.
+    Opened,
+    Grant,
+    Ack,
+    Committed,
+    // The handshake's answer.
+    Handshake,
+}
+
+impl std::fmt::Display for FrameKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            FrameKind::OpenFile => "OpenFile",
+            FrameKind::WindowDone => "WindowDone",
+            FrameKind::FileEnd => "FileEnd",
+            FrameKind::Abort => "Abort",
+            FrameKind::AfterAbort => "a frame after Abort",
+            FrameKind::Opened => "Opened",
+            FrameKind::Grant => "Grant",
+            FrameKind::Ack => "Ack",
+            FrameKind::Committed => "Committed",
+            FrameKind::Handshake => "HandshakeResponse",
+        })
+    }
+}
+
+/// A message outside the protocol: who sent it, which it was and why it is
+/// refused. It ends the stream as [`Reason::Protocol`] (exit code 8, gRPC
+/// `ABORTED`), and nothing is committed after it.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{by} broke the protocol: {frame}: {why}")]
+pub struct Violation {
+    pub by: Side,
+    pub frame: FrameKind,
+    pub why: String,
+}
+
+impl Violation {
+    /// `frame` from `by` is refused because `why`.
+    pub fn new(by: Side, frame: FrameKind, why: impl Into<String>) -> Self {
+        Violation {
+            by,
+            frame,
+            why: why.into(),
+        }
+    }
+}
+
+impl From<Violation> for Failure {
+    fn from(v: Violation) -> Self {
+        Failure::new(Reason::Protocol, v.to_string())
     }
 }
 

@@ -5,8 +5,8 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use super::EXTENT_ALIGN;
 use super::{
-    Bitmap, Digest, DigestChain, Failure, FileId, FrameSeq, IdSet, Liveness, Params, Reason,
-    SeqCheck, WindowId,
+    Bitmap, Digest, DigestChain, Failure, FileId, FrameKind, FrameSeq, IdSet, Liveness, Params,
+    Reason, SeqCheck, Side, Violation, WindowId,
 };
 use crate::proto::{self, ClientFrame, Direction, ServerFrame};
 
@@ -199,6 +199,10 @@ pub struct ServerCore {
     peer_progress: u64,
     phase: Phase,
     client_closed: bool,
+    /// The client sent Abort: anything after it is out of the protocol.
+    aborted: bool,
+    /// The first message outside the protocol, if one came.
+    violation: Option<Violation>,
 }
 
 fn align_up(x: u64) -> u64 {
@@ -236,6 +240,8 @@ impl ServerCore {
             peer_progress: 0,
             phase: Phase::Running,
             client_closed: false,
+            aborted: false,
+            violation: None,
         }
     }
 
@@ -293,6 +299,12 @@ impl ServerCore {
     /// The stream is over (the End action was queued).
     pub fn is_ended(&self) -> bool {
         self.phase == Phase::Ended
+    }
+
+    /// The id the next window will get (every id below it was granted).
+    #[cfg(test)]
+    pub(super) fn next_window(&self) -> WindowId {
+        self.next_window
     }
 
     /// Windows granted (or being granted) now.
@@ -364,8 +376,25 @@ impl ServerCore {
         self.end(Err(f));
     }
 
-    fn violation(&mut self, message: String) {
-        self.end(Err(Failure::invalid(message)));
+    /// A message outside the protocol: the stream ends with it (the first
+    /// one is kept; nothing is committed after it).
+    fn violation(&mut self, frame: FrameKind, why: String) {
+        let v = Violation::new(Side::Client, frame, why);
+        if self.violation.is_none() {
+            self.violation = Some(v.clone());
+            if self.phase == Phase::Ended {
+                // The stream is over already (an Abort), so its status
+                // cannot say it: this is the one line that does.
+                tracing::warn!(error = %v, "protocol violation after the end of the stream");
+            }
+        }
+        self.end(Err(v.into()));
+    }
+
+    /// The first message outside the protocol the client sent, if any
+    /// (also after the stream ended).
+    pub fn violation_seen(&self) -> Option<&Violation> {
+        self.violation.as_ref()
     }
 
     /// The client's side of the stream broke (a frame that does not decode,
@@ -417,10 +446,18 @@ impl ServerCore {
             || !(f.open.is_empty() && f.done.is_empty() && f.end.is_empty())
             || f.abort.is_some();
         self.live.heard(now, progress);
+        if self.aborted {
+            // The Abort was the client's last word.
+            return self.violation(
+                FrameKind::AfterAbort,
+                "the client sent a frame after its Abort".into(),
+            );
+        }
         if self.phase != Phase::Running {
             return;
         }
         if let Some(a) = f.abort {
+            self.aborted = true;
             self.end(Err(Failure::new(
                 Reason::Retryable,
                 format!("the client aborted: {}", a.reason),
@@ -449,7 +486,10 @@ impl ServerCore {
             return;
         }
         if o.file == 0 {
-            return self.violation("file id 0 is reserved: ids start at 1".into());
+            return self.violation(
+                FrameKind::OpenFile,
+                "file id 0 is reserved: ids start at 1".into(),
+            );
         }
         if self.files.contains_key(&o.file) || self.finished.contains(u64::from(o.file)) {
             // A duplicate of an OpenFile already taken.
@@ -458,17 +498,23 @@ impl ServerCore {
         let dir = match Direction::try_from(o.direction) {
             Ok(d @ (Direction::Push | Direction::Pull)) => d,
             _ => {
-                return self.violation(format!(
-                    "file {}: direction {} is neither push nor pull",
-                    o.file, o.direction
-                ))
+                return self.violation(
+                    FrameKind::OpenFile,
+                    format!(
+                        "file {}: direction {} is neither push nor pull",
+                        o.file, o.direction
+                    ),
+                )
             }
         };
         if self.files.len() >= self.p.max_open_files as usize {
-            return self.violation(format!(
-                "file {}: more than {} files open at once",
-                o.file, self.p.max_open_files
-            ));
+            return self.violation(
+                FrameKind::OpenFile,
+                format!(
+                    "file {}: more than {} files open at once",
+                    o.file, self.p.max_open_files
+                ),
+            );
         }
         if dir == Direction::Push && o.length > MAX_FILE_LEN {
             return self.fail_file(
@@ -718,8 +764,16 @@ impl ServerCore {
     fn on_window_done(&mut self, d: proto::WindowDone) {
         let dl = self.p.digest_len();
         let Some(w) = self.windows.get_mut(&d.window) else {
-            if d.window >= self.next_window {
-                self.violation(format!("window {} was never granted", d.window));
+            if d.window == 0 {
+                self.violation(
+                    FrameKind::WindowDone,
+                    "window 0 was never granted (window ids start at 1)".into(),
+                );
+            } else if d.window >= self.next_window {
+                self.violation(
+                    FrameKind::WindowDone,
+                    format!("window {} was never granted", d.window),
+                );
             }
             // Otherwise: a duplicate of a window already finished.
             return;
@@ -732,7 +786,7 @@ impl ServerCore {
                 "window {} epoch {} is not granted (current epoch {})",
                 d.window, d.epoch, w.epoch
             );
-            return self.violation(m);
+            return self.violation(FrameKind::WindowDone, m);
         }
         match w.dir {
             Direction::Push => {
@@ -743,7 +797,7 @@ impl ServerCore {
                         w.extents.len(),
                         d.digests.len()
                     );
-                    return self.violation(m);
+                    return self.violation(FrameKind::WindowDone, m);
                 }
                 w.state = WinState::Verifying;
                 let (extents, epoch) = (w.extents.clone(), w.epoch);
@@ -763,7 +817,7 @@ impl ServerCore {
                         "window {}: re-read of extents {bad:?} it does not have",
                         d.window
                     );
-                    return self.violation(m);
+                    return self.violation(FrameKind::WindowDone, m);
                 }
                 self.settle(d.window, bad);
             }
@@ -890,21 +944,49 @@ impl ServerCore {
     fn on_file_end(&mut self, e: proto::FileEnd) {
         let dl = self.p.digest_len();
         let Some(fs) = self.files.get_mut(&e.file) else {
-            return; // a duplicate for a file already committed
+            if e.file == 0 {
+                self.violation(
+                    FrameKind::FileEnd,
+                    "file 0 was never opened (file ids start at 1)".into(),
+                );
+            } else if !self.finished.contains(u64::from(e.file)) {
+                self.violation(
+                    FrameKind::FileEnd,
+                    format!("file {} was never opened", e.file),
+                );
+            }
+            // Otherwise: a duplicate for a file already over.
+            return;
         };
         if fs.dir != Direction::Push {
-            return self.violation(format!("FileEnd for pulled file {}", e.file));
+            return self.violation(
+                FrameKind::FileEnd,
+                format!("FileEnd for pulled file {}", e.file),
+            );
+        }
+        if fs.state == FileState::Opening {
+            // The client cannot have sent the file's blocks before Opened.
+            return self.violation(
+                FrameKind::FileEnd,
+                format!("file {} is not open yet (no Opened was sent)", e.file),
+            );
         }
         if e.digest.len() != dl {
-            return self.violation(format!(
-                "file {}: a file digest of {} bytes, not {dl}",
-                e.file,
-                e.digest.len()
-            ));
+            return self.violation(
+                FrameKind::FileEnd,
+                format!(
+                    "file {}: a file digest of {} bytes, not {dl}",
+                    e.file,
+                    e.digest.len()
+                ),
+            );
         }
         match &fs.end {
             Some(d) if *d != e.digest => {
-                return self.violation(format!("file {}: two different file digests", e.file))
+                return self.violation(
+                    FrameKind::FileEnd,
+                    format!("file {}: two different file digests", e.file),
+                )
             }
             Some(_) => return,
             None => fs.end = Some(e.digest),

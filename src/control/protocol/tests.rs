@@ -92,6 +92,12 @@ struct Seen {
     /// was.
     lost: u64,
     first_lost_at: Option<u64>,
+    /// The step at which the server's End was seen.
+    server_end_step: Option<usize>,
+    /// A forged frame was handed to the server (at this step), and the
+    /// server's I/O actions after it (must stay empty).
+    forged_at: Option<usize>,
+    acted_after_forgery: Vec<String>,
 }
 
 /// What crosses the simulated link: a frame, or the end of one side of the
@@ -131,6 +137,75 @@ struct Sim {
     /// Receiving side's files (push: server's; pull: client's).
     dests: HashMap<FileId, Dest>,
     seen: Seen,
+    /// Steps run so far.
+    steps: usize,
+    /// Hand this out-of-protocol frame to the server at this step.
+    forge: Option<(usize, Forgery)>,
+}
+
+/// Messages a client may not send (`Sim::forge`).
+#[derive(Clone, Copy, Debug)]
+enum Forgery {
+    /// A WindowDone for window 0 (ids start at 1).
+    WindowZero,
+    /// A WindowDone for the next window, not granted yet.
+    WindowNotYet,
+    /// A WindowDone for a window far past any granted.
+    WindowFar,
+    /// A FileEnd for file 0.
+    FileZero,
+    /// A FileEnd for a file id the client never opened.
+    FileNever,
+    /// An OpenFile of file 0.
+    OpenZero,
+}
+
+impl Forgery {
+    const ALL: [Forgery; 6] = [
+        Forgery::WindowZero,
+        Forgery::WindowNotYet,
+        Forgery::WindowFar,
+        Forgery::FileZero,
+        Forgery::FileNever,
+        Forgery::OpenZero,
+    ];
+
+    /// The frame, and the words its violation must be named by.
+    fn frame(self, server: &ServerCore, files: usize) -> (ClientFrame, &'static str) {
+        let done = |window| ClientFrame {
+            done: vec![proto::WindowDone {
+                window,
+                digests: vec![vec![0; 32]],
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let end = |file| ClientFrame {
+            end: vec![proto::FileEnd {
+                file,
+                digest: vec![0; 32],
+            }],
+            ..Default::default()
+        };
+        match self {
+            Forgery::WindowZero => (done(0), "WindowDone: window 0 was never granted"),
+            Forgery::WindowNotYet => (done(server.next_window()), "was never granted"),
+            Forgery::WindowFar => (done(u64::MAX), "was never granted"),
+            Forgery::FileZero => (end(0), "FileEnd: file 0 was never opened"),
+            Forgery::FileNever => (end(files as u32 + 7), "was never opened"),
+            Forgery::OpenZero => (
+                ClientFrame {
+                    open: vec![proto::OpenFile {
+                        file: 0,
+                        direction: Direction::Push as i32,
+                        ..Default::default()
+                    }],
+                    ..Default::default()
+                },
+                "OpenFile: file id 0 is reserved",
+            ),
+        }
+    }
 }
 
 impl Sim {
@@ -154,6 +229,8 @@ impl Sim {
             next_rkey: 1,
             dests: HashMap::new(),
             seen: Seen::default(),
+            steps: 0,
+            forge: None,
         };
         for (i, &len) in files.iter().enumerate() {
             let path = format!("d/f{i}");
@@ -178,9 +255,20 @@ impl Sim {
     fn run(&mut self, steps: usize) {
         for _ in 0..steps {
             self.collect();
+            if self.seen.server_end.is_some() {
+                self.seen.server_end_step.get_or_insert(self.steps);
+            }
             if self.ended() {
                 return;
             }
+            if let Some((at, f)) = self.forge {
+                if at == self.steps && self.seen.server_end.is_none() {
+                    let (frame, _) = f.frame(&self.server, self.paths.len());
+                    self.seen.forged_at = Some(self.steps);
+                    self.server.handle_frame(self.now, frame);
+                }
+            }
+            self.steps += 1;
             self.step();
         }
         panic!(
@@ -341,6 +429,14 @@ impl Sim {
     }
 
     fn server_action_now(&mut self, a: ServerAction) {
+        if self.seen.forged_at.is_some()
+            && !matches!(
+                a,
+                ServerAction::End(_) | ServerAction::Release { .. } | ServerAction::Close { .. }
+            )
+        {
+            self.seen.acted_after_forgery.push(format!("{a:?}"));
+        }
         match a {
             ServerAction::Release { window } => {
                 assert!(
@@ -1041,7 +1137,7 @@ fn an_old_or_forged_window_is_refused_or_ignored() {
     );
     match s.poll_action() {
         Some(ServerAction::End(Err(f))) => {
-            assert_eq!(f.reason, Reason::Invalid);
+            assert_eq!(f.reason, Reason::Protocol);
             assert!(f.message.contains("never granted"), "{}", f.message);
         }
         other => panic!("{other:?}"),
@@ -1080,6 +1176,283 @@ fn id_sets() {
     s.insert(1);
     assert!(s.contains(1) && s.contains(2) && !s.contains(3));
     assert!(s.above.is_empty(), "compacted");
+}
+
+/// A ServerCore that has opened push file 1 (`len` bytes) and granted its
+/// first window: the core and that grant's extents.
+fn server_with_push_granted(p: Params, len: u64) -> (ServerCore, WindowId, Vec<proto::Extent>) {
+    let mut s = ServerCore::new(p, 0);
+    s.handle_frame(
+        0,
+        ClientFrame {
+            open: vec![proto::OpenFile {
+                file: 1,
+                direction: Direction::Push as i32,
+                path: "x".into(),
+                length: len,
+                ..Default::default()
+            }],
+            ..Default::default()
+        },
+    );
+    let mut granted = None;
+    for _ in 0..4 {
+        while let Some(a) = s.poll_action() {
+            match a {
+                ServerAction::Open { file, open } => s.opened(
+                    0,
+                    file,
+                    Ok(OpenedFile {
+                        length: open.length,
+                        ..OpenedFile::default()
+                    }),
+                ),
+                ServerAction::Grant {
+                    window,
+                    epoch,
+                    extents,
+                    ..
+                } => {
+                    s.granted(0, window, epoch, Ok(Granted::default()));
+                    granted.get_or_insert((window, extents));
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+    let (w, e) = granted.expect("a window granted");
+    while s.poll_frame(0).is_some() {}
+    (s, w, e)
+}
+
+/// The outcome of a core fed `frames`, and the I/O it asked for after
+/// the first of them.
+fn end_of(s: &mut ServerCore, frames: Vec<ClientFrame>) -> (Failure, Vec<String>) {
+    let mut acted = Vec::new();
+    let mut end = None;
+    for f in frames {
+        s.handle_frame(1, f);
+        while let Some(a) = s.poll_action() {
+            match a {
+                ServerAction::End(r) => end = Some(r),
+                ServerAction::Release { .. } | ServerAction::Close { .. } => {}
+                a => acted.push(format!("{a:?}")),
+            }
+        }
+    }
+    let f = end.expect("the stream ended").expect_err("as a failure");
+    (f, acted)
+}
+
+#[test]
+fn messages_outside_the_protocol_end_the_stream_naming_them() {
+    let p = params();
+    let done = |window| proto::WindowDone {
+        window,
+        digests: vec![vec![0; 32]],
+        ..Default::default()
+    };
+    let end = |file| proto::FileEnd {
+        file,
+        digest: vec![0; 32],
+    };
+    // In the stream's first frame, with nothing open.
+    for (frame, what) in [
+        (
+            ClientFrame {
+                done: vec![done(0)],
+                ..Default::default()
+            },
+            "the client broke the protocol: WindowDone: window 0 was never granted",
+        ),
+        (
+            ClientFrame {
+                done: vec![done(1)],
+                ..Default::default()
+            },
+            "WindowDone: window 1 was never granted",
+        ),
+        (
+            ClientFrame {
+                end: vec![end(0)],
+                ..Default::default()
+            },
+            "FileEnd: file 0 was never opened",
+        ),
+        (
+            ClientFrame {
+                end: vec![end(7)],
+                ..Default::default()
+            },
+            "FileEnd: file 7 was never opened",
+        ),
+    ] {
+        let mut s = ServerCore::new(p, 0);
+        let (f, acted) = end_of(&mut s, vec![frame]);
+        assert_eq!(f.reason, Reason::Protocol, "{what}: {f:?}");
+        assert!(f.message.contains(what), "{what}: {}", f.message);
+        assert!(acted.is_empty(), "{what}: {acted:?}");
+        assert_eq!(s.violation_seen().map(|v| v.by), Some(Side::Client));
+    }
+    // Later in the stream, with a push open and a window granted: window
+    // 0, a window not yet granted, a file never opened, file 0. The stream
+    // ends and commits nothing, though the file could have been committed
+    // (its window answered with the right digest, then its FileEnd).
+    let data = vec![5u8; 4096];
+    let good = |w: WindowId| ClientFrame {
+        done: vec![proto::WindowDone {
+            window: w,
+            digests: vec![sha(&data)],
+            ..Default::default()
+        }],
+        end: vec![proto::FileEnd {
+            file: 1,
+            digest: file_digest(4096, 4096, [sha(&data).as_slice()]),
+        }],
+        ..Default::default()
+    };
+    for (forged, what) in [
+        (done(0), "window 0 was never granted"),
+        (done(2), "window 2 was never granted"),
+        (done(u64::MAX), "was never granted"),
+    ] {
+        let (mut s, w, _) = server_with_push_granted(p, 4096);
+        let (f, acted) = end_of(
+            &mut s,
+            vec![
+                ClientFrame {
+                    done: vec![forged],
+                    ..Default::default()
+                },
+                good(w),
+            ],
+        );
+        assert_eq!(f.reason, Reason::Protocol, "{what}: {f:?}");
+        assert!(f.message.contains(what), "{what}: {}", f.message);
+        assert!(acted.is_empty(), "acted after the violation: {acted:?}");
+    }
+    for (forged, what) in [
+        (end(0), "file 0 was never opened"),
+        (end(2), "file 2 was never opened"),
+        (end(7), "file 7 was never opened"),
+    ] {
+        let (mut s, w, _) = server_with_push_granted(p, 4096);
+        let (f, acted) = end_of(
+            &mut s,
+            vec![
+                ClientFrame {
+                    end: vec![forged],
+                    ..Default::default()
+                },
+                good(w),
+            ],
+        );
+        assert_eq!(f.reason, Reason::Protocol, "{what}: {f:?}");
+        assert!(f.message.contains(what), "{what}: {}", f.message);
+        assert!(acted.is_empty(), "acted after the violation: {acted:?}");
+    }
+    // The same good answer alone commits the file: the forged frames were
+    // what stopped it.
+    let (mut s, w, _) = server_with_push_granted(p, 4096);
+    s.handle_frame(1, good(w));
+    let mut verify = None;
+    while let Some(a) = s.poll_action() {
+        if let ServerAction::Verify {
+            window, epoch: 0, ..
+        } = a
+        {
+            verify = Some(window);
+        }
+    }
+    s.verified(1, verify.expect("verified"), 0, Ok(Vec::new()));
+    let mut committed = false;
+    while let Some(a) = s.poll_action() {
+        committed |= matches!(a, ServerAction::Commit { .. });
+    }
+    assert!(committed, "a clean push commits");
+}
+
+#[test]
+fn a_file_end_before_opened_is_a_violation() {
+    let mut s = ServerCore::new(params(), 0);
+    let (f, acted) = end_of(
+        &mut s,
+        vec![ClientFrame {
+            open: vec![proto::OpenFile {
+                file: 3,
+                direction: Direction::Push as i32,
+                path: "x".into(),
+                length: 10,
+                ..Default::default()
+            }],
+            end: vec![proto::FileEnd {
+                file: 3,
+                digest: vec![0; 32],
+            }],
+            ..Default::default()
+        }],
+    );
+    assert_eq!(f.reason, Reason::Protocol, "{f:?}");
+    assert!(
+        f.message.contains("FileEnd: file 3 is not open yet"),
+        "{}",
+        f.message
+    );
+    // Only the Open went out, before the FileEnd was read.
+    assert_eq!(acted.len(), 1, "{acted:?}");
+    assert!(acted[0].starts_with("Open "), "{acted:?}");
+}
+
+#[test]
+fn a_frame_after_abort_is_refused_once_and_changes_nothing() {
+    let (mut s, w, _) = server_with_push_granted(params(), 4096);
+    s.handle_frame(
+        1,
+        ClientFrame {
+            abort: Some(proto::Abort {
+                reason: "bye".into(),
+            }),
+            ..Default::default()
+        },
+    );
+    match s.poll_action() {
+        Some(ServerAction::End(Err(f))) => {
+            assert_eq!(f.reason, Reason::Retryable, "{f:?}");
+            assert!(f.message.contains("the client aborted: bye"), "{f:?}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(
+        s.violation_seen().is_none(),
+        "the Abort itself is in the protocol"
+    );
+    // Anything after it: refused (kept, logged once), nothing done.
+    for f in [
+        ClientFrame {
+            done: vec![proto::WindowDone {
+                window: w,
+                digests: vec![vec![0; 32]],
+                ..Default::default()
+            }],
+            ..Default::default()
+        },
+        ClientFrame::default(),
+        ClientFrame {
+            open: vec![proto::OpenFile {
+                file: 9,
+                direction: Direction::Push as i32,
+                ..Default::default()
+            }],
+            ..Default::default()
+        },
+    ] {
+        s.handle_frame(2, f);
+        assert!(s.poll_action().is_none());
+        assert!(s.poll_frame(2).is_none());
+    }
+    let v = s.violation_seen().expect("refused");
+    assert_eq!((v.by, v.frame), (Side::Client, FrameKind::AfterAbort));
+    assert!(v.to_string().contains("after its Abort"), "{v}");
 }
 
 fn sizes() -> impl Strategy<Value = u64> {
@@ -1169,6 +1542,54 @@ proptest! {
                     );
                 }
             }
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, .. ProptestConfig::default() })]
+
+    /// A clean session, push or pull, into which one message outside the
+    /// protocol is forged at a random point while the server runs: the
+    /// stream ends with a violation naming it, the server starts no I/O
+    /// after it (no open, grant, verify or commit), and what was published
+    /// before it is intact.
+    #[test]
+    fn an_out_of_protocol_frame_ends_in_a_violation_and_commits_nothing_after_it(
+        files in proptest::collection::vec(sizes(), 1..10),
+        forgery in 0usize..Forgery::ALL.len(),
+        at in any::<u64>(),
+        dup in 0.0f64..0.3,
+        pull in any::<bool>(),
+        seed in any::<u64>(),
+    ) {
+        let p = params();
+        let dir = if pull { Direction::Pull } else { Direction::Push };
+        let faults = Faults { dup, ..Faults::default() };
+        // The same seed runs the same session: the first run says how
+        // long the server runs, the second forges within that.
+        let mut clean = Sim::new(p, dir, &files, faults, seed);
+        clean.run(STEPS);
+        clean.check_complete();
+        let last = clean.seen.server_end_step.expect("the server ended");
+        let forgery = Forgery::ALL[forgery];
+        let mut s = Sim::new(p, dir, &files, faults, seed);
+        s.forge = Some(((at % last.max(1) as u64) as usize, forgery));
+        s.run(STEPS);
+        s.check();
+        prop_assert!(s.seen.forged_at.is_some(), "forged before the server ended");
+        let (_, what) = forgery.frame(&s.server, files.len());
+        let e = s.seen.server_end.clone().unwrap().unwrap_err();
+        prop_assert_eq!(e.reason, Reason::Protocol, "{:?}", e);
+        prop_assert!(e.message.contains(what), "{:?}: {}", forgery, e.message);
+        prop_assert!(
+            s.seen.acted_after_forgery.is_empty(),
+            "the server acted after the violation: {:?}",
+            s.seen.acted_after_forgery
+        );
+        // The client hears why (unless it was done and gone already).
+        if let Some(Err(c)) = &s.seen.client_end {
+            prop_assert_eq!(c.reason, Reason::Protocol, "{:?}", c);
         }
     }
 }
