@@ -763,6 +763,59 @@ fn a_frame_after_abort_changes_nothing() {
     });
 }
 
+/// A session runs one Move stream at a time: a second one while the first
+/// runs is refused naming the rule, the first goes on and commits, and once
+/// it is over the session serves the next.
+#[test]
+fn a_second_move_stream_on_a_session_is_refused() {
+    let (_tmp, root, d) = setup(None);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let data = vec![4u8; 4096];
+    rt.block_on(async {
+        let mut c = grpc(d.port).await;
+        let s = Arc::new(tcp_session(&mut c, BS4K).await);
+        let (mut first, g) = push_granted(&mut c, s.id(), "first", 4096).await;
+        // The first stream holds a granted window: it is running.
+        for open in [vec![raw::push(1, "second", 4096)], vec![]] {
+            let mut second = Move::open(&mut c, s.id(), open).await;
+            let e = second.status().await;
+            assert_eq!(e.code(), Code::Aborted, "{e:?}");
+            assert_eq!(raw::reason(&e), Reason::Protocol, "{e:?}");
+            assert!(
+                e.message()
+                    .contains("already has a Move stream running (one at a time)"),
+                "{e:?}"
+            );
+            assert!(second.inbox.is_empty(), "{:?}", second.inbox);
+        }
+        assert!(!root.join("second").exists());
+        // The first is untouched by them.
+        assert_eq!(s.write(g.addr, g.rkey, &data), WcStatus::Success);
+        first.send_done(raw::pushed(&g, vec![raw::sha256(&data)]));
+        first.send_end(1, raw::file_digest(&data, BS4K));
+        assert_eq!(first.committed().await.path, "first");
+        first.close();
+        first.finish().await;
+        assert_eq!(std::fs::read(root.join("first")).unwrap(), data);
+        // Over: the session takes the next stream at once.
+        let (mut next, g) = push_granted(&mut c, s.id(), "next", 4096).await;
+        assert_eq!(s.write(g.addr, g.rkey, &data), WcStatus::Success);
+        next.send_done(raw::pushed(&g, vec![raw::sha256(&data)]));
+        next.send_end(1, raw::file_digest(&data, BS4K));
+        assert_eq!(next.committed().await.path, "next");
+        next.close();
+        next.finish().await;
+    });
+    let log = d.log();
+    assert_eq!(
+        log.lines()
+            .filter(|l| l.contains("second Move stream refused"))
+            .count(),
+        2,
+        "{log}"
+    );
+}
+
 #[test]
 fn file_id_zero_is_answered() {
     let (_tmp, _root, d) = setup(None);

@@ -191,6 +191,8 @@ impl std::fmt::Display for Side {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FrameKind {
     // Client -> server.
+    /// A Move stream itself (its first frame).
+    Move,
     OpenFile,
     WindowDone,
     FileEnd,
@@ -209,6 +211,7 @@ pub enum FrameKind {
 impl std::fmt::Display for FrameKind {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
+            FrameKind::Move => "Move",
             FrameKind::OpenFile => "OpenFile",
             FrameKind::WindowDone => "WindowDone",
             FrameKind::FileEnd => "FileEnd",

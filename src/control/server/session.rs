@@ -2,7 +2,10 @@
 //! parameters, a QP and a domain of its own: memory windows bound to its
 //! QP, or a protection domain of its own) and reconnects.
 
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{
+    AtomicU64,
+    Ordering::{AcqRel, Acquire, Relaxed},
+};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -51,10 +54,23 @@ pub struct SessionState {
     /// The negotiated (initiator, responder) depths, reused on reconnect.
     rd: (u32, u32),
     epoch: AtomicU64,
-    /// Move streams running on it, and when it was last used: sessions of
-    /// clients that vanished without CloseSession are reaped when idle.
+    /// Move streams running on it (one at most: [`SessionState::begin_move`]),
+    /// and when it was last used: sessions of clients that vanished without
+    /// CloseSession are reaped when idle.
     pub active: AtomicU64,
     pub last_used: Mutex<Instant>,
+}
+
+/// A session's one Move stream, while it runs: taken by
+/// [`SessionState::begin_move`], given back when dropped.
+pub struct MoveSlot(Arc<SessionState>);
+
+impl Drop for MoveSlot {
+    fn drop(&mut self) {
+        // Used until now: the reaper never sees it idle with a stale time.
+        *self.0.last_used.lock().unwrap() = Instant::now();
+        self.0.active.fetch_sub(1, AcqRel);
+    }
 }
 
 /// One more rail of a session: its QP and the domain its grants are
@@ -65,6 +81,16 @@ pub struct RailState {
 }
 
 impl SessionState {
+    /// The session's Move stream, unless one runs already: a session runs
+    /// one at a time (each stream's limits, windows and open files, are
+    /// the session's).
+    pub fn begin_move(self: &Arc<Self>) -> Option<MoveSlot> {
+        self.active
+            .compare_exchange(0, 1, AcqRel, Acquire)
+            .ok()
+            .map(|_| MoveSlot(self.clone()))
+    }
+
     /// The domains of rails 1.. (each grant is registered in all of them
     /// after `domain`).
     pub fn rail_domains(&self) -> impl Iterator<Item = &Arc<dyn Domain>> {

@@ -3,7 +3,6 @@
 //! back over a channel and are fed to the core in batches), time passed in.
 
 use std::collections::HashMap;
-use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -11,11 +10,12 @@ use tokio::sync::mpsc;
 use tonic::{Status, Streaming};
 
 use super::io::{Held, Slot, StreamIo};
+use super::session::MoveSlot;
 use super::Service;
 use crate::control::error::ControlError;
 use crate::control::protocol::{
-    CommittedFile, Digest, Failure, FileId, Granted, OpenedFile, Params, Reason, ServerAction,
-    ServerCore, WindowId,
+    CommittedFile, Digest, Failure, FileId, FrameKind, Granted, OpenedFile, Params, Reason,
+    ServerAction, ServerCore, Side, Violation, WindowId,
 };
 use crate::proto::{self, ClientFrame, ServerFrame};
 
@@ -79,6 +79,21 @@ pub(super) async fn run(svc: Arc<Service>, mut rx: Streaming<ClientFrame>, tx: T
             return;
         }
     };
+    // One stream per session at a time: a second would double every
+    // per-session limit (windows, open files).
+    let Some(slot) = session.begin_move() else {
+        let v = Violation::new(
+            Side::Client,
+            FrameKind::Move,
+            format!(
+                "session {:#x} already has a Move stream running (one at a time)",
+                first.session_id
+            ),
+        );
+        tracing::warn!(error = %v, "second Move stream refused");
+        let _ = tx.send(Err(Failure::from(v).into())).await;
+        return;
+    };
     // Wait for a transfer slot; the client hears keepalives meanwhile, so
     // a queued client does not take the wait for a dead server.
     let permit = loop {
@@ -100,12 +115,9 @@ pub(super) async fn run(svc: Arc<Service>, mut rx: Streaming<ClientFrame>, tx: T
             }
         }
     };
-    session.active.fetch_add(1, Relaxed);
-    let mut d = Driver::new(svc.clone(), session.clone(), tx);
+    let mut d = Driver::new(svc.clone(), session.clone(), tx, slot);
     d.core.handle_frame(d.now(), first);
     d.run(&mut rx).await;
-    session.active.fetch_sub(1, Relaxed);
-    *session.last_used.lock().unwrap() = Instant::now();
     drop(permit);
 }
 
@@ -119,10 +131,13 @@ struct Driver {
     slots: HashMap<WindowId, Slot>,
     done_tx: mpsc::UnboundedSender<Done>,
     done_rx: mpsc::UnboundedReceiver<Done>,
+    /// The session's one stream: given back before the client can see
+    /// the end (so it may start the next one at once).
+    slot: Option<MoveSlot>,
 }
 
 impl Driver {
-    fn new(svc: Arc<Service>, session: Arc<super::SessionState>, tx: Tx) -> Driver {
+    fn new(svc: Arc<Service>, session: Arc<super::SessionState>, tx: Tx, slot: MoveSlot) -> Driver {
         let p = Params {
             block_size: session.block_size,
             window_size: svc.link.window_size as u64,
@@ -147,6 +162,7 @@ impl Driver {
             slots: HashMap::new(),
             done_tx,
             done_rx,
+            slot: Some(slot),
         }
     }
 
@@ -212,6 +228,7 @@ impl Driver {
                 }
             }
         };
+        self.slot = None;
         // The last frames (FileFailed), then the status.
         while let Some(f) = self.core.poll_frame(self.now()) {
             if self.tx.send(Ok(f)).await.is_err() {
