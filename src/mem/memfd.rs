@@ -303,6 +303,15 @@ impl ServiceBuffer {
             .expect("the arena is its own span")
     }
 
+    /// `[offset, offset + len)` of the buffer as a span, if it lies inside.
+    pub fn span_of(&self, offset: u64, len: u64) -> Option<crate::mem::PeerSpan> {
+        crate::mem::PeerSpan::new(
+            &self.arena,
+            self.arena.addr().checked_add(offset)?,
+            usize::try_from(len).ok()?,
+        )
+    }
+
     /// Leases held now.
     pub fn leases_live(&self) -> usize {
         self.leases.live()

@@ -14,8 +14,9 @@
 //!   rules. Its registration stays per grant: an entry in the session's
 //!   table, nothing pinned, so there is nothing to register once.
 
+use std::any::Any;
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::engine::{WorkCompletion, WorkRequest};
@@ -113,6 +114,60 @@ pub trait Domain: Send + Sync {
         span: &PeerSpan,
         access: Access,
     ) -> Result<Arc<dyn Registration>, ProviderError>;
+    /// Register `span`, which lies inside `whole`, for one grant. A domain
+    /// that binds grants into memory registered once (memory windows)
+    /// registers `whole` once, keeps that in `bases` (which the caller
+    /// holds as long as grants inside `whole` may be made) and binds the
+    /// grant into it; the others register `span` alone, as
+    /// [`Domain::register`] does.
+    fn register_in(
+        &self,
+        bases: &Bases,
+        whole: &PeerSpan,
+        span: &PeerSpan,
+        access: Access,
+    ) -> Result<Arc<dyn Registration>, ProviderError> {
+        let _ = (bases, whole);
+        self.register(span, access)
+    }
+}
+
+/// Registrations made once, into which later grants are made
+/// ([`Domain::register_in`]): what they are is the domains' business (a
+/// memory region per protection domain, for memory windows). Dropping
+/// this drops the holder's references; a grant made into one keeps it.
+#[derive(Default)]
+pub struct Bases(Mutex<Vec<Arc<dyn Any + Send + Sync>>>);
+
+impl Bases {
+    /// The first kept base of type `T` that `fits`, or else the one `make`
+    /// makes (kept from then on).
+    pub fn find_or<T: Any + Send + Sync, E>(
+        &self,
+        fits: impl Fn(&T) -> bool,
+        make: impl FnOnce() -> Result<T, E>,
+    ) -> Result<Arc<T>, E> {
+        let mut v = self.0.lock().unwrap();
+        for b in v.iter() {
+            if let Ok(t) = b.clone().downcast::<T>() {
+                if fits(&t) {
+                    return Ok(t);
+                }
+            }
+        }
+        let t = Arc::new(make()?);
+        v.push(t.clone());
+        Ok(t)
+    }
+
+    /// How many are kept.
+    pub fn len(&self) -> usize {
+        self.0.lock().unwrap().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 /// A connected channel. `post` is called from the posting thread, `poll`,

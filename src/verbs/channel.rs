@@ -15,7 +15,7 @@ use super::VerbsError;
 use crate::engine::{WorkCompletion, WorkRequest};
 use crate::mem::{Arena, PeerSpan};
 use crate::provider::{
-    Channel, ChannelCaps, Domain, PostFailure, ProviderError, ProviderKind, Registration,
+    Bases, Channel, ChannelCaps, Domain, PostFailure, ProviderError, ProviderKind, Registration,
 };
 
 impl Registration for MemoryRegion {
@@ -159,6 +159,43 @@ impl Domain for MwDomain {
                     self.slots
                 ))
             })?;
+        self.bind(mr, span, access)
+    }
+
+    /// A span of the window arena is bound into its slot's region, as
+    /// [`MwDomain::register`]; any other span (a service's buffer) into a
+    /// registration of `whole` in the PD made once (LOCAL_WRITE | MW_BIND,
+    /// no remote access of its own) and kept in `bases`. On a device that
+    /// checks only the bounds of the region a window is bound into (rxe),
+    /// the window's rkey reaches all of `whole` through the session's QP,
+    /// not only `span`: see [`Domain::exact_bounds`].
+    fn register_in(
+        &self,
+        bases: &Bases,
+        whole: &PeerSpan,
+        span: &PeerSpan,
+        access: Access,
+    ) -> Result<Arc<dyn Registration>, ProviderError> {
+        if self.slots.region_of(span.addr(), span.len()).is_some() {
+            return self.register(span, access);
+        }
+        let pd = self.pool.pd();
+        let mr = bases.find_or(
+            |mr: &MemoryRegion| Arc::ptr_eq(mr.pd(), pd) && mr.covers(whole.addr(), whole.len()),
+            || pd.register_span(whole, Access::LOCAL_WRITE | Access::MW_BIND),
+        )?;
+        self.bind(&mr, span, access)
+    }
+}
+
+impl MwDomain {
+    /// Bind a window of the pool over `span` of `mr` to the session's QP.
+    fn bind(
+        &self,
+        mr: &Arc<MemoryRegion>,
+        span: &PeerSpan,
+        access: Access,
+    ) -> Result<Arc<dyn Registration>, ProviderError> {
         let mut mw = self.pool.take()?;
         match self
             .channel

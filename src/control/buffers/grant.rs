@@ -1,7 +1,8 @@
 //! The exposing side of a peer's operation: `BufferGrant` checks the name,
 //! the access, the peer and every range against the exposure, leases the
 //! ranges and registers each in the peer session's domain (on every rail)
-//! with the one right the operation needs; `BufferDone` revokes the grant
+//! with the one right the operation needs (with memory windows: a window
+//! bound to the session's QP, into the exposure registered once); `BufferDone` revokes the grant
 //! (registrations first), verifies what landed (write) and tells the owner.
 //! A grant whose peer says nothing for rcpd's timeout is revoked too.
 
@@ -188,23 +189,29 @@ pub fn grant(
     let domains: Vec<&Arc<dyn crate::provider::Domain>> = std::iter::once(&session.domain)
         .chain(session.rail_domains())
         .collect();
+    let whole = exp
+        .buffer
+        .span_of(exp.offset, exp.len)
+        .expect("an exposure lies inside its buffer");
     let mut regs = Vec::with_capacity(ranges.len() * domains.len());
     let mut out = Vec::with_capacity(ranges.len());
     for r in &ranges {
         let mut keys = Vec::new();
         let mut addr = 0;
         for d in &domains {
-            let reg = d.register(r.span(), access).map_err(|e| {
-                OpError::new(
-                    Reason::Other,
-                    format!(
-                        "registering [{}, +{}) of {:?}: {e}",
-                        r.lease().offset(),
-                        r.lease().len(),
-                        req.name
-                    ),
-                )
-            })?;
+            let reg = d
+                .register_in(&exp.bases, &whole, r.span(), access)
+                .map_err(|e| {
+                    OpError::new(
+                        Reason::Other,
+                        format!(
+                            "registering [{}, +{}) of {:?}: {e}",
+                            r.lease().offset(),
+                            r.lease().len(),
+                            req.name
+                        ),
+                    )
+                })?;
             addr = reg.addr();
             keys.push(reg.rkey());
             regs.push(reg);

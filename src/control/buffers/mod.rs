@@ -74,6 +74,10 @@ pub struct Exposure {
     pub peers: Vec<IpAddr>,
     /// The owner's events.
     pub events: UnboundedSender<Value>,
+    /// What grants inside the exposure are made into where the memory is
+    /// registered once (memory windows: the exposed range in the device's
+    /// PD, on the first grant); withdrawn with the exposure.
+    pub bases: crate::provider::Bases,
 }
 
 /// An error for a service or a peer: a reason and a sentence.

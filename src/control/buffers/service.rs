@@ -387,6 +387,7 @@ impl Conn {
                 access,
                 peers,
                 events: self.out.clone(),
+                bases: Default::default(),
             }),
         );
         tracing::info!(conn = self.id, name, offset, len, ?access, "buffer exposed");
