@@ -151,6 +151,79 @@ netns)
   step "rcp pull across a 3 s link cut, QP retry count 3 (verbs, b -> a)" linkcut verbs pull 3
   step "rcp push across a 3 s link cut (tcp, a -> b)" linkcut tcp push
   step "rcp pull across a 3 s link cut (tcp, b -> a)" linkcut tcp pull
+  # Buffers from services over verbs (docs/buffers.md, issue 23): an rcpd in
+  # each namespace (rxea in a, rxeb in b) with its unix socket, a Python
+  # service on each (the package from python/), a buffer written from a's
+  # service into b's and one read back the other way, bytes and digests of
+  # both ends checked, the owner's event verified. Argument: rcpd b's
+  # --memory-windows (off: a registration per grant in the session's PD;
+  # auto: rxe has type-2 windows, so each grant binds one to the session's
+  # QP, which b's log must say). The provider must have been verbs: rcpd a's
+  # buffer session and rcpd b's session both say so in their logs.
+  pybuf() {
+    local mw=$1 dir py=python3 size=$((4 << 20)) rc=0
+    dir=$PWD/target/vm-pybuf-$mw
+    rm -rf "$dir" && mkdir -p "$dir/a" "$dir/b"
+    export PYTHONPATH=$PWD/python
+    ip netns exec b target/debug/rcpd --listen 192.168.77.2:7471 --health-listen none \
+      --root "$dir/b" --transport verbs --device rxeb --memory-windows "$mw" --arena-mib 32 \
+      --socket "$dir/b.sock" --log info >"$dir/b.out" 2>"$dir/b.log" &
+    local db=$!
+    ip netns exec a target/debug/rcpd --listen 192.168.77.1:7471 --health-listen none \
+      --root "$dir/a" --transport verbs --device rxea --arena-mib 32 \
+      --socket "$dir/a.sock" --log info >"$dir/a.out" 2>"$dir/a.log" &
+    local da=$!
+    for _ in $(seq 300); do [ -S "$dir/a.sock" ] && [ -S "$dir/b.sock" ] && break; sleep 0.2; done
+    # b's service exposes kv0 for writes; a's writes all of it (1 MiB ranges).
+    ip netns exec b $py examples/python/buffers.py serve --socket "$dir/b.sock" --name kv0 \
+      --size $size --access write >"$dir/serve.out" 2>"$dir/serve.err" &
+    local sv=$!
+    for _ in $(seq 300); do grep -q '^exposed kv0' "$dir/serve.out" && break; sleep 0.2; done
+    ip netns exec a $py examples/python/buffers.py send --socket "$dir/a.sock" --peer 192.168.77.2:7471 \
+      --name kv0 --size $size --seed 3 --message "layer 0" >"$dir/send.out" 2>"$dir/send.err" || rc=1
+    wait $sv || rc=1
+    # b's service exposes kv1 for reads; a's reads all of it.
+    ip netns exec b $py examples/python/buffers.py serve --socket "$dir/b.sock" --name kv1 \
+      --size $size --access read --seed 9 >"$dir/serve2.out" 2>"$dir/serve2.err" &
+    sv=$!
+    for _ in $(seq 300); do grep -q '^exposed kv1' "$dir/serve2.out" && break; sleep 0.2; done
+    ip netns exec a $py examples/python/buffers.py fetch --socket "$dir/a.sock" --peer 192.168.77.2:7471 \
+      --name kv1 --size $size >"$dir/fetch.out" 2>"$dir/fetch.err" || rc=1
+    wait $sv || rc=1
+    kill $da $db; wait $da $db 2>/dev/null
+    local sent got fetched owned
+    sent=$(awk '/^done /{print $4}' "$dir/send.out"); got=$(awk '/^sha256 /{print $2}' "$dir/serve.out")
+    fetched=$(awk '/^done /{print $4}' "$dir/fetch.out"); owned=$(awk '/^sha256 /{print $2}' "$dir/serve2.out")
+    echo "pybuf[$mw]: write sent=$sent landed=$got; read owner=$owned got=$fetched"
+    cat "$dir/send.err" "$dir/fetch.err" "$dir/serve.err" "$dir/serve2.err"
+    sed 's/\x1b\[[0-9;]*m//g' "$dir/a.log" "$dir/b.log" | grep -aE "buffer session|session opened|memory windows|no memory windows|ERROR|WARN" | tail -12
+    grep -q "^done $size sha256 " "$dir/send.out" || { echo "pybuf: the write did not end done"; rc=1; }
+    [ -n "$sent" ] && [ "$sent" = "$got" ] || { echo "pybuf: the written bytes differ"; rc=1; }
+    grep -q "^done $size sha256 " "$dir/fetch.out" || { echo "pybuf: the read did not end done"; rc=1; }
+    [ -n "$owned" ] && [ "$owned" = "$fetched" ] || { echo "pybuf: the read bytes differ"; rc=1; }
+    $py -c '
+import json, sys
+w = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")][0]
+assert w["event"] == "written" and w["message"] == "layer 0" and "error" not in w, w
+assert w["check"] == "sha256" and len(w["ranges"]) == 4 and all(len(r[2]) == 64 for r in w["ranges"]), w
+r = [json.loads(l) for l in open(sys.argv[2]) if l.startswith("{")][0]
+assert r["event"] == "read" and "error" not in r and len(r["ranges"]) == 4, r' \
+      "$dir/serve.out" "$dir/serve2.out" || { echo "pybuf: the owner's events are wrong"; rc=1; }
+    sed 's/\x1b\[[0-9;]*m//g' "$dir/a.log" | grep -aq "buffer session to a peer.*transport=verbs" ||
+      { echo "pybuf: rcpd a's buffer session was not over verbs"; rc=1; }
+    sed 's/\x1b\[[0-9;]*m//g' "$dir/b.log" | grep -aq "session opened.*provider=verbs" ||
+      { echo "pybuf: rcpd b served no verbs session"; rc=1; }
+    if [ "$mw" = off ]; then
+      grep -aq "no memory windows" "$dir/b.log" || { echo "pybuf: rcpd b did not go without windows"; rc=1; }
+    else
+      grep -aq "memory windows: the window arena is registered once" "$dir/b.log" ||
+        { echo "pybuf: rcpd b did not use memory windows"; rc=1; }
+    fi
+    unset PYTHONPATH
+    return $rc
+  }
+  step "python buffers over verbs, memory windows off (service in a -> service in b)" pybuf off
+  step "python buffers over verbs, memory windows per grant (service in a -> service in b)" pybuf on
   for nb in "$@"; do
     if [ "${nb%%=*}" = control_verbs ]; then
       # The shared end-to-end scenarios (tests/common/e2e.rs) across the
