@@ -200,3 +200,27 @@ pub trait Channel: Send + Sync {
     /// Block until an event or `timeout`; true if an event came.
     fn wait(&self, timeout: Duration) -> Result<bool, ProviderError>;
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_base_is_made_once_then_found_by_type_and_fit() {
+        let b = Bases::default();
+        let x = b.find_or(|v: &u32| *v == 7, || Ok::<_, ()>(7u32)).unwrap();
+        // Found: `make` is not called again.
+        let y = b.find_or(|v: &u32| *v == 7, || Err(())).unwrap();
+        assert!(Arc::ptr_eq(&x, &y));
+        // One that does not fit, or of another type, is made and kept.
+        assert_eq!(
+            *b.find_or(|v: &u32| *v == 8, || Ok::<_, ()>(8u32)).unwrap(),
+            8
+        );
+        assert_eq!(*b.find_or(|_: &u64| true, || Ok::<_, ()>(1u64)).unwrap(), 1);
+        assert_eq!(b.len(), 3);
+        // A failed make keeps nothing.
+        assert!(b.find_or(|_: &i8| true, || Err::<i8, _>("no")).is_err());
+        assert_eq!(b.len(), 3);
+    }
+}
