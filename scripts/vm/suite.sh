@@ -161,36 +161,39 @@ netns)
   # QP, which b's log must say). The provider must have been verbs: rcpd a's
   # buffer session and rcpd b's session both say so in their logs.
   pybuf() {
-    local mw=$1 dir py=python3 size=$((4 << 20)) rc=0
+    local mw=$1 dir run py="timeout 300 python3" size=$((4 << 20)) rc=0
     dir=$PWD/target/vm-pybuf-$mw
+    # The sockets on the guest's own /tmp, not on the host's shared tree.
+    run=$(mktemp -d /tmp/rcp-pybuf.XXXXXX 2>/dev/null || mktemp -d "$PWD/target/rcp-pybuf.XXXXXX")
     rm -rf "$dir" && mkdir -p "$dir/a" "$dir/b"
     export PYTHONPATH=$PWD/python
     ip netns exec b target/debug/rcpd --listen 192.168.77.2:7471 --health-listen none \
       --root "$dir/b" --transport verbs --device rxeb --memory-windows "$mw" --arena-mib 32 \
-      --socket "$dir/b.sock" --log info >"$dir/b.out" 2>"$dir/b.log" &
+      --socket "$run/b.sock" --log info >"$dir/b.out" 2>"$dir/b.log" &
     local db=$!
     ip netns exec a target/debug/rcpd --listen 192.168.77.1:7471 --health-listen none \
       --root "$dir/a" --transport verbs --device rxea --arena-mib 32 \
-      --socket "$dir/a.sock" --log info >"$dir/a.out" 2>"$dir/a.log" &
+      --socket "$run/a.sock" --log info >"$dir/a.out" 2>"$dir/a.log" &
     local da=$!
-    for _ in $(seq 300); do [ -S "$dir/a.sock" ] && [ -S "$dir/b.sock" ] && break; sleep 0.2; done
+    for _ in $(seq 300); do [ -S "$run/a.sock" ] && [ -S "$run/b.sock" ] && break; sleep 0.2; done
     # b's service exposes kv0 for writes; a's writes all of it (1 MiB ranges).
-    ip netns exec b $py examples/python/buffers.py serve --socket "$dir/b.sock" --name kv0 \
+    ip netns exec b $py examples/python/buffers.py serve --socket "$run/b.sock" --name kv0 \
       --size $size --access write >"$dir/serve.out" 2>"$dir/serve.err" &
     local sv=$!
     for _ in $(seq 300); do grep -q '^exposed kv0' "$dir/serve.out" && break; sleep 0.2; done
-    ip netns exec a $py examples/python/buffers.py send --socket "$dir/a.sock" --peer 192.168.77.2:7471 \
+    ip netns exec a $py examples/python/buffers.py send --socket "$run/a.sock" --peer 192.168.77.2:7471 \
       --name kv0 --size $size --seed 3 --message "layer 0" >"$dir/send.out" 2>"$dir/send.err" || rc=1
     wait $sv || rc=1
     # b's service exposes kv1 for reads; a's reads all of it.
-    ip netns exec b $py examples/python/buffers.py serve --socket "$dir/b.sock" --name kv1 \
+    ip netns exec b $py examples/python/buffers.py serve --socket "$run/b.sock" --name kv1 \
       --size $size --access read --seed 9 >"$dir/serve2.out" 2>"$dir/serve2.err" &
     sv=$!
     for _ in $(seq 300); do grep -q '^exposed kv1' "$dir/serve2.out" && break; sleep 0.2; done
-    ip netns exec a $py examples/python/buffers.py fetch --socket "$dir/a.sock" --peer 192.168.77.2:7471 \
+    ip netns exec a $py examples/python/buffers.py fetch --socket "$run/a.sock" --peer 192.168.77.2:7471 \
       --name kv1 --size $size >"$dir/fetch.out" 2>"$dir/fetch.err" || rc=1
     wait $sv || rc=1
     kill $da $db; wait $da $db 2>/dev/null
+    rm -rf "$run"
     local sent got fetched owned
     sent=$(awk '/^done /{print $4}' "$dir/send.out"); got=$(awk '/^sha256 /{print $2}' "$dir/serve.out")
     fetched=$(awk '/^done /{print $4}' "$dir/fetch.out"); owned=$(awk '/^sha256 /{print $2}' "$dir/serve2.out")
@@ -201,7 +204,7 @@ netns)
     [ -n "$sent" ] && [ "$sent" = "$got" ] || { echo "pybuf: the written bytes differ"; rc=1; }
     grep -q "^done $size sha256 " "$dir/fetch.out" || { echo "pybuf: the read did not end done"; rc=1; }
     [ -n "$owned" ] && [ "$owned" = "$fetched" ] || { echo "pybuf: the read bytes differ"; rc=1; }
-    $py -c '
+    python3 -c '
 import json, sys
 w = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")][0]
 assert w["event"] == "written" and w["message"] == "layer 0" and "error" not in w, w
