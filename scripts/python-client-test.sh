@@ -7,7 +7,8 @@
 # token) and has copy.py ask rcpd A to push a file to rcpd B and pull one back,
 # comparing each copy with `sha256sum`; then the failures: a wrong token
 # (UNAUTHENTICATED from A), a wrong token for B (UNAUTHENTICATED from B, through
-# A), a missing file (NOT_FOUND); then the same push with mutual TLS on both
+# A), a missing file (NOT_FOUND); the checks A offers B (--verify) against an
+# rcpd that allows only sha256; then the same push with mutual TLS on both
 # rcpds (certificates made with openssl).
 #
 # Uses target/debug/rcpd (RCPD_BIN overrides), building it when missing.
@@ -141,6 +142,21 @@ check "wrong token for B: non-zero exit naming UNAUTHENTICATED" status_is badrem
 check "wrong token for B: nothing written at B" [ ! -e "$work/b/incoming/bad.bin" ]
 copy missing --token tok "$a" pull data/ "$b" incoming/no-such-file
 check "missing remote file: non-zero exit naming NOT_FOUND" status_is missing NOT_FOUND
+
+# The checks A offers B (CopyRequest.checks, copy.py --verify): B allows
+# only sha256, so A's default offer (blake3, then sha256) copies with sha256
+# and an offer of blake3 alone is refused by B, naming both.
+start_rcpd c tok --verify sha256
+c=$addr
+mkdir -p "$work/c/incoming"
+copy strictdefault --token tok "$a" push data/src.bin "$c" incoming/
+check "default checks to an rcpd of sha256 only: copied" [ "$(digest "$work/c/incoming/src.bin" 2>/dev/null)" = "$want" ]
+copy strictblake3 --token tok --verify blake3 "$a" push data/src.bin "$c" incoming/b3.bin
+check "--verify blake3 to an rcpd of sha256 only: refused naming both" \
+  bash -c '[ "$0" -ne 0 ] && grep -q "accepts only the checks sha256.*offered blake3" "$1"' "$rc" "$work/strictblake3.stderr"
+check "--verify blake3 refused: nothing written" [ ! -e "$work/c/incoming/b3.bin" ]
+copy xxh3 --token tok --verify xxh3,sha256 "$a" push data/src.bin "$b" incoming/x.bin
+check "--verify xxh3,sha256 to a default rcpd: copied" [ "$(digest "$work/b/incoming/x.bin" 2>/dev/null)" = "$want" ]
 
 # Mutual TLS on both rcpds: copy.py trusts the CA and presents a client
 # certificate; A presents its own (serverAuth + clientAuth) certificate to B.

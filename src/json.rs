@@ -15,10 +15,6 @@ use crate::doctor::{Check, Level};
 /// The schema version every line carries.
 pub const VERSION: u32 = 1;
 
-/// The file digest's format (`files::digest`): SHA-256 over the tag, the
-/// length, the block size and every block digest.
-pub const DIGEST_FORMAT: &str = "rcp-file-digest-v1";
-
 #[derive(Serialize)]
 struct Tagged<'a, T: Serialize> {
     #[serde(rename = "type")]
@@ -54,9 +50,10 @@ pub struct FileLine {
     pub moved: u64,
     /// From its open to its commit.
     pub seconds: f64,
-    /// The block check (`sha256`).
+    /// The block check (`blake3`, `sha256`, `xxh3`, `none`).
     pub check: &'static str,
-    /// How `digest` is derived from the block digests.
+    /// How `digest` is derived from the block digests
+    /// ([`crate::files::Check::digest_format`]).
     pub digest_format: &'static str,
     /// The file digest, hex.
     pub digest: String,
@@ -76,7 +73,7 @@ impl FileLine {
         r: &FileResult,
         direction: &'static str,
         transport: &str,
-        check: &'static str,
+        check: crate::files::Check,
     ) -> Self {
         FileLine {
             direction,
@@ -85,8 +82,8 @@ impl FileLine {
             bytes: r.length,
             moved: r.moved,
             seconds: r.seconds,
-            check,
-            digest_format: DIGEST_FORMAT,
+            check: check.name(),
+            digest_format: check.digest_format(),
             digest: hex::encode(&r.digest),
             sha256: r.flat_sha256.as_ref().map(hex::encode),
             resumed: r.resumed,
@@ -258,12 +255,16 @@ mod tests {
             seconds: 0.5,
             ..FileResult::default()
         };
-        let l = line("file", &FileLine::new(&r, "push", "tcp", "sha256"));
+        let l = line(
+            "file",
+            &FileLine::new(&r, "push", "tcp", crate::files::Check::Blake3),
+        );
         let v: serde_json::Value = serde_json::from_str(&l).unwrap();
         assert_eq!(v["type"], "file");
         assert_eq!(v["version"], VERSION);
         assert_eq!(v["digest"], "ab01");
-        assert_eq!(v["digest_format"], DIGEST_FORMAT);
+        assert_eq!(v["check"], "blake3");
+        assert_eq!(v["digest_format"], "rcp-file-digest-blake3-v1");
         assert!(v["sha256"].is_null() && v["retries"].is_null());
         assert!(v.as_object().unwrap().contains_key("sha256"));
         assert!(!l.contains('\n'));

@@ -245,6 +245,63 @@ fn another_protocol_major_is_refused_at_the_handshake() {
     });
 }
 
+/// The check negotiation against clients old and new, with the requests
+/// they send: a client of 2.1 or older offers one check (or, before the
+/// list, none: SHA-256) and gets it; one of 2.2 offers BLAKE3 then SHA-256
+/// and gets BLAKE3; a value this rcpd does not know (a check from the
+/// future) is passed over. An rcpd that allows only BLAKE3 refuses the old
+/// client by name, as INVALID_ARGUMENT.
+#[test]
+fn check_negotiation_with_old_and_new_clients() {
+    use proto::Check as C;
+    let (_tmp, _root, d) = setup(None);
+    let tmp = tempfile::tempdir().unwrap();
+    let strict = Rcpd::start(tmp.path(), T, None, &["--verify", "blake3"]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let mut c = grpc(d.port).await;
+        for (minor, offer, want) in [
+            (1, vec![], C::Sha256),
+            (1, vec![C::Sha256 as i32], C::Sha256),
+            (1, vec![C::Xxh3 as i32], C::Xxh3),
+            (2, vec![C::Blake3 as i32, C::Sha256 as i32], C::Blake3),
+            (2, vec![C::Sha256 as i32, C::Blake3 as i32], C::Sha256),
+            (2, vec![99, C::Blake3 as i32], C::Blake3),
+        ] {
+            let hs = c
+                .handshake(proto::HandshakeRequest {
+                    version_minor: minor,
+                    checks: offer.clone(),
+                    ..raw::hello(ProviderKind::Tcp, MIB)
+                })
+                .await
+                .unwrap_or_else(|e| panic!("2.{minor} {offer:?}: {e:?}"))
+                .into_inner();
+            assert_eq!(hs.check, want as i32, "2.{minor} offering {offer:?}");
+            c.close_session(proto::CloseSessionRequest {
+                session_id: hs.session_id,
+            })
+            .await
+            .unwrap();
+        }
+        let mut c = grpc(strict.port).await;
+        let e = c
+            .handshake(proto::HandshakeRequest {
+                version_minor: 1,
+                ..raw::hello(ProviderKind::Tcp, MIB)
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+        assert_eq!(raw::reason(&e), Reason::Invalid, "{e:?}");
+        assert!(
+            e.message().contains("accepts only the checks blake3")
+                && e.message().contains("offered sha256"),
+            "names both: {e:?}"
+        );
+    });
+}
+
 #[test]
 fn garbage_and_malformed_frames_are_refused() {
     let (tmp, root, d) = setup(None);

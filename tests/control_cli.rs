@@ -95,8 +95,8 @@ fn json_lines_of_push_and_pull() {
         assert_eq!(s(l, "source"), src.join(rel).to_str().unwrap());
         assert_eq!((u(l, "bytes"), u(l, "moved")), (want, want), "{l}");
         assert!(l["seconds"].as_f64().unwrap() >= 0.0);
-        assert_eq!(s(l, "check"), "sha256");
-        assert_eq!(s(l, "digest_format"), "rcp-file-digest-v1");
+        assert_eq!(s(l, "check"), "blake3");
+        assert_eq!(s(l, "digest_format"), "rcp-file-digest-blake3-v1");
         assert_eq!(s(l, "digest").len(), 64);
         assert_eq!(s(l, "sha256"), sha256sum(&src.join(rel)), "{l}");
         assert_eq!(s(l, "transport"), "tcp");

@@ -107,12 +107,20 @@ struct Cli {
     /// copy gives up with exit code 5; --resume continues it.
     #[arg(long, env = "RCP_TIMEOUT", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..), global = true)]
     timeout: u64,
-    /// How every block is checked end to end: sha256 (the default,
-    /// cryptographic), xxh3 (xxh3-128: fast, catches damage, not an
-    /// attacker) or none (the link's CRCs only). rcpd may restrict the
-    /// choice (RCPD_VERIFY).
-    #[arg(long, env = "RCP_VERIFY", default_value = "sha256", global = true)]
-    verify: rcp::files::Check,
+    /// How every block is checked end to end, one check or several
+    /// (comma-separated, preferred first; rcpd takes the first it allows,
+    /// RCPD_VERIFY): blake3 (cryptographic, fast), sha256 (cryptographic,
+    /// SHA-2), xxh3 (xxh3-128: fast, catches damage, not an attacker), none
+    /// (the link's CRCs only). The default gets BLAKE3, or SHA-256 from an
+    /// rcpd older than protocol 2.2 or one that does not allow BLAKE3.
+    #[arg(
+        long,
+        env = "RCP_VERIFY",
+        value_delimiter = ',',
+        default_values_t = rcp::files::DEFAULT_CHECKS,
+        global = true
+    )]
+    verify: Vec<rcp::files::Check>,
     /// Also compute each file's flat SHA-256 (the sha256sum value) on the
     /// receiving side and print it in the summary.
     #[arg(long, env = "RCP_SHA256", global = true)]
@@ -299,7 +307,7 @@ impl Bars {
 struct Watch {
     bars: Option<Bars>,
     /// `--json`: the file lines' direction, transport and check.
-    json: Option<(&'static str, String, &'static str)>,
+    json: Option<(&'static str, String, rcp::files::Check)>,
     bytes: AtomicU64,
     files_done: AtomicU64,
 }
@@ -326,7 +334,7 @@ impl Observer for Watch {
         if let Some((dir, transport, check)) = &self.json {
             println!(
                 "{}",
-                line("file", &json::FileLine::new(r, dir, transport, check))
+                line("file", &json::FileLine::new(r, dir, transport, *check))
             );
         }
     }
@@ -445,7 +453,7 @@ async fn run(c: Cli) -> Result<(), ControlError> {
             retry_cnt: c.qp_retry_cnt,
         },
         transfers: c.transfers,
-        verify: c.verify,
+        verify: c.verify.clone(),
         timeout: Duration::from_secs(c.timeout),
         tls: c.tls_ca.clone().map(|ca| ClientTls {
             ca,
@@ -619,8 +627,8 @@ async fn run(c: Cli) -> Result<(), ControlError> {
             seconds: totals.seconds,
             gbps: totals.gbps(),
             transport: Some(transport),
-            check: Some(check),
-            digest_format: Some(json::DIGEST_FORMAT),
+            check: Some(check.name()),
+            digest_format: Some(check.digest_format()),
             digest: totals.digest.as_deref().filter(|_| one).map(hex),
             sha256: totals.sha256.as_deref().filter(|_| one).map(hex),
             reconnects: stats.map(|s| s.report.reconnects),
@@ -632,7 +640,7 @@ async fn run(c: Cli) -> Result<(), ControlError> {
             Some(_) => format!("{transport} (FELL BACK from verbs: every RDMA rail was down)"),
             None => transport,
         };
-        println!("{}", totals.summary_checked(&over, c.verify));
+        println!("{}", totals.summary_checked(&over, check));
         if c.verbose > 0 {
             for l in stats
                 .iter()

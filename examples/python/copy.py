@@ -71,6 +71,9 @@ def parse_args(argv):
     ap.add_argument("--transport", choices=["auto", "verbs", "tcp"],
                     help="data path between the two rcpds (default: LOCAL_RCPD's choice)")
     ap.add_argument("--block-size", type=int, default=0, help="bytes (power of two, 4096..4 MiB)")
+    ap.add_argument("--verify", default="",
+                    help="block checks LOCAL_RCPD offers REMOTE_RCPD, comma-separated, preferred first: "
+                         "%s (default: LOCAL_RCPD's, blake3 then sha256)" % ", ".join(_copy.CHECKS))
     ap.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
     a = ap.parse_args(argv)
     if bool(a.tls_cert) != bool(a.tls_key):
@@ -79,6 +82,10 @@ def parse_args(argv):
         ap.error("--tls-cert/--tls-server-name need --tls-ca")
     if a.token and a.token_file:
         ap.error("give --token or --token-file, not both")
+    a.checks = [c.strip().lower() for c in a.verify.split(",") if c.strip()]
+    for c in a.checks:
+        if c not in _copy.CHECKS:
+            ap.error("--verify: unknown check %r (%s)" % (c, ", ".join(_copy.CHECKS)))
     return a
 
 
@@ -105,7 +112,7 @@ def main(argv=None):
                                        remote_path=a.remote_path, recursive=a.recursive,
                                        preserve=a.preserve, resume=a.resume,
                                        remote_token=a.remote_token, transport=a.transport or "",
-                                       block_size=a.block_size):
+                                       block_size=a.block_size, checks=a.checks):
                 print("progress: %d/%d bytes%s, %d/%d files" % (
                     p["bytes_done"], p["bytes_total"], percent(p["bytes_done"], p["bytes_total"]),
                     p["files_done"], p["files_total"]), file=sys.stderr, flush=True)

@@ -309,14 +309,16 @@ class Client:
 
     def copy(self, direction, local_path, remote, remote_path, recursive=False,
              preserve=False, resume=False, remote_token="", transport="", block_size=0,
-             token=None):
+             token=None, checks=()):
         """Ask rcpd to copy one of its paths to ('push') or from ('pull')
-        another rcpd. Yields progress dicts; the last has done=True. Needs
-        grpcio."""
+        another rcpd. Yields progress dicts; the last has done=True.
+        `checks`: the block checks rcpd offers the other one, preferred
+        first ('blake3', 'sha256', 'xxh3', 'none'; empty: rcpd's default,
+        blake3 then sha256). Needs grpcio."""
         from . import _copy
         return _copy.copy(self.path, token if token is not None else os.environ.get("RCP_TOKEN"),
                           direction, local_path, remote, remote_path, recursive, preserve,
-                          resume, remote_token, transport, block_size)
+                          resume, remote_token, transport, block_size, checks)
 
 
 def connect(path=None, token=None, name=None):

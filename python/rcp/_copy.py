@@ -3,6 +3,8 @@ CopyProgress (proto/rcp/v1/rcp.proto) are small enough to encode here, and
 grpcio's generic calls take any serializer. Needs grpcio."""
 
 DIRECTIONS = {"push": 1, "pull": 2}
+# rcp --verify's names and their Check values in the proto.
+CHECKS = {"blake3": 4, "sha256": 1, "xxh3": 2, "none": 3}
 METHOD = "/rcp.v1.Rcp/Copy"
 
 
@@ -28,13 +30,16 @@ def _field(num, value):
 
 
 def encode_request(direction, local_path, remote, remote_path, recursive=False, preserve=False,
-                   resume=False, remote_token="", transport="", block_size=0):
-    """A CopyRequest's bytes."""
+                   resume=False, remote_token="", transport="", block_size=0, checks=()):
+    """A CopyRequest's bytes. `checks`: names of CHECKS, preferred first
+    (empty: the copying rcpd's default, blake3 then sha256)."""
     return b"".join([
         _field(1, DIRECTIONS[direction]), _field(2, local_path), _field(3, remote),
         _field(4, remote_path), _field(5, bool(recursive)), _field(6, bool(preserve)),
         _field(7, bool(resume)), _field(8, remote_token or ""), _field(9, transport or ""),
         _field(10, int(block_size or 0)),
+        # repeated Check checks = 11, packed.
+        _field(11, b"".join(_varint(CHECKS[c]) for c in checks)),
     ])
 
 
@@ -115,11 +120,11 @@ def copy_stream(ch, token, timeout=None, **req):
 
 
 def copy(path, token, direction, local_path, remote, remote_path, recursive, preserve, resume,
-         remote_token, transport, block_size):
+         remote_token, transport, block_size, checks=()):
     ch = channel(path)
     for p in copy_stream(ch, token, direction=direction, local_path=local_path, remote=remote,
                          remote_path=remote_path, recursive=recursive, preserve=preserve,
                          resume=resume, remote_token=remote_token, transport=transport,
-                         block_size=block_size):
+                         block_size=block_size, checks=checks):
         yield p
     ch.close()

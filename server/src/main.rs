@@ -68,13 +68,14 @@ struct Args {
     #[arg(long, env = "RCPD_TIMEOUT", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
     timeout: u64,
     /// The block checks clients may ask for (rcp --verify), comma-separated:
-    /// sha256, xxh3, none. Restrict it to sha256 to have every copy checked
-    /// cryptographically.
+    /// blake3, sha256, xxh3, none (the default: all four). Restrict it to
+    /// blake3,sha256 to have every copy checked cryptographically; a client
+    /// older than protocol 2.2 offers only sha256.
     #[arg(
         long,
         env = "RCPD_VERIFY",
         value_delimiter = ',',
-        default_value = "sha256,xxh3,none"
+        default_values_t = rcp::files::Check::ALL
     )]
     verify: Vec<rcp::files::Check>,
     /// Bearer token clients must send (prefer --token-file).

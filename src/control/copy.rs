@@ -116,6 +116,16 @@ fn start(
     if req.block_size != 0 {
         opts.block_size = req.block_size;
     }
+    if !req.checks.is_empty() {
+        opts.verify = req
+            .checks
+            .iter()
+            .map(|&c| {
+                crate::control::protocol::check_from_wire(c)
+                    .ok_or_else(|| Status::invalid_argument(format!("unknown check {c}")))
+            })
+            .collect::<Result<_, _>>()?;
+    }
     let (tx, rx) = mpsc::channel(16);
     tokio::spawn(async move {
         let counts = Arc::new(Counts::default());

@@ -29,7 +29,7 @@
 //!   aligned, buffered otherwise ([`IoMode`]).
 //! - [`digest`]: [`block_digest`], [`digest_blocks_parallel`] (on a process-wide pool,
 //!   [`set_pool_threads`]), the derived file digest [`file_digest`] / [`FileDigest`]
-//!   (`rcp-file-digest-v1`, encoding in [`digest`]'s doc), and
+//!   (`rcp-file-digest-v1`, `rcp-file-digest-blake3-v1`: encodings in [`digest`]'s doc), and
 //!   [`StreamingFileDigest`], the flat `sha256sum` of a file fed from out-of-order
 //!   blocks.
 //! - [`WriteBehind`]: a [`Destination`] handed to a writer thread, so the
@@ -87,7 +87,7 @@ pub use commit::{
 };
 pub use digest::{
     block_digest, digest_blocks_parallel, digests_alongside, file_digest, file_digest_with,
-    set_pool_threads, Check, FileDigest, Sha256Digest, StreamingFileDigest,
+    set_pool_threads, Check, FileDigest, Sha256Digest, StreamingFileDigest, DEFAULT_CHECKS,
 };
 pub use direct::WriteStats;
 pub use error::{DigestError, FileError, ManifestError, PathError, Result};

@@ -518,9 +518,12 @@ pub fn stopped_server_makes_the_client_give_up(t: &str, s: &Scale) {
     assert_eq!(sha256sum(&root.join("big")), want);
 }
 
-/// Every check (`--verify sha256|xxh3|none`) round-trips a file both ways
-/// with the right bytes; the summary names the check (`none` loudly); an
-/// rcpd that accepts only sha256 refuses the others by name.
+/// Every check (`--verify blake3|sha256|xxh3|none`, and the default)
+/// round-trips a file both ways with the right bytes; the summary names the
+/// check when it is not the default, blake3 (`none` loudly); `--json` names
+/// the check and the digest's format. An rcpd that accepts only sha256
+/// refuses the others by name, and the default offer (blake3, then sha256)
+/// gets sha256 from it.
 pub fn every_check_round_trips(t: &str) {
     let (tmp, root) = tmp_with_root();
     let d = Rcpd::start(&root, t, None, &[]);
@@ -530,9 +533,11 @@ pub fn every_check_round_trips(t: &str) {
     let back = tmp.path().join("back");
     std::fs::create_dir(&back).unwrap();
     for (check, says) in [
-        ("sha256", "digest "),
+        ("blake3", "digest "),
+        ("sha256", "checked with sha256"),
         ("xxh3", "checked with xxh3"),
         ("none", "NOT VERIFIED"),
+        ("sha256,blake3", "checked with sha256"),
     ] {
         let name = format!("f-{check}");
         let r = rcp(
@@ -581,10 +586,32 @@ pub fn every_check_round_trips(t: &str) {
         );
         assert_eq!(sha256sum(&back.join(&name)), want, "pulled with {check}");
     }
+    // No --verify: blake3, as --json says with its digest's format.
+    let r = rcp(
+        d.port,
+        t,
+        None,
+        &[
+            "push",
+            "--json",
+            src.to_str().unwrap(),
+            &remote("f-default"),
+        ],
+    );
+    assert_eq!(r.code, 0, "push: {}{}", r.stdout, r.stderr);
+    for l in r.stdout.lines().filter(|l| l.contains("\"type\":\"file\"")) {
+        assert!(l.contains("\"check\":\"blake3\""), "{l}");
+        assert!(
+            l.contains("\"digest_format\":\"rcp-file-digest-blake3-v1\""),
+            "{l}"
+        );
+    }
+    assert!(r.stdout.contains("\"type\":\"summary\""), "{}", r.stdout);
+    assert_eq!(sha256sum(&root.join("f-default")), want);
     let strict_root = tmp.path().join("strict");
     std::fs::create_dir(&strict_root).unwrap();
     let strict = Rcpd::start(&strict_root, t, None, &["--verify", "sha256"]);
-    for check in ["xxh3", "none"] {
+    for check in ["blake3", "xxh3", "none"] {
         let r = rcp(
             strict.port,
             t,
@@ -609,6 +636,20 @@ pub fn every_check_round_trips(t: &str) {
         );
     }
     assert!(names(&strict_root).is_empty());
+    // The default offer falls back to sha256, and says so.
+    let r = rcp(
+        strict.port,
+        t,
+        None,
+        &["push", src.to_str().unwrap(), &remote("f")],
+    );
+    assert_eq!(
+        r.code, 0,
+        "default against RCPD_VERIFY=sha256: {}",
+        r.stderr
+    );
+    assert!(r.stdout.contains("checked with sha256"), "{}", r.stdout);
+    assert_eq!(sha256sum(&strict_root.join("f")), want);
 }
 
 /// A push interrupted under one check and resumed under another starts

@@ -135,7 +135,7 @@ async fn link(bufs: &Arc<Buffers>, peer: &str, check: Check) -> Result<Arc<PeerL
         }
     }
     let mut o = bufs.client_options();
-    o.verify = check;
+    o.verify = vec![check];
     o.qps_per_rail = 1;
     // One rail: a window's lkey is one rail's registration.
     let (kind, _) = crate::control::link::resolve_transport(o.transport, &o.rails);
@@ -161,7 +161,7 @@ async fn link(bufs: &Arc<Buffers>, peer: &str, check: Check) -> Result<Arc<PeerL
         key: key.clone(),
         session_id: session.id(),
         block_size: session.block_size(),
-        check: session.check_kind(),
+        check: session.check(),
         domain: session.local_domain(),
         client,
         path: Arc::new(path),

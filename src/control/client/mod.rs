@@ -82,8 +82,10 @@ pub struct ClientOptions {
     pub windows: u32,
     /// Files open at once on a session's stream.
     pub transfers: u32,
-    /// How blocks are checked end to end (`--verify`).
-    pub verify: crate::files::Check,
+    /// The checks offered for blocks end to end (`--verify`), preferred
+    /// first; rcpd picks the first it allows (`RCPD_VERIFY`). Default
+    /// [`crate::files::DEFAULT_CHECKS`].
+    pub verify: Vec<crate::files::Check>,
     /// Completion thread: poll, event or hybrid (default: hybrid on verbs,
     /// event on tcp).
     pub poll_mode: Option<crate::datapath::PollMode>,
@@ -120,7 +122,7 @@ impl Default for ClientOptions {
             inline: None,
             windows: DEFAULT_WINDOWS,
             transfers: DEFAULT_TRANSFERS,
-            verify: crate::files::Check::Sha256,
+            verify: crate::files::DEFAULT_CHECKS.to_vec(),
             poll_mode: None,
             cq_cpu: None,
             qp_retry: crate::datapath::QpRetry::default(),

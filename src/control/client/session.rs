@@ -13,7 +13,7 @@ use crate::control::error::{ControlError, Result};
 use crate::control::link::{
     connect_params, ep_from_proto, ep_to_proto, rails_or_default, resolve_transport, ClientLink,
 };
-use crate::control::protocol::{check_from_wire, check_to_wire, Params};
+use crate::control::protocol::{check_to_wire, Params};
 use crate::control::rails::MAX_QPS_PER_RAIL;
 use crate::control::{VERSION_MAJOR, VERSION_MINOR, WINDOW_SIZE};
 use crate::datapath::{DataPath, DataPathConfig, DpEvent, PollMode, RailSpec, Report};
@@ -169,7 +169,7 @@ impl Client {
             client_name: std::fs::read_to_string("/proc/sys/kernel/hostname")
                 .map(|h| h.trim().to_string())
                 .unwrap_or_default(),
-            checks: vec![check_to_wire(o.verify) as i32],
+            checks: o.verify.iter().map(|&c| check_to_wire(c) as i32).collect(),
             window_count: windows,
             timeout_ms: o.timeout.as_millis().min(u128::from(u32::MAX)) as u32,
         };
@@ -185,15 +185,8 @@ impl Client {
                 ),
             ));
         }
-        let check = match check_from_wire(resp.check) {
-            Some(c) if c == o.verify => c,
-            _ => {
-                return Err(ControlError::Invalid(format!(
-                    "rcpd chose check {} where this rcp asked for {}",
-                    resp.check, o.verify
-                )))
-            }
-        };
+        let check = crate::control::protocol::accept_check(&o.verify, resp.check)
+            .map_err(ControlError::Failed)?;
         if check.is_none() {
             tracing::warn!(
                 "--verify none: blocks are not checked end to end, only by the link's CRCs"
@@ -448,9 +441,9 @@ impl Session {
     }
 
     /// The block check the handshake agreed on; file digests are derived
-    /// from its block digests (`rcp-file-digest-v1`).
-    pub fn check(&self) -> &'static str {
-        self.params.check.name()
+    /// from its block digests ([`crate::files::Check::digest_format`]).
+    pub fn check(&self) -> crate::files::Check {
+        self.params.check
     }
 
     /// The data path and its events, for a driver of their own (buffers,
@@ -471,11 +464,6 @@ impl Session {
             }),
             (None, None) => unreachable!("a session has a tcp domain or a rail"),
         }
-    }
-
-    /// The check the handshake agreed on.
-    pub(crate) fn check_kind(&self) -> crate::files::Check {
-        self.params.check
     }
 
     /// Move `files` over one Move stream, up to the session's files in

@@ -101,13 +101,12 @@ impl Totals {
         }
     }
 
-    /// The final summary line.
     /// The final summary line, for blocks checked with `check` (named when
-    /// it is not SHA-256; `none` loudly).
+    /// it is not the default, BLAKE3; `none` loudly).
     pub fn summary_checked(&self, transport: &str, check: crate::files::Check) -> String {
         let mut s = self.summary(transport);
         match check {
-            crate::files::Check::Sha256 => {}
+            crate::files::Check::Blake3 => {}
             crate::files::Check::None => {
                 s.push_str(", NOT VERIFIED end to end (--verify none: only the link's CRCs)")
             }

@@ -127,6 +127,7 @@ impl Params {
 /// A check on the wire.
 pub fn check_to_wire(c: crate::files::Check) -> crate::proto::Check {
     match c {
+        crate::files::Check::Blake3 => crate::proto::Check::Blake3,
         crate::files::Check::Sha256 => crate::proto::Check::Sha256,
         crate::files::Check::Xxh3 => crate::proto::Check::Xxh3,
         crate::files::Check::None => crate::proto::Check::None,
@@ -136,10 +137,66 @@ pub fn check_to_wire(c: crate::files::Check) -> crate::proto::Check {
 /// A check from the wire (`None` for one this build does not know).
 pub fn check_from_wire(c: i32) -> Option<crate::files::Check> {
     match crate::proto::Check::try_from(c).ok()? {
+        crate::proto::Check::Blake3 => Some(crate::files::Check::Blake3),
         crate::proto::Check::Sha256 => Some(crate::files::Check::Sha256),
         crate::proto::Check::Xxh3 => Some(crate::files::Check::Xxh3),
         crate::proto::Check::None => Some(crate::files::Check::None),
         crate::proto::Check::Unspecified => None,
+    }
+}
+
+/// rcpd's half of the check negotiation: the first of the client's
+/// `offered` checks (wire values, preferred first) that rcpd `allows`
+/// (`RCPD_VERIFY`). A value this build does not know is passed over, which
+/// is how an rcpd of protocol 2.1 answers a client that offers
+/// `[BLAKE3, SHA-256]`: with SHA-256. An empty offer (a client older than
+/// the list) means SHA-256. None allowed: a usage failure naming both
+/// lists.
+pub fn choose_check(
+    offered: &[i32],
+    allows: &[crate::files::Check],
+) -> Result<crate::files::Check, Failure> {
+    use crate::files::Check;
+    let offered: Vec<Check> = if offered.is_empty() {
+        vec![Check::Sha256]
+    } else {
+        offered.iter().filter_map(|&c| check_from_wire(c)).collect()
+    };
+    if let Some(&c) = offered.iter().find(|c| allows.contains(c)) {
+        return Ok(c);
+    }
+    let names = |v: &[Check]| v.iter().map(|c| c.name()).collect::<Vec<_>>().join(", ");
+    Err(Failure::invalid(if offered.is_empty() {
+        format!(
+            "the client offered no check this rcpd knows (it accepts {}: RCPD_VERIFY)",
+            names(allows)
+        )
+    } else {
+        format!(
+                "this rcpd accepts only the checks {} (RCPD_VERIFY); the client offered {} (rcp --verify)",
+                names(allows),
+                names(&offered)
+            )
+    }))
+}
+
+/// The client's half: the check rcpd `chose` (a wire value), which must be
+/// one the client `offered`. An rcpd of 2.1 or older answers with one of
+/// its own checks, never BLAKE3.
+pub fn accept_check(
+    offered: &[crate::files::Check],
+    chose: i32,
+) -> Result<crate::files::Check, Failure> {
+    match check_from_wire(chose) {
+        Some(c) if offered.contains(&c) => Ok(c),
+        _ => Err(Failure::invalid(format!(
+            "rcpd chose check {chose} where this rcp offered {}",
+            offered
+                .iter()
+                .map(|c| c.name())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ))),
     }
 }
 

@@ -40,8 +40,9 @@ impl Rng {
     }
 }
 
-fn sha(b: &[u8]) -> Vec<u8> {
-    Sha256::digest(b).to_vec()
+/// A block's digest under `check`, as on the wire.
+fn digest(check: crate::files::Check, b: &[u8]) -> Vec<u8> {
+    check.wire(&check.block(b))
 }
 
 fn content(len: usize, seed: u64) -> Vec<u8> {
@@ -486,7 +487,7 @@ impl Sim {
     }
 
     fn server_answer(&mut self, a: ServerAction) {
-        let now = self.now;
+        let (now, check) = (self.now, self.p.check);
         match a {
             ServerAction::Open { file, open } => {
                 self.server_paths.insert(file, open.path.clone());
@@ -537,7 +538,7 @@ impl Sim {
                         let b = &src[s..s + e.len as usize];
                         mem[e.offset as usize..e.offset as usize + e.len as usize]
                             .copy_from_slice(b);
-                        digests.push(sha(b));
+                        digests.push(digest(check, b));
                     }
                 }
                 let rkey = self.next_rkey;
@@ -566,7 +567,7 @@ impl Sim {
                 for (i, (e, want)) in extents.iter().zip(&expected).enumerate() {
                     let mem = &self.windows[&window];
                     let got = &mem[e.offset as usize..e.offset as usize + e.len as usize];
-                    if sha(got) != *want {
+                    if digest(check, got) != *want {
                         bad.push(i as u32);
                         continue;
                     }
@@ -574,7 +575,7 @@ impl Sim {
                     let d = self.dests.get_mut(&e.file).expect("opened");
                     let s = (e.block * self.p.block_size) as usize;
                     d.data[s..s + got.len()].copy_from_slice(&got);
-                    d.digests.insert(e.block, sha(&got));
+                    d.digests.insert(e.block, digest(check, &got));
                     self.seen.verified.insert((e.file, e.block));
                 }
                 self.server.verified(now, window, epoch, Ok(bad));
@@ -584,7 +585,12 @@ impl Sim {
                 let len = src.len() as u64;
                 let ds = blocks
                     .iter()
-                    .map(|&b| (b, sha(self.block(src, b, self.p.block_len(len, b)))))
+                    .map(|&b| {
+                        (
+                            b,
+                            digest(check, self.block(src, b, self.p.block_len(len, b))),
+                        )
+                    })
                     .collect();
                 self.server.hashed(now, file, Ok(ds));
             }
@@ -616,11 +622,11 @@ impl Sim {
             n,
             "file {file} committed with blocks missing"
         );
-        let got = file_digest(
-            d.len,
-            self.p.block_size,
-            d.digests.values().map(Vec::as_slice),
-        );
+        let mut chain = DigestChain::new(self.p.check, d.len, self.p.block_size);
+        for (&b, dg) in &d.digests {
+            chain.add(b, dg.clone());
+        }
+        let got = chain.finish().unwrap_or_default();
         if got != want {
             return Err(Failure::new(Reason::Integrity, "file digest differs"));
         }
@@ -629,7 +635,7 @@ impl Sim {
     }
 
     fn client_answer(&mut self, a: ClientAction) {
-        let now = self.now;
+        let (now, check) = (self.now, self.p.check);
         match a {
             ClientAction::OpenSource { file } => {
                 let len = self.sources[&self.paths[&file]].len() as u64;
@@ -668,7 +674,7 @@ impl Sim {
                     }
                     let src = &self.sources[&self.paths[&e.file]];
                     let mut b = self.block(src, e.block, e.len).to_vec();
-                    digests.push(sha(&b));
+                    digests.push(digest(check, &b));
                     if self.rng.chance(self.faults.damage) && !b.is_empty() {
                         b[0] ^= 0x5a;
                         self.seen.damaged += 1;
@@ -697,14 +703,14 @@ impl Sim {
                         b[0] ^= 0x5a;
                         self.seen.damaged += 1;
                     }
-                    if sha(&b) != *want {
+                    if digest(check, &b) != *want {
                         bad.push(i as u32);
                         continue;
                     }
                     let d = self.dests.get_mut(&e.file).expect("created");
                     let s = (e.block * self.p.block_size) as usize;
                     d.data[s..s + b.len()].copy_from_slice(&b);
-                    d.digests.insert(e.block, sha(&b));
+                    d.digests.insert(e.block, digest(check, &b));
                     self.seen.verified.insert((e.file, e.block));
                 }
                 self.client.fetched(now, grant.window, grant.epoch, Ok(bad));
@@ -714,7 +720,12 @@ impl Sim {
                 let len = src.len() as u64;
                 let ds = blocks
                     .iter()
-                    .map(|&b| (b, sha(self.block(src, b, self.p.block_len(len, b)))))
+                    .map(|&b| {
+                        (
+                            b,
+                            digest(check, self.block(src, b, self.p.block_len(len, b))),
+                        )
+                    })
                     .collect();
                 self.client.hashed(now, file, Ok(ds));
             }
@@ -1302,12 +1313,16 @@ fn messages_outside_the_protocol_end_the_stream_naming_them() {
     let good = |w: WindowId| ClientFrame {
         done: vec![proto::WindowDone {
             window: w,
-            digests: vec![sha(&data)],
+            digests: vec![digest(crate::files::Check::Sha256, &data)],
             ..Default::default()
         }],
         end: vec![proto::FileEnd {
             file: 1,
-            digest: file_digest(4096, 4096, [sha(&data).as_slice()]),
+            digest: file_digest(
+                4096,
+                4096,
+                [digest(crate::files::Check::Sha256, &data).as_slice()],
+            ),
         }],
         ..Default::default()
     };
@@ -1698,5 +1713,98 @@ fn frame_numbers_take_the_next_ignore_the_seen_and_end_at_a_gap() {
             assert!(f.message.contains("frames lost"), "{}", f.message);
         }
         other => panic!("{other:?}"),
+    }
+}
+
+/// rcpd's choice: the client's first offer that rcpd allows, whatever it
+/// does not know passed over; an older peer on either side ends at SHA-256
+/// or with an error naming both lists.
+#[test]
+fn check_negotiation_takes_the_clients_first_allowed() {
+    use crate::files::Check::{self, *};
+    let w = |cs: &[Check]| {
+        cs.iter()
+            .map(|&c| check_to_wire(c) as i32)
+            .collect::<Vec<_>>()
+    };
+    let default_offer = w(&crate::files::DEFAULT_CHECKS);
+    // Each check alone, against the default RCPD_VERIFY (all of them).
+    for c in Check::ALL {
+        assert_eq!(choose_check(&w(&[c]), &Check::ALL), Ok(c));
+        assert_eq!(accept_check(&[c], check_to_wire(c) as i32), Ok(c));
+    }
+    // The default offer: blake3 from a new rcpd; sha256 from one that does
+    // not allow blake3, or from an rcpd of 2.1, which does not know it (its
+    // allowed list has no blake3: the same answer).
+    assert_eq!(choose_check(&default_offer, &Check::ALL), Ok(Blake3));
+    assert_eq!(
+        choose_check(&default_offer, &[Sha256, Xxh3, None]),
+        Ok(Sha256)
+    );
+    assert_eq!(
+        accept_check(&crate::files::DEFAULT_CHECKS, check_to_wire(Sha256) as i32),
+        Ok(Sha256)
+    );
+    // The client's order wins over rcpd's.
+    assert_eq!(choose_check(&w(&[Xxh3, Blake3]), &Check::ALL), Ok(Xxh3));
+    // A client of 2.1: one check, or none at all (SHA-256).
+    assert_eq!(choose_check(&w(&[Sha256]), &Check::ALL), Ok(Sha256));
+    assert_eq!(choose_check(&[], &Check::ALL), Ok(Sha256));
+    // A value from a newer peer is passed over.
+    assert_eq!(
+        choose_check(&[99, check_to_wire(Blake3) as i32], &Check::ALL),
+        Ok(Blake3)
+    );
+    // Nothing allowed: refused, naming both.
+    let e = choose_check(&w(&[Sha256]), &[Blake3]).unwrap_err();
+    assert_eq!(e.reason, Reason::Invalid);
+    assert!(
+        e.message.contains("accepts only the checks blake3")
+            && e.message.contains("offered sha256"),
+        "{}",
+        e.message
+    );
+    let e = choose_check(&[99], &Check::ALL).unwrap_err();
+    assert!(
+        e.message.contains("no check this rcpd knows"),
+        "{}",
+        e.message
+    );
+    // rcpd answering what was not offered (or nothing) is refused.
+    for bad in [check_to_wire(Blake3) as i32, 0, 99] {
+        let e = accept_check(&[Sha256, Xxh3], bad).unwrap_err();
+        assert_eq!(e.reason, Reason::Invalid, "{bad}");
+        assert!(e.message.contains("offered sha256, xxh3"), "{}", e.message);
+    }
+}
+
+/// Each check, as negotiated, moves files both ways through the cores; with
+/// every check but none, damaged blocks are caught and move again.
+#[test]
+fn every_negotiated_check_moves_files_both_ways() {
+    use crate::files::Check;
+    let files = [0, 1, 4095, 4096, 4097, 20000, 100, 65536];
+    for (i, c) in Check::ALL.into_iter().enumerate() {
+        let mut p = params();
+        p.check = choose_check(&[check_to_wire(c) as i32], &Check::ALL).unwrap();
+        assert_eq!(p.check, c);
+        for dir in [Direction::Push, Direction::Pull] {
+            let faults = Faults {
+                damage: if c.is_none() { 0.0 } else { 0.3 },
+                ..Faults::default()
+            };
+            let mut s = Sim::new(p, dir, &files, faults, 40 + i as u64);
+            s.run(STEPS);
+            s.check();
+            if !c.is_none() {
+                assert!(s.seen.damaged > 0, "{c} {dir:?}: nothing damaged");
+            }
+            if s.ok() {
+                s.check_complete();
+            } else {
+                let e = s.seen.server_end.clone().unwrap().unwrap_err();
+                assert_eq!(e.reason, Reason::Integrity, "{c} {dir:?}: {e:?}");
+            }
+        }
     }
 }

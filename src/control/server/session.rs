@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use super::Service;
 use crate::control::error::{status, ControlError, Reason, Result};
 use crate::control::link::{connect_params, ep_from_proto, ep_to_proto, SessionDomain};
-use crate::control::protocol::{check_from_wire, check_to_wire};
+use crate::control::protocol::check_to_wire;
 use crate::control::rails::{pair, RailAddr, MAX_QPS_PER_RAIL};
 use crate::control::{DEFAULT_BLOCK_SIZE, VERSION_MAJOR, VERSION_MINOR};
 use crate::files::Check;
@@ -184,30 +184,9 @@ impl Service {
             ProviderKind::Verbs => proto::Provider::Verbs,
             ProviderKind::Tcp => proto::Provider::Tcp,
         };
-        // The client's preference, first one this rcpd accepts; an older
-        // client that offers none means SHA-256.
-        let offered: Vec<Option<Check>> = if req.checks.is_empty() {
-            vec![Some(Check::Sha256)]
-        } else {
-            req.checks.iter().map(|&c| check_from_wire(c)).collect()
-        };
-        let check = offered
-            .iter()
-            .flatten()
-            .find(|c| self.cfg.checks.contains(c))
-            .copied()
-            .ok_or_else(|| {
-                let names = |v: &mut dyn Iterator<Item = Check>| {
-                    v.map(Check::name).collect::<Vec<_>>().join(", ")
-                };
-                let accepted = names(&mut self.cfg.checks.iter().copied());
-                let asked = names(&mut offered.iter().flatten().copied());
-                ControlError::Invalid(if asked.is_empty() {
-                    format!("the client offered no check this rcpd knows (it accepts {accepted}: RCPD_VERIFY)")
-                } else {
-                    format!("this rcpd accepts only the checks {accepted} (RCPD_VERIFY); the client asked for {asked}")
-                })
-            })?;
+        // The client's preference, first one this rcpd accepts.
+        let check = crate::control::protocol::choose_check(&req.checks, &self.cfg.checks)
+            .map_err(ControlError::Failed)?;
         let block_size = check_block_size(req.block_size, self.link.window_size as u64)?;
         self.sessions.lock().unwrap().retain(|id, s| {
             let keep =
