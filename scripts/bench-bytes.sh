@@ -2,8 +2,9 @@
 # Big-file figures for docs/benchmarks.md, natively on loopback (tcp
 # provider), both roots on tmpfs (/dev/shm), all in one run:
 #  - a RCP_BENCH_MIB (1024) MiB file pushed and pulled by rcp with each check
-#    (--verify sha256, xxh3, none), by rsync to and from an rsync daemon
-#    (--whole-file), and the same bytes through iperf3 (one stream);
+#    of RCP_BENCH_CHECKS ("blake3 sha256 xxh3 none"), by rsync to and from an
+#    rsync daemon (--whole-file), and the same bytes through iperf3 (one
+#    stream);
 #  - MB/s of each, and CPU seconds per GiB of both ends (user + system of
 #    rcp and rcpd, of iperf3's client and server);
 #  - RCP_BENCH_PASSES (5) interleaved passes, medians and the spread; ratios
@@ -11,11 +12,21 @@
 #  - with RCP_OLD_BIN=DIR (a release build of an older rcp/rcpd), its push
 #    and pull interleaved too ("no slower than before").
 # Installs what it needs (iperf3, rsync).
+#
+# `bench-bytes.sh one push|pull|idle|iperf3 [CHECK]`: one copy as one whole
+# process tree, for an outside timer (`/usr/bin/time -f "%U %S %e"`, or any
+# harness that runs it several times, interleaved with another): starts an
+# rcpd (or an iperf3 server), moves the file once, stops the server and
+# waits for it, so the process's CPU accounting holds both ends (`idle`:
+# rcpd up and down, moving nothing: that fixed part). Works in
+# RCP_BENCH_DIR (/dev/shm/rcp-bytes-one), whose file the first call makes
+# (a warm-up); uses the release binaries as they are (build them first).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MIB=${RCP_BENCH_MIB:-1024}
 PASSES=${RCP_BENCH_PASSES:-5}
 OLD=${RCP_OLD_BIN:-}
+CHECKS=${RCP_BENCH_CHECKS:-blake3 sha256 xxh3 none}
 need=()
 for p in iperf3 rsync; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || need+=("$p")
@@ -23,6 +34,48 @@ done
 if ((${#need[@]})); then
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+fi
+if [ "${1:-}" = one ]; then
+  op=${2:?one push|pull|idle|iperf3 [CHECK]} check=${3:-blake3}
+  R=$PWD/target/release
+  w=${RCP_BENCH_DIR:-/dev/shm/rcp-bytes-one}
+  mkdir -p "$w/src" "$w/root" "$w/back"
+  if [ ! -s "$w/src/file" ] || [ "$(stat -c %s "$w/src/file")" -ne $((MIB << 20)) ]; then
+    head -c $((MIB << 20)) /dev/urandom >"$w/src/file"
+    cp "$w/src/file" "$w/root/pull-src"
+  fi
+  rm -f "$w/root/file" "$w/back/file"
+  if [ "$op" = iperf3 ]; then
+    iperf3 -s -1 -p 17203 -B 127.0.0.1 >/dev/null 2>&1 &
+    s=$!
+    for _ in $(seq 100); do iperf3 -c 127.0.0.1 -p 17203 -n 1 >/dev/null 2>&1 && break; sleep 0.05; done
+    wait "$s" || true
+    iperf3 -s -1 -p 17203 -B 127.0.0.1 >/dev/null 2>&1 &
+    s=$!
+    sleep 0.2
+    iperf3 -c 127.0.0.1 -p 17203 -n $((MIB << 20)) >/dev/null
+    wait "$s"
+    exit 0
+  fi
+  "$R/rcpd" --listen 127.0.0.1:0 --health-listen none --root "$w/root" --transport tcp --log warn \
+    >"$w/rcpd.out" 2>"$w/rcpd.log" &
+  s=$!
+  port=
+  for _ in $(seq 200); do
+    port=$(awk '/^rcpd listening on /{split($4, a, ":"); print a[2]; exit}' "$w/rcpd.out")
+    [ -n "$port" ] && break
+    sleep 0.05
+  done
+  [ -n "$port" ] || { cat "$w/rcpd.log"; exit 1; }
+  case $op in
+    push) "$R/rcp" -q --transport tcp -P "$port" --verify "$check" push "$w/src/file" 127.0.0.1:file ;;
+    pull) "$R/rcp" -q --transport tcp -P "$port" --verify "$check" pull 127.0.0.1:pull-src "$w/back/file" ;;
+    idle) ;; # rcpd up and down: the fixed cost in the figures of the others
+    *) echo "one: push, pull, idle or iperf3" >&2; exit 2 ;;
+  esac
+  kill -TERM "$s"
+  wait "$s" || true
+  exit 0
 fi
 cargo build --release --workspace --bins
 R=$PWD/target/release
@@ -95,7 +148,7 @@ iperf_once() {
 }
 
 for p in $(seq "$PASSES"); do
-  for c in sha256 xxh3 none; do
+  for c in $CHECKS; do
     run "rcp push $c" "$NEW_RCPD" "$w/root/file" \
       "$R/rcp" -q --transport tcp -P 17481 --verify "$c" push "$w/src/file" 127.0.0.1:file
     cmp "$w/src/file" "$w/root/file"
@@ -128,7 +181,8 @@ PY
 }
 echo "native loopback, tmpfs roots, $(nproc) cores, ${MIB} MiB, $PASSES interleaved passes, $(date -u +%FT%TZ)"
 printf '%-20s %-26s %s\n' "" "MB/s median (spread)" "CPU s/GiB both ends, median (spread)"
-names=("rcp push sha256" "rcp pull sha256" "rcp push xxh3" "rcp pull xxh3" "rcp push none" "rcp pull none")
+names=()
+for c in $CHECKS; do names+=("rcp push $c" "rcp pull $c"); done
 [ -n "$OLD" ] && names+=("old rcp push" "old rcp pull")
 names+=("rsync push" "rsync pull" "iperf3")
 for k in "${names[@]}"; do
@@ -139,13 +193,14 @@ for k in "${names[@]}"; do
   fi
 done
 echo "ratios, pass by pass (median (spread)):"
-for c in sha256 xxh3 none; do
+for c in $CHECKS; do
   echo "  --verify $c: push/iperf3 $(ratio "${MBS[rcp push $c]}" "${MBS[iperf3]}")  pull/iperf3 $(ratio "${MBS[rcp pull $c]}" "${MBS[iperf3]}")" \
     " push/rsync $(ratio "${MBS[rcp push $c]}" "${MBS[rsync push]}")  pull/rsync $(ratio "${MBS[rcp pull $c]}" "${MBS[rsync pull]}")" \
     " CPU push/iperf3 $(ratio "${CPU[rcp push $c]}" "${CPU[iperf3]}")  CPU pull/iperf3 $(ratio "${CPU[rcp pull $c]}" "${CPU[iperf3]}")"
 done
 if [ -n "$OLD" ]; then
-  echo "  new/old (sha256): push $(ratio "${MBS[rcp push sha256]}" "${MBS[old rcp push]}")  pull $(ratio "${MBS[rcp pull sha256]}" "${MBS[old rcp pull]}")"
+  c=${CHECKS%% *}
+  echo "  new ($c) / old (its default): push $(ratio "${MBS[rcp push $c]}" "${MBS[old rcp push]}")  pull $(ratio "${MBS[rcp pull $c]}" "${MBS[old rcp pull]}")"
 fi
 
 # Peak RSS of both ends while copying a RCP_BENCH_RSS_MIB (2048) MiB file
@@ -163,6 +218,6 @@ if [ "$RSS_MIB" -gt 0 ]; then
   /usr/bin/time -f "%M" -o "$w/rss-pull" "$R/rcp" -q --transport tcp -P 17483 pull 127.0.0.1:big "$w/back/big"
   cmp "$w/root/big" "$w/back/big"
   hwm=$(awk '/VmHWM/{print $2}' "/proc/$RSS_RCPD/status")
-  echo "peak RSS copying a ${RSS_MIB} MiB file (sha256): rcp push $(( $(tail -1 "$w/rss-push") / 1024 )) MiB," \
+  echo "peak RSS copying a ${RSS_MIB} MiB file (default check): rcp push $(( $(tail -1 "$w/rss-push") / 1024 )) MiB," \
     "rcp pull $(( $(tail -1 "$w/rss-pull") / 1024 )) MiB, rcpd (both) $((hwm / 1024)) MiB"
 fi

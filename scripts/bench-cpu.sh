@@ -9,5 +9,5 @@ cd "$(dirname "$0")/.."
 bash scripts/testbed.sh install
 cargo build --release --workspace --bins --examples
 bash scripts/testbed.sh run lo -- env RCP_BENCH_MIB="${RCP_BENCH_MIB:-64}" RCP_BENCH_PASSES="${RCP_BENCH_PASSES:-5}" \
-  RCP_BENCH_CHECKS="${RCP_BENCH_CHECKS:-xxh3 sha256 none}" RCP_BENCH_MSG_ITERS="${RCP_BENCH_MSG_ITERS:-102400}" RCP_BENCH_COPY="${RCP_BENCH_COPY:-1}" \
+  RCP_BENCH_CHECKS="${RCP_BENCH_CHECKS:-blake3 xxh3 sha256 none}" RCP_BENCH_MSG_ITERS="${RCP_BENCH_MSG_ITERS:-102400}" RCP_BENCH_COPY="${RCP_BENCH_COPY:-1}" \
   bash scripts/vm/bench-cpu.sh

@@ -2,7 +2,7 @@
 # Runs inside the soft-RoCE VM (scripts/bench-cpu.sh): the verbs figures of
 # docs/benchmarks.md "CPU per byte", all in one boot, release build:
 #  1. `rcp push` / `rcp pull` of a RCP_BENCH_MIB (64) MiB file in 1 MiB
-#     blocks with each check of RCP_BENCH_CHECKS ("xxh3 sha256 none")
+#     blocks with each check of RCP_BENCH_CHECKS ("blake3 xxh3 sha256 none")
 #     against ib_write_bw / ib_read_bw moving the same bytes, interleaved
 #     (push per check, ib_write_bw, pull per check, ib_read_bw), for
 #     RCP_BENCH_PASSES (5) passes; ratios pass by pass, medians and spread;
@@ -15,7 +15,7 @@
 set -euo pipefail
 MIB=${RCP_BENCH_MIB:-64}
 PASSES=${RCP_BENCH_PASSES:-5}
-CHECKS=${RCP_BENCH_CHECKS:-xxh3 sha256 none}
+CHECKS=${RCP_BENCH_CHECKS:-blake3 xxh3 sha256 none}
 MSGS=${RCP_BENCH_MSG_ITERS:-102400}
 BS=1048576
 bin=$PWD/target/release
