@@ -8,8 +8,15 @@
 #    rcp makes every file durable before it is renamed into place);
 #    RCP_BENCH_PASSES (5) interleaved passes (rcp, rsync, rsync --fsync,
 #    scp, rcp, ...), medians and the spread, files per second;
+#  - CPU per file of each end of every rcp run (rcp: /usr/bin/time user +
+#    system; rcpd: its /proc/PID/stat utime + stime before and after),
+#    medians in microseconds per file;
+#  - with RCP_BENCH_STRACE=1, one more push and pull on tmpfs under
+#    `strace -c -f` (both ends): system calls per file by name;
 #  - a tree of RCP_BENCH_TINY (100000) files of 100 bytes pushed and pulled
-#    once, with the peak RSS of rcp and rcpd.
+#    once, with the peak RSS of rcp and rcpd (RCP_BENCH_TINY=0: skipped).
+# RCP_BENCH_WHERE ("shm disk") picks the file systems, RCP_BENCH_SCP=0 skips
+# scp; RCP_BENCH_BIN=DIR runs the rcp and rcpd in DIR instead of building.
 # Installs what it needs (rsync, openssh-server/client, time).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,6 +24,8 @@ N=${RCP_BENCH_FILES:-2000}
 KIB=${RCP_BENCH_FILE_KIB:-16}
 PASSES=${RCP_BENCH_PASSES:-5}
 TINY=${RCP_BENCH_TINY:-100000}
+WHERE=${RCP_BENCH_WHERE:-shm disk}
+WITH_SCP=${RCP_BENCH_SCP:-1}
 need=()
 for p in rsync openssh-server openssh-client time; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || need+=("$p")
@@ -25,8 +34,13 @@ if ((${#need[@]})); then
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi
-cargo build --release --workspace --bins
-R=$PWD/target/release
+# RCP_BENCH_BIN=DIR: the rcp and rcpd there (another build, for an A/B).
+if [ -n "${RCP_BENCH_BIN:-}" ]; then
+  R=$RCP_BENCH_BIN
+else
+  cargo build --release --workspace --bins
+  R=$PWD/target/release
+fi
 shm=$(mktemp -d /dev/shm/rcp-bench.XXXXXX)
 disk=$(mktemp -d /var/tmp/rcp-bench.XXXXXX)
 pids=()
@@ -105,6 +119,34 @@ timed() { # WHERE(shm|disk) CLEAN-DIR CMD...
 
 declare -A T
 add() { T[$1]+="$2 "; }
+# rcpd's CPU so far, in clock ticks (user + system, every thread).
+rcpd_ticks() { awk '{print $14 + $15}' "/proc/$(pgrep -P "$RCPD" -x rcpd)/stat"; }
+TCK=$(getconf CLK_TCK)
+# timed, for an rcp run: also adds the CPU per file of each end to
+# "NAME cpu rcp" and "NAME cpu rcpd" (microseconds).
+timed_rcp() { # NAME WHERE CLEAN-DIR CMD...
+  local name=$1 where=$2 clean=$3; shift 3
+  rm -rf "$clean" && mkdir -p "$clean"
+  [ "$where" = disk ] && sync
+  local t0 t1 a b u s
+  a=$(rcpd_ticks); t0=$(now)
+  /usr/bin/time -f "%U %S" -o "$disk/cpu.t" "$@" >/dev/null
+  t1=$(now); b=$(rcpd_ticks)
+  read -r u s <"$disk/cpu.t"
+  add "$name" "$(calc "round($t1 - $t0, 4)")"
+  add "$name cpu rcp" "$(calc "round(($u + $s) * 1e6 / $N, 1)")"
+  add "$name cpu rcpd" "$(calc "round(($b - $a) * 1e6 / $TCK / $N, 1)")"
+}
+cpu_report() { # NAME
+  python3 - "$1" ${T["$1 cpu rcp"]} -- ${T["$1 cpu rcpd"]} <<'PY'
+import statistics, sys
+name, rest = sys.argv[1], sys.argv[2:]
+i = rest.index("--")
+a, b = [float(x) for x in rest[:i]], [float(x) for x in rest[i + 1:]]
+both = sorted(x + y for x, y in zip(a, b))
+print(f"{name:34s} CPU us/file: rcp {statistics.median(a):6.1f}  rcpd {statistics.median(b):6.1f}  both {statistics.median(both):6.1f} (spread {both[0]:.1f}..{both[-1]:.1f})")
+PY
+}
 report() { # NAME
   python3 - "$1" "$N" ${T[$1]} <<'PY'
 import statistics, sys
@@ -124,7 +166,7 @@ print(f"  {sys.argv[4]} / {sys.argv[5]}: median {statistics.median(r):.2f}  spre
 PY
 }
 
-for where in shm disk; do
+for where in $WHERE; do
   base=$([ "$where" = shm ] && echo "$shm" || echo "$disk")
   make_tree "$base/src/tree" "$N" $((KIB * 1024))
   mkdir -p "$base/root" "$base/back"
@@ -134,19 +176,45 @@ for where in shm disk; do
   rm -rf "$base/dst/srv" && cp -r "$base/src/tree" "$base/dst/srv"
   rcpd_start "$base/root"
   for p in $(seq "$PASSES"); do
-    add "$where rcp push" "$(timed "$where" "$base/root/tree" "${RCP[@]}" push -r "$base/src/tree" 127.0.0.1:/)"
+    timed_rcp "$where rcp push" "$where" "$base/root/tree" "${RCP[@]}" push -r "$base/src/tree" 127.0.0.1:/
     add "$where rsync -a push" "$(timed "$where" "$base/dst/tree" rsync -a "$base/src/tree" "rsync://127.0.0.1:17873/$where/")"
     if [ "$where" = disk ]; then
       add "$where rsync -a --fsync push" "$(timed "$where" "$base/dst/tree" rsync -a --fsync "$base/src/tree" "rsync://127.0.0.1:17873/$where/")"
     fi
-    add "$where scp -r push" "$(timed "$where" "$base/dst/tree" "${SCP[@]}" "$base/src/tree" root@127.0.0.1:"$base/dst/")"
-    add "$where rcp pull" "$(timed "$where" "$base/back/srv" "${RCP[@]}" pull -r 127.0.0.1:srv "$base/back/")"
+    if [ "$WITH_SCP" = 1 ]; then
+      add "$where scp -r push" "$(timed "$where" "$base/dst/tree" "${SCP[@]}" "$base/src/tree" root@127.0.0.1:"$base/dst/")"
+    fi
+    timed_rcp "$where rcp pull" "$where" "$base/back/srv" "${RCP[@]}" pull -r 127.0.0.1:srv "$base/back/"
     add "$where rsync -a pull" "$(timed "$where" "$base/back/srv" rsync -a "rsync://127.0.0.1:17873/$where/srv" "$base/back/")"
     if [ "$where" = disk ]; then
       add "$where rsync -a --fsync pull" "$(timed "$where" "$base/back/srv" rsync -a --fsync "rsync://127.0.0.1:17873/$where/srv" "$base/back/")"
     fi
-    add "$where scp -r pull" "$(timed "$where" "$base/back/srv" "${SCP[@]}" root@127.0.0.1:"$base/dst/srv" "$base/back/")"
+    if [ "$WITH_SCP" = 1 ]; then
+      add "$where scp -r pull" "$(timed "$where" "$base/back/srv" "${SCP[@]}" root@127.0.0.1:"$base/dst/srv" "$base/back/")"
+    fi
   done
+  if [ "$where" = shm ] && [ "${RCP_BENCH_STRACE:-0}" = 1 ]; then
+    # System calls per file, both ends, one push and one pull.
+    for op in push pull; do
+      if [ $op = push ]; then
+        rm -rf "$base/root/tree"; cmd=("${RCP[@]}" push -r "$base/src/tree" 127.0.0.1:/)
+      else
+        rm -rf "$base/back/srv"; cmd=("${RCP[@]}" pull -r 127.0.0.1:srv "$base/back/")
+      fi
+      strace -c -f -o "$disk/rcpd.$op.strace" -p "$(pgrep -P "$RCPD" -x rcpd)" 2>/dev/null &
+      spid=$!
+      sleep 0.5
+      strace -c -f -o "$disk/rcp.$op.strace" "${cmd[@]}" >/dev/null
+      sleep 0.2
+      kill -INT "$spid"; wait "$spid" || true
+      for end in rcp rcpd; do
+        awk -v n="$N" -v what="$end $op" '
+          $NF == "total" { printf "  %s: %.1f system calls per file in all\n", what, $3 / n; next }
+          NR > 2 && $4 ~ /^[0-9]+$/ && k < 12 { line = line sprintf(" %s %.1f", $NF, $4 / n); k++ }
+          END { printf "syscalls per file, %s (top 12):%s\n", what, line }' "$disk/$end.$op.strace" >>"$disk/strace.txt"
+      done
+    done
+  fi
   diff -r "$base/src/tree" "$base/root/tree"
   diff -r "$base/src/tree" "$base/back/srv"
   rcpd_stop
@@ -156,15 +224,21 @@ echo "native loopback, $(nproc) cores, $N files x $KIB KiB, $PASSES interleaved 
 for k in "shm rcp push" "shm rsync -a push" "shm scp -r push" "shm rcp pull" "shm rsync -a pull" "shm scp -r pull" \
   "disk rcp push" "disk rsync -a push" "disk rsync -a --fsync push" "disk scp -r push" \
   "disk rcp pull" "disk rsync -a pull" "disk rsync -a --fsync pull" "disk scp -r pull"; do
-  report "$k"
+  if [ -n "${T[$k]:-}" ]; then report "$k"; fi
 done
+for k in "shm rcp push" "shm rcp pull" "disk rcp push" "disk rcp pull"; do
+  if [ -n "${T[$k]:-}" ]; then cpu_report "$k"; fi
+done
+if [ -f "$disk/strace.txt" ]; then cat "$disk/strace.txt"; fi
 echo "ratios (pass by pass):"
-ratio "shm rcp push" "shm rsync -a push"
-ratio "shm rcp pull" "shm rsync -a pull"
-ratio "shm rcp push" "shm scp -r push"
-ratio "disk rcp push" "disk rsync -a --fsync push"
-ratio "disk rcp pull" "disk rsync -a --fsync pull"
-ratio "disk rcp push" "disk rsync -a push"
+have() { [ -n "${T[$1]:-}" ] && [ -n "${T[$2]:-}" ]; }
+if have "shm rcp push" "shm rsync -a push"; then ratio "shm rcp push" "shm rsync -a push"; fi
+if have "shm rcp pull" "shm rsync -a pull"; then ratio "shm rcp pull" "shm rsync -a pull"; fi
+if have "shm rcp push" "shm scp -r push"; then ratio "shm rcp push" "shm scp -r push"; fi
+if have "disk rcp push" "disk rsync -a --fsync push"; then ratio "disk rcp push" "disk rsync -a --fsync push"; fi
+if have "disk rcp pull" "disk rsync -a --fsync pull"; then ratio "disk rcp pull" "disk rsync -a --fsync pull"; fi
+if have "disk rcp push" "disk rsync -a push"; then ratio "disk rcp push" "disk rsync -a push"; fi
+[ "$TINY" -gt 0 ] || exit 0
 
 # A tree of tiny files, once each way, with the peak RSS of both ends.
 rm -rf "$shm/src" "$shm/root" "$shm/back" "$shm/dst"
