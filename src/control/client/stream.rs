@@ -53,11 +53,18 @@ enum Done {
     Hashed(FileId, Result<Vec<(u64, Digest)>, Failure>),
     SourceChecked(FileId, Result<(), Failure>),
     Committed(Vec<(FileId, Result<LocalCommit, Failure>)>),
+    /// The answers of a batch of small jobs ([`Driver::spawn_batch`]), sent
+    /// at once: one wake-up of the driver, one frame for all of them.
+    Many(Vec<Done>),
 }
 
 /// Blocking work of one file, batched by [`Driver::spawn_batch`]; an
 /// answer for the driver, if it wants one.
 type Job = Box<dyn FnOnce() -> Option<Done> + Send>;
+
+/// Answers of one [`Driver::spawn_batch`] sent together, at most: the first
+/// files' opens reach the server while the rest of a large batch is opened.
+const BATCH_ANSWERS: usize = 16;
 
 /// A window lent to the data path.
 struct Lent {
@@ -291,21 +298,30 @@ impl Driver<'_> {
         });
     }
 
-    /// Run `jobs` one after another on one blocking thread, each answer
-    /// sent as soon as it is ready: many small files' opens (or checks, or
-    /// closes) cost one hand-off to the blocking pool, not one each.
+    /// Run `jobs` one after another on one blocking thread and send their
+    /// answers together, at most [`BATCH_ANSWERS`] at a time: many small
+    /// files' opens (or checks, or closes) cost one hand-off to the blocking
+    /// pool and one wake-up of the driver (so one frame to the server), not
+    /// one each.
     fn spawn_batch(&self, jobs: Vec<Job>) {
         if jobs.is_empty() {
             return;
         }
         let tx = self.done_tx.clone();
         tokio::task::spawn_blocking(move || {
+            let mut out = Vec::new();
             for j in jobs {
                 if let Some(d) = j() {
-                    if tx.send(d).is_err() {
-                        return;
-                    }
+                    out.push(d);
                 }
+                if out.len() >= BATCH_ANSWERS
+                    && tx.send(Done::Many(std::mem::take(&mut out))).is_err()
+                {
+                    return;
+                }
+            }
+            if !out.is_empty() {
+                let _ = tx.send(Done::Many(out));
             }
         });
     }
@@ -381,7 +397,7 @@ impl Driver<'_> {
                         }) => Some((dir, name, resumed)),
                         _ => None,
                     };
-                    self.spawn(move || {
+                    batch.push(Box::new(move || {
                         let r = (|| {
                             let (dir, name, resumed) = match prior {
                                 Some(p) => p,
@@ -394,8 +410,8 @@ impl Driver<'_> {
                                 io::create_dest(check, &dir, &name, resumed, &opened, bs, &spec)?;
                             Ok((dir, name, d))
                         })();
-                        Done::Dest(file, r)
-                    });
+                        Some(Done::Dest(file, r))
+                    }));
                 }
                 ClientAction::Send { grant } => self.send(grant),
                 ClientAction::Fetch { grant } => self.fetch(grant),
@@ -650,6 +666,11 @@ impl Driver<'_> {
     fn apply(&mut self, d: Done, obs: &dyn Observer) {
         let now = self.now();
         match d {
+            Done::Many(all) => {
+                for d in all {
+                    self.apply(d, obs);
+                }
+            }
             Done::Source(file, r) => {
                 let r = r.map(|(src, meta)| {
                     self.locals.insert(file, Local::Push { src });

@@ -45,6 +45,8 @@ enum Done {
     Hashed(FileId, Result<Vec<(u64, Digest)>, Failure>),
     Checked(FileId, Result<(), Failure>),
     Committed(Vec<(FileId, Result<CommittedFile, Failure>)>),
+    /// Answers of a batch of small jobs, sent at once.
+    Many(Vec<Done>),
 }
 
 /// What the driver knows of an open file.
@@ -264,6 +266,10 @@ impl Driver {
     /// Start every action the core has; the outcome when it ended.
     fn act(&mut self) -> Option<Result<(), Failure>> {
         let mut opens = Vec::new();
+        // Source checks and closes of this round, on one blocking thread:
+        // a window of small files ends many files at once.
+        let mut checks: Vec<(FileId, Held)> = Vec::new();
+        let mut closes: Vec<FileInfo> = Vec::new();
         while let Some(a) = self.core.poll_action() {
             match a {
                 ServerAction::Open { file, open } => opens.push((file, open)),
@@ -305,10 +311,7 @@ impl Driver {
                     let Some(fi) = self.files.get(&file) else {
                         continue;
                     };
-                    let (io, held, tx) = (self.io.clone(), fi.held.clone(), self.done_tx.clone());
-                    tokio::task::spawn_blocking(move || {
-                        let _ = tx.send(Done::Checked(file, io.check_source(&held)));
-                    });
+                    checks.push((file, fi.held.clone()));
                 }
                 ServerAction::Commit { files } => {
                     let batch: Vec<(FileId, Held, Digest)> = files
@@ -332,12 +335,16 @@ impl Driver {
                             );
                         }
                         // A destination dropped uncommitted syncs its manifest.
-                        tokio::task::spawn_blocking(move || drop(fi));
+                        closes.push(fi);
                     }
                 }
-                ServerAction::End(r) => return Some(r),
+                ServerAction::End(r) => {
+                    self.spawn_checks_and_closes(checks, closes);
+                    return Some(r);
+                }
             }
         }
+        self.spawn_checks_and_closes(checks, closes);
         if !opens.is_empty() {
             let (io, tx) = (self.io.clone(), self.done_tx.clone());
             tokio::task::spawn_blocking(move || {
@@ -349,6 +356,26 @@ impl Driver {
             });
         }
         None
+    }
+
+    /// Check `checks`' sources and drop `closes` on one blocking thread.
+    fn spawn_checks_and_closes(&self, checks: Vec<(FileId, Held)>, closes: Vec<FileInfo>) {
+        if checks.is_empty() && closes.is_empty() {
+            return;
+        }
+        let (io, tx) = (self.io.clone(), self.done_tx.clone());
+        tokio::task::spawn_blocking(move || {
+            // The checks first: a close may be slow (a destination dropped
+            // uncommitted syncs its manifest), a check's answer is awaited.
+            if !checks.is_empty() {
+                let r = checks
+                    .into_iter()
+                    .map(|(file, held)| Done::Checked(file, io.check_source(&held)))
+                    .collect();
+                let _ = tx.send(Done::Many(r));
+            }
+            drop(closes);
+        });
     }
 
     fn grant(&mut self, window: WindowId, epoch: u32, extents: Vec<proto::Extent>, fill: bool) {
@@ -446,6 +473,11 @@ impl Driver {
     fn apply(&mut self, d: Done) {
         let now = self.now();
         match d {
+            Done::Many(all) => {
+                for d in all {
+                    self.apply(d);
+                }
+            }
             Done::Opened(rs) => {
                 for (file, r) in rs {
                     let r = r.map(|(held, opened)| {
