@@ -1012,12 +1012,34 @@ mod source {
         ));
     }
 
+    /// A file of at most DIRECT_READ_FROM bytes is read through one
+    /// buffered fd: the opener is never asked for an O_DIRECT one.
+    #[test]
+    fn small_files_open_no_direct_fd() {
+        let t = tempfile::tempdir().unwrap();
+        let data = pattern(DIRECT_READ_FROM as usize - 1234, 33);
+        let p = t.path().join("small.bin");
+        fs::write(&p, &data).unwrap();
+        let mut asked = Vec::new();
+        let f = SourceFile::from_opener(&p, |direct| -> std::io::Result<OwnedFd> {
+            asked.push(direct);
+            Ok(fs::File::open(&p)?.into())
+        })
+        .unwrap();
+        assert_eq!(asked, [false]);
+        assert_eq!(f.io_mode(), IoMode::Buffered);
+        assert!(f.direct_unavailable().unwrap().contains("64 KiB"));
+        check_reads(&f, &data, false);
+        assert_eq!(f.stats().direct_reads, 0);
+    }
+
     #[test]
     fn o_direct_refused_falls_back_to_buffered() {
         // File systems that refuse O_DIRECT fail the open with EINVAL; this kernel's
         // tmpfs and ext4 both accept it, so the refusal is injected at the open.
         let t = tempfile::tempdir().unwrap();
-        let data = pattern(3 * 16 * 1024 + 99, 32);
+        // Longer than DIRECT_READ_FROM: a smaller file never opens O_DIRECT.
+        let data = pattern(5 * 16 * 1024 + 99, 32);
         let p = t.path().join("src.bin");
         fs::write(&p, &data).unwrap();
         let f = SourceFile::from_opener(&p, |direct| -> std::io::Result<OwnedFd> {

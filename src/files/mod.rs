@@ -93,7 +93,7 @@ pub use direct::WriteStats;
 pub use error::{DigestError, FileError, ManifestError, PathError, Result};
 pub use manifest::{Manifest, SourceId};
 pub use path::{normalize, RelPath};
-pub use reader::{IoMode, ReadStats, SourceFile, DIRECT_ALIGN};
+pub use reader::{IoMode, ReadStats, SourceFile, DIRECT_ALIGN, DIRECT_READ_FROM};
 pub use root::{DirHandle, FileKind, FileMeta, ListEntry, Resolver, Root, Timestamp};
 pub use tree::{resolve_destination, walk, Entry, EntryKind, Skipped, Tree};
 pub use write_behind::WriteBehind;

@@ -1,7 +1,9 @@
 //! Source side: reading a file straight into a caller's (registered) buffer.
 //!
 //! [`SourceFile`] opens the file twice: once buffered, once with `O_DIRECT` when the
-//! file system accepts it (an `O_DIRECT` open that fails, typically with EINVAL, just
+//! file system accepts it and the file is longer than [`DIRECT_READ_FROM`] (a
+//! smaller one is read buffered through one fd: the second open and its checks
+//! would cost more than bypassing the page cache saves) (an `O_DIRECT` open that fails, typically with EINVAL, just
 //! leaves the direct fd out and says why in [`SourceFile::direct_unavailable`]). Both
 //! fds are checked to be the same inode. [`read_at`](SourceFile::read_at) uses the
 //! direct fd when offset, buffer address and buffer length are all multiples of
@@ -34,6 +36,9 @@ use super::root::{FileKind, FileMeta, Root};
 pub const DIRECT_ALIGN: usize = 4096;
 /// How much of the start of the file goes into the [`SourceId`] fingerprint.
 pub const FINGERPRINT_BYTES: usize = 64 << 10;
+/// Files of at most this many bytes are read buffered, with no `O_DIRECT` fd.
+pub const DIRECT_READ_FROM: u64 = 64 << 10;
+const SMALL_READ_BUFFERED: &str = "a file of at most 64 KiB is read buffered";
 
 /// Which path served a read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -117,10 +122,15 @@ impl SourceFile {
             .into());
         }
         let fl = rfs::fcntl_getfl(&fd).map_err(|e| io_err("fcntl", display, e))?;
-        rfs::fcntl_setfl(&fd, fl - OFlags::NONBLOCK).map_err(|e| io_err("fcntl", display, e))?;
+        if fl.contains(OFlags::NONBLOCK) {
+            rfs::fcntl_setfl(&fd, fl - OFlags::NONBLOCK)
+                .map_err(|e| io_err("fcntl", display, e))?;
+        }
         let buffered = File::from(fd);
-        let (direct, why_not) = match open(true) {
-            Ok(dfd) => {
+        let small = meta.len <= DIRECT_READ_FROM;
+        let (direct, why_not) = match (!small).then(|| open(true)) {
+            None => (None, None),
+            Some(Ok(dfd)) => {
                 let dst = rfs::fstat(&dfd).map_err(|e| io_err("stat", display, e))?;
                 let dmeta = FileMeta::from_stat(&dst);
                 if (dmeta.dev, dmeta.ino) != (meta.dev, meta.ino) {
@@ -131,7 +141,7 @@ impl SourceFile {
                 }
                 (Some(File::from(dfd)), None)
             }
-            Err(e) => {
+            Some(Err(e)) => {
                 let p = display.display().to_string();
                 tracing::debug!(path = %p, error = %e,
                     "O_DIRECT not available; buffered reads");
@@ -201,7 +211,10 @@ impl SourceFile {
     }
     /// Why there is no `O_DIRECT` fd, if there isn't.
     pub fn direct_unavailable(&self) -> Option<&str> {
-        self.direct_why_not.as_deref()
+        match (&self.direct, &self.direct_why_not) {
+            (None, None) => Some(SMALL_READ_BUFFERED),
+            (_, why) => why.as_deref(),
+        }
     }
     pub fn stats(&self) -> ReadStats {
         ReadStats {

@@ -30,6 +30,13 @@ impl FileJob {
     /// Push `local` to `remote` (an existing remote directory means "inside
     /// it").
     pub fn push(local: PathBuf, remote: &str) -> FileJob {
+        let len = std::fs::metadata(&local).map_or(0, |m| m.len());
+        Self::push_len(local, remote, len)
+    }
+
+    /// [`push`](Self::push) of a file whose length the caller knows (a
+    /// tree walk's): no stat.
+    pub fn push_len(local: PathBuf, remote: &str, len_hint: u64) -> FileJob {
         let name = local
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
@@ -41,7 +48,7 @@ impl FileJob {
                 name,
                 ..FileSpec::default()
             },
-            len_hint: std::fs::metadata(&local).map_or(0, |m| m.len()),
+            len_hint,
             local,
         }
     }
@@ -82,18 +89,20 @@ pub(super) enum Local {
     },
 }
 
-/// Push: open the local source.
 /// Push: open the local source. Its fingerprint (for a resume manifest) is
 /// read only for a file of more than one `bs` block: a smaller copy keeps no
 /// manifest, and the fingerprint would hash its bytes a second time.
 pub(super) fn open_source(path: &Path, bs: u64) -> Result<(Arc<SourceFile>, SourceMeta), Failure> {
-    if std::fs::metadata(path).is_ok_and(|m| m.is_dir()) {
-        return Err(Failure::new(
-            Reason::Usage,
-            format!("{} is a directory (use -r)", path.display()),
-        ));
-    }
-    let src = SourceFile::open(path).map_err(fail)?;
+    let src = SourceFile::open(path).map_err(|e| {
+        // Only when it failed: a stat per file costs on trees of small files.
+        if std::fs::metadata(path).is_ok_and(|m| m.is_dir()) {
+            return Failure::new(
+                Reason::Usage,
+                format!("{} is a directory (use -r)", path.display()),
+            );
+        }
+        fail(e)
+    })?;
     let meta = SourceMeta {
         length: src.len(),
         mode: src.mode(),

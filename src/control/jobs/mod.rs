@@ -315,8 +315,7 @@ pub async fn plan_push(
             } else {
                 remote.to_string()
             };
-            let mut f = FileJob::push(local.clone(), remote);
-            f.len_hint = meta.len();
+            let f = FileJob::push_len(local.clone(), remote, meta.len());
             plan.files.push(Planned {
                 job: with_job(f, job, false),
                 source: local.display().to_string(),
@@ -357,8 +356,7 @@ pub async fn plan_push(
         {
             let src = local.join(&e.rel_path);
             let dest = join_remote(&base, &e.rel_path);
-            let mut f = FileJob::push(src.clone(), &dest);
-            f.len_hint = e.len;
+            let f = FileJob::push_len(src.clone(), &dest, e.len);
             plan.files.push(Planned {
                 job: with_job(f, job, true),
                 source: src.display().to_string(),
