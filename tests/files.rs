@@ -1471,6 +1471,100 @@ mod batch {
         assert_eq!(names(t.path()), ["a", "b", "c", "d"]);
     }
 
+    /// Runs in a child process (see `killed_between_write_and_rename`): a
+    /// batch of small files written and sealed (every block verified, the
+    /// file digests matched), then killed by SIGKILL before `publish`, as a
+    /// receiver that batches its syncs and renames is between the two.
+    #[test]
+    fn child_batch_writer() {
+        let Ok(dir) = std::env::var("RCP_FILES_BATCH_CHILD_DIR") else {
+            return;
+        };
+        let dir = DirHandle::open(dir).unwrap();
+        let mut sealed = Vec::new();
+        for i in 0..BATCH_KILLED {
+            let data = pattern(16 << 10, 80 + i as u64);
+            let o = DestinationOptions {
+                block_size: 4096,
+                ..Default::default()
+            };
+            let name = format!("f{i:02}");
+            sealed.push(
+                filled(&dir, &name, &data, o)
+                    .seal(derived(&data, 4096))
+                    .unwrap(),
+            );
+        }
+        let _ = std::process::Command::new("kill")
+            .args(["-9", &std::process::id().to_string()])
+            .status();
+        std::thread::sleep(std::time::Duration::from_secs(60));
+        drop(sealed);
+        unreachable!("not killed");
+    }
+
+    const BATCH_KILLED: usize = 24;
+
+    /// The durability rule for a batch: files whose bytes are written and
+    /// verified but not yet published (synced, then renamed) are not under
+    /// their final names when the process dies, and an older file under one
+    /// of those names is untouched.
+    #[test]
+    fn killed_between_write_and_rename() {
+        let t = tempfile::tempdir().unwrap();
+        fs::write(t.path().join("f03"), "old").unwrap();
+        let st = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "batch::child_batch_writer",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("RCP_FILES_BATCH_CHILD_DIR", t.path())
+            .status()
+            .unwrap();
+        assert!(!st.success(), "the child should have been killed");
+        let n = names(t.path());
+        // The old file, and a temp file for each of the batch (one block
+        // of 16 KiB at 4 KiB blocks keeps a manifest only when resumable:
+        // these are not).
+        assert_eq!(fs::read(t.path().join("f03")).unwrap(), b"old");
+        let temps: Vec<_> = n.iter().filter(|n| n.ends_with(".part")).collect();
+        assert_eq!(temps.len(), BATCH_KILLED, "{n:?}");
+        for i in 0..BATCH_KILLED {
+            let name = format!("f{i:02}");
+            if i != 3 {
+                assert!(!t.path().join(&name).exists(), "{name} published: {n:?}");
+            }
+        }
+        assert_eq!(n.len(), BATCH_KILLED + 1, "{n:?}");
+    }
+
+    /// Sealed files dropped before `publish` (a batch abandoned between
+    /// write and rename) leave nothing behind, under any name.
+    #[test]
+    fn dropped_batch_leaves_nothing_under_the_final_names() {
+        let t = tempfile::tempdir().unwrap();
+        let dir = DirHandle::open(t.path()).unwrap();
+        fs::write(t.path().join("g1"), "old").unwrap();
+        let sealed: Vec<_> = (0..8)
+            .map(|i| {
+                let data = pattern(9000, 90 + i as u64);
+                let o = DestinationOptions {
+                    block_size: 4096,
+                    ..Default::default()
+                };
+                filled(&dir, &format!("g{i}"), &data, o)
+                    .seal(derived(&data, 4096))
+                    .unwrap()
+            })
+            .collect();
+        assert_eq!(names(t.path()).len(), 9);
+        drop(sealed);
+        assert_eq!(names(t.path()), ["g1"]);
+        assert_eq!(fs::read(t.path().join("g1")).unwrap(), b"old");
+    }
+
     /// Files on two file systems in one batch (a syncfs each, or an fdatasync
     /// for a file alone on its file system).
     #[test]
