@@ -33,6 +33,7 @@ pub mod json;
 pub mod mem;
 pub mod metrics;
 pub mod parse;
+pub mod phase;
 pub mod provider;
 pub mod verbs;
 

@@ -553,7 +553,9 @@ async fn run(c: Cli) -> Result<(), ControlError> {
         )
     };
 
+    rcp::phase::mark("runtime up, arguments parsed");
     let client = Client::connect(&addr, opts).await?;
+    rcp::phase::mark("connected to rcpd");
     let t0 = Instant::now();
     // The plan of `job` (again, with resume, after a tcp fallback).
     let plan_of = async |job: &Job| {
@@ -565,12 +567,16 @@ async fn run(c: Cli) -> Result<(), ControlError> {
         }
     };
     let plan = plan_of(&job).await?;
+    rcp::phase::mark("planned");
     if copy.dry_run {
         // No session: nothing is set up on rcpd, nothing moves.
         print_plan(&plan, c.json, c.quiet, t0.elapsed().as_secs_f64());
         return Ok(());
     }
-    let mut session = client.session().await?;
+    // Staging for what this copy can fill, not more.
+    let sized = client.sized_for(plan.window_bytes());
+    let mut session = sized.session().await?;
+    rcp::phase::mark("session up");
     if c.transport == Transport::Auto || c.verbose > 0 {
         eprintln!("rcp: transport {}", session.transport);
     }
@@ -603,7 +609,7 @@ async fn run(c: Cli) -> Result<(), ControlError> {
             ..job.clone()
         };
         let plan = plan_of(&job).await?;
-        session = client
+        session = sized
             .session_with(rcp::provider::ProviderKind::Tcp, format!("tcp: {why}"))
             .await?;
         transport = session.kind.to_string();
@@ -613,7 +619,9 @@ async fn run(c: Cli) -> Result<(), ControlError> {
     if let Some(t) = ticker {
         t.abort();
     }
+    rcp::phase::mark("files done");
     let stats = session.close().await.ok();
+    rcp::phase::mark("session closed");
     let totals = totals?;
     if c.json {
         let one = totals.files == 1;
@@ -798,6 +806,7 @@ fn json_asked() -> bool {
 }
 
 fn main() {
+    rcp::phase::start();
     let c = match Cli::try_parse() {
         Ok(c) => c,
         Err(e) => {
@@ -841,7 +850,10 @@ fn main() {
     rcp::control::raise_open_file_limit();
     let as_json = c.json;
     match rt.block_on(run(c)) {
-        Ok(()) => std::process::exit(exit::OK),
+        Ok(()) => {
+            rcp::phase::mark("exit");
+            std::process::exit(exit::OK)
+        }
         Err(e) => {
             eprintln!("rcp: {e}");
             if as_json {

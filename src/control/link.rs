@@ -372,8 +372,15 @@ impl ClientLink {
         max_inline: u32,
     ) -> Result<ClientLink> {
         let size = window_size * windows.max(1);
-        let arena = Arena::new(&ArenaConfig::new(size))
-            .map_err(|e| ControlError::Other(format!("staging arena: {e}")))?;
+        // Verbs registration pins the staging: faulted in now, on its node.
+        // The tcp provider pins nothing: pages fault in as a job reaches
+        // them, and a small copy never zeroes the rest.
+        let acfg = ArenaConfig {
+            prefault: kind == ProviderKind::Verbs,
+            ..ArenaConfig::new(size)
+        };
+        let arena =
+            Arena::new(&acfg).map_err(|e| ControlError::Other(format!("staging arena: {e}")))?;
         let staging = PeerSpan::new(&arena, arena.addr(), arena.len())
             .ok_or_else(|| ControlError::Other("staging span".into()))?;
         let mut out = Vec::new();
@@ -557,7 +564,9 @@ impl ClientLink {
                 let ch = TcpChannel::connect_session(
                     self.tcp_domain.clone().expect("tcp link has a domain"),
                     addr,
-                    DEFAULT_CONNS,
+                    // A connection per staging window at most: a copy of
+                    // one window needs one connection (and its threads).
+                    DEFAULT_CONNS.min(self.slots.capacity()).max(1),
                     128,
                     key,
                 )?;

@@ -40,6 +40,12 @@ pub struct ArenaConfig {
     pub hugepage_dir: Option<PathBuf>,
     /// Fail instead of falling back to normal pages.
     pub require_huge: bool,
+    /// Touch every page when mapping (true): registration then pins
+    /// resident pages on the bound node, and the data path never faults.
+    /// False: pages are faulted in on first use, so memory that a job does
+    /// not reach is never zeroed (a tcp client's staging, whose
+    /// registration pins nothing).
+    pub prefault: bool,
 }
 
 impl ArenaConfig {
@@ -49,6 +55,7 @@ impl ArenaConfig {
             numa_node: None,
             hugepage_dir: None,
             require_huge: false,
+            prefault: true,
         }
     }
 }
@@ -172,9 +179,11 @@ impl Arena {
             }
         }
         // Pre-fault every page now (on the bound node) instead of on the data path.
-        // SAFETY: [ptr, ptr+size) is our fresh writable mapping; nobody else has it yet.
-        unsafe {
-            std::ptr::write_bytes(ptr, 0, size);
+        if cfg.prefault {
+            // SAFETY: [ptr, ptr+size) is our fresh writable mapping; nobody else has it yet.
+            unsafe {
+                std::ptr::write_bytes(ptr, 0, size);
+            }
         }
         tracing::info!(size, backing = ?region.backing, numa_node = ?cfg.numa_node, "arena mapped");
         Ok(Arena {

@@ -155,6 +155,7 @@ impl Client {
         })
         .await
         .map_err(|e| ControlError::Other(e.to_string()))??;
+        crate::phase::mark("staging mapped and registered");
         let req = proto::HandshakeRequest {
             version_major: VERSION_MAJOR,
             version_minor: VERSION_MINOR,
@@ -174,6 +175,7 @@ impl Client {
             timeout_ms: o.timeout.as_millis().min(u128::from(u32::MAX)) as u32,
         };
         let resp = self.rpc.clone().handshake(req).await?.into_inner();
+        crate::phase::mark("handshake answered");
         if resp.version_major != VERSION_MAJOR {
             return Err(ControlError::Failed(
                 crate::control::protocol::Failure::new(
@@ -230,6 +232,7 @@ impl Client {
                     tokio::task::spawn_blocking(move || l2.connect(&r2, &host, retry))
                         .await
                         .map_err(|e| ControlError::Other(e.to_string()))??;
+                crate::phase::mark("tcp data connections up");
                 let reconnect: crate::datapath::ReconnectFn =
                     Box::new(|| Err("the TCP data connection broke; rerun with --resume".into()));
                 let dp = DataPath::start(cfg, channel.clone(), reconnect, None)
@@ -315,6 +318,7 @@ impl Client {
             }
         };
         let events = dp.take_events();
+        crate::phase::mark("data path started");
         Ok(Session {
             rpc: self.rpc.clone(),
             opts: o,

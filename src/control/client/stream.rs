@@ -528,6 +528,7 @@ impl Driver<'_> {
         // a stream that ends first hands it to `Session::quarantine`, which
         // keeps it until the data path is closed.
         let r = unsafe { dp.submit(job) };
+        crate::phase::first_window();
         self.lent.insert(
             id,
             Lent {

@@ -265,6 +265,14 @@ impl Plan {
         self.files.iter().map(|f| f.bytes).sum()
     }
 
+    /// Bytes of windows its files take: each file's length rounded up to
+    /// [`EXTENT_ALIGN`](crate::control::protocol::EXTENT_ALIGN), where its
+    /// blocks start ([`Client::sized_for`]).
+    pub fn window_bytes(&self) -> u64 {
+        let a = crate::control::protocol::EXTENT_ALIGN;
+        self.files.iter().map(|f| f.bytes.div_ceil(a) * a).sum()
+    }
+
     /// Directories it would make.
     pub fn dirs(&self) -> usize {
         self.remote_dirs.len() + self.local_dirs.len()
