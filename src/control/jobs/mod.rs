@@ -383,8 +383,25 @@ pub async fn execute(
     plan: Plan,
     obs: Arc<dyn Observer>,
 ) -> Result<Totals> {
+    // A directory with a file beneath it is made by that file's open
+    // (its parents are created): only the others, empty ones, cost a
+    // MakeDir round trip each.
+    let mut holds_files = std::collections::HashSet::new();
+    if plan.push && !plan.remote_dirs.is_empty() {
+        for f in plan.files.iter().filter(|f| f.job.spec.create_parents) {
+            let mut p = f.dest.as_str();
+            while let Some(i) = p.rfind('/') {
+                p = &p[..i];
+                if !holds_files.insert(p) {
+                    break;
+                }
+            }
+        }
+    }
     for d in &plan.remote_dirs {
-        client.make_dir(d).await?;
+        if !holds_files.contains(d.trim_end_matches('/')) {
+            client.make_dir(d).await?;
+        }
     }
     for d in &plan.local_dirs {
         std::fs::create_dir_all(d)
