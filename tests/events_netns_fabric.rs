@@ -13,6 +13,9 @@ use std::time::{Duration, Instant};
 
 use rcp::verbs::*;
 
+/// How long a test waits for an event that must come (a hang guard).
+const GUARD: Duration = Duration::from_secs(60);
+
 fn env(var: &str, default: &str) -> String {
     std::env::var(var).unwrap_or_else(|_| default.to_string())
 }
@@ -44,11 +47,10 @@ fn async_fd_is_nonblocking_and_quiet_when_idle() {
     let ev = AsyncEvents::new(&ctx).unwrap();
     assert!(ev.fd() >= 0);
     assert!(ev.is_nonblocking());
-    let t = Instant::now();
-    // Nothing happened to the device: no event, and no blocking either.
+    // Nothing happened to the device since it was opened: the wait ends
+    // with its timeout, and with no event.
     let got = ev.wait(Duration::from_millis(200)).unwrap();
-    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
-    eprintln!("idle: {got:?}");
+    assert!(got.is_none(), "an event on an idle device: {got:?}");
 }
 
 #[test]
@@ -60,7 +62,7 @@ fn link_down_up_gives_port_err_then_port_active() {
     assert!(w.is_active());
     let t0 = Instant::now();
     link("down");
-    let err = w.wait_event(AsyncEventKind::PortErr, t0, Duration::from_secs(10));
+    let err = w.wait_event(AsyncEventKind::PortErr, t0, GUARD);
     let after_down = ctx.port(port).map(|p| p.state);
     eprintln!(
         "after down: event {err:?} in {:?}, port state {after_down:?}, watcher active {}",
@@ -69,7 +71,7 @@ fn link_down_up_gives_port_err_then_port_active() {
     );
     let t1 = Instant::now();
     link("up");
-    let up = w.wait_event(AsyncEventKind::PortActive, t1, Duration::from_secs(10));
+    let up = w.wait_event(AsyncEventKind::PortActive, t1, GUARD);
     let after_up = ctx.port(port).map(|p| p.state);
     eprintln!(
         "after up: event {up:?} in {:?}, port state {after_up:?}, watcher active {}",
@@ -77,10 +79,10 @@ fn link_down_up_gives_port_err_then_port_active() {
         w.is_active()
     );
     eprintln!("history: {:?}", w.history());
-    let err = err.expect("PORT_ERR within 10 s of the link going down");
+    let err = err.expect("PORT_ERR after the link went down");
     assert_eq!(err.port, Some(port));
-    let up = up.expect("PORT_ACTIVE within 10 s of the link coming up");
+    let up = up.expect("PORT_ACTIVE after the link came up");
     assert_eq!(up.port, Some(port));
-    assert!(w.wait_active(Duration::from_secs(1)));
+    assert!(w.wait_active(GUARD));
     assert!(w.events_seen() >= 2);
 }

@@ -88,62 +88,98 @@ netns)
   }
   step "rcp bench write, server in b, client in a" bench_pair
   step "rcp bench read, 2 QPs (a -> b)" bench_pair --op read --qps 2
-  # A copy across a 3 s link cut: vb goes down mid-stream. Over verbs the data
+  # A copy across a 3 s link cut: vb goes down mid-copy. Over verbs the data
   # path must flush, reconnect once the link is back and resend only what was
   # not confirmed; over tcp the provider's connections must ride it out. The
   # digest must match. Arguments: the transport (verbs or tcp), push or pull,
   # and optionally the client QP's retry count (RCP_QP_RETRY_CNT): rxe retries
   # 7 (the default) forever, so only a lower count makes the cut fail the
   # in-flight requests and take the error-batch + reconnect path.
+  #
+  # Independent of the machine's speed: the copy is held by --bwlimit (16 MiB
+  # at 2 MiB/s: 8 s at least, however fast the machine), the cut comes when the
+  # client's --json progress lines say 2 MiB are confirmed (not after a sleep),
+  # and the step FAILS unless the cut landed mid-copy: the client still copying
+  # with fewer than all bytes confirmed both when the link went down and when
+  # it came back, little confirmed while it was down, and (verbs) the client's
+  # port watcher saw its port go down, (verbs, retry 3) the data path
+  # reconnected.
   linkcut() {
     local dir t=$1 op=$2 retry=${3:-} dev_b=() dev_a=() env_a=()
+    local total=$((16 << 20)) trigger=$((2 << 20)) rate=2M
     [ "$t" = verbs ] && dev_b=(--device rxeb) && dev_a=(--device rxea)
     [ -n "$retry" ] && env_a=(env RCP_QP_RETRY_CNT="$retry")
     dir=$PWD/target/vm-linkcut-$t-$op${retry:+-retry$retry}
     rm -rf "$dir" && mkdir -p "$dir/src" "$dir/root"
-    # Big enough to be mid-copy 4 s after the session opens (TCG moves
-    # ~1.5 MB/s across the namespaces), small enough to keep CI short.
-    head -c $((24 << 20)) /dev/urandom >"$dir/src/file"
+    head -c $total /dev/urandom >"$dir/src/file"
     [ "$op" = pull ] && cp "$dir/src/file" "$dir/root/file"
     ip netns exec b target/debug/rcpd --listen 192.168.77.2:7471 --health-listen 192.168.77.2:7472 \
       --root "$dir/root" --transport "$t" "${dev_b[@]}" --arena-mib 64 --log info >"$dir/rcpd.log" 2>&1 &
     local d=$!
     for _ in $(seq 100); do ip netns exec a bash -c 'exec 3<>/dev/tcp/192.168.77.2/7471' 2>/dev/null && break; sleep 0.2; done
+    local args=(-v --json --stats 100ms --bwlimit $rate --transport "$t" "${dev_a[@]}")
     if [ "$op" = push ]; then
-      ip netns exec a "${env_a[@]}" target/debug/rcp push -v --transport "$t" "${dev_a[@]}" "$dir/src/file" 192.168.77.2:file 2>"$dir/rcp.log" &
+      ip netns exec a "${env_a[@]}" target/debug/rcp push "${args[@]}" "$dir/src/file" 192.168.77.2:file >"$dir/rcp.json" 2>"$dir/rcp.log" &
     else
-      ip netns exec a "${env_a[@]}" target/debug/rcp pull -v --transport "$t" "${dev_a[@]}" 192.168.77.2:file "$dir/got" 2>"$dir/rcp.log" &
+      ip netns exec a "${env_a[@]}" target/debug/rcp pull "${args[@]}" 192.168.77.2:file "$dir/got" >"$dir/rcp.json" 2>"$dir/rcp.log" &
     fi
     local c=$! rc
-    # Cut once blocks are moving: a few seconds after the session's QPs are up.
-    for _ in $(seq 300); do grep -aq "session opened" "$dir/rcpd.log" && break; sleep 0.2; done
-    sleep 4
-    local mid=no
-    kill -0 $c 2>/dev/null && mid=yes
-    echo "linkcut: vb down"; ip -n b link set vb down; sleep 3; ip -n b link set vb up; echo "linkcut: vb up"
+    # Bytes confirmed so far: the last progress line's.
+    confirmed() {
+      local b
+      b=$(grep -a '"type":"progress"' "$dir/rcp.json" | tail -n1 | grep -o '"bytes":[0-9]*' | cut -d: -f2)
+      echo "${b:-0}"
+    }
+    # Cut once $trigger bytes are confirmed (a 2-minute hang guard).
+    for _ in $(seq 1200); do
+      [ "$(confirmed)" -ge $trigger ] && break
+      kill -0 $c 2>/dev/null || break
+      sleep 0.1
+    done
+    local at_down at_up alive_down=no alive_up=no
+    kill -0 $c 2>/dev/null && alive_down=yes
+    ip -n b link set vb down; at_down=$(confirmed); echo "linkcut: vb down at $at_down of $total bytes confirmed"
+    sleep 3
+    at_up=$(confirmed)
+    kill -0 $c 2>/dev/null && alive_up=yes
+    ip -n b link set vb up; echo "linkcut: vb up at $at_up of $total bytes confirmed"
     wait $c; rc=$?
     kill $d; wait $d 2>/dev/null
-    grep -aiE "reconnect|error batch|flush|rem_|retry" "$dir/rcp.log" "$dir/rcpd.log" | tail -8
-    local want got reconnected=no
+    grep -aiE "reconnect|error batch|flush|rem_|retry|async event" "$dir/rcp.log" "$dir/rcpd.log" | tail -8
+    local want got reconnects port_err=no
     want=$(sha256sum <"$dir/src/file" | cut -d' ' -f1)
     if [ "$op" = push ]; then got=$(sha256sum <"$dir/root/file" | cut -d' ' -f1); else got=$(sha256sum <"$dir/got" | cut -d' ' -f1); fi
-    grep -aq "reconnected" "$dir/rcp.log" && reconnected=yes
-    # Over verbs, whether WRs were in flight when the link went (and so whether
-    # the QP had to be reconnected) depends on timing under TCG; over tcp
-    # there is no QP to reconnect. The copy must complete with the right
-    # digest either way.
+    reconnects=$(grep -a '"type":"summary"' "$dir/rcp.json" | grep -o '"reconnects":[0-9]*' | cut -d: -f2)
+    reconnects=${reconnects:-0}
+    sed 's/\x1b\[[0-9;]*m//g' "$dir/rcp.log" | grep -a "async event" | grep -q "PORT_ERR" && port_err=yes
+    echo "linkcut $t $op${retry:+ retry=$retry}: rc=$rc confirmed at down=$at_down at up=$at_up of $total" \
+      "alive at down=$alive_down at up=$alive_up reconnects=$reconnects port_err=$port_err want=$want got=$got"
     if [ "$t" = verbs ]; then
-      echo "linkcut $op${retry:+ retry=$retry}: rc=$rc reconnected=$reconnected want=$want got=$got"
       # The data path's figures: error path start -> first block confirmed
       # after the reconnect, and PORT_ACTIVE -> that block.
       sed 's/\x1b\[[0-9;]*m//g' "$dir/rcp.log" | grep -a "first block confirmed after reconnect" |
         sed -E 's/.*seconds=([0-9.]+).*port_up_to_first_wr_seconds=([0-9.]+).*/linkcut figure: error path -> first WR \1 s, PORT_ACTIVE -> first WR \2 s/'
-    else
-      # The cut must land mid-copy for the step to show anything.
-      echo "linkcut $t $op: rc=$rc mid-copy=$mid want=$want got=$got"
-      [ $mid = yes ] || return 1
     fi
-    [ $rc -eq 0 ] && [ "$want" = "$got" ]
+    local bad=()
+    [ $rc -eq 0 ] || bad+=("rcp exited $rc")
+    [ "$want" = "$got" ] || bad+=("digest differs")
+    # The cut landed mid-copy: copying, part of the bytes confirmed, when
+    # the link went down and still when it came back ...
+    [ $alive_down = yes ] && [ "$at_down" -ge $trigger ] && [ "$at_down" -lt $total ] ||
+      bad+=("the copy was not under way when the link went down")
+    [ $alive_up = yes ] && [ "$at_up" -lt $total ] || bad+=("the copy was over before the link came back")
+    # ... and the cut stopped it: less than 1 MiB confirmed in the 3 s (the
+    # limit allows 6 MiB; what was on the wire at the cut may still land).
+    [ $((at_up - at_down)) -lt $((1 << 20)) ] || bad+=("$((at_up - at_down)) bytes confirmed while the link was down")
+    if [ "$t" = verbs ]; then
+      [ $port_err = yes ] || bad+=("the client's port watcher saw no PORT_ERR")
+      if [ -n "$retry" ]; then
+        [ "$reconnects" -ge 1 ] || bad+=("no reconnect with QP retry count $retry")
+      fi
+    fi
+    [ ${#bad[@]} -eq 0 ] && return 0
+    printf 'linkcut FAILED: %s\n' "${bad[@]}"
+    return 1
   }
   step "rcp push across a 3 s link cut (verbs, a -> b)" linkcut verbs push
   step "rcp pull across a 3 s link cut (verbs, b -> a)" linkcut verbs pull
