@@ -873,6 +873,54 @@ fn a_second_move_stream_on_a_session_is_refused() {
     );
 }
 
+/// A client proposing a 1 ms timeout (and out-of-range windows) gets the
+/// floors: rcpd clamps them in the handshake, and its keepalives on an
+/// idle stream come at most four a second (it sent ~700 a second before).
+#[test]
+fn a_one_ms_timeout_does_not_make_rcpd_flood_keepalives() {
+    let (_tmp, _root, d) = setup(None);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let mut c = grpc(d.port).await;
+        let hs = c
+            .handshake(proto::HandshakeRequest {
+                timeout_ms: 1,
+                window_count: 100_000,
+                ..raw::hello(ProviderKind::Tcp, BS4K)
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert!((1..=64).contains(&hs.window_count), "{hs:?}");
+        assert_eq!(hs.max_retries, 3, "{hs:?}");
+        let mut m = Move::open(&mut c, hs.session_id, vec![]).await;
+        let t = std::time::Instant::now();
+        let mut keepalives = 0u32;
+        while t.elapsed() < Duration::from_secs(2) {
+            match tokio::time::timeout(Duration::from_millis(100), m.frame_or_status()).await {
+                Err(_) => {}
+                Ok(Ok(f)) => panic!("an idle stream sent {f:?}"),
+                Ok(Err(s)) => panic!("the stream ended: {s:?}"),
+            }
+            keepalives = m.keepalives;
+        }
+        let secs = t.elapsed().as_secs_f64();
+        assert!(keepalives >= 1, "no keepalive in {secs:.1} s");
+        assert!(
+            f64::from(keepalives) <= 4.0 * secs + 1.0,
+            "{keepalives} keepalives in {secs:.1} s"
+        );
+    });
+    // rcpd says what it agreed (the log may be coloured).
+    let log = d.log();
+    assert!(
+        log.lines().any(|l| l.contains("session opened")
+            && l.contains("keepalive_ms")
+            && l.contains("333")),
+        "{log}"
+    );
+}
+
 #[test]
 fn file_id_zero_is_answered() {
     let (_tmp, _root, d) = setup(None);

@@ -263,12 +263,10 @@ fn parse_interval(s: &str) -> Result<Duration, String> {
 
 fn parse_size(s: &str) -> Result<u64, String> {
     let v = rcp::parse::bytes(s).map_err(|e| e.to_string())?;
-    if !v.is_power_of_two() || !(4096..=(4 << 20)).contains(&v) {
-        return Err(format!(
-            "block size {v} must be a power of two between 4096 and 4194304"
-        ));
+    if v == 0 {
+        return Err("block size 0: give a power of two from 4096".into());
     }
-    Ok(v)
+    rcp::control::protocol::check_block_size(v, rcp::control::WINDOW_SIZE as u64)
 }
 
 /// Progress on a terminal: one bar for the whole job (many files are in

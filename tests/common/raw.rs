@@ -253,6 +253,8 @@ pub struct Move {
     tx: Option<mpsc::UnboundedSender<ClientFrame>>,
     rx: tonic::Streaming<ServerFrame>,
     pub inbox: Inbox,
+    /// Keepalives (empty frames) read so far.
+    pub keepalives: u32,
 }
 
 impl Move {
@@ -272,6 +274,7 @@ impl Move {
             tx: Some(tx),
             rx,
             inbox: Inbox::default(),
+            keepalives: 0,
         }
     }
 
@@ -346,7 +349,10 @@ impl Move {
     pub async fn frame_or_status(&mut self) -> Result<ServerFrame, tonic::Status> {
         loop {
             match self.frame().await? {
-                Some(f) if f == ServerFrame::default() => continue,
+                Some(f) if f == ServerFrame::default() => {
+                    self.keepalives += 1;
+                    continue;
+                }
                 Some(f) => return Ok(f),
                 None => panic!("the stream ended cleanly; so far: {:?}", self.inbox),
             }

@@ -222,7 +222,7 @@ pub fn grant(
             rail_rkeys: if keys.len() > 1 { keys } else { Vec::new() },
         });
     }
-    let check = session.check;
+    let check = session.params.check;
     let digests = if write {
         Vec::new()
     } else {

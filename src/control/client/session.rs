@@ -13,7 +13,8 @@ use crate::control::error::{ControlError, Result};
 use crate::control::link::{
     connect_params, ep_from_proto, ep_to_proto, rails_or_default, resolve_transport, ClientLink,
 };
-use crate::control::protocol::{check_to_wire, Params};
+use crate::control::protocol::negotiate::{provider_to_wire, timeout_ms, MAX_WINDOWS};
+use crate::control::protocol::{check_block_size, check_grant, check_to_wire, Params, Staging};
 use crate::control::rails::MAX_QPS_PER_RAIL;
 use crate::control::{VERSION_MAJOR, VERSION_MINOR, WINDOW_SIZE};
 use crate::datapath::{DataPath, DataPathConfig, DpEvent, PollMode, RailSpec, Report};
@@ -22,9 +23,6 @@ use crate::parse::RailName;
 use crate::proto;
 use crate::provider::{Channel, ProviderKind};
 use crate::verbs::{PortWatcher, VerbsChannel};
-
-/// Times a damaged block moves again before its file fails.
-const MAX_RETRIES: u32 = 3;
 
 /// Sees files start, progress and finish (the binary draws bars, the Copy
 /// API counts).
@@ -130,14 +128,9 @@ impl Client {
     /// [`Client::session`] with the provider already chosen.
     pub async fn session_with(&self, kind: ProviderKind, why: String) -> Result<Session> {
         let o = self.opts.clone();
-        let bs = o.block_size;
-        if !bs.is_power_of_two() || bs < 4096 || bs > WINDOW_SIZE as u64 {
-            return Err(ControlError::Usage(format!(
-                "block size {bs} must be a power of two between 4096 and {WINDOW_SIZE}"
-            )));
-        }
+        let bs = check_block_size(o.block_size, WINDOW_SIZE as u64).map_err(ControlError::Usage)?;
         o.check_bwlimit()?;
-        let windows = o.windows.clamp(1, 64);
+        let windows = o.windows.clamp(1, MAX_WINDOWS);
         let gid = o.gid_index;
         let per = o.qps_per_rail.clamp(1, MAX_QPS_PER_RAIL);
         // Each rail `per` times, a QP each.
@@ -159,10 +152,7 @@ impl Client {
         let req = proto::HandshakeRequest {
             version_major: VERSION_MAJOR,
             version_minor: VERSION_MINOR,
-            providers: vec![match kind {
-                ProviderKind::Verbs => proto::Provider::Verbs as i32,
-                ProviderKind::Tcp => proto::Provider::Tcp as i32,
-            }],
+            providers: vec![provider_to_wire(kind) as i32],
             verbs: link.verbs_params(),
             rails: link.rail_params(),
             qps_per_rail: per,
@@ -172,56 +162,25 @@ impl Client {
                 .unwrap_or_default(),
             checks: o.verify.iter().map(|&c| check_to_wire(c) as i32).collect(),
             window_count: windows,
-            timeout_ms: o.timeout.as_millis().min(u128::from(u32::MAX)) as u32,
+            timeout_ms: timeout_ms(o.timeout.as_nanos() as u64),
         };
-        let resp = self.rpc.clone().handshake(req).await?.into_inner();
+        let resp = self.rpc.clone().handshake(req.clone()).await?.into_inner();
         crate::phase::mark("handshake answered");
-        if resp.version_major != VERSION_MAJOR {
-            return Err(ControlError::Failed(
-                crate::control::protocol::Failure::new(
-                    crate::control::error::Reason::Version,
-                    format!(
-                        "rcpd speaks protocol {}.{}, this rcp {VERSION_MAJOR}.{VERSION_MINOR}",
-                        resp.version_major, resp.version_minor
-                    ),
-                ),
-            ));
-        }
-        let check = crate::control::protocol::accept_check(&o.verify, resp.check)
-            .map_err(ControlError::Failed)?;
-        if check.is_none() {
+        // The protocol checks what was granted (`protocol::check_grant`).
+        let mut params = check_grant(
+            &req,
+            &resp,
+            &Staging {
+                slot_size: WINDOW_SIZE as u64,
+                transfers: o.transfers,
+                timeout_ns: o.timeout.as_nanos() as u64,
+            },
+        )?;
+        if params.check.is_none() {
             tracing::warn!(
                 "--verify none: blocks are not checked end to end, only by the link's CRCs"
             );
         }
-        if resp.block_size != bs {
-            return Err(ControlError::Invalid(format!(
-                "server granted block size {} instead of {bs}",
-                resp.block_size
-            )));
-        }
-        if resp.window_size > WINDOW_SIZE as u64
-            || resp.window_count == 0
-            || resp.window_count > windows
-        {
-            return Err(ControlError::Invalid(format!(
-                "server windows of {} bytes x {} do not fit this rcp's staging ({WINDOW_SIZE} x {windows})",
-                resp.window_size, resp.window_count
-            )));
-        }
-        let params = Params {
-            block_size: bs,
-            window_size: resp.window_size,
-            window_count: resp.window_count,
-            max_open_files: o.transfers.clamp(1, resp.max_open_files.max(1)),
-            check,
-            timeout_ns: o.timeout.as_nanos() as u64,
-            keepalive_ns: Params::keepalive_for(
-                o.timeout.as_nanos() as u64,
-                u64::from(resp.timeout_ms) * 1_000_000,
-            ),
-            max_retries: MAX_RETRIES,
-        };
         let link = Arc::new(link);
         let (l2, r2, host, retry) = (link.clone(), resp.clone(), self.host.clone(), o.qp_retry);
         let cfg = datapath_config(kind, &o);
@@ -247,6 +206,7 @@ impl Client {
                 let used = tokio::task::spawn_blocking(move || l2.connect_rails(&r2, retry))
                     .await
                     .map_err(|e| ControlError::Other(e.to_string()))??;
+                params.rails = used.len() as u32;
                 rail_names = used
                     .iter()
                     .map(|&l| link.rails[l].device.rail_name())

@@ -83,13 +83,6 @@ struct Driver<'a> {
     locals: HashMap<FileId, Local>,
     lent: HashMap<u64, Lent>,
     next_dp: u64,
-    /// The data path's confirmed bytes when last looked at.
-    confirmed: u64,
-    /// When they last grew, and each rail's failures then (the tcp
-    /// fallback's watch: [`Driver::rails_all_down`]).
-    progressed: (Instant, Vec<u64>),
-    /// `--transport auto` over verbs: the tcp fallback's limit.
-    fallback_after: Option<Duration>,
     done_tx: mpsc::UnboundedSender<Done>,
     done_rx: mpsc::UnboundedReceiver<Done>,
 }
@@ -105,7 +98,14 @@ pub(super) async fn run(
     obs: &dyn Observer,
 ) -> Result<()> {
     let (out_tx, out_rx) = mpsc::unbounded_channel();
-    let core = ClientCore::new(s.params, s.id, 0);
+    let mut core = ClientCore::new(s.params, s.id, 0);
+    // --transport auto over verbs: the core watches the rails for the tcp
+    // fallback.
+    if let Some(after) = s.opts.tcp_fallback_after {
+        if s.kind == ProviderKind::Verbs {
+            core.watch_rails(0, after.as_nanos() as u64);
+        }
+    }
     let mut inbound = s
         .rpc
         .clone()
@@ -125,20 +125,9 @@ pub(super) async fn run(
         locals: HashMap::new(),
         lent: HashMap::new(),
         next_dp: 1,
-        confirmed: 0,
-        progressed: (Instant::now(), Vec::new()),
-        fallback_after: None,
         done_tx,
         done_rx,
     };
-    d.fallback_after =
-        d.s.opts
-            .tcp_fallback_after
-            .filter(|_| d.s.kind == ProviderKind::Verbs);
-    let fallback = d.fallback_after;
-    // --transport auto: look at the rails every second.
-    let mut watch = tokio::time::interval(Duration::from_secs(1));
-    watch.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut fed_all = false;
     let mut server_open = true;
     let end = loop {
@@ -165,24 +154,17 @@ pub(super) async fn run(
         }
         d.report(obs);
         let now = now_of(d.t0);
-        // Bytes landing in a window are progress before its WindowDone is:
-        // a slow link is not a stalled client.
+        // The data path's counters, for the core (progress, the rails'
+        // watch).
         let confirmed = d.s.dp.as_ref().map_or(0, |dp| {
             dp.stats()
                 .bytes_confirmed
                 .load(std::sync::atomic::Ordering::Relaxed)
         });
-        if confirmed > d.confirmed {
-            d.confirmed = confirmed;
-            d.core.note_progress(now);
-            d.progressed = (Instant::now(), d.rail_failures());
-        }
-        if let Some(after) = fallback {
-            if let Some(why) = d.rails_all_down(after) {
-                tracing::warn!("{why}");
-                d.s.fallback = Some(why.clone());
-                d.core.abort(Failure::new(Reason::Retryable, why));
-            }
+        let failures = d.rail_failures();
+        d.core.data_path(now, confirmed, &failures);
+        if let Some(r) = d.act() {
+            break r;
         }
         while let Some(f) = d.core.poll_frame(now) {
             if let Some(o) = &d.out {
@@ -223,9 +205,11 @@ pub(super) async fn run(
                 let now = now_of(d.t0);
                 d.core.handle_timeout(now);
             }
-            _ = watch.tick(), if fallback.is_some() => {}
         }
     };
+    if let Some(why) = d.core.fallback() {
+        d.s.fallback = Some(why.to_string());
+    }
     d.report(obs);
     // What is queued (an Abort) goes out, then our side closes.
     let now = now_of(d.t0);
@@ -457,9 +441,13 @@ impl Driver<'_> {
     fn take_slot(&mut self) -> Option<Block> {
         let b = self.s.link.slots.take();
         if b.is_none() {
-            // The server granted more windows at once than agreed.
-            self.core
-                .abort(Failure::invalid("more windows granted than staging slots"));
+            // Never: the core grants no more windows at once than agreed,
+            // which is no more than the staging has, and a slot comes back
+            // before its window ends.
+            self.core.abort(Failure::new(
+                Reason::Other,
+                "no staging slot free for a granted window",
+            ));
         }
         b
     }
@@ -488,16 +476,9 @@ impl Driver<'_> {
     /// Lend a staging slot to the data path for a window.
     fn submit(&mut self, op: OpKind, grant: proto::Grant, slot: Block, digests: Vec<Digest>) {
         if let Some(keys) = &self.s.keys {
-            // Several rails: the window's key on each, before any of its
-            // extents can be posted on one.
-            let rails = self.s.rails();
-            if grant.rail_rkeys.len() != rails || grant.rail_rkeys.first() != Some(&grant.rkey) {
-                drop(slot);
-                return self.core.abort(Failure::invalid(format!(
-                    "a grant with {} rail rkeys on a session of {rails} rails",
-                    grant.rail_rkeys.len()
-                )));
-            }
+            // Several rails: the window's key on each (the core checked
+            // there is one per rail), before any of its extents can be
+            // posted on one.
             keys.insert(grant.rkey, grant.rail_rkeys.clone());
         }
         let id = self.next_dp;
@@ -609,16 +590,8 @@ impl Driver<'_> {
                 tracing::warn!(?e, "data path rail event");
             }
             DpEvent::Failed(e) => {
-                if self.fallback_after.is_some() && e.is_retryable() && self.s.fallback.is_none() {
-                    let why = format!(
-                        "the RDMA data path gave up ({e}) (transport auto): continuing over the \
-                         tcp provider"
-                    );
-                    tracing::warn!("{why}");
-                    self.s.fallback = Some(why);
-                }
                 let f = ControlError::DataPath(e).failure();
-                self.core.abort(f);
+                self.core.data_path_failed(f);
             }
         }
     }
@@ -631,29 +604,6 @@ impl Driver<'_> {
                 .iter()
                 .map(|r| r.failures.load(std::sync::atomic::Ordering::Relaxed))
                 .collect()
-        })
-    }
-
-    /// Every rail has failed since the last confirmed byte, more than
-    /// `after` ago, with windows waiting on the data path: the sentence
-    /// saying so. Covers links that are down (ports down, rails fenced and
-    /// waiting) and paths that drop RDMA traffic (rails failing again as
-    /// soon as they reconnect); not a copy with nothing to move.
-    fn rails_all_down(&self, after: Duration) -> Option<String> {
-        if self.s.fallback.is_some() || self.lent.is_empty() {
-            return None;
-        }
-        let (since, ref before) = self.progressed;
-        let waited = since.elapsed();
-        if waited < after {
-            return None;
-        }
-        every_rail_failed(before, &self.rail_failures()).then(|| {
-            format!(
-                "every RDMA rail has been down for {:.0} s (transport auto): continuing over \
-                 the tcp provider",
-                waited.as_secs_f64()
-            )
         })
     }
 
@@ -755,35 +705,9 @@ impl Driver<'_> {
     }
 }
 
-/// Whether every rail's failure count (`now`) grew past `before` (taken
-/// at the last confirmed byte; a rail missing there had none).
-fn every_rail_failed(before: &[u64], now: &[u64]) -> bool {
-    !now.is_empty()
-        && now
-            .iter()
-            .enumerate()
-            .all(|(k, &f)| f > before.get(k).copied().unwrap_or(0))
-}
-
 async fn sleep_until(t: Option<tokio::time::Instant>) {
     match t {
         Some(t) => tokio::time::sleep_until(t).await,
         None => std::future::pending().await,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::every_rail_failed;
-
-    #[test]
-    fn the_fallback_needs_every_rail_to_have_failed_since_the_last_progress() {
-        assert!(every_rail_failed(&[0, 0], &[1, 2]));
-        assert!(every_rail_failed(&[], &[1, 1]));
-        // One rail still good: no fallback.
-        assert!(!every_rail_failed(&[1, 0], &[1, 3]));
-        assert!(!every_rail_failed(&[0, 0], &[0, 0]));
-        // No data path, no rails: nothing to judge.
-        assert!(!every_rail_failed(&[], &[]));
     }
 }

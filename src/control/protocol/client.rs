@@ -173,6 +173,33 @@ enum Phase {
     Ended,
 }
 
+/// How often a watch of the rails looks again once its limit passed with a
+/// rail still good ([`ClientCore::watch_rails`]).
+const LOOK_EVERY_NS: u64 = 1_000_000_000;
+
+/// `--transport auto`: the rails' watch.
+#[derive(Debug)]
+struct RailWatch {
+    /// Give up after this long.
+    after: u64,
+    /// When the data path's confirmed bytes last grew (or the watch
+    /// began), and each rail's failures then.
+    since: u64,
+    before: Vec<u64>,
+    /// The limit passed and a rail was still good: look again then.
+    next_look: u64,
+}
+
+/// Whether every rail's failure count (`now`) grew past `before` (taken
+/// at the last confirmed byte; a rail missing there had none).
+pub(super) fn every_rail_failed(before: &[u64], now: &[u64]) -> bool {
+    !now.is_empty()
+        && now
+            .iter()
+            .enumerate()
+            .all(|(k, &f)| f > before.get(k).copied().unwrap_or(0))
+}
+
 /// The client's side of one Move stream. See the module docs of [`super`].
 #[derive(Debug)]
 pub struct ClientCore {
@@ -199,6 +226,11 @@ pub struct ClientCore {
     /// The peer's, as last heard.
     peer_progress: u64,
     phase: Phase,
+    /// The data path's confirmed bytes, as last told.
+    confirmed: u64,
+    watch: Option<RailWatch>,
+    /// Why the stream gave up on RDMA, for the tcp fallback.
+    fallback: Option<String>,
 }
 
 fn frame_is_empty(f: &ClientFrame) -> bool {
@@ -231,12 +263,105 @@ impl ClientCore {
             progress: 0,
             peer_progress: 0,
             phase: Phase::Running,
+            confirmed: 0,
+            watch: None,
+            fallback: None,
         }
     }
 
     /// The agreed parameters.
     pub fn params(&self) -> &Params {
         &self.p
+    }
+
+    /// `--transport auto`, from `now` on: give up on the RDMA data path
+    /// (abort as [`Reason::Retryable`], saying why in
+    /// [`fallback`](Self::fallback)) once every rail has failed since the
+    /// last confirmed byte, that byte is more than `after_ns` old, and
+    /// windows wait on the data path. That covers links that are down
+    /// (ports down, rails fenced and waiting) and paths that drop RDMA
+    /// traffic (rails failing again as soon as they reconnect), and not a
+    /// copy with nothing to move. The driver tells the counters
+    /// ([`data_path`](Self::data_path)); the decision and its clock are
+    /// here.
+    pub fn watch_rails(&mut self, now: u64, after_ns: u64) {
+        self.watch = Some(RailWatch {
+            after: after_ns,
+            since: now,
+            before: Vec::new(),
+            next_look: 0,
+        });
+    }
+
+    /// The data path's counters at `now`: bytes confirmed so far (bytes
+    /// landing are progress before their window's answer is: a slow link
+    /// is not a stalled client), and each rail's failures so far.
+    pub fn data_path(&mut self, now: u64, confirmed: u64, rail_failures: &[u64]) {
+        if confirmed > self.confirmed {
+            self.confirmed = confirmed;
+            self.note_progress(now);
+            if let Some(w) = &mut self.watch {
+                w.since = now;
+                w.before = rail_failures.to_vec();
+            }
+        }
+        if self.phase != Phase::Running || self.fallback.is_some() || !self.data_path_waits() {
+            return;
+        }
+        let Some(w) = &mut self.watch else {
+            return;
+        };
+        if now < w.since + w.after {
+            return;
+        }
+        if !every_rail_failed(&w.before, rail_failures) {
+            w.next_look = now + LOOK_EVERY_NS;
+            return;
+        }
+        let why = format!(
+            "every RDMA rail has been down for {:.0} s (transport auto): continuing over \
+             the tcp provider",
+            (now - w.since) as f64 / 1e9
+        );
+        tracing::warn!("{why}");
+        self.fallback = Some(why.clone());
+        self.abort(Failure::new(Reason::Retryable, why));
+    }
+
+    /// The data path failed with `f`: the stream ends; with the rails
+    /// watched and `f` retryable, the tcp fallback is why.
+    pub fn data_path_failed(&mut self, f: Failure) {
+        if self.watch.is_some()
+            && f.reason == Reason::Retryable
+            && self.fallback.is_none()
+            && self.phase == Phase::Running
+        {
+            let why = format!(
+                "the RDMA data path gave up ({}) (transport auto): continuing over the tcp \
+                 provider",
+                f.message
+            );
+            tracing::warn!("{why}");
+            self.fallback = Some(why);
+        }
+        self.abort(f);
+    }
+
+    /// Why the stream gave up on RDMA (the rails' watch), if it did.
+    pub fn fallback(&self) -> Option<&str> {
+        self.fallback.as_deref()
+    }
+
+    /// Windows wait on the data path (their Send or Fetch is out).
+    fn data_path_waits(&self) -> bool {
+        self.windows.values().any(|w| w.state == WinState::Moving)
+    }
+
+    /// When the rails' watch next decides.
+    fn watch_deadline(&self) -> Option<u64> {
+        let w = self.watch.as_ref()?;
+        (self.fallback.is_none() && self.data_path_waits())
+            .then(|| (w.since + w.after).max(w.next_look))
     }
 
     /// Files that could start now without waiting (feed about this many).
@@ -327,7 +452,13 @@ impl ClientCore {
     /// When [`handle_timeout`](Self::handle_timeout) next has work.
     pub fn poll_timeout(&self) -> Option<u64> {
         match self.phase {
-            Phase::Running => self.live.next_deadline(self.waiting()),
+            Phase::Running => [
+                self.live.next_deadline(self.waiting()),
+                self.watch_deadline(),
+            ]
+            .into_iter()
+            .flatten()
+            .min(),
             Phase::Ended => None,
         }
     }
@@ -708,6 +839,17 @@ impl ClientCore {
         let p = self.p;
         if g.len > p.window_size {
             return Err(format!("window {} of {} bytes", g.window, g.len));
+        }
+        if p.rails > 1
+            && (g.rail_rkeys.len() != p.rails as usize || g.rail_rkeys.first() != Some(&g.rkey))
+        {
+            // Several rails: the window's key on each, rail 0's first.
+            return Err(format!(
+                "window {}: a grant with {} rail rkeys on a session of {} rails",
+                g.window,
+                g.rail_rkeys.len(),
+                p.rails
+            ));
         }
         let mut dir = None;
         let mut end = 0u64;

@@ -15,7 +15,10 @@
 //!   answers grants by moving windows, reports digests, sends each file's
 //!   digest when its last block is handed over, and commits pulled files in
 //!   batches.
-//! - [`Params`]: what both ends agreed at the handshake.
+//! - [`Params`]: what both ends agreed at the handshake, decided by
+//!   [`negotiate()`] (rcpd) and checked by [`check_grant`] (rcp), with the
+//!   floor and ceiling of every parameter a client proposes
+//!   ([`negotiate`](mod@negotiate)).
 //! - [`Liveness`]: keepalives and the progress timeout, the same on both
 //!   ends.
 //!
@@ -52,6 +55,7 @@
 //!   logs it, once.
 
 mod client;
+pub mod negotiate;
 mod server;
 #[cfg(test)]
 mod tests;
@@ -61,6 +65,7 @@ use std::collections::{BTreeMap, BTreeSet};
 pub use client::{
     ClientAction, ClientCore, ClientEvent, FileDone, FileSpec, Held, LocalCommit, SourceMeta,
 };
+pub use negotiate::{check_block_size, check_grant, negotiate, Agreed, Refusal, Staging, Terms};
 pub use server::{CommittedFile, Granted, OpenedFile, ServerAction, ServerCore, MAX_FILE_LEN};
 
 pub use crate::proto::Reason;
@@ -94,23 +99,21 @@ pub struct Params {
     /// one whose peer sent nothing this long.
     pub timeout_ns: u64,
     /// A keepalive goes out when nothing was sent this long: a third of the
-    /// shorter of the two ends' timeouts (see [`Params::keepalive_for`]).
+    /// shorter of the two ends' timeouts, at least 250 ms
+    /// ([`negotiate::keepalive_for`]).
     pub keepalive_ns: u64,
-    /// Times a damaged block moves again before its file fails.
+    /// Times a damaged block moves again before its file fails (rcpd's,
+    /// sent in the handshake's answer).
     pub max_retries: u32,
+    /// Rails of the session's data path: a Grant on a session of several
+    /// carries the window's rkey on each.
+    pub rails: u32,
 }
 
 impl Params {
     /// Bytes of a block digest on the wire.
     pub fn digest_len(&self) -> usize {
         self.check.digest_len()
-    }
-
-    /// The keepalive period of a session whose ends time out after `own`
-    /// and `peer` nanoseconds (0: the peer did not say).
-    pub fn keepalive_for(own: u64, peer: u64) -> u64 {
-        let shorter = if peer == 0 { own } else { own.min(peer) };
-        (shorter / 3).max(1)
     }
 
     /// Blocks of a file of `len` bytes.

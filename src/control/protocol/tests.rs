@@ -12,6 +12,10 @@ use sha2::{Digest as _, Sha256};
 use super::*;
 use crate::proto::{self, ClientFrame, Direction, ServerFrame};
 
+/// The handshake's decisions (`negotiate`, `check_grant`), the rails'
+/// watch, and sessions run with what they agreed.
+mod negotiation;
+
 /// A small deterministic generator (xorshift64*).
 #[derive(Clone, Debug)]
 struct Rng(u64);
@@ -211,6 +215,19 @@ impl Forgery {
 
 impl Sim {
     fn new(p: Params, dir: Direction, files: &[u64], faults: Faults, seed: u64) -> Sim {
+        Sim::pair(p, p, dir, files, faults, seed)
+    }
+
+    /// Each end with its own parameters (as negotiated: the same blocks and
+    /// windows, each end's own timeout).
+    fn pair(
+        p: Params,
+        client: Params,
+        dir: Direction,
+        files: &[u64],
+        faults: Faults,
+        seed: u64,
+    ) -> Sim {
         let mut sim = Sim {
             p,
             dir,
@@ -218,7 +235,7 @@ impl Sim {
             faults,
             now: 1,
             server: ServerCore::new(p, 1),
-            client: ClientCore::new(p, 77, 1),
+            client: ClientCore::new(client, 77, 1),
             to_server: Vec::new(),
             to_client: Vec::new(),
             io: Vec::new(),
@@ -814,6 +831,7 @@ fn params() -> Params {
         timeout_ns: 10_000_000_000,
         keepalive_ns: 10_000_000_000 / 3,
         max_retries: 3,
+        rails: 1,
     }
 }
 
@@ -1510,6 +1528,7 @@ proptest! {
             timeout_ns: 10_000_000_000,
             keepalive_ns: 10_000_000_000 / 3,
             max_retries: 3,
+            rails: 1,
         };
         let dir = if pull { Direction::Pull } else { Direction::Push };
         let faults = Faults { damage, dup, ..Faults::default() };

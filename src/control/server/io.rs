@@ -79,7 +79,7 @@ pub(super) struct StreamIo {
 
 impl StreamIo {
     pub fn new(svc: Arc<Service>, session: Arc<SessionState>) -> Self {
-        let bs = session.block_size;
+        let bs = session.params.block_size;
         StreamIo {
             svc,
             session,
@@ -172,7 +172,7 @@ impl StreamIo {
             // Always resumable: an interrupted push can be continued with
             // --resume (the temp file and manifest stay hidden until then).
             resume: Some(source),
-            check: self.session.check,
+            check: self.session.params.check,
             flat_sha256: open.flat_sha256,
             ..DestinationOptions::default()
         };
@@ -280,7 +280,7 @@ impl StreamIo {
                 .iter()
                 .map(|e| &mem[e.offset as usize..(e.offset + u64::from(e.len)) as usize])
                 .collect();
-            let check = self.session.check;
+            let check = self.session.params.check;
             digests = check
                 .blocks(&slices)
                 .iter()
@@ -364,7 +364,7 @@ impl StreamIo {
             .iter()
             .map(|e| &mem[e.offset as usize..(e.offset + u64::from(e.len)) as usize])
             .collect();
-        let check = self.session.check;
+        let check = self.session.params.check;
         let got = check.blocks(&slices);
         let mut bad = Vec::new();
         for (i, ((e, data), (g, want))) in extents
@@ -415,7 +415,7 @@ impl StreamIo {
             let n = (length - b * self.bs).min(self.bs) as usize;
             fsutil::read_exact(src, b * self.bs, &mut buf[..n])
                 .map_err(|e| fail(ControlError::io("reading the source file")(e)))?;
-            let check = self.session.check;
+            let check = self.session.params.check;
             out.push((b, check.wire(&check.block(&buf[..n]))));
         }
         Ok(out)
@@ -450,7 +450,7 @@ impl StreamIo {
                 out.push((file, Err(Failure::new(Reason::Other, "committed twice"))));
                 continue;
             };
-            let Some(expected) = self.session.check.from_wire(&digest) else {
+            let Some(expected) = self.session.params.check.from_wire(&digest) else {
                 out.push((
                     file,
                     Err(Failure::invalid("a file digest of the wrong length")),
@@ -478,7 +478,7 @@ impl StreamIo {
                     CommittedFile {
                         path,
                         length: p.len,
-                        digest: self.session.check.wire(&p.derived_digest),
+                        digest: self.session.params.check.wire(&p.derived_digest),
                         flat_sha256: p.flat_sha256.map(|d| d.to_vec()).unwrap_or_default(),
                     }
                 })

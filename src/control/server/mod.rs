@@ -38,7 +38,7 @@ use crate::files::{self, FileError, FileKind, PathError, Root, SourceFile};
 use crate::proto::{self, ClientFrame, ServerFrame};
 use crate::provider::ProviderKind;
 
-pub use session::{check_block_size, SessionState};
+pub use session::SessionState;
 
 /// Server settings.
 #[derive(Clone, Debug)]

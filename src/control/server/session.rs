@@ -10,12 +10,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::Service;
-use crate::control::error::{status, ControlError, Reason, Result};
+use crate::control::error::{status, ControlError, Result};
 use crate::control::link::{connect_params, ep_from_proto, ep_to_proto, SessionDomain};
-use crate::control::protocol::check_to_wire;
-use crate::control::rails::{pair, RailAddr, MAX_QPS_PER_RAIL};
-use crate::control::{DEFAULT_BLOCK_SIZE, VERSION_MAJOR, VERSION_MINOR};
-use crate::files::Check;
+use crate::control::protocol::{negotiate, Agreed, Params, Terms};
+use crate::control::rails::{pair, RailAddr};
 // The server's QPs only respond (the client issues every request): their
 // retry count never matters.
 use crate::datapath::QpRetry;
@@ -28,15 +26,10 @@ use crate::verbs::{QpEndpoint, VerbsChannel};
 /// reachable only by its own data path) and, over verbs, its QP.
 pub struct SessionState {
     pub kind: ProviderKind,
-    pub block_size: u64,
-    /// Windows this session may have granted at once, files open at once.
-    pub window_count: u32,
-    pub max_open_files: u32,
-    /// How the session's blocks are checked.
-    pub check: Check,
-    /// The client's timeout (0: it did not say): keepalives go out every
-    /// third of the shorter of it and ours.
-    pub client_timeout_ns: u64,
+    /// What the handshake agreed (`protocol::negotiate`): block size,
+    /// windows, files open at once, the check, our timeout and the
+    /// keepalive period, the retry bound.
+    pub params: Params,
     /// The session's own domain: its windows are granted through it, and
     /// only its QP / data connections reach them (memory windows bound to
     /// its QP, or registrations in its own protection domain), so an rkey
@@ -109,19 +102,6 @@ fn random_u64() -> u64 {
     u64::from_ne_bytes(b) | 1
 }
 
-/// Check a block size: power of two, 4 KiB ..= `max`; 0 means the default.
-pub fn check_block_size(bs: u64, max: u64) -> Result<u64> {
-    if bs == 0 {
-        return Ok(DEFAULT_BLOCK_SIZE.min(max));
-    }
-    if !bs.is_power_of_two() || bs < 4096 || bs > max {
-        return Err(ControlError::Invalid(format!(
-            "block size {bs} must be a power of two between 4096 and {max}"
-        )));
-    }
-    Ok(bs)
-}
-
 impl Service {
     pub(super) fn session(&self, id: u64) -> Result<Arc<SessionState>> {
         self.sessions
@@ -132,62 +112,41 @@ impl Service {
             .ok_or_else(|| ControlError::Invalid(format!("unknown session {id:#x}")))
     }
 
+    /// What this rcpd offers a session (the handshake's other half).
+    fn terms(&self) -> Terms {
+        Terms {
+            runs: self.link.kind,
+            serves: [ProviderKind::Verbs, ProviderKind::Tcp]
+                .into_iter()
+                .filter(|&k| self.link.serves(k))
+                .collect(),
+            checks: self.cfg.checks.clone(),
+            window_size: self.link.window_size as u64,
+            max_windows: self
+                .cfg
+                .windows_per_session
+                .min(self.link.slots.capacity() as u32),
+            max_open_files: self.cfg.max_open_files,
+            timeout_ns: self.cfg.timeout.as_nanos() as u64,
+        }
+    }
+
     pub(super) fn handshake(
         &self,
         req: proto::HandshakeRequest,
     ) -> std::result::Result<proto::HandshakeResponse, tonic::Status> {
-        if req.version_major != VERSION_MAJOR {
-            return Err(status(
-                Reason::Version,
-                format!(
-                    "protocol {}.{} is not supported: this rcpd speaks {VERSION_MAJOR}.{VERSION_MINOR}; \
-                     use an rcp of the same major version",
-                    req.version_major, req.version_minor
-                ),
-            ));
-        }
-        Ok(self.handshake_v2(req)?)
+        // The protocol decides (`protocol::negotiate`); this sets up what
+        // it agreed.
+        let agreed = negotiate(&req, &self.terms()).map_err(|r| status(r.reason, r.message))?;
+        Ok(self.open_session(req, agreed)?)
     }
 
-    fn handshake_v2(&self, req: proto::HandshakeRequest) -> Result<proto::HandshakeResponse> {
-        // The client's preference, first one this rcpd serves (a verbs
-        // rcpd of `--transport auto` serves tcp too, for a client whose
-        // rails are all down).
-        let offered: Vec<ProviderKind> = req
-            .providers
-            .iter()
-            .filter_map(|p| match proto::Provider::try_from(*p) {
-                Ok(proto::Provider::Verbs) => Some(ProviderKind::Verbs),
-                Ok(proto::Provider::Tcp) => Some(ProviderKind::Tcp),
-                _ => None,
-            })
-            .collect();
-        let Some(kind) = offered.iter().copied().find(|&k| self.link.serves(k)) else {
-            return Err(ControlError::Failed(
-                crate::control::protocol::Failure::new(
-                    Reason::Invalid,
-                    format!(
-                    "this rcpd runs the {} provider; the client offered {:?} (try --transport {})",
-                    self.link.kind,
-                    req.providers
-                        .iter()
-                        .map(|p| proto::Provider::try_from(*p)
-                            .map(|p| p.as_str_name())
-                            .unwrap_or("?"))
-                        .collect::<Vec<_>>(),
-                    self.link.kind
-                ),
-                ),
-            ));
-        };
-        let want = match kind {
-            ProviderKind::Verbs => proto::Provider::Verbs,
-            ProviderKind::Tcp => proto::Provider::Tcp,
-        };
-        // The client's preference, first one this rcpd accepts.
-        let check = crate::control::protocol::choose_check(&req.checks, &self.cfg.checks)
-            .map_err(ControlError::Failed)?;
-        let block_size = check_block_size(req.block_size, self.link.window_size as u64)?;
+    fn open_session(
+        &self,
+        req: proto::HandshakeRequest,
+        agreed: Agreed,
+    ) -> Result<proto::HandshakeResponse> {
+        let kind = agreed.provider;
         self.sessions.lock().unwrap().retain(|id, s| {
             let keep =
                 s.active.load(Relaxed) > 0 || s.last_used.lock().unwrap().elapsed() < SESSION_IDLE;
@@ -201,23 +160,10 @@ impl Service {
                 "{MAX_SESSIONS} sessions open; close some"
             )));
         }
-        let window_count = req
-            .window_count
-            .clamp(1, self.cfg.windows_per_session)
-            .min(self.link.slots.capacity() as u32);
         let id = random_u64();
         let mut resp = proto::HandshakeResponse {
-            version_major: VERSION_MAJOR,
-            version_minor: VERSION_MINOR,
             session_id: id,
-            provider: want as i32,
-            block_size,
-            window_size: self.link.window_size as u64,
-            window_count,
-            check: check_to_wire(check) as i32,
-            max_open_files: self.cfg.max_open_files,
-            timeout_ms: self.cfg.timeout.as_millis().min(u128::from(u32::MAX)) as u32,
-            ..Default::default()
+            ..agreed.response()
         };
         let mut qp = None;
         let mut rd = (1, 1);
@@ -242,7 +188,8 @@ impl Service {
                 sd
             }
             ProviderKind::Verbs => {
-                let (sd, mut more) = self.verbs_rails(id, &req, &mut resp, &mut rd)?;
+                let (sd, mut more) =
+                    self.verbs_rails(id, &req, agreed.qps_per_rail, &mut resp, &mut rd)?;
                 qp = sd.channel.clone();
                 rails = more
                     .drain(..)
@@ -254,15 +201,16 @@ impl Service {
                 sd
             }
         };
+        let params = Params {
+            rails: 1 + rails.len() as u32,
+            ..agreed.params
+        };
+        let p = params;
         self.sessions.lock().unwrap().insert(
             id,
             Arc::new(SessionState {
                 kind,
-                block_size,
-                window_count,
-                max_open_files: self.cfg.max_open_files,
-                client_timeout_ns: u64::from(req.timeout_ms) * 1_000_000,
-                check,
+                params,
                 domain: sd.domain,
                 _tcp_binding: sd.tcp,
                 qp,
@@ -273,7 +221,16 @@ impl Service {
                 last_used: Mutex::new(Instant::now()),
             }),
         );
-        tracing::info!(session = format_args!("{id:#x}"), client = %req.client_name, provider = %kind, block_size, window_count, check = %check, "session opened");
+        tracing::info!(
+            session = format_args!("{id:#x}"),
+            client = %req.client_name,
+            provider = %kind,
+            block_size = p.block_size,
+            window_count = p.window_count,
+            check = %p.check,
+            keepalive_ms = p.keepalive_ns / 1_000_000,
+            "session opened"
+        );
         Ok(resp)
     }
 
@@ -288,6 +245,7 @@ impl Service {
         &self,
         id: u64,
         req: &proto::HandshakeRequest,
+        per: u32,
         resp: &mut proto::HandshakeResponse,
         rd: &mut (u32, u32),
     ) -> Result<(SessionDomain, Vec<SessionDomain>)> {
@@ -325,7 +283,7 @@ impl Service {
             .collect();
         // --qps-per-rail: each of rcpd's rails as many times as the
         // client repeated each of its own.
-        let per = req.qps_per_rail.clamp(1, MAX_QPS_PER_RAIL) as usize;
+        let per = per as usize;
         let devs = self.link.rails();
         let server: Vec<(usize, RailAddr)> = devs
             .iter()

@@ -14,15 +14,12 @@ use super::session::MoveSlot;
 use super::Service;
 use crate::control::error::ControlError;
 use crate::control::protocol::{
-    CommittedFile, Digest, Failure, FileId, FrameKind, Granted, OpenedFile, Params, Reason,
-    ServerAction, ServerCore, Side, Violation, WindowId,
+    CommittedFile, Digest, Failure, FileId, FrameKind, Granted, OpenedFile, Reason, ServerAction,
+    ServerCore, Side, Violation, WindowId,
 };
 use crate::proto::{self, ClientFrame, ServerFrame};
 
 type Tx = mpsc::Sender<Result<ServerFrame, Status>>;
-
-/// Times a damaged block moves again before its file fails.
-const MAX_RETRIES: u32 = 3;
 
 /// What opening a file gave.
 type OpenResult = Result<(Held, OpenedFile), Failure>;
@@ -107,10 +104,7 @@ pub(super) async fn run(svc: Arc<Service>, mut rx: Streaming<ClientFrame>, tx: T
                     return;
                 }
             },
-            _ = tokio::time::sleep(Duration::from_nanos(Params::keepalive_for(
-                timeout.as_nanos() as u64,
-                session.client_timeout_ns,
-            ))) => {
+            _ = tokio::time::sleep(Duration::from_nanos(session.params.keepalive_ns)) => {
                 if tx.send(Ok(ServerFrame::default())).await.is_err() {
                     return;
                 }
@@ -140,19 +134,7 @@ struct Driver {
 
 impl Driver {
     fn new(svc: Arc<Service>, session: Arc<super::SessionState>, tx: Tx, slot: MoveSlot) -> Driver {
-        let p = Params {
-            block_size: session.block_size,
-            window_size: svc.link.window_size as u64,
-            window_count: session.window_count,
-            max_open_files: session.max_open_files,
-            check: session.check,
-            timeout_ns: svc.cfg.timeout.as_nanos() as u64,
-            keepalive_ns: Params::keepalive_for(
-                svc.cfg.timeout.as_nanos() as u64,
-                session.client_timeout_ns,
-            ),
-            max_retries: MAX_RETRIES,
-        };
+        let p = session.params;
         let (done_tx, done_rx) = mpsc::unbounded_channel();
         Driver {
             io: Arc::new(StreamIo::new(svc.clone(), session)),
