@@ -99,7 +99,8 @@ pub(crate) fn in_place<R>(f: impl FnOnce() -> R) -> R {
 }
 
 /// Protocol version spoken. 2.1: rails. 2.2: `REASON_PROTOCOL` for
-/// messages outside the protocol.
+/// messages outside the protocol, the retry bound in the handshake's
+/// answer, numbered frames.
 pub const VERSION_MAJOR: u32 = 2;
 pub const VERSION_MINOR: u32 = 2;
 /// Default gRPC port of rcpd.
