@@ -349,7 +349,7 @@ impl Move {
     pub async fn frame_or_status(&mut self) -> Result<ServerFrame, tonic::Status> {
         loop {
             match self.frame().await? {
-                Some(f) if f == ServerFrame::default() => {
+                Some(f) if is_keepalive(&f) => {
                     self.keepalives += 1;
                     continue;
                 }
@@ -425,6 +425,15 @@ impl Move {
             }
         }
     }
+}
+
+/// A frame with nothing in it but its number and progress counter.
+pub fn is_keepalive(f: &ServerFrame) -> bool {
+    ServerFrame {
+        progress: 0,
+        seq: 0,
+        ..f.clone()
+    } == ServerFrame::default()
 }
 
 /// An OpenFile for a push of `length` bytes to `path`.
