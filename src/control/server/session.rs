@@ -223,7 +223,7 @@ impl Service {
         );
         tracing::info!(
             session = format_args!("{id:#x}"),
-            client = %req.client_name,
+            client = %crate::escape::esc(&req.client_name),
             provider = %kind,
             block_size = p.block_size,
             window_count = p.window_count,
