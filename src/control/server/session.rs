@@ -3,12 +3,14 @@
 //! QP, or a protection domain of its own) and reconnects.
 
 use std::sync::atomic::{
-    AtomicU64,
+    AtomicBool, AtomicU64,
     Ordering::{AcqRel, Acquire, Relaxed},
 };
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
+use super::limits::ClientId;
+use super::sessions::{Entry, Usage};
 use super::Service;
 use crate::control::error::{status, ControlError, Result};
 use crate::control::link::{connect_params, ep_from_proto, ep_to_proto, SessionDomain};
@@ -52,6 +54,25 @@ pub struct SessionState {
     /// CloseSession are reaped when idle.
     pub active: AtomicU64,
     pub last_used: Mutex<Instant>,
+    /// A Move stream was opened on it (before, `--session-grace` applies).
+    pub moved: AtomicBool,
+    /// Who opened it, and the name it gave (cut at what a log line shows).
+    pub client: ClientId,
+    pub client_name: String,
+}
+
+impl Entry for SessionState {
+    fn client(&self) -> ClientId {
+        self.client
+    }
+
+    fn usage(&self) -> Usage {
+        Usage {
+            active: self.active.load(Relaxed) > 0,
+            moved: self.moved.load(Relaxed),
+            last_used: *self.last_used.lock().unwrap(),
+        }
+    }
 }
 
 /// A session's one Move stream, while it runs: taken by
@@ -91,25 +112,14 @@ impl SessionState {
     }
 }
 
-/// A session unused this long (and with nothing running) is closed.
-const SESSION_IDLE: Duration = Duration::from_secs(30 * 60);
-
-const MAX_SESSIONS: usize = 4096;
-
-fn random_u64() -> u64 {
-    let mut b = [0u8; 8];
-    getrandom::getrandom(&mut b).expect("getrandom");
-    u64::from_ne_bytes(b) | 1
-}
-
 impl Service {
     pub(super) fn session(&self, id: u64) -> Result<Arc<SessionState>> {
-        self.sessions
-            .lock()
-            .unwrap()
-            .get(&id)
-            .cloned()
-            .ok_or_else(|| ControlError::Invalid(format!("unknown session {id:#x}")))
+        self.sessions.get(id).ok_or_else(|| {
+            ControlError::Invalid(format!(
+                "unknown session {id:#x} (closed, or never opened: a session that opens no \
+                 Move stream within rcpd's --session-grace is closed)"
+            ))
+        })
     }
 
     /// What this rcpd offers a session (the handshake's other half).
@@ -133,34 +143,31 @@ impl Service {
 
     pub(super) fn handshake(
         &self,
+        client: ClientId,
         req: proto::HandshakeRequest,
     ) -> std::result::Result<proto::HandshakeResponse, tonic::Status> {
         // The protocol decides (`protocol::negotiate`); this sets up what
         // it agreed.
         let agreed = negotiate(&req, &self.terms()).map_err(|r| status(r.reason, r.message))?;
-        Ok(self.open_session(req, agreed)?)
+        Ok(self.open_session(client, req, agreed)?)
     }
 
     fn open_session(
         &self,
+        client: ClientId,
         req: proto::HandshakeRequest,
         agreed: Agreed,
     ) -> Result<proto::HandshakeResponse> {
         let kind = agreed.provider;
-        self.sessions.lock().unwrap().retain(|id, s| {
-            let keep =
-                s.active.load(Relaxed) > 0 || s.last_used.lock().unwrap().elapsed() < SESSION_IDLE;
-            if !keep {
-                tracing::info!(session = format_args!("{id:#x}"), "idle session reaped");
-            }
-            keep
-        });
-        if self.sessions.lock().unwrap().len() >= MAX_SESSIONS {
-            return Err(ControlError::Exceeded(format!(
-                "{MAX_SESSIONS} sessions open; close some"
-            )));
-        }
-        let id = random_u64();
+        // The limits checked and a place taken in one step: handshakes
+        // setting up their QPs at once cannot pass them.
+        self.sweep();
+        let place = self.sessions.reserve(client).map_err(|e| {
+            let what = format!("handshake refused: {e}");
+            self.limited(e.limit(), 1, client, &req.client_name, &what);
+            ControlError::Exceeded(e.to_string())
+        })?;
+        let id = place.id();
         let mut resp = proto::HandshakeResponse {
             session_id: id,
             ..agreed.response()
@@ -206,24 +213,29 @@ impl Service {
             ..agreed.params
         };
         let p = params;
-        self.sessions.lock().unwrap().insert(
-            id,
-            Arc::new(SessionState {
-                kind,
-                params,
-                domain: sd.domain,
-                _tcp_binding: sd.tcp,
-                qp,
-                rails,
-                rd,
-                epoch: AtomicU64::new(0),
-                active: AtomicU64::new(0),
-                last_used: Mutex::new(Instant::now()),
-            }),
-        );
+        place.commit(Arc::new(SessionState {
+            kind,
+            params,
+            domain: sd.domain,
+            _tcp_binding: sd.tcp,
+            qp,
+            rails,
+            rd,
+            epoch: AtomicU64::new(0),
+            active: AtomicU64::new(0),
+            last_used: Mutex::new(Instant::now()),
+            moved: AtomicBool::new(false),
+            client,
+            client_name: req
+                .client_name
+                .chars()
+                .take(crate::escape::MAX_LOGGED)
+                .collect(),
+        }));
         tracing::info!(
             session = format_args!("{id:#x}"),
-            client = %crate::escape::esc(&req.client_name),
+            %client,
+            name = %crate::escape::esc(&req.client_name),
             provider = %kind,
             block_size = p.block_size,
             window_count = p.window_count,
