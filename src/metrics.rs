@@ -26,6 +26,7 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
 use crate::datapath::{DataPathStats, RailStats, Report};
+use crate::engine::stream::Counters;
 
 type Labels = Vec<(String, String)>;
 
@@ -58,43 +59,39 @@ struct Tracked {
 #[derive(Clone, Copy, Default)]
 struct RailCounts([u64; RAIL_COUNTERS.len()]);
 
-/// `(name, help, read)`: the per-rail counters, each the engine's count
-/// published in [`RailStats`].
-type RailCounter = (&'static str, &'static str, fn(&RailStats) -> u64);
+/// `(name, help, read)`: the per-rail counters, each read from the
+/// engine's [`Counters`] of the rail (published in [`RailStats`]).
+type RailCounter = (&'static str, &'static str, fn(&Counters) -> u64);
 
-const RAIL_COUNTERS: [RailCounter; 6] = {
-    use std::sync::atomic::Ordering::Relaxed;
-    [
-        (
-            "rail_bytes",
-            "Payload bytes a rail's completions confirmed",
-            |r| r.bytes_confirmed.load(Relaxed),
-        ),
-        ("rail_error_cqes", "Error completions of a rail", |r| {
-            r.error_cqes.load(Relaxed)
-        }),
-        ("rail_failures", "Epochs of a rail that failed", |r| {
-            r.failures.load(Relaxed)
-        }),
-        (
-            "rail_requeued_blocks",
-            "Blocks moved off a failed rail to the others",
-            |r| r.requeued.load(Relaxed),
-        ),
-        ("rail_reconnects", "Reconnects of a rail", |r| {
-            r.reconnects.load(Relaxed)
-        }),
-        (
-            "rail_pauses",
-            "Times a rail was paused (cool-down after repeated failures)",
-            |r| r.pauses.load(Relaxed),
-        ),
-    ]
-};
+const RAIL_COUNTERS: [RailCounter; 6] = [
+    (
+        "rail_bytes",
+        "Payload bytes a rail's completions confirmed",
+        |c| c.bytes_confirmed,
+    ),
+    ("rail_error_cqes", "Error completions of a rail", |c| {
+        c.errors.total()
+    }),
+    ("rail_failures", "Epochs of a rail that failed", |c| {
+        c.failures
+    }),
+    (
+        "rail_requeued_blocks",
+        "Blocks moved off a failed rail to the others",
+        |c| c.requeued,
+    ),
+    ("rail_reconnects", "Reconnects of a rail", |c| c.reconnects),
+    (
+        "rail_pauses",
+        "Times a rail was paused (cool-down after repeated failures)",
+        |c| c.pauses,
+    ),
+];
 
 impl RailCounts {
     fn of(r: &RailStats) -> RailCounts {
-        RailCounts(RAIL_COUNTERS.map(|(_, _, read)| read(r)))
+        let c = r.counters();
+        RailCounts(RAIL_COUNTERS.map(|(_, _, read)| read(&c)))
     }
 }
 
@@ -406,7 +403,8 @@ impl Metrics {
             let s = &e.stats;
             // Counters first, so what a data path did just before it ended
             // is still counted.
-            let errs = s.errors();
+            let c = s.counters();
+            let errs: Vec<_> = c.errors.iter().collect();
             for (label, n) in &errs {
                 let before = e
                     .last_errors
@@ -420,7 +418,7 @@ impl Metrics {
                 }
             }
             e.last_errors = errs;
-            let rc = s.reconnects.load(Relaxed);
+            let rc = c.reconnects;
             if rc > e.last_reconnects {
                 self.reconnects.inc_by(rc - e.last_reconnects);
                 e.last_reconnects = rc;
@@ -574,10 +572,11 @@ mod tests {
         let m = Metrics::new();
         let s = Arc::new(DataPathStats::default());
         m.track("rxe0", 17, 256, 512, &s);
-        s.sq_free.store(200, Relaxed);
         s.cq_fill.store(64, Relaxed);
-        s.count_error(WcStatus::Flushed);
-        s.count_error(WcStatus::Flushed);
+        let mut c = Counters::default();
+        c.errors.count(WcStatus::Flushed);
+        c.errors.count(WcStatus::Flushed);
+        s.publish(&c, 200);
         m.transfer_started();
         m.transfer_ended("push", "ok", 1 << 20, 0.5, None);
         let t = m.render();
@@ -617,8 +616,9 @@ mod tests {
         );
         // What a data path did just before it ended is still counted, and
         // its queue gauges go with it.
-        s.count_error(WcStatus::RemoteAccess);
-        s.reconnects.fetch_add(2, Relaxed);
+        c.errors.count(WcStatus::RemoteAccess);
+        c.reconnects += 2;
+        s.publish(&c, 200);
         drop(s);
         let t = m.render();
         assert!(!t.contains("rcp_sq_free_slots{"), "{t}");
@@ -636,12 +636,21 @@ mod tests {
         let m = Metrics::new();
         let s = Arc::new(DataPathStats::with_rails(2));
         m.track("rxea0", 9, 128, 128, &s);
-        s.rails[0].bytes_confirmed.store(4096, Relaxed);
-        s.rails[1].bytes_confirmed.store(1 << 20, Relaxed);
-        s.rails[1].failures.store(1, Relaxed);
-        s.rails[1].requeued.store(12, Relaxed);
-        // Rail 1 is paused (RailStats::STATES[3]).
-        s.rails[1].state.store(3, Relaxed);
+        use crate::engine::stream::RailState;
+        let mut c0 = Counters {
+            bytes_confirmed: 4096,
+            ..Counters::default()
+        };
+        let mut c1 = Counters {
+            bytes_confirmed: 1 << 20,
+            failures: 1,
+            requeued: 12,
+            ..Counters::default()
+        };
+        s.rails[0].publish(&c0, 128, RailState::Running);
+        let paused = RailState::Paused { until: 1 };
+        s.rails[1].publish(&c1, 128, paused);
+        assert_eq!(s.rails[1].state_label(), "paused");
         let t = m.render();
         for line in [
             r#"rcp_rail_bytes_total{device="rxea0",qp="9",rail="0"} 4096"#,
@@ -657,8 +666,8 @@ mod tests {
         }
         // The engine's counts are totals: what grew since the last scrape
         // is added, nothing twice.
-        s.rails[1].bytes_confirmed.store(3 << 20, Relaxed);
-        s.rails[1].state.store(0, Relaxed);
+        c1.bytes_confirmed = 3 << 20;
+        s.rails[1].publish(&c1, 128, RailState::Running);
         let t = m.render();
         for line in [
             r#"rcp_rail_bytes_total{device="rxea0",qp="9",rail="0"} 4096"#,
@@ -669,7 +678,8 @@ mod tests {
             assert!(t.lines().any(|l| l == line), "{line}:\n{t}");
         }
         // The data path ends: its last counts are kept, its gauges go.
-        s.rails[0].reconnects.store(2, Relaxed);
+        c0.reconnects = 2;
+        s.rails[0].publish(&c0, 128, RailState::Running);
         drop(s);
         let t = m.render();
         assert!(
@@ -701,7 +711,7 @@ mod tests {
         m.auth_failure();
         let s = Arc::new(DataPathStats::default());
         m.track("tcp", 1, 64, 64, &s);
-        let mut c = crate::engine::stream::Counters::default();
+        let mut c = Counters::default();
         c.errors.count(WcStatus::RetryExceeded);
         c.reconnects = 1;
         s.publish(&c, 64);
@@ -734,7 +744,9 @@ mod tests {
         // A data path has one rail at least (DataPath::start: one).
         let s = Arc::new(DataPathStats::with_rails(1));
         m.track("rxe0", 1, 8, 8, &s);
-        s.count_error(WcStatus::Flushed);
+        let mut c = Counters::default();
+        c.errors.count(WcStatus::Flushed);
+        s.publish(&c, 8);
         m.transfer_started();
         m.transfer_ended("push", "ok", 1, 1.0, None);
         m.cq_overrun();

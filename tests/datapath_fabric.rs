@@ -236,17 +236,17 @@ fn move_and_verify(op: OpKind, len: usize, extent: u32, windows: u64) {
     let r = dp.close();
     eprintln!(
         "{op:?} {len} bytes in {extent}-byte extents: {secs:.3} s, {:.1} MB/s, doorbells {}, p50 {:.1} us p99 {:.1} us",
-        r.bytes as f64 / secs / 1e6,
-        r.doorbells,
+        r.counters.bytes_confirmed as f64 / secs / 1e6,
+        r.counters.doorbells,
         r.p50_us(),
         r.p99_us()
     );
-    assert_eq!(r.bytes, len as u64);
-    assert_eq!(r.msgs, windows * per);
-    assert_eq!(r.windows_done, windows);
-    assert_eq!(r.posted, windows * per, "no extent posted twice");
-    assert_eq!((r.reconnects, calls.load(Relaxed)), (0, 0));
-    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    assert_eq!(r.counters.bytes_confirmed, len as u64);
+    assert_eq!(r.counters.extents_confirmed, windows * per);
+    assert_eq!(r.counters.windows_done, windows);
+    assert_eq!(r.counters.posted, windows * per, "no extent posted twice");
+    assert_eq!((r.counters.reconnects, calls.load(Relaxed)), (0, 0));
+    assert!(r.counters.errors.total() == 0, "{:?}", r.counters.errors);
     assert_eq!(r.outstanding_at_close, 0);
     let got = match op {
         OpKind::Write => bytes_at(&sb, 0, len),
@@ -284,12 +284,24 @@ fn a_batch_of_32_is_one_doorbell() {
     wait_done(&mut ev, &[1]);
     let r = dp.close();
     assert_eq!(
-        (r.doorbells, r.posted, r.signaled, r.completions),
+        (
+            r.counters.doorbells,
+            r.counters.posted,
+            r.counters.signaled,
+            r.counters.completions
+        ),
         (1, 32, 1, 1),
         "{r:?}"
     );
-    assert_eq!((r.msgs, r.bytes, r.windows_done), (32, len as u64, 1));
-    assert_eq!((r.reconnects, calls.load(Relaxed)), (0, 0));
+    assert_eq!(
+        (
+            r.counters.extents_confirmed,
+            r.counters.bytes_confirmed,
+            r.counters.windows_done
+        ),
+        (32, len as u64, 1)
+    );
+    assert_eq!((r.counters.reconnects, calls.load(Relaxed)), (0, 0));
     assert!(bytes_at(&b.span(), 0, len) == data);
 }
 
@@ -335,18 +347,22 @@ fn burst_of_100k_4k_writes_into_a_128_deep_sq() {
     let r = dp.close();
     eprintln!(
         "100k x 4 KiB: {secs:.2} s, {:.0} msg/s, doorbells {}, completions {}, post failures {}",
-        r.msgs as f64 / secs,
-        r.doorbells,
-        r.completions,
-        r.post_failures
+        r.counters.extents_confirmed as f64 / secs,
+        r.counters.doorbells,
+        r.counters.completions,
+        r.counters.post_failures
     );
-    assert_eq!(r.msgs, n, "every write landed");
-    assert_eq!(r.posted, n, "none posted twice");
-    assert_eq!(r.windows_done, ids.len() as u64);
-    assert_eq!(r.post_failures, 0, "the SQ was never over-posted");
-    assert!(r.errors.is_empty(), "{:?}", r.errors);
-    assert_eq!((r.reconnects, calls.load(Relaxed)), (0, 0));
-    assert!(r.doorbells >= n / 32 && r.doorbells < n, "{}", r.doorbells);
+    assert_eq!(r.counters.extents_confirmed, n, "every write landed");
+    assert_eq!(r.counters.posted, n, "none posted twice");
+    assert_eq!(r.counters.windows_done, ids.len() as u64);
+    assert_eq!(r.counters.post_failures, 0, "the SQ was never over-posted");
+    assert!(r.counters.errors.total() == 0, "{:?}", r.counters.errors);
+    assert_eq!((r.counters.reconnects, calls.load(Relaxed)), (0, 0));
+    assert!(
+        r.counters.doorbells >= n / 32 && r.counters.doorbells < n,
+        "{}",
+        r.counters.doorbells
+    );
     // Every credit back at the end.
     assert_eq!(stats.sq_free.load(Relaxed), u64::from(SQ));
     assert!(bytes_at(&b.span(), 0, region) == data);
@@ -397,12 +413,12 @@ fn qp_error_mid_stream_reconnects_once_and_every_block_verifies() {
         std::thread::spawn(move || {
             // Break the QP once a quarter of the extents is confirmed.
             let deadline = Instant::now() + Duration::from_secs(60);
-            while stats.blocks_done.load(Relaxed) < total / 4 && Instant::now() < deadline {
+            while stats.counters().extents_confirmed < total / 4 && Instant::now() < deadline {
                 std::thread::sleep(Duration::from_micros(100));
             }
             eprintln!(
                 "set_error after {} extents",
-                stats.blocks_done.load(Relaxed)
+                stats.counters().extents_confirmed
             );
             ch.set_error().unwrap();
         })
@@ -411,33 +427,40 @@ fn qp_error_mid_stream_reconnects_once_and_every_block_verifies() {
     let other = wait_done(&mut ev, &ids);
     breaker.join().unwrap();
     let r = dp.close();
-    let reposted = stats.reposted.load(Relaxed);
+    let reposted = stats.counters().reposted;
     eprintln!(
         "reconnects {} ({} attempts) in {:?} s, errors {:?}, reposted {reposted}",
-        r.reconnects,
+        r.counters.reconnects,
         calls.load(Relaxed),
         r.reconnect_seconds,
-        r.errors
+        r.counters.errors
     );
     assert!(
         matches!(other[..], [DpEvent::Reconnected { epoch: 1, .. }]),
         "{other:?}"
     );
-    assert_eq!(r.reconnects, 1);
+    assert_eq!(r.counters.reconnects, 1);
     assert!(calls.load(Relaxed) >= 1);
     assert_eq!(
-        stats.error_batches.load(Relaxed),
+        stats.counters().failures,
         1,
         "the flush was one error batch"
     );
-    assert!(r.errors.get("wr_flush_err").copied().unwrap_or(0) > 0);
-    assert_eq!(r.msgs, total, "every extent confirmed once");
-    assert_eq!(r.windows_done, windows);
+    assert!(r.counters.errors.get(WcStatus::Flushed) > 0);
+    assert_eq!(
+        r.counters.extents_confirmed, total,
+        "every extent confirmed once"
+    );
+    assert_eq!(r.counters.windows_done, windows);
     assert!(
         reposted > 0 && reposted <= depth as u64,
         "only the unconfirmed (at most {depth} in flight) are reposted: {reposted}"
     );
-    assert_eq!(r.posted, total + reposted, "nothing else posted twice");
+    assert_eq!(
+        r.counters.posted,
+        total + reposted,
+        "nothing else posted twice"
+    );
     assert!(bytes_at(&b.span(), 0, len) == data);
 }
 
@@ -488,11 +511,11 @@ fn wrong_rkey_is_a_remote_access_error_not_a_hang() {
         0,
         "a remote access error must not reconnect"
     );
-    assert_eq!(r.windows_done, 0);
+    assert_eq!(r.counters.windows_done, 0);
     assert!(
-        r.errors.get("rem_access_err").copied().unwrap_or(0) >= 1,
+        r.counters.errors.get(WcStatus::RemoteAccess) >= 1,
         "{:?}",
-        r.errors
+        r.counters.errors
     );
     assert!(
         bytes_at(&b.span(), 0, len) == before,

@@ -14,7 +14,6 @@
 //! to cut, the netdev of A's second rail).
 
 use std::process::Command;
-use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -380,20 +379,33 @@ fn two_rails_carry_one_copy() {
     for (k, x) in rep.rails.iter().enumerate() {
         eprintln!(
             "rail {k}: {} blocks, {} bytes, {} posted",
-            x.msgs, x.bytes, x.posted
+            x.counters.extents_confirmed, x.counters.bytes_confirmed, x.counters.posted
         );
     }
     eprintln!("{len} bytes over two rails in {secs:.2} s");
     assert!(other.is_empty(), "{other:?}");
-    assert_eq!(rep.bytes, len as u64);
+    assert_eq!(rep.counters.bytes_confirmed, len as u64);
     assert_eq!(rep.rails.len(), 2);
     assert!(
-        rep.rails.iter().all(|x| x.msgs > 0),
+        rep.rails.iter().all(|x| x.counters.extents_confirmed > 0),
         "both rails carried blocks: {:?}",
-        rep.rails.iter().map(|x| x.msgs).collect::<Vec<_>>()
+        rep.rails
+            .iter()
+            .map(|x| x.counters.extents_confirmed)
+            .collect::<Vec<_>>()
     );
-    assert_eq!(rep.rails.iter().map(|x| x.bytes).sum::<u64>(), len as u64);
-    assert!(rep.errors.is_empty(), "{:?}", rep.errors);
+    assert_eq!(
+        rep.rails
+            .iter()
+            .map(|x| x.counters.bytes_confirmed)
+            .sum::<u64>(),
+        len as u64
+    );
+    assert!(
+        rep.counters.errors.total() == 0,
+        "{:?}",
+        rep.counters.errors
+    );
     verify(&r, &data);
 }
 
@@ -430,7 +442,7 @@ fn a_rail_cut_for_5s_is_absorbed_and_rejoins() {
             eprintln!(
                 "{cut} down at {:.2} s, {} of {} blocks done",
                 down.duration_since(t0).as_secs_f64(),
-                stats.blocks_done.load(Relaxed),
+                stats.counters().extents_confirmed,
                 len / (16 << 10)
             );
             let cut = cut.clone();
@@ -475,23 +487,23 @@ fn a_rail_cut_for_5s_is_absorbed_and_rejoins() {
          extents posted elsewhere) {:?} s, reconnect {:?} s; blocks rail 0 {} rail 1 {}",
         down_at.duration_since(t0).as_secs_f64(),
         copied.as_secs_f64(),
-        x.requeued,
+        x.counters.requeued,
         x.failover_seconds,
         x.reconnect_seconds,
-        rep.rails[0].msgs,
-        x.msgs,
+        rep.rails[0].counters.extents_confirmed,
+        x.counters.extents_confirmed,
     );
     assert!(down.is_some(), "rail 1 never failed: {other:?}");
-    assert!(x.failures >= 1 && x.fences >= 1, "{x:?}");
+    assert!(x.counters.failures >= 1 && x.counters.fences >= 1, "{x:?}");
     assert!(up.is_some(), "rail 1 did not rejoin: {other:?}");
     assert!(
-        x.requeued > 0,
+        x.counters.requeued > 0,
         "rail 1 had nothing outstanding at the cut: the failover was not exercised"
     );
     assert!(
         !x.failover_seconds.is_empty(),
         "rail 1's extents were posted on rail 0: {x:?}"
     );
-    assert_eq!(rep.bytes, len as u64);
+    assert_eq!(rep.counters.bytes_confirmed, len as u64);
     verify(&r, &data);
 }

@@ -215,11 +215,15 @@ fn windows_of_packed_extents_land_byte_exact_both_ways() {
         .chain(100..108)
         .map(|id| extents(id).len() as u64)
         .sum();
-    assert_eq!(rep.msgs, extents_total);
-    assert_eq!(rep.windows_done, 16);
-    assert_eq!(rep.posted, extents_total, "nothing posted twice");
-    assert_eq!(rep.reconnects, 0);
-    assert!(rep.errors.is_empty(), "{:?}", rep.errors);
+    assert_eq!(rep.counters.extents_confirmed, extents_total);
+    assert_eq!(rep.counters.windows_done, 16);
+    assert_eq!(rep.counters.posted, extents_total, "nothing posted twice");
+    assert_eq!(rep.counters.reconnects, 0);
+    assert!(
+        rep.counters.errors.total() == 0,
+        "{:?}",
+        rep.counters.errors
+    );
     assert_eq!(rep.outstanding_at_close, 0);
 }
 
@@ -250,6 +254,6 @@ fn a_bad_rkey_fails_the_data_path_for_good() {
     let again = unsafe { dp.submit(window(&r, 2, 1, OpKind::Write, r.remote.reg.rkey())) };
     assert!(matches!(again, Err(DataPathError::Stopped)), "{again:?}");
     let rep = dp.close();
-    assert_eq!(rep.windows_done, 0);
-    assert_eq!(rep.errors.get("rem_access_err"), Some(&1));
+    assert_eq!(rep.counters.windows_done, 0);
+    assert_eq!(rep.counters.errors.get(WcStatus::RemoteAccess), 1);
 }

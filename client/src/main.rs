@@ -637,7 +637,7 @@ async fn run(c: Cli) -> Result<(), ControlError> {
             digest_format: Some(check.digest_format()),
             digest: totals.digest.as_deref().filter(|_| one).map(hex),
             sha256: totals.sha256.as_deref().filter(|_| one).map(hex),
-            reconnects: stats.map(|s| s.report.reconnects),
+            reconnects: stats.map(|s| s.report.counters.reconnects),
             fallback: fell_back,
         };
         println!("{}", line("summary", &l));

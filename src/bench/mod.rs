@@ -219,13 +219,13 @@ impl Measured {
         self.report.seconds.max(1e-9)
     }
     pub fn gbps(&self) -> f64 {
-        self.report.bytes as f64 * 8.0 / self.secs() / 1e9
+        self.report.counters.bytes_confirmed as f64 * 8.0 / self.secs() / 1e9
     }
     pub fn msg_per_s(&self) -> f64 {
-        self.report.msgs as f64 / self.secs()
+        self.report.counters.extents_confirmed as f64 / self.secs()
     }
     pub fn cpu_ns_per_msg(&self) -> f64 {
-        self.cpu_ns as f64 / self.report.msgs.max(1) as f64
+        self.cpu_ns as f64 / self.report.counters.extents_confirmed.max(1) as f64
     }
 }
 
@@ -255,17 +255,17 @@ pub fn format_line(o: &BenchOptions, m: &Measured) -> String {
         o.inline,
         Mode(o.mode),
         o.qps,
-        r.msgs,
+        r.counters.extents_confirmed,
         secs,
         m.gbps(),
-        r.bytes as f64 / secs / 1e6,
+        r.counters.bytes_confirmed as f64 / secs / 1e6,
         m.msg_per_s(),
         r.p50_us(),
         r.p99_us(),
-        r.doorbells,
-        r.signaled,
-        r.inline,
-        r.completions,
+        r.counters.doorbells,
+        r.counters.signaled,
+        r.counters.inline,
+        r.counters.completions,
         m.cpu_ns_per_msg(),
         r.polls,
         r.empty_polls,
@@ -292,17 +292,17 @@ pub fn json_line(o: &BenchOptions, m: &Measured, label: Option<&str>) -> String 
             inline: o.inline,
             mode: Mode(o.mode).to_string(),
             qps: o.qps,
-            msgs: r.msgs,
+            msgs: r.counters.extents_confirmed,
             seconds: secs,
             gbps: m.gbps(),
-            mb_per_s: r.bytes as f64 / secs / 1e6,
+            mb_per_s: r.counters.bytes_confirmed as f64 / secs / 1e6,
             msg_per_s: m.msg_per_s(),
             p50_us: r.p50_us(),
             p99_us: r.p99_us(),
-            doorbells: r.doorbells,
-            signaled: r.signaled,
-            inline_posted: r.inline,
-            completions: r.completions,
+            doorbells: r.counters.doorbells,
+            signaled: r.counters.signaled,
+            inline_posted: r.counters.inline,
+            completions: r.counters.completions,
             cpu_ns_per_msg: m.cpu_ns_per_msg(),
             polls: r.polls,
             empty_polls: r.empty_polls,
@@ -320,7 +320,7 @@ pub fn format_human(o: &BenchOptions, m: &Measured) -> String {
         "{} {} B x {} on {} QP(s): {:.3} Gb/s, {:.0} msg/s, completion p50 {:.1} us p99 {:.1} us, {:.0} ns CPU/msg",
         op_name(o.op),
         o.size,
-        m.report.msgs,
+        m.report.counters.extents_confirmed,
         o.qps,
         m.gbps(),
         m.msg_per_s(),
@@ -571,8 +571,8 @@ mod tests {
             cpu_ns: 2_000,
             ..Measured::default()
         };
-        m.report.msgs = 10;
-        m.report.bytes = 640;
+        m.report.counters.extents_confirmed = 10;
+        m.report.counters.bytes_confirmed = 640;
         m.report.seconds = 0.5;
         let line = format_line(&o, &m);
         assert!(

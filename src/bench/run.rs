@@ -281,19 +281,12 @@ fn run_lane(
 }
 
 fn merge(into: &mut Report, r: Report, seconds_max: bool) {
-    into.bytes += r.bytes;
-    into.msgs += r.msgs;
-    into.posted += r.posted;
-    into.doorbells += r.doorbells;
-    into.signaled += r.signaled;
-    into.inline += r.inline;
-    into.completions += r.completions;
+    into.counters.add(&r.counters);
     into.polls += r.polls;
     into.empty_polls += r.empty_polls;
     into.arms += r.arms;
     into.waits += r.waits;
     into.wakeups += r.wakeups;
-    into.reconnects += r.reconnects;
     into.seconds = if seconds_max {
         into.seconds.max(r.seconds)
     } else {

@@ -147,24 +147,39 @@ fn two_rails_share_a_copy_and_report_each_rail() {
     let stats = dp.stats().clone();
     let r = dp.close();
     let n = 40 * 256;
-    assert_eq!(r.msgs, n);
+    assert_eq!(r.counters.extents_confirmed, n);
     assert_eq!(r.rails.len(), 2);
     assert!(
-        r.rails.iter().all(|x| x.msgs > 0),
+        r.rails.iter().all(|x| x.counters.extents_confirmed > 0),
         "both rails carried blocks"
     );
-    assert_eq!(r.rails.iter().map(|x| x.msgs).sum::<u64>(), n);
-    assert_eq!(r.rails.iter().map(|x| x.bytes).sum::<u64>(), r.bytes);
-    assert_eq!(r.rails[0].posted, a.posted.load(Relaxed));
-    assert_eq!(r.rails[1].posted, b.posted.load(Relaxed));
+    assert_eq!(
+        r.rails
+            .iter()
+            .map(|x| x.counters.extents_confirmed)
+            .sum::<u64>(),
+        n
+    );
+    assert_eq!(
+        r.rails
+            .iter()
+            .map(|x| x.counters.bytes_confirmed)
+            .sum::<u64>(),
+        r.counters.bytes_confirmed
+    );
+    assert_eq!(r.rails[0].counters.posted, a.posted.load(Relaxed));
+    assert_eq!(r.rails[1].counters.posted, b.posted.load(Relaxed));
     assert!(a.max_outstanding.load(Relaxed) <= 64);
     assert!(b.max_outstanding.load(Relaxed) <= 128);
     // The live per-rail figures are the engine's, published; the totals
     // keep their meaning.
     assert_eq!(stats.rails.len(), 2);
-    assert_eq!(stats.blocks_done.load(Relaxed), n);
+    assert_eq!(stats.counters().extents_confirmed, n);
     for (i, s) in stats.rails.iter().enumerate() {
-        assert_eq!(s.blocks_done.load(Relaxed), r.rails[i].msgs);
+        assert_eq!(
+            s.counters().extents_confirmed,
+            r.rails[i].counters.extents_confirmed
+        );
         assert_eq!(s.state_label(), "running");
     }
     assert_eq!(stats.sq_free.load(Relaxed), 64 + 128);
@@ -228,7 +243,7 @@ fn a_failing_rail_is_absorbed_while_it_reconnects_in_the_background() {
     go_tx.send(()).unwrap();
     assert!(matches!(next_other(&mut ev), DpEvent::RailUp { rail: 1 }));
     // It carries work again.
-    let before = dp.stats().rails[1].blocks_done.load(Relaxed);
+    let before = dp.stats().rails[1].counters().extents_confirmed;
     let more: Vec<u64> = (100..108).collect();
     for &id in &more {
         submit(&dp, job(id, 256));
@@ -236,16 +251,26 @@ fn a_failing_rail_is_absorbed_while_it_reconnects_in_the_background() {
     assert!(wait_done(&mut ev, &more).is_empty());
     let stats = dp.stats().clone();
     let r = dp.close();
-    assert!(r.rails[1].msgs > before, "rail 1 rejoined");
-    assert_eq!(r.msgs, 16 * 512 + 8 * 256, "every extent confirmed once");
-    assert_eq!((r.rails[1].fences, r.rails[1].reconnects), (1, 1));
-    assert_eq!(r.rails[0].fences, 0);
-    assert_eq!(r.rails[1].errors.get("retry_exc_err"), Some(&1));
+    assert!(
+        r.rails[1].counters.extents_confirmed > before,
+        "rail 1 rejoined"
+    );
+    assert_eq!(
+        r.counters.extents_confirmed,
+        16 * 512 + 8 * 256,
+        "every extent confirmed once"
+    );
+    assert_eq!(
+        (r.rails[1].counters.fences, r.rails[1].counters.reconnects),
+        (1, 1)
+    );
+    assert_eq!(r.rails[0].counters.fences, 0);
+    assert_eq!(r.rails[1].counters.errors.get(WcStatus::RetryExceeded), 1);
     assert_eq!(r.rails[1].failover_seconds.len(), 1, "one failover");
     assert_eq!(r.rails[1].reconnect_seconds.len(), 1);
-    assert_eq!(r.reconnects, 1);
-    assert!(stats.rails[1].error_cqes.load(Relaxed) >= 1);
-    assert_eq!(stats.rails[1].fences.load(Relaxed), 1);
+    assert_eq!(r.counters.reconnects, 1);
+    assert!(stats.rails[1].counters().errors.total() >= 1);
+    assert_eq!(stats.rails[1].counters().fences, 1);
 }
 
 #[test]
@@ -295,7 +320,7 @@ fn a_port_going_down_fails_the_rail_and_its_fence_releases_the_windows() {
     }
     let stats = dp.stats().clone();
     wait_until("rail 1 carries requests", || b.posted.load(Relaxed) > 0);
-    assert_eq!(stats.rails[1].blocks_done.load(Relaxed), 0);
+    assert_eq!(stats.rails[1].counters().extents_confirmed, 0);
     port.set_active(false);
     // Held by rail 1 until its port went down, then done over rail 0.
     let other = wait_done(&mut ev, &ids);
@@ -322,10 +347,10 @@ fn a_port_going_down_fails_the_rail_and_its_fence_releases_the_windows() {
         "the first attempt waited for the port"
     );
     let r = dp.close();
-    assert_eq!(r.msgs, 8 * 256);
+    assert_eq!(r.counters.extents_confirmed, 8 * 256);
     assert_eq!(r.rails[1].port_waits, 1, "{r:?}");
-    assert_eq!(r.rails[1].fences, 1);
-    assert!(r.rails[1].requeued > 0);
+    assert_eq!(r.rails[1].counters.fences, 1);
+    assert!(r.rails[1].counters.requeued > 0);
     assert_eq!(r.outstanding_at_close, 0);
 }
 
@@ -425,9 +450,16 @@ fn a_flapping_rail_is_paused_with_growing_cooldowns() {
     }
     let stats = dp.stats().clone();
     let r = dp.close();
-    assert_eq!(r.msgs, next * 128, "every extent confirmed once");
-    assert_eq!((r.rails[1].failures, r.rails[1].pauses), (3, 2));
-    assert_eq!(stats.rails[1].pauses.load(Relaxed), 2);
+    assert_eq!(
+        r.counters.extents_confirmed,
+        next * 128,
+        "every extent confirmed once"
+    );
+    assert_eq!(
+        (r.rails[1].counters.failures, r.rails[1].counters.pauses),
+        (3, 2)
+    );
+    assert_eq!(stats.rails[1].counters().pauses, 2);
     assert_eq!(stats.rails[0].state_label(), "running");
 }
 
@@ -475,9 +507,9 @@ fn all_rails_down_then_up() {
     }
     assert_eq!(calls.load(Relaxed), 2);
     let r = dp.close();
-    assert_eq!(r.msgs, 8 * 256);
-    assert_eq!(r.reconnects, 2);
-    assert!(r.rails.iter().all(|x| x.fences == 1));
+    assert_eq!(r.counters.extents_confirmed, 8 * 256);
+    assert_eq!(r.counters.reconnects, 2);
+    assert!(r.rails.iter().all(|x| x.counters.fences == 1));
 }
 
 #[test]
@@ -520,8 +552,8 @@ fn a_rail_that_cannot_reconnect_is_paused_while_the_other_carries_the_copy() {
     assert_eq!(calls.load(Relaxed), 2, "max_attempts, then a pause");
     // Closing does not wait out the hour's cool-down.
     let r = within("close", move || dp.close());
-    assert_eq!(r.msgs, 8 * 256);
-    assert_eq!(r.rails[1].reconnect_failures, 1);
+    assert_eq!(r.counters.extents_confirmed, 8 * 256);
+    assert_eq!(r.rails[1].counters.reconnect_failures, 1);
     assert!(
         !r.rails[1].reconnect_seconds.iter().any(|_| true),
         "never rejoined"

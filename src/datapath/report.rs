@@ -1,38 +1,18 @@
 //! What a data path did: [`Report`], for `rcp bench`'s line, logs and the
 //! metrics exporter's histograms.
 
-use std::collections::BTreeMap;
-
 use super::stats::Latencies;
+use crate::engine::stream::Counters;
 
-/// What a data path did. [`super::DataPath`] fills the request counts from
-/// the engine's counters when it closes.
+/// What a data path did. [`super::DataPath`] takes the counts from the
+/// engine when it closes.
 #[derive(Clone, Debug, Default)]
 pub struct Report {
-    /// Bytes in extents confirmed.
-    pub bytes: u64,
+    /// The engine's counters (all rails): what was posted, completed,
+    /// confirmed and failed.
+    pub counters: Counters,
     /// Wall time from `start` to `close`.
     pub seconds: f64,
-    /// Blocks (extents, messages) confirmed.
-    pub msgs: u64,
-    /// Windows done.
-    pub windows_done: u64,
-    /// Requests posted.
-    pub posted: u64,
-    /// `post` calls.
-    pub doorbells: u64,
-    /// Signaled requests posted.
-    pub signaled: u64,
-    /// Inline requests posted.
-    pub inline: u64,
-    /// Completions received.
-    pub completions: u64,
-    /// Error completions by status label.
-    pub errors: BTreeMap<&'static str, u64>,
-    /// Failed `post` calls.
-    pub post_failures: u64,
-    /// Reconnects.
-    pub reconnects: u64,
     /// Per reconnect: seconds from the start of the error path to the first
     /// block confirmed after it.
     pub reconnect_seconds: Vec<f64>,
@@ -65,34 +45,8 @@ pub struct Report {
 /// What one rail of a data path did.
 #[derive(Clone, Debug, Default)]
 pub struct RailReport {
-    /// Bytes in the extents the rail's completions confirmed.
-    pub bytes: u64,
-    /// Extents the rail confirmed.
-    pub msgs: u64,
-    /// Requests posted on the rail.
-    pub posted: u64,
-    /// Bytes in them.
-    pub bytes_posted: u64,
-    /// Chains posted on the rail.
-    pub doorbells: u64,
-    /// Completions from the rail.
-    pub completions: u64,
-    /// The rail's error completions by status label.
-    pub errors: BTreeMap<&'static str, u64>,
-    /// Stale completions of the rail (old epoch, fenced requests).
-    pub stale: u64,
-    /// Epochs of the rail that failed.
-    pub failures: u64,
-    /// Times it was fenced.
-    pub fences: u64,
-    /// Extents moved off it to the other rails.
-    pub requeued: u64,
-    /// Times it was paused.
-    pub pauses: u64,
-    /// Its reconnects.
-    pub reconnects: u64,
-    /// Reconnects given up (the rail was paused instead).
-    pub reconnect_failures: u64,
+    /// The engine's counters of the rail.
+    pub counters: Counters,
     /// Per failure: seconds from the rail's failure to its rejoining.
     pub reconnect_seconds: Vec<f64>,
     /// Per fence: seconds from the rail's failure to the last of its

@@ -77,10 +77,9 @@
 //!   map ([`RailSpec::keys`]) from the window's (rail 0's) keys to its own.
 //!
 //! Counting: the engine's [`Counters`](crate::engine::stream::Counters)
-//! (and [`RailCounters`](crate::engine::stream::RailCounters) per rail) are
-//! the one count of requests posted, doorbells, signaled, inline,
-//! completions, errors and post failures; [`Report`] and [`DataPathStats`]
-//! read them. The completion threads count only their own polls, arms,
+//! (of the stream and of each rail) are the one count of requests posted,
+//! doorbells, signaled, inline, completions, errors, failures and post
+//! failures; [`Report`] and [`DataPathStats`] hold copies of them. The completion threads count only their own polls, arms,
 //! waits and wakeups; this runner only what the engine cannot see (post →
 //! completion latency of signaled requests, reconnect, fail-over and port
 //! times).
@@ -1587,52 +1586,25 @@ impl Poster {
         self.handle_events();
         self.note_progress();
         self.publish();
-        let c = self.stream.counters();
         let s = &self.stats;
         let rails: Vec<RailReport> = self
             .rails
             .iter_mut()
             .enumerate()
-            .map(|(i, rt)| {
-                let rc = self.stream.rail_counters(i);
-                RailReport {
-                    bytes: rc.bytes_confirmed,
-                    msgs: rc.extents_confirmed,
-                    posted: rc.posted,
-                    bytes_posted: rc.bytes_posted,
-                    doorbells: rc.doorbells,
-                    completions: rc.completions,
-                    errors: rc.errors.iter().collect(),
-                    stale: rc.stale,
-                    failures: rc.failures,
-                    fences: rc.fences,
-                    requeued: rc.requeued,
-                    pauses: rc.pauses,
-                    reconnects: rc.reconnects,
-                    reconnect_failures: rc.reconnect_failures,
-                    reconnect_seconds: std::mem::take(&mut rt.reconnect_seconds),
-                    failover_seconds: std::mem::take(&mut rt.failover_seconds),
-                    port_events: rt
-                        .monitor
-                        .as_ref()
-                        .map_or(0, |m| m.events_seen().saturating_sub(rt.events0)),
-                    port_waits: rt.port_waits.load(Relaxed),
-                }
+            .map(|(i, rt)| RailReport {
+                counters: *self.stream.rail_counters(i),
+                reconnect_seconds: std::mem::take(&mut rt.reconnect_seconds),
+                failover_seconds: std::mem::take(&mut rt.failover_seconds),
+                port_events: rt
+                    .monitor
+                    .as_ref()
+                    .map_or(0, |m| m.events_seen().saturating_sub(rt.events0)),
+                port_waits: rt.port_waits.load(Relaxed),
             })
             .collect();
         Report {
-            bytes: c.bytes_confirmed,
+            counters: *self.stream.counters(),
             seconds: self.start.elapsed().as_secs_f64(),
-            msgs: c.extents_confirmed,
-            windows_done: c.windows_done,
-            posted: c.posted,
-            doorbells: c.doorbells,
-            signaled: c.signaled,
-            inline: c.inline,
-            completions: c.completions,
-            errors: c.errors.iter().collect(),
-            post_failures: c.post_failures,
-            reconnects: c.reconnects,
             reconnect_seconds: std::mem::take(&mut self.reconnect_seconds),
             port_up_to_first_wr_seconds: std::mem::take(&mut self.port_up_to_first_wr),
             latency: std::mem::take(&mut self.latency),

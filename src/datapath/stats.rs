@@ -1,51 +1,40 @@
-//! Live counters a metrics exporter reads ([`DataPathStats`], atomics) and
-//! the completion-latency recorder behind the report's p50/p99.
+//! Live figures a metrics exporter reads ([`DataPathStats`]: the engine's
+//! counters as last published, and the completion thread's own) and the
+//! completion-latency recorder behind the report's p50/p99.
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Mutex;
 
-use crate::engine::stream::{Counters, RailCounters, RailState};
-#[cfg(test)]
-use crate::engine::WcStatus;
-use crate::engine::ERROR_STATUSES;
+use crate::engine::stream::{Counters, RailState};
 
-/// Data-path counters, shared (`Arc`) with whoever exports them. All
-/// monotonic except the gauges `sq_free` and `cq_fill`.
+/// The latest copy of the engine's [`Counters`] (of the whole stream or of
+/// one rail), stored by the posting thread and read by anyone.
+#[derive(Debug, Default)]
+struct Published(Mutex<Counters>);
+
+impl Published {
+    fn store(&self, c: &Counters) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = *c;
+    }
+
+    fn load(&self) -> Counters {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Live data-path figures, shared (`Arc`) with whoever exports them.
 ///
-/// The session data path ([`super::DataPath`]) does not count into these:
-/// its posting thread stores the engine's [`Counters`] here after every
-/// round ([`publish`](Self::publish)), the engine being the one count of
-/// what was posted, signaled, completed and confirmed. Only the completion
-/// thread's own figures (polls, empty polls, arms, waits, wakeups, the CQ
-/// fill gauge) and the runner's (reconnect time, port waits) are counted
-/// where they happen.
+/// What was posted, signaled, completed, confirmed and failed is the
+/// engine's [`Counters`]: the session data path ([`super::DataPath`])
+/// stores them here after every round ([`publish`](Self::publish)) and
+/// readers take a copy ([`counters`](Self::counters)); nothing counts them
+/// again. Only the completion thread's own figures (polls, empty polls,
+/// arms, waits, wakeups, the CQ fill gauge) and the runner's (reconnect
+/// time, port waits) are counted here, where they happen. All monotonic
+/// except the gauges `sq_free` and `cq_fill`.
 #[derive(Debug, Default)]
 pub struct DataPathStats {
-    /// Work requests posted.
-    pub posted: AtomicU64,
-    /// `post` calls (doorbells).
-    pub doorbells: AtomicU64,
-    /// Signaled requests posted.
-    pub signaled: AtomicU64,
-    /// Inline requests posted.
-    pub inline: AtomicU64,
-    /// Bytes in requests posted.
-    pub bytes_posted: AtomicU64,
-    /// Completions received (all statuses, stale ones included).
-    pub completed: AtomicU64,
-    /// Blocks (extents) confirmed.
-    pub blocks_done: AtomicU64,
-    /// Bytes in blocks (extents) confirmed.
-    pub bytes_confirmed: AtomicU64,
-    /// Windows done.
-    pub windows_done: AtomicU64,
-    /// Completions that named no live request.
-    pub stale: AtomicU64,
-    /// Requests that timed out.
-    pub timeouts: AtomicU64,
-    /// Epochs that failed (error batches).
-    pub error_batches: AtomicU64,
-    /// Extents posted again after a reconnect.
-    pub reposted: AtomicU64,
+    counters: Published,
     /// Gauge: free send-queue entries (swqe_avail) after the last post or
     /// completion.
     pub sq_free: AtomicU64,
@@ -62,53 +51,21 @@ pub struct DataPathStats {
     pub waits: AtomicU64,
     /// Waits that ended with an event.
     pub wakeups: AtomicU64,
-    /// Reconnects done.
-    pub reconnects: AtomicU64,
     /// Nanoseconds from reconnect start to the first completion after it,
     /// summed over reconnects.
     pub reconnect_ns: AtomicU64,
-    /// `post` calls that failed.
-    pub post_failures: AtomicU64,
     /// Times a reconnect waited for the port to come back (async events).
     pub port_waits: AtomicU64,
-    errors: [AtomicU64; ERROR_STATUSES.len()],
     /// One entry per rail (a one-rail data path has one too); the fields
     /// above are the totals.
     pub rails: Vec<RailStats>,
 }
 
-/// One rail's live counters, published like the totals of
-/// [`DataPathStats`] from the engine's [`RailCounters`].
+/// One rail's live figures: the engine's [`Counters`] of the rail,
+/// published like the totals of [`DataPathStats`], and the rail's gauges.
 #[derive(Debug, Default)]
 pub struct RailStats {
-    /// Work requests posted on the rail.
-    pub posted: AtomicU64,
-    /// Bytes in requests posted on the rail.
-    pub bytes_posted: AtomicU64,
-    /// Completions from the rail (stale ones included).
-    pub completed: AtomicU64,
-    /// Blocks (extents) the rail's completions confirmed.
-    pub blocks_done: AtomicU64,
-    /// Bytes in them: what the rail carried.
-    pub bytes_confirmed: AtomicU64,
-    /// Non-success completions (error CQEs) of the rail.
-    pub error_cqes: AtomicU64,
-    /// Stale completions (old epoch, fenced request).
-    pub stale: AtomicU64,
-    /// Epochs of the rail that failed.
-    pub failures: AtomicU64,
-    /// Times the rail was fenced (its extents moved to the others).
-    pub fences: AtomicU64,
-    /// Extents moved off the rail by fences.
-    pub requeued: AtomicU64,
-    /// Times the rail was paused (cool-down after repeated failures).
-    pub pauses: AtomicU64,
-    /// Reconnects of the rail.
-    pub reconnects: AtomicU64,
-    /// Reconnects of the rail given up (then paused).
-    pub reconnect_failures: AtomicU64,
-    /// Requests of the rail that timed out.
-    pub timeouts: AtomicU64,
+    counters: Published,
     /// Times the rail's reconnect waited for its port.
     pub port_waits: AtomicU64,
     /// Gauge: free send-queue entries of the rail.
@@ -130,30 +87,21 @@ impl RailStats {
             .unwrap_or("unknown")
     }
 
+    /// The engine's counters of the rail, as last published.
+    pub fn counters(&self) -> Counters {
+        self.counters.load()
+    }
+
     /// Store the engine's counters of the rail, its free send-queue
     /// entries and its state.
-    pub fn publish(&self, c: &RailCounters, sq_free: u64, state: RailState) {
-        let set = |a: &AtomicU64, v: u64| a.store(v, Relaxed);
-        set(&self.posted, c.posted);
-        set(&self.bytes_posted, c.bytes_posted);
-        set(&self.completed, c.completions);
-        set(&self.blocks_done, c.extents_confirmed);
-        set(&self.bytes_confirmed, c.bytes_confirmed);
-        set(&self.error_cqes, c.errors.total());
-        set(&self.stale, c.stale);
-        set(&self.failures, c.failures);
-        set(&self.fences, c.fences);
-        set(&self.requeued, c.requeued);
-        set(&self.pauses, c.pauses);
-        set(&self.reconnects, c.reconnects);
-        set(&self.reconnect_failures, c.reconnect_failures);
-        set(&self.timeouts, c.timeouts);
-        set(&self.sq_free, sq_free);
+    pub fn publish(&self, c: &Counters, sq_free: u64, state: RailState) {
+        self.counters.store(c);
+        self.sq_free.store(sq_free, Relaxed);
         let i = Self::STATES
             .iter()
             .position(|&l| l == state.label())
             .unwrap_or(0);
-        set(&self.state, i as u64);
+        self.state.store(i as u64, Relaxed);
     }
 }
 
@@ -166,48 +114,16 @@ impl DataPathStats {
         }
     }
 
-    /// Count an error completion by hand (tests of the exporter; the data
-    /// path publishes the engine's counts instead).
-    #[cfg(test)]
-    pub(crate) fn count_error(&self, s: WcStatus) {
-        if let Some(i) = s.error_index() {
-            self.errors[i].fetch_add(1, Relaxed);
-        }
-    }
-
-    /// Error completions by [`WcStatus::label`](crate::engine::WcStatus::label), non-zero ones only.
-    pub fn errors(&self) -> Vec<(&'static str, u64)> {
-        ERROR_STATUSES
-            .iter()
-            .zip(&self.errors)
-            .map(|(s, n)| (s.label(), n.load(Relaxed)))
-            .filter(|&(_, n)| n > 0)
-            .collect()
+    /// The engine's counters (all rails), as last published.
+    pub fn counters(&self) -> Counters {
+        self.counters.load()
     }
 
     /// Store the engine's counters (the session data path's posting thread,
     /// after every round) and the free send-queue entries.
     pub fn publish(&self, c: &Counters, sq_free: u64) {
-        let set = |a: &AtomicU64, v: u64| a.store(v, Relaxed);
-        set(&self.posted, c.posted);
-        set(&self.doorbells, c.doorbells);
-        set(&self.signaled, c.signaled);
-        set(&self.inline, c.inline);
-        set(&self.bytes_posted, c.bytes_posted);
-        set(&self.completed, c.completions);
-        set(&self.blocks_done, c.extents_confirmed);
-        set(&self.bytes_confirmed, c.bytes_confirmed);
-        set(&self.windows_done, c.windows_done);
-        set(&self.stale, c.stale);
-        set(&self.timeouts, c.timeouts);
-        set(&self.error_batches, c.error_batches);
-        set(&self.reposted, c.reposted);
-        set(&self.reconnects, c.reconnects);
-        set(&self.post_failures, c.post_failures);
-        for (a, &n) in self.errors.iter().zip(&c.errors.0) {
-            set(a, n);
-        }
-        set(&self.sq_free, sq_free);
+        self.counters.store(c);
+        self.sq_free.store(sq_free, Relaxed);
     }
 }
 
@@ -297,21 +213,13 @@ mod tests {
         assert!((97_000..=100_000).contains(&p99), "{p99}");
         assert_eq!(Latencies::default().quantile(0.5), None);
     }
-
-    #[test]
-    fn errors_by_status() {
-        let s = DataPathStats::default();
-        s.count_error(WcStatus::Flushed);
-        s.count_error(WcStatus::Flushed);
-        s.count_error(WcStatus::Other(99));
-        s.count_error(WcStatus::Success);
-        assert_eq!(s.errors(), vec![("wr_flush_err", 2), ("other", 1)]);
-    }
 }
 
 #[cfg(test)]
 mod publish_tests {
     use super::*;
+
+    use crate::engine::WcStatus;
 
     #[test]
     fn publish_stores_the_engine_counters() {
@@ -329,10 +237,8 @@ mod publish_tests {
         c.errors.count(WcStatus::Flushed);
         s.publish(&c, 7);
         s.publish(&c, 7);
-        assert_eq!(s.posted.load(Relaxed), 10, "stored, not added");
-        assert_eq!(s.blocks_done.load(Relaxed), 9);
-        assert_eq!(s.completed.load(Relaxed), 3);
+        assert_eq!(s.counters(), c, "stored, not added");
         assert_eq!(s.sq_free.load(Relaxed), 7);
-        assert_eq!(s.errors(), vec![("wr_flush_err", 1)]);
+        assert_eq!(s.counters().errors.get(WcStatus::Flushed), 1);
     }
 }

@@ -118,9 +118,19 @@ fn a_batch_of_32_is_one_post() {
     wait_done(&mut ev, &[1]);
     let r = dp.close();
     assert_eq!(ch.posts.load(Relaxed), 1);
-    assert_eq!((r.doorbells, r.posted, r.signaled), (1, 32, 1));
-    assert_eq!((r.msgs, r.bytes, r.windows_done), (32, 32 * 4096, 1));
-    assert_eq!(r.completions, 1);
+    assert_eq!(
+        (r.counters.doorbells, r.counters.posted, r.counters.signaled),
+        (1, 32, 1)
+    );
+    assert_eq!(
+        (
+            r.counters.extents_confirmed,
+            r.counters.bytes_confirmed,
+            r.counters.windows_done
+        ),
+        (32, 32 * 4096, 1)
+    );
+    assert_eq!(r.counters.completions, 1);
     assert_eq!(r.latency.count(), 1);
     assert_eq!(r.outstanding_at_close, 0);
     assert!(
@@ -146,19 +156,19 @@ fn burst_of_100k_never_exceeds_sq_depth() {
     let stats = dp.stats().clone();
     let r = dp.close();
     let n = 100_000;
-    assert_eq!(r.msgs, n);
+    assert_eq!(r.counters.extents_confirmed, n);
     assert!(ch.max_outstanding.load(Relaxed) <= 128);
     assert_eq!(ch.overflows.load(Relaxed), 0);
-    assert_eq!(r.doorbells, ch.posts.load(Relaxed));
-    assert_eq!(r.posted, ch.posted.load(Relaxed));
+    assert_eq!(r.counters.doorbells, ch.posts.load(Relaxed));
+    assert_eq!(r.counters.posted, ch.posted.load(Relaxed));
     // The live stats are the engine's counters, published.
-    assert_eq!(stats.posted.load(Relaxed), n);
-    assert_eq!(stats.blocks_done.load(Relaxed), n);
-    assert_eq!(stats.windows_done.load(Relaxed), 100);
-    assert_eq!(stats.doorbells.load(Relaxed), r.doorbells);
-    assert_eq!(stats.completed.load(Relaxed), r.completions);
+    assert_eq!(stats.counters().posted, n);
+    assert_eq!(stats.counters().extents_confirmed, n);
+    assert_eq!(stats.counters().windows_done, 100);
+    assert_eq!(stats.counters().doorbells, r.counters.doorbells);
+    assert_eq!(stats.counters().completions, r.counters.completions);
     assert_eq!(stats.sq_free.load(Relaxed), 128);
-    assert!(r.doorbells >= n / 32, "{}", r.doorbells);
+    assert!(r.counters.doorbells >= n / 32, "{}", r.counters.doorbells);
 }
 
 #[test]
@@ -177,14 +187,18 @@ fn tx_depth_caps_the_requests_outstanding() {
         submit(&dp, job(1, OpKind::Write, 500, 100));
         wait_done(&mut ev, &[1]);
         let r = dp.close();
-        assert_eq!(r.msgs, 500);
+        assert_eq!(r.counters.extents_confirmed, 500);
         assert_eq!(
             ch.max_outstanding.load(Relaxed),
             depth as u64,
             "depth {depth}"
         );
         // Chains are cut to what the depth allows.
-        assert!(r.doorbells >= 500 / depth as u64, "{}", r.doorbells);
+        assert!(
+            r.counters.doorbells >= 500 / depth as u64,
+            "{}",
+            r.counters.doorbells
+        );
     }
 }
 
@@ -211,19 +225,22 @@ fn error_mid_stream_reconnects_once_and_reposts_only_unconfirmed() {
             matches!(other[..], [DpEvent::Reconnected { epoch: 1, .. }]),
             "{other:?}"
         );
-        assert_eq!(r.reconnects, 1);
+        assert_eq!(r.counters.reconnects, 1);
         assert_eq!(r.reconnect_seconds.len(), 1);
         // No port monitor: no link-up time to measure from.
         assert!(r.port_up_to_first_wr_seconds.is_empty());
         let n = 8 * 512;
-        let reposted = stats.reposted.load(Relaxed);
+        let reposted = stats.counters().reposted;
         assert!(reposted > 0 && reposted <= 128, "reposted {reposted}");
         // Every extent posted once, plus the unconfirmed ones once more.
-        assert_eq!(r.posted, n + reposted);
-        assert_eq!(r.msgs, n, "every extent confirmed once");
-        assert_eq!(r.errors.get("retry_exc_err"), Some(&1));
-        assert!(r.errors.get("wr_flush_err").copied().unwrap_or(0) > 0);
-        assert_eq!(stats.error_batches.load(Relaxed), 1);
+        assert_eq!(r.counters.posted, n + reposted);
+        assert_eq!(
+            r.counters.extents_confirmed, n,
+            "every extent confirmed once"
+        );
+        assert_eq!(r.counters.errors.get(WcStatus::RetryExceeded), 1);
+        assert!(r.counters.errors.get(WcStatus::Flushed) > 0);
+        assert_eq!(stats.counters().failures, 1);
     }
 }
 
@@ -262,7 +279,7 @@ fn remote_access_error_fails_without_reconnect_and_refuses_submits() {
     );
     assert_eq!(ch.resets.load(Relaxed), 0);
     let r = dp.close();
-    assert_eq!(r.windows_done, 0);
+    assert_eq!(r.counters.windows_done, 0);
 }
 
 #[test]
@@ -305,8 +322,8 @@ fn hybrid_wakes_on_completions_and_drains() {
     submit(&dp, job(1, OpKind::Write, 2048, 4096));
     wait_done(&mut ev, &[1]);
     let r = dp.close();
-    assert_eq!(r.msgs, 2048);
-    assert_eq!(r.completions, 64);
+    assert_eq!(r.counters.extents_confirmed, 2048);
+    assert_eq!(r.counters.completions, 64);
 }
 
 #[test]
@@ -320,9 +337,9 @@ fn qp_in_error_before_the_first_post_is_flushed_and_reconnected() {
     wait_done(&mut ev, &[1]);
     let stats = dp.stats().clone();
     let r = dp.close();
-    assert_eq!((r.reconnects, calls.load(Relaxed)), (1, 1));
-    assert_eq!(stats.reposted.load(Relaxed), 128);
-    assert_eq!(r.msgs, 300);
+    assert_eq!((r.counters.reconnects, calls.load(Relaxed)), (1, 1));
+    assert_eq!(stats.counters().reposted, 128);
+    assert_eq!(r.counters.extents_confirmed, 300);
 }
 
 #[test]
@@ -344,9 +361,9 @@ fn a_request_timeout_takes_the_error_path() {
     let stats = dp.stats().clone();
     let r = dp.close();
     assert_eq!(calls.load(Relaxed), 1);
-    assert_eq!(stats.timeouts.load(Relaxed), 64, "every request in flight");
-    assert_eq!(r.reconnects, 1);
-    assert_eq!(r.msgs, 200);
+    assert_eq!(stats.counters().timeouts, 64, "every request in flight");
+    assert_eq!(r.counters.reconnects, 1);
+    assert_eq!(r.counters.extents_confirmed, 200);
 }
 
 #[test]
@@ -358,11 +375,14 @@ fn a_post_failure_puts_the_unposted_back() {
     submit(&dp, job(1, OpKind::Write, 100, 4096));
     wait_done(&mut ev, &[1]);
     let r = dp.close();
-    assert_eq!(r.post_failures, 1);
-    assert_eq!(r.msgs, 100);
-    assert_eq!(r.posted, 100, "requests refused are not counted as posted");
+    assert_eq!(r.counters.post_failures, 1);
+    assert_eq!(r.counters.extents_confirmed, 100);
+    assert_eq!(
+        r.counters.posted, 100,
+        "requests refused are not counted as posted"
+    );
     assert_eq!(ch.posted.load(Relaxed), 100);
-    assert_eq!(r.reconnects, 0);
+    assert_eq!(r.counters.reconnects, 0);
 }
 
 #[test]
@@ -389,9 +409,9 @@ fn many_windows_submitted_from_other_threads() {
     });
     let dp = Arc::into_inner(dp).unwrap();
     let r = dp.close();
-    assert_eq!(r.windows_done, 1000);
+    assert_eq!(r.counters.windows_done, 1000);
     let extents: u64 = ids.iter().map(|id| 1 + id % 7).sum();
-    assert_eq!(r.msgs, extents);
+    assert_eq!(r.counters.extents_confirmed, extents);
 }
 
 #[test]
@@ -443,7 +463,7 @@ fn close_while_windows_are_outstanding_returns_promptly() {
     // queue would never return).
     let r = within("close", move || dp.close());
     assert_eq!(r.outstanding_at_close, 64);
-    assert_eq!(r.windows_done, 0);
+    assert_eq!(r.counters.windows_done, 0);
     assert_eq!(ch.posted.load(Relaxed), 64, "nothing queued was posted");
 
     // With completions flowing, queued windows are dropped at once.
@@ -453,7 +473,10 @@ fn close_while_windows_are_outstanding_returns_promptly() {
         submit(&dp, job(id, OpKind::Write, 10_000, 64));
     }
     let r = within("close", move || dp.close());
-    assert!(r.msgs < 500_000, "closing does not finish the queue");
+    assert!(
+        r.counters.extents_confirmed < 500_000,
+        "closing does not finish the queue"
+    );
     assert_eq!(r.outstanding_at_close, 0);
 }
 
@@ -520,7 +543,7 @@ fn reconnect_waits_for_port_active_instead_of_sleeping() {
     port.set_active(true);
     wait_done(&mut ev, &[1]);
     let r = dp.close();
-    assert_eq!(r.reconnects, 1);
+    assert_eq!(r.counters.reconnects, 1);
     assert_eq!(r.port_waits, 1, "{r:?}");
     assert_eq!(r.port_events, 1);
     assert_eq!(
@@ -664,7 +687,7 @@ fn a_rate_limited_data_path_posts_no_faster_than_its_rate() {
     let all = t0.elapsed();
     let waits = dp.poster_waits() - before;
     let r = dp.close();
-    assert_eq!(r.bytes, 1 << 20);
+    assert_eq!(r.counters.bytes_confirmed, 1 << 20);
     // The bucket starts empty: 128 KiB takes 62.5 ms, 1 MiB 500 ms.
     assert!(
         first >= Duration::from_micros(62_500),
@@ -677,7 +700,7 @@ fn a_rate_limited_data_path_posts_no_faster_than_its_rate() {
     println!("{waits} waits for 7 chains");
     assert!(waits <= 7 * 8, "throttled poster waited {waits} times");
     assert_eq!(
-        r.doorbells, 8,
+        r.counters.doorbells, 8,
         "whole chains, each when its bytes are earned"
     );
 }

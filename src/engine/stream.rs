@@ -68,7 +68,7 @@ use std::fmt;
 
 pub mod rail;
 
-pub use rail::{AnyEvent, RailConfig, RailCounters, RailEvent, RailPolicy, RailState, MAX_RAILS};
+pub use rail::{AnyEvent, RailConfig, RailEvent, RailPolicy, RailState, MAX_RAILS};
 
 use super::batch::{BatchPolicy, BatchPolicyError};
 use super::credits::Credits;
@@ -398,8 +398,13 @@ pub enum State {
 }
 
 /// Running totals: the one count of what the stream did, which runtimes
-/// publish (reports, metrics) instead of counting again.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+/// publish (live stats, reports, metrics) instead of counting again. The
+/// same struct counts each rail ([`Stream::rail_counters`]) and the whole
+/// stream ([`Stream::counters`]); the totals are the sums of the rails',
+/// except [`windows_done`](Self::windows_done) (windows belong to no rail,
+/// 0 per rail) and completions naming no rail of the stream (stale in the
+/// totals only).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Counters {
     /// Requests posted (accepted by the provider).
     pub posted: u64,
@@ -413,20 +418,26 @@ pub struct Counters {
     pub bytes_posted: u64,
     /// Completions received (all, including stale).
     pub completions: u64,
-    /// Non-success completions by status.
+    /// Non-success completions by status (error CQEs).
     pub errors: ErrorCounts,
-    /// Completions whose `wr_id` named no live request (old epoch, reused
-    /// slot, duplicate).
+    /// Completions whose `wr_id` named no live request (old epoch, fenced
+    /// request, reused slot, duplicate).
     pub stale: u64,
     /// Requests that expired.
     pub timeouts: u64,
-    /// Epochs that failed (on any rail).
-    pub error_batches: u64,
-    /// Reconnects (epochs started after the first, on any rail).
+    /// Epochs that failed (error batches).
+    pub failures: u64,
+    /// Reconnects (epochs started after the first).
     pub reconnects: u64,
+    /// Reconnects the runtime gave up on (several rails: the rail was
+    /// paused instead).
+    pub reconnect_failures: u64,
     /// Extents queued to be posted again: after a reconnect, or taken off a
     /// fenced rail.
     pub reposted: u64,
+    /// Extents taken off fenced rails (queued for the others); part of
+    /// [`reposted`](Self::reposted).
+    pub requeued: u64,
     /// Rails fenced (several rails).
     pub fences: u64,
     /// Rails paused (several rails).
@@ -437,8 +448,59 @@ pub struct Counters {
     pub extents_confirmed: u64,
     /// Bytes in extents confirmed.
     pub bytes_confirmed: u64,
-    /// Windows done.
+    /// Windows done (stream totals only).
     pub windows_done: u64,
+}
+
+impl Counters {
+    /// Add `o`'s counts to these (runs of several streams, such as
+    /// `rcp bench`'s threads, summed).
+    pub fn add(&mut self, o: &Counters) {
+        let Counters {
+            posted,
+            doorbells,
+            signaled,
+            inline,
+            bytes_posted,
+            completions,
+            errors,
+            stale,
+            timeouts,
+            failures,
+            reconnects,
+            reconnect_failures,
+            reposted,
+            requeued,
+            fences,
+            pauses,
+            post_failures,
+            extents_confirmed,
+            bytes_confirmed,
+            windows_done,
+        } = *o;
+        self.posted += posted;
+        self.doorbells += doorbells;
+        self.signaled += signaled;
+        self.inline += inline;
+        self.bytes_posted += bytes_posted;
+        self.completions += completions;
+        for (a, b) in self.errors.0.iter_mut().zip(errors.0) {
+            *a += b;
+        }
+        self.stale += stale;
+        self.timeouts += timeouts;
+        self.failures += failures;
+        self.reconnects += reconnects;
+        self.reconnect_failures += reconnect_failures;
+        self.reposted += reposted;
+        self.requeued += requeued;
+        self.fences += fences;
+        self.pauses += pauses;
+        self.post_failures += post_failures;
+        self.extents_confirmed += extents_confirmed;
+        self.bytes_confirmed += bytes_confirmed;
+        self.windows_done += windows_done;
+    }
 }
 
 /// A request's context: window slab index and extent index.
@@ -487,7 +549,7 @@ struct Rail {
     /// Failures in a row, each within the flap window of the one before.
     strikes: u32,
     last_failure: Option<u64>,
-    counters: RailCounters,
+    counters: Counters,
 }
 
 /// The state of one session's data movement over one or more queue pairs
@@ -563,7 +625,7 @@ impl Stream {
                 unconfirmed: Vec::new(),
                 strikes: 0,
                 last_failure: None,
-                counters: RailCounters::default(),
+                counters: Counters::default(),
             })
             .collect();
         Ok(Stream {
@@ -800,18 +862,13 @@ impl Stream {
             inline_n += u64::from(inline);
             bytes += u64::from(e.len);
         }
-        let rc = &mut rail.counters;
-        rc.posted += n as u64;
-        rc.doorbells += 1;
-        rc.signaled += signaled_n;
-        rc.inline += inline_n;
-        rc.bytes_posted += bytes;
-        let c = &mut self.counters;
-        c.posted += n as u64;
-        c.doorbells += 1;
-        c.signaled += signaled_n;
-        c.inline += inline_n;
-        c.bytes_posted += bytes;
+        for c in [&mut rail.counters, &mut self.counters] {
+            c.posted += n as u64;
+            c.doorbells += 1;
+            c.signaled += signaled_n;
+            c.inline += inline_n;
+            c.bytes_posted += bytes;
+        }
         let front = self.ready.front_mut().expect("run taken from the front");
         front.start += n as u32;
         if front.start >= front.end {
@@ -897,22 +954,20 @@ impl Stream {
                 return Err(StreamError::NotLastBatch);
             }
             let Ctx { win, ext } = rail.slots.free(id).expect("checked live").user;
-            let rc = &mut rail.counters;
-            rc.posted -= 1;
-            rc.signaled -= u64::from(wr.signaled);
-            rc.inline -= u64::from(wr.inline);
-            rc.bytes_posted -= u64::from(wr.local.len);
+            self.count(r, |c| {
+                c.posted -= 1;
+                c.signaled -= u64::from(wr.signaled);
+                c.inline -= u64::from(wr.inline);
+                c.bytes_posted -= u64::from(wr.local.len);
+            });
             self.give_credits(r, 1);
-            let c = &mut self.counters;
-            c.posted -= 1;
-            c.signaled -= u64::from(wr.signaled);
-            c.inline -= u64::from(wr.inline);
-            c.bytes_posted -= u64::from(wr.local.len);
             if fenced {
                 // Never reached the device: not a zombie, and its requeue
                 // is the only post it will have had.
-                self.counters.reposted -= 1;
-                self.rails[r].counters.requeued -= 1;
+                self.count(r, |c| {
+                    c.reposted -= 1;
+                    c.requeued -= 1;
+                });
                 self.win_mut(win).held -= 1;
                 self.maybe_done(win);
             } else {
@@ -924,11 +979,18 @@ impl Stream {
             }
         }
         if posted == 0 {
-            self.counters.doorbells -= 1;
-            self.rails[r].counters.doorbells -= 1;
+            self.count(r, |c| c.doorbells -= 1);
         }
-        self.counters.post_failures += 1;
+        self.count(r, |c| c.post_failures += 1);
         Ok(())
+    }
+
+    /// Count on rail `r` (if the stream has it) and in the totals.
+    fn count(&mut self, r: usize, f: impl Fn(&mut Counters)) {
+        f(&mut self.counters);
+        if let Some(rl) = self.rails.get_mut(r) {
+            f(&mut rl.counters);
+        }
     }
 
     fn give_credits(&mut self, rail: usize, n: usize) {
@@ -937,10 +999,7 @@ impl Stream {
     }
 
     fn stale(&mut self, rail: usize) {
-        self.counters.stale += 1;
-        if let Some(r) = self.rails.get_mut(rail) {
-            r.counters.stale += 1;
-        }
+        self.count(rail, |c| c.stale += 1);
     }
 
     /// Feed one completion (its rail is the one its `wr_id` names). Stale
@@ -954,17 +1013,13 @@ impl Stream {
     /// Feed one completion that came from `rail`'s completion queue. One
     /// naming another rail is stale.
     pub fn on_rail_completion(&mut self, rail: usize, wc: &WorkCompletion) {
-        self.counters.completions += 1;
-        self.counters.errors.count(wc.status);
         let r = rail;
-        let Some(rl) = self.rails.get_mut(r) else {
-            self.counters.stale += 1;
-            return;
-        };
-        rl.counters.completions += 1;
-        rl.counters.errors.count(wc.status);
+        self.count(r, |c| {
+            c.completions += 1;
+            c.errors.count(wc.status);
+        });
         let id = WrId(wc.wr_id);
-        if self.rail_of(wc.wr_id) != r {
+        if r >= self.rails.len() || self.rail_of(wc.wr_id) != r {
             self.stale(r);
             return;
         }
@@ -1076,11 +1131,10 @@ impl Stream {
             );
             w.remaining -= 1;
             let len = u64::from(w.job.extents[ext as usize].len);
-            self.counters.extents_confirmed += 1;
-            self.counters.bytes_confirmed += len;
-            let rc = &mut self.rails[r].counters;
-            rc.extents_confirmed += 1;
-            rc.bytes_confirmed += len;
+            self.count(r, |c| {
+                c.extents_confirmed += 1;
+                c.bytes_confirmed += len;
+            });
             self.confirmed_since_up += 1;
             self.maybe_done(win);
         }
@@ -1219,8 +1273,7 @@ impl Stream {
         retryable: bool,
     ) {
         debug_assert_eq!(self.rails[r].state, RailState::Running);
-        self.counters.error_batches += 1;
-        self.rails[r].counters.failures += 1;
+        self.count(r, |c| c.failures += 1);
         let spent = self.budget_spent();
         let action = if !retryable {
             self.fail(status, at, "non-retryable completion status");
@@ -1270,8 +1323,7 @@ impl Stream {
         debug_assert!(self.multi());
         debug_assert_eq!(self.rails[r].state, RailState::Running);
         let epoch = self.rails[r].epoch;
-        self.counters.error_batches += 1;
-        self.rails[r].counters.failures += 1;
+        self.count(r, |c| c.failures += 1);
         let pause = self.note_failure(r, self.now);
         self.push_rail_event(RailEvent::Down {
             rail: r,
@@ -1338,11 +1390,12 @@ impl Stream {
         windows.sort_unstable();
         windows.dedup();
         let requeued = self.requeue(ctxs);
-        self.counters.reposted += requeued;
-        self.counters.fences += 1;
+        self.count(r, |c| {
+            c.reposted += requeued;
+            c.requeued += requeued;
+            c.fences += 1;
+        });
         let rail = &mut self.rails[r];
-        rail.counters.fences += 1;
-        rail.counters.requeued += requeued;
         rail.rejoin_ready = false;
         rail.state = match pause {
             Some(ns) => RailState::Paused {
@@ -1364,8 +1417,7 @@ impl Stream {
     fn paused(&mut self, r: usize, now: u64, ns: u64) {
         let until = now.saturating_add(ns);
         self.rails[r].state = RailState::Paused { until };
-        self.rails[r].counters.pauses += 1;
-        self.counters.pauses += 1;
+        self.count(r, |c| c.pauses += 1);
         self.push_rail_event(RailEvent::Paused {
             rail: r,
             until,
@@ -1452,8 +1504,7 @@ impl Stream {
                     .get(*id)
                     .expect("expired ids are live")
                     .user;
-                self.counters.timeouts += 1;
-                self.rails[r].counters.timeouts += 1;
+                self.count(r, |c| c.timeouts += 1);
                 let window = self.win(win).job.id;
                 self.push_event(Event::Timeout {
                     wr_id: id.0,
@@ -1551,7 +1602,7 @@ impl Stream {
         {
             return;
         }
-        self.rails[rail].counters.reconnect_failures += 1;
+        self.count(rail, |c| c.reconnect_failures += 1);
         let ns = self
             .note_failure(rail, now)
             .unwrap_or(self.cfg.rail_policy.cooldown(1));
@@ -1595,11 +1646,13 @@ impl Stream {
         let leftover = rl.slots.clear(tag(bits, r, rl.epoch));
         debug_assert!(leftover.is_empty());
         rl.credits.reset();
-        rl.counters.reconnects += 1;
         let epoch = rl.epoch;
         let again = std::mem::take(&mut rl.unconfirmed);
-        self.counters.reposted += self.requeue(again);
-        self.counters.reconnects += 1;
+        let reposted = self.requeue(again);
+        self.count(r, |c| {
+            c.reposted += reposted;
+            c.reconnects += 1;
+        });
         match self.rails[r].state {
             RailState::Paused { until } if now < until => self.rails[r].rejoin_ready = true,
             _ => self.rail_up(r),
@@ -1753,7 +1806,7 @@ impl Stream {
     }
 
     /// Rail `rail`'s running totals.
-    pub fn rail_counters(&self, rail: usize) -> &RailCounters {
+    pub fn rail_counters(&self, rail: usize) -> &Counters {
         &self.rails[rail].counters
     }
 

@@ -151,9 +151,15 @@ impl WcStatus {
 }
 
 /// Error completions counted by status, a fixed array (no allocation, cheap
-/// to copy into a metrics exporter's atomics).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// to copy). Shown (`{:?}`) as the non-zero counts by label.
+#[derive(Clone, Copy, Default, PartialEq, Eq)]
 pub struct ErrorCounts(pub [u64; ERROR_STATUSES.len()]);
+
+impl std::fmt::Debug for ErrorCounts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_map().entries(self.iter()).finish()
+    }
+}
 
 impl ErrorCounts {
     /// Count one completion with `status` (success is not counted).

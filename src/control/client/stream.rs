@@ -156,11 +156,10 @@ pub(super) async fn run(
         let now = now_of(d.t0);
         // The data path's counters, for the core (progress, the rails'
         // watch).
-        let confirmed = d.s.dp.as_ref().map_or(0, |dp| {
-            dp.stats()
-                .bytes_confirmed
-                .load(std::sync::atomic::Ordering::Relaxed)
-        });
+        let confirmed =
+            d.s.dp
+                .as_ref()
+                .map_or(0, |dp| dp.stats().counters().bytes_confirmed);
         let failures = d.rail_failures();
         d.core.data_path(now, confirmed, &failures);
         if let Some(r) = d.act() {
@@ -602,7 +601,7 @@ impl Driver<'_> {
             dp.stats()
                 .rails
                 .iter()
-                .map(|r| r.failures.load(std::sync::atomic::Ordering::Relaxed))
+                .map(|r| r.counters().failures)
                 .collect()
         })
     }

@@ -144,12 +144,18 @@ pub fn rail_lines(r: &crate::datapath::Report, names: &[String]) -> Vec<String> 
         .iter()
         .enumerate()
         .map(|(k, x)| {
-            let errors: u64 = x.errors.values().sum();
+            let c = &x.counters;
             let name = names.get(k).map(|n| format!(" ({n})")).unwrap_or_default();
             let mut s = format!(
-                "rail {k}{name}: {} blocks, {} bytes, {errors} error CQEs, {} failures, {} blocks \
+                "rail {k}{name}: {} blocks, {} bytes, {} error CQEs, {} failures, {} blocks \
                  requeued, {} reconnects, {} pauses",
-                x.msgs, x.bytes, x.failures, x.requeued, x.reconnects, x.pauses
+                c.extents_confirmed,
+                c.bytes_confirmed,
+                c.errors.total(),
+                c.failures,
+                c.requeued,
+                c.reconnects,
+                c.pauses
             );
             if !x.failover_seconds.is_empty() {
                 let f: Vec<String> = x
@@ -578,22 +584,33 @@ mod tests {
     #[test]
     fn a_line_per_rail() {
         use crate::datapath::{RailReport, Report};
+        use crate::engine::stream::Counters;
+        use crate::engine::WcStatus;
         let mut r = Report::default();
         assert!(rail_lines(&r, &[]).is_empty());
+        let mut c1 = Counters {
+            extents_confirmed: 1,
+            bytes_confirmed: 1 << 20,
+            failures: 1,
+            requeued: 7,
+            reconnects: 1,
+            ..Counters::default()
+        };
+        for _ in 0..5 {
+            c1.errors.count(WcStatus::Flushed);
+        }
         r.rails = vec![
             RailReport {
-                msgs: 3,
-                bytes: 3 << 20,
+                counters: Counters {
+                    extents_confirmed: 3,
+                    bytes_confirmed: 3 << 20,
+                    ..Counters::default()
+                },
                 ..RailReport::default()
             },
             RailReport {
-                msgs: 1,
-                bytes: 1 << 20,
-                failures: 1,
-                requeued: 7,
-                reconnects: 1,
+                counters: c1,
                 failover_seconds: vec![0.0126],
-                errors: [("wr_flush_err", 5u64)].into_iter().collect(),
                 ..RailReport::default()
             },
         ];

@@ -10,7 +10,7 @@
 //!
 //! Each rail has its own send-queue credits, `wr_id` slots, in-flight queue
 //! (the RC retirement rule holds per queue pair), epoch, state
-//! ([`RailState`]) and [`RailCounters`]. Windows do not belong to a rail:
+//! ([`RailState`]) and [`Counters`](super::Counters). Windows do not belong to a rail:
 //! they are queued once, for the whole stream, and their extents are
 //! assigned to rails only when they are posted. Each chain goes to the
 //! running rail with the most free credits, so a rail whose completions
@@ -97,7 +97,6 @@
 //! only reports that the stream gave up.
 
 use super::{ErrorCause, Event, StreamConfig};
-use crate::engine::wr::ErrorCounts;
 
 /// Most rails one stream runs over (the rail index takes up to 6 bits of
 /// the `wr_id`'s 16-bit tag, leaving at least 10 bits of epoch).
@@ -256,44 +255,4 @@ pub enum AnyEvent {
     Stream(Event),
     /// A rail event.
     Rail(RailEvent),
-}
-
-/// One rail's running totals. The stream's
-/// [`Counters`](super::Counters) are the sums.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct RailCounters {
-    /// Requests posted on this rail.
-    pub posted: u64,
-    /// Chains posted on this rail.
-    pub doorbells: u64,
-    /// Signaled requests posted.
-    pub signaled: u64,
-    /// Inline requests posted.
-    pub inline: u64,
-    /// Bytes in requests posted.
-    pub bytes_posted: u64,
-    /// Completions that came from this rail (stale ones included).
-    pub completions: u64,
-    /// Its non-success completions by status (its error CQEs).
-    pub errors: ErrorCounts,
-    /// Stale completions (old epoch, fenced request, reused slot).
-    pub stale: u64,
-    /// Extents confirmed by this rail's completions.
-    pub extents_confirmed: u64,
-    /// Bytes in them.
-    pub bytes_confirmed: u64,
-    /// Requests of this rail that expired.
-    pub timeouts: u64,
-    /// Epochs of this rail that failed.
-    pub failures: u64,
-    /// Times the rail was fenced.
-    pub fences: u64,
-    /// Extents taken off this rail by fences (queued for the others).
-    pub requeued: u64,
-    /// Times it was paused.
-    pub pauses: u64,
-    /// Reconnects (epochs after the first).
-    pub reconnects: u64,
-    /// Reconnects the runtime gave up on.
-    pub reconnect_failures: u64,
 }

@@ -1016,7 +1016,7 @@ fn check(
     }
     p.finish();
     let s = &p.sim.s;
-    let c = s.counters().clone();
+    let c = *s.counters();
     assert!(p.sim.done.values().all(|&n| n == 1), "a window done twice");
     if p.sim.failed {
         assert!(c.extents_confirmed <= p.extents);

@@ -477,7 +477,7 @@ fn error_mid_run_reposts_exactly_the_unconfirmed_extents() {
         "each extent confirmed exactly once"
     );
     assert_eq!(c.reposted, unconfirmed.len() as u64);
-    assert_eq!((c.reconnects, c.error_batches), (1, 1));
+    assert_eq!((c.reconnects, c.failures), (1, 1));
 }
 
 #[test]
@@ -566,7 +566,7 @@ fn retry_budget_bounds_fruitless_reconnects() {
     step(&mut s, &mut dev, &mut log, 9, 8);
     assert!(matches!(s.state(), State::Failed { .. }), "{:?}", s.state());
     assert_eq!(log.errors.last().unwrap().1, Recovery::Fail);
-    assert_eq!(s.counters().error_batches, 3);
+    assert_eq!(s.counters().failures, 3);
     assert_eq!(s.counters().reconnects, 2);
     assert_eq!(s.reconnected(), Err(StreamError::Terminal));
 }
@@ -1074,7 +1074,7 @@ fn check(
         h.run(&Step::Complete(16));
     }
     h.events();
-    let c = h.s.counters().clone();
+    let c = *h.s.counters();
     assert!(h.done.values().all(|&n| n == 1), "a window done twice");
     if h.failed {
         assert!(c.extents_confirmed <= h.extents);
