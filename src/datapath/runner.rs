@@ -43,7 +43,7 @@
 //! The error path is the engine's one-rail protocol: on an error batch the
 //! posting thread waits (at most `flush_timeout`) for the failed epoch's
 //! flushes, then has the helper reconnect (waiting for the port, with
-//! backoff); [`Stream::reconnected`] posts exactly the unconfirmed extents
+//! backoff); [`Stream::rail_reconnected`] posts exactly the unconfirmed extents
 //! again and [`DpEvent::Reconnected`] is reported. A terminal failure is one
 //! [`DpEvent::Failed`]; every window not done by then is lost.
 //!
@@ -1176,7 +1176,7 @@ impl Poster {
             }
         }
         let now = self.now_ns();
-        self.stream.on_rail_completions(rail, now, &b.wcs);
+        self.stream.on_completions(rail, now, &b.wcs);
         let _ = self.rails[rail].recycle.send(b.wcs);
     }
 
@@ -1238,7 +1238,7 @@ impl Poster {
 
     /// Act on the stream's events, in order.
     fn handle_events(&mut self) {
-        while let Some(ev) = self.stream.poll_any_event() {
+        while let Some(ev) = self.stream.poll_event() {
             match ev {
                 AnyEvent::Stream(Event::WindowDone { id }) => {
                     self.shared.live.lock().unwrap().remove(&id);
@@ -1433,7 +1433,7 @@ impl Poster {
                     return Some(wait);
                 }
             }
-            let r = self.stream.poll_transmit_rail_into(now, &mut self.batch)?;
+            let r = self.stream.poll_transmit(now, &mut self.batch)?;
             let rt = &mut self.rails[r];
             if let Some(keys) = &rt.keys {
                 // A chain is one window's run: its requests share their

@@ -14,10 +14,10 @@
 //!   build it from a [`StreamConfig`], queue [`WindowJob`]s (a region of the
 //!   peer's arena and a staging region of the same layout, with a list of
 //!   [`Extent`]s), post the [`stream::Batch`]es from
-//!   [`Stream::poll_transmit_into`], feed completions to
-//!   [`Stream::on_completions`], act on [`stream::Event`]s (`WindowDone`,
-//!   `ErrorBatch`, ...) and call [`Stream::reconnected`] after an error
-//!   batch asks for it. Its [`stream::Counters`] are the one count of what
+//!   [`Stream::poll_transmit`] on the rail it names, feed each rail's
+//!   completions to [`Stream::on_completions`], act on the events of
+//!   [`Stream::poll_event`] (`WindowDone`, `ErrorBatch`, ...) and call
+//!   [`Stream::rail_reconnected`] after an error batch asks for it. Its [`stream::Counters`] are the one count of what
 //!   was posted and confirmed. Its module docs spell out the protocol; its
 //!   other types (`Batch`, `Event`, `State`, `Counters`, ...) live at
 //!   `engine::stream::`.

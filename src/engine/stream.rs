@@ -14,26 +14,29 @@
 //!
 //! 1. [`Stream::add_window`] queues a window (windows are served FIFO). An
 //!    empty extent list is done at once.
-//! 2. [`Stream::poll_transmit`] (or [`Stream::poll_transmit_into`], which
-//!    reuses the caller's [`Batch`]) returns one chain: one doorbell of up to
-//!    `batch.chain_len(credits available)` requests, signaled per the
-//!    [`BatchPolicy`]. A chain never reaches past the last extent of a
-//!    window, so that extent is signaled and the window is done as soon as
-//!    it lands. Post the chain; if the provider took only a prefix, call
-//!    [`Stream::post_failed`].
-//! 3. Feed completions to [`Stream::on_completions`]. A successful signaled
-//!    completion confirms its request and every earlier unsignaled one (the
-//!    RC retirement rule); when the last extent of a window is confirmed,
-//!    [`Event::WindowDone`].
+//! 2. [`Stream::poll_transmit`] fills the caller's [`Batch`] (its capacity
+//!    reused) with one chain and says which rail to post it on: one
+//!    doorbell of up to `batch.chain_len(credits available)` requests,
+//!    signaled per the [`BatchPolicy`]. A chain never reaches past the last
+//!    extent of a window, so that extent is signaled and the window is done
+//!    as soon as it lands. Post the chain; if the provider took only a
+//!    prefix, call [`Stream::post_failed`].
+//! 3. Feed each rail's completions to [`Stream::on_completions`]. A
+//!    successful signaled completion confirms its request and every earlier
+//!    unsignaled one (the RC retirement rule); when the last extent of a
+//!    window is confirmed, [`Event::WindowDone`].
 //! 4. The first failure of an epoch (error completion, request timeout,
-//!    [`Stream::connection_lost`]) stops posting and queues one
+//!    [`Stream::rail_lost`]) stops posting and queues one
 //!    [`Event::ErrorBatch`] saying whether to reconnect or give up (a
 //!    non-retryable status, or `max_retries` epochs in a row that confirmed
 //!    nothing). Later completions of the epoch (flushes) are absorbed; when
 //!    nothing is outstanding, [`Event::ReadyToReconnect`]. After replacing
-//!    the queue pair call [`Stream::reconnected`]: credits are full again,
-//!    completions of older epochs are stale, and exactly the unconfirmed
-//!    extents are posted again, first. Confirmed extents never are.
+//!    the queue pair call [`Stream::rail_reconnected`]: credits are full
+//!    again, completions of older epochs are stale, and exactly the
+//!    unconfirmed extents are posted again, first. Confirmed extents never
+//!    are.
+//!
+//! Events of both kinds come out of [`Stream::poll_event`] in order.
 //!
 //! A stream has no "complete" state: it is idle ([`Stream::is_idle`]) when
 //! it holds no window. [`State::Failed`] is terminal: every window not yet
@@ -53,12 +56,11 @@
 //!
 //! [`Stream::with_rails`] builds a stream over several queue pairs. The
 //! protocol above holds with these differences (the [`rail`] module has the
-//! whole model): [`Stream::poll_transmit_rail`] says which rail each chain
-//! is for (the running rail with the most free credits); completions are
-//! fed per rail ([`Stream::on_rail_completions`]); a rail's failure (an
-//! error completion, a timeout, [`Stream::rail_lost`]) *fences* that rail
-//! and queues its outstanding extents for the others at once, reported by
-//! [`RailEvent`]s ([`Stream::poll_any_event`] merges both kinds in order);
+//! whole model): [`Stream::poll_transmit`] picks the chain's rail (the
+//! running rail with the most free credits); a rail's failure (an error
+//! completion, a timeout, [`Stream::rail_lost`]) *fences* that rail and
+//! queues its outstanding extents for the others at once, reported by
+//! [`RailEvent`]s among the events;
 //! the runtime reconnects the rail in the background and calls
 //! [`Stream::rail_reconnected`]. [`Event::ErrorBatch`] then only reports
 //! that the stream gave up. One rail is exactly the protocol above.
@@ -332,7 +334,7 @@ pub enum ErrorCause {
 /// What the runtime should do about an error batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Recovery {
-    /// Replace the queue pair, then call [`Stream::reconnected`].
+    /// Replace the queue pair, then call [`Stream::rail_reconnected`].
     Reconnect,
     /// Give up; see [`State::Failed`].
     Fail,
@@ -382,7 +384,7 @@ pub enum State {
     /// An error arrived: not posting, absorbing the epoch's remaining
     /// completions.
     Flushing,
-    /// Nothing outstanding; waiting for [`Stream::reconnected`].
+    /// Nothing outstanding; waiting for [`Stream::rail_reconnected`].
     NeedsReconnect,
     /// Given up (terminal).
     Failed {
@@ -574,11 +576,8 @@ pub struct Stream {
     /// running (one rail: since the epoch started).
     confirmed_since_up: u64,
     fruitless_epochs: u32,
-    /// Events with a sequence number, so the two queues can be merged in
-    /// order.
-    events: VecDeque<(u64, Event)>,
-    rail_events: VecDeque<(u64, RailEvent)>,
-    event_seq: u64,
+    /// Events of both kinds, in the order they happened.
+    events: VecDeque<AnyEvent>,
     counters: Counters,
     scratch: Vec<WrId>,
     /// The latest time the runtime passed in.
@@ -641,8 +640,6 @@ impl Stream {
             confirmed_since_up: 0,
             fruitless_epochs: 0,
             events: VecDeque::new(),
-            rail_events: VecDeque::new(),
-            event_seq: 0,
             counters: Counters::default(),
             scratch: Vec::new(),
             now: 0,
@@ -665,13 +662,11 @@ impl Stream {
     }
 
     fn push_event(&mut self, e: Event) {
-        self.event_seq += 1;
-        self.events.push_back((self.event_seq, e));
+        self.events.push_back(AnyEvent::Stream(e));
     }
 
     fn push_rail_event(&mut self, e: RailEvent) {
-        self.event_seq += 1;
-        self.rail_events.push_back((self.event_seq, e));
+        self.events.push_back(AnyEvent::Rail(e));
     }
 
     /// Queue a window behind those already queued. An empty extent list
@@ -753,35 +748,9 @@ impl Stream {
         best.map(|(i, room, _)| (i, room))
     }
 
-    /// The next chain to post, or `None` if nothing can be posted now (no
-    /// rail running with credits, or nothing queued). The requests are
-    /// accounted as posted at `now`. Allocates the batch; the runtime's hot
-    /// path uses [`poll_transmit_into`](Self::poll_transmit_into). With
-    /// several rails the chain's rail is in its `wr_id`s
-    /// ([`rail_of`](Self::rail_of)); [`poll_transmit_rail`](Self::poll_transmit_rail)
-    /// says it outright.
-    pub fn poll_transmit(&mut self, now: u64) -> Option<Batch> {
-        let mut b = Batch::default();
-        self.poll_transmit_into(now, &mut b).then_some(b)
-    }
-
-    /// [`poll_transmit`](Self::poll_transmit) with the rail to post the
-    /// chain on.
-    pub fn poll_transmit_rail(&mut self, now: u64) -> Option<(usize, Batch)> {
-        let mut b = Batch::default();
-        let r = self.poll_transmit_rail_into(now, &mut b)?;
-        Some((r, b))
-    }
-
-    /// Bytes of the chain [`poll_transmit`](Self::poll_transmit) would
-    /// return now, without taking it (`None`: nothing can be posted). A
+    /// The rail and bytes of the chain [`poll_transmit`](Self::poll_transmit)
+    /// would take now, without taking it (`None`: nothing can be posted). A
     /// rate limiter asks this before it lets the chain go.
-    pub fn next_chain_bytes(&self) -> Option<u64> {
-        self.next_chain().map(|(_, b)| b)
-    }
-
-    /// The rail and bytes of the chain [`poll_transmit_rail`](Self::poll_transmit_rail)
-    /// would return now, without taking it.
     pub fn next_chain(&self) -> Option<(usize, u64)> {
         let (r, room) = self.pick_rail()?;
         let run = self.ready.iter().find(|r| r.start < r.end)?;
@@ -795,16 +764,13 @@ impl Stream {
         Some((r, bytes))
     }
 
-    /// [`poll_transmit`](Self::poll_transmit) into `out` (cleared first, its
-    /// capacity reused); false, and `out` empty, if nothing can be posted.
-    pub fn poll_transmit_into(&mut self, now: u64, out: &mut Batch) -> bool {
-        self.poll_transmit_rail_into(now, out).is_some()
-    }
-
-    /// [`poll_transmit_into`](Self::poll_transmit_into) that says which rail
-    /// the chain is for (post it on that rail's channel); `None`, and `out`
-    /// empty, if nothing can be posted.
-    pub fn poll_transmit_rail_into(&mut self, now: u64, out: &mut Batch) -> Option<usize> {
+    /// The next chain to post, into `out` (cleared first, its capacity
+    /// reused), and the rail to post it on; `None`, and `out` empty, if
+    /// nothing can be posted now (no rail running with credits, or nothing
+    /// queued). The requests are accounted as posted at `now`. Post the
+    /// chain on that rail's channel; if the provider took only a prefix,
+    /// call [`post_failed`](Self::post_failed).
+    pub fn poll_transmit(&mut self, now: u64, out: &mut Batch) -> Option<usize> {
         self.tick(now);
         out.wrs.clear();
         out.epoch = self.rails[0].epoch;
@@ -1002,17 +968,10 @@ impl Stream {
         self.count(rail, |c| c.stale += 1);
     }
 
-    /// Feed one completion (its rail is the one its `wr_id` names). Stale
-    /// ones (old epoch, fenced rail, reused slot, duplicate) are counted and
-    /// ignored.
-    pub fn on_completion(&mut self, wc: &WorkCompletion) {
-        let r = self.rail_of(wc.wr_id);
-        self.on_rail_completion(r, wc);
-    }
-
-    /// Feed one completion that came from `rail`'s completion queue. One
-    /// naming another rail is stale.
-    pub fn on_rail_completion(&mut self, rail: usize, wc: &WorkCompletion) {
+    /// Feed one completion that came from `rail`'s completion queue (stale:
+    /// one naming another rail, an old epoch, a fenced rail, a reused slot,
+    /// a duplicate: counted and ignored).
+    fn on_completion(&mut self, rail: usize, wc: &WorkCompletion) {
         let r = rail;
         self.count(r, |c| {
             c.completions += 1;
@@ -1092,19 +1051,16 @@ impl Stream {
         }
     }
 
-    /// Feed several completions in order.
-    pub fn on_completions(&mut self, wcs: &[WorkCompletion]) {
-        for wc in wcs {
-            self.on_completion(wc);
-        }
-    }
-
-    /// Feed several completions of `rail`'s completion queue, in order, at
-    /// `now` (the time a rail failure among them is recorded at).
-    pub fn on_rail_completions(&mut self, rail: usize, now: u64, wcs: &[WorkCompletion]) {
+    /// Feed completions of `rail`'s completion queue, in order, at `now`
+    /// (the time a rail failure among them is recorded at). A successful
+    /// signaled completion confirms its request and every earlier
+    /// unsignaled one of its rail; stale ones (naming another rail, an old
+    /// epoch, a fenced rail, a reused slot, a duplicate) are counted and
+    /// ignored.
+    pub fn on_completions(&mut self, rail: usize, now: u64, wcs: &[WorkCompletion]) {
         self.tick(now);
         for wc in wcs {
-            self.on_rail_completion(rail, wc);
+            self.on_completion(rail, wc);
         }
     }
 
@@ -1543,12 +1499,6 @@ impl Stream {
         self.scratch = ids;
     }
 
-    /// The runtime lost the connection (async QP error, TCP reset):
-    /// [`rail_lost`](Self::rail_lost) of rail 0, the one-rail word.
-    pub fn connection_lost(&mut self) {
-        self.rail_lost(0, self.now);
-    }
-
     /// The runtime lost rail `rail` at `now` (its port went down, an async
     /// QP error, a TCP reset). With one rail: every outstanding request is
     /// unconfirmed and the stream needs a reconnect (or fails if the retry
@@ -1611,12 +1561,6 @@ impl Stream {
         }
     }
 
-    /// The runtime replaced the queue pair (rail 0's, the one-rail word):
-    /// [`rail_reconnected`](Self::rail_reconnected) of rail 0.
-    pub fn reconnected(&mut self) -> Result<u32, StreamError> {
-        self.rail_reconnected(0, self.now)
-    }
-
     /// The runtime replaced rail `rail`'s queue pair at `now`. Starts the
     /// rail's next epoch and returns it: its credits are full again, slots
     /// of older epochs are gone (their completions count as stale), and
@@ -1674,33 +1618,15 @@ impl Stream {
         }
     }
 
-    /// Next queued stream event, oldest first (rail events wait in their
-    /// own queue: [`poll_rail_event`](Self::poll_rail_event), or take both
-    /// in order with [`poll_any_event`](Self::poll_any_event)).
-    pub fn poll_event(&mut self) -> Option<Event> {
-        self.events.pop_front().map(|(_, e)| e)
-    }
-
-    /// Next queued rail event, oldest first (streams of several rails).
-    pub fn poll_rail_event(&mut self) -> Option<RailEvent> {
-        self.rail_events.pop_front().map(|(_, e)| e)
-    }
-
-    /// The oldest queued event of either kind.
-    pub fn poll_any_event(&mut self) -> Option<AnyEvent> {
-        let s = self.events.front().map(|e| e.0);
-        let r = self.rail_events.front().map(|e| e.0);
-        match (s, r) {
-            (Some(s), Some(r)) if r < s => self.poll_rail_event().map(AnyEvent::Rail),
-            (Some(_), _) => self.poll_event().map(AnyEvent::Stream),
-            (None, Some(_)) => self.poll_rail_event().map(AnyEvent::Rail),
-            (None, None) => None,
-        }
+    /// The oldest queued event: a stream [`Event`] or (streams of several
+    /// rails) a [`RailEvent`], in the order they happened.
+    pub fn poll_event(&mut self) -> Option<AnyEvent> {
+        self.events.pop_front()
     }
 
     /// Whether an event of either kind is queued.
     pub fn has_events(&self) -> bool {
-        !self.events.is_empty() || !self.rail_events.is_empty()
+        !self.events.is_empty()
     }
 
     /// Where the stream stands. With several rails: running while any rail
@@ -1738,11 +1664,6 @@ impl Stream {
         self.live.contains_key(&id)
     }
 
-    /// Rail 0's epoch (0 until its first reconnect).
-    pub fn epoch(&self) -> u32 {
-        self.rails[0].epoch
-    }
-
     /// Requests posted and not yet retired, on all rails (zombies
     /// included: a device may still hold them).
     pub fn outstanding(&self) -> usize {
@@ -1757,7 +1678,7 @@ impl Stream {
 
     /// Extents the failed epoch left unconfirmed so far, as (window id,
     /// extent index), unordered; they are posted again after
-    /// [`reconnected`](Self::reconnected). Empty while running (and always
+    /// [`rail_reconnected`](Self::rail_reconnected). Empty while running (and always
     /// with several rails, whose fences queue them again at once).
     pub fn unconfirmed(&self) -> Vec<(u64, u32)> {
         self.rails

@@ -27,7 +27,7 @@
 //! a one-rail stream's ids are exactly the old ones), so an id names the
 //! rail that issued it and the epoch of that rail. A completion is looked up
 //! in the slots of the rail the id names (and of the rail it arrived on, if
-//! the runtime says: [`Stream::on_rail_completion`](super::Stream::on_rail_completion));
+//! the runtime says: [`Stream::on_completions`](super::Stream::on_completions));
 //! a slot is live only in its rail's current epoch. Three rules make a late
 //! completion of a failed rail harmless:
 //!
@@ -91,7 +91,7 @@
 //!
 //! With one rail none of this applies: the error path is the one-rail
 //! protocol of the [stream docs](super) (flush, `ReadyToReconnect`,
-//! `reconnected`), and `Event::ErrorBatch` tells the runtime what to do.
+//! `rail_reconnected`), and `Event::ErrorBatch` tells the runtime what to do.
 //! With several, the runtime follows [`RailEvent`]s and
 //! [`Stream::rail_state`](super::Stream::rail_state); `Event::ErrorBatch`
 //! only reports that the stream gave up.
@@ -247,7 +247,7 @@ pub enum RailEvent {
     },
 }
 
-/// Either kind of event, as [`Stream::poll_any_event`](super::Stream::poll_any_event)
+/// Either kind of event, as [`Stream::poll_event`](super::Stream::poll_event)
 /// returns them: in the order they happened.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum AnyEvent {

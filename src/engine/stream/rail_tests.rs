@@ -237,7 +237,7 @@ impl Sim {
 
     fn post(&mut self) {
         let mut b = Batch::default();
-        while let Some(r) = self.s.poll_transmit_rail_into(self.now, &mut b) {
+        while let Some(r) = self.s.poll_transmit(self.now, &mut b) {
             assert_eq!(self.s.rail_state(r), RailState::Running);
             assert!(self.s.rail_credits_in_use(r) <= self.devs[r].depth);
             for wr in &b.wrs {
@@ -263,12 +263,12 @@ impl Sim {
     fn deliver(&mut self) {
         for r in 0..self.devs.len() {
             let wcs = self.devs[r].run(self.now, &mut self.landed);
-            self.s.on_rail_completions(r, self.now, &wcs);
+            self.s.on_completions(r, self.now, &wcs);
         }
     }
 
     fn events(&mut self) {
-        while let Some(e) = self.s.poll_any_event() {
+        while let Some(e) = self.s.poll_event() {
             match e {
                 AnyEvent::Stream(Event::WindowDone { id }) => {
                     *self.done.entry(id).or_default() += 1;
@@ -552,24 +552,26 @@ fn a_lost_rail_s_late_completions_confirm_nothing() {
     sim.reconnect(1);
     let stale1 = sim.s.counters().stale;
     for &id in &old {
-        sim.s.on_rail_completion(
+        sim.s.on_completions(
             1,
-            &WorkCompletion {
+            sim.now,
+            &[WorkCompletion {
                 wr_id: id,
                 status: WcStatus::Success,
                 byte_len: 4096,
-            },
+            }],
         );
     }
     let live_on_1 = sim.devs[1].queue.front().map(|q| q.0.wr_id);
     if let Some(id) = live_on_1 {
-        sim.s.on_rail_completion(
+        sim.s.on_completions(
             0,
-            &WorkCompletion {
+            sim.now,
+            &[WorkCompletion {
                 wr_id: id,
                 status: WcStatus::Success,
                 byte_len: 4096,
-            },
+            }],
         );
     }
     assert_eq!(
@@ -787,16 +789,25 @@ fn one_rail_streams_raise_no_rail_events_and_keep_their_wr_ids() {
     for s in [&mut a, &mut b] {
         s.add_window(job(1, OpKind::Write, 8, 64)).unwrap();
     }
-    let (x, y) = (a.poll_transmit(0).unwrap(), b.poll_transmit(0).unwrap());
+    let (mut x, mut y) = (Batch::default(), Batch::default());
+    assert_eq!(a.poll_transmit(0, &mut x), Some(0));
+    assert_eq!(b.poll_transmit(0, &mut y), Some(0));
     assert_eq!(x, y, "with_rails of one rail is Stream::new");
     assert_eq!(a.rail_of(x.wrs[0].wr_id), 0);
-    a.connection_lost();
+    a.rail_lost(0, 0);
     assert_eq!(a.rail_state(0), RailState::NeedsReconnect);
-    assert!(a.poll_rail_event().is_none());
-    assert!(matches!(
-        a.poll_any_event(),
-        Some(AnyEvent::Stream(Event::ErrorBatch { .. }))
-    ));
+    let evs: Vec<AnyEvent> = std::iter::from_fn(|| a.poll_event()).collect();
+    assert!(
+        matches!(
+            evs.first(),
+            Some(AnyEvent::Stream(Event::ErrorBatch { .. }))
+        ),
+        "{evs:?}"
+    );
+    assert!(
+        evs.iter().all(|e| matches!(e, AnyEvent::Stream(_))),
+        "no rail event: {evs:?}"
+    );
     assert_eq!(
         Stream::with_rails(cfg(4), &[]).err(),
         Some(ConfigError::Rails(0))

@@ -36,6 +36,22 @@ fn job(id: u64, op: OpKind, n: u32, len: u32) -> WindowJob {
     }
 }
 
+/// The next chain of a one-rail stream, in a batch of its own.
+fn transmit(s: &mut Stream, now: u64) -> Option<Batch> {
+    let mut b = Batch::default();
+    let rail = s.poll_transmit(now, &mut b)?;
+    assert_eq!(rail, 0, "one rail");
+    Some(b)
+}
+
+/// The next event of a one-rail stream, which raises no rail events.
+fn event(s: &mut Stream) -> Option<Event> {
+    match s.poll_event()? {
+        AnyEvent::Stream(e) => Some(e),
+        AnyEvent::Rail(e) => panic!("a one-rail stream raised {e:?}"),
+    }
+}
+
 fn config(depth: usize, batch: usize) -> StreamConfig {
     let mut c = StreamConfig::new(depth);
     c.batch = BatchPolicy::with_batch(batch).unwrap();
@@ -175,7 +191,7 @@ fn locate(wr: &WorkRequest) -> (u64, u32) {
 
 /// Post everything the stream offers.
 fn post_all(s: &mut Stream, dev: &mut Device, log: &mut Log, now: u64) {
-    while let Some(b) = s.poll_transmit(now) {
+    while let Some(b) = transmit(s, now) {
         assert!(s.credits_in_use() <= dev.depth);
         for wr in &b.wrs {
             let (w, e) = locate(wr);
@@ -196,7 +212,7 @@ fn post_all(s: &mut Stream, dev: &mut Device, log: &mut Log, now: u64) {
 }
 
 fn drain_events(s: &mut Stream, log: &mut Log) {
-    while let Some(e) = s.poll_event() {
+    while let Some(e) = event(s) {
         match e {
             Event::WindowDone { id } => log.windows_done.push(id),
             Event::ErrorBatch { cause, action, .. } => log.errors.push((cause, action)),
@@ -210,7 +226,7 @@ fn drain_events(s: &mut Stream, log: &mut Log) {
 fn step(s: &mut Stream, dev: &mut Device, log: &mut Log, now: u64, n: usize) {
     post_all(s, dev, log, now);
     let wcs = dev.complete(n);
-    s.on_completions(&wcs);
+    s.on_completions(0, 0, &wcs);
     drain_events(s, log);
 }
 
@@ -236,11 +252,11 @@ fn wc(wr: &WorkRequest, status: WcStatus) -> WorkCompletion {
 fn chain_of_32_signals_only_its_last() {
     let mut s = Stream::new(config(64, 32)).unwrap();
     s.add_window(job(1, OpKind::Write, 32, 4096)).unwrap();
-    let b = s.poll_transmit(0).unwrap();
+    let b = transmit(&mut s, 0).unwrap();
     assert_eq!(b.wrs.len(), 32);
     let signaled: Vec<usize> = (0..32).filter(|&i| b.wrs[i].signaled).collect();
     assert_eq!(signaled, vec![31]);
-    assert!(s.poll_transmit(0).is_none(), "one chain, one doorbell");
+    assert!(transmit(&mut s, 0).is_none(), "one chain, one doorbell");
     assert_eq!(s.counters().doorbells, 1);
     assert_eq!(s.counters().signaled, 1);
     // Both sides at the same offset; kinds follow the window.
@@ -249,7 +265,7 @@ fn chain_of_32_signals_only_its_last() {
     assert_eq!((b.wrs[5].remote.rkey, b.wrs[5].local.lkey), (0x77, 42));
     assert!(b.wrs.iter().all(|w| w.kind == OpKind::Write));
     // The signaled tail retires the whole chain.
-    s.on_completion(&wc(&b.wrs[31], WcStatus::Success));
+    s.on_completions(0, 0, &[wc(&b.wrs[31], WcStatus::Success)]);
     let mut log = Log::default();
     drain_events(&mut s, &mut log);
     assert_eq!(log.windows_done, vec![1]);
@@ -274,34 +290,34 @@ fn a_chain_ends_at_the_end_of_its_window() {
     }
     let mut log = Log::default();
     for k in 0..4u64 {
-        let b = s.poll_transmit(0).unwrap();
+        let b = transmit(&mut s, 0).unwrap();
         let got: Vec<(u64, u32)> = b.wrs.iter().map(locate).collect();
         assert_eq!(got, (0..4).map(|e| (k + 1, e)).collect::<Vec<_>>());
         let signaled: Vec<usize> = (0..4).filter(|&i| b.wrs[i].signaled).collect();
         assert_eq!(signaled, vec![3]);
         // Its one completion confirms the whole window at once.
-        s.on_completion(&wc(&b.wrs[3], WcStatus::Success));
+        s.on_completions(0, 0, &[wc(&b.wrs[3], WcStatus::Success)]);
         drain_events(&mut s, &mut log);
         assert_eq!(log.windows_done, (1..=k + 1).collect::<Vec<_>>());
     }
-    assert!(s.poll_transmit(0).is_none());
+    assert!(transmit(&mut s, 0).is_none());
     assert!(s.is_idle());
     assert_eq!(s.counters().doorbells, 4);
 }
 
 #[test]
-fn next_chain_bytes_is_the_chain_poll_transmit_returns() {
+fn next_chain_is_the_chain_poll_transmit_takes() {
     // Depth 6, chains of 4: a window of 3 extents of 100, one of 5 of 7.
     let mut s = Stream::new(config(6, 4)).unwrap();
-    assert_eq!(s.next_chain_bytes(), None, "nothing queued");
+    assert_eq!(s.next_chain().map(|(_, n)| n), None, "nothing queued");
     s.add_window(job(1, OpKind::Write, 3, 100)).unwrap();
     s.add_window(job(2, OpKind::Write, 5, 7)).unwrap();
     let mut sizes = Vec::new();
     loop {
-        let peek = s.next_chain_bytes();
+        let peek = s.next_chain().map(|(_, n)| n);
         // Peeking takes nothing.
-        assert_eq!(s.next_chain_bytes(), peek);
-        match s.poll_transmit(0) {
+        assert_eq!(s.next_chain().map(|(_, n)| n), peek);
+        match transmit(&mut s, 0) {
             Some(b) => {
                 let bytes: u64 = b.wrs.iter().map(|w| u64::from(w.local.len)).sum();
                 assert_eq!(peek, Some(bytes));
@@ -378,10 +394,10 @@ fn credits_never_exceed_depth_over_100k_requests() {
         assert_eq!(s.credits_in_use(), dev.occupied);
         if s.credits_in_use() == 128 {
             starved += 1;
-            assert!(s.poll_transmit(now).is_none(), "waits for credits");
+            assert!(transmit(&mut s, now).is_none(), "waits for credits");
         }
         let wcs = dev.complete(7);
-        s.on_completions(&wcs);
+        s.on_completions(0, 0, &wcs);
         drain_events(&mut s, &mut log);
     }
     assert_eq!(dev.max_outstanding, 128, "fills the queue, never more");
@@ -442,21 +458,18 @@ fn error_mid_run_reposts_exactly_the_unconfirmed_extents() {
     );
     assert_eq!(log.windows_done, vec![1]);
     assert_eq!(log.ready_to_reconnect, vec![unconfirmed.len() as u64]);
-    assert!(s.poll_transmit(now).is_none(), "no posting while failed");
+    assert!(transmit(&mut s, now).is_none(), "no posting while failed");
     assert_eq!(s.counters().errors.get(WcStatus::RetryExceeded), 1);
     assert!(s.counters().errors.get(WcStatus::Flushed) > 0);
 
     // Reconnect: a late completion from the old queue pair is stale.
     let old = log.chains.last().unwrap().wrs[0];
     dev.replace();
-    assert_eq!(s.reconnected(), Ok(1));
+    assert_eq!(s.rail_reconnected(0, 0), Ok(1));
     assert_eq!(s.credits_in_use(), 0);
-    s.on_completion(&wc(&old, WcStatus::Success));
+    s.on_completions(0, 0, &[wc(&old, WcStatus::Success)]);
     assert_eq!(s.counters().stale, 1);
-    assert!(
-        s.poll_event().is_none(),
-        "stale completion confirms nothing"
-    );
+    assert!(event(&mut s).is_none(), "stale completion confirms nothing");
 
     run_to_idle(&mut s, &mut dev, &mut log, 5);
     assert!(s.is_idle());
@@ -504,8 +517,8 @@ fn non_retryable_error_fails_without_reconnect() {
     assert_eq!(log.errors.len(), 1);
     assert_eq!(log.errors[0].1, Recovery::Fail);
     assert!(log.ready_to_reconnect.is_empty());
-    assert_eq!(s.reconnected(), Err(StreamError::Terminal));
-    assert!(s.poll_transmit(now).is_none());
+    assert_eq!(s.rail_reconnected(0, 0), Err(StreamError::Terminal));
+    assert!(transmit(&mut s, now).is_none());
     assert!(!s.is_idle(), "the window is lost, not done");
     assert_eq!(
         s.add_window(job(8, OpKind::Write, 1, 1)),
@@ -517,11 +530,11 @@ fn non_retryable_error_fails_without_reconnect() {
 fn non_retryable_status_during_a_flush_fails() {
     let mut s = Stream::new(config(32, 4)).unwrap();
     s.add_window(job(1, OpKind::Write, 8, 4096)).unwrap();
-    let b1 = s.poll_transmit(0).unwrap();
-    let b2 = s.poll_transmit(0).unwrap();
-    s.on_completion(&wc(&b1.wrs[3], WcStatus::RetryExceeded));
+    let b1 = transmit(&mut s, 0).unwrap();
+    let b2 = transmit(&mut s, 0).unwrap();
+    s.on_completions(0, 0, &[wc(&b1.wrs[3], WcStatus::RetryExceeded)]);
     assert_eq!(s.state(), State::Flushing);
-    s.on_completion(&wc(&b2.wrs[0], WcStatus::RemoteAccess));
+    s.on_completions(0, 0, &[wc(&b2.wrs[0], WcStatus::RemoteAccess)]);
     assert!(matches!(
         s.state(),
         State::Failed {
@@ -536,9 +549,9 @@ fn non_retryable_status_during_a_flush_fails() {
     // What is still outstanding retires quietly, so the runtime can tell
     // when the device is done with the memory.
     assert_eq!(s.outstanding(), 3);
-    s.on_completion(&wc(&b2.wrs[3], WcStatus::Flushed));
+    s.on_completions(0, 0, &[wc(&b2.wrs[3], WcStatus::Flushed)]);
     assert_eq!(s.outstanding(), 0);
-    assert!(s.poll_event().is_none());
+    assert!(event(&mut s).is_none());
 }
 
 #[test]
@@ -553,7 +566,7 @@ fn retry_budget_bounds_fruitless_reconnects() {
     for attempt in 0..2 {
         dev.replace();
         if attempt > 0 {
-            s.reconnected().unwrap();
+            s.rail_reconnected(0, 0).unwrap();
         }
         // The first request of every epoch fails.
         dev.fail = Some((dev.posted, WcStatus::RetryExceeded, false));
@@ -561,14 +574,14 @@ fn retry_budget_bounds_fruitless_reconnects() {
         assert_eq!(s.state(), State::NeedsReconnect);
     }
     dev.replace();
-    s.reconnected().unwrap();
+    s.rail_reconnected(0, 0).unwrap();
     dev.fail = Some((dev.posted, WcStatus::RetryExceeded, false));
     step(&mut s, &mut dev, &mut log, 9, 8);
     assert!(matches!(s.state(), State::Failed { .. }), "{:?}", s.state());
     assert_eq!(log.errors.last().unwrap().1, Recovery::Fail);
     assert_eq!(s.counters().failures, 3);
     assert_eq!(s.counters().reconnects, 2);
-    assert_eq!(s.reconnected(), Err(StreamError::Terminal));
+    assert_eq!(s.rail_reconnected(0, 0), Err(StreamError::Terminal));
 }
 
 #[test]
@@ -585,7 +598,7 @@ fn progress_resets_the_retry_budget() {
         step(&mut s, &mut dev, &mut log, e, 16);
         assert_eq!(s.state(), State::NeedsReconnect, "epoch {e}");
         dev.replace();
-        s.reconnected().unwrap();
+        s.rail_reconnected(0, 0).unwrap();
     }
     run_to_idle(&mut s, &mut dev, &mut log, 16);
     assert!(s.is_idle());
@@ -605,10 +618,10 @@ fn timeouts_free_contexts_and_force_reconnect() {
     assert_eq!(s.outstanding(), 16);
     assert_eq!(s.next_timeout(), Some(1_100));
     s.poll_timeout(1_099);
-    assert!(s.poll_event().is_none(), "not yet");
+    assert!(event(&mut s).is_none(), "not yet");
     assert_eq!(s.state(), State::Running);
     s.poll_timeout(1_100);
-    let expired: Vec<Event> = std::iter::from_fn(|| s.poll_event()).collect();
+    let expired: Vec<Event> = std::iter::from_fn(|| event(&mut s)).collect();
     assert!(matches!(
         expired[0],
         Event::Timeout {
@@ -633,31 +646,31 @@ fn timeouts_free_contexts_and_force_reconnect() {
     assert_eq!(log.ready_to_reconnect, vec![16]);
     // A completion arriving after the timeout is stale.
     let late = dev.complete(4);
-    s.on_completions(&late);
+    s.on_completions(0, 0, &late);
     assert_eq!(s.counters().stale, 1);
-    assert!(s.poll_event().is_none());
+    assert!(event(&mut s).is_none());
     dev.replace();
-    s.reconnected().unwrap();
+    s.rail_reconnected(0, 0).unwrap();
     run_to_idle(&mut s, &mut dev, &mut log, 4);
     assert_eq!(log.windows_done, vec![3]);
     assert_eq!(s.counters().extents_confirmed, 20);
 }
 
 #[test]
-fn connection_lost_requeues_in_flight() {
+fn a_lost_connection_requeues_in_flight() {
     let mut s = Stream::new(config(16, 4)).unwrap();
     s.add_window(job(1, OpKind::Write, 10, 4096)).unwrap();
     let mut dev = Device::new(16);
     let mut log = Log::default();
     step(&mut s, &mut dev, &mut log, 0, 4);
     assert_eq!(s.counters().extents_confirmed, 4);
-    s.connection_lost();
+    s.rail_lost(0, 0);
     drain_events(&mut s, &mut log);
     assert_eq!(s.state(), State::NeedsReconnect);
     assert_eq!(log.ready_to_reconnect, vec![6]);
     assert!(matches!(log.errors[0].0, ErrorCause::ConnectionLost));
     dev.replace();
-    s.reconnected().unwrap();
+    s.rail_reconnected(0, 0).unwrap();
     run_to_idle(&mut s, &mut dev, &mut log, 4);
     assert_eq!(log.posted[&1], (4..10).map(|e| (1, e)).collect::<Vec<_>>());
     assert_eq!(s.counters().extents_confirmed, 10);
@@ -668,7 +681,7 @@ fn connection_lost_requeues_in_flight() {
 fn post_failure_returns_the_unposted_suffix() {
     let mut s = Stream::new(config(32, 8)).unwrap();
     s.add_window(job(1, OpKind::Write, 16, 4096)).unwrap();
-    let b = s.poll_transmit(0).unwrap();
+    let b = transmit(&mut s, 0).unwrap();
     assert_eq!(b.wrs.len(), 8);
     // The provider took the first 3 (unsignaled) then refused.
     s.post_failed(&b, 3).unwrap();
@@ -687,7 +700,7 @@ fn post_failure_returns_the_unposted_suffix() {
     });
     // The returned extents go first; the next chain's signaled tail also
     // retires the posted unsignaled prefix.
-    let b2 = s.poll_transmit(1).unwrap();
+    let b2 = transmit(&mut s, 1).unwrap();
     assert_eq!(
         b2.wrs.iter().map(|w| locate(w).1).collect::<Vec<_>>(),
         vec![3, 4, 5, 6, 7, 8, 9, 10]
@@ -696,7 +709,7 @@ fn post_failure_returns_the_unposted_suffix() {
     assert_eq!(s.post_failed(&b, 0), Err(StreamError::NotLastBatch));
     dev.post(&b2);
     let mut log = Log::default();
-    s.on_completions(&dev.complete(100));
+    s.on_completions(0, 0, &dev.complete(100));
     drain_events(&mut s, &mut log);
     assert_eq!(s.counters().extents_confirmed, 11);
     run_to_idle(&mut s, &mut dev, &mut log, 8);
@@ -704,12 +717,12 @@ fn post_failure_returns_the_unposted_suffix() {
     assert_eq!(log.windows_done, vec![1]);
     // A whole chain refused: no doorbell counted.
     s.add_window(job(2, OpKind::Write, 4, 4096)).unwrap();
-    let b3 = s.poll_transmit(2).unwrap();
+    let b3 = transmit(&mut s, 2).unwrap();
     let before = s.counters().doorbells;
     s.post_failed(&b3, 0).unwrap();
     assert_eq!(s.counters().doorbells, before - 1);
     assert_eq!(s.outstanding(), 0);
-    let again = s.poll_transmit(3).unwrap();
+    let again = transmit(&mut s, 3).unwrap();
     assert_eq!(again.wrs.len(), 4);
 }
 
@@ -717,14 +730,18 @@ fn post_failure_returns_the_unposted_suffix() {
 fn duplicate_and_unknown_completions_are_stale() {
     let mut s = Stream::new(config(8, 4)).unwrap();
     s.add_window(job(1, OpKind::Write, 4, 4096)).unwrap();
-    let b = s.poll_transmit(0).unwrap();
+    let b = transmit(&mut s, 0).unwrap();
     let done = wc(&b.wrs[3], WcStatus::Success);
-    s.on_completion(&done);
-    s.on_completion(&done);
-    s.on_completion(&WorkCompletion {
-        wr_id: 12345,
-        ..done
-    });
+    s.on_completions(0, 0, &[done]);
+    s.on_completions(0, 0, &[done]);
+    s.on_completions(
+        0,
+        0,
+        &[WorkCompletion {
+            wr_id: 12345,
+            ..done
+        }],
+    );
     let mut log = Log::default();
     drain_events(&mut s, &mut log);
     assert_eq!(log.windows_done, vec![1]);
@@ -746,7 +763,7 @@ fn inline_only_for_small_writes() {
         j.extents[1].len = 100;
         j.extents[2].len = 1;
         s.add_window(j).unwrap();
-        let b = s.poll_transmit(0).unwrap();
+        let b = transmit(&mut s, 0).unwrap();
         assert_eq!(b.wrs.iter().map(|w| w.inline).collect::<Vec<_>>(), expect);
         assert_eq!(
             s.counters().inline,
@@ -756,7 +773,7 @@ fn inline_only_for_small_writes() {
     // max_inline 0 disables.
     let mut s = Stream::new(StreamConfig::new(8)).unwrap();
     s.add_window(job(1, OpKind::Write, 2, 1)).unwrap();
-    assert!(s.poll_transmit(0).unwrap().wrs.iter().all(|w| !w.inline));
+    assert!(transmit(&mut s, 0).unwrap().wrs.iter().all(|w| !w.inline));
 }
 
 #[test]
@@ -769,14 +786,14 @@ fn mixed_read_and_write_windows() {
     let mut dev = Device::new(64);
     let mut log = Log::default();
     let mut kinds = Vec::new();
-    while let Some(b) = s.poll_transmit(0) {
+    while let Some(b) = transmit(&mut s, 0) {
         let w = locate(&b.wrs[0]).0;
         assert!(b.wrs.iter().all(|wr| wr.kind == ops[w as usize]));
         kinds.push(b.wrs[0].kind);
         dev.post(&b);
     }
     assert_eq!(kinds, ops, "one chain per window, FIFO");
-    s.on_completions(&dev.complete(100));
+    s.on_completions(0, 0, &dev.complete(100));
     drain_events(&mut s, &mut log);
     assert_eq!(log.windows_done, vec![0, 1, 2, 3]);
     assert!(s.is_idle());
@@ -808,13 +825,13 @@ fn an_empty_window_is_done_at_once() {
     let mut j = job(5, OpKind::Write, 0, 1);
     j.extents.clear();
     s.add_window(j.clone()).unwrap();
-    assert_eq!(s.poll_event(), Some(Event::WindowDone { id: 5 }));
-    assert!(s.poll_transmit(0).is_none());
+    assert_eq!(event(&mut s), Some(Event::WindowDone { id: 5 }));
+    assert!(transmit(&mut s, 0).is_none());
     assert!(s.is_idle());
     assert_eq!(s.counters().windows_done, 1);
     // Not live, so the id may come again.
     s.add_window(j).unwrap();
-    assert_eq!(s.poll_event(), Some(Event::WindowDone { id: 5 }));
+    assert_eq!(event(&mut s), Some(Event::WindowDone { id: 5 }));
 }
 
 #[test]
@@ -856,7 +873,7 @@ fn windows_are_validated() {
         s.add_window(with(vec![e(0, 1)])),
         Err(WindowError::DuplicateId(1))
     );
-    assert!(s.poll_event().is_none());
+    assert!(event(&mut s).is_none());
     assert!(WindowError::Overlap { index: 2 }.to_string().contains('2'));
 }
 
@@ -877,20 +894,20 @@ fn config_is_validated() {
 }
 
 #[test]
-fn poll_transmit_into_reuses_the_batch() {
+fn poll_transmit_reuses_the_batch() {
     let mut s = Stream::new(config(64, 8)).unwrap();
     s.add_window(job(1, OpKind::Write, 20, 64)).unwrap();
     let mut b = Batch::default();
-    assert!(s.poll_transmit_into(0, &mut b));
+    assert!(s.poll_transmit(0, &mut b).is_some());
     let cap = b.wrs.capacity();
     let first = b.wrs[0];
-    assert!(s.poll_transmit_into(0, &mut b));
+    assert!(s.poll_transmit(0, &mut b).is_some());
     assert_eq!(b.wrs.len(), 8);
     assert_ne!(b.wrs[0], first);
     assert_eq!(b.wrs.capacity(), cap, "no new allocation");
-    assert!(s.poll_transmit_into(0, &mut b));
+    assert!(s.poll_transmit(0, &mut b).is_some());
     assert_eq!(b.wrs.len(), 4, "the window's last chain");
-    assert!(!s.poll_transmit_into(0, &mut b));
+    assert!(s.poll_transmit(0, &mut b).is_none());
     assert!(b.wrs.is_empty());
 }
 
@@ -978,14 +995,14 @@ impl Harness {
 
     fn post(&mut self) {
         let mut b = Batch::default();
-        while self.s.poll_transmit_into(self.now, &mut b) {
+        while self.s.poll_transmit(self.now, &mut b).is_some() {
             assert!(self.s.credits_in_use() <= self.dev.depth);
             self.dev.post(&b);
         }
     }
 
     fn events(&mut self) {
-        while let Some(e) = self.s.poll_event() {
+        while let Some(e) = event(&mut self.s) {
             match e {
                 Event::WindowDone { id } => {
                     *self.done.entry(id).or_default() += 1;
@@ -1006,7 +1023,7 @@ impl Harness {
         }
         if self.s.state() == State::NeedsReconnect {
             self.dev.replace();
-            self.s.reconnected().unwrap();
+            self.s.rail_reconnected(0, self.now).unwrap();
         }
         if let State::Failed { .. } = self.s.state() {
             self.failed = true;
@@ -1018,11 +1035,11 @@ impl Harness {
         match st {
             Step::Complete(n) => {
                 let wcs = self.dev.complete(*n);
-                self.s.on_completions(&wcs);
+                self.s.on_completions(0, self.now, &wcs);
             }
             Step::Fail => self.dev.fail_next(WcStatus::RetryExceeded),
             Step::FailHard => self.dev.fail_next(WcStatus::RemoteAccess),
-            Step::Lost => self.s.connection_lost(),
+            Step::Lost => self.s.rail_lost(0, self.now),
             Step::Stall => {
                 self.now += 1_000_000;
                 self.s.poll_timeout(self.now);
