@@ -22,10 +22,7 @@ use std::time::{Duration, Instant};
 
 use rcp::mem::{Arena, ArenaConfig, PeerSpan};
 use rcp::provider::Access;
-use rcp::verbs::{
-    CompletionChannel, CompletionQueue, ConnectParams, Context, MwPool, ProtectionDomain, QpConfig,
-    QueuePair,
-};
+use rcp::verbs::{ConnectParams, Context, MwPool, PreparedQp, ProtectionDomain, QpBuilder};
 
 type R<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -38,34 +35,20 @@ fn arg(args: &[String], name: &str) -> Option<String> {
         .and_then(|i| args.get(i + 1).cloned())
 }
 
-/// A QP with a CQ of its own; `events`: with a completion channel (rcpd's
-/// QPs sleep on it for their binds' and invalidates' completions).
+/// A QP in INIT; `events`: its CQ with a completion channel (rcpd's QPs
+/// sleep on it for their binds' and invalidates' completions).
 fn qp(
     ctx: &Arc<Context>,
     pd: &Arc<ProtectionDomain>,
     remote: Access,
     events: bool,
-) -> R<QueuePair> {
+) -> R<PreparedQp> {
     let (port, gid) = ctx.select_port(None)?;
-    let ch = if events {
-        Some(CompletionChannel::new(ctx)?)
-    } else {
-        None
-    };
-    let cq = CompletionQueue::new(ctx, 16, ch.as_ref())?;
-    Ok(QueuePair::new(
-        pd,
-        &cq,
-        &cq,
-        QpConfig {
-            port: port.port,
-            gid_index: gid.entry.index,
-            sq_depth: 16,
-            max_send_sge: 1,
-            max_inline: 0,
-            remote_access: remote,
-        },
-    )?)
+    Ok(QpBuilder::new(pd, port.port, gid.entry.index)
+        .sq_depth(16)
+        .remote_access(remote)
+        .events(events)
+        .build()?)
 }
 
 /// Median, min and max of `v`.
@@ -97,17 +80,17 @@ fn main() -> R<()> {
     // a "session" QP, connected to a "client" QP on the same device.
     let mw_setup = if caps.mem_windows.type_2() {
         let mr = Arc::new(shared_pd.register_span(&span, Access::LOCAL_WRITE | Access::MW_BIND)?);
-        let mut server = qp(
+        let server = qp(
             &ctx,
             &shared_pd,
             Access::REMOTE_WRITE | Access::REMOTE_READ,
             true,
         )?;
         let client_pd = ProtectionDomain::new(&ctx)?;
-        let mut client = qp(&ctx, &client_pd, Access::LOCAL_READ, false)?;
+        let client = qp(&ctx, &client_pd, Access::LOCAL_READ, false)?;
         let (es, ec) = (server.endpoint(), client.endpoint());
-        server.handshake(&ec, &ConnectParams::default())?;
-        client.handshake(&es, &ConnectParams::default())?;
+        let server = server.handshake(&ec, &ConnectParams::default())?;
+        let client = client.handshake(&es, &ConnectParams::default())?;
         let pool = MwPool::new(&shared_pd);
         Some((mr, server, client, pool))
     } else {

@@ -18,7 +18,6 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::{TcpListener, TcpStream};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rcp::engine::{LocalSeg, OpKind, RemoteSeg, WcStatus, WorkCompletion, WorkRequest};
@@ -34,14 +33,26 @@ fn arg(args: &[String], name: &str) -> Option<String> {
         .and_then(|i| args.get(i + 1).cloned())
 }
 
-struct End {
-    cq: Arc<CompletionQueue>,
-    qp: QueuePair,
-    arena: Arena,
+/// One end: its QP (a [`PreparedQp`] until [`End::connect`], then a
+/// [`QueuePair`] in RTS) and its registered arena. Fields drop in order:
+/// the QP before the registration before the memory.
+struct End<Q> {
+    qp: Q,
     mr: MemoryRegion,
+    arena: Arena,
 }
 
-fn open(device: Option<String>, mib: usize) -> R<End> {
+impl End<PreparedQp> {
+    fn connect(self, peer: &QpEndpoint) -> R<End<QueuePair>> {
+        Ok(End {
+            qp: self.qp.handshake(peer, &ConnectParams::default())?,
+            mr: self.mr,
+            arena: self.arena,
+        })
+    }
+}
+
+fn open(device: Option<String>, mib: usize) -> R<End<PreparedQp>> {
     let ctx = Context::open(device.as_deref())?;
     let (port, gid) = ctx.select_port(
         arg(&std::env::args().collect::<Vec<_>>(), "--gid-index")
@@ -57,20 +68,10 @@ fn open(device: Option<String>, mib: usize) -> R<End> {
         gid.reason
     );
     let pd = ProtectionDomain::new(&ctx)?;
-    let cq = CompletionQueue::new(&ctx, 512, None)?;
-    let qp = QueuePair::new(
-        &pd,
-        &cq,
-        &cq,
-        QpConfig {
-            port: port.port,
-            gid_index: gid.entry.index,
-            sq_depth: 256,
-            max_send_sge: 1,
-            max_inline: 0,
-            remote_access: Access::REMOTE_WRITE | Access::REMOTE_READ,
-        },
-    )?;
+    let qp = QpBuilder::new(&pd, port.port, gid.entry.index)
+        .sq_depth(256)
+        .remote_access(Access::REMOTE_WRITE | Access::REMOTE_READ)
+        .build()?;
     let mut cfg = ArenaConfig::new(mib << 20);
     cfg.numa_node = ctx.numa_node();
     let arena = Arena::new(&cfg)?;
@@ -78,7 +79,7 @@ fn open(device: Option<String>, mib: usize) -> R<End> {
         &arena,
         Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
     )?;
-    Ok(End { cq, qp, arena, mr })
+    Ok(End { qp, mr, arena })
 }
 
 fn pattern(span: &PeerSpan, seed: u64) {
@@ -137,11 +138,13 @@ fn serve(args: &[String]) -> R<()> {
         .map(|s| s.parse())
         .transpose()?
         .unwrap_or(64);
-    let mut end = open(arg(args, "--device"), mib)?;
+    let end = open(arg(args, "--device"), mib)?;
     let half = end.arena.len() / 2;
-    let lower = PeerSpan::new(&end.arena, end.arena.addr(), half).unwrap();
-    let upper = PeerSpan::new(&end.arena, end.arena.addr() + half as u64, half).unwrap();
-    pattern(&upper, 0xfeed);
+    let upper_sha = {
+        let upper = PeerSpan::new(&end.arena, end.arena.addr() + half as u64, half).unwrap();
+        pattern(&upper, 0xfeed);
+        sha(&upper)
+    };
     let l = TcpListener::bind(&listen)?;
     eprintln!("serving on {listen}");
     let (s, peer) = l.accept()?;
@@ -155,11 +158,12 @@ fn serve(args: &[String]) -> R<()> {
         end.arena.addr(),
         end.mr.rkey(),
         end.arena.len(),
-        sha(&upper)
+        upper_sha
     )?;
     let peer_ep = parse_ep(&line(&mut r)?)?;
-    end.qp.handshake(&peer_ep, &ConnectParams::default())?;
+    let end = end.connect(&peer_ep)?;
     writeln!(w, "ready")?;
+    let lower = PeerSpan::new(&end.arena, end.arena.addr(), half).unwrap();
     let whole = PeerSpan::new(&end.arena, end.arena.addr(), end.arena.len()).unwrap();
     let before = sha(&whole);
     // Serve commands until the client says it is done: the QP and the
@@ -220,7 +224,7 @@ fn drain(cq: &CompletionQueue, want: usize) -> R<Vec<WorkCompletion>> {
 /// Post `len` bytes as `block`-sized WRs in chains of 32, only the last of a
 /// chain signaled, at most `depth` outstanding. Returns seconds taken.
 fn run(
-    end: &End,
+    end: &End<QueuePair>,
     kind: OpKind,
     local: u64,
     remote: u64,
@@ -264,7 +268,7 @@ fn run(
             outstanding += chain.len();
             next += chain.len();
         }
-        for wc in drain(&end.cq, 1)? {
+        for wc in drain(end.qp.send_cq(), 1)? {
             if wc.status != WcStatus::Success {
                 return Err(
                     format!("completion error {:?} on block {}", wc.status, wc.wr_id).into(),
@@ -289,7 +293,7 @@ fn client(args: &[String]) -> R<()> {
         .transpose()?
         .unwrap_or(1 << 20);
     let bad = args.iter().any(|a| a == "--bad-rkey");
-    let mut end = open(arg(args, "--device"), mib)?;
+    let end = open(arg(args, "--device"), mib)?;
     // The server may still be mapping its arena: retry for a while.
     let t0 = Instant::now();
     let s = loop {
@@ -313,7 +317,7 @@ fn client(args: &[String]) -> R<()> {
         hello[8].clone(),
     );
     writeln!(w, "{}", ep_words(&end.qp.endpoint()))?;
-    end.qp.handshake(&peer_ep, &ConnectParams::default())?;
+    let mut end = end.connect(&peer_ep)?;
     line(&mut r)?; // ready
     let half = rlen.min(end.arena.len()) / 2;
     let src = PeerSpan::new(&end.arena, end.arena.addr(), half).unwrap();

@@ -38,23 +38,13 @@ const WIN: usize = 64 << 10;
 const ARENA: usize = 4 << 20;
 
 /// One QP with its CQ, in INIT.
-fn qp(ctx: &Arc<Context>, pd: &Arc<ProtectionDomain>, remote: Access) -> QueuePair {
+fn qp(ctx: &Arc<Context>, pd: &Arc<ProtectionDomain>, remote: Access) -> PreparedQp {
     let (port, choice) = ctx.select_port(None).expect("an ACTIVE port");
-    let cq = CompletionQueue::new(ctx, 64, None).unwrap();
-    QueuePair::new(
-        pd,
-        &cq,
-        &cq,
-        QpConfig {
-            port: port.port,
-            gid_index: choice.entry.index,
-            sq_depth: 16,
-            max_send_sge: 1,
-            max_inline: 0,
-            remote_access: remote,
-        },
-    )
-    .unwrap()
+    QpBuilder::new(pd, port.port, choice.entry.index)
+        .sq_depth(16)
+        .remote_access(remote)
+        .build()
+        .unwrap()
 }
 
 /// A client: its own device context, PD, QP and a staging arena.
@@ -106,16 +96,18 @@ fn rig(sessions: usize) -> (Server, Vec<Client>) {
     let cctx = Context::open(dev("RCP_TEST_DEV_A").as_deref()).unwrap();
     let mut clients = Vec::new();
     for _ in 0..sessions {
-        let mut s = qp(
+        let s = qp(
             &sctx,
             &server.pd,
             Access::REMOTE_WRITE | Access::REMOTE_READ,
         );
         let cpd = ProtectionDomain::new(&cctx).unwrap();
-        let mut c = qp(&cctx, &cpd, Access::LOCAL_READ);
+        let c = qp(&cctx, &cpd, Access::LOCAL_READ);
         let carena = Arena::new(&ArenaConfig::new(2 << 20)).unwrap();
         let cmr = cpd.register_arena(&carena, Access::LOCAL_WRITE).unwrap();
-        connect(&mut c, &mut s);
+        let (ec, es) = (c.endpoint(), s.endpoint());
+        let c = c.handshake(&es, &params()).unwrap();
+        let s = s.handshake(&ec, &params()).unwrap();
         server.sessions.push(s);
         clients.push(Client {
             qp: c,
@@ -126,15 +118,12 @@ fn rig(sessions: usize) -> (Server, Vec<Client>) {
     (server, clients)
 }
 
-fn connect(c: &mut QueuePair, s: &mut QueuePair) {
-    let p = ConnectParams {
+fn params() -> ConnectParams {
+    ConnectParams {
         retry_cnt: 3,
         timeout: 10,
         ..ConnectParams::default()
-    };
-    let (ec, es) = (c.endpoint(), s.endpoint());
-    c.handshake(&es, &p).unwrap();
-    s.handshake(&ec, &p).unwrap();
+    }
 }
 
 /// Both ends back to RTS after an error: ERR, RESET, INIT, RTR, RTS.
@@ -142,9 +131,10 @@ fn reconnect(c: &mut QueuePair, s: &mut QueuePair) {
     let _ = c.set_error();
     let _ = s.set_error();
     drain(c);
-    c.reset().unwrap();
-    s.reset().unwrap();
-    connect(c, s);
+    let ec = c.reset().unwrap();
+    let es = s.reset().unwrap();
+    c.handshake(&es, &params()).unwrap();
+    s.handshake(&ec, &params()).unwrap();
 }
 
 fn drain(q: &QueuePair) {

@@ -29,8 +29,8 @@ use rcp::mem::{Arena, ArenaConfig};
 use rcp::parse::RailName;
 use rcp::provider::Channel;
 use rcp::verbs::{
-    Access, CompletionChannel, CompletionQueue, ConnectParams, Context, Gid, MemoryRegion,
-    PortWatcher, ProtectionDomain, QpConfig, QueuePair, VerbsChannel,
+    Access, ConnectParams, Context, Gid, MemoryRegion, PortWatcher, ProtectionDomain, QpBuilder,
+    VerbsChannel,
 };
 use tokio::sync::mpsc::UnboundedReceiver;
 
@@ -73,28 +73,19 @@ fn rail_end(name: &RailName, arena: &Arena) -> RailEnd {
         port.port, choice.entry.gid, choice.reason
     );
     let pd = ProtectionDomain::new(&ctx).unwrap();
-    let cc = CompletionChannel::new(&ctx).unwrap();
-    let cq = CompletionQueue::new(&ctx, 4 * SQ, Some(&cc)).unwrap();
     let remote = Access::REMOTE_WRITE | Access::REMOTE_READ;
-    let qp = QueuePair::new(
-        &pd,
-        &cq,
-        &cq,
-        QpConfig {
-            port: port.port,
-            gid_index: choice.entry.index,
-            sq_depth: SQ,
-            max_send_sge: 1,
-            max_inline: 64,
-            remote_access: remote,
-        },
-    )
-    .unwrap();
+    let qp = QpBuilder::new(&pd, port.port, choice.entry.index)
+        .sq_depth(SQ)
+        .max_inline(64)
+        .remote_access(remote)
+        .events(true)
+        .build()
+        .unwrap();
     let mr = pd
         .register_arena(arena, Access::LOCAL_WRITE | remote)
         .unwrap();
     RailEnd {
-        ch: Arc::new(VerbsChannel::new(qp)),
+        ch: Arc::new(qp.into_channel()),
         mr,
         ctx,
         port: port.port,

@@ -13,8 +13,7 @@ use crate::engine::{Extent, WindowJob};
 use crate::mem::{Arena, ArenaConfig};
 use crate::provider::Channel;
 use crate::verbs::{
-    Access, CompletionChannel, CompletionQueue, ConnectParams, Context, MemoryRegion,
-    ProtectionDomain, QpConfig, QueuePair, VerbsChannel,
+    Access, ConnectParams, Context, MemoryRegion, ProtectionDomain, QpBuilder, VerbsChannel,
 };
 
 /// Send-queue depth of every bench QP.
@@ -44,22 +43,13 @@ fn side(device: Option<&str>, gid_index: Option<u32>) -> Result<Side, BenchError
 }
 
 fn channel(s: &Side) -> Result<VerbsChannel, BenchError> {
-    let cc = CompletionChannel::new(&s.ctx)?;
-    let cq = CompletionQueue::new(&s.ctx, 4 * SQ, Some(&cc))?;
-    let qp = QueuePair::new(
-        &s.pd,
-        &cq,
-        &cq,
-        QpConfig {
-            port: s.port,
-            gid_index: s.gid_index,
-            sq_depth: SQ,
-            max_send_sge: 1,
-            max_inline: 64,
-            remote_access: Access::REMOTE_WRITE | Access::REMOTE_READ,
-        },
-    )?;
-    Ok(VerbsChannel::new(qp))
+    let qp = QpBuilder::new(&s.pd, s.port, s.gid_index)
+        .sq_depth(SQ)
+        .max_inline(64)
+        .remote_access(Access::REMOTE_WRITE | Access::REMOTE_READ)
+        .events(true)
+        .build()?;
+    Ok(qp.into_channel())
 }
 
 fn region(s: &Side) -> Result<(Arena, MemoryRegion), BenchError> {

@@ -11,9 +11,8 @@ use crate::mem::{Arena, ArenaConfig, BlockPool, PeerSpan};
 use crate::provider::tcp::{SessionBinding, TcpChannel, TcpDomain, TcpTarget, DEFAULT_CONNS};
 use crate::provider::{Access, Channel, Domain, ProviderKind, Registration};
 use crate::verbs::{
-    device_names, CompletionChannel, CompletionQueue, ConnectParams, Context, Gid, MwDomain,
-    MwPool, ProtectionDomain, QpConfig, QpEndpoint, QueuePair, RegisteredSlots, VerbsChannel,
-    VerbsDomain,
+    device_names, ConnectParams, Context, Gid, MwDomain, MwPool, ProtectionDomain, QpBuilder,
+    QpEndpoint, RegisteredSlots, VerbsChannel, VerbsDomain,
 };
 
 use super::error::{ControlError, Result};
@@ -251,50 +250,10 @@ impl Device {
         }
     }
 
-    /// A new RC QP in INIT with its own CQ, in the device's PD.
-    pub fn queue_pair(
-        &self,
-        sq_depth: u32,
-        max_inline: u32,
-        remote: Access,
-        events: bool,
-    ) -> Result<QueuePair> {
-        self.queue_pair_in(&self.pd, sq_depth, max_inline, remote, events)
-    }
-
-    /// A new RC QP in INIT with its own CQ, in `pd`: it reaches only
-    /// memory registered in `pd`.
-    pub fn queue_pair_in(
-        &self,
-        pd: &Arc<ProtectionDomain>,
-        sq_depth: u32,
-        max_inline: u32,
-        remote: Access,
-        events: bool,
-    ) -> Result<QueuePair> {
-        let caps = self.ctx.caps();
-        let sq = sq_depth.min(caps.max_qp_wr).max(1);
-        let ch = if events {
-            Some(CompletionChannel::new(&self.ctx).map_err(provider)?)
-        } else {
-            None
-        };
-        let cq =
-            CompletionQueue::new(&self.ctx, sq.min(caps.max_cqe), ch.as_ref()).map_err(provider)?;
-        QueuePair::new(
-            pd,
-            &cq,
-            &cq,
-            QpConfig {
-                port: self.port,
-                gid_index: self.gid_index,
-                sq_depth: sq.min(caps.max_cqe),
-                max_send_sge: 1,
-                max_inline,
-                remote_access: remote,
-            },
-        )
-        .map_err(provider)
+    /// A QP on the device's port and GID, in `pd` (it reaches only memory
+    /// registered in `pd`): the rest is the caller's to set.
+    pub fn qp_builder(&self, pd: &Arc<ProtectionDomain>) -> QpBuilder {
+        QpBuilder::new(pd, self.port, self.gid_index)
     }
 
     /// The verbs parameters of `ch`'s QP for the peer.
@@ -413,10 +372,15 @@ impl ClientLink {
                     };
                     let reg = VerbsDomain { pd: dev.pd.clone() }
                         .register(&staging, Access::LOCAL_WRITE)?;
-                    let qp = dev.queue_pair(256, max_inline, Access::LOCAL_READ, true)?;
+                    let qp = dev
+                        .qp_builder(&dev.pd)
+                        .max_inline(max_inline)
+                        .events(true)
+                        .build()
+                        .map_err(provider)?;
                     out.push(ClientRail {
                         device: dev,
-                        channel: Arc::new(VerbsChannel::new(qp)),
+                        channel: Arc::new(qp.into_channel()),
                         lkey: reg.lkey(),
                         _reg: reg,
                     });
@@ -751,10 +715,15 @@ impl ServerLink {
 fn per_grant_domain(dev: &Device) -> Result<SessionDomain> {
     let remote = Access::REMOTE_WRITE | Access::REMOTE_READ;
     let pd = ProtectionDomain::new(&dev.ctx).map_err(provider)?;
-    let q = dev.queue_pair_in(&pd, SERVER_SQ_DEPTH, 0, remote, false)?;
+    let q = dev
+        .qp_builder(&pd)
+        .sq_depth(SERVER_SQ_DEPTH)
+        .remote_access(remote)
+        .build()
+        .map_err(provider)?;
     Ok(SessionDomain {
         domain: Arc::new(VerbsDomain { pd }),
-        channel: Some(Arc::new(VerbsChannel::new(q))),
+        channel: Some(Arc::new(q.into_channel())),
         tcp: None,
     })
 }
@@ -863,8 +832,14 @@ impl ServerLink {
                 let remote = Access::REMOTE_WRITE | Access::REMOTE_READ;
                 match &self.windows {
                     WindowAccess::MemoryWindows { slots, pool } => {
-                        let q = dev.queue_pair_in(&dev.pd, SERVER_SQ_DEPTH, 0, remote, true)?;
-                        let ch = Arc::new(VerbsChannel::new(q));
+                        let q = dev
+                            .qp_builder(&dev.pd)
+                            .sq_depth(SERVER_SQ_DEPTH)
+                            .remote_access(remote)
+                            .events(true)
+                            .build()
+                            .map_err(provider)?;
+                        let ch = Arc::new(q.into_channel());
                         Ok(SessionDomain {
                             domain: Arc::new(MwDomain {
                                 slots: slots.clone(),

@@ -6,6 +6,11 @@
 //! covers; a [`MemoryWindow`] holds its PD and, while it may be bound, the
 //! region it is bound into. Nothing is destroyed while a child lives.
 //!
+//! Every queue pair is built by [`QpBuilder`] (`qp.rs`): it sizes the QP
+//! and its completion queue in one place, from the device's queried caps,
+//! and gives a [`PreparedQp`] in INIT whose handshake with the peer's
+//! endpoint takes it to RTS.
+//!
 //! `unsafe` invariants, where they live:
 //! - `ibv_*` handles are valid from creation to `Drop` (each type's `Drop`);
 //! - registered memory stays mapped while its `MemoryRegion` lives (`pd.rs`);
@@ -40,4 +45,6 @@ pub use gid::{choose_gid, gid_table, Gid, GidChoice, GidEntry, GidType};
 pub use mw::{MemoryWindow, MwPool, MwState};
 pub use pd::{Access, MemoryRegion, ProtectionDomain};
 pub use post::PostScratch;
-pub use qp::{ConnectParams, PostError, QpConfig, QpEndpoint, QpState, QueuePair};
+pub use qp::{
+    sq_entries, ConnectParams, PostError, PreparedQp, QpBuilder, QpEndpoint, QpState, QueuePair,
+};

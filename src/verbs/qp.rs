@@ -1,5 +1,7 @@
-//! RC queue pairs: created in RESET, taken INIT -> RTR -> RTS by a handshake
-//! with the peer's endpoint, and back to RESET (and up again) on reconnect.
+//! RC queue pairs: built by [`QpBuilder`] (the one place a QP and its CQ are
+//! sized) into a [`PreparedQp`] in INIT, taken INIT -> RTR -> RTS by a
+//! handshake with the peer's endpoint, and back to RESET (and up again) on
+//! reconnect.
 
 use std::fmt;
 use std::sync::Arc;
@@ -7,8 +9,9 @@ use std::time::{Duration, Instant};
 
 use rdma_sys::*;
 
-use super::cq::CompletionQueue;
-use super::device::{mtu_enum, PortState};
+use super::channel::VerbsChannel;
+use super::cq::{CompletionChannel, CompletionQueue};
+use super::device::{mtu_enum, DeviceCaps, PortState};
 use super::error::{Hint, VerbsError};
 use super::gid::Gid;
 use super::pd::{Access, ProtectionDomain};
@@ -27,9 +30,10 @@ pub struct QpEndpoint {
     pub mtu: u32,
 }
 
-/// Sizes asked for at creation; the device may grant more.
+/// Sizes asked for at creation ([`QpBuilder`] fills them); the device may
+/// grant more.
 #[derive(Clone, Copy, Debug)]
-pub struct QpConfig {
+pub(crate) struct QpConfig {
     pub port: u8,
     pub gid_index: u32,
     pub sq_depth: u32,
@@ -128,9 +132,166 @@ pub fn random_psn() -> u32 {
     u32::from_le_bytes(b) & 0x00ff_ffff
 }
 
+/// One RC queue pair to build (rust-ibverbs' `QueuePairBuilder` shape):
+/// [`build`](Self::build) gives a [`PreparedQp`] in INIT with its local
+/// endpoint, and [`PreparedQp::handshake`] with the peer's endpoint takes it
+/// to RTS.
+///
+/// Each QP gets a completion queue of its own, sized here and nowhere else:
+/// a send-queue entry yields at most one completion (every one of them when
+/// an error flushes the queue) and no receive is ever posted, so the CQ has
+/// as many entries as the send queue, and both stay within what the device
+/// reports (`max_qp_wr`, `max_cqe`; [`sq_entries`]). The send-queue depth
+/// the QP reports ([`QueuePair::sq_depth`], the data path's credits) never
+/// exceeds the CQ's entries.
+#[derive(Clone)]
+pub struct QpBuilder {
+    pd: Arc<ProtectionDomain>,
+    port: u8,
+    gid_index: u32,
+    sq_depth: u32,
+    max_inline: u32,
+    remote_access: Access,
+    events: bool,
+}
+
+impl fmt::Debug for QpBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("QpBuilder")
+            .field("port", &self.port)
+            .field("gid_index", &self.gid_index)
+            .field("sq_depth", &self.sq_depth)
+            .field("max_inline", &self.max_inline)
+            .field("remote_access", &self.remote_access)
+            .field("events", &self.events)
+            .finish_non_exhaustive()
+    }
+}
+
+impl QpBuilder {
+    /// The send-queue depth asked for unless [`sq_depth`](Self::sq_depth)
+    /// says otherwise.
+    pub const DEFAULT_SQ_DEPTH: u32 = 256;
+
+    /// A QP in `pd`, on `port`, addressed by GID `gid_index`: a send queue
+    /// of [`DEFAULT_SQ_DEPTH`](Self::DEFAULT_SQ_DEPTH) entries, no inline
+    /// data, no remote access, a CQ without a completion channel.
+    pub fn new(pd: &Arc<ProtectionDomain>, port: u8, gid_index: u32) -> QpBuilder {
+        QpBuilder {
+            pd: pd.clone(),
+            port,
+            gid_index,
+            sq_depth: Self::DEFAULT_SQ_DEPTH,
+            max_inline: 0,
+            remote_access: Access::LOCAL_READ,
+            events: false,
+        }
+    }
+
+    /// Send-queue entries asked for (the device's limits bound them).
+    pub fn sq_depth(mut self, n: u32) -> QpBuilder {
+        self.sq_depth = n;
+        self
+    }
+
+    /// Inline bytes asked for (what the device granted is
+    /// [`QueuePair::max_inline`]).
+    pub fn max_inline(mut self, n: u32) -> QpBuilder {
+        self.max_inline = n;
+        self
+    }
+
+    /// Remote access the QP accepts as a responder (least privilege: only
+    /// what the transfer needs).
+    pub fn remote_access(mut self, a: Access) -> QpBuilder {
+        self.remote_access = a;
+        self
+    }
+
+    /// Give the CQ a completion channel, so a thread can sleep until
+    /// completions arrive ([`CompletionQueue::wait_event`]).
+    pub fn events(mut self, on: bool) -> QpBuilder {
+        self.events = on;
+        self
+    }
+
+    /// Create the CQ and the QP and take the QP to INIT.
+    pub fn build(self) -> Result<PreparedQp, VerbsError> {
+        let ctx = self.pd.context();
+        let sq = sq_entries(self.sq_depth, &ctx.caps());
+        let ch = if self.events {
+            Some(CompletionChannel::new(ctx)?)
+        } else {
+            None
+        };
+        let cq = CompletionQueue::new(ctx, sq, ch.as_ref())?;
+        let qp = QueuePair::new(
+            &self.pd,
+            &cq,
+            &cq,
+            QpConfig {
+                port: self.port,
+                gid_index: self.gid_index,
+                sq_depth: sq,
+                max_send_sge: 1,
+                max_inline: self.max_inline,
+                remote_access: self.remote_access,
+            },
+        )?;
+        Ok(PreparedQp { qp })
+    }
+}
+
+/// The send-queue entries of a QP asked `asked` on a device with `caps`,
+/// and so its CQ's: at least 1, at most `max_qp_wr` and `max_cqe`.
+pub fn sq_entries(asked: u32, caps: &DeviceCaps) -> u32 {
+    asked.min(caps.max_qp_wr).min(caps.max_cqe).max(1)
+}
+
+/// A queue pair in INIT with its local endpoint ([`QpBuilder::build`]),
+/// waiting for the peer's.
+#[derive(Debug)]
+pub struct PreparedQp {
+    qp: QueuePair,
+}
+
+impl PreparedQp {
+    /// This side's endpoint for the peer.
+    pub fn endpoint(&self) -> QpEndpoint {
+        self.qp.endpoint()
+    }
+
+    /// Send-queue depth granted ([`QueuePair::sq_depth`]).
+    pub fn sq_depth(&self) -> u32 {
+        self.qp.sq_depth()
+    }
+
+    /// Inline bytes granted ([`QueuePair::max_inline`]).
+    pub fn max_inline(&self) -> u32 {
+        self.qp.max_inline()
+    }
+
+    /// INIT -> RTR -> RTS against the peer's `remote` endpoint.
+    pub fn handshake(
+        mut self,
+        remote: &QpEndpoint,
+        p: &ConnectParams,
+    ) -> Result<QueuePair, VerbsError> {
+        self.qp.handshake(remote, p)?;
+        Ok(self.qp)
+    }
+
+    /// The QP as a provider channel, still in INIT: for a driver that hands
+    /// the channel out before the peer's endpoint arrives, and connects it
+    /// with [`VerbsChannel::handshake`] when it does.
+    pub fn into_channel(self) -> VerbsChannel {
+        VerbsChannel::new(self.qp)
+    }
+}
+
 impl QueuePair {
     /// Create an RC QP (in RESET) and take it to INIT, ready for a handshake.
-    pub fn new(
+    fn new(
         pd: &Arc<ProtectionDomain>,
         send_cq: &Arc<CompletionQueue>,
         recv_cq: &Arc<CompletionQueue>,
@@ -195,7 +356,9 @@ impl QueuePair {
             send_cq: send_cq.clone(),
             _recv_cq: recv_cq.clone(),
             cfg,
-            granted_sq: init.cap.max_send_wr,
+            // Credits never exceed the CQ's entries (the device may grant
+            // more send-queue entries than asked).
+            granted_sq: init.cap.max_send_wr.min(send_cq.depth()),
             granted_inline: init.cap.max_inline_data,
             granted_sge: init.cap.max_send_sge,
             local: QpEndpoint {
@@ -586,5 +749,24 @@ mod tests {
         let a: Vec<u32> = (0..16).map(|_| random_psn()).collect();
         assert!(a.iter().all(|&p| p < (1 << 24)));
         assert!(a.iter().any(|&p| p != a[0]));
+    }
+
+    #[test]
+    fn the_send_queue_and_its_cq_stay_within_the_device() {
+        let caps = |max_qp_wr, max_cqe| DeviceCaps {
+            max_qp_wr,
+            max_cqe,
+            max_sge: 1,
+            max_qp_rd_atom: 1,
+            max_qp_init_rd_atom: 1,
+            max_mr_size: 1 << 30,
+            max_mw: 0,
+            mem_windows: Default::default(),
+            phys_port_cnt: 1,
+        };
+        assert_eq!(sq_entries(256, &caps(16384, 32767)), 256, "as asked");
+        assert_eq!(sq_entries(256, &caps(128, 32767)), 128, "max_qp_wr");
+        assert_eq!(sq_entries(256, &caps(16384, 100)), 100, "max_cqe");
+        assert_eq!(sq_entries(0, &caps(16384, 32767)), 1, "at least one");
     }
 }

@@ -10,8 +10,8 @@ use std::sync::Arc;
 
 use rcp::mem::{Arena, ArenaConfig, PeerSpan};
 use rcp::verbs::{
-    device_names, Access, CompletionChannel, CompletionQueue, ConnectParams, Context, MemoryRegion,
-    ProtectionDomain, QpConfig, QpState, QueuePair,
+    device_names, Access, CompletionQueue, ConnectParams, Context, MemoryRegion, PreparedQp,
+    ProtectionDomain, QpBuilder, QpState, QueuePair,
 };
 
 /// One end. Fields drop in order: the queue pair before the registration
@@ -30,12 +30,21 @@ pub fn dev(var: &str) -> Option<String> {
     std::env::var(var).ok().filter(|s| !s.is_empty())
 }
 
-/// A side on the device named by `var` (default: the first device): an RC
-/// queue pair of `sq_depth` send entries (a CQ of four times that, with a
-/// completion channel) allowing remote WRITE and READ, in INIT; an arena of
-/// `arena_bytes` on the device's NUMA node, registered for local write and
-/// remote WRITE and READ.
-pub fn side(var: &str, arena_bytes: usize, sq_depth: u32) -> Side {
+/// A side on the device named by `var` (default: the first device) before
+/// its queue pair is connected.
+struct Prepared {
+    qp: PreparedQp,
+    mr: MemoryRegion,
+    arena: Arena,
+    pd: Arc<ProtectionDomain>,
+    ctx: Arc<Context>,
+}
+
+/// A side on the device named by `var`: an RC queue pair of `sq_depth`
+/// send entries (its CQ with a completion channel) allowing remote WRITE
+/// and READ, in INIT; an arena of `arena_bytes` on the device's NUMA node,
+/// registered for local write and remote WRITE and READ.
+fn prepare(var: &str, arena_bytes: usize, sq_depth: u32) -> Prepared {
     assert!(
         !device_names().is_empty(),
         "no RDMA device found: the fabric tests must run where one exists"
@@ -52,47 +61,51 @@ pub fn side(var: &str, arena_bytes: usize, sq_depth: u32) -> Side {
         choice.reason
     );
     let pd = ProtectionDomain::new(&ctx).unwrap();
-    let cc = CompletionChannel::new(&ctx).unwrap();
-    let cq = CompletionQueue::new(&ctx, 4 * sq_depth, Some(&cc)).unwrap();
     let remote = Access::REMOTE_WRITE | Access::REMOTE_READ;
-    let qp = QueuePair::new(
-        &pd,
-        &cq,
-        &cq,
-        QpConfig {
-            port: port.port,
-            gid_index: choice.entry.index,
-            sq_depth,
-            max_send_sge: 1,
-            max_inline: 64,
-            remote_access: remote,
-        },
-    )
-    .unwrap();
+    let qp = QpBuilder::new(&pd, port.port, choice.entry.index)
+        .sq_depth(sq_depth)
+        .max_inline(64)
+        .remote_access(remote)
+        .events(true)
+        .build()
+        .unwrap();
     let mut cfg = ArenaConfig::new(arena_bytes);
     cfg.numa_node = ctx.numa_node();
     let arena = Arena::new(&cfg).unwrap();
     let mr = pd
         .register_arena(&arena, Access::LOCAL_WRITE | remote)
         .unwrap();
-    Side {
+    Prepared {
         qp,
         mr,
         arena,
-        cq,
         pd,
         ctx,
     }
 }
 
+impl Prepared {
+    fn connect(self, peer: &rcp::verbs::QpEndpoint) -> Side {
+        let qp = self.qp.handshake(peer, &ConnectParams::default()).unwrap();
+        Side {
+            cq: qp.send_cq().clone(),
+            qp,
+            mr: self.mr,
+            arena: self.arena,
+            pd: self.pd,
+            ctx: self.ctx,
+        }
+    }
+}
+
 /// Sides A (`RCP_TEST_DEV_A`, `a_bytes` of arena) and B (`RCP_TEST_DEV_B`,
-/// `b_bytes`), their queue pairs connected to each other (RTS).
+/// `b_bytes`), their queue pairs (`sq_depth` send entries) connected to
+/// each other (RTS).
 pub fn pair(a_bytes: usize, b_bytes: usize, sq_depth: u32) -> (Side, Side) {
-    let mut a = side("RCP_TEST_DEV_A", a_bytes, sq_depth);
-    let mut b = side("RCP_TEST_DEV_B", b_bytes, sq_depth);
+    let a = prepare("RCP_TEST_DEV_A", a_bytes, sq_depth);
+    let b = prepare("RCP_TEST_DEV_B", b_bytes, sq_depth);
     let (ea, eb) = (a.qp.endpoint(), b.qp.endpoint());
-    a.qp.handshake(&eb, &ConnectParams::default()).unwrap();
-    b.qp.handshake(&ea, &ConnectParams::default()).unwrap();
+    let (a, b) = (a.connect(&eb), b.connect(&ea));
     assert_eq!(a.qp.state(), QpState::Rts);
     (a, b)
 }
