@@ -73,13 +73,19 @@ fn main() -> R<()> {
     );
     let span = PeerSpan::new(&arena, arena.addr(), WIN).ok_or("window span")?;
     let shared_pd = ProtectionDomain::new(&ctx)?;
+    // SAFETY (every registration and bind below): no request ever names
+    // the span and nothing reads or writes it: only the cost of granting
+    // is measured.
     // Warm up (the first registration pins the pages).
-    drop(shared_pd.register_span(&span, Access::REMOTE_WRITE)?);
+    drop(unsafe { shared_pd.register_span(&span, Access::REMOTE_WRITE) }?);
 
     // Memory windows: the window registered once with MW_BIND in the PD of
     // a "session" QP, connected to a "client" QP on the same device.
     let mw_setup = if caps.mem_windows.type_2() {
-        let mr = Arc::new(shared_pd.register_span(&span, Access::LOCAL_WRITE | Access::MW_BIND)?);
+        // SAFETY: no remote right (MW_BIND).
+        let mr = Arc::new(unsafe {
+            shared_pd.register_span(&span, Access::LOCAL_WRITE | Access::MW_BIND)
+        }?);
         let server = qp(
             &ctx,
             &shared_pd,
@@ -117,12 +123,14 @@ fn main() -> R<()> {
             Ok(())
         })?);
         mr_us.push(time(&mut || {
-            drop(shared_pd.register_span(&span, Access::REMOTE_WRITE)?);
+            // SAFETY: as above, nothing touches the span.
+            drop(unsafe { shared_pd.register_span(&span, Access::REMOTE_WRITE) }?);
             Ok(())
         })?);
         both_us.push(time(&mut || {
             let pd = ProtectionDomain::new(&ctx)?;
-            drop(pd.register_span(&span, Access::REMOTE_WRITE)?);
+            // SAFETY: as above.
+            drop(unsafe { pd.register_span(&span, Access::REMOTE_WRITE) }?);
             Ok(())
         })?);
         if let Some((mr, server, _client, pool)) = mw_setup.as_mut() {
@@ -130,7 +138,8 @@ fn main() -> R<()> {
             mw_us.push(time(&mut || {
                 let mut mw = pool.take()?;
                 let t = Instant::now();
-                mw.bind(server, mr, span.addr(), WIN, Access::REMOTE_WRITE, TIMEOUT)?;
+                // SAFETY: as above.
+                unsafe { mw.bind(server, mr, span.addr(), WIN, Access::REMOTE_WRITE, TIMEOUT) }?;
                 let t2 = Instant::now();
                 mw.invalidate(server, TIMEOUT)?;
                 i += t2.elapsed();

@@ -213,7 +213,8 @@ fn wrong_rkey_and_out_of_bounds_are_remote_access_errors() {
         let (a, b) = pair(4 << 20);
         // A window registered for REMOTE_WRITE only, 64 KiB.
         let win = PeerSpan::new(&b.arena, b.arena.addr() + (1 << 20), 65536).unwrap();
-        let wmr = b.pd.register_span(&win, Access::REMOTE_WRITE).unwrap();
+        // SAFETY: the test reads b's arena only while no request names it.
+        let wmr = unsafe { b.pd.register_span(&win, Access::REMOTE_WRITE) }.unwrap();
         let (kind, raddr, rkey) = match case {
             "wrong rkey" => (OpKind::Write, win.addr(), wmr.rkey() ^ 0x5a5a_0000),
             "out of bounds" => (OpKind::Write, win.addr() + 65536 - 100, wmr.rkey()),

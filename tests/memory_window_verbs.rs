@@ -81,9 +81,9 @@ fn rig(sessions: usize) -> (Server, Vec<Client>) {
     let slots = (0..ARENA / SLOT)
         .map(|i| {
             let span = PeerSpan::new(&arena, arena.addr() + (i * SLOT) as u64, SLOT).unwrap();
+            // SAFETY: no remote right (MW_BIND: windows grant it).
             Arc::new(
-                pd.register_span(&span, Access::LOCAL_WRITE | Access::MW_BIND)
-                    .unwrap(),
+                unsafe { pd.register_span(&span, Access::LOCAL_WRITE | Access::MW_BIND) }.unwrap(),
             )
         })
         .collect();
@@ -104,7 +104,8 @@ fn rig(sessions: usize) -> (Server, Vec<Client>) {
         let cpd = ProtectionDomain::new(&cctx).unwrap();
         let c = qp(&cctx, &cpd, Access::LOCAL_READ);
         let carena = Arena::new(&ArenaConfig::new(2 << 20)).unwrap();
-        let cmr = cpd.register_arena(&carena, Access::LOCAL_WRITE).unwrap();
+        // SAFETY: no remote right.
+        let cmr = unsafe { cpd.register_arena(&carena, Access::LOCAL_WRITE) }.unwrap();
         let (ec, es) = (c.endpoint(), s.endpoint());
         let c = c.handshake(&es, &params()).unwrap();
         let s = s.handshake(&ec, &params()).unwrap();
@@ -214,8 +215,10 @@ impl Server {
         let addr = self.arena.addr() + at;
         let mr = self.slot(at).clone();
         let t = Instant::now();
-        let rkey = mw
-            .bind(
+        // SAFETY: the tests read or write the server's arena only while no
+        // client request names it.
+        let rkey = unsafe {
+            mw.bind(
                 &mut self.sessions[session],
                 &mr,
                 addr,
@@ -223,7 +226,8 @@ impl Server {
                 access,
                 Duration::from_secs(5),
             )
-            .unwrap();
+        }
+        .unwrap();
         println!(
             "bound {WIN} bytes at +{at:#x} to session {session}'s QP: rkey {rkey:#x} in {:?}",
             t.elapsed()
@@ -451,8 +455,10 @@ fn a_pool_reuses_windows_grant_after_grant() {
     for i in 0..50u32 {
         let mut mw = pool.take().unwrap();
         let mr = s.slot(at).clone();
-        let k = mw
-            .bind(
+        // SAFETY: the test does not touch the arena while the window is
+        // bound.
+        let k = unsafe {
+            mw.bind(
                 &mut s.sessions[0],
                 &mr,
                 base,
@@ -460,7 +466,8 @@ fn a_pool_reuses_windows_grant_after_grant() {
                 Access::REMOTE_WRITE,
                 Duration::from_secs(5),
             )
-            .unwrap();
+        }
+        .unwrap();
         assert_ne!(Some(k), last);
         last = Some(k);
         if i % 10 == 0 {

@@ -371,7 +371,7 @@ impl ClientLink {
                         Err(e) => return Err(e),
                     };
                     let reg = VerbsDomain { pd: dev.pd.clone() }
-                        .register(&staging, Access::LOCAL_WRITE)?;
+                        .register_local(&staging, Access::LOCAL_WRITE)?;
                     let qp = dev
                         .qp_builder(&dev.pd)
                         .max_inline(max_inline)
@@ -391,8 +391,7 @@ impl ClientLink {
             }
             ProviderKind::Tcp => {
                 let d = TcpDomain::new();
-                tcp_reg =
-                    Some(d.register_span(&staging, Access::LOCAL_WRITE)? as Arc<dyn Registration>);
+                tcp_reg = Some(d.register_local(&staging, Access::LOCAL_WRITE)?);
                 tcp_domain = Some(d);
             }
         }

@@ -109,7 +109,23 @@ pub trait Domain: Send + Sync {
     fn exact_bounds(&self) -> bool {
         true
     }
-    fn register(
+    /// Register `span` with `access`: its lkey for local requests and,
+    /// with a remote right in `access` (`REMOTE_WRITE`, `REMOTE_READ`), its
+    /// rkey for the peer, until the registration is dropped.
+    ///
+    /// # Safety
+    ///
+    /// With a remote right, the span is lent to the peer: it may write
+    /// (`REMOTE_WRITE`) or read (`REMOTE_READ`) the bytes at any time while
+    /// the registration lives, and nothing here can see when. The caller
+    /// guarantees that until the registration is dropped (every clone of
+    /// the `Arc`: the last one revokes the rkey) nothing else writes the
+    /// span, nor reads it when the peer may write it: no block or slice
+    /// over it, no [`PeerSpan::with`]/[`PeerSpan::with_mut`] borrower, no
+    /// request posted with it as a local segment. Without a remote right
+    /// there is nothing to uphold: [`register_local`](Self::register_local)
+    /// is the safe call for that.
+    unsafe fn register(
         &self,
         span: &PeerSpan,
         access: Access,
@@ -120,7 +136,13 @@ pub trait Domain: Send + Sync {
     /// holds as long as grants inside `whole` may be made) and binds the
     /// grant into it; the others register `span` alone, as
     /// [`Domain::register`] does.
-    fn register_in(
+    ///
+    /// # Safety
+    ///
+    /// As [`Domain::register`]'s, for `span`; on a device that checks only
+    /// the bounds of the region a window is bound into
+    /// ([`Domain::exact_bounds`]), for all of `whole`.
+    unsafe fn register_in(
         &self,
         bases: &Bases,
         whole: &PeerSpan,
@@ -128,7 +150,27 @@ pub trait Domain: Send + Sync {
         access: Access,
     ) -> Result<Arc<dyn Registration>, ProviderError> {
         let _ = (bases, whole);
-        self.register(span, access)
+        // SAFETY: the caller's contract is register's.
+        unsafe { self.register(span, access) }
+    }
+
+    /// Register `span` for local access only (the staging of requests this
+    /// side posts): refused if `access` has a remote right.
+    fn register_local(
+        &self,
+        span: &PeerSpan,
+        access: Access,
+    ) -> Result<Arc<dyn Registration>, ProviderError> {
+        if access.remote() != Access::LOCAL_READ {
+            return Err(ProviderError::Protocol(format!(
+                "{span:?}: a local registration with remote rights {:?}",
+                access.remote()
+            )));
+        }
+        // SAFETY: no remote right: no peer can reach the span through this
+        // registration (requests posted under its lkey are Channel::post's
+        // contract).
+        unsafe { self.register(span, access) }
     }
 }
 

@@ -45,12 +45,16 @@ impl Domain for VerbsDomain {
     fn kind(&self) -> ProviderKind {
         ProviderKind::Verbs
     }
-    fn register(
+    /// # Safety
+    ///
+    /// As [`Domain::register`].
+    unsafe fn register(
         &self,
         span: &PeerSpan,
         access: Access,
     ) -> Result<Arc<dyn Registration>, ProviderError> {
-        Ok(Arc::new(self.pd.register_span(span, access)?))
+        // SAFETY: the caller's contract (Domain::register) is register_span's.
+        Ok(Arc::new(unsafe { self.pd.register_span(span, access) }?))
     }
 }
 
@@ -79,19 +83,30 @@ impl fmt::Debug for RegisteredSlots {
 }
 
 impl RegisteredSlots {
-    /// Register every whole slot of `slot` bytes of `arena` in `pd`.
+    /// Register every whole slot of `slot` bytes of `arena` in `pd`, with
+    /// `access` (`LOCAL_WRITE | MW_BIND`: a remote right is refused, remote
+    /// access being granted window by window).
     pub fn register(
         pd: &Arc<ProtectionDomain>,
         arena: &Arena,
         slot: usize,
         access: Access,
     ) -> Result<RegisteredSlots, VerbsError> {
+        if access.remote() != Access::LOCAL_READ {
+            return Err(VerbsError::new(
+                "ibv_reg_mr",
+                libc::EINVAL,
+                format!("slots registered once with remote rights {access:?}"),
+            ));
+        }
         let count = arena.len() / slot.max(1);
         let regions = (0..count)
             .map(|i| {
                 let span = PeerSpan::new(arena, arena.addr() + (i * slot) as u64, slot)
                     .expect("a slot lies inside its arena");
-                pd.register_span(&span, access).map(Arc::new)
+                // SAFETY: MW_BIND and local rights only (checked above):
+                // the regions give no peer any access of their own.
+                unsafe { pd.register_span(&span, access) }.map(Arc::new)
             })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(RegisteredSlots {
@@ -145,7 +160,10 @@ impl Domain for MwDomain {
         false
     }
 
-    fn register(
+    /// # Safety
+    ///
+    /// As [`Domain::register`].
+    unsafe fn register(
         &self,
         span: &PeerSpan,
         access: Access,
@@ -169,7 +187,7 @@ impl Domain for MwDomain {
     /// checks only the bounds of the region a window is bound into (rxe),
     /// the window's rkey reaches all of `whole` through the session's QP,
     /// not only `span`: see [`Domain::exact_bounds`].
-    fn register_in(
+    unsafe fn register_in(
         &self,
         bases: &Bases,
         whole: &PeerSpan,
@@ -177,7 +195,8 @@ impl Domain for MwDomain {
         access: Access,
     ) -> Result<Arc<dyn Registration>, ProviderError> {
         if self.slots.region_of(span.addr(), span.len()).is_some() {
-            return self.register(span, access);
+            // SAFETY: the caller's contract is register's.
+            return unsafe { self.register(span, access) };
         }
         let pd = self.pool.pd();
         let mr = bases.find_or(
@@ -197,10 +216,13 @@ impl MwDomain {
         access: Access,
     ) -> Result<Arc<dyn Registration>, ProviderError> {
         let mut mw = self.pool.take()?;
-        match self
-            .channel
-            .bind_window(&mut mw, mr, span.addr(), span.len(), access)
-        {
+        // SAFETY: the caller's contract (Domain::register) is bind's: the
+        // span is the caller's to lend until the registration returned
+        // here, which invalidates the window when dropped, is dropped.
+        match unsafe {
+            self.channel
+                .bind_window(&mut mw, mr, span.addr(), span.len(), access)
+        } {
             Ok(rkey) => Ok(Arc::new(WindowRegistration {
                 mw: Mutex::new(Some(mw)),
                 pool: self.pool.clone(),
@@ -335,7 +357,11 @@ impl VerbsChannel {
     /// Bind `mw` to this channel's QP over `[addr, addr+len)` of `mr`
     /// ([`MemoryWindow::bind`]); the new rkey. Only for a QP whose CQ no
     /// data path polls (rcpd's).
-    pub fn bind_window(
+    ///
+    /// # Safety
+    ///
+    /// As [`MemoryWindow::bind`].
+    pub unsafe fn bind_window(
         &self,
         mw: &mut MemoryWindow,
         mr: &Arc<MemoryRegion>,
@@ -344,7 +370,8 @@ impl VerbsChannel {
         access: Access,
     ) -> Result<u32, VerbsError> {
         let mut qp = self.qp.lock().unwrap();
-        mw.bind(&mut qp, mr, addr, len, access, MW_TIMEOUT)
+        // SAFETY: the caller's contract, passed on.
+        unsafe { mw.bind(&mut qp, mr, addr, len, access, MW_TIMEOUT) }
     }
 
     /// Invalidate `mw` on this channel's QP ([`MemoryWindow::invalidate`]).

@@ -154,10 +154,15 @@ impl MemoryWindow {
     /// works only through `qp`, until [`MemoryWindow::invalidate`] (or the
     /// window's deallocation).
     ///
-    /// As with a registration with remote access, the span is lent to the
-    /// peer of `qp` while the window is bound: whoever binds owns those
-    /// bytes and leaves them alone until the window is invalidated.
-    pub fn bind(
+    /// # Safety
+    ///
+    /// The span is lent to the peer of `qp` while the window is bound: it
+    /// may write (`REMOTE_WRITE`) or read (`REMOTE_READ`) the bytes at any
+    /// time until the window is invalidated (or deallocated), and nothing
+    /// here can see when. The caller guarantees that until then nothing
+    /// else writes `[addr, addr+len)`, nor reads it when the peer may write
+    /// it (as [`crate::provider::Domain::register`]).
+    pub unsafe fn bind(
         &mut self,
         qp: &mut QueuePair,
         mr: &Arc<MemoryRegion>,
@@ -213,9 +218,8 @@ impl MemoryWindow {
         self.mr = Some(mr.clone());
         // SAFETY: the window and the region are valid until the request
         // completes (we hold both, and the region stays held while the
-        // binding may exist); the span lies inside the region, and lending
-        // it to the peer is this function's documented contract with its
-        // caller, as registering it with remote access is.
+        // binding may exist); the span lies inside the region, and the
+        // caller lends it to the peer (this function's `# Safety`).
         if let Err(e) = unsafe { qp.post_one(&mut wr) } {
             if qp.state() != super::qp::QpState::Rts {
                 // Refused before anything was posted.

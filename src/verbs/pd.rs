@@ -120,7 +120,11 @@ impl ProtectionDomain {
 
     /// Register the whole arena (done once at start-up; blocks are then
     /// addressed by offset under one lkey).
-    pub fn register_arena(
+    ///
+    /// # Safety
+    ///
+    /// As [`register_span`](Self::register_span), for the whole arena.
+    pub unsafe fn register_arena(
         self: &Arc<Self>,
         arena: &Arena,
         access: Access,
@@ -130,7 +134,19 @@ impl ProtectionDomain {
 
     /// Register a span of the arena (a window granted to one transfer: its
     /// rkey reaches only these bytes and dies with the registration).
-    pub fn register_span(
+    ///
+    /// # Safety
+    ///
+    /// With a remote right in `access` (`REMOTE_WRITE`, `REMOTE_READ`), the
+    /// span is lent to the peers of this PD's QPs: they may write or read
+    /// it at any time until the region is dropped. The caller guarantees
+    /// that until then nothing else writes the span, nor reads it when a
+    /// peer may write it (as [`crate::provider::Domain::register`]).
+    /// Without a remote right (`LOCAL_WRITE`, `MW_BIND`: remote access is
+    /// then granted window by window, by the `unsafe`
+    /// [`MemoryWindow::bind`](super::MemoryWindow::bind)) there is nothing
+    /// to uphold.
+    pub unsafe fn register_span(
         self: &Arc<Self>,
         span: &PeerSpan,
         access: Access,

@@ -72,9 +72,10 @@ fn prepare(var: &str, arena_bytes: usize, sq_depth: u32) -> Prepared {
     let mut cfg = ArenaConfig::new(arena_bytes);
     cfg.numa_node = ctx.numa_node();
     let arena = Arena::new(&cfg).unwrap();
-    let mr = pd
-        .register_arena(&arena, Access::LOCAL_WRITE | remote)
-        .unwrap();
+    // SAFETY: the fabric tests touch an arena's bytes (fill, bytes,
+    // with_mut) only while no request names them; the only peer is the
+    // other side of the same test.
+    let mr = unsafe { pd.register_arena(&arena, Access::LOCAL_WRITE | remote) }.unwrap();
     Prepared {
         qp,
         mr,

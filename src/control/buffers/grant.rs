@@ -199,19 +199,25 @@ pub fn grant(
         let mut keys = Vec::new();
         let mut addr = 0;
         for d in &domains {
-            let reg = d
-                .register_in(&exp.bases, &whole, r.span(), access)
-                .map_err(|e| {
-                    OpError::new(
-                        Reason::Other,
-                        format!(
-                            "registering [{}, +{}) of {:?}: {e}",
-                            r.lease().offset(),
-                            r.lease().len(),
-                            req.name
-                        ),
-                    )
-                })?;
+            // SAFETY: the range is leased for as long as the grant lives
+            // (exclusively for a peer's WRITE, shared for its READ), so no
+            // other user inside rcpd (requests, other grants, hashing)
+            // reaches it in a conflicting way; the registrations live only
+            // in the grant's state, which drops them (revoking every key)
+            // before its leases, and `BufferDone` revokes before it
+            // verifies. (The service's own writes are beyond rcpd's reach
+            // and fail the check: src/mem/memfd.rs.)
+            let reg = unsafe { d.register_in(&exp.bases, &whole, r.span(), access) }.map_err(|e| {
+                OpError::new(
+                    Reason::Other,
+                    format!(
+                        "registering [{}, +{}) of {:?}: {e}",
+                        r.lease().offset(),
+                        r.lease().len(),
+                        req.name
+                    ),
+                )
+            })?;
             addr = reg.addr();
             keys.push(reg.rkey());
             regs.push(reg);

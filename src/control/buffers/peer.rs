@@ -119,8 +119,10 @@ impl PeerLink {
         if let Some(r) = self.regs.lock().unwrap().get(&uid) {
             return Ok(r.clone());
         }
-        let r = crate::control::in_place(|| self.domain.register(&buf.span(), Access::LOCAL_WRITE))
-            .map_err(|e| OpError::new(Reason::Other, format!("registering the buffer: {e}")))?;
+        let r = crate::control::in_place(|| {
+            self.domain.register_local(&buf.span(), Access::LOCAL_WRITE)
+        })
+        .map_err(|e| OpError::new(Reason::Other, format!("registering the buffer: {e}")))?;
         self.regs.lock().unwrap().insert(uid, r.clone());
         Ok(r)
     }

@@ -28,7 +28,7 @@ use crate::files::{
 };
 use crate::mem::{Block, PeerSpan};
 use crate::proto::{self, Direction};
-use crate::provider::{Access, Registration};
+use crate::provider::{Access, Domain, ProviderError, Registration};
 
 /// Files below this length are not checked against the free space up
 /// front (one statvfs each); a full disk still fails them at fallocate.
@@ -48,20 +48,70 @@ pub(super) enum Held {
 }
 
 /// A window's arena slot and, while granted, its registrations (one per
-/// rail of the session; dropping them revokes every rkey).
+/// rail of the session).
+///
+/// While a registration lives the peer may write or read the slot's bytes
+/// at any time, so they are reachable only through [`revoke`](Self::revoke),
+/// which drops every registration first: the slot holds the only
+/// references, so that revokes every rkey. Fields drop in order: the
+/// registrations before the block goes back to the pool.
 pub(super) struct Slot {
-    pub block: Block,
-    pub reg: Vec<Arc<dyn Registration>>,
+    reg: Vec<Arc<dyn Registration>>,
+    block: Block,
     _permit: OwnedSemaphorePermit,
 }
 
 impl Slot {
     pub fn new(block: Block, permit: OwnedSemaphorePermit) -> Self {
         Slot {
-            block,
             reg: Vec::new(),
+            block,
             _permit: permit,
         }
+    }
+
+    /// Revoke every grant of the slot (its rkeys fail from the peer's next
+    /// request on) and hand out its bytes.
+    pub fn revoke(&mut self) -> &mut Block {
+        self.reg.clear();
+        &mut self.block
+    }
+
+    /// Revoke what was granted before, then lend the first `len` bytes of
+    /// the slot to the peer with `access` through each of `domains` (a
+    /// memory window bound to the session's QP, or a registration in its
+    /// PD, per rail); the registrations, in the order of `domains`. On an
+    /// error nothing stays granted.
+    pub fn grant<'d>(
+        &mut self,
+        domains: impl IntoIterator<Item = &'d dyn Domain>,
+        len: usize,
+        access: Access,
+    ) -> Result<&[Arc<dyn Registration>], ProviderError> {
+        self.reg.clear();
+        let span = PeerSpan::new(self.block.arena(), self.block.addr(), len)
+            .filter(|_| len <= self.block.len())
+            .ok_or_else(|| {
+                ProviderError::Protocol(format!("{len} bytes do not fit in {:?}", self.block))
+            })?;
+        for d in domains {
+            // SAFETY: the slot's block is this slot's alone (a Block is
+            // its holder's exclusive owner, and the ledger keeps each
+            // granted window's block in one Slot), and the span made here
+            // is the only one over it, lent to these registrations only.
+            // Safe code reaches the bytes only through `revoke`, which
+            // drops every registration first; the slot hands none of them
+            // out beyond this borrow (their keys are all the ledger sends),
+            // and they drop before the block when the slot does.
+            match unsafe { d.register(&span, access) } {
+                Ok(r) => self.reg.push(r),
+                Err(e) => {
+                    self.reg.clear();
+                    return Err(e);
+                }
+            }
+        }
+        Ok(&self.reg)
     }
 }
 
@@ -260,11 +310,11 @@ impl StreamIo {
         fill: Option<&HashMap<FileId, Held>>,
         len: usize,
     ) -> Result<Granted, Failure> {
-        // Revoke the old rkeys before touching the memory.
-        slot.reg.clear();
         let mut digests = Vec::new();
         if let Some(files) = fill {
-            let mem = slot.block.as_mut_slice();
+            // Revoke the old rkeys before touching the memory.
+            let block = slot.revoke();
+            let mem = block.as_mut_slice();
             for e in extents {
                 let Some(Held::Pull { src }) = files.get(&e.file) else {
                     return Err(Failure::new(
@@ -276,7 +326,7 @@ impl StreamIo {
                 fsutil::read_exact(src, e.block * self.bs, &mut mem[at..at + e.len as usize])
                     .map_err(|e| fail(ControlError::io("reading the source file")(e)))?;
             }
-            let mem = slot.block.as_slice();
+            let mem = block.as_slice();
             let slices: Vec<&[u8]> = extents
                 .iter()
                 .map(|e| &mem[e.offset as usize..(e.offset + u64::from(e.len)) as usize])
@@ -292,7 +342,7 @@ impl StreamIo {
                 // windows on a device that checks only the slot region's
                 // bounds): leave nothing there of an earlier grant.
                 let end = len.max(Self::used(extents));
-                slot.block.as_mut_slice()[end..].fill(0);
+                block.as_mut_slice()[end..].fill(0);
             }
         }
         let access = if fill.is_some() {
@@ -300,25 +350,16 @@ impl StreamIo {
         } else {
             Access::REMOTE_WRITE
         };
-        let span = PeerSpan::new(
-            slot.block.arena(),
-            slot.block.addr(),
-            len.max(Self::used(extents)),
-        )
-        .expect("a window lies inside its slot");
-        let reg = self
-            .register(&*self.session.domain, &span, access)
-            .map_err(fail)?;
-        let (addr, rkey) = (reg.addr(), reg.rkey());
-        slot.reg.push(reg);
-        // The other rails of the session: the same bytes, registered in
-        // each rail's own domain.
-        for d in self.session.rail_domains() {
-            let r = self.register(&**d, &span, access).map_err(fail)?;
-            slot.reg.push(r);
-        }
-        let rail_rkeys = if slot.reg.len() > 1 {
-            slot.reg.iter().map(|r| r.rkey()).collect()
+        // The session's domain, then its other rails': the same bytes,
+        // registered in each rail's own domain.
+        let domains =
+            std::iter::once(&*self.session.domain).chain(self.session.rail_domains().map(|d| &**d));
+        let regs = slot
+            .grant(domains, len.max(Self::used(extents)), access)
+            .map_err(|e| fail(self.registration_error(e)))?;
+        let (addr, rkey) = (regs[0].addr(), regs[0].rkey());
+        let rail_rkeys = if regs.len() > 1 {
+            regs.iter().map(|r| r.rkey()).collect()
         } else {
             Vec::new()
         };
@@ -330,22 +371,15 @@ impl StreamIo {
         })
     }
 
-    /// Register a window in `domain`, counting refusals for lack of
-    /// lockable memory in rcp_memlock_failures_total.
-    fn register(
-        &self,
-        domain: &dyn crate::provider::Domain,
-        span: &PeerSpan,
-        access: Access,
-    ) -> Result<Arc<dyn Registration>, ControlError> {
-        domain.register(span, access).map_err(|e| {
-            if let crate::provider::ProviderError::Verbs(v) = &e {
-                if v.hint == crate::verbs::Hint::Memlock {
-                    self.svc.metrics.memlock_failure();
-                }
+    /// A grant's registration failed: a refusal for lack of lockable
+    /// memory is counted in rcp_memlock_failures_total.
+    fn registration_error(&self, e: ProviderError) -> ControlError {
+        if let ProviderError::Verbs(v) = &e {
+            if v.hint == crate::verbs::Hint::Memlock {
+                self.svc.metrics.memlock_failure();
             }
-            e.into()
-        })
+        }
+        e.into()
     }
 
     /// [`ServerAction::Verify`](crate::control::protocol::ServerAction::Verify):
@@ -359,8 +393,7 @@ impl StreamIo {
         files: &HashMap<FileId, Held>,
     ) -> Result<Vec<u32>, Failure> {
         // Revoke remote access before reading what landed.
-        slot.reg.clear();
-        let mem = slot.block.as_slice();
+        let mem = slot.revoke().as_slice();
         let slices: Vec<&[u8]> = extents
             .iter()
             .map(|e| &mem[e.offset as usize..(e.offset + u64::from(e.len)) as usize])
@@ -500,4 +533,52 @@ fn check_space(dir: &std::path::Path, need: u64) -> Result<(), ControlError> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mem::{Arena, ArenaConfig};
+    use crate::provider::tcp::TcpDomain;
+
+    fn slot(pool: &crate::mem::BlockPool) -> Slot {
+        let permit = Arc::new(tokio::sync::Semaphore::new(1))
+            .try_acquire_owned()
+            .unwrap();
+        Slot::new(pool.take().unwrap(), permit)
+    }
+
+    /// A slot's bytes are handed out only after every grant of it is
+    /// revoked, and a new grant revokes the one before.
+    #[test]
+    fn a_slot_is_revoked_before_its_bytes_are_reached() {
+        let pool = Arena::new(&ArenaConfig::new(2 << 20))
+            .unwrap()
+            .into_pool(1 << 20)
+            .unwrap();
+        let (a, b) = (TcpDomain::new(), TcpDomain::new());
+        let mut s = slot(&pool);
+        let domains: [&dyn Domain; 2] = [&*a, &*b];
+        let regs = s.grant(domains, 4096, Access::REMOTE_WRITE).unwrap();
+        assert_eq!(regs.len(), 2, "one registration per rail");
+        let rkey = regs[0].rkey();
+        assert!(a.by_rkey(rkey).is_some());
+        assert_eq!((a.registrations(), b.registrations()), (1, 1));
+        s.grant([&*a as &dyn Domain], 8192, Access::REMOTE_READ)
+            .unwrap();
+        assert!(a.by_rkey(rkey).is_none(), "the earlier grant is revoked");
+        assert_eq!((a.registrations(), b.registrations()), (1, 0));
+        s.revoke().as_mut_slice()[0] = 1;
+        assert_eq!((a.registrations(), b.registrations()), (0, 0));
+        // Too long for the slot: refused, nothing granted.
+        assert!(s
+            .grant([&*a as &dyn Domain], (1 << 20) + 1, Access::REMOTE_WRITE)
+            .is_err());
+        assert_eq!(a.registrations(), 0);
+        // Dropping a granted slot revokes its grants.
+        s.grant([&*a as &dyn Domain], 4096, Access::REMOTE_WRITE)
+            .unwrap();
+        drop(s);
+        assert_eq!(a.registrations(), 0);
+    }
 }
