@@ -207,17 +207,18 @@ pub fn grant(
             // before its leases, and `BufferDone` revokes before it
             // verifies. (The service's own writes are beyond rcpd's reach
             // and fail the check: src/mem/memfd.rs.)
-            let reg = unsafe { d.register_in(&exp.bases, &whole, r.span(), access) }.map_err(|e| {
-                OpError::new(
-                    Reason::Other,
-                    format!(
-                        "registering [{}, +{}) of {:?}: {e}",
-                        r.lease().offset(),
-                        r.lease().len(),
-                        req.name
-                    ),
-                )
-            })?;
+            let reg =
+                unsafe { d.register_in(&exp.bases, &whole, r.span(), access) }.map_err(|e| {
+                    OpError::new(
+                        Reason::Other,
+                        format!(
+                            "registering [{}, +{}) of {:?}: {e}",
+                            r.lease().offset(),
+                            r.lease().len(),
+                            req.name
+                        ),
+                    )
+                })?;
             addr = reg.addr();
             keys.push(reg.rkey());
             regs.push(reg);
