@@ -207,35 +207,11 @@ pub fn negotiate(req: &proto::HandshakeRequest, t: &Terms) -> Result<Agreed, Ref
                 t.runs, t.runs
             ))
         })?;
-    let offered: Vec<Option<Check>> = if req.checks.is_empty() {
-        vec![Some(Check::Sha256)]
-    } else {
-        req.checks
-            .iter()
-            .map(|&c| super::check_from_wire(c))
-            .collect()
-    };
-    let check = offered
-        .iter()
-        .flatten()
-        .find(|c| t.checks.contains(c))
-        .copied()
-        .ok_or_else(|| {
-            let names = |v: &mut dyn Iterator<Item = Check>| {
-                v.map(Check::name).collect::<Vec<_>>().join(", ")
-            };
-            let accepted = names(&mut t.checks.iter().copied());
-            let asked = names(&mut offered.iter().flatten().copied());
-            Refusal::invalid(if asked.is_empty() {
-                format!(
-                    "the client offered no check this rcpd knows (it accepts {accepted}: RCPD_VERIFY)"
-                )
-            } else {
-                format!(
-                    "this rcpd accepts only the checks {accepted} (RCPD_VERIFY); the client asked for {asked}"
-                )
-            })
-        })?;
+    // The check: the one rule, `protocol::choose_check`.
+    let check = super::choose_check(&req.checks, &t.checks).map_err(|f| Refusal {
+        reason: f.reason,
+        message: f.message,
+    })?;
     let block_size = check_block_size(req.block_size, t.window_size).map_err(Refusal::invalid)?;
     let window_count = req
         .window_count
