@@ -22,12 +22,14 @@
 //! - [`metrics`], [`doctor`]: Prometheus counters, `rcp doctor`'s checks.
 //! - [`parse`]: `HOST[:PORT]`, sizes, rates and durations, parsed once for every binary.
 //! - [`json`]: the `--json` lines (schema in `docs/json.md`).
+//! - [`escape`]: strings from outside (client names, paths, reasons) as they go into a log line.
 
 pub mod bench;
 pub mod control;
 pub mod datapath;
 pub mod doctor;
 pub mod engine;
+pub mod escape;
 pub mod files;
 pub mod json;
 pub mod mem;

@@ -163,8 +163,11 @@ fn main() -> anyhow::Result<()> {
         return Ok(());
     }
     let root = a.root.context("--root is required")?;
+    // Colours only on a terminal: a log file or `kubectl logs` gets plain
+    // text (and no escape sequence rcpd did not escape itself).
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_new(&a.log)
                 .with_context(|| format!("bad --log filter {:?}", a.log))?,

@@ -15,6 +15,7 @@ use super::error::{ControlError, Result};
 use super::fsutil;
 use super::jobs::{self, Job};
 use super::server::{BoxStream, Copier, Service};
+use crate::escape::esc;
 use crate::proto::{CopyProgress, CopyRequest, Direction};
 
 /// Copies for services, with this rcpd's client settings (its token, TLS
@@ -187,11 +188,11 @@ fn start(
                 if t.files == 1 {
                     last.sha256 = t.sha256.map(hex::encode).unwrap_or_default();
                 }
-                tracing::info!(files = t.files, bytes = t.bytes, remote = %req.remote, "copy done");
+                tracing::info!(files = t.files, bytes = t.bytes, remote = %esc(&req.remote), "copy done");
                 let _ = tx.send(Ok(last)).await;
             }
             Err(e) => {
-                tracing::warn!(error = %e, remote = %req.remote, "copy failed");
+                tracing::warn!(error = %esc(&e), remote = %esc(&req.remote), "copy failed");
                 last.error = e.to_string();
                 let _ = tx.send(Ok(last)).await;
                 let _ = tx.send(Err(Status::from(e))).await;

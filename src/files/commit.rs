@@ -65,6 +65,7 @@ use super::path::check_name_os;
 use super::reader::IoMode;
 use super::root::{list_fd, DirHandle, FileKind, Timestamp};
 use super::{temp_name, temp_prefix};
+use crate::escape::esc;
 
 /// Default block size when the caller has no opinion (4 MiB).
 pub const DEFAULT_BLOCK_SIZE: u64 = 4 << 20;
@@ -317,7 +318,7 @@ impl Destination {
             let m = match Manifest::load(dir, mname) {
                 Ok(m) => m,
                 Err(e) => {
-                    tracing::warn!(error = %e, "discarding unusable resume manifest");
+                    tracing::warn!(error = %esc(&e), "discarding unusable resume manifest");
                     discard(dir, temp, mname);
                     continue;
                 }
@@ -343,7 +344,7 @@ impl Destination {
                 None
             };
             if let Some(why) = why {
-                tracing::warn!(manifest = %dir.display().join(mname).display(), why,
+                tracing::warn!(manifest = %esc(dir.display().join(mname).display()), why,
                     "discarding stale resume manifest");
                 discard(dir, temp, mname);
                 continue;
@@ -357,7 +358,7 @@ impl Destination {
             ) {
                 Ok(fd) => fd,
                 Err(e) => {
-                    tracing::warn!(temp = %tpath.display(), error = %e,
+                    tracing::warn!(temp = %esc(tpath.display()), error = %e,
                         "resume manifest without its temp file; discarding");
                     discard(dir, temp, mname);
                     continue;
@@ -369,7 +370,7 @@ impl Destination {
             let waited = match lock_within(&fd, RESUME_LOCK_WAIT) {
                 Ok(waited) => waited,
                 Err(e) => {
-                    tracing::info!(temp = %tpath.display(), error = %e,
+                    tracing::info!(temp = %esc(tpath.display()), error = %e,
                         "temp file is locked by a live transfer; not resuming it");
                     continue;
                 }
@@ -387,7 +388,7 @@ impl Destination {
             if FileType::from_raw_mode(st.st_mode) != FileType::RegularFile
                 || st.st_size as u64 != m.len
             {
-                tracing::warn!(temp = %tpath.display(), "temp file has the wrong type or length; discarding");
+                tracing::warn!(temp = %esc(tpath.display()), "temp file has the wrong type or length; discarding");
                 drop(fd);
                 discard(dir, temp, mname);
                 continue;
@@ -447,7 +448,7 @@ impl Destination {
                 .read_exact_at(b, off)
                 .map_err(|e| io_err("read temp file", self.temp_path(), e))?;
             if self.manifest.check.block(b) != want {
-                tracing::warn!(temp = %self.temp_path().display(), block = i,
+                tracing::warn!(temp = %esc(self.temp_path().display()), block = i,
                     "resumed block does not match its recorded digest; will be sent again");
                 continue;
             }
@@ -788,7 +789,7 @@ impl Drop for Destination {
         }
         if self.keeps_manifest() {
             if let Err(e) = self.save_manifest() {
-                tracing::warn!(error = %e, "could not save resume manifest on drop");
+                tracing::warn!(error = %esc(&e), "could not save resume manifest on drop");
             }
         } else {
             self.remove_files();
@@ -903,7 +904,7 @@ pub fn publish(sealed: Vec<Sealed>) -> Vec<Result<Published>> {
             match rfs::syncfs(any.dest.dir.fd()) {
                 Ok(()) => true,
                 Err(e) => {
-                    tracing::warn!(dir = %any.dest.dir.display().display(), error = %e,
+                    tracing::warn!(dir = %esc(any.dest.dir.display().display()), error = %e,
                         "syncfs failed; syncing the files of the batch one by one");
                     false
                 }

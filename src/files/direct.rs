@@ -243,7 +243,7 @@ fn decide(dir: &DirHandle, temp: &std::ffi::OsStr, file: &File) -> State {
         Ok(fd) => fd,
         Err(e) => {
             if e == Errno::INVAL {
-                tracing::info!(dir = %dir.display().display(), "O_DIRECT refused (EINVAL); buffered writes on this file system");
+                tracing::info!(dir = %crate::escape::esc(dir.display().display()), "O_DIRECT refused (EINVAL); buffered writes on this file system");
                 remember_refusal(dev);
             }
             return State::Off(format!("O_DIRECT open: {e}"));

@@ -31,6 +31,7 @@ use super::error::{io_err, FileError, PathError, Result};
 use super::manifest::SourceId;
 use super::path::normalize;
 use super::root::{FileKind, FileMeta, Root};
+use crate::escape::esc;
 
 /// Alignment required for `O_DIRECT` reads (offset, buffer address, length).
 pub const DIRECT_ALIGN: usize = 4096;
@@ -143,7 +144,7 @@ impl SourceFile {
             }
             Some(Err(e)) => {
                 let p = display.display().to_string();
-                tracing::debug!(path = %p, error = %e,
+                tracing::debug!(path = %esc(&p), error = %esc(&e),
                     "O_DIRECT not available; buffered reads");
                 (None, Some(e.to_string()))
             }
@@ -244,7 +245,7 @@ impl SourceFile {
                     return Ok((n, IoMode::Direct));
                 }
                 Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-                    tracing::warn!(path = %self.path.display(), error = %e,
+                    tracing::warn!(path = %esc(self.path.display()), error = %e,
                         "O_DIRECT read refused; using buffered reads for this file");
                     self.direct_ok.store(false, Ordering::Relaxed);
                 }

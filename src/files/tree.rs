@@ -120,7 +120,7 @@ fn walk_dir(
         };
         let skip = |out: &mut Tree, reason| {
             let p = display.join(&rel).display().to_string();
-            tracing::warn!(path = %p, reason, "skipped");
+            tracing::warn!(path = %crate::escape::esc(&p), reason, "skipped");
             out.skipped.push(Skipped {
                 rel_path: rel.clone(),
                 reason,

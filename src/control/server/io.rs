@@ -21,6 +21,7 @@ use crate::control::fsutil;
 use crate::control::protocol::{
     Bitmap, CommittedFile, Digest, Failure, FileId, Granted, OpenedFile, Reason,
 };
+use crate::escape::esc;
 use crate::files::{
     self, Destination, DestinationOptions, DirHandle, FileError, FileKind, PathError, Preserve,
     SourceFile,
@@ -187,7 +188,7 @@ impl StreamIo {
         let total = open.length.div_ceil(self.bs);
         let missing = dest.missing_blocks();
         let skip = ((missing.len() as u64) < total).then(|| Bitmap::all_but(total, &missing));
-        tracing::debug!(path, length = open.length, resumed = skip.is_some(), "push");
+        tracing::debug!(path = %esc(&path), length = open.length, resumed = skip.is_some(), "push");
         Ok((
             Held::Push {
                 dest: Arc::new(Mutex::new(Some(dest))),
@@ -226,7 +227,7 @@ impl StreamIo {
             skip = Bitmap::from_bytes(open.have_blocks.clone(), length.div_ceil(self.bs))
                 .filter(|b| b.count() > 0);
         }
-        tracing::debug!(path = %rel, length, resumed = skip.is_some(), "pull");
+        tracing::debug!(path = %esc(&rel), length, resumed = skip.is_some(), "pull");
         let opened = OpenedFile {
             length,
             mode: src.mode(),
@@ -474,7 +475,7 @@ impl StreamIo {
             out.push((
                 file,
                 r.map(|p| {
-                    tracing::debug!(path, "push committed");
+                    tracing::debug!(path = %esc(&path), "push committed");
                     CommittedFile {
                         path,
                         length: p.len,

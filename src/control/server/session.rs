@@ -273,7 +273,7 @@ impl Service {
                 last_used: Mutex::new(Instant::now()),
             }),
         );
-        tracing::info!(session = format_args!("{id:#x}"), client = %req.client_name, provider = %kind, block_size, window_count, check = %check, "session opened");
+        tracing::info!(session = format_args!("{id:#x}"), client = %crate::escape::esc(&req.client_name), provider = %kind, block_size, window_count, check = %check, "session opened");
         Ok(resp)
     }
 

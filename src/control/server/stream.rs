@@ -241,7 +241,7 @@ impl Driver {
         match end {
             Ok(()) => tracing::debug!("move stream done"),
             Err(f) => {
-                tracing::warn!(reason = ?f.reason, error = %f.message, files_open = open.len(), "move stream ended with an error");
+                tracing::warn!(reason = ?f.reason, error = %crate::escape::esc(&f.message), files_open = open.len(), "move stream ended with an error");
                 for fi in open.values() {
                     self.svc.metrics.transfer_ended(
                         fi.dir,
