@@ -98,6 +98,55 @@ impl RailCounts {
     }
 }
 
+/// Why rcpd cut a client off or held it back (`rcpd_client_limits_total`'s
+/// `reason`): the limits that keep one client from taking what the others
+/// need (docs/security.md).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ClientLimit {
+    /// A handshake refused: rcpd's session table is full (`--max-sessions`).
+    Sessions,
+    /// A handshake refused: the client holds its share
+    /// (`--max-sessions-per-client`).
+    SessionsPerClient,
+    /// A session closed: it opened no Move stream within `--session-grace`.
+    SessionGrace,
+    /// A session closed: unused for the idle time after its last Move.
+    SessionIdle,
+    /// A Move stream waited: its client runs its share of the transfer
+    /// slots (`--max-transfers-per-client`).
+    TransfersPerClient,
+    /// A Move stream ended: nothing moved (no bytes, no file committed)
+    /// for `--timeout`.
+    NoProgress,
+}
+
+impl ClientLimit {
+    pub const ALL: [ClientLimit; 6] = [
+        ClientLimit::Sessions,
+        ClientLimit::SessionsPerClient,
+        ClientLimit::SessionGrace,
+        ClientLimit::SessionIdle,
+        ClientLimit::TransfersPerClient,
+        ClientLimit::NoProgress,
+    ];
+
+    /// The `reason` label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ClientLimit::Sessions => "sessions",
+            ClientLimit::SessionsPerClient => "sessions_per_client",
+            ClientLimit::SessionGrace => "session_grace",
+            ClientLimit::SessionIdle => "session_idle",
+            ClientLimit::TransfersPerClient => "transfers_per_client",
+            ClientLimit::NoProgress => "no_progress",
+        }
+    }
+}
+
+fn limit_labels(why: ClientLimit) -> Labels {
+    vec![("reason".to_string(), why.as_str().to_string())]
+}
+
 /// Every metric rcp exports.
 pub struct Metrics {
     registry: Registry,
@@ -116,6 +165,7 @@ pub struct Metrics {
     active_transfers: Gauge,
     integrity_failures: Counter,
     auth_failures: Counter,
+    client_limits: Family<Labels, Counter>,
     /// `rcp_rail_*_total`, in the order of [`RAIL_COUNTERS`].
     rail_counters: Vec<Family<Labels, Counter>>,
     /// `rcp_rail_up`: 1 while the rail carries chains, 0 otherwise.
@@ -155,6 +205,7 @@ impl Metrics {
             active_transfers: Gauge::default(),
             integrity_failures: Counter::default(),
             auth_failures: Counter::default(),
+            client_limits: Family::default(),
             rail_counters: RAIL_COUNTERS.iter().map(|_| Family::default()).collect(),
             rail_up: Family::default(),
             tracked: Mutex::new(Vec::new()),
@@ -244,6 +295,15 @@ impl Metrics {
             "Requests refused for a missing or wrong token",
             m.auth_failures.clone(),
         );
+        d.register(
+            "client_limits",
+            "Clients cut off or held back by a limit that protects the others, by reason",
+            m.client_limits.clone(),
+        );
+        // Every reason shows, at zero until it happens.
+        for r in ClientLimit::ALL {
+            let _ = m.client_limits.get_or_create(&limit_labels(r));
+        }
         Metrics {
             registry: root,
             ..m
@@ -320,6 +380,13 @@ impl Metrics {
     /// A request was refused for a missing or wrong token.
     pub fn auth_failure(&self) {
         self.auth_failures.inc();
+    }
+
+    /// `n` clients were cut off or held back by `why`.
+    pub fn client_limit(&self, why: ClientLimit, n: u64) {
+        self.client_limits
+            .get_or_create(&limit_labels(why))
+            .inc_by(n);
     }
 
     /// A registration was refused for lack of lockable memory.
@@ -475,6 +542,32 @@ mod tests {
     use super::*;
     use crate::engine::WcStatus;
     use std::sync::atomic::Ordering::Relaxed;
+
+    /// Every reason shows from the start, at zero; each event counts once.
+    #[test]
+    fn client_limits_by_reason() {
+        let m = Metrics::new();
+        let t = m.render();
+        for r in ClientLimit::ALL {
+            let series = format!("rcpd_client_limits_total{{reason=\"{}\"}} 0", r.as_str());
+            assert!(t.contains(&series), "{series} in {t}");
+        }
+        m.client_limit(ClientLimit::SessionGrace, 3);
+        m.client_limit(ClientLimit::NoProgress, 1);
+        let t = m.render();
+        assert!(
+            t.contains("rcpd_client_limits_total{reason=\"session_grace\"} 3"),
+            "{t}"
+        );
+        assert!(
+            t.contains("rcpd_client_limits_total{reason=\"no_progress\"} 1"),
+            "{t}"
+        );
+        assert!(
+            t.contains("rcpd_client_limits_total{reason=\"sessions\"} 0"),
+            "{t}"
+        );
+    }
 
     #[test]
     fn renders_live_gauges_errors_and_transfers() {

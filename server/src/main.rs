@@ -11,6 +11,7 @@ use anyhow::{bail, Context};
 use clap::{CommandFactory, Parser};
 use rcp::control::daemon::{self, DaemonConfig};
 use rcp::control::link::MemoryWindows;
+use rcp::control::server;
 use rcp::control::{ServerTls, Transport};
 use rcp::parse::RailList;
 
@@ -59,12 +60,31 @@ struct Args {
     /// Transfers served at once; more wait (back-pressure), they do not fail.
     #[arg(long, env = "RCPD_MAX_TRANSFERS", default_value_t = 16)]
     max_transfers: usize,
+    /// Of --max-transfers, what one client (its address and, over mutual
+    /// TLS, its certificate) runs at once; its others wait (default: half
+    /// of --max-transfers, rounded up; set it to --max-transfers to let
+    /// one client use them all).
+    #[arg(long, env = "RCPD_MAX_TRANSFERS_PER_CLIENT", value_parser = clap::value_parser!(u64).range(1..))]
+    max_transfers_per_client: Option<u64>,
+    /// Sessions open at once; a handshake beyond is refused.
+    #[arg(long, env = "RCPD_MAX_SESSIONS", default_value_t = server::DEFAULT_MAX_SESSIONS as u64, value_parser = clap::value_parser!(u64).range(1..))]
+    max_sessions: u64,
+    /// Of --max-sessions, what one client may hold.
+    #[arg(long, env = "RCPD_MAX_SESSIONS_PER_CLIENT", default_value_t = server::DEFAULT_MAX_SESSIONS_PER_CLIENT as u64, value_parser = clap::value_parser!(u64).range(1..))]
+    max_sessions_per_client: u64,
+    /// Seconds a session may stay without a Move stream, while its client
+    /// sends no other request either, before it is closed and its QP and
+    /// place freed (a session whose streams ran is closed 30 minutes after
+    /// its last).
+    #[arg(long, env = "RCPD_SESSION_GRACE", default_value_t = server::DEFAULT_SESSION_GRACE.as_secs(), value_parser = clap::value_parser!(u64).range(1..))]
+    session_grace: u64,
     /// Files one session may have open at once.
     #[arg(long, env = "RCPD_MAX_OPEN_FILES", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=65536))]
     max_open_files: u32,
-    /// Seconds a session's stream may wait without progress (or without a
-    /// word from its client) before it is ended and its slots, windows and
-    /// registrations are freed; what it wrote stays resumable.
+    /// Seconds a Move stream may go without progress (bytes moved or a file
+    /// committed: keepalives are not progress) or without a word from its
+    /// client before it is ended and its slots, windows and registrations
+    /// are freed; what it wrote stays resumable.
     #[arg(long, env = "RCPD_TIMEOUT", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
     timeout: u64,
     /// The block checks clients may ask for (rcp --verify), comma-separated:
@@ -221,6 +241,10 @@ fn main() -> anyhow::Result<()> {
         hugepage_dir: a.hugepage_dir,
         memory_windows: a.memory_windows,
         max_transfers: a.max_transfers,
+        max_transfers_per_client: a.max_transfers_per_client.map(|n| n as usize),
+        max_sessions: a.max_sessions as usize,
+        max_sessions_per_client: a.max_sessions_per_client as usize,
+        session_grace: Duration::from_secs(a.session_grace),
         max_open_files: a.max_open_files,
         timeout: Duration::from_secs(a.timeout),
         checks: a.verify,

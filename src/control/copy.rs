@@ -141,31 +141,30 @@ fn start(
         };
         let work = async {
             let client = Client::connect(&req.remote, opts).await?;
-            let mut session = client.session().await?;
-            let t = match dir {
+            // The plan first (a walk, Stat and List requests), then the
+            // session: it opens its Move stream at once.
+            let plan = match dir {
                 Direction::Push => {
-                    jobs::push(
+                    jobs::plan_push(
                         &client,
-                        &mut session,
                         std::slice::from_ref(&local),
                         &req.remote_path,
                         &job,
-                        obs,
                     )
-                    .await
+                    .await?
                 }
                 _ => {
-                    jobs::pull(
+                    jobs::plan_pull(
                         &client,
-                        &mut session,
                         std::slice::from_ref(&req.remote_path),
                         &local,
                         &job,
-                        obs,
                     )
-                    .await
+                    .await?
                 }
             };
+            let mut session = client.session().await?;
+            let t = jobs::execute(&client, &mut session, plan, obs).await;
             let _ = session.close().await;
             t
         };

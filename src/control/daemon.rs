@@ -40,6 +40,14 @@ pub struct DaemonConfig {
     /// once) or with a registration each.
     pub memory_windows: MemoryWindows,
     pub max_transfers: usize,
+    /// Of those, one client's (`None`: half, rounded up).
+    pub max_transfers_per_client: Option<usize>,
+    /// Sessions open at once; one client's.
+    pub max_sessions: usize,
+    pub max_sessions_per_client: usize,
+    /// A session that opens no Move stream this long after its handshake
+    /// is closed.
+    pub session_grace: Duration,
     pub token: Option<String>,
     pub cq_cpu: Option<usize>,
     pub batch: usize,
@@ -120,6 +128,14 @@ pub async fn run(
     let scfg = ServiceConfig {
         root: root.clone(),
         max_transfers: cfg.max_transfers,
+        max_transfers_per_client: cfg
+            .max_transfers_per_client
+            .unwrap_or_else(|| super::server::default_transfers_per_client(cfg.max_transfers)),
+        sessions: super::server::SessionLimits {
+            max_sessions: cfg.max_sessions,
+            per_client: cfg.max_sessions_per_client,
+            grace: cfg.session_grace,
+        },
         windows_per_session: 8,
         max_open_files: cfg.max_open_files,
         timeout: cfg.timeout,
@@ -145,6 +161,7 @@ pub async fn run(
         opts: peer_opts.clone(),
     };
     let svc = Service::new(scfg, link, Some(Arc::new(copier)))?;
+    svc.spawn_sweeper();
     let metrics = svc.metrics.clone();
     svc.buffers.set_client_options(peer_opts);
     *svc.buffers.token.lock().unwrap() = cfg.token.clone();

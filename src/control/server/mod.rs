@@ -8,6 +8,11 @@
 //! - `stream`: the driver of one Move stream over
 //!   [`ServerCore`](crate::control::protocol::ServerCore): it moves frames,
 //!   runs the core's I/O actions on blocking threads and passes time in;
+//! - `sessions`, `limits`: what keeps one client from taking what the
+//!   others need: the session table (limits checked and a place taken in
+//!   one step; sessions unused past `--session-grace` closed), each
+//!   client's share of the transfer slots, the end of a stream that moves
+//!   nothing;
 //! - `io`: those actions: opening destinations and sources beneath the
 //!   root, filling windows, making them reachable (a memory-window bind or
 //!   a registration), revoking and verifying them, batched commits.
@@ -16,13 +21,14 @@
 //! served through a [`Copier`] that `daemon` plugs in.
 
 mod io;
+mod limits;
 mod session;
+mod sessions;
 mod stream;
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures::Stream;
@@ -38,7 +44,12 @@ use crate::files::{self, FileError, FileKind, PathError, Root, SourceFile};
 use crate::proto::{self, ClientFrame, ServerFrame};
 use crate::provider::ProviderKind;
 
+pub use limits::{default_transfers_per_client, ClientId};
 pub use session::{check_block_size, SessionState};
+pub use sessions::{
+    SessionLimits, DEFAULT_MAX_SESSIONS, DEFAULT_MAX_SESSIONS_PER_CLIENT, DEFAULT_SESSION_GRACE,
+    SESSION_IDLE,
+};
 
 /// Server settings.
 #[derive(Clone, Debug)]
@@ -46,6 +57,11 @@ pub struct ServiceConfig {
     pub root: PathBuf,
     /// Move streams served at once; more wait (back-pressure).
     pub max_transfers: usize,
+    /// Of those, one client's; its others wait.
+    pub max_transfers_per_client: usize,
+    /// Sessions open at once, one client's, and the time a session may
+    /// stay without a Move stream.
+    pub sessions: SessionLimits,
     /// Windows one session may have granted at once.
     pub windows_per_session: u32,
     /// Files one session may have open at once.
@@ -72,8 +88,12 @@ pub struct Service {
     cfg: ServiceConfig,
     link: Arc<ServerLink>,
     root: Root,
-    sessions: Mutex<HashMap<u64, Arc<SessionState>>>,
+    sessions: sessions::SessionTable<SessionState>,
     transfers: Arc<Semaphore>,
+    /// Each client's share of `transfers`.
+    client_slots: limits::ClientSlots,
+    /// Warnings of clients cut off, at most one a second per reason.
+    throttle: limits::Throttle,
     slots: Arc<Semaphore>,
     copier: Option<Arc<dyn Copier>>,
     /// The one set of counters rcpd exports (`crate::metrics`): transfers,
@@ -101,10 +121,12 @@ impl Service {
         Ok(Arc::new(Service {
             root,
             transfers: Arc::new(Semaphore::new(cfg.max_transfers.max(1))),
+            client_slots: limits::ClientSlots::new(cfg.max_transfers_per_client),
+            throttle: limits::Throttle::default(),
             slots: Arc::new(Semaphore::new(slots)),
+            sessions: sessions::SessionTable::new(cfg.sessions),
             cfg,
             link: Arc::new(link),
-            sessions: Mutex::new(HashMap::new()),
             copier,
             metrics: Arc::new(crate::metrics::Metrics::new()),
             buffers: crate::control::buffers::Buffers::new(),
@@ -121,6 +143,31 @@ impl Service {
 
     pub fn config(&self) -> &ServiceConfig {
         &self.cfg
+    }
+
+    /// A request of a client: its sessions are in use (`--session-grace`).
+    fn heard<T>(&self, req: &Request<T>) {
+        self.sessions
+            .touch(ClientId::of(req), std::time::Instant::now());
+    }
+
+    /// Close the sessions left unused (`--session-grace`, [`SESSION_IDLE`])
+    /// every half grace, until the service is dropped; `sweep` runs at each
+    /// handshake too.
+    pub fn spawn_sweeper(self: &Arc<Self>) {
+        let every = (self.cfg.sessions.grace / 2)
+            .clamp(Duration::from_millis(100), Duration::from_secs(10));
+        let weak = Arc::downgrade(self);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let Some(s) = weak.upgrade() else { return };
+                // Dropping a session tears its QP down: off the runtime.
+                let _ = tokio::task::spawn_blocking(move || s.sweep()).await;
+            }
+        });
     }
 }
 
@@ -158,7 +205,8 @@ impl proto::rcp_server::Rcp for RcpService {
         req: Request<proto::HandshakeRequest>,
     ) -> std::result::Result<Response<proto::HandshakeResponse>, Status> {
         let s = self.0.clone();
-        let r = in_place(|| s.handshake(req.into_inner()))?;
+        let client = ClientId::of(&req);
+        let r = in_place(|| s.handshake(client, req.into_inner()))?;
         Ok(Response::new(r))
     }
 
@@ -170,7 +218,8 @@ impl proto::rcp_server::Rcp for RcpService {
     ) -> std::result::Result<Response<Self::MoveStream>, Status> {
         let (tx, rx) = mpsc::channel(64);
         let s = self.0.clone();
-        tokio::spawn(stream::run(s, req.into_inner(), tx));
+        let client = ClientId::of(&req);
+        tokio::spawn(stream::run(s, client, req.into_inner(), tx));
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 
@@ -188,7 +237,7 @@ impl proto::rcp_server::Rcp for RcpService {
         req: Request<proto::CloseSessionRequest>,
     ) -> std::result::Result<Response<proto::CloseSessionResponse>, Status> {
         let id = req.into_inner().session_id;
-        let s = self.0.sessions.lock().unwrap().remove(&id);
+        let s = self.0.sessions.remove(id);
         match s {
             Some(s) => {
                 in_place(|| drop(s));
@@ -202,6 +251,7 @@ impl proto::rcp_server::Rcp for RcpService {
         &self,
         req: Request<proto::StatRequest>,
     ) -> std::result::Result<Response<proto::StatResponse>, Status> {
+        self.0.heard(&req);
         let r = req.into_inner();
         let rel = fsutil::root_rel(&r.path);
         let root = &self.0.root;
@@ -236,6 +286,7 @@ impl proto::rcp_server::Rcp for RcpService {
         &self,
         req: Request<proto::ListRequest>,
     ) -> std::result::Result<Response<proto::ListResponse>, Status> {
+        self.0.heard(&req);
         let r = req.into_inner();
         let rel = fsutil::root_rel(&r.path);
         let root = &self.0.root;
@@ -292,6 +343,7 @@ impl proto::rcp_server::Rcp for RcpService {
         &self,
         req: Request<proto::MakeDirRequest>,
     ) -> std::result::Result<Response<proto::MakeDirResponse>, Status> {
+        self.0.heard(&req);
         let path = req.into_inner().path;
         let rel = fsutil::root_rel(&path);
         let root = &self.0.root;

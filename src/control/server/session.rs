@@ -3,12 +3,14 @@
 //! QP, or a protection domain of its own) and reconnects.
 
 use std::sync::atomic::{
-    AtomicU64,
+    AtomicBool, AtomicU64,
     Ordering::{AcqRel, Acquire, Relaxed},
 };
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
+use super::limits::ClientId;
+use super::sessions::{Entry, Usage};
 use super::Service;
 use crate::control::error::{status, ControlError, Reason, Result};
 use crate::control::link::{connect_params, ep_from_proto, ep_to_proto, SessionDomain};
@@ -59,6 +61,25 @@ pub struct SessionState {
     /// CloseSession are reaped when idle.
     pub active: AtomicU64,
     pub last_used: Mutex<Instant>,
+    /// A Move stream was opened on it (before, `--session-grace` applies).
+    pub moved: AtomicBool,
+    /// Who opened it, and the name it gave (cut at what a log line shows).
+    pub client: ClientId,
+    pub client_name: String,
+}
+
+impl Entry for SessionState {
+    fn client(&self) -> ClientId {
+        self.client
+    }
+
+    fn usage(&self) -> Usage {
+        Usage {
+            active: self.active.load(Relaxed) > 0,
+            moved: self.moved.load(Relaxed),
+            last_used: *self.last_used.lock().unwrap(),
+        }
+    }
 }
 
 /// A session's one Move stream, while it runs: taken by
@@ -98,17 +119,6 @@ impl SessionState {
     }
 }
 
-/// A session unused this long (and with nothing running) is closed.
-const SESSION_IDLE: Duration = Duration::from_secs(30 * 60);
-
-const MAX_SESSIONS: usize = 4096;
-
-fn random_u64() -> u64 {
-    let mut b = [0u8; 8];
-    getrandom::getrandom(&mut b).expect("getrandom");
-    u64::from_ne_bytes(b) | 1
-}
-
 /// Check a block size: power of two, 4 KiB ..= `max`; 0 means the default.
 pub fn check_block_size(bs: u64, max: u64) -> Result<u64> {
     if bs == 0 {
@@ -124,16 +134,17 @@ pub fn check_block_size(bs: u64, max: u64) -> Result<u64> {
 
 impl Service {
     pub(super) fn session(&self, id: u64) -> Result<Arc<SessionState>> {
-        self.sessions
-            .lock()
-            .unwrap()
-            .get(&id)
-            .cloned()
-            .ok_or_else(|| ControlError::Invalid(format!("unknown session {id:#x}")))
+        self.sessions.get(id).ok_or_else(|| {
+            ControlError::Invalid(format!(
+                "unknown session {id:#x} (closed, or never opened: a session that opens no \
+                 Move stream within rcpd's --session-grace is closed)"
+            ))
+        })
     }
 
     pub(super) fn handshake(
         &self,
+        client: ClientId,
         req: proto::HandshakeRequest,
     ) -> std::result::Result<proto::HandshakeResponse, tonic::Status> {
         if req.version_major != VERSION_MAJOR {
@@ -146,10 +157,14 @@ impl Service {
                 ),
             ));
         }
-        Ok(self.handshake_v2(req)?)
+        Ok(self.handshake_v2(client, req)?)
     }
 
-    fn handshake_v2(&self, req: proto::HandshakeRequest) -> Result<proto::HandshakeResponse> {
+    fn handshake_v2(
+        &self,
+        client: ClientId,
+        req: proto::HandshakeRequest,
+    ) -> Result<proto::HandshakeResponse> {
         // The client's preference, first one this rcpd serves (a verbs
         // rcpd of `--transport auto` serves tcp too, for a client whose
         // rails are all down).
@@ -188,24 +203,19 @@ impl Service {
         let check = crate::control::protocol::choose_check(&req.checks, &self.cfg.checks)
             .map_err(ControlError::Failed)?;
         let block_size = check_block_size(req.block_size, self.link.window_size as u64)?;
-        self.sessions.lock().unwrap().retain(|id, s| {
-            let keep =
-                s.active.load(Relaxed) > 0 || s.last_used.lock().unwrap().elapsed() < SESSION_IDLE;
-            if !keep {
-                tracing::info!(session = format_args!("{id:#x}"), "idle session reaped");
-            }
-            keep
-        });
-        if self.sessions.lock().unwrap().len() >= MAX_SESSIONS {
-            return Err(ControlError::Exceeded(format!(
-                "{MAX_SESSIONS} sessions open; close some"
-            )));
-        }
+        // The limits checked and a place taken in one step: handshakes
+        // setting up their QPs at once cannot pass them.
+        self.sweep();
+        let place = self.sessions.reserve(client).map_err(|e| {
+            let what = format!("handshake refused: {e}");
+            self.limited(e.limit(), 1, client, &req.client_name, &what);
+            ControlError::Exceeded(e.to_string())
+        })?;
+        let id = place.id();
         let window_count = req
             .window_count
             .clamp(1, self.cfg.windows_per_session)
             .min(self.link.slots.capacity() as u32);
-        let id = random_u64();
         let mut resp = proto::HandshakeResponse {
             version_major: VERSION_MAJOR,
             version_minor: VERSION_MINOR,
@@ -254,26 +264,30 @@ impl Service {
                 sd
             }
         };
-        self.sessions.lock().unwrap().insert(
-            id,
-            Arc::new(SessionState {
-                kind,
-                block_size,
-                window_count,
-                max_open_files: self.cfg.max_open_files,
-                client_timeout_ns: u64::from(req.timeout_ms) * 1_000_000,
-                check,
-                domain: sd.domain,
-                _tcp_binding: sd.tcp,
-                qp,
-                rails,
-                rd,
-                epoch: AtomicU64::new(0),
-                active: AtomicU64::new(0),
-                last_used: Mutex::new(Instant::now()),
-            }),
-        );
-        tracing::info!(session = format_args!("{id:#x}"), client = %crate::escape::esc(&req.client_name), provider = %kind, block_size, window_count, check = %check, "session opened");
+        place.commit(Arc::new(SessionState {
+            kind,
+            block_size,
+            window_count,
+            max_open_files: self.cfg.max_open_files,
+            client_timeout_ns: u64::from(req.timeout_ms) * 1_000_000,
+            check,
+            domain: sd.domain,
+            _tcp_binding: sd.tcp,
+            qp,
+            rails,
+            rd,
+            epoch: AtomicU64::new(0),
+            active: AtomicU64::new(0),
+            last_used: Mutex::new(Instant::now()),
+            moved: AtomicBool::new(false),
+            client,
+            client_name: req
+                .client_name
+                .chars()
+                .take(crate::escape::MAX_LOGGED)
+                .collect(),
+        }));
+        tracing::info!(session = format_args!("{id:#x}"), %client, name = %crate::escape::esc(&req.client_name), provider = %kind, block_size, window_count, check = %check, "session opened");
         Ok(resp)
     }
 

@@ -10,6 +10,7 @@ use tokio::sync::mpsc;
 use tonic::{Status, Streaming};
 
 use super::io::{Held, Slot, StreamIo};
+use super::limits::{ClientId, Watchdog};
 use super::session::MoveSlot;
 use super::Service;
 use crate::control::error::ControlError;
@@ -17,6 +18,7 @@ use crate::control::protocol::{
     CommittedFile, Digest, Failure, FileId, FrameKind, Granted, OpenedFile, Params, Reason,
     ServerAction, ServerCore, Side, Violation, WindowId,
 };
+use crate::metrics::ClientLimit;
 use crate::proto::{self, ClientFrame, ServerFrame};
 
 type Tx = mpsc::Sender<Result<ServerFrame, Status>>;
@@ -34,6 +36,8 @@ enum Done {
         window: WindowId,
         epoch: u32,
         slot: Option<Slot>,
+        /// Pull: the window was filled from the file (bytes moved).
+        fill: bool,
         r: Result<Granted, Failure>,
     },
     Verified {
@@ -58,7 +62,12 @@ struct FileInfo {
 }
 
 /// Run one Move stream to its end.
-pub(super) async fn run(svc: Arc<Service>, mut rx: Streaming<ClientFrame>, tx: Tx) {
+pub(super) async fn run(
+    svc: Arc<Service>,
+    client: ClientId,
+    mut rx: Streaming<ClientFrame>,
+    tx: Tx,
+) {
     let timeout = svc.cfg.timeout;
     let first = match tokio::time::timeout(timeout, rx.message()).await {
         Ok(Ok(Some(f))) => f,
@@ -96,31 +105,75 @@ pub(super) async fn run(svc: Arc<Service>, mut rx: Streaming<ClientFrame>, tx: T
         let _ = tx.send(Err(Failure::from(v).into())).await;
         return;
     };
-    // Wait for a transfer slot; the client hears keepalives meanwhile, so
-    // a queued client does not take the wait for a dead server.
-    let permit = loop {
-        tokio::select! {
-            p = svc.transfers.clone().acquire_owned() => match p {
-                Ok(p) => break p,
-                Err(_) => {
-                    let _ = tx.send(Err(ControlError::Retryable("rcpd is shutting down".into()).into())).await;
-                    return;
-                }
-            },
-            _ = tokio::time::sleep(Duration::from_nanos(Params::keepalive_for(
-                timeout.as_nanos() as u64,
-                session.client_timeout_ns,
-            ))) => {
-                if tx.send(Ok(ServerFrame::default())).await.is_err() {
-                    return;
-                }
+    session
+        .moved
+        .store(true, std::sync::atomic::Ordering::Relaxed);
+    // Wait for a transfer slot, the client's share first; the client hears
+    // keepalives meanwhile, so a queued client does not take the wait for a
+    // dead server.
+    let keepalive = Duration::from_nanos(Params::keepalive_for(
+        timeout.as_nanos() as u64,
+        session.client_timeout_ns,
+    ));
+    let mine = match svc.client_slots.try_acquire(client) {
+        Ok(p) => p,
+        Err(sem) => {
+            let what = format!(
+                "Move stream waits: the client runs its share of {} transfers \
+                 (--max-transfers-per-client)",
+                svc.client_slots.per_client()
+            );
+            svc.limited(
+                ClientLimit::TransfersPerClient,
+                1,
+                client,
+                &session.client_name,
+                &what,
+            );
+            let wait = svc.client_slots.acquire(client, sem);
+            match with_keepalives(wait, keepalive, &tx).await {
+                Some(p) => p,
+                None => return,
             }
         }
     };
-    let mut d = Driver::new(svc.clone(), session.clone(), tx, slot);
+    let permit = match with_keepalives(svc.transfers.clone().acquire_owned(), keepalive, &tx).await
+    {
+        Some(Ok(p)) => p,
+        Some(Err(_)) => {
+            let _ = tx
+                .send(Err(
+                    ControlError::Retryable("rcpd is shutting down".into()).into()
+                ))
+                .await;
+            return;
+        }
+        None => return,
+    };
+    let mut d = Driver::new(svc.clone(), session.clone(), client, tx, slot);
     d.core.handle_frame(d.now(), first);
     d.run(&mut rx).await;
-    drop(permit);
+    drop((permit, mine));
+}
+
+/// `wait`, sending keepalives every `every` meanwhile; `None` when the
+/// client is gone.
+async fn with_keepalives<T>(
+    wait: impl std::future::Future<Output = T>,
+    every: Duration,
+    tx: &Tx,
+) -> Option<T> {
+    tokio::pin!(wait);
+    loop {
+        tokio::select! {
+            r = &mut wait => return Some(r),
+            _ = tokio::time::sleep(every) => {
+                if tx.send(Ok(ServerFrame::default())).await.is_err() {
+                    return None;
+                }
+            }
+        }
+    }
 }
 
 struct Driver {
@@ -136,10 +189,20 @@ struct Driver {
     /// The session's one stream: given back before the client can see
     /// the end (so it may start the next one at once).
     slot: Option<MoveSlot>,
+    /// Ends the stream when nothing moves (its slot goes to others).
+    watchdog: Watchdog,
+    client: ClientId,
+    session: Arc<super::SessionState>,
 }
 
 impl Driver {
-    fn new(svc: Arc<Service>, session: Arc<super::SessionState>, tx: Tx, slot: MoveSlot) -> Driver {
+    fn new(
+        svc: Arc<Service>,
+        session: Arc<super::SessionState>,
+        client: ClientId,
+        tx: Tx,
+        slot: MoveSlot,
+    ) -> Driver {
         let p = Params {
             block_size: session.block_size,
             window_size: svc.link.window_size as u64,
@@ -155,7 +218,10 @@ impl Driver {
         };
         let (done_tx, done_rx) = mpsc::unbounded_channel();
         Driver {
-            io: Arc::new(StreamIo::new(svc.clone(), session)),
+            io: Arc::new(StreamIo::new(svc.clone(), session.clone())),
+            watchdog: Watchdog::new(svc.cfg.timeout.as_nanos() as u64, 0),
+            client,
+            session,
             svc,
             core: ServerCore::new(p, 0),
             t0: Instant::now(),
@@ -194,10 +260,9 @@ impl Driver {
                 }
                 continue;
             }
-            let deadline = self
-                .core
-                .poll_timeout()
-                .map(|t| tokio::time::Instant::from_std(self.t0 + Duration::from_nanos(t)));
+            let at = |t: u64| tokio::time::Instant::from_std(self.t0 + Duration::from_nanos(t));
+            let deadline = self.core.poll_timeout().map(at);
+            let stalled = self.watchdog.deadline().map(at);
             tokio::select! {
                 m = rx.message(), if client_open => {
                     let now = self.now();
@@ -227,6 +292,12 @@ impl Driver {
                 _ = sleep_until(deadline), if deadline.is_some() => {
                     let now = self.now();
                     self.core.handle_timeout(now);
+                }
+                _ = sleep_until(stalled), if stalled.is_some() => {
+                    let now = self.now();
+                    if self.watchdog.expired(now) {
+                        self.cut_off(now);
+                    }
                 }
             }
         };
@@ -263,6 +334,30 @@ impl Driver {
         });
     }
 
+    /// Nothing moved for the timeout: the stream ends (what it wrote stays
+    /// resumable), its transfer slot goes to the next stream.
+    fn cut_off(&mut self, now: u64) {
+        let t = self.svc.cfg.timeout;
+        let what = format!(
+            "Move stream ended: nothing moved for {t:?} (no bytes, no file committed; --timeout)"
+        );
+        self.svc.limited(
+            ClientLimit::NoProgress,
+            1,
+            self.client,
+            &self.session.client_name,
+            &what,
+        );
+        let f = Failure::new(
+            Reason::Retryable,
+            format!(
+                "rcpd ended the stream: nothing moved for {t:?} (no bytes, no file committed; \
+                 rcpd's --timeout), its transfer slot goes to other clients"
+            ),
+        );
+        self.core.client_failed(now, f);
+    }
+
     /// Start every action the core has; the outcome when it ended.
     fn act(&mut self) -> Option<Result<(), Failure>> {
         let mut opens = Vec::new();
@@ -270,6 +365,7 @@ impl Driver {
         // a window of small files ends many files at once.
         let mut checks: Vec<(FileId, Held)> = Vec::new();
         let mut closes: Vec<FileInfo> = Vec::new();
+        let now = self.now();
         while let Some(a) = self.core.poll_action() {
             match a {
                 ServerAction::Open { file, open } => opens.push((file, open)),
@@ -303,6 +399,7 @@ impl Driver {
                         fi.length,
                         self.done_tx.clone(),
                     );
+                    self.watchdog.job_started(now);
                     tokio::task::spawn_blocking(move || {
                         let _ = tx.send(Done::Hashed(file, io.hash(&held, &blocks, len)));
                     });
@@ -319,6 +416,7 @@ impl Driver {
                         .filter_map(|(f, d)| Some((f, self.files.get(&f)?.held.clone(), d)))
                         .collect();
                     let (io, tx) = (self.io.clone(), self.done_tx.clone());
+                    self.watchdog.job_started(now);
                     tokio::task::spawn_blocking(move || {
                         let _ = tx.send(Done::Committed(io.commit(batch)));
                     });
@@ -326,6 +424,8 @@ impl Driver {
                 ServerAction::Close { file } => {
                     if let Some(fi) = self.files.remove(&file) {
                         if fi.dir == "pull" {
+                            // A pulled file finished.
+                            self.watchdog.moved(now);
                             self.svc.metrics.transfer_ended(
                                 "pull",
                                 "ok",
@@ -346,6 +446,7 @@ impl Driver {
         }
         self.spawn_checks_and_closes(checks, closes);
         if !opens.is_empty() {
+            self.watchdog.job_started(now);
             let (io, tx) = (self.io.clone(), self.done_tx.clone());
             tokio::task::spawn_blocking(move || {
                 let r = opens
@@ -359,9 +460,13 @@ impl Driver {
     }
 
     /// Check `checks`' sources and drop `closes` on one blocking thread.
-    fn spawn_checks_and_closes(&self, checks: Vec<(FileId, Held)>, closes: Vec<FileInfo>) {
+    fn spawn_checks_and_closes(&mut self, checks: Vec<(FileId, Held)>, closes: Vec<FileInfo>) {
         if checks.is_empty() && closes.is_empty() {
             return;
+        }
+        if !checks.is_empty() {
+            // One answer (Done::Many) for all of them.
+            self.watchdog.job_started(self.now());
         }
         let (io, tx) = (self.io.clone(), self.done_tx.clone());
         tokio::task::spawn_blocking(move || {
@@ -379,6 +484,7 @@ impl Driver {
     }
 
     fn grant(&mut self, window: WindowId, epoch: u32, extents: Vec<proto::Extent>, fill: bool) {
+        self.watchdog.job_started(self.now());
         let slot = self.slots.remove(&window);
         let fills: Option<HashMap<FileId, Held>> = fill.then(|| {
             extents
@@ -399,6 +505,7 @@ impl Driver {
                             window,
                             epoch,
                             slot: None,
+                            fill,
                             r: Err(Failure::new(Reason::Retryable, "rcpd is shutting down")),
                         });
                         return;
@@ -429,6 +536,7 @@ impl Driver {
                 window,
                 epoch,
                 slot,
+                fill,
                 r,
             });
         });
@@ -459,6 +567,7 @@ impl Driver {
             .filter_map(|e| Some((e.file, self.files.get(&e.file)?.held.clone())))
             .collect();
         let (io, tx) = (self.io.clone(), self.done_tx.clone());
+        self.watchdog.job_started(self.now());
         tokio::task::spawn_blocking(move || {
             let r = io.verify(&mut slot, &extents, &expected, &files);
             let _ = tx.send(Done::Verified {
@@ -470,12 +579,30 @@ impl Driver {
         });
     }
 
+    /// An answer of a blocking job (each `Done` sent is one job).
     fn apply(&mut self, d: Done) {
+        self.watchdog.job_done(self.now());
+        self.apply_one(d);
+    }
+
+    fn apply_one(&mut self, d: Done) {
         let now = self.now();
+        // Progress, for the watchdog: bytes verified into a destination or
+        // read into a window, files committed (not keepalives, opens or
+        // hashes, which a client can ask for without moving anything).
+        let moved = match &d {
+            Done::Granted { fill, r, .. } => *fill && r.is_ok(),
+            Done::Verified { r, .. } => r.is_ok(),
+            Done::Committed(rs) => rs.iter().any(|(_, r)| r.is_ok()),
+            _ => false,
+        };
+        if moved {
+            self.watchdog.moved(now);
+        }
         match d {
             Done::Many(all) => {
                 for d in all {
-                    self.apply(d);
+                    self.apply_one(d);
                 }
             }
             Done::Opened(rs) => {
@@ -505,6 +632,7 @@ impl Driver {
                 epoch,
                 slot,
                 r,
+                ..
             } => {
                 if let Some(s) = slot {
                     self.slots.insert(window, s);
