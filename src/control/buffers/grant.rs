@@ -249,11 +249,11 @@ pub fn grant(
     tokio::spawn(async move {
         tokio::time::sleep(t).await;
         if let Some(g) = b.grants.take(id, session_id) {
-            tracing::warn!(grant = id, name = %g.name, "buffer grant revoked: its peer said nothing for the timeout");
+            tracing::warn!(grant = id, name = %crate::escape::esc(&g.name), "buffer grant revoked: its peer said nothing for the timeout");
             crate::control::in_place(|| drop(g));
         }
     });
-    tracing::debug!(grant = id, name = %req.name, what, ranges = out.len(), "buffer grant");
+    tracing::debug!(grant = id, name = %crate::escape::esc(&req.name), what, ranges = out.len(), "buffer grant");
     Ok(proto::BufferGrantResponse {
         grant: id,
         ranges: out,
@@ -289,7 +289,7 @@ pub fn done(
     crate::control::in_place(|| g.regs.clear());
     let ranges = std::mem::take(&mut g.ranges);
     if !req.failed.is_empty() {
-        tracing::info!(grant = req.grant, name = %g.name, why = %req.failed, "buffer operation failed on the peer");
+        tracing::info!(grant = req.grant, name = %crate::escape::esc(&g.name), why = %crate::escape::esc(&req.failed), "buffer operation failed on the peer");
         return Ok(proto::BufferDoneResponse { bad: Vec::new() });
     }
     let mut bad = Vec::new();

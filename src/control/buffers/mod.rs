@@ -205,7 +205,7 @@ impl Buffers {
         };
         let revoked = self.grants.revoke_owner(conn);
         if !names.is_empty() || revoked > 0 {
-            tracing::info!(conn, exposures = ?names, grants_revoked = revoked, "service gone: exposures withdrawn");
+            tracing::info!(conn, exposures = ?names.iter().map(crate::escape::esc).collect::<Vec<_>>(), grants_revoked = revoked, "service gone: exposures withdrawn");
         }
     }
 }

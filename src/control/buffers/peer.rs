@@ -171,7 +171,7 @@ async fn link(bufs: &Arc<Buffers>, peer: &str, check: Check) -> Result<Arc<PeerL
         dead: Mutex::new(None),
         session: Mutex::new(Some(session)),
     });
-    tracing::info!(peer, check = check.name(), session = l.session_id, transport = %l.domain.kind(), "buffer session to a peer");
+    tracing::info!(peer = %crate::escape::esc(peer), check = check.name(), session = l.session_id, transport = %l.domain.kind(), "buffer session to a peer");
     // The driver: window ends to their operations; a failed path fails them
     // all and the link is dropped.
     let (d, b) = (l.clone(), bufs.clone());

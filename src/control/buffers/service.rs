@@ -258,7 +258,7 @@ impl Conn {
             .and_then(Value::as_str)
             .unwrap_or("")
             .to_string();
-        tracing::info!(conn = self.id, peer = %self.cred, name = %name, "service hello");
+        tracing::info!(conn = self.id, peer = %self.cred, name = %crate::escape::esc(&name), "service hello");
         *self.name.lock().unwrap() = name;
         self.hello.store(true, Relaxed);
         Ok(json!({
@@ -390,7 +390,7 @@ impl Conn {
                 bases: Default::default(),
             }),
         );
-        tracing::info!(conn = self.id, name, offset, len, ?access, "buffer exposed");
+        tracing::info!(conn = self.id, name = %crate::escape::esc(name), offset, len, ?access, "buffer exposed");
         Ok(json!({}))
     }
 
@@ -451,7 +451,7 @@ impl Conn {
             };
             drop(spec);
             if let OpState::Failed(e) = &st {
-                tracing::info!(conn = c.id, handle = h, error = %e, "buffer operation failed");
+                tracing::info!(conn = c.id, handle = h, error = %crate::escape::esc(&e), "buffer operation failed");
             }
             let mut ev = st.to_json(h);
             ev["event"] = json!("done");
