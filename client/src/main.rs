@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use rcp::control::client::Observer;
-use rcp::control::jobs::{self, parse_remote, Job, Plan, Totals};
+use rcp::control::jobs::{self, parse_remote, Job, Plan};
 use rcp::control::{exit, Client, ClientOptions, ClientTls, ControlError, FileResult, Transport};
 use rcp::json::{self, line};
 use rcp::parse::RailList;
@@ -53,12 +53,14 @@ struct Cli {
     #[arg(long, env = "RCP_DEVICE", global = true)]
     device: Option<RailList>,
     /// With --transport auto: when every RDMA rail has been down this many
-    /// seconds with blocks waiting, continue the copy over the tcp provider
-    /// (0: never; rcpd of --transport auto serves both).
+    /// seconds with blocks waiting, continue the copy over the tcp provider,
+    /// resuming what was verified (0: never). A verbs session that cannot be
+    /// set up continues over tcp at once. rcpd of --transport auto serves
+    /// both.
     #[arg(
         long,
         env = "RCP_TCP_FALLBACK_AFTER",
-        default_value_t = 10,
+        default_value_t = rcp::control::client::DEFAULT_TCP_FALLBACK_AFTER.as_secs(),
         global = true
     )]
     tcp_fallback_after: u64,
@@ -301,13 +303,31 @@ impl Bars {
 }
 
 /// What the binary watches of a job: the bars (on a terminal), the
-/// counts behind `--stats`, and with `--json` a line per file.
+/// counts behind `--stats`, with `--json` a line per file, and the
+/// sessions it runs over.
 struct Watch {
     bars: Option<Bars>,
-    /// `--json`: the file lines' direction, transport and check.
-    json: Option<(&'static str, String, rcp::files::Check)>,
+    /// `--json`: the file lines' direction.
+    json: Option<&'static str>,
+    /// Say on stderr which provider each session runs over, and why.
+    announce: bool,
+    /// The current session's provider and check (the file lines').
+    session: std::sync::Mutex<(String, rcp::files::Check)>,
     bytes: AtomicU64,
     files_done: AtomicU64,
+}
+
+impl jobs::Watcher for Watch {
+    fn session(&self, s: &rcp::control::Session) {
+        rcp::phase::mark("session up");
+        if self.announce {
+            eprintln!("rcp: transport {}", s.transport);
+        }
+        *self.session.lock().unwrap() = (s.kind.to_string(), s.check());
+    }
+    fn fell_back(&self, why: &str) {
+        eprintln!("rcp: WARNING: {why}");
+    }
 }
 
 impl Observer for Watch {
@@ -329,10 +349,11 @@ impl Observer for Watch {
             b.done.fetch_add(1, Relaxed);
             b.show(&r.path);
         }
-        if let Some((dir, transport, check)) = &self.json {
+        if let Some(dir) = self.json {
+            let (transport, check) = self.session.lock().unwrap().clone();
             println!(
                 "{}",
-                line("file", &json::FileLine::new(r, dir, transport, *check))
+                line("file", &json::FileLine::new(r, dir, &transport, check))
             );
         }
     }
@@ -437,7 +458,7 @@ async fn run(c: Cli) -> Result<(), ControlError> {
         transport: c.transport,
         rails: c.device.clone().map(|d| d.0).unwrap_or_default(),
         qps_per_rail: c.qps_per_rail,
-        tcp_fallback_after: (c.transport == Transport::Auto && c.tcp_fallback_after > 0)
+        tcp_fallback_after: (c.tcp_fallback_after > 0)
             .then(|| Duration::from_secs(c.tcp_fallback_after)),
         gid_index: c.gid_index,
         block_size: c.block_size,
@@ -555,36 +576,23 @@ async fn run(c: Cli) -> Result<(), ControlError> {
     let client = Client::connect(&addr, opts).await?;
     rcp::phase::mark("connected to rcpd");
     let t0 = Instant::now();
-    // The plan of `job` (again, with resume, after a tcp fallback).
-    let plan_of = async |job: &Job| {
-        if push {
-            jobs::plan_push(&client, &local_paths, &remote_paths[0], job).await
-        } else {
-            let dest = local_dest.as_deref().expect("pull has a destination");
-            jobs::plan_pull(&client, &remote_paths, dest, job).await
-        }
-    };
-    let plan = plan_of(&job).await?;
+    let plan = if push {
+        jobs::plan_push(&client, &local_paths, &remote_paths[0], &job).await
+    } else {
+        let dest = local_dest.as_deref().expect("pull has a destination");
+        jobs::plan_pull(&client, &remote_paths, dest, &job).await
+    }?;
     rcp::phase::mark("planned");
     if copy.dry_run {
         // No session: nothing is set up on rcpd, nothing moves.
         print_plan(&plan, c.json, c.quiet, t0.elapsed().as_secs_f64());
         return Ok(());
     }
-    // Staging for what this copy can fill, not more.
-    let sized = client.sized_for(plan.window_bytes());
-    let mut session = sized.session().await?;
-    rcp::phase::mark("session up");
-    if c.transport == Transport::Auto || c.verbose > 0 {
-        eprintln!("rcp: transport {}", session.transport);
-    }
-    let mut transport = session.kind.to_string();
-    let mut fell_back = None;
     let watch = Arc::new(Watch {
         bars: (!c.quiet && std::io::stderr().is_terminal()).then(Bars::new),
-        json: c
-            .json
-            .then(|| (plan.direction(), transport.clone(), session.check())),
+        json: c.json.then(|| plan.direction()),
+        announce: c.transport == Transport::Auto || c.verbose > 0,
+        session: Default::default(),
         bytes: AtomicU64::new(0),
         files_done: AtomicU64::new(0),
     });
@@ -592,35 +600,23 @@ async fn run(c: Cli) -> Result<(), ControlError> {
         .stats
         .filter(|d| !d.is_zero() && (c.json || !c.quiet))
         .map(|every| progress_ticker(watch.clone(), &plan, every, c.json));
-    let (direction, dirs, check) = (plan.direction(), plan.dirs() as u64, session.check());
-    let obs: Arc<dyn Observer> = watch.clone();
-    let mut totals: Result<Totals, ControlError> =
-        jobs::execute(&client, &mut session, plan, obs.clone()).await;
-    if let (Err(_), Some(why)) = (&totals, session.fallback().map(str::to_owned)) {
-        // --transport auto, every rail down: the same copy again over the
-        // tcp provider, resuming what was verified. Said loudly.
-        eprintln!("rcp: WARNING: {why}");
-        tracing::warn!("{why}");
-        let _ = session.close().await;
-        let job = Job {
-            resume: true,
-            ..job.clone()
-        };
-        let plan = plan_of(&job).await?;
-        session = sized
-            .session_with(rcp::provider::ProviderKind::Tcp, format!("tcp: {why}"))
-            .await?;
-        transport = session.kind.to_string();
-        fell_back = Some(why);
-        totals = jobs::execute(&client, &mut session, plan, obs).await;
-    }
+    let (direction, dirs) = (plan.direction(), plan.dirs() as u64);
+    // The jobs policy: over verbs, and with --transport auto on over tcp
+    // when verbs cannot start or every rail stays down; staging sized to
+    // what the copy can fill.
+    let outcome = jobs::run(&client, plan, &*watch).await;
     if let Some(t) = ticker {
         t.abort();
     }
-    rcp::phase::mark("files done");
-    let stats = session.close().await.ok();
-    rcp::phase::mark("session closed");
-    let totals = totals?;
+    rcp::phase::mark("files done, session closed");
+    let jobs::Outcome {
+        totals,
+        kind,
+        check,
+        fell_back,
+        stats,
+    } = outcome?;
+    let transport = kind.to_string();
     if c.json {
         let one = totals.files == 1;
         let l = json::SummaryLine {
@@ -643,7 +639,8 @@ async fn run(c: Cli) -> Result<(), ControlError> {
         println!("{}", line("summary", &l));
     } else if !c.quiet {
         let over = match &fell_back {
-            Some(_) => format!("{transport} (FELL BACK from verbs: every RDMA rail was down)"),
+            // Why: the WARNING line when it happened.
+            Some(_) => format!("{transport} (FELL BACK from verbs)"),
             None => transport,
         };
         println!("{}", totals.summary_checked(&over, check));

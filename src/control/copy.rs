@@ -13,7 +13,7 @@ use tonic::Status;
 use super::client::{Client, ClientOptions, FileResult, Observer};
 use super::error::{ControlError, Result};
 use super::fsutil;
-use super::jobs::{self, Job};
+use super::jobs::{self, Job, Watcher};
 use super::server::{BoxStream, Copier, Service};
 use crate::escape::esc;
 use crate::proto::{CopyProgress, CopyRequest, Direction};
@@ -43,6 +43,8 @@ struct Counts {
 }
 
 struct Obs(Arc<Counts>);
+
+impl Watcher for Obs {}
 
 impl Observer for Obs {
     fn file_start(&self, _name: &str, len: u64) {
@@ -130,7 +132,7 @@ fn start(
     let (tx, rx) = mpsc::channel(16);
     tokio::spawn(async move {
         let counts = Arc::new(Counts::default());
-        let obs: Arc<dyn Observer> = Arc::new(Obs(counts.clone()));
+        let obs = Obs(counts.clone());
         let job = Job {
             recursive: req.recursive,
             preserve: req.preserve,
@@ -139,38 +141,26 @@ fn start(
             // services compare with what they hold.
             sha256: true,
         };
+        // The jobs policy runs it, the tcp fallback included.
         let work = async {
             let client = Client::connect(&req.remote, opts).await?;
             // The plan first (a walk, Stat and List requests), then the
             // session: it opens its Move stream at once.
             let plan = match dir {
                 Direction::Push => {
-                    jobs::plan_push(
-                        &client,
-                        std::slice::from_ref(&local),
-                        &req.remote_path,
-                        &job,
-                    )
-                    .await?
+                    let locals = std::slice::from_ref(&local);
+                    jobs::plan_push(&client, locals, &req.remote_path, &job).await?
                 }
                 _ => {
-                    jobs::plan_pull(
-                        &client,
-                        std::slice::from_ref(&req.remote_path),
-                        &local,
-                        &job,
-                    )
-                    .await?
+                    let remotes = std::slice::from_ref(&req.remote_path);
+                    jobs::plan_pull(&client, remotes, &local, &job).await?
                 }
             };
-            let mut session = client.session().await?;
-            let t = jobs::execute(&client, &mut session, plan, obs).await;
-            let _ = session.close().await;
-            t
+            jobs::run(&client, plan, &obs).await
         };
         tokio::pin!(work);
         let mut tick = tokio::time::interval(Duration::from_millis(500));
-        let result: Result<jobs::Totals> = loop {
+        let result: Result<jobs::Outcome> = loop {
             tokio::select! {
                 r = &mut work => break r,
                 _ = tick.tick() => {
@@ -183,7 +173,11 @@ fn start(
         let mut last = snapshot(&counts);
         last.done = true;
         match result {
-            Ok(t) => {
+            Ok(o) => {
+                if let Some(why) = &o.fell_back {
+                    tracing::warn!(remote = %req.remote, "copy fell back to tcp: {why}");
+                }
+                let t = o.totals;
                 if t.files == 1 {
                     last.sha256 = t.sha256.map(hex::encode).unwrap_or_default();
                 }

@@ -65,6 +65,15 @@ impl FileJob {
             len_hint: 0,
         }
     }
+
+    /// Where it comes from, as its [`FileResult`](super::FileResult)'s
+    /// `source` says: push, the local path; pull, the remote path.
+    pub fn source(&self) -> String {
+        match self.spec.direction {
+            Direction::Push => self.local.display().to_string(),
+            _ => self.spec.remote.clone(),
+        }
+    }
 }
 
 fn fail(e: impl Into<ControlError>) -> Failure {

@@ -53,6 +53,9 @@ pub const DEFAULT_TRANSFERS: u32 = 64;
 pub const DEFAULT_WINDOWS: u32 = 8;
 /// Default progress timeout.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+/// Default of [`ClientOptions::tcp_fallback_after`] (`rcp
+/// --tcp-fallback-after`, and rcpd's Copy API).
+pub const DEFAULT_TCP_FALLBACK_AFTER: Duration = Duration::from_secs(10);
 
 /// Client settings (the `rcp` flags, as one struct).
 #[derive(Clone, Debug)]
@@ -65,9 +68,10 @@ pub struct ClientOptions {
     pub rails: Vec<crate::parse::RailName>,
     /// QPs on each rail (`--qps-per-rail`, 1..=16).
     pub qps_per_rail: u32,
-    /// `--transport auto`: give up on RDMA when every rail has been down
-    /// this long with blocks waiting (`Session::fallback`), so the caller
-    /// can continue over tcp; `None`: never.
+    /// `--transport auto` over verbs: end a stream whose rails have all
+    /// been down this long with blocks waiting (`Session::fallback` says
+    /// why), so that the jobs policy ([`crate::control::jobs::run`])
+    /// continues the copy over tcp; `None`: never.
     pub tcp_fallback_after: Option<Duration>,
     pub gid_index: Option<u32>,
     /// Block size, a power of two >= 4096.
@@ -114,7 +118,7 @@ impl Default for ClientOptions {
             transport: Transport::Auto,
             rails: Vec::new(),
             qps_per_rail: 1,
-            tcp_fallback_after: None,
+            tcp_fallback_after: Some(DEFAULT_TCP_FALLBACK_AFTER),
             gid_index: None,
             block_size: DEFAULT_BLOCK_SIZE,
             batch: 32,

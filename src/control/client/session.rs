@@ -389,8 +389,9 @@ impl Session {
         self.id
     }
 
-    /// Why the last transfer gave up on RDMA to continue over tcp
-    /// (`--transport auto`, every rail down past `tcp_fallback_after`).
+    /// Why the last transfer gave up on RDMA (`--transport auto`, every
+    /// rail down past `tcp_fallback_after`): the jobs policy then continues
+    /// over tcp.
     pub fn fallback(&self) -> Option<&str> {
         self.fallback.as_deref()
     }

@@ -12,6 +12,7 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use super::io::{self, FileJob, Local};
 use super::session::{FileResult, Observer, Session};
 use crate::control::error::{ControlError, Result};
+use crate::control::link::Transport;
 use crate::control::protocol::{
     ClientAction, ClientCore, ClientEvent, Digest, Failure, FileId, Held, LocalCommit, Reason,
     SourceMeta, WindowId,
@@ -100,9 +101,10 @@ pub(super) async fn run(
     let (out_tx, out_rx) = mpsc::unbounded_channel();
     let mut core = ClientCore::new(s.params, s.id, 0);
     // --transport auto over verbs: the core watches the rails for the tcp
-    // fallback.
+    // fallback. Whether to continue over tcp is the jobs policy's
+    // (jobs::run): the stream only ends, saying why.
     if let Some(after) = s.opts.tcp_fallback_after {
-        if s.kind == ProviderKind::Verbs {
+        if s.kind == ProviderKind::Verbs && s.opts.transport == Transport::Auto {
             core.watch_rails(0, after.as_nanos() as u64);
         }
     }
@@ -253,9 +255,10 @@ impl Driver<'_> {
             let Some((job, started)) = self.jobs.remove(&f.file) else {
                 continue;
             };
-            let (path, source) = match job.spec.direction {
-                Direction::Push => (f.remote_path, job.local.display().to_string()),
-                _ => (job.local.display().to_string(), job.spec.remote.clone()),
+            let source = job.source();
+            let path = match job.spec.direction {
+                Direction::Push => f.remote_path,
+                _ => job.local.display().to_string(),
             };
             obs.file_done(&FileResult {
                 path,

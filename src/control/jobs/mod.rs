@@ -6,18 +6,22 @@
 //! - [`parse_remote`]: `HOST:PATH` / `[V6]:PATH`, the one parser of it;
 //! - [`plan_push`] / [`plan_pull`]: walk, resolve names into a [`Plan`]
 //!   without creating anything (what `--dry-run` lists);
-//! - [`execute`]: make the plan's directories, run one Move stream;
+//! - [`run`]: make the plan's directories, move its files over a session,
+//!   and over tcp when verbs fails with `--transport auto` (the tcp
+//!   fallback, one policy for the binary, the library and the Copy API);
 //! - [`push`] / [`pull`]: both;
 //! - [`Totals`]: what the summary line says;
 //! - [`doctor`]: the local checks plus whether an rcpd answers.
 
-use std::path::{Component, Path, PathBuf};
-use std::sync::{Arc, Mutex};
-use std::time::Instant;
+mod policy;
 
-use super::client::{Client, FileJob, FileResult, Observer, Session};
+use std::path::{Component, Path, PathBuf};
+
+use super::client::{Client, FileJob, FileResult};
 use super::error::{ControlError, Result};
 use crate::proto::FileType;
+
+pub use policy::{run, run_over, tcp_fallback, Outcome, Sessions, Watcher};
 
 /// `HOST:PATH` (or `[v6]:PATH`) split into the rcpd address and the path.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -168,37 +172,6 @@ pub fn rail_lines(r: &crate::datapath::Report, names: &[String]) -> Vec<String> 
             s
         })
         .collect()
-}
-
-/// The caller's observer plus the totals.
-struct Counting<'a> {
-    inner: &'a dyn Observer,
-    totals: Mutex<Totals>,
-}
-
-impl Observer for Counting<'_> {
-    fn file_start(&self, name: &str, len: u64) {
-        self.inner.file_start(name, len);
-    }
-    fn progress(&self, bytes: u64) {
-        self.inner.progress(bytes);
-    }
-    fn file_done(&self, r: &FileResult) {
-        self.totals.lock().unwrap().add(r);
-        self.inner.file_done(r);
-    }
-}
-
-async fn run(session: &mut Session, files: Vec<FileJob>, obs: &dyn Observer) -> Result<Totals> {
-    let start = Instant::now();
-    let c = Counting {
-        inner: obs,
-        totals: Mutex::new(Totals::default()),
-    };
-    session.transfer(&mut files.into_iter(), &c).await?;
-    let mut t = c.totals.into_inner().unwrap();
-    t.seconds = start.elapsed().as_secs_f64();
-    Ok(t)
 }
 
 fn join_remote(base: &str, rel: &Path) -> String {
@@ -382,16 +355,10 @@ pub async fn plan_push(
     Ok(plan)
 }
 
-/// Make the plan's directories, then move its files over `session`.
-pub async fn execute(
-    client: &Client,
-    session: &mut Session,
-    plan: Plan,
-    obs: Arc<dyn Observer>,
-) -> Result<Totals> {
-    // A directory with a file beneath it is made by that file's open
-    // (its parents are created): only the others, empty ones, cost a
-    // MakeDir round trip each.
+/// Make the plan's remote and local directories. A directory with a file
+/// beneath it is made by that file's open (its parents are created): only
+/// the others, empty ones, cost a MakeDir round trip each.
+async fn make_dirs(client: &Client, plan: &Plan) -> Result<()> {
     let mut holds_files = std::collections::HashSet::new();
     if plan.push && !plan.remote_dirs.is_empty() {
         for f in plan.files.iter().filter(|f| f.job.spec.create_parents) {
@@ -413,21 +380,19 @@ pub async fn execute(
         std::fs::create_dir_all(d)
             .map_err(ControlError::io(format!("creating {}", d.display())))?;
     }
-    let files = plan.files.into_iter().map(|p| p.job).collect();
-    run(session, files, &*obs).await
+    Ok(())
 }
 
-/// `rcp push [-r] LOCAL... HOST:REMOTE` over `session`.
+/// `rcp push [-r] LOCAL... HOST:REMOTE`: planned, then [`run`].
 pub async fn push(
     client: &Client,
-    session: &mut Session,
     locals: &[PathBuf],
     remote: &str,
     job: &Job,
-    obs: Arc<dyn Observer>,
-) -> Result<Totals> {
+    w: &dyn Watcher,
+) -> Result<Outcome> {
     let plan = plan_push(client, locals, remote, job).await?;
-    execute(client, session, plan, obs).await
+    run(client, plan, w).await
 }
 
 /// Resolve the final local path of a pull: inside `local` if it is a
@@ -505,17 +470,16 @@ pub async fn plan_pull(
     Ok(plan)
 }
 
-/// `rcp pull [-r] HOST:REMOTE... LOCAL` over `session`.
+/// `rcp pull [-r] HOST:REMOTE... LOCAL`: planned, then [`run`].
 pub async fn pull(
     client: &Client,
-    session: &mut Session,
     remotes: &[String],
     local: &Path,
     job: &Job,
-    obs: Arc<dyn Observer>,
-) -> Result<Totals> {
+    w: &dyn Watcher,
+) -> Result<Outcome> {
     let plan = plan_pull(client, remotes, local, job).await?;
-    execute(client, session, plan, obs).await
+    run(client, plan, w).await
 }
 
 /// `rcp doctor [HOST]`: the local checks of [`crate::doctor`], plus whether

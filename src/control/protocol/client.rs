@@ -319,8 +319,7 @@ impl ClientCore {
             return;
         }
         let why = format!(
-            "every RDMA rail has been down for {:.0} s (transport auto): continuing over \
-             the tcp provider",
+            "every RDMA rail has been down for {:.0} s (transport auto)",
             (now - w.since) as f64 / 1e9
         );
         tracing::warn!("{why}");
@@ -337,8 +336,7 @@ impl ClientCore {
             && self.phase == Phase::Running
         {
             let why = format!(
-                "the RDMA data path gave up ({}) (transport auto): continuing over the tcp \
-                 provider",
+                "the RDMA data path gave up ({}) (transport auto)",
                 f.message
             );
             tracing::warn!("{why}");

@@ -1,0 +1,343 @@
+//! How a job runs over sessions, for the rcp binary, library callers and
+//! rcpd's Copy API alike: the provider tried first, and the tcp fallback.
+//!
+//! With `--transport auto` a copy that tried verbs continues over the tcp
+//! provider (rcpd of `--transport auto` serves both) when
+//! - the verbs session cannot be set up (a device, QP or registration that
+//!   fails, an rcpd that does not serve verbs), for any reason tcp need not
+//!   share: not a refused token, a usage error, a protocol version or a
+//!   limit; or
+//! - its stream gave up on RDMA: every rail down past
+//!   [`ClientOptions::tcp_fallback_after`](crate::control::client::ClientOptions::tcp_fallback_after)
+//!   with blocks waiting, or the data path failing retryably
+//!   ([`Session::fallback`]). The files not finished then move again over
+//!   tcp with resume, so what was verified does not move twice.
+//!
+//! Either is said once, to the [`Watcher`] and in the log; an explicit
+//! `--transport verbs` never falls back.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Instant;
+
+use futures::future::BoxFuture;
+
+use super::{Plan, Totals};
+use crate::control::client::{Client, FileJob, FileResult, Observer, Session, SessionStats};
+use crate::control::error::{ControlError, Reason, Result};
+use crate::control::link::{resolve_transport, Transport};
+use crate::control::protocol::Failure;
+use crate::provider::ProviderKind;
+
+/// Where a job's sessions come from and where they go when it is done: a
+/// [`Client`] opens a fresh one and closes it; a pool may keep them warm.
+pub trait Sessions: Sync {
+    /// The provider to try first, and why (for the user).
+    fn first(&self) -> (ProviderKind, String);
+    /// A session over `kind` (`why` said so).
+    fn open(&self, kind: ProviderKind, why: String) -> BoxFuture<'_, Result<Session>>;
+    /// The job is done with `s`; `ok`: its last stream ended well (a
+    /// failed stream's session is never used again). What its data path
+    /// did, when it was closed.
+    fn finish(&self, s: Session, ok: bool) -> BoxFuture<'_, Option<SessionStats>>;
+}
+
+impl Sessions for Client {
+    fn first(&self) -> (ProviderKind, String) {
+        let o = self.options();
+        resolve_transport(o.transport, &o.rails)
+    }
+
+    fn open(&self, kind: ProviderKind, why: String) -> BoxFuture<'_, Result<Session>> {
+        Box::pin(self.session_with(kind, why))
+    }
+
+    fn finish(&self, s: Session, _ok: bool) -> BoxFuture<'_, Option<SessionStats>> {
+        Box::pin(async move { s.close().await.ok() })
+    }
+}
+
+/// Watches a job: its files, and the sessions they move over.
+pub trait Watcher: Observer {
+    /// A session of the job is open (its provider, why, its check).
+    fn session(&self, _s: &Session) {}
+    /// The job leaves verbs for the tcp provider: why (one sentence).
+    fn fell_back(&self, _why: &str) {}
+}
+
+/// What a job did.
+#[derive(Debug)]
+pub struct Outcome {
+    pub totals: Totals,
+    /// The provider the last files moved over.
+    pub kind: ProviderKind,
+    /// The block check the (last) session agreed on.
+    pub check: crate::files::Check,
+    /// Why the job left verbs for tcp, when it did.
+    pub fell_back: Option<String>,
+    /// What the last session's data path did (`None`: it was not closed
+    /// cleanly, or a pool kept it open).
+    pub stats: Option<SessionStats>,
+}
+
+/// Whether a job that tried `tried` and failed with `failed` goes on over
+/// tcp, and why: only with `--transport auto` after verbs. `gave_up` is
+/// the session's own word that its stream gave up on RDMA
+/// ([`Session::fallback`]); without it `failed` is a session that could
+/// not be set up.
+pub fn tcp_fallback(
+    transport: Transport,
+    tried: ProviderKind,
+    failed: &ControlError,
+    gave_up: Option<&str>,
+) -> Option<String> {
+    if transport != Transport::Auto || tried != ProviderKind::Verbs {
+        return None;
+    }
+    if let Some(why) = gave_up {
+        return Some(why.to_string());
+    }
+    match failed.reason() {
+        // tcp would meet the same refusal.
+        Reason::Unauthenticated | Reason::Usage | Reason::Version | Reason::Exceeded => None,
+        _ => Some(format!(
+            "the verbs session could not be set up (transport auto): {failed}"
+        )),
+    }
+}
+
+/// The sentence said when a job falls back.
+fn continuing(why: &str) -> String {
+    format!("{why}; continuing over the tcp provider")
+}
+
+/// An error over tcp after falling back, with why it was over tcp; its
+/// reason (and so the exit code) is tcp's.
+fn after_fallback(why: &str, e: ControlError) -> ControlError {
+    ControlError::Failed(Failure::new(
+        e.reason(),
+        format!("{why}; then over the tcp provider: {e}"),
+    ))
+}
+
+/// The watcher plus the totals and which files finished.
+struct Counting<'a> {
+    inner: &'a dyn Watcher,
+    totals: Mutex<Totals>,
+    /// Files finished, by [`FileJob::source`], counted (a source given
+    /// twice).
+    done: Mutex<HashMap<String, usize>>,
+}
+
+impl Observer for Counting<'_> {
+    fn file_start(&self, name: &str, len: u64) {
+        self.inner.file_start(name, len);
+    }
+    fn progress(&self, bytes: u64) {
+        self.inner.progress(bytes);
+    }
+    fn file_done(&self, r: &FileResult) {
+        self.totals.lock().unwrap().add(r);
+        *self
+            .done
+            .lock()
+            .unwrap()
+            .entry(r.source.clone())
+            .or_default() += 1;
+        self.inner.file_done(r);
+    }
+}
+
+/// The files of `all` not among `done`, to move again with resume.
+fn unfinished(all: &[FileJob], done: &mut HashMap<String, usize>) -> Vec<FileJob> {
+    all.iter()
+        .filter(|j| match done.get_mut(&j.source()) {
+            Some(n) if *n > 0 => {
+                *n -= 1;
+                false
+            }
+            _ => true,
+        })
+        .map(|j| {
+            let mut j = j.clone();
+            j.spec.resume = true;
+            j
+        })
+        .collect()
+}
+
+/// Make `plan`'s directories, then move its files over sessions of
+/// `client` with staging sized to what the plan can fill
+/// ([`Client::sized_for`]), falling back to tcp as the module says.
+pub async fn run(client: &Client, plan: Plan, w: &dyn Watcher) -> Result<Outcome> {
+    let sized = client.sized_for(plan.window_bytes());
+    run_over(client, &sized, plan, w).await
+}
+
+/// [`run`] over sessions from `sessions` (a pool, a test's).
+pub async fn run_over(
+    client: &Client,
+    sessions: &dyn Sessions,
+    plan: Plan,
+    w: &dyn Watcher,
+) -> Result<Outcome> {
+    let t0 = Instant::now();
+    let transport = client.options().transport;
+    super::make_dirs(client, &plan).await?;
+    let files: Vec<FileJob> = plan.files.into_iter().map(|p| p.job).collect();
+    let c = Counting {
+        inner: w,
+        totals: Mutex::new(Totals::default()),
+        done: Mutex::new(HashMap::new()),
+    };
+    let mut fell_back = None;
+    let (kind, why) = sessions.first();
+    let mut session = match sessions.open(kind, why).await {
+        Ok(s) => s,
+        Err(e) => {
+            let Some(why) = tcp_fallback(transport, kind, &e, None).map(|w| continuing(&w)) else {
+                return Err(e);
+            };
+            tracing::warn!("{why}");
+            w.fell_back(&why);
+            let s = sessions
+                .open(ProviderKind::Tcp, format!("tcp: {why}"))
+                .await
+                .map_err(|e| after_fallback(&why, e))?;
+            fell_back = Some(why);
+            s
+        }
+    };
+    w.session(&session);
+    let mut r = session.transfer(&mut files.iter().cloned(), &c).await;
+    if let Err(e) = &r {
+        let why = fell_back
+            .is_none()
+            .then(|| tcp_fallback(transport, session.kind, e, session.fallback()))
+            .flatten()
+            .map(|w| continuing(&w));
+        if let Some(why) = why {
+            tracing::warn!("{why}");
+            w.fell_back(&why);
+            sessions.finish(session, false).await;
+            let rest = unfinished(&files, &mut c.done.lock().unwrap());
+            session = sessions
+                .open(ProviderKind::Tcp, format!("tcp: {why}"))
+                .await
+                .map_err(|e| after_fallback(&why, e))?;
+            w.session(&session);
+            r = session.transfer(&mut rest.into_iter(), &c).await;
+            fell_back = Some(why);
+        }
+    }
+    let (kind, check) = (session.kind, session.check());
+    let stats = sessions.finish(session, r.is_ok()).await;
+    if let Err(e) = r {
+        return Err(match &fell_back {
+            Some(why) => after_fallback(why, e),
+            None => e,
+        });
+    }
+    let mut totals = c.totals.into_inner().unwrap();
+    totals.seconds = t0.elapsed().as_secs_f64();
+    Ok(Outcome {
+        totals,
+        kind,
+        check,
+        fell_back,
+        stats,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::provider::ProviderError;
+
+    fn refused(reason: Reason) -> ControlError {
+        ControlError::Failed(Failure::new(reason, "no"))
+    }
+
+    #[test]
+    fn only_auto_after_verbs_falls_back() {
+        let e = ControlError::Retryable("link down".into());
+        let gave_up = Some("every RDMA rail has been down for 10 s");
+        assert_eq!(
+            tcp_fallback(Transport::Auto, ProviderKind::Verbs, &e, gave_up).as_deref(),
+            gave_up
+        );
+        // Asked for verbs: the user gets verbs or its error.
+        assert_eq!(
+            tcp_fallback(Transport::Verbs, ProviderKind::Verbs, &e, gave_up),
+            None
+        );
+        // Already over tcp: nowhere to go.
+        assert_eq!(
+            tcp_fallback(Transport::Auto, ProviderKind::Tcp, &e, gave_up),
+            None
+        );
+    }
+
+    #[test]
+    fn a_verbs_session_that_cannot_start_falls_back_unless_tcp_would_be_refused_too() {
+        let dev = ControlError::Provider(ProviderError::Protocol("no ACTIVE port".into()));
+        let why = tcp_fallback(Transport::Auto, ProviderKind::Verbs, &dev, None).unwrap();
+        assert!(why.contains("could not be set up") && why.contains("no ACTIVE port"));
+        // An rcpd that serves only tcp refuses the verbs provider: Invalid.
+        assert!(tcp_fallback(
+            Transport::Auto,
+            ProviderKind::Verbs,
+            &refused(Reason::Invalid),
+            None
+        )
+        .is_some());
+        for r in [
+            Reason::Unauthenticated,
+            Reason::Usage,
+            Reason::Version,
+            Reason::Exceeded,
+        ] {
+            assert_eq!(
+                tcp_fallback(Transport::Auto, ProviderKind::Verbs, &refused(r), None),
+                None,
+                "{r:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn what_finished_does_not_move_again_and_the_rest_resumes() {
+        let all = vec![
+            FileJob::push("/a/x".into(), "d/"),
+            FileJob::push("/a/y".into(), "d/"),
+            FileJob::pull("r/z", "/b/z".into()),
+            // The same source given twice: one of them finished.
+            FileJob::push("/a/x".into(), "e/"),
+        ];
+        let mut done: HashMap<String, usize> =
+            [("/a/x".to_string(), 1), ("r/z".to_string(), 1)].into();
+        let rest = unfinished(&all, &mut done);
+        let names: Vec<(String, String)> = rest
+            .iter()
+            .map(|j| (j.source(), j.spec.remote.clone()))
+            .collect();
+        assert_eq!(
+            names,
+            vec![
+                ("/a/y".to_string(), "d/".to_string()),
+                ("/a/x".to_string(), "e/".to_string())
+            ]
+        );
+        assert!(rest.iter().all(|j| j.spec.resume));
+    }
+
+    #[test]
+    fn an_error_over_tcp_keeps_its_reason_and_says_why_it_was_tcp() {
+        let e = after_fallback(
+            "every rail down; continuing over the tcp provider",
+            ControlError::FileNotFound("x".into()),
+        );
+        assert_eq!(e.reason(), Reason::FileNotFound);
+        assert!(e.to_string().starts_with("every rail down"), "{e}");
+    }
+}
