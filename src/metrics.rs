@@ -163,6 +163,11 @@ pub struct Metrics {
     integrity_failures: Counter,
     auth_failures: Counter,
     client_limits: Family<Labels, Counter>,
+    /// The Copy API's sessions to other rcpds: opened, served warm from
+    /// the pool, and warm now.
+    copy_sessions_opened: Counter,
+    copy_sessions_reused: Counter,
+    copy_sessions_warm: Gauge,
     /// `rcp_rail_*_total`, in the order of [`RAIL_COUNTERS`].
     rail_counters: Vec<Family<Labels, Counter>>,
     /// `rcp_rail_up`: 1 while the rail carries chains, 0 otherwise.
@@ -203,11 +208,24 @@ impl Metrics {
             integrity_failures: Counter::default(),
             auth_failures: Counter::default(),
             client_limits: Family::default(),
+            copy_sessions_opened: Counter::default(),
+            copy_sessions_reused: Counter::default(),
+            copy_sessions_warm: Gauge::default(),
             rail_counters: RAIL_COUNTERS.iter().map(|_| Family::default()).collect(),
             rail_up: Family::default(),
             tracked: Mutex::new(Vec::new()),
         };
-        let r = root.sub_registry_with_prefix("rcp");
+        m.register_rcp(root.sub_registry_with_prefix("rcp"));
+        m.register_rcpd(root.sub_registry_with_prefix("rcpd"));
+        Metrics {
+            registry: root,
+            ..m
+        }
+    }
+
+    /// The data path's and the transfers' metrics, `rcp_*`.
+    fn register_rcp(&self, r: &mut Registry) {
+        let m = self;
         r.register(
             "sq_free_slots",
             "Free send-queue slots (swqe_avail) per device and QP",
@@ -281,7 +299,11 @@ impl Metrics {
             "Whether a rail carries chains (1) or is down, flushing, reconnecting or paused (0)",
             m.rail_up.clone(),
         );
-        let d = root.sub_registry_with_prefix("rcpd");
+    }
+
+    /// rcpd's own, `rcpd_*`.
+    fn register_rcpd(&self, d: &mut Registry) {
+        let m = self;
         d.register(
             "integrity_failures",
             "Block or whole-file digest mismatches found by rcpd",
@@ -301,10 +323,21 @@ impl Metrics {
         for r in ClientLimit::ALL {
             let _ = m.client_limits.get_or_create(&limit_labels(r));
         }
-        Metrics {
-            registry: root,
-            ..m
-        }
+        d.register(
+            "copy_sessions_opened",
+            "Sessions the Copy API opened to other rcpds (set-up paid)",
+            m.copy_sessions_opened.clone(),
+        );
+        d.register(
+            "copy_sessions_reused",
+            "Copy API calls served by a warm session from the pool (set-up saved)",
+            m.copy_sessions_reused.clone(),
+        );
+        d.register(
+            "copy_sessions_warm",
+            "Idle sessions the Copy API keeps warm to other rcpds",
+            m.copy_sessions_warm.clone(),
+        );
     }
 
     /// Follow a data path's live counters under `device`/`qp` labels until
@@ -389,6 +422,21 @@ impl Metrics {
     /// A registration was refused for lack of lockable memory.
     pub fn memlock_failure(&self) {
         self.memlock_failures.inc();
+    }
+
+    /// The Copy API opened a session to another rcpd.
+    pub fn copy_session_opened(&self) {
+        self.copy_sessions_opened.inc();
+    }
+
+    /// The Copy API served a call over a warm session.
+    pub fn copy_session_reused(&self) {
+        self.copy_sessions_reused.inc();
+    }
+
+    /// The Copy API keeps `n` sessions warm now.
+    pub fn copy_sessions_warm(&self, n: usize) {
+        self.copy_sessions_warm.set(n as i64);
     }
 
     /// A CQ overrun was seen.

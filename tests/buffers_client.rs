@@ -40,6 +40,7 @@ fn config(root: &std::path::Path, socket: &std::path::Path) -> DaemonConfig {
         tls_peer_ca: None,
         bwlimit: None,
         socket: Some(socket.to_path_buf()),
+        copy_pool: Default::default(),
     }
 }
 

@@ -121,6 +121,16 @@ struct Args {
     /// client, each on its own.
     #[arg(long, env = "RCPD_BWLIMIT", value_parser = parse_rate)]
     bwlimit: Option<u64>,
+    /// Seconds a session to another rcpd stays warm after a Copy (Copy
+    /// API), for the next Copy to that peer with the same settings to reuse
+    /// (0: close each session after its Copy).
+    #[arg(long, env = "RCPD_COPY_SESSION_IDLE",
+          default_value_t = rcp::control::jobs::DEFAULT_POOL_IDLE.as_secs())]
+    copy_session_idle: u64,
+    /// Warm sessions to other rcpds kept at most, over all peers; the least
+    /// recently used is closed first (0: none).
+    #[arg(long, env = "RCPD_COPY_SESSIONS", default_value_t = rcp::control::jobs::DEFAULT_POOL_MAX)]
+    copy_sessions: usize,
     /// Log filter (tracing EnvFilter syntax, e.g. info or rcp=debug).
     #[arg(long, env = "RCPD_LOG", default_value = "info")]
     log: String,
@@ -258,6 +268,10 @@ fn main() -> anyhow::Result<()> {
         tls_peer_ca: a.tls_peer_ca,
         bwlimit: a.bwlimit.filter(|&r| r > 0),
         socket: a.socket,
+        copy_pool: rcp::control::jobs::PoolConfig {
+            idle: Duration::from_secs(a.copy_session_idle),
+            max: a.copy_sessions,
+        },
     };
     // A rate too low for the timeout would fail every copy: say so now.
     rcp::control::ClientOptions {

@@ -10,18 +10,19 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Status;
 
-use super::client::{Client, ClientOptions, FileResult, Observer};
+use super::client::{ClientOptions, FileResult, Observer};
 use super::error::{ControlError, Result};
 use super::fsutil;
-use super::jobs::{self, Job, Watcher};
+use super::jobs::{self, Job, Key, Pool, Watcher};
 use super::server::{BoxStream, Copier, Service};
 use crate::escape::esc;
 use crate::proto::{CopyProgress, CopyRequest, Direction};
 
 /// Copies for services, with this rcpd's client settings (its token, TLS
-/// identity, data-path settings).
+/// identity, data-path settings), over sessions kept warm in `pool`.
 pub struct CopyService {
     pub opts: ClientOptions,
+    pub pool: Arc<Pool>,
 }
 
 impl Copier for CopyService {
@@ -30,7 +31,7 @@ impl Copier for CopyService {
         svc: Arc<Service>,
         req: CopyRequest,
     ) -> std::result::Result<BoxStream<CopyProgress>, Status> {
-        start(svc, self.opts.clone(), req)
+        start(svc, self.opts.clone(), self.pool.clone(), req)
     }
 }
 
@@ -74,6 +75,7 @@ fn snapshot(c: &Counts) -> CopyProgress {
 fn start(
     svc: Arc<Service>,
     opts: ClientOptions,
+    pool: Arc<Pool>,
     req: CopyRequest,
 ) -> Result<BoxStream<CopyProgress>, Status> {
     let dir = Direction::try_from(req.direction)
@@ -141,22 +143,22 @@ fn start(
             // services compare with what they hold.
             sha256: true,
         };
-        // The jobs policy runs it, the tcp fallback included.
+        // The jobs policy runs it, the tcp fallback included, over a warm
+        // session of the pool when it has one.
         let work = async {
-            let client = Client::connect(&req.remote, opts).await?;
-            // The plan first (a walk, Stat and List requests), then the
-            // session: it opens its Move stream at once.
+            let lease = pool.lease(Key::of(&req.remote, &opts), opts).await?;
+            let client = lease.client();
             let plan = match dir {
                 Direction::Push => {
                     let locals = std::slice::from_ref(&local);
-                    jobs::plan_push(&client, locals, &req.remote_path, &job).await?
+                    jobs::plan_push(client, locals, &req.remote_path, &job).await?
                 }
                 _ => {
                     let remotes = std::slice::from_ref(&req.remote_path);
-                    jobs::plan_pull(&client, remotes, &local, &job).await?
+                    jobs::plan_pull(client, remotes, &local, &job).await?
                 }
             };
-            jobs::run(&client, plan, &obs).await
+            jobs::run_over(client, &lease, plan, &obs).await
         };
         tokio::pin!(work);
         let mut tick = tokio::time::interval(Duration::from_millis(500));

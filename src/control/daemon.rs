@@ -73,6 +73,8 @@ pub struct DaemonConfig {
     /// A unix socket serving the gRPC API and the service protocol for
     /// buffers (docs/buffers.md), mode 0660.
     pub socket: Option<PathBuf>,
+    /// Sessions the Copy API keeps warm to other rcpds, and how long.
+    pub copy_pool: super::jobs::PoolConfig,
 }
 
 /// Addresses actually bound (port 0 resolved).
@@ -159,6 +161,7 @@ pub async fn run(
     };
     let copier = CopyService {
         opts: peer_opts.clone(),
+        pool: super::jobs::Pool::new(cfg.copy_pool),
     };
     let svc = Service::new(scfg, link, Some(Arc::new(copier)))?;
     svc.spawn_sweeper();

@@ -70,7 +70,14 @@ pub fn metrics_during_copy(transport: &str, dir: &std::path::Path, len: u64) {
     // A's copies held to a quarter of the file a second: the copy lasts 4 s
     // at least however fast the machine, and the scrapes below see it busy.
     let rate = (len / 4).to_string();
-    let a = Rcpd::start(&ra, transport, Some("tok"), &["--bwlimit", &rate]);
+    // No warm sessions: the Copy's session closes at its end, which files
+    // its data path's latency and takes its gauges away.
+    let a = Rcpd::start(
+        &ra,
+        transport,
+        Some("tok"),
+        &["--bwlimit", &rate, "--copy-session-idle", "0"],
+    );
     let b = Rcpd::start(&rb, transport, Some("tok"), &[]);
     let (ma, mb) = (a.metrics.clone().unwrap(), b.metrics.clone().unwrap());
     let before = scrape(&mb);

@@ -10,10 +10,12 @@
 //!   and over tcp when verbs fails with `--transport auto` (the tcp
 //!   fallback, one policy for the binary, the library and the Copy API);
 //! - [`push`] / [`pull`]: both;
+//! - [`Pool`]: warm sessions for rcpd's Copy API;
 //! - [`Totals`]: what the summary line says;
 //! - [`doctor`]: the local checks plus whether an rcpd answers.
 
 mod policy;
+mod pool;
 
 use std::path::{Component, Path, PathBuf};
 
@@ -22,6 +24,7 @@ use super::error::{ControlError, Result};
 use crate::proto::FileType;
 
 pub use policy::{run, run_over, tcp_fallback, Outcome, Sessions, Watcher};
+pub use pool::{Key, Lease, Pool, PoolConfig, DEFAULT_POOL_IDLE, DEFAULT_POOL_MAX};
 
 /// `HOST:PATH` (or `[v6]:PATH`) split into the rcpd address and the path.
 #[derive(Clone, Debug, PartialEq, Eq)]

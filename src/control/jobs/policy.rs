@@ -40,6 +40,12 @@ pub trait Sessions: Sync {
     /// failed stream's session is never used again). What its data path
     /// did, when it was closed.
     fn finish(&self, s: Session, ok: bool) -> BoxFuture<'_, Option<SessionStats>>;
+    /// Whether `s` came warm from a pool: if its stream fails before any
+    /// file finished (the peer may have dropped it), the job runs once
+    /// more on a fresh session.
+    fn warm(&self, _s: &Session) -> bool {
+        false
+    }
 }
 
 impl Sessions for Client {
@@ -104,6 +110,15 @@ pub fn tcp_fallback(
             "the verbs session could not be set up (transport auto): {failed}"
         )),
     }
+}
+
+/// Whether a stream's failure may be its session's, not the files': what
+/// a peer that dropped or forgot the session (restarted) answers.
+fn stale(e: &ControlError) -> bool {
+    matches!(
+        e.reason(),
+        Reason::Retryable | Reason::Invalid | Reason::Other | Reason::Unspecified
+    )
 }
 
 /// The sentence said when a job falls back.
@@ -211,6 +226,17 @@ pub async fn run_over(
     w.session(&session);
     let mut r = session.transfer(&mut files.iter().cloned(), &c).await;
     if let Err(e) = &r {
+        if sessions.warm(&session) && c.done.lock().unwrap().is_empty() && stale(e) {
+            tracing::info!(error = %e, "a warm session failed at once; once more on a fresh one");
+            let (kind, why) = (session.kind, session.transport.clone());
+            sessions.finish(session, false).await;
+            session = sessions.open(kind, why).await?;
+            w.session(&session);
+            let rest = unfinished(&files, &mut c.done.lock().unwrap());
+            r = session.transfer(&mut rest.into_iter(), &c).await;
+        }
+    }
+    if let Err(e) = &r {
         let why = fell_back
             .is_none()
             .then(|| tcp_fallback(transport, session.kind, e, session.fallback()))
@@ -231,7 +257,11 @@ pub async fn run_over(
         }
     }
     let (kind, check) = (session.kind, session.check());
-    let stats = sessions.finish(session, r.is_ok()).await;
+    // A session the job fell back to is not used again: the next job
+    // tries verbs first.
+    let stats = sessions
+        .finish(session, r.is_ok() && fell_back.is_none())
+        .await;
     if let Err(e) = r {
         return Err(match &fell_back {
             Some(why) => after_fallback(why, e),
