@@ -118,7 +118,7 @@ check "write: the owner's event names the writer's message and 24 verified range
 import json, sys
 ev = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")][0]
 assert ev["event"] == "written" and ev["message"] == "layer 0", ev
-assert ev["check"] == "sha256" and len(ev["ranges"]) == 24 and "error" not in ev, ev
+assert ev["check"] == "blake3" and len(ev["ranges"]) == 24 and "error" not in ev, ev
 assert all(len(r[2]) == 64 for r in ev["ranges"]), ev' "$work/serve.out"
 check "write: rcpd A logged the service's uid and pid with its registration" \
   grep -q "buffer registered.*uid=$(id -u) pid=[0-9]" "$work/a.log"
