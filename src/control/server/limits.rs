@@ -34,18 +34,19 @@ impl Service {
         name: &str,
         what: &str,
     ) {
-        self.metrics.client_limit(why, n);
-        let Some(suppressed) = self.throttle.allow(why, Instant::now()) else {
-            return;
-        };
-        match why {
-            ClientLimit::SessionIdle | ClientLimit::SessionGrace => tracing::info!(
-                %client, name = %esc(name), limit = why.as_str(), count = n, suppressed, "{what}"
-            ),
-            _ => tracing::warn!(
-                %client, name = %esc(name), limit = why.as_str(), count = n, suppressed, "{what}"
-            ),
+        // Logged before counted: whoever sees the count in /metrics finds
+        // the line (when one is due) already in the log.
+        if let Some(suppressed) = self.throttle.allow(why, Instant::now()) {
+            match why {
+                ClientLimit::SessionIdle | ClientLimit::SessionGrace => tracing::info!(
+                    %client, name = %esc(name), limit = why.as_str(), count = n, suppressed, "{what}"
+                ),
+                _ => tracing::warn!(
+                    %client, name = %esc(name), limit = why.as_str(), count = n, suppressed, "{what}"
+                ),
+            }
         }
+        self.metrics.client_limit(why, n);
     }
 
     /// Close the sessions left unused: those that opened no Move stream
