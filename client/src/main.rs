@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use rcp::control::client::Observer;
-use rcp::control::jobs::{self, parse_remote, Job, Plan};
+use rcp::control::jobs::{self, Job, Paths, Plan};
 use rcp::control::{exit, Client, ClientOptions, ClientTls, ControlError, FileResult, Transport};
 use rcp::json::{self, line};
 use rcp::parse::RailList;
@@ -453,7 +453,25 @@ fn print_plan(plan: &Plan, as_json: bool, quiet: bool, seconds: f64) {
 }
 
 async fn run(c: Cli) -> Result<(), ControlError> {
-    let opts = ClientOptions {
+    let opts = client_options(&c);
+    let (copy, args, push) = match &c.cmd {
+        Cmd::Push { copy, args } => (copy, args, true),
+        Cmd::Pull { copy, args } => (copy, args, false),
+        Cmd::Bench { .. } => unreachable!("bench runs without the runtime"),
+        Cmd::Doctor { host } => return doctor(&c, host.as_deref(), opts).await,
+    };
+    opts.check_bwlimit()?;
+    let paths = if push {
+        Paths::push(args, c.port)
+    } else {
+        Paths::pull(args, c.port)
+    }?;
+    copy_files(&c, copy, &paths, opts).await
+}
+
+/// What the user typed becomes the client's settings (once).
+fn client_options(c: &Cli) -> ClientOptions {
+    ClientOptions {
         token: std::env::var("RCP_TOKEN").ok().filter(|t| !t.is_empty()),
         transport: c.transport,
         rails: c.device.clone().map(|d| d.0).unwrap_or_default(),
@@ -485,103 +503,65 @@ async fn run(c: Cli) -> Result<(), ControlError> {
             _ => None,
         },
         ..ClientOptions::default()
-    };
-    let (copy, args, push) = match &c.cmd {
-        Cmd::Push { copy, args } => (copy.clone(), args.clone(), true),
-        Cmd::Pull { copy, args } => (copy.clone(), args.clone(), false),
-        Cmd::Bench { .. } => unreachable!("bench runs without the runtime"),
-        Cmd::Doctor { host } => {
-            let addr = match host {
-                Some(h) => {
-                    let (host, port) = rcp::parse::host_port(h, c.port)
-                        .map_err(|e| ControlError::Usage(e.to_string()))?;
-                    Some(format!("{host}:{port}"))
-                }
-                None => None,
-            };
-            let d = jobs::doctor(addr, opts).await;
-            let count = |l| d.checks.iter().filter(|c| c.level == l).count() as u64;
-            let failures = count(rcp::doctor::Level::Fail);
-            for check in &d.checks {
-                if c.json {
-                    println!("{}", line("check", &json::CheckLine::new(check)));
-                } else {
-                    println!("{check}");
-                }
-            }
-            if c.json {
-                let l = json::DoctorLine {
-                    ok: failures == 0,
-                    checks: d.checks.len() as u64,
-                    warnings: count(rcp::doctor::Level::Warn),
-                    failures,
-                };
-                println!("{}", line("doctor", &l));
-            }
-            if failures > 0 {
-                return Err(ControlError::Fatal(
-                    "doctor found problems (FAIL above)".into(),
-                ));
-            }
-            return Ok(());
+    }
+}
+
+/// `rcp doctor [HOST]`: a line per check; an error when one failed.
+async fn doctor(c: &Cli, host: Option<&str>, opts: ClientOptions) -> Result<(), ControlError> {
+    let addr = match host {
+        Some(h) => {
+            let (host, port) =
+                rcp::parse::host_port(h, c.port).map_err(|e| ControlError::Usage(e.to_string()))?;
+            Some(format!("{host}:{port}"))
         }
+        None => None,
     };
-    opts.check_bwlimit()?;
+    let d = jobs::doctor(addr, opts).await;
+    let count = |l| d.checks.iter().filter(|c| c.level == l).count() as u64;
+    let failures = count(rcp::doctor::Level::Fail);
+    for check in &d.checks {
+        if c.json {
+            println!("{}", line("check", &json::CheckLine::new(check)));
+        } else {
+            println!("{check}");
+        }
+    }
+    if c.json {
+        let l = json::DoctorLine {
+            ok: failures == 0,
+            checks: d.checks.len() as u64,
+            warnings: count(rcp::doctor::Level::Warn),
+            failures,
+        };
+        println!("{}", line("doctor", &l));
+    }
+    if failures > 0 {
+        return Err(ControlError::Fatal(
+            "doctor found problems (FAIL above)".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// `rcp push` / `rcp pull`: plan, then (unless a dry run) copy with
+/// progress, and print the summary.
+async fn copy_files(
+    c: &Cli,
+    copy: &CopyArgs,
+    paths: &Paths,
+    opts: ClientOptions,
+) -> Result<(), ControlError> {
     let job = Job {
         recursive: copy.recursive,
         preserve: c.preserve,
         resume: c.resume,
         sha256: c.sha256,
     };
-    let (last, rest) = args.split_last().expect("clap requires 2 args");
-    let (addr, local_paths, remote_paths, local_dest) = if push {
-        let r = parse_remote(last, c.port).ok_or_else(|| {
-            ControlError::Usage(format!("the destination {last:?} is not HOST:PATH"))
-        })?;
-        if let Some(x) = rest.iter().find(|a| parse_remote(a, c.port).is_some()) {
-            return Err(ControlError::Usage(format!(
-                "push sources must be local; {x:?} looks remote (use pull)"
-            )));
-        }
-        let locals = rest.iter().map(PathBuf::from).collect::<Vec<_>>();
-        (r.addr, locals, vec![r.path], None)
-    } else {
-        if parse_remote(last, c.port).is_some() {
-            return Err(ControlError::Usage(format!(
-                "the pull destination {last:?} must be local"
-            )));
-        }
-        let mut addr = None;
-        let mut paths = Vec::new();
-        for a in rest {
-            let r = parse_remote(a, c.port)
-                .ok_or_else(|| ControlError::Usage(format!("{a:?} is not HOST:PATH")))?;
-            if addr.as_ref().is_some_and(|x| *x != r.addr) {
-                return Err(ControlError::Usage(
-                    "all pull sources must be on the same host".into(),
-                ));
-            }
-            addr = Some(r.addr);
-            paths.push(r.path);
-        }
-        (
-            addr.expect("at least one"),
-            Vec::new(),
-            paths,
-            Some(PathBuf::from(last)),
-        )
-    };
-
     rcp::phase::mark("runtime up, arguments parsed");
-    let client = Client::connect(&addr, opts).await?;
+    let client = Client::connect(paths.addr(), opts).await?;
     rcp::phase::mark("connected to rcpd");
     let t0 = Instant::now();
-    let plan = if push {
-        jobs::plan_push(&client, &local_paths, &remote_paths[0], &job).await
-    } else {
-        let dest = local_dest.as_deref().expect("pull has a destination");
-        jobs::plan_pull(&client, &remote_paths, dest, &job).await
-    }?;
+    let plan = paths.plan(&client, &job).await?;
     rcp::phase::mark("planned");
     if copy.dry_run {
         // No session: nothing is set up on rcpd, nothing moves.
@@ -609,13 +589,20 @@ async fn run(c: Cli) -> Result<(), ControlError> {
         t.abort();
     }
     rcp::phase::mark("files done, session closed");
+    print_outcome(c, direction, dirs, outcome?);
+    Ok(())
+}
+
+/// The summary of a copy: a JSON line, or the human line (and with -v a
+/// line per rail).
+fn print_outcome(c: &Cli, direction: &'static str, dirs: u64, outcome: jobs::Outcome) {
     let jobs::Outcome {
         totals,
         kind,
         check,
         fell_back,
         stats,
-    } = outcome?;
+    } = outcome;
     let transport = kind.to_string();
     if c.json {
         let one = totals.files == 1;
@@ -653,7 +640,6 @@ async fn run(c: Cli) -> Result<(), ControlError> {
             }
         }
     }
-    Ok(())
 }
 
 fn hex(b: &[u8]) -> String {

@@ -4,6 +4,8 @@
 //! `rcp doctor`'s remote check.
 //!
 //! - [`parse_remote`]: `HOST:PATH` / `[V6]:PATH`, the one parser of it;
+//! - [`Paths`]: a push's or pull's arguments checked against scp's rules
+//!   (which side is remote, one host);
 //! - [`plan_push`] / [`plan_pull`]: walk, resolve names into a [`Plan`]
 //!   without creating anything (what `--dry-run` lists);
 //! - [`run`]: make the plan's directories, move its files over a session,
@@ -14,6 +16,7 @@
 //! - [`Totals`]: what the summary line says;
 //! - [`doctor`]: the local checks plus whether an rcpd answers.
 
+mod paths;
 mod policy;
 mod pool;
 
@@ -23,6 +26,7 @@ use super::client::{Client, FileJob, FileResult};
 use super::error::{ControlError, Result};
 use crate::proto::FileType;
 
+pub use paths::Paths;
 pub use policy::{run, run_over, tcp_fallback, Outcome, Sessions, Watcher};
 pub use pool::{Key, Lease, Pool, PoolConfig, DEFAULT_POOL_IDLE, DEFAULT_POOL_MAX};
 
