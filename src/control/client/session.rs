@@ -12,6 +12,7 @@ use super::{Client, ClientOptions, Rpc};
 use crate::control::error::{ControlError, Result};
 use crate::control::link::{
     connect_params, ep_from_proto, ep_to_proto, rails_or_default, resolve_transport, ClientLink,
+    ClientRail,
 };
 use crate::control::protocol::negotiate::{provider_to_wire, timeout_ms, MAX_WINDOWS};
 use crate::control::protocol::{check_block_size, check_grant, check_to_wire, Params, Staging};
@@ -131,39 +132,10 @@ impl Client {
         let bs = check_block_size(o.block_size, WINDOW_SIZE as u64).map_err(ControlError::Usage)?;
         o.check_bwlimit()?;
         let windows = o.windows.clamp(1, MAX_WINDOWS);
-        let gid = o.gid_index;
         let per = o.qps_per_rail.clamp(1, MAX_QPS_PER_RAIL);
-        // Each rail `per` times, a QP each.
-        let names: Vec<RailName> = match kind {
-            ProviderKind::Verbs => rails_or_default(&o.rails, gid)
-                .iter()
-                .flat_map(|r| std::iter::repeat_n(r.clone(), per as usize))
-                .collect(),
-            ProviderKind::Tcp => Vec::new(),
-        };
-        // Ask the QP for inline room; the data path clamps per WR.
-        let inline = o.inline.unwrap_or(64);
-        let link = tokio::task::spawn_blocking(move || {
-            ClientLink::open(kind, &names, gid, WINDOW_SIZE, windows as usize, inline)
-        })
-        .await
-        .map_err(|e| ControlError::Other(e.to_string()))??;
+        let link = open_link(&o, kind, windows, per).await?;
         crate::phase::mark("staging mapped and registered");
-        let req = proto::HandshakeRequest {
-            version_major: VERSION_MAJOR,
-            version_minor: VERSION_MINOR,
-            providers: vec![provider_to_wire(kind) as i32],
-            verbs: link.verbs_params(),
-            rails: link.rail_params(),
-            qps_per_rail: per,
-            block_size: bs,
-            client_name: std::fs::read_to_string("/proc/sys/kernel/hostname")
-                .map(|h| h.trim().to_string())
-                .unwrap_or_default(),
-            checks: o.verify.iter().map(|&c| check_to_wire(c) as i32).collect(),
-            window_count: windows,
-            timeout_ms: timeout_ms(o.timeout.as_nanos() as u64),
-        };
+        let req = handshake_request(&o, kind, &link, per, bs, windows);
         let resp = self.rpc.clone().handshake(req.clone()).await?.into_inner();
         crate::phase::mark("handshake answered");
         // The protocol checks what was granted (`protocol::check_grant`).
@@ -182,114 +154,27 @@ impl Client {
             );
         }
         let link = Arc::new(link);
-        let (l2, r2, host, retry) = (link.clone(), resp.clone(), self.host.clone(), o.qp_retry);
-        let cfg = datapath_config(kind, &o);
-        let mut rail_names = Vec::new();
-        let (dp, lkey, keys) = match kind {
-            ProviderKind::Tcp => {
-                let channel: Arc<dyn Channel> =
-                    tokio::task::spawn_blocking(move || l2.connect(&r2, &host, retry))
-                        .await
-                        .map_err(|e| ControlError::Other(e.to_string()))??;
-                crate::phase::mark("tcp data connections up");
-                let reconnect: crate::datapath::ReconnectFn =
-                    Box::new(|| Err("the TCP data connection broke; rerun with --resume".into()));
-                let dp = DataPath::start(cfg, channel.clone(), reconnect, None)
-                    .map_err(ControlError::DataPath)?;
-                if let Some(m) = &o.metrics {
-                    let sq = channel.caps().sq_depth;
-                    m.track("tcp", resp.session_id as u32, sq, sq, dp.stats());
-                }
-                (dp, link.lkey(), None)
-            }
+        let started = match kind {
+            ProviderKind::Tcp => self.tcp_data_path(&o, &link, &resp).await?,
             ProviderKind::Verbs => {
-                let used = tokio::task::spawn_blocking(move || l2.connect_rails(&r2, retry))
-                    .await
-                    .map_err(|e| ControlError::Other(e.to_string()))??;
-                params.rails = used.len() as u32;
-                rail_names = used
-                    .iter()
-                    .map(|&l| link.rails[l].device.rail_name())
-                    .collect();
-                for (k, (&local, p)) in used.iter().zip(&resp.rails).enumerate() {
-                    tracing::info!(
-                        rail = k,
-                        device = %link.rails[local].device.rail_name(),
-                        gid = %link.rails[local].device.gid,
-                        by = %p.paired_by,
-                        "session rail"
-                    );
-                }
-                let keys = (used.len() > 1).then(|| Arc::new(RailKeys::default()));
-                let epoch = Arc::new(AtomicU32::new(0));
-                let mut specs = Vec::with_capacity(used.len());
-                for (k, &local) in used.iter().enumerate() {
-                    let rail = &link.rails[local];
-                    let reconnect = reconnector(
-                        rail.channel.clone(),
-                        &self.rpc,
-                        resp.session_id,
-                        resp.client_rd_atomic,
-                        retry,
-                        epoch.clone(),
-                    );
-                    let ch: Arc<dyn Channel> = rail.channel.clone();
-                    let mut spec = RailSpec::new(ch, reconnect);
-                    spec.numa_node = rail.device.ctx.numa_node();
-                    // Watch the port's async events so a reconnect after a
-                    // link cut starts as soon as the port is ACTIVE again
-                    // (and, with several rails, a port going down fails
-                    // its rail at once). Best effort: without it the
-                    // reconnect backs off blind.
-                    match PortWatcher::spawn(&rail.device.ctx, rail.device.port) {
-                        Ok(w) => spec = spec.with_monitor(Arc::new(w)),
-                        Err(e) => tracing::warn!(
-                            error = %e,
-                            rail = k,
-                            "cannot watch async events; reconnects back off blind"
-                        ),
-                    }
-                    if keys.is_some() {
-                        let f = rail.channel.clone();
-                        spec = spec.with_fence(Box::new(move |_| {
-                            f.set_error()?;
-                            Ok(())
-                        }));
-                    }
-                    if let (Some(keys), true) = (&keys, k > 0) {
-                        let (keys, lkey) = (keys.clone(), rail.lkey);
-                        spec = spec.with_keys(Box::new(move |_, rkey| (lkey, keys.get(rkey, k))));
-                    }
-                    specs.push(spec);
-                }
-                let dp = DataPath::start_rails(cfg, specs).map_err(ControlError::DataPath)?;
-                let first = &link.rails[used[0]];
-                if let Some(m) = &o.metrics {
-                    let sq = first.channel.caps().sq_depth;
-                    m.track(
-                        first.device.ctx.name(),
-                        first.channel.endpoint().qpn,
-                        sq,
-                        sq,
-                        dp.stats(),
-                    );
-                }
-                (dp, first.lkey, keys)
+                let s = self.verbs_data_path(&o, &link, &resp).await?;
+                params.rails = s.rail_names.len() as u32;
+                s
             }
         };
-        let events = dp.take_events();
+        let events = started.dp.take_events();
         crate::phase::mark("data path started");
         Ok(Session {
             rpc: self.rpc.clone(),
             opts: o,
-            dp: Some(dp),
+            dp: Some(started.dp),
             events,
             link,
             id: resp.session_id,
             params,
-            lkey,
-            keys,
-            rail_names,
+            lkey: started.lkey,
+            keys: started.keys,
+            rail_names: started.rail_names,
             fallback: None,
             quarantine: Vec::new(),
             direction: None,
@@ -297,6 +182,200 @@ impl Client {
             kind,
         })
     }
+
+    /// The tcp provider's data path: one connection, which cannot be
+    /// reconnected (a break is retried with `--resume`).
+    async fn tcp_data_path(
+        &self,
+        o: &ClientOptions,
+        link: &Arc<ClientLink>,
+        resp: &proto::HandshakeResponse,
+    ) -> Result<Started> {
+        let (l2, r2, host, retry) = (link.clone(), resp.clone(), self.host.clone(), o.qp_retry);
+        let channel: Arc<dyn Channel> =
+            tokio::task::spawn_blocking(move || l2.connect(&r2, &host, retry))
+                .await
+                .map_err(|e| ControlError::Other(e.to_string()))??;
+        crate::phase::mark("tcp data connections up");
+        let reconnect: crate::datapath::ReconnectFn =
+            Box::new(|| Err("the TCP data connection broke; rerun with --resume".into()));
+        let cfg = datapath_config(ProviderKind::Tcp, o);
+        let dp = DataPath::start(cfg, channel.clone(), reconnect, None)
+            .map_err(ControlError::DataPath)?;
+        if let Some(m) = &o.metrics {
+            let sq = channel.caps().sq_depth;
+            m.track("tcp", resp.session_id as u32, sq, sq, dp.stats());
+        }
+        Ok(Started {
+            dp,
+            lkey: link.lkey(),
+            keys: None,
+            rail_names: Vec::new(),
+        })
+    }
+
+    /// The verbs data path: the rails the server paired connected, one
+    /// [`RailSpec`] each.
+    async fn verbs_data_path(
+        &self,
+        o: &ClientOptions,
+        link: &Arc<ClientLink>,
+        resp: &proto::HandshakeResponse,
+    ) -> Result<Started> {
+        let (l2, r2, retry) = (link.clone(), resp.clone(), o.qp_retry);
+        let used = tokio::task::spawn_blocking(move || l2.connect_rails(&r2, retry))
+            .await
+            .map_err(|e| ControlError::Other(e.to_string()))??;
+        let rail_names = used
+            .iter()
+            .map(|&l| link.rails[l].device.rail_name())
+            .collect();
+        for (k, (&local, p)) in used.iter().zip(&resp.rails).enumerate() {
+            tracing::info!(
+                rail = k,
+                device = %link.rails[local].device.rail_name(),
+                gid = %link.rails[local].device.gid,
+                by = %p.paired_by,
+                "session rail"
+            );
+        }
+        let keys = (used.len() > 1).then(|| Arc::new(RailKeys::default()));
+        let epoch = Arc::new(AtomicU32::new(0));
+        let specs = used
+            .iter()
+            .enumerate()
+            .map(|(k, &local)| {
+                let reconnect = reconnector(
+                    link.rails[local].channel.clone(),
+                    &self.rpc,
+                    resp.session_id,
+                    resp.client_rd_atomic,
+                    retry,
+                    epoch.clone(),
+                );
+                rail_spec(&link.rails[local], k, reconnect, keys.as_ref())
+            })
+            .collect();
+        let cfg = datapath_config(ProviderKind::Verbs, o);
+        let dp = DataPath::start_rails(cfg, specs).map_err(ControlError::DataPath)?;
+        let first = &link.rails[used[0]];
+        if let Some(m) = &o.metrics {
+            let sq = first.channel.caps().sq_depth;
+            m.track(
+                first.device.ctx.name(),
+                first.channel.endpoint().qpn,
+                sq,
+                sq,
+                dp.stats(),
+            );
+        }
+        Ok(Started {
+            dp,
+            lkey: first.lkey,
+            keys,
+            rail_names,
+        })
+    }
+}
+
+/// A session's data path as started, and what the session keeps of it.
+struct Started {
+    dp: DataPath,
+    /// The staging's key on rail 0.
+    lkey: u32,
+    keys: Option<Arc<RailKeys>>,
+    /// Verbs: each rail's `device:port`.
+    rail_names: Vec<String>,
+}
+
+/// The session's staging, registered with `kind`'s provider (verbs: on
+/// every rail, `per` queue pairs each).
+async fn open_link(
+    o: &ClientOptions,
+    kind: ProviderKind,
+    windows: u32,
+    per: u32,
+) -> Result<ClientLink> {
+    let gid = o.gid_index;
+    // Each rail `per` times, a QP each.
+    let names: Vec<RailName> = match kind {
+        ProviderKind::Verbs => rails_or_default(&o.rails, gid)
+            .iter()
+            .flat_map(|r| std::iter::repeat_n(r.clone(), per as usize))
+            .collect(),
+        ProviderKind::Tcp => Vec::new(),
+    };
+    // Ask the QP for inline room; the data path clamps per WR.
+    let inline = o.inline.unwrap_or(64);
+    let link = tokio::task::spawn_blocking(move || {
+        ClientLink::open(kind, &names, gid, WINDOW_SIZE, windows as usize, inline)
+    })
+    .await
+    .map_err(|e| ControlError::Other(e.to_string()))??;
+    Ok(link)
+}
+
+/// What the client asks for in its handshake.
+fn handshake_request(
+    o: &ClientOptions,
+    kind: ProviderKind,
+    link: &ClientLink,
+    per: u32,
+    block_size: u64,
+    windows: u32,
+) -> proto::HandshakeRequest {
+    proto::HandshakeRequest {
+        version_major: VERSION_MAJOR,
+        version_minor: VERSION_MINOR,
+        providers: vec![provider_to_wire(kind) as i32],
+        verbs: link.verbs_params(),
+        rails: link.rail_params(),
+        qps_per_rail: per,
+        block_size,
+        client_name: std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_string())
+            .unwrap_or_default(),
+        checks: o.verify.iter().map(|&c| check_to_wire(c) as i32).collect(),
+        window_count: windows,
+        timeout_ms: timeout_ms(o.timeout.as_nanos() as u64),
+    }
+}
+
+/// Rail `k` of a verbs session: its port watched, and with several rails
+/// (`keys`) a fence and (past rail 0) a key map.
+fn rail_spec(
+    rail: &ClientRail,
+    k: usize,
+    reconnect: crate::datapath::RailReconnectFn,
+    keys: Option<&Arc<RailKeys>>,
+) -> RailSpec {
+    let ch: Arc<dyn Channel> = rail.channel.clone();
+    let mut spec = RailSpec::new(ch, reconnect);
+    spec.numa_node = rail.device.ctx.numa_node();
+    // Watch the port's async events so a reconnect after a link cut starts
+    // as soon as the port is ACTIVE again (and, with several rails, a port
+    // going down fails its rail at once). Best effort: without it the
+    // reconnect backs off blind.
+    match PortWatcher::spawn(&rail.device.ctx, rail.device.port) {
+        Ok(w) => spec = spec.with_monitor(Arc::new(w)),
+        Err(e) => tracing::warn!(
+            error = %e,
+            rail = k,
+            "cannot watch async events; reconnects back off blind"
+        ),
+    }
+    if keys.is_some() {
+        let f = rail.channel.clone();
+        spec = spec.with_fence(Box::new(move |_| {
+            f.set_error()?;
+            Ok(())
+        }));
+    }
+    if let (Some(keys), true) = (keys, k > 0) {
+        let (keys, lkey) = (keys.clone(), rail.lkey);
+        spec = spec.with_keys(Box::new(move |_, rkey| (lkey, keys.get(rkey, k))));
+    }
+    spec
 }
 
 impl ClientOptions {
