@@ -99,15 +99,7 @@ pub(super) async fn run(
     obs: &dyn Observer,
 ) -> Result<()> {
     let (out_tx, out_rx) = mpsc::unbounded_channel();
-    let mut core = ClientCore::new(s.params, s.id, 0);
-    // --transport auto over verbs: the core watches the rails for the tcp
-    // fallback. Whether to continue over tcp is the jobs policy's
-    // (jobs::run): the stream only ends, saying why.
-    if let Some(after) = s.opts.tcp_fallback_after {
-        if s.kind == ProviderKind::Verbs && s.opts.transport == Transport::Auto {
-            core.watch_rails(0, after.as_nanos() as u64);
-        }
-    }
+    let core = core_of(s);
     let mut inbound = s
         .rpc
         .clone()
@@ -117,114 +109,12 @@ pub(super) async fn run(
     let mut events = s.events.take().ok_or_else(|| {
         ControlError::Other("the session's data path is gone (an earlier stream failed)".into())
     })?;
-    let (done_tx, done_rx) = mpsc::unbounded_channel();
-    let mut d = Driver {
-        s,
-        core,
-        t0: Instant::now(),
-        out: Some(out_tx),
-        jobs: HashMap::new(),
-        locals: HashMap::new(),
-        lent: HashMap::new(),
-        next_dp: 1,
-        done_tx,
-        done_rx,
-    };
-    let mut fed_all = false;
+    let mut d = Driver::new(s, core, out_tx);
     let mut server_open = true;
-    let end = loop {
-        // Feed files while the core has room.
-        while !fed_all && d.core.room() > 0 {
-            match files.next() {
-                Some(job) => {
-                    d.s.direction.get_or_insert(match job.spec.direction {
-                        Direction::Push => "push",
-                        _ => "pull",
-                    });
-                    obs.file_start(&job.local.display().to_string(), job.len_hint);
-                    let id = d.core.add_file(job.spec.clone());
-                    d.jobs.insert(id, (job, Instant::now()));
-                }
-                None => {
-                    fed_all = true;
-                    d.core.finish();
-                }
-            }
-        }
-        if let Some(r) = d.act() {
-            break r;
-        }
-        d.report(obs);
-        let now = now_of(d.t0);
-        // The data path's counters, for the core (progress, the rails'
-        // watch).
-        let confirmed =
-            d.s.dp
-                .as_ref()
-                .map_or(0, |dp| dp.stats().counters().bytes_confirmed);
-        let failures = d.rail_failures();
-        d.core.data_path(now, confirmed, &failures);
-        if let Some(r) = d.act() {
-            break r;
-        }
-        while let Some(f) = d.core.poll_frame(now) {
-            if let Some(o) = &d.out {
-                let _ = o.send(f);
-            }
-        }
-        let deadline = d
-            .core
-            .poll_timeout()
-            .map(|t| tokio::time::Instant::from_std(d.t0 + Duration::from_nanos(t)));
-        tokio::select! {
-            m = inbound.message(), if server_open => {
-                let now = now_of(d.t0);
-                match m {
-                    Ok(Some(f)) => d.core.handle_frame(now, f),
-                    Ok(None) => {
-                        server_open = false;
-                        d.core.server_closed(now, Ok(()));
-                    }
-                    Err(st) => {
-                        server_open = false;
-                        let e = ControlError::from(st);
-                        d.core.server_closed(now, Err(e.failure()));
-                    }
-                }
-            }
-            Some(x) = d.done_rx.recv() => {
-                d.apply(x, obs);
-                while let Ok(x) = d.done_rx.try_recv() {
-                    d.apply(x, obs);
-                }
-            }
-            ev = events.recv() => match ev {
-                Some(ev) => d.data_path(ev, obs),
-                None => d.core.abort(Failure::new(Reason::Retryable, "the data path stopped")),
-            },
-            _ = sleep_until(deadline), if deadline.is_some() => {
-                let now = now_of(d.t0);
-                d.core.handle_timeout(now);
-            }
-        }
-    };
-    if let Some(why) = d.core.fallback() {
-        d.s.fallback = Some(why.to_string());
-    }
-    d.report(obs);
-    // What is queued (an Abort) goes out, then our side closes.
-    let now = now_of(d.t0);
-    while let Some(f) = d.core.poll_frame(now) {
-        if let Some(o) = &d.out {
-            let _ = o.send(f);
-        }
-    }
-    d.out = None;
-    // Windows still lent to the device stay the device's until the data
-    // path is closed.
-    let lent: Vec<Block> = d.lent.drain().map(|(_, l)| l.slot).collect();
-    let locals = std::mem::take(&mut d.locals);
-    drop(d);
+    let end = d
+        .drive(files, obs, &mut inbound, &mut events, &mut server_open)
+        .await;
+    let (lent, locals) = d.wind_down(obs);
     s.quarantine.extend(lent);
     // Destinations left are suspended for --resume: off the runtime.
     tokio::task::spawn_blocking(move || drop(locals));
@@ -245,6 +135,171 @@ pub(super) async fn run(
             // session is not reused.
             Err(ControlError::Failed(f))
         }
+    }
+}
+
+/// The stream's protocol core for session `s`.
+fn core_of(s: &Session) -> ClientCore {
+    let mut core = ClientCore::new(s.params, s.id, 0);
+    // --transport auto over verbs: the core watches the rails for the tcp
+    // fallback. Whether to continue over tcp is the jobs policy's
+    // (jobs::run): the stream only ends, saying why.
+    if let Some(after) = s.opts.tcp_fallback_after {
+        if s.kind == ProviderKind::Verbs && s.opts.transport == Transport::Auto {
+            core.watch_rails(0, after.as_nanos() as u64);
+        }
+    }
+    core
+}
+
+impl<'a> Driver<'a> {
+    fn new(s: &'a mut Session, core: ClientCore, out: mpsc::UnboundedSender<ClientFrame>) -> Self {
+        let (done_tx, done_rx) = mpsc::unbounded_channel();
+        Driver {
+            s,
+            core,
+            t0: Instant::now(),
+            out: Some(out),
+            jobs: HashMap::new(),
+            locals: HashMap::new(),
+            lent: HashMap::new(),
+            next_dp: 1,
+            done_tx,
+            done_rx,
+        }
+    }
+
+    /// Feed the core, act, send its frames and wait for the next input,
+    /// until the core ends the stream.
+    async fn drive(
+        &mut self,
+        files: &mut (dyn Iterator<Item = FileJob> + Send),
+        obs: &dyn Observer,
+        inbound: &mut tonic::Streaming<proto::ServerFrame>,
+        events: &mut mpsc::UnboundedReceiver<DpEvent>,
+        server_open: &mut bool,
+    ) -> std::result::Result<(), Failure> {
+        let mut fed_all = false;
+        loop {
+            self.feed(files, obs, &mut fed_all);
+            if let Some(r) = self.act() {
+                return r;
+            }
+            self.report(obs);
+            let now = now_of(self.t0);
+            // The data path's counters, for the core (progress, the rails'
+            // watch).
+            let confirmed = self
+                .s
+                .dp
+                .as_ref()
+                .map_or(0, |dp| dp.stats().counters().bytes_confirmed);
+            let failures = self.rail_failures();
+            self.core.data_path(now, confirmed, &failures);
+            if let Some(r) = self.act() {
+                return r;
+            }
+            self.send_frames(now);
+            self.wait(obs, inbound, events, server_open).await;
+        }
+    }
+
+    /// Hand the core files while it has room; tell it when there are no
+    /// more.
+    fn feed(
+        &mut self,
+        files: &mut (dyn Iterator<Item = FileJob> + Send),
+        obs: &dyn Observer,
+        fed_all: &mut bool,
+    ) {
+        while !*fed_all && self.core.room() > 0 {
+            match files.next() {
+                Some(job) => {
+                    self.s.direction.get_or_insert(match job.spec.direction {
+                        Direction::Push => "push",
+                        _ => "pull",
+                    });
+                    obs.file_start(&job.local.display().to_string(), job.len_hint);
+                    let id = self.core.add_file(job.spec.clone());
+                    self.jobs.insert(id, (job, Instant::now()));
+                }
+                None => {
+                    *fed_all = true;
+                    self.core.finish();
+                }
+            }
+        }
+    }
+
+    /// The core's frames, out to the server.
+    fn send_frames(&mut self, now: u64) {
+        while let Some(f) = self.core.poll_frame(now) {
+            if let Some(o) = &self.out {
+                let _ = o.send(f);
+            }
+        }
+    }
+
+    /// Wait for one input (a server frame, a blocking job's answer, a data
+    /// path event or the core's timer) and hand it to the core.
+    async fn wait(
+        &mut self,
+        obs: &dyn Observer,
+        inbound: &mut tonic::Streaming<proto::ServerFrame>,
+        events: &mut mpsc::UnboundedReceiver<DpEvent>,
+        server_open: &mut bool,
+    ) {
+        let deadline = self
+            .core
+            .poll_timeout()
+            .map(|t| tokio::time::Instant::from_std(self.t0 + Duration::from_nanos(t)));
+        tokio::select! {
+            m = inbound.message(), if *server_open => {
+                let now = now_of(self.t0);
+                match m {
+                    Ok(Some(f)) => self.core.handle_frame(now, f),
+                    Ok(None) => {
+                        *server_open = false;
+                        self.core.server_closed(now, Ok(()));
+                    }
+                    Err(st) => {
+                        *server_open = false;
+                        let e = ControlError::from(st);
+                        self.core.server_closed(now, Err(e.failure()));
+                    }
+                }
+            }
+            Some(x) = self.done_rx.recv() => {
+                self.apply(x, obs);
+                while let Ok(x) = self.done_rx.try_recv() {
+                    self.apply(x, obs);
+                }
+            }
+            ev = events.recv() => match ev {
+                Some(ev) => self.data_path(ev, obs),
+                None => self.core.abort(Failure::new(Reason::Retryable, "the data path stopped")),
+            },
+            _ = sleep_until(deadline), if deadline.is_some() => {
+                let now = now_of(self.t0);
+                self.core.handle_timeout(now);
+            }
+        }
+    }
+
+    /// The stream ended: note a fallback, tell the observer the last files,
+    /// send what is queued (an Abort) and close our side. Returns the
+    /// windows still lent to the device (the device's until the data path
+    /// is closed) and the local destinations left.
+    fn wind_down(mut self, obs: &dyn Observer) -> (Vec<Block>, HashMap<FileId, Local>) {
+        if let Some(why) = self.core.fallback() {
+            self.s.fallback = Some(why.to_string());
+        }
+        self.report(obs);
+        let now = now_of(self.t0);
+        self.send_frames(now);
+        self.out = None;
+        let lent = self.lent.drain().map(|(_, l)| l.slot).collect();
+        (lent, std::mem::take(&mut self.locals))
     }
 }
 
