@@ -44,12 +44,19 @@ fn config(root: &std::path::Path, socket: &std::path::Path) -> DaemonConfig {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_rust_service_writes_and_reads_another_services_buffer() {
-    let dir = tempfile::tempdir().unwrap();
-    let root = dir.path().join("root");
+/// An in-process rcpd on `dir` with its socket; its gRPC address, the
+/// socket, what stops it and its task.
+async fn start_rcpd(
+    dir: &std::path::Path,
+) -> (
+    String,
+    std::path::PathBuf,
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<rcp::control::error::Result<()>>,
+) {
+    let root = dir.join("root");
     std::fs::create_dir(&root).unwrap();
-    let sock = dir.path().join("rcpd.sock");
+    let sock = dir.join("rcpd.sock");
     let (tx, rx) = tokio::sync::oneshot::channel();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let cfg = config(&root, &sock);
@@ -65,7 +72,13 @@ async fn a_rust_service_writes_and_reads_another_services_buffer() {
         )
         .await
     });
-    let addr = rx.await.unwrap().to_string();
+    (rx.await.unwrap().to_string(), sock, stop_tx, server)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rust_service_writes_and_reads_another_services_buffer() {
+    let dir = tempfile::tempdir().unwrap();
+    let (addr, sock, stop_tx, server) = start_rcpd(dir.path()).await;
 
     let owner = ServiceClient::connect(Some(&sock), None).await.unwrap();
     let dst = owner.create_buffer(2 << 20).await.unwrap();
@@ -112,4 +125,115 @@ async fn a_rust_service_writes_and_reads_another_services_buffer() {
     let _ = stop_tx.send(());
     server.await.unwrap().unwrap();
     assert!(!sock.exists(), "rcpd removes its socket when it stops");
+}
+
+/// The owner's next event (it starts no operations: no `done` events).
+async fn owner_event(owner: &ServiceClient) -> serde_json::Value {
+    tokio::time::timeout(Duration::from_secs(60), owner.next_event())
+        .await
+        .expect("the owner's event")
+        .expect("the owner's connection is open")
+}
+
+/// Damaged ranges (the debug builds' injected fault, one byte flipped
+/// before the check) are granted again and moved again, up to the retry
+/// bound of the handshake (3), for writes (damage found by the exposing
+/// rcpd) and reads (found by the reader); a range damaged every time fails
+/// `integrity` after the bound, and the owner's event says so.
+#[cfg(debug_assertions)]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn damaged_ranges_move_again_up_to_the_retry_bound() {
+    use rcp::control::buffers::faults::corrupt_ranges;
+    use rcp::control::protocol::negotiate::DEFAULT_MAX_RETRIES;
+    assert_eq!(DEFAULT_MAX_RETRIES, 3, "the counts below assume 3");
+    let dir = tempfile::tempdir().unwrap();
+    let (addr, sock, stop, server) = start_rcpd(dir.path()).await;
+    const MIB: u64 = 1 << 20;
+    let owner = ServiceClient::connect(Some(&sock), None).await.unwrap();
+    let dst = owner.create_buffer(4 * MIB).await.unwrap();
+    owner
+        .expose(&dst, "damaged-w", 0, 2 * MIB, "write", &[])
+        .await
+        .unwrap();
+    owner
+        .expose(&dst, "damaged-r", 2 * MIB, 2 * MIB, "read", &[])
+        .await
+        .unwrap();
+    let data: Vec<u8> = (0..(2 * MIB as u32)).map(|i| (i * 13 + 5) as u8).collect();
+    assert!(dst.local.write_at(2 * MIB, &data));
+
+    let peer = ServiceClient::connect(Some(&sock), None).await.unwrap();
+    let src = peer.create_buffer(4 * MIB).await.unwrap();
+    assert!(src.local.write_at(0, &data));
+
+    // Write: both ranges damaged once (round 0), then intact.
+    corrupt_ranges("damaged-w", 2);
+    let descs = [(0, 0, MIB), (MIB, MIB, MIB)];
+    let h = peer
+        .write(&src, &addr, "damaged-w", &descs, None)
+        .await
+        .unwrap();
+    assert_eq!(peer.wait(h).await.unwrap(), 2 * MIB);
+    let ev = owner_event(&owner).await;
+    assert_eq!(ev["event"], "written", "{ev}");
+    assert_eq!(ev["resent"], 2, "both ranges moved again: {ev}");
+    assert!(ev.get("error").is_none(), "{ev}");
+    let mut got = vec![0u8; 2 * MIB as usize];
+    assert!(dst.local.read_at(0, &mut got));
+    assert!(got == data, "the owner's buffer holds the writer's bytes");
+
+    // One range damaged in rounds 0, 1 and 2: the third resend lands.
+    corrupt_ranges("damaged-w", 3);
+    let h = peer
+        .write(&src, &addr, "damaged-w", &[(0, 0, MIB)], None)
+        .await
+        .unwrap();
+    assert_eq!(peer.wait(h).await.unwrap(), MIB);
+    let ev = owner_event(&owner).await;
+    assert_eq!(ev["resent"], 3, "{ev}");
+    assert!(ev.get("error").is_none(), "{ev}");
+
+    // Damaged every time: integrity after the bound, on both ends.
+    corrupt_ranges("damaged-w", u32::MAX);
+    let h = peer
+        .write(&src, &addr, "damaged-w", &[(0, 0, MIB)], None)
+        .await
+        .unwrap();
+    let e = peer.wait(h).await.unwrap_err();
+    corrupt_ranges("damaged-w", 0);
+    assert_eq!(e.reason_name(), "integrity", "{e}");
+    assert!(e.message.contains("after 3 resends"), "{e}");
+    let ev = owner_event(&owner).await;
+    assert_eq!(ev["resent"], 3, "{ev}");
+    assert_eq!(ev["error"]["reason"], "integrity", "{ev}");
+
+    // Read: both ranges damaged once on the reader, then read again.
+    corrupt_ranges("damaged-r", 2);
+    let descs = [(2 * MIB, 2 * MIB, MIB), (3 * MIB, 3 * MIB, MIB)];
+    let h = peer.read(&src, &addr, "damaged-r", &descs).await.unwrap();
+    assert_eq!(peer.wait(h).await.unwrap(), 2 * MIB);
+    let mut back = vec![0u8; 2 * MIB as usize];
+    assert!(src.local.read_at(2 * MIB, &mut back));
+    assert!(back == data, "the read landed the owner's bytes");
+    let ev = owner_event(&owner).await;
+    assert_eq!(ev["event"], "read", "{ev}");
+    assert_eq!(ev["resent"], 2, "{ev}");
+    assert!(ev.get("error").is_none(), "{ev}");
+
+    corrupt_ranges("damaged-r", u32::MAX);
+    let h = peer
+        .read(&src, &addr, "damaged-r", &[(2 * MIB, 2 * MIB, MIB)])
+        .await
+        .unwrap();
+    let e = peer.wait(h).await.unwrap_err();
+    corrupt_ranges("damaged-r", 0);
+    assert_eq!(e.reason_name(), "integrity", "{e}");
+    assert!(e.message.contains("after 3 re-reads"), "{e}");
+    let ev = owner_event(&owner).await;
+    assert_eq!(ev["resent"], 3, "{ev}");
+    assert_eq!(ev["error"]["reason"], "integrity", "{ev}");
+
+    drop((owner, peer));
+    let _ = stop.send(());
+    server.await.unwrap().unwrap();
 }

@@ -371,6 +371,26 @@ impl LeasedRange {
             .with(0, self.span.len(), f)
             .expect("a lease's span covers itself")
     }
+
+    /// The range's bytes as a mutable slice; `None` unless the lease is
+    /// [`LeaseKind::Exclusive`] (no other user inside rcpd).
+    ///
+    /// # Safety
+    ///
+    /// No device reaches the range while `f` runs: no window posted from
+    /// or into it is outstanding (the data path reported it done) and no
+    /// grant's registration of it is live (revoked). The lease excludes
+    /// every other user inside rcpd; the registrations are the caller's.
+    pub unsafe fn with_mut<R>(&mut self, f: impl FnOnce(&mut [u8]) -> R) -> Option<R> {
+        if self.lease.kind() != LeaseKind::Exclusive {
+            return None;
+        }
+        // SAFETY: the lease is exclusive, so nothing else in rcpd reads or
+        // writes the range (hashing, other operations and grants are
+        // refused it), `&mut self` excludes this holder's own shared
+        // borrows, and the caller vouches that no device reaches it.
+        unsafe { self.span.with_mut(0, self.span.len(), f) }
+    }
 }
 
 /// A service's own side of a buffer (the Rust client,

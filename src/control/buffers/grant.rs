@@ -2,25 +2,26 @@
 //! the access, the peer and every range against the exposure, leases the
 //! ranges and registers each in the peer session's domain (on every rail)
 //! with the one right the operation needs (with memory windows: a window
-//! bound to the session's QP, into the exposure registered once); `BufferDone` revokes the grant
-//! (registrations first), verifies what landed (write) and tells the owner.
-//! A grant whose peer says nothing for rcpd's timeout is revoked too.
+//! bound to the session's QP, into the exposure registered once);
+//! `BufferDone` revokes the round's keys (registrations first), verifies
+//! what landed (write) or takes the peer's word (read), grants the ranges
+//! that did not match again, as files' blocks are, at most the session's
+//! `max_retries` rounds, and at the end tells the owner. A grant whose peer
+//! says nothing in a round for rcpd's timeout is revoked too.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 
-use serde_json::{json, Value};
-use tokio::sync::mpsc::UnboundedSender;
-
-use super::{Buffers, OpError};
+use super::{Buffers, Exposure, OpError};
 use crate::control::error::Reason;
 use crate::control::server::SessionState;
 use crate::files::Check;
 use crate::mem::memfd::{LeaseKind, LeasedRange};
 use crate::proto;
 use crate::provider::{Access, Registration};
+use serde_json::{json, Value};
 
 /// Ranges one operation may name.
 pub const MAX_RANGES: usize = 4096;
@@ -32,31 +33,70 @@ pub const MAX_MESSAGE: usize = 256;
 struct GrantState {
     regs: Vec<Arc<dyn Registration>>,
     ranges: Vec<LeasedRange>,
+    /// Each range's digest: read, those sent with the grant; write, those
+    /// of what landed, as each range is verified.
+    digests: Vec<Vec<u8>>,
+    /// The ranges moving in this round (indices): every one in the first,
+    /// then the ones granted again.
+    moving: Vec<u32>,
+    /// Rounds after the first: times damaged ranges were granted again.
+    round: u32,
+    /// Ranges granted again, over all rounds (the owner's event).
+    resent: u32,
+    /// The session's retry bound (the handshake's `max_retries`).
+    max_retries: u32,
     session: u64,
-    owner: u64,
     name: String,
     write: bool,
     check: Check,
     message: String,
     peer: String,
-    events: UnboundedSender<Value>,
+    exp: Arc<Exposure>,
+}
+
+/// A grant in the table.
+enum Slot {
+    Live(GrantState),
+    /// `BufferDone` holds the grant's state while it verifies (its keys
+    /// revoked); the owner going meanwhile removes the slot, and the state
+    /// is dropped when `BufferDone` finds it gone.
+    Verifying {
+        session: u64,
+        owner: u64,
+    },
+}
+
+impl Slot {
+    fn owner(&self) -> u64 {
+        match self {
+            Slot::Live(g) => g.exp.owner,
+            Slot::Verifying { owner, .. } => *owner,
+        }
+    }
+
+    fn session(&self) -> u64 {
+        match self {
+            Slot::Live(g) => g.session,
+            Slot::Verifying { session, .. } => *session,
+        }
+    }
 }
 
 /// The grants one rcpd made, by id.
 #[derive(Default)]
 pub struct Grants {
     next: AtomicU64,
-    live: Mutex<HashMap<u64, GrantState>>,
+    live: Mutex<HashMap<u64, Slot>>,
 }
 
 impl Grants {
     /// Revoke every grant on connection `owner`'s exposures; how many.
     pub(crate) fn revoke_owner(&self, owner: u64) -> usize {
-        let gone: Vec<GrantState> = {
+        let gone: Vec<Slot> = {
             let mut l = self.live.lock().unwrap();
             let ids: Vec<u64> = l
                 .iter()
-                .filter(|(_, g)| g.owner == owner)
+                .filter(|(_, g)| g.owner() == owner)
                 .map(|(&id, _)| id)
                 .collect();
             ids.iter().filter_map(|id| l.remove(id)).collect()
@@ -71,11 +111,68 @@ impl Grants {
         self.live.lock().unwrap().len()
     }
 
-    fn take(&self, id: u64, session: u64) -> Option<GrantState> {
+    /// Grant `id` of `session` if it is still in `round` (its timeout).
+    fn expire(&self, id: u64, session: u64, round: u32) -> Option<GrantState> {
         let mut l = self.live.lock().unwrap();
         match l.get(&id) {
-            Some(g) if g.session == session => l.remove(&id),
+            Some(Slot::Live(g)) if g.session == session && g.round == round => {
+                match l.remove(&id) {
+                    Some(Slot::Live(g)) => Some(g),
+                    _ => unreachable!("matched above"),
+                }
+            }
             _ => None,
+        }
+    }
+
+    /// Grant `id` of `session` for its `BufferDone`: its slot says it is
+    /// being verified until [`Grants::resume`] or [`Grants::end`].
+    fn begin_done(&self, id: u64, session: u64) -> Result<GrantState, OpError> {
+        let mut l = self.live.lock().unwrap();
+        match l.get(&id) {
+            Some(s) if s.session() == session => {}
+            _ => {
+                return Err(OpError::new(
+                    Reason::Retryable,
+                    format!(
+                        "grant {id} is not live on this session (revoked: its exposure was \
+                         withdrawn or it timed out)"
+                    ),
+                ))
+            }
+        }
+        let owner = l[&id].owner();
+        match l.insert(id, Slot::Verifying { session, owner }) {
+            Some(Slot::Live(g)) => Ok(g),
+            Some(v) => {
+                l.insert(id, v);
+                Err(OpError::new(
+                    Reason::Protocol,
+                    format!("a BufferDone for grant {id} while its last one is verified"),
+                ))
+            }
+            None => unreachable!("looked up above"),
+        }
+    }
+
+    /// Put grant `id`'s state back (ranges granted again); `false` when it
+    /// was revoked meanwhile (the state is dropped then).
+    fn resume(&self, id: u64, g: GrantState) -> bool {
+        let mut l = self.live.lock().unwrap();
+        if matches!(l.get(&id), Some(Slot::Verifying { .. })) {
+            l.insert(id, Slot::Live(g));
+            return true;
+        }
+        drop(l);
+        crate::control::in_place(|| drop(g));
+        false
+    }
+
+    /// Grant `id`'s `BufferDone` ended it.
+    fn end(&self, id: u64) {
+        let mut l = self.live.lock().unwrap();
+        if matches!(l.get(&id), Some(Slot::Verifying { .. })) {
+            l.remove(&id);
         }
     }
 }
@@ -105,6 +202,50 @@ pub fn grant(
     req: proto::BufferGrantRequest,
     peer: Option<IpAddr>,
 ) -> Result<proto::BufferGrantResponse, OpError> {
+    let write = check_request(&req)?;
+    let exp = exposure_for(bufs, &req, write, peer)?;
+    let ranges = lease_ranges(&exp, &req, write)?;
+    let (regs, out) = register(&exp, session, &ranges, write, &req.name)?;
+    let check = session.params.check;
+    let digests = if write {
+        vec![Vec::new(); ranges.len()]
+    } else {
+        digests(check, &ranges)
+    };
+    let id = bufs.grants.next.fetch_add(1, Relaxed) + 1;
+    let what = if write { "write" } else { "read" };
+    tracing::debug!(grant = id, name = %crate::escape::esc(&req.name), what, ranges = out.len(), "buffer grant");
+    let resp = proto::BufferGrantResponse {
+        grant: id,
+        ranges: out,
+        digests: if write { Vec::new() } else { digests.clone() },
+    };
+    bufs.grants.live.lock().unwrap().insert(
+        id,
+        Slot::Live(GrantState {
+            regs,
+            moving: (0..ranges.len() as u32).collect(),
+            ranges,
+            digests,
+            round: 0,
+            resent: 0,
+            max_retries: session.params.max_retries,
+            session: session_id,
+            name: req.name,
+            write,
+            check,
+            message: req.message,
+            peer: peer.map_or_else(String::new, |p| p.to_string()),
+            exp,
+        }),
+    );
+    arm_timeout(bufs, id, session_id, 0);
+    Ok(resp)
+}
+
+/// The request's own bounds (access named, ranges, message); whether it
+/// writes.
+fn check_request(req: &proto::BufferGrantRequest) -> Result<bool, OpError> {
     let write = match proto::BufferAccess::try_from(req.access) {
         Ok(proto::BufferAccess::Write) => true,
         Ok(proto::BufferAccess::Read) => false,
@@ -125,6 +266,16 @@ pub fn grant(
             ),
         ));
     }
+    Ok(write)
+}
+
+/// The exposure the request names, if it grants `peer` the access.
+fn exposure_for(
+    bufs: &Buffers,
+    req: &proto::BufferGrantRequest,
+    write: bool,
+    peer: Option<IpAddr>,
+) -> Result<Arc<Exposure>, OpError> {
     let exp = bufs
         .exposures
         .lock()
@@ -154,6 +305,16 @@ pub fn grant(
             ),
         ));
     }
+    Ok(exp)
+}
+
+/// Lease each range of the request inside the exposure (exclusively for
+/// bytes that land, shared for bytes read).
+fn lease_ranges(
+    exp: &Exposure,
+    req: &proto::BufferGrantRequest,
+    write: bool,
+) -> Result<Vec<LeasedRange>, OpError> {
     let (lo, hi) = (exp.offset, exp.offset + exp.len);
     let kind = if write {
         LeaseKind::Exclusive
@@ -181,6 +342,22 @@ pub fn grant(
             .map_err(|e| OpError::new(Reason::Invalid, format!("{:?}: {e}", req.name)))?;
         ranges.push(l);
     }
+    Ok(ranges)
+}
+
+/// A round's registrations, and what the peer is told of each range.
+type Registered = (Vec<Arc<dyn Registration>>, Vec<proto::GrantedRange>);
+
+/// Register each of `ranges` in the session's domain (and each rail's)
+/// with the one right the operation needs; the registrations and what the
+/// peer is told of each range.
+fn register<'a>(
+    exp: &Exposure,
+    session: &SessionState,
+    ranges: impl IntoIterator<Item = &'a LeasedRange>,
+    write: bool,
+    name: &str,
+) -> Result<Registered, OpError> {
     let access = if write {
         Access::REMOTE_WRITE | Access::LOCAL_WRITE
     } else {
@@ -193,9 +370,9 @@ pub fn grant(
         .buffer
         .span_of(exp.offset, exp.len)
         .expect("an exposure lies inside its buffer");
-    let mut regs = Vec::with_capacity(ranges.len() * domains.len());
-    let mut out = Vec::with_capacity(ranges.len());
-    for r in &ranges {
+    let mut regs = Vec::new();
+    let mut out = Vec::new();
+    for r in ranges {
         let mut keys = Vec::new();
         let mut addr = 0;
         for d in &domains {
@@ -212,10 +389,9 @@ pub fn grant(
                     OpError::new(
                         Reason::Other,
                         format!(
-                            "registering [{}, +{}) of {:?}: {e}",
+                            "registering [{}, +{}) of {name:?}: {e}",
                             r.lease().offset(),
                             r.lease().len(),
-                            req.name
                         ),
                     )
                 })?;
@@ -229,43 +405,20 @@ pub fn grant(
             rail_rkeys: if keys.len() > 1 { keys } else { Vec::new() },
         });
     }
-    let check = session.params.check;
-    let digests = if write {
-        Vec::new()
-    } else {
-        digests(check, &ranges)
-    };
-    let id = bufs.grants.next.fetch_add(1, Relaxed) + 1;
-    bufs.grants.live.lock().unwrap().insert(
-        id,
-        GrantState {
-            regs,
-            ranges,
-            session: session_id,
-            owner: exp.owner,
-            name: req.name.clone(),
-            write,
-            check,
-            message: req.message,
-            peer: peer.map_or_else(String::new, |p| p.to_string()),
-            events: exp.events.clone(),
-        },
-    );
-    // A grant whose peer never finishes is revoked after the timeout.
+    Ok((regs, out))
+}
+
+/// Revoke grant `id` if its peer says nothing more in `round` for rcpd's
+/// timeout.
+fn arm_timeout(bufs: &Arc<Buffers>, id: u64, session_id: u64, round: u32) {
     let (b, t) = (bufs.clone(), bufs.grant_timeout());
     tokio::spawn(async move {
         tokio::time::sleep(t).await;
-        if let Some(g) = b.grants.take(id, session_id) {
+        if let Some(g) = b.grants.expire(id, session_id, round) {
             tracing::warn!(grant = id, name = %crate::escape::esc(&g.name), "buffer grant revoked: its peer said nothing for the timeout");
             crate::control::in_place(|| drop(g));
         }
     });
-    tracing::debug!(grant = id, name = %crate::escape::esc(&req.name), what, ranges = out.len(), "buffer grant");
-    Ok(proto::BufferGrantResponse {
-        grant: id,
-        ranges: out,
-        digests,
-    })
 }
 
 /// IPv4-mapped IPv6 as IPv4, so that a peer list of IPv4 addresses matches.
@@ -276,51 +429,140 @@ pub(crate) fn canonical(ip: IpAddr) -> IpAddr {
     }
 }
 
-/// `BufferDone` on session `session_id`.
+/// `BufferDone` on session `session_id` (`session`: its state, while it
+/// is open): revoke the round's keys, verify, and either grant the damaged
+/// ranges again (within the retry bound) or end the grant and tell the
+/// owner.
 pub fn done(
-    bufs: &Buffers,
+    bufs: &Arc<Buffers>,
+    session: Option<&SessionState>,
     session_id: u64,
     req: proto::BufferDoneRequest,
 ) -> Result<proto::BufferDoneResponse, OpError> {
-    let Some(mut g) = bufs.grants.take(req.grant, session_id) else {
-        return Err(OpError::new(
-            Reason::Retryable,
-            format!(
-                "grant {} is not live on this session (revoked: its exposure was withdrawn or \
-                 it timed out)",
-                req.grant
-            ),
-        ));
-    };
+    let id = req.grant;
+    let mut g = bufs.grants.begin_done(id, session_id)?;
     // Revoke first: nothing reaches the ranges from here on.
     crate::control::in_place(|| g.regs.clear());
-    let ranges = std::mem::take(&mut g.ranges);
+    let ended = |g: GrantState| {
+        bufs.grants.end(id);
+        crate::control::in_place(|| drop(g));
+    };
     if !req.failed.is_empty() {
-        tracing::info!(grant = req.grant, name = %crate::escape::esc(&g.name), why = %crate::escape::esc(&req.failed), "buffer operation failed on the peer");
-        return Ok(proto::BufferDoneResponse { bad: Vec::new() });
+        tracing::info!(grant = id, name = %crate::escape::esc(&g.name), why = %crate::escape::esc(&req.failed), "buffer operation failed on the peer");
+        ended(g);
+        return Ok(proto::BufferDoneResponse::default());
     }
-    let mut bad = Vec::new();
-    let ds = digests(g.check, &ranges);
-    if g.write {
-        if !g.check.is_none() {
-            if req.digests.len() != ranges.len() {
-                return Err(OpError::new(
-                    Reason::Invalid,
-                    format!("{} digests for {} ranges", req.digests.len(), ranges.len()),
-                ));
-            }
-            for (i, (a, b)) in ds.iter().zip(&req.digests).enumerate() {
-                if a != b {
-                    bad.push(i as u32);
-                }
-            }
+    let bad = match verify(&mut g, &req) {
+        Ok(bad) => bad,
+        Err(e) => {
+            ended(g);
+            return Err(e);
         }
-    } else {
-        bad = req.bad.clone();
+    };
+    let session = session.filter(|_| !bad.is_empty() && g.round < g.max_retries);
+    if let Some(s) = session {
+        let again = match regrant(&mut g, s, &bad) {
+            Ok(again) => again,
+            Err(e) => {
+                ended(g);
+                return Err(e);
+            }
+        };
+        let round = g.round;
+        tracing::debug!(grant = id, round, ranges = ?bad, "buffer ranges damaged: granted again");
+        if !bufs.grants.resume(id, g) {
+            return Err(OpError::new(
+                Reason::Retryable,
+                format!(
+                    "grant {id} was revoked while it was verified (its exposure was withdrawn)"
+                ),
+            ));
+        }
+        arm_timeout(bufs, id, session_id, round);
+        return Ok(proto::BufferDoneResponse { bad, again });
     }
-    let list: Vec<Value> = ranges
+    tell_owner(&g, &bad);
+    ended(g);
+    Ok(proto::BufferDoneResponse {
+        bad,
+        again: Vec::new(),
+    })
+}
+
+/// The ranges of this round that did not match: for a write, hash what
+/// landed (keys revoked) and compare with the peer's digests; for a read,
+/// the peer compared and says which.
+fn verify(g: &mut GrantState, req: &proto::BufferDoneRequest) -> Result<Vec<u32>, OpError> {
+    if !g.write {
+        let mut bad = req.bad.clone();
+        bad.sort_unstable();
+        bad.dedup();
+        if let Some(i) = bad.iter().find(|i| !g.moving.contains(i)) {
+            return Err(OpError::new(
+                Reason::Protocol,
+                format!(
+                    "range {i} was not read in this round of grant {}",
+                    req.grant
+                ),
+            ));
+        }
+        return Ok(bad);
+    }
+    if g.check.is_none() {
+        return Ok(Vec::new());
+    }
+    if req.digests.len() != g.ranges.len() {
+        return Err(OpError::new(
+            Reason::Invalid,
+            format!(
+                "{} digests for {} ranges",
+                req.digests.len(),
+                g.ranges.len()
+            ),
+        ));
+    }
+    let check = g.check;
+    let mut bad = Vec::new();
+    crate::control::in_place(|| {
+        for &i in &g.moving {
+            let r = &mut g.ranges[i as usize];
+            // SAFETY: the round's registrations were revoked above and the
+            // range is leased exclusively (a write's grant): no device
+            // reaches it.
+            unsafe { super::faults::inject(&g.name, r) };
+            let d = r.with(|b| check.wire(&check.block(b)));
+            if d != req.digests[i as usize] {
+                bad.push(i);
+            }
+            g.digests[i as usize] = d;
+        }
+    });
+    Ok(bad)
+}
+
+/// Grant the ranges `bad` again (the next round): new keys in the
+/// session's domains, the leases kept.
+fn regrant(
+    g: &mut GrantState,
+    session: &SessionState,
+    bad: &[u32],
+) -> Result<Vec<proto::GrantedRange>, OpError> {
+    let ranges = bad.iter().map(|&i| &g.ranges[i as usize]);
+    let (regs, again) = register(&g.exp, session, ranges, g.write, &g.name)?;
+    g.regs = regs;
+    g.moving = bad.to_vec();
+    g.round += 1;
+    g.resent += bad.len() as u32;
+    Ok(again)
+}
+
+/// The owner's event for the ended grant: every range with its digest,
+/// the ranges granted again, and which did not match in the end.
+fn tell_owner(g: &GrantState, bad: &[u32]) {
+    let list: Vec<Value> = g
+        .ranges
         .iter()
-        .zip(&ds)
+        .zip(&g.digests)
         .map(|(r, d)| json!([r.lease().offset(), r.lease().len(), hex(d)]))
         .collect();
     let mut ev = json!({
@@ -330,15 +572,21 @@ pub fn done(
         "ranges": list,
         "message": g.message,
         "check": g.check.name(),
+        "resent": g.resent,
     });
     if !bad.is_empty() {
         ev["error"] = OpError::new(
             Reason::Integrity,
-            format!("ranges {bad:?} did not match their digests"),
+            format!(
+                "ranges {bad:?} did not match their digests{}",
+                if g.round > 0 {
+                    format!(" after {} resends", g.round)
+                } else {
+                    String::new()
+                }
+            ),
         )
         .to_json();
     }
-    let _ = g.events.send(ev);
-    drop(ranges);
-    Ok(proto::BufferDoneResponse { bad })
+    let _ = g.exp.events.send(ev);
 }

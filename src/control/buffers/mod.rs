@@ -12,11 +12,13 @@
 //!   `BufferDone`): a grant per operation, revoked at its end;
 //! - [`peer`]: the initiating side: a session per peer rcpd, windows posted
 //!   from the service's pages ([`crate::datapath::lend`]);
-//! - [`client`]: the Rust client of the service protocol.
+//! - [`client`]: the Rust client of the service protocol;
+//! - [`faults`]: test-only damage of checked ranges (debug builds).
 //!
 //! [`Buffers`] is what one rcpd shares between them.
 
 pub mod client;
+pub mod faults;
 pub mod grant;
 pub mod peer;
 pub mod service;

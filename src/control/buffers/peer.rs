@@ -8,8 +8,10 @@
 //! An operation: lease its local ranges, `BufferGrant` on the peer, post a
 //! window per descriptor (split into requests of the session's block
 //! size), wait for every window, compare or send the digests in
-//! `BufferDone`. A failed data path fails the operations on it and the
-//! session is made anew by the next one.
+//! `BufferDone`. Ranges that did not match come back granted again: they
+//! move again, at most the peer's retry bound (`max_retries` of its
+//! handshake) rounds, before the operation fails. A failed data path fails
+//! the operations on it and the session is made anew by the next one.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
@@ -65,6 +67,8 @@ pub struct PeerLink {
     session_id: u64,
     block_size: u64,
     check: Check,
+    /// The peer's retry bound (its handshake's `max_retries`).
+    max_retries: u32,
     domain: Arc<dyn Domain>,
     path: Arc<LendingPath>,
     regs: Mutex<HashMap<u64, Arc<dyn Registration>>>,
@@ -164,6 +168,7 @@ async fn link(bufs: &Arc<Buffers>, peer: &str, check: Check) -> Result<Arc<PeerL
         session_id: session.id(),
         block_size: session.block_size(),
         check: session.check(),
+        max_retries: session.max_retries(),
         domain: session.local_domain(),
         client,
         path: Arc::new(path),
@@ -217,11 +222,80 @@ pub struct OpSpec {
     pub check: Check,
 }
 
-/// Run `op`; the bytes moved.
+/// Run `op`; the bytes moved. A range whose check fails is granted again
+/// by the peer and moved again, at most the session's `max_retries`
+/// rounds, before the operation fails (`integrity`).
 pub async fn run(bufs: &Arc<Buffers>, op: &OpSpec, cancelled: &AtomicBool) -> Result<u64, OpError> {
     if op.descs.is_empty() {
         return Err(OpError::new(Reason::Invalid, "no descriptors"));
     }
+    let local = lease_local(op)?;
+    if cancelled.load(Relaxed) {
+        return Err(OpError::new(Reason::Other, "cancelled"));
+    }
+    let link = link(bufs, &op.peer, op.check).await?;
+    let reg = link.registration(op.buffer_uid, &op.buffer)?;
+    let grant = request_grant(&link, op).await?;
+    let sent = if op.write {
+        digests(link.check, &local)
+    } else {
+        Vec::new()
+    };
+    let g = Granted {
+        link: &link,
+        op,
+        reg,
+        id: grant.grant,
+        want: grant.digests,
+        sent,
+    };
+    let mut moving: Vec<Moving> = local
+        .into_iter()
+        .zip(grant.ranges)
+        .enumerate()
+        .map(|(i, (r, at))| (i as u32, r, at))
+        .collect();
+    let mut round = 0;
+    loop {
+        let mut landed = match g.post(moving).await {
+            Ok(l) => l,
+            Err(why) => {
+                g.fail(why.clone()).await;
+                return Err(OpError::new(
+                    Reason::Retryable,
+                    format!("peer {}: {why}", op.peer),
+                ));
+            }
+        };
+        if cancelled.load(Relaxed) {
+            g.fail("cancelled".into()).await;
+            return Err(OpError::new(Reason::Other, "cancelled"));
+        }
+        let resp = g.finish_round(&mut landed).await?;
+        if resp.again.is_empty() {
+            if resp.bad.is_empty() {
+                return Ok(op.descs.iter().map(|d| d.2).sum());
+            }
+            return Err(g.damaged(&resp.bad, round));
+        }
+        round += 1;
+        moving = match g.again(landed, resp, round) {
+            Ok(m) => m,
+            Err(e) => {
+                g.fail(e.message.clone()).await;
+                return Err(e);
+            }
+        };
+    }
+}
+
+/// A range moving in a round: its index among the operation's, its local
+/// lease, where the peer granted it.
+type Moving = (u32, LeasedRange, proto::GrantedRange);
+
+/// Lease the operation's local ranges: shared for a write (the device
+/// reads them), exclusive for a read (bytes land).
+fn lease_local(op: &OpSpec) -> Result<Vec<LeasedRange>, OpError> {
     let kind = if op.write {
         LeaseKind::Shared
     } else {
@@ -246,11 +320,19 @@ pub async fn run(bufs: &Arc<Buffers>, op: &OpSpec, cancelled: &AtomicBool) -> Re
             .map_err(|e| OpError::new(Reason::Invalid, e.to_string()))?;
         local.push(r);
     }
-    if cancelled.load(Relaxed) {
-        return Err(OpError::new(Reason::Other, "cancelled"));
-    }
-    let link = link(bufs, &op.peer, op.check).await?;
-    let reg = link.registration(op.buffer_uid, &op.buffer)?;
+    Ok(local)
+}
+
+/// A peer's error as the operation's.
+fn peer_error(peer: &str, s: &tonic::Status) -> OpError {
+    OpError::new(status_reason(s), format!("peer {peer}: {}", s.message()))
+}
+
+/// `BufferGrant` for the operation's remote ranges.
+async fn request_grant(
+    link: &PeerLink,
+    op: &OpSpec,
+) -> Result<proto::BufferGrantResponse, OpError> {
     let grant = link
         .client
         .buffer_grant(proto::BufferGrantRequest {
@@ -269,12 +351,7 @@ pub async fn run(bufs: &Arc<Buffers>, op: &OpSpec, cancelled: &AtomicBool) -> Re
             message: op.message.clone(),
         })
         .await
-        .map_err(|s| {
-            OpError::new(
-                status_reason(&s),
-                format!("peer {}: {}", op.peer, s.message()),
-            )
-        })?;
+        .map_err(|s| peer_error(&op.peer, &s))?;
     if grant.ranges.len() != op.descs.len() {
         return Err(OpError::new(
             Reason::Invalid,
@@ -285,134 +362,218 @@ pub async fn run(bufs: &Arc<Buffers>, op: &OpSpec, cancelled: &AtomicBool) -> Re
             ),
         ));
     }
-    let done = |failed: String, digests: Vec<Vec<u8>>, bad: Vec<u32>| {
-        let (c, id, g) = (link.client.clone(), link.session_id, grant.grant);
-        async move {
-            c.buffer_done(proto::BufferDoneRequest {
-                session_id: id,
-                grant: g,
+    Ok(grant)
+}
+
+/// An operation the peer granted.
+struct Granted<'a> {
+    link: &'a PeerLink,
+    op: &'a OpSpec,
+    reg: Arc<dyn Registration>,
+    /// The grant's id.
+    id: u64,
+    /// Read: each range's digest, as the peer sent them.
+    want: Vec<Vec<u8>>,
+    /// Write: each range's digest of what is sent.
+    sent: Vec<Vec<u8>>,
+}
+
+impl Granted<'_> {
+    /// `BufferDone` for the round.
+    async fn done(
+        &self,
+        failed: String,
+        digests: Vec<Vec<u8>>,
+        bad: Vec<u32>,
+    ) -> Result<proto::BufferDoneResponse, OpError> {
+        self.link
+            .client
+            .buffer_done(proto::BufferDoneRequest {
+                session_id: self.link.session_id,
+                grant: self.id,
                 digests,
                 failed,
                 bad,
             })
             .await
-        }
-    };
-    let sent = if op.write {
-        digests(link.check, &local)
-    } else {
-        Vec::new()
-    };
-    let chunk = link
-        .block_size
-        .clamp(4096, crate::control::WINDOW_SIZE as u64);
-    let mut waits = Vec::with_capacity(local.len());
-    let mut failure = None;
-    for ((r, g), &(_, _, len)) in local.into_iter().zip(&grant.ranges).zip(&op.descs) {
-        let id = link.next.fetch_add(1, Relaxed) + 1;
-        let extents = (0..len.div_ceil(chunk))
-            .map(|i| Extent {
-                offset: i * chunk,
-                len: (len - i * chunk).min(chunk) as u32,
-            })
-            .collect();
-        let job = WindowJob {
-            id,
-            op: if op.write {
-                OpKind::Write
-            } else {
-                OpKind::Read
-            },
-            local_addr: r.span().addr(),
-            lkey: reg.lkey(),
-            remote_addr: g.addr,
-            rkey: g.rkey,
-            extents,
-        };
-        let (tx, rx) = oneshot::channel();
-        link.waiters.lock().unwrap().insert(id, tx);
-        if let Some(why) = link.dead() {
-            link.waiters.lock().unwrap().remove(&id);
-            failure = Some(why);
-            break;
-        }
-        if let Err(e) = link.path.submit(job, r, reg.clone()) {
-            link.waiters.lock().unwrap().remove(&id);
-            failure = Some(e.to_string());
-            break;
-        }
-        waits.push(rx);
+            .map_err(|s| peer_error(&self.op.peer, &s))
     }
-    let mut landed = Vec::with_capacity(waits.len());
-    for w in waits {
-        match w.await {
-            Ok(Ok(r)) => landed.push(r),
-            Ok(Err(why)) => {
-                failure.get_or_insert(why);
+
+    /// Tell the peer the operation failed (best effort: the grant is
+    /// revoked either way, at the latest after the peer's timeout).
+    async fn fail(&self, why: String) {
+        let _ = self.done(why, Vec::new(), Vec::new()).await;
+    }
+
+    /// Post a window per range (split into requests of the session's block
+    /// size) and wait for every one; the ranges back, or why the data path
+    /// failed.
+    async fn post(&self, moving: Vec<Moving>) -> Result<Vec<(u32, LeasedRange)>, String> {
+        let link = self.link;
+        let chunk = link
+            .block_size
+            .clamp(4096, crate::control::WINDOW_SIZE as u64);
+        let mut waits = Vec::with_capacity(moving.len());
+        let mut failure = None;
+        for (i, r, at) in moving {
+            let len = self.op.descs[i as usize].2;
+            let id = link.next.fetch_add(1, Relaxed) + 1;
+            let extents = (0..len.div_ceil(chunk))
+                .map(|k| Extent {
+                    offset: k * chunk,
+                    len: (len - k * chunk).min(chunk) as u32,
+                })
+                .collect();
+            let job = WindowJob {
+                id,
+                op: if self.op.write {
+                    OpKind::Write
+                } else {
+                    OpKind::Read
+                },
+                local_addr: r.span().addr(),
+                lkey: self.reg.lkey(),
+                remote_addr: at.addr,
+                rkey: at.rkey,
+                extents,
+            };
+            let (tx, rx) = oneshot::channel();
+            link.waiters.lock().unwrap().insert(id, tx);
+            if let Some(why) = link.dead() {
+                link.waiters.lock().unwrap().remove(&id);
+                failure = Some(why);
+                break;
             }
-            Err(_) => {
-                failure.get_or_insert_with(|| "the data path dropped the window".into());
+            if let Err(e) = link.path.submit(job, r, self.reg.clone()) {
+                link.waiters.lock().unwrap().remove(&id);
+                failure = Some(e.to_string());
+                break;
+            }
+            waits.push((i, rx));
+        }
+        let mut landed = Vec::with_capacity(waits.len());
+        for (i, w) in waits {
+            match w.await {
+                Ok(Ok(r)) => landed.push((i, r)),
+                Ok(Err(why)) => {
+                    failure.get_or_insert(why);
+                }
+                Err(_) => {
+                    failure.get_or_insert_with(|| "the data path dropped the window".into());
+                }
             }
         }
+        match failure {
+            Some(why) => Err(why),
+            None => Ok(landed),
+        }
     }
-    if let Some(why) = failure {
-        let _ = done(why.clone(), Vec::new(), Vec::new()).await;
-        return Err(OpError::new(
-            Reason::Retryable,
-            format!("peer {}: {why}", op.peer),
-        ));
+
+    /// The round's `BufferDone`: for a write the digests of what was sent
+    /// (the peer compares); for a read, compare what landed here and say
+    /// which ranges did not match.
+    async fn finish_round(
+        &self,
+        landed: &mut [(u32, LeasedRange)],
+    ) -> Result<proto::BufferDoneResponse, OpError> {
+        if self.op.write {
+            return self
+                .done(String::new(), self.sent.clone(), Vec::new())
+                .await;
+        }
+        let check = self.link.check;
+        let mut bad = Vec::new();
+        if !check.is_none() {
+            crate::control::in_place(|| {
+                for (i, r) in landed.iter_mut() {
+                    // SAFETY: the data path reported the window done and
+                    // the range is leased exclusively (a read's): no
+                    // device reaches it.
+                    unsafe { super::faults::inject(&self.op.name, r) };
+                    let d = r.with(|b| check.wire(&check.block(b)));
+                    if self.want.get(*i as usize) != Some(&d) {
+                        bad.push(*i);
+                    }
+                }
+            });
+        }
+        let resp = self.done(String::new(), Vec::new(), bad.clone()).await?;
+        if resp.again.is_empty() && resp.bad.is_empty() && !bad.is_empty() {
+            // A peer that takes no notice of a mismatch still fails it.
+            return Ok(proto::BufferDoneResponse {
+                bad,
+                again: Vec::new(),
+            });
+        }
+        Ok(resp)
     }
-    if cancelled.load(Relaxed) {
-        let _ = done("cancelled".into(), Vec::new(), Vec::new()).await;
-        return Err(OpError::new(Reason::Other, "cancelled"));
-    }
-    let bytes: u64 = op.descs.iter().map(|d| d.2).sum();
-    if op.write {
-        let resp = done(String::new(), sent, Vec::new()).await.map_err(|s| {
+
+    /// The next round: the ranges the peer granted again (`resp.bad`, at
+    /// `resp.again`), from those that `landed`.
+    fn again(
+        &self,
+        landed: Vec<(u32, LeasedRange)>,
+        resp: proto::BufferDoneResponse,
+        round: u32,
+    ) -> Result<Vec<Moving>, OpError> {
+        let broke = |why: String| {
             OpError::new(
-                status_reason(&s),
-                format!("peer {}: {}", op.peer, s.message()),
+                Reason::Protocol,
+                format!(
+                    "peer {} broke the protocol: BufferDone: {why}",
+                    self.op.peer
+                ),
             )
-        })?;
-        if !resp.bad.is_empty() {
-            return Err(OpError::new(
-                Reason::Integrity,
-                format!(
-                    "peer {}: ranges {:?} did not land intact",
-                    op.peer, resp.bad
-                ),
-            ));
-        }
-    } else {
-        let got = digests(link.check, &landed);
-        let bad: Vec<u32> = if link.check.is_none() {
-            Vec::new()
-        } else {
-            got.iter()
-                .zip(&grant.digests)
-                .enumerate()
-                .filter(|(_, (a, b))| a != b)
-                .map(|(i, _)| i as u32)
-                .collect()
         };
-        drop(landed);
-        done(String::new(), Vec::new(), bad.clone())
-            .await
-            .map_err(|s| {
-                OpError::new(
-                    status_reason(&s),
-                    format!("peer {}: {}", op.peer, s.message()),
-                )
-            })?;
-        if !bad.is_empty() {
-            return Err(OpError::new(
-                Reason::Integrity,
-                format!(
-                    "peer {}: ranges {bad:?} read do not match their digests",
-                    op.peer
-                ),
-            ));
+        if round > self.link.max_retries {
+            return Err(broke(format!(
+                "round {round} of grant {} is past the retry bound {}",
+                self.id, self.link.max_retries
+            )));
         }
+        if resp.again.len() != resp.bad.len() {
+            return Err(broke(format!(
+                "{} ranges granted again for {} bad",
+                resp.again.len(),
+                resp.bad.len()
+            )));
+        }
+        let mut landed: HashMap<u32, LeasedRange> = landed.into_iter().collect();
+        let mut moving = Vec::with_capacity(resp.bad.len());
+        for (i, at) in resp.bad.into_iter().zip(resp.again) {
+            let r = landed
+                .remove(&i)
+                .ok_or_else(|| broke(format!("range {i} granted again was not moving")))?;
+            moving.push((i, r, at));
+        }
+        tracing::debug!(peer = %crate::escape::esc(&self.op.peer), grant = self.id, round, ranges = moving.len(), "buffer ranges damaged: moving them again");
+        Ok(moving)
     }
-    Ok(bytes)
+
+    /// The operation's end when ranges still did not match after `round`
+    /// rounds of resends.
+    fn damaged(&self, bad: &[u32], round: u32) -> OpError {
+        let after = if round > 0 {
+            format!(
+                " after {round} {}",
+                if self.op.write { "resends" } else { "re-reads" }
+            )
+        } else {
+            String::new()
+        };
+        OpError::new(
+            Reason::Integrity,
+            if self.op.write {
+                format!(
+                    "peer {}: ranges {bad:?} did not land intact{after}",
+                    self.op.peer
+                )
+            } else {
+                format!(
+                    "peer {}: ranges {bad:?} read do not match their digests{after}",
+                    self.op.peer
+                )
+            },
+        )
+    }
 }

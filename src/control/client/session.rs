@@ -490,6 +490,12 @@ impl Session {
         self.params.check
     }
 
+    /// rcpd's retry bound (the handshake's `max_retries`): rounds a damaged
+    /// block, or a buffer's range, moves again before it fails.
+    pub fn max_retries(&self) -> u32 {
+        self.params.max_retries
+    }
+
     /// The data path and its events, for a driver of their own (buffers,
     /// `control::buffers::peer`); the session keeps its link and rcpd's
     /// resources until it is closed or dropped.

@@ -389,7 +389,12 @@ impl proto::rcp_server::Rcp for RcpService {
     ) -> std::result::Result<Response<proto::BufferDoneResponse>, Status> {
         let req = req.into_inner();
         let id = req.session_id;
-        let r = crate::control::buffers::grant::done(&self.0.buffers, id, req)?;
+        // The session (while open) grants damaged ranges again.
+        let session = self.0.session(id).ok();
+        if let Some(s) = &session {
+            *s.last_used.lock().unwrap() = std::time::Instant::now();
+        }
+        let r = crate::control::buffers::grant::done(&self.0.buffers, session.as_deref(), id, req)?;
         Ok(Response::new(r))
     }
 }

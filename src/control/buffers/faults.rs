@@ -1,0 +1,67 @@
+//! Test-only faults for buffer operations, compiled only into debug builds
+//! (the test suite's; never into release builds), as the files'
+//! `RCP_TEST_CORRUPT_PULLED_BLOCKS`: [`corrupt_ranges`] makes the next
+//! ranges of an exposure that are checked arrive damaged, one byte flipped
+//! just before their digest is compared, as if damaged on the way. Where:
+//! for a write, on the exposing rcpd, in what landed (after the grant was
+//! revoked); for a read, on the reader, in what its READs landed. Keyed by
+//! the exposure's name, so tests running side by side in one process do
+//! not see each other's faults.
+
+use crate::mem::memfd::LeasedRange;
+
+#[cfg(debug_assertions)]
+static CORRUPT: std::sync::Mutex<Option<std::collections::HashMap<String, u32>>> =
+    std::sync::Mutex::new(None);
+
+/// The next `n` ranges of exposure `name` checked arrive damaged
+/// ([`u32::MAX`]: every one from now on; 0: none).
+#[cfg(debug_assertions)]
+pub fn corrupt_ranges(name: &str, n: u32) {
+    CORRUPT
+        .lock()
+        .unwrap()
+        .get_or_insert_with(Default::default)
+        .insert(name.to_string(), n);
+}
+
+/// Damage `range` of exposure `name` if a fault is armed for it (debug
+/// builds only).
+///
+/// # Safety
+///
+/// As [`LeasedRange::with_mut`]: no device reaches the range now.
+#[cfg(debug_assertions)]
+pub(crate) unsafe fn inject(name: &str, range: &mut LeasedRange) {
+    let armed = {
+        let mut m = CORRUPT.lock().unwrap();
+        match m.as_mut().and_then(|m| m.get_mut(name)) {
+            Some(n) if *n > 0 => {
+                if *n != u32::MAX {
+                    *n -= 1;
+                }
+                true
+            }
+            _ => false,
+        }
+    };
+    if armed {
+        // SAFETY: the caller's contract (this function's).
+        let done = unsafe { range.with_mut(|b| b[0] ^= 0x5a) };
+        tracing::warn!(
+            name = %crate::escape::esc(name),
+            offset = range.lease().offset(),
+            damaged = done.is_some(),
+            "test fault: damaged a buffer range"
+        );
+    }
+}
+
+/// Release builds: no faults.
+///
+/// # Safety
+///
+/// Nothing to uphold; the same signature as the debug build's.
+#[cfg(not(debug_assertions))]
+#[inline(always)]
+pub(crate) unsafe fn inject(_name: &str, _range: &mut LeasedRange) {}
