@@ -159,6 +159,10 @@ pub struct Metrics {
     wr_latency: HistFamily,
     throughput: HistFamily,
     memlock_failures: Counter,
+    /// The process's verbs registrations and window binds
+    /// ([`crate::verbs::counts`]), brought up to date at each scrape.
+    verbs_registrations: Counter,
+    verbs_window_binds: Counter,
     active_transfers: Gauge,
     integrity_failures: Counter,
     auth_failures: Counter,
@@ -204,6 +208,8 @@ impl Metrics {
             wr_latency: Family::new_with_constructor(latency_hist as fn() -> Histogram),
             throughput: Family::new_with_constructor(throughput_hist as fn() -> Histogram),
             memlock_failures: Counter::default(),
+            verbs_registrations: Counter::default(),
+            verbs_window_binds: Counter::default(),
             active_transfers: Gauge::default(),
             integrity_failures: Counter::default(),
             auth_failures: Counter::default(),
@@ -285,6 +291,17 @@ impl Metrics {
             "memlock_failures",
             "Registrations refused for lack of lockable memory",
             m.memlock_failures.clone(),
+        );
+        r.register(
+            "verbs_registrations",
+            "Memory registrations (ibv_reg_mr) this process made; flat during a copy \
+             when grants bind memory windows",
+            m.verbs_registrations.clone(),
+        );
+        r.register(
+            "verbs_window_binds",
+            "Memory windows this process bound, one per grant where the device has them",
+            m.verbs_window_binds.clone(),
         );
         r.register(
             "active_transfers",
@@ -447,6 +464,14 @@ impl Metrics {
     fn refresh(&self) {
         use std::sync::atomic::Ordering::Relaxed;
         let mut t = self.tracked.lock().unwrap();
+        // Under the lock: two scrapes at once do not both add the growth.
+        let v = crate::verbs::counts();
+        for (c, now) in [
+            (&self.verbs_registrations, v.registrations),
+            (&self.verbs_window_binds, v.window_binds),
+        ] {
+            c.inc_by(now.saturating_sub(c.get()));
+        }
         t.retain_mut(|e| {
             let s = &e.stats;
             // Counters first, so what a data path did just before it ended

@@ -24,6 +24,7 @@
 //!   destroy waits on it (`events.rs`).
 
 pub mod channel;
+pub mod counts;
 pub mod cq;
 pub mod device;
 pub mod error;
@@ -35,6 +36,7 @@ pub mod post;
 pub mod qp;
 
 pub use channel::{MwDomain, RegisteredSlots, VerbsChannel, VerbsDomain, WindowRegistration};
+pub use counts::{counts, VerbsCounts};
 pub use cq::{CompletionChannel, CompletionQueue, POLL_BATCH};
 pub use device::{
     device_names, Context, DeviceCaps, LinkLayer, MemWindowCaps, PortAttr, PortState,

@@ -242,6 +242,7 @@ impl MemoryWindow {
                 ),
             ));
         }
+        super::counts::bound();
         self.rkey = rkey;
         // SAFETY: mw is valid; providers (rxe) take the window's current
         // rkey from here when the next request names it.

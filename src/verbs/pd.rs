@@ -179,6 +179,7 @@ impl ProtectionDomain {
                 ),
             ));
         }
+        super::counts::registered();
         // SAFETY: mr is a valid registration returned just now.
         let (lkey, rkey) = unsafe { ((*mr).lkey, (*mr).rkey) };
         Ok(MemoryRegion {

@@ -61,7 +61,8 @@ pub fn samples<'a>(text: &'a str, prefix: &str) -> Vec<(&'a str, f64)> {
 /// rcpd A copies a file of `len` bytes to rcpd B (the service API) over
 /// `transport` (held by A's `--bwlimit`); while it runs, A's /metrics shows its data path's queue
 /// gauges and B's an active transfer; afterwards B counts the transfer and
-/// its bytes, A the post-to-completion latency, and the gauges are gone.
+/// its bytes, A the post-to-completion latency, and the gauges are gone;
+/// B registered no memory meanwhile (over verbs it bound memory windows).
 pub fn metrics_during_copy(transport: &str, dir: &std::path::Path, len: u64) {
     let (ra, rb) = (dir.join("a"), dir.join("b"));
     std::fs::create_dir_all(&ra).unwrap();
@@ -152,6 +153,23 @@ pub fn metrics_during_copy(transport: &str, dir: &std::path::Path, len: u64) {
 
     // After: B counted one good push of `len` bytes; A its WR latencies.
     let tb = scrape(&mb);
+    let verbs = |t: &str, what: &str| {
+        sample(t, &format!("rcp_verbs_{what}_total")).unwrap_or_else(|| panic!("{what}: {t}"))
+    };
+    assert_eq!(
+        verbs(&tb, "registrations"),
+        verbs(&before, "registrations"),
+        "B registered memory during the copy: {tb}"
+    );
+    let binds = verbs(&tb, "window_binds") - verbs(&before, "window_binds");
+    if transport == "tcp" {
+        assert_eq!(binds, 0.0, "{tb}");
+    } else {
+        assert!(
+            binds >= 1.0,
+            "B bound no memory window for its grants: {tb}"
+        );
+    }
     let ok = r#"rcp_transfers_total{direction="push",outcome="ok"}"#;
     assert_eq!(sample(&tb, ok), Some(1.0), "{tb}");
     assert_eq!(
