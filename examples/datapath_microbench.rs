@@ -24,7 +24,8 @@ const WINDOW: u64 = 4 << 20;
 /// Completes every signaled request at post time.
 #[derive(Default)]
 struct NullChannel {
-    cq: Mutex<VecDeque<WorkCompletion>>,
+    /// Completions, and whether `wake` was called since the last `wait`.
+    cq: Mutex<(VecDeque<WorkCompletion>, bool)>,
     cv: Condvar,
 }
 
@@ -45,7 +46,7 @@ impl Channel for NullChannel {
     unsafe fn post(&self, wrs: &[WorkRequest]) -> Result<(), PostFailure> {
         let mut cq = self.cq.lock().unwrap();
         for wr in wrs.iter().filter(|w| w.signaled) {
-            cq.push_back(WorkCompletion {
+            cq.0.push_back(WorkCompletion {
                 wr_id: wr.wr_id,
                 status: WcStatus::Success,
                 byte_len: wr.local.len,
@@ -57,8 +58,8 @@ impl Channel for NullChannel {
     }
     fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize, ProviderError> {
         let mut cq = self.cq.lock().unwrap();
-        let n = out.len().min(cq.len());
-        for (o, c) in out.iter_mut().zip(cq.drain(..n)) {
+        let n = out.len().min(cq.0.len());
+        for (o, c) in out.iter_mut().zip(cq.0.drain(..n)) {
             *o = c;
         }
         Ok(n)
@@ -68,11 +69,16 @@ impl Channel for NullChannel {
     }
     fn wait(&self, timeout: Duration) -> Result<bool, ProviderError> {
         let cq = self.cq.lock().unwrap();
-        let (cq, _) = self
+        let (mut cq, _) = self
             .cv
-            .wait_timeout_while(cq, timeout, |q| q.is_empty())
+            .wait_timeout_while(cq, timeout, |(q, woken)| q.is_empty() && !*woken)
             .unwrap();
-        Ok(!cq.is_empty())
+        cq.1 = false;
+        Ok(!cq.0.is_empty())
+    }
+    fn wake(&self) {
+        self.cq.lock().unwrap().1 = true;
+        self.cv.notify_all();
     }
 }
 

@@ -197,6 +197,49 @@ fn assert_quiet(ch: &dyn Channel, quiet: Duration) {
 /// A hang guard: long enough for any machine, the tests wait for events.
 const T: Duration = Duration::from_secs(120);
 
+/// `wait(timeout)` on a thread of its own: what it returned, or `None` if it
+/// had not returned within the hang guard `T` (a wait longer than `T`).
+fn wait_elsewhere(ch: &TcpChannel, woken_from: impl FnOnce()) -> Option<bool> {
+    std::thread::scope(|s| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        s.spawn(move || tx.send(ch.wait(T * 10).unwrap()));
+        woken_from();
+        let got = rx.recv_timeout(T).ok();
+        if got.is_none() {
+            // Let the scope end: the waiter would block for 10 T.
+            ch.wake();
+        }
+        got
+    })
+}
+
+#[test]
+fn wake_ends_a_blocked_wait_without_an_event_and_is_kept_until_one_waits() {
+    let r = rig(1 << 20, 1 << 20, 16);
+    // Woken before the wait starts: the wait sees it and returns at once.
+    r.ch.wake();
+    assert_eq!(
+        wait_elsewhere(&r.ch, || {}),
+        Some(false),
+        "a wake before the wait"
+    );
+    // Woken while (or before) it blocks, a wait far longer than the guard.
+    assert_eq!(
+        wait_elsewhere(&r.ch, || r.ch.wake()),
+        Some(false),
+        "a wake during the wait"
+    );
+    // A wake is consumed by the wait it ended (a later wait runs to its
+    // timeout), and the channel still completes what is posted after.
+    assert!(!r.ch.wait(Duration::from_millis(1)).unwrap());
+    let wr = r.wr(1, OpKind::Write, 0, 0, 4096, r.rreg.rkey(), true);
+    // SAFETY: both ranges lie in the rig's registered arenas, which outlive
+    // the request; the test touches neither until its completion.
+    unsafe { r.ch.post(&[wr]).unwrap() };
+    let got = collect(&r.ch, 1, T);
+    assert_eq!(got[0].status, WcStatus::Success);
+}
+
 #[test]
 fn write_then_read_blocks_from_4k_to_4m() {
     let r = rig(16 * MIB, 16 * MIB, 64);

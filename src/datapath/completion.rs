@@ -23,8 +23,10 @@ use crate::provider::{Channel, ProviderError};
 /// Completions taken per `poll` call.
 pub const POLL_BATCH: usize = 64;
 
-/// How long one `wait` blocks before the loop checks its stop flag.
-pub const WAIT_SLICE: Duration = Duration::from_millis(20);
+/// How long one `wait` blocks before the loop checks its stop flag: a
+/// safety net, as whoever sets the flag wakes the channel
+/// ([`Channel::wake`](crate::provider::Channel::wake)).
+pub const WAIT_SLICE: Duration = Duration::from_millis(200);
 
 /// Pin the calling thread to `cpu`.
 pub fn pin_current_thread(cpu: usize) -> Result<(), nix::Error> {

@@ -21,6 +21,8 @@ struct Inner {
     /// Fail the request with this 0-based post index.
     fail_at: Option<(u64, WcStatus)>,
     posted_total: u64,
+    /// `wake` was called and no `wait` has returned since.
+    woken: bool,
 }
 
 pub struct FakeChannel {
@@ -32,6 +34,8 @@ pub struct FakeChannel {
     pub posts: AtomicU64,
     pub arms: AtomicU64,
     pub waits: AtomicU64,
+    /// Calls of `wake`.
+    pub wakes: AtomicU64,
     pub max_outstanding: AtomicU64,
     pub overflows: AtomicU64,
     pub resets: AtomicU64,
@@ -60,6 +64,7 @@ impl FakeChannel {
             posts: AtomicU64::new(0),
             arms: AtomicU64::new(0),
             waits: AtomicU64::new(0),
+            wakes: AtomicU64::new(0),
             max_outstanding: AtomicU64::new(0),
             overflows: AtomicU64::new(0),
             resets: AtomicU64::new(0),
@@ -186,11 +191,17 @@ impl Channel for FakeChannel {
     fn wait(&self, timeout: Duration) -> Result<bool, ProviderError> {
         self.waits.fetch_add(1, Relaxed);
         let i = self.inner.lock().unwrap();
-        let (i, _) = self
+        let (mut i, _) = self
             .cv
-            .wait_timeout_while(i, timeout, |i| i.cq.is_empty())
+            .wait_timeout_while(i, timeout, |i| i.cq.is_empty() && !i.woken)
             .unwrap();
+        i.woken = false;
         Ok(!i.cq.is_empty())
+    }
+    fn wake(&self) {
+        self.wakes.fetch_add(1, Relaxed);
+        self.inner.lock().unwrap().woken = true;
+        self.cv.notify_all();
     }
 }
 

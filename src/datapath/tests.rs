@@ -507,6 +507,33 @@ fn an_idle_poster_sleeps_even_in_poll_mode() {
 }
 
 #[test]
+fn close_wakes_the_completion_thread_out_of_its_wait() {
+    let ch = Arc::new(FakeChannel::new(64));
+    let dp = start(cfg(PollMode::Event), &ch, no_reconnect());
+    let mut ev = dp.take_events().unwrap();
+    submit(&dp, job(1, OpKind::Write, 8, 64));
+    wait_done(&mut ev, &[1]);
+    // Idle in event mode: the completion thread sleeps in `wait`.
+    let waits = ch.waits.load(Relaxed);
+    wait_until("the completion thread waits", || {
+        ch.waits.load(Relaxed) > waits
+    });
+    assert_eq!(
+        ch.wakes.load(Relaxed),
+        0,
+        "nothing woke the channel before close"
+    );
+    let r = dp.close();
+    assert_eq!(r.counters.bytes_confirmed, 8 * 64);
+    // Closing woke it (a wait then ends at once, not after its slice).
+    assert_eq!(
+        ch.wakes.load(Relaxed),
+        1,
+        "close wakes each rail's channel once"
+    );
+}
+
+#[test]
 fn reconnect_waits_for_port_active_instead_of_sleeping() {
     let ch = Arc::new(FakeChannel::new(64));
     ch.fail_at(10, WcStatus::RetryExceeded);

@@ -239,8 +239,13 @@ pub trait Channel: Send + Sync {
     /// Ask for an event on the next completion (then poll once more before
     /// waiting, to close the race).
     fn arm(&self) -> Result<(), ProviderError>;
-    /// Block until an event or `timeout`; true if an event came.
+    /// Block until an event, [`wake`](Self::wake) or `timeout`; true if an
+    /// event came.
     fn wait(&self, timeout: Duration) -> Result<bool, ProviderError>;
+    /// Make the `wait` blocked now, or else the next one, return at once:
+    /// how a completion thread told to stop sees it without waiting out
+    /// its slice (closing a session would otherwise cost up to a slice).
+    fn wake(&self);
 }
 
 #[cfg(test)]

@@ -437,4 +437,8 @@ impl Channel for VerbsChannel {
     fn wait(&self, timeout: Duration) -> Result<bool, ProviderError> {
         Ok(self.cq.wait_event(timeout)?)
     }
+
+    fn wake(&self) {
+        self.cq.wake();
+    }
 }

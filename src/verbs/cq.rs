@@ -1,6 +1,6 @@
 //! Completion queues and completion channels.
 
-use std::os::fd::RawFd;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -66,6 +66,9 @@ pub struct CompletionQueue {
     channel: Option<Arc<CompletionChannel>>,
     /// Events received but not yet acked (acked in batches).
     unacked: AtomicU32,
+    /// An eventfd [`wake`](Self::wake) signals, polled beside the channel's
+    /// fd by [`wait_event`](Self::wait_event) (with a channel only).
+    waker: Option<OwnedFd>,
     ctx: Arc<Context>,
 }
 
@@ -98,6 +101,12 @@ impl CompletionQueue {
                 ),
             ));
         }
+        let waker = match channel {
+            Some(_) => Some(new_eventfd().map_err(|e| {
+                VerbsError::new("eventfd", e.raw_os_error().unwrap_or(0), "the CQ's waker")
+            })?),
+            None => None,
+        };
         let ch = channel.map_or(std::ptr::null_mut(), |c| c.ch);
         // SAFETY: ctx and (optional) channel outlive the CQ through their Arcs.
         let cq = unsafe { ibv_create_cq(ctx.ctx, depth as i32, std::ptr::null_mut(), ch, 0) };
@@ -114,6 +123,7 @@ impl CompletionQueue {
             depth: got,
             channel: channel.cloned(),
             unacked: AtomicU32::new(0),
+            waker,
             ctx: ctx.clone(),
         }))
     }
@@ -163,17 +173,26 @@ impl CompletionQueue {
         Ok(())
     }
 
-    /// Block until the channel delivers an event for this CQ or `timeout`
+    /// Block until the channel delivers an event for this CQ, [`wake`]
+    /// (Self::wake) is called (now or since the last wait) or `timeout`
     /// passes. Returns whether an event came. Events are acked in batches.
     pub fn wait_event(&self, timeout: Duration) -> Result<bool, VerbsError> {
-        let ch = self.channel.as_ref().ok_or_else(|| {
-            VerbsError::new(
+        let (Some(ch), Some(waker)) = (self.channel.as_ref(), self.waker.as_ref()) else {
+            return Err(VerbsError::new(
                 "ibv_get_cq_event",
                 libc::EINVAL,
                 "the CQ has no completion channel",
-            )
-        })?;
-        if !super::error::wait_readable(ch.fd(), timeout, "poll(comp_channel)", "")? {
+            ));
+        };
+        let (event, woken) = poll_two(ch.fd(), waker.as_raw_fd(), timeout)?;
+        if woken {
+            let mut count = 0u64;
+            // SAFETY: the eventfd is open while self lives; an 8-byte read
+            // into a local u64 resets its counter (non-blocking: at most
+            // EAGAIN, if another wait took it first).
+            let _ = unsafe { libc::read(waker.as_raw_fd(), (&raw mut count).cast(), 8) };
+        }
+        if !event {
             return Ok(false);
         }
         let mut cq: *mut ibv_cq = std::ptr::null_mut();
@@ -188,6 +207,18 @@ impl CompletionQueue {
             self.ack_pending();
         }
         Ok(true)
+    }
+
+    /// Make the [`wait_event`](Self::wait_event) blocked now, or else the
+    /// next one, return at once. Without a channel nothing waits: a no-op.
+    pub fn wake(&self) {
+        if let Some(w) = &self.waker {
+            let one = 1u64;
+            // SAFETY: the eventfd is open while self lives; an 8-byte write
+            // from a local u64 adds to its counter (non-blocking: a full
+            // counter means a wake is pending anyway).
+            let _ = unsafe { libc::write(w.as_raw_fd(), (&raw const one).cast(), 8) };
+        }
     }
 
     fn ack_pending(&self) {
@@ -208,6 +239,42 @@ impl Drop for CompletionQueue {
             ibv_destroy_cq(self.cq);
         }
     }
+}
+
+/// A non-blocking, close-on-exec eventfd.
+fn new_eventfd() -> std::io::Result<OwnedFd> {
+    // SAFETY: eventfd takes no pointers; a non-negative result is a new fd
+    // that nothing else owns.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: fd was just opened and is owned by no one else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// poll(2) two fds for reading; (first readable, second readable). An
+/// interrupted poll reports neither.
+fn poll_two(a: RawFd, b: RawFd, timeout: Duration) -> Result<(bool, bool), VerbsError> {
+    let pfd = |fd| libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let mut fds = [pfd(a), pfd(b)];
+    let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
+    // SAFETY: two valid pollfds, borrowed for the call's duration.
+    let rc = unsafe { libc::poll(fds.as_mut_ptr(), 2, ms) };
+    if rc < 0 {
+        let e = std::io::Error::last_os_error();
+        if e.kind() == std::io::ErrorKind::Interrupted {
+            return Ok((false, false));
+        }
+        let errno = e.raw_os_error().unwrap_or(0);
+        return Err(VerbsError::new("poll(comp_channel)", errno, ""));
+    }
+    let ready = |p: &libc::pollfd| p.revents & libc::POLLIN != 0;
+    Ok((ready(&fds[0]), ready(&fds[1])))
 }
 
 /// `ibv_wc_status` to [`WcStatus`].

@@ -30,6 +30,9 @@ impl Poster {
         }
         stop.store(true, Relaxed);
         for r in &mut self.rails {
+            // A completion thread asleep in its channel's wait sees `stop`
+            // now, not when its slice ends.
+            r.channel.wake();
             let _ = r.cmds.send(Cmd::Stop);
         }
         for (i, r) in self.rails.iter_mut().enumerate() {

@@ -58,6 +58,8 @@ struct State {
     /// the next request flushed carries it instead of `Flushed`.
     cause: Option<WcStatus>,
     cq: VecDeque<WorkCompletion>,
+    /// [`Channel::wake`] was called and no `wait` has returned since.
+    woken: bool,
 }
 
 /// What a reader needs to know about a request, in wire order per connection.
@@ -285,6 +287,7 @@ impl TcpChannel {
                 broken: false,
                 cause: None,
                 cq: VecDeque::new(),
+                woken: false,
             }),
             cv: Condvar::new(),
             fifos: (0..conns).map(|_| Mutex::new(VecDeque::new())).collect(),
@@ -559,12 +562,18 @@ impl Channel for TcpChannel {
 
     fn wait(&self, timeout: Duration) -> Result<bool, ProviderError> {
         let st = lock(&self.shared.state);
-        let (st, _) = self
+        let (mut st, _) = self
             .shared
             .cv
-            .wait_timeout_while(st, timeout, |st| st.cq.is_empty())
+            .wait_timeout_while(st, timeout, |st| st.cq.is_empty() && !st.woken)
             .unwrap_or_else(|e| e.into_inner());
+        st.woken = false;
         Ok(!st.cq.is_empty())
+    }
+
+    fn wake(&self) {
+        lock(&self.shared.state).woken = true;
+        self.shared.cv.notify_all();
     }
 }
 
