@@ -312,115 +312,10 @@ impl Destination {
         }
         for mname in &manifests {
             let temp = OsStr::from_bytes(&mname.as_bytes()[..mname.len() - ".manifest".len()]);
+            found = Self::resume_from(dir, final_name, mname, temp, source, &opts)?;
             if found.is_some() {
                 break;
             }
-            let m = match Manifest::load(dir, mname) {
-                Ok(m) => m,
-                Err(e) => {
-                    tracing::warn!(error = %esc(&e), "discarding unusable resume manifest");
-                    discard(dir, temp, mname);
-                    continue;
-                }
-            };
-            if m.final_name != final_name {
-                continue; // a different long name sharing the truncated prefix
-            }
-            let why = if m.temp_name != temp {
-                Some("it names a different temp file")
-            } else if m.source != *source {
-                Some("the source changed (size, mtime or fingerprint)")
-            } else if m.len != source.len {
-                Some("length differs from the source")
-            } else if m.block_size != opts.block_size {
-                Some("block size differs")
-            } else if opts.expected_digest.is_some() && m.expected_digest != opts.expected_digest {
-                Some("the announced whole-file digest differs")
-            } else if m.check != opts.check {
-                // Never mixed: blocks checked one way under a file digest of
-                // another would prove nothing.
-                Some("it was checked with another --verify; starting afresh")
-            } else {
-                None
-            };
-            if let Some(why) = why {
-                tracing::warn!(manifest = %esc(dir.display().join(mname).display()), why,
-                    "discarding stale resume manifest");
-                discard(dir, temp, mname);
-                continue;
-            }
-            let tpath = dir.display().join(temp);
-            let fd = match rfs::openat(
-                dir.fd(),
-                temp,
-                OFlags::RDWR | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-                Mode::empty(),
-            ) {
-                Ok(fd) => fd,
-                Err(e) => {
-                    tracing::warn!(temp = %esc(tpath.display()), error = %e,
-                        "resume manifest without its temp file; discarding");
-                    discard(dir, temp, mname);
-                    continue;
-                }
-            };
-            // A transfer that was just interrupted may still be finishing
-            // its last write and saving its manifest: give it a moment, then
-            // take the manifest as it left it.
-            let waited = match lock_within(&fd, RESUME_LOCK_WAIT) {
-                Ok(waited) => waited,
-                Err(e) => {
-                    tracing::info!(temp = %esc(tpath.display()), error = %e,
-                        "temp file is locked by a live transfer; not resuming it");
-                    continue;
-                }
-            };
-            // Only the transfer that created this (randomly named) temp file
-            // writes its manifest, so what moved on is the set of blocks.
-            let mut m = m;
-            if waited {
-                if let Ok(newer) = Manifest::load(dir, mname) {
-                    m.blocks = newer.blocks;
-                }
-            }
-            let st = rfs::fstat(&fd).map_err(|e| io_err("stat", &tpath, e))?;
-            #[allow(clippy::unnecessary_cast)]
-            if FileType::from_raw_mode(st.st_mode) != FileType::RegularFile
-                || st.st_size as u64 != m.len
-            {
-                tracing::warn!(temp = %esc(tpath.display()), "temp file has the wrong type or length; discarding");
-                drop(fd);
-                discard(dir, temp, mname);
-                continue;
-            }
-            let mut opts = opts.clone();
-            if opts.expected_digest.is_none() {
-                opts.expected_digest = m.expected_digest;
-            }
-            let mut d = Destination {
-                dir: dir.clone(),
-                file: File::from(fd),
-                direct: DirectWrites::new(opts.direct_io),
-                manifest_name: mname.clone(),
-                flat: flat_digest(m.len, &opts),
-                manifest: Manifest {
-                    blocks: BTreeMap::new(),
-                    ..m.clone()
-                },
-                opts: opts.clone(),
-                deferred: BTreeMap::new(),
-                unsaved: 0,
-                last_save: Instant::now(),
-                finished: false,
-            };
-            d.rebuild(&m.blocks)?;
-            if d.keeps_manifest() {
-                d.save_manifest()?;
-            } else {
-                // Left by an older rcp: a one-block file keeps no manifest now.
-                let _ = rfs::unlinkat(dir.fd(), mname, AtFlags::empty());
-            }
-            found = Some(d);
         }
         // Sweep leftovers of this name: temp files with no manifest, not in use
         // (the resumed one is locked by us, so `discard` leaves it alone anyway).
@@ -434,6 +329,122 @@ impl Destination {
             }
         }
         Ok(found)
+    }
+
+    /// Resume from the manifest `mname` of temp file `temp`, if it is
+    /// `final_name`'s. `Ok(None)`: not this one (another name sharing the
+    /// truncated prefix, or locked by a live transfer), or discarded
+    /// (unusable, stale, or its temp file missing or wrong).
+    fn resume_from(
+        dir: &DirHandle,
+        final_name: &OsStr,
+        mname: &OsStr,
+        temp: &OsStr,
+        source: &SourceId,
+        opts: &DestinationOptions,
+    ) -> Result<Option<Destination>> {
+        let m = match Manifest::load(dir, mname) {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::warn!(error = %esc(&e), "discarding unusable resume manifest");
+                discard(dir, temp, mname);
+                return Ok(None);
+            }
+        };
+        if m.final_name != final_name {
+            return Ok(None); // a different long name sharing the truncated prefix
+        }
+        if let Some(why) = stale(&m, temp, source, opts) {
+            tracing::warn!(manifest = %esc(dir.display().join(mname).display()), why,
+                "discarding stale resume manifest");
+            discard(dir, temp, mname);
+            return Ok(None);
+        }
+        let tpath = dir.display().join(temp);
+        let fd = match rfs::openat(
+            dir.fd(),
+            temp,
+            OFlags::RDWR | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::empty(),
+        ) {
+            Ok(fd) => fd,
+            Err(e) => {
+                tracing::warn!(temp = %esc(tpath.display()), error = %e,
+                    "resume manifest without its temp file; discarding");
+                discard(dir, temp, mname);
+                return Ok(None);
+            }
+        };
+        // A transfer that was just interrupted may still be finishing
+        // its last write and saving its manifest: give it a moment, then
+        // take the manifest as it left it.
+        let waited = match lock_within(&fd, RESUME_LOCK_WAIT) {
+            Ok(waited) => waited,
+            Err(e) => {
+                tracing::info!(temp = %esc(tpath.display()), error = %e,
+                    "temp file is locked by a live transfer; not resuming it");
+                return Ok(None);
+            }
+        };
+        // Only the transfer that created this (randomly named) temp file
+        // writes its manifest, so what moved on is the set of blocks.
+        let mut m = m;
+        if waited {
+            if let Ok(newer) = Manifest::load(dir, mname) {
+                m.blocks = newer.blocks;
+            }
+        }
+        let st = rfs::fstat(&fd).map_err(|e| io_err("stat", &tpath, e))?;
+        #[allow(clippy::unnecessary_cast)]
+        if FileType::from_raw_mode(st.st_mode) != FileType::RegularFile
+            || st.st_size as u64 != m.len
+        {
+            tracing::warn!(temp = %esc(tpath.display()), "temp file has the wrong type or length; discarding");
+            drop(fd);
+            discard(dir, temp, mname);
+            return Ok(None);
+        }
+        Self::resumed(dir, File::from(fd), mname, m, opts).map(Some)
+    }
+
+    /// The destination of a checked manifest `m` over its locked temp
+    /// `file`: verified blocks re-read and checked, the manifest saved
+    /// again.
+    fn resumed(
+        dir: &DirHandle,
+        file: File,
+        mname: &OsStr,
+        m: Manifest,
+        opts: &DestinationOptions,
+    ) -> Result<Destination> {
+        let mut opts = opts.clone();
+        if opts.expected_digest.is_none() {
+            opts.expected_digest = m.expected_digest;
+        }
+        let mut d = Destination {
+            dir: dir.clone(),
+            file,
+            direct: DirectWrites::new(opts.direct_io),
+            manifest_name: mname.to_os_string(),
+            flat: flat_digest(m.len, &opts),
+            manifest: Manifest {
+                blocks: BTreeMap::new(),
+                ..m.clone()
+            },
+            opts: opts.clone(),
+            deferred: BTreeMap::new(),
+            unsaved: 0,
+            last_save: Instant::now(),
+            finished: false,
+        };
+        d.rebuild(&m.blocks)?;
+        if d.keeps_manifest() {
+            d.save_manifest()?;
+        } else {
+            // Left by an older rcp: a one-block file keeps no manifest now.
+            let _ = rfs::unlinkat(dir.fd(), mname, AtFlags::empty());
+        }
+        Ok(d)
     }
 
     /// Re-read verified blocks from the temp file, check their digests (and feed the
@@ -1029,6 +1040,33 @@ fn lock_within(fd: &impl rustix::fd::AsFd, wait: Duration) -> rustix::io::Result
             }
             Err(e) => return Err(e),
         }
+    }
+}
+
+/// Why manifest `m` (of temp `temp`) cannot resume `source` under `opts`,
+/// if it cannot.
+fn stale(
+    m: &Manifest,
+    temp: &OsStr,
+    source: &SourceId,
+    opts: &DestinationOptions,
+) -> Option<&'static str> {
+    if m.temp_name != temp {
+        Some("it names a different temp file")
+    } else if m.source != *source {
+        Some("the source changed (size, mtime or fingerprint)")
+    } else if m.len != source.len {
+        Some("length differs from the source")
+    } else if m.block_size != opts.block_size {
+        Some("block size differs")
+    } else if opts.expected_digest.is_some() && m.expected_digest != opts.expected_digest {
+        Some("the announced whole-file digest differs")
+    } else if m.check != opts.check {
+        // Never mixed: blocks checked one way under a file digest of
+        // another would prove nothing.
+        Some("it was checked with another --verify; starting afresh")
+    } else {
+        None
     }
 }
 
