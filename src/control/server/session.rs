@@ -13,9 +13,9 @@ use super::limits::ClientId;
 use super::sessions::{Entry, Usage};
 use super::Service;
 use crate::control::error::{status, ControlError, Result};
-use crate::control::link::{connect_params, ep_from_proto, ep_to_proto, SessionDomain};
+use crate::control::link::{connect_params, ep_from_proto, ep_to_proto, Device, SessionDomain};
 use crate::control::protocol::{negotiate, Agreed, Params, Terms};
-use crate::control::rails::{pair, RailAddr};
+use crate::control::rails::{pair, RailAddr, RailPair};
 // The server's QPs only respond (the client issues every request): their
 // retry count never matters.
 use crate::datapath::QpRetry;
@@ -261,36 +261,12 @@ impl Service {
         resp: &mut proto::HandshakeResponse,
         rd: &mut (u32, u32),
     ) -> Result<(SessionDomain, Vec<SessionDomain>)> {
-        let offered: Vec<(&proto::VerbsParams, u8)> = if req.rails.is_empty() {
-            vec![(
-                req.verbs.as_ref().ok_or_else(|| {
-                    ControlError::Invalid("verbs chosen but the request has no verbs params".into())
-                })?,
-                0,
-            )]
-        } else {
-            req.rails
-                .iter()
-                .map(|r| {
-                    let v = r.verbs.as_ref().ok_or_else(|| {
-                        ControlError::Invalid("a rail without verbs params".into())
-                    })?;
-                    Ok((v, r.prefix_len.min(128) as u8))
-                })
-                .collect::<Result<_>>()?
-        };
-        let mut ceps = Vec::with_capacity(offered.len());
-        for (v, _) in &offered {
-            ceps.push(ep_from_proto(v.endpoint.as_ref().ok_or_else(|| {
-                ControlError::Invalid("verbs params without an endpoint".into())
-            })?)?);
-        }
-        let client: Vec<RailAddr> = ceps
+        let offered = offered_rails(req)?;
+        let client: Vec<RailAddr> = offered
             .iter()
-            .zip(&offered)
-            .map(|(e, (_, p))| RailAddr {
-                gid: e.gid,
-                prefix_len: *p,
+            .map(|o| RailAddr {
+                gid: o.ep.gid,
+                prefix_len: o.prefix_len,
             })
             .collect();
         // --qps-per-rail: each of rcpd's rails as many times as the
@@ -306,9 +282,8 @@ impl Service {
         let pairs = pair(&client, &addrs).map_err(|e| ControlError::Invalid(e.to_string()))?;
         let mut domains = Vec::with_capacity(pairs.len());
         let (mut client_rd, mut server_rd, mut resp_rd) = (u32::MAX, u32::MAX, u32::MAX);
-        let mut mtu = u32::MAX;
         for p in &pairs {
-            let (v, cep) = (offered[p.local].0, &ceps[p.local]);
+            let (v, cep) = (offered[p.local].params, &offered[p.local].ep);
             let k = server[p.remote].0;
             let dev = devs[k];
             let sd = self.link.rail_domain(k)?;
@@ -319,54 +294,11 @@ impl Service {
             domains.push((sd, cep, dev, p));
         }
         *rd = (server_rd, resp_rd);
-        let several = domains.len() > 1;
-        let mut connected = Vec::with_capacity(domains.len());
-        let mut first_err = None;
-        for (sd, cep, dev, p) in domains {
-            let ch = sd.channel.clone().expect("a verbs session domain has a QP");
-            // With several pairs, one whose QP cannot connect (its port
-            // went down) is left out; the client sees fewer pairs.
-            match ch.handshake(cep, &connect_params(rd.0, rd.1, QpRetry::default())) {
-                Ok(()) => {}
-                Err(e) if several => {
-                    tracing::warn!(
-                        session = format_args!("{id:#x}"),
-                        rail = %dev.rail_name(),
-                        error = %e,
-                        "rail left out of this session"
-                    );
-                    first_err.get_or_insert(e);
-                    continue;
-                }
-                Err(e) => return Err(ControlError::Provider(e.into())),
-            }
-            mtu = mtu.min(cep.mtu.min(ch.endpoint().mtu));
-            tracing::info!(
-                session = format_args!("{id:#x}"),
-                client_rail = p.local,
-                client_gid = %cep.gid,
-                rail = %dev.rail_name(),
-                gid = %dev.gid,
-                by = %p.by,
-                "rail paired"
-            );
-            if !req.rails.is_empty() {
-                resp.rails.push(proto::RailPairing {
-                    client_rail: p.local as u32,
-                    verbs: Some(dev.params(&ch)),
-                    paired_by: p.by.to_string(),
-                });
-            }
-            connected.push((sd, dev, p.local));
-        }
-        if connected.is_empty() {
-            let e = first_err.expect("a pair failed to connect");
-            return Err(ControlError::Provider(e.into()));
-        }
+        let (connected, mtu) = connect_pairs(id, req, domains, *rd, resp)?;
         resp.path_mtu = mtu;
         resp.client_rd_atomic = client_rd;
         resp.server_rd_atomic = server_rd;
-        resp.max_inline = offered[connected[0].2].0.max_inline;
+        resp.max_inline = offered[connected[0].2].params.max_inline;
         let mut sds = connected.into_iter();
         let (first, dev, _) = sds.next().expect("at least one rail connected");
         resp.verbs = Some(dev.params(first.channel.as_ref().expect("a verbs rail has a QP")));
@@ -419,4 +351,112 @@ impl Service {
             }
         }
     }
+}
+
+/// One of the client's rails as its handshake offers it.
+struct Offered<'a> {
+    params: &'a proto::VerbsParams,
+    prefix_len: u8,
+    ep: QpEndpoint,
+}
+
+/// The client's rails, each with its endpoint (an older client's one
+/// unnamed rail: its `verbs` params, prefix 0).
+fn offered_rails(req: &proto::HandshakeRequest) -> Result<Vec<Offered<'_>>> {
+    let offered: Vec<(&proto::VerbsParams, u8)> = if req.rails.is_empty() {
+        vec![(
+            req.verbs.as_ref().ok_or_else(|| {
+                ControlError::Invalid("verbs chosen but the request has no verbs params".into())
+            })?,
+            0,
+        )]
+    } else {
+        req.rails
+            .iter()
+            .map(|r| {
+                let v = r
+                    .verbs
+                    .as_ref()
+                    .ok_or_else(|| ControlError::Invalid("a rail without verbs params".into()))?;
+                Ok((v, r.prefix_len.min(128) as u8))
+            })
+            .collect::<Result<_>>()?
+    };
+    offered
+        .into_iter()
+        .map(|(params, prefix_len)| {
+            let ep = ep_from_proto(params.endpoint.as_ref().ok_or_else(|| {
+                ControlError::Invalid("verbs params without an endpoint".into())
+            })?)?;
+            Ok(Offered {
+                params,
+                prefix_len,
+                ep,
+            })
+        })
+        .collect()
+}
+
+/// A pair's domain, the client's endpoint, rcpd's device and the pairing.
+type PairDomain<'a> = (SessionDomain, &'a QpEndpoint, &'a Device, &'a RailPair);
+
+/// A connected pair's domain, rcpd's device and the client's rail.
+type Connected<'a> = (SessionDomain, &'a Device, usize);
+
+/// Connect each pair's QP with `rd` (rcpd's read depths); with several
+/// pairs one that cannot connect (its port went down) is left out and the
+/// client sees fewer pairs. Fills the response's pairings (a client that
+/// named its rails); returns the connected domains with their device and
+/// client rail, and the path MTU they share.
+fn connect_pairs<'a>(
+    id: u64,
+    req: &proto::HandshakeRequest,
+    domains: Vec<PairDomain<'a>>,
+    rd: (u32, u32),
+    resp: &mut proto::HandshakeResponse,
+) -> Result<(Vec<Connected<'a>>, u32)> {
+    let several = domains.len() > 1;
+    let mut connected = Vec::with_capacity(domains.len());
+    let mut first_err = None;
+    let mut mtu = u32::MAX;
+    for (sd, cep, dev, p) in domains {
+        let ch = sd.channel.clone().expect("a verbs session domain has a QP");
+        match ch.handshake(cep, &connect_params(rd.0, rd.1, QpRetry::default())) {
+            Ok(()) => {}
+            Err(e) if several => {
+                tracing::warn!(
+                    session = format_args!("{id:#x}"),
+                    rail = %dev.rail_name(),
+                    error = %e,
+                    "rail left out of this session"
+                );
+                first_err.get_or_insert(e);
+                continue;
+            }
+            Err(e) => return Err(ControlError::Provider(e.into())),
+        }
+        mtu = mtu.min(cep.mtu.min(ch.endpoint().mtu));
+        tracing::info!(
+            session = format_args!("{id:#x}"),
+            client_rail = p.local,
+            client_gid = %cep.gid,
+            rail = %dev.rail_name(),
+            gid = %dev.gid,
+            by = %p.by,
+            "rail paired"
+        );
+        if !req.rails.is_empty() {
+            resp.rails.push(proto::RailPairing {
+                client_rail: p.local as u32,
+                verbs: Some(dev.params(&ch)),
+                paired_by: p.by.to_string(),
+            });
+        }
+        connected.push((sd, dev, p.local));
+    }
+    if connected.is_empty() {
+        let e = first_err.expect("a pair failed to connect");
+        return Err(ControlError::Provider(e.into()));
+    }
+    Ok((connected, mtu))
 }
