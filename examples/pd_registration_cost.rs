@@ -22,7 +22,10 @@ use std::time::{Duration, Instant};
 
 use rcp::mem::{Arena, ArenaConfig, PeerSpan};
 use rcp::provider::Access;
-use rcp::verbs::{ConnectParams, Context, MwPool, PreparedQp, ProtectionDomain, QpBuilder};
+use rcp::verbs::{
+    ConnectParams, Context, MemoryRegion, MwPool, PreparedQp, ProtectionDomain, QpBuilder,
+    QueuePair,
+};
 
 type R<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -57,6 +60,27 @@ fn stats(v: &mut [f64]) -> (f64, f64, f64) {
     (v[v.len() / 2], v[0], v[v.len() - 1])
 }
 
+/// The memory-window path, set up once: the window registered with
+/// MW_BIND, the "session" QP connected to a "client" QP on the same
+/// device, and the pool rcpd takes windows from.
+struct MwPath {
+    mr: Arc<MemoryRegion>,
+    server: QueuePair,
+    _client: QueuePair,
+    pool: MwPool,
+}
+
+/// Each pass's mean per operation, in microseconds.
+#[derive(Default)]
+struct Figures {
+    pd: Vec<f64>,
+    mr: Vec<f64>,
+    both: Vec<f64>,
+    mw: Vec<f64>,
+    bind: Vec<f64>,
+    inv: Vec<f64>,
+}
+
 fn main() -> R<()> {
     let args: Vec<String> = std::env::args().collect();
     let rounds: u32 = arg(&args, "--rounds").map_or(Ok(200), |v| v.parse())?;
@@ -78,27 +102,8 @@ fn main() -> R<()> {
     // is measured.
     // Warm up (the first registration pins the pages).
     drop(unsafe { shared_pd.register_span(&span, Access::REMOTE_WRITE) }?);
-
-    // Memory windows: the window registered once with MW_BIND in the PD of
-    // a "session" QP, connected to a "client" QP on the same device.
-    let mw_setup = if caps.mem_windows.type_2() {
-        // SAFETY: no remote right (MW_BIND).
-        let mr = Arc::new(unsafe {
-            shared_pd.register_span(&span, Access::LOCAL_WRITE | Access::MW_BIND)
-        }?);
-        let server = qp(
-            &ctx,
-            &shared_pd,
-            Access::REMOTE_WRITE | Access::REMOTE_READ,
-            true,
-        )?;
-        let client_pd = ProtectionDomain::new(&ctx)?;
-        let client = qp(&ctx, &client_pd, Access::LOCAL_READ, false)?;
-        let (es, ec) = (server.endpoint(), client.endpoint());
-        let server = server.handshake(&ec, &ConnectParams::default())?;
-        let client = client.handshake(&es, &ConnectParams::default())?;
-        let pool = MwPool::new(&shared_pd);
-        Some((mr, server, client, pool))
+    let mut mw = if caps.mem_windows.type_2() {
+        Some(mw_path(&ctx, &shared_pd, &span)?)
     } else {
         println!(
             "no type-2 memory windows on {}: only registration is measured",
@@ -106,7 +111,49 @@ fn main() -> R<()> {
         );
         None
     };
+    let mut f = Figures::default();
+    for _ in 0..runs {
+        pass(&ctx, &shared_pd, &span, mw.as_mut(), rounds, &mut f)?;
+    }
+    print(&ctx, runs, rounds, &mut f, mw.as_ref());
+    Ok(())
+}
 
+/// Memory windows: the window registered once with MW_BIND in the PD of a
+/// "session" QP, connected to a "client" QP on the same device.
+fn mw_path(ctx: &Arc<Context>, shared_pd: &Arc<ProtectionDomain>, span: &PeerSpan) -> R<MwPath> {
+    // SAFETY: no remote right (MW_BIND).
+    let mr =
+        Arc::new(unsafe { shared_pd.register_span(span, Access::LOCAL_WRITE | Access::MW_BIND) }?);
+    let server = qp(
+        ctx,
+        shared_pd,
+        Access::REMOTE_WRITE | Access::REMOTE_READ,
+        true,
+    )?;
+    let client_pd = ProtectionDomain::new(ctx)?;
+    let client = qp(ctx, &client_pd, Access::LOCAL_READ, false)?;
+    let (es, ec) = (server.endpoint(), client.endpoint());
+    let server = server.handshake(&ec, &ConnectParams::default())?;
+    let client = client.handshake(&es, &ConnectParams::default())?;
+    let pool = MwPool::new(shared_pd);
+    Ok(MwPath {
+        mr,
+        server,
+        _client: client,
+        pool,
+    })
+}
+
+/// One pass: every kind measured once, `rounds` operations each.
+fn pass(
+    ctx: &Arc<Context>,
+    shared_pd: &Arc<ProtectionDomain>,
+    span: &PeerSpan,
+    mw: Option<&mut MwPath>,
+    rounds: u32,
+    f: &mut Figures,
+) -> R<()> {
     let time = |f: &mut dyn FnMut() -> R<()>| -> R<f64> {
         let t = Instant::now();
         for _ in 0..rounds {
@@ -114,43 +161,46 @@ fn main() -> R<()> {
         }
         Ok(t.elapsed().as_secs_f64() * 1e6 / f64::from(rounds))
     };
-    let (mut pd_us, mut mr_us, mut both_us) = (Vec::new(), Vec::new(), Vec::new());
-    let (mut mw_us, mut bind_us, mut inv_us) = (Vec::new(), Vec::new(), Vec::new());
-    let mut mw_setup = mw_setup;
-    for _ in 0..runs {
-        pd_us.push(time(&mut || {
-            drop(ProtectionDomain::new(&ctx)?);
+    f.pd.push(time(&mut || {
+        drop(ProtectionDomain::new(ctx)?);
+        Ok(())
+    })?);
+    f.mr.push(time(&mut || {
+        // SAFETY: as in main, nothing touches the span.
+        drop(unsafe { shared_pd.register_span(span, Access::REMOTE_WRITE) }?);
+        Ok(())
+    })?);
+    f.both.push(time(&mut || {
+        let pd = ProtectionDomain::new(ctx)?;
+        // SAFETY: as in main.
+        drop(unsafe { pd.register_span(span, Access::REMOTE_WRITE) }?);
+        Ok(())
+    })?);
+    if let Some(MwPath {
+        mr, server, pool, ..
+    }) = mw
+    {
+        let (mut b, mut i) = (Duration::ZERO, Duration::ZERO);
+        f.mw.push(time(&mut || {
+            let mut mw = pool.take()?;
+            let t = Instant::now();
+            // SAFETY: as in main.
+            unsafe { mw.bind(server, mr, span.addr(), WIN, Access::REMOTE_WRITE, TIMEOUT) }?;
+            let t2 = Instant::now();
+            mw.invalidate(server, TIMEOUT)?;
+            i += t2.elapsed();
+            b += t2 - t;
+            pool.put(mw);
             Ok(())
         })?);
-        mr_us.push(time(&mut || {
-            // SAFETY: as above, nothing touches the span.
-            drop(unsafe { shared_pd.register_span(&span, Access::REMOTE_WRITE) }?);
-            Ok(())
-        })?);
-        both_us.push(time(&mut || {
-            let pd = ProtectionDomain::new(&ctx)?;
-            // SAFETY: as above.
-            drop(unsafe { pd.register_span(&span, Access::REMOTE_WRITE) }?);
-            Ok(())
-        })?);
-        if let Some((mr, server, _client, pool)) = mw_setup.as_mut() {
-            let (mut b, mut i) = (Duration::ZERO, Duration::ZERO);
-            mw_us.push(time(&mut || {
-                let mut mw = pool.take()?;
-                let t = Instant::now();
-                // SAFETY: as above.
-                unsafe { mw.bind(server, mr, span.addr(), WIN, Access::REMOTE_WRITE, TIMEOUT) }?;
-                let t2 = Instant::now();
-                mw.invalidate(server, TIMEOUT)?;
-                i += t2.elapsed();
-                b += t2 - t;
-                pool.put(mw);
-                Ok(())
-            })?);
-            bind_us.push(b.as_secs_f64() * 1e6 / f64::from(rounds));
-            inv_us.push(i.as_secs_f64() * 1e6 / f64::from(rounds));
-        }
+        f.bind.push(b.as_secs_f64() * 1e6 / f64::from(rounds));
+        f.inv.push(i.as_secs_f64() * 1e6 / f64::from(rounds));
     }
+    Ok(())
+}
+
+/// The median of the passes, with their spread, a line per kind.
+fn print(ctx: &Context, runs: usize, rounds: u32, f: &mut Figures, mw: Option<&MwPath>) {
     let line = |what: &str, v: &mut Vec<f64>| {
         let (med, lo, hi) = stats(v);
         println!("{what:<52} {med:>9.1} us  ({lo:.1}..{hi:.1})");
@@ -160,22 +210,16 @@ fn main() -> R<()> {
         ctx.name(),
         WIN >> 20
     );
-    line("per-session PD alloc+dealloc", &mut pd_us);
-    line("per grant: reg_mr + dereg_mr of the window", &mut mr_us);
-    line("both (a new PD + registration per grant)", &mut both_us);
-    if mw_setup.is_some() {
-        line(
-            "per grant: MW bind + invalidate (pooled window)",
-            &mut mw_us,
-        );
-        line("  of which bind (post + completion)", &mut bind_us);
-        line("  of which invalidate (post + completion)", &mut inv_us);
-        let (mr, _, _) = stats(&mut mr_us);
-        let (mw, _, _) = stats(&mut mw_us);
-        println!("reg_mr + dereg_mr / (bind + invalidate) = {:.1}x", mr / mw);
+    line("per-session PD alloc+dealloc", &mut f.pd);
+    line("per grant: reg_mr + dereg_mr of the window", &mut f.mr);
+    line("both (a new PD + registration per grant)", &mut f.both);
+    if let Some(mw) = mw {
+        line("per grant: MW bind + invalidate (pooled window)", &mut f.mw);
+        line("  of which bind (post + completion)", &mut f.bind);
+        line("  of which invalidate (post + completion)", &mut f.inv);
+        let (mr, _, _) = stats(&mut f.mr);
+        let (mwv, _, _) = stats(&mut f.mw);
+        println!("reg_mr + dereg_mr / (bind + invalidate) = {:.1}x", mr / mwv);
+        println!("memory windows allocated: {}", mw.pool.allocated());
     }
-    if let Some((_, _, _, pool)) = &mw_setup {
-        println!("memory windows allocated: {}", pool.allocated());
-    }
-    Ok(())
 }
