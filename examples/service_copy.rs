@@ -10,6 +10,8 @@
 //! LOCAL_PATH is beneath the local rcpd's root, REMOTE_PATH beneath the
 //! remote one's. The token (RCP_TOKEN) is sent to the local rcpd, which
 //! uses its own token for the remote one unless REMOTE_RCP_TOKEN is set.
+//! The local rcpd dials only the peers of its `--copy-peers`: list
+//! REMOTE_RCPD there (or a network holding it).
 
 use rcp::control::{Client, ClientOptions};
 use rcp::proto::{CopyRequest, Direction};

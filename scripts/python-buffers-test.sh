@@ -58,12 +58,13 @@ check() { # check WHAT CMD...: PASS if CMD succeeds
 }
 
 # start_rcpd NAME [FLAG...]: rcpd with root $work/NAME and socket
-# $work/NAME.sock; sets $addr and $pid.
+# $work/NAME.sock; sets $addr and $pid. Every rcpd here listens on
+# 127.0.0.1, and may dial the others there (--copy-peers).
 start_rcpd() {
   local name=$1; shift
   mkdir -p "$work/$name"
   "$rcpd" --root "$work/$name" --listen 127.0.0.1:0 --health-listen none --transport tcp \
-    --arena-mib 16 --socket "$work/$name.sock" --log info "$@" \
+    --arena-mib 16 --socket "$work/$name.sock" --log info --copy-peers 127.0.0.1 "$@" \
     >"$work/$name.out" 2>"$work/$name.log" &
   pid=$!
   pids+=("$pid")

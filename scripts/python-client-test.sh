@@ -61,11 +61,13 @@ check() { # check WHAT CMD...: PASS if CMD succeeds
 }
 
 # start_rcpd NAME TOKEN [FLAG...]: rcpd with root $work/NAME; sets $addr.
+# Every rcpd here listens on 127.0.0.1, and may copy to the others there.
 start_rcpd() {
   local name=$1 token=$2; shift 2
   mkdir -p "$work/$name"
   RCPD_TOKEN=$token "$rcpd" --root "$work/$name" --listen 127.0.0.1:0 --health-listen none \
-    --transport tcp --arena-mib 64 --log warn "$@" >"$work/$name.out" 2>"$work/$name.log" &
+    --transport tcp --arena-mib 64 --log warn --copy-peers 127.0.0.1 "$@" \
+    >"$work/$name.out" 2>"$work/$name.log" &
   pids+=($!)
   local i
   for i in $(seq 1 300); do

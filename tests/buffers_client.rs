@@ -2,7 +2,8 @@
 //! against an in-process rcpd over the tcp provider: two services on one
 //! rcpd, one exposing, the other writing into it and reading it back
 //! through the rcpd's own gRPC address (rcpd is its own peer), bytes and
-//! the owner's event checked; then an unknown name.
+//! the owner's event checked; then an unknown name. And an operation to
+//! a peer off rcpd's --copy-peers: refused, and nothing dials it.
 
 use std::time::Duration;
 
@@ -41,44 +42,57 @@ fn config(root: &std::path::Path, socket: &std::path::Path) -> DaemonConfig {
         bwlimit: None,
         socket: Some(socket.to_path_buf()),
         copy_pool: Default::default(),
+        // The writer's peer is this rcpd itself: allowed with no list.
+        copy_peers: Vec::new(),
     }
 }
 
-/// An in-process rcpd on `dir` with its socket; its gRPC address, the
-/// socket, what stops it and its task.
-async fn start_rcpd(
-    dir: &std::path::Path,
-) -> (
-    String,
-    std::path::PathBuf,
-    tokio::sync::oneshot::Sender<()>,
-    tokio::task::JoinHandle<rcp::control::error::Result<()>>,
-) {
+/// An in-process rcpd, stopped by [`Daemon::stop`].
+struct Daemon {
+    addr: String,
+    stop: tokio::sync::oneshot::Sender<()>,
+    server: tokio::task::JoinHandle<rcp::control::error::Result<()>>,
+}
+
+impl Daemon {
+    async fn start(cfg: DaemonConfig) -> Daemon {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(async move {
+            daemon::run(
+                cfg,
+                async {
+                    let _ = stop_rx.await;
+                },
+                move |b, _| {
+                    let _ = tx.send(b.grpc);
+                },
+            )
+            .await
+        });
+        let addr = rx.await.unwrap().to_string();
+        Daemon { addr, stop, server }
+    }
+
+    async fn stop(self) {
+        let _ = self.stop.send(());
+        self.server.await.unwrap().unwrap();
+    }
+}
+
+/// An in-process rcpd on `dir` (its root beneath) with its socket.
+async fn start_rcpd(dir: &std::path::Path) -> (Daemon, std::path::PathBuf) {
     let root = dir.join("root");
     std::fs::create_dir(&root).unwrap();
     let sock = dir.join("rcpd.sock");
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let cfg = config(&root, &sock);
-    let server = tokio::spawn(async move {
-        daemon::run(
-            cfg,
-            async {
-                let _ = stop_rx.await;
-            },
-            move |b, _| {
-                let _ = tx.send(b.grpc);
-            },
-        )
-        .await
-    });
-    (rx.await.unwrap().to_string(), sock, stop_tx, server)
+    (Daemon::start(config(&root, &sock)).await, sock)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rust_service_writes_and_reads_another_services_buffer() {
     let dir = tempfile::tempdir().unwrap();
-    let (addr, sock, stop_tx, server) = start_rcpd(dir.path()).await;
+    let (d, sock) = start_rcpd(dir.path()).await;
+    let addr = d.addr.clone();
 
     let owner = ServiceClient::connect(Some(&sock), None).await.unwrap();
     let dst = owner.create_buffer(2 << 20).await.unwrap();
@@ -122,8 +136,7 @@ async fn a_rust_service_writes_and_reads_another_services_buffer() {
     assert_eq!(e.reason_name(), "not_found", "{e}");
 
     drop((owner, writer));
-    let _ = stop_tx.send(());
-    server.await.unwrap().unwrap();
+    d.stop().await;
     assert!(!sock.exists(), "rcpd removes its socket when it stops");
 }
 
@@ -147,7 +160,8 @@ async fn damaged_ranges_move_again_up_to_the_retry_bound() {
     use rcp::control::protocol::negotiate::DEFAULT_MAX_RETRIES;
     assert_eq!(DEFAULT_MAX_RETRIES, 3, "the counts below assume 3");
     let dir = tempfile::tempdir().unwrap();
-    let (addr, sock, stop, server) = start_rcpd(dir.path()).await;
+    let (d, sock) = start_rcpd(dir.path()).await;
+    let addr = d.addr.clone();
     const MIB: u64 = 1 << 20;
     let owner = ServiceClient::connect(Some(&sock), None).await.unwrap();
     let dst = owner.create_buffer(4 * MIB).await.unwrap();
@@ -234,6 +248,50 @@ async fn damaged_ranges_move_again_up_to_the_retry_bound() {
     assert_eq!(ev["error"]["reason"], "integrity", "{ev}");
 
     drop((owner, peer));
-    let _ = stop.send(());
-    server.await.unwrap().unwrap();
+    d.stop().await;
+}
+
+/// A buffer operation to a peer rcpd does not list is refused naming
+/// --copy-peers (rcpd's token and certificate would go there), and no
+/// connection reaches that peer; rcpd itself stays reachable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operation_to_an_unlisted_peer_is_refused_before_any_connection() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("root");
+    std::fs::create_dir(&root).unwrap();
+    let sock = dir.path().join("rcpd.sock");
+    let stranger = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let stranger_addr = stranger.local_addr().unwrap().to_string();
+    stranger.set_nonblocking(true).unwrap();
+    let mut cfg = config(&root, &sock);
+    // A list that names another port of the stranger's address only.
+    cfg.copy_peers = vec!["127.0.0.1:1".parse().unwrap()];
+    let d = Daemon::start(cfg).await;
+    let addr = d.addr.clone();
+    let writer = ServiceClient::connect(Some(&sock), None).await.unwrap();
+    let src = writer.create_buffer(1 << 20).await.unwrap();
+    let h = writer
+        .write(&src, &stranger_addr, "kv", &[(0, 0, 4096)], None)
+        .await
+        .unwrap();
+    let e = writer.wait(h).await.unwrap_err();
+    assert_eq!(e.reason_name(), "permission", "{e}");
+    assert!(
+        e.message.contains("--copy-peers") && e.message.contains(&stranger_addr),
+        "{e}"
+    );
+    assert!(
+        matches!(stranger.accept(), Err(ref x) if x.kind() == std::io::ErrorKind::WouldBlock),
+        "the unlisted peer was connected to"
+    );
+    // rcpd itself is no peer of the list, and still reachable: an unknown
+    // name there is not_found, not permission.
+    let h = writer
+        .write(&src, &addr, "nope", &[(0, 0, 4096)], None)
+        .await
+        .unwrap();
+    let e = writer.wait(h).await.unwrap_err();
+    assert_eq!(e.reason_name(), "not_found", "{e}");
+    drop(writer);
+    d.stop().await;
 }

@@ -474,7 +474,12 @@ fn rcpd_bwlimit_caps_the_copies_it_makes() {
     let (ra, rb) = (tmp.path().join("a"), tmp.path().join("b"));
     std::fs::create_dir_all(&ra).unwrap();
     std::fs::create_dir_all(&rb).unwrap();
-    let a = Rcpd::start(&ra, T, None, &["--bwlimit", "4M"]);
+    let a = Rcpd::start(
+        &ra,
+        T,
+        None,
+        &["--bwlimit", "4M", "--copy-peers", &copy_peers()],
+    );
     let b = Rcpd::start(&rb, T, None, &[]);
     make_file(&ra.join("x.bin"), 8 << 20, 9);
     let rt = tokio::runtime::Runtime::new().unwrap();

@@ -30,7 +30,7 @@ fn copy_between_two_rcpds() {
     let (ra, rb) = (tmp.path().join("a"), tmp.path().join("b"));
     std::fs::create_dir_all(ra.join("data")).unwrap();
     std::fs::create_dir_all(rb.join("incoming")).unwrap();
-    let a = Rcpd::start(&ra, "tcp", Some("tok"), &[]);
+    let a = Rcpd::start(&ra, "tcp", Some("tok"), &["--copy-peers", &copy_peers()]);
     let b = Rcpd::start(&rb, "tcp", Some("tok"), &[]);
     make_file(&ra.join("data/x.bin"), (5 << 20) + 3, 11);
     make_file(&rb.join("y.bin"), 777_777, 12);
@@ -111,4 +111,113 @@ fn copy_between_two_rcpds() {
 fn metrics_are_scraped_during_a_copy() {
     let tmp = tempfile::tempdir().unwrap();
     common::metrics::metrics_during_copy("tcp", tmp.path(), 64 << 20);
+}
+
+/// A listener on [`host`] that counts the connections made to it (each is
+/// dropped at once): a peer that must never be dialled.
+struct Recorder {
+    addr: String,
+    seen: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Recorder {
+    fn start() -> Recorder {
+        let l = std::net::TcpListener::bind(format!("{}:0", host())).unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let seen = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let s = seen.clone();
+        std::thread::spawn(move || {
+            for c in l.incoming() {
+                if c.is_ok() {
+                    s.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                }
+            }
+        });
+        Recorder { addr, seen }
+    }
+
+    fn seen(&self) -> usize {
+        self.seen.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+fn push_to(remote: &str, remote_path: &str) -> CopyRequest {
+    CopyRequest {
+        direction: Direction::Push as i32,
+        local_path: "x.bin".into(),
+        remote: remote.into(),
+        remote_path: remote_path.into(),
+        transport: "tcp".into(),
+        ..Default::default()
+    }
+}
+
+/// rcpd dials only the peers of its --copy-peers: a Copy elsewhere is
+/// refused naming the flag and nothing connects there; with no list only
+/// a Copy to itself goes through.
+#[test]
+fn copy_goes_only_to_listed_peers() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (ra, rb, rc) = (
+        tmp.path().join("a"),
+        tmp.path().join("b"),
+        tmp.path().join("c"),
+    );
+    for r in [&ra, &rb, &rc] {
+        std::fs::create_dir_all(r).unwrap();
+    }
+    let b = Rcpd::start(&rb, "tcp", Some("tok"), &[]);
+    let stranger = Recorder::start();
+    // A lists B alone (its address and port); C lists nobody.
+    let a = Rcpd::start(&ra, "tcp", Some("tok"), &["--copy-peers", &b.addr()]);
+    let c = Rcpd::start(&rc, "tcp", Some("tok"), &[]);
+    make_file(&ra.join("x.bin"), 300_001, 21);
+    make_file(&rc.join("x.bin"), 300_002, 22);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let p = copy(&a, push_to(&b.addr(), "from-a.bin")).await.unwrap();
+        assert!(p.done && p.error.is_empty(), "{p:?}");
+        let e = copy(&a, push_to(&stranger.addr, "x.bin"))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e}");
+        assert!(
+            e.message().contains("--copy-peers") && e.message().contains(&stranger.addr),
+            "{e}"
+        );
+        // B listed by address and port: B's address at another port is not B.
+        let e = copy(&a, push_to(&c.addr(), "from-a.bin"))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e}");
+        // With no list: refused, saying none are listed; to itself, copied.
+        let e = copy(&c, push_to(&stranger.addr, "x.bin"))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e}");
+        assert!(
+            e.message().contains("--copy-peers") && e.message().contains("none are"),
+            "{e}"
+        );
+        let e = copy(&c, push_to(&b.addr(), "from-c.bin"))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e}");
+        let p = copy(&c, push_to(&c.addr(), "again.bin")).await.unwrap();
+        assert!(p.done && p.error.is_empty(), "{p:?}");
+    });
+    assert_eq!(
+        sha256sum(&rb.join("from-a.bin")),
+        sha256sum(&ra.join("x.bin"))
+    );
+    assert_eq!(
+        sha256sum(&rc.join("again.bin")),
+        sha256sum(&rc.join("x.bin"))
+    );
+    assert!(!rb.join("from-c.bin").exists());
+    assert!(!rc.join("from-a.bin").exists());
+    assert_eq!(stranger.seen(), 0, "an unlisted peer was connected to");
+    // B saw A's session only, C's own copy went to C.
+    assert_eq!(b.log().matches("session opened").count(), 1, "{}", b.log());
+    assert!(a.log().contains("copy refused"), "{}", a.log());
 }

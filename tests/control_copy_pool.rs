@@ -103,7 +103,7 @@ fn roots(n: usize) -> (tempfile::TempDir, Vec<std::path::PathBuf>) {
 #[test]
 fn a_second_copy_reuses_the_warm_session() {
     let (_tmp, r) = roots(2);
-    let a = Rcpd::start(&r[0], "tcp", Some("tok"), &[]);
+    let a = Rcpd::start(&r[0], "tcp", Some("tok"), &["--copy-peers", &copy_peers()]);
     let b = Rcpd::start(&r[1], "tcp", Some("tok"), &[]);
     make_file(&r[0].join("x"), 4096, 1);
     make_file(&r[0].join("y"), 3 << 20, 2);
@@ -138,7 +138,12 @@ fn a_second_copy_reuses_the_warm_session() {
 #[test]
 fn the_pool_keeps_at_most_its_bound_least_recently_used_out_first() {
     let (_tmp, r) = roots(3);
-    let a = Rcpd::start(&r[0], "tcp", Some("tok"), &["--copy-sessions", "1"]);
+    let a = Rcpd::start(
+        &r[0],
+        "tcp",
+        Some("tok"),
+        &["--copy-sessions", "1", "--copy-peers", &copy_peers()],
+    );
     let b = Rcpd::start(&r[1], "tcp", Some("tok"), &[]);
     let c = Rcpd::start(&r[2], "tcp", Some("tok"), &[]);
     make_file(&r[0].join("x"), 4096, 3);
@@ -155,7 +160,12 @@ fn the_pool_keeps_at_most_its_bound_least_recently_used_out_first() {
 #[test]
 fn an_idle_session_is_closed_and_zero_keeps_none() {
     let (_tmp, r) = roots(3);
-    let a = Rcpd::start(&r[0], "tcp", Some("tok"), &["--copy-session-idle", "1"]);
+    let a = Rcpd::start(
+        &r[0],
+        "tcp",
+        Some("tok"),
+        &["--copy-session-idle", "1", "--copy-peers", &copy_peers()],
+    );
     let b = Rcpd::start(&r[1], "tcp", Some("tok"), &[]);
     make_file(&r[0].join("x"), 4096, 4);
     copy(&a, push("x", &b, "x"));
@@ -172,7 +182,12 @@ fn an_idle_session_is_closed_and_zero_keeps_none() {
     copy(&a, push("x", &b, "x2"));
     assert_eq!(pool(&a), (2.0, 0.0, 1.0), "the next Copy opened a new one");
     // --copy-session-idle 0: nothing is kept.
-    let a0 = Rcpd::start(&r[2], "tcp", Some("tok"), &["--copy-session-idle", "0"]);
+    let a0 = Rcpd::start(
+        &r[2],
+        "tcp",
+        Some("tok"),
+        &["--copy-session-idle", "0", "--copy-peers", &copy_peers()],
+    );
     make_file(&r[2].join("x"), 4096, 5);
     copy(&a0, push("x", &b, "y"));
     copy(&a0, push("x", &b, "y2"));
@@ -204,7 +219,7 @@ fn rcpd_at(root: &Path, addr: &str) -> Child {
 #[test]
 fn a_warm_session_the_peer_forgot_is_replaced_by_a_fresh_one() {
     let (_tmp, r) = roots(2);
-    let a = Rcpd::start(&r[0], "tcp", Some("tok"), &[]);
+    let a = Rcpd::start(&r[0], "tcp", Some("tok"), &["--copy-peers", &copy_peers()]);
     make_file(&r[0].join("x"), 1 << 20, 6);
     let addr = {
         let b = Rcpd::start(&r[1], "tcp", Some("tok"), &[]);

@@ -237,7 +237,7 @@ fn the_copy_api_goes_through_the_policy_and_tells_the_truth() {
     std::fs::create_dir_all(&ra).unwrap();
     std::fs::create_dir_all(&rb).unwrap();
     // A of --transport auto copies to B, which serves only tcp.
-    let a = Rcpd::start(&ra, "auto", Some("tok"), &[]);
+    let a = Rcpd::start(&ra, "auto", Some("tok"), &["--copy-peers", &copy_peers()]);
     let b = Rcpd::start(&rb, "tcp", Some("tok"), &[]);
     make_file(&ra.join("x.bin"), (2 << 20) + 1, 44);
     let rt = tokio::runtime::Runtime::new().unwrap();

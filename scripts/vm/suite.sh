@@ -208,7 +208,7 @@ netns)
       --socket "$run/b.sock" --log info >"$dir/b.out" 2>"$dir/b.log" &
     local db=$!
     ip netns exec a target/debug/rcpd --listen 192.168.77.1:7471 --health-listen none \
-      --root "$dir/a" --transport verbs --device rxea --arena-mib 32 \
+      --root "$dir/a" --transport verbs --device rxea --arena-mib 32 --copy-peers 192.168.77.2 \
       --socket "$run/a.sock" --log info >"$dir/a.out" 2>"$dir/a.log" &
     local da=$!
     for _ in $(seq 300); do [ -S "$run/a.sock" ] && [ -S "$run/b.sock" ] && break; sleep 0.2; done

@@ -131,6 +131,16 @@ struct Args {
     /// recently used is closed first (0: none).
     #[arg(long, env = "RCPD_COPY_SESSIONS", default_value_t = rcp::control::jobs::DEFAULT_POOL_MAX)]
     copy_sessions: usize,
+    /// The other rcpds this one may dial as a client, for the Copy API and
+    /// buffer operations, handing them its token and TLS client
+    /// certificate; comma-separated host names and addresses, each with an
+    /// optional :PORT (without one: any port), and networks ADDRESS/PREFIX
+    /// (10.0.0.0/16, fd00::/64). A name matches when the Copy names it; an
+    /// address or network, the addresses the remote is or resolves to,
+    /// and only those are dialled. Anything else is refused (default: no
+    /// peers; rcpd dials only itself).
+    #[arg(long, env = "RCPD_COPY_PEERS", value_delimiter = ',')]
+    copy_peers: Vec<rcp::control::copy_peers::PeerEntry>,
     /// Log filter (tracing EnvFilter syntax, e.g. info or rcp=debug).
     #[arg(long, env = "RCPD_LOG", default_value = "info")]
     log: String,
@@ -272,6 +282,7 @@ fn main() -> anyhow::Result<()> {
             idle: Duration::from_secs(a.copy_session_idle),
             max: a.copy_sessions,
         },
+        copy_peers: a.copy_peers,
     };
     // A rate too low for the timeout would fail every copy: say so now.
     rcp::control::ClientOptions {

@@ -6,23 +6,27 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::future::BoxFuture;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Status;
 
 use super::client::{ClientOptions, FileResult, Observer};
+use super::copy_peers::CopyPeers;
 use super::error::{ControlError, Result};
 use super::fsutil;
-use super::jobs::{self, Job, Key, Pool, Watcher};
+use super::jobs::{self, Job, Pool, Watcher};
 use super::server::{BoxStream, Copier, Service};
 use crate::escape::esc;
 use crate::proto::{CopyProgress, CopyRequest, Direction};
 
 /// Copies for services, with this rcpd's client settings (its token, TLS
-/// identity, data-path settings), over sessions kept warm in `pool`.
+/// identity, data-path settings), over sessions kept warm in `pool`, to
+/// the peers `peers` admits only.
 pub struct CopyService {
     pub opts: ClientOptions,
     pub pool: Arc<Pool>,
+    pub peers: Arc<CopyPeers>,
 }
 
 impl Copier for CopyService {
@@ -30,8 +34,9 @@ impl Copier for CopyService {
         &self,
         svc: Arc<Service>,
         req: CopyRequest,
-    ) -> std::result::Result<BoxStream<CopyProgress>, Status> {
-        start(svc, self.opts.clone(), self.pool.clone(), req)
+    ) -> BoxFuture<'static, std::result::Result<BoxStream<CopyProgress>, Status>> {
+        let (opts, pool, peers) = (self.opts.clone(), self.pool.clone(), self.peers.clone());
+        Box::pin(async move { start(svc, opts, pool, &peers, req).await })
     }
 }
 
@@ -70,12 +75,13 @@ fn snapshot(c: &Counts) -> CopyProgress {
     }
 }
 
-/// Validate `req` and start the copy; progress every 500 ms, then a final
-/// message (or the error status).
-fn start(
+/// Validate `req`, admit its remote, and start the copy; progress every
+/// 500 ms, then a final message (or the error status).
+async fn start(
     svc: Arc<Service>,
     opts: ClientOptions,
     pool: Arc<Pool>,
+    peers: &CopyPeers,
     req: CopyRequest,
 ) -> Result<BoxStream<CopyProgress>, Status> {
     let dir = Direction::try_from(req.direction)
@@ -131,6 +137,12 @@ fn start(
             })
             .collect::<Result<_, _>>()?;
     }
+    // Nothing goes to a peer the list does not allow, not even a
+    // connection: refused here, naming the flag.
+    let peer = peers.admit(&req.remote).await.map_err(|e| {
+        tracing::warn!(remote = %esc(&req.remote), "copy refused: {}", esc(&e));
+        Status::from(e)
+    })?;
     let (tx, rx) = mpsc::channel(16);
     tokio::spawn(async move {
         let counts = Arc::new(Counts::default());
@@ -146,7 +158,7 @@ fn start(
         // The jobs policy runs it, the tcp fallback included, over a warm
         // session of the pool when it has one.
         let work = async {
-            let lease = pool.lease(Key::of(&req.remote, &opts), opts).await?;
+            let lease = pool.lease(&peer, opts).await?;
             let client = lease.client();
             let plan = match dir {
                 Direction::Push => {

@@ -16,6 +16,7 @@ use super::auth::CheckBearer;
 use super::buffers::socket::Socket;
 use super::client::ClientOptions;
 use super::copy::CopyService;
+use super::copy_peers::CopyPeers;
 use super::error::{ControlError, Result};
 use super::link::{resolve_transport, MemoryWindows, ServerLink, ServerLinkConfig, Transport};
 use super::server::{RcpService, Service, ServiceConfig};
@@ -75,6 +76,9 @@ pub struct DaemonConfig {
     pub socket: Option<PathBuf>,
     /// Sessions the Copy API keeps warm to other rcpds, and how long.
     pub copy_pool: super::jobs::PoolConfig,
+    /// The other rcpds this one may dial, with its token and TLS client
+    /// certificate (Copy API, buffer operations); empty: only itself.
+    pub copy_peers: Vec<super::copy_peers::PeerEntry>,
 }
 
 /// Addresses actually bound (port 0 resolved).
@@ -159,23 +163,30 @@ pub async fn run(
             .and_then(|t| t.as_client(cfg.tls_peer_ca.clone())),
         ..ClientOptions::default()
     };
-    let copier = CopyService {
-        opts: peer_opts.clone(),
-        pool: super::jobs::Pool::new(cfg.copy_pool),
-    };
-    let svc = Service::new(scfg, link, Some(Arc::new(copier)))?;
-    svc.spawn_sweeper();
-    let metrics = svc.metrics.clone();
-    svc.buffers.set_client_options(peer_opts);
-    *svc.buffers.token.lock().unwrap() = cfg.token.clone();
-    *svc.buffers.default_check.lock().unwrap() = cfg.checks.first().copied();
-
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
         .map_err(ControlError::io(format!("binding {}", cfg.listen)))?;
     let grpc_addr = listener
         .local_addr()
         .map_err(ControlError::io("local address"))?;
+    // Bound first: a dial to that address is to this rcpd itself.
+    let peers = Arc::new(CopyPeers::new(cfg.copy_peers.clone()).with_own(grpc_addr));
+    if peers.entries().is_empty() {
+        tracing::info!("no --copy-peers: Copy and buffer operations reach only this rcpd");
+    } else {
+        tracing::info!(copy_peers = %peers.entries().iter().map(ToString::to_string).collect::<Vec<_>>().join(","), "peers this rcpd may dial");
+    }
+    let copier = CopyService {
+        opts: peer_opts.clone(),
+        pool: super::jobs::Pool::new(cfg.copy_pool),
+        peers: peers.clone(),
+    };
+    let svc = Service::new(scfg, link, Some(Arc::new(copier)))?;
+    svc.spawn_sweeper();
+    let metrics = svc.metrics.clone();
+    svc.buffers.set_client_options(peer_opts, peers);
+    *svc.buffers.token.lock().unwrap() = cfg.token.clone();
+    *svc.buffers.default_check.lock().unwrap() = cfg.checks.first().copied();
     let (reporter, health_svc) = tonic_health::server::health_reporter();
     reporter.set_serving::<RcpServer<RcpService>>().await;
     // Reflection in both versions: grpc.reflection.v1, and v1alpha for the

@@ -16,12 +16,14 @@
 //!   keepalives, shutdown, metrics);
 //! - beside them: [`link`] (provider setup on both ends), [`rails`] (the
 //!   rule pairing a session's rails with the peer's), [`error`] (typed
-//!   errors, reasons, exit codes), [`auth`], [`tls`], [`fsutil`].
+//!   errors, reasons, exit codes), [`auth`], [`tls`], [`fsutil`],
+//!   [`copy_peers`] (the rcpds this one may dial with its credentials).
 
 pub mod auth;
 pub mod buffers;
 pub mod client;
 pub mod copy;
+pub mod copy_peers;
 pub mod daemon;
 pub mod error;
 pub mod fsutil;

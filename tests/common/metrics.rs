@@ -77,7 +77,14 @@ pub fn metrics_during_copy(transport: &str, dir: &std::path::Path, len: u64) {
         &ra,
         transport,
         Some("tok"),
-        &["--bwlimit", &rate, "--copy-session-idle", "0"],
+        &[
+            "--bwlimit",
+            &rate,
+            "--copy-session-idle",
+            "0",
+            "--copy-peers",
+            &super::copy_peers(),
+        ],
     );
     let b = Rcpd::start(&rb, transport, Some("tok"), &[]);
     let (ma, mb) = (a.metrics.clone().unwrap(), b.metrics.clone().unwrap());

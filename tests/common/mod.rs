@@ -151,6 +151,12 @@ pub fn host() -> String {
     Topology::from_env().host
 }
 
+/// `--copy-peers` of an rcpd whose Copies (or buffer operations) go to the
+/// other rcpds of its test: they all listen on [`host`], on any port.
+pub fn copy_peers() -> String {
+    host()
+}
+
 /// `HOST:path` for rcp's command line.
 pub fn remote(path: &str) -> String {
     format!("{}:{path}", host())

@@ -34,6 +34,7 @@ use serde_json::Value;
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::client::ClientOptions;
+use super::copy_peers::CopyPeers;
 use super::error::Reason;
 use crate::mem::memfd::ServiceBuffer;
 
@@ -154,6 +155,8 @@ pub struct Buffers {
     /// How this rcpd connects to peers (token, TLS, transport...), set by
     /// the daemon.
     opts: Mutex<Option<ClientOptions>>,
+    /// The peers it may connect to (`--copy-peers`); unset: none.
+    copy_peers: Mutex<Arc<CopyPeers>>,
     /// The check a service's operation uses when it names none.
     pub default_check: Mutex<Option<crate::files::Check>>,
     /// This rcpd's timeout: a grant whose peer says nothing this long is
@@ -168,14 +171,20 @@ impl Buffers {
         Arc::default()
     }
 
-    /// The options this rcpd's sessions to peers are opened with.
-    pub fn set_client_options(&self, o: ClientOptions) {
+    /// The options this rcpd's sessions to peers are opened with, and the
+    /// peers it may open them to (its credentials go to no other).
+    pub fn set_client_options(&self, o: ClientOptions, peers: Arc<CopyPeers>) {
         *self.timeout.lock().unwrap() = Some(o.timeout);
         *self.opts.lock().unwrap() = Some(o);
+        *self.copy_peers.lock().unwrap() = peers;
     }
 
     pub(crate) fn client_options(&self) -> ClientOptions {
         self.opts.lock().unwrap().clone().unwrap_or_default()
+    }
+
+    pub(crate) fn copy_peers(&self) -> Arc<CopyPeers> {
+        self.copy_peers.lock().unwrap().clone()
     }
 
     pub(crate) fn grant_timeout(&self) -> std::time::Duration {

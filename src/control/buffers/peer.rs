@@ -140,6 +140,9 @@ async fn link(bufs: &Arc<Buffers>, peer: &str, check: Check) -> Result<Arc<PeerL
             return Ok(l.clone());
         }
     }
+    // rcpd's token and certificate go to listed peers only: refused here,
+    // before any connection, naming the flag.
+    let admitted = bufs.copy_peers().admit(peer).await.map_err(OpError::from)?;
     let mut o = bufs.client_options();
     o.verify = vec![check];
     o.qps_per_rail = 1;
@@ -151,7 +154,7 @@ async fn link(bufs: &Arc<Buffers>, peer: &str, check: Check) -> Result<Arc<PeerL
             .take(1)
             .collect();
     }
-    let client = Client::connect(peer, o)
+    let client = Client::connect_admitted(&admitted, o)
         .await
         .map_err(|e| OpError::new(e.reason(), format!("peer {peer}: {e}")))?;
     let mut session = client

@@ -28,6 +28,7 @@ mod io;
 mod session;
 mod stream;
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -208,6 +209,29 @@ fn source_chain(e: &(dyn std::error::Error + 'static)) -> String {
     s
 }
 
+/// A connector that dials only `addrs` (the first that answers), whatever
+/// the URI names; TCP_NODELAY as the default connector sets it.
+fn pinned_connector(
+    addrs: Vec<SocketAddr>,
+) -> impl tower::Service<
+    tonic::codegen::http::Uri,
+    Response = hyper_util::rt::TokioIo<tokio::net::TcpStream>,
+    Error = std::io::Error,
+    Future = impl Send,
+> + Send
+       + Clone
+       + 'static {
+    let addrs: Arc<[SocketAddr]> = addrs.into();
+    tower::service_fn(move |_: tonic::codegen::http::Uri| {
+        let addrs = addrs.clone();
+        async move {
+            let s = tokio::net::TcpStream::connect(&addrs[..]).await?;
+            s.set_nodelay(true)?;
+            Ok(hyper_util::rt::TokioIo::new(s))
+        }
+    })
+}
+
 /// `host:port`, `[v6]:port` or `host` (default port) into a URI and the
 /// bare host.
 pub fn endpoint_uri(addr: &str) -> Result<(String, String)> {
@@ -219,6 +243,26 @@ pub fn endpoint_uri(addr: &str) -> Result<(String, String)> {
 impl Client {
     /// Connect to `addr` (`host:port`, `[v6]:port`).
     pub async fn connect(addr: &str, opts: ClientOptions) -> Result<Client> {
+        Self::connect_to(addr, None, opts).await
+    }
+
+    /// Connect to a peer [`CopyPeers`](super::copy_peers::CopyPeers)
+    /// admitted: to the addresses it checked and no other (a reconnect
+    /// too), named as the caller gave it (TLS checks that name).
+    pub async fn connect_admitted(
+        peer: &super::copy_peers::Admitted,
+        opts: ClientOptions,
+    ) -> Result<Client> {
+        Self::connect_to(peer.remote(), Some(peer.addrs().to_vec()), opts).await
+    }
+
+    /// Connect to `addr`, through `pinned` if given, else where its name
+    /// resolves.
+    async fn connect_to(
+        addr: &str,
+        pinned: Option<Vec<SocketAddr>>,
+        opts: ClientOptions,
+    ) -> Result<Client> {
         let (mut uri, host) = endpoint_uri(addr)?;
         if opts.tls.is_some() {
             uri = uri.replacen("http://", "https://", 1);
@@ -239,7 +283,11 @@ impl Client {
                 .tls_config(t.config(&host)?)
                 .map_err(|e| ControlError::Usage(format!("TLS configuration: {e}")))?;
         }
-        let ch = ep.connect().await.map_err(|e| {
+        let ch = match pinned {
+            None => ep.connect().await,
+            Some(addrs) => ep.connect_with_connector(pinned_connector(addrs)).await,
+        };
+        let ch = ch.map_err(|e| {
             let why = source_chain(&e);
             // A handshake the server refused is not worth retrying.
             if opts.tls.is_some() && why.contains("certificate") {

@@ -8,7 +8,8 @@
 //! for at most [`PoolConfig::idle`] unused; then it is closed, which frees
 //! the peer's side too. A Copy takes a warm session of its key when there
 //! is one (a session runs one stream at a time: concurrent Copies to one
-//! peer each get their own) and otherwise opens one. A warm session whose
+//! peer each get their own) and otherwise opens one, to a peer rcpd's
+//! `--copy-peers` admitted ([`Admitted`]) and to nowhere else. A warm session whose
 //! stream fails before any file finished (the peer restarted, or dropped
 //! it) is replaced by a fresh one once ([`Sessions::warm`]). rcpd's
 //! /metrics counts `rcpd_copy_sessions_opened_total`,
@@ -21,6 +22,7 @@ use futures::future::BoxFuture;
 
 use super::policy::Sessions;
 use crate::control::client::{Client, ClientOptions, Session, SessionStats};
+use crate::control::copy_peers::Admitted;
 use crate::control::error::Result;
 use crate::metrics::Metrics;
 use crate::provider::ProviderKind;
@@ -122,10 +124,12 @@ impl Pool {
         self.warm.lock().unwrap().len()
     }
 
-    /// A lease for one Copy of `key`: its warm client and session if the
-    /// pool has them, else a fresh connection with `opts` (whose metrics
+    /// A lease for one Copy to `peer` with `opts`: the warm client and
+    /// session of their [`Key`] if the pool has them, else a fresh
+    /// connection to the addresses `peer` was admitted at (`opts`' metrics
     /// count the pool's sessions).
-    pub async fn lease(self: &Arc<Pool>, key: Key, opts: ClientOptions) -> Result<Lease> {
+    pub async fn lease(self: &Arc<Pool>, peer: &Admitted, opts: ClientOptions) -> Result<Lease> {
+        let key = Key::of(peer.remote(), &opts);
         if let Some(m) = &opts.metrics {
             let _ = self.metrics.set(m.clone());
         }
@@ -139,7 +143,7 @@ impl Pool {
         };
         let (client, session) = match found {
             Some(x) => (x.client, Some(x.session)),
-            None => (Client::connect(&key.remote, opts).await?, None),
+            None => (Client::connect_admitted(peer, opts).await?, None),
         };
         Ok(Lease {
             pool: self.clone(),

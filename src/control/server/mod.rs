@@ -76,11 +76,15 @@ pub struct ServiceConfig {
 /// The service API's `Copy`, served by whoever can be a client of another
 /// rcpd (`control::copy`, plugged in by `control::daemon`).
 pub trait Copier: Send + Sync {
+    /// The copy's progress, or why it was refused before it started.
     fn copy(
         &self,
         svc: Arc<Service>,
         req: proto::CopyRequest,
-    ) -> std::result::Result<BoxStream<proto::CopyProgress>, Status>;
+    ) -> futures::future::BoxFuture<
+        'static,
+        std::result::Result<BoxStream<proto::CopyProgress>, Status>,
+    >;
 }
 
 /// Shared state of the service.
@@ -367,7 +371,9 @@ impl proto::rcp_server::Rcp for RcpService {
                 "this rcpd does not copy to other rcpds",
             ));
         };
-        Ok(Response::new(c.copy(self.0.clone(), req.into_inner())?))
+        Ok(Response::new(
+            c.copy(self.0.clone(), req.into_inner()).await?,
+        ))
     }
 
     async fn buffer_grant(
