@@ -194,7 +194,15 @@ def check_env_names(target, objs, allowed, rep):
               "; ".join(bad) if bad else "%d names" % len({u[1] for u in used}))
 
 
-def check_rcpd(target, objs, rep, token_secrets):
+def rcpd_accepts(rcpd, env):
+    """Whether rcpd parses `env` (its RCPD_* values): `rcpd --print-env` with them set."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith("RCPD_")}
+    full.update({k: str(v) for k, v in env.items() if k.startswith("RCPD_")})
+    proc = subprocess.run([rcpd, "--print-env"], capture_output=True, text=True, timeout=60, env=full)
+    return proc.returncode == 0, "; ".join(proc.stderr.strip().splitlines()[:2])
+
+
+def check_rcpd(target, objs, rep, token_secrets, rcpd):
     by_kind = {}
     for o in objs:
         by_kind.setdefault(o["kind"], {})[o["metadata"]["name"]] = o
@@ -216,6 +224,11 @@ def check_rcpd(target, objs, rep, token_secrets):
         env.update((cm or {}).get("data", {}))
     env.update({e["name"]: e.get("value") for e in c.get("env", []) if "value" in e})
     ports = {p.get("name"): p["containerPort"] for p in c.get("ports", [])}
+    ok, why = rcpd_accepts(rcpd, env)
+    rep.check(ok, "%s: rcpd accepts every RCPD_* value of the render (rcpd --print-env with them set)" % t, why)
+    rep.check(bool(env.get("RCPD_COPY_PEERS", "").strip()),
+              "%s: RCPD_COPY_PEERS lists the peers rcpd may dial (the node network)" % t,
+              str(env.get("RCPD_COPY_PEERS")))
 
     # health port: config == containerPort named health == every probe
     health = port_of(env.get("RCPD_HEALTH_LISTEN", "0.0.0.0:7472"))
@@ -349,7 +362,7 @@ def check_source_tokens(deploy, allowed, rep):
 
 # ---------------------------------------------------------------- driver
 
-def run(deploy, rep, outdir, kubectl, allowed):
+def run(deploy, rep, outdir, kubectl, allowed, rcpd):
     check_source_tokens(deploy, allowed, rep)
     token_secrets = set()
     rendered = {}
@@ -362,7 +375,7 @@ def run(deploy, rep, outdir, kubectl, allowed):
             yaml.safe_dump_all(objs, f, sort_keys=False)
         validate_schemas(deploy, target, objs, outdir, rep)
         check_env_names(target, objs, allowed, rep)
-        check_rcpd(target, objs, rep, token_secrets)
+        check_rcpd(target, objs, rep, token_secrets, rcpd)
         check_rules(deploy, target, objs, rep)
     for target, objs in rendered.items():
         check_jobs(target, objs, rep, token_secrets)
@@ -384,6 +397,9 @@ BREAKAGES = [
      "          readinessProbe:\n            grpc:\n              port: 7471", "probe ports"),
     ("health port changed in the ConfigMap only", "base/rcpd.env", "RCPD_HEALTH_LISTEN=0.0.0.0:7472",
      "RCPD_HEALTH_LISTEN=0.0.0.0:7480", "probe ports"),
+    ("a Copy peers network with host bits set", "base/rcpd.env", "RCPD_COPY_PEERS=10.0.0.0/16",
+     "RCPD_COPY_PEERS=10.0.0.7/16", "rcpd accepts every RCPD_* value"),
+    ("no Copy peers", "base/rcpd.env", "RCPD_COPY_PEERS=10.0.0.0/16\n", "", "RCPD_COPY_PEERS lists"),
     ("extra capability", "base/daemonset.yaml", 'add: ["IPC_LOCK"]', 'add: ["IPC_LOCK", "NET_ADMIN"]', "IPC_LOCK"),
     ("hugepages request != limit", "overlays/softroce-dev/daemonset-resources.yaml",
      "              memory: 256Mi\n              hugepages-2Mi: 128Mi", "              memory: 256Mi\n              hugepages-2Mi: 64Mi",
@@ -396,7 +412,7 @@ BREAKAGES = [
 ]
 
 
-def self_test(deploy, kubectl, allowed):
+def self_test(deploy, kubectl, allowed, rcpd):
     rep = Report()
     for desc, rel, old, new, expect in BREAKAGES:
         with tempfile.TemporaryDirectory() as tmp:
@@ -411,7 +427,7 @@ def self_test(deploy, kubectl, allowed):
                 f.write(text.replace(old, new, 1))
             inner = Report(quiet=True)
             os.makedirs(os.path.join(tmp, "out"))
-            run(copy, inner, os.path.join(tmp, "out"), kubectl, allowed)
+            run(copy, inner, os.path.join(tmp, "out"), kubectl, allowed, rcpd)
             caught = [w for w in inner.failures if expect in w]
             rep.check(inner.failed > 0 and bool(caught), "self-test: %s is rejected" % desc,
                       ("%d failed, e.g. %s" % (inner.failed, caught[0])) if caught else
@@ -443,9 +459,9 @@ def main():
         outdir = args.out or tempfile.mkdtemp(prefix="rcp-manifests-")
         os.makedirs(outdir, exist_ok=True)
         print("NOTE rendered manifests in %s" % outdir)
-        run(deploy, total, outdir, kubectl, allowed)
+        run(deploy, total, outdir, kubectl, allowed, args.rcpd)
     if not args.no_self_test:
-        st = self_test(deploy, kubectl, allowed)
+        st = self_test(deploy, kubectl, allowed, args.rcpd)
         total.passed += st.passed
         total.failed += st.failed
     print("%d passed, %d failed" % (total.passed, total.failed))
