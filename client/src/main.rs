@@ -74,12 +74,13 @@ struct Cli {
     #[arg(long, env = "RCP_BLOCK_SIZE", default_value = "1M", value_parser = parse_size, global = true)]
     block_size: u64,
     /// Work requests per doorbell (1..=64).
-    #[arg(long, env = "RCP_BATCH", default_value_t = 32, global = true)]
+    #[arg(long, env = "RCP_BATCH", default_value_t = rcp::datapath::DataPathConfig::default().batch, global = true)]
     batch: usize,
     /// Signal every n-th work request of a chain (default: 32; bench: the batch).
     #[arg(long, env = "RCP_SIGNAL_EVERY", global = true)]
     signal_every: Option<usize>,
-    /// Post writes up to this many bytes inline (0 disables; bench default 0).
+    /// Post writes up to this many bytes inline (0 disables; default 64, or
+    /// the device's limit if lower; bench: 0).
     #[arg(long, env = "RCP_INLINE", global = true)]
     inline: Option<u32>,
     /// Completion thread: poll, event, hybrid or hybrid:K (default: hybrid
@@ -87,17 +88,19 @@ struct Cli {
     #[arg(long, visible_alias = "mode", env = "RCP_POLL_MODE", global = true)]
     poll_mode: Option<rcp::datapath::PollMode>,
     /// Completion thread's CPU: auto (a CPU of the device's NUMA node), none
-    /// (the default), or a CPU number. While a pinned completion thread
-    /// polls, the posting thread keeps off its CPU.
+    /// (unpinned) or a CPU number. Default for copies: auto when the
+    /// device's NUMA node offers this process 4 or more CPUs, else none;
+    /// bench: none. While a pinned completion thread polls, the posting
+    /// thread keeps off its CPU.
     #[arg(long, env = "RCP_CQ_CPU", global = true)]
     cq_cpu: Option<rcp::datapath::CqCpu>,
     /// The data QP's local ACK timeout exponent, 0..=31 (4.096 us * 2^N;
     /// default 14, ~67 ms).
-    #[arg(long, env = "RCP_QP_TIMEOUT", default_value_t = 14, value_parser = clap::value_parser!(u8).range(0..=31), global = true)]
+    #[arg(long, env = "RCP_QP_TIMEOUT", default_value_t = rcp::datapath::QpRetry::default().ack_timeout, value_parser = clap::value_parser!(u8).range(0..=31), global = true)]
     qp_timeout: u8,
     /// The data QP's retransmissions before a request fails and the data
     /// path reconnects, 0..=7 (default 7; Soft-RoCE retries 7 forever).
-    #[arg(long, env = "RCP_QP_RETRY_CNT", default_value_t = 7, value_parser = clap::value_parser!(u8).range(0..=7), global = true)]
+    #[arg(long, env = "RCP_QP_RETRY_CNT", default_value_t = rcp::datapath::QpRetry::default().retry_cnt, value_parser = clap::value_parser!(u8).range(0..=7), global = true)]
     qp_retry_cnt: u8,
     /// Continue an interrupted copy from its manifest, moving only missing blocks.
     #[arg(long, env = "RCP_RESUME", global = true)]
@@ -107,7 +110,7 @@ struct Cli {
     transfers: u32,
     /// Seconds without progress (or without a word from rcpd) before the
     /// copy gives up with exit code 5; --resume continues it.
-    #[arg(long, env = "RCP_TIMEOUT", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..), global = true)]
+    #[arg(long, env = "RCP_TIMEOUT", default_value_t = rcp::control::client::DEFAULT_TIMEOUT.as_secs(), value_parser = clap::value_parser!(u64).range(1..), global = true)]
     timeout: u64,
     /// How every block is checked end to end, one check or several
     /// (comma-separated, preferred first; rcpd takes the first it allows,
@@ -481,7 +484,9 @@ fn client_options(c: &Cli) -> ClientOptions {
         gid_index: c.gid_index,
         block_size: c.block_size,
         batch: c.batch,
-        signal_every: c.signal_every.unwrap_or(32),
+        signal_every: c
+            .signal_every
+            .unwrap_or(ClientOptions::default().signal_every),
         inline: c.inline,
         poll_mode: c.poll_mode,
         cq_cpu: rcp::control::place_copy_threads(c.first_device().as_deref(), c.cq_cpu),

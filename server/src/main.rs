@@ -105,14 +105,15 @@ struct Args {
     #[arg(long, env = "RCPD_TOKEN_FILE")]
     token_file: Option<PathBuf>,
     /// CPU for the completion thread of copies this rcpd makes (Copy API):
-    /// auto, none (the default) or a CPU number, as rcp's --cq-cpu.
+    /// auto, none or a CPU number, as rcp's --cq-cpu. Default: auto when
+    /// the device's NUMA node offers rcpd 4 or more CPUs, else none.
     #[arg(long, env = "RCPD_CQ_CPU")]
     cq_cpu: Option<rcp::datapath::CqCpu>,
     /// Work requests per doorbell for copies this rcpd makes.
-    #[arg(long, env = "RCPD_BATCH", default_value_t = 32)]
+    #[arg(long, env = "RCPD_BATCH", default_value_t = rcp::datapath::DataPathConfig::default().batch)]
     batch: usize,
     /// Signal every n-th work request.
-    #[arg(long, env = "RCPD_SIGNAL_EVERY", default_value_t = 32)]
+    #[arg(long, env = "RCPD_SIGNAL_EVERY", default_value_t = rcp::datapath::DataPathConfig::default().signal_every)]
     signal_every: usize,
     /// Bytes per second each copy this rcpd makes through the Copy API may
     /// move (K/M/G suffixes, fractions allowed; 0: unlimited). rcpd's own

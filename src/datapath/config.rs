@@ -1,7 +1,8 @@
 //! Data-path configuration, set in code.
 //!
-//! [`DataPathConfig::default`] holds the tuned defaults (chains of 32
-//! signaled at the tail, inline up to 64 bytes, busy polling);
+//! [`DataPathConfig::default`] holds the defaults, the ones copies use
+//! (chains of 32 signaled at the tail, inline up to 64 bytes, hybrid
+//! polling on verbs, a 60 s request timeout);
 //! [`DataPathConfig::stream_config`] turns it into the engine's
 //! [`StreamConfig`] on a channel. The binaries read their flags (and the
 //! `RCP_*` variables behind them) with clap and fill the fields; nothing
@@ -12,16 +13,24 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use crate::engine::{BatchPolicy, StreamConfig};
-use crate::provider::ChannelCaps;
+use crate::provider::{ChannelCaps, ProviderKind};
 
 /// Default number of empty polls before hybrid mode arms and sleeps.
 pub const DEFAULT_EMPTY_POLLS: u32 = 1024;
 
+/// Default inline limit in bytes (clamped to the channel's).
+pub const DEFAULT_MAX_INLINE: u32 = 64;
+
+/// Default request timeout: a request outstanding this long means the
+/// peer or the link is gone. A copy's is its progress timeout, rcp's
+/// `--timeout`, whose default this is.
+pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
+
 /// How the completion thread waits for completions.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PollMode {
-    /// Busy poll (the default): lowest latency, one core at 100 %.
-    #[default]
+    /// Busy poll: lowest latency, one core at 100 % (`rcp bench`'s
+    /// default).
     Poll,
     /// Arm, poll once more (closes the race), then sleep on the event.
     Event,
@@ -31,6 +40,20 @@ pub enum PollMode {
         /// Empty polls in a row before sleeping.
         empty_polls: u32,
     },
+}
+
+impl PollMode {
+    /// The default on `kind`'s provider: hybrid on verbs (busy polling
+    /// would cost a core per session; hybrid sleeps when idle), event on
+    /// tcp (its completions are condvar-driven anyway).
+    pub fn default_for(kind: ProviderKind) -> PollMode {
+        match kind {
+            ProviderKind::Verbs => PollMode::Hybrid {
+                empty_polls: DEFAULT_EMPTY_POLLS,
+            },
+            ProviderKind::Tcp => PollMode::Event,
+        }
+    }
 }
 
 impl fmt::Display for PollMode {
@@ -159,7 +182,8 @@ pub struct DataPathConfig {
     pub batch: usize,
     /// Signal every n-th request of a chain (the last one always), `1..=batch`.
     pub signal_every: usize,
-    /// Inline writes up to this many bytes; `None`: min(64, channel caps);
+    /// Inline writes up to this many bytes; `None`:
+    /// min([`DEFAULT_MAX_INLINE`], channel caps);
     /// `Some(0)` disables. Always clamped to the channel's caps.
     pub max_inline: Option<u32>,
     /// How the completion thread waits.
@@ -228,14 +252,18 @@ impl RailPause {
 }
 
 impl Default for DataPathConfig {
+    /// What a copy over verbs uses when nothing is set (rcp's and rcpd's
+    /// flag defaults come from here): chains of 32 signaled at the tail,
+    /// inline up to [`DEFAULT_MAX_INLINE`], hybrid polling, unpinned,
+    /// [`DEFAULT_REQUEST_TIMEOUT`].
     fn default() -> Self {
         DataPathConfig {
             batch: 32,
             signal_every: 32,
             max_inline: None,
-            poll_mode: PollMode::Poll,
+            poll_mode: PollMode::default_for(ProviderKind::Verbs),
             cq_cpu: None,
-            request_timeout: Duration::from_secs(30),
+            request_timeout: DEFAULT_REQUEST_TIMEOUT,
             flush_timeout: Duration::from_secs(2),
             backoff: Backoff::default(),
             max_retries: 3,
@@ -284,7 +312,9 @@ impl DataPathConfig {
 
     /// The inline limit on a channel with `caps`.
     pub fn inline_for(&self, caps: &ChannelCaps) -> u32 {
-        self.max_inline.unwrap_or(64).min(caps.max_inline)
+        self.max_inline
+            .unwrap_or(DEFAULT_MAX_INLINE)
+            .min(caps.max_inline)
     }
 
     /// The stream configuration over a channel with `caps`: the send-queue
@@ -471,7 +501,13 @@ mod tests {
     fn defaults() {
         let c = DataPathConfig::default();
         assert_eq!((c.batch, c.signal_every), (32, 32));
-        assert_eq!(c.poll_mode, PollMode::Poll);
+        assert_eq!(
+            c.poll_mode,
+            PollMode::Hybrid {
+                empty_polls: DEFAULT_EMPTY_POLLS
+            }
+        );
+        assert_eq!(c.request_timeout, DEFAULT_REQUEST_TIMEOUT);
         assert_eq!(c.max_inline, None);
         let caps = ChannelCaps {
             sq_depth: 128,
@@ -496,7 +532,10 @@ mod tests {
         }
         let sc = c.stream_config(&caps).unwrap();
         assert_eq!((sc.sq_depth, sc.max_inline, sc.batch.batch), (128, 64, 32));
-        assert_eq!(sc.request_timeout_ns, 30_000_000_000);
+        assert_eq!(
+            sc.request_timeout_ns,
+            DEFAULT_REQUEST_TIMEOUT.as_nanos() as u64
+        );
         let sc = DataPathConfig {
             tx_depth: Some(16),
             max_inline: Some(0),

@@ -52,8 +52,8 @@ type Rpc = proto::rcp_client::RcpClient<InterceptedService<GrpcChannel, AddBeare
 pub const DEFAULT_TRANSFERS: u32 = 64;
 /// Default staging windows (the server grants at most this many at once).
 pub const DEFAULT_WINDOWS: u32 = 8;
-/// Default progress timeout.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+/// Default progress timeout (also the data path's request timeout).
+pub const DEFAULT_TIMEOUT: Duration = crate::datapath::config::DEFAULT_REQUEST_TIMEOUT;
 /// Default of [`ClientOptions::tcp_fallback_after`] (`rcp
 /// --tcp-fallback-after`, and rcpd's Copy API).
 pub const DEFAULT_TCP_FALLBACK_AFTER: Duration = Duration::from_secs(10);
@@ -114,6 +114,8 @@ pub struct ClientOptions {
 
 impl Default for ClientOptions {
     fn default() -> Self {
+        // The data path's settings default as the data path's own.
+        let dp = crate::datapath::DataPathConfig::default();
         ClientOptions {
             token: None,
             transport: Transport::Auto,
@@ -122,8 +124,8 @@ impl Default for ClientOptions {
             tcp_fallback_after: Some(DEFAULT_TCP_FALLBACK_AFTER),
             gid_index: None,
             block_size: DEFAULT_BLOCK_SIZE,
-            batch: 32,
-            signal_every: 32,
+            batch: dp.batch,
+            signal_every: dp.signal_every,
             inline: None,
             windows: DEFAULT_WINDOWS,
             transfers: DEFAULT_TRANSFERS,

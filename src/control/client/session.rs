@@ -18,6 +18,7 @@ use crate::control::protocol::negotiate::{provider_to_wire, timeout_ms, MAX_WIND
 use crate::control::protocol::{check_block_size, check_grant, check_to_wire, Params, Staging};
 use crate::control::rails::MAX_QPS_PER_RAIL;
 use crate::control::{VERSION_MAJOR, VERSION_MINOR, WINDOW_SIZE};
+use crate::datapath::config::DEFAULT_MAX_INLINE;
 use crate::datapath::{DataPath, DataPathConfig, DpEvent, PollMode, RailSpec, Report};
 use crate::mem::Block;
 use crate::parse::RailName;
@@ -100,12 +101,7 @@ pub fn datapath_config(kind: ProviderKind, o: &ClientOptions) -> DataPathConfig 
         batch,
         signal_every: o.signal_every.clamp(1, batch),
         max_inline: o.inline,
-        // Busy polling costs a core per session; the default sleeps when
-        // idle (the TCP provider's completions are condvar-driven anyway).
-        poll_mode: o.poll_mode.unwrap_or(match kind {
-            ProviderKind::Verbs => PollMode::Hybrid { empty_polls: 1024 },
-            ProviderKind::Tcp => PollMode::Event,
-        }),
+        poll_mode: o.poll_mode.unwrap_or(PollMode::default_for(kind)),
         cq_cpu: o.cq_cpu,
         qp_retry: o.qp_retry,
         // A request outstanding this long means the peer or the link is
@@ -306,7 +302,7 @@ async fn open_link(
         ProviderKind::Tcp => Vec::new(),
     };
     // Ask the QP for inline room; the data path clamps per WR.
-    let inline = o.inline.unwrap_or(64);
+    let inline = o.inline.unwrap_or(DEFAULT_MAX_INLINE);
     let link = tokio::task::spawn_blocking(move || {
         ClientLink::open(kind, &names, gid, WINDOW_SIZE, windows as usize, inline)
     })
