@@ -16,7 +16,7 @@ pub enum Level {
 
 /// One finding.
 #[derive(Clone, Debug)]
-pub struct Check {
+pub struct Finding {
     pub name: &'static str,
     pub level: Level,
     pub detail: String,
@@ -24,7 +24,7 @@ pub struct Check {
     pub fix: String,
 }
 
-impl fmt::Display for Check {
+impl fmt::Display for Finding {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let tag = match self.level {
             Level::Ok => "ok  ",
@@ -51,7 +51,7 @@ pub struct DoctorOptions {
 /// All findings, in order.
 #[derive(Clone, Debug, Default)]
 pub struct Diagnosis {
-    pub checks: Vec<Check>,
+    pub checks: Vec<Finding>,
 }
 
 impl Diagnosis {
@@ -62,7 +62,7 @@ impl Diagnosis {
         detail: impl Into<String>,
         fix: impl Into<String>,
     ) {
-        self.checks.push(Check {
+        self.checks.push(Finding {
             name,
             level,
             detail: detail.into(),
@@ -78,7 +78,7 @@ impl Diagnosis {
             .any(|c| c.level == Level::Fail && c.name != "rcpd")
     }
 
-    pub fn add(&mut self, c: Check) {
+    pub fn add(&mut self, c: Finding) {
         self.checks.push(c)
     }
 }

@@ -10,7 +10,7 @@
 use serde::Serialize;
 
 use crate::control::FileResult;
-use crate::doctor::{Check, Level};
+use crate::doctor::{Finding, Level};
 
 /// The schema version every line carries.
 pub const VERSION: u32 = 1;
@@ -171,7 +171,7 @@ pub fn level_name(l: Level) -> &'static str {
 }
 
 impl CheckLine {
-    pub fn new(c: &Check) -> Self {
+    pub fn new(c: &Finding) -> Self {
         CheckLine {
             name: c.name,
             level: level_name(c.level),
@@ -268,7 +268,7 @@ mod tests {
         assert!(v["sha256"].is_null() && v["retries"].is_null());
         assert!(v.as_object().unwrap().contains_key("sha256"));
         assert!(!l.contains('\n'));
-        let c = Check {
+        let c = Finding {
             name: "memlock",
             level: Level::Warn,
             detail: "low".into(),

@@ -198,7 +198,7 @@ pub struct DataPathConfig {
     /// Between reconnect attempts.
     pub backoff: Backoff,
     /// Reconnects in a row without progress before the transfer fails.
-    pub max_retries: u32,
+    pub max_reconnects: u32,
     /// ACK timeout and retry count of the requesting queue pair (applied by
     /// whoever connects it, e.g. the client's link).
     pub qp_retry: QpRetry,
@@ -266,7 +266,7 @@ impl Default for DataPathConfig {
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
             flush_timeout: Duration::from_secs(2),
             backoff: Backoff::default(),
-            max_retries: 3,
+            max_reconnects: 3,
             qp_retry: QpRetry::default(),
             tx_depth: None,
             rate_limit: None,
@@ -328,7 +328,7 @@ impl DataPathConfig {
         c.batch = BatchPolicy::new(self.batch, self.signal_every).expect("validated");
         c.max_inline = self.inline_for(caps);
         c.request_timeout_ns = self.request_timeout.as_nanos().min(u64::MAX as u128) as u64;
-        c.max_retries = self.max_retries;
+        c.max_reconnects = self.max_reconnects;
         c.rail_policy = self.rail_pause.policy();
         c.validate().map_err(|e| ConfigError::Field {
             field: "sq_depth",

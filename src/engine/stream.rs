@@ -28,7 +28,7 @@
 //! 4. The first failure of an epoch (error completion, request timeout,
 //!    [`Stream::rail_lost`]) stops posting and queues one
 //!    [`Event::ErrorBatch`] saying whether to reconnect or give up (a
-//!    non-retryable status, or `max_retries` epochs in a row that confirmed
+//!    non-retryable status, or `max_reconnects` epochs in a row that confirmed
 //!    nothing). Later completions of the epoch (flushes) are absorbed; when
 //!    nothing is outstanding, [`Event::ReadyToReconnect`]. After replacing
 //!    the queue pair call [`Stream::rail_reconnected`]: credits are full
@@ -94,7 +94,7 @@ pub struct StreamConfig {
     /// Reconnects allowed in a row without an extent confirmed in between;
     /// the next fruitless failure fails the stream. With several rails, a
     /// failure counts when it leaves no rail running.
-    pub max_retries: u32,
+    pub max_reconnects: u32,
     /// How rails that fail repeatedly are paused (streams of several
     /// rails).
     pub rail_policy: RailPolicy,
@@ -109,16 +109,16 @@ impl StreamConfig {
             batch: BatchPolicy::default(),
             max_inline: 0,
             request_timeout_ns: 0,
-            max_retries: 3,
+            max_reconnects: 3,
             rail_policy: RailPolicy::default(),
         }
     }
 
     /// Check the fields that have ranges.
-    pub fn validate(&self) -> Result<(), ConfigError> {
-        self.batch.validate().map_err(ConfigError::Batch)?;
+    pub fn validate(&self) -> Result<(), StreamConfigError> {
+        self.batch.validate().map_err(StreamConfigError::Batch)?;
         if !(1..=MAX_SLOTS).contains(&self.sq_depth) {
-            return Err(ConfigError::SqDepth(self.sq_depth));
+            return Err(StreamConfigError::SqDepth(self.sq_depth));
         }
         Ok(())
     }
@@ -126,7 +126,7 @@ impl StreamConfig {
 
 /// A [`StreamConfig`] that cannot work.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ConfigError {
+pub enum StreamConfigError {
     /// Bad batch policy.
     Batch(BatchPolicyError),
     /// `sq_depth` not in `1..=65536`.
@@ -135,19 +135,19 @@ pub enum ConfigError {
     Rails(usize),
 }
 
-impl fmt::Display for ConfigError {
+impl fmt::Display for StreamConfigError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match *self {
-            ConfigError::Batch(e) => e.fmt(f),
-            ConfigError::SqDepth(d) => {
+            StreamConfigError::Batch(e) => e.fmt(f),
+            StreamConfigError::SqDepth(d) => {
                 write!(f, "sq_depth = {d} is out of range (1..={MAX_SLOTS})")
             }
-            ConfigError::Rails(n) => write!(f, "{n} rails (1..={MAX_RAILS})"),
+            StreamConfigError::Rails(n) => write!(f, "{n} rails (1..={MAX_RAILS})"),
         }
     }
 }
 
-impl std::error::Error for ConfigError {}
+impl std::error::Error for StreamConfigError {}
 
 /// One request's worth of a window: `len` bytes at `offset` from the start
 /// of the window, the same offset on both sides.
@@ -588,7 +588,7 @@ pub struct Stream {
 
 impl Stream {
     /// A one-rail stream in epoch 0 with no windows.
-    pub fn new(cfg: StreamConfig) -> Result<Self, ConfigError> {
+    pub fn new(cfg: StreamConfig) -> Result<Self, StreamConfigError> {
         Self::with_rails(cfg, &[RailConfig::of(&cfg)])
     }
 
@@ -598,14 +598,14 @@ impl Stream {
     /// depth and inline limit (`cfg.sq_depth` and `cfg.max_inline` are
     /// those of a one-rail stream and are not used here). One rail is
     /// exactly [`Stream::new`].
-    pub fn with_rails(cfg: StreamConfig, rails: &[RailConfig]) -> Result<Self, ConfigError> {
+    pub fn with_rails(cfg: StreamConfig, rails: &[RailConfig]) -> Result<Self, StreamConfigError> {
         cfg.validate()?;
         if !(1..=MAX_RAILS).contains(&rails.len()) {
-            return Err(ConfigError::Rails(rails.len()));
+            return Err(StreamConfigError::Rails(rails.len()));
         }
         for r in rails {
             if !(1..=MAX_SLOTS).contains(&r.sq_depth) {
-                return Err(ConfigError::SqDepth(r.sq_depth));
+                return Err(StreamConfigError::SqDepth(r.sq_depth));
             }
         }
         let n = rails.len();
@@ -1215,7 +1215,7 @@ impl Stream {
         } else {
             self.fruitless_epochs = 0;
         }
-        self.fruitless_epochs > self.cfg.max_retries
+        self.fruitless_epochs > self.cfg.max_reconnects
     }
 
     /// One-rail error path (and any non-retryable failure): first failure

@@ -495,7 +495,7 @@ pub async fn doctor(
     remote: Option<String>,
     opts: super::client::ClientOptions,
 ) -> crate::doctor::Diagnosis {
-    use crate::doctor::{diagnose, Check, DoctorOptions, Level};
+    use crate::doctor::{diagnose, DoctorOptions, Finding, Level};
     let d_opts = DoctorOptions {
         device: opts.rails.first().map(|r| r.device.clone()),
         gid_index: opts.gid_index,
@@ -506,7 +506,7 @@ pub async fn doctor(
         .unwrap_or_default();
     if let Some(addr) = remote {
         let check = match Client::connect(&addr, opts).await {
-            Err(e) => Check {
+            Err(e) => Finding {
                 name: "rcpd",
                 level: Level::Fail,
                 detail: format!("{addr}: {e}"),
@@ -514,13 +514,13 @@ pub async fn doctor(
                     .into(),
             },
             Ok(c) => match c.stat("").await {
-                Ok(_) => Check {
+                Ok(_) => Finding {
                     name: "rcpd",
                     level: Level::Ok,
                     detail: format!("{addr} answers and accepts the token"),
                     fix: String::new(),
                 },
-                Err(e) => Check {
+                Err(e) => Finding {
                     name: "rcpd",
                     level: Level::Fail,
                     detail: format!("{addr}: {e}"),

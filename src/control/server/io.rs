@@ -36,7 +36,7 @@ const SPACE_CHECK_FROM: u64 = 64 << 20;
 
 /// What the server holds of an open file.
 #[derive(Clone)]
-pub(super) enum Held {
+pub(super) enum FileHandle {
     Push {
         dest: Arc<Mutex<Option<Destination>>>,
         /// Where it goes, relative to the root.
@@ -140,7 +140,7 @@ impl StreamIo {
     }
 
     /// [`ServerAction::Open`](crate::control::protocol::ServerAction::Open).
-    pub fn open(&self, o: &proto::OpenFile) -> Result<(Held, OpenedFile), Failure> {
+    pub fn open(&self, o: &proto::OpenFile) -> Result<(FileHandle, OpenedFile), Failure> {
         match Direction::try_from(o.direction) {
             Ok(Direction::Push) => self.open_push(o).map_err(fail),
             _ => self.open_pull(o).map_err(fail),
@@ -208,7 +208,7 @@ impl StreamIo {
         }
     }
 
-    fn open_push(&self, open: &proto::OpenFile) -> Result<(Held, OpenedFile), ControlError> {
+    fn open_push(&self, open: &proto::OpenFile) -> Result<(FileHandle, OpenedFile), ControlError> {
         let (dir, name, path) = self.push_target(open)?;
         if open.length >= SPACE_CHECK_FROM {
             check_space(dir.display(), open.length)?;
@@ -240,7 +240,7 @@ impl StreamIo {
         let skip = ((missing.len() as u64) < total).then(|| Bitmap::all_but(total, &missing));
         tracing::debug!(path = %esc(&path), length = open.length, resumed = skip.is_some(), "push");
         Ok((
-            Held::Push {
+            FileHandle::Push {
                 dest: Arc::new(Mutex::new(Some(dest))),
                 path: path.clone(),
             },
@@ -255,7 +255,7 @@ impl StreamIo {
         ))
     }
 
-    fn open_pull(&self, open: &proto::OpenFile) -> Result<(Held, OpenedFile), ControlError> {
+    fn open_pull(&self, open: &proto::OpenFile) -> Result<(FileHandle, OpenedFile), ControlError> {
         let rel = fsutil::root_rel(&open.path);
         let src = SourceFile::open_in(self.svc.root(), &rel)?;
         let length = src.len();
@@ -286,7 +286,7 @@ impl StreamIo {
             skip,
             fingerprint,
         };
-        Ok((Held::Pull { src: Arc::new(src) }, opened))
+        Ok((FileHandle::Pull { src: Arc::new(src) }, opened))
     }
 
     /// The used length of a window of `extents`.
@@ -307,7 +307,7 @@ impl StreamIo {
         &self,
         slot: &mut Slot,
         extents: &[proto::Extent],
-        fill: Option<&HashMap<FileId, Held>>,
+        fill: Option<&HashMap<FileId, FileHandle>>,
         len: usize,
     ) -> Result<Granted, Failure> {
         let mut digests = Vec::new();
@@ -316,7 +316,7 @@ impl StreamIo {
             let block = slot.revoke();
             let mem = block.as_mut_slice();
             for e in extents {
-                let Some(Held::Pull { src }) = files.get(&e.file) else {
+                let Some(FileHandle::Pull { src }) = files.get(&e.file) else {
                     return Err(Failure::new(
                         Reason::Other,
                         format!("file {} is not open", e.file),
@@ -390,7 +390,7 @@ impl StreamIo {
         slot: &mut Slot,
         extents: &[proto::Extent],
         expected: &[Digest],
-        files: &HashMap<FileId, Held>,
+        files: &HashMap<FileId, FileHandle>,
     ) -> Result<Vec<u32>, Failure> {
         // Revoke remote access before reading what landed.
         let mem = slot.revoke().as_slice();
@@ -411,7 +411,7 @@ impl StreamIo {
                 bad.push(i as u32);
                 continue;
             }
-            let Some(Held::Push { dest, .. }) = files.get(&e.file) else {
+            let Some(FileHandle::Push { dest, .. }) = files.get(&e.file) else {
                 return Err(Failure::new(
                     Reason::Other,
                     format!("file {} is not open", e.file),
@@ -436,11 +436,11 @@ impl StreamIo {
     /// [`ServerAction::Hash`](crate::control::protocol::ServerAction::Hash).
     pub fn hash(
         &self,
-        held: &Held,
+        held: &FileHandle,
         blocks: &[u64],
         length: u64,
     ) -> Result<Vec<(u64, Digest)>, Failure> {
-        let Held::Pull { src } = held else {
+        let FileHandle::Pull { src } = held else {
             return Err(Failure::new(Reason::Other, "hash of a pushed file"));
         };
         let mut buf = vec![0u8; self.bs as usize];
@@ -456,10 +456,10 @@ impl StreamIo {
     }
 
     /// [`ServerAction::CheckSource`](crate::control::protocol::ServerAction::CheckSource).
-    pub fn check_source(&self, held: &Held) -> Result<(), Failure> {
+    pub fn check_source(&self, held: &FileHandle) -> Result<(), Failure> {
         match held {
-            Held::Pull { src } => src.check_unchanged().map_err(fail),
-            Held::Push { .. } => Ok(()),
+            FileHandle::Pull { src } => src.check_unchanged().map_err(fail),
+            FileHandle::Push { .. } => Ok(()),
         }
     }
 
@@ -467,13 +467,13 @@ impl StreamIo {
     /// seal every file, then publish them as one batch.
     pub fn commit(
         &self,
-        files: Vec<(FileId, Held, Digest)>,
+        files: Vec<(FileId, FileHandle, Digest)>,
     ) -> Vec<(FileId, Result<CommittedFile, Failure>)> {
         let mut out = Vec::with_capacity(files.len());
         let mut sealed = Vec::new();
         let mut meta = Vec::new();
         for (file, held, digest) in files {
-            let Held::Push { dest, path } = held else {
+            let FileHandle::Push { dest, path } = held else {
                 out.push((
                     file,
                     Err(Failure::new(Reason::Other, "commit of a pulled file")),

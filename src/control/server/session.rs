@@ -45,7 +45,7 @@ pub struct SessionState {
     /// Verbs, a session over several rails: rails 1.. (rail 0 is `domain`
     /// and `qp`), each a QP in a protection domain of its own on its
     /// device, where every grant is registered too.
-    rails: Vec<RailState>,
+    rails: Vec<SessionRail>,
     /// The negotiated (initiator, responder) depths, reused on reconnect.
     rd: (u32, u32),
     epoch: AtomicU64,
@@ -89,7 +89,7 @@ impl Drop for MoveSlot {
 
 /// One more rail of a session: its QP and the domain its grants are
 /// registered in.
-pub struct RailState {
+pub struct SessionRail {
     domain: Arc<dyn Domain>,
     qp: Arc<VerbsChannel>,
 }
@@ -200,7 +200,7 @@ impl Service {
                 qp = sd.channel.clone();
                 rails = more
                     .drain(..)
-                    .map(|d| RailState {
+                    .map(|d| SessionRail {
                         qp: d.channel.expect("a verbs rail has a QP"),
                         domain: d.domain,
                     })

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 use tonic::{Status, Streaming};
 
-use super::io::{Held, Slot, StreamIo};
+use super::io::{FileHandle, Slot, StreamIo};
 use super::limits::{ClientId, Watchdog};
 use super::session::MoveSlot;
 use super::Service;
@@ -24,7 +24,7 @@ use crate::proto::{self, ClientFrame, ServerFrame};
 type Tx = mpsc::Sender<Result<ServerFrame, Status>>;
 
 /// What opening a file gave.
-type OpenResult = Result<(Held, OpenedFile), Failure>;
+type OpenResult = Result<(FileHandle, OpenedFile), Failure>;
 
 /// An answer from a blocking job.
 enum Done {
@@ -52,7 +52,7 @@ enum Done {
 
 /// What the driver knows of an open file.
 struct FileInfo {
-    held: Held,
+    held: FileHandle,
     dir: &'static str,
     length: u64,
     started: Instant,
@@ -346,7 +346,7 @@ impl Driver {
         let now = self.now();
         // Source checks and closes of this round, on one blocking thread:
         // a window of small files ends many files at once.
-        let mut checks: Vec<(FileId, Held)> = Vec::new();
+        let mut checks: Vec<(FileId, FileHandle)> = Vec::new();
         let mut closes: Vec<FileInfo> = Vec::new();
         while let Some(a) = self.core.poll_action() {
             match a {
@@ -393,7 +393,7 @@ impl Driver {
                     checks.push((file, fi.held.clone()));
                 }
                 ServerAction::Commit { files } => {
-                    let batch: Vec<(FileId, Held, Digest)> = files
+                    let batch: Vec<(FileId, FileHandle, Digest)> = files
                         .into_iter()
                         .filter_map(|(f, d)| Some((f, self.files.get(&f)?.held.clone(), d)))
                         .collect();
@@ -442,7 +442,11 @@ impl Driver {
     }
 
     /// Check `checks`' sources and drop `closes` on one blocking thread.
-    fn spawn_checks_and_closes(&mut self, checks: Vec<(FileId, Held)>, closes: Vec<FileInfo>) {
+    fn spawn_checks_and_closes(
+        &mut self,
+        checks: Vec<(FileId, FileHandle)>,
+        closes: Vec<FileInfo>,
+    ) {
         if checks.is_empty() && closes.is_empty() {
             return;
         }
@@ -468,7 +472,7 @@ impl Driver {
     fn grant(&mut self, window: WindowId, epoch: u32, extents: Vec<proto::Extent>, fill: bool) {
         self.watchdog.job_started(self.now());
         let slot = self.slots.remove(&window);
-        let fills: Option<HashMap<FileId, Held>> = fill.then(|| {
+        let fills: Option<HashMap<FileId, FileHandle>> = fill.then(|| {
             extents
                 .iter()
                 .filter_map(|e| Some((e.file, self.files.get(&e.file)?.held.clone())))
@@ -544,7 +548,7 @@ impl Driver {
             );
             return;
         };
-        let files: HashMap<FileId, Held> = extents
+        let files: HashMap<FileId, FileHandle> = extents
             .iter()
             .filter_map(|e| Some((e.file, self.files.get(&e.file)?.held.clone())))
             .collect();
@@ -592,8 +596,8 @@ impl Driver {
                 for (file, r) in rs {
                     let r = r.map(|(held, opened)| {
                         let dir = match held {
-                            Held::Push { .. } => "push",
-                            Held::Pull { .. } => "pull",
+                            FileHandle::Push { .. } => "push",
+                            FileHandle::Pull { .. } => "pull",
                         };
                         self.svc.metrics.transfer_started();
                         self.files.insert(

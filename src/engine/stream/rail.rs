@@ -78,7 +78,7 @@
 //!
 //! A rail failure with no other rail running leaves every rail down: the
 //! stream waits (its extents queued) until a rail is reconnected, and the
-//! retry budget ([`StreamConfig::max_retries`](super::StreamConfig::max_retries))
+//! retry budget ([`StreamConfig::max_reconnects`](super::StreamConfig::max_reconnects))
 //! counts such outages in a row that confirmed nothing, as the one-rail
 //! stream counts fruitless epochs. A rail that fails again within
 //! [`RailPolicy::flap_window_ns`] of its previous failure is *paused*

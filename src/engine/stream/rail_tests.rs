@@ -707,7 +707,7 @@ fn a_flapping_rail_is_paused_with_growing_cooldowns() {
 #[test]
 fn all_rails_down_waits_for_a_reconnect_then_reposts_first() {
     let mut c = cfg(8);
-    c.max_retries = 2;
+    c.max_reconnects = 2;
     let mut sim = Sim::new(c, &[32, 32], &[1_000, 1_000]);
     for id in 0..4 {
         sim.add(job(id, OpKind::Write, 40, 4096));
@@ -752,7 +752,7 @@ fn all_rails_down_waits_for_a_reconnect_then_reposts_first() {
     // Outages in a row that confirm nothing spend the retry budget.
     sim.add(job(9, OpKind::Write, 10, 4096));
     // The first outage after progress is not fruitless; the next three
-    // (max_retries + 1) in a row are.
+    // (max_reconnects + 1) in a row are.
     for attempt in 0..4 {
         for r in 0..2 {
             sim.devs[r].held = true;
@@ -810,15 +810,15 @@ fn one_rail_streams_raise_no_rail_events_and_keep_their_wr_ids() {
     );
     assert_eq!(
         Stream::with_rails(cfg(4), &[]).err(),
-        Some(ConfigError::Rails(0))
+        Some(StreamConfigError::Rails(0))
     );
     assert_eq!(
         Stream::with_rails(cfg(4), &rails(&[8; MAX_RAILS + 1])).err(),
-        Some(ConfigError::Rails(MAX_RAILS + 1))
+        Some(StreamConfigError::Rails(MAX_RAILS + 1))
     );
     assert_eq!(
         Stream::with_rails(cfg(4), &rails(&[8, 0])).err(),
-        Some(ConfigError::SqDepth(0))
+        Some(StreamConfigError::SqDepth(0))
     );
 }
 
@@ -1002,7 +1002,7 @@ fn check(
     let mut c = StreamConfig::new(1);
     c.batch = BatchPolicy::new(batch.0, batch.1.min(batch.0)).unwrap();
     c.request_timeout_ns = 500_000;
-    c.max_retries = 1_000;
+    c.max_reconnects = 1_000;
     c.rail_policy = RailPolicy {
         flap_window_ns: 100_000,
         cooldown_ns: 10_000,

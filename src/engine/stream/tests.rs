@@ -557,7 +557,7 @@ fn non_retryable_status_during_a_flush_fails() {
 #[test]
 fn retry_budget_bounds_fruitless_reconnects() {
     let mut c = config(16, 8);
-    c.max_retries = 2;
+    c.max_reconnects = 2;
     let mut s = Stream::new(c).unwrap();
     s.add_window(job(1, OpKind::Write, 8, 4096)).unwrap();
     let mut dev = Device::new(16);
@@ -587,7 +587,7 @@ fn retry_budget_bounds_fruitless_reconnects() {
 #[test]
 fn progress_resets_the_retry_budget() {
     let mut c = config(16, 4);
-    c.max_retries = 1;
+    c.max_reconnects = 1;
     let mut s = Stream::new(c).unwrap();
     s.add_window(job(1, OpKind::Write, 64, 4096)).unwrap();
     let mut dev = Device::new(16);
@@ -881,16 +881,18 @@ fn windows_are_validated() {
 fn config_is_validated() {
     let mut c = StreamConfig::new(8);
     c.batch.batch = 0;
-    assert!(matches!(Stream::new(c), Err(ConfigError::Batch(_))));
+    assert!(matches!(Stream::new(c), Err(StreamConfigError::Batch(_))));
     assert_eq!(
         Stream::new(StreamConfig::new(0)).err(),
-        Some(ConfigError::SqDepth(0))
+        Some(StreamConfigError::SqDepth(0))
     );
     assert_eq!(
         Stream::new(StreamConfig::new(MAX_SLOTS + 1)).err(),
-        Some(ConfigError::SqDepth(MAX_SLOTS + 1))
+        Some(StreamConfigError::SqDepth(MAX_SLOTS + 1))
     );
-    assert!(ConfigError::SqDepth(0).to_string().contains("sq_depth = 0"));
+    assert!(StreamConfigError::SqDepth(0)
+        .to_string()
+        .contains("sq_depth = 0"));
 }
 
 #[test]
@@ -1061,7 +1063,7 @@ fn check(
     c.batch = BatchPolicy::new(batch.0, batch.1.min(batch.0)).unwrap();
     c.max_inline = 64;
     c.request_timeout_ns = 500_000;
-    c.max_retries = 1_000;
+    c.max_reconnects = 1_000;
     let mut h = Harness {
         s: Stream::new(c).unwrap(),
         dev: Device::new(depth),
