@@ -12,7 +12,7 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use rcp::datapath::{DataPath, DataPathConfig, DpEvent, PollMode, ReconnectFn};
+use rcp::datapath::{DataPath, DataPathConfig, DpEvent, PollMode, ReconnectError, ReconnectFn};
 use rcp::engine::{Extent, OpKind, WcStatus, WindowJob, WorkCompletion, WorkRequest};
 use rcp::provider::{Channel, ChannelCaps, PostFailure, ProviderError, ProviderKind};
 
@@ -103,7 +103,7 @@ fn cfg(mode: PollMode) -> DataPathConfig {
 /// resubmitted when done.
 fn session(msgs: u64, mode: PollMode) -> (f64, u64, u64) {
     let ch: Arc<dyn Channel> = Arc::new(NullChannel::default());
-    let reconnect: ReconnectFn = Box::new(|| Err("no".into()));
+    let reconnect: ReconnectFn = Box::new(|| Err(ReconnectError::permanent("no")));
     let dp = DataPath::start(cfg(mode), ch, reconnect, None).unwrap();
     let mut ev = dp.take_events().unwrap();
     let per = WINDOW / SLOT;

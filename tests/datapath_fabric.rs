@@ -24,7 +24,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::verbs_rig::{self, pattern, whole, Side};
-use rcp::datapath::{DataPath, DataPathConfig, DataPathError, DpEvent, PollMode, ReconnectFn};
+use rcp::datapath::{
+    DataPath, DataPathConfig, DataPathError, DpEvent, PollMode, ReconnectError, ReconnectFn,
+};
 use rcp::engine::{Extent, OpKind, WcStatus, WindowJob};
 use rcp::mem::{Arena, PeerSpan};
 use rcp::provider::Channel;
@@ -69,10 +71,11 @@ fn reconnect(a: &End, b: &End) -> (ReconnectFn, Arc<AtomicU32>) {
     let n = calls.clone();
     let f: ReconnectFn = Box::new(move || {
         n.fetch_add(1, Relaxed);
-        let ea = ca.reset()?;
-        let eb = cb.reset()?;
-        ca.handshake(&eb, &ConnectParams::default())?;
-        cb.handshake(&ea, &ConnectParams::default())?;
+        let step = ReconnectError::retryable;
+        let ea = ca.reset().map_err(step)?;
+        let eb = cb.reset().map_err(step)?;
+        ca.handshake(&eb, &ConnectParams::default()).map_err(step)?;
+        cb.handshake(&ea, &ConnectParams::default()).map_err(step)?;
         Ok(())
     });
     (f, calls)

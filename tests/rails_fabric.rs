@@ -23,6 +23,7 @@ use common::verbs_rig::{bytes, fill, pattern, whole};
 use rcp::control::rails::{pair, PairedBy, RailAddr};
 use rcp::datapath::{
     DataPath, DataPathConfig, DpEvent, FenceFn, PollMode, PortMonitor, RailReconnectFn, RailSpec,
+    ReconnectError,
 };
 use rcp::engine::{Extent, OpKind, WindowJob};
 use rcp::mem::{Arena, ArenaConfig};
@@ -170,10 +171,11 @@ impl Rails {
         for (k, e) in self.a.iter().enumerate() {
             let (x, y) = (e.ch.clone(), self.b[self.peer[k]].ch.clone());
             let reconnect: RailReconnectFn = Box::new(move |_rail: usize| {
-                let ex = x.reset()?;
-                let ey = y.reset()?;
-                x.handshake(&ey, &ConnectParams::default())?;
-                y.handshake(&ex, &ConnectParams::default())?;
+                let step = ReconnectError::retryable;
+                let ex = x.reset().map_err(step)?;
+                let ey = y.reset().map_err(step)?;
+                x.handshake(&ey, &ConnectParams::default()).map_err(step)?;
+                y.handshake(&ex, &ConnectParams::default()).map_err(step)?;
                 Ok(())
             });
             let f = e.ch.clone();

@@ -7,7 +7,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use rcp::datapath::{DataPath, DataPathConfig, DataPathError, DpEvent, PollMode, ReconnectFn};
+use rcp::datapath::{
+    DataPath, DataPathConfig, DataPathError, DpEvent, PollMode, ReconnectError, ReconnectFn,
+};
 use rcp::engine::{Extent, OpKind, WcStatus, WindowJob};
 use rcp::mem::{Arena, ArenaConfig, PeerSpan};
 use rcp::provider::tcp::{TcpChannel, TcpDomain, TcpTarget, DEFAULT_CONNS};
@@ -79,7 +81,8 @@ fn start(r: &Rig) -> (DataPath, UnboundedReceiver<DpEvent>) {
         flush_timeout: Duration::from_secs(1),
         ..DataPathConfig::default()
     };
-    let reconnect: ReconnectFn = Box::new(|| Err("no reconnect over this rig".into()));
+    let reconnect: ReconnectFn =
+        Box::new(|| Err(ReconnectError::permanent("no reconnect over this rig")));
     let ch: Arc<dyn Channel> = r.ch.clone();
     let dp = DataPath::start(cfg, ch, reconnect, None).unwrap();
     let ev = dp.take_events().unwrap();

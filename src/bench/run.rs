@@ -181,12 +181,16 @@ fn start_lane(i: usize, l: &Lane, o: &BenchOptions) -> Result<DataPath, BenchErr
     let peer = l.peer.as_ref().map(|p| p.ch.clone());
     let reconnect: ReconnectFn = Box::new(move || -> Result<(), ReconnectError> {
         let Some(p) = &peer else {
-            return Err("the bench does not reconnect across hosts; run it again".into());
+            return Err(ReconnectError::permanent(
+                "the bench does not reconnect across hosts; run it again",
+            ));
         };
-        let ea = me.reset()?;
-        let eb = p.reset()?;
-        me.handshake(&eb, &ConnectParams::default())?;
-        p.handshake(&ea, &ConnectParams::default())?;
+        let ea = me.reset().map_err(ReconnectError::retryable)?;
+        let eb = p.reset().map_err(ReconnectError::retryable)?;
+        me.handshake(&eb, &ConnectParams::default())
+            .map_err(ReconnectError::retryable)?;
+        p.handshake(&ea, &ConnectParams::default())
+            .map_err(ReconnectError::retryable)?;
         Ok(())
     });
     let ch: Arc<dyn Channel> = l.ch.clone();

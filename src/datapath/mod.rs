@@ -24,7 +24,9 @@
 //!   event or hybrid) and hands them to the posting thread, which keeps off
 //!   their CPUs while they spin;
 //! - a reconnect helper per rail, which fences, waits for the port and
-//!   reconnects its rail with backoff while the posting thread goes on;
+//!   reconnects its rail with backoff while the posting thread goes on
+//!   (a [`ReconnectError::Permanent`] from the callback ends that at once:
+//!   the tcp provider's connections cannot be replaced);
 //! - with several rails, a port watcher per rail that has a monitor: the
 //!   port going down fails the rail at once.
 //!

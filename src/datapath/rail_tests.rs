@@ -524,7 +524,7 @@ fn a_rail_that_cannot_reconnect_is_paused_while_the_other_carries_the_copy() {
         let calls = calls.clone();
         Box::new(move |_| {
             calls.fetch_add(1, Relaxed);
-            Err("peer's port unreachable".into())
+            Err(ReconnectError::retryable("peer's port unreachable"))
         })
     };
     let mut c = cfg();

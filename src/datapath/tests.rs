@@ -295,7 +295,7 @@ fn reconnect_failures_back_off_then_give_up() {
         &ch,
         Box::new(move || {
             n.fetch_add(1, Relaxed);
-            Err("peer unreachable".into())
+            Err(ReconnectError::retryable("peer unreachable"))
         }),
     );
     let mut ev = dp.take_events().unwrap();
@@ -307,6 +307,42 @@ fn reconnect_failures_back_off_then_give_up() {
         "{e}"
     );
     assert!(e.is_retryable());
+    dp.close();
+}
+
+/// A reconnect that cannot succeed (the tcp provider's) is not retried:
+/// the data path gives up after the first attempt, whatever the backoff
+/// allows, and says so.
+#[test]
+fn a_permanent_reconnect_error_gives_up_at_once() {
+    let ch = Arc::new(FakeChannel::new(64));
+    ch.fail_at(10, WcStatus::RetryExceeded);
+    let mut c = cfg(PollMode::Event);
+    c.backoff.max_attempts = 8;
+    let calls = Arc::new(AtomicU32::new(0));
+    let n = calls.clone();
+    let dp = start(
+        c,
+        &ch,
+        Box::new(move || {
+            n.fetch_add(1, Relaxed);
+            Err(ReconnectError::permanent(
+                "this connection cannot be replaced",
+            ))
+        }),
+    );
+    let mut ev = dp.take_events().unwrap();
+    submit(&dp, job(1, OpKind::Write, 256, 4096));
+    let e = wait_failed(&mut ev);
+    assert_eq!(calls.load(Relaxed), 1, "a permanent error is not retried");
+    match &e {
+        DataPathError::Reconnect {
+            attempts: 1,
+            source,
+        } => assert!(source.is_permanent(), "{e}"),
+        other => panic!("not a reconnect failure: {other}"),
+    }
+    assert!(e.to_string().contains("not retried"), "{e}");
     dp.close();
 }
 
@@ -551,7 +587,7 @@ fn reconnect_waits_for_port_active_instead_of_sleeping() {
         Box::new(move || {
             calls.fetch_add(1, Relaxed);
             if !port.is_active() {
-                return Err("port down".into());
+                return Err(ReconnectError::retryable("port down"));
             }
             ch.reset();
             Ok(())

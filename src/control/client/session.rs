@@ -9,7 +9,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::io::FileJob;
 use super::{Client, ClientOptions, Rpc};
-use crate::control::error::{ControlError, Result};
+use crate::control::error::{status_reason, ControlError, Reason, Result};
 use crate::control::link::{
     connect_params, ep_from_proto, ep_to_proto, rails_or_default, resolve_transport, ClientLink,
     ClientRail,
@@ -193,8 +193,11 @@ impl Client {
                 .await
                 .map_err(|e| ControlError::Other(e.to_string()))??;
         crate::phase::mark("tcp data connections up");
-        let reconnect: crate::datapath::ReconnectFn =
-            Box::new(|| Err("the TCP data connection broke; rerun with --resume".into()));
+        let reconnect: crate::datapath::ReconnectFn = Box::new(|| {
+            Err(crate::datapath::ReconnectError::permanent(
+                "the TCP data connection broke; rerun with --resume",
+            ))
+        });
         let cfg = datapath_config(ProviderKind::Tcp, o);
         let dp = DataPath::start(cfg, channel.clone(), reconnect, None)
             .map_err(ControlError::DataPath)?;
@@ -429,7 +432,10 @@ impl RailKeys {
 }
 
 /// A rail's reconnect callback: reset its QP, exchange fresh endpoints
-/// with `Reconnect` (naming the rail) and connect again.
+/// with `Reconnect` (naming the rail) and connect again. The QP steps and
+/// a transient status are retried; a refusal by rcpd (the session gone,
+/// the token refused, a bad request) or an answer outside the protocol is
+/// permanent.
 fn reconnector(
     vc: Arc<VerbsChannel>,
     rpc: &Rpc,
@@ -441,19 +447,29 @@ fn reconnector(
     let rpc = rpc.clone();
     let handle = tokio::runtime::Handle::current();
     Box::new(move |rail: usize| {
-        let ep = vc.reset()?;
+        use crate::datapath::ReconnectError;
+        let ep = vc.reset().map_err(ReconnectError::retryable)?;
         let epoch = epoch.fetch_add(1, Relaxed) + 1;
-        let resp = handle.block_on(rpc.clone().reconnect(proto::ReconnectRequest {
-            session_id: id,
-            endpoint: Some(ep_to_proto(&ep)),
-            epoch,
-            rail: rail as u32,
-        }))?;
+        let resp = handle
+            .block_on(rpc.clone().reconnect(proto::ReconnectRequest {
+                session_id: id,
+                endpoint: Some(ep_to_proto(&ep)),
+                epoch,
+                rail: rail as u32,
+            }))
+            .map_err(|s| match status_reason(&s) {
+                Reason::Retryable | Reason::Other | Reason::Unspecified => {
+                    ReconnectError::retryable(s)
+                }
+                _ => ReconnectError::permanent(s),
+            })?;
         let sep = resp
             .into_inner()
             .endpoint
-            .ok_or("the server sent no endpoint")?;
-        vc.handshake(&ep_from_proto(&sep)?, &connect_params(rd, rd, retry))?;
+            .ok_or_else(|| ReconnectError::permanent("the server sent no endpoint"))?;
+        let sep = ep_from_proto(&sep).map_err(ReconnectError::permanent)?;
+        vc.handshake(&sep, &connect_params(rd, rd, retry))
+            .map_err(ReconnectError::retryable)?;
         tracing::info!(epoch, rail, "reconnected");
         Ok(())
     })

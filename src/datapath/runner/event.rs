@@ -11,8 +11,35 @@ use crate::provider::ProviderError;
 #[cfg(doc)]
 use super::DataPath;
 
-/// An error from the caller's reconnect callback.
-pub type ReconnectError = Box<dyn std::error::Error + Send + Sync>;
+/// Why the caller's reconnect callback could not bring its connection
+/// back, and whether trying again may: a permanent error ends the
+/// reconnect at once (the runner gives up on the first), a retryable one
+/// is retried with backoff up to the attempts of the configuration.
+#[derive(Debug, thiserror::Error)]
+pub enum ReconnectError {
+    /// Another attempt would fail the same way (the tcp provider, whose
+    /// connections cannot be replaced; a session the peer forgot).
+    #[error("{0} (cannot succeed: not retried)")]
+    Permanent(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// Another attempt may succeed (the peer not reachable yet, a reset
+    /// that failed).
+    #[error("{0}")]
+    Retryable(#[source] Box<dyn std::error::Error + Send + Sync>),
+}
+
+impl ReconnectError {
+    pub fn permanent(e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> ReconnectError {
+        ReconnectError::Permanent(e.into())
+    }
+
+    pub fn retryable(e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> ReconnectError {
+        ReconnectError::Retryable(e.into())
+    }
+
+    pub fn is_permanent(&self) -> bool {
+        matches!(self, ReconnectError::Permanent(_))
+    }
+}
 
 /// Why the data path could not start, refused a window, or stopped.
 #[derive(Debug, thiserror::Error)]
@@ -29,7 +56,7 @@ pub enum DataPathError {
         extent: Option<u32>,
         reason: &'static str,
     },
-    #[error("reconnect failed after {attempts} attempts: {source}")]
+    #[error("reconnect failed after {attempts} attempt(s): {source}")]
     Reconnect {
         attempts: u32,
         source: ReconnectError,

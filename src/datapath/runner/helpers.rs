@@ -144,8 +144,8 @@ impl Helper {
         }
     }
 
-    /// One reconnect: fence, cool-down, port, attempts with backoff. False
-    /// if told to stop.
+    /// One reconnect: fence, cool-down, port, attempts with backoff (a
+    /// permanent error ends them). False if told to stop.
     fn bring_back(&mut self, fence: bool, after: Duration) -> bool {
         let rail = self.rail;
         if fence {
@@ -180,7 +180,8 @@ impl Helper {
                 }
                 Err(e) => {
                     n += 1;
-                    if n >= attempts {
+                    // A permanent error would only repeat: give up at once.
+                    if n >= attempts || e.is_permanent() {
                         let _ = self.tx.send(Input::Reconnected {
                             rail,
                             result: Err((n, e)),

@@ -23,8 +23,10 @@ pub type RailReconnectFn = Box<dyn FnMut(usize) -> Result<(), ReconnectError> + 
 /// queue pair out of service at once (verbs: move it to the error state, so
 /// its send queue is flushed, or reset it). `Ok` promises that the channel
 /// touches no memory of any request posted on it before the call. Called on
-/// the rail's helper thread when the rail is fenced, before its reconnect.
-pub type FenceFn = Box<dyn FnMut(usize) -> Result<(), ReconnectError> + Send>;
+/// the rail's helper thread when the rail is fenced, before its reconnect;
+/// an error is logged, and the reconnect goes on.
+pub type FenceFn =
+    Box<dyn FnMut(usize) -> Result<(), Box<dyn std::error::Error + Send + Sync>> + Send>;
 
 /// A key map of a rail: the window's `(lkey, rkey)` (those of rail 0) →
 /// this rail's.
