@@ -274,16 +274,22 @@ fn held<'a>(args: &[&'a str], rate: &'a str) -> Vec<&'a str> {
 /// Start `rcp args` quietly, kill it once the manifest of `name` in `dir`
 /// (the receiving side) shows a verified window, and check that nothing is
 /// under the final name.
-fn kill_mid_copy(t: &str, port: u16, s: &Scale, args: &[&str], dir: &Path, name: &str) {
+fn kill_mid_copy(t: &str, d: &Rcpd, s: &Scale, args: &[&str], dir: &Path, name: &str) {
     let rate = (s.resume_len / 4).to_string();
     let args = held(args, &rate);
-    let mut child = rcp_blocks(t, port, s.resume_block, &args)
+    // Its stderr kept beside `dir`: what it said, should it end first.
+    let err_path = dir.with_extension("rcp.stderr");
+    let err = std::fs::File::create(&err_path).unwrap();
+    let mut child = rcp_blocks(t, d.port, s.resume_block, &args)
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(err)
         .spawn()
         .unwrap();
     let blocks = WINDOW_SIZE as u64 / s.resume_block;
-    wait_verified_while(dir, name, blocks, &mut child, || format!("rcp {args:?}"));
+    wait_verified_while(dir, name, blocks, &mut child, || {
+        let said = std::fs::read_to_string(&err_path).unwrap_or_default();
+        format!("rcp {args:?}: {said}\nrcpd: {}", d.log())
+    });
     child.kill().unwrap();
     child.wait().unwrap();
     assert!(
@@ -316,7 +322,7 @@ pub fn push_resume_after_client_killed(t: &str, s: &Scale) {
     make_file(&src, s.resume_len, 7);
     let want = sha256sum(&src);
     let p = src.to_str().unwrap();
-    kill_mid_copy(t, d.port, s, &["push", "-q", p, &remote("/")], &root, "big");
+    kill_mid_copy(t, &d, s, &["push", "-q", p, &remote("/")], &root, "big");
     assert!(find_manifest(&root, "big").is_some(), "{:?}", names(&root));
     let args = ["push", "--resume", p, &remote("/")];
     resume(t, d.port, s, &args, &root, "big", &want);
@@ -332,7 +338,7 @@ pub fn pull_resume_after_client_killed(t: &str, s: &Scale) {
     std::fs::create_dir(&dst).unwrap();
     let ds = dst.to_str().unwrap();
     let args = ["pull", "-q", &remote("big"), ds];
-    kill_mid_copy(t, d.port, s, &args, &dst, "big");
+    kill_mid_copy(t, &d, s, &args, &dst, "big");
     let args = ["pull", "--resume", &remote("big"), ds];
     resume(t, d.port, s, &args, &dst, "big", &want);
 }
@@ -663,7 +669,7 @@ pub fn resume_across_a_change_of_check(t: &str, s: &Scale) {
     let p = src.to_str().unwrap();
     kill_mid_copy(
         t,
-        d.port,
+        &d,
         s,
         &["--verify", "sha256", "push", "-q", p, &remote("/")],
         &root,
