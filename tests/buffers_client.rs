@@ -50,6 +50,8 @@ fn config(root: &std::path::Path, socket: &std::path::Path) -> DaemonConfig {
 /// An in-process rcpd, stopped by [`Daemon::stop`].
 struct Daemon {
     addr: String,
+    /// Where it is bound (gRPC, metrics...).
+    bound: daemon::Bound,
     stop: tokio::sync::oneshot::Sender<()>,
     server: tokio::task::JoinHandle<rcp::control::error::Result<()>>,
 }
@@ -65,13 +67,19 @@ impl Daemon {
                     let _ = stop_rx.await;
                 },
                 move |b, _| {
-                    let _ = tx.send(b.grpc);
+                    let _ = tx.send(b.clone());
                 },
             )
             .await
         });
-        let addr = rx.await.unwrap().to_string();
-        Daemon { addr, stop, server }
+        let bound: daemon::Bound = rx.await.unwrap();
+        let addr = bound.grpc.to_string();
+        Daemon {
+            addr,
+            bound,
+            stop,
+            server,
+        }
     }
 
     async fn stop(self) {
@@ -293,5 +301,87 @@ async fn an_operation_to_an_unlisted_peer_is_refused_before_any_connection() {
     let e = writer.wait(h).await.unwrap_err();
     assert_eq!(e.reason_name(), "not_found", "{e}");
     drop(writer);
+    d.stop().await;
+}
+
+/// `GET /metrics` of `addr`.
+fn scrape(addr: std::net::SocketAddr) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+/// Sessions rcpd closed for `--session-grace` (opened, no work started).
+fn grace_closed(metrics: std::net::SocketAddr) -> u64 {
+    let m = scrape(metrics);
+    m.lines()
+        .find_map(|l| l.strip_prefix("rcpd_client_limits_total{reason=\"session_grace\"} "))
+        .and_then(|v| v.parse::<f64>().ok())
+        .unwrap_or_else(|| panic!("no session_grace count in {m}")) as u64
+}
+
+/// A session kept for buffer operations is at work: the exposing rcpd does
+/// not close it under `--session-grace` (for sessions that never start),
+/// and an operation after a quiet time longer than the grace uses it. The
+/// sweep is proved to have run by a bare session opened after the buffer
+/// session's last grant, which it closes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_buffer_session_outlives_the_session_grace() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("root");
+    std::fs::create_dir(&root).unwrap();
+    let sock = dir.path().join("rcpd.sock");
+    let mut cfg = config(&root, &sock);
+    cfg.session_grace = Duration::from_millis(500);
+    cfg.metrics_listen = Some("127.0.0.1:0".parse().unwrap());
+    let d = Daemon::start(cfg).await;
+    let (addr, metrics) = (d.addr.clone(), d.bound.metrics.unwrap());
+    let owner = ServiceClient::connect(Some(&sock), None).await.unwrap();
+    let dst = owner.create_buffer(2 << 20).await.unwrap();
+    owner
+        .expose(&dst, "graced", 0, 2 << 20, "write", &[])
+        .await
+        .unwrap();
+    let writer = ServiceClient::connect(Some(&sock), None).await.unwrap();
+    let src = writer.create_buffer(2 << 20).await.unwrap();
+    let h = writer
+        .write(&src, &addr, "graced", &[(0, 0, 4096)], None)
+        .await
+        .unwrap();
+    assert_eq!(writer.wait(h).await.unwrap(), 4096);
+    assert_eq!(grace_closed(metrics), 0);
+
+    let probe = rcp::control::Client::connect(
+        &addr,
+        rcp::control::ClientOptions {
+            transport: Transport::Tcp,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let bare = probe.session().await.unwrap();
+    // Hang guard only: the sweep runs every quarter second.
+    let t0 = std::time::Instant::now();
+    while grace_closed(metrics) == 0 {
+        assert!(t0.elapsed() < Duration::from_secs(600), "no sweep");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        grace_closed(metrics),
+        1,
+        "the sweep closed the bare session only, not the buffer session"
+    );
+    let h = writer
+        .write(&src, &addr, "graced", &[(4096, 4096, 4096)], None)
+        .await
+        .unwrap();
+    assert_eq!(writer.wait(h).await.unwrap(), 4096);
+    assert_eq!(grace_closed(metrics), 1);
+
+    drop((bare, probe, owner, writer));
     d.stop().await;
 }

@@ -75,6 +75,8 @@ pub struct PeerLink {
     waiters: Mutex<HashMap<u64, Waiter>>,
     next: AtomicU64,
     dead: Mutex<Option<String>>,
+    /// Ends the driver (and with it the data path): [`PeerLink::retire`].
+    stop: tokio::sync::Notify,
     /// Declared last: closed (CloseSession) after the data path.
     session: Mutex<Option<Session>>,
 }
@@ -110,6 +112,15 @@ impl PeerLink {
         }
     }
 
+    /// Give the link up although its data path works (the peer no longer
+    /// holds the session): its operations fail, the driver ends, the data
+    /// path closes once the last of them let go, and the next operation
+    /// opens a new session.
+    fn retire(&self, why: String) {
+        self.fail(why);
+        self.stop.notify_one();
+    }
+
     fn dead(&self) -> Option<String> {
         self.dead.lock().unwrap().clone()
     }
@@ -132,12 +143,17 @@ impl PeerLink {
     }
 }
 
-/// The session to `peer` under `check`, opened on first use.
-async fn link(bufs: &Arc<Buffers>, peer: &str, check: Check) -> Result<Arc<PeerLink>, OpError> {
+/// The session to `peer` under `check`, opened on first use; whether it
+/// was opened now.
+async fn link(
+    bufs: &Arc<Buffers>,
+    peer: &str,
+    check: Check,
+) -> Result<(Arc<PeerLink>, bool), OpError> {
     let key = (peer.to_string(), check.name());
     if let Some(l) = bufs.peers.0.lock().unwrap().get(&key) {
         if l.dead().is_none() {
-            return Ok(l.clone());
+            return Ok((l.clone(), false));
         }
     }
     // rcpd's token and certificate go to listed peers only: refused here,
@@ -179,6 +195,7 @@ async fn link(bufs: &Arc<Buffers>, peer: &str, check: Check) -> Result<Arc<PeerL
         waiters: Mutex::new(HashMap::new()),
         next: AtomicU64::new(0),
         dead: Mutex::new(None),
+        stop: tokio::sync::Notify::new(),
         session: Mutex::new(Some(session)),
     });
     tracing::info!(peer = %crate::escape::esc(peer), check = check.name(), session = l.session_id, transport = %l.domain.kind(), "buffer session to a peer");
@@ -187,7 +204,12 @@ async fn link(bufs: &Arc<Buffers>, peer: &str, check: Check) -> Result<Arc<PeerL
     let (d, b) = (l.clone(), bufs.clone());
     let path = l.path.clone();
     tokio::spawn(async move {
-        while let Some((ev, range)) = path.next_event().await {
+        loop {
+            let next = tokio::select! {
+                e = path.next_event() => e,
+                _ = d.stop.notified() => None,
+            };
+            let Some((ev, range)) = next else { break };
             match ev {
                 DpEvent::WindowDone { id } => {
                     let w = d.waiters.lock().unwrap().remove(&id);
@@ -209,7 +231,7 @@ async fn link(bufs: &Arc<Buffers>, peer: &str, check: Check) -> Result<Arc<PeerL
         }
     });
     bufs.peers.0.lock().unwrap().insert(key, l.clone());
-    Ok(l)
+    Ok((l, true))
 }
 
 /// One operation a service asked for.
@@ -236,9 +258,7 @@ pub async fn run(bufs: &Arc<Buffers>, op: &OpSpec, cancelled: &AtomicBool) -> Re
     if cancelled.load(Relaxed) {
         return Err(OpError::new(Reason::Other, "cancelled"));
     }
-    let link = link(bufs, &op.peer, op.check).await?;
-    let reg = link.registration(op.buffer_uid, &op.buffer)?;
-    let grant = request_grant(&link, op).await?;
+    let (link, reg, grant) = granted(bufs, op).await?;
     let sent = if op.write {
         digests(link.check, &local)
     } else {
@@ -324,6 +344,32 @@ fn lease_local(op: &OpSpec) -> Result<Vec<LeasedRange>, OpError> {
         local.push(r);
     }
     Ok(local)
+}
+
+/// The session an operation runs on, the buffer's registration in it and
+/// the peer's grant.
+type Granting = (
+    Arc<PeerLink>,
+    Arc<dyn Registration>,
+    proto::BufferGrantResponse,
+);
+
+/// The session to the operation's peer, the buffer's registration in it
+/// and the peer's grant. A kept session the peer no longer holds (it
+/// closed it, idle; its answer is `retryable`) is given up and the grant
+/// asked for once more on a new one.
+async fn granted(bufs: &Arc<Buffers>, op: &OpSpec) -> Result<Granting, OpError> {
+    loop {
+        let (link, new) = link(bufs, &op.peer, op.check).await?;
+        let reg = link.registration(op.buffer_uid, &op.buffer)?;
+        match request_grant(&link, op).await {
+            Err(e) if e.reason == Reason::Retryable && !new => {
+                tracing::info!(peer = %crate::escape::esc(&op.peer), session = link.session_id, error = %crate::escape::esc(&e), "buffer session given up: a new one");
+                link.retire(format!("the peer gave up the session: {e}"));
+            }
+            r => return r.map(|g| (link, reg, g)),
+        }
+    }
 }
 
 /// A peer's error as the operation's.

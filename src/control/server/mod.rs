@@ -383,8 +383,17 @@ impl proto::rcp_server::Rcp for RcpService {
         let peer = req.remote_addr().map(|a| a.ip());
         let req = req.into_inner();
         let id = req.session_id;
-        let session = self.0.session(id)?;
+        // A session the peer still holds but this rcpd closed (idle): the
+        // peer opens a new one on `retryable`.
+        let session = self.0.session(id).map_err(|e| {
+            crate::control::buffers::OpError::new(super::error::Reason::Retryable, e.to_string())
+        })?;
         *session.last_used.lock().unwrap() = std::time::Instant::now();
+        // A session kept for buffer operations is at work: the idle time
+        // closes it, not the grace for sessions that never start.
+        session
+            .moved
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         let r = crate::control::buffers::grant::grant(&self.0.buffers, &session, id, req, peer)?;
         Ok(Response::new(r))
     }

@@ -54,7 +54,8 @@ pub struct SessionState {
     /// CloseSession are reaped when idle.
     pub active: AtomicU64,
     pub last_used: Mutex<Instant>,
-    /// A Move stream was opened on it (before, `--session-grace` applies).
+    /// A Move stream was opened on it, or a buffer grant made (before,
+    /// `--session-grace` applies; after, the idle time).
     pub moved: AtomicBool,
     /// Who opened it, and the name it gave (cut at what a log line shows).
     pub client: ClientId,
