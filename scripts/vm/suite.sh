@@ -103,7 +103,7 @@ netns)
   # with fewer than all bytes confirmed both when the link went down and when
   # it came back, little confirmed while it was down, and (verbs) the client's
   # port watcher saw its port go down, (verbs, retry 3) the data path
-  # reconnected.
+  # reconnected after an error batch.
   linkcut() {
     local dir t=$1 op=$2 retry=${3:-} dev_b=() dev_a=() env_a=()
     local total=$((16 << 20)) trigger=$((2 << 20)) rate=2M
@@ -168,13 +168,25 @@ netns)
     [ $alive_down = yes ] && [ "$at_down" -ge $trigger ] && [ "$at_down" -lt $total ] ||
       bad+=("the copy was not under way when the link went down")
     [ $alive_up = yes ] && [ "$at_up" -lt $total ] || bad+=("the copy was over before the link came back")
-    # ... and the cut stopped it: less than 1 MiB confirmed in the 3 s (the
-    # limit allows 6 MiB; what was on the wire at the cut may still land).
-    [ $((at_up - at_down)) -lt $((1 << 20)) ] || bad+=("$((at_up - at_down)) bytes confirmed while the link was down")
+    # ... and (push) the cut stopped it: less than 1 MiB confirmed in the
+    # 3 s, where the limit allows 6 MiB (a push confirms block by block).
+    # A pull confirms a window once all of it is read and verified, and the
+    # windows in flight at the cut (their bytes landed before it) are
+    # verified during it, seconds later on a slow machine (seen: 8 MiB under
+    # TCG): the count cannot tell a stalled pull from a slow one, so a
+    # pull's cut is shown by the checks above and, verbs, the PORT_ERR below.
+    if [ "$op" = push ]; then
+      [ $((at_up - at_down)) -lt $((1 << 20)) ] || bad+=("$((at_up - at_down)) bytes confirmed while the link was down")
+    fi
     if [ "$t" = verbs ]; then
       [ $port_err = yes ] || bad+=("the client's port watcher saw no PORT_ERR")
-      if [ -n "$retry" ]; then
-        [ "$reconnects" -ge 1 ] || bad+=("no reconnect with QP retry count $retry")
+      # With QP retry count 3 a request that was on the wire during the cut
+      # exhausts its retries: the error batch, then a reconnect. Whether one
+      # was on the wire depends on the machine's speed (--bwlimit paces the
+      # posts; rxe may have nothing outstanding for the whole cut), so the
+      # reconnect is required where the data path saw an error completion.
+      if [ -n "$retry" ] && sed 's/\x1b\[[0-9;]*m//g' "$dir/rcp.log" | grep -aq "error batch"; then
+        [ "$reconnects" -ge 1 ] || bad+=("an error batch with QP retry count $retry but no reconnect")
       fi
     fi
     [ ${#bad[@]} -eq 0 ] && return 0
