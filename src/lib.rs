@@ -43,6 +43,18 @@ pub mod proto {
     #![allow(missing_docs, clippy::all)]
     tonic::include_proto!("rcp.v1");
 
+    impl Direction {
+        /// `push` or `pull` (`unspecified`): the direction as metrics
+        /// labels, JSON lines and messages name it.
+        pub fn label(self) -> &'static str {
+            match self {
+                Direction::Push => "push",
+                Direction::Pull => "pull",
+                Direction::Unspecified => "unspecified",
+            }
+        }
+    }
+
     /// The encoded file descriptor set (for server reflection).
     pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("rcp_descriptor");
 }

@@ -27,6 +27,7 @@ use prometheus_client::registry::Registry;
 
 use crate::datapath::{DataPathStats, RailStats, Report};
 use crate::engine::stream::Counters;
+use crate::proto::Direction;
 
 type Labels = Vec<(String, String)>;
 
@@ -388,18 +389,18 @@ impl Metrics {
         self.active_transfers.inc();
     }
 
-    /// Record a finished transfer: direction `push`/`pull`, outcome
+    /// Record a finished transfer: its direction, outcome
     /// `ok`/`error`/..., and the data path's report if there was one.
     pub fn transfer_ended(
         &self,
-        direction: &str,
+        direction: Direction,
         outcome: &str,
         bytes: u64,
         seconds: f64,
         report: Option<&Report>,
     ) {
         self.active_transfers.dec();
-        let d = vec![("direction".to_string(), direction.to_string())];
+        let d = vec![("direction".to_string(), direction.label().to_string())];
         self.bytes.get_or_create(&d).inc_by(bytes);
         let mut l = d.clone();
         l.push(("outcome".to_string(), outcome.to_string()));
@@ -410,7 +411,7 @@ impl Metrics {
                 .observe(bytes as f64 / seconds);
         }
         if let Some(r) = report {
-            self.datapath_report(direction, r);
+            self.datapath_report(Some(direction), r);
         }
     }
 
@@ -535,9 +536,11 @@ impl Metrics {
     }
 
     /// Record what a data path run measured: post-to-completion latency of
-    /// its signaled requests and the time each reconnect took.
-    pub fn datapath_report(&self, direction: &str, r: &Report) {
-        let d = vec![("direction".to_string(), direction.to_string())];
+    /// its signaled requests and the time each reconnect took; `direction`
+    /// `None` (a session that moved no file) is labelled `none`.
+    pub fn datapath_report(&self, direction: Option<Direction>, r: &Report) {
+        let label = direction.map_or("none", Direction::label);
+        let d = vec![("direction".to_string(), label.to_string())];
         let h = self.wr_latency.get_or_create(&d);
         for &ns in r.latency.samples() {
             h.observe(ns as f64 / 1e9);
@@ -651,7 +654,7 @@ mod tests {
         c.errors.count(WcStatus::Flushed);
         s.publish(&c, 200);
         m.transfer_started();
-        m.transfer_ended("push", "ok", 1 << 20, 0.5, None);
+        m.transfer_ended(Direction::Push, "ok", 1 << 20, 0.5, None);
         let t = m.render();
         assert!(
             t.contains(r#"rcp_sq_free_slots{device="rxe0",qp="17"} 200"#),
@@ -779,7 +782,7 @@ mod tests {
         }
         m.transfer_started();
         assert_eq!(m.active_transfers(), 1);
-        m.transfer_ended("pull", "ok", 4096, 0.1, None);
+        m.transfer_ended(Direction::Pull, "ok", 4096, 0.1, None);
         m.integrity_failures(3);
         m.auth_failure();
         let s = Arc::new(DataPathStats::default());
@@ -821,7 +824,7 @@ mod tests {
         c.errors.count(WcStatus::Flushed);
         s.publish(&c, 8);
         m.transfer_started();
-        m.transfer_ended("push", "ok", 1, 1.0, None);
+        m.transfer_ended(Direction::Push, "ok", 1, 1.0, None);
         m.cq_overrun();
         m.memlock_failure();
         let t = m.render();

@@ -13,6 +13,7 @@ use rcp::control::jobs::{self, Job, Paths, Plan};
 use rcp::control::{exit, Client, ClientOptions, ClientTls, ControlError, FileResult, Transport};
 use rcp::json::{self, line};
 use rcp::parse::RailList;
+use rcp::proto::Direction;
 
 const AFTER_HELP: &str = "\
 Remote paths are HOST:PATH or [IPV6]:PATH, resolved beneath the server's --root.
@@ -311,7 +312,7 @@ impl Bars {
 struct Watch {
     bars: Option<Bars>,
     /// `--json`: the file lines' direction.
-    json: Option<&'static str>,
+    json: Option<Direction>,
     /// Say on stderr which provider each session runs over, and why.
     announce: bool,
     /// The current session's provider and check (the file lines').
@@ -356,7 +357,10 @@ impl Observer for Watch {
             let (transport, check) = self.session.lock().unwrap().clone();
             println!(
                 "{}",
-                line("file", &json::FileLine::new(r, dir, &transport, check))
+                line(
+                    "file",
+                    &json::FileLine::new(r, dir.label(), &transport, check)
+                )
             );
         }
     }
@@ -369,8 +373,11 @@ fn progress_ticker(
     every: Duration,
     as_json: bool,
 ) -> tokio::task::JoinHandle<()> {
-    let (direction, bytes_total, files_total) =
-        (plan.direction(), plan.bytes(), plan.files.len() as u64);
+    let (direction, bytes_total, files_total) = (
+        plan.direction().label(),
+        plan.bytes(),
+        plan.files.len() as u64,
+    );
     tokio::spawn(async move {
         let t0 = Instant::now();
         let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
@@ -412,7 +419,7 @@ fn progress_ticker(
 
 /// `--dry-run`: what the plan would copy, and the totals.
 fn print_plan(plan: &Plan, as_json: bool, quiet: bool, seconds: f64) {
-    let dir = plan.direction();
+    let dir = plan.direction().label();
     for f in &plan.files {
         if as_json {
             let l = json::PlanLine {
@@ -600,7 +607,7 @@ async fn copy_files(
 
 /// The summary of a copy: a JSON line, or the human line (and with -v a
 /// line per rail).
-fn print_outcome(c: &Cli, direction: &'static str, dirs: u64, outcome: jobs::Outcome) {
+fn print_outcome(c: &Cli, direction: Direction, dirs: u64, outcome: jobs::Outcome) {
     let jobs::Outcome {
         totals,
         kind,
@@ -612,7 +619,7 @@ fn print_outcome(c: &Cli, direction: &'static str, dirs: u64, outcome: jobs::Out
     if c.json {
         let one = totals.files == 1;
         let l = json::SummaryLine {
-            direction,
+            direction: direction.label(),
             dry_run: false,
             files: totals.files,
             dirs,

@@ -88,7 +88,7 @@ pub struct Session {
     pub(super) quarantine: Vec<Block>,
     /// What the session's files did (the data path's report is filed
     /// under it).
-    pub(super) direction: Option<&'static str>,
+    pub(super) direction: Option<proto::Direction>,
     /// Which provider and why (for the user).
     pub transport: String,
     pub kind: ProviderKind,
@@ -565,7 +565,7 @@ impl Session {
         // The device has let go of every window now.
         self.quarantine.clear();
         if let Some(m) = &self.opts.metrics {
-            m.datapath_report(self.direction.unwrap_or("none"), &report);
+            m.datapath_report(self.direction, &report);
         }
         self.rpc
             .close_session(proto::CloseSessionRequest {

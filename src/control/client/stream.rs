@@ -69,6 +69,9 @@ const BATCH_ANSWERS: usize = 16;
 
 /// A window lent to the data path.
 struct Lent {
+    /// WRITE (push: the device reads the slot) or READ (pull: it fills
+    /// it).
+    op: OpKind,
     grant: proto::Grant,
     slot: Block,
     /// Push: the digests of what was written.
@@ -215,10 +218,7 @@ impl<'a> Driver<'a> {
         while !*fed_all && self.core.room() > 0 {
             match files.next() {
                 Some(job) => {
-                    self.s.direction.get_or_insert(match job.spec.direction {
-                        Direction::Push => "push",
-                        _ => "pull",
-                    });
+                    self.s.direction.get_or_insert(job.spec.direction);
                     obs.file_start(&job.local.display().to_string(), job.len_hint);
                     let id = self.core.add_file(job.spec.clone());
                     self.jobs.insert(id, (job, Instant::now()));
@@ -570,6 +570,7 @@ impl Driver<'_> {
         self.lent.insert(
             id,
             Lent {
+                op,
                 grant,
                 slot,
                 digests,
@@ -591,8 +592,8 @@ impl Driver<'_> {
                     keys.remove(l.grant.rkey);
                 }
                 let (window, epoch) = (l.grant.window, l.grant.epoch);
-                match Direction::try_from(self.dir_of(&l.grant)) {
-                    Ok(Direction::Push) => {
+                match l.op {
+                    OpKind::Write => {
                         // Progress is what the device has written (it
                         // runs behind the staging under --bwlimit).
                         let bytes: u64 = l.grant.extents.iter().map(|e| u64::from(e.len)).sum();
@@ -601,7 +602,7 @@ impl Driver<'_> {
                         let now = self.now();
                         self.core.sent(now, window, epoch, Ok(l.digests));
                     }
-                    _ => {
+                    OpKind::Read => {
                         let dests: HashMap<FileId, _> = l
                             .grant
                             .extents
@@ -662,13 +663,6 @@ impl Driver<'_> {
                 .map(|r| r.counters().failures)
                 .collect()
         })
-    }
-
-    fn dir_of(&self, g: &proto::Grant) -> i32 {
-        g.extents
-            .first()
-            .and_then(|e| self.jobs.get(&e.file))
-            .map_or(0, |(j, _)| j.spec.direction as i32)
     }
 
     fn apply(&mut self, d: Done, obs: &dyn Observer) {

@@ -24,7 +24,7 @@ use std::path::{Component, Path, PathBuf};
 
 use super::client::{Client, FileJob, FileResult};
 use super::error::{ControlError, Result};
-use crate::proto::FileType;
+use crate::proto::{Direction, FileType};
 
 pub use paths::Paths;
 pub use policy::{run, run_over, tcp_fallback, Outcome, Sessions, Watcher};
@@ -264,12 +264,12 @@ impl Plan {
         self.remote_dirs.len() + self.local_dirs.len()
     }
 
-    /// `"push"` or `"pull"`.
-    pub fn direction(&self) -> &'static str {
+    /// Push or pull.
+    pub fn direction(&self) -> Direction {
         if self.push {
-            "push"
+            Direction::Push
         } else {
-            "pull"
+            Direction::Pull
         }
     }
 }

@@ -47,6 +47,15 @@ pub(super) enum FileHandle {
     },
 }
 
+impl FileHandle {
+    pub(super) fn direction(&self) -> Direction {
+        match self {
+            FileHandle::Push { .. } => Direction::Push,
+            FileHandle::Pull { .. } => Direction::Pull,
+        }
+    }
+}
+
 /// A window's arena slot and, while granted, its registrations (one per
 /// rail of the session).
 ///

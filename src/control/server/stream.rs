@@ -19,7 +19,7 @@ use crate::control::protocol::{
     ServerCore, Side, Violation, WindowId,
 };
 use crate::metrics::ClientLimit;
-use crate::proto::{self, ClientFrame, ServerFrame};
+use crate::proto::{self, ClientFrame, Direction, ServerFrame};
 
 type Tx = mpsc::Sender<Result<ServerFrame, Status>>;
 
@@ -53,7 +53,6 @@ enum Done {
 /// What the driver knows of an open file.
 struct FileInfo {
     held: FileHandle,
-    dir: &'static str,
     length: u64,
     started: Instant,
 }
@@ -297,7 +296,7 @@ impl Driver {
                 tracing::warn!(reason = ?f.reason, error = %crate::escape::esc(&f.message), files_open = open.len(), "move stream ended with an error");
                 for fi in open.values() {
                     self.svc.metrics.transfer_ended(
-                        fi.dir,
+                        fi.held.direction(),
                         "error",
                         0,
                         fi.started.elapsed().as_secs_f64(),
@@ -405,11 +404,11 @@ impl Driver {
                 }
                 ServerAction::Close { file } => {
                     if let Some(fi) = self.files.remove(&file) {
-                        if fi.dir == "pull" {
+                        if fi.held.direction() == Direction::Pull {
                             // A pulled file finished.
                             self.watchdog.moved(now);
                             self.svc.metrics.transfer_ended(
-                                "pull",
+                                Direction::Pull,
                                 "ok",
                                 fi.length,
                                 fi.started.elapsed().as_secs_f64(),
@@ -595,16 +594,11 @@ impl Driver {
             Done::Opened(rs) => {
                 for (file, r) in rs {
                     let r = r.map(|(held, opened)| {
-                        let dir = match held {
-                            FileHandle::Push { .. } => "push",
-                            FileHandle::Pull { .. } => "pull",
-                        };
                         self.svc.metrics.transfer_started();
                         self.files.insert(
                             file,
                             FileInfo {
                                 held,
-                                dir,
                                 length: opened.length,
                                 started: Instant::now(),
                             },
@@ -641,7 +635,7 @@ impl Driver {
                 for (file, r) in rs {
                     if let (Ok(c), Some(fi)) = (&r, self.files.get(&file)) {
                         self.svc.metrics.transfer_ended(
-                            "push",
+                            Direction::Push,
                             "ok",
                             c.length,
                             fi.started.elapsed().as_secs_f64(),
