@@ -23,7 +23,8 @@ use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::verbs_rig::{self, pattern, whole, Side};
+use common::pattern::{pattern, pattern_into};
+use common::verbs_rig::{self, whole, Side};
 use rcp::datapath::{
     DataPath, DataPathConfig, DataPathError, DpEvent, PollMode, ReconnectError, ReconnectFn,
 };
@@ -473,7 +474,7 @@ fn wrong_rkey_is_a_remote_access_error_not_a_hang() {
     let len = 1usize << 20;
     let (a, b) = pair(len, len);
     // SAFETY: no data path runs yet: no request names A's arena.
-    unsafe { a.span().with_mut(0, len, |s| verbs_rig::pattern_into(s, 1)) }.unwrap();
+    unsafe { a.span().with_mut(0, len, |s| pattern_into(s, 1)) }.unwrap();
     let before = bytes_at(&b.span(), 0, len);
     let (reconnect, calls) = reconnect(&a, &b);
     let (dp, mut ev) = start(dp_cfg(), &a, reconnect);

@@ -19,7 +19,8 @@ use std::time::{Duration, Instant};
 
 mod common;
 
-use common::verbs_rig::{bytes, fill, pattern, whole};
+use common::pattern::pattern;
+use common::verbs_rig::{bytes, fill, whole};
 use rcp::control::rails::{pair, PairedBy, RailAddr};
 use rcp::datapath::{
     DataPath, DataPathConfig, DpEvent, FenceFn, PollMode, PortMonitor, RailReconnectFn, RailSpec,

@@ -4,9 +4,12 @@
 //! serves many windows and both directions, a bad rkey fails the data path
 //! with a non-retryable error.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::pattern::pattern_into;
 use rcp::datapath::{
     DataPath, DataPathConfig, DataPathError, DpEvent, PollMode, ReconnectError, ReconnectFn,
 };
@@ -38,16 +41,6 @@ fn mem(bytes: usize, access: Access) -> Mem {
         span,
         domain,
         reg,
-    }
-}
-
-fn pattern(b: &mut [u8], seed: u64) {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    for c in b.chunks_mut(8) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        c.copy_from_slice(&x.to_le_bytes()[..c.len()]);
     }
 }
 
@@ -143,7 +136,7 @@ fn windows_of_packed_extents_land_byte_exact_both_ways() {
     unsafe {
         r.local
             .span
-            .with_mut(0, r.local.span.len(), |b| pattern(b, 1))
+            .with_mut(0, r.local.span.len(), |b| pattern_into(b, 1))
             .unwrap();
         r.remote
             .span
@@ -190,7 +183,7 @@ fn windows_of_packed_extents_land_byte_exact_both_ways() {
     unsafe {
         r.remote
             .span
-            .with_mut(0, r.remote.span.len(), |b| pattern(b, 2))
+            .with_mut(0, r.remote.span.len(), |b| pattern_into(b, 2))
             .unwrap();
         r.local
             .span

@@ -3,11 +3,14 @@
 //! rules (selective signaling, flush after an error), garbage and dead
 //! connections don't hang or crash anything.
 
+mod common;
+
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::pattern::{pattern, pattern_into};
 use rcp::engine::{LocalSeg, OpKind, RemoteSeg, WcStatus, WorkCompletion, WorkRequest};
 use rcp::mem::{Arena, ArenaConfig, PeerSpan};
 use rcp::provider::tcp::{TcpChannel, TcpDomain, TcpTarget, DEFAULT_CONNS};
@@ -46,7 +49,7 @@ impl Mem {
 
     fn fill(&self, off: usize, len: usize, seed: u64) {
         // SAFETY: the test touches this range only between requests: none in flight names it now.
-        unsafe { self.span.with_mut(off, len, |b| pattern(b, seed)) }.unwrap();
+        unsafe { self.span.with_mut(off, len, |b| pattern_into(b, seed)) }.unwrap();
     }
 
     fn bytes(&self, off: usize, len: usize) -> Vec<u8> {
@@ -56,23 +59,6 @@ impl Mem {
     fn snapshot(&self) -> Vec<u8> {
         self.bytes(0, self.arena.len())
     }
-}
-
-fn pattern(b: &mut [u8], seed: u64) {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    for chunk in b.chunks_mut(8) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        let v = x.to_le_bytes();
-        chunk.copy_from_slice(&v[..chunk.len()]);
-    }
-}
-
-fn expected(len: usize, seed: u64) -> Vec<u8> {
-    let mut v = vec![0u8; len];
-    pattern(&mut v, seed);
-    v
 }
 
 /// A target side and an initiator side joined by one channel.
@@ -258,7 +244,7 @@ fn write_then_read_blocks_from_4k_to_4m() {
         let wcs = collect(&r.ch, 1, T);
         assert_eq!((wcs[0].wr_id, wcs[0].status), (id, WcStatus::Success));
         assert!(
-            r.remote.bytes(4 * MIB, size) == expected(size, seed),
+            r.remote.bytes(4 * MIB, size) == pattern(size, seed),
             "WRITE of {size} bytes differs"
         );
         // Read it back into a zeroed, different local region.
@@ -280,7 +266,7 @@ fn write_then_read_blocks_from_4k_to_4m() {
             }
         );
         assert!(
-            r.local.bytes(8 * MIB, size) == expected(size, seed),
+            r.local.bytes(8 * MIB, size) == pattern(size, seed),
             "READ of {size} bytes differs"
         );
         size *= 4;
@@ -318,7 +304,7 @@ fn chain_of_32_with_only_the_last_signaled_completes_once() {
     // Every write retired by that completion has landed.
     for i in 0..32 {
         assert!(
-            r.remote.bytes((31 - i) * blk, blk) == expected(blk, 1000 + i as u64),
+            r.remote.bytes((31 - i) * blk, blk) == pattern(blk, 1000 + i as u64),
             "write {i} did not land"
         );
     }
@@ -390,7 +376,7 @@ fn read_without_remote_read_right_is_a_remote_access_error() {
     // SAFETY: the rig's arenas are registered in the channel's domain; the test touches a posted range again only after collecting the completion that retires it (or the channel's error and its flushes).
     unsafe { ch.post(&[r.wr(4, OpKind::Write, 0, 0, 4096, win.rkey(), true)]) }.unwrap();
     assert_eq!(collect(&ch, 1, T)[0].status, WcStatus::Success);
-    assert!(r.remote.bytes(0, 4096) == expected(4096, 33));
+    assert!(r.remote.bytes(0, 4096) == pattern(4096, 33));
 }
 
 #[test]
@@ -407,7 +393,7 @@ fn revoked_registration_is_a_remote_access_error() {
     drop(win);
     r.local.fill(0, 4096, 6);
     expect_remote_access(&r, r.wr(2, OpKind::Write, 0, 0, 4096, rkey, true));
-    assert!(r.remote.bytes(0, 4096) == expected(4096, 5));
+    assert!(r.remote.bytes(0, 4096) == pattern(4096, 5));
 }
 
 #[test]
@@ -528,7 +514,7 @@ fn garbage_on_one_connection_does_not_disturb_a_valid_channel() {
     let addr = r.target.local_addr();
     // Several kinds of garbage, each on its own raw connection.
     let mut junk: Vec<Vec<u8>> = Vec::new();
-    junk.push(expected(1 << 20, 99)); // random bytes
+    junk.push(pattern(1 << 20, 99)); // random bytes
     let mut hdr = vec![0u8; 32];
     hdr[..4].copy_from_slice(b"RCPT");
     hdr[4] = 1;
@@ -603,7 +589,7 @@ fn garbage_on_one_connection_does_not_disturb_a_valid_channel() {
         let wcs = collect(&r.ch, 64, T);
         assert!(wcs.iter().all(|w| w.status.is_success()), "{wcs:?}");
         for i in 0..64 {
-            assert!(r.local.bytes(8 * MIB + i * blk, blk) == expected(blk, round * 100 + i as u64));
+            assert!(r.local.bytes(8 * MIB + i * blk, blk) == pattern(blk, round * 100 + i as u64));
         }
     }
     for a in attackers {
@@ -675,7 +661,7 @@ fn hundred_thousand_small_writes_respecting_depth() {
     // The last write to slot s came from local block s % 256.
     for s in 0..1024 {
         assert!(
-            r.remote.bytes(s * BLK, BLK) == expected(BLK, 5000 + (s % 256) as u64),
+            r.remote.bytes(s * BLK, BLK) == pattern(BLK, 5000 + (s % 256) as u64),
             "slot {s}"
         );
     }

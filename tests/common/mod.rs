@@ -4,6 +4,7 @@
 
 pub mod e2e;
 pub mod metrics;
+pub mod pattern;
 pub mod raw;
 pub mod verbs_rig;
 
@@ -237,16 +238,11 @@ pub fn sha256sums(base: &Path, rels: &[PathBuf]) -> Vec<String> {
 /// A file of `len` pseudo-random bytes (seeded).
 pub fn make_file(p: &Path, len: u64, seed: u64) {
     let mut f = std::io::BufWriter::new(std::fs::File::create(p).unwrap());
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut pat = pattern::Pattern::new(seed);
     let mut left = len;
     let mut buf = vec![0u8; 1 << 16];
     while left > 0 {
-        for c in buf.chunks_mut(8) {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            c.copy_from_slice(&x.to_le_bytes()[..c.len()]);
-        }
+        pat.fill(&mut buf);
         let n = left.min(buf.len() as u64) as usize;
         f.write_all(&buf[..n]).unwrap();
         left -= n as u64;

@@ -111,23 +111,7 @@ pub fn pair(a_bytes: usize, b_bytes: usize, sq_depth: u32) -> (Side, Side) {
     (a, b)
 }
 
-/// The test pattern of `seed` over `b` (xorshift64, 8 bytes at a time).
-pub fn pattern_into(b: &mut [u8], seed: u64) {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    for c in b.chunks_mut(8) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        c.copy_from_slice(&x.to_le_bytes()[..c.len()]);
-    }
-}
-
-/// `len` bytes of the test pattern of `seed`.
-pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
-    let mut v = vec![0u8; len];
-    pattern_into(&mut v, seed);
-    v
-}
+use super::pattern::pattern_into;
 
 /// Fill `span` with the test pattern of `seed`.
 ///
