@@ -23,6 +23,8 @@
 # (a warm-up); uses the release binaries as they are (build them first).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=lib-rcpd.sh
+. scripts/lib-rcpd.sh
 MIB=${RCP_BENCH_MIB:-1024}
 PASSES=${RCP_BENCH_PASSES:-5}
 OLD=${RCP_OLD_BIN:-}
@@ -94,14 +96,13 @@ now() { date +%s.%N; }
 # CPU seconds (user + system) of a process so far, from /proc.
 cpu_of() { awk -v t="$(getconf CLK_TCK)" '{print ($14 + $15 + $16 + $17) / t}' "/proc/$1/stat"; }
 
-rcpd_start() { # BIN-DIR PORT
-  "$1/rcpd" --listen "127.0.0.1:$2" --health-listen none --root "$w/root" --transport tcp --log warn &
-  pids+=($!)
-  for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/"$2") 2>/dev/null && break; sleep 0.1; done
+rcpd_of() { # BIN-DIR PORT: an untimed rcpd of BIN-DIR serving $w/root, in pids
+  rcpd_start "$1/rcpd" "$2" "$w/root" ""
+  pids+=("$RCPD_PID")
 }
-rcpd_start "$R" 17481
+rcpd_of "$R" 17481
 NEW_RCPD=${pids[-1]}
-if [ -n "$OLD" ]; then rcpd_start "$OLD" 17482; OLD_RCPD=${pids[-1]}; fi
+if [ -n "$OLD" ]; then rcpd_of "$OLD" 17482; OLD_RCPD=${pids[-1]}; fi
 cat >"$w/rsyncd.conf" <<CONF
 pid file = $w/rsyncd.pid
 use chroot = no
@@ -210,7 +211,7 @@ RSS_MIB=${RCP_BENCH_RSS_MIB:-2048}
 if [ "$RSS_MIB" -gt 0 ]; then
   rm -f "$w/src/file" "$w/root/file" "$w/root/pull-src" "$w/back/file" "$w/rsync/"*
   head -c $((RSS_MIB << 20)) /dev/urandom >"$w/src/big"
-  rcpd_start "$R" 17483
+  rcpd_of "$R" 17483
   RSS_RCPD=${pids[-1]}
   /usr/bin/time -f "%M" -o "$w/rss-push" "$R/rcp" -q --transport tcp -P 17483 push "$w/src/big" 127.0.0.1:big
   cmp "$w/src/big" "$w/root/big"

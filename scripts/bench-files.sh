@@ -20,6 +20,8 @@
 # Installs what it needs (rsync, openssh-server/client, time).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=lib-rcpd.sh
+. scripts/lib-rcpd.sh
 N=${RCP_BENCH_FILES:-2000}
 KIB=${RCP_BENCH_FILE_KIB:-16}
 PASSES=${RCP_BENCH_PASSES:-5}
@@ -96,14 +98,10 @@ mkdir -p "$shm/dst" "$disk/dst"
 rsync --daemon --config="$disk/rsyncd.conf" --port=17873 --address=127.0.0.1
 sleep 0.5
 
-rcpd_start() { # ROOT [RSS-FILE]
-  local rss=${2:-/dev/null}
-  /usr/bin/time -f "%M" -o "$rss" "$R/rcpd" --listen 127.0.0.1:17471 --health-listen none \
-    --root "$1" --transport tcp --log warn &
-  RCPD=$!
-  for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/17471) 2>/dev/null && break; sleep 0.1; done
+rcpd_on() { # ROOT [RSS-FILE]: rcpd on 17471, timed (lib-rcpd.sh), RCPD its pid
+  rcpd_start "$R/rcpd" 17471 "$1" "${2:-/dev/null}"
+  RCPD=$RCPD_PID
 }
-rcpd_stop() { pkill -TERM -P "$RCPD" || true; wait "$RCPD" || true; }
 RCP=("$R/rcp" -q --transport tcp -P 17471)
 
 # One timed run of "$@"; prints seconds. Not timed: emptying the target and
@@ -174,7 +172,7 @@ for where in $WHERE; do
   # and scp's path alike.
   cp -r "$base/src/tree" "$base/root/srv"
   rm -rf "$base/dst/srv" && cp -r "$base/src/tree" "$base/dst/srv"
-  rcpd_start "$base/root"
+  rcpd_on "$base/root"
   for p in $(seq "$PASSES"); do
     timed_rcp "$where rcp push" "$where" "$base/root/tree" "${RCP[@]}" push -r "$base/src/tree" 127.0.0.1:/
     add "$where rsync -a push" "$(timed "$where" "$base/dst/tree" rsync -a "$base/src/tree" "rsync://127.0.0.1:17873/$where/")"
@@ -244,7 +242,7 @@ if have "disk rcp push" "disk rsync -a push"; then ratio "disk rcp push" "disk r
 rm -rf "$shm/src" "$shm/root" "$shm/back" "$shm/dst"
 make_tree "$shm/tiny" "$TINY" 100
 mkdir -p "$shm/root" "$shm/back"
-rcpd_start "$shm/root" "$disk/rcpd.rss"
+rcpd_on "$shm/root" "$disk/rcpd.rss"
 /usr/bin/time -f "%e %M" -o "$disk/push.t" "${RCP[@]}" push -r "$shm/tiny" 127.0.0.1:/
 /usr/bin/time -f "%e %M" -o "$disk/pull.t" "${RCP[@]}" pull -r 127.0.0.1:tiny "$shm/back/"
 rcpd_stop

@@ -10,6 +10,8 @@
 # RCP_BENCH_MIB (1024) and RCP_BENCH_RSS_MIB (2048) change the sizes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=lib-rcpd.sh
+. scripts/lib-rcpd.sh
 SIZE_MIB=${RCP_BENCH_MIB:-1024}
 RSS_MIB=${RCP_BENCH_RSS_MIB:-2048}
 ARENA_MIB=256
@@ -35,17 +37,12 @@ secs() { local t0 t1; t0=$(date +%s.%N); "$@" >/dev/null; t1=$(date +%s.%N); cal
 mbps() { calc "$1 * 1048576 / $2 / 1e6"; }
 R=target/release
 
-rcpd_start() { # $1: RSS output file
-  /usr/bin/time -f "%M" -o "$1" $R/rcpd --listen 127.0.0.1:17471 --health-listen none \
-    --root "$work/dst-rcp" --transport tcp --arena-mib $ARENA_MIB --log warn &
-  RCPD=$!
-  for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/17471) 2>/dev/null && break; sleep 0.1; done
+rcpd_on() { # RSS-FILE: rcpd on 17471 serving $work/dst-rcp, timed (lib-rcpd.sh)
+  rcpd_start "$R/rcpd" 17471 "$work/dst-rcp" "$1" --arena-mib "$ARENA_MIB"
 }
-# /usr/bin/time is the direct child: signal rcpd under it, so time reports.
-rcpd_stop() { pkill -TERM -P "$RCPD"; wait "$RCPD" || true; }
 
 # rcp over the TCP provider: push, then pull back.
-rcpd_start "$work/rcpd.rss"
+rcpd_on "$work/rcpd.rss"
 t_push=$(secs $R/rcp push -q --transport tcp -P 17471 "$work/src/file" 127.0.0.1:file)
 cmp "$work/src/file" "$work/dst-rcp/file"
 t_pull=$(secs $R/rcp pull -q --transport tcp -P 17471 127.0.0.1:file "$work/back/file")
@@ -111,7 +108,7 @@ prov=$(RCP_TCP_BW_GIB=$((SIZE_MIB / 1024 > 0 ? SIZE_MIB / 1024 : 1)) \
 # Peak RSS while pushing and pulling a bigger file.
 rm -f "$work/src/file"
 head -c $((RSS_MIB << 20)) /dev/urandom >"$work/src/big"
-rcpd_start "$work/rcpd-big.rss"
+rcpd_on "$work/rcpd-big.rss"
 /usr/bin/time -f "%M" -o "$work/push.rss" $R/rcp push -q --transport tcp -P 17471 "$work/src/big" 127.0.0.1:big
 /usr/bin/time -f "%M" -o "$work/pull.rss" $R/rcp pull -q --transport tcp -P 17471 127.0.0.1:big "$work/back/big"
 cmp "$work/src/big" "$work/back/big"

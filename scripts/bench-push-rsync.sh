@@ -5,6 +5,8 @@
 # same host load. scripts/bench-native.sh is the full set (scp, iperf3, RSS).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=lib-rcpd.sh
+. scripts/lib-rcpd.sh
 MIB=${RCP_BENCH_MIB:-512}
 PASSES=${RCP_BENCH_PASSES:-2}
 command -v rsync >/dev/null || {
@@ -31,7 +33,7 @@ rsync --daemon --config="$W/rsyncd.conf" --port=17873 --address=127.0.0.1
 $R/rcpd --listen 127.0.0.1:17471 --health-listen none --root "$W/dst" --transport tcp \
   --arena-mib 256 --log warn >/dev/null 2>&1 &
 pids+=($!)
-for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/17471) 2>/dev/null && break; sleep 0.1; done
+wait_port 127.0.0.1 17471
 sleep 0.3
 pids+=("$(cat "$W/rsyncd.pid")")
 mbps() { # MB/s (10^6) of $MIB MiB moved by "$@"

@@ -5,6 +5,8 @@
 # runs inside the soft-RoCE VM (scripts/testbed.sh, rxe0 on lo).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=lib-rcpd.sh
+. scripts/lib-rcpd.sh
 bash scripts/testbed.sh install
 cargo build --release --workspace --bins
 job() {
@@ -16,7 +18,7 @@ job() {
     --transport verbs --arena-mib 128 --log warn &
   RCPD_PID=$!
   trap 'kill $RCPD_PID 2>/dev/null || true' EXIT
-  for _ in $(seq 150); do (exec 3<>/dev/tcp/127.0.0.1/7471) 2>/dev/null && break; sleep 0.2; done
+  wait_port 127.0.0.1 7471
   echo "main-job: rcp push (verbs)"
   "$bin/rcp" push --transport verbs "$dir/local/data.bin" 127.0.0.1:data.bin
   echo "main-job: rcp pull (verbs)"

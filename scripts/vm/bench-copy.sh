@@ -11,6 +11,8 @@
 # byte is hashed per block and whole-file on both ends; coreutils has no
 # SHA-NI path, so it understates what rcp's hashing can do).
 set -euo pipefail
+# shellcheck source=../lib-rcpd.sh
+. "$(dirname "$0")/../lib-rcpd.sh"
 MIB=${RCP_BENCH_MIB:-256}
 BS=${RCP_BENCH_BS:-1048576}
 PASSES=${RCP_BENCH_PASSES:-3}
@@ -36,7 +38,7 @@ sha_mbs=$(calc "$MIB * 1048576 / ($t1 - $t0) / 1e6")
   --transport verbs --arena-mib 128 --log warn &
 d=$!
 trap 'kill $d 2>/dev/null || true' EXIT
-for _ in $(seq 150); do (exec 3<>/dev/tcp/127.0.0.1/7471) 2>/dev/null && break; sleep 0.2; done
+wait_port 127.0.0.1 7471
 
 # perftest: the same number of bytes in blocks of the same size.
 n=$((MIB * 1048576 / BS))

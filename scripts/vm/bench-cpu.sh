@@ -13,6 +13,8 @@
 #     (examples/pd_registration_cost).
 # Files on a guest tmpfs (the 9p share measures the share, not rcp).
 set -euo pipefail
+# shellcheck source=../lib-rcpd.sh
+. "$(dirname "$0")/../lib-rcpd.sh"
 MIB=${RCP_BENCH_MIB:-64}
 PASSES=${RCP_BENCH_PASSES:-5}
 CHECKS=${RCP_BENCH_CHECKS:-blake3 xxh3 sha256 none}
@@ -33,7 +35,7 @@ echo "== qemu: kernel $(uname -r), $(nproc) vCPUs; files on tmpfs; ${MIB} MiB, 1
   --transport verbs --arena-mib 128 --log info 2>"$dir/rcpd.log" &
 d=$!
 trap 'kill $d 2>/dev/null || true' EXIT
-for _ in $(seq 150); do (exec 3<>/dev/tcp/127.0.0.1/7471) 2>/dev/null && break; sleep 0.2; done
+wait_port 127.0.0.1 7471
 grep -a -m1 "memory windows" "$dir/rcpd.log" | sed 's/\x1b\[[0-9;]*m//g' || true
 n=$((MIB * 1048576 / BS))
 # perftest's server then client; its average MB/sec (2^20 B/s) as 1e6 B/s.

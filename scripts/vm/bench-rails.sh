@@ -15,6 +15,8 @@
 #      (down, fenced, paused and its cool-down, up) with their times since then.
 # rcp in namespace a, rcpd in b, release binaries (RCP_BIN, RCPD_BIN).
 set -u
+# shellcheck source=../lib-rcpd.sh
+. "$(dirname "$0")/../lib-rcpd.sh"
 RCP=${RCP_BIN:-target/release/rcp}
 RCPD=${RCPD_BIN:-target/release/rcpd}
 PASSES=${RCP_RAILS_PASSES:-5}
@@ -30,10 +32,7 @@ ip netns exec b "$RCPD" --root "$work/root" --listen 192.168.77.2:7471 \
   --health-listen none --device rxeb0,rxeb1 --arena-mib 128 2>"$work/rcpd.log" &
 rcpd=$!
 trap 'kill $rcpd 2>/dev/null; wait 2>/dev/null' EXIT
-for _ in $(seq 100); do
-  ip netns exec a bash -c 'exec 3<>/dev/tcp/192.168.77.2/7471' 2>/dev/null && break
-  sleep 0.2
-done
+wait_port 192.168.77.2 7471 a
 push() { # push DEVICES FILE ARGS...: rcp's stdout (JSON or -v lines); its log in $work/rcp.log
   local dev=$1 f=$2; shift 2
   ip netns exec a "$RCP" --device "$dev" push "$@" "$f" 192.168.77.2:/ 2>"$work/rcp.log"

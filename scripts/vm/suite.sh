@@ -3,6 +3,8 @@
 # (lo, netns or rails), then "name=path" pairs of test binaries to run with --ignored.
 # Every step's result is counted; any failure makes the script fail.
 set -u
+# shellcheck source=../lib-rcpd.sh
+. "$(dirname "$0")/../lib-rcpd.sh"
 topo=$1; shift
 passed=0 failed=0 failures=()
 # RCP_SUITE_ONLY=REGEX: run only the steps whose name matches (e.g. 'link cut').
@@ -116,7 +118,7 @@ netns)
     ip netns exec b target/debug/rcpd --listen 192.168.77.2:7471 --health-listen 192.168.77.2:7472 \
       --root "$dir/root" --transport "$t" "${dev_b[@]}" --arena-mib 64 --log info >"$dir/rcpd.log" 2>&1 &
     local d=$!
-    for _ in $(seq 100); do ip netns exec a bash -c 'exec 3<>/dev/tcp/192.168.77.2/7471' 2>/dev/null && break; sleep 0.2; done
+    wait_port 192.168.77.2 7471 a
     local args=(-v --json --stats 100ms --bwlimit $rate --transport "$t" "${dev_a[@]}")
     if [ "$op" = push ]; then
       ip netns exec a "${env_a[@]}" target/debug/rcp push "${args[@]}" "$dir/src/file" 192.168.77.2:file >"$dir/rcp.json" 2>"$dir/rcp.log" &

@@ -1,0 +1,45 @@
+# Sourced by the scripts that run rcpd (beside lib-venv.sh).
+#
+# wait_port HOST PORT [NETNS]: wait (30 s at most) until HOST:PORT accepts a
+# connection, from network namespace NETNS when given. Says so on stderr
+# and returns 1 if nothing ever listened there.
+wait_port() {
+  local host=$1 port=$2 ns=${3:-}
+  local i
+  for i in $(seq 300); do
+    if [ -n "$ns" ]; then
+      ip netns exec "$ns" bash -c "exec 3<>/dev/tcp/$host/$port" 2>/dev/null && return 0
+    else
+      (exec 3<>"/dev/tcp/$host/$port") 2>/dev/null && return 0
+    fi
+    sleep 0.1
+  done
+  echo "nothing listens on $host:$port after 30 s" >&2
+  return 1
+}
+
+# rcpd_start RCPD PORT ROOT RSS-FILE [FLAG...]: the rcpd binary RCPD on
+# 127.0.0.1:PORT over tcp, no health port, --log warn, serving ROOT, with
+# FLAGs after; under /usr/bin/time when RSS-FILE is not empty (its peak RSS
+# in KiB is written there when it ends). Sets RCPD_PID (time's pid when
+# timed: stop it with rcpd_stop) and waits for the port.
+rcpd_start() {
+  local bin=$1 port=$2 root=$3 rss=$4
+  shift 4
+  local cmd=("$bin" --listen "127.0.0.1:$port" --health-listen none --root "$root"
+    --transport tcp --log warn "$@")
+  if [ -n "$rss" ]; then
+    /usr/bin/time -f "%M" -o "$rss" "${cmd[@]}" &
+  else
+    "${cmd[@]}" &
+  fi
+  RCPD_PID=$!
+  wait_port 127.0.0.1 "$port"
+}
+
+# rcpd_stop: SIGTERM the rcpd of rcpd_start (under /usr/bin/time: rcpd
+# itself, so that time reports) and wait for it.
+rcpd_stop() {
+  pkill -TERM -P "$RCPD_PID" 2>/dev/null || kill -TERM "$RCPD_PID" 2>/dev/null || true
+  wait "$RCPD_PID" || true
+}
