@@ -39,13 +39,17 @@ step() {
 
 native_tests() {
   # The end-to-end tests run the rcp and rcpd binaries, which `cargo test`
-  # does not build for another package's tests.
-  cargo build --workspace --bins && cargo test --workspace
+  # does not build for another package's tests. fault-injection: rcp reads
+  # the test faults' variable, and the tests that set it are compiled in.
+  cargo build --workspace --bins --features rcp/fault-injection &&
+    cargo test --workspace --features rcp/fault-injection
 }
 
 step prerequisites bash scripts/testbed.sh install
 step "cargo fmt --check" cargo fmt --all -- --check
 step "cargo clippy" cargo clippy --workspace --all-targets -- -D warnings
+step "cargo clippy (fault-injection)" \
+  cargo clippy --workspace --all-targets --features rcp/fault-injection -- -D warnings
 step "native tests" native_tests
 # Both use target/debug/rcpd, built by the native tests.
 step "Python service client" bash scripts/python-client-test.sh

@@ -16,12 +16,15 @@ took() { # took NAME T0: record and print the time since T0
 }
 t=$SECONDS
 bash scripts/testbed.sh install
-cargo build --workspace --examples --bins
-mapfile -t lo_bins < <(cargo test --workspace --no-run --message-format=json 2>/dev/null \
+# fault-injection: as the native tests (scripts/test-all.sh), for the
+# verbs test that damages pulled blocks.
+feat=(--features rcp/fault-injection)
+cargo build --workspace --examples --bins "${feat[@]}"
+mapfile -t lo_bins < <(cargo test --workspace "${feat[@]}" --no-run --message-format=json 2>/dev/null \
   | python3 scripts/lib-test-bins.py fabric,_verbs | grep -Ev "^[^ ]*(netns|rails)_fabric " | awk '{print $1"="$2}')
-mapfile -t ns_bins < <(cargo test --workspace --no-run --message-format=json 2>/dev/null \
+mapfile -t ns_bins < <(cargo test --workspace "${feat[@]}" --no-run --message-format=json 2>/dev/null \
   | python3 scripts/lib-test-bins.py netns_fabric,control_verbs | awk '{print $1"="$2}')
-mapfile -t rails_bins < <(cargo test --workspace --no-run --message-format=json 2>/dev/null \
+mapfile -t rails_bins < <(cargo test --workspace "${feat[@]}" --no-run --message-format=json 2>/dev/null \
   | python3 scripts/lib-test-bins.py rails_fabric | awk '{print $1"="$2}')
 [ ${#rails_bins[@]} -gt 0 ] || { echo "vm-tests: no *rails_fabric test binary found" >&2; exit 1; }
 [ ${#lo_bins[@]} -gt 0 ] || { echo "vm-tests: no *fabric test binaries found" >&2; exit 1; }

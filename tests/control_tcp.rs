@@ -150,9 +150,11 @@ fn doctor_checks_the_remote_rcpd_and_its_token() {
     assert_eq!(r.code, 6);
 }
 
-/// A pulled block that arrives damaged (test fault injection in rcp) is read
-/// again and the copy completes with the right digest; one damaged on every
-/// attempt fails the copy after 3 re-reads (exit 6), leaving no file.
+/// A pulled block that arrives damaged (test fault injection in rcp, the
+/// `fault-injection` feature) is read again and the copy completes with the
+/// right digest; one damaged on every attempt fails the copy after 3
+/// re-reads (exit 6), leaving no file.
+#[cfg(feature = "fault-injection")]
 #[test]
 fn a_damaged_pulled_block_is_read_again() {
     let (tmp, root) = e2e::tmp_with_root();

@@ -260,12 +260,12 @@ pub(super) fn fill(
         .collect())
 }
 
-/// Test-only fault injection, compiled only into debug builds (the test
-/// suite's; never into release builds): with
-/// `RCP_TEST_CORRUPT_PULLED_BLOCKS=N`, the first N pulled blocks checked get
-/// one byte flipped in local memory before their digest is checked, as if
-/// damaged on the way.
-#[cfg(debug_assertions)]
+/// Test-only fault injection, compiled in only with the `fault-injection`
+/// feature (the test scripts'; off in normal builds, debug or release):
+/// with `RCP_TEST_CORRUPT_PULLED_BLOCKS=N`, the first N pulled blocks
+/// checked get one byte flipped in local memory before their digest is
+/// checked, as if damaged on the way.
+#[cfg(feature = "fault-injection")]
 pub(super) fn inject_faults(slot: &mut Block, extents: &[proto::Extent]) {
     use std::sync::atomic::{AtomicI64, Ordering};
     static LEFT: AtomicI64 = AtomicI64::new(-1);

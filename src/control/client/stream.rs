@@ -615,7 +615,7 @@ impl Driver<'_> {
                         #[allow(unused_mut)]
                         let mut slot = slot;
                         self.spawn(move || {
-                            #[cfg(debug_assertions)]
+                            #[cfg(feature = "fault-injection")]
                             io::inject_faults(&mut slot, &grant.extents);
                             let r = io::check_and_write(
                                 check,
