@@ -298,3 +298,26 @@ pub fn within<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'sta
         Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => panic!("{what} panicked"),
     }
 }
+
+/// The next data-path event, or `None` once the data path has ended; panics
+/// if none comes within the hang guard, so a stalled data path fails its
+/// test instead of hanging the suite.
+pub fn recv_event(
+    ev: &mut tokio::sync::mpsc::UnboundedReceiver<super::DpEvent>,
+) -> Option<super::DpEvent> {
+    use tokio::sync::mpsc::error::TryRecvError;
+    let guard = std::time::Instant::now() + HANG_GUARD;
+    loop {
+        match ev.try_recv() {
+            Ok(e) => return Some(e),
+            Err(TryRecvError::Disconnected) => return None,
+            Err(TryRecvError::Empty) => {
+                assert!(
+                    std::time::Instant::now() < guard,
+                    "hang: no data path event"
+                );
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+    }
+}

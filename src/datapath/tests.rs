@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use super::fake::{wait_until, within, FakeChannel, FakePort, HANG_GUARD};
+use super::fake::{recv_event, wait_until, within, FakeChannel, FakePort, HANG_GUARD};
 use super::*;
 use crate::engine::{Extent, OpKind, WcStatus, WindowJob};
 use crate::provider::Channel;
@@ -81,7 +81,7 @@ fn wait_done(ev: &mut UnboundedReceiver<DpEvent>, ids: &[u64]) -> Vec<DpEvent> {
     let deadline = Instant::now() + HANG_GUARD;
     while done.len() < ids.len() {
         assert!(Instant::now() < deadline, "windows not done: {done:?}");
-        match ev.blocking_recv().expect("data path ended") {
+        match recv_event(ev).expect("data path ended") {
             DpEvent::WindowDone { id } => {
                 assert!(ids.contains(&id), "unknown window {id}");
                 *done.entry(id).or_default() += 1;
@@ -96,7 +96,7 @@ fn wait_done(ev: &mut UnboundedReceiver<DpEvent>, ids: &[u64]) -> Vec<DpEvent> {
 
 fn wait_failed(ev: &mut UnboundedReceiver<DpEvent>) -> DataPathError {
     loop {
-        match ev.blocking_recv().expect("data path ended") {
+        match recv_event(ev).expect("data path ended") {
             DpEvent::Failed(e) => return e,
             DpEvent::WindowDone { .. }
             | DpEvent::Reconnected { .. }
@@ -134,7 +134,7 @@ fn a_batch_of_32_is_one_post() {
     assert_eq!(r.latency.count(), 1);
     assert_eq!(r.outstanding_at_close, 0);
     assert!(
-        ev.blocking_recv().is_none(),
+        recv_event(&mut ev).is_none(),
         "events end with the data path"
     );
 }
