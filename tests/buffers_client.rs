@@ -3,7 +3,8 @@
 //! rcpd, one exposing, the other writing into it and reading it back
 //! through the rcpd's own gRPC address (rcpd is its own peer), bytes and
 //! the owner's event checked; then an unknown name. And an operation to
-//! a peer off rcpd's --copy-peers: refused, and nothing dials it.
+//! a peer off rcpd's --copy-peers: refused, and nothing dials it. And a
+//! grant revoked with the session it was made to.
 
 use std::time::Duration;
 
@@ -383,5 +384,76 @@ async fn a_buffer_session_outlives_the_session_grace() {
     assert_eq!(grace_closed(metrics), 1);
 
     drop((bare, probe, owner, writer));
+    d.stop().await;
+}
+
+/// A grant dies with the session it was made to: after CloseSession its
+/// BufferDone finds it revoked, where one made and done on the same open
+/// session ends normally.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn closing_a_session_revokes_its_buffer_grants() {
+    use rcp::proto::{self, rcp_client::RcpClient};
+    let dir = tempfile::tempdir().unwrap();
+    let (d, sock) = start_rcpd(dir.path()).await;
+    let owner = ServiceClient::connect(Some(&sock), None).await.unwrap();
+    let buf = owner.create_buffer(2 << 20).await.unwrap();
+    owner
+        .expose(&buf, "held", 0, 2 << 20, "read", &[])
+        .await
+        .unwrap();
+
+    let mut c = RcpClient::connect(format!("http://{}", d.addr))
+        .await
+        .unwrap();
+    let hs = c
+        .handshake(proto::HandshakeRequest {
+            version_major: rcp::control::VERSION_MAJOR,
+            version_minor: rcp::control::VERSION_MINOR,
+            providers: vec![proto::Provider::Tcp as i32],
+            block_size: 1 << 20,
+            client_name: "grant-test".into(),
+            checks: vec![proto::Check::Sha256 as i32],
+            window_count: 4,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let session_id = hs.session_id;
+    let grant = |c: &mut RcpClient<_>| {
+        let mut c = c.clone();
+        async move {
+            c.buffer_grant(proto::BufferGrantRequest {
+                session_id,
+                name: "held".into(),
+                access: proto::BufferAccess::Read as i32,
+                ranges: vec![proto::BufferRange {
+                    offset: 0,
+                    len: 4096,
+                }],
+                message: String::new(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .grant
+        }
+    };
+    let done = |grant: u64| proto::BufferDoneRequest {
+        session_id,
+        grant,
+        ..Default::default()
+    };
+    let g = grant(&mut c).await;
+    c.buffer_done(done(g)).await.expect("a live grant's done");
+
+    let g = grant(&mut c).await;
+    c.close_session(proto::CloseSessionRequest { session_id })
+        .await
+        .unwrap();
+    let e = c.buffer_done(done(g)).await.unwrap_err();
+    assert!(e.message().contains("not live"), "{e:?}");
+
+    drop(owner);
     d.stop().await;
 }

@@ -92,11 +92,21 @@ pub struct Grants {
 impl Grants {
     /// Revoke every grant on connection `owner`'s exposures; how many.
     pub(crate) fn revoke_owner(&self, owner: u64) -> usize {
+        self.revoke_where(|g| g.owner() == owner)
+    }
+
+    /// Revoke every grant made to session `session` (it closed: nothing
+    /// it was granted stays reachable); how many.
+    pub(crate) fn revoke_session(&self, session: u64) -> usize {
+        self.revoke_where(|g| g.session() == session)
+    }
+
+    fn revoke_where(&self, which: impl Fn(&Slot) -> bool) -> usize {
         let gone: Vec<Slot> = {
             let mut l = self.live.lock().unwrap();
             let ids: Vec<u64> = l
                 .iter()
-                .filter(|(_, g)| g.owner() == owner)
+                .filter(|(_, g)| which(g))
                 .map(|(&id, _)| id)
                 .collect();
             ids.iter().filter_map(|id| l.remove(id)).collect()

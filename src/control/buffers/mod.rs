@@ -198,6 +198,19 @@ impl Buffers {
         self.next_conn.fetch_add(1, Relaxed) + 1
     }
 
+    /// Session `id` closed (CloseSession, or reaped): revoke what it was
+    /// granted, so no key it held reaches the memory any more.
+    pub(crate) fn session_closed(&self, id: u64) {
+        let revoked = self.grants.revoke_session(id);
+        if revoked > 0 {
+            tracing::info!(
+                session = format_args!("{id:#x}"),
+                grants_revoked = revoked,
+                "session closed: its buffer grants revoked"
+            );
+        }
+    }
+
     /// Everything of connection `conn` goes: its exposures are withdrawn
     /// and every grant made on them is revoked (registrations dropped
     /// first, then the leases).

@@ -244,6 +244,7 @@ impl proto::rcp_server::Rcp for RcpService {
         let s = self.0.sessions.remove(id);
         match s {
             Some(s) => {
+                self.0.buffers.session_closed(id);
                 in_place(|| drop(s));
                 Ok(Response::new(proto::CloseSessionResponse {}))
             }
