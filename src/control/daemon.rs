@@ -3,12 +3,13 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio_stream::wrappers::TcpListenerStream;
 use tonic::service::interceptor::InterceptedService;
+use tonic::service::Routes;
 use tonic::transport::server::TcpIncoming;
 use tonic::transport::Server;
 
@@ -107,141 +108,31 @@ pub async fn run(
     shutdown: impl Future<Output = ()>,
     on_bound: impl FnOnce(&Bound, &str),
 ) -> Result<()> {
-    let root = std::fs::canonicalize(&cfg.root)
-        .map_err(|e| ControlError::DirNotFound(format!("root {}: {e}", cfg.root.display())))?;
-    if !root.is_dir() {
-        return Err(ControlError::DirNotFound(format!(
-            "root {} is not a directory",
-            root.display()
-        )));
-    }
-    let (kind, why) = resolve_transport(cfg.transport, &cfg.rails);
-    let arena_bytes = cfg.arena_mib.max(8) << 20;
-    let lcfg = ServerLinkConfig {
-        kind,
-        rails: cfg.rails.clone(),
-        gid_index: cfg.gid_index,
-        arena_bytes,
-        hugepage_dir: cfg.hugepage_dir.clone(),
-        window_size: WINDOW_SIZE,
-        tcp_listen: SocketAddr::new(cfg.listen.ip(), 0),
-        memory_windows: cfg.memory_windows,
-        tcp_fallback: cfg.transport == Transport::Auto,
-    };
-    let link = tokio::task::spawn_blocking(move || ServerLink::open(&lcfg))
-        .await
-        .map_err(|e| ControlError::Other(e.to_string()))??;
-    let scfg = ServiceConfig {
-        root: root.clone(),
-        max_transfers: cfg.max_transfers,
-        max_transfers_per_client: cfg
-            .max_transfers_per_client
-            .unwrap_or_else(|| super::server::default_transfers_per_client(cfg.max_transfers)),
-        sessions: super::server::SessionLimits {
-            max_sessions: cfg.max_sessions,
-            per_client: cfg.max_sessions_per_client,
-            grace: cfg.session_grace,
-        },
-        windows_per_session: 8,
-        max_open_files: cfg.max_open_files,
-        timeout: cfg.timeout,
-        checks: cfg.checks.clone(),
-    };
-    let peer_opts = ClientOptions {
-        token: cfg.token.clone(),
-        transport: cfg.transport,
-        rails: cfg.rails.clone(),
-        gid_index: cfg.gid_index,
-        batch: cfg.batch,
-        signal_every: cfg.signal_every,
-        cq_cpu: cfg.cq_cpu,
-        timeout: cfg.timeout,
-        bwlimit: cfg.bwlimit,
-        tls: cfg
-            .tls
-            .as_ref()
-            .and_then(|t| t.as_client(cfg.tls_peer_ca.clone())),
-        ..ClientOptions::default()
-    };
+    let root = canonical_root(&cfg.root)?;
+    let (link, why) = open_link(&cfg).await?;
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
         .map_err(ControlError::io(format!("binding {}", cfg.listen)))?;
     let grpc_addr = listener
         .local_addr()
         .map_err(ControlError::io("local address"))?;
-    // Bound first: a dial to that address is to this rcpd itself.
-    let peers = Arc::new(CopyPeers::new(cfg.copy_peers.clone()).with_own(grpc_addr));
-    if peers.entries().is_empty() {
-        tracing::info!("no --copy-peers: Copy and buffer operations reach only this rcpd");
-    } else {
-        tracing::info!(copy_peers = %peers.entries().iter().map(ToString::to_string).collect::<Vec<_>>().join(","), "peers this rcpd may dial");
-    }
-    let copier = CopyService {
-        opts: peer_opts.clone(),
-        pool: super::jobs::Pool::new(cfg.copy_pool),
-        peers: peers.clone(),
-    };
-    let svc = Service::new(scfg, link, Some(Arc::new(copier)))?;
-    svc.spawn_sweeper();
+    let svc = start_service(&cfg, root.clone(), link, grpc_addr)?;
     let metrics = svc.metrics.clone();
-    svc.buffers.set_client_options(peer_opts, peers);
-    *svc.buffers.token.lock().unwrap() = cfg.token.clone();
-    *svc.buffers.default_check.lock().unwrap() = cfg.checks.first().copied();
     let (reporter, health_svc) = tonic_health::server::health_reporter();
     reporter.set_serving::<RcpServer<RcpService>>().await;
-    // Reflection in both versions: grpc.reflection.v1, and v1alpha for the
-    // clients that still ask only that (older grpcurl, grpcui, Postman).
-    let reflection_builder = || {
-        tonic_reflection::server::Builder::configure()
-            .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
-    };
-    let reflection = reflection_builder()
-        .build_v1()
-        .map_err(|e| ControlError::Other(format!("reflection v1: {e}")))?;
-    let reflection_v1alpha = reflection_builder()
-        .build_v1alpha()
-        .map_err(|e| ControlError::Other(format!("reflection v1alpha: {e}")))?;
-    let rcp = RcpServer::new(RcpService(svc.clone()))
-        .max_decoding_message_size(MAX_MESSAGE)
-        .max_encoding_message_size(MAX_MESSAGE);
-    let rcp = InterceptedService::new(rcp, CheckBearer::new(cfg.token.clone(), metrics.clone()));
+    let health_routes = Routes::new(health_svc);
+    let routes = api_routes(health_routes.clone(), &svc, cfg.token.clone())?;
 
-    let health = match cfg.health_listen {
-        Some(a) => {
-            let l = tokio::net::TcpListener::bind(a)
-                .await
-                .map_err(ControlError::io(format!("binding health {a}")))?;
-            let addr = l.local_addr().map_err(ControlError::io("local address"))?;
-            let hs = health_svc.clone();
-            tokio::spawn(
-                Server::builder()
-                    .add_service(hs)
-                    .serve_with_incoming(TcpListenerStream::new(l)),
-            );
-            Some(addr)
-        }
-        None => None,
-    };
-    let metrics_addr = match cfg.metrics_listen {
-        Some(a) => {
-            let l = tokio::net::TcpListener::bind(a)
-                .await
-                .map_err(ControlError::io(format!("binding metrics {a}")))?;
-            let addr = l.local_addr().map_err(ControlError::io("local address"))?;
-            tokio::spawn(crate::metrics::serve(l, metrics.clone()));
-            Some(addr)
-        }
-        None => None,
-    };
+    let health = serve_health(cfg.health_listen, health_routes).await?;
+    let metrics_addr = serve_metrics(cfg.metrics_listen, &metrics).await?;
     // The unix socket: the same gRPC services, and the service protocol.
     let socket = match &cfg.socket {
-        Some(p) => {
-            let sock = super::buffers::socket::bind(p).map_err(ControlError::io(format!(
+        Some(p) => Some(
+            super::buffers::socket::bind(p).map_err(ControlError::io(format!(
                 "binding the unix socket {}",
                 p.display()
-            )))?;
-            Some(sock)
-        }
+            )))?,
+        ),
         None => None,
     };
     let bound = Bound {
@@ -254,56 +145,15 @@ pub async fn run(
     on_bound(&bound, &why);
 
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    // HTTP/2 pings notice a dead client host or a cut path; a stopped
-    // client process is the Move stream's own timeout.
-    let ping = (cfg.timeout / 3).max(Duration::from_secs(1));
-    let mut builder = Server::builder()
-        .http2_keepalive_interval(Some(ping))
-        .http2_keepalive_timeout(Some(ping));
-    if let Some(t) = &cfg.tls {
-        builder = builder
-            .tls_config(t.config()?)
-            .map_err(|e| ControlError::Usage(format!("TLS configuration: {e}")))?;
-    }
+    let mut builder = grpc_server(&cfg)?;
     let (unix_stop_tx, unix_stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let mut unix_tasks = Vec::new();
-    if let Some(sock) = socket {
-        let (tx, rx) = tokio::sync::mpsc::channel(16);
-        let Socket { listener, path } = sock;
-        unix_tasks.push(tokio::spawn(super::buffers::socket::accept_loop(
-            listener,
-            tx,
-            svc.buffers.clone(),
-        )));
-        let reflection = reflection_builder()
-            .build_v1()
-            .map_err(|e| ControlError::Other(format!("reflection v1: {e}")))?;
-        let reflection_v1alpha = reflection_builder()
-            .build_v1alpha()
-            .map_err(|e| ControlError::Other(format!("reflection v1alpha: {e}")))?;
-        let router = Server::builder()
-            .add_service(health_svc.clone())
-            .add_service(reflection)
-            .add_service(reflection_v1alpha)
-            .add_service(rcp.clone());
-        unix_tasks.push(tokio::spawn(async move {
-            let _ = router
-                .serve_with_incoming_shutdown(
-                    tokio_stream::wrappers::ReceiverStream::new(rx),
-                    async {
-                        let _ = unix_stop_rx.await;
-                    },
-                )
-                .await;
-            let _ = std::fs::remove_file(&path);
-        }));
-    }
+    let unix_tasks = match socket {
+        Some(sock) => serve_unix(sock, &svc, routes.clone(), unix_stop_rx),
+        None => Vec::new(),
+    };
     let server = tokio::spawn(
         builder
-            .add_service(health_svc)
-            .add_service(reflection)
-            .add_service(reflection_v1alpha)
-            .add_service(rcp)
+            .add_routes(routes)
             // No Nagle: a small frame waiting for an ACK delayed by 40 ms
             // turns every grant and ack into a 40 ms round trip.
             .serve_with_incoming_shutdown(
@@ -319,7 +169,225 @@ pub async fn run(
     reporter.set_not_serving::<RcpServer<RcpService>>().await;
     let _ = stop_tx.send(());
     let _ = unix_stop_tx.send(());
-    match tokio::time::timeout(cfg.shutdown_grace, server).await {
+    drain(server, cfg.shutdown_grace, &metrics).await;
+    for t in unix_tasks {
+        t.abort();
+    }
+    if let Some(p) = &cfg.socket {
+        let _ = std::fs::remove_file(p);
+    }
+    Ok(())
+}
+
+/// `root` resolved, and a directory.
+fn canonical_root(root: &Path) -> Result<PathBuf> {
+    let root = std::fs::canonicalize(root)
+        .map_err(|e| ControlError::DirNotFound(format!("root {}: {e}", root.display())))?;
+    if !root.is_dir() {
+        return Err(ControlError::DirNotFound(format!(
+            "root {} is not a directory",
+            root.display()
+        )));
+    }
+    Ok(root)
+}
+
+/// The data path rcpd serves on: the transport chosen (and why), its
+/// arena and rails opened.
+async fn open_link(cfg: &DaemonConfig) -> Result<(ServerLink, String)> {
+    let (kind, why) = resolve_transport(cfg.transport, &cfg.rails);
+    let lcfg = ServerLinkConfig {
+        kind,
+        rails: cfg.rails.clone(),
+        gid_index: cfg.gid_index,
+        arena_bytes: cfg.arena_mib.max(8) << 20,
+        hugepage_dir: cfg.hugepage_dir.clone(),
+        window_size: WINDOW_SIZE,
+        tcp_listen: SocketAddr::new(cfg.listen.ip(), 0),
+        memory_windows: cfg.memory_windows,
+        tcp_fallback: cfg.transport == Transport::Auto,
+    };
+    let link = tokio::task::spawn_blocking(move || ServerLink::open(&lcfg))
+        .await
+        .map_err(|e| ControlError::Other(e.to_string()))??;
+    Ok((link, why))
+}
+
+/// The service over `link`, with its Copy API and buffer operations set
+/// up to dial the peers `--copy-peers` allows (`grpc_addr` being this
+/// rcpd itself), and its session sweeper running.
+fn start_service(
+    cfg: &DaemonConfig,
+    root: PathBuf,
+    link: ServerLink,
+    grpc_addr: SocketAddr,
+) -> Result<Arc<Service>> {
+    let peer_opts = peer_options(cfg);
+    let peers = Arc::new(CopyPeers::new(cfg.copy_peers.clone()).with_own(grpc_addr));
+    if peers.entries().is_empty() {
+        tracing::info!("no --copy-peers: Copy and buffer operations reach only this rcpd");
+    } else {
+        tracing::info!(copy_peers = %peers.entries().iter().map(ToString::to_string).collect::<Vec<_>>().join(","), "peers this rcpd may dial");
+    }
+    let copier = CopyService {
+        opts: peer_opts.clone(),
+        pool: super::jobs::Pool::new(cfg.copy_pool),
+        peers: peers.clone(),
+    };
+    let svc = Service::new(service_config(cfg, root), link, Some(Arc::new(copier)))?;
+    svc.spawn_sweeper();
+    svc.buffers.set_client_options(peer_opts, peers);
+    *svc.buffers.token.lock().unwrap() = cfg.token.clone();
+    *svc.buffers.default_check.lock().unwrap() = cfg.checks.first().copied();
+    Ok(svc)
+}
+
+fn service_config(cfg: &DaemonConfig, root: PathBuf) -> ServiceConfig {
+    ServiceConfig {
+        root,
+        max_transfers: cfg.max_transfers,
+        max_transfers_per_client: cfg
+            .max_transfers_per_client
+            .unwrap_or_else(|| super::server::default_transfers_per_client(cfg.max_transfers)),
+        sessions: super::server::SessionLimits {
+            max_sessions: cfg.max_sessions,
+            per_client: cfg.max_sessions_per_client,
+            grace: cfg.session_grace,
+        },
+        windows_per_session: 8,
+        max_open_files: cfg.max_open_files,
+        timeout: cfg.timeout,
+        checks: cfg.checks.clone(),
+    }
+}
+
+/// The client settings rcpd uses when it dials another rcpd (Copy API,
+/// buffer operations).
+fn peer_options(cfg: &DaemonConfig) -> ClientOptions {
+    ClientOptions {
+        token: cfg.token.clone(),
+        transport: cfg.transport,
+        rails: cfg.rails.clone(),
+        gid_index: cfg.gid_index,
+        batch: cfg.batch,
+        signal_every: cfg.signal_every,
+        cq_cpu: cfg.cq_cpu,
+        timeout: cfg.timeout,
+        bwlimit: cfg.bwlimit,
+        tls: cfg
+            .tls
+            .as_ref()
+            .and_then(|t| t.as_client(cfg.tls_peer_ca.clone())),
+        ..ClientOptions::default()
+    }
+}
+
+/// The gRPC API, as the TCP port and the unix socket serve it: `health`,
+/// reflection, and the rcp service behind the bearer check.
+fn api_routes(health: Routes, svc: &Arc<Service>, token: Option<String>) -> Result<Routes> {
+    // Reflection in both versions: grpc.reflection.v1, and v1alpha for the
+    // clients that still ask only that (older grpcurl, grpcui, Postman).
+    let reflection_builder = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
+    };
+    let reflection = reflection_builder()
+        .build_v1()
+        .map_err(|e| ControlError::Other(format!("reflection v1: {e}")))?;
+    let reflection_v1alpha = reflection_builder()
+        .build_v1alpha()
+        .map_err(|e| ControlError::Other(format!("reflection v1alpha: {e}")))?;
+    let rcp = RcpServer::new(RcpService(svc.clone()))
+        .max_decoding_message_size(MAX_MESSAGE)
+        .max_encoding_message_size(MAX_MESSAGE);
+    let rcp = InterceptedService::new(rcp, CheckBearer::new(token, svc.metrics.clone()));
+    Ok(health
+        .add_service(reflection)
+        .add_service(reflection_v1alpha)
+        .add_service(rcp))
+}
+
+/// The plaintext health port, if asked for: its bound address.
+async fn serve_health(at: Option<SocketAddr>, health: Routes) -> Result<Option<SocketAddr>> {
+    let Some(a) = at else { return Ok(None) };
+    let l = tokio::net::TcpListener::bind(a)
+        .await
+        .map_err(ControlError::io(format!("binding health {a}")))?;
+    let addr = l.local_addr().map_err(ControlError::io("local address"))?;
+    tokio::spawn(
+        Server::builder()
+            .add_routes(health)
+            .serve_with_incoming(TcpListenerStream::new(l)),
+    );
+    Ok(Some(addr))
+}
+
+/// `/metrics`, if asked for: its bound address.
+async fn serve_metrics(
+    at: Option<SocketAddr>,
+    metrics: &Arc<crate::metrics::Metrics>,
+) -> Result<Option<SocketAddr>> {
+    let Some(a) = at else { return Ok(None) };
+    let l = tokio::net::TcpListener::bind(a)
+        .await
+        .map_err(ControlError::io(format!("binding metrics {a}")))?;
+    let addr = l.local_addr().map_err(ControlError::io("local address"))?;
+    tokio::spawn(crate::metrics::serve(l, metrics.clone()));
+    Ok(Some(addr))
+}
+
+/// The gRPC port's server: HTTP/2 keepalive, and TLS when configured.
+fn grpc_server(cfg: &DaemonConfig) -> Result<Server> {
+    // HTTP/2 pings notice a dead client host or a cut path; a stopped
+    // client process is the Move stream's own timeout.
+    let ping = (cfg.timeout / 3).max(Duration::from_secs(1));
+    let mut builder = Server::builder()
+        .http2_keepalive_interval(Some(ping))
+        .http2_keepalive_timeout(Some(ping));
+    if let Some(t) = &cfg.tls {
+        builder = builder
+            .tls_config(t.config()?)
+            .map_err(|e| ControlError::Usage(format!("TLS configuration: {e}")))?;
+    }
+    Ok(builder)
+}
+
+/// The unix socket: its accept loop, which hands gRPC connections to
+/// `routes` and serves the service protocol itself, until `stop`; the
+/// socket file is removed when the gRPC side ends.
+fn serve_unix(
+    sock: Socket,
+    svc: &Arc<Service>,
+    routes: Routes,
+    stop: tokio::sync::oneshot::Receiver<()>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    let (tx, rx) = tokio::sync::mpsc::channel(16);
+    let Socket { listener, path } = sock;
+    let accept = tokio::spawn(super::buffers::socket::accept_loop(
+        listener,
+        tx,
+        svc.buffers.clone(),
+    ));
+    let grpc = tokio::spawn(async move {
+        let _ = Server::builder()
+            .add_routes(routes)
+            .serve_with_incoming_shutdown(tokio_stream::wrappers::ReceiverStream::new(rx), async {
+                let _ = stop.await;
+            })
+            .await;
+        let _ = std::fs::remove_file(&path);
+    });
+    vec![accept, grpc]
+}
+
+/// Wait up to `grace` for the gRPC server to end (its running transfers
+/// to finish), saying how it ended.
+async fn drain(
+    server: tokio::task::JoinHandle<std::result::Result<(), tonic::transport::Error>>,
+    grace: Duration,
+    metrics: &crate::metrics::Metrics,
+) {
+    match tokio::time::timeout(grace, server).await {
         Ok(Ok(Ok(()))) => tracing::info!("stopped cleanly"),
         Ok(Ok(Err(e))) => tracing::warn!(error = %e, "server error at shutdown"),
         Ok(Err(e)) => tracing::warn!(error = %e, "server task failed"),
@@ -328,11 +396,4 @@ pub async fn run(
             "shutdown deadline passed; cutting the remaining transfers (their temp files stay for --resume)"
         ),
     }
-    for t in unix_tasks {
-        t.abort();
-    }
-    if let Some(p) = &cfg.socket {
-        let _ = std::fs::remove_file(p);
-    }
-    Ok(())
 }
