@@ -2,6 +2,7 @@
 //! another rcpd, acting as that rcpd's client ([`CopyService`], the
 //! [`Copier`] `daemon` plugs into the server).
 
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,7 +13,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::Status;
 
 use super::client::{ClientOptions, FileResult, Observer};
-use super::copy_peers::CopyPeers;
+use super::copy_peers::{Admitted, CopyPeers};
 use super::error::{ControlError, Result};
 use super::fsutil;
 use super::jobs::{self, Job, Pool, Watcher};
@@ -93,9 +94,32 @@ async fn start(
             "copy needs remote and remote_path",
         ));
     }
-    // The local side is confined like any request: resolved beneath the
-    // root (the copy then works on that path).
-    let rel = fsutil::root_rel(&req.local_path);
+    let local = confined_local(&svc, &req.local_path)?;
+    let opts = copy_options(opts, &svc, &req)?;
+    // Nothing goes to a peer the list does not allow, not even a
+    // connection: refused here, naming the flag.
+    let peer = peers.admit(&req.remote).await.map_err(|e| {
+        tracing::warn!(remote = %esc(&req.remote), "copy refused: {}", esc(&e));
+        Status::from(e)
+    })?;
+    let (tx, rx) = mpsc::channel(16);
+    let copy = AdmittedCopy {
+        pool,
+        peer,
+        opts,
+        dir,
+        local,
+        req,
+    };
+    tokio::spawn(copy.run(tx));
+    Ok(Box::pin(ReceiverStream::new(rx)))
+}
+
+/// The local side, confined like any request: resolved beneath the root
+/// (the copy then works on that path), its parent an open directory of
+/// the root, and the path itself not leading out (a symlink to outside).
+fn confined_local(svc: &Service, local_path: &str) -> Result<PathBuf, Status> {
+    let rel = fsutil::root_rel(local_path);
     let rp = crate::files::normalize(&rel).map_err(ControlError::from)?;
     let local = svc.root().path().join(rp.to_path());
     if let Some(parent) = rp.to_path().parent() {
@@ -107,12 +131,20 @@ async fn start(
         };
         svc.root().open_dir(&p).map_err(ControlError::from)?;
     }
-    // The path itself must not lead out of the root (a symlink to outside).
     match svc.root().stat(&rel) {
         Ok(_) | Err(crate::files::FileError::Path(crate::files::PathError::NotFound { .. })) => {}
         Err(e) => return Err(ControlError::from(e).into()),
     }
-    let mut opts = opts;
+    Ok(local)
+}
+
+/// This rcpd's client settings with what `req` overrides: the remote's
+/// token, the transport, the block size, the checks.
+fn copy_options(
+    mut opts: ClientOptions,
+    svc: &Service,
+    req: &CopyRequest,
+) -> Result<ClientOptions, Status> {
     // The data path this copy drives shows in this rcpd's /metrics.
     opts.metrics = Some(svc.metrics.clone());
     if !req.remote_token.is_empty() {
@@ -137,41 +169,27 @@ async fn start(
             })
             .collect::<Result<_, _>>()?;
     }
-    // Nothing goes to a peer the list does not allow, not even a
-    // connection: refused here, naming the flag.
-    let peer = peers.admit(&req.remote).await.map_err(|e| {
-        tracing::warn!(remote = %esc(&req.remote), "copy refused: {}", esc(&e));
-        Status::from(e)
-    })?;
-    let (tx, rx) = mpsc::channel(16);
-    tokio::spawn(async move {
+    Ok(opts)
+}
+
+/// One admitted copy, ready to run.
+struct AdmittedCopy {
+    pool: Arc<Pool>,
+    peer: Admitted,
+    opts: ClientOptions,
+    dir: Direction,
+    local: PathBuf,
+    req: CopyRequest,
+}
+
+impl AdmittedCopy {
+    /// Run the copy, sending its progress to `tx` every 500 ms, then the
+    /// final message (and the error status if it failed). The caller
+    /// going away ends the copy.
+    async fn run(self, tx: mpsc::Sender<Result<CopyProgress, Status>>) {
         let counts = Arc::new(Counts::default());
         let obs = Obs(counts.clone());
-        let job = Job {
-            recursive: req.recursive,
-            preserve: req.preserve,
-            resume: req.resume,
-            // The final progress carries the file's sha256sum value, which
-            // services compare with what they hold.
-            sha256: true,
-        };
-        // The jobs policy runs it, the tcp fallback included, over a warm
-        // session of the pool when it has one.
-        let work = async {
-            let lease = pool.lease(&peer, opts).await?;
-            let client = lease.client();
-            let plan = match dir {
-                Direction::Push => {
-                    let locals = std::slice::from_ref(&local);
-                    jobs::plan_push(client, locals, &req.remote_path, &job).await?
-                }
-                _ => {
-                    let remotes = std::slice::from_ref(&req.remote_path);
-                    jobs::plan_pull(client, remotes, &local, &job).await?
-                }
-            };
-            jobs::run_over(client, &lease, plan, &obs).await
-        };
+        let work = self.work(&obs);
         tokio::pin!(work);
         let mut tick = tokio::time::interval(Duration::from_millis(500));
         let result: Result<jobs::Outcome> = loop {
@@ -186,25 +204,52 @@ async fn start(
         };
         let mut last = snapshot(&counts);
         last.done = true;
+        let remote = &self.req.remote;
         match result {
             Ok(o) => {
                 if let Some(why) = &o.fell_back {
-                    tracing::warn!(remote = %req.remote, "copy fell back to tcp: {why}");
+                    tracing::warn!(remote = %remote, "copy fell back to tcp: {why}");
                 }
                 let t = o.totals;
                 if t.files == 1 {
                     last.sha256 = t.sha256.map(hex::encode).unwrap_or_default();
                 }
-                tracing::info!(files = t.files, bytes = t.bytes, remote = %esc(&req.remote), "copy done");
+                tracing::info!(files = t.files, bytes = t.bytes, remote = %esc(remote), "copy done");
                 let _ = tx.send(Ok(last)).await;
             }
             Err(e) => {
-                tracing::warn!(error = %esc(&e), remote = %esc(&req.remote), "copy failed");
+                tracing::warn!(error = %esc(&e), remote = %esc(remote), "copy failed");
                 last.error = e.to_string();
                 let _ = tx.send(Ok(last)).await;
                 let _ = tx.send(Err(Status::from(e))).await;
             }
         }
-    });
-    Ok(Box::pin(ReceiverStream::new(rx)))
+    }
+
+    /// The copy itself: the jobs policy runs it, the tcp fallback
+    /// included, over a warm session of the pool when it has one.
+    async fn work(&self, obs: &Obs) -> Result<jobs::Outcome> {
+        let req = &self.req;
+        let job = Job {
+            recursive: req.recursive,
+            preserve: req.preserve,
+            resume: req.resume,
+            // The final progress carries the file's sha256sum value, which
+            // services compare with what they hold.
+            sha256: true,
+        };
+        let lease = self.pool.lease(&self.peer, self.opts.clone()).await?;
+        let client = lease.client();
+        let plan = match self.dir {
+            Direction::Push => {
+                let locals = std::slice::from_ref(&self.local);
+                jobs::plan_push(client, locals, &req.remote_path, &job).await?
+            }
+            _ => {
+                let remotes = std::slice::from_ref(&req.remote_path);
+                jobs::plan_pull(client, remotes, &self.local, &job).await?
+            }
+        };
+        jobs::run_over(client, &lease, plan, obs).await
+    }
 }
