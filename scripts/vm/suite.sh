@@ -98,17 +98,24 @@ netns)
   # 7 (the default) forever, so only a lower count makes the cut fail the
   # in-flight requests and take the error-batch + reconnect path.
   #
-  # Independent of the machine's speed: the copy is held by --bwlimit (16 MiB
-  # at 2 MiB/s: 8 s at least, however fast the machine), the cut comes when the
-  # client's --json progress lines say 2 MiB are confirmed (not after a sleep),
-  # and the step FAILS unless the cut landed mid-copy: the client still copying
-  # with fewer than all bytes confirmed both when the link went down and when
-  # it came back, little confirmed while it was down, and (verbs) the client's
-  # port watcher saw its port go down, (verbs, retry 3) the data path
-  # reconnected after an error batch.
+  # Independent of the machine's speed: the copy is held by --bwlimit (32 MiB
+  # at 2 MiB/s: 16 s at least, however fast the machine), the cut comes when
+  # the client's --json progress lines say 2 MiB are confirmed (not after a
+  # sleep), and the step FAILS unless the cut landed mid-copy: the client
+  # still copying when the link went down and when it came back, and bytes
+  # left to cross the wire after it came back. Confirmed bytes alone cannot
+  # show that last part (a pull confirms a window once it is read and
+  # verified, seconds after its bytes crossed on a slow machine), so rcpd's
+  # arena is 8 MiB: two 4 MiB windows a session (its log's window_count),
+  # and a window is granted again only after its bytes are confirmed, so
+  # what has crossed is at most what is confirmed plus those windows; the
+  # step requires that sum below the file's size at link-up. Also: little
+  # confirmed while the link was down (push), (verbs) the client's port
+  # watcher saw its port go down, (verbs, retry 3) the data path reconnected
+  # after an error batch.
   linkcut() {
     local dir t=$1 op=$2 retry=${3:-} dev_b=() dev_a=() env_a=()
-    local total=$((16 << 20)) trigger=$((2 << 20)) rate=2M
+    local total=$((32 << 20)) trigger=$((2 << 20)) rate=2M window=$((4 << 20))
     [ "$t" = verbs ] && dev_b=(--device rxeb) && dev_a=(--device rxea)
     [ -n "$retry" ] && env_a=(env RCP_QP_RETRY_CNT="$retry")
     dir=$PWD/target/vm-linkcut-$t-$op${retry:+-retry$retry}
@@ -116,7 +123,7 @@ netns)
     head -c $total /dev/urandom >"$dir/src/file"
     [ "$op" = pull ] && cp "$dir/src/file" "$dir/root/file"
     ip netns exec b target/debug/rcpd --listen 192.168.77.2:7471 --health-listen 192.168.77.2:7472 \
-      --root "$dir/root" --transport "$t" "${dev_b[@]}" --arena-mib 64 --log info >"$dir/rcpd.log" 2>&1 &
+      --root "$dir/root" --transport "$t" "${dev_b[@]}" --arena-mib 8 --log info >"$dir/rcpd.log" 2>&1 &
     local d=$!
     wait_port 192.168.77.2 7471 a
     local args=(-v --json --stats 100ms --bwlimit $rate --transport "$t" "${dev_a[@]}")
@@ -132,30 +139,34 @@ netns)
       b=$(grep -a '"type":"progress"' "$dir/rcp.json" | tail -n1 | grep -o '"bytes":[0-9]*' | cut -d: -f2)
       echo "${b:-0}"
     }
+    # Progress lines so far (one each --stats tick).
+    ticks() { grep -ac '"type":"progress"' "$dir/rcp.json"; }
     # Cut once $trigger bytes are confirmed (a 2-minute hang guard).
     for _ in $(seq 1200); do
       [ "$(confirmed)" -ge $trigger ] && break
       kill -0 $c 2>/dev/null || break
       sleep 0.1
     done
-    local at_down at_up alive_down=no alive_up=no
+    local at_down at_up alive_down=no alive_up=no ticks_down ticks_up
     kill -0 $c 2>/dev/null && alive_down=yes
-    ip -n b link set vb down; at_down=$(confirmed); echo "linkcut: vb down at $at_down of $total bytes confirmed"
+    ip -n b link set vb down; at_down=$(confirmed); ticks_down=$(ticks)
+    echo "linkcut: vb down at $at_down of $total bytes confirmed"
     sleep 3
-    at_up=$(confirmed)
+    at_up=$(confirmed); ticks_up=$(ticks)
     kill -0 $c 2>/dev/null && alive_up=yes
     ip -n b link set vb up; echo "linkcut: vb up at $at_up of $total bytes confirmed"
     wait $c; rc=$?
     kill $d; wait $d 2>/dev/null
     grep -aiE "reconnect|error batch|flush|rem_|retry|async event" "$dir/rcp.log" "$dir/rcpd.log" | tail -8
-    local want got reconnects port_err=no
+    local want got reconnects port_err=no windows
+    windows=$(sed 's/\x1b\[[0-9;]*m//g' "$dir/rcpd.log" | grep -a "session opened" | grep -o 'window_count=[0-9]*' | head -n1 | cut -d= -f2)
     want=$(sha256sum <"$dir/src/file" | cut -d' ' -f1)
     if [ "$op" = push ]; then got=$(sha256sum <"$dir/root/file" | cut -d' ' -f1); else got=$(sha256sum <"$dir/got" | cut -d' ' -f1); fi
     reconnects=$(grep -a '"type":"summary"' "$dir/rcp.json" | grep -o '"reconnects":[0-9]*' | cut -d: -f2)
     reconnects=${reconnects:-0}
     sed 's/\x1b\[[0-9;]*m//g' "$dir/rcp.log" | grep -a "async event" | grep -q "PORT_ERR" && port_err=yes
     echo "linkcut $t $op${retry:+ retry=$retry}: rc=$rc confirmed at down=$at_down at up=$at_up of $total" \
-      "alive at down=$alive_down at up=$alive_up reconnects=$reconnects port_err=$port_err want=$want got=$got"
+      "alive at down=$alive_down at up=$alive_up windows=${windows:-?} reconnects=$reconnects port_err=$port_err want=$want got=$got"
     if [ "$t" = verbs ]; then
       # The data path's figures: error path start -> first block confirmed
       # after the reconnect, and PORT_ACTIVE -> that block.
@@ -170,6 +181,16 @@ netns)
     [ $alive_down = yes ] && [ "$at_down" -ge $trigger ] && [ "$at_down" -lt $total ] ||
       bad+=("the copy was not under way when the link went down")
     [ $alive_up = yes ] && [ "$at_up" -lt $total ] || bad+=("the copy was over before the link came back")
+    # ... with bytes left to cross after it came back: at most the windows
+    # of the session were granted and not yet confirmed when it went down,
+    # and at_up, from a progress line printed after it went down, counts
+    # at least what was confirmed then.
+    if [ -z "$windows" ]; then
+      bad+=("rcpd's log names no window_count")
+    elif [ $((at_up + windows * window)) -ge $total ]; then
+      bad+=("$at_up bytes confirmed at link-up plus $windows windows in flight: maybe nothing left to cross after it")
+    fi
+    [ "$ticks_up" -gt "$ticks_down" ] || bad+=("no progress line while the link was down")
     # ... and (push) the cut stopped it: less than 1 MiB confirmed in the
     # 3 s, where the limit allows 6 MiB (a push confirms block by block).
     # A pull confirms a window once all of it is read and verified, and the
