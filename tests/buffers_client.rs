@@ -150,6 +150,7 @@ async fn a_rust_service_writes_and_reads_another_services_buffer() {
 }
 
 /// The owner's next event (it starts no operations: no `done` events).
+#[cfg(feature = "fault-injection")]
 async fn owner_event(owner: &ServiceClient) -> serde_json::Value {
     tokio::time::timeout(Duration::from_secs(60), owner.next_event())
         .await
@@ -157,12 +158,12 @@ async fn owner_event(owner: &ServiceClient) -> serde_json::Value {
         .expect("the owner's connection is open")
 }
 
-/// Damaged ranges (the debug builds' injected fault, one byte flipped
-/// before the check) are granted again and moved again, up to the retry
+/// Damaged ranges (the injected fault of the `fault-injection` feature,
+/// one byte flipped before the check) are granted again and moved again, up to the retry
 /// bound of the handshake (3), for writes (damage found by the exposing
 /// rcpd) and reads (found by the reader); a range damaged every time fails
 /// `integrity` after the bound, and the owner's event says so.
-#[cfg(debug_assertions)]
+#[cfg(feature = "fault-injection")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn damaged_ranges_move_again_up_to_the_retry_bound() {
     use rcp::control::buffers::faults::corrupt_ranges;

@@ -1,6 +1,7 @@
-//! Test-only faults for buffer operations, compiled only into debug builds
-//! (the test suite's; never into release builds), as the files'
-//! `RCP_TEST_CORRUPT_PULLED_BLOCKS`: [`corrupt_ranges`] makes the next
+//! Test-only faults for buffer operations, compiled in only with the
+//! `fault-injection` feature (the test scripts'; off in normal builds,
+//! debug or release), as the files' `RCP_TEST_CORRUPT_PULLED_BLOCKS`:
+//! [`corrupt_ranges`] makes the next
 //! ranges of an exposure that are checked arrive damaged, one byte flipped
 //! just before their digest is compared, as if damaged on the way. Where:
 //! for a write, on the exposing rcpd, in what landed (after the grant was
@@ -10,13 +11,13 @@
 
 use crate::mem::memfd::LeasedRange;
 
-#[cfg(debug_assertions)]
+#[cfg(feature = "fault-injection")]
 static CORRUPT: std::sync::Mutex<Option<std::collections::HashMap<String, u32>>> =
     std::sync::Mutex::new(None);
 
 /// The next `n` ranges of exposure `name` checked arrive damaged
 /// ([`u32::MAX`]: every one from now on; 0: none).
-#[cfg(debug_assertions)]
+#[cfg(feature = "fault-injection")]
 pub fn corrupt_ranges(name: &str, n: u32) {
     CORRUPT
         .lock()
@@ -25,13 +26,13 @@ pub fn corrupt_ranges(name: &str, n: u32) {
         .insert(name.to_string(), n);
 }
 
-/// Damage `range` of exposure `name` if a fault is armed for it (debug
-/// builds only).
+/// Damage `range` of exposure `name` if a fault is armed for it (with
+/// the `fault-injection` feature only).
 ///
 /// # Safety
 ///
 /// As [`LeasedRange::with_mut`]: no device reaches the range now.
-#[cfg(debug_assertions)]
+#[cfg(feature = "fault-injection")]
 pub(crate) unsafe fn inject(name: &str, range: &mut LeasedRange) {
     let armed = {
         let mut m = CORRUPT.lock().unwrap();
@@ -57,11 +58,11 @@ pub(crate) unsafe fn inject(name: &str, range: &mut LeasedRange) {
     }
 }
 
-/// Release builds: no faults.
+/// Without the `fault-injection` feature: no faults.
 ///
 /// # Safety
 ///
-/// Nothing to uphold; the same signature as the debug build's.
-#[cfg(not(debug_assertions))]
+/// Nothing to uphold; the same signature as the feature's.
+#[cfg(not(feature = "fault-injection"))]
 #[inline(always)]
 pub(crate) unsafe fn inject(_name: &str, _range: &mut LeasedRange) {}

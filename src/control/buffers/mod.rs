@@ -13,7 +13,8 @@
 //! - [`peer`]: the initiating side: a session per peer rcpd, windows posted
 //!   from the service's pages ([`crate::datapath::lend`]);
 //! - [`client`]: the Rust client of the service protocol;
-//! - [`faults`]: test-only damage of checked ranges (debug builds).
+//! - [`faults`]: test-only damage of checked ranges (the `fault-injection`
+//!   feature).
 //!
 //! [`Buffers`] is what one rcpd shares between them.
 
