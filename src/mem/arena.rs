@@ -1,6 +1,16 @@
 //! The registered-memory arena: one large mapping, huge pages when the host
 //! has them, bound to the device's NUMA node, registered once and carved into
 //! fixed blocks that are handed out by offset.
+//!
+//! Every arena is followed by a read-only guard page (`guard_len`) that is
+//! never handed out nor registered: code that reads a few bytes past the
+//! end of the slice it was given must not fault on the arena's last block.
+//! Such code exists under emulation: QEMU TCG before 10.1 (upstream commit
+//! feea87cd6b, "fix width of third operand of VINSERTx128") loads 32 bytes
+//! for the 16-byte memory operand of `vinsertf128`, which blake3's AVX2
+//! assembly (`blake3_hash_many_avx2`) uses on every block, so hashing a
+//! block that ended at the end of an unguarded arena killed rcpd with
+//! SIGSEGV in the soft-RoCE VM.
 
 use std::fmt;
 use std::os::fd::AsRawFd;
@@ -83,10 +93,12 @@ pub enum ArenaError {
     Memlock(#[from] super::memlock::MemlockError),
 }
 
-/// The mapping itself. Unmapped when the last holder (arena, block, memory
-/// registration) is dropped.
+/// The mapping itself (with its guard page after it, see [`map_guarded`]).
+/// Unmapped when the last holder (arena, block, memory registration) is
+/// dropped.
 pub(crate) struct Region {
     ptr: *mut u8,
+    /// The arena's bytes; the guard after them is not part of it.
     len: usize,
     backing: Backing,
     numa_node: Option<u32>,
@@ -101,10 +113,12 @@ unsafe impl Sync for Region {}
 
 impl Drop for Region {
     fn drop(&mut self) {
-        // SAFETY: ptr/len are exactly what mmap returned; every registration
-        // and block holds an Arc<Region>, so nothing refers to it any more.
+        // SAFETY: ptr is what map_guarded returned for len, so
+        // [ptr, ptr + mapped_len(len)) is the arena and its guard, ours
+        // alone; every registration and block holds an Arc<Region>, so
+        // nothing refers to it any more.
         unsafe {
-            libc::munmap(self.ptr.cast(), self.len);
+            libc::munmap(self.ptr.cast(), mapped_len(self.len));
         }
     }
 }
@@ -236,12 +250,14 @@ impl Arena {
     }
 
     /// An arena over a mapping made elsewhere in this module tree (a
-    /// service's memfd), unmapped with `munmap` when the last holder goes.
+    /// service's memfd) with [`map_guarded`], unmapped (guard included)
+    /// when the last holder goes.
     ///
     /// # Safety
     ///
-    /// `[ptr, ptr + len)` is a live mapping, readable and writable, that
-    /// nothing else unmaps, and no Rust reference to its bytes exists.
+    /// `ptr` is what `map_guarded(len, ..)` returned: `[ptr, ptr + len)` is
+    /// a live mapping, readable and writable, followed by its guard; nothing
+    /// else unmaps either, and no Rust reference to their bytes exists.
     pub(crate) unsafe fn adopt(ptr: *mut u8, len: usize, backing: Backing) -> Arena {
         Arena {
             region: Arc::new(Region {
@@ -254,26 +270,105 @@ impl Arena {
     }
 }
 
+/// Bytes of the guard after every arena: one page of the (shared, read-only)
+/// zero page, so it costs no memory.
+pub(crate) fn guard_len() -> usize {
+    page_size()
+}
+
+fn page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    usize::try_from(page).unwrap_or(4096)
+}
+
+/// Bytes that [`map_guarded`] maps for a `size`-byte arena: its pages, then
+/// the guard (which starts at `guard_start(size)` from the arena's start).
+fn mapped_len(size: usize) -> usize {
+    guard_start(size) + guard_len()
+}
+
+/// Where the guard starts, from the arena's start: the end of its last
+/// page (the arena's end, but for a memfd of a size that is not a whole
+/// number of pages).
+pub(crate) fn guard_start(size: usize) -> usize {
+    round_up(size, page_size())
+}
+
+/// Map `size` bytes read-write at a `HUGE_PAGE`-aligned address with
+/// `flags` (`MAP_FIXED` is added) and `fd` (-1 for anonymous memory),
+/// followed by [`guard_len`] bytes of read-only zero page that nothing else
+/// maps. The guard is why: a read a few bytes past the last block (see the
+/// module doc) finds readable memory instead of whatever the kernel put
+/// after the arena, or nothing. Unmap [`mapped_len`] bytes from the
+/// returned address.
+pub(crate) fn map_guarded(
+    size: usize,
+    flags: libc::c_int,
+    fd: libc::c_int,
+) -> std::io::Result<*mut u8> {
+    let total = mapped_len(size);
+    // Reserve the arena, its guard and room to align the arena: read-only
+    // private anonymous memory, backed by nothing until read (the zero page).
+    let slack = total + HUGE_PAGE;
+    // SAFETY: a new mapping at an address the kernel chooses.
+    let resv = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            slack,
+            libc::PROT_READ,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if resv == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error());
+    }
+    let resv = resv as usize;
+    let base = round_up(resv, HUGE_PAGE);
+    // SAFETY: the two ranges are the parts of our reservation before the
+    // aligned arena and after its guard; nothing else uses them.
+    unsafe {
+        if base > resv {
+            libc::munmap(resv as *mut libc::c_void, base - resv);
+        }
+        let end = resv + slack;
+        if end > base + total {
+            libc::munmap((base + total) as *mut libc::c_void, end - (base + total));
+        }
+    }
+    // SAFETY: [base, base + size) lies in our reservation (only we use it);
+    // MAP_FIXED replaces that part of it with the arena and leaves the
+    // guard after it as it is.
+    let p = unsafe {
+        libc::mmap(
+            base as *mut libc::c_void,
+            size,
+            libc::PROT_READ | libc::PROT_WRITE,
+            flags | libc::MAP_FIXED,
+            fd,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        let e = std::io::Error::last_os_error();
+        // SAFETY: the reservation (or what a failed MAP_FIXED left of it)
+        // is ours alone and unused.
+        unsafe {
+            libc::munmap(base as *mut libc::c_void, total);
+        }
+        return Err(e);
+    }
+    Ok(base as *mut u8)
+}
+
 fn map_anon(size: usize, huge: bool) -> std::io::Result<*mut u8> {
     let mut flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS;
     if huge {
         flags |= libc::MAP_HUGETLB; // default huge page size: 2 MiB on x86-64
     }
-    // SAFETY: an anonymous mapping at an address the kernel chooses.
-    let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            size,
-            libc::PROT_READ | libc::PROT_WRITE,
-            flags,
-            -1,
-            0,
-        )
-    };
-    if p == libc::MAP_FAILED {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(p.cast())
+    map_guarded(size, flags, -1)
 }
 
 fn map_hugetlbfs(dir: &Path, size: usize) -> Result<*mut u8, ArenaError> {
@@ -284,21 +379,7 @@ fn map_hugetlbfs(dir: &Path, size: usize) -> Result<*mut u8, ArenaError> {
     // An unnamed file: the mapping keeps the pages, nothing is left behind.
     let file = tempfile_in(dir).map_err(err)?;
     file.set_len(size as u64).map_err(err)?;
-    // SAFETY: a shared mapping of a file we own, at a kernel-chosen address.
-    let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            size,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED,
-            file.as_raw_fd(),
-            0,
-        )
-    };
-    if p == libc::MAP_FAILED {
-        return Err(err(std::io::Error::last_os_error()));
-    }
-    Ok(p.cast())
+    map_guarded(size, libc::MAP_SHARED, file.as_raw_fd()).map_err(err)
 }
 
 fn tempfile_in(dir: &Path) -> std::io::Result<std::fs::File> {
@@ -559,6 +640,40 @@ impl Region {
     }
 }
 
+/// Check that `a` has its guard: [`guard_len`] bytes right after its last
+/// page, mapped read-only (`/proc/self/maps`), readable (all zero), and
+/// outside everything that hands the arena out (what
+/// `ProtectionDomain::register_arena` registers, spans, blocks).
+#[cfg(test)]
+pub(crate) fn assert_guarded(a: &Arena) {
+    let start = a.addr() as usize + guard_start(a.len());
+    let end = start + guard_len();
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    let perms = maps.lines().find_map(|l| {
+        let (range, rest) = l.split_once(' ')?;
+        let (lo, hi) = range.split_once('-')?;
+        let lo = usize::from_str_radix(lo, 16).ok()?;
+        let hi = usize::from_str_radix(hi, 16).ok()?;
+        (lo <= start && end <= hi).then(|| rest.split(' ').next().unwrap_or("").to_owned())
+    });
+    assert_eq!(
+        perms.as_deref(),
+        Some("r--p"),
+        "guard [{start:#x}, {end:#x}) of {a:?} in /proc/self/maps:\n{maps}"
+    );
+    // SAFETY: [start, end) is mapped readable (checked just above) and is
+    // this arena's guard, which the arena keeps mapped and nothing writes;
+    // bytes are read through a raw pointer, no reference is made.
+    let nonzero = (start..end)
+        .filter(|&p| unsafe { std::ptr::read_volatile(p as *const u8) } != 0)
+        .count();
+    assert_eq!(nonzero, 0, "the guard reads as zeros");
+    assert_eq!(a.region().len(), a.len(), "registrations cover len only");
+    let past = a.addr() + a.len() as u64;
+    assert!(PeerSpan::new(a, past, 1).is_none());
+    assert!(PeerSpan::new(a, a.addr(), a.len() + 1).is_none());
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -607,6 +722,31 @@ mod tests {
         drop(bs.pop());
         assert_eq!(pool.available(), 1);
         assert!(pool.take().is_some());
+    }
+
+    #[test]
+    fn every_arena_has_a_readable_guard_that_no_block_covers() {
+        let a = small();
+        assert_eq!(a.addr() % HUGE_PAGE as u64, 0, "aligned for MAP_HUGETLB");
+        assert_guarded(&a);
+        let pool = a.clone().into_pool(1 << 20).unwrap();
+        let mut bs: Vec<Block> = (0..pool.capacity()).map(|_| pool.take().unwrap()).collect();
+        let ends = bs.iter().map(|b| b.offset() + b.len()).max();
+        assert_eq!(
+            ends,
+            Some(a.len()),
+            "the last block ends where the guard starts"
+        );
+        // Every block written in full: none of it lands in the guard.
+        for b in &mut bs {
+            b.as_mut_slice().fill(0xff);
+        }
+        assert_guarded(&a);
+        // Without pre-faulting, and on the fallback (normal pages) too.
+        let mut c = ArenaConfig::new(2 << 20);
+        c.prefault = false;
+        assert_guarded(&Arena::new(&c).unwrap());
+        assert_guarded(&Arena::new(&ArenaConfig::new(1)).unwrap());
     }
 
     #[test]

@@ -20,7 +20,7 @@ use std::fmt;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::{Arc, Mutex};
 
-use super::arena::{Arena, Backing, HUGE_PAGE};
+use super::arena::{map_guarded, Arena, Backing, HUGE_PAGE};
 
 /// `statfs.f_type` of hugetlbfs, where `MFD_HUGETLB` memfds live.
 const HUGETLBFS_MAGIC: i64 = 0x9584_58f6;
@@ -94,30 +94,20 @@ pub fn map_memfd(fd: OwnedFd, size: u64) -> Result<Arena, MemfdError> {
         return Err(MemfdError::HugeUnaligned { size });
     }
     let len = usize::try_from(size).map_err(|_| MemfdError::TooLarge { size, file })?;
-    // SAFETY: a new shared mapping of `len` bytes of a file we hold, at an
-    // address the kernel chooses; the file cannot shrink below `len` (the
-    // seal was checked above, and seals cannot be removed), so every page
-    // stays backed while mapped.
-    let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED | libc::MAP_POPULATE,
-            raw,
-            0,
-        )
-    };
-    if p == libc::MAP_FAILED {
-        return Err(MemfdError::Io {
+    // A shared mapping of `len` bytes of a file we hold, with the arena's
+    // guard after it; the file cannot shrink below `len` (the seal was
+    // checked above, and seals cannot be removed), so every page stays
+    // backed while mapped.
+    let p = map_guarded(len, libc::MAP_SHARED | libc::MAP_POPULATE, raw).map_err(|source| {
+        MemfdError::Io {
             what: "mmap of the memfd",
-            source: std::io::Error::last_os_error(),
-        });
-    }
+            source,
+        }
+    })?;
     drop(fd);
-    // SAFETY: `p` is the live mapping made above, readable and writable;
-    // the arena is its only holder in this process and unmaps it once.
-    Ok(unsafe { Arena::adopt(p.cast(), len, Backing::Memfd { huge }) })
+    // SAFETY: `p` is what map_guarded returned for `len` just above; the
+    // arena is its only holder in this process and unmaps it once.
+    Ok(unsafe { Arena::adopt(p, len, Backing::Memfd { huge }) })
 }
 
 /// How a user of a range reaches it.
@@ -544,6 +534,17 @@ mod tests {
         f.seek(SeekFrom::Start(100)).unwrap();
         f.write_all(b"late").unwrap();
         assert_eq!(span.with(100, 4, |s| s.to_vec()).unwrap(), b"late");
+    }
+
+    #[test]
+    fn a_memfd_arena_has_its_guard_after_its_last_page() {
+        // A size that is not a whole number of pages: the guard starts at
+        // the end of the last page the mapping covers.
+        for size in [1 << 20, 10_000] {
+            let a = map_memfd(memfd(size, true), size).unwrap();
+            assert_eq!(a.len() as u64, size);
+            crate::mem::arena::assert_guarded(&a);
+        }
     }
 
     #[test]
