@@ -638,9 +638,14 @@ impl Driver<'_> {
             DpEvent::Reconnected { epoch, seconds } => {
                 tracing::info!(epoch, seconds, "data path reconnected");
             }
-            // Rail events come only from a data path of several rails
-            // (issue 15); this session runs one. Wiring rails in means
-            // fencing the windows RailFenced names (datapath::runner docs).
+            // Rail events: a session over several rails (--device a,b).
+            // The data path fences a failed rail and posts its extents on
+            // the others itself, and what it asks of the caller on
+            // RailFenced (datapath::runner docs) is done already: the
+            // rail's fence and reconnect reset its QP at both ends, and
+            // rcpd revokes each window on every rail when it is done,
+            // before reading or reusing the bytes (docs/rails.md). The
+            // driver only logs them.
             e @ (DpEvent::RailDown { .. }
             | DpEvent::RailFenced { .. }
             | DpEvent::RailPaused { .. }
