@@ -37,6 +37,30 @@ rcpd_start() {
   wait_port 127.0.0.1 "$port"
 }
 
+# rcpd_listen OUT LOG RCPD [FLAG...]: the rcpd binary RCPD on a port of
+# 127.0.0.1 it picks itself (--listen 127.0.0.1:0), over tcp, no health
+# port, with FLAGs after; its stdout in OUT, its stderr in LOG. Waits (30 s
+# at most) for its "rcpd listening on" line and sets RCPD_PID and
+# RCPD_ADDR (HOST:PORT, the address bound). If rcpd ends or never says it
+# listens: says so on stderr with LOG and returns 1.
+rcpd_listen() {
+  local out=$1 log=$2 bin=$3
+  shift 3
+  "$bin" --listen 127.0.0.1:0 --health-listen none --transport tcp "$@" >"$out" 2>"$log" &
+  RCPD_PID=$!
+  RCPD_ADDR=
+  local i
+  for i in $(seq 300); do
+    RCPD_ADDR=$(awk '/^rcpd listening on /{print $4; exit}' "$out" 2>/dev/null)
+    [ -n "$RCPD_ADDR" ] && return 0
+    kill -0 "$RCPD_PID" 2>/dev/null || break
+    sleep 0.1
+  done
+  echo "rcpd did not start listening (log $log):" >&2
+  cat "$log" >&2
+  return 1
+}
+
 # rcpd_stop: SIGTERM the rcpd of rcpd_start (under /usr/bin/time: rcpd
 # itself, so that time reports) and wait for it.
 rcpd_stop() {

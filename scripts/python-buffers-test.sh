@@ -30,6 +30,8 @@ py=$venv/bin/python
 # package, not python/ on the path.
 "$py" -c 'import os, rcp; assert "site-packages" in rcp.__file__, rcp.__file__'
 
+# shellcheck source=lib-rcpd.sh
+. scripts/lib-rcpd.sh
 rcpd=${RCPD_BIN:-$target/debug/rcpd}
 if [[ ! -x "$rcpd" ]]; then
   cargo build --quiet -p rcp-server --bin rcpd
@@ -58,27 +60,18 @@ check() { # check WHAT CMD...: PASS if CMD succeeds
 }
 
 # start_rcpd NAME [FLAG...]: rcpd with root $work/NAME and socket
-# $work/NAME.sock; sets $addr and $pid. Every rcpd here listens on
-# 127.0.0.1, and may dial the others there (--copy-peers).
+# $work/NAME.sock (rcpd_listen, lib-rcpd.sh); sets $addr and $pid. Every
+# rcpd here listens on 127.0.0.1, and may dial the others there
+# (--copy-peers).
 start_rcpd() {
   local name=$1; shift
   mkdir -p "$work/$name"
-  "$rcpd" --root "$work/$name" --listen 127.0.0.1:0 --health-listen none --transport tcp \
-    --arena-mib 16 --socket "$work/$name.sock" --log info --copy-peers 127.0.0.1 "$@" \
-    >"$work/$name.out" 2>"$work/$name.log" &
-  pid=$!
+  local rc=0
+  rcpd_listen "$work/$name.out" "$work/$name.log" "$rcpd" --root "$work/$name" \
+    --arena-mib 16 --socket "$work/$name.sock" --log info --copy-peers 127.0.0.1 "$@" || rc=$?
+  pid=$RCPD_PID addr=$RCPD_ADDR
   pids+=("$pid")
-  local i
-  for i in $(seq 1 300); do
-    if grep -q '^rcpd listening on ' "$work/$name.out" 2>/dev/null; then
-      addr=$(awk '/^rcpd listening on /{print $4; exit}' "$work/$name.out")
-      return 0
-    fi
-    kill -0 "$pid" 2>/dev/null || break
-    sleep 0.1
-  done
-  echo "rcpd $name did not start:"; cat "$work/$name.log"
-  return 1
+  return "$rc"
 }
 
 # wait_for FILE PATTERN: up to 30 s for PATTERN to appear in FILE.

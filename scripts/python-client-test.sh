@@ -21,6 +21,8 @@ target=${CARGO_TARGET_DIR:-$here/target}
 venv=${RCP_PYCLIENT_VENV:-$target/venv/python-client}
 # shellcheck source=lib-venv.sh
 . scripts/lib-venv.sh
+# shellcheck source=lib-rcpd.sh
+. scripts/lib-rcpd.sh
 venv_ready "$venv" examples/python/requirements.txt
 py=$venv/bin/python
 
@@ -60,26 +62,18 @@ check() { # check WHAT CMD...: PASS if CMD succeeds
   fi
 }
 
-# start_rcpd NAME TOKEN [FLAG...]: rcpd with root $work/NAME; sets $addr.
-# Every rcpd here listens on 127.0.0.1, and may copy to the others there.
+# start_rcpd NAME TOKEN [FLAG...]: rcpd with root $work/NAME (rcpd_listen,
+# lib-rcpd.sh); sets $addr. Every rcpd here listens on 127.0.0.1, and may
+# copy to the others there.
 start_rcpd() {
   local name=$1 token=$2; shift 2
   mkdir -p "$work/$name"
-  RCPD_TOKEN=$token "$rcpd" --root "$work/$name" --listen 127.0.0.1:0 --health-listen none \
-    --transport tcp --arena-mib 64 --log warn --copy-peers 127.0.0.1 "$@" \
-    >"$work/$name.out" 2>"$work/$name.log" &
-  pids+=($!)
-  local i
-  for i in $(seq 1 300); do
-    if grep -q '^rcpd listening on ' "$work/$name.out" 2>/dev/null; then
-      addr=$(awk '/^rcpd listening on /{print $4; exit}' "$work/$name.out")
-      return 0
-    fi
-    kill -0 "${pids[-1]}" 2>/dev/null || break
-    sleep 0.1
-  done
-  echo "rcpd $name did not start:"; cat "$work/$name.log"
-  return 1
+  local rc=0
+  RCPD_TOKEN=$token rcpd_listen "$work/$name.out" "$work/$name.log" "$rcpd" \
+    --root "$work/$name" --arena-mib 64 --log warn --copy-peers 127.0.0.1 "$@" || rc=$?
+  pids+=("$RCPD_PID")
+  addr=$RCPD_ADDR
+  return "$rc"
 }
 
 # copy NAME ARGS...: run copy.py; stdout in $work/NAME.stdout, stderr in
