@@ -873,6 +873,56 @@ fn a_second_move_stream_on_a_session_is_refused() {
     );
 }
 
+/// A session belongs to the client that opened it: another client (here
+/// from 127.0.0.2, with the same token) that names its id can neither run a
+/// Move stream on it nor close it, and is told no such session exists;
+/// the owner then uses and closes it as usual.
+#[test]
+fn another_clients_session_is_not_found() {
+    let (_tmp, root, d) = setup(None);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let mut c = grpc(d.port).await;
+        let hs = c
+            .handshake(raw::hello(ProviderKind::Tcp, BS4K))
+            .await
+            .unwrap()
+            .into_inner();
+        let other = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{}", d.port))
+            .unwrap()
+            .local_address(Some("127.0.0.2".parse().unwrap()))
+            .connect()
+            .await
+            .unwrap();
+        let mut other = Client::new(other);
+        let mut m = Move::open(
+            &mut other,
+            hs.session_id,
+            vec![raw::push(1, "theirs", 4096)],
+        )
+        .await;
+        let e = m.status().await;
+        assert!(e.message().contains("unknown session"), "{e:?} {}", d.log());
+        let e = other
+            .close_session(proto::CloseSessionRequest {
+                session_id: hs.session_id,
+            })
+            .await
+            .unwrap_err();
+        assert!(e.message().contains("unknown session"), "{e:?}");
+        assert!(!root.join("theirs").exists());
+        // Still the owner's: a Move stream runs on it, and it closes.
+        let mut mine = Move::open(&mut c, hs.session_id, vec![raw::push(1, "mine", 4096)]).await;
+        assert_eq!(mine.opened().await.file, 1);
+        mine.close();
+        c.close_session(proto::CloseSessionRequest {
+            session_id: hs.session_id,
+        })
+        .await
+        .expect("the owner closes its session");
+    });
+}
+
 /// A client proposing a 1 ms timeout (and out-of-range windows) gets the
 /// floors: rcpd clamps them in the handshake, and its keepalives on an
 /// idle stream come at most four a second (it sent ~700 a second before).

@@ -231,8 +231,9 @@ impl proto::rcp_server::Rcp for RcpService {
         &self,
         req: Request<proto::ReconnectRequest>,
     ) -> std::result::Result<Response<proto::ReconnectResponse>, Status> {
+        let client = ClientId::of(&req);
         Ok(Response::new(in_place(|| {
-            self.0.reconnect(req.into_inner())
+            self.0.reconnect(client, req.into_inner())
         })?))
     }
 
@@ -240,15 +241,17 @@ impl proto::rcp_server::Rcp for RcpService {
         &self,
         req: Request<proto::CloseSessionRequest>,
     ) -> std::result::Result<Response<proto::CloseSessionResponse>, Status> {
+        let client = ClientId::of(&req);
         let id = req.into_inner().session_id;
-        let s = self.0.sessions.remove(id);
-        match s {
-            Some(s) => {
+        // Only the client that opened it closes it.
+        let s = self.0.session(id, client)?;
+        match self.0.sessions.remove(id) {
+            Some(_) => {
                 self.0.buffers.session_closed(id);
                 in_place(|| drop(s));
                 Ok(Response::new(proto::CloseSessionResponse {}))
             }
-            None => Err(ControlError::Invalid(format!("unknown session {id:#x}")).into()),
+            None => Err(session::unknown_session(id).into()),
         }
     }
 
@@ -382,11 +385,12 @@ impl proto::rcp_server::Rcp for RcpService {
         req: Request<proto::BufferGrantRequest>,
     ) -> std::result::Result<Response<proto::BufferGrantResponse>, Status> {
         let peer = req.remote_addr().map(|a| a.ip());
+        let client = ClientId::of(&req);
         let req = req.into_inner();
         let id = req.session_id;
         // A session the peer still holds but this rcpd closed (idle): the
         // peer opens a new one on `retryable`.
-        let session = self.0.session(id).map_err(|e| {
+        let session = self.0.session(id, client).map_err(|e| {
             crate::control::buffers::OpError::new(super::error::Reason::Retryable, e.to_string())
         })?;
         *session.last_used.lock().unwrap() = std::time::Instant::now();
@@ -403,10 +407,15 @@ impl proto::rcp_server::Rcp for RcpService {
         &self,
         req: Request<proto::BufferDoneRequest>,
     ) -> std::result::Result<Response<proto::BufferDoneResponse>, Status> {
+        let client = ClientId::of(&req);
         let req = req.into_inner();
         let id = req.session_id;
-        // The session (while open) grants damaged ranges again.
-        let session = self.0.session(id).ok();
+        // The session (while open) grants damaged ranges again; another
+        // client's is not found.
+        let session = match self.0.sessions.get(id) {
+            Some(s) if s.client != client => return Err(session::unknown_session(id).into()),
+            s => s,
+        };
         if let Some(s) = &session {
             *s.last_used.lock().unwrap() = std::time::Instant::now();
         }

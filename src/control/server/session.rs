@@ -113,14 +113,21 @@ impl SessionState {
     }
 }
 
+/// The answer to a session id this client has no session under.
+pub(super) fn unknown_session(id: u64) -> ControlError {
+    ControlError::Invalid(format!(
+        "unknown session {id:#x} (closed, or never opened: a session that opens no \
+         Move stream within rcpd's --session-grace is closed)"
+    ))
+}
+
 impl Service {
-    pub(super) fn session(&self, id: u64) -> Result<Arc<SessionState>> {
-        self.sessions.get(id).ok_or_else(|| {
-            ControlError::Invalid(format!(
-                "unknown session {id:#x} (closed, or never opened: a session that opens no \
-                 Move stream within rcpd's --session-grace is closed)"
-            ))
-        })
+    /// Session `id`, for the client that opened it: to any other client
+    /// it does not exist (a client with the token is trusted with its own
+    /// transfers, not with another's session).
+    pub(super) fn session(&self, id: u64, client: ClientId) -> Result<Arc<SessionState>> {
+        let s = self.sessions.get(id).filter(|s| s.client == client);
+        s.ok_or_else(|| unknown_session(id))
     }
 
     /// What this rcpd offers a session (the handshake's other half).
@@ -309,9 +316,10 @@ impl Service {
 
     pub(super) fn reconnect(
         &self,
+        client: ClientId,
         req: proto::ReconnectRequest,
     ) -> Result<proto::ReconnectResponse> {
-        let s = self.session(req.session_id)?;
+        let s = self.session(req.session_id, client)?;
         let epoch = s.epoch.fetch_add(1, Relaxed) as u32 + 1;
         let qp = match req.rail {
             0 => s.qp.as_ref(),

@@ -79,7 +79,7 @@ pub(super) async fn run(
             return;
         }
     };
-    let session = match svc.session(first.session_id) {
+    let session = match svc.session(first.session_id, client) {
         Ok(s) => s,
         Err(e) => {
             let _ = tx.send(Err(e.into())).await;
