@@ -140,7 +140,7 @@ async fn push_granted(c: &mut Client, sid: u64, path: &str, len: u64) -> (Move, 
     let o = m.opened().await;
     assert_eq!((o.file, o.length), (1, len), "{o:?}");
     let g = m.grant().await;
-    assert_eq!(g.epoch, 0, "{g:?}");
+    assert_eq!(g.round, 0, "{g:?}");
     assert!(g.extents.iter().all(|e| e.file == 1), "{g:?}");
     (m, g)
 }
@@ -528,10 +528,10 @@ fn garbage_and_malformed_frames_are_refused() {
         let wrong: [(Answer, &str); 5] = [
             (
                 |g| proto::WindowDone {
-                    epoch: 1,
+                    round: 1,
                     ..raw::pushed(g, vec![vec![0; 32]; 2])
                 },
-                "epoch 1 is not granted (current epoch 0)",
+                "round 1 is not granted (current round 0)",
             ),
             (
                 |g| raw::pushed(g, vec![vec![0; 32]]),
@@ -561,7 +561,7 @@ fn garbage_and_malformed_frames_are_refused() {
         // Digests that never match: asked again 3 times, then DATA_LOSS.
         let (mut m, g) = push_granted(&mut c, sid, "forged", 8192).await;
         assert_eq!(g.extents.len(), 1, "{g:?}");
-        let mut epoch = 0;
+        let mut round = 0;
         m.send_done(raw::pushed(&g, vec![vec![0u8; 32]]));
         let e = loop {
             match m.frame_or_status().await {
@@ -570,9 +570,9 @@ fn garbage_and_malformed_frames_are_refused() {
                         assert_eq!((a.window, &a.resend[..]), (g.window, &[0][..]), "{a:?}");
                     }
                     for again in f.grants {
-                        assert_eq!((again.window, again.epoch), (g.window, epoch + 1));
+                        assert_eq!((again.window, again.round), (g.window, round + 1));
                         assert_eq!(again.extents, g.extents, "the same extent again");
-                        epoch = again.epoch;
+                        round = again.round;
                         m.send_done(raw::pushed(&again, vec![vec![0u8; 32]]));
                     }
                     m.inbox.failed.extend(f.failed);
@@ -580,7 +580,7 @@ fn garbage_and_malformed_frames_are_refused() {
                 Err(e) => break e,
             }
         };
-        assert_eq!(epoch, 3, "three resends before giving up");
+        assert_eq!(round, 3, "three resends before giving up");
         assert_eq!(e.code(), Code::DataLoss, "{e:?}");
         assert_eq!(raw::reason(&e), Reason::Integrity, "{e:?}");
         assert!(e.message().contains("after 3 resends"), "{e:?}");
@@ -1102,7 +1102,7 @@ fn a_damaged_block_is_sent_again() {
         let mut m = Move::open(&mut c, s.id(), vec![open]).await;
         assert_eq!(m.opened().await.path, "resent");
         let g = m.grant().await;
-        assert_eq!((g.len, g.epoch, g.extents.len()), (8192, 0, 2), "{g:?}");
+        assert_eq!((g.len, g.round, g.extents.len()), (8192, 0, 2), "{g:?}");
         let (e0, e1) = (g.extents[0], g.extents[1]);
         assert_eq!((e0.block, e1.block), (0, 1), "{g:?}");
         // Block 0 intact, block 1 damaged on the way.
@@ -1121,9 +1121,9 @@ fn a_damaged_block_is_sent_again() {
         m.send_done(raw::pushed(&g, digests.clone()));
         let a = m.ack().await;
         assert_eq!((a.window, a.resend), (g.window, vec![1]));
-        // Just the damaged extent, under the next epoch and a fresh rkey.
+        // Just the damaged extent, in the next round and a fresh rkey.
         let again = m.grant().await;
-        assert_eq!((again.window, again.epoch), (g.window, 1));
+        assert_eq!((again.window, again.round), (g.window, 1));
         assert_eq!(again.extents, vec![e1], "only block 1, at its offset");
         assert_ne!(again.rkey, g.rkey, "a fresh rkey");
         let (old, again2) = (g.rkey, again.clone());
@@ -1174,7 +1174,7 @@ fn a_damaged_block_is_sent_again() {
 }
 
 /// Pull: a block the client reports damaged (WindowDone.bad) is read from
-/// the file again and granted alone under the next epoch, with its digest
+/// the file again and granted alone in the next round, with its digest
 /// and a fresh rkey; the old rkey is revoked.
 #[test]
 fn a_damaged_pulled_block_is_granted_again() {
@@ -1189,7 +1189,7 @@ fn a_damaged_pulled_block_is_granted_again() {
         assert_eq!(m.opened().await.length, data.len() as u64);
         let g = m.grant().await;
         assert_eq!(
-            (g.epoch, g.extents.len(), g.digests.len()),
+            (g.round, g.extents.len(), g.digests.len()),
             (0, 3, 3),
             "{g:?}"
         );
@@ -1202,7 +1202,7 @@ fn a_damaged_pulled_block_is_granted_again() {
         // Block 1 "arrived damaged".
         m.send_done(raw::pulled(&g, vec![1]));
         let again = m.grant().await;
-        assert_eq!((again.window, again.epoch), (g.window, 1));
+        assert_eq!((again.window, again.round), (g.window, 1));
         assert_eq!(
             again.extents,
             vec![g.extents[1]],

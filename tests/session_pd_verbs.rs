@@ -94,7 +94,7 @@ fn rkey_of_another_session(path: Path) {
         let mut m = Move::open(&mut c, s1.id(), vec![open]).await;
         assert_eq!(m.opened().await.length, good.len() as u64);
         let g = m.grant().await;
-        assert_eq!((g.epoch, g.extents.len()), (0, 2), "{g:?}");
+        assert_eq!((g.round, g.extents.len()), (0, 2), "{g:?}");
         let (e0, e1) = (g.extents[0], g.extents[1]);
         let (g2, s1b, good2) = (g.clone(), s1.clone(), good.clone());
         let (mine, other) = tokio::task::spawn_blocking(move || {

@@ -461,7 +461,7 @@ pub fn pull(file: u32, path: &str) -> proto::OpenFile {
 pub fn pushed(g: &proto::Grant, digests: Vec<Vec<u8>>) -> proto::WindowDone {
     proto::WindowDone {
         window: g.window,
-        epoch: g.epoch,
+        round: g.round,
         digests,
         bad: Vec::new(),
     }
@@ -471,7 +471,7 @@ pub fn pushed(g: &proto::Grant, digests: Vec<Vec<u8>>) -> proto::WindowDone {
 pub fn pulled(g: &proto::Grant, bad: Vec<u32>) -> proto::WindowDone {
     proto::WindowDone {
         window: g.window,
-        epoch: g.epoch,
+        round: g.round,
         digests: Vec::new(),
         bad,
     }

@@ -46,7 +46,7 @@ enum Done {
     },
     Checked {
         window: WindowId,
-        epoch: u32,
+        round: u32,
         bytes: u64,
         slot: Block,
         r: Result<Vec<u32>, Failure>,
@@ -591,7 +591,7 @@ impl Driver<'_> {
                 if let Some(keys) = &self.s.keys {
                     keys.remove(l.grant.rkey);
                 }
-                let (window, epoch) = (l.grant.window, l.grant.epoch);
+                let (window, round) = (l.grant.window, l.grant.round);
                 match l.op {
                     OpKind::Write => {
                         // Progress is what the device has written (it
@@ -600,7 +600,7 @@ impl Driver<'_> {
                         obs.progress(bytes);
                         drop(l.slot);
                         let now = self.now();
-                        self.core.sent(now, window, epoch, Ok(l.digests));
+                        self.core.sent(now, window, round, Ok(l.digests));
                     }
                     OpKind::Read => {
                         let dests: HashMap<FileId, _> = l
@@ -626,7 +626,7 @@ impl Driver<'_> {
                             );
                             Done::Checked {
                                 window: grant.window,
-                                epoch: grant.epoch,
+                                round: grant.round,
                                 bytes,
                                 slot,
                                 r,
@@ -724,12 +724,12 @@ impl Driver<'_> {
                 }
                 Err(f) => {
                     drop(slot);
-                    self.core.sent(now, grant.window, grant.epoch, Err(f));
+                    self.core.sent(now, grant.window, grant.round, Err(f));
                 }
             },
             Done::Checked {
                 window,
-                epoch,
+                round,
                 bytes,
                 slot,
                 r,
@@ -739,16 +739,16 @@ impl Driver<'_> {
                     if bad.is_empty() {
                         obs.progress(bytes);
                     }
-                    if epoch > 0 {
+                    if round > 0 {
                         tracing::warn!(
                             window,
-                            epoch,
+                            round,
                             damaged_again = bad.len(),
                             "pulled blocks read again after a digest mismatch"
                         );
                     }
                 }
-                self.core.fetched(now, window, epoch, r);
+                self.core.fetched(now, window, round, r);
             }
             Done::Hashed(file, r) => self.core.hashed(now, file, r),
             Done::SourceChecked(file, r) => self.core.source_checked(now, file, r),

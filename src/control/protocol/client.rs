@@ -134,7 +134,7 @@ struct File {
     skip: Option<Bitmap>,
     /// Blocks that move.
     moving: u64,
-    /// Push: moving blocks sent at epoch 0 (their digests in `chain`);
+    /// Push: moving blocks sent in round 0 (their digests in `chain`);
     /// pull: moving blocks checked and written.
     done: u64,
     /// Push: the file digest being derived.
@@ -155,14 +155,14 @@ enum WinState {
     Moving,
     /// Pull: fetched, waiting until its files are ready.
     Held,
-    /// Done sent; push: waiting for the Ack; pull: for the next epoch.
+    /// Done sent; push: waiting for the Ack; pull: for the next round.
     Answered,
 }
 
 #[derive(Debug)]
 struct Window {
     dir: Direction,
-    epoch: u32,
+    round: u32,
     state: WinState,
     grant: proto::Grant,
 }
@@ -774,25 +774,25 @@ impl ClientCore {
     fn on_grant(&mut self, g: proto::Grant) {
         let p = self.p;
         if let Some(w) = self.windows.get(&g.window) {
-            if g.epoch <= w.epoch {
+            if g.round <= w.round {
                 return; // duplicate
             }
-            if g.epoch != w.epoch + 1 || w.state != WinState::Answered {
+            if g.round != w.round + 1 || w.state != WinState::Answered {
                 return self.violation(
                     FrameKind::Grant,
                     format!(
-                        "window {} granted at epoch {} while at epoch {}",
-                        g.window, g.epoch, w.epoch
+                        "window {} granted in round {} while in round {}",
+                        g.window, g.round, w.round
                     ),
                 );
             }
-            if g.epoch > p.max_retries {
+            if g.round > p.max_retries {
                 return self.violation(
                     FrameKind::Grant,
-                    format!("window {} granted {} times", g.window, g.epoch),
+                    format!("window {} granted {} times", g.window, g.round),
                 );
             }
-        } else if g.epoch != 0 || self.finished.contains(g.window) {
+        } else if g.round != 0 || self.finished.contains(g.window) {
             // A grant of a window already over: a duplicate.
             return;
         } else if self.windows.len() >= p.window_count as usize {
@@ -807,7 +807,7 @@ impl ClientCore {
         };
         match self.windows.get_mut(&g.window) {
             Some(w) => {
-                w.epoch = g.epoch;
+                w.round = g.round;
                 w.grant = g.clone();
                 w.state = WinState::Moving;
             }
@@ -816,7 +816,7 @@ impl ClientCore {
                     g.window,
                     Window {
                         dir,
-                        epoch: g.epoch,
+                        round: g.round,
                         state: WinState::Moving,
                         grant: g.clone(),
                     },
@@ -919,7 +919,7 @@ impl ClientCore {
         &mut self,
         now: u64,
         window: WindowId,
-        epoch: u32,
+        round: u32,
         r: Result<Vec<Digest>, Failure>,
     ) {
         self.answered(now);
@@ -933,18 +933,18 @@ impl ClientCore {
         let Some(w) = self.windows.get_mut(&window) else {
             return;
         };
-        if w.epoch != epoch || w.state != WinState::Moving {
+        if w.round != round || w.state != WinState::Moving {
             return;
         }
         w.state = WinState::Answered;
         let extents = w.grant.extents.clone();
         self.out.done.push(proto::WindowDone {
             window,
-            epoch,
+            round,
             digests: digests.clone(),
             bad: Vec::new(),
         });
-        if epoch == 0 {
+        if round == 0 {
             let mut touched = Vec::new();
             for (e, d) in extents.iter().zip(digests) {
                 if let Some(f) = self.files.get_mut(&e.file) {
@@ -968,7 +968,7 @@ impl ClientCore {
         &mut self,
         now: u64,
         window: WindowId,
-        epoch: u32,
+        round: u32,
         r: Result<Vec<u32>, Failure>,
     ) {
         self.answered(now);
@@ -984,7 +984,7 @@ impl ClientCore {
         let Some(w) = self.windows.get_mut(&window) else {
             return;
         };
-        if w.epoch != epoch || w.state != WinState::Moving {
+        if w.round != round || w.state != WinState::Moving {
             return;
         }
         let extents = w.grant.extents.clone();
@@ -996,7 +996,7 @@ impl ClientCore {
         }
         self.out.done.push(proto::WindowDone {
             window,
-            epoch,
+            round,
             digests: Vec::new(),
             bad: bad.clone(),
         });
@@ -1028,13 +1028,13 @@ impl ClientCore {
             );
         }
         if w.state != WinState::Answered {
-            return; // stale: an Ack of an earlier epoch
+            return; // stale: an Ack of an earlier round
         }
         if a.resend.is_empty() {
             self.windows.remove(&a.window);
             self.finished.insert(a.window);
         }
-        // Otherwise the next epoch's grant says what to send again.
+        // Otherwise the next round's grant says what to send again.
     }
 
     fn on_end(&mut self, e: proto::FileEnd) {

@@ -29,7 +29,7 @@
 //! its files before the grant; push: the client WRITEs them after it), the
 //! side that receives checks each block against the sender's digest and
 //! writes the good ones, and a block that does not match moves again under
-//! the next epoch of the same window, at most [`Params::max_retries`] times.
+//! the next round of the same window, at most [`Params::max_retries`] times.
 //! Which side sends is the file's direction; the ledger is the same.
 //!
 //! # What the cores guarantee (tested in `tests`, with dropped, duplicated

@@ -36,8 +36,8 @@ pub enum ServerAction {
     /// `resume`, resume) it. Pull: open the source (and compare the held
     /// blocks' identity for a resume). Answer: [`ServerCore::opened`].
     Open { file: FileId, open: proto::OpenFile },
-    /// Grant window `window` at `epoch`: for epoch 0 take an arena slot for
-    /// it (waiting for one if the arena is busy); for a later epoch revoke
+    /// Grant window `window` in `round`: for round 0 take an arena slot for
+    /// it (waiting for one if the arena is busy); for a later round revoke
     /// the remote access of the previous grant first. With `fill` (pull),
     /// read each extent's block from its file into the slot at its offset
     /// and digest it. Then give the session's data path access to the slot
@@ -45,7 +45,7 @@ pub enum ServerAction {
     /// [`ServerCore::granted`].
     Grant {
         window: WindowId,
-        epoch: u32,
+        round: u32,
         extents: Vec<proto::Extent>,
         fill: bool,
     },
@@ -55,7 +55,7 @@ pub enum ServerAction {
     /// are written.
     Verify {
         window: WindowId,
-        epoch: u32,
+        round: u32,
         extents: Vec<proto::Extent>,
         expected: Vec<Digest>,
     },
@@ -156,9 +156,9 @@ enum WinState {
 #[derive(Debug)]
 struct Window {
     dir: Direction,
-    epoch: u32,
+    round: u32,
     state: WinState,
-    /// The extents of the current epoch's grant.
+    /// The extents of the current round's grant.
     extents: Vec<proto::Extent>,
     /// Pull: their digests, as read.
     digests: Vec<Digest>,
@@ -677,7 +677,7 @@ impl ServerCore {
                 window,
                 Window {
                     dir,
-                    epoch: 0,
+                    round: 0,
                     state: WinState::Granting,
                     extents: extents.clone(),
                     digests: Vec::new(),
@@ -685,7 +685,7 @@ impl ServerCore {
             );
             self.action(ServerAction::Grant {
                 window,
-                epoch: 0,
+                round: 0,
                 extents,
                 fill: dir == Direction::Pull,
             });
@@ -694,7 +694,7 @@ impl ServerCore {
 
     /// The answer to [`ServerAction::Grant`]: where the window is and its
     /// keys; pull: the digest of each extent as read.
-    pub fn granted(&mut self, now: u64, window: WindowId, epoch: u32, r: Result<Granted, Failure>) {
+    pub fn granted(&mut self, now: u64, window: WindowId, round: u32, r: Result<Granted, Failure>) {
         self.answered(now);
         if self.phase != Phase::Running {
             return;
@@ -711,7 +711,7 @@ impl ServerCore {
         let Some(w) = self.windows.get_mut(&window) else {
             return;
         };
-        if w.epoch != epoch || w.state != WinState::Granting {
+        if w.round != round || w.state != WinState::Granting {
             return;
         }
         if w.dir == Direction::Pull && digests.len() != w.extents.len() {
@@ -732,7 +732,7 @@ impl ServerCore {
         let dir = w.dir;
         self.out.grants.push(proto::Grant {
             window,
-            epoch,
+            round,
             addr,
             rkey,
             rail_rkeys,
@@ -744,7 +744,7 @@ impl ServerCore {
                 Vec::new()
             },
         });
-        if dir == Direction::Pull && epoch == 0 {
+        if dir == Direction::Pull && round == 0 {
             let mut touched = Vec::new();
             for (e, d) in extents.iter().zip(digests) {
                 if let Some(fs) = self.files.get_mut(&e.file) {
@@ -778,13 +778,13 @@ impl ServerCore {
             // Otherwise: a duplicate of a window already finished.
             return;
         };
-        if d.epoch < w.epoch || (d.epoch == w.epoch && w.state == WinState::Verifying) {
+        if d.round < w.round || (d.round == w.round && w.state == WinState::Verifying) {
             return; // stale or duplicate
         }
-        if d.epoch > w.epoch || w.state != WinState::Granted {
+        if d.round > w.round || w.state != WinState::Granted {
             let m = format!(
-                "window {} epoch {} is not granted (current epoch {})",
-                d.window, d.epoch, w.epoch
+                "window {} round {} is not granted (current round {})",
+                d.window, d.round, w.round
             );
             return self.violation(FrameKind::WindowDone, m);
         }
@@ -800,10 +800,10 @@ impl ServerCore {
                     return self.violation(FrameKind::WindowDone, m);
                 }
                 w.state = WinState::Verifying;
-                let (extents, epoch) = (w.extents.clone(), w.epoch);
+                let (extents, round) = (w.extents.clone(), w.round);
                 self.action(ServerAction::Verify {
                     window: d.window,
-                    epoch,
+                    round,
                     extents,
                     expected: d.digests,
                 });
@@ -830,7 +830,7 @@ impl ServerCore {
         &mut self,
         now: u64,
         window: WindowId,
-        epoch: u32,
+        round: u32,
         r: Result<Vec<u32>, Failure>,
     ) {
         self.answered(now);
@@ -842,7 +842,7 @@ impl ServerCore {
             Err(f) => return self.end(Err(f)),
         };
         match self.windows.get(&window) {
-            Some(w) if w.epoch == epoch && w.state == WinState::Verifying => {}
+            Some(w) if w.round == round && w.state == WinState::Verifying => {}
             _ => return,
         }
         self.settle(window, bad);
@@ -857,7 +857,7 @@ impl ServerCore {
             .windows
             .get_mut(&window)
             .expect("checked by the caller");
-        let (dir, epoch) = (w.dir, w.epoch);
+        let (dir, round) = (w.dir, w.round);
         let extents = std::mem::take(&mut w.extents);
         let mut again = Vec::new();
         let mut touched = Vec::new();
@@ -884,7 +884,7 @@ impl ServerCore {
         if again.is_empty() {
             self.windows.remove(&window);
             self.actions.push_back(ServerAction::Release { window });
-        } else if epoch >= self.p.max_retries {
+        } else if round >= self.p.max_retries {
             let what = again
                 .iter()
                 .map(|e| format!("file {} block {}", e.file, e.block))
@@ -908,20 +908,20 @@ impl ServerCore {
             );
         } else {
             let w = self.windows.get_mut(&window).expect("still live");
-            w.epoch += 1;
+            w.round += 1;
             w.state = WinState::Granting;
             w.extents = again.clone();
             w.digests.clear();
-            let epoch = w.epoch;
+            let round = w.round;
             tracing::debug!(
                 window,
-                epoch,
+                round,
                 blocks = again.len(),
                 "granting damaged blocks again"
             );
             self.action(ServerAction::Grant {
                 window,
-                epoch,
+                round,
                 extents: again,
                 fill: dir == Direction::Pull,
             });

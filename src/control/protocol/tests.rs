@@ -537,7 +537,7 @@ impl Sim {
             }
             ServerAction::Grant {
                 window,
-                epoch,
+                round,
                 extents,
                 fill,
             } => {
@@ -564,7 +564,7 @@ impl Sim {
                 self.server.granted(
                     now,
                     window,
-                    epoch,
+                    round,
                     Ok(Granted {
                         addr: window << 32,
                         rkey,
@@ -575,7 +575,7 @@ impl Sim {
             }
             ServerAction::Verify {
                 window,
-                epoch,
+                round,
                 extents,
                 expected,
             } => {
@@ -595,7 +595,7 @@ impl Sim {
                     d.digests.insert(e.block, digest(check, &got));
                     self.seen.verified.insert((e.file, e.block));
                 }
-                self.server.verified(now, window, epoch, Ok(bad));
+                self.server.verified(now, window, round, Ok(bad));
             }
             ServerAction::Hash { file, blocks } => {
                 let src = &self.sources[&self.server_paths[&file]];
@@ -700,7 +700,7 @@ impl Sim {
                     mem[e.offset as usize..e.offset as usize + b.len()].copy_from_slice(&b);
                 }
                 self.client
-                    .sent(now, grant.window, grant.epoch, Ok(digests));
+                    .sent(now, grant.window, grant.round, Ok(digests));
             }
             ClientAction::Fetch { grant } => {
                 assert_eq!(
@@ -730,7 +730,7 @@ impl Sim {
                     d.digests.insert(e.block, digest(check, &b));
                     self.seen.verified.insert((e.file, e.block));
                 }
-                self.client.fetched(now, grant.window, grant.epoch, Ok(bad));
+                self.client.fetched(now, grant.window, grant.round, Ok(bad));
             }
             ClientAction::Hash { file, blocks } => {
                 let src = &self.sources[&self.paths[&file]];
@@ -1040,10 +1040,10 @@ fn a_silent_client_is_evicted_and_a_live_idle_one_is_not() {
                         ..OpenedFile::default()
                     }),
                 ),
-                ServerAction::Grant { window, epoch, .. } => s.granted(
+                ServerAction::Grant { window, round, .. } => s.granted(
                     now,
                     window,
-                    epoch,
+                    round,
                     Ok(Granted {
                         addr: 0,
                         rkey: 1,
@@ -1112,10 +1112,10 @@ fn keepalives_whose_progress_grows_keep_a_slow_client_and_others_do_not() {
                             ..OpenedFile::default()
                         }),
                     ),
-                    ServerAction::Grant { window, epoch, .. } => s.granted(
+                    ServerAction::Grant { window, round, .. } => s.granted(
                         now,
                         window,
-                        epoch,
+                        round,
                         Ok(Granted {
                             addr: 0,
                             rkey: 1,
@@ -1238,11 +1238,11 @@ fn server_with_push_granted(p: Params, len: u64) -> (ServerCore, WindowId, Vec<p
                 ),
                 ServerAction::Grant {
                     window,
-                    epoch,
+                    round,
                     extents,
                     ..
                 } => {
-                    s.granted(0, window, epoch, Ok(Granted::default()));
+                    s.granted(0, window, round, Ok(Granted::default()));
                     granted.get_or_insert((window, extents));
                 }
                 other => panic!("{other:?}"),
@@ -1391,7 +1391,7 @@ fn messages_outside_the_protocol_end_the_stream_naming_them() {
     let mut verify = None;
     while let Some(a) = s.poll_action() {
         if let ServerAction::Verify {
-            window, epoch: 0, ..
+            window, round: 0, ..
         } = a
         {
             verify = Some(window);
@@ -1672,7 +1672,7 @@ fn a_window_of_tiny_files_fits_a_frame() {
     while let Some(a) = s.poll_action() {
         if let ServerAction::Grant {
             window,
-            epoch,
+            round,
             extents,
             ..
         } = a
@@ -1683,7 +1683,7 @@ fn a_window_of_tiny_files_fits_a_frame() {
             s.granted(
                 0,
                 window,
-                epoch,
+                round,
                 Ok(Granted {
                     addr: 1,
                     rkey: 2,

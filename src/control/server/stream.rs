@@ -31,7 +31,7 @@ enum Done {
     Opened(Vec<(FileId, OpenResult)>),
     Granted {
         window: WindowId,
-        epoch: u32,
+        round: u32,
         slot: Option<Slot>,
         /// Pull: the window was filled from the file (bytes moved).
         fill: bool,
@@ -39,7 +39,7 @@ enum Done {
     },
     Verified {
         window: WindowId,
-        epoch: u32,
+        round: u32,
         slot: Slot,
         r: Result<Vec<u32>, Failure>,
     },
@@ -352,16 +352,16 @@ impl Driver {
                 ServerAction::Open { file, open } => opens.push((file, open)),
                 ServerAction::Grant {
                     window,
-                    epoch,
+                    round,
                     extents,
                     fill,
-                } => self.grant(window, epoch, extents, fill),
+                } => self.grant(window, round, extents, fill),
                 ServerAction::Verify {
                     window,
-                    epoch,
+                    round,
                     extents,
                     expected,
-                } => self.verify(window, epoch, extents, expected),
+                } => self.verify(window, round, extents, expected),
                 ServerAction::Release { window } => {
                     // A pull window is still reachable: revoking it may be an
                     // invalidate posted and polled on the session's QP, so the
@@ -468,7 +468,7 @@ impl Driver {
         });
     }
 
-    fn grant(&mut self, window: WindowId, epoch: u32, extents: Vec<proto::Extent>, fill: bool) {
+    fn grant(&mut self, window: WindowId, round: u32, extents: Vec<proto::Extent>, fill: bool) {
         self.watchdog.job_started(self.now());
         let slot = self.slots.remove(&window);
         let fills: Option<HashMap<FileId, FileHandle>> = fill.then(|| {
@@ -488,7 +488,7 @@ impl Driver {
                     let Ok(permit) = svc.slots.clone().acquire_owned().await else {
                         let _ = tx.send(Done::Granted {
                             window,
-                            epoch,
+                            round,
                             slot: None,
                             fill,
                             r: Err(Failure::new(Reason::Retryable, "rcpd is shutting down")),
@@ -519,7 +519,7 @@ impl Driver {
             };
             let _ = tx.send(Done::Granted {
                 window,
-                epoch,
+                round,
                 slot,
                 fill,
                 r,
@@ -530,7 +530,7 @@ impl Driver {
     fn verify(
         &mut self,
         window: WindowId,
-        epoch: u32,
+        round: u32,
         extents: Vec<proto::Extent>,
         expected: Vec<Digest>,
     ) {
@@ -539,7 +539,7 @@ impl Driver {
             self.core.verified(
                 now,
                 window,
-                epoch,
+                round,
                 Err(Failure::new(
                     Reason::Other,
                     "verify of a window without a slot",
@@ -557,7 +557,7 @@ impl Driver {
             let r = io.verify(&mut slot, &extents, &expected, &files);
             let _ = tx.send(Done::Verified {
                 window,
-                epoch,
+                round,
                 slot,
                 r,
             });
@@ -610,7 +610,7 @@ impl Driver {
             }
             Done::Granted {
                 window,
-                epoch,
+                round,
                 slot,
                 r,
                 ..
@@ -618,16 +618,16 @@ impl Driver {
                 if let Some(s) = slot {
                     self.slots.insert(window, s);
                 }
-                self.core.granted(now, window, epoch, r);
+                self.core.granted(now, window, round, r);
             }
             Done::Verified {
                 window,
-                epoch,
+                round,
                 slot,
                 r,
             } => {
                 self.slots.insert(window, slot);
-                self.core.verified(now, window, epoch, r);
+                self.core.verified(now, window, round, r);
             }
             Done::Hashed(file, r) => self.core.hashed(now, file, r),
             Done::Checked(file, r) => self.core.source_checked(now, file, r),
