@@ -114,12 +114,17 @@ netns)
   # watcher saw its port go down, (verbs, retry 3) the data path reconnected
   # after an error batch.
   linkcut() {
-    local dir t=$1 op=$2 retry=${3:-} dev_b=() dev_a=() env_a=()
+    local dir keep t=$1 op=$2 retry=${3:-} dev_b=() dev_a=() env_a=()
     local total=$((32 << 20)) trigger=$((2 << 20)) rate=2M window=$((4 << 20))
     [ "$t" = verbs ] && dev_b=(--device rxeb) && dev_a=(--device rxea)
     [ -n "$retry" ] && env_a=(env RCP_QP_RETRY_CNT="$retry")
-    dir=$PWD/target/vm-linkcut-$t-$op${retry:+-retry$retry}
-    rm -rf "$dir" && mkdir -p "$dir/src" "$dir/root"
+    # The files and logs on the guest's tmpfs: on the 9p mount writing the
+    # files took half of each step, and a read of the growing rcp.json could
+    # fail (ENODATA) and count as nothing confirmed. The logs are kept
+    # under target/ at the end.
+    dir=$RCP_TEST_TMPDIR/linkcut-$t-$op${retry:+-retry$retry}
+    keep=$PWD/target/vm-linkcut-$t-$op${retry:+-retry$retry}
+    rm -rf "$dir" "$keep" && mkdir -p "$dir/src" "$dir/root"
     head -c $total /dev/urandom >"$dir/src/file"
     [ "$op" = pull ] && cp "$dir/src/file" "$dir/root/file"
     ip netns exec b target/debug/rcpd --listen 192.168.77.2:7471 --health-listen 192.168.77.2:7472 \
@@ -212,9 +217,11 @@ netns)
         [ "$reconnects" -ge 1 ] || bad+=("an error batch with QP retry count $retry but no reconnect")
       fi
     fi
-    [ ${#bad[@]} -eq 0 ] && return 0
-    printf 'linkcut FAILED: %s\n' "${bad[@]}"
-    return 1
+    local ok=0
+    [ ${#bad[@]} -eq 0 ] || { printf 'linkcut FAILED: %s\n' "${bad[@]}"; ok=1; }
+    mkdir -p "$keep" && cp "$dir/rcp.json" "$dir/rcp.log" "$dir/rcpd.log" "$keep/"
+    rm -rf "$dir"
+    return $ok
   }
   step "rcp push across a 3 s link cut (verbs, a -> b)" linkcut verbs push
   step "rcp pull across a 3 s link cut (verbs, b -> a)" linkcut verbs pull
