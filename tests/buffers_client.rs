@@ -4,8 +4,11 @@
 //! through the rcpd's own gRPC address (rcpd is its own peer), bytes and
 //! the owner's event checked; then an unknown name. And an operation to
 //! a peer off rcpd's --copy-peers: refused, and nothing dials it. And a
-//! grant revoked with the session it was made to.
+//! grant revoked with the session it was made to. And a kept session the
+//! peer rcpd no longer holds, given up for a new one.
 
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use rcp::control::buffers::client::ServiceClient;
@@ -457,4 +460,193 @@ async fn closing_a_session_revokes_its_buffer_grants() {
 
     drop(owner);
     d.stop().await;
+}
+
+/// Where the initiating side of buffer operations logs.
+const PEER_LOG: &str = "rcp::control::buffers::peer";
+
+/// An event [`PEER_LOG`] logged: its message and fields.
+#[derive(Clone, Debug, Default)]
+struct Logged {
+    message: String,
+    fields: HashMap<&'static str, String>,
+}
+
+impl tracing::field::Visit for Logged {
+    fn record_debug(&mut self, f: &tracing::field::Field, v: &dyn std::fmt::Debug) {
+        let v = format!("{v:?}");
+        match f.name() {
+            "message" => self.message = v,
+            name => {
+                self.fields.insert(name, v);
+            }
+        }
+    }
+}
+
+/// Keeps what [`PEER_LOG`] logs at info and above.
+struct Record(Arc<Mutex<Vec<Logged>>>);
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Record {
+    fn enabled(
+        &self,
+        m: &tracing::Metadata<'_>,
+        _: tracing_subscriber::layer::Context<'_, S>,
+    ) -> bool {
+        m.target() == PEER_LOG && *m.level() <= tracing::Level::INFO
+    }
+
+    fn on_event(&self, e: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        let mut l = Logged::default();
+        e.record(&mut l);
+        self.0.lock().unwrap().push(l);
+    }
+}
+
+/// What [`PEER_LOG`] logged about `peer`, in order, since the first call
+/// (which installs the recorder, for every rcpd of this test binary).
+fn peer_log(peer: &str) -> Vec<Logged> {
+    static LOG: OnceLock<Arc<Mutex<Vec<Logged>>>> = OnceLock::new();
+    let log = LOG.get_or_init(|| {
+        use tracing_subscriber::layer::SubscriberExt;
+        let log = Arc::default();
+        tracing::subscriber::set_global_default(
+            tracing_subscriber::registry().with(Record(Arc::clone(&log))),
+        )
+        .expect("no other subscriber in this test binary");
+        log
+    });
+    // rcpd quotes the address (rcp::escape::esc).
+    let quoted = format!("\"{peer}\"");
+    let log = log.lock().unwrap();
+    log.iter()
+        .filter(|l| l.fields.get("peer") == Some(&quoted))
+        .cloned()
+        .collect()
+}
+
+/// The ids of the sessions opened to `peer` for buffer operations, and the
+/// (session, error) of those given up on the peer's `retryable`.
+fn peer_sessions(peer: &str) -> (Vec<String>, Vec<(String, String)>) {
+    let log = peer_log(peer);
+    let field = |l: &Logged, f: &str| l.fields.get(f).cloned().unwrap_or_default();
+    let opened = log
+        .iter()
+        .filter(|l| l.message == "buffer session to a peer")
+        .map(|l| field(l, "session"))
+        .collect();
+    let given_up = log
+        .iter()
+        .filter(|l| l.message == "buffer session given up: a new one")
+        .map(|l| (field(l, "session"), field(l, "error")))
+        .collect();
+    (opened, given_up)
+}
+
+/// A service on `sock`'s rcpd exposing a buffer of 1 MiB as `name`, for
+/// writes.
+async fn exposed(
+    sock: &std::path::Path,
+    name: &str,
+) -> (ServiceClient, rcp::control::buffers::client::Buffer) {
+    let owner = ServiceClient::connect(Some(sock), None).await.unwrap();
+    let buf = owner.create_buffer(1 << 20).await.unwrap();
+    owner
+        .expose(&buf, name, 0, 1 << 20, "write", &[])
+        .await
+        .unwrap();
+    (owner, buf)
+}
+
+/// A hang guard only: nothing here takes near this long.
+const HANG_GUARD: Duration = Duration::from_secs(300);
+
+/// Operation `h`'s end, bounded by [`HANG_GUARD`].
+async fn ended(c: &ServiceClient, h: u64) -> Result<u64, rcp::control::buffers::OpError> {
+    tokio::time::timeout(HANG_GUARD, c.wait(h))
+        .await
+        .expect("the operation ended")
+}
+
+/// A kept buffer session the peer rcpd no longer holds (it restarted on its
+/// address: its sessions are gone, the exposure is made again) is given up
+/// on the peer's `retryable` and the grant asked for once more on a new
+/// session: the next operation succeeds. The initiator's tcp channel may
+/// see the peer's connections close, but an idle channel fails nothing
+/// before its next post and the grant comes before any: the data path is
+/// still up, and the grant's answer is what gives the session up. The
+/// given-up session is the one the first operation opened, for the peer's
+/// unknown session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_the_peer_no_longer_holds_is_made_anew() {
+    let dir = tempfile::tempdir().unwrap();
+    let (peer_dir, init_dir) = (dir.path().join("peer"), dir.path().join("init"));
+    std::fs::create_dir(&peer_dir).unwrap();
+    std::fs::create_dir(&init_dir).unwrap();
+    let (peer, peer_sock) = start_rcpd(&peer_dir).await;
+    let peer_addr = peer.addr.clone();
+    assert!(peer_sessions(&peer_addr).0.is_empty());
+    let init_root = init_dir.join("root");
+    std::fs::create_dir(&init_root).unwrap();
+    let init_sock = init_dir.join("rcpd.sock");
+    let mut cfg = config(&init_root, &init_sock);
+    cfg.copy_peers = vec![peer_addr.parse().unwrap()];
+    let init = Daemon::start(cfg).await;
+
+    let (owner, dst) = exposed(&peer_sock, "kept").await;
+    let writer = ServiceClient::connect(Some(&init_sock), None)
+        .await
+        .unwrap();
+    let src = writer.create_buffer(1 << 20).await.unwrap();
+    let data: Vec<u8> = (0..(1u32 << 20)).map(|i| (i * 11 + 1) as u8).collect();
+    assert!(src.local.write_at(0, &data));
+    const LEN: u64 = 64 << 10;
+    let h = writer
+        .write(&src, &peer_addr, "kept", &[(0, 0, LEN)], None)
+        .await
+        .unwrap();
+    assert_eq!(ended(&writer, h).await.unwrap(), LEN);
+    let mut got = vec![0u8; LEN as usize];
+    assert!(dst.local.read_at(0, &mut got));
+    assert!(got[..] == data[..LEN as usize], "the first write landed");
+    let (opened, given_up) = peer_sessions(&peer_addr);
+    assert_eq!(opened.len(), 1, "one session to the peer: {opened:?}");
+    assert!(given_up.is_empty(), "{given_up:?}");
+
+    // The peer restarts on its address: it holds no session now, the
+    // initiator still keeps its own.
+    drop((owner, dst));
+    peer.stop().await;
+    let mut cfg = config(&peer_dir.join("root"), &peer_sock);
+    cfg.listen = peer_addr.parse().unwrap();
+    let peer = Daemon::start(cfg).await;
+    assert_eq!(peer.addr, peer_addr);
+    let (owner, dst) = exposed(&peer_sock, "kept").await;
+
+    let h = writer
+        .write(&src, &peer_addr, "kept", &[(LEN, LEN, LEN)], None)
+        .await
+        .unwrap();
+    assert_eq!(
+        ended(&writer, h)
+            .await
+            .expect("the write after the restart"),
+        LEN
+    );
+    assert!(dst.local.read_at(LEN, &mut got));
+    assert!(
+        got[..] == data[LEN as usize..2 * LEN as usize],
+        "the second write landed"
+    );
+    let (opened, given_up) = peer_sessions(&peer_addr);
+    assert_eq!(given_up.len(), 1, "{given_up:?}");
+    let (session, error) = &given_up[0];
+    assert_eq!(session, &opened[0], "the first session was given up");
+    assert!(error.contains("unknown session"), "{error}");
+    assert_eq!(opened.len(), 2, "a new session after it: {opened:?}");
+    assert_ne!(opened[1], opened[0]);
+
+    drop((owner, dst, writer, src));
+    init.stop().await;
+    peer.stop().await;
 }
