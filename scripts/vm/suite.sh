@@ -286,7 +286,7 @@ netns)
 import json, sys
 w = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")][0]
 assert w["event"] == "written" and w["message"] == "layer 0" and "error" not in w, w
-assert w["check"] == "sha256" and len(w["ranges"]) == 4 and all(len(r[2]) == 64 for r in w["ranges"]), w
+assert w["check"] == "blake3" and len(w["ranges"]) == 4 and all(len(r[2]) == 64 for r in w["ranges"]), w
 r = [json.loads(l) for l in open(sys.argv[2]) if l.startswith("{")][0]
 assert r["event"] == "read" and "error" not in r and len(r["ranges"]) == 4, r' \
       "$dir/serve.out" "$dir/serve2.out" || { echo "pybuf: the owner's events are wrong"; rc=1; }
