@@ -7,9 +7,7 @@
 //! so the cuts below cut it too where they cut va0; TCP rides that out.
 //!
 //! What is checked: both rails carry blocks (rcp -v's rail lines, the
-//! engine's counters), rcpd registers no memory during a copy over rails
-//! (its /metrics: registrations flat, window binds grow), digests equal
-//! `sha256sum`'s, one rail cut for 5 s
+//! engine's counters), digests equal `sha256sum`'s, one rail cut for 5 s
 //! is absorbed (its blocks posted on the other, the failover time printed;
 //! it rejoins), both cut for 3 s survive through reconnect (each cut
 //! triggered by the bytes rcp has confirmed, under --bwlimit, and checked
@@ -25,7 +23,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::e2e::tmp_with_root;
-use common::metrics::{sample, scrape};
 use common::{make_file, rcp, rcp_cmd, remote, sha256sum, Rcpd, Run};
 
 const RAILS_A: &str = "rxea0,rxea1";
@@ -100,33 +97,6 @@ fn ok(r: &Run, what: &str, d: &Rcpd) {
     );
 }
 
-/// rcpd's verbs registrations and window binds so far, from its /metrics.
-fn registrations_and_binds(d: &Rcpd) -> (f64, f64) {
-    let t = scrape(d.metrics.as_deref().expect("rcpd's metrics address"));
-    let get = |s| sample(&t, s).unwrap_or_else(|| panic!("no {s} in\n{t}"));
-    (
-        get("rcp_verbs_registrations_total"),
-        get("rcp_verbs_window_binds_total"),
-    )
-}
-
-/// A copy over rails: rcpd registered nothing while it ran (its arena is
-/// registered once per rail at start) and bound a memory window per grant
-/// on each of the session's QPs, so at least one per QP.
-fn no_registration_during(d: &Rcpd, qps: f64, before: (f64, f64), what: &str) -> (f64, f64) {
-    let after = registrations_and_binds(d);
-    println!("{what}: rcpd (registrations, window binds) {before:?} -> {after:?}");
-    assert_eq!(
-        after.0, before.0,
-        "{what}: rcpd registered memory during the copy"
-    );
-    assert!(
-        after.1 >= before.1 + qps,
-        "{what}: fewer window binds than QPs: {before:?} -> {after:?}"
-    );
-    after
-}
-
 /// `ip link set DEV STATE` in namespace a (where this test runs).
 fn link(dev: &str, state: &str) {
     let st = Command::new("ip")
@@ -178,7 +148,6 @@ fn push_and_pull_over_two_rails_by_default() {
     let src = tmp.path().join("f");
     make_file(&src, 32 << 20, 7);
     let want = sha256sum(&src);
-    let started = registrations_and_binds(&d);
     let r = rcp(
         d.port,
         "verbs",
@@ -187,7 +156,6 @@ fn push_and_pull_over_two_rails_by_default() {
     );
     ok(&r, "push", &d);
     println!("push: {}", r.stdout.trim());
-    let pushed = no_registration_during(&d, 2.0, started, "push over 2 rails");
     assert_eq!(sha256sum(&root.join("f")), want);
     let lines = rail_lines(&r.stdout);
     both_carried(&lines, &r.stdout);
@@ -217,7 +185,6 @@ fn push_and_pull_over_two_rails_by_default() {
     );
     ok(&r, "pull", &d);
     println!("pull: {}", r.stdout.trim());
-    no_registration_during(&d, 4.0, pushed, "pull over 4 QPs");
     assert_eq!(sha256sum(&back.join("f")), want);
     let lines = rail_lines(&r.stdout);
     let names: Vec<&str> = lines.iter().map(|l| l.name.as_str()).collect();

@@ -288,13 +288,18 @@ impl Service {
             .collect();
         let addrs: Vec<RailAddr> = server.iter().map(|(_, a)| *a).collect();
         let pairs = pair(&client, &addrs).map_err(|e| ControlError::Invalid(e.to_string()))?;
+        let single = pairs.len() == 1 && server[pairs[0].remote].0 == 0;
         let mut domains = Vec::with_capacity(pairs.len());
         let (mut client_rd, mut server_rd, mut resp_rd) = (u32::MAX, u32::MAX, u32::MAX);
         for p in &pairs {
             let (v, cep) = (offered[p.local].params, &offered[p.local].ep);
             let k = server[p.remote].0;
             let dev = devs[k];
-            let sd = self.link.rail_domain(k)?;
+            let sd = if single {
+                self.link.session_domain(ProviderKind::Verbs)?
+            } else {
+                self.link.rail_domain(k)?
+            };
             let caps = dev.ctx.caps();
             client_rd = client_rd.min(v.max_qp_init_rd_atom.min(caps.max_qp_rd_atom).max(1));
             server_rd = server_rd.min(caps.max_qp_init_rd_atom.min(v.max_qp_rd_atom).max(1));
