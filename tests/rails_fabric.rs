@@ -265,10 +265,13 @@ fn copy(
 }
 
 /// [`copy`] with a cut: windows are submitted `backlog` at a time (both
-/// rails stay full), and `cut` runs in this thread once `cut_after` windows
-/// are done, before the rest are even submitted: the cut lands mid-copy
-/// however fast the machine. Returns the other events and what `cut`
-/// returned.
+/// rails stay full), and `cut` starts on a thread of its own once
+/// `cut_after` windows are done, before the rest are even submitted: the
+/// cut lands mid-copy however fast the machine. This thread keeps
+/// submitting while `cut` runs (`ip link` takes a while under emulation):
+/// were it to wait, the data path would drain its backlog and the cut rail
+/// could be idle when its link goes down. Returns the other events and
+/// what `cut` returned.
 fn copy_with_cut<T>(
     r: &Rails,
     dp: &DataPath,
@@ -276,8 +279,11 @@ fn copy_with_cut<T>(
     len: usize,
     ext: u32,
     (backlog, cut_after): (u64, u64),
-    cut: impl FnOnce() -> T,
-) -> (Vec<(Instant, DpEvent)>, T) {
+    cut: impl FnOnce() -> T + Send + 'static,
+) -> (Vec<(Instant, DpEvent)>, T)
+where
+    T: Send + 'static,
+{
     const W: u64 = 1 << 20;
     let windows = len as u64 / W;
     assert!(
@@ -303,7 +309,7 @@ fn copy_with_cut<T>(
             DpEvent::WindowDone { .. } => {
                 done += 1;
                 if done == cut_after {
-                    got = cut.take().map(|c| c());
+                    got = cut.take().map(std::thread::spawn);
                 }
                 if next < windows {
                     submit(next);
@@ -317,7 +323,8 @@ fn copy_with_cut<T>(
             }
         }
     }
-    (other, got.expect("the cut ran"))
+    let got = got.expect("the cut started").join().expect("the cut");
+    (other, got)
 }
 
 fn prepare(len: usize) -> (Rails, Vec<u8>) {
@@ -422,30 +429,34 @@ fn a_rail_cut_for_5s_is_absorbed_and_rejoins() {
     let cut = std::env::var("RCP_RAILS_CUT").unwrap_or_else(|_| "a:va1".into());
     // No rate limit: both rails stay full (16 windows queued), so the cut
     // rail has extents outstanding at the cut and the failover (its extents
-    // posted on rail 0) is exercised. The cut comes after 16 of 64 windows
-    // are done, before the last 32 are submitted: mid-copy on any machine.
+    // posted on rail 0) is exercised. The cut starts after 16 of 64 windows
+    // are done, with 48 windows to go, and the copy keeps its backlog while
+    // it runs; the asserts below say it landed with work outstanding.
     let len = 64 << 20;
     let (r, data) = prepare(len);
     let (dp, mut ev) = r.data_path(cfg());
     let stats = dp.stats().clone();
     let t0 = Instant::now();
     let (mut other, (down_at, cutter)) =
-        copy_with_cut(&r, &dp, &mut ev, len, 16 << 10, (16, 16), || {
-            link(&cut, "down");
-            let down = Instant::now();
-            eprintln!(
-                "{cut} down at {:.2} s, {} of {} blocks done",
-                down.duration_since(t0).as_secs_f64(),
-                stats.counters().extents_confirmed,
-                len / (16 << 10)
-            );
-            let cut = cut.clone();
-            let up = std::thread::spawn(move || {
-                std::thread::sleep(Duration::from_secs(5));
-                link(&cut, "up");
-                eprintln!("{cut} up at {:.2} s", t0.elapsed().as_secs_f64());
-            });
-            (down, up)
+        copy_with_cut(&r, &dp, &mut ev, len, 16 << 10, (16, 16), {
+            let (cut, stats) = (cut.clone(), stats.clone());
+            move || {
+                link(&cut, "down");
+                let down = Instant::now();
+                eprintln!(
+                    "{cut} down at {:.2} s, {} of {} blocks done",
+                    down.duration_since(t0).as_secs_f64(),
+                    stats.counters().extents_confirmed,
+                    len / (16 << 10)
+                );
+                let cut = cut.clone();
+                let up = std::thread::spawn(move || {
+                    std::thread::sleep(Duration::from_secs(5));
+                    link(&cut, "up");
+                    eprintln!("{cut} up at {:.2} s", t0.elapsed().as_secs_f64());
+                });
+                (down, up)
+            }
         });
     let copied = t0.elapsed();
     cutter.join().expect("the cutter");
