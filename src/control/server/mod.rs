@@ -244,9 +244,8 @@ impl proto::rcp_server::Rcp for RcpService {
         let client = ClientId::of(&req);
         let id = req.into_inner().session_id;
         // Only the client that opened it closes it.
-        let s = self.0.session(id, client)?;
-        match self.0.sessions.remove(id) {
-            Some(_) => {
+        match self.0.sessions.remove(id, client) {
+            Some(s) => {
                 self.0.buffers.session_closed(id);
                 in_place(|| drop(s));
                 Ok(Response::new(proto::CloseSessionResponse {}))
@@ -410,12 +409,8 @@ impl proto::rcp_server::Rcp for RcpService {
         let client = ClientId::of(&req);
         let req = req.into_inner();
         let id = req.session_id;
-        // The session (while open) grants damaged ranges again; another
-        // client's is not found.
-        let session = match self.0.sessions.get(id) {
-            Some(s) if s.client != client => return Err(session::unknown_session(id).into()),
-            s => s,
-        };
+        // The session (while open) grants damaged ranges again.
+        let session = self.0.session_if_open(id, client)?;
         if let Some(s) = &session {
             *s.last_used.lock().unwrap() = std::time::Instant::now();
         }

@@ -126,8 +126,21 @@ impl Service {
     /// it does not exist (a client with the token is trusted with its own
     /// transfers, not with another's session).
     pub(super) fn session(&self, id: u64, client: ClientId) -> Result<Arc<SessionState>> {
-        let s = self.sessions.get(id).filter(|s| s.client == client);
-        s.ok_or_else(|| unknown_session(id))
+        self.session_if_open(id, client)?
+            .ok_or_else(|| unknown_session(id))
+    }
+
+    /// Session `id` if it is still open (`None` once closed), refused as
+    /// unknown when another client opened it.
+    pub(super) fn session_if_open(
+        &self,
+        id: u64,
+        client: ClientId,
+    ) -> Result<Option<Arc<SessionState>>> {
+        match self.sessions.get(id) {
+            Some(s) if s.client != client => Err(unknown_session(id)),
+            s => Ok(s),
+        }
     }
 
     /// What this rcpd offers a session (the handshake's other half).

@@ -226,9 +226,13 @@ impl<S: Entry> SessionTable<S> {
         self.inner.lock().unwrap().open.get(&id).cloned()
     }
 
-    /// Close session `id` (CloseSession): the caller drops it.
-    pub fn remove(&self, id: u64) -> Option<Arc<S>> {
+    /// Close session `id` of `client` (CloseSession): the caller drops it.
+    /// Another client's session stays open (`None`, as for no session).
+    pub fn remove(&self, id: u64, client: ClientId) -> Option<Arc<S>> {
         let mut t = self.inner.lock().unwrap();
+        if t.open.get(&id)?.client() != client {
+            return None;
+        }
         let s = t.open.remove(&id)?;
         t.release(s.client());
         Some(s)
@@ -401,8 +405,9 @@ mod tests {
             id.commit(session(client(3), now));
             n
         };
-        assert!(t.remove(id).is_some());
-        assert!(t.remove(id).is_none());
+        assert!(t.remove(id, client(4)).is_none(), "another client's");
+        assert!(t.remove(id, client(3)).is_some());
+        assert!(t.remove(id, client(3)).is_none());
         assert_eq!(t.len(), 5);
     }
 
