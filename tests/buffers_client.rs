@@ -9,12 +9,15 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
+mod common;
+
 use std::time::Duration;
 
 use rcp::control::buffers::client::ServiceClient;
 use rcp::control::daemon::{self, DaemonConfig};
 use rcp::control::link::MemoryWindows;
 use rcp::control::Transport;
+use rcp::provider::ProviderKind;
 
 fn config(root: &std::path::Path, socket: &std::path::Path) -> DaemonConfig {
     DaemonConfig {
@@ -410,16 +413,7 @@ async fn closing_a_session_revokes_its_buffer_grants() {
         .await
         .unwrap();
     let hs = c
-        .handshake(proto::HandshakeRequest {
-            version_major: rcp::control::VERSION_MAJOR,
-            version_minor: rcp::control::VERSION_MINOR,
-            providers: vec![proto::Provider::Tcp as i32],
-            block_size: 1 << 20,
-            client_name: "grant-test".into(),
-            checks: vec![proto::Check::Sha256 as i32],
-            window_count: 4,
-            ..Default::default()
-        })
+        .handshake(common::raw::hello(ProviderKind::Tcp, 1 << 20))
         .await
         .unwrap()
         .into_inner();
