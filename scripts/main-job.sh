@@ -36,5 +36,5 @@ if [ -n "$(ls /sys/class/infiniband 2>/dev/null)" ]; then
   job
 else
   echo "main-job: no RDMA device on this host; running in the soft-RoCE VM"
-  bash scripts/testbed.sh run lo -- bash -c "$(declare -f job); job"
+  bash scripts/testbed.sh run lo -- bash -c "$(declare -f wait_port job); job"
 fi
