@@ -27,6 +27,16 @@ pub struct Buffer {
     pub local: LocalBuffer,
 }
 
+/// What an operation says besides its ranges.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct OpOptions<'a> {
+    /// Delivered with the owner's event (at most 256 bytes).
+    pub message: Option<&'a str>,
+    /// `blake3`, `sha256`, `xxh3` or `none`; `None`: rcpd's default (the
+    /// first of its `--verify`).
+    pub check: Option<&'a str>,
+}
+
 type Pending = Arc<Mutex<HashMap<u64, oneshot::Sender<Value>>>>;
 
 /// A connection to rcpd's socket; everything registered over it lives as
@@ -189,12 +199,15 @@ impl ServiceClient {
         peer: &str,
         name: &str,
         descs: &[(u64, u64, u64)],
-        message: Option<&str>,
+        opts: OpOptions<'_>,
     ) -> Result<u64, OpError> {
         let d: Vec<[u64; 3]> = descs.iter().map(|&(a, b, c)| [a, b, c]).collect();
         let mut f = json!({"buffer": buf.id, "peer": peer, "name": name, "descs": d});
-        if let Some(m) = message {
+        if let Some(m) = opts.message {
             f["message"] = json!(m);
+        }
+        if let Some(c) = opts.check {
+            f["check"] = json!(c);
         }
         let r = self.request(op, f, &[]).await?;
         r["handle"]
@@ -212,7 +225,23 @@ impl ServiceClient {
         descs: &[(u64, u64, u64)],
         message: Option<&str>,
     ) -> Result<u64, OpError> {
-        self.op("write", buf, peer, name, descs, message).await
+        let opts = OpOptions {
+            message,
+            check: None,
+        };
+        self.write_with(buf, peer, name, descs, opts).await
+    }
+
+    /// [`ServiceClient::write`] with a message and a check of its own.
+    pub async fn write_with(
+        &self,
+        buf: &Buffer,
+        peer: &str,
+        name: &str,
+        descs: &[(u64, u64, u64)],
+        opts: OpOptions<'_>,
+    ) -> Result<u64, OpError> {
+        self.op("write", buf, peer, name, descs, opts).await
     }
 
     /// Read `descs` of `peer`'s `name` into `buf`; a handle.
@@ -223,7 +252,20 @@ impl ServiceClient {
         name: &str,
         descs: &[(u64, u64, u64)],
     ) -> Result<u64, OpError> {
-        self.op("read", buf, peer, name, descs, None).await
+        self.read_with(buf, peer, name, descs, OpOptions::default())
+            .await
+    }
+
+    /// [`ServiceClient::read`] with a message and a check of its own.
+    pub async fn read_with(
+        &self,
+        buf: &Buffer,
+        peer: &str,
+        name: &str,
+        descs: &[(u64, u64, u64)],
+        opts: OpOptions<'_>,
+    ) -> Result<u64, OpError> {
+        self.op("read", buf, peer, name, descs, opts).await
     }
 
     /// Wait for operation `h`: the bytes moved, or its failure.
