@@ -1,0 +1,377 @@
+//! Buffer operations between two rcpds, timed (docs/benchmarks.md,
+//! "Buffers from services"). One process is both services: an owner on
+//! rcpd B's socket (a buffer exposed `rw` as `bench`) and an initiator on
+//! rcpd A's socket, which writes into and reads from B's buffer through A.
+//! A unix socket is a path, so the two rcpds may live in different network
+//! namespaces.
+//!
+//! ```text
+//! buffers_bench throughput --socket A.sock --owner-socket B.sock --peer B_HOST:PORT
+//!     [--mib 64] [--range-mib 1] [--passes 5] [--ops write,read] [--verify CHECK]
+//!     [--cpu-pids PID,PID] [--clk-tck 100]
+//! buffers_bench latency --socket A.sock --owner-socket B.sock --peer B_HOST:PORT
+//!     [--size 4096] [--iters 1000] [--warmup 20] [--passes 1] [--verify CHECK]
+//! ```
+//!
+//! throughput: buffers of `--mib` MiB on both sides; each pass writes all of
+//! the initiator's buffer into the owner's as one operation of `--range-mib`
+//! MiB descriptors, and reads it back the same way (`--ops`). A pass is
+//! timed from the `write`/`read` request to its `wait` answering; the
+//! destination is cleared before and compared with the source after (both
+//! untimed), and the owner's event must name every range. With
+//! `--cpu-pids` (the two rcpds), CPU seconds (user + system) of those
+//! processes and of this one over the timed part are reported per GiB.
+//! One small write and read first, untimed, open the session and register
+//! the buffers.
+//!
+//! latency: `--iters` writes of `--size` bytes, one at a time, each timed
+//! from its request until the owner's `written` event (the notification)
+//! has arrived here; its `wait` follows, untimed. Median, p99, min, max.
+//!
+//! `--verify`: the operation's check (`none`, `xxh3`, `sha256`, `blake3`);
+//! rcpd's default (blake3 unless `--verify` restricts it) when not given.
+//! Output: one `bufbench ...` line of `key=value` per pass and a summary.
+
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::time::Instant;
+
+use rcp::control::buffers::client::{Buffer, OpOptions, ServiceClient};
+
+type R<T> = Result<T, Box<dyn std::error::Error>>;
+
+const MIB: u64 = 1 << 20;
+const EXPOSED: &str = "bench";
+
+struct Args(Vec<String>);
+
+impl Args {
+    fn get(&self, name: &str) -> Option<&str> {
+        let i = self.0.iter().position(|a| a == name)?;
+        self.0.get(i + 1).map(String::as_str)
+    }
+
+    fn num<T: FromStr>(&self, name: &str, default: T) -> R<T> {
+        match self.get(name) {
+            None => Ok(default),
+            Some(v) => v
+                .parse()
+                .map_err(|_| format!("{name} {v:?}: not a number").into()),
+        }
+    }
+
+    fn need(&self, name: &str) -> R<&str> {
+        self.get(name)
+            .ok_or_else(|| format!("{name} is required").into())
+    }
+}
+
+/// The pattern of seed `seed` at byte `off` (a multiple of 8) into `out`
+/// (a multiple of 8 long): splitmix64 of the word's index.
+fn pattern(seed: u64, off: u64, out: &mut [u8]) {
+    for (i, c) in out.chunks_exact_mut(8).enumerate() {
+        let mut z = (seed << 40) ^ (off / 8 + i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        c.copy_from_slice(&(z ^ (z >> 31)).to_le_bytes());
+    }
+}
+
+/// `buf` filled with the pattern of `seed`, or zeros when `None`.
+fn fill(buf: &Buffer, seed: Option<u64>) -> R<()> {
+    let mut chunk = vec![0u8; MIB as usize];
+    let mut off = 0;
+    while off < buf.local.len() {
+        let n = (buf.local.len() - off).min(MIB) as usize;
+        if let Some(s) = seed {
+            pattern(s, off, &mut chunk[..n]);
+        }
+        if !buf.local.write_at(off, &chunk[..n]) {
+            return Err("fill: outside the buffer".into());
+        }
+        off += n as u64;
+    }
+    Ok(())
+}
+
+/// Whether the first `len` bytes of `buf` hold the pattern of `seed`: the
+/// first offset that differs, as an error.
+fn compare(buf: &Buffer, seed: u64, len: u64) -> R<()> {
+    let (mut want, mut got) = (vec![0u8; MIB as usize], vec![0u8; MIB as usize]);
+    let mut off = 0;
+    while off < len {
+        let n = (len - off).min(MIB) as usize;
+        pattern(seed, off, &mut want[..n]);
+        if !buf.local.read_at(off, &mut got[..n]) {
+            return Err("compare: outside the buffer".into());
+        }
+        if let Some(i) = (0..n).find(|&i| want[i] != got[i]) {
+            return Err(
+                format!("the bytes at {} differ from what was sent", off + i as u64).into(),
+            );
+        }
+        off += n as u64;
+    }
+    Ok(())
+}
+
+/// CPU seconds (user + system) so far of `pids` and of this process.
+struct Cpu {
+    pids: Vec<u32>,
+    tck: f64,
+}
+
+impl Cpu {
+    fn of_pid(&self, pid: u32) -> R<f64> {
+        let s = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+        // After the command's closing parenthesis: state is field 3, utime 14, stime 15.
+        let rest = &s[s.rfind(')').ok_or("/proc stat without a command")? + 2..];
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        let ticks: u64 = f[11].parse::<u64>()? + f[12].parse::<u64>()?;
+        Ok(ticks as f64 / self.tck)
+    }
+
+    /// (the pids' seconds, this process's seconds).
+    fn now(&self) -> R<(f64, f64)> {
+        let mut daemons = 0.0;
+        for &p in &self.pids {
+            daemons += self.of_pid(p)?;
+        }
+        let u = nix::sys::resource::getrusage(nix::sys::resource::UsageWho::RUSAGE_SELF)?;
+        let secs = |t: nix::sys::time::TimeVal| t.tv_sec() as f64 + t.tv_usec() as f64 / 1e6;
+        Ok((daemons, secs(u.user_time()) + secs(u.system_time())))
+    }
+}
+
+struct Bench {
+    init: ServiceClient,
+    owner: ServiceClient,
+    src: Buffer,
+    dst: Buffer,
+    peer: String,
+    check: Option<String>,
+}
+
+impl Bench {
+    async fn open(a: &Args, size: u64) -> R<Bench> {
+        let sock = PathBuf::from(a.need("--socket")?);
+        let owner_sock = PathBuf::from(a.need("--owner-socket")?);
+        let owner = ServiceClient::connect(Some(&owner_sock), None).await?;
+        let dst = owner.create_buffer(size).await?;
+        owner.expose(&dst, EXPOSED, 0, size, "rw", &[]).await?;
+        let init = ServiceClient::connect(Some(&sock), None).await?;
+        let src = init.create_buffer(size).await?;
+        Ok(Bench {
+            init,
+            owner,
+            src,
+            dst,
+            peer: a.need("--peer")?.to_string(),
+            check: a.get("--verify").map(str::to_string),
+        })
+    }
+
+    /// One operation, started and waited for: its seconds, from the request
+    /// to the wait's answer.
+    async fn run(&self, op: &str, descs: &[(u64, u64, u64)], message: Option<&str>) -> R<f64> {
+        let opts = OpOptions {
+            message,
+            check: self.check.as_deref(),
+        };
+        let t0 = Instant::now();
+        let (buf, peer) = (&self.src, self.peer.as_str());
+        let h = if op == "write" {
+            self.init
+                .write_with(buf, peer, EXPOSED, descs, opts)
+                .await?
+        } else {
+            self.init.read_with(buf, peer, EXPOSED, descs, opts).await?
+        };
+        let bytes = self.init.wait(h).await?;
+        let secs = t0.elapsed().as_secs_f64();
+        let want: u64 = descs.iter().map(|d| d.2).sum();
+        if bytes != want {
+            return Err(format!("{op}: {bytes} bytes moved, not {want}").into());
+        }
+        Ok(secs)
+    }
+
+    /// The owner's next event: `written` / `read` naming `ranges` ranges
+    /// with no error.
+    async fn owner_event(&self, kind: &str, ranges: usize) -> R<serde_json::Value> {
+        let ev = self
+            .owner
+            .next_event()
+            .await
+            .ok_or("the owner's connection closed")?;
+        let n = ev["ranges"].as_array().map_or(0, Vec::len);
+        if ev["event"] != kind || n != ranges || ev.get("error").is_some() {
+            return Err(format!("the owner's event is not {kind} of {ranges} ranges: {ev}").into());
+        }
+        Ok(ev)
+    }
+}
+
+fn descs(total: u64, range: u64) -> Vec<(u64, u64, u64)> {
+    (0..total)
+        .step_by(range as usize)
+        .map(|o| (o, o, range.min(total - o)))
+        .collect()
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// The q-quantile of sorted `v` (nearest rank).
+fn quantile(v: &[f64], q: f64) -> f64 {
+    let i = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
+    v[i - 1]
+}
+
+async fn throughput(a: &Args) -> R<()> {
+    let size = a.num("--mib", 64u64)? * MIB;
+    let range = a.num("--range-mib", 1u64)? * MIB;
+    let passes: u32 = a.num("--passes", 5)?;
+    let ops: Vec<String> = a
+        .get("--ops")
+        .unwrap_or("write,read")
+        .split(',')
+        .map(str::to_string)
+        .collect();
+    if let Some(o) = ops.iter().find(|o| *o != "write" && *o != "read") {
+        return Err(format!("--ops: {o:?} is not write or read").into());
+    }
+    let pids = match a.get("--cpu-pids") {
+        Some(s) => s
+            .split(',')
+            .map(str::parse)
+            .collect::<Result<Vec<u32>, _>>()?,
+        None => Vec::new(),
+    };
+    let cpu = Cpu {
+        pids,
+        tck: a.num("--clk-tck", 100.0)?,
+    };
+    let b = Bench::open(a, size).await?;
+    let check = b.check.clone().unwrap_or_else(|| "default".into());
+    // Untimed: the session to the peer and the buffers' registrations.
+    for op in &ops {
+        b.run(op, &[(0, 0, 4096)], None).await?;
+        b.owner_event(if op == "write" { "written" } else { "read" }, 1)
+            .await?;
+    }
+    let d = descs(size, range);
+    let mut mbs: Vec<(String, Vec<f64>)> = ops.iter().map(|o| (o.clone(), Vec::new())).collect();
+    for p in 1..=passes {
+        for (op, v) in mbs.iter_mut() {
+            let op = op.as_str();
+            let seed = u64::from(p) * 2 + u64::from(op == "read");
+            let (from, to) = if op == "write" {
+                (&b.src, &b.dst)
+            } else {
+                (&b.dst, &b.src)
+            };
+            fill(from, Some(seed))?;
+            fill(to, None)?;
+            let (d0, s0) = cpu.now()?;
+            let secs = b.run(op, &d, None).await?;
+            let (d1, s1) = cpu.now()?;
+            b.owner_event(if op == "write" { "written" } else { "read" }, d.len())
+                .await?;
+            compare(to, seed, size)?;
+            let rate = size as f64 / secs / 1e6;
+            v.push(rate);
+            let gib = size as f64 / (1u64 << 30) as f64;
+            let mut line = format!(
+                "bufbench mode=throughput op={op} check={check} mib={} range_mib={} pass={p} secs={secs:.3} mb_per_s={rate:.1}",
+                size / MIB,
+                range / MIB
+            );
+            if !cpu.pids.is_empty() {
+                line += &format!(
+                    " cpu_rcpds_s={:.3} cpu_services_s={:.3} cpu_s_per_gib={:.3}",
+                    d1 - d0,
+                    s1 - s0,
+                    (d1 - d0 + s1 - s0) / gib
+                );
+            }
+            println!("{line}");
+        }
+    }
+    for (op, v) in &mut mbs {
+        let m = median(v);
+        println!(
+            "bufbench summary mode=throughput op={op} check={check} mib={} range_mib={} passes={passes} median_mb_per_s={m:.1} min={:.1} max={:.1}",
+            size / MIB,
+            range / MIB,
+            v[0],
+            v[v.len() - 1]
+        );
+    }
+    Ok(())
+}
+
+async fn latency(a: &Args) -> R<()> {
+    let size: u64 = a.num("--size", 4096)?;
+    let iters: usize = a.num("--iters", 1000)?;
+    let warmup: usize = a.num("--warmup", 20)?;
+    let passes: u32 = a.num("--passes", 1)?;
+    let b = Bench::open(a, size.next_multiple_of(MIB)).await?;
+    let check = b.check.clone().unwrap_or_else(|| "default".into());
+    fill(&b.src, Some(1))?;
+    let d = [(0, 0, size)];
+    let opts = OpOptions {
+        message: Some("bench"),
+        check: b.check.as_deref(),
+    };
+    for p in 1..=passes {
+        let mut us = Vec::with_capacity(iters);
+        for i in 0..warmup + iters {
+            let t0 = Instant::now();
+            let h = b
+                .init
+                .write_with(&b.src, &b.peer, EXPOSED, &d, opts)
+                .await?;
+            let ev = b.owner_event("written", 1).await?;
+            let t = t0.elapsed().as_secs_f64() * 1e6;
+            if ev["message"] != "bench" {
+                return Err(format!("the owner's event lost the message: {ev}").into());
+            }
+            b.init.wait(h).await?;
+            if i >= warmup {
+                us.push(t);
+            }
+        }
+        us.sort_by(f64::total_cmp);
+        let mut m = us.clone();
+        println!(
+            "bufbench mode=latency op=write+notify check={check} size={size} iters={iters} pass={p} p50_us={:.1} p99_us={:.1} min_us={:.1} max_us={:.1}",
+            median(&mut m),
+            quantile(&us, 0.99),
+            us[0],
+            us[us.len() - 1]
+        );
+    }
+    compare(&b.dst, 1, size)?;
+    Ok(())
+}
+
+#[tokio::main]
+async fn main() -> R<()> {
+    let a = Args(std::env::args().skip(1).collect());
+    match a.0.first().map(String::as_str) {
+        Some("throughput") => throughput(&a).await,
+        Some("latency") => latency(&a).await,
+        _ => {
+            eprintln!("usage: buffers_bench throughput|latency --socket A.sock --owner-socket B.sock --peer HOST:PORT [...] (see the source's header)");
+            std::process::exit(2);
+        }
+    }
+}
