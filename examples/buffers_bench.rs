@@ -26,7 +26,12 @@
 //!
 //! latency: `--iters` writes of `--size` bytes, one at a time, each timed
 //! from its request until the owner's `written` event (the notification)
-//! has arrived here; its `wait` follows, untimed. Median, p99, min, max.
+//! has arrived here; its `wait` follows. Median, p99, min, max; and the
+//! medians of the time to the write's handle and to the wait's answer.
+//!
+//! hash (`buffers_bench hash [--mib 64] [--verify blake3]`, no rcpd): how
+//! fast this process hashes 1 MiB blocks with the check, on one thread (as
+//! rcpd hashes an operation's ranges) and on the pool.
 //!
 //! `--verify`: the operation's check (`none`, `xxh3`, `sha256`, `blake3`);
 //! rcpd's default (blake3 unless `--verify` restricts it) when not given.
@@ -332,13 +337,15 @@ async fn latency(a: &Args) -> R<()> {
         check: b.check.as_deref(),
     };
     for p in 1..=passes {
-        let mut us = Vec::with_capacity(iters);
+        // Per write: the event's arrival, the handle's, the wait's answer.
+        let (mut us, mut handle, mut done) = (Vec::new(), Vec::new(), Vec::new());
         for i in 0..warmup + iters {
             let t0 = Instant::now();
             let h = b
                 .init
                 .write_with(&b.src, &b.peer, EXPOSED, &d, opts)
                 .await?;
+            let th = t0.elapsed().as_secs_f64() * 1e6;
             let ev = b.owner_event("written", 1).await?;
             let t = t0.elapsed().as_secs_f64() * 1e6;
             if ev["message"] != "bench" {
@@ -347,19 +354,52 @@ async fn latency(a: &Args) -> R<()> {
             b.init.wait(h).await?;
             if i >= warmup {
                 us.push(t);
+                handle.push(th);
+                done.push(t0.elapsed().as_secs_f64() * 1e6);
             }
         }
         us.sort_by(f64::total_cmp);
         let mut m = us.clone();
         println!(
-            "bufbench mode=latency op=write+notify check={check} size={size} iters={iters} pass={p} p50_us={:.1} p99_us={:.1} min_us={:.1} max_us={:.1}",
+            "bufbench mode=latency op=write+notify check={check} size={size} iters={iters} pass={p} p50_us={:.1} p99_us={:.1} min_us={:.1} max_us={:.1} handle_p50_us={:.1} waited_p50_us={:.1}",
             median(&mut m),
             quantile(&us, 0.99),
             us[0],
-            us[us.len() - 1]
+            us[us.len() - 1],
+            median(&mut handle),
+            median(&mut done)
         );
     }
     compare(&b.dst, 1, size)?;
+    Ok(())
+}
+
+/// How fast this process hashes `--mib` MiB in 1 MiB blocks with
+/// `--verify`'s check: one block after another on one thread (what rcpd
+/// does for a buffer operation's ranges), and on the process-wide pool
+/// (what copies do).
+fn hash(a: &Args) -> R<()> {
+    use rcp::files::Check;
+    let size = a.num("--mib", 64u64)? * MIB;
+    let name = a.get("--verify").unwrap_or("blake3");
+    let check =
+        Check::from_name(name).ok_or_else(|| format!("--verify {name:?}: no such check"))?;
+    let mut data = vec![0u8; size as usize];
+    pattern(1, 0, &mut data);
+    let blocks: Vec<&[u8]> = data.chunks(MIB as usize).collect();
+    let t = Instant::now();
+    let one: Vec<_> = blocks.iter().map(|b| check.block(b)).collect();
+    let serial = size as f64 / t.elapsed().as_secs_f64() / 1e6;
+    let t = Instant::now();
+    let pool = check.blocks(&blocks);
+    let parallel = size as f64 / t.elapsed().as_secs_f64() / 1e6;
+    if one != pool {
+        return Err("the pool's digests differ from one thread's".into());
+    }
+    println!(
+        "bufbench mode=hash check={name} mib={} one_thread_mb_per_s={serial:.1} pool_mb_per_s={parallel:.1}",
+        size / MIB
+    );
     Ok(())
 }
 
@@ -369,8 +409,9 @@ async fn main() -> R<()> {
     match a.0.first().map(String::as_str) {
         Some("throughput") => throughput(&a).await,
         Some("latency") => latency(&a).await,
+        Some("hash") => hash(&a),
         _ => {
-            eprintln!("usage: buffers_bench throughput|latency --socket A.sock --owner-socket B.sock --peer HOST:PORT [...] (see the source's header)");
+            eprintln!("usage: buffers_bench throughput|latency|hash --socket A.sock --owner-socket B.sock --peer HOST:PORT [...] (see the source's header)");
             std::process::exit(2);
         }
     }

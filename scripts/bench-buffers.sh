@@ -4,9 +4,10 @@
 # is both services: the owner on rcpd B's socket, the initiator on A's).
 #
 #   bash scripts/bench-buffers.sh native  # tcp provider on loopback, against one iperf3 stream
-#   bash scripts/bench-buffers.sh vm      # soft-RoCE VM: rxe0 on lo, then across namespaces a/b,
+#   bash scripts/bench-buffers.sh vm [lo|netns]  # soft-RoCE VM: rxe0 on lo, then across namespaces a/b,
 #                                         # against ib_write_bw / ib_read_bw / ib_write_lat
-#   bash scripts/bench-buffers.sh         # both
+#   bash scripts/bench-buffers.sh profile # perf: where both rcpds' CPU goes natively, and iperf3's
+#   bash scripts/bench-buffers.sh         # native, then vm
 #
 # native: two rcpds (tcp, --socket each) on 127.0.0.1, buffers on normal
 # pages; RCP_BENCH_PASSES (5) interleaved passes, each: a RCP_BENCH_MIB
@@ -38,15 +39,12 @@ if [ "${RCP_BENCH_BUILD:-1}" != 0 ]; then
 fi
 R=$PWD/target/release
 
-native() {
-  local MIB=${RCP_BENCH_MIB:-1024}
-  if ! command -v iperf3 >/dev/null; then
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends iperf3 >/dev/null
-  fi
-  local w
+# start_pair: two rcpds (tcp, a socket each) on 127.0.0.1 in a new
+# directory $w of /dev/shm, stopped and removed on exit; sets addr_b,
+# pid_a, pid_b.
+start_pair() {
   w=$(mktemp -d /dev/shm/rcp-bufbench.XXXXXX)
-  local pids=()
+  pids=()
   # shellcheck disable=SC2317 # called by the trap
   stop() {
     kill "${pids[@]}" 2>/dev/null || true
@@ -62,6 +60,25 @@ native() {
     pids+=("$RCPD_PID")
     eval "addr_$n=\$RCPD_ADDR pid_$n=\$RCPD_PID"
   done
+}
+
+bb() { # MODE ARGS...: buffers_bench between the pair's rcpds
+  local mode=$1
+  shift
+  "$R/examples/buffers_bench" "$mode" --socket "$w/a.sock" --owner-socket "$w/b.sock" --peer "$addr_b" "$@"
+}
+
+need_iperf3() {
+  if ! command -v iperf3 >/dev/null; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends iperf3 >/dev/null
+  fi
+}
+
+native() {
+  local MIB=${RCP_BENCH_MIB:-1024}
+  need_iperf3
+  start_pair
   local tck res=$w/results
   tck=$(getconf CLK_TCK)
   echo "bench-buffers native: $(nproc) cores, ${MIB} MiB in ${RANGE} MiB ranges, $PASSES passes," \
@@ -69,8 +86,7 @@ native() {
   local p c
   for p in $(seq "$PASSES"); do
     for c in $CHECKS; do
-      "$R/examples/buffers_bench" throughput --socket "$w/a.sock" --owner-socket "$w/b.sock" \
-        --peer "$addr_b" --mib "$MIB" --range-mib "$RANGE" --passes 1 --verify "$c" \
+      bb throughput --mib "$MIB" --range-mib "$RANGE" --passes 1 --verify "$c" \
         --cpu-pids "$pid_a,$pid_b" --clk-tck "$tck" | grep -v summary | sed "s/pass=1/pass=$p/" | tee -a "$res"
     done
     /usr/bin/time -f "%U %S" -o "$w/iperf-s.t" iperf3 -s -1 -p 17212 -B 127.0.0.1 >/dev/null 2>&1 &
@@ -109,14 +125,48 @@ for op, c in keys:
 i = list(ip.values())
 print(f"{'iperf3, one stream':20} {med([float(r['mb_per_s']) for r in i]):28} {med([float(r['cpu_s_per_gib']) for r in i])}")
 PY
+  echo "4 KiB write + the owner's event, ${RCP_BENCH_LAT_ITERS:-1000} per check (load:$(uptime | sed 's/.*load average://')):"
+  for c in $CHECKS; do bb latency --iters "${RCP_BENCH_LAT_ITERS:-1000}" --verify "$c"; done
+  bb hash --mib "$MIB" --verify blake3
   stop
   trap - EXIT
 }
 
-vm() {
-  local topo
+# profile: where the CPU goes (perf record, cpu-clock samples: this host
+# has no hardware counters), natively: both rcpds while 3 writes and 3
+# reads of RCP_BENCH_MIB (1024) MiB run with --verify none, then one iperf3
+# stream of 3 times as many bytes (client and server). Samples by symbol.
+profile() {
+  local MIB=${RCP_BENCH_MIB:-1024} f=1999
+  need_iperf3
+  start_pair
+  echo "bench-buffers profile: ${MIB} MiB x 3 writes + 3 reads (none), then iperf3 of $((3 * MIB)) MiB;" \
+    "perf cpu-clock at $f Hz; load:$(uptime | sed 's/.*load average://')"
+  perf record -q -e cpu-clock -F "$f" -p "$pid_a,$pid_b" -o "$w/bb.data" 2>/dev/null &
+  local perf=$!
+  sleep 0.5
+  bb throughput --mib "$MIB" --range-mib "$RANGE" --passes 3 --verify none | grep summary
+  kill -INT "$perf"
+  wait "$perf" || true
+  perf record -q -e cpu-clock -F "$f" -o "$w/ip.data" -- bash -c "iperf3 -s -1 -p 17213 -B 127.0.0.1 >/dev/null &
+    sleep 0.5; iperf3 -c 127.0.0.1 -p 17213 -n $((3 * MIB << 20)) >/dev/null; wait" 2>/dev/null
+  local d
+  for d in bb ip; do
+    echo "== $([ $d = bb ] && echo "both rcpds, 6 GiB moved" || echo "iperf3 client + server, 3 GiB"):" \
+      "samples by thread, then by symbol (1 sample = 1/$f s of a CPU)"
+    perf report -i "$w/$d.data" -n --stdio --sort comm --percent-limit 1 2>/dev/null | grep -v '^#' | grep -v '^$'
+    perf report -i "$w/$d.data" -n --stdio --no-children --sort dso,sym --percent-limit 1 2>/dev/null |
+      grep -v '^#' | grep -v '^$' | head -30
+  done
+  stop
+  trap - EXIT
+}
+
+vm() { # [TOPOLOGY...]: lo and netns unless named
+  local topo topos=("$@")
+  ((${#topos[@]})) || topos=(lo netns)
   bash scripts/testbed.sh install
-  for topo in lo netns; do
+  for topo in "${topos[@]}"; do
     echo "bench-buffers vm $topo: waiting for /tmp/rcp-vm.lock; load:$(uptime | sed 's/.*load average://')"
     flock /tmp/rcp-vm.lock bash -c 'echo "bench-buffers vm: lock taken $(date -u +%FT%TZ), load:$(uptime | sed "s/.*load average://")";
       exec "$@"' _ bash scripts/testbed.sh run "$topo" -- env RCP_BENCH_MIB="${RCP_BENCH_VM_MIB:-64}" \
@@ -127,7 +177,8 @@ vm() {
 
 case $what in
 native) native ;;
-vm) vm ;;
+profile) profile ;;
+vm) shift; vm "$@" ;;
 all) native; vm ;;
 *) sed -n '2,30p' "$0"; exit 2 ;;
 esac

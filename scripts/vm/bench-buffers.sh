@@ -12,7 +12,8 @@
 # ("none blake3"), ib_write_bw of as many messages of the range size, the
 # reads, ib_read_bw; then RCP_BENCH_LAT_ITERS (1000) 4 KiB writes, each
 # timed until the owner's event arrived, per check, and ib_write_lat -s 4096
-# of as many iterations. The summary gives each pass and the medians.
+# of as many iterations; and how fast one thread and the pool hash with
+# blake3 in this boot (buffers_bench hash). The summary gives the medians.
 set -euo pipefail
 # shellcheck source=../lib-rcpd.sh
 . "$(dirname "$0")/../lib-rcpd.sh"
@@ -94,6 +95,7 @@ size=$((RANGE << 20)) n=$((MIB / RANGE))
 echo "bench-buffers vm $topo: kernel $(uname -r), $(nproc) vCPUs, ${MIB} MiB in ${RANGE} MiB ranges," \
   "$PASSES passes, checks: $CHECKS, latency $LAT x 4 KiB; GID index a=$gid_a b=$gid_b"
 for p in $(seq "$PASSES"); do
+  "$bin/examples/buffers_bench" hash --mib "$MIB" --verify blake3 | sed "s/\$/ pass=$p/" | tee -a "$res"
   for op in write read; do
     for c in $CHECKS; do
       bb throughput --ops "$op" --mib "$MIB" --range-mib "$RANGE" --passes 1 --verify "$c" |
@@ -109,40 +111,10 @@ for p in $(seq "$PASSES"); do
   done
   r=$(pt ib_write_lat -s 4096 -n "$LAT")
   hdr=$(grep '#bytes' "$run/pt-last.log" | tail -n1 || true)
-  echo "perftest tool=ib_write_lat pass=$p header=$(echo "$hdr" | tr -s ' ' | tr ' ' '|') row=$(echo "$r" | tr -s ' ' | tr ' ' '|')" |
+  echo "perftest tool=ib_write_lat pass=$p header=$(echo "$hdr" | tr -s ' \t' '||') row=$(echo "$r" | tr -s ' \t' '||')" |
     tee -a "$res"
 done
 echo "-- rcpd B's data path (the grants' registrations):"
 sed 's/\x1b\[[0-9;]*m//g' "$run/b.log" | grep -aE "memory windows|session opened" | sort | uniq -c | head -5 || true
 sed 's/\x1b\[[0-9;]*m//g' "$run/a.log" "$run/b.log" | grep -aE "ERROR|WARN" | tail -5 || true
-python3 - "$res" "$topo" <<'PY'
-import re, statistics, sys
-rows = [dict(re.findall(r"(\w+)=(\S+)", l)) for l in open(sys.argv[1])]
-def med(v):
-    v = sorted(x for x in v if x is not None)
-    return f"{statistics.median(v):.2f} ({v[0]:.2f}..{v[-1]:.2f})" if v else "n/a"
-print(f"== bench-buffers {sys.argv[2]} summary: median (spread) of the passes, MB = 10^6 B")
-for op in ("write", "read"):
-    pt = {r["pass"]: float(r["mb_per_s"]) for r in rows if r.get("tool") == f"ib_{op}_bw"}
-    print(f"ib_{op}_bw: {med([v or None for v in pt.values()])} MB/s")
-    for c in sorted({r["check"] for r in rows if r.get("mode") == "throughput" and r["op"] == op}):
-        rs = [r for r in rows if r.get("mode") == "throughput" and r["op"] == op and r["check"] == c]
-        ratio = [float(r["mb_per_s"]) / pt[r["pass"]] for r in rs if pt.get(r["pass"])]
-        print(f"  buffer {op} {c}: {med([float(r['mb_per_s']) for r in rs])} MB/s, "
-              f"ratio to ib_{op}_bw pass by pass {med(ratio)}")
-print("4 KiB write + the owner's event (us):")
-for c in sorted({r["check"] for r in rows if r.get("mode") == "latency"}):
-    rs = [r for r in rows if r.get("mode") == "latency" and r["check"] == c]
-    print(f"  {c}: p50 {med([float(r['p50_us']) for r in rs])}, p99 {med([float(r['p99_us']) for r in rs])}")
-lat = []
-for r in rows:
-    if r.get("tool") == "ib_write_lat":
-        names = re.findall(r"#bytes|#iterations|t_min|t_max|t_typical|t_avg|t_stdev|99\.9% percentile|99% percentile",
-                           r["header"].replace("|", " "))
-        vals = [v for v in r["row"].split("|") if v]
-        lat.append(dict(zip(names, vals)) if r["row"] != "none" else {})
-def col(k):
-    return [float(d[k]) for d in lat if k in d]
-print(f"  ib_write_lat -s 4096 (half a ping-pong round trip): typical {med(col('t_typical'))}, "
-      f"p99 {med(col('99% percentile'))}")
-PY
+python3 "$(dirname "$0")/bench-buffers-summary.py" "$res" "$topo"
