@@ -47,6 +47,8 @@
 //!   pauses) and the
 //!   [`StreamConfig`](crate::engine::StreamConfig) it becomes on a channel;
 //! - [`runner`]: [`DataPath`], [`RailSpec`], [`DpEvent`], [`DataPathError`];
+//! - [`keys`]: [`RailKeys`], the keys of rails past the first (rail 0's
+//!   keys → each rail's), which their key maps read;
 //! - [`bucket`]: [`TokenBucket`], the rate limit the posting thread
 //!   consults before each chain ([`RateLimit`]);
 //! - [`completion`]: the completion thread's loop, CPU pinning, [`AvoidCpu`];
@@ -58,6 +60,7 @@
 pub mod bucket;
 pub mod completion;
 pub mod config;
+pub mod keys;
 pub mod lend;
 pub mod port;
 pub mod report;
@@ -74,6 +77,7 @@ mod tests;
 pub use bucket::{RateLimit, TokenBucket};
 pub use completion::{allowed_cpus, completion_loop, pin_current_thread, AvoidCpu, POLL_BATCH};
 pub use config::{Backoff, ConfigError, CqCpu, DataPathConfig, PollMode, QpRetry, RailPause};
+pub use keys::RailKeys;
 pub use port::PortMonitor;
 pub use report::{RailReport, Report};
 pub use runner::{

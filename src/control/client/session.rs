@@ -1,7 +1,6 @@
 //! A client session: the handshake, and the data path it sets up once for
 //! every file moved over it.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
 use std::sync::Arc;
 
@@ -19,6 +18,7 @@ use crate::control::protocol::{check_block_size, check_grant, check_to_wire, Par
 use crate::control::rails::MAX_QPS_PER_RAIL;
 use crate::control::{VERSION_MAJOR, VERSION_MINOR, WINDOW_SIZE};
 use crate::datapath::config::DEFAULT_MAX_INLINE;
+use crate::datapath::RailKeys;
 use crate::datapath::{DataPath, DataPathConfig, DpEvent, PollMode, RailSpec, Report};
 use crate::mem::Block;
 use crate::parse::RailName;
@@ -371,8 +371,9 @@ fn rail_spec(
         }));
     }
     if let (Some(keys), true) = (keys, k > 0) {
-        let (keys, lkey) = (keys.clone(), rail.lkey);
-        spec = spec.with_keys(Box::new(move |_, rkey| (lkey, keys.get(rkey, k))));
+        // The staging's key on this rail; memory registered apart (a
+        // buffer session's) enters its own keys.
+        spec = spec.with_keys(keys.map_for(k, rail.lkey));
     }
     spec
 }
@@ -398,36 +399,6 @@ impl ClientOptions {
             )));
         }
         Ok(())
-    }
-}
-
-/// A window's rkey on each rail of a session, by its rkey on rail 0: filled
-/// from each Grant before its job is submitted, emptied at its WindowDone;
-/// the data path reads it when it posts a window's extents on another rail
-/// ([`RailSpec::with_keys`]).
-#[derive(Default)]
-pub struct RailKeys(std::sync::Mutex<HashMap<u32, Vec<u32>>>);
-
-impl RailKeys {
-    pub fn insert(&self, rkey: u32, rails: Vec<u32>) {
-        self.0.lock().unwrap().insert(rkey, rails);
-    }
-
-    pub fn remove(&self, rkey: u32) {
-        self.0.lock().unwrap().remove(&rkey);
-    }
-
-    /// The rkey on `rail` of the window whose rail-0 rkey is `rkey`. A
-    /// window that is not known (never: the stream driver inserts before it
-    /// submits) keeps `rkey`, which the rail's device refuses with a remote
-    /// access error: the rail fails, the bytes never land elsewhere.
-    pub fn get(&self, rkey: u32, rail: usize) -> u32 {
-        self.0
-            .lock()
-            .unwrap()
-            .get(&rkey)
-            .and_then(|v| v.get(rail).copied())
-            .unwrap_or(rkey)
     }
 }
 
