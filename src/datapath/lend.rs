@@ -4,8 +4,13 @@
 //! lending path keeps until the data path has let go of them.
 //!
 //! [`DataPath::submit`]'s obligations, discharged here:
-//! - the bytes are registered under the window's lkey: the caller's
-//!   registration comes with the window and is held as long as the lease;
+//! - the bytes are registered under the window's lkey on every rail: the
+//!   caller's registrations, one per rail ([`RailRegs`], made by
+//!   [`LendingPath::rail_regs`]), come with the window and are held as
+//!   long as the lease; with several rails their keys past rail 0 are
+//!   entered in the path's [`RailKeys`] (which each rail's key map reads)
+//!   for as long as they live, so every rail posts the window under its
+//!   own registration's lkey;
 //! - they stay mapped: the lease's span holds the mapping;
 //! - nobody else in rcpd touches them meanwhile: the lease is exclusive for
 //!   a READ window (bytes land) and at least shared for a WRITE window
@@ -27,6 +32,7 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::mpsc::UnboundedReceiver;
 
+use super::keys::{KeyConflict, RailKeys};
 use super::runner::{DataPath, DataPathError, DpEvent};
 use super::Report;
 use crate::engine::{OpKind, WindowJob};
@@ -36,7 +42,48 @@ use crate::provider::Registration;
 /// What a window keeps from its submission to its end.
 struct Held {
     range: LeasedRange,
-    _reg: Arc<dyn Registration>,
+    _regs: Arc<RailRegs>,
+    /// Several rails: its rail-0 rkey, entered in the key map until then.
+    rkey: Option<u32>,
+}
+
+/// Memory's registrations on every rail of a [`LendingPath`], in the data
+/// path's order; with several rails, their lkeys are entered in the path's
+/// key map (by rail 0's) while this lives.
+pub struct RailRegs {
+    regs: Vec<Arc<dyn Registration>>,
+    keys: Option<Arc<RailKeys>>,
+}
+
+impl RailRegs {
+    /// The key on rail 0 (a window's `lkey`).
+    pub fn lkey(&self) -> u32 {
+        self.regs[0].lkey()
+    }
+
+    /// Whether every rail's registration covers `[start, stop)`.
+    fn cover(&self, start: u64, stop: u64) -> bool {
+        self.regs
+            .iter()
+            .all(|r| start >= r.addr() && stop <= r.addr().saturating_add(r.len() as u64))
+    }
+}
+
+impl std::fmt::Debug for RailRegs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list()
+            .entries(self.regs.iter().map(|r| r.lkey()))
+            .finish()
+    }
+}
+
+impl Drop for RailRegs {
+    fn drop(&mut self) {
+        // Before the registrations drop: no key map names a key freed.
+        if let Some(k) = &self.keys {
+            k.release_lkeys(self.lkey());
+        }
+    }
 }
 
 /// A [`DataPath`] whose windows' local bytes are leased ranges of
@@ -44,6 +91,9 @@ struct Held {
 pub struct LendingPath {
     /// `None` once closed.
     dp: Option<DataPath>,
+    rails: usize,
+    /// Several rails: the keys the rails past the first map rail 0's to.
+    keys: Option<Arc<RailKeys>>,
     events: tokio::sync::Mutex<UnboundedReceiver<DpEvent>>,
     held: Mutex<HashMap<u64, Held>>,
 }
@@ -60,37 +110,95 @@ pub enum LendError {
     },
     #[error("window {id}: a READ lands bytes, its range must be leased exclusively")]
     SharedForRead { id: u64 },
-    #[error("window {id}: lkey {lkey:#x} is not the registration's {reg:#x} covering the range")]
-    Key { id: u64, lkey: u32, reg: u32 },
-    #[error("a lending data path runs on one rail, not {0}")]
-    Rails(usize),
+    #[error(
+        "window {id}: lkey {lkey:#x} is not rail 0's of registrations {regs} covering the range"
+    )]
+    Key { id: u64, lkey: u32, regs: String },
+    #[error("window {id}: a window with this id is live")]
+    LiveId { id: u64 },
+    #[error("a data path of {0} rails needs a key map (RailKeys) to lend memory")]
+    NoKeyMap(usize),
+    #[error("{got} registrations for a data path of {rails} rails")]
+    RegsPerRail { got: usize, rails: usize },
+    #[error("window {id}: registrations {regs} are not of this lending path")]
+    OtherPath { id: u64, regs: String },
+    #[error(
+        "window {id}: rkeys {rkeys:x?} per rail for a data path of {rails} rails, rail 0's \
+         being {rkey:#x}"
+    )]
+    RailRkeys {
+        id: u64,
+        rkey: u32,
+        rkeys: Vec<u32>,
+        rails: usize,
+    },
+    #[error(transparent)]
+    Keys(#[from] KeyConflict),
     #[error(transparent)]
     DataPath(#[from] DataPathError),
 }
 
 impl LendingPath {
     /// Take over `dp` and its events (from [`DataPath::take_events`]). A
-    /// data path of several rails is refused: a window's lkey is the key
-    /// of one rail's registration.
-    pub fn new(dp: DataPath, events: UnboundedReceiver<DpEvent>) -> Result<LendingPath, LendError> {
-        let rails = dp.stats().rails.len();
-        if rails > 1 {
-            return Err(LendError::Rails(rails));
+    /// data path of several rails needs `keys`, the map its rails past the
+    /// first were started with ([`RailKeys::map_for`] as their
+    /// [`RailSpec::keys`](super::RailSpec::keys), as a session's are): a
+    /// window's lkey is rail 0's registration's, and each rail posts it
+    /// under its own, entered there by [`LendingPath::rail_regs`].
+    pub fn new(
+        dp: DataPath,
+        events: UnboundedReceiver<DpEvent>,
+        keys: Option<Arc<RailKeys>>,
+    ) -> Result<LendingPath, LendError> {
+        let rails = dp.stats().rails.len().max(1);
+        if rails > 1 && keys.is_none() {
+            return Err(LendError::NoKeyMap(rails));
         }
         Ok(LendingPath {
             dp: Some(dp),
+            rails,
+            keys: keys.filter(|_| rails > 1),
             events: tokio::sync::Mutex::new(events),
             held: Mutex::new(HashMap::new()),
         })
     }
 
-    /// Submit `job`, whose local bytes lie in `range` and are registered
-    /// by `reg` (under `job.lkey`); both are kept until the window's end.
-    pub fn submit(
+    /// The rails of the data path.
+    pub fn rails(&self) -> usize {
+        self.rails
+    }
+
+    /// The data path's live counters (`None` once closed).
+    pub fn stats(&self) -> Option<&Arc<super::DataPathStats>> {
+        self.dp.as_ref().map(DataPath::stats)
+    }
+
+    /// Memory's registrations on every rail (`regs[k]` in rail `k`'s
+    /// domain, the data path's order), its keys entered in the key map for
+    /// as long as the result lives.
+    pub fn rail_regs(&self, regs: Vec<Arc<dyn Registration>>) -> Result<Arc<RailRegs>, LendError> {
+        if regs.len() != self.rails {
+            return Err(LendError::RegsPerRail {
+                got: regs.len(),
+                rails: self.rails,
+            });
+        }
+        if let Some(k) = &self.keys {
+            k.hold_lkeys(regs[0].lkey(), regs.iter().map(|r| r.lkey()).collect())?;
+        }
+        Ok(Arc::new(RailRegs {
+            regs,
+            keys: self.keys.clone(),
+        }))
+    }
+
+    /// Check `job` against its range, registrations and rkeys per rail.
+    fn check(
         &self,
-        job: WindowJob,
-        range: LeasedRange,
-        reg: Arc<dyn Registration>,
+        job: &WindowJob,
+        range: &LeasedRange,
+        regs: &RailRegs,
+        rail_rkeys: &[u32],
     ) -> Result<(), LendError> {
         let id = job.id;
         let span = range.span();
@@ -112,32 +220,94 @@ impl LendingPath {
         if job.op == OpKind::Read && range.lease().kind() != LeaseKind::Exclusive {
             return Err(LendError::SharedForRead { id });
         }
-        if reg.lkey() != job.lkey
-            || start < reg.addr()
-            || stop > reg.addr().saturating_add(reg.len() as u64)
-        {
+        let same_map = match (&self.keys, &regs.keys) {
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+            (None, None) => true,
+            _ => false,
+        };
+        if regs.regs.len() != self.rails || !same_map {
+            return Err(LendError::OtherPath {
+                id,
+                regs: format!("{regs:?}"),
+            });
+        }
+        if regs.lkey() != job.lkey || !regs.cover(start, stop) {
             return Err(LendError::Key {
                 id,
                 lkey: job.lkey,
-                reg: reg.lkey(),
+                regs: format!("{regs:?}"),
             });
         }
-        // Held before the submit: a WindowDone may come at once.
-        self.held
-            .lock()
-            .unwrap()
-            .insert(id, Held { range, _reg: reg });
+        if self.rails > 1
+            && (rail_rkeys.len() != self.rails || rail_rkeys.first() != Some(&job.rkey))
+        {
+            return Err(LendError::RailRkeys {
+                id,
+                rkey: job.rkey,
+                rkeys: rail_rkeys.to_vec(),
+                rails: self.rails,
+            });
+        }
+        Ok(())
+    }
+
+    /// Submit `job`, whose local bytes lie in `range` and are registered
+    /// on every rail by `regs` (rail 0's under `job.lkey`); both are kept
+    /// until the window's end. With several rails, `rail_rkeys` is the
+    /// window's rkey on each (rail 0's first, `job.rkey`), entered in the
+    /// key map until the window's end; with one, it is not read.
+    pub fn submit(
+        &self,
+        job: WindowJob,
+        range: LeasedRange,
+        regs: Arc<RailRegs>,
+        rail_rkeys: &[u32],
+    ) -> Result<(), LendError> {
+        self.check(&job, &range, &regs, rail_rkeys)?;
+        let id = job.id;
+        {
+            let mut held = self.held.lock().unwrap();
+            // A live window's id: refused before anything of the live
+            // window is touched (its range and registrations stay held).
+            if held.contains_key(&id) {
+                return Err(LendError::LiveId { id });
+            }
+            let mut rkey = None;
+            if let Some(k) = &self.keys {
+                // Before the submit: a rail may post the window at once.
+                // Counted: windows of one remote registration share it.
+                k.hold_rkeys(job.rkey, rail_rkeys.to_vec())?;
+                rkey = Some(job.rkey);
+            }
+            // Held before the submit: a WindowDone may come at once.
+            held.insert(
+                id,
+                Held {
+                    range,
+                    _regs: regs,
+                    rkey,
+                },
+            );
+        }
         let r = match &self.dp {
             Some(dp) => {
                 // SAFETY: (module docs) the bytes [local_addr + e.offset, + e.len)
-                // of every extent lie in `range` (checked above) and are registered
-                // under `job.lkey` by `reg` (checked above), which is held with the
-                // range; the range's span keeps them mapped; its lease makes this
-                // window rcpd's only user of them (exclusive for a READ, checked
-                // above); both are dropped only on the window's WindowDone
+                // of every extent lie in `range` and are registered on every rail
+                // by `regs` (checked above: one registration per rail, covering
+                // them, rail 0's under `job.lkey`), held with the range. With
+                // several rails each rail past the first posts under the lkey its
+                // key map gives for `job.lkey`: the one `regs` entered in this
+                // path's `RailKeys` (the map the rails read, checked above), which
+                // stays entered while `regs` lives (a counted entry, refused to
+                // anyone entering other keys under the same lkey). The range's span
+                // keeps the bytes mapped; its lease makes this window rcpd's only
+                // user of them (exclusive for a READ, checked above); range and
+                // registrations are dropped only on the window's WindowDone
                 // (`next_event`) or after `close` left no request outstanding.
-                // The data path runs on one rail here (a lending session has one),
-                // so `job.lkey` is the key on every channel it posts on.
+                // Were a rail's map not `keys` (`new`'s caller's word), the rail
+                // would post under its default lkey, its staging's, whose
+                // region does not hold these bytes: the device refuses the
+                // request (local protection error), it reaches no other memory.
                 unsafe { dp.submit(job) }
             }
             None => Err(DataPathError::Stopped),
@@ -149,21 +319,32 @@ impl LendingPath {
                 e,
                 DataPathError::Window { .. } | DataPathError::Stopped | DataPathError::Config(_)
             ) {
-                self.held.lock().unwrap().remove(&id);
+                let h = self.held.lock().unwrap().remove(&id);
+                self.forget_rkey(h.as_ref());
             }
             return Err(e.into());
         }
         Ok(())
     }
 
-    /// The next event; at a window's `WindowDone` its registration is let
-    /// go and its leased range handed back (the caller reads a READ
-    /// window's bytes through it, then drops it). `None` once the data
-    /// path is closed.
+    fn forget_rkey(&self, h: Option<&Held>) {
+        if let (Some(k), Some(rkey)) = (&self.keys, h.and_then(|h| h.rkey)) {
+            k.remove(rkey);
+        }
+    }
+
+    /// The next event; at a window's `WindowDone` its rkeys per rail are
+    /// forgotten, its registrations let go and its leased range handed back
+    /// (the caller reads a READ window's bytes through it, then drops it).
+    /// `None` once the data path is closed.
     pub async fn next_event(&self) -> Option<(DpEvent, Option<LeasedRange>)> {
         let ev = self.events.lock().await.recv().await?;
         let range = match &ev {
-            DpEvent::WindowDone { id } => self.held.lock().unwrap().remove(id).map(|h| h.range),
+            DpEvent::WindowDone { id } => {
+                let h = self.held.lock().unwrap().remove(id);
+                self.forget_rkey(h.as_ref());
+                h.map(|h| h.range)
+            }
             _ => None,
         };
         Some((ev, range))

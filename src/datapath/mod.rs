@@ -49,6 +49,8 @@
 //! - [`runner`]: [`DataPath`], [`RailSpec`], [`DpEvent`], [`DataPathError`];
 //! - [`keys`]: [`RailKeys`], the keys of rails past the first (rail 0's
 //!   keys → each rail's), which their key maps read;
+//! - [`lend`]: [`LendingPath`](lend::LendingPath), a data path over
+//!   memory leased from services' buffers, on every rail;
 //! - [`bucket`]: [`TokenBucket`], the rate limit the posting thread
 //!   consults before each chain ([`RateLimit`]);
 //! - [`completion`]: the completion thread's loop, CPU pinning, [`AvoidCpu`];
@@ -69,6 +71,8 @@ pub mod stats;
 
 #[cfg(test)]
 mod fake;
+#[cfg(test)]
+mod lend_tests;
 #[cfg(test)]
 mod rail_tests;
 #[cfg(test)]

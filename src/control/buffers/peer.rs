@@ -1,9 +1,13 @@
 //! The initiating side of a buffer operation: rcpd is the client of the
 //! peer rcpd, as for the Copy API. One session per (peer, check), kept for
-//! every operation to that peer, on one rail; its data path is a
-//! [`LendingPath`] (the service's pages are the windows' local bytes, no
-//! staging). A buffer is registered in the session's domain once, on first
-//! use, and forgotten when its service releases it.
+//! every operation to that peer, on the daemon's rails (`--device`, or every
+//! ACTIVE port), as files' sessions; its data path is a [`LendingPath`]
+//! (the service's pages are the windows' local bytes, no staging). A
+//! buffer is registered in every rail's domain of the session once, on
+//! first use, and forgotten when its service releases it; with several
+//! rails each window's extents are spread over them, each rail posting
+//! under its own registration's lkey and the peer's rkey for that rail
+//! (the grant's `rail_rkeys`).
 //!
 //! An operation: lease its local ranges, `BufferGrant` on the peer, post a
 //! window per descriptor (split into requests of the session's block
@@ -23,7 +27,7 @@ use super::grant::digests;
 use super::{Buffers, OpError};
 use crate::control::client::{Client, Session};
 use crate::control::error::{status_reason, Reason};
-use crate::datapath::lend::LendingPath;
+use crate::datapath::lend::{LendingPath, RailRegs};
 use crate::datapath::DpEvent;
 use crate::engine::{Extent, OpKind, WindowJob};
 use crate::files::Check;
@@ -69,9 +73,10 @@ pub struct PeerLink {
     check: Check,
     /// The peer's retry bound (its handshake's `max_retries`).
     max_retries: u32,
-    domain: Arc<dyn Domain>,
+    /// Each rail's domain, in the data path's order.
+    domains: Vec<Arc<dyn Domain>>,
     path: Arc<LendingPath>,
-    regs: Mutex<HashMap<u64, Arc<dyn Registration>>>,
+    regs: Mutex<HashMap<u64, Arc<RailRegs>>>,
     waiters: Mutex<HashMap<u64, Waiter>>,
     next: AtomicU64,
     dead: Mutex<Option<String>>,
@@ -121,23 +126,52 @@ impl PeerLink {
         self.stop.notify_one();
     }
 
+    /// Several rails: each granted range names its rkey on every rail, rail
+    /// 0's first (the peer registers it in each rail's domain).
+    fn check_rail_rkeys(&self, peer: &str, ranges: &[proto::GrantedRange]) -> Result<(), OpError> {
+        let rails = self.path.rails();
+        if rails < 2 {
+            return Ok(());
+        }
+        match ranges
+            .iter()
+            .position(|g| g.rail_rkeys.len() != rails || g.rail_rkeys.first() != Some(&g.rkey))
+        {
+            None => Ok(()),
+            Some(i) => Err(OpError::new(
+                Reason::Protocol,
+                format!(
+                    "peer {peer} broke the protocol: granted range {i} with {} rail rkeys on a \
+                     session of {rails} rails",
+                    ranges[i].rail_rkeys.len()
+                ),
+            )),
+        }
+    }
+
     fn dead(&self) -> Option<String> {
         self.dead.lock().unwrap().clone()
     }
 
-    /// The buffer's registration in this session's domain (made once).
-    fn registration(
-        &self,
-        uid: u64,
-        buf: &ServiceBuffer,
-    ) -> Result<Arc<dyn Registration>, OpError> {
+    /// The buffer's registrations in this session's domains, one per rail
+    /// (made once).
+    fn registration(&self, uid: u64, buf: &ServiceBuffer) -> Result<Arc<RailRegs>, OpError> {
         if let Some(r) = self.regs.lock().unwrap().get(&uid) {
             return Ok(r.clone());
         }
         let r = crate::control::in_place(|| {
-            self.domain.register_local(&buf.span(), Access::LOCAL_WRITE)
+            let regs = self
+                .domains
+                .iter()
+                .enumerate()
+                .map(|(k, d)| {
+                    d.register_local(&buf.span(), Access::LOCAL_WRITE)
+                        .map_err(|e| format!("registering the buffer on rail {k}: {e}"))
+                })
+                .collect::<Result<Vec<Arc<dyn Registration>>, String>>()?;
+            self.path.rail_regs(regs).map_err(|e| e.to_string())
         })
-        .map_err(|e| OpError::new(Reason::Other, format!("registering the buffer: {e}")))?;
+        .map_err(|e| OpError::new(Reason::Other, e))?;
         self.regs.lock().unwrap().insert(uid, r.clone());
         Ok(r)
     }
@@ -161,15 +195,6 @@ async fn link(
     let admitted = bufs.copy_peers().admit(peer).await.map_err(OpError::from)?;
     let mut o = bufs.client_options();
     o.verify = vec![check];
-    o.qps_per_rail = 1;
-    // One rail: a window's lkey is one rail's registration.
-    let (kind, _) = crate::control::link::resolve_transport(o.transport, &o.rails);
-    if kind == crate::provider::ProviderKind::Verbs {
-        o.rails = crate::control::link::rails_or_default(&o.rails, o.gid_index)
-            .into_iter()
-            .take(1)
-            .collect();
-    }
     let client = Client::connect_admitted(&admitted, o)
         .await
         .map_err(|e| OpError::new(e.reason(), format!("peer {peer}: {e}")))?;
@@ -180,7 +205,7 @@ async fn link(
     let (dp, events) = session
         .take_data_path()
         .ok_or_else(|| OpError::new(Reason::Other, "the session has no data path"))?;
-    let path = LendingPath::new(dp, events)
+    let path = LendingPath::new(dp, events, session.rail_keys())
         .map_err(|e| OpError::new(Reason::Other, format!("peer {peer}: {e}")))?;
     let l = Arc::new(PeerLink {
         key: key.clone(),
@@ -188,7 +213,7 @@ async fn link(
         block_size: session.block_size(),
         check: session.check(),
         max_retries: session.max_retries(),
-        domain: session.local_domain(),
+        domains: session.rail_domains(),
         client,
         path: Arc::new(path),
         regs: Mutex::new(HashMap::new()),
@@ -198,7 +223,7 @@ async fn link(
         stop: tokio::sync::Notify::new(),
         session: Mutex::new(Some(session)),
     });
-    tracing::info!(peer = %crate::escape::esc(peer), check = check.name(), session = l.session_id, transport = %l.domain.kind(), "buffer session to a peer");
+    tracing::info!(peer = %crate::escape::esc(peer), check = check.name(), session = l.session_id, transport = %l.domains[0].kind(), rails = l.path.rails(), "buffer session to a peer");
     // The driver: window ends to their operations; a failed path fails them
     // all and the link is dropped.
     let (d, b) = (l.clone(), bufs.clone());
@@ -348,11 +373,7 @@ fn lease_local(op: &OpSpec) -> Result<Vec<LeasedRange>, OpError> {
 
 /// The session an operation runs on, the buffer's registration in it and
 /// the peer's grant.
-type Granting = (
-    Arc<PeerLink>,
-    Arc<dyn Registration>,
-    proto::BufferGrantResponse,
-);
+type Granting = (Arc<PeerLink>, Arc<RailRegs>, proto::BufferGrantResponse);
 
 /// The session to the operation's peer, the buffer's registration in it
 /// and the peer's grant. A kept session the peer no longer holds (it
@@ -411,6 +432,7 @@ async fn request_grant(
             ),
         ));
     }
+    link.check_rail_rkeys(&op.peer, &grant.ranges)?;
     Ok(grant)
 }
 
@@ -418,7 +440,7 @@ async fn request_grant(
 struct Granted<'a> {
     link: &'a PeerLink,
     op: &'a OpSpec,
-    reg: Arc<dyn Registration>,
+    reg: Arc<RailRegs>,
     /// The grant's id.
     id: u64,
     /// Read: each range's digest, as the peer sent them.
@@ -493,7 +515,7 @@ impl Granted<'_> {
                 failure = Some(why);
                 break;
             }
-            if let Err(e) = link.path.submit(job, r, self.reg.clone()) {
+            if let Err(e) = link.path.submit(job, r, self.reg.clone(), &at.rail_rkeys) {
                 link.waiters.lock().unwrap().remove(&id);
                 failure = Some(e.to_string());
                 break;
@@ -587,6 +609,7 @@ impl Granted<'_> {
                 resp.bad.len()
             )));
         }
+        self.link.check_rail_rkeys(&self.op.peer, &resp.again)?;
         let mut landed: HashMap<u32, LeasedRange> = landed.into_iter().collect();
         let mut moving = Vec::with_capacity(resp.bad.len());
         for (i, at) in resp.bad.into_iter().zip(resp.again) {

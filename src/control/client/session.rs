@@ -80,6 +80,8 @@ pub struct Session {
     pub(super) keys: Option<Arc<RailKeys>>,
     /// Each rail's `device:port`, in the data path's order.
     pub(super) rail_names: Vec<String>,
+    /// Verbs: each data-path rail's index in `link.rails`.
+    pub(super) used: Vec<usize>,
     /// Set when the stream gave up on RDMA because every rail stayed down
     /// (`ClientOptions::tcp_fallback_after`): why, for the user.
     pub(super) fallback: Option<String>,
@@ -171,6 +173,7 @@ impl Client {
             lkey: started.lkey,
             keys: started.keys,
             rail_names: started.rail_names,
+            used: started.used,
             fallback: None,
             quarantine: Vec::new(),
             direction: None,
@@ -210,6 +213,7 @@ impl Client {
             lkey: link.lkey(),
             keys: None,
             rail_names: Vec::new(),
+            used: Vec::new(),
         })
     }
 
@@ -273,6 +277,7 @@ impl Client {
             lkey: first.lkey,
             keys,
             rail_names,
+            used,
         })
     }
 }
@@ -285,6 +290,8 @@ struct Started {
     keys: Option<Arc<RailKeys>>,
     /// Verbs: each rail's `device:port`.
     rail_names: Vec<String>,
+    /// Verbs: each rail's index in the link's rails.
+    used: Vec<usize>,
 }
 
 /// The session's staging, registered with `kind`'s provider (verbs: on
@@ -487,16 +494,27 @@ impl Session {
         Some((self.dp.take()?, events))
     }
 
-    /// The domain the session's local memory registers in: rail 0's
-    /// protection domain, or the tcp provider's domain.
-    pub(crate) fn local_domain(&self) -> Arc<dyn crate::provider::Domain> {
-        match (&self.link.tcp_domain, self.link.rails.first()) {
-            (Some(d), _) => d.clone(),
-            (None, Some(r)) => Arc::new(crate::verbs::VerbsDomain {
-                pd: r.device.pd.clone(),
-            }),
-            (None, None) => unreachable!("a session has a tcp domain or a rail"),
+    /// The domains the session's local memory registers in, one per rail
+    /// of its data path in its order (each rail's protection domain), or
+    /// the tcp provider's domain alone.
+    pub(crate) fn rail_domains(&self) -> Vec<Arc<dyn crate::provider::Domain>> {
+        if let Some(d) = &self.link.tcp_domain {
+            return vec![d.clone() as Arc<dyn crate::provider::Domain>];
         }
+        self.used
+            .iter()
+            .map(|&l| {
+                Arc::new(crate::verbs::VerbsDomain {
+                    pd: self.link.rails[l].device.pd.clone(),
+                }) as Arc<dyn crate::provider::Domain>
+            })
+            .collect()
+    }
+
+    /// Several rails: the keys the rails past the first map rail 0's to
+    /// (each rail's key map reads them); `None` with one rail.
+    pub(crate) fn rail_keys(&self) -> Option<Arc<RailKeys>> {
+        self.keys.clone()
     }
 
     /// Move `files` over one Move stream, up to the session's files in
