@@ -236,7 +236,13 @@ fn start_service(
     };
     let svc = Service::new(service_config(cfg, root), link, Some(Arc::new(copier)))?;
     svc.spawn_sweeper();
-    svc.buffers.set_client_options(peer_opts, peers);
+    // Buffer sessions' data paths show in this rcpd's /metrics (each
+    // rail's series), as copies' do.
+    let buffer_opts = ClientOptions {
+        metrics: Some(svc.metrics.clone()),
+        ..peer_opts
+    };
+    svc.buffers.set_client_options(buffer_opts, peers);
     *svc.buffers.token.lock().unwrap() = cfg.token.clone();
     *svc.buffers.default_check.lock().unwrap() = cfg.checks.first().copied();
     Ok(svc)
