@@ -12,7 +12,10 @@
 //! it rejoins), both cut for 3 s survive through reconnect (each cut
 //! triggered by the bytes rcp has confirmed, under --bwlimit, and checked
 //! to have landed mid-copy), and a client rail whose GID cannot reach rcpd's is refused at
-//! the handshake naming both GIDs.
+//! the handshake naming both GIDs. And buffers from services between two
+//! rcpds (one in a, beside the test, one in b): a write and a read move
+//! bytes over both rails of the initiating rcpd's session (its per-rail
+//! byte counters in /metrics), bytes and the owner's digests checked.
 
 mod common;
 
@@ -23,7 +26,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::e2e::tmp_with_root;
-use common::{make_file, rcp, rcp_cmd, remote, sha256sum, Rcpd, Run};
+use common::metrics::{samples, scrape};
+use common::{make_file, rcp, rcp_cmd, remote, sha256sum, Rcpd, Run, Topology};
+use rcp::control::buffers::client::ServiceClient;
+use rcp::files::Check;
 
 const RAILS_A: &str = "rxea0,rxea1";
 const RAILS_B: &str = "rxeb0,rxeb1";
@@ -595,4 +601,196 @@ fn a_rail_that_cannot_reach_the_peer_is_refused_naming_both_gids() {
         r.stderr
     );
     assert!(!root.join("f").exists(), "nothing was copied");
+}
+
+/// Namespace a's address on the first veth pair: where this test, and the
+/// rcpd whose services initiate buffer operations, run.
+const HOST_A: &str = "192.168.77.1";
+
+/// The payload bytes each rail of rcpd `metrics`' data paths confirmed
+/// (`rcp_rail_bytes_total`, summed by its `rail` label), rail 0 first.
+fn rail_bytes(metrics: &str) -> Vec<u64> {
+    let text = scrape(metrics);
+    let mut by: Vec<u64> = Vec::new();
+    for (series, v) in samples(&text, "rcp_rail_bytes_total{") {
+        let rail: usize = series
+            .split_once("rail=\"")
+            .and_then(|(_, r)| r.split_once('"'))
+            .and_then(|(k, _)| k.parse().ok())
+            .unwrap_or_else(|| panic!("a rail label in {series}"));
+        if by.len() <= rail {
+            by.resize(rail + 1, 0);
+        }
+        by[rail] += v as u64;
+    }
+    by
+}
+
+/// [`rail_bytes`] once `done` holds of them (the data path publishes its
+/// counters just after the windows' ends), or after 60 s as they are.
+fn rail_bytes_when(metrics: &str, done: impl Fn(&[u64]) -> bool) -> Vec<u64> {
+    let t0 = Instant::now();
+    loop {
+        let by = rail_bytes(metrics);
+        if done(&by) || t0.elapsed() > Duration::from_secs(60) {
+            return by;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Bound a wait so that a failure fails, never hangs.
+async fn bounded<T>(what: &str, f: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(600), f)
+        .await
+        .unwrap_or_else(|_| panic!("{what}: no answer within 600 s"))
+}
+
+/// Wait (bounded) for rcpd's unix socket to be there.
+fn socket_up(sock: &Path, d: &Rcpd) {
+    let t0 = Instant::now();
+    while !sock.exists() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "no socket {}: {}",
+            sock.display(),
+            d.log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The owner's event for an operation that ended: `kind`, no error, each
+/// range's digest that of `data`'s MiB at its offset under the default
+/// check (blake3).
+fn owner_event_matches(ev: &serde_json::Value, kind: &str, data: &[u8]) {
+    assert_eq!(ev["event"], kind, "{ev}");
+    assert!(ev.get("error").is_none(), "{ev}");
+    assert_eq!(ev["check"], "blake3", "{ev}");
+    let ranges = ev["ranges"].as_array().expect("ranges");
+    assert_eq!(ranges.len() as u64, BUF / MIB, "{ev}");
+    for r in ranges {
+        let (off, len) = (r[0].as_u64().unwrap(), r[1].as_u64().unwrap());
+        let want =
+            Check::Blake3.wire(&Check::Blake3.block(&data[off as usize..(off + len) as usize]));
+        let hex: String = want.iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(r[2], hex, "range [{off}, +{len}) digest: {ev}");
+    }
+}
+
+const MIB: u64 = 1 << 20;
+/// The exposed buffer: written in ranges of 1 MiB, then read back.
+const BUF: u64 = 8 * MIB;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the rails topology: scripts/testbed.sh run rails"]
+async fn buffer_write_and_read_between_rcpds_move_over_both_rails() {
+    // rcpd b (the topology's namespace) exposes, rcpd a (here) initiates;
+    // each on its two rails, each with its unix socket off the 9p mount.
+    let (_ta, root_a) = tmp_with_root();
+    let (_tb, root_b) = tmp_with_root();
+    let socks = tempfile::tempdir().unwrap();
+    let (sa, sb) = (socks.path().join("a.sock"), socks.path().join("b.sock"));
+    let b = Rcpd::start(
+        &root_b,
+        "verbs",
+        None,
+        &["--device", RAILS_B, "--socket", sb.to_str().unwrap()],
+    );
+    let here = Topology {
+        host: HOST_A.into(),
+        rcpd_netns: None,
+        rcpd_device: None,
+        rcp_device: None,
+    };
+    let a = Rcpd::start_in(
+        &here,
+        &root_a,
+        "verbs",
+        None,
+        &[
+            "--device",
+            RAILS_A,
+            "--socket",
+            sa.to_str().unwrap(),
+            "--copy-peers",
+            &common::copy_peers(),
+        ],
+    );
+    socket_up(&sa, &a);
+    socket_up(&sb, &b);
+    let metrics = a.metrics.clone().expect("rcpd a's metrics");
+    let logs = || format!("\nrcpd a: {}\nrcpd b: {}", a.log(), b.log());
+
+    let owner = bounded("connect b", ServiceClient::connect(Some(&sb), None))
+        .await
+        .unwrap();
+    let dst = bounded("buffer b", owner.create_buffer(BUF)).await.unwrap();
+    bounded("expose", owner.expose(&dst, "kv", 0, BUF, "rw", &[]))
+        .await
+        .unwrap();
+    let svc = bounded("connect a", ServiceClient::connect(Some(&sa), None))
+        .await
+        .unwrap();
+    let src = bounded("buffer a", svc.create_buffer(2 * BUF))
+        .await
+        .unwrap();
+    let data: Vec<u8> = (0..BUF).map(|i| (i * 13 + i / 4099) as u8).collect();
+    assert!(src.local.write_at(0, &data));
+    let peer = b.addr();
+
+    // Write: a's first half into b's kv, a window per MiB.
+    let descs: Vec<(u64, u64, u64)> = (0..BUF / MIB).map(|i| (i * MIB, i * MIB, MIB)).collect();
+    let h = bounded("write", svc.write(&src, &peer, "kv", &descs, Some("rails")))
+        .await
+        .unwrap();
+    let moved = bounded("write wait", svc.wait(h)).await;
+    assert_eq!(
+        moved.as_ref().ok(),
+        Some(&BUF),
+        "write: {moved:?}{}",
+        logs()
+    );
+    let mut landed = vec![0u8; BUF as usize];
+    assert!(dst.local.read_at(0, &mut landed));
+    assert!(landed == data, "b's buffer holds what a wrote");
+    let ev = bounded("written event", owner.next_event())
+        .await
+        .expect("an event");
+    owner_event_matches(&ev, "written", &data);
+    let wrote =
+        tokio::task::block_in_place(|| rail_bytes_when(&metrics, |b| b.iter().sum::<u64>() >= BUF));
+    println!("write: bytes per rail {wrote:?}");
+    assert!(
+        wrote.len() == 2 && wrote.iter().all(|&n| n > 0),
+        "the write moved bytes over both rails: {wrote:?}{}",
+        logs()
+    );
+
+    // Read: b's kv back into a's second half.
+    let descs: Vec<(u64, u64, u64)> = (0..BUF / MIB)
+        .map(|i| (BUF + i * MIB, i * MIB, MIB))
+        .collect();
+    let h = bounded("read", svc.read(&src, &peer, "kv", &descs))
+        .await
+        .unwrap();
+    let moved = bounded("read wait", svc.wait(h)).await;
+    assert_eq!(moved.as_ref().ok(), Some(&BUF), "read: {moved:?}{}", logs());
+    let mut back = vec![0u8; BUF as usize];
+    assert!(src.local.read_at(BUF, &mut back));
+    assert!(back == data, "a's buffer holds what it read from b");
+    let ev = bounded("read event", owner.next_event())
+        .await
+        .expect("an event");
+    owner_event_matches(&ev, "read", &data);
+    let now = tokio::task::block_in_place(|| {
+        rail_bytes_when(&metrics, |b| b.iter().sum::<u64>() >= 2 * BUF)
+    });
+    let read: Vec<u64> = now.iter().zip(&wrote).map(|(n, w)| n - w).collect();
+    println!("read: bytes per rail {read:?}");
+    assert!(
+        now.len() == 2 && read.iter().all(|&n| n > 0),
+        "the read moved bytes over both rails: {read:?}{}",
+        logs()
+    );
 }

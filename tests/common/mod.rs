@@ -39,9 +39,19 @@ impl Rcpd {
     /// Start rcpd on [`host`] with ephemeral ports (in the network
     /// namespace and on the device [`Topology`] names, if any).
     pub fn start(root: &Path, transport: &str, token: Option<&str>, extra: &[&str]) -> Rcpd {
+        Rcpd::start_in(&Topology::from_env(), root, transport, token, extra)
+    }
+
+    /// [`Rcpd::start`] where `topo` says (its host, namespace and device).
+    pub fn start_in(
+        topo: &Topology,
+        root: &Path,
+        transport: &str,
+        token: Option<&str>,
+        extra: &[&str],
+    ) -> Rcpd {
         let stderr_path = root.with_extension("rcpd.log");
         let log = std::fs::File::create(&stderr_path).expect("log file");
-        let topo = Topology::from_env();
         let mut cmd = match &topo.rcpd_netns {
             Some(ns) => {
                 let mut c = Command::new("ip");
