@@ -384,6 +384,17 @@ pub fn pool_threads() -> usize {
     pool().current_num_threads()
 }
 
+/// `digest(item)` of each of `items` (`Check::wire` of its bytes' digest,
+/// say) on the process-wide hashing pool, in their order: for callers
+/// whose bytes are reached through a guard rather than held as slices
+/// (a buffer operation's leased ranges).
+pub fn on_pool<T: Sync, D: Send>(items: &[T], digest: impl Fn(&T) -> D + Sync + Send) -> Vec<D> {
+    if items.len() <= 1 {
+        return items.iter().map(digest).collect();
+    }
+    pool().install(|| items.par_iter().map(&digest).collect())
+}
+
 /// SHA-256 of each block, spread over the process-wide hashing pool
 /// ([`set_pool_threads`]): [`Check::blocks`] of [`Check::Sha256`].
 pub fn digest_blocks_parallel(blocks: &[&[u8]]) -> Vec<Sha256Digest> {

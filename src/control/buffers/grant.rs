@@ -197,10 +197,7 @@ pub(crate) fn digests(check: Check, ranges: &[LeasedRange]) -> Vec<Vec<u8>> {
         return vec![Vec::new(); ranges.len()];
     }
     crate::control::in_place(|| {
-        ranges
-            .iter()
-            .map(|r| r.with(|b| check.wire(&check.block(b))))
-            .collect()
+        crate::files::digest::on_pool(ranges, |r| r.with(|b| check.wire(&check.block(b))))
     })
 }
 
@@ -540,7 +537,13 @@ fn verify(g: &mut GrantState, req: &proto::BufferDoneRequest) -> Result<Vec<u32>
             // range is leased exclusively (a write's grant): no device
             // reaches it.
             unsafe { super::faults::inject(&g.name, r) };
-            let d = r.with(|b| check.wire(&check.block(b)));
+        }
+        // The round's ranges on the hashing pool.
+        let ranges = &g.ranges;
+        let got = crate::files::digest::on_pool(&g.moving, |&i| {
+            ranges[i as usize].with(|b| check.wire(&check.block(b)))
+        });
+        for (&i, d) in g.moving.iter().zip(got) {
             if d != req.digests[i as usize] {
                 bad.push(i);
             }
