@@ -1,4 +1,4 @@
-//! Integrity: per-block SHA-256 (hashed on a process-wide pool), the derived file
+//! Integrity: per-block SHA-256 (large blocks hashed on a process-wide pool), the derived file
 //! digest built from the block digests, and (on request) the flat whole-file SHA-256
 //! computed from blocks arriving in any order, without reading the file a second time.
 //!
@@ -173,13 +173,15 @@ impl Check {
         out
     }
 
-    /// The digest of each block, on the process-wide pool
-    /// ([`set_pool_threads`]); output order matches input order.
+    /// The digest of each block; output order matches input order. Blocks
+    /// are hashed on the process-wide pool ([`set_pool_threads`]) when one
+    /// of them is larger than [`POOL_MIN_BLOCK`], else on the calling thread
+    /// ([`on_pool`]).
     pub fn blocks(self, blocks: &[&[u8]]) -> Vec<Sha256Digest> {
         if self.is_none() {
             return vec![[0; 32]; blocks.len()];
         }
-        if blocks.len() <= 1 {
+        if !on_pool(blocks) {
             return blocks.iter().map(|b| self.block(b)).collect();
         }
         pool().install(|| blocks.par_iter().map(|b| self.block(b)).collect())
@@ -342,6 +344,23 @@ pub fn from_hex(s: &str) -> Result<Sha256Digest, DigestError> {
     Ok(out)
 }
 
+/// Blocks of at most this many bytes (a window of small files' blocks) are
+/// hashed by [`Check::blocks`] on the thread that read them or had them
+/// land, not on the pool: a 16 KiB block hashes in a few microseconds, about
+/// what handing it to a pool thread and waking it costs, and the pool's
+/// threads then spin (`sched_yield`) for the next window on cores the
+/// protocol driver and the data path need. Windows are filled and checked
+/// on several blocking threads at once, so small blocks are still hashed in
+/// parallel, a window per thread. Larger blocks (a big file's) go to the
+/// pool, which splits one window over its threads.
+pub const POOL_MIN_BLOCK: usize = 64 << 10;
+
+/// Whether [`Check::blocks`] hashes `blocks` on the pool: more than one
+/// block, and one of them larger than [`POOL_MIN_BLOCK`].
+pub fn on_pool(blocks: &[&[u8]]) -> bool {
+    blocks.len() > 1 && blocks.iter().any(|b| b.len() > POOL_MIN_BLOCK)
+}
+
 fn parallelism() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
@@ -396,7 +415,8 @@ pub fn on_pool<T: Sync, D: Send>(items: &[T], digest: impl Fn(&T) -> D + Sync + 
 }
 
 /// SHA-256 of each block, spread over the process-wide hashing pool
-/// ([`set_pool_threads`]): [`Check::blocks`] of [`Check::Sha256`].
+/// ([`set_pool_threads`]) unless all are small ([`on_pool`]):
+/// [`Check::blocks`] of [`Check::Sha256`].
 pub fn digest_blocks_parallel(blocks: &[&[u8]]) -> Vec<Sha256Digest> {
     Check::Sha256.blocks(blocks)
 }
@@ -742,12 +762,32 @@ mod tests {
 
     #[test]
     fn parallel_matches_serial() {
-        let data: Vec<Vec<u8>> = (0..37u8).map(|i| vec![i; 1000 + i as usize]).collect();
-        let refs: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
-        let par = digest_blocks_parallel(&refs);
-        let ser: Vec<_> = refs.iter().map(|b| block_digest(b)).collect();
-        assert_eq!(par, ser);
+        // Small blocks (hashed on the calling thread), then blocks one of
+        // which is larger than POOL_MIN_BLOCK (hashed on the pool).
+        for base in [1000, POOL_MIN_BLOCK - 20] {
+            let data: Vec<Vec<u8>> = (0..37u8).map(|i| vec![i; base + i as usize]).collect();
+            let refs: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
+            assert_eq!(on_pool(&refs), base > 1000);
+            let par = digest_blocks_parallel(&refs);
+            let ser: Vec<_> = refs.iter().map(|b| block_digest(b)).collect();
+            assert_eq!(par, ser);
+            for c in Check::ALL {
+                let one: Vec<_> = refs.iter().map(|b| c.block(b)).collect();
+                assert_eq!(c.blocks(&refs), one, "{c}");
+            }
+        }
         assert!(digest_blocks_parallel(&[]).is_empty());
+    }
+
+    #[test]
+    fn only_windows_with_a_large_block_go_to_the_pool() {
+        let small = vec![0u8; POOL_MIN_BLOCK];
+        let large = vec![0u8; POOL_MIN_BLOCK + 1];
+        assert!(!on_pool(&[&small[..]; 256]));
+        assert!(!on_pool(&[&large[..]]), "one block: nothing to split");
+        assert!(on_pool(&[&large[..], &large[..]]));
+        assert!(on_pool(&[&small[..], &large[..], &small[..]]));
+        assert!(!on_pool(&[]));
     }
 
     #[test]
