@@ -176,12 +176,12 @@ impl Check {
     /// The digest of each block; output order matches input order. Blocks
     /// are hashed on the process-wide pool ([`set_pool_threads`]) when one
     /// of them is larger than [`POOL_MIN_BLOCK`], else on the calling thread
-    /// ([`on_pool`]).
+    /// ([`blocks_on_pool`]).
     pub fn blocks(self, blocks: &[&[u8]]) -> Vec<Sha256Digest> {
         if self.is_none() {
             return vec![[0; 32]; blocks.len()];
         }
-        if !on_pool(blocks) {
+        if !blocks_on_pool(blocks) {
             return blocks.iter().map(|b| self.block(b)).collect();
         }
         pool().install(|| blocks.par_iter().map(|b| self.block(b)).collect())
@@ -357,7 +357,7 @@ pub const POOL_MIN_BLOCK: usize = 64 << 10;
 
 /// Whether [`Check::blocks`] hashes `blocks` on the pool: more than one
 /// block, and one of them larger than [`POOL_MIN_BLOCK`].
-pub fn on_pool(blocks: &[&[u8]]) -> bool {
+pub fn blocks_on_pool(blocks: &[&[u8]]) -> bool {
     blocks.len() > 1 && blocks.iter().any(|b| b.len() > POOL_MIN_BLOCK)
 }
 
@@ -415,7 +415,7 @@ pub fn on_pool<T: Sync, D: Send>(items: &[T], digest: impl Fn(&T) -> D + Sync + 
 }
 
 /// SHA-256 of each block, spread over the process-wide hashing pool
-/// ([`set_pool_threads`]) unless all are small ([`on_pool`]):
+/// ([`set_pool_threads`]) unless all are small ([`blocks_on_pool`]):
 /// [`Check::blocks`] of [`Check::Sha256`].
 pub fn digest_blocks_parallel(blocks: &[&[u8]]) -> Vec<Sha256Digest> {
     Check::Sha256.blocks(blocks)
@@ -767,7 +767,7 @@ mod tests {
         for base in [1000, POOL_MIN_BLOCK - 20] {
             let data: Vec<Vec<u8>> = (0..37u8).map(|i| vec![i; base + i as usize]).collect();
             let refs: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
-            assert_eq!(on_pool(&refs), base > 1000);
+            assert_eq!(blocks_on_pool(&refs), base > 1000);
             let par = digest_blocks_parallel(&refs);
             let ser: Vec<_> = refs.iter().map(|b| block_digest(b)).collect();
             assert_eq!(par, ser);
@@ -783,11 +783,14 @@ mod tests {
     fn only_windows_with_a_large_block_go_to_the_pool() {
         let small = vec![0u8; POOL_MIN_BLOCK];
         let large = vec![0u8; POOL_MIN_BLOCK + 1];
-        assert!(!on_pool(&[&small[..]; 256]));
-        assert!(!on_pool(&[&large[..]]), "one block: nothing to split");
-        assert!(on_pool(&[&large[..], &large[..]]));
-        assert!(on_pool(&[&small[..], &large[..], &small[..]]));
-        assert!(!on_pool(&[]));
+        assert!(!blocks_on_pool(&[&small[..]; 256]));
+        assert!(
+            !blocks_on_pool(&[&large[..]]),
+            "one block: nothing to split"
+        );
+        assert!(blocks_on_pool(&[&large[..], &large[..]]));
+        assert!(blocks_on_pool(&[&small[..], &large[..], &small[..]]));
+        assert!(!blocks_on_pool(&[]));
     }
 
     #[test]
