@@ -48,6 +48,9 @@ disk=$(mktemp -d /var/tmp/rcp-bench.XXXXXX)
 pids=()
 cleanup() {
   kill "${pids[@]}" 2>/dev/null || true
+  # The rcpd of rcpd_on, if a failed step left it running (under
+  # /usr/bin/time: signal its child), so the next run can have its port.
+  if [ -n "${RCPD:-}" ]; then pkill -TERM -P "$RCPD" 2>/dev/null || true; fi
   # sshd and the rsync daemon detach: their pid files name them.
   for f in "$disk/sshd.pid" "$disk/rsyncd.pid"; do [ -f "$f" ] && kill "$(cat "$f")" 2>/dev/null; done
   [ -f "$disk/ak.bak" ] && cp "$disk/ak.bak" /root/.ssh/authorized_keys
@@ -96,7 +99,11 @@ gid = root
 CONF
 mkdir -p "$shm/dst" "$disk/dst"
 rsync --daemon --config="$disk/rsyncd.conf" --port=17873 --address=127.0.0.1
-sleep 0.5
+wait_port 127.0.0.1 17873
+# A daemon left by an earlier run would answer with its own modules (and
+# another tree): ours writes its pid file once it has the port.
+sleep 0.2
+[ -f "$disk/rsyncd.pid" ] || { echo "the rsync daemon did not start (port 17873 taken?)" >&2; exit 1; }
 
 rcpd_on() { # ROOT [RSS-FILE]: rcpd on 17471, timed (lib-rcpd.sh), RCPD its pid
   rcpd_start "$R/rcpd" 17471 "$1" "${2:-/dev/null}"
