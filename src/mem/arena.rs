@@ -296,18 +296,47 @@ pub(crate) fn guard_start(size: usize) -> usize {
 }
 
 /// Map `size` bytes read-write at a `HUGE_PAGE`-aligned address with
-/// `flags` (`MAP_FIXED` is added) and `fd` (-1 for anonymous memory),
-/// followed by [`guard_len`] bytes of read-only zero page that nothing else
-/// maps. The guard is why: a read a few bytes past the last block (see the
-/// module doc) finds readable memory instead of whatever the kernel put
-/// after the arena, or nothing. Unmap [`mapped_len`] bytes from the
-/// returned address.
+/// `flags` and `fd` (-1 for anonymous memory), followed by [`guard_len`]
+/// bytes of read-only zero page that nothing else maps. The guard is why:
+/// a read a few bytes past the last block (see the module doc) finds
+/// readable memory instead of whatever the kernel put after the arena, or
+/// nothing. Unmap [`mapped_len`] bytes from the returned address.
+///
+/// Other threads map and unmap meanwhile (thread stacks, allocator
+/// arenas), so this never maps over, nor unmaps, a range it does not hold
+/// at that moment. A failed `MAP_FIXED` may leave a hole where it was
+/// asked to map (Linux 6.12+ does for a file mapping such as `MAP_HUGETLB`
+/// without huge pages), and a clean-up that unmapped that range then took
+/// another thread's stack with it. Hence: the arena's part of the
+/// reservation is given back first and mapped with `MAP_FIXED_NOREPLACE`,
+/// which fails rather than replace what another thread put there meanwhile
+/// (then the attempt is made again elsewhere); after a failure only the
+/// guard part, still ours, is unmapped.
 pub(crate) fn map_guarded(
     size: usize,
     flags: libc::c_int,
     fd: libc::c_int,
 ) -> std::io::Result<*mut u8> {
+    const ATTEMPTS: usize = 8;
+    for _ in 0..ATTEMPTS {
+        match map_guarded_once(size, flags, fd) {
+            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => continue,
+            other => return other,
+        }
+    }
+    Err(std::io::Error::new(
+        std::io::ErrorKind::AddrInUse,
+        format!(
+            "{ATTEMPTS} tries to map {size} bytes each found the address taken by another thread"
+        ),
+    ))
+}
+
+/// One try of [`map_guarded`]: `EEXIST` when another thread mapped into the
+/// gap before we did.
+fn map_guarded_once(size: usize, flags: libc::c_int, fd: libc::c_int) -> std::io::Result<*mut u8> {
     let total = mapped_len(size);
+    let pages = guard_start(size);
     // Reserve the arena, its guard and room to align the arena: read-only
     // private anonymous memory, backed by nothing until read (the zero page).
     let slack = total + HUGE_PAGE;
@@ -327,8 +356,10 @@ pub(crate) fn map_guarded(
     }
     let resv = resv as usize;
     let base = round_up(resv, HUGE_PAGE);
-    // SAFETY: the two ranges are the parts of our reservation before the
-    // aligned arena and after its guard; nothing else uses them.
+    // SAFETY: the three ranges are the parts of our reservation before the
+    // aligned arena, after its guard, and the arena's own pages (given back
+    // so that the arena can be mapped without MAP_FIXED replacing anything);
+    // nothing else uses them. What stays ours is the guard.
     unsafe {
         if base > resv {
             libc::munmap(resv as *mut libc::c_void, base - resv);
@@ -337,30 +368,40 @@ pub(crate) fn map_guarded(
         if end > base + total {
             libc::munmap((base + total) as *mut libc::c_void, end - (base + total));
         }
+        libc::munmap(base as *mut libc::c_void, pages);
     }
-    // SAFETY: [base, base + size) lies in our reservation (only we use it);
-    // MAP_FIXED replaces that part of it with the arena and leaves the
-    // guard after it as it is.
+    // SAFETY: NOREPLACE maps at `base` only if nothing is mapped in
+    // [base, base + size) now: it never replaces another thread's mapping.
     let p = unsafe {
         libc::mmap(
             base as *mut libc::c_void,
             size,
             libc::PROT_READ | libc::PROT_WRITE,
-            flags | libc::MAP_FIXED,
+            flags | libc::MAP_FIXED_NOREPLACE,
             fd,
             0,
         )
     };
-    if p == libc::MAP_FAILED {
-        let e = std::io::Error::last_os_error();
-        // SAFETY: the reservation (or what a failed MAP_FIXED left of it)
-        // is ours alone and unused.
-        unsafe {
-            libc::munmap(base as *mut libc::c_void, total);
-        }
-        return Err(e);
+    if p as usize == base {
+        return Ok(base as *mut u8);
     }
-    Ok(base as *mut u8)
+    let e = if p == libc::MAP_FAILED {
+        std::io::Error::last_os_error()
+    } else {
+        // A kernel before 4.17 takes NOREPLACE as a hint and mapped
+        // elsewhere: that mapping is ours, give it back and try again.
+        // SAFETY: `p` is the mapping just made, of `size` bytes, unused.
+        unsafe {
+            libc::munmap(p, size);
+        }
+        std::io::Error::from_raw_os_error(libc::EEXIST)
+    };
+    // SAFETY: the guard part of the reservation is still ours alone; the
+    // arena's part was given back above and is not touched.
+    unsafe {
+        libc::munmap((base + pages) as *mut libc::c_void, guard_len());
+    }
+    Err(e)
 }
 
 fn map_anon(size: usize, huge: bool) -> std::io::Result<*mut u8> {
@@ -788,5 +829,50 @@ mod tests {
         c.hugepage_dir = Some("/nonexistent-hugetlbfs".into());
         let e = Arena::new(&c).unwrap_err();
         assert!(e.to_string().contains("/nonexistent-hugetlbfs"), "{e}");
+    }
+
+    /// Arenas mapped (huge pages tried first: where there are none, the
+    /// try fails) while another thread keeps starting threads. A clean-up
+    /// that unmapped a range it no longer held took a starting thread's
+    /// stack, and the test binary died of SIGSEGV about once in 40 runs of
+    /// the tcp provider's tests; this test, on that code, about once in
+    /// five runs (a race: it cannot be made certain). Each thread checks its
+    /// stack is intact.
+    #[test]
+    fn mapping_arenas_leaves_other_threads_stacks_alone() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let stop = Arc::new(AtomicBool::new(false));
+        let spawner = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut started = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    std::thread::spawn(|| {
+                        let canary = std::hint::black_box([0xa5u8; 16 << 10]);
+                        std::thread::yield_now();
+                        std::hint::black_box(&canary).iter().all(|&b| b == 0xa5)
+                    })
+                    .join()
+                    .map(|intact| assert!(intact, "a thread's stack changed under it"))
+                    .expect("a thread died");
+                    started += 1;
+                }
+                started
+            })
+        };
+        for _ in 0..30_000 {
+            for huge in [true, false] {
+                if let Ok(p) = map_anon(4 << 20, huge) {
+                    // SAFETY: `p` is what map_guarded returned just above
+                    // for 4 MiB, nothing refers to it.
+                    unsafe {
+                        libc::munmap(p.cast(), mapped_len(4 << 20));
+                    }
+                }
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+        let started = spawner.join().expect("the spawning thread died");
+        assert!(started > 0, "no thread was started meanwhile");
     }
 }
