@@ -39,8 +39,8 @@ use crate::engine::{OpKind, WindowJob};
 use crate::mem::memfd::{LeaseKind, LeasedRange};
 use crate::provider::Registration;
 
-/// What a window keeps from its submission to its end.
-struct Held {
+/// What a lent window keeps from its submission to its end.
+struct Lent {
     range: LeasedRange,
     _regs: Arc<RailRegs>,
     /// Several rails: its rail-0 rkey, entered in the key map until then.
@@ -95,7 +95,7 @@ pub struct LendingPath {
     /// Several rails: the keys the rails past the first map rail 0's to.
     keys: Option<Arc<RailKeys>>,
     events: tokio::sync::Mutex<UnboundedReceiver<DpEvent>>,
-    held: Mutex<HashMap<u64, Held>>,
+    lent: Mutex<HashMap<u64, Lent>>,
 }
 
 /// A window the lending path cannot take.
@@ -159,7 +159,7 @@ impl LendingPath {
             rails,
             keys: keys.filter(|_| rails > 1),
             events: tokio::sync::Mutex::new(events),
-            held: Mutex::new(HashMap::new()),
+            lent: Mutex::new(HashMap::new()),
         })
     }
 
@@ -266,7 +266,7 @@ impl LendingPath {
         self.check(&job, &range, &regs, rail_rkeys)?;
         let id = job.id;
         {
-            let mut held = self.held.lock().unwrap();
+            let mut held = self.lent.lock().unwrap();
             // A live window's id: refused before anything of the live
             // window is touched (its range and registrations stay held).
             if held.contains_key(&id) {
@@ -279,10 +279,10 @@ impl LendingPath {
                 k.hold_rkeys(job.rkey, rail_rkeys.to_vec())?;
                 rkey = Some(job.rkey);
             }
-            // Held before the submit: a WindowDone may come at once.
+            // Kept before the submit: a WindowDone may come at once.
             held.insert(
                 id,
-                Held {
+                Lent {
                     range,
                     _regs: regs,
                     rkey,
@@ -319,7 +319,7 @@ impl LendingPath {
                 e,
                 DataPathError::Window { .. } | DataPathError::Stopped | DataPathError::Config(_)
             ) {
-                let h = self.held.lock().unwrap().remove(&id);
+                let h = self.lent.lock().unwrap().remove(&id);
                 self.forget_rkey(h.as_ref());
             }
             return Err(e.into());
@@ -327,7 +327,7 @@ impl LendingPath {
         Ok(())
     }
 
-    fn forget_rkey(&self, h: Option<&Held>) {
+    fn forget_rkey(&self, h: Option<&Lent>) {
         if let (Some(k), Some(rkey)) = (&self.keys, h.and_then(|h| h.rkey)) {
             k.remove(rkey);
         }
@@ -341,7 +341,7 @@ impl LendingPath {
         let ev = self.events.lock().await.recv().await?;
         let range = match &ev {
             DpEvent::WindowDone { id } => {
-                let h = self.held.lock().unwrap().remove(id);
+                let h = self.lent.lock().unwrap().remove(id);
                 self.forget_rkey(h.as_ref());
                 h.map(|h| h.range)
             }
@@ -357,7 +357,7 @@ impl LendingPath {
 
     /// Windows whose bytes are still lent.
     pub fn lent(&self) -> usize {
-        self.held.lock().unwrap().len()
+        self.lent.lock().unwrap().len()
     }
 
     /// Close the data path (blocking); then give back what every window
@@ -371,7 +371,7 @@ impl LendingPath {
             return Report::default();
         };
         let report = dp.close();
-        let held = std::mem::take(&mut *self.held.lock().unwrap());
+        let held = std::mem::take(&mut *self.lent.lock().unwrap());
         if report.outstanding_at_close > 0 && !held.is_empty() {
             tracing::warn!(
                 outstanding = report.outstanding_at_close,
