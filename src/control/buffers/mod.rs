@@ -12,6 +12,8 @@
 //!   `BufferDone`): a grant per operation, revoked at its end;
 //! - [`peer`]: the initiating side: a session per peer rcpd, windows posted
 //!   from the service's pages ([`crate::datapath::lend`]);
+//! - [`fallback`]: when a peer session gives up on RDMA for the tcp
+//!   provider (transport auto, the files' rule);
 //! - [`client`]: the Rust client of the service protocol;
 //! - [`faults`]: test-only damage of checked ranges (the `fault-injection`
 //!   feature).
@@ -19,6 +21,7 @@
 //! [`Buffers`] is what one rcpd shares between them.
 
 pub mod client;
+pub mod fallback;
 pub mod faults;
 pub mod grant;
 pub mod peer;

@@ -12,7 +12,6 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use super::io::{self, FileJob, Local};
 use super::session::{FileResult, Observer, Session};
 use crate::control::error::{ControlError, Result};
-use crate::control::link::Transport;
 use crate::control::protocol::{
     ClientAction, ClientCore, ClientEvent, Digest, Failure, FileId, Held, LocalCommit, Reason,
     SourceMeta, WindowId,
@@ -22,7 +21,6 @@ use crate::engine::{Extent, OpKind, WindowJob};
 use crate::files::{Destination, DirHandle};
 use crate::mem::Block;
 use crate::proto::{self, ClientFrame, Direction};
-use crate::provider::ProviderKind;
 
 /// What FindResume found: the local directory and name, and an
 /// interrupted copy there with what it holds.
@@ -147,10 +145,10 @@ fn core_of(s: &Session) -> ClientCore {
     // --transport auto over verbs: the core watches the rails for the tcp
     // fallback. Whether to continue over tcp is the jobs policy's
     // (jobs::run): the stream only ends, saying why.
-    if let Some(after) = s.opts.tcp_fallback_after {
-        if s.kind == ProviderKind::Verbs && s.opts.transport == Transport::Auto {
-            core.watch_rails(0, after.as_nanos() as u64);
-        }
+    if let Some(w) =
+        crate::control::jobs::rail_watch(s.opts.transport, s.kind, s.opts.tcp_fallback_after, 0)
+    {
+        core.watch(w);
     }
     core
 }

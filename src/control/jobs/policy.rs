@@ -26,6 +26,7 @@ use super::{Plan, Totals};
 use crate::control::client::{Client, FileJob, FileResult, Observer, Session, SessionStats};
 use crate::control::error::{ControlError, Reason, Result};
 use crate::control::link::{resolve_transport, Transport};
+use crate::control::protocol::rails::RailWatch;
 use crate::control::protocol::Failure;
 use crate::provider::ProviderKind;
 
@@ -86,8 +87,33 @@ pub struct Outcome {
     pub stats: Option<SessionStats>,
 }
 
+/// Whether what runs over `kind` under `transport` may fall back to tcp:
+/// only `--transport auto` over verbs (an explicit `--transport verbs`
+/// never falls back; tcp has nowhere to go).
+pub fn may_fall_back(transport: Transport, kind: ProviderKind) -> bool {
+    transport == Transport::Auto && kind == ProviderKind::Verbs
+}
+
+/// The rails' watch for a data path over `kind` under `transport`, from
+/// `now` on, giving up after `after` (`ClientOptions::tcp_fallback_after`):
+/// `None` when it may not fall back or `after` is `None`. A file stream's
+/// core and a buffer session to a peer rcpd watch with it.
+pub fn rail_watch(
+    transport: Transport,
+    kind: ProviderKind,
+    after: Option<std::time::Duration>,
+    now: u64,
+) -> Option<RailWatch> {
+    let after = after.filter(|_| may_fall_back(transport, kind))?;
+    Some(RailWatch::new(
+        now,
+        u64::try_from(after.as_nanos()).unwrap_or(u64::MAX),
+    ))
+}
+
 /// Whether a job that tried `tried` and failed with `failed` goes on over
-/// tcp, and why: only with `--transport auto` after verbs. `gave_up` is
+/// tcp, and why: only with `--transport auto` after verbs
+/// ([`may_fall_back`]). `gave_up` is
 /// the session's own word that its stream gave up on RDMA
 /// ([`Session::fallback`]); without it `failed` is a session that could
 /// not be set up.
@@ -97,7 +123,7 @@ pub fn tcp_fallback(
     failed: &ControlError,
     gave_up: Option<&str>,
 ) -> Option<String> {
-    if transport != Transport::Auto || tried != ProviderKind::Verbs {
+    if !may_fall_back(transport, tried) {
         return None;
     }
     if let Some(why) = gave_up {
@@ -306,6 +332,18 @@ mod tests {
             tcp_fallback(Transport::Auto, ProviderKind::Tcp, &e, gave_up),
             None
         );
+    }
+
+    #[test]
+    fn only_auto_over_verbs_is_watched() {
+        let after = Some(std::time::Duration::from_secs(10));
+        let w = rail_watch(Transport::Auto, ProviderKind::Verbs, after, 7).expect("watched");
+        assert_eq!(w.deadline(true), Some(7 + 10_000_000_000));
+        assert!(rail_watch(Transport::Verbs, ProviderKind::Verbs, after, 0).is_none());
+        assert!(rail_watch(Transport::Auto, ProviderKind::Tcp, after, 0).is_none());
+        assert!(rail_watch(Transport::Tcp, ProviderKind::Tcp, after, 0).is_none());
+        // --tcp-fallback-after 0: never.
+        assert!(rail_watch(Transport::Auto, ProviderKind::Verbs, None, 0).is_none());
     }
 
     #[test]

@@ -2,6 +2,7 @@
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
+use super::rails::RailWatch;
 use super::{
     Bitmap, Digest, DigestChain, Failure, FileId, FrameKind, FrameSeq, IdSet, Liveness, Params,
     Reason, SeqCheck, Side, Violation, WindowId,
@@ -173,33 +174,6 @@ enum Phase {
     Ended,
 }
 
-/// How often a watch of the rails looks again once its limit passed with a
-/// rail still good ([`ClientCore::watch_rails`]).
-const LOOK_EVERY_NS: u64 = 1_000_000_000;
-
-/// `--transport auto`: the rails' watch.
-#[derive(Debug)]
-struct RailWatch {
-    /// Give up after this long.
-    after: u64,
-    /// When the data path's confirmed bytes last grew (or the watch
-    /// began), and each rail's failures then.
-    since: u64,
-    before: Vec<u64>,
-    /// The limit passed and a rail was still good: look again then.
-    next_look: u64,
-}
-
-/// Whether every rail's failure count (`now`) grew past `before` (taken
-/// at the last confirmed byte; a rail missing there had none).
-pub(super) fn every_rail_failed(before: &[u64], now: &[u64]) -> bool {
-    !now.is_empty()
-        && now
-            .iter()
-            .enumerate()
-            .all(|(k, &f)| f > before.get(k).copied().unwrap_or(0))
-}
-
 /// The client's side of one Move stream. See the module docs of [`super`].
 #[derive(Debug)]
 pub struct ClientCore {
@@ -228,9 +202,9 @@ pub struct ClientCore {
     phase: Phase,
     /// The data path's confirmed bytes, as last told.
     confirmed: u64,
+    /// `--transport auto`: the rails' watch, which says why the stream
+    /// gave up on RDMA, for the tcp fallback.
     watch: Option<RailWatch>,
-    /// Why the stream gave up on RDMA, for the tcp fallback.
-    fallback: Option<String>,
 }
 
 fn frame_is_empty(f: &ClientFrame) -> bool {
@@ -265,7 +239,6 @@ impl ClientCore {
             phase: Phase::Running,
             confirmed: 0,
             watch: None,
-            fallback: None,
         }
     }
 
@@ -283,14 +256,15 @@ impl ClientCore {
     /// traffic (rails failing again as soon as they reconnect), and not a
     /// copy with nothing to move. The driver tells the counters
     /// ([`data_path`](Self::data_path)); the decision and its clock are
-    /// here.
+    /// the [`RailWatch`]'s, the rule buffer sessions use too.
     pub fn watch_rails(&mut self, now: u64, after_ns: u64) {
-        self.watch = Some(RailWatch {
-            after: after_ns,
-            since: now,
-            before: Vec::new(),
-            next_look: 0,
-        });
+        self.watch(RailWatch::new(now, after_ns));
+    }
+
+    /// [`watch_rails`](Self::watch_rails) with the watch made
+    /// (`jobs::policy::rail_watch`).
+    pub fn watch(&mut self, w: RailWatch) {
+        self.watch = Some(w);
     }
 
     /// The data path's counters at `now`: bytes confirmed so far (bytes
@@ -300,54 +274,34 @@ impl ClientCore {
         if confirmed > self.confirmed {
             self.confirmed = confirmed;
             self.note_progress(now);
-            if let Some(w) = &mut self.watch {
-                w.since = now;
-                w.before = rail_failures.to_vec();
-            }
         }
-        if self.phase != Phase::Running || self.fallback.is_some() || !self.data_path_waits() {
-            return;
-        }
+        let waiting = self.phase == Phase::Running && self.data_path_waits();
         let Some(w) = &mut self.watch else {
             return;
         };
-        if now < w.since + w.after {
-            return;
+        if w.data_path(now, confirmed, rail_failures, waiting) {
+            let why = w.gave_up().unwrap_or_default().to_string();
+            tracing::warn!("{why}");
+            self.abort(Failure::new(Reason::Retryable, why));
         }
-        if !every_rail_failed(&w.before, rail_failures) {
-            w.next_look = now + LOOK_EVERY_NS;
-            return;
-        }
-        let why = format!(
-            "every RDMA rail has been down for {:.0} s (transport auto)",
-            (now - w.since) as f64 / 1e9
-        );
-        tracing::warn!("{why}");
-        self.fallback = Some(why.clone());
-        self.abort(Failure::new(Reason::Retryable, why));
     }
 
     /// The data path failed with `f`: the stream ends; with the rails
     /// watched and `f` retryable, the tcp fallback is why.
     pub fn data_path_failed(&mut self, f: Failure) {
-        if self.watch.is_some()
-            && f.reason == Reason::Retryable
-            && self.fallback.is_none()
-            && self.phase == Phase::Running
-        {
-            let why = format!(
-                "the RDMA data path gave up ({}) (transport auto)",
-                f.message
-            );
-            tracing::warn!("{why}");
-            self.fallback = Some(why);
+        if self.phase == Phase::Running {
+            if let Some(w) = &mut self.watch {
+                if w.failed(&f) {
+                    tracing::warn!("{}", w.gave_up().unwrap_or_default());
+                }
+            }
         }
         self.abort(f);
     }
 
     /// Why the stream gave up on RDMA (the rails' watch), if it did.
     pub fn fallback(&self) -> Option<&str> {
-        self.fallback.as_deref()
+        self.watch.as_ref().and_then(RailWatch::gave_up)
     }
 
     /// Windows wait on the data path (their Send or Fetch is out).
@@ -357,9 +311,7 @@ impl ClientCore {
 
     /// When the rails' watch next decides.
     fn watch_deadline(&self) -> Option<u64> {
-        let w = self.watch.as_ref()?;
-        (self.fallback.is_none() && self.data_path_waits())
-            .then(|| (w.since + w.after).max(w.next_look))
+        self.watch.as_ref()?.deadline(self.data_path_waits())
     }
 
     /// Files that could start now without waiting (feed about this many).

@@ -56,6 +56,7 @@
 
 mod client;
 pub mod negotiate;
+pub mod rails;
 mod server;
 #[cfg(test)]
 mod tests;

@@ -1,9 +1,9 @@
 use super::*;
-use crate::control::protocol::client::every_rail_failed;
 use crate::control::protocol::negotiate::{
     keepalive_for, DEFAULT_MAX_RETRIES, MAX_RETRIES, MAX_TIMEOUT_NS, MAX_WINDOWS, MIN_BLOCK_SIZE,
     MIN_KEEPALIVE_NS, MIN_TIMEOUT_NS,
 };
+use crate::control::protocol::rails::every_rail_failed;
 use crate::control::rails::MAX_QPS_PER_RAIL;
 use crate::files::Check;
 use crate::provider::ProviderKind;
