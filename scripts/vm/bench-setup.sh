@@ -5,16 +5,16 @@
 # `ib_write_bw -n 5 -s 4096` (its server started before each pass, the
 # client timed as a whole process), interleaved in one boot for
 # RCP_BENCH_PASSES (7) passes after one warm-up pass; medians and spreads,
-# and each pass's rcp / ib_write_bw ratio (the goal: <= 0.5).
+# and each pass's rcp / ib_write_bw ratio (the goal: <= 0.5). Every rcp
+# run has RCP_PHASES=1: the summary gives each set-up phase's median (and
+# spread) in ms, the time since the phase before it.
 #
 # RCP_BENCH_BIN (target/release) is build A; RCP_BENCH_BIN_B, when set, is a
 # second build B measured in the same passes (each build's rcp against its
 # own rcpd, A on 127.0.0.1:7471, B on :7481; the order of A and B flips each
 # pass). RCP_BENCH_ARENA_MIB (128) is each rcpd's arena, so that two rcpds
 # leave huge pages for the clients' staging (the VM has 256 of 2 MiB).
-# Last, one push and one pull of each build with RCP_PHASES=1 (the set-up by
-# phase, ms since rcp's main) and `rcp --version` timed, the cost of
-# starting the binary alone.
+# Last, `rcp --version` timed, the cost of starting the binary alone.
 #
 # Times are bash's $EPOCHREALTIME around the command (no fork for the
 # clock); files on a guest tmpfs. To measure a build against another, copy
@@ -68,12 +68,12 @@ timed() {
 }
 push() {
   rm -f "$dir/root$1/got"
-  timed "${bin[$1]}/rcp" push -q --port "${port[$1]}" --transport verbs "$dir/f4k" 127.0.0.1:got
+  timed env RCP_PHASES=1 "${bin[$1]}/rcp" push -q --port "${port[$1]}" --transport verbs "$dir/f4k" 127.0.0.1:got
   cmp -s "$dir/f4k" "$dir/root$1/got" || { echo "bench-setup: push $1 landed other bytes" >&2; return 1; }
 }
 pull() {
   rm -f "$dir/back$1"
-  timed "${bin[$1]}/rcp" pull -q --port "${port[$1]}" --transport verbs 127.0.0.1:src "$dir/back$1"
+  timed env RCP_PHASES=1 "${bin[$1]}/rcp" pull -q --port "${port[$1]}" --transport verbs 127.0.0.1:src "$dir/back$1"
   cmp -s "$dir/f4k" "$dir/back$1" || { echo "bench-setup: pull $1 got other bytes" >&2; return 1; }
 }
 # ib_write_bw's server, then its client timed whole; perftest's default
@@ -92,17 +92,28 @@ ibw() {
   echo "$t"
 }
 
-res=$dir/results
+res=$dir/results phases=$dir/phases
 : >"$res"
+: >"$phases"
+# The phases of the rcp run just done (OP, its whole time T in s), as
+# "OP PHASE MS-SINCE-THE-LAST", and what the marks do not cover: exec and
+# dynamic linking before main, the process's end after "exit".
+keep_phases() {
+  awk -v op="$1" -v t="$2" '/^rcp phase /{ms=$3; $1=$2=$3=""; sub(/^ +/, ""); gsub(/ /, "_");
+    printf "%s %s %.3f\n", op, $0, ms - last; last=ms}
+    END {printf "%s outside_main_(exec,_linking,_process_end) %.3f\n", op, t * 1000 - last}' "$dir/out" >>"$phases"
+}
 for p in $(seq 0 "$PASSES"); do
   order=("${builds[@]}")
   [ $((p % 2)) -eq 1 ] && [ ${#builds[@]} -eq 2 ] && order=(B A)
   line="pass $p:"
   for b in "${order[@]}"; do
-    t=$(push "$b"); line+=" push$b $t"; [ "$p" -gt 0 ] && echo "push$b $t" >>"$res"
+    t=$(push "$b"); line+=" push$b $t"
+    [ "$p" -gt 0 ] && echo "push$b $t" >>"$res" && keep_phases "push$b" "$t"
   done
   for b in "${order[@]}"; do
-    t=$(pull "$b"); line+=" pull$b $t"; [ "$p" -gt 0 ] && echo "pull$b $t" >>"$res"
+    t=$(pull "$b"); line+=" pull$b $t"
+    [ "$p" -gt 0 ] && echo "pull$b $t" >>"$res" && keep_phases "pull$b" "$t"
   done
   t=$(ibw); line+=" ib_write_bw $t"; [ "$p" -gt 0 ] && echo "ibw $t" >>"$res"
   [ "$p" -eq 0 ] && line+=" (warm-up, not counted)"
@@ -133,16 +144,25 @@ if len(builds) == 2:
         print(f"bench-setup {op} B / A, pass by pass: {statistics.median(r):.2f} ({min(r):.2f}-{max(r):.2f})")
 EOF
 
+python3 - "$phases" "${builds[@]}" <<'EOF'
+import statistics, sys
+from collections import defaultdict
+gaps, order = defaultdict(list), {}
+for l in open(sys.argv[1]):
+    op, phase, ms = l.split()
+    order.setdefault(phase, len(order))
+    gaps[(op, phase)].append(float(ms))
+cols = [op + b for b in sys.argv[2:] for op in ("push", "pull")]
+print("bench-setup phases, ms since the one before (median, spread): " + " | ".join(cols))
+for phase in sorted(order, key=order.get):
+    cells = []
+    for c in cols:
+        v = gaps.get((c, phase), [])
+        cells.append(f"{statistics.median(v):.0f} ({min(v):.0f}-{max(v):.0f})" if v else "-")
+    print(f"bench-setup phase {phase.replace('_', ' ')}: " + " | ".join(cells))
+EOF
 for b in "${builds[@]}"; do
   echo "== $b: rcp --version, 3 runs: $(for _ in 1 2 3; do timed "${bin[$b]}/rcp" --version; done | tr '\n' ' ')s"
-  for op in push pull; do
-    echo "== $b: RCP_PHASES=1 rcp $op"
-    export RCP_PHASES=1
-    t=$($op "$b") || true
-    unset RCP_PHASES
-    grep -a "rcp phase" "$dir/out" || cat "$dir/out"
-    echo "   (whole process $t s)"
-  done
 done
 for b in "${builds[@]}"; do
   kill "${pids[$b]}" 2>/dev/null || true
