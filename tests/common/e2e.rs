@@ -701,6 +701,52 @@ pub fn resume_across_a_change_of_check(t: &str, s: &Scale) {
     assert_eq!(names(&root), vec!["big".to_string()]);
 }
 
+/// The client asks for no more staging windows than the job fills
+/// (`Client::sized_for`): a 4 KiB push and pull each open a session of one
+/// window, a push and a pull of two files of 5 MiB (each 2 windows of
+/// 4 MiB, rounded up) one of three, as rcpd's "session opened" lines say.
+pub fn staging_sized_to_the_job(t: &str) {
+    let (tmp, root) = tmp_with_root();
+    let d = Rcpd::start(&root, t, Some(TOKEN), &[]);
+    let small = tmp.path().join("small");
+    make_file(&small, 4096, 7);
+    let two = tmp.path().join("two");
+    std::fs::create_dir(&two).unwrap();
+    make_file(&two.join("a"), 5 << 20, 8);
+    make_file(&two.join("b"), 5 << 20, 9);
+    let back = tmp.path().join("back");
+    std::fs::create_dir(&back).unwrap();
+    let runs: [(&[&str], u32); 4] = [
+        (&["push", small.to_str().unwrap(), &remote("/")], 1),
+        (&["pull", &remote("small"), back.to_str().unwrap()], 1),
+        (&["push", "-r", two.to_str().unwrap(), &remote("/")], 3),
+        (&["pull", "-r", &remote("two"), back.to_str().unwrap()], 3),
+    ];
+    for (i, (args, windows)) in runs.iter().enumerate() {
+        let r = rcp(d.port, t, Some(TOKEN), args);
+        assert_eq!(r.code, 0, "{args:?}: {}{}\n{}", r.stdout, r.stderr, d.log());
+        let log = d.log();
+        let opened: Vec<&str> = log
+            .lines()
+            .filter(|l| l.contains("session opened"))
+            .collect();
+        assert_eq!(opened.len(), i + 1, "one session per copy: {log}");
+        let want = format!("window_count={windows} ");
+        assert!(
+            opened[i].contains(&want) && opened[i].contains(&format!("provider={t}")),
+            "{args:?} asked for {windows} windows over {t}: {}",
+            opened[i]
+        );
+    }
+    assert_eq!(sha256sum(&back.join("small")), sha256sum(&small));
+    for f in ["a", "b"] {
+        assert_eq!(
+            sha256sum(&back.join("two").join(f)),
+            sha256sum(&two.join(f))
+        );
+    }
+}
+
 /// The scenarios above as `#[test]`s over `$transport` at the [`Scale`]
 /// given, each carrying the attributes given (the VM's `#[ignore = ...]`).
 #[macro_export]
@@ -710,6 +756,12 @@ macro_rules! e2e_tests {
         $(#[$attr])*
         fn push_pull_small_sizes() {
             $crate::common::e2e::roundtrip($t, &[0, 1, 4095]);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn staging_sized_to_the_job() {
+            $crate::common::e2e::staging_sized_to_the_job($t);
         }
 
         #[test]

@@ -313,17 +313,14 @@ impl Client {
     /// This client, with no more staging windows than a job of `bytes`
     /// (each file's length rounded up to 4 KiB, as files are laid out in
     /// windows: [`crate::control::jobs::Plan::window_bytes`]) can fill at
-    /// once, on the tcp provider: a copy of a small file maps one window of
-    /// staging, not [`DEFAULT_WINDOWS`]. Verbs keeps its windows (smaller
-    /// registered staging there waits for its run in the VM). Same
-    /// connection.
+    /// once: a copy of a small file maps one window of staging, not
+    /// [`DEFAULT_WINDOWS`], and on verbs pre-faults and registers only that
+    /// (the pages a registration pins are still all faulted in before it).
+    /// Same connection.
     pub fn sized_for(&self, bytes: u64) -> Client {
         let need = bytes.div_ceil(super::WINDOW_SIZE as u64).max(1);
         let mut opts = self.opts.clone();
-        let (kind, _) = super::link::resolve_transport(opts.transport, &opts.rails);
-        if kind == crate::provider::ProviderKind::Tcp {
-            opts.windows = opts.windows.min(u32::try_from(need).unwrap_or(u32::MAX));
-        }
+        opts.windows = opts.windows.min(u32::try_from(need).unwrap_or(u32::MAX));
         Client {
             rpc: self.rpc.clone(),
             host: self.host.clone(),
