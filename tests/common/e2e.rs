@@ -392,7 +392,11 @@ pub fn signal(pid: u32, sig: &str) {
 /// the stopped copy's temp file stays for `--resume`.
 pub fn stopped_client_is_evicted(t: &str, s: &Scale) {
     let (tmp, root) = tmp_with_root();
-    let d = Rcpd::start(&root, t, None, &["--max-transfers", "1", "--timeout", "3"]);
+    // The eviction limit: long enough that a copy on a slow, loaded machine
+    // (TCG under load moved nothing for 3 s once, and was evicted before it
+    // was stopped) makes progress within it; the test waits for the
+    // eviction however long it takes.
+    let d = Rcpd::start(&root, t, None, &["--max-transfers", "1", "--timeout", "15"]);
     // Four times the resumed file: far more windows than rcpd grants a
     // session at once, so the copy is mid-way when the client stops.
     let len = 4 * s.resume_len;
@@ -468,7 +472,8 @@ pub fn stopped_client_is_evicted(t: &str, s: &Scale) {
 }
 
 /// rcpd stopped (SIGSTOP) mid-copy: the client gives up with the retry
-/// code (its `--timeout` is 3 s), and once rcpd runs again `--resume`
+/// code (its `--timeout` is 15 s: a loaded machine's copy progresses
+/// within it before the stop), and once rcpd runs again `--resume`
 /// continues the copy.
 pub fn stopped_server_makes_the_client_give_up(t: &str, s: &Scale) {
     let (tmp, root) = tmp_with_root();
@@ -479,7 +484,7 @@ pub fn stopped_server_makes_the_client_give_up(t: &str, s: &Scale) {
     let p = src.to_str().unwrap();
     let (rate, dst) = ((s.resume_len / 4).to_string(), remote("/"));
     let args = [
-        &["--timeout", "3"][..],
+        &["--timeout", "15"][..],
         &held(&["push", "-q", p, &dst], &rate),
     ]
     .concat();
