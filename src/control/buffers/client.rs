@@ -281,6 +281,12 @@ impl ServiceClient {
         }
     }
 
+    /// Operation `h`'s state as rcpd reports it (`state`, `bytes`,
+    /// `transport`, `fell_back`, `failure`: docs/buffers.md).
+    pub async fn status(&self, h: u64) -> Result<Value, OpError> {
+        self.request("status", json!({"handle": h}), &[]).await
+    }
+
     /// The next event (`written`, `read`, `done`); `None` once closed.
     pub async fn next_event(&self) -> Option<Value> {
         self.events.lock().await.recv().await

@@ -27,6 +27,8 @@ use crate::provider::ProviderKind;
 pub struct LinkWatch {
     /// `None`: this session never falls back.
     watch: Option<RailWatch>,
+    /// Operations waited when last told.
+    waited: bool,
 }
 
 /// The sentence said (rcpd's log, the operations' status) when a session
@@ -46,12 +48,14 @@ impl LinkWatch {
     ) -> LinkWatch {
         LinkWatch {
             watch: rail_watch(transport, kind, after, now),
+            waited: false,
         }
     }
 
     /// The data path's counters at `now` (bytes confirmed, each rail's
     /// failures) and whether operations wait on it: why the session gives
-    /// up on RDMA, the one time it does.
+    /// up on RDMA, the one time it does. A session kept idle between
+    /// operations starts the count again when operations start waiting.
     pub fn tick(
         &mut self,
         now: u64,
@@ -60,6 +64,10 @@ impl LinkWatch {
         waiting: bool,
     ) -> Option<String> {
         let w = self.watch.as_mut()?;
+        if waiting && !self.waited {
+            w.restart(now, rail_failures);
+        }
+        self.waited = waiting;
         w.data_path(now, confirmed, rail_failures, waiting)
             .then(|| continuing(w.gave_up().unwrap_or_default()))
     }
@@ -109,15 +117,13 @@ mod tests {
     fn every_rail_down_past_the_limit_with_operations_waiting_gives_up_saying_why() {
         let mut w = auto();
         assert!(w.watched());
+        assert_eq!(w.tick(0, 0, &[0, 0], true), None, "an operation waits");
         assert_eq!(w.deadline(true), Some(10 * S), "the driver looks then");
         assert_eq!(w.tick(10 * S - 1, 0, &[1, 1], true), None, "not yet");
-        // Nothing waits: a session idle on dead rails stays (the next
-        // operation starts the count).
-        assert_eq!(w.tick(20 * S, 0, &[3, 3], false), None);
-        let why = w.tick(20 * S, 0, &[3, 3], true).expect("gave up");
+        let why = w.tick(10 * S, 0, &[1, 1], true).expect("gave up");
         assert_eq!(
             why,
-            "every RDMA rail has been down for 20 s (transport auto); continuing over the \
+            "every RDMA rail has been down for 10 s (transport auto); continuing over the \
              tcp provider"
         );
         assert_eq!(w.gave_up().as_deref(), Some(why.as_str()));
@@ -127,12 +133,32 @@ mod tests {
     }
 
     #[test]
+    fn a_session_kept_idle_counts_from_when_operations_wait() {
+        let mut w = auto();
+        // Rails failed while nothing waited, and came back.
+        assert_eq!(w.tick(50 * S, 0, &[3, 3], false), None);
+        // An operation starts waiting: neither the old failures nor the
+        // idle time count.
+        assert_eq!(w.tick(60 * S, 0, &[3, 3], true), None);
+        assert_eq!(w.deadline(true), Some(70 * S));
+        assert_eq!(
+            w.tick(70 * S, 0, &[3, 4], true),
+            None,
+            "rail 0 did not fail since"
+        );
+        let why = w.tick(71 * S, 0, &[4, 4], true).expect("both failed since");
+        assert!(why.contains("down for 11 s"), "{why}");
+    }
+
+    #[test]
     fn a_rail_still_good_or_bytes_confirmed_keep_rdma() {
         let mut w = auto();
+        assert_eq!(w.tick(0, 0, &[0, 0], true), None);
         assert_eq!(w.tick(10 * S, 0, &[2, 0], true), None, "rail 1 is good");
         assert_eq!(w.deadline(true), Some(11 * S), "a look a second later");
         // Bytes confirmed at 5 s: the clock and the count start again.
         let mut w = auto();
+        assert_eq!(w.tick(0, 0, &[0, 0], true), None);
         assert_eq!(w.tick(5 * S, 4096, &[1, 1], true), None);
         assert_eq!(w.tick(14 * S, 4096, &[2, 2], true), None, "9 s since");
         assert_eq!(

@@ -16,36 +16,57 @@
 //! move again, at most the peer's retry bound (`max_retries` of its
 //! handshake) rounds, before the operation fails. A failed data path fails
 //! the operations on it and the session is made anew by the next one.
+//!
+//! The tcp fallback ([`super::fallback`], files' rule): under
+//! `--transport auto` a verbs session whose rails all stayed down past
+//! `tcp_fallback_after` with operations waiting, or whose data path failed
+//! retryably, is given up; the operations that were waiting run again from
+//! the start over a tcp session to the same peer (a new grant there), and
+//! later operations to that peer use that tcp session while it lasts. A
+//! verbs session that cannot be set up is replaced by a tcp one as well.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, watch};
 
+use super::fallback::{continuing, LinkWatch};
 use super::grant::digests;
 use super::{Buffers, OpError};
 use crate::control::client::{Client, Session};
-use crate::control::error::{status_reason, Reason};
+use crate::control::error::{status_reason, ControlError, Reason};
+use crate::control::jobs::tcp_fallback;
+use crate::control::link::resolve_transport;
+use crate::control::protocol::rails::LOOK_EVERY_NS;
 use crate::datapath::lend::{LendingPath, RailRegs};
 use crate::datapath::DpEvent;
 use crate::engine::{Extent, OpKind, WindowJob};
 use crate::files::Check;
 use crate::mem::memfd::{LeaseKind, LeasedRange, ServiceBuffer};
 use crate::proto;
-use crate::provider::{Access, Domain, Registration};
+use crate::provider::{Access, Domain, ProviderKind, Registration};
 
 type Key = (String, &'static str);
 
 /// Sessions to peers, by (address, check name).
 #[derive(Default)]
-pub struct Peers(Mutex<HashMap<Key, Arc<PeerLink>>>);
+pub struct Peers {
+    links: Mutex<HashMap<Key, Arc<PeerLink>>>,
+    /// Peers whose verbs session gave up on RDMA, and why: their next
+    /// sessions are over tcp until one of those ends.
+    fell_back: Mutex<HashMap<Key, String>>,
+    /// Held while a session is opened (one per peer, not one per
+    /// operation that found none).
+    opening: tokio::sync::Mutex<()>,
+}
 
 impl Peers {
     /// Forget buffer `uid`'s registrations (its service released it; the
     /// operations still running hold their own).
     pub(crate) fn forget_buffer(&self, uid: u64) {
-        let links: Vec<Arc<PeerLink>> = self.0.lock().unwrap().values().cloned().collect();
+        let links: Vec<Arc<PeerLink>> = self.links.lock().unwrap().values().cloned().collect();
         for l in links {
             let r = l.regs.lock().unwrap().remove(&uid);
             crate::control::in_place(|| drop(r));
@@ -54,7 +75,17 @@ impl Peers {
 
     /// Sessions open now.
     pub fn len(&self) -> usize {
-        self.0.lock().unwrap().len()
+        self.links.lock().unwrap().len()
+    }
+
+    /// The live session under `key`, if any.
+    fn live(&self, key: &Key) -> Option<Arc<PeerLink>> {
+        self.links
+            .lock()
+            .unwrap()
+            .get(key)
+            .filter(|l| l.dead().is_none())
+            .cloned()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -63,6 +94,20 @@ impl Peers {
 }
 
 type Waiter = oneshot::Sender<Result<LeasedRange, String>>;
+
+/// A session's lending path; `_closed` goes after it, telling those who
+/// wait for the windows' ranges to come back ([`PeerLink::closed`]).
+struct Path {
+    lp: LendingPath,
+    _closed: watch::Sender<()>,
+}
+
+impl std::ops::Deref for Path {
+    type Target = LendingPath;
+    fn deref(&self) -> &LendingPath {
+        &self.lp
+    }
+}
 
 /// One session to a peer rcpd.
 pub struct PeerLink {
@@ -75,7 +120,16 @@ pub struct PeerLink {
     max_retries: u32,
     /// Each rail's domain, in the data path's order.
     domains: Vec<Arc<dyn Domain>>,
-    path: Arc<LendingPath>,
+    kind: ProviderKind,
+    /// Over tcp because the peer's RDMA gave up (or a verbs session could
+    /// not be set up): why.
+    fell_back: Option<String>,
+    /// The tcp fallback's watch, and its clock's start.
+    watch: Mutex<LinkWatch>,
+    t0: Instant,
+    path: Arc<Path>,
+    /// Changes (its sender drops) once the lending path has closed.
+    closed: watch::Receiver<()>,
     regs: Mutex<HashMap<u64, Arc<RailRegs>>>,
     waiters: Mutex<HashMap<u64, Waiter>>,
     next: AtomicU64,
@@ -103,6 +157,64 @@ impl Drop for PeerLink {
 }
 
 impl PeerLink {
+    /// Nanoseconds since the session opened (the watch's clock).
+    fn now(&self) -> u64 {
+        u64::try_from(self.t0.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    fn waiting(&self) -> bool {
+        !self.waiters.lock().unwrap().is_empty()
+    }
+
+    /// The tcp fallback's watch, told the data path's counters now: why
+    /// the session gives up on RDMA, when it does now.
+    fn look(&self) -> Option<String> {
+        let (confirmed, failures) = self.path.stats().map_or((0, Vec::new()), |s| {
+            let f = s.rails.iter().map(|r| r.counters().failures).collect();
+            (s.counters().bytes_confirmed, f)
+        });
+        let waiting = self.waiting();
+        self.watch
+            .lock()
+            .unwrap()
+            .tick(self.now(), confirmed, &failures, waiting)
+    }
+
+    /// When the driver looks again without an event: the watch's deadline
+    /// while operations wait, else a second on (an operation may start
+    /// waiting meanwhile); never for a session that does not fall back.
+    fn next_look(&self) -> Option<tokio::time::Instant> {
+        let waiting = self.waiting();
+        let w = self.watch.lock().unwrap();
+        if !w.watched() {
+            return None;
+        }
+        let at = w
+            .deadline(waiting)
+            .unwrap_or_else(|| self.now() + LOOK_EVERY_NS);
+        Some(tokio::time::Instant::from_std(
+            self.t0 + Duration::from_nanos(at),
+        ))
+    }
+
+    /// The session gives up on RDMA for `why` (said once, in the log): the
+    /// peer's next sessions are over tcp, and the operations waiting fail
+    /// here to run again there ([`run`]).
+    fn give_up(&self, bufs: &Buffers, why: String) {
+        tracing::warn!(peer = %crate::escape::esc(&self.key.0), session = self.session_id, waiting = self.waiters.lock().unwrap().len(), "buffer session: {why}");
+        bufs.peers
+            .fell_back
+            .lock()
+            .unwrap()
+            .insert(self.key.clone(), why.clone());
+        self.fail(why);
+    }
+
+    /// Why this session gave up on RDMA, once it did.
+    fn gave_up(&self) -> Option<String> {
+        self.watch.lock().unwrap().gave_up()
+    }
+
     fn fail(&self, why: String) {
         self.dead.lock().unwrap().get_or_insert(why.clone());
         let ws: Vec<Waiter> = self
@@ -185,10 +297,12 @@ async fn link(
     check: Check,
 ) -> Result<(Arc<PeerLink>, bool), OpError> {
     let key = (peer.to_string(), check.name());
-    if let Some(l) = bufs.peers.0.lock().unwrap().get(&key) {
-        if l.dead().is_none() {
-            return Ok((l.clone(), false));
-        }
+    if let Some(l) = bufs.peers.live(&key) {
+        return Ok((l, false));
+    }
+    let _one = bufs.peers.opening.lock().await;
+    if let Some(l) = bufs.peers.live(&key) {
+        return Ok((l, false));
     }
     // rcpd's token and certificate go to listed peers only: refused here,
     // before any connection, naming the flag.
@@ -198,15 +312,15 @@ async fn link(
     let client = Client::connect_admitted(&admitted, o)
         .await
         .map_err(|e| OpError::new(e.reason(), format!("peer {peer}: {e}")))?;
-    let mut session = client
-        .session()
-        .await
-        .map_err(|e| OpError::new(e.reason(), format!("peer {peer}: session: {e}")))?;
+    let fell_back = bufs.peers.fell_back.lock().unwrap().get(&key).cloned();
+    let (mut session, fell_back) = open_session(&client, peer, fell_back).await?;
     let (dp, events) = session
         .take_data_path()
         .ok_or_else(|| OpError::new(Reason::Other, "the session has no data path"))?;
-    let path = LendingPath::new(dp, events, session.rail_keys())
+    let lp = LendingPath::new(dp, events, session.rail_keys())
         .map_err(|e| OpError::new(Reason::Other, format!("peer {peer}: {e}")))?;
+    let (closed_tx, closed) = watch::channel(());
+    let o = client.options();
     let l = Arc::new(PeerLink {
         key: key.clone(),
         session_id: session.id(),
@@ -214,8 +328,21 @@ async fn link(
         check: session.check(),
         max_retries: session.max_retries(),
         domains: session.rail_domains(),
+        kind: session.kind,
+        watch: Mutex::new(LinkWatch::new(
+            o.transport,
+            session.kind,
+            o.tcp_fallback_after,
+            0,
+        )),
+        t0: Instant::now(),
+        fell_back,
         client,
-        path: Arc::new(path),
+        path: Arc::new(Path {
+            lp,
+            _closed: closed_tx,
+        }),
+        closed,
         regs: Mutex::new(HashMap::new()),
         waiters: Mutex::new(HashMap::new()),
         next: AtomicU64::new(0),
@@ -223,40 +350,98 @@ async fn link(
         stop: tokio::sync::Notify::new(),
         session: Mutex::new(Some(session)),
     });
-    tracing::info!(peer = %crate::escape::esc(peer), check = check.name(), session = l.session_id, transport = %l.domains[0].kind(), rails = l.path.rails(), "buffer session to a peer");
-    // The driver: window ends to their operations; a failed path fails them
-    // all and the link is dropped.
-    let (d, b) = (l.clone(), bufs.clone());
-    let path = l.path.clone();
-    tokio::spawn(async move {
-        loop {
-            let next = tokio::select! {
-                e = path.next_event() => e,
-                _ = d.stop.notified() => None,
-            };
-            let Some((ev, range)) = next else { break };
-            match ev {
-                DpEvent::WindowDone { id } => {
-                    let w = d.waiters.lock().unwrap().remove(&id);
-                    if let (Some(w), Some(r)) = (w, range) {
-                        let _ = w.send(Ok(r));
-                    }
-                }
-                DpEvent::Failed(e) => {
-                    d.fail(format!("the data path to {} failed: {e}", d.key.0));
-                    break;
-                }
-                _ => {}
-            }
-        }
-        d.fail(format!("the session to {} ended", d.key.0));
-        let mut m = b.peers.0.lock().unwrap();
-        if m.get(&d.key).is_some_and(|x| Arc::ptr_eq(x, &d)) {
-            m.remove(&d.key);
-        }
-    });
-    bufs.peers.0.lock().unwrap().insert(key, l.clone());
+    tracing::info!(peer = %crate::escape::esc(peer), check = check.name(), session = l.session_id, transport = %l.kind, rails = l.path.rails(), fell_back = l.fell_back.as_deref().unwrap_or(""), "buffer session to a peer");
+    tokio::spawn(drive(bufs.clone(), l.clone()));
+    bufs.peers.links.lock().unwrap().insert(key, l.clone());
     Ok((l, true))
+}
+
+/// A session over the provider rcpd tries first, or over tcp: when the
+/// peer's RDMA gave up (`fell_back`, why), or when a verbs session cannot
+/// be set up and the jobs policy says tcp may do ([`tcp_fallback`]). The
+/// session, and why it is over tcp when it is for a fallback.
+async fn open_session(
+    client: &Client,
+    peer: &str,
+    fell_back: Option<String>,
+) -> Result<(Session, Option<String>), OpError> {
+    let failed = |e: ControlError, after: &str| {
+        OpError::new(e.reason(), format!("peer {peer}: {after}session: {e}"))
+    };
+    let tcp = |why: String| async move {
+        client
+            .session_with(ProviderKind::Tcp, format!("tcp: {why}"))
+            .await
+            .map(|s| (s, Some(why.clone())))
+            .map_err(|e| failed(e, &format!("{why}; then over the tcp provider: ")))
+    };
+    if let Some(why) = fell_back {
+        return tcp(why).await;
+    }
+    let o = client.options();
+    let (kind, why) = resolve_transport(o.transport, &o.rails);
+    match client.session_with(kind, why).await {
+        Ok(s) => Ok((s, None)),
+        Err(e) => match tcp_fallback(o.transport, kind, &e, None) {
+            Some(why) => {
+                let why = continuing(&why);
+                tracing::warn!(peer = %crate::escape::esc(peer), "buffer session: {why}");
+                tcp(why).await
+            }
+            None => Err(failed(e, "")),
+        },
+    }
+}
+
+/// A session's driver: window ends to their operations; the tcp
+/// fallback's watch told the data path's counters on every event and on
+/// its timer. A failed path (or one given up for tcp) fails the
+/// operations waiting and the link is dropped.
+async fn drive(bufs: Arc<Buffers>, d: Arc<PeerLink>) {
+    let path = d.path.clone();
+    loop {
+        if let Some(why) = d.look() {
+            d.give_up(&bufs, why);
+            break;
+        }
+        let at = d.next_look();
+        let next = tokio::select! {
+            e = path.next_event() => Some(e),
+            _ = d.stop.notified() => Some(None),
+            _ = tokio::time::sleep_until(at.unwrap_or_else(tokio::time::Instant::now)), if at.is_some() => None,
+        };
+        let Some(next) = next else { continue };
+        let Some((ev, range)) = next else { break };
+        match ev {
+            DpEvent::WindowDone { id } => {
+                let w = d.waiters.lock().unwrap().remove(&id);
+                if let (Some(w), Some(r)) = (w, range) {
+                    let _ = w.send(Ok(r));
+                }
+            }
+            DpEvent::Failed(e) => {
+                let msg = format!("the data path to {} failed: {e}", d.key.0);
+                let f = ControlError::DataPath(e).failure();
+                let why = d.watch.lock().unwrap().failed(&f);
+                match why {
+                    Some(why) => d.give_up(&bufs, why),
+                    None => d.fail(msg),
+                }
+                break;
+            }
+            _ => {}
+        }
+    }
+    d.fail(format!("the session to {} ended", d.key.0));
+    let mut m = bufs.peers.links.lock().unwrap();
+    if m.get(&d.key).is_some_and(|x| Arc::ptr_eq(x, &d)) {
+        m.remove(&d.key);
+    }
+    drop(m);
+    if d.fell_back.is_some() {
+        // The tcp session ended: the next one tries verbs again.
+        bufs.peers.fell_back.lock().unwrap().remove(&d.key);
+    }
 }
 
 /// One operation a service asked for.
@@ -272,16 +457,81 @@ pub struct OpSpec {
     pub check: Check,
 }
 
-/// Run `op`; the bytes moved. A range whose check fails is granted again
-/// by the peer and moved again, at most the session's `max_retries`
-/// rounds, before the operation fails (`integrity`).
-pub async fn run(bufs: &Arc<Buffers>, op: &OpSpec, cancelled: &AtomicBool) -> Result<u64, OpError> {
+/// What an operation did.
+#[derive(Clone, Debug)]
+pub struct Moved {
+    pub bytes: u64,
+    /// The provider its bytes moved over (the last session's).
+    pub kind: ProviderKind,
+    /// It moved over tcp because the peer's RDMA gave up: why.
+    pub fell_back: Option<String>,
+}
+
+/// How an attempt at an operation ended, when not with its bytes moved.
+enum Attempt {
+    Failed(OpError),
+    /// Its session gave up on RDMA (why) while it waited: it runs again
+    /// over tcp once the session's data path has closed (`closed`: a
+    /// read's ranges come back then).
+    GaveUp {
+        why: String,
+        closed: watch::Receiver<()>,
+    },
+}
+
+impl From<OpError> for Attempt {
+    fn from(e: OpError) -> Attempt {
+        Attempt::Failed(e)
+    }
+}
+
+/// Run `op`; what it moved. A range whose check fails is granted again by
+/// the peer and moved again, at most the session's `max_retries` rounds,
+/// before the operation fails (`integrity`). An operation waiting on a
+/// session that gave up on RDMA runs again, whole, over tcp (buffer writes
+/// and reads of the same ranges are idempotent; a new grant there).
+pub async fn run(
+    bufs: &Arc<Buffers>,
+    op: &OpSpec,
+    cancelled: &AtomicBool,
+) -> Result<Moved, OpError> {
     if op.descs.is_empty() {
         return Err(OpError::new(Reason::Invalid, "no descriptors"));
     }
+    let (why, mut closed) = match attempt(bufs, op, cancelled).await {
+        Ok(m) => return Ok(m),
+        Err(Attempt::Failed(e)) => return Err(e),
+        Err(Attempt::GaveUp { why, closed }) => (why, closed),
+    };
+    tracing::info!(peer = %crate::escape::esc(&op.peer), name = %crate::escape::esc(&op.name), "buffer operation moves again over tcp: {why}");
+    // Bounded: a data path that cannot close keeps a read's ranges, and
+    // the attempt over tcp then fails naming them busy.
+    let timeout = bufs.client_options().timeout;
+    let _ = tokio::time::timeout(timeout, async { while closed.changed().await.is_ok() {} }).await;
+    let after = |e: OpError| {
+        OpError::new(
+            e.reason,
+            format!("{why}; then over the tcp provider: {}", e.message),
+        )
+    };
+    match attempt(bufs, op, cancelled).await {
+        Ok(m) => Ok(m),
+        Err(Attempt::Failed(e)) => Err(after(e)),
+        Err(Attempt::GaveUp { why: again, .. }) => {
+            Err(after(OpError::new(Reason::Retryable, again)))
+        }
+    }
+}
+
+/// [`run`] once, on the peer's session now.
+async fn attempt(
+    bufs: &Arc<Buffers>,
+    op: &OpSpec,
+    cancelled: &AtomicBool,
+) -> Result<Moved, Attempt> {
     let local = lease_local(op)?;
     if cancelled.load(Relaxed) {
-        return Err(OpError::new(Reason::Other, "cancelled"));
+        return Err(OpError::new(Reason::Other, "cancelled").into());
     }
     let (link, reg, grant) = granted(bufs, op).await?;
     let sent = if op.write {
@@ -309,29 +559,36 @@ pub async fn run(bufs: &Arc<Buffers>, op: &OpSpec, cancelled: &AtomicBool) -> Re
             Ok(l) => l,
             Err(why) => {
                 g.fail(why.clone()).await;
-                return Err(OpError::new(
-                    Reason::Retryable,
-                    format!("peer {}: {why}", op.peer),
-                ));
+                if let Some(why) = link.gave_up() {
+                    let closed = link.closed.clone();
+                    return Err(Attempt::GaveUp { why, closed });
+                }
+                return Err(
+                    OpError::new(Reason::Retryable, format!("peer {}: {why}", op.peer)).into(),
+                );
             }
         };
         if cancelled.load(Relaxed) {
             g.fail("cancelled".into()).await;
-            return Err(OpError::new(Reason::Other, "cancelled"));
+            return Err(OpError::new(Reason::Other, "cancelled").into());
         }
         let resp = g.finish_round(&mut landed).await?;
         if resp.again.is_empty() {
             if resp.bad.is_empty() {
-                return Ok(op.descs.iter().map(|d| d.2).sum());
+                return Ok(Moved {
+                    bytes: op.descs.iter().map(|d| d.2).sum(),
+                    kind: link.kind,
+                    fell_back: link.fell_back.clone(),
+                });
             }
-            return Err(g.damaged(&resp.bad, round));
+            return Err(g.damaged(&resp.bad, round).into());
         }
         round += 1;
         moving = match g.again(landed, resp, round) {
             Ok(m) => m,
             Err(e) => {
                 g.fail(e.message.clone()).await;
-                return Err(e);
+                return Err(e.into());
             }
         };
     }

@@ -28,7 +28,7 @@ pub const VERSION: u64 = 1;
 #[derive(Clone, Debug)]
 pub enum OpState {
     Running,
-    Done { bytes: u64 },
+    Done(super::peer::Moved),
     Failed(OpError),
     Cancelled,
 }
@@ -37,7 +37,7 @@ impl OpState {
     fn name(&self) -> &'static str {
         match self {
             OpState::Running => "running",
-            OpState::Done { .. } => "done",
+            OpState::Done(_) => "done",
             OpState::Failed(_) => "failed",
             OpState::Cancelled => "cancelled",
         }
@@ -46,7 +46,13 @@ impl OpState {
     fn to_json(&self, handle: u64) -> Value {
         let mut v = json!({"handle": handle, "state": self.name()});
         match self {
-            OpState::Done { bytes } => v["bytes"] = json!(bytes),
+            OpState::Done(m) => {
+                v["bytes"] = json!(m.bytes);
+                v["transport"] = json!(m.kind.to_string());
+                if let Some(why) = &m.fell_back {
+                    v["fell_back"] = json!(why);
+                }
+            }
             OpState::Failed(e) => v["failure"] = e.to_json(),
             _ => {}
         }
@@ -445,7 +451,7 @@ impl Conn {
         tokio::spawn(async move {
             let r = peer::run(&c.bufs, &spec, &op.cancelled).await;
             let st = match r {
-                Ok(bytes) => OpState::Done { bytes },
+                Ok(m) => OpState::Done(m),
                 Err(_) if op.cancelled.load(Relaxed) => OpState::Cancelled,
                 Err(e) => OpState::Failed(e),
             };

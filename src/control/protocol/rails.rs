@@ -87,6 +87,16 @@ impl RailWatch {
         true
     }
 
+    /// Count from `now` on, as if bytes had been confirmed then with
+    /// `rail_failures` (work that starts waiting on a data path idle since
+    /// its last byte: rails that failed and came back while nothing
+    /// waited are not held against it).
+    pub fn restart(&mut self, now: u64, rail_failures: &[u64]) {
+        self.since = now;
+        self.before = rail_failures.to_vec();
+        self.next_look = 0;
+    }
+
     /// The data path failed with `f`: true when that gives up on RDMA now
     /// (a retryable failure: a link that may come back over tcp).
     pub fn failed(&mut self, f: &Failure) -> bool {
