@@ -15,7 +15,9 @@
 //! the handshake naming both GIDs. And buffers from services between two
 //! rcpds (one in a, beside the test, one in b): a write and a read move
 //! bytes over both rails of the initiating rcpd's session (its per-rail
-//! byte counters in /metrics), bytes and the owner's digests checked.
+//! byte counters in /metrics), bytes and the owner's digests checked; and,
+//! with every rail cut mid-operation under `--transport auto`, a write and
+//! a read that continue over tcp, said in their `done` state.
 
 mod common;
 
@@ -664,15 +666,19 @@ fn socket_up(sock: &Path, d: &Rcpd) {
 /// range's digest that of `data`'s MiB at its offset under the default
 /// check (blake3).
 fn owner_event_matches(ev: &serde_json::Value, kind: &str, data: &[u8]) {
+    owner_event_under(ev, kind, data, Check::Blake3);
+}
+
+/// [`owner_event_matches`] under `check`, `data` in ranges of 1 MiB.
+fn owner_event_under(ev: &serde_json::Value, kind: &str, data: &[u8], check: Check) {
     assert_eq!(ev["event"], kind, "{ev}");
     assert!(ev.get("error").is_none(), "{ev}");
-    assert_eq!(ev["check"], "blake3", "{ev}");
+    assert_eq!(ev["check"], check.name(), "{ev}");
     let ranges = ev["ranges"].as_array().expect("ranges");
-    assert_eq!(ranges.len() as u64, BUF / MIB, "{ev}");
+    assert_eq!(ranges.len() as u64, data.len() as u64 / MIB, "{ev}");
     for r in ranges {
         let (off, len) = (r[0].as_u64().unwrap(), r[1].as_u64().unwrap());
-        let want =
-            Check::Blake3.wire(&Check::Blake3.block(&data[off as usize..(off + len) as usize]));
+        let want = check.wire(&check.block(&data[off as usize..(off + len) as usize]));
         let hex: String = want.iter().map(|b| format!("{b:02x}")).collect();
         assert_eq!(r[2], hex, "range [{off}, +{len}) digest: {ev}");
     }
@@ -793,4 +799,244 @@ async fn buffer_write_and_read_between_rcpds_move_over_both_rails() {
         "the read moved bytes over both rails: {read:?}{}",
         logs()
     );
+}
+
+/// The fallback test's buffer: 64 MiB, held by rcpd a's `--bwlimit 4M` to
+/// 16 s at least per pass, so that a cut after 8 MiB lands mid-operation.
+const FB_BUF: u64 = 64 * MIB;
+
+/// Wait until rcpd `metrics`' rails have confirmed `n` payload bytes in
+/// all (false after 600 s).
+fn rail_bytes_reach(metrics: &str, n: u64) -> bool {
+    let guard = Instant::now() + Duration::from_secs(600);
+    while rail_bytes(metrics).iter().sum::<u64>() < n {
+        if Instant::now() > guard {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    true
+}
+
+/// Every rail of namespace a down, as the files' fallback test cuts them:
+/// RoCE dropped on rail 0 (its port stays ACTIVE, IP still flows, so the
+/// control plane and the tcp provider reach rcpd b), rail 1's link down.
+/// Undone on drop.
+struct RailsDown(Option<DropRoce>);
+
+impl RailsDown {
+    fn start() -> RailsDown {
+        let roce = DropRoce::start();
+        link("va1", "down");
+        RailsDown(Some(roce))
+    }
+}
+
+impl Drop for RailsDown {
+    fn drop(&mut self) {
+        drop(self.0.take());
+        link("va1", "up");
+    }
+}
+
+/// Start `op` (a handle), cut every rail once rcpd a's rails have
+/// confirmed 8 MiB more than before it, and wait for it with the rails
+/// down: its `done` state, checked to have landed mid-operation.
+async fn cut_mid_op(
+    svc: &ServiceClient,
+    metrics: &str,
+    h: u64,
+    logs: &dyn Fn() -> String,
+    base: u64,
+) -> serde_json::Value {
+    let m = metrics.to_string();
+    let reached = tokio::task::block_in_place(|| rail_bytes_reach(&m, base + 8 * MIB));
+    let cut = RailsDown::start();
+    // After the cut took (iptables and ip are slow in the VM): what had
+    // moved, and whether the operation still runs.
+    let at = rail_bytes(metrics).iter().sum::<u64>() - base;
+    let st = bounded("status at the cut", svc.status(h)).await.unwrap();
+    println!("every rail cut at {at} bytes of {FB_BUF}: {st}");
+    assert!(
+        reached && st["state"] == "running" && at < FB_BUF,
+        "the cut landed mid-operation ({at} bytes confirmed once it took): {st}{}",
+        logs()
+    );
+    let done = bounded("wait", svc.wait(h)).await;
+    drop(cut);
+    assert_eq!(done.as_ref().ok(), Some(&FB_BUF), "{done:?}{}", logs());
+    let ev = bounded("done event", svc.next_event()).await.expect("done");
+    assert_eq!(ev["event"], "done", "{ev}");
+    assert_eq!(ev["handle"], h, "{ev}");
+    ev
+}
+
+/// Wait (bounded) until both of namespace a's rails are ACTIVE again.
+fn rails_active() {
+    let t0 = Instant::now();
+    loop {
+        let out = Command::new("rdma")
+            .args(["link", "show"])
+            .output()
+            .expect("run rdma");
+        let text = String::from_utf8_lossy(&out.stdout);
+        let active = |dev: &str| {
+            text.lines()
+                .any(|l| l.contains(&format!("link {dev}/")) && l.contains("state ACTIVE"))
+        };
+        if active("rxea0") && active("rxea1") {
+            return;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "rails not ACTIVE again: {text}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// The operation's `done` says it moved over tcp after falling back.
+fn fell_back_over_tcp(done: &serde_json::Value) {
+    assert_eq!(done["state"], "done", "{done}");
+    assert_eq!(done["transport"], "tcp", "{done}");
+    let why = done["fell_back"].as_str().unwrap_or_default();
+    assert!(
+        (why.contains("every RDMA rail has been down")
+            || why.contains("the RDMA data path gave up"))
+            && why.contains("continuing over the tcp provider"),
+        "fell_back says why: {done}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the rails topology: scripts/testbed.sh run rails"]
+async fn buffer_write_and_read_with_every_rail_down_continue_over_tcp() {
+    // Both rcpds --transport auto (b serves tcp beside verbs); a, the
+    // initiator, held by --bwlimit, with a short request timeout so that
+    // rail 0's black-holed requests fail (rxe retries forever) rather than
+    // wait 60 s. The fallback limit is the default (10 s).
+    let (_ta, root_a) = tmp_with_root();
+    let (_tb, root_b) = tmp_with_root();
+    let socks = tempfile::tempdir().unwrap();
+    let (sa, sb) = (socks.path().join("a.sock"), socks.path().join("b.sock"));
+    let b = Rcpd::start(
+        &root_b,
+        "auto",
+        None,
+        &["--device", RAILS_B, "--socket", sb.to_str().unwrap()],
+    );
+    let here = Topology {
+        host: HOST_A.into(),
+        rcpd_netns: None,
+        rcpd_device: None,
+        rcp_device: None,
+    };
+    let a = Rcpd::start_in(
+        &here,
+        &root_a,
+        "auto",
+        None,
+        &[
+            "--device",
+            RAILS_A,
+            "--socket",
+            sa.to_str().unwrap(),
+            "--copy-peers",
+            &common::copy_peers(),
+            "--bwlimit",
+            "4M",
+            "--timeout",
+            "5",
+        ],
+    );
+    socket_up(&sa, &a);
+    socket_up(&sb, &b);
+    // iptables' first run loads its modules: not mid-operation.
+    let st = Command::new("iptables")
+        .args(["-n", "-L", "OUTPUT"])
+        .status()
+        .expect("run iptables");
+    assert!(st.success(), "iptables -n -L OUTPUT: {st}");
+    let metrics = a.metrics.clone().expect("rcpd a's metrics");
+    let logs = || format!("\nrcpd a: {}\nrcpd b: {}", a.log(), b.log());
+
+    let owner = bounded("connect b", ServiceClient::connect(Some(&sb), None))
+        .await
+        .unwrap();
+    let dst = bounded("buffer b", owner.create_buffer(FB_BUF))
+        .await
+        .unwrap();
+    bounded("expose", owner.expose(&dst, "kv", 0, FB_BUF, "rw", &[]))
+        .await
+        .unwrap();
+    let svc = bounded("connect a", ServiceClient::connect(Some(&sa), None))
+        .await
+        .unwrap();
+    let src = bounded("buffer a", svc.create_buffer(2 * FB_BUF))
+        .await
+        .unwrap();
+    // Every MiB its own rotation of one pattern (cheap in a debug build).
+    let pat: Vec<u8> = (0..MIB + 13).map(|i| (i * 29 + i / 8191) as u8).collect();
+    let mut data = Vec::with_capacity(FB_BUF as usize);
+    for i in 0..(FB_BUF / MIB) as usize {
+        data.extend_from_slice(&pat[i * 7..i * 7 + MIB as usize]);
+    }
+    assert!(src.local.write_at(0, &data));
+    let peer = b.addr();
+
+    // Write: a's first half into b's kv, every rail cut mid-write.
+    let descs: Vec<(u64, u64, u64)> = (0..FB_BUF / MIB).map(|i| (i * MIB, i * MIB, MIB)).collect();
+    let h = bounded("write", svc.write(&src, &peer, "kv", &descs, Some("fb")))
+        .await
+        .unwrap();
+    let done = cut_mid_op(&svc, &metrics, h, &logs, 0).await;
+    println!("write: {done}");
+    fell_back_over_tcp(&done);
+    let mut landed = vec![0u8; FB_BUF as usize];
+    assert!(dst.local.read_at(0, &mut landed));
+    assert!(landed == data, "b's buffer holds what a wrote");
+    // One event for the operation: the grant given up on verbs sent none.
+    let ev = bounded("written event", owner.next_event())
+        .await
+        .expect("an event");
+    owner_event_matches(&ev, "written", &data);
+    assert_eq!(ev["message"], "fb", "{ev}");
+    let log_a = a.log();
+    assert_eq!(
+        log_a
+            .lines()
+            .filter(|l| l.contains("WARN")
+                && l.contains("buffer session: ")
+                && l.contains("continuing over the tcp provider"))
+            .count(),
+        1,
+        "said once, at warn, in rcpd a's log{}",
+        logs()
+    );
+
+    // Read: b's kv back into a's second half under sha256, a session of
+    // its own (one per peer and check), over verbs again once the rails
+    // are back; every rail cut mid-read.
+    tokio::task::block_in_place(rails_active);
+    let descs: Vec<(u64, u64, u64)> = (0..FB_BUF / MIB)
+        .map(|i| (FB_BUF + i * MIB, i * MIB, MIB))
+        .collect();
+    let base = rail_bytes(&metrics).iter().sum::<u64>();
+    let opts = rcp::control::buffers::client::OpOptions {
+        message: None,
+        check: Some("sha256"),
+    };
+    let h = bounded("read", svc.read_with(&src, &peer, "kv", &descs, opts))
+        .await
+        .unwrap();
+    let done = cut_mid_op(&svc, &metrics, h, &logs, base).await;
+    println!("read: {done}");
+    fell_back_over_tcp(&done);
+    let mut back = vec![0u8; FB_BUF as usize];
+    assert!(src.local.read_at(FB_BUF, &mut back));
+    assert!(back == data, "a's buffer holds what it read from b");
+    let ev = bounded("read event", owner.next_event())
+        .await
+        .expect("an event");
+    owner_event_under(&ev, "read", &data, Check::Sha256);
 }
