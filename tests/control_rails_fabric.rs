@@ -976,9 +976,12 @@ async fn buffer_write_and_read_with_every_rail_down_continue_over_tcp() {
         .await
         .unwrap();
     // Every MiB its own rotation of one pattern (cheap in a debug build).
-    let pat: Vec<u8> = (0..MIB + 13).map(|i| (i * 29 + i / 8191) as u8).collect();
+    let mibs = (FB_BUF / MIB) as usize;
+    let pat: Vec<u8> = (0..MIB + 7 * mibs as u64)
+        .map(|i| (i * 29 + i / 8191) as u8)
+        .collect();
     let mut data = Vec::with_capacity(FB_BUF as usize);
-    for i in 0..(FB_BUF / MIB) as usize {
+    for i in 0..mibs {
         data.extend_from_slice(&pat[i * 7..i * 7 + MIB as usize]);
     }
     assert!(src.local.write_at(0, &data));
