@@ -98,6 +98,16 @@ pub(super) enum Local {
     },
 }
 
+/// Whether dropping `l` may block: an uncommitted destination is suspended
+/// for --resume (a sync and a manifest) or removed; a source, or a
+/// destination committed (taken), only closes its fds.
+pub(super) fn drop_may_block(l: &Local) -> bool {
+    match l {
+        Local::Push { .. } => false,
+        Local::Pull { resumed, dest, .. } => resumed.is_some() || dest.lock().unwrap().is_some(),
+    }
+}
+
 /// Push: open the local source. Its fingerprint (for a resume manifest) is
 /// read only for a file of more than one `bs` block: a smaller copy keeps no
 /// manifest, and the fingerprint would hash its bytes a second time.

@@ -475,14 +475,7 @@ impl Driver<'_> {
                         .collect();
                     self.spawn(move || Done::Committed(io::commit(check, batch)));
                 }
-                ClientAction::Close { file } => {
-                    if let Some(l) = self.locals.remove(&file) {
-                        batch.push(Box::new(move || {
-                            drop(l);
-                            None
-                        }));
-                    }
-                }
+                ClientAction::Close { file } => self.close(file, &mut batch),
                 ClientAction::End(r) => {
                     self.spawn_batch(batch);
                     return Some(r);
@@ -491,6 +484,20 @@ impl Driver<'_> {
         }
         self.spawn_batch(batch);
         None
+    }
+
+    /// [`ClientAction::Close`]: a source or a committed destination only
+    /// closes its fds, done here (no job); an uncommitted destination is
+    /// suspended for --resume (a sync and a manifest), a job of `batch`.
+    fn close(&mut self, file: FileId, batch: &mut Vec<Job>) {
+        match self.locals.remove(&file) {
+            Some(l) if !io::drop_may_block(&l) => drop(l),
+            Some(l) => batch.push(Box::new(move || {
+                drop(l);
+                None
+            })),
+            None => {}
+        }
     }
 
     fn take_slot(&mut self) -> Option<Block> {

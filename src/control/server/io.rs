@@ -54,6 +54,17 @@ impl FileHandle {
             FileHandle::Pull { .. } => Direction::Pull,
         }
     }
+
+    /// Whether dropping the last handle may block: an uncommitted
+    /// destination is suspended for --resume (a sync and a manifest) or
+    /// removed; a source, or a destination committed (taken), only closes
+    /// its fds.
+    pub(super) fn drop_may_block(&self) -> bool {
+        match self {
+            FileHandle::Push { dest, .. } => dest.lock().unwrap().is_some(),
+            FileHandle::Pull { .. } => false,
+        }
+    }
 }
 
 /// A window's arena slot and, while granted, its registrations (one per

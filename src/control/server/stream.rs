@@ -415,8 +415,13 @@ impl Driver {
                                 None,
                             );
                         }
-                        // A destination dropped uncommitted syncs its manifest.
-                        closes.push(fi);
+                        if fi.held.drop_may_block() {
+                            // A destination dropped uncommitted syncs its
+                            // manifest: off the runtime's threads.
+                            closes.push(fi);
+                        }
+                        // A source or a committed destination only closes
+                        // its fds: dropped here, no job.
                     }
                 }
                 ServerAction::End(r) => {
