@@ -13,8 +13,8 @@ use super::io::{self, FileJob, Local};
 use super::session::{FileResult, Observer, Session};
 use crate::control::error::{ControlError, Result};
 use crate::control::protocol::{
-    ClientAction, ClientCore, ClientEvent, Digest, Failure, FileId, Held, LocalCommit, Reason,
-    SourceMeta, WindowId,
+    files_whole_in, ClientAction, ClientCore, ClientEvent, Digest, Failure, FileId, Held,
+    LocalCommit, Reason, SourceMeta, WindowId,
 };
 use crate::datapath::DpEvent;
 use crate::engine::{Extent, OpKind, WindowJob};
@@ -41,6 +41,9 @@ enum Done {
         grant: proto::Grant,
         slot: Block,
         r: Result<Vec<Digest>, Failure>,
+        /// The sources of the files the window held whole, checked by the
+        /// job that read them ([`Driver::prechecked`]).
+        checked: Vec<(FileId, Result<(), Failure>)>,
     },
     Checked {
         window: WindowId,
@@ -87,6 +90,11 @@ struct Driver<'a> {
     next_dp: u64,
     done_tx: mpsc::UnboundedSender<Done>,
     done_rx: mpsc::UnboundedReceiver<Done>,
+    /// Push: sources checked by the job that filled their window (files it
+    /// held whole), until the core asks for the check: answered then on
+    /// the driver, with no job of its own, and the FileEnd goes out with
+    /// the window's WindowDone.
+    prechecked: HashMap<FileId, std::result::Result<(), Failure>>,
 }
 
 fn now_of(t0: Instant) -> u64 {
@@ -167,6 +175,7 @@ impl<'a> Driver<'a> {
             next_dp: 1,
             done_tx,
             done_rx,
+            prechecked: HashMap::new(),
         }
     }
 
@@ -458,16 +467,7 @@ impl Driver<'_> {
                     let Some(src) = self.src(file) else { continue };
                     self.spawn(move || Done::Hashed(file, io::hash(check, &src, &blocks, bs)));
                 }
-                ClientAction::CheckSource { file } => {
-                    let Some(src) = self.src(file) else { continue };
-                    batch.push(Box::new(move || {
-                        Some(Done::SourceChecked(
-                            file,
-                            src.check_unchanged()
-                                .map_err(|e| ControlError::from(e).failure()),
-                        ))
-                    }));
-                }
+                ClientAction::CheckSource { file } => self.check_source(file, &mut batch),
                 ClientAction::Commit { files } => {
                     let batch: Vec<_> = files
                         .into_iter()
@@ -486,10 +486,29 @@ impl Driver<'_> {
         None
     }
 
+    /// [`ClientAction::CheckSource`]: answered at once when the job that
+    /// filled the file's window checked it, else a job of `batch`.
+    fn check_source(&mut self, file: FileId, batch: &mut Vec<Job>) {
+        if let Some(r) = self.prechecked.remove(&file) {
+            let now = self.now();
+            self.core.source_checked(now, file, r);
+            return;
+        }
+        let Some(src) = self.src(file) else { return };
+        batch.push(Box::new(move || {
+            Some(Done::SourceChecked(
+                file,
+                src.check_unchanged()
+                    .map_err(|e| ControlError::from(e).failure()),
+            ))
+        }));
+    }
+
     /// [`ClientAction::Close`]: a source or a committed destination only
     /// closes its fds, done here (no job); an uncommitted destination is
     /// suspended for --resume (a sync and a manifest), a job of `batch`.
     fn close(&mut self, file: FileId, batch: &mut Vec<Job>) {
+        self.prechecked.remove(&file);
         match self.locals.remove(&file) {
             Some(l) if !io::drop_may_block(&l) => drop(l),
             Some(l) => batch.push(Box::new(move || {
@@ -524,9 +543,33 @@ impl Driver<'_> {
             .iter()
             .filter_map(|e| Some((e.file, self.src(e.file)?)))
             .collect();
+        // The files this window holds whole are read in full once it is
+        // filled: their sources are checked by the same job. (Round 0 only:
+        // the core asks for each file's check once, after round 0.)
+        let whole = if grant.round == 0 {
+            files_whole_in(&grant.extents, bs, |f| srcs.get(&f).map(|s| s.len()))
+        } else {
+            Vec::new()
+        };
         self.spawn(move || {
             let r = io::fill(check, &mut slot, &grant.extents, &srcs, bs);
-            Done::Filled { grant, slot, r }
+            let checked = match r {
+                Ok(_) => whole
+                    .into_iter()
+                    .filter_map(|f| Some((f, srcs.get(&f)?)))
+                    .map(|(f, src)| {
+                        let c = src.check_unchanged();
+                        (f, c.map_err(|e| ControlError::from(e).failure()))
+                    })
+                    .collect(),
+                Err(_) => Vec::new(),
+            };
+            Done::Filled {
+                grant,
+                slot,
+                r,
+                checked,
+            }
         });
     }
 
@@ -723,8 +766,14 @@ impl Driver<'_> {
                 });
                 self.core.dest_ready(now, file, r);
             }
-            Done::Filled { grant, slot, r } => match r {
+            Done::Filled {
+                grant,
+                slot,
+                r,
+                checked,
+            } => match r {
                 Ok(digests) => {
+                    self.prechecked.extend(checked);
                     self.submit(OpKind::Write, grant, slot, digests);
                 }
                 Err(f) => {

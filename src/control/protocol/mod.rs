@@ -366,6 +366,30 @@ impl Bitmap {
     }
 }
 
+/// The files of a window's `extents` that it holds whole: every block of
+/// the file (its length from `len`, `None` for a file not known), each
+/// once. Once such a window is read, nothing of these files is left to
+/// read, so the job that read it may check their sources too (one hand-off
+/// less per window of small files). Files with no blocks, or blocks
+/// elsewhere (larger files, resumed ones), are not listed.
+pub fn files_whole_in(
+    extents: &[crate::proto::Extent],
+    block_size: u64,
+    len: impl Fn(FileId) -> Option<u64>,
+) -> Vec<FileId> {
+    let mut fb: Vec<(FileId, u64)> = extents.iter().map(|e| (e.file, e.block)).collect();
+    fb.sort_unstable();
+    fb.dedup();
+    fb.chunk_by(|a, b| a.0 == b.0)
+        .filter_map(|run| {
+            let file = run[0].0;
+            let blocks = len(file)?.div_ceil(block_size);
+            (blocks > 0 && run.len() as u64 == blocks && run.iter().all(|&(_, b)| b < blocks))
+                .then_some(file)
+        })
+        .collect()
+}
+
 /// The file digest of the Move protocol, [`crate::files::file_digest`]:
 /// SHA-256 over `"rcp-file-digest-v1\0" || len (u64 LE) || block_size (u64
 /// LE) || d0 || d1 || ...`, the digests of every block of the file in

@@ -1827,3 +1827,42 @@ fn every_negotiated_check_moves_files_both_ways() {
         }
     }
 }
+
+/// A window holds a file whole only when every block of it is there, once:
+/// those are the files whose source the job that read the window may check.
+#[test]
+fn files_whole_in_a_window() {
+    let ext = |file, block| proto::Extent {
+        file,
+        block,
+        offset: 0,
+        len: 1,
+    };
+    let bs = 4096;
+    let lens: HashMap<FileId, u64> = [(1, 100), (2, 3 * bs), (3, 2 * bs), (4, 0), (5, bs)].into();
+    let len = |f| lens.get(&f).copied();
+    let extents = [
+        ext(1, 0),
+        // Blocks 0-2 of file 2: whole.
+        ext(2, 0),
+        ext(2, 1),
+        ext(2, 2),
+        // File 3: block 0 twice, block 1 elsewhere: not whole.
+        ext(3, 0),
+        ext(3, 0),
+        // File 5: a block it does not have, besides block 0's absence.
+        ext(5, 7),
+        // File 6: not known.
+        ext(6, 0),
+    ];
+    assert_eq!(files_whole_in(&extents, bs, len), vec![1, 2]);
+    assert!(files_whole_in(&[ext(3, 1)], bs, len).is_empty());
+    assert_eq!(files_whole_in(&[ext(3, 1), ext(3, 0)], bs, len), vec![3]);
+    // A larger file: two of its three blocks here, the last in another
+    // window.
+    assert!(files_whole_in(&[ext(2, 0), ext(2, 1)], bs, len).is_empty());
+    // An empty file has no block to hold: an extent naming one is not it.
+    assert!(files_whole_in(&[ext(4, 0)], bs, len).is_empty());
+    // One block of a one-block file, beside a file not known.
+    assert_eq!(files_whole_in(&[ext(6, 0), ext(5, 0)], bs, len), vec![5]);
+}

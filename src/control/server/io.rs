@@ -310,7 +310,7 @@ impl StreamIo {
     }
 
     /// The used length of a window of `extents`.
-    fn used(extents: &[proto::Extent]) -> usize {
+    pub(super) fn used(extents: &[proto::Extent]) -> usize {
         extents
             .iter()
             .map(|e| (e.offset + u64::from(e.len)) as usize)

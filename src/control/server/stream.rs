@@ -15,8 +15,8 @@ use super::session::MoveSlot;
 use super::Service;
 use crate::control::error::ControlError;
 use crate::control::protocol::{
-    CommittedFile, Digest, Failure, FileId, FrameKind, Granted, OpenedFile, Reason, ServerAction,
-    ServerCore, Side, Violation, WindowId,
+    files_whole_in, CommittedFile, Digest, Failure, FileId, FrameKind, Granted, OpenedFile, Reason,
+    ServerAction, ServerCore, Side, Violation, WindowId,
 };
 use crate::metrics::ClientLimit;
 use crate::proto::{self, ClientFrame, Direction, ServerFrame};
@@ -36,6 +36,9 @@ enum Done {
         /// Pull: the window was filled from the file (bytes moved).
         fill: bool,
         r: Result<Granted, Failure>,
+        /// Pull: the sources of the files the window held whole, checked by
+        /// the job that read them ([`Driver::prechecked`]).
+        checked: Vec<(FileId, Result<(), Failure>)>,
     },
     Verified {
         window: WindowId,
@@ -186,6 +189,10 @@ struct Driver {
     watchdog: Watchdog,
     client: ClientId,
     session: Arc<super::SessionState>,
+    /// Pull: sources checked by the job that filled their window (files it
+    /// held whole), until the core asks for the check: answered then on
+    /// the driver, with no job of its own.
+    prechecked: HashMap<FileId, Result<(), Failure>>,
 }
 
 impl Driver {
@@ -200,6 +207,7 @@ impl Driver {
         let (done_tx, done_rx) = mpsc::unbounded_channel();
         Driver {
             io: Arc::new(StreamIo::new(svc.clone(), session.clone())),
+            prechecked: HashMap::new(),
             watchdog: Watchdog::new(svc.cfg.timeout.as_nanos() as u64, 0),
             client,
             session,
@@ -386,6 +394,10 @@ impl Driver {
                     });
                 }
                 ServerAction::CheckSource { file } => {
+                    if let Some(r) = self.prechecked.remove(&file) {
+                        self.core.source_checked(now, file, r);
+                        continue;
+                    }
                     let Some(fi) = self.files.get(&file) else {
                         continue;
                     };
@@ -403,6 +415,7 @@ impl Driver {
                     });
                 }
                 ServerAction::Close { file } => {
+                    self.prechecked.remove(&file);
                     if let Some(fi) = self.files.remove(&file) {
                         if fi.held.direction() == Direction::Pull {
                             // A pulled file finished.
@@ -482,8 +495,17 @@ impl Driver {
                 .filter_map(|e| Some((e.file, self.files.get(&e.file)?.held.clone())))
                 .collect()
         });
+        // Pull: the files this window holds whole are read in full once it
+        // is filled, so the same job checks their sources. (Round 0 only:
+        // the core asks for each file's check once, after round 0.)
+        let whole = match &fills {
+            Some(f) if round == 0 => files_whole_in(&extents, self.io.bs, |id| match f.get(&id) {
+                Some(FileHandle::Pull { src }) => Some(src.len()),
+                _ => None,
+            }),
+            _ => Vec::new(),
+        };
         let (io, tx, svc) = (self.io.clone(), self.done_tx.clone(), self.svc.clone());
-        let len = self.svc.link.window_size;
         tokio::spawn(async move {
             let mut slot = match slot {
                 Some(s) => s,
@@ -497,6 +519,7 @@ impl Driver {
                             slot: None,
                             fill,
                             r: Err(Failure::new(Reason::Retryable, "rcpd is shutting down")),
+                            checked: Vec::new(),
                         });
                         return;
                     };
@@ -504,22 +527,30 @@ impl Driver {
                     Slot::new(block, permit)
                 }
             };
-            let _ = len;
             let r = tokio::task::spawn_blocking(move || {
-                let used = extents
-                    .iter()
-                    .map(|e| (e.offset + u64::from(e.len)) as usize)
-                    .max()
-                    .unwrap_or(0);
-                let r = io.grant(&mut slot, &extents, fills.as_ref(), used);
-                (slot, r)
+                let r = io.grant(
+                    &mut slot,
+                    &extents,
+                    fills.as_ref(),
+                    StreamIo::used(&extents),
+                );
+                let checked = match (&r, &fills) {
+                    (Ok(_), Some(f)) => whole
+                        .into_iter()
+                        .filter_map(|id| Some((id, f.get(&id)?)))
+                        .map(|(id, held)| (id, io.check_source(held)))
+                        .collect(),
+                    _ => Vec::new(),
+                };
+                (slot, r, checked)
             })
             .await;
-            let (slot, r) = match r {
-                Ok((s, r)) => (Some(s), r),
+            let (slot, r, checked) = match r {
+                Ok((s, r, c)) => (Some(s), r, c),
                 Err(e) => (
                     None,
                     Err(Failure::new(Reason::Other, format!("grant job: {e}"))),
+                    Vec::new(),
                 ),
             };
             let _ = tx.send(Done::Granted {
@@ -528,6 +559,7 @@ impl Driver {
                 slot,
                 fill,
                 r,
+                checked,
             });
         });
     }
@@ -618,11 +650,13 @@ impl Driver {
                 round,
                 slot,
                 r,
+                checked,
                 ..
             } => {
                 if let Some(s) = slot {
                     self.slots.insert(window, s);
                 }
+                self.prechecked.extend(checked);
                 self.core.granted(now, window, round, r);
             }
             Done::Verified {
