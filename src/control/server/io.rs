@@ -159,6 +159,17 @@ impl StreamIo {
         }
     }
 
+    /// Whether every rail of the session is the tcp provider's, where a
+    /// grant registers the slot in a map and a revoke removes it: cheap
+    /// enough for the stream's driver (on verbs a grant binds a memory
+    /// window or registers memory, and a revoke posts an invalidate and
+    /// polls for it: blocking threads' work).
+    pub fn cheap_grants(&self) -> bool {
+        std::iter::once(&self.session.domain)
+            .chain(self.session.rail_domains())
+            .all(|d| d.kind() == crate::provider::ProviderKind::Tcp)
+    }
+
     /// [`ServerAction::Open`](crate::control::protocol::ServerAction::Open).
     pub fn open(&self, o: &proto::OpenFile) -> Result<(FileHandle, OpenedFile), Failure> {
         match Direction::try_from(o.direction) {

@@ -189,10 +189,20 @@ struct Driver {
     watchdog: Watchdog,
     client: ClientId,
     session: Arc<super::SessionState>,
+    /// Every rail of the session is the tcp provider's: granting a window
+    /// and revoking it are a map insert and remove ([`StreamIo::cheap_grants`]),
+    /// done on the driver rather than handed to a blocking thread.
+    cheap_grants: bool,
     /// Pull: sources checked by the job that filled their window (files it
     /// held whole), until the core asks for the check: answered then on
     /// the driver, with no job of its own.
     prechecked: HashMap<FileId, Result<(), Failure>>,
+    /// Push grants to make on the driver ([`Self::cheap_grants`]) once the
+    /// frames queued before them are sent: a grant must not share a frame
+    /// with the Ack that freed its window's place (a client reads a
+    /// frame's grants before its acks, and would count one window too
+    /// many).
+    deferred_grants: Vec<(WindowId, u32, Vec<proto::Extent>)>,
 }
 
 impl Driver {
@@ -205,9 +215,12 @@ impl Driver {
     ) -> Driver {
         let p = session.params;
         let (done_tx, done_rx) = mpsc::unbounded_channel();
+        let io = Arc::new(StreamIo::new(svc.clone(), session.clone()));
         Driver {
-            io: Arc::new(StreamIo::new(svc.clone(), session.clone())),
+            cheap_grants: io.cheap_grants(),
             prechecked: HashMap::new(),
+            deferred_grants: Vec::new(),
+            io,
             watchdog: Watchdog::new(svc.cfg.timeout.as_nanos() as u64, 0),
             client,
             session,
@@ -247,6 +260,11 @@ impl Driver {
                 if client_open {
                     client_open = false;
                 }
+                continue;
+            }
+            if !self.deferred_grants.is_empty() {
+                // The frames before them are out: grant, then send.
+                self.grant_deferred();
                 continue;
             }
             let at = |t: u64| tokio::time::Instant::from_std(self.t0 + Duration::from_nanos(t));
@@ -373,9 +391,14 @@ impl Driver {
                 ServerAction::Release { window } => {
                     // A pull window is still reachable: revoking it may be an
                     // invalidate posted and polled on the session's QP, so the
-                    // slot goes back off the runtime's threads.
+                    // slot goes back off the runtime's threads (on tcp it is
+                    // a map remove, done here).
                     if let Some(slot) = self.slots.remove(&window) {
-                        tokio::task::spawn_blocking(move || drop(slot));
+                        if self.cheap_grants {
+                            drop(slot);
+                        } else {
+                            tokio::task::spawn_blocking(move || drop(slot));
+                        }
                     }
                 }
                 ServerAction::Hash { file, blocks } => {
@@ -487,6 +510,27 @@ impl Driver {
     }
 
     fn grant(&mut self, window: WindowId, round: u32, extents: Vec<proto::Extent>, fill: bool) {
+        if !fill && self.cheap_grants {
+            self.deferred_grants.push((window, round, extents));
+            return;
+        }
+        self.grant_job(window, round, extents, fill);
+    }
+
+    /// The deferred push grants, on the driver where a slot is at hand;
+    /// the others wait for one in a task.
+    fn grant_deferred(&mut self) {
+        for (window, round, extents) in std::mem::take(&mut self.deferred_grants) {
+            if !self.grant_here(window, round, &extents) {
+                self.grant_job(window, round, extents, false);
+            }
+        }
+    }
+
+    /// Grant in a task: wait for a slot of the arena if the window has
+    /// none, then (on a blocking thread) fill it (pull), check the sources
+    /// of the files it holds whole, and make it reachable.
+    fn grant_job(&mut self, window: WindowId, round: u32, extents: Vec<proto::Extent>, fill: bool) {
         self.watchdog.job_started(self.now());
         let slot = self.slots.remove(&window);
         let fills: Option<HashMap<FileId, FileHandle>> = fill.then(|| {
@@ -562,6 +606,30 @@ impl Driver {
                 checked,
             });
         });
+    }
+
+    /// Grant a push window on the driver, with no job (tcp: registering
+    /// the slot is a map insert, and nothing is read into it), when a slot
+    /// is at hand: the window's own, or a free one of the arena. False when
+    /// the arena has none free: the caller waits for one in a task.
+    fn grant_here(&mut self, window: WindowId, round: u32, extents: &[proto::Extent]) -> bool {
+        let mut slot = match self.slots.remove(&window) {
+            Some(s) => s,
+            None => match self.svc.slots.clone().try_acquire_owned() {
+                Ok(permit) => {
+                    let block = self.svc.link.slots.take().expect("a permit per free slot");
+                    Slot::new(block, permit)
+                }
+                Err(_) => return false,
+            },
+        };
+        let r = self
+            .io
+            .grant(&mut slot, extents, None, StreamIo::used(extents));
+        self.slots.insert(window, slot);
+        let now = self.now();
+        self.core.granted(now, window, round, r);
+        true
     }
 
     fn verify(
