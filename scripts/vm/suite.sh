@@ -16,7 +16,16 @@ step() {
   if "$@"; then passed=$((passed + 1)); else failed=$((failed + 1)); failures+=("$name"); fi
   echo "=== vm[$topo]: $name took $((SECONDS - t0)) s"
 }
-ex=target/debug/examples/verbs_blocks
+# The binaries the steps and the tests run, copied once to the guest's
+# tmpfs: an executable paged in from the 9p root costs about a second per
+# exec under TCG (debug `rcp --version`: 1.0-2.7 s from 9p, 0.3-1.0 s from
+# tmpfs, in one boot). tests/common's bin() looks in RCP_TEST_BIN_DIR.
+bin=/dev/shm/rcp-bin
+mkdir -p "$bin/examples"
+cp target/debug/rcp target/debug/rcpd "$bin/" || exit 1
+cp target/debug/examples/verbs_blocks "$bin/examples/" || exit 1
+export RCP_TEST_BIN_DIR=$bin
+ex=$bin/examples/verbs_blocks
 # A `bench op=... msgs=N ...` line with N > 0.
 bench_line_ok() {
   local msgs
@@ -54,7 +63,7 @@ lo)
   # rcp bench loopback: a bench line with msgs > 0, exit 0.
   bench_loopback() {
     local out rc
-    out=$(target/debug/rcp bench --device rxe0 --iters 2000 --size 4096 "$@"); rc=$?
+    out=$("$bin/rcp" bench --device rxe0 --iters 2000 --size 4096 "$@"); rc=$?
     echo "$out"
     [ $rc -eq 0 ] && bench_line_ok "$out"
   }
@@ -81,8 +90,8 @@ netns)
   # and the client's line parses.
   bench_pair() {
     local out c s
-    ip netns exec b target/debug/rcp bench --server --listen 192.168.77.2:18515 --device rxeb & s=$!
-    out=$(ip netns exec a target/debug/rcp bench 192.168.77.2 --device rxea --iters 2000 --size 4096 "$@"); c=$?
+    ip netns exec b "$bin/rcp" bench --server --listen 192.168.77.2:18515 --device rxeb & s=$!
+    out=$(ip netns exec a "$bin/rcp" bench 192.168.77.2 --device rxea --iters 2000 --size 4096 "$@"); c=$?
     wait $s; local rs=$?
     echo "$out"
     echo "bench client rc=$c server rc=$rs"
@@ -127,15 +136,15 @@ netns)
     rm -rf "$dir" "$keep" && mkdir -p "$dir/src" "$dir/root"
     head -c $total /dev/urandom >"$dir/src/file"
     [ "$op" = pull ] && cp "$dir/src/file" "$dir/root/file"
-    ip netns exec b target/debug/rcpd --listen 192.168.77.2:7471 --health-listen 192.168.77.2:7472 \
+    ip netns exec b "$bin/rcpd" --listen 192.168.77.2:7471 --health-listen 192.168.77.2:7472 \
       --root "$dir/root" --transport "$t" "${dev_b[@]}" --arena-mib 8 --log info >"$dir/rcpd.log" 2>&1 &
     local d=$!
     wait_port 192.168.77.2 7471 a
     local args=(-v --json --stats 100ms --bwlimit $rate --transport "$t" "${dev_a[@]}")
     if [ "$op" = push ]; then
-      ip netns exec a "${env_a[@]}" target/debug/rcp push "${args[@]}" "$dir/src/file" 192.168.77.2:file >"$dir/rcp.json" 2>"$dir/rcp.log" &
+      ip netns exec a "${env_a[@]}" "$bin/rcp" push "${args[@]}" "$dir/src/file" 192.168.77.2:file >"$dir/rcp.json" 2>"$dir/rcp.log" &
     else
-      ip netns exec a "${env_a[@]}" target/debug/rcp pull "${args[@]}" 192.168.77.2:file "$dir/got" >"$dir/rcp.json" 2>"$dir/rcp.log" &
+      ip netns exec a "${env_a[@]}" "$bin/rcp" pull "${args[@]}" 192.168.77.2:file "$dir/got" >"$dir/rcp.json" 2>"$dir/rcp.log" &
     fi
     local c=$! rc
     # Bytes confirmed so far: the last progress line's.
@@ -245,11 +254,11 @@ netns)
     run=$(mktemp -d /tmp/rcp-pybuf.XXXXXX 2>/dev/null || mktemp -d "$PWD/target/rcp-pybuf.XXXXXX")
     rm -rf "$dir" && mkdir -p "$dir/a" "$dir/b"
     export PYTHONPATH=$PWD/python
-    ip netns exec b target/debug/rcpd --listen 192.168.77.2:7471 --health-listen none \
+    ip netns exec b "$bin/rcpd" --listen 192.168.77.2:7471 --health-listen none \
       --root "$dir/b" --transport verbs --device rxeb --memory-windows "$mw" --arena-mib 32 \
       --socket "$run/b.sock" --log info >"$dir/b.out" 2>"$dir/b.log" &
     local db=$!
-    ip netns exec a target/debug/rcpd --listen 192.168.77.1:7471 --health-listen none \
+    ip netns exec a "$bin/rcpd" --listen 192.168.77.1:7471 --health-listen none \
       --root "$dir/a" --transport verbs --device rxea --arena-mib 32 --copy-peers 192.168.77.2 \
       --socket "$run/a.sock" --log info >"$dir/a.out" 2>"$dir/a.log" &
     local da=$!

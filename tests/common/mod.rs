@@ -13,10 +13,21 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-/// target/debug/<name>, next to the test executable's deps/ directory.
+/// target/debug/<name>, next to the test executable's deps/ directory, or
+/// in `RCP_TEST_BIN_DIR` when that is set (the VM suite copies the binaries
+/// to the guest's tmpfs: paged in from its 9p root every exec costs about a
+/// second under TCG).
 pub fn bin(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("current_exe");
-    let dir = exe.parent().and_then(Path::parent).expect("target dir");
+    let dir = match std::env::var_os("RCP_TEST_BIN_DIR") {
+        Some(d) => PathBuf::from(d),
+        None => {
+            let exe = std::env::current_exe().expect("current_exe");
+            exe.parent()
+                .and_then(Path::parent)
+                .expect("target dir")
+                .to_path_buf()
+        }
+    };
     let p = dir.join(name);
     assert!(
         p.exists(),
