@@ -11,7 +11,9 @@ bash scripts/testbed.sh install
 cargo build --release --workspace --bins
 job() {
   set -euo pipefail
-  local dir=$PWD/target/main-job bin=$PWD/target/release
+  # RCP_MAIN_JOB_DIR: where the files go (in the VM, its tmpfs: on the 9p
+  # root every file syscall costs tens of milliseconds under TCG).
+  local dir=${RCP_MAIN_JOB_DIR:-$PWD/target/main-job} bin=$PWD/target/release
   rm -rf "$dir" && mkdir -p "$dir/root" "$dir/local"
   head -c $((64 << 20)) /dev/urandom >"$dir/local/data.bin"
   "$bin/rcpd" --listen 127.0.0.1:7471 --health-listen 127.0.0.1:7472 --root "$dir/root" \
@@ -36,5 +38,5 @@ if [ -n "$(ls /sys/class/infiniband 2>/dev/null)" ]; then
   job
 else
   echo "main-job: no RDMA device on this host; running in the soft-RoCE VM"
-  bash scripts/testbed.sh run lo -- bash -c "$(declare -f wait_port job); job"
+  bash scripts/testbed.sh run lo -- bash -c "$(declare -f wait_port job); RCP_MAIN_JOB_DIR=/dev/shm/main-job job"
 fi
