@@ -52,7 +52,14 @@ cleanup() {
   # /usr/bin/time: signal its child), so the next run can have its port.
   if [ -n "${RCPD:-}" ]; then pkill -TERM -P "$RCPD" 2>/dev/null || true; fi
   # sshd and the rsync daemon detach: their pid files name them.
-  for f in "$disk/sshd.pid" "$disk/rsyncd.pid"; do [ -f "$f" ] && kill "$(cat "$f")" 2>/dev/null; done
+  # Wait for them to exit: a run started right after this one needs their ports.
+  local f p
+  for f in "$disk/sshd.pid" "$disk/rsyncd.pid"; do
+    [ -f "$f" ] || continue
+    p=$(cat "$f")
+    kill "$p" 2>/dev/null || continue
+    for _ in $(seq 50); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
+  done
   [ -f "$disk/ak.bak" ] && cp "$disk/ak.bak" /root/.ssh/authorized_keys
   [ -f "$disk/ak.new" ] && [ ! -f "$disk/ak.bak" ] && rm -f /root/.ssh/authorized_keys
   rm -rf "$shm" "$disk"
@@ -73,15 +80,18 @@ for i in range(n):
 PY
 }
 
-# scp's sshd with throwaway keys, rsync's daemon: one of each for the run.
-ssh-keygen -q -t ed25519 -N '' -f "$disk/key"
-ssh-keygen -q -t ed25519 -N '' -f "$disk/hostkey"
-mkdir -p /root/.ssh && chmod 700 /root/.ssh
-if [ -f /root/.ssh/authorized_keys ]; then cp /root/.ssh/authorized_keys "$disk/ak.bak"; else touch "$disk/ak.new"; fi
-cat "$disk/key.pub" >>/root/.ssh/authorized_keys
-mkdir -p /run/sshd
-/usr/sbin/sshd -p 17822 -o ListenAddress=127.0.0.1 -h "$disk/hostkey" -o PidFile="$disk/sshd.pid" \
-  -o PermitRootLogin=prohibit-password
+# scp's sshd with throwaway keys (unless RCP_BENCH_SCP=0: then
+# authorized_keys is left alone), rsync's daemon: one of each for the run.
+if [ "$WITH_SCP" = 1 ]; then
+  ssh-keygen -q -t ed25519 -N '' -f "$disk/key"
+  ssh-keygen -q -t ed25519 -N '' -f "$disk/hostkey"
+  mkdir -p /root/.ssh && chmod 700 /root/.ssh
+  if [ -f /root/.ssh/authorized_keys ]; then cp /root/.ssh/authorized_keys "$disk/ak.bak"; else touch "$disk/ak.new"; fi
+  cat "$disk/key.pub" >>/root/.ssh/authorized_keys
+  mkdir -p /run/sshd
+  /usr/sbin/sshd -p 17822 -o ListenAddress=127.0.0.1 -h "$disk/hostkey" -o PidFile="$disk/sshd.pid" \
+    -o PermitRootLogin=prohibit-password
+fi
 SCP=(scp -q -r -P 17822 -i "$disk/key" -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null)
 cat >"$disk/rsyncd.conf" <<CONF
 pid file = $disk/rsyncd.pid
