@@ -28,6 +28,12 @@ mapfile -t rails_bins < <(cargo test --workspace "${feat[@]}" --no-run --message
   | python3 scripts/lib-test-bins.py rails_fabric | awk '{print $1"="$2}')
 [ ${#rails_bins[@]} -gt 0 ] || { echo "vm-tests: no *rails_fabric test binary found" >&2; exit 1; }
 [ ${#lo_bins[@]} -gt 0 ] || { echo "vm-tests: no *fabric test binaries found" >&2; exit 1; }
+# The binaries the guest runs again and again, without their debug info
+# (symbols stay): the guest copies them to its tmpfs over 9p at ~8 MB/s
+# (scripts/vm/suite.sh), and DWARF is 80% of a debug build's 450 MB.
+vmbin=target/vm-bin
+rm -rf "$vmbin" && mkdir -p "$vmbin/examples"
+for b in rcp rcpd examples/verbs_blocks; do objcopy --strip-debug "target/debug/$b" "$vmbin/$b"; done
 took "install + build (examples, bins, test binaries)" "$t"
 rc=0
 t=$SECONDS

@@ -20,10 +20,18 @@ step() {
 # tmpfs: an executable paged in from the 9p root costs about a second per
 # exec under TCG (debug `rcp --version`: 1.0-2.7 s from 9p, 0.3-1.0 s from
 # tmpfs, in one boot). tests/common's bin() looks in RCP_TEST_BIN_DIR.
+# From target/vm-bin when it is newer than target/debug (scripts/vm-tests.sh
+# makes it: the same binaries without debug info), else target/debug.
 bin=/dev/shm/rcp-bin
+from=target/vm-bin
+for b in rcp rcpd examples/verbs_blocks; do
+  [ "$from/$b" -nt "target/debug/$b" ] || from=target/debug
+done
 mkdir -p "$bin/examples"
-cp target/debug/rcp target/debug/rcpd "$bin/" || exit 1
-cp target/debug/examples/verbs_blocks "$bin/examples/" || exit 1
+t0=$SECONDS
+cp "$from/rcp" "$from/rcpd" "$bin/" || exit 1
+cp "$from/examples/verbs_blocks" "$bin/examples/" || exit 1
+echo "=== vm[$topo]: binaries copied from $from to $bin in $((SECONDS - t0)) s"
 export RCP_TEST_BIN_DIR=$bin
 ex=$bin/examples/verbs_blocks
 # A `bench op=... msgs=N ...` line with N > 0.
