@@ -24,13 +24,13 @@ step() {
 # makes it: the same binaries without debug info), else target/debug.
 bin=/dev/shm/rcp-bin
 from=target/vm-bin
-for b in rcp rcpd examples/verbs_blocks; do
+vm_bins=(rcp rcpd examples/verbs_blocks)
+for b in "${vm_bins[@]}"; do
   [ "$from/$b" -nt "target/debug/$b" ] || from=target/debug
 done
 mkdir -p "$bin/examples"
 t0=$SECONDS
-cp "$from/rcp" "$from/rcpd" "$bin/" || exit 1
-cp "$from/examples/verbs_blocks" "$bin/examples/" || exit 1
+for b in "${vm_bins[@]}"; do cp "$from/$b" "$bin/$b" || exit 1; done
 echo "=== vm[$topo]: binaries copied from $from to $bin in $((SECONDS - t0)) s"
 export RCP_TEST_BIN_DIR=$bin
 ex=$bin/examples/verbs_blocks
