@@ -164,6 +164,7 @@ pub struct Metrics {
     /// ([`crate::verbs::counts`]), brought up to date at each scrape.
     verbs_registrations: Counter,
     verbs_window_binds: Counter,
+    verbs_binds_deferred: Counter,
     active_transfers: Gauge,
     integrity_failures: Counter,
     auth_failures: Counter,
@@ -211,6 +212,7 @@ impl Metrics {
             memlock_failures: Counter::default(),
             verbs_registrations: Counter::default(),
             verbs_window_binds: Counter::default(),
+            verbs_binds_deferred: Counter::default(),
             active_transfers: Gauge::default(),
             integrity_failures: Counter::default(),
             auth_failures: Counter::default(),
@@ -303,6 +305,12 @@ impl Metrics {
             "verbs_window_binds",
             "Memory windows this process bound, one per grant where the device has them",
             m.verbs_window_binds.clone(),
+        );
+        r.register(
+            "verbs_window_binds_deferred",
+            "Grants whose memory window was bound later, when its QP reconnected \
+             (granted while a rail was cut)",
+            m.verbs_binds_deferred.clone(),
         );
         r.register(
             "active_transfers",
@@ -470,6 +478,7 @@ impl Metrics {
         for (c, now) in [
             (&self.verbs_registrations, v.registrations),
             (&self.verbs_window_binds, v.window_binds),
+            (&self.verbs_binds_deferred, v.binds_deferred),
         ] {
             c.inc_by(now.saturating_sub(c.get()));
         }

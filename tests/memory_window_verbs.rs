@@ -16,7 +16,13 @@
 //!   the data path's and rcpd's `reconnect` do) a window bound before is
 //!   either still usable for its own span or refused, never anything else:
 //!   what the device does is printed (`--nocapture`); rcpd then revokes it
-//!   by deallocation, never by an invalidate the device could refuse.
+//!   by deallocation, never by an invalidate the device could refuse;
+//! - a grant made while the session's QP cannot send (in the error state:
+//!   a rail cut whose reconnect has not succeeded) is not refused: its
+//!   window's rkey is reserved and the window is bound when the QP
+//!   reconnects, before the reconnect returns; the peer's WRITE through it
+//!   lands in its span then, and fails once the grant is revoked. A grant
+//!   revoked before the reconnect is never bound.
 //!
 //! Devices: `RCP_TEST_DEV_A` (clients) / `RCP_TEST_DEV_B` (the "server").
 //! `cargo test --test memory_window_verbs --no-run`, then
@@ -484,4 +490,82 @@ fn a_pool_reuses_windows_grant_after_grant() {
     );
     assert_eq!(pool.allocated(), 1);
     assert_eq!(pool.idle(), 1);
+}
+
+/// rcpd's grants on a session QP that cannot send: the session's domain
+/// ([`MwDomain`]) reserves each window's rkey, and [`VerbsChannel::reconnect`]
+/// binds the windows still granted before it returns.
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test-all.sh (soft-RoCE VM)"]
+fn a_grant_while_the_qp_is_down_is_bound_when_it_reconnects() {
+    use rcp::provider::Domain;
+    let (mut s, mut cs) = rig(1);
+    s.zero();
+    let slots = Arc::new(
+        RegisteredSlots::register(&s.pd, &s.arena, SLOT, Access::LOCAL_WRITE | Access::MW_BIND)
+            .unwrap(),
+    );
+    let ch = Arc::new(VerbsChannel::new(s.sessions.remove(0)));
+    let domain = MwDomain {
+        slots,
+        pool: Arc::new(MwPool::new(&s.pd)),
+        channel: ch.clone(),
+    };
+    let c = &mut cs[0];
+    // The link lost: both QPs in the error state, the server's reconnect
+    // not done yet.
+    let _ = c.qp.set_error();
+    drain(&c.qp);
+    ch.set_error().unwrap();
+    let span = |at: u64| PeerSpan::new(&s.arena, s.arena.addr() + at, WIN).unwrap();
+    let before = counts();
+    // SAFETY: the test touches the arena only while no client request
+    // names it, and reads what landed after the grants are dropped or
+    // while nothing is in flight.
+    let kept =
+        unsafe { domain.register(&span(0), Access::REMOTE_WRITE) }.expect("granted while down");
+    // SAFETY: as above.
+    let revoked = unsafe { domain.register(&span(SLOT as u64), Access::REMOTE_WRITE) }
+        .expect("granted while down");
+    let after = counts();
+    println!(
+        "two grants on a QP in the error state: rkeys {:#x} {:#x}; counts {before:?} -> {after:?}",
+        kept.rkey(),
+        revoked.rkey()
+    );
+    assert_eq!(after.binds_deferred, before.binds_deferred + 2);
+    assert_eq!(after.window_binds, before.window_binds, "nothing bound yet");
+    let dead = revoked.rkey();
+    drop(revoked);
+    // The client's reconnect, as rcp's: reset, rcpd's reconnect, handshake.
+    let ec = c.qp.reset().unwrap();
+    let es = ch.reconnect(&ec, &params()).unwrap();
+    c.qp.handshake(&es, &params()).unwrap();
+    assert_eq!(
+        counts().window_binds,
+        after.window_binds + 1,
+        "the reconnect binds the window still granted, not the revoked one"
+    );
+    assert_eq!(
+        c.write(0x41, 4096, kept.addr() + 8192, kept.rkey()),
+        WcStatus::Success
+    );
+    assert!(s.bytes(kept.addr() + 8192, 4096).iter().all(|&b| b == 0x41));
+    // The grant revoked before the reconnect reaches nothing.
+    let st = c.write(0x42, 4096, s.arena.addr() + SLOT as u64, dead);
+    assert_eq!(st, WcStatus::RemoteAccess);
+    assert!(s
+        .bytes(s.arena.addr() + SLOT as u64, 4096)
+        .iter()
+        .all(|&b| b == 0));
+    // Revoking the bound one: its rkey fails from then on.
+    let _ = c.qp.set_error();
+    drain(&c.qp);
+    let ec = c.qp.reset().unwrap();
+    let es = ch.reconnect(&ec, &params()).unwrap();
+    c.qp.handshake(&es, &params()).unwrap();
+    let (addr, rkey) = (kept.addr(), kept.rkey());
+    drop(kept);
+    assert_eq!(c.write(0x43, 4096, addr, rkey), WcStatus::RemoteAccess);
+    assert!(s.bytes(addr, 4096).iter().all(|&b| b == 0));
 }

@@ -3,11 +3,11 @@
 //! ([`MwDomain`]: the memory registered once), [`Channel`] over an RC QP.
 
 use std::fmt;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use super::cq::CompletionQueue;
-use super::mw::{MemoryWindow, MwPool, MW_TIMEOUT};
+use super::mw::{inc_rkey, MemoryWindow, MwPool, MW_TIMEOUT};
 use super::pd::{Access, MemoryRegion, ProtectionDomain};
 use super::post::PostScratch;
 use super::qp::{ConnectParams, QpEndpoint, QueuePair};
@@ -208,44 +208,71 @@ impl Domain for MwDomain {
 }
 
 impl MwDomain {
-    /// Bind a window of the pool over `span` of `mr` to the session's QP.
+    /// Bind a window of the pool over `span` of `mr` to the session's QP,
+    /// or, while the QP cannot send (a rail cut whose reconnect has not
+    /// succeeded yet), reserve the rkey the window's next bind gives it and
+    /// bind it when the QP is connected again ([`VerbsChannel::reconnect`]).
+    /// Until then the rkey reaches nothing: a request naming it fails on
+    /// the peer's side, and lands nowhere.
     fn bind(
         &self,
         mr: &Arc<MemoryRegion>,
         span: &PeerSpan,
         access: Access,
     ) -> Result<Arc<dyn Registration>, ProviderError> {
-        let mut mw = self.pool.take()?;
-        // SAFETY: the caller's contract (Domain::register) is bind's: the
-        // span is the caller's to lend until the registration returned
-        // here, which invalidates the window when dropped, is dropped.
-        match unsafe {
-            self.channel
-                .bind_window(&mut mw, mr, span.addr(), span.len(), access)
-        } {
-            Ok(rkey) => Ok(Arc::new(WindowRegistration {
-                mw: Mutex::new(Some(mw)),
-                pool: self.pool.clone(),
-                channel: self.channel.clone(),
-                lkey: mr.lkey(),
-                rkey,
-                addr: span.addr(),
-                len: span.len(),
-                access: access.remote(),
-            })),
-            Err(e) => {
-                self.pool.put(mw);
-                Err(e.into())
-            }
-        }
+        let pending = Pending {
+            mr: mr.clone(),
+            addr: span.addr(),
+            len: span.len(),
+            access,
+        };
+        // SAFETY: the caller's contract (Domain::register) is
+        // bind_or_defer's: the span is the caller's to lend until the
+        // registration returned here, which revokes the window (bound or
+        // not yet) when dropped, is dropped.
+        let (cell, rkey) = unsafe { self.channel.bind_or_defer(&self.pool, pending) }?;
+        Ok(Arc::new(WindowRegistration {
+            cell,
+            pool: self.pool.clone(),
+            channel: self.channel.clone(),
+            lkey: mr.lkey(),
+            rkey,
+            addr: span.addr(),
+            len: span.len(),
+            access: access.remote(),
+        }))
     }
 }
 
-/// A granted span as a bound memory window: dropping it invalidates the
-/// window on its QP (or, when that fails, deallocates it) before the window
-/// goes back to the pool, so its rkey fails from then on.
+/// What a window to bind is to reach: `[addr, addr+len)` of `mr`, with
+/// `access`'s remote rights.
+struct Pending {
+    mr: Arc<MemoryRegion>,
+    addr: u64,
+    len: usize,
+    access: Access,
+}
+
+/// Where a granted window is.
+enum WindowCell {
+    /// Bound to the channel's QP.
+    Bound(MemoryWindow),
+    /// Granted while the QP could not send: its rkey (the window's next)
+    /// is reserved, and the window is bound when the QP is connected again.
+    Deferred(MemoryWindow, Pending),
+    /// Revoked (the registration dropped), or its deferred bind failed and
+    /// the window was deallocated.
+    Gone,
+}
+
+type Cell = Arc<Mutex<WindowCell>>;
+
+/// A granted span as a memory window: dropping it invalidates the window
+/// on its QP (or, when that fails, deallocates it) before the window goes
+/// back to the pool, so its rkey fails from then on; a window whose bind
+/// was deferred and not done yet goes back unbound.
 pub struct WindowRegistration {
-    mw: Mutex<Option<MemoryWindow>>,
+    cell: Cell,
     pool: Arc<MwPool>,
     channel: Arc<VerbsChannel>,
     lkey: u32,
@@ -285,8 +312,13 @@ impl Registration for WindowRegistration {
 
 impl Drop for WindowRegistration {
     fn drop(&mut self) {
-        let Some(mut mw) = self.mw.get_mut().unwrap().take() else {
-            return;
+        // Taken out under the cell's lock (a deferred bind in progress
+        // finishes first, and none starts after), then revoked without it.
+        let taken = std::mem::replace(&mut *self.cell.lock().unwrap(), WindowCell::Gone);
+        let mut mw = match taken {
+            WindowCell::Gone => return,
+            WindowCell::Deferred(mw, _) => return self.pool.put(mw),
+            WindowCell::Bound(mw) => mw,
         };
         if let Err(e) = self.channel.invalidate_window(&mut mw) {
             // Refused before posting (bound before a reconnect) or failed
@@ -308,6 +340,9 @@ pub struct VerbsChannel {
     cq: Arc<CompletionQueue>,
     scratch: Mutex<PostScratch>,
     caps: ChannelCaps,
+    /// Windows granted while the QP could not send, to bind at its next
+    /// reconnect (those revoked meanwhile are `Gone` or dropped).
+    deferred: Mutex<Vec<Weak<Mutex<WindowCell>>>>,
 }
 
 impl VerbsChannel {
@@ -324,6 +359,7 @@ impl VerbsChannel {
             cq,
             scratch: Mutex::new(PostScratch::with_capacity(64)),
             caps,
+            deferred: Mutex::new(Vec::new()),
         }
     }
 
@@ -342,7 +378,9 @@ impl VerbsChannel {
     }
 
     /// Reset the QP and connect it to `remote` again in one step (nothing
-    /// is bound or posted in between); returns the new endpoint.
+    /// is bound or posted in between), then bind the windows granted while
+    /// it could not send, before anything else can use it; returns the new
+    /// endpoint.
     pub fn reconnect(
         &self,
         remote: &QpEndpoint,
@@ -351,27 +389,98 @@ impl VerbsChannel {
         let mut qp = self.qp.lock().unwrap();
         let ep = qp.reset()?;
         qp.handshake(remote, p)?;
+        self.bind_deferred(&mut qp);
         Ok(ep)
     }
 
-    /// Bind `mw` to this channel's QP over `[addr, addr+len)` of `mr`
-    /// ([`MemoryWindow::bind`]); the new rkey. Only for a QP whose CQ no
-    /// data path polls (rcpd's).
+    /// Bind a window of `pool` to this channel's QP as `p` says, or, while
+    /// the QP cannot send (not in RTS, or its bind just completed in
+    /// error), reserve the rkey the window's next bind gives it and leave
+    /// the bind to the next [`VerbsChannel::reconnect`]; the window's cell
+    /// and its rkey. Only for a QP whose CQ no data path polls (rcpd's).
     ///
     /// # Safety
     ///
-    /// As [`MemoryWindow::bind`].
-    pub unsafe fn bind_window(
-        &self,
-        mw: &mut MemoryWindow,
-        mr: &Arc<MemoryRegion>,
-        addr: u64,
-        len: usize,
-        access: Access,
-    ) -> Result<u32, VerbsError> {
+    /// As [`MemoryWindow::bind`], for as long as the returned cell holds a
+    /// window (bound now or later): the span is lent to the peer until the
+    /// cell is emptied ([`WindowRegistration`]'s drop).
+    unsafe fn bind_or_defer(&self, pool: &MwPool, p: Pending) -> Result<(Cell, u32), VerbsError> {
         let mut qp = self.qp.lock().unwrap();
-        // SAFETY: the caller's contract, passed on.
-        unsafe { mw.bind(&mut qp, mr, addr, len, access, MW_TIMEOUT) }
+        let mut mw = pool.take()?;
+        if qp.state() == super::qp::QpState::Rts {
+            // SAFETY: the caller's contract, passed on.
+            match unsafe { mw.bind(&mut qp, &p.mr, p.addr, p.len, p.access, MW_TIMEOUT) } {
+                Ok(rkey) => return Ok((Arc::new(Mutex::new(WindowCell::Bound(mw))), rkey)),
+                Err(e) if e.errno == libc::EIO => {
+                    // Completed in error: the QP is in the error state and
+                    // takes a reconnect; this window is given up (dealt
+                    // with by the pool) and a fresh one waits for it.
+                    tracing::warn!(error = %e, "memory window bind failed; the grant's window is bound at the QP's reconnect");
+                    if let Err(e) = qp.set_error() {
+                        tracing::warn!(error = %e, "moving the QP to the error state");
+                    }
+                    pool.put(mw);
+                    mw = pool.take()?;
+                }
+                Err(e) => {
+                    pool.put(mw);
+                    return Err(e);
+                }
+            }
+        }
+        let rkey = inc_rkey(mw.rkey());
+        tracing::debug!(
+            qpn = format_args!("{:#x}", qp.qpn()),
+            rkey = format_args!("{rkey:#x}"),
+            state = ?qp.state(),
+            "memory window granted while its QP cannot send: bound when it reconnects"
+        );
+        let cell = Arc::new(Mutex::new(WindowCell::Deferred(mw, p)));
+        let mut d = self.deferred.lock().unwrap();
+        d.retain(|w| w.strong_count() > 0);
+        d.push(Arc::downgrade(&cell));
+        super::counts::deferred();
+        Ok((cell, rkey))
+    }
+
+    /// Bind every deferred window still granted, on `qp` (just connected):
+    /// each under the rkey reserved for it. One whose bind fails is
+    /// deallocated (its rkey reaches nothing: the peer's requests naming it
+    /// fail, and land nowhere).
+    fn bind_deferred(&self, qp: &mut QueuePair) {
+        let cells: Vec<Cell> = self
+            .deferred
+            .lock()
+            .unwrap()
+            .drain(..)
+            .filter_map(|w| w.upgrade())
+            .collect();
+        for cell in cells {
+            let mut c = cell.lock().unwrap();
+            let WindowCell::Deferred(mut mw, p) = std::mem::replace(&mut *c, WindowCell::Gone)
+            else {
+                continue;
+            };
+            let want = inc_rkey(mw.rkey());
+            // SAFETY: the cell held a window, so the registration that owns
+            // it is not dropped (its drop empties the cell under this lock
+            // first): the span is still lent, as bind_or_defer's caller
+            // promised, until then.
+            match unsafe { mw.bind(qp, &p.mr, p.addr, p.len, p.access, MW_TIMEOUT) } {
+                Ok(rkey) => {
+                    debug_assert_eq!(rkey, want, "a deferred window's rkey is the one reserved");
+                    *c = WindowCell::Bound(mw);
+                }
+                Err(e) => {
+                    tracing::warn!(
+                        rkey = format_args!("{want:#x}"),
+                        error = %e,
+                        "a deferred memory window could not be bound: deallocated, its rkey reaches nothing"
+                    );
+                    drop(mw);
+                }
+            }
+        }
     }
 
     /// Invalidate `mw` on this channel's QP ([`MemoryWindow::invalidate`]).
