@@ -7,7 +7,10 @@
 //! so the cuts below cut it too where they cut va0; TCP rides that out.
 //!
 //! What is checked: both rails carry blocks (rcp -v's rail lines, the
-//! engine's counters), digests equal `sha256sum`'s, one rail cut for 5 s
+//! engine's counters), rcpd registers no memory during a copy over rails,
+//! nor across a rail cut
+//! (its /metrics: registrations flat, window binds grow), digests equal
+//! `sha256sum`'s, one rail cut for 5 s
 //! is absorbed (its blocks posted on the other, the failover time printed;
 //! it rejoins), both cut for 3 s survive through reconnect (each cut
 //! triggered by the bytes rcp has confirmed, under --bwlimit, and checked
@@ -28,7 +31,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::e2e::tmp_with_root;
-use common::metrics::{samples, scrape};
+use common::metrics::{sample, samples, scrape};
 use common::{make_file, rcp, rcp_cmd, remote, sha256sum, Rcpd, Run, Topology};
 use rcp::control::buffers::client::ServiceClient;
 use rcp::files::Check;
@@ -105,6 +108,45 @@ fn ok(r: &Run, what: &str, d: &Rcpd) {
     );
 }
 
+/// rcpd's verbs registrations and window binds so far, from its /metrics.
+fn registrations_and_binds(d: &Rcpd) -> (f64, f64) {
+    let t = scrape(d.metrics.as_deref().expect("rcpd's metrics address"));
+    let get = |s| sample(&t, s).unwrap_or_else(|| panic!("no {s} in\n{t}"));
+    (
+        get("rcp_verbs_registrations_total"),
+        get("rcp_verbs_window_binds_total"),
+    )
+}
+
+/// A copy across a rail cut: rcpd registered nothing while it ran, the
+/// cut rail's grants included (a grant while that rail's QP could not send
+/// reserves its window's rkey and binds it at the rail's reconnect: how
+/// many, printed).
+fn no_registration_across_cut(d: &Rcpd, before: (f64, f64), what: &str) {
+    let t = scrape(d.metrics.as_deref().expect("rcpd's metrics address"));
+    let deferred = sample(&t, "rcp_verbs_window_binds_deferred_total")
+        .unwrap_or_else(|| panic!("no rcp_verbs_window_binds_deferred_total in\n{t}"));
+    println!("{what}: {deferred} grant(s) bound at a reconnect");
+    no_registration_during(d, 2.0, before, what);
+}
+
+/// A copy over rails: rcpd registered nothing while it ran (its arena is
+/// registered once per rail at start) and bound a memory window per grant
+/// on each of the session's QPs, so at least one per QP.
+fn no_registration_during(d: &Rcpd, qps: f64, before: (f64, f64), what: &str) -> (f64, f64) {
+    let after = registrations_and_binds(d);
+    println!("{what}: rcpd (registrations, window binds) {before:?} -> {after:?}");
+    assert_eq!(
+        after.0, before.0,
+        "{what}: rcpd registered memory during the copy"
+    );
+    assert!(
+        after.1 >= before.1 + qps,
+        "{what}: fewer window binds than QPs: {before:?} -> {after:?}"
+    );
+    after
+}
+
 /// `ip link set DEV STATE` in namespace a (where this test runs).
 fn link(dev: &str, state: &str) {
     let st = Command::new("ip")
@@ -156,6 +198,7 @@ fn push_and_pull_over_two_rails_by_default() {
     let src = tmp.path().join("f");
     make_file(&src, 32 << 20, 7);
     let want = sha256sum(&src);
+    let started = registrations_and_binds(&d);
     let r = rcp(
         d.port,
         "verbs",
@@ -164,6 +207,7 @@ fn push_and_pull_over_two_rails_by_default() {
     );
     ok(&r, "push", &d);
     println!("push: {}", r.stdout.trim());
+    let pushed = no_registration_during(&d, 2.0, started, "push over 2 rails");
     assert_eq!(sha256sum(&root.join("f")), want);
     let lines = rail_lines(&r.stdout);
     both_carried(&lines, &r.stdout);
@@ -193,6 +237,7 @@ fn push_and_pull_over_two_rails_by_default() {
     );
     ok(&r, "pull", &d);
     println!("pull: {}", r.stdout.trim());
+    no_registration_during(&d, 4.0, pushed, "pull over 4 QPs");
     assert_eq!(sha256sum(&back.join("f")), want);
     let lines = rail_lines(&r.stdout);
     let names: Vec<&str> = lines.iter().map(|l| l.name.as_str()).collect();
@@ -392,6 +437,7 @@ fn one_rail_cut_for_5s_is_absorbed_and_rejoins() {
     // Rail 1 slower than rail 0 (20 ms more on va1): it holds its blocks
     // longer, so it is likelier to have some in flight at the cut.
     let _slow = Netem::delay("va1", "20ms");
+    let started = registrations_and_binds(&d);
     let (r, cut) = push_with(&d, &src, &["--bwlimit", "8M"], |p| {
         cut_at(
             p,
@@ -402,6 +448,7 @@ fn one_rail_cut_for_5s_is_absorbed_and_rejoins() {
         )
     });
     ok(&r, "push across a 5 s cut of rail 1", &d);
+    no_registration_across_cut(&d, started, "push across a cut of rail 1");
     println!("{}", r.stdout.trim());
     cut.assert_mid_copy(total, &r.stderr);
     assert_eq!(sha256sum(&root.join("big")), want);
@@ -436,6 +483,7 @@ fn both_rails_cut_for_3s_survive_through_reconnect() {
     let total = 48u64 << 20;
     make_file(&src, total, 13);
     let want = sha256sum(&src);
+    let started = registrations_and_binds(&d);
     let (r, cut) = push_with(&d, &src, &["--bwlimit", "8M"], |p| {
         cut_at(
             p,
@@ -452,6 +500,7 @@ fn both_rails_cut_for_3s_survive_through_reconnect() {
         )
     });
     ok(&r, "push across a 3 s cut of both rails", &d);
+    no_registration_across_cut(&d, started, "push across a cut of both rails");
     println!("{}", r.stdout.trim());
     cut.assert_mid_copy(total, &r.stderr);
     assert_eq!(sha256sum(&root.join("big")), want);

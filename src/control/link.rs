@@ -615,11 +615,14 @@ pub struct ServerLink {
     /// Verbs: rail 0 (its PD holds the arena's registration for memory
     /// windows).
     pub device: Option<Device>,
-    /// Verbs: rails 1.. (a session's window reaches them through a
-    /// registration per grant in a protection domain of its own on each).
+    /// Verbs: rails 1.. (each with the arena registered once in its PD,
+    /// like rail 0, where it has memory windows).
     pub extra: Vec<Device>,
     pub tcp_target: Option<TcpTarget>,
+    /// How grants reach rail 0's sessions (tcp: per grant).
     pub windows: WindowAccess,
+    /// How grants reach the sessions of rails 1.., in the order of `extra`.
+    pub extra_windows: Vec<WindowAccess>,
     pub slots: BlockPool,
     pub window_size: usize,
 }
@@ -658,6 +661,10 @@ impl ServerLink {
                 reason: "the tcp provider registers each grant (a table entry)".into(),
             },
         };
+        let extra_windows = extra
+            .iter()
+            .map(|dev| window_access(dev, &arena, cfg))
+            .collect::<Result<Vec<_>>>()?;
         let slots = arena
             .into_pool(cfg.window_size)
             .map_err(|e| ControlError::Other(format!("window arena: {e}")))?;
@@ -681,6 +688,7 @@ impl ServerLink {
             extra,
             tcp_target,
             windows,
+            extra_windows,
             slots,
             window_size: cfg.window_size,
         })
@@ -696,16 +704,46 @@ impl ServerLink {
         self.device.iter().chain(&self.extra).collect()
     }
 
-    /// Verbs: a new session's domain on rail `k` for a session over
-    /// several rails: a protection domain of its own there, the session's
-    /// QP for the rail in it, and a registration per grant (a memory
-    /// window is bound to one QP, so it cannot serve several rails).
+    /// Verbs: a new session's domain and QP on rail `k` (one per QP of a
+    /// session over several rails: a memory window is bound to one QP, so
+    /// each grant binds one on each of the session's QPs, in the PD where
+    /// that rail's device has the arena registered once; where it has no
+    /// memory windows, a protection domain of the session's own there and
+    /// a registration per grant).
     pub fn rail_domain(&self, k: usize) -> Result<SessionDomain> {
-        let dev = *self
-            .rails()
-            .get(k)
-            .ok_or_else(|| ControlError::Other(format!("rcpd has no rail {k}")))?;
-        per_grant_domain(dev)
+        let no_rail = || ControlError::Other(format!("rcpd has no rail {k}"));
+        let (dev, windows) = match k {
+            0 => (self.device.as_ref(), Some(&self.windows)),
+            k => (self.extra.get(k - 1), self.extra_windows.get(k - 1)),
+        };
+        domain_on(dev.ok_or_else(no_rail)?, windows.ok_or_else(no_rail)?)
+    }
+}
+
+/// A session's domain and QP on `dev`, reaching the arena as `windows`
+/// says.
+fn domain_on(dev: &Device, windows: &WindowAccess) -> Result<SessionDomain> {
+    match windows {
+        WindowAccess::MemoryWindows { slots, pool } => {
+            let q = dev
+                .qp_builder(&dev.pd)
+                .sq_depth(SERVER_SQ_DEPTH)
+                .remote_access(Access::REMOTE_WRITE | Access::REMOTE_READ)
+                .events(true)
+                .build()
+                .map_err(provider)?;
+            let ch = Arc::new(q.into_channel());
+            Ok(SessionDomain {
+                domain: Arc::new(MwDomain {
+                    slots: slots.clone(),
+                    pool: pool.clone(),
+                    channel: ch.clone(),
+                }),
+                channel: Some(ch),
+                tcp: None,
+            })
+        }
+        WindowAccess::PerGrant { .. } => per_grant_domain(dev),
     }
 }
 
@@ -827,31 +865,7 @@ impl ServerLink {
             ProviderKind::Verbs => None,
         };
         match (&self.device, tcp) {
-            (Some(dev), None) => {
-                let remote = Access::REMOTE_WRITE | Access::REMOTE_READ;
-                match &self.windows {
-                    WindowAccess::MemoryWindows { slots, pool } => {
-                        let q = dev
-                            .qp_builder(&dev.pd)
-                            .sq_depth(SERVER_SQ_DEPTH)
-                            .remote_access(remote)
-                            .events(true)
-                            .build()
-                            .map_err(provider)?;
-                        let ch = Arc::new(q.into_channel());
-                        Ok(SessionDomain {
-                            domain: Arc::new(MwDomain {
-                                slots: slots.clone(),
-                                pool: pool.clone(),
-                                channel: ch.clone(),
-                            }),
-                            channel: Some(ch),
-                            tcp: None,
-                        })
-                    }
-                    WindowAccess::PerGrant { .. } => per_grant_domain(dev),
-                }
-            }
+            (Some(dev), None) => domain_on(dev, &self.windows),
             (_, Some(target)) => {
                 let d = TcpDomain::new();
                 let binding = target.bind_session(&d)?;

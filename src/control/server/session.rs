@@ -43,8 +43,9 @@ pub struct SessionState {
     /// lock, so never while a reconnect resets it).
     qp: Option<Arc<VerbsChannel>>,
     /// Verbs, a session over several rails: rails 1.. (rail 0 is `domain`
-    /// and `qp`), each a QP in a protection domain of its own on its
-    /// device, where every grant is registered too.
+    /// and `qp`), each a QP on its device through which every grant is
+    /// reachable too (a memory window bound on it, or, on a device without
+    /// them, a registration in the QP's own protection domain).
     rails: Vec<SessionRail>,
     /// The negotiated (initiator, responder) depths, reused on reconnect.
     rd: (u32, u32),
@@ -106,8 +107,8 @@ impl SessionState {
             .map(|_| MoveSlot(self.clone()))
     }
 
-    /// The domains of rails 1.. (each grant is registered in all of them
-    /// after `domain`).
+    /// The domains of rails 1.. (each grant is made reachable through all
+    /// of them after `domain`).
     pub fn rail_domains(&self) -> impl Iterator<Item = &Arc<dyn Domain>> {
         self.rails.iter().map(|r| &r.domain)
     }
@@ -270,10 +271,10 @@ impl Service {
     /// Verbs: pair the client's rails with rcpd's (the rule of
     /// [`crate::control::rails`], logged a pair at a time), make a QP for
     /// each pair and connect it; fills the response's endpoints and depths.
-    /// One pair on rail 0 is today's session (memory windows where the
-    /// device has them); otherwise every rail gets a protection domain of
-    /// its own and a registration per grant. Returns rail 0's domain and
-    /// those of rails 1.. .
+    /// Each pair's QP gets its rail's domain ([`ServerLink::rail_domain`]:
+    /// memory windows where the device has them, else a protection domain
+    /// of its own and a registration per grant). Returns rail 0's domain
+    /// and those of rails 1.. .
     fn verbs_rails(
         &self,
         id: u64,
@@ -301,18 +302,13 @@ impl Service {
             .collect();
         let addrs: Vec<RailAddr> = server.iter().map(|(_, a)| *a).collect();
         let pairs = pair(&client, &addrs).map_err(|e| ControlError::Invalid(e.to_string()))?;
-        let single = pairs.len() == 1 && server[pairs[0].remote].0 == 0;
         let mut domains = Vec::with_capacity(pairs.len());
         let (mut client_rd, mut server_rd, mut resp_rd) = (u32::MAX, u32::MAX, u32::MAX);
         for p in &pairs {
             let (v, cep) = (offered[p.local].params, &offered[p.local].ep);
             let k = server[p.remote].0;
             let dev = devs[k];
-            let sd = if single {
-                self.link.session_domain(ProviderKind::Verbs)?
-            } else {
-                self.link.rail_domain(k)?
-            };
+            let sd = self.link.rail_domain(k)?;
             let caps = dev.ctx.caps();
             client_rd = client_rd.min(v.max_qp_init_rd_atom.min(caps.max_qp_rd_atom).max(1));
             server_rd = server_rd.min(caps.max_qp_init_rd_atom.min(v.max_qp_rd_atom).max(1));
@@ -367,7 +363,10 @@ impl Service {
                 // of a memory window comes in between. Windows bound
                 // before stay bound (rxe keeps a type-2 window's binding
                 // across ERR -> RESET -> RTS: the client reposts into
-                // them), and are revoked by deallocation when done.
+                // them), and are revoked by deallocation when done;
+                // windows granted while the QP could not send are bound
+                // before the lock is let go, so the client's rejoined rail
+                // finds them.
                 let ep = q
                     .reconnect(&cep, &connect_params(s.rd.0, s.rd.1, QpRetry::default()))
                     .map_err(|e| ControlError::Provider(e.into()))?;
