@@ -224,7 +224,8 @@ for where in $WHERE; do
       kill -INT "$spid"; wait "$spid" || true
       for end in rcp rcpd; do
         awk -v n="$N" -v what="$end $op" '
-          $NF == "total" { printf "  %s: %.1f system calls per file in all\n", what, $3 / n; next }
+          # strace -c columns: % time, seconds, usecs/call, calls, [errors,] syscall.
+          $NF == "total" { printf "  %s: %.1f system calls per file in all\n", what, $4 / n; next }
           NR > 2 && $4 ~ /^[0-9]+$/ && k < 12 { line = line sprintf(" %s %.1f", $NF, $4 / n); k++ }
           END { printf "syscalls per file, %s (top 12):%s\n", what, line }' "$disk/$end.$op.strace" >>"$disk/strace.txt"
       done
