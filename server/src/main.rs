@@ -79,7 +79,7 @@ struct Args {
     #[arg(long, env = "RCPD_SESSION_GRACE", default_value_t = server::DEFAULT_SESSION_GRACE.as_secs(), value_parser = clap::value_parser!(u64).range(1..))]
     session_grace: u64,
     /// Files one session may have open at once.
-    #[arg(long, env = "RCPD_MAX_OPEN_FILES", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    #[arg(long, env = "RCPD_MAX_OPEN_FILES", default_value_t = rcp::control::DEFAULT_MAX_OPEN_FILES, value_parser = clap::value_parser!(u32).range(1..=65536))]
     max_open_files: u32,
     /// Seconds a Move stream may go without progress (bytes moved or a file
     /// committed: keepalives are not progress) or without a word from its

@@ -109,6 +109,9 @@ pub const VERSION_MINOR: u32 = 2;
 pub const DEFAULT_PORT: u16 = 7471;
 /// Default block size.
 pub const DEFAULT_BLOCK_SIZE: u64 = 1 << 20;
+/// Files one session may have open at once: rcpd's `--max-open-files` when
+/// not given, and rcp's `--transfers`, which asks for as many.
+pub const DEFAULT_MAX_OPEN_FILES: u32 = 256;
 /// gRPC message size limit, both ways.
 pub const MAX_MESSAGE: usize = 4 << 20;
 /// Window size of rcpd's arena slots (also the largest block size).
