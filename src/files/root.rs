@@ -147,6 +147,17 @@ impl DirHandle {
     pub fn try_clone(&self) -> Result<DirHandle> {
         Ok(self.clone())
     }
+    /// What `name` in this directory is, symlinks not followed (`None`:
+    /// nothing there). One `fstatat` beside the directory's fd, where
+    /// [`Root::stat`] resolves a whole path beneath the root.
+    pub fn entry(&self, name: impl AsRef<OsStr>) -> Result<Option<FileMeta>> {
+        let name = name.as_ref();
+        match rfs::statat(&self.fd, name, AtFlags::SYMLINK_NOFOLLOW) {
+            Ok(st) => Ok(Some(FileMeta::from_stat(&st))),
+            Err(Errno::NOENT) => Ok(None),
+            Err(e) => Err(io_err("stat", self.display.join(name), e)),
+        }
+    }
     /// `fstat` of the directory itself.
     pub fn meta(&self) -> Result<FileMeta> {
         let st = rfs::fstat(&self.fd).map_err(|e| io_err("stat", &self.display, e))?;

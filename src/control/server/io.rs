@@ -178,6 +178,15 @@ impl StreamIo {
         }
     }
 
+    /// The directory `rel` if this stream has opened it already.
+    fn open_dir(&self, rel: &files::RelPath) -> Option<DirHandle> {
+        self.dirs
+            .lock()
+            .unwrap()
+            .get(&fsutil::rel_str(rel))
+            .cloned()
+    }
+
     fn dir(&self, rel: &str, create: bool) -> Result<DirHandle, ControlError> {
         if let Some(d) = self.dirs.lock().unwrap().get(rel) {
             return Ok(d.try_clone()?);
@@ -204,6 +213,16 @@ impl StreamIo {
         let root = self.svc.root();
         let rel = fsutil::root_rel(&open.path);
         let rp = files::normalize(&rel)?;
+        // A file in a directory this stream has open already (every file of
+        // a tree after the first of its directory): one fstatat of the name
+        // there, not a resolution of the whole path beneath the root. Only
+        // "nothing there" and a regular file are settled here; a directory,
+        // a symlink or anything else takes the full path below.
+        if let (Some(name), Some(d)) = (rp.file_name(), self.open_dir(&rp.parent())) {
+            if d.entry(name)?.is_none_or(|m| m.kind == FileKind::File) {
+                return Ok((d, name.to_string(), fsutil::rel_str(&rp)));
+            }
+        }
         match root.stat(&rel) {
             Ok(m) if m.kind == FileKind::Dir => {
                 let d = self.dir(&rel, false)?;
