@@ -8,9 +8,11 @@
 #    rcp makes every file durable before it is renamed into place);
 #    RCP_BENCH_PASSES (5) interleaved passes (rcp, rsync, rsync --fsync,
 #    scp, rcp, ...), medians and the spread, files per second;
-#  - CPU per file of each end of every rcp run (rcp: /usr/bin/time user +
-#    system; rcpd: its /proc/PID/stat utime + stime before and after),
-#    medians in microseconds per file;
+#  - CPU per file of each end of every rcp and rsync run (the client:
+#    /usr/bin/time user + system; rcpd: its /proc/PID/stat utime + stime
+#    before and after; the rsync daemon: the same with the cutime + cstime
+#    of the children it forks per connection and reaps), medians in
+#    microseconds per file;
 #  - with RCP_BENCH_STRACE=1, one more push and pull on tmpfs under
 #    `strace -c -f` (both ends): system calls per file by name;
 #  - a tree of RCP_BENCH_TINY (100000) files of 100 bytes pushed and pulled
@@ -136,30 +138,46 @@ declare -A T
 add() { T[$1]+="$2 "; }
 # rcpd's CPU so far, in clock ticks (user + system, every thread).
 rcpd_ticks() { awk '{print $14 + $15}' "/proc/$(pgrep -P "$RCPD" -x rcpd)/stat"; }
+# The rsync daemon's CPU so far, in clock ticks: its own and that of the
+# children it forked per connection and reaped (cutime + cstime), once the
+# last one has exited.
+rsyncd_ticks() {
+  local d
+  d=$(cat "$disk/rsyncd.pid")
+  for _ in $(seq 100); do pgrep -P "$d" >/dev/null || break; sleep 0.02; done
+  awk '{print $14 + $15 + $16 + $17}' "/proc/$d/stat"
+}
 TCK=$(getconf CLK_TCK)
-# timed, for an rcp run: also adds the CPU per file of each end to
-# "NAME cpu rcp" and "NAME cpu rcpd" (microseconds).
-timed_rcp() { # NAME WHERE CLEAN-DIR CMD...
-  local name=$1 where=$2 clean=$3; shift 3
+# timed, also adding the CPU per file of each end to "NAME cpu client" and
+# "NAME cpu server" (microseconds): the client from /usr/bin/time, the
+# server from SERVER-TICKS (rcpd_ticks or rsyncd_ticks) before and after.
+timed_cpu() { # NAME WHERE CLEAN-DIR SERVER-TICKS CMD...
+  local name=$1 where=$2 clean=$3 ticks=$4; shift 4
   rm -rf "$clean" && mkdir -p "$clean"
   [ "$where" = disk ] && sync
   local t0 t1 a b u s
-  a=$(rcpd_ticks); t0=$(now)
+  a=$($ticks); t0=$(now)
   /usr/bin/time -f "%U %S" -o "$disk/cpu.t" "$@" >/dev/null
-  t1=$(now); b=$(rcpd_ticks)
+  t1=$(now); b=$($ticks)
   read -r u s <"$disk/cpu.t"
   add "$name" "$(calc "round($t1 - $t0, 4)")"
-  add "$name cpu rcp" "$(calc "round(($u + $s) * 1e6 / $N, 1)")"
-  add "$name cpu rcpd" "$(calc "round(($b - $a) * 1e6 / $TCK / $N, 1)")"
+  add "$name cpu client" "$(calc "round(($u + $s) * 1e6 / $N, 1)")"
+  add "$name cpu server" "$(calc "round(($b - $a) * 1e6 / $TCK / $N, 1)")"
+}
+timed_rcp() { # NAME WHERE CLEAN-DIR CMD...
+  timed_cpu "$1" "$2" "$3" rcpd_ticks "${@:4}"
+}
+timed_rsync() { # NAME WHERE CLEAN-DIR CMD...
+  timed_cpu "$1" "$2" "$3" rsyncd_ticks "${@:4}"
 }
 cpu_report() { # NAME
-  python3 - "$1" ${T["$1 cpu rcp"]} -- ${T["$1 cpu rcpd"]} <<'PY'
+  python3 - "$1" ${T["$1 cpu client"]} -- ${T["$1 cpu server"]} <<'PY'
 import statistics, sys
 name, rest = sys.argv[1], sys.argv[2:]
 i = rest.index("--")
 a, b = [float(x) for x in rest[:i]], [float(x) for x in rest[i + 1:]]
 both = sorted(x + y for x, y in zip(a, b))
-print(f"{name:34s} CPU us/file: rcp {statistics.median(a):6.1f}  rcpd {statistics.median(b):6.1f}  both {statistics.median(both):6.1f} (spread {both[0]:.1f}..{both[-1]:.1f})")
+print(f"{name:34s} CPU us/file: client {statistics.median(a):6.1f}  server {statistics.median(b):6.1f}  both {statistics.median(both):6.1f} (spread {both[0]:.1f}..{both[-1]:.1f})")
 PY
 }
 report() { # NAME
@@ -192,7 +210,7 @@ for where in $WHERE; do
   rcpd_on "$base/root"
   for p in $(seq "$PASSES"); do
     timed_rcp "$where rcp push" "$where" "$base/root/tree" "${RCP[@]}" push -r "$base/src/tree" 127.0.0.1:/
-    add "$where rsync -a push" "$(timed "$where" "$base/dst/tree" rsync -a "$base/src/tree" "rsync://127.0.0.1:17873/$where/")"
+    timed_rsync "$where rsync -a push" "$where" "$base/dst/tree" rsync -a "$base/src/tree" "rsync://127.0.0.1:17873/$where/"
     if [ "$where" = disk ]; then
       add "$where rsync -a --fsync push" "$(timed "$where" "$base/dst/tree" rsync -a --fsync "$base/src/tree" "rsync://127.0.0.1:17873/$where/")"
     fi
@@ -200,7 +218,7 @@ for where in $WHERE; do
       add "$where scp -r push" "$(timed "$where" "$base/dst/tree" "${SCP[@]}" "$base/src/tree" root@127.0.0.1:"$base/dst/")"
     fi
     timed_rcp "$where rcp pull" "$where" "$base/back/srv" "${RCP[@]}" pull -r 127.0.0.1:srv "$base/back/"
-    add "$where rsync -a pull" "$(timed "$where" "$base/back/srv" rsync -a "rsync://127.0.0.1:17873/$where/srv" "$base/back/")"
+    timed_rsync "$where rsync -a pull" "$where" "$base/back/srv" rsync -a "rsync://127.0.0.1:17873/$where/srv" "$base/back/"
     if [ "$where" = disk ]; then
       add "$where rsync -a --fsync pull" "$(timed "$where" "$base/back/srv" rsync -a --fsync "rsync://127.0.0.1:17873/$where/srv" "$base/back/")"
     fi
@@ -242,7 +260,8 @@ for k in "shm rcp push" "shm rsync -a push" "shm scp -r push" "shm rcp pull" "sh
   "disk rcp pull" "disk rsync -a pull" "disk rsync -a --fsync pull" "disk scp -r pull"; do
   if [ -n "${T[$k]:-}" ]; then report "$k"; fi
 done
-for k in "shm rcp push" "shm rcp pull" "disk rcp push" "disk rcp pull"; do
+for k in "shm rcp push" "shm rsync -a push" "shm rcp pull" "shm rsync -a pull" \
+  "disk rcp push" "disk rsync -a push" "disk rcp pull" "disk rsync -a pull"; do
   if [ -n "${T[$k]:-}" ]; then cpu_report "$k"; fi
 done
 if [ -f "$disk/strace.txt" ]; then cat "$disk/strace.txt"; fi
