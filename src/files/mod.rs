@@ -11,6 +11,8 @@
 //!   `NotADirectory`, `NotRegularFile`, ...
 //! - [`DirHandle`]: an open directory to create files in: from [`Root::open_dir`] /
 //!   [`Root::create_dir_all`] (server) or [`DirHandle::open`] (client, local path).
+//! - [`DirCache`]: the few directories a stream opened last, so that a tree's
+//!   files are created beside a handle already open.
 //! - [`Destination`] (receiving side): a temp file `.rcp-<final>.<random>.part` in
 //!   that directory; `write_block` writes verified blocks (`O_DIRECT` when aligned and
 //!   the file system allows it, buffered otherwise: [`direct`]) and records their digests;
@@ -73,6 +75,7 @@ use std::os::unix::ffi::{OsStrExt, OsStringExt};
 
 pub mod commit;
 pub mod digest;
+pub mod dircache;
 pub mod direct;
 pub mod error;
 pub mod manifest;
@@ -89,6 +92,7 @@ pub use digest::{
     block_digest, digest_blocks_parallel, digests_alongside, file_digest, file_digest_with,
     set_pool_threads, Check, FileDigest, Sha256Digest, StreamingFileDigest, DEFAULT_CHECKS,
 };
+pub use dircache::DirCache;
 pub use direct::WriteStats;
 pub use error::{DigestError, FileError, ManifestError, PathError, Result};
 pub use manifest::{Manifest, SourceId};

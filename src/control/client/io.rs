@@ -3,7 +3,7 @@
 //! written, local destinations (resumed or new), batched commits.
 
 use std::collections::HashMap;
-use std::ffi::OsString;
+use std::ffi::{OsStr, OsString};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
@@ -12,7 +12,9 @@ use crate::control::fsutil;
 use crate::control::protocol::{
     Digest, Failure, FileId, FileSpec, Held, LocalCommit, Reason, SourceMeta,
 };
-use crate::files::{self, Check, Destination, DestinationOptions, DirHandle, Preserve, SourceFile};
+use crate::files::{
+    self, Check, Destination, DestinationOptions, DirCache, DirHandle, Preserve, SourceFile,
+};
 use crate::mem::Block;
 use crate::proto::{self, Direction};
 
@@ -136,8 +138,10 @@ pub(super) fn open_source(path: &Path, bs: u64) -> Result<(Arc<SourceFile>, Sour
 }
 
 /// Pull: the directory and name of the final local path, creating parents
-/// when asked.
+/// when asked; a directory in `dirs` is taken from there (and one opened
+/// here is put there).
 pub(super) fn local_dir(
+    dirs: &DirCache<PathBuf>,
     local: &Path,
     create_parents: bool,
 ) -> Result<(DirHandle, OsString), Failure> {
@@ -145,6 +149,17 @@ pub(super) fn local_dir(
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
+    let name = || {
+        local.file_name().map(OsStr::to_os_string).ok_or_else(|| {
+            Failure::new(
+                Reason::Usage,
+                format!("{} has no file name", local.display()),
+            )
+        })
+    };
+    if let Some(d) = dirs.get(parent) {
+        return Ok((d, name()?));
+    }
     if !parent.is_dir() {
         if create_parents {
             std::fs::create_dir_all(parent).map_err(|e| {
@@ -158,16 +173,10 @@ pub(super) fn local_dir(
             )));
         }
     }
-    let name = local
-        .file_name()
-        .ok_or_else(|| {
-            Failure::new(
-                Reason::Usage,
-                format!("{} has no file name", local.display()),
-            )
-        })?
-        .to_os_string();
-    Ok((DirHandle::open(parent).map_err(fail)?, name))
+    let name = name()?;
+    let d = DirHandle::open(parent).map_err(fail)?;
+    dirs.insert(parent.to_owned(), d.clone());
+    Ok((d, name))
 }
 
 fn dest_options(

@@ -3,6 +3,7 @@
 //! session's data path, time passed in.
 
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -18,7 +19,7 @@ use crate::control::protocol::{
 };
 use crate::datapath::DpEvent;
 use crate::engine::{Extent, OpKind, WindowJob};
-use crate::files::{Destination, DirHandle};
+use crate::files::{Destination, DirCache, DirHandle};
 use crate::mem::Block;
 use crate::proto::{self, ClientFrame, Direction};
 
@@ -95,6 +96,9 @@ struct Driver<'a> {
     /// the driver, with no job of its own, and the FileEnd goes out with
     /// the window's WindowDone.
     prechecked: HashMap<FileId, std::result::Result<(), Failure>>,
+    /// Pull: the local directories opened last, shared with the jobs that
+    /// create destinations in them.
+    dirs: Arc<DirCache<PathBuf>>,
 }
 
 fn now_of(t0: Instant) -> u64 {
@@ -176,6 +180,7 @@ impl<'a> Driver<'a> {
             done_tx,
             done_rx,
             prechecked: HashMap::new(),
+            dirs: Arc::default(),
         }
     }
 
@@ -404,6 +409,7 @@ impl Driver<'_> {
                     let (job, _) = &self.jobs[&file];
                     let (spec, local) = (job.spec.clone(), job.local.clone());
                     let (rpc, tx) = (self.s.rpc.clone(), self.done_tx.clone());
+                    let dirs = self.dirs.clone();
                     tokio::spawn(async move {
                         let st = rpc
                             .clone()
@@ -424,7 +430,7 @@ impl Driver<'_> {
                             }
                         };
                         let r = tokio::task::spawn_blocking(move || {
-                            let (dir, name) = io::local_dir(&local, spec.create_parents)?;
+                            let (dir, name) = io::local_dir(&dirs, &local, spec.create_parents)?;
                             let found = match entry {
                                 Some(e) => io::find_resume(check, &dir, &name, &e, bs, &spec)?,
                                 None => None,
@@ -445,12 +451,13 @@ impl Driver<'_> {
                         }) => Some((dir, name, resumed)),
                         _ => None,
                     };
+                    let dirs = self.dirs.clone();
                     batch.push(Box::new(move || {
                         let r = (|| {
                             let (dir, name, resumed) = match prior {
                                 Some(p) => p,
                                 None => {
-                                    let (d, n) = io::local_dir(&local, spec.create_parents)?;
+                                    let (d, n) = io::local_dir(&dirs, &local, spec.create_parents)?;
                                     (d, n, None)
                                 }
                             };

@@ -23,8 +23,8 @@ use crate::control::protocol::{
 };
 use crate::escape::esc;
 use crate::files::{
-    self, Destination, DestinationOptions, DirHandle, FileError, FileKind, PathError, Preserve,
-    SourceFile,
+    self, Destination, DestinationOptions, DirCache, DirHandle, FileError, FileKind, PathError,
+    Preserve, SourceFile,
 };
 use crate::mem::{Block, PeerSpan};
 use crate::proto::{self, Direction};
@@ -144,8 +144,8 @@ pub(super) struct StreamIo {
     pub svc: Arc<Service>,
     pub session: Arc<SessionState>,
     pub bs: u64,
-    /// Directories opened for this stream's pushes, by path.
-    dirs: Mutex<HashMap<String, DirHandle>>,
+    /// Directories opened last for this stream's pushes, by path.
+    dirs: DirCache<String>,
 }
 
 impl StreamIo {
@@ -155,7 +155,7 @@ impl StreamIo {
             svc,
             session,
             bs,
-            dirs: Mutex::new(HashMap::new()),
+            dirs: DirCache::default(),
         }
     }
 
@@ -180,16 +180,12 @@ impl StreamIo {
 
     /// The directory `rel` if this stream has opened it already.
     fn open_dir(&self, rel: &files::RelPath) -> Option<DirHandle> {
-        self.dirs
-            .lock()
-            .unwrap()
-            .get(&fsutil::rel_str(rel))
-            .cloned()
+        self.dirs.get(fsutil::rel_str(rel).as_str())
     }
 
     fn dir(&self, rel: &str, create: bool) -> Result<DirHandle, ControlError> {
-        if let Some(d) = self.dirs.lock().unwrap().get(rel) {
-            return Ok(d.try_clone()?);
+        if let Some(d) = self.dirs.get(rel) {
+            return Ok(d);
         }
         let root = self.svc.root();
         let d = if create {
@@ -197,10 +193,7 @@ impl StreamIo {
         } else {
             root.open_dir(rel)?
         };
-        self.dirs
-            .lock()
-            .unwrap()
-            .insert(rel.to_string(), d.try_clone()?);
+        self.dirs.insert(rel.to_string(), d.clone());
         Ok(d)
     }
 
