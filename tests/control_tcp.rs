@@ -196,3 +196,41 @@ fn a_damaged_pulled_block_is_read_again() {
     assert!(!back.join("never").exists());
     println!("{}", stderr.lines().last().unwrap_or_default());
 }
+
+/// What already stands at a pushed tree's names on rcpd's side decides as
+/// it does for a single file, also once the tree's directory is open on
+/// the stream (rcpd then looks names up in it, not from the root): an
+/// existing directory takes the file inside it (scp), an existing file is
+/// replaced, and the rest land as they are.
+#[test]
+fn a_pushed_tree_meets_what_stands_at_its_names() {
+    let (tmp, root) = e2e::tmp_with_root();
+    let d = Rcpd::start(&root, T, None, &[]);
+    let tree = tmp.path().join("tree");
+    let sub = tree.join("d");
+    std::fs::create_dir_all(&sub).unwrap();
+    // Files whose names sort before "x" and "y": the directory is open on
+    // the stream before those two are opened.
+    for i in 0..40u64 {
+        make_file(&sub.join(format!("a{i:02}")), 1000 + i, i);
+    }
+    make_file(&sub.join("x"), 5000, 100);
+    make_file(&sub.join("y"), 6000, 101);
+    std::fs::create_dir_all(root.join("tree/d/x")).unwrap();
+    make_file(&root.join("tree/d/y"), 10, 102);
+    let r = rcp(
+        d.port,
+        T,
+        None,
+        &["push", "-r", tree.to_str().unwrap(), &remote("/")],
+    );
+    assert_eq!(r.code, 0, "{}{}\n{}", r.stdout, r.stderr, d.log());
+    let got = root.join("tree/d");
+    assert!(got.join("x").is_dir(), "the directory stays");
+    assert_eq!(sha256sum(&got.join("x/x")), sha256sum(&sub.join("x")));
+    assert_eq!(sha256sum(&got.join("y")), sha256sum(&sub.join("y")));
+    for i in 0..40u64 {
+        let n = format!("a{i:02}");
+        assert_eq!(sha256sum(&got.join(&n)), sha256sum(&sub.join(&n)), "{n}");
+    }
+}
