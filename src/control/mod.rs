@@ -110,8 +110,14 @@ pub const DEFAULT_PORT: u16 = 7471;
 /// Default block size.
 pub const DEFAULT_BLOCK_SIZE: u64 = 1 << 20;
 /// Files one session may have open at once: rcpd's `--max-open-files` when
-/// not given, and rcp's `--transfers`, which asks for as many.
-pub const DEFAULT_MAX_OPEN_FILES: u32 = 256;
+/// not given, and rcp's `--transfers`, which asks for as many. A file holds
+/// its place from its open until its commit, so this is also how deep a
+/// tree of small files is pipelined: 1024 files of 16 KiB fill 4 of the 8
+/// windows (256 filled one, and a copy went window by window; measured in
+/// docs/benchmarks.md). rcpd's descriptors for it: `--max-transfers` (16)
+/// x 1024 + 256, under the usual hard limit (rcpd raises its soft limit to
+/// the hard one, and warns where they do not fit).
+pub const DEFAULT_MAX_OPEN_FILES: u32 = 1024;
 /// gRPC message size limit, both ways.
 pub const MAX_MESSAGE: usize = 4 << 20;
 /// Window size of rcpd's arena slots (also the largest block size).

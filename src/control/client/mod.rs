@@ -48,12 +48,11 @@ pub use session::{datapath_config, FileResult, Observer, Quiet, Session, Session
 type Rpc = proto::rcp_client::RcpClient<InterceptedService<GrpcChannel, AddBearer>>;
 
 /// Default files in flight on a session (open at once): enough to hide a
-/// round trip per file behind the others, and to fill a window with small
-/// files (a 4 MiB window holds 256 of 16 KiB; with 64 in flight each window
-/// went out a quarter full, and every hand-off between threads was paid
-/// per 64 files: twice the context switches per file, measured in
-/// docs/benchmarks.md). rcpd's default `--max-open-files`, so a session
-/// gets all of it.
+/// round trip per file behind the others, and to keep several windows of
+/// small files moving (a 4 MiB window holds 256 of 16 KiB; with 64 in
+/// flight each window went out a quarter full, and every hand-off between
+/// threads was paid per 64 files). rcpd's default `--max-open-files`, so a
+/// session gets all of it.
 pub const DEFAULT_TRANSFERS: u32 = DEFAULT_MAX_OPEN_FILES;
 /// Default staging windows (the server grants at most this many at once).
 pub const DEFAULT_WINDOWS: u32 = 8;
