@@ -1095,13 +1095,13 @@ fn discard(dir: &DirHandle, temp: &OsStr, manifest: &OsStr) {
 }
 
 /// Refuse early when the final name is an existing directory.
+/// Any other answer (nothing there, a file, a failed look) is left to the
+/// create and the rename, which meet it themselves.
 fn refuse_directory(dir: &DirHandle, name: &OsStr) -> Result<()> {
-    match rfs::statat(dir.fd(), name, AtFlags::SYMLINK_NOFOLLOW) {
-        Ok(st) if super::root::FileMeta::from_stat(&st).kind == FileKind::Dir => {
-            Err(FileError::IsADirectory {
-                path: dir.display().join(name),
-            })
-        }
+    match dir.entry(name) {
+        Ok(Some(m)) if m.kind == FileKind::Dir => Err(FileError::IsADirectory {
+            path: dir.display().join(name),
+        }),
         _ => Ok(()),
     }
 }
