@@ -58,13 +58,9 @@ impl<K: PartialEq> DirCache<K> {
     }
 
     /// How many directories are cached.
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    fn len(&self) -> usize {
         self.recent.lock().unwrap().len()
-    }
-
-    /// Whether none is.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 }
 
