@@ -110,6 +110,9 @@ pub enum ClientLimit {
     SessionGrace,
     /// A session closed: unused for the idle time after its last Move.
     SessionIdle,
+    /// A Move stream waited: rcpd runs all its transfer slots
+    /// (`--max-transfers`).
+    Transfers,
     /// A Move stream waited: its client runs its share of the transfer
     /// slots (`--max-transfers-per-client`).
     TransfersPerClient,
@@ -119,11 +122,12 @@ pub enum ClientLimit {
 }
 
 impl ClientLimit {
-    pub const ALL: [ClientLimit; 6] = [
+    pub const ALL: [ClientLimit; 7] = [
         ClientLimit::Sessions,
         ClientLimit::SessionsPerClient,
         ClientLimit::SessionGrace,
         ClientLimit::SessionIdle,
+        ClientLimit::Transfers,
         ClientLimit::TransfersPerClient,
         ClientLimit::NoProgress,
     ];
@@ -135,6 +139,7 @@ impl ClientLimit {
             ClientLimit::SessionsPerClient => "sessions_per_client",
             ClientLimit::SessionGrace => "session_grace",
             ClientLimit::SessionIdle => "session_idle",
+            ClientLimit::Transfers => "transfers",
             ClientLimit::TransfersPerClient => "transfers_per_client",
             ClientLimit::NoProgress => "no_progress",
         }
