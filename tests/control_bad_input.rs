@@ -697,8 +697,6 @@ fn a_second_open_of_a_file_id_is_ignored() {
     assert!(!root.join("dup3").exists());
 }
 
-/// File id 0 (a proto3 default: a client that forgot to set it) must be
-/// refused or served, never left without an answer.
 /// Later in a stream, with a push open and its window written: a frame
 /// outside the protocol ends the stream with a violation naming it, the
 /// file is not committed (though the right answers follow), and rcpd logs
@@ -971,24 +969,109 @@ fn a_one_ms_timeout_does_not_make_rcpd_flood_keepalives() {
     );
 }
 
+/// Rcpd after a stream that broke the protocol with `what`: one line of
+/// its log names it.
+fn logged_once(d: &Rcpd, what: &str) {
+    let log = d.log();
+    let n = log.lines().filter(|l| l.contains(what)).count();
+    assert_eq!(n, 1, "{what}: {n} lines in\n{log}");
+}
+
+/// File id 0 (a proto3 default: a client that forgot to set it) is a
+/// protocol violation (docs/protocol.md, "Messages outside the
+/// protocol"): the stream ends naming it, nothing is created.
 #[test]
-fn file_id_zero_is_answered() {
-    let (_tmp, _root, d) = setup(None);
+fn file_id_zero_is_a_protocol_violation() {
+    let (_tmp, root, d) = setup(None);
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         let mut c = grpc(d.port).await;
         let s = tcp_session(&mut c, BS4K).await;
         let mut m = Move::open(&mut c, s.id(), vec![raw::push(0, "zero", 4096)]).await;
-        let r = tokio::time::timeout(Duration::from_secs(10), m.frame_or_status()).await;
-        match r {
-            Ok(Ok(f)) => assert!(
-                !f.opened.is_empty() || !f.failed.is_empty(),
-                "an answer for file 0: {f:?}"
-            ),
-            Ok(Err(e)) => assert_eq!(raw::reason(&e), Reason::Protocol, "{e:?}"),
-            Err(_) => panic!("no answer to an OpenFile with file id 0 in 10 s"),
-        }
+        let e = m.status().await;
+        assert_eq!(e.code(), Code::Aborted, "{e:?}");
+        assert_eq!(raw::reason(&e), Reason::Protocol, "{e:?}");
+        assert!(
+            e.message().contains("OpenFile: file id 0 is reserved"),
+            "{e:?}"
+        );
+        assert!(
+            m.inbox.opened.is_empty(),
+            "file 0 was opened: {:?}",
+            m.inbox
+        );
     });
+    assert_eq!(names(&root), Vec::<String>::new());
+    logged_once(&d, "file id 0 is reserved");
+}
+
+/// A second FileEnd for a file with a different digest is a protocol
+/// violation (docs/protocol.md): the stream ends naming it, though the
+/// file's blocks and its first, right digest came; nothing is committed.
+#[test]
+fn a_second_different_file_digest_is_a_protocol_violation() {
+    let (_tmp, root, d) = setup(None);
+    let data = vec![5u8; 4096];
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let mut c = grpc(d.port).await;
+        let s = tcp_session(&mut c, BS4K).await;
+        let (mut m, g) = push_granted(&mut c, s.id(), "twice", 4096).await;
+        assert_eq!(s.write(g.addr, g.rkey, &data), WcStatus::Success);
+        let right = raw::file_digest(&data, BS4K);
+        let mut wrong = right.clone();
+        wrong[0] ^= 1;
+        // Both digests before the window's WindowDone: the file cannot be
+        // committed before the second arrives.
+        m.send_end(1, right);
+        m.send_end(1, wrong);
+        m.try_send(ClientFrame {
+            done: vec![raw::pushed(&g, vec![raw::sha256(&data)])],
+            ..Default::default()
+        });
+        let e = m.status().await;
+        assert_eq!(e.code(), Code::Aborted, "{e:?}");
+        assert_eq!(raw::reason(&e), Reason::Protocol, "{e:?}");
+        assert!(
+            e.message()
+                .contains("FileEnd: file 1: two different file digests"),
+            "{e:?}"
+        );
+        assert!(m.inbox.committed.is_empty(), "{:?}", m.inbox);
+    });
+    assert!(!root.join("twice").exists(), "{:?}", names(&root));
+    logged_once(&d, "two different file digests");
+}
+
+/// rcpd's `--max-open-files` is what its handshake agrees; a client that
+/// opens more files at once than agreed breaks the protocol
+/// (docs/protocol.md): the stream ends naming the limit, and the files
+/// opened within it are not committed.
+#[test]
+fn more_files_open_than_agreed_is_a_protocol_violation() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("root");
+    std::fs::create_dir(&root).unwrap();
+    let d = Rcpd::start(&root, T, None, &["--max-open-files", "2"]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let mut c = grpc(d.port).await;
+        let s = tcp_session(&mut c, BS4K).await;
+        assert_eq!(s.hs.max_open_files, 2, "{:?}", s.hs);
+        let open = (1..=3).map(|f| raw::push(f, &format!("f{f}"), 4096));
+        let mut m = Move::open(&mut c, s.id(), open.collect()).await;
+        let e = m.status().await;
+        assert_eq!(e.code(), Code::Aborted, "{e:?}");
+        assert_eq!(raw::reason(&e), Reason::Protocol, "{e:?}");
+        assert!(
+            e.message()
+                .contains("OpenFile: file 3: more than 2 files open at once"),
+            "{e:?}"
+        );
+        assert!(m.inbox.committed.is_empty(), "{:?}", m.inbox);
+    });
+    assert!(!root.join("f3").exists(), "{:?}", names(&root));
+    logged_once(&d, "more than 2 files open at once");
 }
 
 #[test]
