@@ -178,6 +178,7 @@ pub struct Metrics {
     /// the pool, and warm now.
     copy_sessions_opened: Counter,
     copy_sessions_reused: Counter,
+    copy_sessions_expired: Counter,
     copy_sessions_warm: Gauge,
     /// `rcp_rail_*_total`, in the order of [`RAIL_COUNTERS`].
     rail_counters: Vec<Family<Labels, Counter>>,
@@ -224,6 +225,7 @@ impl Metrics {
             client_limits: Family::default(),
             copy_sessions_opened: Counter::default(),
             copy_sessions_reused: Counter::default(),
+            copy_sessions_expired: Counter::default(),
             copy_sessions_warm: Gauge::default(),
             rail_counters: RAIL_COUNTERS.iter().map(|_| Family::default()).collect(),
             rail_up: Family::default(),
@@ -365,6 +367,11 @@ impl Metrics {
             m.copy_sessions_reused.clone(),
         );
         d.register(
+            "copy_sessions_expired",
+            "Warm sessions the Copy API closed after --copy-session-idle unused",
+            m.copy_sessions_expired.clone(),
+        );
+        d.register(
             "copy_sessions_warm",
             "Idle sessions the Copy API keeps warm to other rcpds",
             m.copy_sessions_warm.clone(),
@@ -463,6 +470,11 @@ impl Metrics {
     /// The Copy API served a call over a warm session.
     pub fn copy_session_reused(&self) {
         self.copy_sessions_reused.inc();
+    }
+
+    /// The Copy API closed `n` warm sessions left unused for the idle time.
+    pub fn copy_sessions_expired(&self, n: usize) {
+        self.copy_sessions_expired.inc_by(n as u64);
     }
 
     /// The Copy API keeps `n` sessions warm now.
