@@ -1074,29 +1074,38 @@ fn more_files_open_than_agreed_is_a_protocol_violation() {
     logged_once(&d, "more than 2 files open at once");
 }
 
+/// rcpd killed mid-push (a window of the 64 MiB file verified, the copy
+/// held by `--bwlimit` to 16 MiB/s, 4 s at least, and seen running when
+/// rcpd is killed): the copy fails retryably, part of the file was moved,
+/// nothing is under the final name, and another rcpd resumes it.
 #[test]
 fn killed_daemon_leaves_no_file_under_the_final_name() {
     let (tmp, root, mut d) = setup(None);
     let src = tmp.path().join("big");
     make_file(&src, 64 << 20, 3);
     let bs = ["--block-size", "64K"];
-    let child = rcp_cmd(
+    let held = ["--bwlimit", "16777216"];
+    let p = src.to_str().unwrap();
+    let mut child = rcp_cmd(
         d.port,
         T,
         None,
-        &[
-            &bs[..],
-            &["push", "-q", src.to_str().unwrap(), "127.0.0.1:/"],
-        ]
-        .concat(),
+        &[&bs[..], &["push", "-q"], &held, &[p, "127.0.0.1:/"]].concat(),
     )
     .stdout(Stdio::null())
     .stderr(Stdio::piped())
     .spawn()
     .unwrap();
-    wait_verified(&root, "big", 64);
+    wait_verified_while(&root, "big", 64, &mut child, || d.log());
     d.child.kill().unwrap();
     d.child.wait().unwrap();
+    // The kill landed mid-copy: the copy was running, and the manifest
+    // holds part of the file's 1024 blocks.
+    let verified = verified_blocks(&root, "big").expect("a manifest");
+    assert!(
+        verified < 1024,
+        "all {verified} blocks were verified before the kill"
+    );
     let out = child.wait_with_output().unwrap();
     assert_eq!(
         out.status.code(),
@@ -1111,29 +1120,46 @@ fn killed_daemon_leaves_no_file_under_the_final_name() {
         d2.port,
         T,
         None,
-        &[
-            &bs[..],
-            &["push", "--resume", src.to_str().unwrap(), "127.0.0.1:/"],
-        ]
-        .concat(),
+        &[&bs[..], &["push", "--resume", p, "127.0.0.1:/"]].concat(),
     );
     assert_eq!(r.code, 0, "{}", r.stderr);
     assert!(moved(&r.stdout) < 64 << 20, "{}", r.stdout);
     assert_eq!(sha256sum(&src), sha256sum(&root.join("big")));
 }
 
+/// SIGTERM while a push runs: rcpd stops taking requests but lets it
+/// finish, then exits 0. The signal comes once a window of the copy is
+/// verified, the copy held by `--bwlimit` (24 MiB at 6 MiB/s: 4 s at
+/// least), and rcpd says it had the transfer running when the signal came.
 #[test]
 fn sigterm_lets_the_running_copy_finish() {
-    let (tmp, root, d) = setup(None);
-    let bg = copy_in_flight(&d, tmp.path(), None);
-    wait_for("the copy to start", Duration::from_secs(60), || {
-        find_manifest(&root, "inflight").is_some()
-    });
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("root");
+    std::fs::create_dir(&root).unwrap();
+    // A grace no loaded machine runs out of: the copy must finish.
+    let d = Rcpd::start(&root, T, None, &["--shutdown-grace", "600"]);
+    let src = tmp.path().join("inflight");
+    make_file(&src, 24 << 20, 99);
+    let p = src.to_str().unwrap();
+    let args = ["push", "-q", "--bwlimit", "6291456", p, "127.0.0.1:/"];
+    let mut child = rcp_cmd(d.port, T, None, &args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let window = rcp::control::WINDOW_SIZE as u64 / (1 << 20);
+    wait_verified_while(&root, "inflight", window, &mut child, || d.log());
     nix_kill(d.child.id(), "TERM");
-    bg.finishes(&root);
+    Bg { child, src }.finishes(&root);
     let mut d = d;
     let st = d.child.wait().unwrap();
     assert!(st.success(), "rcpd exit {st:?}: {}", d.log());
+    let log = d.log();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("shutting down") && l.contains("active=1")),
+        "rcpd had no transfer running when SIGTERM came:\n{log}"
+    );
 }
 
 #[test]
