@@ -1410,3 +1410,119 @@ fn an_rkey_works_only_in_its_own_session() {
         "session 1's copy has the right digest"
     );
 }
+
+/// A path and an abort reason carrying a newline, a bell, an escape and a
+/// right-to-left override go into rcpd's log escaped (src/escape.rs): no
+/// line of the log starts with what followed the newline, none of those
+/// characters is in the log as itself, and the escapes are there. The file
+/// itself is stored under its name as given.
+#[test]
+fn paths_and_abort_reasons_are_escaped_in_the_log() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("root");
+    std::fs::create_dir(&root).unwrap();
+    // Paths are logged at debug.
+    let d = Rcpd::start(&root, T, None, &["--log", "rcp=debug"]);
+    let name = "evil\nFORGED-PATH-LINE \u{7}\u{1b}[2J\u{202e}txt";
+    let reason = "bye\nFORGED-ABORT-LINE \u{7}\u{202e}";
+    let data = vec![8u8; 4096];
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let mut c = grpc(d.port).await;
+        let s = tcp_session(&mut c, BS4K).await;
+        let (mut m, g) = push_granted(&mut c, s.id(), name, 4096).await;
+        assert_eq!(s.write(g.addr, g.rkey, &data), WcStatus::Success);
+        m.send_done(raw::pushed(&g, vec![raw::sha256(&data)]));
+        m.send_end(1, raw::file_digest(&data, BS4K));
+        assert_eq!(m.committed().await.file, 1);
+        m.close();
+        m.finish().await;
+        let (mut m, _g) = push_granted(&mut c, s.id(), "aborted", 4096).await;
+        m.send(ClientFrame {
+            abort: Some(proto::Abort {
+                reason: reason.into(),
+            }),
+            ..Default::default()
+        });
+        let e = m.status().await;
+        assert!(e.message().contains(reason), "{e:?}");
+    });
+    assert_eq!(std::fs::read(root.join(name)).unwrap(), data);
+    let log = d.log();
+    for forged in ["FORGED-PATH-LINE", "FORGED-ABORT-LINE"] {
+        let logged: Vec<&str> = log.lines().filter(|l| l.contains(forged)).collect();
+        assert!(!logged.is_empty(), "{forged} not logged:\n{log}");
+        for l in &logged {
+            assert!(
+                l.contains(&format!("\\n{forged}")),
+                "{forged} not after an escaped newline: {l:?} in\n{log:?}"
+            );
+        }
+    }
+    for c in ['\u{7}', '\u{202e}'] {
+        assert!(!log.contains(c), "{c:?} in the log as itself:\n{log:?}");
+    }
+    for e in ["\\u{7}", "\\u{1b}", "\\u{202e}"] {
+        assert!(log.contains(e), "no {e} in the log:\n{log}");
+    }
+    // The path's escape (a colour code could bring its own ESC).
+    assert!(!log.contains("\u{1b}[2J"), "{log:?}");
+}
+
+/// `/metrics` names no path, token or key: a copy with a token to paths of
+/// distinctive names, and a raw session (its data-channel key known) are
+/// running or done when it is scraped, and none of them is in the text.
+#[test]
+fn metrics_expose_no_path_token_or_key() {
+    const TOKEN: &str = "tok-Zq81xMetricsSecret";
+    let (tmp, root, d) = setup(Some(TOKEN));
+    let dir = tmp.path().join("dir-Wq7Distinctive");
+    std::fs::create_dir(&dir).unwrap();
+    let src = dir.join("file-Kx3Distinctive");
+    make_file(&src, 3 << 20, 21);
+    let r = rcp(
+        d.port,
+        T,
+        Some(TOKEN),
+        &[
+            "push",
+            "-q",
+            src.to_str().unwrap(),
+            "127.0.0.1:/remote-Pv5Distinctive",
+        ],
+    );
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(root.join("remote-Pv5Distinctive").exists());
+    let text = common::metrics::scrape(d.metrics.as_deref().unwrap());
+    // The scrape saw the copy (so it is the right rcpd).
+    assert!(
+        text.contains(r#"rcp_transfers_total{direction="push",outcome="ok"} 1"#),
+        "{text}"
+    );
+    // A raw session (its key known) with a push open, on an rcpd without a
+    // token (the raw rig speaks none), scraped while it is open.
+    let (_tmp2, _root2, d2) = setup(None);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (text2, key) = rt.block_on(async {
+        let mut c = grpc(d2.port).await;
+        let s = tcp_session(&mut c, BS4K).await;
+        let (_m, _g) = push_granted(&mut c, s.id(), "open-Hj2Distinctive", 4096).await;
+        let key: String = s.key().iter().map(|b| format!("{b:02x}")).collect();
+        let text = common::metrics::scrape(d2.metrics.as_deref().unwrap());
+        (text, key)
+    });
+    assert!(text2.contains("rcp_active_transfers 1"), "{text2}");
+    let text = text + &text2;
+    let secrets = [
+        TOKEN,
+        "Zq81x",
+        "Wq7Distinctive",
+        "Kx3Distinctive",
+        "Pv5Distinctive",
+        "Hj2Distinctive",
+        &key,
+    ];
+    for s in secrets {
+        assert!(!text.contains(s), "/metrics shows {s:?}:\n{text}");
+    }
+}
