@@ -39,11 +39,11 @@ pub use channel::{MwDomain, RegisteredSlots, VerbsChannel, VerbsDomain, WindowRe
 pub use counts::{counts, VerbsCounts};
 pub use cq::{CompletionChannel, CompletionQueue, POLL_BATCH};
 pub use device::{
-    device_names, Context, DeviceCaps, LinkLayer, MemWindowCaps, PortAttr, PortState,
+    device_names, gid_table, Context, DeviceCaps, LinkLayer, MemWindowCaps, PortAttr, PortState,
 };
 pub use error::{Hint, VerbsError};
 pub use events::{AsyncEvent, AsyncEventKind, AsyncEvents, PortWatcher};
-pub use gid::{choose_gid, gid_table, Gid, GidChoice, GidEntry, GidType};
+pub use gid::{choose_gid, Gid, GidChoice, GidEntry, GidType};
 pub use mw::{MemoryWindow, MwPool, MwState};
 pub use pd::{Access, MemoryRegion, ProtectionDomain};
 pub use post::PostScratch;

@@ -323,7 +323,7 @@ impl QueuePair {
             ));
         }
         let port = ctx.port(cfg.port)?;
-        let gid = super::gid::query_gid(ctx, cfg.port, cfg.gid_index)?;
+        let gid = super::device::query_gid(ctx, cfg.port, cfg.gid_index)?;
         // SAFETY: zeroed init attrs are valid; we set the fields that matter.
         let mut init: ibv_qp_init_attr = unsafe { std::mem::zeroed() };
         init.send_cq = send_cq.cq;
@@ -561,7 +561,7 @@ impl QueuePair {
         self.resets += 1;
         let ctx = self.pd.context().clone();
         let port = ctx.port(self.cfg.port)?;
-        self.local.gid = super::gid::query_gid(&ctx, self.cfg.port, self.cfg.gid_index)?;
+        self.local.gid = super::device::query_gid(&ctx, self.cfg.port, self.cfg.gid_index)?;
         self.local.lid = port.lid;
         self.local.mtu = port.active_mtu;
         self.local.psn = random_psn();
