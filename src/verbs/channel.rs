@@ -10,7 +10,7 @@ use super::cq::CompletionQueue;
 use super::mw::{inc_rkey, MemoryWindow, MwPool, MW_TIMEOUT};
 use super::pd::{Access, MemoryRegion, ProtectionDomain};
 use super::post::PostScratch;
-use super::qp::{ConnectParams, QpEndpoint, QueuePair};
+use super::qp::{ConnectParams, PreparedQp, QpEndpoint, QueuePair};
 use super::VerbsError;
 use crate::engine::{WorkCompletion, WorkRequest};
 use crate::mem::{Arena, PeerSpan};
@@ -343,6 +343,15 @@ pub struct VerbsChannel {
     /// Windows granted while the QP could not send, to bind at its next
     /// reconnect (those revoked meanwhile are `Gone` or dropped).
     deferred: Mutex<Vec<Weak<Mutex<WindowCell>>>>,
+}
+
+impl PreparedQp {
+    /// The QP as a provider channel, still in INIT: for a driver that hands
+    /// the channel out before the peer's endpoint arrives, and connects it
+    /// with [`VerbsChannel::handshake`] when it does.
+    pub fn into_channel(self) -> VerbsChannel {
+        VerbsChannel::new(self.qp)
+    }
 }
 
 impl VerbsChannel {

@@ -9,7 +9,8 @@
 //! Every queue pair is built by [`QpBuilder`] (`qp.rs`): it sizes the QP
 //! and its completion queue in one place, from the device's queried caps,
 //! and gives a [`PreparedQp`] in INIT whose handshake with the peer's
-//! endpoint takes it to RTS.
+//! endpoint takes it to RTS (or which becomes a provider channel still in
+//! INIT, `into_channel` in `channel.rs`).
 //!
 //! `unsafe` invariants, where they live:
 //! - `ibv_*` handles are valid from creation to `Drop` (each type's `Drop`);

@@ -9,7 +9,6 @@ use std::time::{Duration, Instant};
 
 use rdma_sys::*;
 
-use super::channel::VerbsChannel;
 use super::cq::{CompletionChannel, CompletionQueue};
 use super::device::{mtu_enum, DeviceCaps, PortState};
 use super::error::{Hint, VerbsError};
@@ -252,7 +251,7 @@ pub fn sq_entries(asked: u32, caps: &DeviceCaps) -> u32 {
 /// waiting for the peer's.
 #[derive(Debug)]
 pub struct PreparedQp {
-    qp: QueuePair,
+    pub(super) qp: QueuePair,
 }
 
 impl PreparedQp {
@@ -279,13 +278,6 @@ impl PreparedQp {
     ) -> Result<QueuePair, VerbsError> {
         self.qp.handshake(remote, p)?;
         Ok(self.qp)
-    }
-
-    /// The QP as a provider channel, still in INIT: for a driver that hands
-    /// the channel out before the peer's endpoint arrives, and connects it
-    /// with [`VerbsChannel::handshake`] when it does.
-    pub fn into_channel(self) -> VerbsChannel {
-        VerbsChannel::new(self.qp)
     }
 }
 
