@@ -72,7 +72,7 @@ pub fn place_copy_threads(
     let node = device
         .as_deref()
         .and_then(crate::mem::numa::device_numa_node);
-    let cpus = crate::datapath::config::node_cpus_allowed(node).len();
+    let cpus = crate::datapath::cpus::node_cpus_allowed(node).len();
     if crate::files::set_pool_threads(cpus).is_ok() {
         tracing::info!(
             threads = cpus,

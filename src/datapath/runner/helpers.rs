@@ -11,8 +11,9 @@ use std::time::{Duration, Instant};
 
 use super::poster::{CqBatch, CqEnd, Input};
 use super::spec::{FenceFn, RailReconnectFn};
-use crate::datapath::completion::{completion_loop, pin_current_thread};
+use crate::datapath::completion::completion_loop;
 use crate::datapath::config::{Backoff, PollMode};
+use crate::datapath::cpus::pin_current_thread;
 use crate::datapath::port::PortMonitor;
 use crate::datapath::stats::DataPathStats;
 use crate::engine::WorkCompletion;

@@ -117,8 +117,8 @@ pub use spec::{FenceFn, KeyMapFn, RailReconnectFn, RailSpec, ReconnectFn};
 
 #[cfg(doc)]
 use super::{
-    completion::{completion_loop, AvoidCpu},
-    Backoff, DataPathStats, PortMonitor, Report, TokenBucket,
+    completion::completion_loop, cpus::AvoidCpu, Backoff, DataPathStats, PortMonitor, Report,
+    TokenBucket,
 };
 #[cfg(doc)]
 use crate::{engine::Stream, provider::Channel};
