@@ -34,6 +34,9 @@ pub mod rails;
 pub mod server;
 pub mod tls;
 
+/// Control's callers name it `control::in_place`; it lives in the crate's
+/// `blocking` module, below the data path, which calls it too.
+pub(crate) use crate::blocking::in_place;
 pub use client::{Client, ClientOptions, FileResult, Session};
 pub use error::{exit, ControlError};
 pub use link::Transport;
@@ -87,17 +90,6 @@ pub fn place_copy_threads(
     let cpu = cq.for_thread(node, 0);
     tracing::info!(cpu, "{why}");
     cpu
-}
-
-/// Run blocking work from async code: on a worker of the multi-threaded
-/// runtime without stalling it, inline elsewhere.
-pub(crate) fn in_place<R>(f: impl FnOnce() -> R) -> R {
-    match tokio::runtime::Handle::try_current() {
-        Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
-            tokio::task::block_in_place(f)
-        }
-        _ => f(),
-    }
 }
 
 /// Protocol version spoken. 2.1: rails. 2.2: `REASON_PROTOCOL` for
