@@ -15,7 +15,8 @@
 //! - [`daemon`]: building and serving rcpd (auth, health, reflection,
 //!   keepalives, shutdown, metrics);
 //! - beside them: [`link`] (provider setup on both ends), [`rails`] (the
-//!   rule pairing a session's rails with the peer's), [`error`] (typed
+//!   rule pairing a session's rails with the peer's), [`fallback`] (who
+//!   may fall back to tcp: the rails' watch a data path is given), [`error`] (typed
 //!   errors, reasons, exit codes), [`auth`], [`tls`], [`fsutil`],
 //!   [`copy_peers`] (the rcpds this one may dial with its credentials).
 
@@ -26,6 +27,7 @@ pub mod copy;
 pub mod copy_peers;
 pub mod daemon;
 pub mod error;
+pub mod fallback;
 pub mod fsutil;
 pub mod jobs;
 pub mod link;

@@ -158,7 +158,7 @@ fn core_of(s: &Session) -> ClientCore {
     // fallback. Whether to continue over tcp is the jobs policy's
     // (jobs::run): the stream only ends, saying why.
     if let Some(w) =
-        crate::control::jobs::rail_watch(s.opts.transport, s.kind, s.opts.tcp_fallback_after, 0)
+        crate::control::fallback::rail_watch(s.opts.transport, s.kind, s.opts.tcp_fallback_after, 0)
     {
         core.watch(w);
     }
