@@ -10,7 +10,7 @@
 //! and its completion queue in one place, from the device's queried caps,
 //! and gives a [`PreparedQp`] in INIT whose handshake with the peer's
 //! endpoint takes it to RTS (or which becomes a provider channel still in
-//! INIT, `into_channel` in `channel.rs`).
+//! INIT, `into_channel` in [`crate::provider::verbs`]).
 //!
 //! `unsafe` invariants, where they live:
 //! - `ibv_*` handles are valid from creation to `Drop` (each type's `Drop`);
@@ -24,7 +24,6 @@
 //! - every async event is acked right after it is copied out, so no QP or CQ
 //!   destroy waits on it (`events.rs`).
 
-pub mod channel;
 pub mod counts;
 pub mod cq;
 pub mod device;
@@ -36,7 +35,6 @@ pub mod pd;
 pub mod post;
 pub mod qp;
 
-pub use channel::{MwDomain, RegisteredSlots, VerbsChannel, VerbsDomain, WindowRegistration};
 pub use counts::{counts, VerbsCounts};
 pub use cq::{CompletionChannel, CompletionQueue, POLL_BATCH};
 pub use device::{

@@ -251,7 +251,7 @@ pub fn sq_entries(asked: u32, caps: &DeviceCaps) -> u32 {
 /// waiting for the peer's.
 #[derive(Debug)]
 pub struct PreparedQp {
-    pub(super) qp: QueuePair,
+    pub(crate) qp: QueuePair,
 }
 
 impl PreparedQp {

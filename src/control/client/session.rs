@@ -22,8 +22,9 @@ use crate::datapath::{DataPath, DataPathConfig, DpEvent, PollMode, RailSpec, Rep
 use crate::mem::Block;
 use crate::parse::RailName;
 use crate::proto;
+use crate::provider::verbs::{VerbsChannel, VerbsDomain};
 use crate::provider::{Channel, ProviderKind};
-use crate::verbs::{PortWatcher, VerbsChannel};
+use crate::verbs::PortWatcher;
 
 /// Sees files start, progress and finish (the binary draws bars, the Copy
 /// API counts).
@@ -503,7 +504,7 @@ impl Session {
         self.used
             .iter()
             .map(|&l| {
-                Arc::new(crate::verbs::VerbsDomain {
+                Arc::new(VerbsDomain {
                     pd: self.link.rails[l].device.pd.clone(),
                 }) as Arc<dyn crate::provider::Domain>
             })
