@@ -12,6 +12,9 @@
 //! - [`jobs`]: `rcp push/pull` (argument resolution, trees, totals);
 //! - [`copy`]: the service API's `Copy` over [`jobs`], plugged into the
 //!   server as its [`server::Copier`];
+//! - [`buffers`]: services' buffers (the unix socket's service protocol,
+//!   operations to peer rcpds), whose grants to peers' sessions are
+//!   plugged into the server as its [`server::BufferGrants`];
 //! - [`daemon`]: building and serving rcpd (auth, health, reflection,
 //!   keepalives, shutdown, metrics);
 //! - beside them: [`link`] (provider setup on both ends), [`rails`] (the
