@@ -25,6 +25,7 @@
 //! - [`escape`]: strings from outside (client names, paths, reasons) as they go into a log line.
 
 pub mod bench;
+mod blocking;
 pub mod control;
 pub mod datapath;
 pub mod doctor;

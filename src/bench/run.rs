@@ -11,10 +11,9 @@ use super::{BenchError, BenchOptions, Measured, MAX_QPS};
 use crate::datapath::{DataPath, DataPathConfig, DpEvent, ReconnectError, ReconnectFn, Report};
 use crate::engine::{Extent, WindowJob};
 use crate::mem::{Arena, ArenaConfig};
+use crate::provider::verbs::VerbsChannel;
 use crate::provider::Channel;
-use crate::verbs::{
-    Access, ConnectParams, Context, MemoryRegion, ProtectionDomain, QpBuilder, VerbsChannel,
-};
+use crate::verbs::{Access, ConnectParams, Context, MemoryRegion, ProtectionDomain, QpBuilder};
 
 /// Send-queue depth of every bench QP.
 pub(super) const SQ: u32 = 128;

@@ -25,8 +25,8 @@ use futures::future::BoxFuture;
 use super::{Plan, Totals};
 use crate::control::client::{Client, FileJob, FileResult, Observer, Session, SessionStats};
 use crate::control::error::{ControlError, Reason, Result};
+pub use crate::control::fallback::{may_fall_back, rail_watch};
 use crate::control::link::{resolve_transport, Transport};
-use crate::control::protocol::rails::RailWatch;
 use crate::control::protocol::Failure;
 use crate::provider::ProviderKind;
 
@@ -85,30 +85,6 @@ pub struct Outcome {
     /// What the last session's data path did (`None`: it was not closed
     /// cleanly, or a pool kept it open).
     pub stats: Option<SessionStats>,
-}
-
-/// Whether what runs over `kind` under `transport` may fall back to tcp:
-/// only `--transport auto` over verbs (an explicit `--transport verbs`
-/// never falls back; tcp has nowhere to go).
-pub fn may_fall_back(transport: Transport, kind: ProviderKind) -> bool {
-    transport == Transport::Auto && kind == ProviderKind::Verbs
-}
-
-/// The rails' watch for a data path over `kind` under `transport`, from
-/// `now` on, giving up after `after` (`ClientOptions::tcp_fallback_after`):
-/// `None` when it may not fall back or `after` is `None`. A file stream's
-/// core and a buffer session to a peer rcpd watch with it.
-pub fn rail_watch(
-    transport: Transport,
-    kind: ProviderKind,
-    after: Option<std::time::Duration>,
-    now: u64,
-) -> Option<RailWatch> {
-    let after = after.filter(|_| may_fall_back(transport, kind))?;
-    Some(RailWatch::new(
-        now,
-        u64::try_from(after.as_nanos()).unwrap_or(u64::MAX),
-    ))
 }
 
 /// Whether a job that tried `tried` and failed with `failed` goes on over

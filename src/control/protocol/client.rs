@@ -262,7 +262,7 @@ impl ClientCore {
     }
 
     /// [`watch_rails`](Self::watch_rails) with the watch made
-    /// (`jobs::policy::rail_watch`).
+    /// (`control::fallback::rail_watch`).
     pub fn watch(&mut self, w: RailWatch) {
         self.watch = Some(w);
     }
