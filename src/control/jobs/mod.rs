@@ -114,10 +114,13 @@ impl Totals {
         }
     }
 
-    /// The final summary line, for blocks checked with `check` (named when
-    /// it is not the default, BLAKE3; `none` loudly).
+    /// The final summary line, for blocks checked with `check`: a single
+    /// file's digest carries the check's name (`blake3-tree:...`, derived
+    /// from the block digests, so not what `b3sum` or `sha256sum` print);
+    /// a check other than the default, BLAKE3, is named for a tree too
+    /// (`none` loudly).
     pub fn summary_checked(&self, transport: &str, check: crate::files::Check) -> String {
-        let mut s = self.summary(transport);
+        let mut s = self.summary_line(transport, check);
         match check {
             crate::files::Check::Blake3 => {}
             crate::files::Check::None => {
@@ -128,26 +131,45 @@ impl Totals {
         s
     }
 
-    pub fn summary(&self, transport: &str) -> String {
-        let gbps = self.gbps();
+    /// `N files, 3.00 MiB (3145728 bytes, 3145728 moved) in 0.123 s,
+    /// 24.39 MiB/s over tcp[, digest blake3-tree:HEX | , sha256 HEX]`: IEC
+    /// units as the progress bar's, the exact counts beside them.
+    fn summary_line(&self, transport: &str, check: crate::files::Check) -> String {
+        let rate = if self.seconds > 0.0 {
+            self.moved as f64 / self.seconds
+        } else {
+            0.0
+        };
         let mut s = format!(
-            "{} file{}, {} bytes ({} moved) in {:.3} s, {:.3} Gb/s over {transport}",
+            "{} file{}, {} ({} bytes, {} moved) in {:.3} s, {} over {transport}",
             self.files,
             if self.files == 1 { "" } else { "s" },
+            crate::units::bytes(self.bytes),
             self.bytes,
             self.moved,
             self.seconds,
-            gbps
+            crate::units::rate(rate),
         );
         if self.files == 1 {
-            match (&self.sha256, &self.digest) {
-                (Some(f), _) => s.push_str(&format!(", sha256 {}", hex::encode(f))),
-                (None, Some(d)) => s.push_str(&format!(", digest {}", hex::encode(d))),
+            match (&self.sha256, &self.digest, check) {
+                // The flat SHA-256: what sha256sum prints for the file.
+                (Some(f), _, _) => s.push_str(&format!(", sha256 {}", hex::encode(f))),
+                (None, _, crate::files::Check::None) => {}
+                (None, Some(d), c) => {
+                    s.push_str(&format!(", digest {}:{}", digest_label(c), hex::encode(d)))
+                }
                 _ => {}
             }
         }
         s
     }
+}
+
+/// What a file digest of `check` is called next to its value: a hash over
+/// the block digests (a tree of one level), named so that nobody takes it
+/// for `sha256sum`'s or `b3sum`'s value.
+pub fn digest_label(check: crate::files::Check) -> String {
+    format!("{}-tree", check.name())
 }
 
 /// `rcp -v`'s line per rail of the session's data path, from its report
