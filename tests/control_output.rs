@@ -214,3 +214,140 @@ fn an_unknown_host_is_not_retryable() {
     );
     assert_eq!(r.code, 6, "not 5 (retry): {}", r.stderr);
 }
+
+/// Every stdout line as JSON.
+fn json_lines(r: &Run) -> Vec<serde_json::Value> {
+    r.stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect()
+}
+
+#[test]
+fn progress_starts_at_zero_and_counts_every_file() {
+    let (tmp, root) = e2e::tmp_with_root();
+    let d = Rcpd::start(&root, T, None, &[]);
+    let src = tmp.path().join("tree");
+    std::fs::create_dir(&src).unwrap();
+    let n = 40u64;
+    for i in 0..n {
+        make_file(&src.join(format!("f{i}")), 50_000, i);
+    }
+    let total = n * 50_000;
+    // --bwlimit: 2 MB at 2 MiB/s (in chains of 32 files), for lines in
+    // between every 50 ms.
+    let flags = ["push", "-r", "--stats", "50ms", "--bwlimit", "2M"];
+    let mut args = vec!["--json"];
+    args.extend(flags);
+    let (s, dst) = (src.to_str().unwrap(), remote("dst"));
+    args.extend([s, dst.as_str()]);
+    let r = rcp(d.port, T, None, &args);
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    let v = json_lines(&r);
+    let p: Vec<&serde_json::Value> = v.iter().filter(|l| l["type"] == "progress").collect();
+    assert!(p.len() >= 3, "{}", r.stdout);
+    let (first, last) = (p[0], p[p.len() - 1]);
+    assert_eq!(
+        (first["bytes"].as_u64(), first["files_done"].as_u64()),
+        (Some(0), Some(0)),
+        "{first}"
+    );
+    assert_eq!(first["bytes_total"].as_u64(), Some(total));
+    assert_eq!(last["files_done"].as_u64(), Some(n), "{last}");
+    assert_eq!(last["files_total"].as_u64(), Some(n), "{last}");
+    assert_eq!(last["bytes"].as_u64(), Some(total), "{last}");
+    let bytes: Vec<u64> = p.iter().map(|l| l["bytes"].as_u64().unwrap()).collect();
+    assert!(bytes.windows(2).all(|w| w[0] <= w[1]), "{bytes:?}");
+    assert!(
+        bytes.iter().any(|&b| b > 0 && b < total),
+        "nothing in between: {bytes:?}"
+    );
+    // The human lines: IEC units, as the bar and the summary.
+    let dst2 = remote("dst2");
+    let mut args = flags.to_vec();
+    args.extend([s, dst2.as_str()]);
+    let r = rcp(d.port, T, None, &args);
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    let lines: Vec<&str> = r.stderr.lines().collect();
+    assert!(
+        lines[0].starts_with("rcp: push 0 B/1.91 MiB (0.0%), 0/40 files"),
+        "{}",
+        r.stderr
+    );
+    let end = format!("rcp: push 1.91 MiB/1.91 MiB (100.0%), {n}/{n} files");
+    assert!(lines.last().unwrap().starts_with(&end), "{}", r.stderr);
+    for bad in ["MB/s", "Gb/s", "kB"] {
+        assert!(
+            !r.stderr.contains(bad) && !r.stdout.contains(bad),
+            "{bad}: {}{}",
+            r.stdout,
+            r.stderr
+        );
+    }
+    assert!(
+        r.stdout
+            .contains("40 files, 1.91 MiB (2000000 bytes, 2000000 moved) in "),
+        "{}",
+        r.stdout
+    );
+    assert!(r.stdout.contains("/s over tcp"), "{}", r.stdout);
+}
+
+/// The hex value after `key` in a summary line.
+fn after<'a>(line: &'a str, key: &str) -> &'a str {
+    let i = line
+        .find(key)
+        .unwrap_or_else(|| panic!("no {key:?} in {line}"))
+        + key.len();
+    line[i..]
+        .split(|c: char| !c.is_ascii_hexdigit())
+        .next()
+        .unwrap()
+}
+
+#[test]
+fn the_summary_names_its_check_and_sha256_is_sha256sum() {
+    let (tmp, root) = e2e::tmp_with_root();
+    let d = Rcpd::start(&root, T, None, &[]);
+    let src = tmp.path().join("a.bin");
+    make_file(&src, 1_500_000, 7);
+    let want = sha256sum(&src);
+    // The default check, BLAKE3: its tree digest, named.
+    let r = pushed(&d, &[], &src, "a.bin", T);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(
+        after(&r.stdout, "digest blake3-tree:").len(),
+        64,
+        "{}",
+        r.stdout
+    );
+    assert!(!r.stdout.contains(&want), "{}", r.stdout);
+    let r = pushed(&d, &["--verify", "sha256"], &src, "a.bin", T);
+    assert_eq!(
+        after(&r.stdout, "digest sha256-tree:").len(),
+        64,
+        "{}",
+        r.stdout
+    );
+    let r = pushed(&d, &["--json"], &src, "a.bin", T);
+    let sum = json_lines(&r).pop().unwrap();
+    assert_eq!(
+        (sum["type"].as_str(), sum["check"].as_str()),
+        (Some("summary"), Some("blake3")),
+        "{sum}"
+    );
+    // --sha256: the flat value, sha256sum's, both ways.
+    let r = pushed(&d, &["--sha256"], &src, "a.bin", T);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(after(&r.stdout, ", sha256 "), want, "{}", r.stdout);
+    let back = tmp.path().join("back.bin");
+    let r = rcp(
+        d.port,
+        T,
+        None,
+        &["--sha256", "pull", &remote("a.bin"), back.to_str().unwrap()],
+    );
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(after(&r.stdout, ", sha256 "), want, "{}", r.stdout);
+    assert_eq!(sha256sum(&back), want);
+}

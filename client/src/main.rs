@@ -275,34 +275,33 @@ fn parse_size(s: &str) -> Result<u64, String> {
     rcp::control::protocol::check_block_size(v, rcp::control::WINDOW_SIZE as u64)
 }
 
-/// Progress on a terminal: one bar for the whole job (many files are in
-/// flight at once, their blocks sharing windows), with the files done.
+/// Progress on a terminal, as rsync's `--info=progress2` and rclone's: one
+/// bar for the whole job (many files are in flight at once, their blocks
+/// sharing windows), sized from the plan so that it starts at zero, moved
+/// by the blocks the data path confirms, with the files committed; IEC
+/// units throughout.
 struct Bars {
     total: ProgressBar,
-    started: AtomicU64,
-    done: AtomicU64,
+    files: u64,
 }
 
 impl Bars {
-    fn new() -> Bars {
-        let total = ProgressBar::new(0);
+    fn new(bytes: u64, files: u64) -> Bars {
+        let total = ProgressBar::new(bytes);
         total.set_style(
             ProgressStyle::with_template(
-                "{bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta} {wide_bar} {msg}",
+                "{binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} eta {eta} {wide_bar} {msg}",
             )
             .expect("template"),
         );
-        total.enable_steady_tick(Duration::from_millis(200));
-        Bars {
-            total,
-            started: AtomicU64::new(0),
-            done: AtomicU64::new(0),
-        }
+        total.set_message(format!("0/{files} files"));
+        Bars { total, files }
     }
 
-    fn show(&self, last: &str) {
-        let (d, n) = (self.done.load(Relaxed), self.started.load(Relaxed));
-        self.total.set_message(format!("{d}/{n} files {last}"));
+    fn show(&self, bytes: u64, done: u64) {
+        self.total.set_position(bytes);
+        self.total
+            .set_message(format!("{done}/{} files", self.files));
     }
 }
 
@@ -321,8 +320,36 @@ struct Watch {
     auto: bool,
     /// The current session's provider and check (the file lines').
     session: std::sync::Mutex<(String, rcp::files::Check)>,
+    /// Bytes of windows done (verified).
     bytes: AtomicU64,
     files_done: AtomicU64,
+    /// The job's bytes, from the plan.
+    bytes_total: u64,
+    /// The current session's data-path counters and the bytes shown when
+    /// it started: progress between windows, a chain of blocks at a time.
+    live: std::sync::Mutex<Option<(Arc<rcp::datapath::DataPathStats>, u64)>>,
+}
+
+impl Watch {
+    /// Bytes to show: what the data path confirmed (blocks), never less
+    /// than the windows done, never more than the job.
+    fn shown(&self) -> u64 {
+        let done = self.bytes.load(Relaxed);
+        let live = self
+            .live
+            .lock()
+            .unwrap()
+            .as_ref()
+            .map_or(0, |(s, base)| base + s.counters().bytes_confirmed);
+        done.max(live).min(self.bytes_total)
+    }
+
+    /// Redraw the bar, if any.
+    fn draw(&self) {
+        if let Some(b) = &self.bars {
+            b.show(self.shown(), self.files_done.load(Relaxed));
+        }
+    }
 }
 
 impl jobs::Watcher for Watch {
@@ -337,6 +364,13 @@ impl jobs::Watcher for Watch {
             eprintln!("rcp: WARNING: transport {}", s.transport);
         }
         *self.session.lock().unwrap() = (s.kind.to_string(), s.check());
+        let base = self.shown();
+        *self.live.lock().unwrap() = s.data_path_stats().map(|st| {
+            // Counted from here: a session's counters start where its
+            // data path did (a fallback's are fresh).
+            let before = st.counters().bytes_confirmed;
+            (st, base.saturating_sub(before))
+        });
     }
     fn fell_back(&self, why: &str) {
         eprintln!("rcp: WARNING: {why}");
@@ -344,24 +378,14 @@ impl jobs::Watcher for Watch {
 }
 
 impl Observer for Watch {
-    fn file_start(&self, _name: &str, len: u64) {
-        if let Some(b) = &self.bars {
-            b.total.inc_length(len);
-            b.started.fetch_add(1, Relaxed);
-        }
-    }
     fn progress(&self, n: u64) {
         self.bytes.fetch_add(n, Relaxed);
-        if let Some(b) = &self.bars {
-            b.total.inc(n);
-        }
+        self.draw();
     }
     fn file_done(&self, r: &FileResult) {
+        // Counted as committed (renamed into place), not as started.
         self.files_done.fetch_add(1, Relaxed);
-        if let Some(b) = &self.bars {
-            b.done.fetch_add(1, Relaxed);
-            b.show(&r.path);
-        }
+        self.draw();
         if let Some(dir) = self.json {
             let (transport, check) = self.session.lock().unwrap().clone();
             println!(
@@ -375,18 +399,31 @@ impl Observer for Watch {
     }
 }
 
-/// `--stats`: a progress line every `every` until the task is aborted.
+/// The bar between events: a redraw every 100 ms from the data path's
+/// counters, until the task is aborted.
+fn bar_ticker(watch: Arc<Watch>) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_millis(100));
+        loop {
+            tick.tick().await;
+            watch.draw();
+        }
+    })
+}
+
+/// `--stats`: a progress line at the start (0 bytes, printed before this
+/// returns), then one every `every` until the task is aborted (the last,
+/// at the end, is printed once the copy is done).
 fn progress_ticker(
     watch: Arc<Watch>,
     plan: &Plan,
     every: Duration,
     as_json: bool,
 ) -> tokio::task::JoinHandle<()> {
-    let (direction, bytes_total, files_total) = (
-        plan.direction().label(),
-        plan.bytes(),
-        plan.files.len() as u64,
-    );
+    let (direction, files_total) = (plan.direction().label(), plan.files.len() as u64);
+    // The line at 0, before anything moves.
+    let first = progress_line(&watch, direction, files_total, 0, Duration::ZERO, 0.0);
+    print_progress(&first, as_json);
     tokio::spawn(async move {
         let t0 = Instant::now();
         let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
@@ -395,35 +432,54 @@ fn progress_ticker(
         let (mut last_t, mut last_b) = (t0, 0u64);
         loop {
             tick.tick().await;
-            let (now, bytes) = (Instant::now(), watch.bytes.load(Relaxed));
+            let now = Instant::now();
+            let bytes = watch.shown();
             let dt = now.duration_since(last_t).as_secs_f64().max(1e-9);
-            let p = json::ProgressLine {
-                direction,
-                bytes,
-                bytes_total,
-                files_done: watch.files_done.load(Relaxed),
-                files_total,
-                seconds: now.duration_since(t0).as_secs_f64(),
-                bytes_per_second: bytes.saturating_sub(last_b) as f64 / dt,
-            };
+            let rate = bytes.saturating_sub(last_b) as f64 / dt;
+            let p = progress_line(&watch, direction, files_total, bytes, now - t0, rate);
             (last_t, last_b) = (now, bytes);
-            if as_json {
-                println!("{}", line("progress", &p));
-            } else {
-                eprintln!(
-                    "rcp: {} {}/{} bytes ({:.1}%), {}/{} files, {:.1} MB/s, {:.1} s",
-                    p.direction,
-                    p.bytes,
-                    p.bytes_total,
-                    p.bytes as f64 * 100.0 / p.bytes_total.max(1) as f64,
-                    p.files_done,
-                    p.files_total,
-                    p.bytes_per_second / 1e6,
-                    p.seconds
-                );
-            }
+            print_progress(&p, as_json);
         }
     })
+}
+
+/// A `progress` line's fields.
+fn progress_line(
+    watch: &Watch,
+    direction: &'static str,
+    files_total: u64,
+    bytes: u64,
+    elapsed: Duration,
+    bytes_per_second: f64,
+) -> json::ProgressLine {
+    json::ProgressLine {
+        direction,
+        bytes,
+        bytes_total: watch.bytes_total,
+        files_done: watch.files_done.load(Relaxed),
+        files_total,
+        seconds: elapsed.as_secs_f64(),
+        bytes_per_second,
+    }
+}
+
+/// A progress line: JSON with `--json`, else a line on stderr in IEC units.
+fn print_progress(p: &json::ProgressLine, as_json: bool) {
+    if as_json {
+        println!("{}", line("progress", p));
+    } else {
+        eprintln!(
+            "rcp: {} {}/{} ({:.1}%), {}/{} files, {}, {:.1} s",
+            p.direction,
+            rcp::units::bytes(p.bytes),
+            rcp::units::bytes(p.bytes_total),
+            p.bytes as f64 * 100.0 / p.bytes_total.max(1) as f64,
+            p.files_done,
+            p.files_total,
+            rcp::units::rate(p.bytes_per_second),
+            p.seconds
+        );
+    }
 }
 
 /// `--dry-run`: what the plan would copy, and the totals.
@@ -594,26 +650,55 @@ async fn copy_files(
         print_plan(&plan, c.json, c.quiet, t0.elapsed().as_secs_f64());
         return Ok(());
     }
+    let (bytes_total, files_total) = (plan.bytes(), plan.files.len() as u64);
     let watch = Arc::new(Watch {
-        bars: (!c.quiet && std::io::stderr().is_terminal()).then(Bars::new),
+        bars: (!c.quiet && std::io::stderr().is_terminal())
+            .then(|| Bars::new(bytes_total, files_total)),
         json: c.json.then(|| plan.direction()),
         announce: c.verbose > 0,
         auto: c.transport == Transport::Auto,
         session: Default::default(),
         bytes: AtomicU64::new(0),
         files_done: AtomicU64::new(0),
+        bytes_total,
+        live: Default::default(),
     });
-    let ticker = copy
-        .stats
-        .filter(|d| !d.is_zero() && (c.json || !c.quiet))
-        .map(|every| progress_ticker(watch.clone(), &plan, every, c.json));
+    let bar = watch.bars.as_ref().map(|_| bar_ticker(watch.clone()));
+    let stats = copy.stats.filter(|d| !d.is_zero() && (c.json || !c.quiet));
+    let ticker = stats.map(|every| progress_ticker(watch.clone(), &plan, every, c.json));
     let (direction, dirs) = (plan.direction(), plan.dirs() as u64);
+    let t0 = Instant::now();
     // The jobs policy: over verbs, and with --transport auto on over tcp
     // when verbs cannot start or every rail stays down; staging sized to
     // what the copy can fill.
     let outcome = jobs::run(&client, plan, &*watch).await;
-    if let Some(t) = ticker {
+    for t in [bar, ticker].into_iter().flatten() {
         t.abort();
+    }
+    if let Some(b) = &watch.bars {
+        // The bar's last state is what was done: all of it on success.
+        match &outcome {
+            Ok(o) => b.show(
+                o.totals.bytes.max(watch.shown()),
+                watch.files_done.load(Relaxed),
+            ),
+            Err(_) => watch.draw(),
+        }
+        b.total.abandon();
+    }
+    if let (Some(_), Ok(o)) = (stats, &outcome) {
+        // The last progress line: every file, every byte.
+        let secs = t0.elapsed();
+        let rate = o.totals.moved as f64 / secs.as_secs_f64().max(1e-9);
+        let p = progress_line(
+            &watch,
+            direction.label(),
+            files_total,
+            o.totals.bytes,
+            secs,
+            rate,
+        );
+        print_progress(&p, c.json);
     }
     rcp::phase::mark("files done, session closed");
     print_outcome(c, direction, dirs, outcome?);
