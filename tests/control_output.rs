@@ -351,3 +351,78 @@ fn the_summary_names_its_check_and_sha256_is_sha256sum() {
     assert_eq!(after(&r.stdout, ", sha256 "), want, "{}", r.stdout);
     assert_eq!(sha256sum(&back), want);
 }
+
+#[test]
+fn token_file_works_and_a_wrong_one_is_refused() {
+    let (tmp, root) = e2e::tmp_with_root();
+    let d = Rcpd::start(&root, T, Some("s3cret"), &[]);
+    let src = tmp.path().join("a.bin");
+    make_file(&src, 10_000, 8);
+    let file = |name: &str, text: &str| {
+        let p = tmp.path().join(name);
+        std::fs::write(&p, text).unwrap();
+        p.to_str().unwrap().to_string()
+    };
+    let (good, wrong, empty) = (
+        file("good", "s3cret\n"),
+        file("wrong", "nope\n"),
+        file("empty", "\n"),
+    );
+    let s = src.to_str().unwrap();
+    let dst = remote("a.bin");
+    let push = |f: &str| rcp(d.port, T, None, &["--token-file", f, "push", s, &dst]);
+    let r = push(&good);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(sha256sum(&root.join("a.bin")), sha256sum(&src));
+    let r = push(&wrong);
+    assert_eq!(r.code, 6, "{}", r.stderr);
+    assert!(r.stderr.contains("token"), "{}", r.stderr);
+    // It beats RCP_TOKEN.
+    let r = rcp(
+        d.port,
+        T,
+        Some("s3cret"),
+        &["--token-file", &wrong, "push", s, &dst],
+    );
+    assert_eq!(r.code, 6, "{}", r.stderr);
+    for (f, why) in [
+        (empty.as_str(), "is empty"),
+        ("/no/such/token", "No such file"),
+    ] {
+        let r = push(f);
+        assert_eq!(r.code, 1, "{}", r.stderr);
+        assert!(
+            r.stderr.contains(&format!("--token-file {f}: ")),
+            "{}",
+            r.stderr
+        );
+        assert!(r.stderr.contains(why), "{}", r.stderr);
+    }
+    // push --help and pull --help say where the token comes from.
+    for cmd in ["push", "pull"] {
+        let r = rcp(d.port, T, None, &[cmd, "--help"]);
+        assert!(
+            r.stdout.contains("RCP_TOKEN") && r.stdout.contains("--token-file"),
+            "{}",
+            r.stdout
+        );
+    }
+}
+
+#[test]
+fn a_user_name_is_refused() {
+    let (tmp, root) = e2e::tmp_with_root();
+    let d = Rcpd::start(&root, T, None, &[]);
+    let src = tmp.path().join("a.bin");
+    make_file(&src, 1000, 9);
+    let user_at = format!("me@{}", remote("a.bin"));
+    for args in [
+        vec!["push", src.to_str().unwrap(), &user_at],
+        vec!["pull", &user_at, tmp.path().to_str().unwrap()],
+    ] {
+        let r = rcp(d.port, T, None, &args);
+        assert_eq!(r.code, 1, "{}", r.stderr);
+        assert!(r.stderr.contains("rcp has no users"), "{}", r.stderr);
+    }
+    assert!(!root.join("a.bin").exists());
+}

@@ -17,7 +17,8 @@ use rcp::proto::Direction;
 
 const AFTER_HELP: &str = "\
 Remote paths are HOST:PATH or [IPV6]:PATH, resolved beneath the server's --root.
-The bearer token is read from RCP_TOKEN. Every flag can also be set as RCP_<FLAG>
+The bearer token is read from --token-file or RCP_TOKEN (rcp has no users:
+HOST:PATH, never user@HOST:PATH). Every flag can also be set as RCP_<FLAG>
 (e.g. RCP_PORT, RCP_TRANSPORT, RCP_BLOCK_SIZE); a flag beats the environment.
 
 Exit codes:
@@ -141,6 +142,10 @@ struct Cli {
     /// output (push, pull, bench, doctor; schema in docs/json.md).
     #[arg(long, env = "RCP_JSON", global = true)]
     json: bool,
+    /// File holding rcpd's bearer token (surrounding whitespace trimmed);
+    /// without it the token is read from RCP_TOKEN. Beats RCP_TOKEN.
+    #[arg(long, env = "RCP_TOKEN_FILE", global = true)]
+    token_file: Option<PathBuf>,
     /// Talk TLS to rcpd, trusting this PEM CA.
     #[arg(long, env = "RCP_TLS_CA", global = true)]
     tls_ca: Option<PathBuf>,
@@ -528,7 +533,7 @@ fn print_plan(plan: &Plan, as_json: bool, quiet: bool, seconds: f64) {
 }
 
 async fn run(c: Cli) -> Result<(), ControlError> {
-    let opts = client_options(&c);
+    let opts = client_options(&c)?;
     let (copy, args, push) = match &c.cmd {
         Cmd::Push { copy, args } => (copy, args, true),
         Cmd::Pull { copy, args } => (copy, args, false),
@@ -544,10 +549,26 @@ async fn run(c: Cli) -> Result<(), ControlError> {
     copy_files(&c, copy, &paths, opts).await
 }
 
+/// The bearer token: `--token-file`'s, else `RCP_TOKEN`'s.
+fn token(c: &Cli) -> Result<Option<String>, ControlError> {
+    let Some(f) = &c.token_file else {
+        return Ok(std::env::var("RCP_TOKEN").ok().filter(|t| !t.is_empty()));
+    };
+    let t = std::fs::read_to_string(f)
+        .map_err(|e| ControlError::Usage(format!("--token-file {}: {e}", f.display())))?;
+    match t.trim() {
+        "" => Err(ControlError::Usage(format!(
+            "--token-file {}: the file is empty",
+            f.display()
+        ))),
+        t => Ok(Some(t.to_string())),
+    }
+}
+
 /// What the user typed becomes the client's settings (once).
-fn client_options(c: &Cli) -> ClientOptions {
-    ClientOptions {
-        token: std::env::var("RCP_TOKEN").ok().filter(|t| !t.is_empty()),
+fn client_options(c: &Cli) -> Result<ClientOptions, ControlError> {
+    Ok(ClientOptions {
+        token: token(c)?,
         transport: c.transport,
         rails: c.device.clone().map(|d| d.0).unwrap_or_default(),
         qps_per_rail: c.qps_per_rail,
@@ -580,7 +601,7 @@ fn client_options(c: &Cli) -> ClientOptions {
             _ => None,
         },
         ..ClientOptions::default()
-    }
+    })
 }
 
 /// `rcp doctor [HOST]`: a line per check; an error when one failed.
