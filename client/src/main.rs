@@ -167,9 +167,11 @@ struct Cli {
 enum Cmd {
     /// rcp bench [HOST[:PORT]]: perftest-like benchmark of the data path
     /// over verbs. Without HOST: loopback on the local device (two QPs, one
-    /// process). --server: serve one client (perftest style). Uses the
-    /// global --batch, --signal-every, --inline, --mode, --device,
-    /// --gid-index. Prints one `bench op=... ` line per run.
+    /// process). --server: serve one client (perftest style). With
+    /// --transport tcp (or auto on a host without RDMA devices): loopback
+    /// through the TCP provider on 127.0.0.1. Uses the global --batch,
+    /// --signal-every, --inline, --mode, --device, --gid-index. Prints one
+    /// `bench op=... ` line per run.
     Bench {
         /// A `rcp bench --server` to run against (port 18515 unless given).
         host: Option<String>,
@@ -779,6 +781,28 @@ fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
+/// Whether the bench runs over tcp: when asked, or with auto for a
+/// loopback run on a host without RDMA devices (and none named); a run
+/// that needs a peer's device (`--server`, HOST, `--compare`) over tcp is
+/// a usage error (its exit code).
+fn bench_over_tcp(c: &Cli, loopback: bool) -> Result<bool, i32> {
+    let tcp = match c.transport {
+        Transport::Tcp => true,
+        Transport::Verbs => false,
+        Transport::Auto => loopback && c.device.is_none() && rcp::verbs::device_names().is_empty(),
+    };
+    if tcp && !loopback {
+        let m = "over tcp rcp bench runs loopback only (no --server, HOST or --compare): \
+                 give --transport verbs for those";
+        eprintln!("rcp bench: {m}");
+        if c.json {
+            print_error(exit::USAGE, "USAGE", m);
+        }
+        return Err(exit::USAGE);
+    }
+    Ok(tcp)
+}
+
 /// `rcp bench`: synchronous (the data path has its own threads).
 fn bench(c: &Cli) -> i32 {
     use rcp::bench::{self, BenchOptions, ServerOptions};
@@ -814,13 +838,18 @@ fn bench(c: &Cli) -> i32 {
             return exit::USAGE;
         }
     };
+    let tcp = match bench_over_tcp(c, !*server && !*compare && host.is_none()) {
+        Ok(t) => t,
+        Err(code) => return code,
+    };
     let o = BenchOptions {
+        tcp,
         op: *op,
         size: *size,
         batch: c.batch,
         signal_every: c.signal_every.unwrap_or(c.batch),
         inline: c.inline.unwrap_or(0),
-        mode: c.poll_mode.unwrap_or(rcp::datapath::PollMode::Poll),
+        mode: c.poll_mode.unwrap_or(bench::default_mode(tcp)),
         cq_cpu: c.cq_cpu.unwrap_or_default(),
         // With --seconds: rounds of about 64 MiB, so a run ends close to
         // its seconds even with large messages.
