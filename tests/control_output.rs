@@ -426,3 +426,30 @@ fn a_user_name_is_refused() {
     }
     assert!(!root.join("a.bin").exists());
 }
+
+#[test]
+fn verbs_asked_for_without_rdma_is_an_error_not_a_retry() {
+    if !rcp::verbs::device_names().is_empty() {
+        eprintln!("this host has RDMA devices");
+        return;
+    }
+    let (tmp, root) = e2e::tmp_with_root();
+    let d = Rcpd::start(&root, T, None, &[]);
+    let src = tmp.path().join("a.bin");
+    make_file(&src, 1000, 10);
+    let r = pushed(&d, &[], &src, "a.bin", "verbs");
+    assert_eq!(r.code, 6, "{}", r.stderr);
+    assert!(r.stderr.starts_with("rcp: "), "{}", r.stderr);
+    assert!(
+        r.stderr.contains("ibverbs-providers"),
+        "the fix: {}",
+        r.stderr
+    );
+    assert_eq!(
+        r.stderr.matches("errno").count() + r.stderr.matches("os error").count(),
+        1,
+        "{}",
+        r.stderr
+    );
+    assert!(!root.join("a.bin").exists());
+}

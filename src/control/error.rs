@@ -202,7 +202,8 @@ impl ControlError {
             Unauthenticated(_) => Reason::Unauthenticated,
             Permission(_) => Reason::Permission,
             Exceeded(_) => Reason::Exceeded,
-            Retryable(_) | Provider(_) => Reason::Retryable,
+            Retryable(_) => Reason::Retryable,
+            Provider(p) => provider_reason(p),
             Io { source, .. } => io_reason(source),
             DataPath(e) => datapath_reason(e),
             Failed(f) => f.reason,
@@ -237,6 +238,18 @@ pub fn io_reason(e: &std::io::Error) -> Reason {
         std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded => Reason::Exceeded,
         std::io::ErrorKind::InvalidData => Reason::Integrity,
         _ => Reason::Other,
+    }
+}
+
+/// The reason of a provider error: a device (or its provider library)
+/// that is not there will not appear on a retry (exit 6: `--transport
+/// verbs` on a host without RDMA); the rest may pass.
+pub fn provider_reason(e: &crate::provider::ProviderError) -> Reason {
+    match e {
+        crate::provider::ProviderError::Verbs(v) if v.hint == crate::verbs::Hint::Device => {
+            Reason::Invalid
+        }
+        _ => Reason::Retryable,
     }
 }
 
