@@ -232,6 +232,9 @@ pub struct BenchLine {
     pub wakeups: u64,
     pub tx_depth: u32,
     pub cq_cpu: String,
+    /// `verbs`, or `tcp` (`rcp bench --transport tcp`: loopback over the
+    /// TCP provider).
+    pub transport: &'static str,
 }
 
 /// `"type": "listening"`: `rcp bench --server` is ready.

@@ -38,6 +38,7 @@ pub mod metrics;
 pub mod parse;
 pub mod phase;
 pub mod provider;
+pub mod units;
 pub mod verbs;
 
 pub mod proto {

@@ -458,6 +458,12 @@ impl Session {
         self.id
     }
 
+    /// The data path's live counters (bytes confirmed as each chain of
+    /// blocks completes), for progress between windows.
+    pub fn data_path_stats(&self) -> Option<Arc<crate::datapath::DataPathStats>> {
+        self.dp.as_ref().map(|dp| dp.stats().clone())
+    }
+
     /// Why the last transfer gave up on RDMA (`--transport auto`, every
     /// rail down past `tcp_fallback_after`): the jobs policy then continues
     /// over tcp.

@@ -597,7 +597,8 @@ impl ClientCore {
         }
         if let Some(ff) = f.failed.into_iter().next() {
             let reason = Reason::try_from(ff.reason).unwrap_or(Reason::Other);
-            return self.end(Err(Failure::new(reason, ff.message)));
+            // Said by rcpd, about its side.
+            return self.end(Err(Failure::new(reason, format!("rcpd: {}", ff.message))));
         }
         for o in f.opened {
             self.on_opened(o);
