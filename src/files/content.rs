@@ -1,0 +1,123 @@
+//! What a file holds, as digests, without copying it: each block's digest
+//! under a [`Check`] and the derived file digest built from them (the same
+//! encoding a copy's commit compares, see [`super::digest`]). `rcp -c`
+//! compares the file digests of both ends; `--delta` compares the blocks'.
+//!
+//! Both ends compute them on the process-wide hashing pool
+//! ([`super::digest::on_pool`]): a batch of small files a file per pool
+//! thread, a large file a block per pool thread.
+
+use super::digest::{file_digest_with, on_pool, Check, Sha256Digest};
+use super::{Result, SourceFile};
+
+/// The digests of one file's content cut into blocks of one size.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Content {
+    pub len: u64,
+    /// The derived file digest (the check's encoding, see the module doc
+    /// of [`super::digest`]).
+    pub digest: Sha256Digest,
+    /// Each block's digest, in order (empty unless asked for).
+    pub blocks: Vec<Sha256Digest>,
+}
+
+/// Blocks of a file hashed together on one pool thread, so that a file of
+/// small blocks does not cost a pool hand-off per block.
+const BLOCKS_PER_TASK: u64 = 4;
+
+/// Each block's digest of `src` cut at `block_size`, read with `pread`
+/// (buffered) and hashed on the pool.
+pub fn block_digests(src: &SourceFile, check: Check, block_size: u64) -> Result<Vec<Sha256Digest>> {
+    let len = src.len();
+    let n = len.div_ceil(block_size);
+    let tasks: Vec<u64> = (0..n.div_ceil(BLOCKS_PER_TASK)).collect();
+    let hash_task = |t: &u64| -> Result<Vec<Sha256Digest>> {
+        let mut buf = vec![0u8; block_size as usize];
+        let first = t * BLOCKS_PER_TASK;
+        let mut out = Vec::new();
+        for b in first..(first + BLOCKS_PER_TASK).min(n) {
+            let off = b * block_size;
+            let want = (len - off).min(block_size) as usize;
+            let got = src.read_at(off, &mut buf[..want])?;
+            out.push(check.block(&buf[..got]));
+        }
+        Ok(out)
+    };
+    let parts = if tasks.len() > 1 {
+        on_pool(&tasks, hash_task)
+    } else {
+        tasks.iter().map(hash_task).collect()
+    };
+    let mut all = Vec::with_capacity(n as usize);
+    for p in parts {
+        all.extend(p?);
+    }
+    Ok(all)
+}
+
+/// [`Content`] of `src`: its file digest, and its block digests when
+/// `keep_blocks`.
+pub fn content(
+    src: &SourceFile,
+    check: Check,
+    block_size: u64,
+    keep_blocks: bool,
+) -> Result<Content> {
+    let blocks = block_digests(src, check, block_size)?;
+    let digest = file_digest_with(check, src.len(), block_size, &blocks);
+    Ok(Content {
+        len: src.len(),
+        digest,
+        blocks: if keep_blocks { blocks } else { Vec::new() },
+    })
+}
+
+/// [`content`] of each file `open` opens, a file per pool thread (its
+/// blocks then hashed on that thread or spread again for a large file);
+/// `None` where `open` found no regular file.
+pub fn contents<T: Sync>(
+    items: &[T],
+    open: impl Fn(&T) -> Result<Option<SourceFile>> + Sync + Send,
+    check: Check,
+    block_size: u64,
+    keep_blocks: bool,
+) -> Vec<Result<Option<Content>>> {
+    on_pool(items, |it| {
+        let Some(src) = open(it)? else {
+            return Ok(None);
+        };
+        content(&src, check, block_size, keep_blocks).map(Some)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocks_and_file_digest_match_the_copys_encoding() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("f");
+        let data: Vec<u8> = (0..(5 * 4096 + 17)).map(|i| (i * 7 % 251) as u8).collect();
+        std::fs::write(&p, &data).unwrap();
+        let src = SourceFile::open(&p).unwrap();
+        let c = content(&src, Check::Blake3, 4096, true).unwrap();
+        let want: Vec<Sha256Digest> = data.chunks(4096).map(|b| Check::Blake3.block(b)).collect();
+        assert_eq!(c.blocks, want);
+        assert_eq!(c.len, data.len() as u64);
+        assert_eq!(
+            c.digest,
+            file_digest_with(Check::Blake3, data.len() as u64, 4096, &want)
+        );
+        let empty = dir.path().join("e");
+        std::fs::write(&empty, b"").unwrap();
+        let e = content(
+            &SourceFile::open(&empty).unwrap(),
+            Check::Blake3,
+            4096,
+            true,
+        )
+        .unwrap();
+        assert!(e.blocks.is_empty());
+    }
+}
