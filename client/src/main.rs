@@ -266,11 +266,17 @@ struct CopyArgs {
     /// Skip files that exist at the destination, whatever they hold.
     #[arg(long, env = "RCP_IGNORE_EXISTING")]
     ignore_existing: bool,
+    /// Of a file that exists at the destination and differs, move only the
+    /// blocks whose digests differ (both ends hash their copy); the rest is
+    /// taken from the destination's copy. --resume does it too.
+    #[arg(long, env = "RCP_DELTA")]
+    delta: bool,
 }
 
 impl CopyArgs {
-    /// Which files already at the destination stay (rsync's rules).
-    fn skip_rules(&self) -> jobs::skip::Rules {
+    /// Which files already at the destination stay (rsync's rules), and
+    /// whether the others move as deltas (`--delta`, `--resume`).
+    fn skip_rules(&self, resume: bool) -> jobs::skip::Rules {
         use jobs::skip::Compare;
         jobs::skip::Rules {
             compare: if self.checksum {
@@ -282,6 +288,7 @@ impl CopyArgs {
             },
             update: self.update,
             ignore_existing: self.ignore_existing,
+            delta: self.delta || resume,
         }
     }
 }
@@ -608,7 +615,7 @@ async fn copy_files(
         preserve: c.preserve,
         resume: c.resume,
         sha256: c.sha256,
-        skip: copy.skip_rules(),
+        skip: copy.skip_rules(c.resume),
     };
     rcp::phase::mark("runtime up, arguments parsed");
     let client = Client::connect(paths.addr(), opts).await?;

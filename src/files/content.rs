@@ -8,7 +8,7 @@
 //! thread, a large file a block per pool thread.
 
 use super::digest::{file_digest_with, on_pool, Check, Sha256Digest};
-use super::{Result, SourceFile};
+use super::{Destination, Result, SourceFile};
 
 /// The digests of one file's content cut into blocks of one size.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -88,6 +88,56 @@ pub fn contents<T: Sync>(
         };
         content(&src, check, block_size, keep_blocks).map(Some)
     })
+}
+
+/// Blocks [`seed`] reads and hashes together.
+const SEED_BATCH: usize = 16;
+
+/// `--delta`: write into `dest` (fresh) each block of `keep` (index and
+/// digest under `check`, the destination's) that `src`, the file now at the
+/// destination's name, still holds: read, hashed again on the pool a batch
+/// at a time, written as if it had arrived ([`Destination::write_block`]).
+/// A block `src` no longer holds (shorter, changed) is left missing: it
+/// moves. Returns how many were kept.
+pub fn seed(
+    src: &SourceFile,
+    dest: &mut Destination,
+    keep: &[(u64, Sha256Digest)],
+    check: Check,
+) -> Result<u64> {
+    if check.is_none() {
+        return Ok(0);
+    }
+    let bs = dest.block_size();
+    let mut kept = 0;
+    for batch in keep.chunks(SEED_BATCH) {
+        let mut bufs = Vec::with_capacity(batch.len());
+        for &(b, _) in batch {
+            if b >= dest.block_count() {
+                bufs.push(None);
+                continue;
+            }
+            let want = dest.block_len(b) as usize;
+            let mut buf = vec![0u8; want];
+            let got = if b * bs < src.len() {
+                src.read_at(b * bs, &mut buf)?
+            } else {
+                0
+            };
+            bufs.push((got == want).then_some(buf));
+        }
+        let slices: Vec<&[u8]> = bufs.iter().flatten().map(|b| b.as_slice()).collect();
+        let mut hashed = check.blocks(&slices).into_iter();
+        for (&(b, want), buf) in batch.iter().zip(&bufs) {
+            let Some(buf) = buf else { continue };
+            let d = hashed.next().expect("a digest per block read");
+            if d == want {
+                dest.write_block(b, buf, d)?;
+                kept += 1;
+            }
+        }
+    }
+    Ok(kept)
 }
 
 #[cfg(test)]

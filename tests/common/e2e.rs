@@ -864,5 +864,17 @@ macro_rules! e2e_tests {
         fn pull_checksum_finds_a_same_size_change() {
             $crate::common::e2e_sync::checksum_finds_a_same_size_change($t, false);
         }
+
+        #[test]
+        $(#[$attr])*
+        fn push_delta_moves_only_the_changed_block() {
+            $crate::common::e2e_sync::delta_moves_only_the_changed_block($t, true);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn pull_delta_moves_only_the_changed_block() {
+            $crate::common::e2e_sync::delta_moves_only_the_changed_block($t, false);
+        }
     };
 }

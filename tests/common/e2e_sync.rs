@@ -251,3 +251,60 @@ pub fn checksum_finds_a_same_size_change(t: &str, push: bool) {
     assert_eq!(r["skipped"], n, "{r}");
     assert_eq!(s.sessions(), before + 1);
 }
+
+/// `--delta` of a file with one changed block moves that block, and the
+/// copy matches the source; `--resume` of a finished, unchanged file (no
+/// `-p`: the quick check would copy it) moves nothing.
+pub fn delta_moves_only_the_changed_block(t: &str, push: bool) {
+    const BS: u64 = 64 << 10;
+    let (tmp, root) = tmp_with_root();
+    let d = Rcpd::start(&root, t, None, &[]);
+    let local = tmp.path().join("local");
+    std::fs::create_dir(&local).unwrap();
+    let (src, dst) = if push {
+        (local.join("f"), root.join("f"))
+    } else {
+        (root.join("f"), local.join("f"))
+    };
+    let len = 16 * BS + 1000;
+    make_file(&src, len, 7);
+    let run = |args: &[&str]| {
+        let (sub, from, to) = if push {
+            ("push", src.to_str().unwrap().to_string(), remote("f"))
+        } else {
+            ("pull", remote("f"), dst.to_str().unwrap().to_string())
+        };
+        let mut a = vec![sub, "--json", "--block-size", "64K"];
+        a.extend_from_slice(args);
+        a.extend([from.as_str(), to.as_str()]);
+        let r = rcp(d.port, t, None, &a);
+        assert_eq!(r.code, 0, "{a:?}: {}{}\n{}", r.stdout, r.stderr, d.log());
+        summary(&r.stdout)
+    };
+    let r = run(&[]);
+    assert_eq!(r["moved"], len, "{r}");
+    // One block changes in the middle, the size does not.
+    let mut b = std::fs::read(&src).unwrap();
+    for x in &mut b[(5 * BS + 10) as usize..(5 * BS + 500) as usize] {
+        *x = !*x;
+    }
+    std::fs::write(&src, &b).unwrap();
+    let r = run(&["--delta"]);
+    assert_eq!(r["files"], 1, "{r}");
+    assert_eq!(r["moved"], BS, "one block moves: {r}");
+    assert_eq!(sha256sum(&dst), sha256sum(&src));
+    // Nothing changed since: --resume moves nothing (and commits the same
+    // file again).
+    let r = run(&["--resume"]);
+    assert_eq!(r["files"], 1, "{r}");
+    assert_eq!(r["moved"], 0, "{r}");
+    assert_eq!(sha256sum(&dst), sha256sum(&src));
+    // Without --delta, every block moves.
+    let r = run(&[]);
+    assert_eq!(r["moved"], len, "{r}");
+    // No partial file or manifest is left beside the copy.
+    for e in std::fs::read_dir(dst.parent().unwrap()).unwrap() {
+        let n = e.unwrap().file_name().to_string_lossy().into_owned();
+        assert!(!n.starts_with('.'), "left behind: {n}");
+    }
+}

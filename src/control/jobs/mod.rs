@@ -16,6 +16,7 @@
 //! - [`Totals`]: what the summary line says;
 //! - [`doctor`]: the local checks plus whether an rcpd answers.
 
+mod delta;
 mod paths;
 mod policy;
 mod pool;

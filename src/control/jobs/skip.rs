@@ -52,6 +52,9 @@ pub struct Rules {
     pub update: bool,
     /// `--ignore-existing`: anything at the destination's name stays.
     pub ignore_existing: bool,
+    /// `--delta` (and `--resume`): of a file that moves and exists at the
+    /// destination, only the blocks that differ move ([`super::delta`]).
+    pub delta: bool,
 }
 
 impl Rules {
@@ -211,7 +214,7 @@ fn source_meta(plan: &Plan, i: usize) -> Result<Meta> {
 
 /// The check whose digests `-c` compares: the first of the client's
 /// `--verify` that hashes (BLAKE3 unless told).
-fn content_check(client: &Client) -> Check {
+pub(super) fn content_check(client: &Client) -> Check {
     client
         .options()
         .verify
@@ -346,7 +349,7 @@ pub async fn prune(client: &Client, plan: &mut Plan, rules: &Rules) -> Result<()
             .collect::<Result<Vec<_>>>()?
     };
     let mut verdicts = Vec::with_capacity(dests.len());
-    for (i, d) in dests.into_iter().enumerate() {
+    for (i, &d) in dests.iter().enumerate() {
         verdicts.push(decide(rules, source_meta(plan, i)?, d));
     }
     let idx: Vec<usize> = (0..verdicts.len())
@@ -356,6 +359,15 @@ pub async fn prune(client: &Client, plan: &mut Plan, rules: &Rules) -> Result<()
         for (&i, same) in idx.iter().zip(same_content(client, plan, &idx).await?) {
             verdicts[i] = if same { Verdict::Skip } else { Verdict::Copy };
         }
+    }
+    if rules.delta {
+        // Files that move over a copy of more than one block.
+        let bs = client.options().block_size;
+        let idx: Vec<usize> = (0..verdicts.len())
+            .filter(|&i| verdicts[i] == Verdict::Copy && plan.files[i].bytes > bs)
+            .filter(|&i| matches!(dests[i], Dest::File(m) if m.len > 0))
+            .collect();
+        super::delta::prepare(client, plan, &idx).await?;
     }
     let files = std::mem::take(&mut plan.files);
     for (f, v) in files.into_iter().zip(verdicts) {

@@ -20,6 +20,7 @@
 //! The service knows nothing of the client library: the `Copy` API is
 //! served through a [`Copier`] that `daemon` plugs in.
 
+mod delta;
 mod digests;
 mod io;
 mod limits;
