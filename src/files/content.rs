@@ -170,4 +170,32 @@ mod tests {
         .unwrap();
         assert!(e.blocks.is_empty());
     }
+
+    #[test]
+    fn seed_keeps_only_the_blocks_the_old_copy_still_holds() {
+        let dir = tempfile::tempdir().unwrap();
+        let old: Vec<u8> = (0..(4 * 4096 + 100)).map(|i| (i % 253) as u8).collect();
+        let p = dir.path().join("f");
+        std::fs::write(&p, &old).unwrap();
+        let mut new = old.clone();
+        new[4096 + 7] ^= 0xff;
+        let digests: Vec<Sha256Digest> = new.chunks(4096).map(|b| Check::Blake3.block(b)).collect();
+        // Asked to keep every block but 1; block 3's digest is wrong.
+        let mut keep: Vec<(u64, Sha256Digest)> = [0u64, 2, 3, 4]
+            .iter()
+            .map(|&b| (b, digests[b as usize]))
+            .collect();
+        keep[2].1 = [7; 32];
+        let d = crate::files::DirHandle::open(dir.path()).unwrap();
+        let opts = crate::files::DestinationOptions {
+            block_size: 4096,
+            check: Check::Blake3,
+            ..Default::default()
+        };
+        let mut dest = Destination::create(&d, "f", new.len() as u64, opts).unwrap();
+        let src = SourceFile::open(&p).unwrap();
+        assert_eq!(seed(&src, &mut dest, &keep, Check::Blake3).unwrap(), 3);
+        assert_eq!(dest.missing_blocks(), vec![1, 3]);
+        dest.abort();
+    }
 }
