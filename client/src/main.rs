@@ -288,7 +288,8 @@ impl CopyArgs {
             },
             update: self.update,
             ignore_existing: self.ignore_existing,
-            delta: self.delta || resume,
+            // A dry run hashes nothing and makes no partial file.
+            delta: (self.delta || resume) && !self.dry_run,
         }
     }
 }

@@ -153,19 +153,28 @@ async fn remote_dests(client: &Client, plan: &Plan) -> Result<(Vec<Dest>, HashSe
     let mut found: HashMap<String, Dest> = HashMap::new();
     let mut existing = HashSet::new();
     for top in tops {
-        let entries = match client.list(top, true).await {
-            Ok(e) => e,
+        let listed = match client.list(top, true).await {
+            Ok(e) => vec![(top.to_string(), e)],
             // Not there yet (or not a directory: the copy says so).
             Err(e) if e.reason() == Reason::DirNotFound => continue,
-            Err(e) => return Err(e),
-        };
-        existing.insert(top.to_string());
-        for e in &entries {
-            let p = join_remote(top, Path::new(&e.path));
-            if e.r#type == FileType::Dir as i32 {
-                existing.insert(p.clone());
+            // A tree too large for one answer: a List per directory.
+            Err(e) => {
+                tracing::debug!(error = %e, top, "listing the destination per directory");
+                let beneath = dirs.iter().filter(|d| {
+                    *d == top || d.strip_prefix(top).is_some_and(|r| r.starts_with('/'))
+                });
+                list_each(client, beneath.map(|d| d.to_string()).collect()).await?
             }
-            found.insert(p, remote_dest(e));
+        };
+        for (dir, entries) in listed {
+            existing.insert(dir.clone());
+            for e in &entries {
+                let p = join_remote(&dir, Path::new(&e.path));
+                if e.r#type == FileType::Dir as i32 {
+                    existing.insert(p.clone());
+                }
+                found.insert(p, remote_dest(e));
+            }
         }
     }
     let singles: Vec<usize> = (0..plan.files.len())
@@ -190,6 +199,22 @@ async fn remote_dests(client: &Client, plan: &Plan) -> Result<(Vec<Dest>, HashSe
         out[i] = d;
     }
     Ok((out, existing))
+}
+
+/// A List (not recursive) of each of `dirs` that exists, 16 at a time.
+async fn list_each(client: &Client, dirs: Vec<String>) -> Result<Vec<(String, Vec<proto::Entry>)>> {
+    let listed: Vec<Option<(String, Vec<proto::Entry>)>> = futures::stream::iter(dirs)
+        .map(|d| async move {
+            match client.list(&d, false).await {
+                Ok(e) => Ok(Some((d, e))),
+                Err(e) if e.reason() == Reason::DirNotFound => Ok(None),
+                Err(e) => Err(e),
+            }
+        })
+        .buffered(16)
+        .try_collect()
+        .await?;
+    Ok(listed.into_iter().flatten().collect())
 }
 
 /// The source's [`Meta`] of a planned file (a push's local source stated
