@@ -254,6 +254,51 @@ struct CopyArgs {
     /// 1m; 0: never): a JSON line with --json, else a line on stderr.
     #[arg(long, visible_alias = "progress-interval", env = "RCP_STATS", value_parser = parse_interval)]
     stats: Option<Duration>,
+    /// Compare files of the same size by content (digests computed on
+    /// both ends) instead of size and mtime; unchanged ones are skipped.
+    #[arg(
+        short = 'c',
+        long,
+        env = "RCP_CHECKSUM",
+        conflicts_with = "ignore_times"
+    )]
+    checksum: bool,
+    /// Never skip a file for having the source's size and mtime at the
+    /// destination (rsync's quick check, the default).
+    #[arg(short = 'I', long, env = "RCP_IGNORE_TIMES")]
+    ignore_times: bool,
+    /// Skip files that are newer at the destination.
+    #[arg(short = 'u', long, env = "RCP_UPDATE")]
+    update: bool,
+    /// Skip files that exist at the destination, whatever they hold.
+    #[arg(long, env = "RCP_IGNORE_EXISTING")]
+    ignore_existing: bool,
+    /// Of a file that exists at the destination and differs, move only the
+    /// blocks whose digests differ (both ends hash their copy); the rest is
+    /// taken from the destination's copy. --resume does it too.
+    #[arg(long, env = "RCP_DELTA")]
+    delta: bool,
+}
+
+impl CopyArgs {
+    /// Which files already at the destination stay (rsync's rules), and
+    /// whether the others move as deltas (`--delta`, `--resume`).
+    fn skip_rules(&self, resume: bool) -> jobs::skip::Rules {
+        use jobs::skip::Compare;
+        jobs::skip::Rules {
+            compare: if self.checksum {
+                Compare::Content
+            } else if self.ignore_times {
+                Compare::Always
+            } else {
+                Compare::Quick
+            },
+            update: self.update,
+            ignore_existing: self.ignore_existing,
+            // A dry run hashes nothing and makes no partial file.
+            delta: (self.delta || resume) && !self.dry_run,
+        }
+    }
 }
 
 impl Cli {
@@ -514,6 +559,7 @@ fn print_plan(plan: &Plan, as_json: bool, quiet: bool, seconds: f64) {
             dirs,
             bytes,
             moved: 0,
+            skipped: plan.skipped.len() as u64,
             seconds,
             gbps: 0.0,
             transport: None,
@@ -527,9 +573,11 @@ fn print_plan(plan: &Plan, as_json: bool, quiet: bool, seconds: f64) {
         println!("{}", line("summary", &l));
     } else if !quiet {
         println!(
-            "dry run: {files} file{}, {bytes} bytes, {dirs} director{} to make; nothing copied",
+            "dry run: {files} file{}, {bytes} bytes, {dirs} director{} to make, {} unchanged; \
+             nothing copied",
             if files == 1 { "" } else { "s" },
             if dirs == 1 { "y" } else { "ies" },
+            plan.skipped.len(),
         );
     }
 }
@@ -661,6 +709,7 @@ async fn copy_files(
         preserve: c.preserve,
         resume: c.resume,
         sha256: c.sha256,
+        skip: copy.skip_rules(c.resume),
     };
     rcp::phase::mark("runtime up, arguments parsed");
     let client = Client::connect(paths.addr(), opts).await?;
@@ -737,6 +786,7 @@ fn print_outcome(c: &Cli, direction: Direction, dirs: u64, outcome: jobs::Outcom
         check,
         fell_back,
         stats,
+        session,
     } = outcome;
     let transport = kind.to_string();
     if c.json {
@@ -748,9 +798,10 @@ fn print_outcome(c: &Cli, direction: Direction, dirs: u64, outcome: jobs::Outcom
             dirs,
             bytes: totals.bytes,
             moved: totals.moved,
+            skipped: totals.skipped,
             seconds: totals.seconds,
             gbps: totals.gbps(),
-            transport: Some(transport),
+            transport: session.then_some(transport),
             check: Some(check.name()),
             digest_format: Some(check.digest_format()),
             digest: totals.digest.as_deref().filter(|_| one).map(hex),
@@ -759,6 +810,8 @@ fn print_outcome(c: &Cli, direction: Direction, dirs: u64, outcome: jobs::Outcom
             fallback: fell_back,
         };
         println!("{}", line("summary", &l));
+    } else if !c.quiet && !session {
+        println!("{}", totals.summary_unchanged());
     } else if !c.quiet {
         let over = match &fell_back {
             // Why: the WARNING line when it happened.

@@ -906,5 +906,53 @@ macro_rules! e2e_tests {
         fn stopped_server_makes_the_client_give_up() {
             $crate::common::e2e::stopped_server_makes_the_client_give_up($t, &$scale);
         }
+
+        #[test]
+        $(#[$attr])*
+        fn push_rerun_skips_what_is_unchanged() {
+            $crate::common::e2e_sync::rerun_skips_what_is_unchanged($t, true);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn pull_rerun_skips_what_is_unchanged() {
+            $crate::common::e2e_sync::rerun_skips_what_is_unchanged($t, false);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn push_update_and_ignore_existing() {
+            $crate::common::e2e_sync::update_and_ignore_existing($t, true);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn pull_update_and_ignore_existing() {
+            $crate::common::e2e_sync::update_and_ignore_existing($t, false);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn push_checksum_finds_a_same_size_change() {
+            $crate::common::e2e_sync::checksum_finds_a_same_size_change($t, true);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn pull_checksum_finds_a_same_size_change() {
+            $crate::common::e2e_sync::checksum_finds_a_same_size_change($t, false);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn push_delta_moves_only_the_changed_block() {
+            $crate::common::e2e_sync::delta_moves_only_the_changed_block($t, true);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn pull_delta_moves_only_the_changed_block() {
+            $crate::common::e2e_sync::delta_moves_only_the_changed_block($t, false);
+        }
     };
 }

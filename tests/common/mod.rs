@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod e2e;
+pub mod e2e_sync;
 pub mod metrics;
 pub mod pattern;
 pub mod raw;

@@ -462,6 +462,30 @@ impl Client {
         &self.host
     }
 
+    /// rcpd's digests of `paths` (beneath its root) under `check`, cut at
+    /// `block_size`, each block's too when `blocks`: one `Digests` call, in
+    /// the order of `paths` ([`crate::control::jobs::skip`]).
+    pub async fn digests(
+        &self,
+        paths: Vec<String>,
+        check: crate::files::Check,
+        block_size: u64,
+        blocks: bool,
+    ) -> Result<Vec<proto::FileDigests>> {
+        Ok(self
+            .rpc
+            .clone()
+            .digests(proto::DigestsRequest {
+                paths,
+                check: super::protocol::check_to_wire(check) as i32,
+                block_size,
+                blocks,
+            })
+            .await?
+            .into_inner()
+            .files)
+    }
+
     /// Metadata of a remote path (`None` if it does not exist).
     pub async fn stat(&self, path: &str) -> Result<Option<proto::Entry>> {
         self.stat_with(path, false).await

@@ -16,9 +16,11 @@
 //! - [`Totals`]: what the summary line says;
 //! - [`doctor`]: the local checks plus whether an rcpd answers.
 
+mod delta;
 mod paths;
 mod policy;
 mod pool;
+pub mod skip;
 
 use std::path::{Component, Path, PathBuf};
 
@@ -79,6 +81,9 @@ pub struct Job {
     /// Also compute the flat SHA-256 of every file (on the receiving side)
     /// and show it.
     pub sha256: bool,
+    /// Which files already at the destination stay as they are
+    /// ([`skip`]; the default moves every file).
+    pub skip: skip::Rules,
 }
 
 /// Totals of a run.
@@ -94,6 +99,8 @@ pub struct Totals {
     pub digest: Option<Vec<u8>>,
     /// Its flat SHA-256, when asked for.
     pub sha256: Option<Vec<u8>>,
+    /// Files left as they were at the destination ([`skip`]).
+    pub skipped: u64,
 }
 
 impl Totals {
@@ -131,6 +138,15 @@ impl Totals {
         s
     }
 
+    /// The summary line of a job that left every file as it was (no
+    /// session was opened).
+    pub fn summary_unchanged(&self) -> String {
+        format!(
+            "0 files, 0 B (0 moved) in {:.3} s, {} unchanged: nothing to move",
+            self.seconds, self.skipped
+        )
+    }
+
     /// `N files, 3.00 MiB (3145728 bytes, 3145728 moved) in 0.123 s,
     /// 24.39 MiB/s over tcp[, digest blake3-tree:HEX | , sha256 HEX]`: IEC
     /// units as the progress bar's, the exact counts beside them.
@@ -150,6 +166,9 @@ impl Totals {
             self.seconds,
             crate::units::rate(rate),
         );
+        if self.skipped > 0 {
+            s.push_str(&format!(", {} unchanged", self.skipped));
+        }
         if self.files == 1 {
             match (&self.sha256, &self.digest, check) {
                 // The flat SHA-256: what sha256sum prints for the file.
@@ -253,6 +272,9 @@ pub struct Planned {
     pub dest: String,
     /// Its length when the plan was made.
     pub bytes: u64,
+    /// The source's modification time when the plan saw it (what the
+    /// quick check compares, [`skip`]).
+    pub mtime_ns: Option<i64>,
 }
 
 /// What a push or pull will do, resolved before anything is created on
@@ -267,6 +289,9 @@ pub struct Plan {
     /// Pull `-r`: the local directories to make first.
     pub local_dirs: Vec<PathBuf>,
     pub files: Vec<Planned>,
+    /// Files the job's [`skip::Rules`] leave as they are at the
+    /// destination.
+    pub skipped: Vec<Planned>,
 }
 
 impl Plan {
@@ -339,6 +364,7 @@ pub async fn plan_push(
                 source: local.display().to_string(),
                 dest,
                 bytes: meta.len(),
+                mtime_ns: Some(mtime_ns(&meta)),
             });
             continue;
         }
@@ -380,10 +406,18 @@ pub async fn plan_push(
                 source: src.display().to_string(),
                 dest,
                 bytes: e.len,
+                mtime_ns: Some(super::fsutil::ns_from_ts(e.mtime)),
             });
         }
     }
+    skip::prune(client, &mut plan, &job.skip).await?;
     Ok(plan)
+}
+
+/// A local file's modification time in nanoseconds.
+fn mtime_ns(m: &std::fs::Metadata) -> i64 {
+    use std::os::unix::fs::MetadataExt;
+    m.mtime() * 1_000_000_000 + m.mtime_nsec()
 }
 
 /// Make the plan's remote and local directories. A directory with a file
@@ -468,6 +502,7 @@ pub async fn plan_pull(
                 source: r.clone(),
                 dest: dst.display().to_string(),
                 bytes: st.length,
+                mtime_ns: Some(st.mtime_ns),
             });
             continue;
         }
@@ -494,10 +529,12 @@ pub async fn plan_pull(
                     source: src,
                     dest: dst.display().to_string(),
                     bytes: e.length,
+                    mtime_ns: Some(e.mtime_ns),
                 });
             }
         }
     }
+    skip::prune(client, &mut plan, &job.skip).await?;
     Ok(plan)
 }
 

@@ -85,6 +85,9 @@ pub struct Outcome {
     /// What the last session's data path did (`None`: it was not closed
     /// cleanly, or a pool kept it open).
     pub stats: Option<SessionStats>,
+    /// Whether a session was opened at all (not when every file was left
+    /// as it was).
+    pub session: bool,
 }
 
 /// Whether a job that tried `tried` and failed with `failed` goes on over
@@ -201,10 +204,18 @@ pub async fn run_over(
     let t0 = Instant::now();
     let transport = client.options().transport;
     super::make_dirs(client, &plan).await?;
+    let skipped = plan.skipped.len() as u64;
+    if plan.files.is_empty() {
+        // Nothing moves: no handshake, no data path.
+        return Ok(nothing_moved(client, sessions, skipped, t0));
+    }
     let files: Vec<FileJob> = plan.files.into_iter().map(|p| p.job).collect();
     let c = Counting {
         inner: w,
-        totals: Mutex::new(Totals::default()),
+        totals: Mutex::new(Totals {
+            skipped,
+            ..Totals::default()
+        }),
         done: Mutex::new(HashMap::new()),
     };
     let mut fell_back = None;
@@ -278,7 +289,31 @@ pub async fn run_over(
         check,
         fell_back,
         stats,
+        session: true,
     })
+}
+
+/// The outcome of a job with no file to move (every one left as it was):
+/// no session was opened.
+fn nothing_moved(client: &Client, sessions: &dyn Sessions, skipped: u64, t0: Instant) -> Outcome {
+    let check = client
+        .options()
+        .verify
+        .first()
+        .copied()
+        .unwrap_or(crate::files::Check::Blake3);
+    Outcome {
+        totals: Totals {
+            skipped,
+            seconds: t0.elapsed().as_secs_f64(),
+            ..Totals::default()
+        },
+        kind: sessions.first().0,
+        check,
+        fell_back: None,
+        stats: None,
+        session: false,
+    }
 }
 
 #[cfg(test)]

@@ -23,6 +23,10 @@ pub struct FileSpec {
     pub create_parents: bool,
     /// Ask the receiving side for the flat SHA-256 too.
     pub flat_sha256: bool,
+    /// Push `--delta`: blocks the destination holds already (a bitmap as
+    /// `OpenFile.have_blocks`) and their digests, in block order.
+    pub keep_blocks: Vec<u8>,
+    pub keep_digests: Vec<Vec<u8>>,
 }
 
 /// Push: what [`ClientAction::OpenSource`] found.
@@ -522,6 +526,8 @@ impl ClientCore {
             resume: s.resume,
             create_parents: s.create_parents,
             flat_sha256: s.flat_sha256,
+            keep_blocks: s.keep_blocks.clone(),
+            keep_digests: s.keep_digests.clone(),
             ..Default::default()
         };
         if let Some(m) = meta {

@@ -276,7 +276,16 @@ impl StreamIo {
         };
         let dest = match dest {
             Some(d) => d,
-            None => Destination::create(&dir, &name, open.length, opts)?,
+            None => {
+                let mut d = Destination::create(&dir, &name, open.length, opts)?;
+                if !open.keep_blocks.is_empty() {
+                    let root = self.svc.root();
+                    let check = self.session.params.check;
+                    let kept = super::delta::seed(root, &path, open, &mut d, check)?;
+                    tracing::debug!(path = %esc(&path), kept, "push --delta");
+                }
+                d
+            }
         };
         let total = open.length.div_ceil(self.bs);
         let missing = dest.missing_blocks();

@@ -22,6 +22,8 @@
 //! buffers to peers' sessions through [`BufferGrants`], both plugged in by
 //! `daemon`.
 
+mod delta;
+mod digests;
 mod io;
 mod limits;
 mod session;
@@ -453,6 +455,18 @@ impl proto::rcp_server::Rcp for RcpService {
             *s.last_used.lock().unwrap() = std::time::Instant::now();
         }
         let r = b.done(session.as_deref(), id, req)?;
+        Ok(Response::new(r))
+    }
+
+    async fn digests(
+        &self,
+        req: Request<proto::DigestsRequest>,
+    ) -> std::result::Result<Response<proto::DigestsResponse>, Status> {
+        self.0.heard(&req);
+        let s = self.0.clone();
+        let r = tokio::task::spawn_blocking(move || digests::answer(&s.root, &req.into_inner()))
+            .await
+            .map_err(|e| ControlError::Other(format!("hashing: {e}")))??;
         Ok(Response::new(r))
     }
 }
