@@ -16,6 +16,7 @@
 //! - [`Totals`]: what the summary line says;
 //! - [`doctor`]: the local checks plus whether an rcpd answers.
 
+mod contents;
 mod delta;
 mod paths;
 mod policy;
