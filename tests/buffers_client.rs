@@ -110,6 +110,8 @@ async fn a_rust_service_writes_and_reads_another_services_buffer() {
     let addr = d.addr.clone();
 
     let owner = ServiceClient::connect(Some(&sock), None).await.unwrap();
+    // hello names the address peers dial this rcpd at: its gRPC address.
+    assert_eq!(owner.node(), addr, "{}", owner.hello());
     let dst = owner.create_buffer(2 << 20).await.unwrap();
     owner
         .expose(&dst, "rust0", 0, 2 << 20, "rw", &[])

@@ -253,6 +253,7 @@ fn start_service(
     };
     buffers.set_client_options(buffer_opts, peers);
     *buffers.token.lock().unwrap() = cfg.token.clone();
+    *buffers.node.lock().unwrap() = super::buffers::node_address(grpc_addr);
     *buffers.default_check.lock().unwrap() = cfg.checks.first().copied();
     Ok((svc, buffers))
 }

@@ -48,6 +48,8 @@ pub struct ServiceClient {
     next: AtomicU64,
     send: tokio::sync::Mutex<()>,
     reader: tokio::task::JoinHandle<()>,
+    /// rcpd's reply to `hello` (`session`, `node`, `check`).
+    hello: Value,
 }
 
 impl Drop for ServiceClient {
@@ -116,13 +118,14 @@ impl ServiceClient {
             }
             p.lock().unwrap().clear();
         });
-        let c = ServiceClient {
+        let mut c = ServiceClient {
             stream,
             pending,
             events: tokio::sync::Mutex::new(erx),
             next: AtomicU64::new(0),
             send: tokio::sync::Mutex::new(()),
             reader,
+            hello: Value::Null,
         };
         let token = token
             .map(str::to_owned)
@@ -131,8 +134,19 @@ impl ServiceClient {
         if let Some(t) = token {
             hello["token"] = json!(t);
         }
-        c.request("hello", hello, &[]).await?;
+        c.hello = c.request("hello", hello, &[]).await?;
         Ok(c)
+    }
+
+    /// The address peers dial this rcpd at (`hello`'s `node`): what a
+    /// service on another node names as `peer` to reach buffers here.
+    pub fn node(&self) -> &str {
+        self.hello["node"].as_str().unwrap_or("")
+    }
+
+    /// rcpd's whole reply to `hello`.
+    pub fn hello(&self) -> &Value {
+        &self.hello
     }
 
     /// One request and its reply (an error reply as `Err`).

@@ -171,6 +171,27 @@ pub struct Buffers {
     pub timeout: Mutex<Option<std::time::Duration>>,
     /// rcpd's bearer token: a service says it in `hello`.
     pub token: Mutex<Option<String>>,
+    /// The address peers dial this rcpd at (`hello`'s `node`; see
+    /// [`node_address`]), set by the daemon once its gRPC port is bound.
+    pub node: Mutex<String>,
+}
+
+/// The address peers dial an rcpd at whose gRPC listener is bound to
+/// `grpc`: that address; when it is the unspecified address (`0.0.0.0`,
+/// `[::]`), the host's name (`/proc/sys/kernel/hostname`, as
+/// gethostname(2)) with the port, since any of the host's addresses
+/// reaches it and the name is what a peer resolves.
+pub fn node_address(grpc: std::net::SocketAddr) -> String {
+    if !grpc.ip().is_unspecified() {
+        return grpc.to_string();
+    }
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_default();
+    if host.is_empty() {
+        return grpc.to_string();
+    }
+    format!("{host}:{}", grpc.port())
 }
 
 impl Buffers {
@@ -238,5 +259,23 @@ impl Buffers {
         if !names.is_empty() || revoked > 0 {
             tracing::info!(conn, exposures = ?names.iter().map(crate::escape::esc).collect::<Vec<_>>(), grants_revoked = revoked, "service gone: exposures withdrawn");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::node_address;
+
+    #[test]
+    fn node_is_the_bound_address_or_the_hosts_name_with_the_port() {
+        assert_eq!(
+            node_address("127.0.0.1:7471".parse().unwrap()),
+            "127.0.0.1:7471"
+        );
+        assert_eq!(node_address("[::1]:7471".parse().unwrap()), "[::1]:7471");
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap();
+        let want = format!("{}:7471", host.trim());
+        assert_eq!(node_address("0.0.0.0:7471".parse().unwrap()), want);
+        assert_eq!(node_address("[::]:7471".parse().unwrap()), want);
     }
 }

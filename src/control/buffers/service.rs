@@ -270,6 +270,7 @@ impl Conn {
         Ok(json!({
             "session": self.id,
             "version": VERSION,
+            "node": self.bufs.node.lock().unwrap().clone(),
             "check": self.default_check().name(),
         }))
     }
