@@ -133,6 +133,8 @@ async fn a_rust_service_writes_and_reads_another_services_buffer() {
     let ev = owner.next_event().await.unwrap();
     assert_eq!(ev["event"], "written", "{ev}");
     assert_eq!(ev["message"], "hi", "{ev}");
+    // The writer's rcpd as it is dialed (here rcpd itself), not a bare IP.
+    assert_eq!(ev["peer"], addr.as_str(), "{ev}");
     assert_eq!(ev["ranges"][0][0], 1 << 20, "{ev}");
 
     // Read it back into another range of the writer's buffer.
@@ -432,6 +434,7 @@ async fn closing_a_session_revokes_its_buffer_grants() {
                     len: 4096,
                 }],
                 message: String::new(),
+                node: String::new(),
             })
             .await
             .unwrap()

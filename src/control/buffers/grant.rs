@@ -272,7 +272,7 @@ pub fn grant(
             write,
             check,
             message: req.message,
-            peer: peer.map_or_else(String::new, |p| p.to_string()),
+            peer: event_peer(&req.node, peer),
             exp,
         }),
     );
@@ -303,7 +303,26 @@ fn check_request(req: &proto::BufferGrantRequest) -> Result<bool, OpError> {
             ),
         ));
     }
+    if req.node.len() > MAX_MESSAGE {
+        return Err(OpError::new(
+            Reason::Invalid,
+            format!(
+                "a node address of {} bytes (at most {MAX_MESSAGE})",
+                req.node.len()
+            ),
+        ));
+    }
     Ok(write)
+}
+
+/// The peer as the owner's event names it: the address the peer rcpd
+/// says it is dialed at, else (an rcpd that predates it) the IP address
+/// its request came from.
+fn event_peer(node: &str, ip: Option<IpAddr>) -> String {
+    if !node.is_empty() {
+        return node.to_string();
+    }
+    ip.map_or_else(String::new, |p| p.to_string())
 }
 
 /// The exposure the request names, if it grants `peer` the access.

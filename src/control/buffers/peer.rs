@@ -642,7 +642,8 @@ async fn granted(bufs: &Arc<Buffers>, op: &OpSpec) -> Result<Granting, OpError> 
     loop {
         let (link, new) = link(bufs, &op.peer, op.check).await?;
         let reg = link.registration(op.buffer_uid, &op.buffer)?;
-        match request_grant(&link, op).await {
+        let node = bufs.node.lock().unwrap().clone();
+        match request_grant(&link, op, &node).await {
             Err(Refused::SessionGone(e)) if !new => {
                 tracing::info!(peer = %crate::escape::esc(&op.peer), session = link.session_id, error = %crate::escape::esc(&e), "buffer session given up: a new one");
                 link.retire(format!("the peer gave up the session: {e}"));
@@ -675,6 +676,7 @@ impl From<OpError> for Refused {
 async fn request_grant(
     link: &PeerLink,
     op: &OpSpec,
+    node: &str,
 ) -> Result<proto::BufferGrantResponse, Refused> {
     let grant = link
         .client
@@ -692,6 +694,7 @@ async fn request_grant(
                 .map(|&(_, offset, len)| proto::BufferRange { offset, len })
                 .collect(),
             message: op.message.clone(),
+            node: node.to_string(),
         })
         .await
         .map_err(|s| {
