@@ -133,6 +133,35 @@ async fn a_rust_service_writes_and_reads_another_services_buffer() {
     let ev = owner.next_event().await.unwrap();
     assert_eq!(ev["event"], "written", "{ev}");
     assert_eq!(ev["message"], "hi", "{ev}");
+    // `length` (the Python package's name) is the protocol's `len`; not
+    // both. Exposing a name again replaces one's own exposure.
+    let f = |k: &str| serde_json::json!({"buffer": dst.id, "name": "rust0", "offset": 0, k: 4096});
+    owner.request("expose", f("length"), &[]).await.unwrap();
+    let mut both = f("length");
+    both["len"] = 4096.into();
+    let e = owner.request("expose", both, &[]).await.unwrap_err();
+    assert_eq!(e.reason_name(), "invalid", "{e}");
+    let h = writer
+        .write(&src, &addr, "rust0", &[(0, 8192, 4096)], None)
+        .await
+        .unwrap();
+    let e = writer.wait(h).await.unwrap_err();
+    assert_eq!(
+        e.reason_name(),
+        "invalid",
+        "only [0, 4096) is exposed now: {e}"
+    );
+    // Another service's name is refused.
+    let e = writer
+        .expose(&src, "rust0", 0, 4096, "rw", &[])
+        .await
+        .unwrap_err();
+    assert_eq!(e.reason_name(), "permission", "{e}");
+    owner.request("expose", f("len"), &[]).await.unwrap();
+    owner
+        .expose(&dst, "rust0", 0, 2 << 20, "rw", &[])
+        .await
+        .unwrap();
     // The writer's rcpd as it is dialed (here rcpd itself), not a bare IP.
     assert_eq!(ev["peer"], addr.as_str(), "{ev}");
     assert_eq!(ev["ranges"][0][0], 1 << 20, "{ev}");

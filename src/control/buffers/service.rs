@@ -352,9 +352,13 @@ impl Conn {
             return Err(bad("name: 1..=256 bytes"));
         }
         let offset = v.get("offset").and_then(Value::as_u64).unwrap_or(0);
-        let len = match v.get("len").and_then(Value::as_u64) {
-            Some(l) => l,
-            None => buffer.len().saturating_sub(offset),
+        // `length` as the Python package's `expose(length=)` names it.
+        let len = match (v.get("len"), v.get("length")) {
+            (Some(_), Some(_)) => return Err(bad("len and length: give one")),
+            (Some(l), None) | (None, Some(l)) => l
+                .as_u64()
+                .ok_or_else(|| bad("len: a non-negative integer is required"))?,
+            (None, None) => buffer.len().saturating_sub(offset),
         };
         if len == 0 || offset.checked_add(len).is_none_or(|e| e > buffer.len()) {
             return Err(bad(format!(
