@@ -115,11 +115,12 @@ struct Args {
     /// Signal every n-th work request.
     #[arg(long, env = "RCPD_SIGNAL_EVERY", default_value_t = rcp::datapath::DataPathConfig::default().signal_every)]
     signal_every: usize,
-    /// Bytes per second each copy this rcpd makes through the Copy API may
-    /// move (K/M/G suffixes, fractions allowed; 0: unlimited). rcpd's own
-    /// sessions never post (their clients post every request, under
-    /// rcp's --bwlimit), so this limits only the copies rcpd makes as a
-    /// client, each on its own.
+    /// Bytes per second each copy this rcpd makes through the Copy API,
+    /// and each session it opens to a peer for its services' buffer
+    /// operations, may move (K/M/G suffixes, fractions allowed; 0:
+    /// unlimited). rcpd's own sessions never post (their clients post
+    /// every request, under rcp's --bwlimit), so this limits only what rcpd
+    /// moves as a client, each session on its own.
     #[arg(long, env = "RCPD_BWLIMIT", value_parser = parse_rate)]
     bwlimit: Option<u64>,
     /// Seconds a session to another rcpd stays warm after a Copy (Copy

@@ -69,8 +69,9 @@ pub struct DaemonConfig {
     /// CA to trust when this rcpd copies to/from another (Copy API);
     /// default: the client CA.
     pub tls_peer_ca: Option<PathBuf>,
-    /// Bytes per second each copy this rcpd makes (Copy API) may post, on
-    /// the data path it drives as that copy's client (`None`: unlimited).
+    /// Bytes per second each copy this rcpd makes (Copy API), and each
+    /// session it opens to a peer for buffer operations, may post, on the
+    /// data path it drives as that session's client (`None`: unlimited).
     /// rcpd's own sessions post nothing: their clients do, under their own
     /// `--bwlimit`.
     pub bwlimit: Option<u64>,
