@@ -110,6 +110,7 @@ rc=0
 wait_for "$work/serve.out" '^sha256 '
 sent=$(awk '/^done /{print $4}' "$work/send.out")
 got=$(awk '/^sha256 /{print $2}' "$work/serve.out")
+check "serve: hello's node is B's address, the sender's --peer" grep -qx "exposed kv0 at $b" "$work/serve.out"
 check "write: the sender exits 0 (exit $rc)" [ "$rc" -eq 0 ]
 check "write: the sender's operation is done, all bytes" grep -q "^done $size sha256 " "$work/send.out"
 check "write: the receiver's buffer has the sender's sha256" same_digest "$sent" "$got"
@@ -119,7 +120,8 @@ import json, sys
 ev = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")][0]
 assert ev["event"] == "written" and ev["message"] == "layer 0", ev
 assert ev["check"] == "blake3" and len(ev["ranges"]) == 24 and "error" not in ev, ev
-assert all(len(r[2]) == 64 for r in ev["ranges"]), ev' "$work/serve.out"
+assert ev["peer"] == sys.argv[2], (ev, "the writer is rcpd A, as it is dialed")
+assert all(len(r[2]) == 64 for r in ev["ranges"]), ev' "$work/serve.out" "$a"
 check "write: rcpd A logged the service's uid and pid with its registration" \
   grep -q "buffer registered.*uid=$(id -u) pid=[0-9]" "$work/a.log"
 

@@ -6,7 +6,8 @@
     buffers.py send  --peer HOST:PORT --name NAME --size BYTES [--socket PATH] [--seed N]
     buffers.py fetch --peer HOST:PORT --name NAME --size BYTES [--socket PATH]
 
-serve: create a buffer, expose it, print `exposed NAME`, then print each
+serve: create a buffer, expose it, print `exposed NAME at NODE` (NODE: the
+address the other node's service gives as --peer), then print each
 event as a JSON line (`written` / `read`, with each range's digest) and,
 after --events of them, `sha256 HEX` of the whole buffer, and exit.
 send: fill a buffer with bytes from --seed, write all of it into the peer's
@@ -60,7 +61,7 @@ def main():
             data = random.Random(a.seed).randbytes(a.size)
             buf.view[:] = data
         c.expose(buf, a.name, access=a.access)
-        print("exposed", a.name, flush=True)
+        print("exposed", a.name, "at", c.node, flush=True)
         seen = 0
         while seen < a.events:
             ev = c.next_event()

@@ -158,6 +158,13 @@ class Client:
             hello["token"] = token
         self.hello = self._request("hello", **hello)
 
+    @property
+    def node(self):
+        """The address peers dial this rcpd at (hello's `node`, HOST:PORT):
+        what a service on another node passes as `peer` to reach buffers
+        exposed here."""
+        return self.hello.get("node", "")
+
     # -- framing ---------------------------------------------------------
 
     def _recv_exact(self, n):
