@@ -241,8 +241,8 @@ kill -9 "$victim"
 rc=0
 wait "$vs" || rc=$?
 check "owner killed: the write was still running when the owner died" [ "$still" -eq 1 ]
-check "owner killed: the writer's operation fails, naming why" \
-  bash -c "[ $rc -ne 0 ] && grep -Eq 'failed|retryable' '$work/vsend.err'"
+check "owner killed: the writer's operation fails not_found, the exposure gone" \
+  bash -c "[ $rc -ne 0 ] && grep -q 'the exposure .*victim.* is gone' '$work/vsend.err' && grep -q '\"reason\": \"not_found\"' '$work/vsend.err' || { cat '$work/vsend.err'; false; }"
 check "owner killed: rcpd B logged the owner gone and its exposure withdrawn" \
   wait_for "$work/b.log" 'service gone: exposures withdrawn'
 # B still serves: another write lands.

@@ -678,3 +678,104 @@ async fn a_session_the_peer_no_longer_holds_is_made_anew() {
     init.stop().await;
     peer.stop().await;
 }
+
+/// Wait until the byte at `at` of `buf` is not zero (a write's bytes
+/// landed there).
+async fn landed(buf: &rcp::control::buffers::client::Buffer, at: u64) {
+    let mut b = [0u8];
+    for _ in 0..600 {
+        assert!(buf.local.read_at(at, &mut b));
+        if b[0] != 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("nothing landed at {at} in 60 s");
+}
+
+/// The owner of one exposure goes away while two operations of one
+/// writer are on the same session (held mid-transfer by rcpd's
+/// `--bwlimit`): the operation into the gone exposure fails saying so
+/// (`not_found`, the exposure gone), not with a bare completion status;
+/// the other, whose requests the peer never refused, runs again on a new
+/// session and lands.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exposure_gone_mid_write_fails_only_the_write_into_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("root");
+    std::fs::create_dir(&root).unwrap();
+    let sock = dir.path().join("rcpd.sock");
+    let mut cfg = config(&root, &sock);
+    cfg.bwlimit = Some(1 << 20);
+    let d = Daemon::start(cfg).await;
+    let addr = d.addr.clone();
+    peer_log(&addr);
+    const MIB: u64 = 1 << 20;
+    let (vsize, osize) = (8 * MIB, 2 * MIB);
+
+    let victim = ServiceClient::connect(Some(&sock), None).await.unwrap();
+    let vbuf = victim.create_buffer(vsize).await.unwrap();
+    victim
+        .expose(&vbuf, "victim", 0, vsize, "write", &[])
+        .await
+        .unwrap();
+    let other = ServiceClient::connect(Some(&sock), None).await.unwrap();
+    let obuf = other.create_buffer(osize).await.unwrap();
+    other
+        .expose(&obuf, "other", 0, osize, "write", &[])
+        .await
+        .unwrap();
+
+    let writer = ServiceClient::connect(Some(&sock), None).await.unwrap();
+    let src = writer.create_buffer(vsize + osize).await.unwrap();
+    let data: Vec<u8> = (0..vsize + osize).map(|i| (i % 251 + 1) as u8).collect();
+    assert!(src.local.write_at(0, &data));
+    let descs = |base: u64, size: u64| -> Vec<(u64, u64, u64)> {
+        (0..size)
+            .step_by(MIB as usize)
+            .map(|o| (base + o, o, MIB))
+            .collect()
+    };
+    // The victim's write; once its first bytes landed (1 MiB/s), the
+    // other's on the same session; once another MiB of the victim's landed
+    // (the other's grant made long since), the victim's owner goes.
+    let hv = writer
+        .write(&src, &addr, "victim", &descs(0, vsize), None)
+        .await
+        .unwrap();
+    landed(&vbuf, 0).await;
+    let ho = writer
+        .write(&src, &addr, "other", &descs(vsize, osize), None)
+        .await
+        .unwrap();
+    landed(&vbuf, 2 * MIB - 1).await;
+    for h in [hv, ho] {
+        let st = writer.status(h).await.unwrap();
+        assert_eq!(st["state"], "running", "{st}");
+    }
+    drop((victim, vbuf));
+
+    let e = ended(&writer, hv).await.unwrap_err();
+    assert_eq!(e.reason_name(), "not_found", "{e}");
+    assert!(e.message.contains("\"victim\" is gone"), "{e}");
+    assert_eq!(
+        ended(&writer, ho).await.unwrap(),
+        osize,
+        "the other write lands"
+    );
+    let mut got = vec![0u8; osize as usize];
+    assert!(obuf.local.read_at(0, &mut got));
+    assert!(
+        got[..] == data[vsize as usize..],
+        "the other owner has the bytes"
+    );
+    // It was on the failed session: it ran again on a new one.
+    let again: Vec<_> = peer_log(&addr)
+        .into_iter()
+        .filter(|l| l.message.contains("moves again on a new session"))
+        .map(|l| l.fields.get("name").cloned().unwrap_or_default())
+        .collect();
+    assert_eq!(again, ["\"other\""], "{again:?}");
+    drop((writer, other));
+    d.stop().await;
+}

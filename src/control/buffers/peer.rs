@@ -41,8 +41,8 @@ use crate::control::jobs::tcp_fallback;
 use crate::control::link::resolve_transport;
 use crate::control::protocol::rails::LOOK_EVERY_NS;
 use crate::datapath::lend::{LendingPath, RailRegs};
-use crate::datapath::DpEvent;
-use crate::engine::{Extent, OpKind, WindowJob};
+use crate::datapath::{DataPathError, DpEvent};
+use crate::engine::{Extent, OpKind, WcStatus, WindowJob};
 use crate::files::Check;
 use crate::mem::memfd::{LeaseKind, LeasedRange, ServiceBuffer};
 use crate::proto;
@@ -134,6 +134,11 @@ pub struct PeerLink {
     waiters: Mutex<HashMap<u64, Waiter>>,
     next: AtomicU64,
     dead: Mutex<Option<String>>,
+    /// The window whose request the peer refused (remote access error:
+    /// the grant it was posted under is revoked, its exposure gone), when
+    /// that failed the data path: [`Granted::post`] tells the operation
+    /// that posted it from the others on the session.
+    refused: Mutex<Option<u64>>,
     /// Ends the driver (and with it the data path): [`PeerLink::retire`].
     stop: tokio::sync::Notify,
     /// Declared last: closed (CloseSession) after the data path.
@@ -347,6 +352,7 @@ async fn link(
         waiters: Mutex::new(HashMap::new()),
         next: AtomicU64::new(0),
         dead: Mutex::new(None),
+        refused: Mutex::new(None),
         stop: tokio::sync::Notify::new(),
         session: Mutex::new(Some(session)),
     });
@@ -421,6 +427,14 @@ async fn drive(bufs: Arc<Buffers>, d: Arc<PeerLink>) {
             }
             DpEvent::Failed(e) => {
                 let msg = format!("the data path to {} failed: {e}", d.key.0);
+                if let DataPathError::Failed {
+                    status: Some(WcStatus::RemoteAccess),
+                    window: Some(w),
+                    ..
+                } = &e
+                {
+                    *d.refused.lock().unwrap() = Some(*w);
+                }
                 let f = ControlError::DataPath(e).failure();
                 let why = d.watch.lock().unwrap().failed(&f);
                 match why {
@@ -477,6 +491,13 @@ enum Attempt {
         why: String,
         closed: watch::Receiver<()>,
     },
+    /// Its session failed for another operation's sake (the peer refused
+    /// a request of that one: its exposure is gone), not its own: it runs
+    /// again, whole, on a new session once this one's data path closed.
+    Bystander {
+        why: String,
+        closed: watch::Receiver<()>,
+    },
 }
 
 impl From<OpError> for Attempt {
@@ -498,26 +519,22 @@ pub async fn run(
     if op.descs.is_empty() {
         return Err(OpError::new(Reason::Invalid, "no descriptors"));
     }
-    let (why, mut closed) = match attempt(bufs, op, cancelled).await {
+    let (why, mut closed, then) = match attempt(bufs, op, cancelled).await {
         Ok(m) => return Ok(m),
         Err(Attempt::Failed(e)) => return Err(e),
-        Err(Attempt::GaveUp { why, closed }) => (why, closed),
+        Err(Attempt::GaveUp { why, closed }) => (why, closed, "over the tcp provider"),
+        Err(Attempt::Bystander { why, closed }) => (why, closed, "on a new session"),
     };
-    tracing::info!(peer = %crate::escape::esc(&op.peer), name = %crate::escape::esc(&op.name), "buffer operation moves again over tcp: {why}");
+    tracing::info!(peer = %crate::escape::esc(&op.peer), name = %crate::escape::esc(&op.name), "buffer operation moves again {then}: {why}");
     // Bounded: a data path that cannot close keeps a read's ranges, and
     // the attempt over tcp then fails naming them busy.
     let timeout = bufs.client_options().timeout;
     let _ = tokio::time::timeout(timeout, async { while closed.changed().await.is_ok() {} }).await;
-    let after = |e: OpError| {
-        OpError::new(
-            e.reason,
-            format!("{why}; then over the tcp provider: {}", e.message),
-        )
-    };
+    let after = |e: OpError| OpError::new(e.reason, format!("{why}; then {then}: {}", e.message));
     match attempt(bufs, op, cancelled).await {
         Ok(m) => Ok(m),
         Err(Attempt::Failed(e)) => Err(after(e)),
-        Err(Attempt::GaveUp { why: again, .. }) => {
+        Err(Attempt::GaveUp { why: again, .. } | Attempt::Bystander { why: again, .. }) => {
             Err(after(OpError::new(Reason::Retryable, again)))
         }
     }
@@ -546,6 +563,7 @@ async fn attempt(
         id: grant.grant,
         want: grant.digests,
         sent,
+        posted: Mutex::new(Vec::new()),
     };
     let mut moving: Vec<Moving> = local
         .into_iter()
@@ -559,13 +577,7 @@ async fn attempt(
             Ok(l) => l,
             Err(why) => {
                 g.fail(why.clone()).await;
-                if let Some(why) = link.gave_up() {
-                    let closed = link.closed.clone();
-                    return Err(Attempt::GaveUp { why, closed });
-                }
-                return Err(
-                    OpError::new(Reason::Retryable, format!("peer {}: {why}", op.peer)).into(),
-                );
+                return Err(g.post_failed(why));
             }
         };
         if cancelled.load(Relaxed) {
@@ -732,6 +744,8 @@ struct Granted<'a> {
     want: Vec<Vec<u8>>,
     /// Write: each range's digest of what is sent.
     sent: Vec<Vec<u8>>,
+    /// The windows it posted, in every round.
+    posted: Mutex<Vec<u64>>,
 }
 
 impl Granted<'_> {
@@ -794,6 +808,7 @@ impl Granted<'_> {
                 extents,
             };
             let (tx, rx) = oneshot::channel();
+            self.posted.lock().unwrap().push(id);
             link.waiters.lock().unwrap().insert(id, tx);
             if let Some(why) = link.dead() {
                 link.waiters.lock().unwrap().remove(&id);
@@ -822,6 +837,42 @@ impl Granted<'_> {
         match failure {
             Some(why) => Err(why),
             None => Ok(landed),
+        }
+    }
+
+    /// Why the data path under the operation failed (`why`), as the
+    /// operation's end: the session gave up on RDMA (it runs again over
+    /// tcp); the peer refused one of its requests (its grant was revoked:
+    /// the exposure is gone, `not_found`); the peer refused another
+    /// operation's request (it runs again on a new session); else
+    /// `retryable`.
+    fn post_failed(&self, why: String) -> Attempt {
+        let (link, op) = (self.link, self.op);
+        let closed = link.closed.clone();
+        if let Some(why) = link.gave_up() {
+            return Attempt::GaveUp { why, closed };
+        }
+        match *link.refused.lock().unwrap() {
+            Some(w) if self.posted.lock().unwrap().contains(&w) => Attempt::Failed(OpError::new(
+                Reason::FileNotFound,
+                format!(
+                    "peer {}: the exposure {:?} is gone: the peer refused the operation's \
+                         request, its grant revoked mid-operation (the owner released or \
+                         withdrew it, or went away): {why}",
+                    op.peer, op.name
+                ),
+            )),
+            Some(_) => Attempt::Bystander {
+                why: format!(
+                    "peer {}: another operation's exposure on the session is gone: {why}",
+                    op.peer
+                ),
+                closed,
+            },
+            None => Attempt::Failed(OpError::new(
+                Reason::Retryable,
+                format!("peer {}: {why}", op.peer),
+            )),
         }
     }
 
