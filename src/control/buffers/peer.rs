@@ -696,7 +696,9 @@ async fn request_grant(
         .await
         .map_err(|s| {
             let e = peer_error(&op.peer, &s);
-            if s.metadata().contains_key(crate::control::error::SESSION_GONE) {
+            if s.metadata()
+                .contains_key(crate::control::error::SESSION_GONE)
+            {
                 Refused::SessionGone(e)
             } else {
                 Refused::Other(e)
