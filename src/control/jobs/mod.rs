@@ -13,9 +13,11 @@
 //!   fallback, one policy for the binary, the library and the Copy API);
 //! - [`push`] / [`pull`]: both;
 //! - [`Pool`]: warm sessions for rcpd's Copy API;
+//! - [`filter`]: `--exclude`/`--include`, rsync's pattern rules, pure;
 //! - [`Totals`]: what the summary line says;
 //! - [`doctor`]: the local checks plus whether an rcpd answers.
 
+pub mod filter;
 mod paths;
 mod policy;
 mod pool;
