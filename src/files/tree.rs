@@ -52,6 +52,9 @@ pub struct Entry {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Skipped {
     pub rel_path: PathBuf,
+    /// What it is (a symlink, or something else that is not a regular file
+    /// or a directory).
+    pub kind: FileKind,
     pub reason: &'static str,
 }
 
@@ -123,6 +126,7 @@ fn walk_dir(
             tracing::warn!(path = %crate::escape::esc(&p), reason, "skipped");
             out.skipped.push(Skipped {
                 rel_path: rel.clone(),
+                kind: m.kind,
                 reason,
             });
         };
