@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use clap::{Args, Parser, Subcommand};
+use clap::{ArgMatches, Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use rcp::control::client::Observer;
 use rcp::control::jobs::{self, Job, Paths, Plan};
@@ -231,9 +231,35 @@ enum Cmd {
 /// What push and pull share.
 #[derive(Args, Debug, Clone)]
 struct CopyArgs {
-    /// Copy directories recursively (symlinks are never followed).
+    /// Copy directories recursively (symlinks are never followed; without
+    /// -a each is skipped with a warning).
     #[arg(short, long, env = "RCP_RECURSIVE")]
     recursive: bool,
+    /// Archive: -r -p, and symlinks recreated as symlinks with their
+    /// target text (never followed); a link pointing outside the copied
+    /// tree (absolute, or climbing out of it) is skipped with a warning, as
+    /// rsync --safe-links.
+    #[arg(short = 'a', long, env = "RCP_ARCHIVE")]
+    archive: bool,
+    /// With -r/-a: after the copy, remove what the destination directory
+    /// holds that the source does not (each said on stderr, or a "delete"
+    /// JSON line); excluded names are kept, as rsync's default.
+    #[arg(long, env = "RCP_DELETE")]
+    delete: bool,
+    /// Leave out what matches PATTERN (rsync's rules: `*` within a name,
+    /// `**` across `/`, `?`, a leading `/` anchors at the copied directory,
+    /// a trailing `/` matches directories only; first matching
+    /// --exclude/--include wins). Repeatable.
+    #[arg(long, value_name = "PATTERN")]
+    exclude: Vec<String>,
+    /// Keep what matches PATTERN even if a later --exclude matches it
+    /// (same rules, first match wins). Repeatable.
+    #[arg(long, value_name = "PATTERN")]
+    include: Vec<String>,
+    /// --exclude and --include in the order typed (filled from the command
+    /// line's positions).
+    #[arg(skip)]
+    rules: Vec<(bool, String)>,
     /// List what would be copied (a line per file with its size) and the
     /// totals; move no byte, create nothing on either side.
     #[arg(short = 'n', long, env = "RCP_DRY_RUN")]
@@ -433,7 +459,16 @@ fn print_plan(plan: &Plan, as_json: bool, quiet: bool, seconds: f64) {
             println!("would {dir} {} -> {} ({} bytes)", f.source, f.dest, f.bytes);
         }
     }
+    for l in &plan.tree.links {
+        if !as_json && !quiet {
+            println!("would link {} -> {}", l.dest, l.target);
+        }
+    }
+    for d in &plan.tree.deletes {
+        print_deletion(d, true, as_json, quiet);
+    }
     let (files, bytes, dirs) = (plan.files.len() as u64, plan.bytes(), plan.dirs() as u64);
+    let tree = plan.tree.counts();
     if as_json {
         let l = json::SummaryLine {
             direction: dir,
@@ -451,13 +486,17 @@ fn print_plan(plan: &Plan, as_json: bool, quiet: bool, seconds: f64) {
             sha256: None,
             reconnects: None,
             fallback: None,
+            tree,
         };
         println!("{}", line("summary", &l));
     } else if !quiet {
         println!(
-            "dry run: {files} file{}, {bytes} bytes, {dirs} director{} to make; nothing copied",
+            "dry run: {files} file{}, {bytes} bytes, {dirs} director{} to make{}; nothing copied",
             if files == 1 { "" } else { "s" },
             if dirs == 1 { "y" } else { "ies" },
+            tree_summary(&tree)
+                .map(|t| format!(" ({t})"))
+                .unwrap_or_default(),
         );
     }
 }
@@ -555,6 +594,105 @@ async fn doctor(c: &Cli, host: Option<&str>, opts: ClientOptions) -> Result<(), 
     Ok(())
 }
 
+/// The copy flags become the job (once): -a is -r -p plus links.
+fn job_of(c: &Cli, copy: &CopyArgs) -> Result<Job, ControlError> {
+    let recursive = copy.recursive || copy.archive;
+    if copy.delete && !recursive {
+        return Err(ControlError::Usage(
+            "--delete needs -r or -a (it acts on directories)".into(),
+        ));
+    }
+    let mut filter = jobs::filter::Filter::default();
+    for (include, p) in &copy.rules {
+        filter
+            .push(*include, p)
+            .map_err(|e| ControlError::Usage(e.to_string()))?;
+    }
+    Ok(Job {
+        recursive,
+        preserve: c.preserve || copy.archive,
+        resume: c.resume,
+        sha256: c.sha256,
+        links: copy.archive,
+        delete: copy.delete,
+        filter,
+    })
+}
+
+/// --exclude/--include of a push or pull, in the order typed.
+fn ordered_rules(m: &ArgMatches) -> Vec<(bool, String)> {
+    let mut out = Vec::new();
+    for (id, include) in [("exclude", false), ("include", true)] {
+        let (Some(ix), Some(vs)) = (m.indices_of(id), m.get_many::<String>(id)) else {
+            continue;
+        };
+        out.extend(ix.zip(vs).map(|(i, v)| (i, include, v.clone())));
+    }
+    out.sort_by_key(|r| r.0);
+    out.into_iter().map(|(_, inc, v)| (inc, v)).collect()
+}
+
+/// The command line, with the filter rules' order kept.
+fn parse_cli() -> Result<Cli, clap::Error> {
+    let m = Cli::command().try_get_matches()?;
+    let mut c = Cli::from_arg_matches(&m)?;
+    if let (Cmd::Push { copy, .. } | Cmd::Pull { copy, .. }, Some((_, sm))) =
+        (&mut c.cmd, m.subcommand())
+    {
+        copy.rules = ordered_rules(sm);
+    }
+    Ok(c)
+}
+
+/// What the tree part of a plan leaves out, said (never silently): a
+/// warning on stderr per entry, or a "left_out" JSON line.
+fn print_left_out(plan: &Plan, as_json: bool, quiet: bool) {
+    for n in &plan.tree.left_out {
+        if as_json {
+            let l = json::LeftOutLine {
+                path: n.path.clone(),
+                reason: n.reason.clone(),
+            };
+            println!("{}", line("left_out", &l));
+        } else if !quiet {
+            eprintln!("rcp: skipping {}: {}", n.path, n.reason);
+        }
+    }
+}
+
+/// A deletion (`--delete`), done or (dry run) planned.
+fn print_deletion(d: &jobs::tree::Deletion, dry_run: bool, as_json: bool, quiet: bool) {
+    if as_json {
+        let l = json::DeleteLine {
+            path: d.path.clone(),
+            dir: d.dir,
+            dry_run,
+        };
+        println!("{}", line("delete", &l));
+    } else if dry_run {
+        if !quiet {
+            println!("would delete {}", d.path);
+        }
+    } else if !quiet {
+        eprintln!("deleting {}", d.path);
+    }
+}
+
+/// The tree's counts after the human summary, when there are any.
+fn tree_summary(t: &jobs::tree::TreeCounts) -> Option<String> {
+    let parts: Vec<String> = [
+        (t.links, "symlinks made"),
+        (t.left_out, "left out"),
+        (t.excluded, "excluded"),
+        (t.deleted, "deleted"),
+    ]
+    .iter()
+    .filter(|(n, _)| *n > 0)
+    .map(|(n, what)| format!("{n} {what}"))
+    .collect();
+    (!parts.is_empty()).then(|| parts.join(", "))
+}
+
 /// `rcp push` / `rcp pull`: plan, then (unless a dry run) copy with
 /// progress, and print the summary.
 async fn copy_files(
@@ -563,23 +701,20 @@ async fn copy_files(
     paths: &Paths,
     opts: ClientOptions,
 ) -> Result<(), ControlError> {
-    let job = Job {
-        recursive: copy.recursive,
-        preserve: c.preserve,
-        resume: c.resume,
-        sha256: c.sha256,
-    };
+    let job = job_of(c, copy)?;
     rcp::phase::mark("runtime up, arguments parsed");
     let client = Client::connect(paths.addr(), opts).await?;
     rcp::phase::mark("connected to rcpd");
     let t0 = Instant::now();
-    let plan = paths.plan(&client, &job).await?;
+    let mut plan = paths.plan(&client, &job).await?;
     rcp::phase::mark("planned");
+    print_left_out(&plan, c.json, c.quiet);
     if copy.dry_run {
         // No session: nothing is set up on rcpd, nothing moves.
         print_plan(&plan, c.json, c.quiet, t0.elapsed().as_secs_f64());
         return Ok(());
     }
+    let tree_plan = std::mem::take(&mut plan.tree);
     let watch = Arc::new(Watch {
         bars: (!c.quiet && std::io::stderr().is_terminal()).then(Bars::new),
         json: c.json.then(|| plan.direction()),
@@ -601,13 +736,23 @@ async fn copy_files(
         t.abort();
     }
     rcp::phase::mark("files done, session closed");
-    print_outcome(c, direction, dirs, outcome?);
+    let outcome = outcome?;
+    // Links and --delete only after every file made it.
+    let said = |d: &jobs::tree::Deletion| print_deletion(d, false, c.json, c.quiet);
+    let tree = jobs::tree::finish(&client, direction == Direction::Push, &tree_plan, &said).await?;
+    print_outcome(c, direction, dirs, outcome, tree);
     Ok(())
 }
 
 /// The summary of a copy: a JSON line, or the human line (and with -v a
 /// line per rail).
-fn print_outcome(c: &Cli, direction: Direction, dirs: u64, outcome: jobs::Outcome) {
+fn print_outcome(
+    c: &Cli,
+    direction: Direction,
+    dirs: u64,
+    outcome: jobs::Outcome,
+    tree: jobs::tree::TreeCounts,
+) {
     let jobs::Outcome {
         totals,
         kind,
@@ -634,6 +779,7 @@ fn print_outcome(c: &Cli, direction: Direction, dirs: u64, outcome: jobs::Outcom
             sha256: totals.sha256.as_deref().filter(|_| one).map(hex),
             reconnects: stats.map(|s| s.report.counters.reconnects),
             fallback: fell_back,
+            tree,
         };
         println!("{}", line("summary", &l));
     } else if !c.quiet {
@@ -642,7 +788,11 @@ fn print_outcome(c: &Cli, direction: Direction, dirs: u64, outcome: jobs::Outcom
             Some(_) => format!("{transport} (FELL BACK from verbs)"),
             None => transport,
         };
-        println!("{}", totals.summary_checked(&over, check));
+        let mut s = totals.summary_checked(&over, check);
+        if let Some(t) = tree_summary(&tree) {
+            s.push_str(&format!("; {t}"));
+        }
+        println!("{s}");
         if c.verbose > 0 {
             for l in stats
                 .iter()
@@ -800,7 +950,7 @@ fn json_asked() -> bool {
 
 fn main() {
     rcp::phase::start();
-    let c = match Cli::try_parse() {
+    let c = match parse_cli() {
         Ok(c) => c,
         Err(e) => {
             let code = match e.kind() {

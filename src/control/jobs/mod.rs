@@ -14,6 +14,8 @@
 //! - [`push`] / [`pull`]: both;
 //! - [`Pool`]: warm sessions for rcpd's Copy API;
 //! - [`filter`]: `--exclude`/`--include`, rsync's pattern rules, pure;
+//! - [`tree`]: symlinks (`-a`), what is skipped, `--delete`: planned with
+//!   the files, done after them ([`tree::finish`]);
 //! - [`Totals`]: what the summary line says;
 //! - [`doctor`]: the local checks plus whether an rcpd answers.
 
@@ -21,7 +23,9 @@ pub mod filter;
 mod paths;
 mod policy;
 mod pool;
+pub mod tree;
 
+use std::collections::HashSet;
 use std::path::{Component, Path, PathBuf};
 
 use super::client::{Client, FileJob, FileResult};
@@ -81,6 +85,14 @@ pub struct Job {
     /// Also compute the flat SHA-256 of every file (on the receiving side)
     /// and show it.
     pub sha256: bool,
+    /// `-a`: symlinks recreated as symlinks (those staying inside the
+    /// tree); without, each is skipped with a warning.
+    pub links: bool,
+    /// `--delete`: remove what the destination tree holds and the source
+    /// does not, after the copy.
+    pub delete: bool,
+    /// `--exclude`/`--include`, in order.
+    pub filter: filter::Filter,
 }
 
 /// Totals of a run.
@@ -247,6 +259,9 @@ pub struct Plan {
     /// Pull `-r`: the local directories to make first.
     pub local_dirs: Vec<PathBuf>,
     pub files: Vec<Planned>,
+    /// `-r`: links, skipped entries, deletions ([`tree::finish`] after the
+    /// files).
+    pub tree: tree::TreePlan,
 }
 
 impl Plan {
@@ -334,21 +349,26 @@ pub async fn plan_push(
             remote.to_string()
         };
         let tree = crate::files::walk(local)?;
-        for s in &tree.skipped {
-            tracing::warn!(path = %s.rel_path.display(), reason = s.reason, "skipped");
-        }
+        let entries = admit_local(&mut plan.tree, job, local, &base, tree);
+        let mut names = entries.1;
         // The tree's directories first, empty ones included (scp -r,
         // rsync -r); files then create whatever parents they still need.
         plan.remote_dirs.push(base.clone());
-        for d in tree
-            .entries
+        for d in entries
+            .0
             .iter()
             .filter(|e| e.kind == crate::files::EntryKind::Dir)
         {
             plan.remote_dirs.push(join_remote(&base, &d.rel_path));
         }
-        for e in tree
-            .entries
+        if job.delete {
+            let dest = remote_tree(client, &base).await?;
+            plan.tree
+                .delete_extras(&job.filter, &dest, &names, |r| join_remote(&base, r));
+        }
+        names.clear();
+        for e in entries
+            .0
             .into_iter()
             .filter(|e| e.kind == crate::files::EntryKind::File)
         {
@@ -364,6 +384,74 @@ pub async fn plan_push(
         }
     }
     Ok(plan)
+}
+
+/// The walked local tree judged for a push to `base`: the files and
+/// directories to copy, and the names the source holds (for `--delete`).
+fn admit_local(
+    t: &mut tree::TreePlan,
+    job: &Job,
+    local: &Path,
+    base: &str,
+    walked: crate::files::Tree,
+) -> (Vec<crate::files::Entry>, HashSet<PathBuf>) {
+    use crate::files::EntryKind;
+    let mut names = HashSet::new();
+    let mut keep = Vec::new();
+    for s in &walked.skipped {
+        // A link the walk refused (absolute, escaping) or a FIFO, socket,
+        // device: its reason.
+        let kind = tree::Kind::Skipped(s.reason);
+        let shown = local.join(&s.rel_path).display().to_string();
+        let dest = join_remote(base, &s.rel_path);
+        t.admit(job, &s.rel_path, kind, shown, dest, &mut names);
+    }
+    for e in walked.entries {
+        let target = e.symlink_target.as_ref().map(|t| t.to_string_lossy());
+        let kind = match e.kind {
+            EntryKind::File => tree::Kind::File,
+            EntryKind::Dir => tree::Kind::Dir,
+            EntryKind::Symlink => tree::Kind::Link(target.as_deref()),
+        };
+        let shown = local.join(&e.rel_path).display().to_string();
+        let dest = join_remote(base, &e.rel_path);
+        if t.admit(job, &e.rel_path, kind, shown, dest, &mut names) {
+            keep.push(e);
+        }
+    }
+    (keep, names)
+}
+
+/// A remote destination tree's entries (`--delete`): relative paths and
+/// whether each is a directory; empty when it is not a directory.
+async fn remote_tree(client: &Client, base: &str) -> Result<Vec<(PathBuf, bool)>> {
+    let is_dir = client
+        .stat(base)
+        .await?
+        .is_some_and(|e| e.r#type == FileType::Dir as i32);
+    if !is_dir {
+        return Ok(Vec::new());
+    }
+    let mut out = Vec::new();
+    for e in client.list(base, true).await? {
+        out.push((safe_rel(&e.path)?, e.r#type == FileType::Dir as i32));
+    }
+    Ok(out)
+}
+
+/// A local destination tree's entries (`--delete` on pull).
+fn local_tree(base: &Path) -> Result<Vec<(PathBuf, bool)>> {
+    if !base.is_dir() {
+        return Ok(Vec::new());
+    }
+    let t = crate::files::walk(base)?;
+    let all = t.entries.into_iter().map(|e| {
+        let dir = e.kind == crate::files::EntryKind::Dir;
+        (e.rel_path, dir)
+    });
+    Ok(all
+        .chain(t.skipped.into_iter().map(|s| (s.rel_path, false)))
+        .collect())
 }
 
 /// Make the plan's remote and local directories. A directory with a file
@@ -460,9 +548,16 @@ pub async fn plan_pull(
             local.to_path_buf()
         };
         plan.local_dirs.push(base.clone());
+        let mut names = HashSet::new();
         for e in client.list(r, true).await? {
             let rel = safe_rel(&e.path)?;
             let dst = base.join(&rel);
+            let kind = listed_kind(&e);
+            let shown = join_remote(r, &rel);
+            let dest = dst.display().to_string();
+            if !plan.tree.admit(job, &rel, kind, shown, dest, &mut names) {
+                continue;
+            }
             if e.r#type == FileType::Dir as i32 {
                 plan.local_dirs.push(dst);
             } else if e.r#type == FileType::File as i32 {
@@ -477,8 +572,29 @@ pub async fn plan_pull(
                 });
             }
         }
+        if job.delete {
+            let dest = local_tree(&base)?;
+            plan.tree.delete_extras(&job.filter, &dest, &names, |r| {
+                base.join(r).display().to_string()
+            });
+        }
     }
     Ok(plan)
+}
+
+/// What a remote listing says an entry is.
+fn listed_kind(e: &crate::proto::Entry) -> tree::Kind<'_> {
+    if !e.left_out.is_empty() {
+        return tree::Kind::Skipped(&e.left_out);
+    }
+    match FileType::try_from(e.r#type) {
+        Ok(FileType::Dir) => tree::Kind::Dir,
+        Ok(FileType::File) => tree::Kind::File,
+        Ok(FileType::Symlink) => {
+            tree::Kind::Link(Some(e.link_target.as_str()).filter(|t| !t.is_empty()))
+        }
+        _ => tree::Kind::Skipped("not a regular file, directory or symlink"),
+    }
 }
 
 /// `rcp pull [-r] HOST:REMOTE... LOCAL`: planned, then [`run`].
