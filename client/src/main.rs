@@ -582,7 +582,7 @@ fn print_plan(plan: &Plan, as_json: bool, quiet: bool, seconds: f64) {
         }
     }
     for d in &plan.tree.deletes {
-        print_deletion(d, true, as_json, quiet);
+        print_deletion(d, true, as_json, !quiet);
     }
     let (files, bytes, dirs) = (plan.files.len() as u64, plan.bytes(), plan.dirs() as u64);
     let tree = plan.tree.counts();
@@ -797,13 +797,18 @@ fn print_left_out(plan: &Plan, as_json: bool, quiet: bool) {
             };
             println!("{}", line("left_out", &l));
         } else if !quiet {
-            eprintln!("rcp: skipping {}: {}", n.path, n.reason);
+            // rsync's words for what it does not copy.
+            match n.reason.strip_prefix("non-regular file") {
+                Some(why) => eprintln!("rcp: skipping non-regular file {:?}{why}", n.path),
+                None => eprintln!("rcp: skipping {:?}: {}", n.path, n.reason),
+            }
         }
     }
 }
 
-/// A deletion (`--delete`), done or (dry run) planned.
-fn print_deletion(d: &jobs::tree::Deletion, dry_run: bool, as_json: bool, quiet: bool) {
+/// A deletion (`--delete`), done or (dry run) planned: a JSON line, or
+/// when `say` (a dry run's listing; -v for a real run, as rsync) a line.
+fn print_deletion(d: &jobs::tree::Deletion, dry_run: bool, as_json: bool, say: bool) {
     if as_json {
         let l = json::DeleteLine {
             path: d.path.clone(),
@@ -811,11 +816,9 @@ fn print_deletion(d: &jobs::tree::Deletion, dry_run: bool, as_json: bool, quiet:
             dry_run,
         };
         println!("{}", line("delete", &l));
-    } else if dry_run {
-        if !quiet {
-            println!("would delete {}", d.path);
-        }
-    } else if !quiet {
+    } else if dry_run && say {
+        println!("would delete {}", d.path);
+    } else if say {
         eprintln!("deleting {}", d.path);
     }
 }
@@ -823,14 +826,14 @@ fn print_deletion(d: &jobs::tree::Deletion, dry_run: bool, as_json: bool, quiet:
 /// The tree's counts after the human summary, when there are any.
 fn tree_summary(t: &jobs::tree::TreeCounts) -> Option<String> {
     let parts: Vec<String> = [
-        (t.links, "symlinks made"),
-        (t.left_out, "left out"),
-        (t.excluded, "excluded"),
-        (t.deleted, "deleted"),
+        (t.links, "symlink made", "symlinks made"),
+        (t.left_out, "entry left out", "entries left out"),
+        (t.excluded, "entry excluded", "entries excluded"),
+        (t.deleted, "entry deleted", "entries deleted"),
     ]
     .iter()
-    .filter(|(n, _)| *n > 0)
-    .map(|(n, what)| format!("{n} {what}"))
+    .filter(|(n, ..)| *n > 0)
+    .map(|(n, one, many)| format!("{n} {}", if *n == 1 { one } else { many }))
     .collect();
     (!parts.is_empty()).then(|| parts.join(", "))
 }
@@ -910,7 +913,8 @@ async fn copy_files(
     rcp::phase::mark("files done, session closed");
     let outcome = outcome?;
     // Links and --delete only after every file made it.
-    let said = |d: &jobs::tree::Deletion| print_deletion(d, false, c.json, c.quiet);
+    let said =
+        |d: &jobs::tree::Deletion| print_deletion(d, false, c.json, !c.quiet && c.verbose > 0);
     let tree = jobs::tree::finish(&client, direction == Direction::Push, &tree_plan, &said).await?;
     print_outcome(c, direction, dirs, outcome, tree);
     Ok(())

@@ -123,7 +123,9 @@ fn walk_dir(
         };
         let skip = |out: &mut Tree, reason| {
             let p = display.join(&rel).display().to_string();
-            tracing::warn!(path = %crate::escape::esc(&p), reason, "skipped");
+            // Debug only: the caller says it (rcp's warning and count, a
+            // List entry's `left_out` for a pull).
+            tracing::debug!(path = %crate::escape::esc(&p), reason, "skipped");
             out.skipped.push(Skipped {
                 rel_path: rel.clone(),
                 kind: m.kind,

@@ -451,7 +451,10 @@ fn admit_local(
     for s in &walked.skipped {
         // A link the walk refused (absolute, escaping) or a FIFO, socket,
         // device: its reason.
-        let kind = tree::Kind::Skipped(s.reason);
+        let kind = tree::Kind::Skipped {
+            link: s.kind == crate::files::FileKind::Symlink,
+            why: s.reason,
+        };
         let shown = local.join(&s.rel_path).display().to_string();
         let dest = join_remote(base, &s.rel_path);
         t.admit(job, &s.rel_path, kind, shown, dest, &mut names);
@@ -644,7 +647,10 @@ pub async fn plan_pull(
 /// What a remote listing says an entry is.
 fn listed_kind(e: &crate::proto::Entry) -> tree::Kind<'_> {
     if !e.left_out.is_empty() {
-        return tree::Kind::Skipped(&e.left_out);
+        return tree::Kind::Skipped {
+            link: e.r#type == FileType::Symlink as i32,
+            why: &e.left_out,
+        };
     }
     match FileType::try_from(e.r#type) {
         Ok(FileType::Dir) => tree::Kind::Dir,
@@ -652,7 +658,10 @@ fn listed_kind(e: &crate::proto::Entry) -> tree::Kind<'_> {
         Ok(FileType::Symlink) => {
             tree::Kind::Link(Some(e.link_target.as_str()).filter(|t| !t.is_empty()))
         }
-        _ => tree::Kind::Skipped("not a regular file, directory or symlink"),
+        _ => tree::Kind::Skipped {
+            link: false,
+            why: "not a regular file, directory or symlink",
+        },
     }
 }
 

@@ -26,8 +26,12 @@ pub enum Kind<'a> {
     /// A symlink and its target text (`None`: the side that listed it did
     /// not say).
     Link(Option<&'a str>),
-    /// Left out by the walk (a symlink pointing outside, a FIFO...), why.
-    Skipped(&'a str),
+    /// Left out by the walk, why: a symlink pointing outside (`link`), a
+    /// FIFO, socket or device.
+    Skipped {
+        link: bool,
+        why: &'a str,
+    },
 }
 
 /// A symlink to make: push, a remote path; pull, a local one.
@@ -118,10 +122,13 @@ impl TreePlan {
         };
         match kind {
             Kind::File | Kind::Dir => true,
-            Kind::Skipped(why) => skip(why.to_string()),
-            Kind::Link(_) if !job.links => {
-                skip("skipping non-regular file (a symlink; -a copies symlinks)".into())
+            Kind::Link(_) | Kind::Skipped { link: true, .. } if !job.links => {
+                skip("non-regular file (a symlink; -a copies symlinks)".into())
             }
+            Kind::Skipped { link: true, why } => {
+                skip(format!("{why}: not copied (as rsync --safe-links)"))
+            }
+            Kind::Skipped { why, .. } => skip(why.to_string()),
             Kind::Link(None) => skip("symlink whose target rcpd did not send".into()),
             Kind::Link(Some(t)) => {
                 if symlink_target_within(rel, Path::new(t)).is_none() {
@@ -312,6 +319,6 @@ mod tests {
         admit(&mut t, &job, "l4", "f");
         assert_eq!(t.links.len(), 1);
         assert_eq!(t.left_out.len(), 3);
-        assert!(t.left_out[2].reason.contains("non-regular"));
+        assert!(t.left_out[2].reason.contains("non-regular file"));
     }
 }
