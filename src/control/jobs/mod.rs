@@ -410,7 +410,7 @@ pub async fn plan_push(
             plan.remote_dirs.push(join_remote(&base, &d.rel_path));
         }
         if job.delete {
-            let dest = remote_tree(client, &base).await?;
+            let dest = tree::remote_entries(client, &base).await?;
             plan.tree
                 .delete_extras(&job.filter, &dest, &names, |r| join_remote(&base, r));
         }
@@ -473,38 +473,6 @@ fn admit_local(
         }
     }
     (keep, names)
-}
-
-/// A remote destination tree's entries (`--delete`): relative paths and
-/// whether each is a directory; empty when it is not a directory.
-async fn remote_tree(client: &Client, base: &str) -> Result<Vec<(PathBuf, bool)>> {
-    let is_dir = client
-        .stat(base)
-        .await?
-        .is_some_and(|e| e.r#type == FileType::Dir as i32);
-    if !is_dir {
-        return Ok(Vec::new());
-    }
-    let mut out = Vec::new();
-    for e in client.list(base, true).await? {
-        out.push((safe_rel(&e.path)?, e.r#type == FileType::Dir as i32));
-    }
-    Ok(out)
-}
-
-/// A local destination tree's entries (`--delete` on pull).
-fn local_tree(base: &Path) -> Result<Vec<(PathBuf, bool)>> {
-    if !base.is_dir() {
-        return Ok(Vec::new());
-    }
-    let t = crate::files::walk(base)?;
-    let all = t.entries.into_iter().map(|e| {
-        let dir = e.kind == crate::files::EntryKind::Dir;
-        (e.rel_path, dir)
-    });
-    Ok(all
-        .chain(t.skipped.into_iter().map(|s| (s.rel_path, false)))
-        .collect())
 }
 
 /// A local file's modification time in nanoseconds.
@@ -634,7 +602,7 @@ pub async fn plan_pull(
             }
         }
         if job.delete {
-            let dest = local_tree(&base)?;
+            let dest = tree::local_entries(&base)?;
             plan.tree.delete_extras(&job.filter, &dest, &names, |r| {
                 base.join(r).display().to_string()
             });

@@ -14,9 +14,12 @@ use serde::Serialize;
 
 use super::filter::Filter;
 use super::Job;
+use futures::{StreamExt as _, TryStreamExt as _};
+
 use crate::control::client::Client;
 use crate::control::error::{ControlError, Result};
 use crate::files::symlink_target_within;
+use crate::proto::{self, FileType};
 
 /// What an entry of a source tree is.
 #[derive(Clone, Copy, Debug)]
@@ -201,6 +204,64 @@ fn extras(
             .then_with(|| a.0.cmp(&b.0))
     });
     out
+}
+
+/// A remote destination tree's entries (`--delete`): relative paths and
+/// whether each is a directory; empty when it is not a directory. One
+/// recursive List, or (a tree too large for one answer) a List per
+/// directory, 16 at a time.
+pub(super) async fn remote_entries(client: &Client, base: &str) -> Result<Vec<(PathBuf, bool)>> {
+    let is_dir = |e: &proto::Entry| e.r#type == FileType::Dir as i32;
+    if !client.stat(base).await?.is_some_and(|e| is_dir(&e)) {
+        return Ok(Vec::new());
+    }
+    match client.list(base, true).await {
+        Ok(all) => {
+            return all
+                .iter()
+                .map(|e| Ok((super::safe_rel(&e.path)?, is_dir(e))))
+                .collect()
+        }
+        Err(e) => tracing::debug!(error = %e, base, "listing the destination per directory"),
+    }
+    let mut out = Vec::new();
+    let mut level = vec![PathBuf::new()];
+    while !level.is_empty() {
+        let listed: Vec<(PathBuf, Vec<proto::Entry>)> = futures::stream::iter(level)
+            .map(|rel| async move {
+                let entries = client.list(&super::join_remote(base, &rel), false).await?;
+                Ok::<_, ControlError>((rel, entries))
+            })
+            .buffered(16)
+            .try_collect()
+            .await?;
+        level = Vec::new();
+        for (dir, entries) in listed {
+            for e in entries {
+                let rel = dir.join(super::safe_rel(&e.path)?);
+                if is_dir(&e) {
+                    level.push(rel.clone());
+                }
+                out.push((rel, is_dir(&e)));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// A local destination tree's entries (`--delete` on pull).
+pub(super) fn local_entries(base: &Path) -> Result<Vec<(PathBuf, bool)>> {
+    if !base.is_dir() {
+        return Ok(Vec::new());
+    }
+    let t = crate::files::walk(base)?;
+    let all = t.entries.into_iter().map(|e| {
+        let dir = e.kind == crate::files::EntryKind::Dir;
+        (e.rel_path, dir)
+    });
+    Ok(all
+        .chain(t.skipped.into_iter().map(|s| (s.rel_path, false)))
+        .collect())
 }
 
 /// Make a local symlink `dest` -> `target` atomically: made under a
