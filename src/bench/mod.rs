@@ -31,7 +31,17 @@ use std::fmt;
 use crate::datapath::{CqCpu, PollMode, Report};
 use crate::engine::OpKind;
 
-pub use run::{run_client, run_compare, run_loopback, serve, ServerOptions};
+pub use run::{run_client, run_compare, serve, ServerOptions};
+
+/// The bench in one process: A posts into B's region on the same device
+/// (over tcp, `o.tcp`: a channel into a target on 127.0.0.1).
+pub fn run_loopback(o: &BenchOptions) -> Result<Measured, BenchError> {
+    if o.tcp {
+        tcp::run_loopback_tcp(o)
+    } else {
+        run::run_loopback_verbs(o)
+    }
+}
 
 /// perftest's port, the default for `rcp bench --server` and the client.
 pub const DEFAULT_PORT: u16 = 18515;

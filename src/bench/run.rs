@@ -104,9 +104,9 @@ pub(super) enum Link {
     },
     Tcp {
         ch: Arc<crate::provider::tcp::TcpChannel>,
-        /// Loopback: the target and its region (dropped after the
-        /// channel: fields drop in order).
-        _peer: Option<super::tcp::TcpPeer>,
+        /// Loopback: what keeps the target and its region alive
+        /// (dropped after the channel: fields drop in order).
+        _peer: Option<Box<dyn std::any::Any + Send + Sync>>,
     },
 }
 
@@ -406,12 +406,9 @@ fn loopback_lanes(o: &BenchOptions, qps: usize) -> Result<Vec<Lane>, BenchError>
     Ok(out)
 }
 
-/// The bench in one process: A posts into B's region on the same device
-/// (over tcp, `o.tcp`: a channel into a target on 127.0.0.1).
-pub fn run_loopback(o: &BenchOptions) -> Result<Measured, BenchError> {
-    if o.tcp {
-        return super::tcp::run_loopback_tcp(o);
-    }
+/// The bench in one process over verbs: A posts into B's region on the
+/// same device.
+pub(super) fn run_loopback_verbs(o: &BenchOptions) -> Result<Measured, BenchError> {
     o.validate()?;
     let lanes = loopback_lanes(o, o.qps)?;
     run_lanes(&lanes, o)

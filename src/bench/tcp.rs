@@ -14,7 +14,7 @@ use crate::provider::{Access, Domain, Registration};
 
 /// The target side of a tcp loopback lane. Fields drop in order: the
 /// target stops serving before its registration and region go.
-pub(crate) struct TcpPeer {
+struct TcpPeer {
     _target: TcpTarget,
     _reg: Arc<dyn Registration>,
     _arena: Arena,
@@ -63,11 +63,11 @@ fn lane() -> Result<Lane, BenchError> {
     Ok(Lane {
         link: Link::Tcp {
             ch: Arc::new(ch),
-            _peer: Some(TcpPeer {
+            _peer: Some(Box::new(TcpPeer {
                 _target: target,
                 _reg: t_reg,
                 _arena: t_arena,
-            }),
+            })),
         },
         arena,
         lkey: reg.lkey(),

@@ -117,6 +117,23 @@ pub fn status(reason: Reason, message: impl Into<String>) -> Status {
     )
 }
 
+/// gRPC metadata key of a `BufferGrant` answer saying this rcpd holds no
+/// such session (closed idle, or restarted): the peer gives its session up
+/// and asks again on a new one. Any other `retryable` (a range busy for a
+/// moment) leaves the session alone.
+pub const SESSION_GONE: &str = "rcp-session-gone";
+
+/// The answer to a request on a session this rcpd no longer holds
+/// (`retryable`, marked [`SESSION_GONE`]).
+pub fn session_gone(message: impl std::fmt::Display) -> Status {
+    let mut s = status(Reason::Retryable, message.to_string());
+    s.metadata_mut().insert(
+        SESSION_GONE,
+        tonic::metadata::MetadataValue::from_static("1"),
+    );
+    s
+}
+
 /// What went wrong, classified so the CLI can pick an exit code and the
 /// server a gRPC status.
 #[derive(Debug, thiserror::Error)]

@@ -376,7 +376,7 @@ fn lease_ranges(
             .buffer
             .lease(r.offset, r.len, kind)
             .expect("inside the exposure, so inside the buffer")
-            .map_err(|e| OpError::new(Reason::Invalid, format!("{:?}: {e}", req.name)))?;
+            .map_err(|e| OpError::new(Reason::Retryable, format!("{:?}: {e}", req.name)))?;
         ranges.push(l);
     }
     Ok(ranges)

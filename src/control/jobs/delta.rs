@@ -20,7 +20,7 @@
 
 use std::path::{Path, PathBuf};
 
-use super::skip::{content_check, local_contents, remote_contents};
+use super::contents::{content_check, local_contents, remote_contents};
 use super::Plan;
 use crate::control::client::Client;
 use crate::control::error::{ControlError, Result};

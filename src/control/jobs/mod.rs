@@ -19,6 +19,7 @@
 //! - [`Totals`]: what the summary line says;
 //! - [`doctor`]: the local checks plus whether an rcpd answers.
 
+mod contents;
 mod delta;
 pub mod filter;
 mod paths;

@@ -477,7 +477,7 @@ impl proto::rcp_server::Rcp for RcpService {
         let session = self
             .0
             .session(id, client)
-            .map_err(|e| super::error::status(super::error::Reason::Retryable, e.to_string()))?;
+            .map_err(|e| super::error::session_gone(e.to_string()))?;
         *session.last_used.lock().unwrap() = std::time::Instant::now();
         // A session kept for buffer operations is at work: the idle time
         // closes it, not the grace for sessions that never start.
