@@ -398,13 +398,11 @@ pub async fn plan_push(
             remote.to_string()
         };
         let tree = crate::files::walk(local)?;
-        let entries = admit_local(&mut plan.tree, job, local, &base, tree);
-        let mut names = entries.1;
+        let (entries, names) = admit_local(&mut plan.tree, job, local, &base, tree);
         // The tree's directories first, empty ones included (scp -r,
         // rsync -r); files then create whatever parents they still need.
         plan.remote_dirs.push(base.clone());
         for d in entries
-            .0
             .iter()
             .filter(|e| e.kind == crate::files::EntryKind::Dir)
         {
@@ -415,9 +413,7 @@ pub async fn plan_push(
             plan.tree
                 .delete_extras(&job.filter, &dest, &names, |r| join_remote(&base, r));
         }
-        names.clear();
         for e in entries
-            .0
             .into_iter()
             .filter(|e| e.kind == crate::files::EntryKind::File)
         {
