@@ -292,31 +292,49 @@ fn local_remove(d: &Deletion) -> Result<()> {
     r.map_err(ControlError::io(format!("deleting {}", d.path)))
 }
 
+/// Remote calls of [`finish`] in flight at once.
+const IN_FLIGHT: usize = 16;
+
 /// After the files were copied: make the plan's links, then (`--delete`)
 /// remove what the destination holds and the source does not, calling
-/// `deleted` for each.
+/// `deleted` for each. A push's calls go [`IN_FLIGHT`] at a time; its
+/// removals one depth at a time, so a directory goes only after what it
+/// held.
 pub async fn finish(
     client: &Client,
     push: bool,
     tree: &TreePlan,
     deleted: &dyn Fn(&Deletion),
 ) -> Result<TreeCounts> {
-    for l in &tree.links {
-        if push {
-            client.make_link(&l.dest, &l.target).await?;
-        } else {
+    if push {
+        futures::stream::iter(&tree.links)
+            .map(|l| client.make_link(&l.dest, &l.target))
+            .buffer_unordered(IN_FLIGHT)
+            .try_collect::<()>()
+            .await?;
+        for level in tree.deletes.chunk_by(|a, b| depth(&a.path) == depth(&b.path)) {
+            let mut done = futures::stream::iter(level)
+                .map(|d| async move { client.remove(&d.path).await.map(|()| d) })
+                .buffer_unordered(IN_FLIGHT);
+            while let Some(d) = done.try_next().await? {
+                deleted(d);
+            }
+        }
+    } else {
+        for l in &tree.links {
             local_link(Path::new(&l.dest), &l.target)?;
         }
-    }
-    for d in &tree.deletes {
-        if push {
-            client.remove(&d.path).await?;
-        } else {
+        for d in &tree.deletes {
             local_remove(d)?;
+            deleted(d);
         }
-        deleted(d);
     }
     Ok(tree.counts())
+}
+
+/// How deep a destination path is (its separators).
+fn depth(path: &str) -> usize {
+    path.trim_end_matches('/').matches('/').count()
 }
 
 #[cfg(test)]
