@@ -615,7 +615,7 @@ fn print_plan(plan: &Plan, as_json: bool, quiet: bool, seconds: f64) {
             if dirs == 1 { "y" } else { "ies" },
             plan.skipped.len(),
             tree_summary(&tree)
-                .map(|t| format!(" ({t})"))
+                .map(|t| format!(" (would be: {t})"))
                 .unwrap_or_default(),
         );
     }
