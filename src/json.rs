@@ -167,6 +167,15 @@ pub struct LeftOutLine {
     pub reason: String,
 }
 
+/// `"type": "link"`: a symlink `-a` made at the destination (`dry_run`:
+/// would make).
+#[derive(Clone, Debug, Serialize)]
+pub struct LinkLine {
+    pub path: String,
+    pub target: String,
+    pub dry_run: bool,
+}
+
 /// `"type": "delete"`: an entry `--delete` removed at the destination
 /// (`dry_run`: would remove).
 #[derive(Clone, Debug, Serialize)]

@@ -577,9 +577,7 @@ fn print_plan(plan: &Plan, as_json: bool, quiet: bool, seconds: f64) {
         }
     }
     for l in &plan.tree.links {
-        if !as_json && !quiet {
-            println!("would link {} -> {}", l.dest, l.target);
-        }
+        print_link(l, true, as_json, !quiet);
     }
     for d in &plan.tree.deletes {
         print_deletion(d, true, as_json, !quiet);
@@ -806,6 +804,23 @@ fn print_left_out(plan: &Plan, as_json: bool, quiet: bool) {
     }
 }
 
+/// A symlink (`-a`), made or (dry run) planned: a JSON line, or when
+/// `say` (a dry run's listing; -v for a real run) a line.
+fn print_link(l: &jobs::tree::LinkPlan, dry_run: bool, as_json: bool, say: bool) {
+    if as_json {
+        let j = json::LinkLine {
+            path: l.dest.clone(),
+            target: l.target.clone(),
+            dry_run,
+        };
+        println!("{}", line("link", &j));
+    } else if dry_run && say {
+        println!("would link {} -> {}", l.dest, l.target);
+    } else if say {
+        eprintln!("link {} -> {}", l.dest, l.target);
+    }
+}
+
 /// A deletion (`--delete`), done or (dry run) planned: a JSON line, or
 /// when `say` (a dry run's listing; -v for a real run, as rsync) a line.
 fn print_deletion(d: &jobs::tree::Deletion, dry_run: bool, as_json: bool, say: bool) {
@@ -913,9 +928,11 @@ async fn copy_files(
     rcp::phase::mark("files done, session closed");
     let outcome = outcome?;
     // Links and --delete only after every file made it.
-    let said =
-        |d: &jobs::tree::Deletion| print_deletion(d, false, c.json, !c.quiet && c.verbose > 0);
-    let tree = jobs::tree::finish(&client, direction == Direction::Push, &tree_plan, &said).await?;
+    let say = !c.quiet && c.verbose > 0;
+    let linked = |l: &jobs::tree::LinkPlan| print_link(l, false, c.json, say);
+    let deleted = |d: &jobs::tree::Deletion| print_deletion(d, false, c.json, say);
+    let push = direction == Direction::Push;
+    let tree = jobs::tree::finish(&client, push, &tree_plan, &linked, &deleted).await?;
     print_outcome(c, direction, dirs, outcome, tree);
     Ok(())
 }

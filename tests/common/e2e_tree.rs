@@ -176,6 +176,8 @@ pub fn archive_keeps_links_and_says_what_it_leaves_out(t: &str, push: bool) {
     assert_eq!(sum["left_out"], 2, "{}", r.stdout);
     let out: BTreeSet<String> = s.paths(&r.stdout, "left_out").into_iter().collect();
     assert_eq!(out, set(&["esc", "abs"]), "{}", r.stdout);
+    let made: BTreeSet<String> = s.paths(&r.stdout, "link").into_iter().collect();
+    assert_eq!(made, set(&["sub/rel", "dangling"]), "{}", r.stdout);
     assert_eq!(link_of(&s.dst.join("sub/rel")), Some(PathBuf::from("../f")));
     assert_eq!(
         link_of(&s.dst.join("dangling")),

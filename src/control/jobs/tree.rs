@@ -297,22 +297,27 @@ const IN_FLIGHT: usize = 16;
 
 /// After the files were copied: make the plan's links, then (`--delete`)
 /// remove what the destination holds and the source does not, calling
-/// `deleted` for each. A push's calls go [`IN_FLIGHT`] at a time; its
+/// `deleted` for each (`linked` for each link made). A push's calls go [`IN_FLIGHT`] at a time; its
 /// removals one depth at a time, so a directory goes only after what it
 /// held.
 pub async fn finish(
     client: &Client,
     push: bool,
     tree: &TreePlan,
+    linked: &dyn Fn(&LinkPlan),
     deleted: &dyn Fn(&Deletion),
 ) -> Result<TreeCounts> {
     if push {
-        futures::stream::iter(&tree.links)
-            .map(|l| client.make_link(&l.dest, &l.target))
-            .buffer_unordered(IN_FLIGHT)
-            .try_collect::<()>()
-            .await?;
-        for level in tree.deletes.chunk_by(|a, b| depth(&a.path) == depth(&b.path)) {
+        let mut made = futures::stream::iter(&tree.links)
+            .map(|l| async move { client.make_link(&l.dest, &l.target).await.map(|()| l) })
+            .buffer_unordered(IN_FLIGHT);
+        while let Some(l) = made.try_next().await? {
+            linked(l);
+        }
+        for level in tree
+            .deletes
+            .chunk_by(|a, b| depth(&a.path) == depth(&b.path))
+        {
             let mut done = futures::stream::iter(level)
                 .map(|d| async move { client.remove(&d.path).await.map(|()| d) })
                 .buffer_unordered(IN_FLIGHT);
@@ -323,6 +328,7 @@ pub async fn finish(
     } else {
         for l in &tree.links {
             local_link(Path::new(&l.dest), &l.target)?;
+            linked(l);
         }
         for d in &tree.deletes {
             local_remove(d)?;
