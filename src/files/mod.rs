@@ -97,7 +97,7 @@ pub use dircache::DirCache;
 pub use direct::WriteStats;
 pub use error::{DigestError, FileError, ManifestError, PathError, Result};
 pub use manifest::{Manifest, SourceId};
-pub use path::{normalize, RelPath};
+pub use path::{normalize, symlink_target_within, RelPath};
 pub use reader::{IoMode, ReadStats, SourceFile, DIRECT_ALIGN, DIRECT_READ_FROM};
 pub use root::{DirHandle, FileKind, FileMeta, ListEntry, Resolver, Root, Timestamp};
 pub use tree::{resolve_destination, walk, Entry, EntryKind, Skipped, Tree};

@@ -477,6 +477,44 @@ impl Root {
     }
 }
 
+impl Root {
+    /// Remove `rel` (a file, a symlink or an empty directory) beneath the
+    /// root, following no symlink on the way nor at the end (each step an
+    /// `openat(O_NOFOLLOW)`, then `unlinkat` of the name itself). The root
+    /// itself is never removed; a directory that is not empty is refused.
+    pub fn remove(&self, rel: &str) -> Result<()> {
+        let r = normalize(rel)?;
+        let name = r.file_name().ok_or_else(|| PathError::BadName {
+            name: rel.to_owned(),
+            why: "the root itself is never removed",
+        })?;
+        check_name(name)?;
+        let top = self.open_dir_rel(&RelPath::root())?;
+        let mut dir = top
+            .fd()
+            .try_clone_to_owned()
+            .map_err(|e| io_err("dup", self.display(&r), e))?;
+        for c in r.parent().components() {
+            dir = rfs::openat(
+                &dir,
+                c.as_str(),
+                OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                Mode::empty(),
+            )
+            .map_err(|e| map_errno(e, rel, "open directory"))?;
+        }
+        let st = rfs::statat(&dir, name, AtFlags::SYMLINK_NOFOLLOW)
+            .map_err(|e| map_errno(e, rel, "stat"))?;
+        let flags = if FileType::from_raw_mode(st.st_mode) == FileType::Directory {
+            AtFlags::REMOVEDIR
+        } else {
+            AtFlags::empty()
+        };
+        rfs::unlinkat(&dir, name, flags).map_err(|e| map_errno(e, rel, "remove"))?;
+        Ok(())
+    }
+}
+
 /// List a directory fd: sorted entries with `lstat` metadata. Entries that vanish
 /// between readdir and stat are skipped.
 pub(crate) fn list_fd(dir: &OwnedFd, display: &Path) -> Result<Vec<ListEntry>> {

@@ -954,5 +954,41 @@ macro_rules! e2e_tests {
         fn pull_delta_moves_only_the_changed_block() {
             $crate::common::e2e_sync::delta_moves_only_the_changed_block($t, false);
         }
+
+        #[test]
+        $(#[$attr])*
+        fn push_archive_keeps_links_and_says_what_it_leaves_out() {
+            $crate::common::e2e_tree::archive_keeps_links_and_says_what_it_leaves_out($t, true);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn pull_archive_keeps_links_and_says_what_it_leaves_out() {
+            $crate::common::e2e_tree::archive_keeps_links_and_says_what_it_leaves_out($t, false);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn push_delete_removes_what_the_source_lacks() {
+            $crate::common::e2e_tree::delete_removes_what_the_source_lacks($t, true);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn pull_delete_removes_what_the_source_lacks() {
+            $crate::common::e2e_tree::delete_removes_what_the_source_lacks($t, false);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn push_exclude_and_include_follow_rsyncs_rules() {
+            $crate::common::e2e_tree::exclude_and_include_follow_rsyncs_rules($t, true);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn pull_exclude_and_include_follow_rsyncs_rules() {
+            $crate::common::e2e_tree::exclude_and_include_follow_rsyncs_rules($t, false);
+        }
     };
 }

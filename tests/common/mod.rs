@@ -4,6 +4,7 @@
 
 pub mod e2e;
 pub mod e2e_sync;
+pub mod e2e_tree;
 pub mod metrics;
 pub mod pattern;
 pub mod raw;
