@@ -19,8 +19,10 @@
 //! 3. [`seal`](Destination::seal): every block must be recorded; the file digest
 //!    derived from the recorded block digests ([`super::digest::file_digest`]) must
 //!    equal the expected one (else the temp file and manifest are removed and
-//!    [`FileError::DigestMismatch`] returned); optional mode/mtime (`-p`). No fsync,
-//!    no rename: the result is a [`Sealed`] file.
+//!    [`FileError::DigestMismatch`] returned); its mode set ([`super::mode`]: with
+//!    `-p` the source's, else the replaced file's or the source's masked by the
+//!    umask) and, with `-p`, its mtime. No fsync, no rename: the result is a
+//!    [`Sealed`] file.
 //! 4. [`publish`] a batch of sealed files: their data is made durable in as few calls
 //!    as possible (one `syncfs` per file system holding several of them, `fdatasync`
 //!    for a file alone on its file system), THEN each is renamed over its final name
@@ -84,9 +86,13 @@ pub struct Preserve {
 pub struct DestinationOptions {
     /// Block size for [`Destination::write_block`] indices and the manifest bitmap.
     pub block_size: u64,
-    /// Mode and mtime to set before the rename (`-p`); `None`: new file gets
-    /// `0o666 & !umask`, mtime = now.
+    /// Mode and mtime to set before the rename (`-p`); `None`: the mode of
+    /// [`super::mode::received_mode`] (an existing file's bits kept, a new
+    /// file's from [`Self::source_mode`] masked by the umask), mtime = now.
     pub preserve: Option<Preserve>,
+    /// Without `-p`: the source's permission bits, which a new file gets
+    /// masked by the umask. `None`: `0o666` masked by the umask.
+    pub source_mode: Option<u32>,
     /// Enable resume: keep a manifest, and keep the temp file when dropped without
     /// commit. The id is recorded so a later resume only continues the same source.
     /// Files of at most one block keep no manifest all the same (see the module doc).
@@ -119,6 +125,7 @@ impl Default for DestinationOptions {
         DestinationOptions {
             block_size: DEFAULT_BLOCK_SIZE,
             preserve: None,
+            source_mode: None,
             resume: None,
             expected_digest: None,
             check: Check::Sha256,
@@ -148,6 +155,9 @@ pub struct Destination {
     unsaved: u64,
     last_save: Instant,
     finished: bool,
+    /// The permission bits of the file at the final name when this
+    /// destination was made, if one was there (kept without `-p`).
+    existing_mode: Option<u32>,
 }
 
 impl std::fmt::Debug for Destination {
@@ -194,14 +204,14 @@ impl Destination {
                 why: "block size is zero",
             });
         }
-        refuse_directory(dir, final_name)?;
+        let existing_mode = refuse_directory(dir, final_name)?;
         let temp = temp_name(final_name, "part");
         let tpath = dir.display().join(&temp);
         let fd = rfs::openat(
             dir.fd(),
             &temp,
             OFlags::RDWR | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-            Mode::from_raw_mode(0o666),
+            Mode::from_raw_mode(super::mode::TEMP_MODE),
         )
         .map_err(|e| io_err("create temp file", &tpath, e))?;
         let remove = |e: FileError| {
@@ -262,6 +272,7 @@ impl Destination {
             unsaved: 0,
             last_save: Instant::now(),
             finished: false,
+            existing_mode,
         };
         if d.keeps_manifest() {
             // From now on a crash leaves a manifest next to the temp file.
@@ -436,6 +447,7 @@ impl Destination {
             unsaved: 0,
             last_save: Instant::now(),
             finished: false,
+            existing_mode: refuse_directory(dir, &m.final_name)?,
         };
         d.rebuild(&m.blocks)?;
         if d.keeps_manifest() {
@@ -720,10 +732,9 @@ impl Destination {
                 actual: to_hex(&actual),
             });
         }
+        self.set_mode()?;
         if let Some(p) = self.opts.preserve {
             let tpath = self.temp_path();
-            rfs::fchmod(&self.file, Mode::from_raw_mode(p.mode & 0o7777))
-                .map_err(|e| io_err("chmod", &tpath, e))?;
             let ts = rustix::fs::Timespec {
                 tv_sec: p.mtime.sec,
                 tv_nsec: p.mtime.nsec.into(),
@@ -742,6 +753,23 @@ impl Destination {
             derived,
             flat,
         })
+    }
+
+    /// Give the temp file its final mode: the source's with `-p`, else
+    /// [`super::mode::received_mode`]'s. (Durable with the data: a lone
+    /// file's `fdatasync` may leave a mode change behind after a crash, and
+    /// then the file keeps the temp's `0600`, never anything wider.)
+    fn set_mode(&self) -> Result<()> {
+        let mode = match self.opts.preserve {
+            Some(p) => p.mode & 0o7777,
+            None => super::mode::received_mode(
+                self.existing_mode,
+                self.opts.source_mode,
+                super::mode::process_umask(),
+            ),
+        };
+        rfs::fchmod(&self.file, Mode::from_raw_mode(mode))
+            .map_err(|e| io_err("chmod", self.temp_path(), e))
     }
 
     /// [`seal`](Self::seal) and [`publish`] this one file.
@@ -1094,14 +1122,16 @@ fn discard(dir: &DirHandle, temp: &OsStr, manifest: &OsStr) {
     let _ = rfs::unlinkat(dir.fd(), manifest, AtFlags::empty());
 }
 
-/// Refuse early when the final name is an existing directory.
-/// Any other answer (nothing there, a file, a failed look) is left to the
-/// create and the rename, which meet it themselves.
-fn refuse_directory(dir: &DirHandle, name: &OsStr) -> Result<()> {
+/// Refuse early when the final name is an existing directory; else the
+/// permission bits of the regular file standing there, if one does.
+/// Any other answer (nothing there, something else, a failed look) is left
+/// to the create and the rename, which meet it themselves.
+fn refuse_directory(dir: &DirHandle, name: &OsStr) -> Result<Option<u32>> {
     match dir.entry(name) {
         Ok(Some(m)) if m.kind == FileKind::Dir => Err(FileError::IsADirectory {
             path: dir.display().join(name),
         }),
-        _ => Ok(()),
+        Ok(Some(m)) if m.kind == FileKind::File => Ok(Some(m.mode)),
+        _ => Ok(None),
     }
 }

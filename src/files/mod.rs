@@ -79,6 +79,7 @@ pub mod dircache;
 pub mod direct;
 pub mod error;
 pub mod manifest;
+pub mod mode;
 pub mod path;
 pub mod reader;
 pub mod root;

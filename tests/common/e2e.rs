@@ -752,6 +752,137 @@ pub fn staging_sized_to_the_job(t: &str) {
     }
 }
 
+/// Permission bits of `p`.
+pub fn mode_of(p: &Path) -> u32 {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(p).unwrap().permissions().mode() & 0o7777
+}
+
+/// Make `p` a file of `len` bytes with permission bits `mode`.
+fn file_with_mode(p: &Path, len: u64, mode: u32) {
+    use std::os::unix::fs::PermissionsExt;
+    make_file(p, len, u64::from(mode));
+    std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).unwrap();
+}
+
+/// Modes without `-p`, as rsync has them, both ways and for trees (both
+/// ends under umask 022): a new file keeps the source's bits (0600 stays
+/// 0600, 0755 stays executable), a file replaced keeps its own (a 0600
+/// key.pem stays 0600 under a 0644 source); with `-p` the source's win.
+pub fn modes_of_new_and_replaced_files(t: &str) {
+    let (tmp, root) = tmp_with_root();
+    let d = Rcpd::start_umask(&Topology::from_env(), &root, t, None, &[], Some(0o022));
+    let run = |args: &[&str]| {
+        let out = rcp_cmd_umask(d.port, t, None, args, 0o022)
+            .output()
+            .unwrap();
+        let said = format!(
+            "{args:?}: {}{}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+            d.log()
+        );
+        assert!(out.status.success(), "{said}");
+    };
+    let src = tmp.path().join("src");
+    std::fs::create_dir(&src).unwrap();
+    // One file of several blocks (written with O_DIRECT where allowed).
+    file_with_mode(&src.join("key.pem"), 3 * WINDOW_SIZE as u64 + 5, 0o600);
+    file_with_mode(&src.join("run.sh"), 100, 0o755);
+    file_with_mode(&src.join("open.txt"), 10, 0o644);
+    let back = tmp.path().join("back");
+    std::fs::create_dir(&back).unwrap();
+    let (s, r, b) = (src.to_str().unwrap(), remote("/"), back.to_str().unwrap());
+    run(&["push", "-q", "-r", s, &r]);
+    for (name, want) in [("key.pem", 0o600), ("run.sh", 0o755), ("open.txt", 0o644)] {
+        assert_eq!(mode_of(&root.join("src").join(name)), want, "pushed {name}");
+    }
+    run(&["pull", "-q", "-r", &remote("src"), b]);
+    for (name, want) in [("key.pem", 0o600), ("run.sh", 0o755), ("open.txt", 0o644)] {
+        assert_eq!(mode_of(&back.join("src").join(name)), want, "pulled {name}");
+    }
+    // A 0644 source over an existing 0600 file, each way: the file keeps 0600.
+    let loose = tmp.path().join("loose");
+    std::fs::create_dir(&loose).unwrap();
+    file_with_mode(&loose.join("key.pem"), 2 * WINDOW_SIZE as u64, 0o644);
+    let key = loose.join("key.pem");
+    run(&["push", "-q", key.to_str().unwrap(), &remote("src/key.pem")]);
+    assert_eq!(sha256sum(&root.join("src/key.pem")), sha256sum(&key));
+    assert_eq!(mode_of(&root.join("src/key.pem")), 0o600, "push kept 0600");
+    let local_key = back.join("src/key.pem");
+    std::fs::set_permissions(root.join("src/key.pem"), perm(0o644)).unwrap();
+    run(&[
+        "pull",
+        "-q",
+        &remote("src/key.pem"),
+        local_key.to_str().unwrap(),
+    ]);
+    assert_eq!(sha256sum(&local_key), sha256sum(&key));
+    assert_eq!(mode_of(&local_key), 0o600, "pull kept 0600");
+    // With -p the source's mode wins, each way.
+    run(&[
+        "push",
+        "-q",
+        "-p",
+        key.to_str().unwrap(),
+        &remote("src/run.sh"),
+    ]);
+    assert_eq!(mode_of(&root.join("src/run.sh")), 0o644, "push -p");
+    run(&[
+        "pull",
+        "-q",
+        "-p",
+        &remote("src/key.pem"),
+        local_key.to_str().unwrap(),
+    ]);
+    assert_eq!(mode_of(&local_key), 0o644, "pull -p");
+    // No temp file left behind.
+    assert_eq!(names(&root.join("src")), ["key.pem", "open.txt", "run.sh"]);
+    assert_eq!(names(&back.join("src")), ["key.pem", "open.txt", "run.sh"]);
+}
+
+fn perm(mode: u32) -> std::fs::Permissions {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::Permissions::from_mode(mode)
+}
+
+/// Without `-p` a new file's bits are the source's masked by the
+/// receiver's umask: rcpd's on push, rcp's on pull (077 here: 0755 lands
+/// 0700, 0644 lands 0600), never wider than the source.
+pub fn modes_masked_by_the_receivers_umask(t: &str) {
+    let (tmp, root) = tmp_with_root();
+    let d = Rcpd::start_umask(&Topology::from_env(), &root, t, None, &[], Some(0o077));
+    let run = |args: &[&str]| {
+        let out = rcp_cmd_umask(d.port, t, None, args, 0o077)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{args:?}: {}\n{}",
+            String::from_utf8_lossy(&out.stderr),
+            d.log()
+        );
+    };
+    let src = tmp.path().join("run.sh");
+    file_with_mode(&src, 100, 0o755);
+    let narrow = tmp.path().join("narrow");
+    file_with_mode(&narrow, 100, 0o640);
+    run(&[
+        "push",
+        "-q",
+        src.to_str().unwrap(),
+        narrow.to_str().unwrap(),
+        &remote("/"),
+    ]);
+    assert_eq!(mode_of(&root.join("run.sh")), 0o700, "push: rcpd's umask");
+    assert_eq!(mode_of(&root.join("narrow")), 0o600, "push: never wider");
+    std::fs::set_permissions(root.join("run.sh"), perm(0o644)).unwrap();
+    let back = tmp.path().join("back");
+    std::fs::create_dir(&back).unwrap();
+    run(&["pull", "-q", &remote("run.sh"), back.to_str().unwrap()]);
+    assert_eq!(mode_of(&back.join("run.sh")), 0o600, "pull: rcp's umask");
+}
+
 /// The scenarios above as `#[test]`s over `$transport` at the [`Scale`]
 /// given, each carrying the attributes given (the VM's `#[ignore = ...]`).
 #[macro_export]
@@ -815,6 +946,18 @@ macro_rules! e2e_tests {
         $(#[$attr])*
         fn resume_across_a_change_of_check() {
             $crate::common::e2e::resume_across_a_change_of_check($t, &$scale);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn modes_of_new_and_replaced_files() {
+            $crate::common::e2e::modes_of_new_and_replaced_files($t);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn modes_masked_by_the_receivers_umask() {
+            $crate::common::e2e::modes_masked_by_the_receivers_umask($t);
         }
 
         #[test]
