@@ -27,6 +27,7 @@ pub mod copy_peers;
 pub mod daemon;
 pub mod error;
 pub mod fsutil;
+pub mod interrupt;
 pub mod jobs;
 pub mod link;
 pub mod protocol;
