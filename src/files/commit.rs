@@ -182,7 +182,7 @@ fn flat_digest(len: u64, opts: &DestinationOptions) -> Option<StreamingFileDiges
         .then(|| StreamingFileDigest::new(Some(len), opts.max_pending_digest_bytes))
 }
 
-fn manifest_name_for(temp: &OsStr) -> OsString {
+pub(super) fn manifest_name_for(temp: &OsStr) -> OsString {
     let mut m = temp.to_owned();
     m.push(".manifest");
     m
@@ -260,6 +260,11 @@ impl Destination {
             check: opts.check,
             blocks: BTreeMap::new(),
         };
+        if block_count(len, opts.block_size) > 1 && opts.resume.is_some() {
+            // A copy that could leave a partial replaces what an earlier,
+            // interrupted one of the name left (rather than leave another).
+            super::partials::sweep_name(dir, final_name, &temp);
+        }
         let mut d = Destination {
             dir: dir.clone(),
             file: File::from(fd),
@@ -1099,7 +1104,7 @@ fn stale(
 }
 
 /// Remove an unusable temp/manifest pair unless a live transfer holds the temp file.
-fn discard(dir: &DirHandle, temp: &OsStr, manifest: &OsStr) {
+pub(super) fn discard(dir: &DirHandle, temp: &OsStr, manifest: &OsStr) {
     match rfs::openat(
         dir.fd(),
         temp,
