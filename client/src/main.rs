@@ -1,5 +1,7 @@
 //! `rcp`: push and pull files to and from rcpd over RDMA (or TCP).
 
+mod signals;
+
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -29,7 +31,9 @@ Exit codes:
   5  temporary error (network, server unavailable): retry, --resume continues
   6  fatal error (integrity mismatch, authentication, permission, refused request)
   7  transfer exceeded a limit (size, space at the destination)
-  8  protocol violation: rcpd (or this rcp) sent a message outside the protocol";
+  8  protocol violation: rcpd (or this rcp) sent a message outside the protocol
+  130  interrupted by SIGINT: aborted cleanly, stderr says the --resume command
+  143  terminated by SIGTERM: as 130";
 
 #[derive(Parser, Debug)]
 #[command(name = "rcp", version, about = "Copy files between hosts over RDMA (rcpd on the other side)", after_help = AFTER_HELP)]
@@ -319,6 +323,8 @@ struct Watch {
     session: std::sync::Mutex<(String, rcp::files::Check)>,
     bytes: AtomicU64,
     files_done: AtomicU64,
+    /// The bytes of the files done (for an interrupt's report).
+    committed: AtomicU64,
 }
 
 impl jobs::Watcher for Watch {
@@ -349,6 +355,7 @@ impl Observer for Watch {
     }
     fn file_done(&self, r: &FileResult) {
         self.files_done.fetch_add(1, Relaxed);
+        self.committed.fetch_add(r.length, Relaxed);
         if let Some(b) = &self.bars {
             b.done.fetch_add(1, Relaxed);
             b.show(&r.path);
@@ -476,6 +483,7 @@ async fn run(c: Cli) -> Result<(), ControlError> {
     } else {
         Paths::pull(args, c.port)
     }?;
+    signals::catch();
     copy_files(&c, copy, &paths, opts).await
 }
 
@@ -573,7 +581,10 @@ async fn copy_files(
     let client = Client::connect(paths.addr(), opts).await?;
     rcp::phase::mark("connected to rcpd");
     let t0 = Instant::now();
-    let plan = paths.plan(&client, &job).await?;
+    let plan = tokio::select! {
+        p = paths.plan(&client, &job) => p?,
+        sig = rcp::control::interrupt::wait() => return Err(ControlError::Failed(sig.failure())),
+    };
     rcp::phase::mark("planned");
     if copy.dry_run {
         // No session: nothing is set up on rcpd, nothing moves.
@@ -587,12 +598,14 @@ async fn copy_files(
         session: Default::default(),
         bytes: AtomicU64::new(0),
         files_done: AtomicU64::new(0),
+        committed: AtomicU64::new(0),
     });
     let ticker = copy
         .stats
         .filter(|d| !d.is_zero() && (c.json || !c.quiet))
         .map(|every| progress_ticker(watch.clone(), &plan, every, c.json));
     let (direction, dirs) = (plan.direction(), plan.dirs() as u64);
+    let (files_total, bytes_total) = (plan.files.len() as u64, plan.bytes());
     // The jobs policy: over verbs, and with --transport auto on over tcp
     // when verbs cannot start or every rail stays down; staging sized to
     // what the copy can fill.
@@ -601,6 +614,15 @@ async fn copy_files(
         t.abort();
     }
     rcp::phase::mark("files done, session closed");
+    if let (Err(_), Some(sig)) = (&outcome, rcp::control::interrupt::raised()) {
+        let done = signals::Done {
+            files: watch.files_done.load(Relaxed),
+            files_total,
+            bytes: watch.committed.load(Relaxed),
+            bytes_total,
+        };
+        signals::report(sig, &done);
+    }
     print_outcome(c, direction, dirs, outcome?);
     Ok(())
 }
@@ -849,15 +871,20 @@ fn main() {
         }
         Err(e) => {
             eprintln!("rcp: {e}");
+            // An interrupt's code says which signal (130, 143).
+            let code = match (e.reason(), rcp::control::interrupt::raised()) {
+                (rcp::proto::Reason::Interrupted, Some(sig)) => sig.exit_code(),
+                _ => e.exit_code(),
+            };
             if as_json {
                 let reason = e.reason();
                 print_error(
-                    e.exit_code(),
+                    code,
                     reason.as_str_name().trim_start_matches("REASON_"),
                     &e.to_string(),
                 );
             }
-            std::process::exit(e.exit_code());
+            std::process::exit(code);
         }
     }
 }
