@@ -343,6 +343,122 @@ pub fn pull_resume_after_client_killed(t: &str, s: &Scale) {
     resume(t, d.port, s, &args, &dst, "big", &want);
 }
 
+/// Start `rcp args` held by `--bwlimit`, send it `sig` (`INT`, `TERM`)
+/// once the manifest of `name` in `dir` (the receiving side) shows a
+/// verified window, and return its exit code and stderr: nothing is under
+/// the final name, the partial is kept.
+fn interrupt_mid_copy(
+    t: &str,
+    d: &Rcpd,
+    s: &Scale,
+    args: &[&str],
+    (dir, name): (&Path, &str),
+    sig: &str,
+) -> (i32, String) {
+    let rate = (s.resume_len / 4).to_string();
+    let args = held(args, &rate);
+    let err_path = dir.with_extension("rcp.stderr");
+    let err = std::fs::File::create(&err_path).unwrap();
+    let mut child = rcp_blocks(t, d.port, s.resume_block, &args)
+        .stdout(Stdio::null())
+        .stderr(err)
+        .spawn()
+        .unwrap();
+    let blocks = WINDOW_SIZE as u64 / s.resume_block;
+    wait_verified_while(dir, name, blocks, &mut child, || {
+        let said = std::fs::read_to_string(&err_path).unwrap_or_default();
+        format!("rcp {args:?}: {said}\nrcpd: {}", d.log())
+    });
+    signal(child.id(), sig);
+    let st = child.wait().unwrap();
+    let said = std::fs::read_to_string(&err_path).unwrap();
+    assert!(!dir.join(name).exists(), "nothing under the final name");
+    assert!(find_manifest(dir, name).is_some(), "{:?}", names(dir));
+    (st.code().unwrap_or(-1), said)
+}
+
+/// What an interrupted rcp said on stderr: the signal, what was done, and
+/// the `--resume` command line (returned) that continues the copy.
+fn says_how_to_resume(said: &str, sig: &str, sub: &str, len: u64) -> String {
+    assert!(said.contains(&format!("interrupted by SIG{sig}")), "{said}");
+    assert!(
+        said.contains(&format!("0 of 1 files committed (0 of {len} bytes)")),
+        "{said}"
+    );
+    let cmd = said
+        .lines()
+        .find_map(|l| l.strip_prefix("rcp: to continue: "))
+        .unwrap_or_else(|| panic!("no --resume command: {said}"));
+    assert!(cmd.contains(&format!(" {sub} --resume ")), "{cmd}");
+    cmd.to_string()
+}
+
+/// How an interrupted copy is taken up again.
+#[derive(Clone, Copy)]
+pub enum Then {
+    /// The same command without `--resume`: it starts afresh and removes
+    /// the partial the interrupted one kept.
+    Rerun,
+    /// The command the interrupted rcp printed (`--resume` in it): it
+    /// moves less than the file.
+    Printed,
+}
+
+/// A push or pull (`sub`) interrupted by `sig` mid-copy exits 128 + the
+/// signal, says how to continue; taken up again (`then`) it ends with
+/// the file and no `.rcp-*` partial in the destination directory.
+pub fn interrupted_copy(t: &str, s: &Scale, sub: &str, sig: &str, then: Then) {
+    let (tmp, root) = tmp_with_root();
+    let d = Rcpd::start(&root, t, None, FEW_WINDOWS);
+    let (src, dst) = (tmp.path().join("big"), tmp.path().join("dst"));
+    std::fs::create_dir(&dst).unwrap();
+    let (args, dir) = if sub == "push" {
+        make_file(&src, s.resume_len, 11);
+        (vec![src.to_str().unwrap().to_string(), remote("/")], &root)
+    } else {
+        make_file(&root.join("big"), s.resume_len, 12);
+        (vec![remote("big"), dst.to_str().unwrap().to_string()], &dst)
+    };
+    let want = sha256sum(&if sub == "push" { src } else { root.join("big") });
+    let args: Vec<&str> = [sub, "-q"]
+        .into_iter()
+        .chain(args.iter().map(String::as_str))
+        .collect();
+    let (code, said) = interrupt_mid_copy(t, &d, s, &args, (dir, "big"), sig);
+    let want_code = if sig == "INT" { 130 } else { 143 };
+    assert_eq!(code, want_code, "{said}\nrcpd: {}", d.log());
+    let cmd = says_how_to_resume(&said, sig, sub, s.resume_len);
+    let out = match then {
+        Then::Rerun => rcp_blocks(t, d.port, s.resume_block, &args)
+            .output()
+            .unwrap(),
+        Then::Printed => {
+            // As the user would: in a shell, with rcp's environment.
+            let rcp = rcp_cmd(d.port, t, None, &[]);
+            let mut sh = Command::new("sh");
+            sh.args(["-c", &cmd.replace(" -q ", " ")]);
+            for (k, v) in rcp.get_envs() {
+                match v {
+                    Some(v) => sh.env(k, v),
+                    None => sh.env_remove(k),
+                };
+            }
+            sh.output().unwrap()
+        }
+    };
+    let (so, se) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{so}{se}\nrcpd: {}", d.log());
+    if let Then::Printed = then {
+        let m = moved(&so);
+        assert!(m < s.resume_len, "the resume moved {m} bytes: {so}");
+    }
+    assert_eq!(sha256sum(&dir.join("big")), want);
+    assert_eq!(names(dir), vec!["big".to_string()], "no partial left");
+}
+
 /// Eight clients push at once to an rcpd with three transfer slots: the
 /// excess waits, none fails.
 pub fn eight_clients_with_back_pressure(t: &str, s: &Scale) {
@@ -928,6 +1044,34 @@ macro_rules! e2e_tests {
         $(#[$attr])*
         fn pull_resume_after_client_killed() {
             $crate::common::e2e::pull_resume_after_client_killed($t, &$scale);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn push_interrupted_by_sigint_then_rerun_leaves_no_partial() {
+            use $crate::common::e2e::{interrupted_copy, Then};
+            interrupted_copy($t, &$scale, "push", "INT", Then::Rerun);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn pull_interrupted_by_sigint_then_rerun_leaves_no_partial() {
+            use $crate::common::e2e::{interrupted_copy, Then};
+            interrupted_copy($t, &$scale, "pull", "INT", Then::Rerun);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn push_terminated_resumes_with_the_printed_command() {
+            use $crate::common::e2e::{interrupted_copy, Then};
+            interrupted_copy($t, &$scale, "push", "TERM", Then::Printed);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn pull_terminated_resumes_with_the_printed_command() {
+            use $crate::common::e2e::{interrupted_copy, Then};
+            interrupted_copy($t, &$scale, "pull", "TERM", Then::Printed);
         }
 
         #[test]
