@@ -49,35 +49,53 @@ fn names(fd: impl AsFd) -> rustix::io::Result<Vec<(OsString, FileType)>> {
     Ok(out)
 }
 
+/// The partials in `dir` (temp files and manifests), sorted, listed once
+/// per opened directory: what a destination created later adds is its own.
+fn partials_in(dir: &DirHandle) -> &[OsString] {
+    dir.partials_once(|| match names(dir.fd()) {
+        Ok(e) => {
+            let mut v: Vec<OsString> = e
+                .into_iter()
+                .map(|(n, _)| n)
+                .filter(|n| is_partial(n))
+                .collect();
+            v.sort();
+            v
+        }
+        Err(e) => {
+            tracing::debug!(dir = %esc(dir.display().display()), error = %e, "cannot list for stale partials");
+            Vec::new()
+        }
+    })
+}
+
 /// Remove the partials of `final_name` in `dir` (but `keep`, the caller's
 /// own temp) that no live transfer holds: a partial whose manifest names
 /// another final name (a long name sharing the truncated prefix) stays.
+/// The directory is listed once per [`DirHandle`] (its first file), not
+/// once per file: a tree of many files in one directory stays linear.
 pub fn sweep_name(dir: &DirHandle, final_name: &OsStr, keep: &OsStr) {
     let prefix = temp_prefix(final_name);
-    let entries = match names(dir.fd()) {
-        Ok(e) => e,
-        Err(e) => {
-            tracing::debug!(dir = %esc(dir.display().display()), error = %e, "cannot list for stale partials");
-            return;
-        }
-    };
+    let entries = partials_in(dir);
+    // Sorted: this name's partials are one run.
+    let from = entries.partition_point(|n| n.as_bytes() < &prefix[..]);
     // Where the prefix is all of the name (up to 200 bytes), every match is
     // this name's; beyond, only a manifest can tell.
     let exact = final_name.len() <= 200;
-    for (name, _) in &entries {
+    for name in &entries[from..] {
         let n = name.as_bytes();
-        if !n.starts_with(&prefix) || name == keep {
+        if !n.starts_with(&prefix) {
+            break;
+        }
+        if name == keep {
             continue;
         }
         let temp: &OsStr = if n.ends_with(MANIFEST) {
             OsStr::from_bytes(&n[..n.len() - ".manifest".len()])
-        } else if n.ends_with(PART) {
-            if entries.iter().any(|(m, _)| *m == manifest_name_for(name)) {
-                continue; // handled with its manifest
-            }
-            name
+        } else if entries.binary_search(&manifest_name_for(name)).is_ok() {
+            continue; // handled with its manifest
         } else {
-            continue;
+            name
         };
         if temp == keep {
             continue;
@@ -262,5 +280,45 @@ mod tests {
         assert!(!old.exists() && !orphan.exists());
         assert!(fresh.exists() && held.exists() && plain.exists());
         assert_eq!(std::fs::read_dir(&sub).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn a_fresh_copy_sweeps_its_names_partials_only() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = DirHandle::open(tmp.path()).unwrap();
+        let p = |n: &str| tmp.path().join(n);
+        for n in [
+            ".rcp-f.0011223344556677.part",
+            ".rcp-f.0011223344556677.part.manifest",
+            ".rcp-f.8899aabbccddeeff.part",
+            ".rcp-fo.0011223344556677.part",
+            "f",
+        ] {
+            touch_at(&p(n), Duration::ZERO);
+        }
+        let own = OsStr::new(".rcp-f.1111111111111111.part");
+        touch_at(&p(".rcp-f.1111111111111111.part"), Duration::ZERO);
+        sweep_name(&dir, OsStr::new("f"), own);
+        let mut left: Vec<_> = std::fs::read_dir(tmp.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        left.sort();
+        assert_eq!(
+            left,
+            [
+                ".rcp-f.1111111111111111.part",
+                ".rcp-fo.0011223344556677.part",
+                "f"
+            ]
+        );
+        // Listed once: a partial of the name made since is a live copy's.
+        touch_at(&p(".rcp-f.2222222222222222.part"), Duration::ZERO);
+        sweep_name(
+            &dir,
+            OsStr::new("f"),
+            OsStr::new(".rcp-f.3333333333333333.part"),
+        );
+        assert!(p(".rcp-f.2222222222222222.part").exists());
     }
 }
