@@ -63,6 +63,7 @@ use super::digest::{
 use super::direct::{DirectWrites, WriteStats};
 use super::error::{io_err, DigestError, FileError, Result};
 use super::manifest::{block_count, Manifest, SourceId};
+use super::partials::{discard, lock_within, manifest_name_for, RESUME_LOCK_WAIT};
 use super::path::check_name_os;
 use super::reader::IoMode;
 use super::root::{list_fd, DirHandle, FileKind, Timestamp};
@@ -180,12 +181,6 @@ enum Expect {
 fn flat_digest(len: u64, opts: &DestinationOptions) -> Option<StreamingFileDigest> {
     opts.flat_sha256
         .then(|| StreamingFileDigest::new(Some(len), opts.max_pending_digest_bytes))
-}
-
-pub(super) fn manifest_name_for(temp: &OsStr) -> OsString {
-    let mut m = temp.to_owned();
-    m.push(".manifest");
-    m
 }
 
 impl Destination {
@@ -1055,27 +1050,6 @@ impl DirInfo {
     }
 }
 
-/// How long [`Destination::resume`] waits for the temp file of an
-/// interrupted transfer to be released by its old owner.
-const RESUME_LOCK_WAIT: Duration = Duration::from_secs(5);
-
-/// Take `fd`'s exclusive flock, retrying for up to `wait`. `Ok(true)` when
-/// it was held by someone else at first.
-fn lock_within(fd: &impl rustix::fd::AsFd, wait: Duration) -> rustix::io::Result<bool> {
-    let until = Instant::now() + wait;
-    let mut waited = false;
-    loop {
-        match rfs::flock(fd, FlockOperation::NonBlockingLockExclusive) {
-            Ok(()) => return Ok(waited),
-            Err(Errno::WOULDBLOCK) if Instant::now() < until => {
-                waited = true;
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            Err(e) => return Err(e),
-        }
-    }
-}
-
 /// Why manifest `m` (of temp `temp`) cannot resume `source` under `opts`,
 /// if it cannot.
 fn stale(
@@ -1101,30 +1075,6 @@ fn stale(
     } else {
         None
     }
-}
-
-/// Remove an unusable temp/manifest pair unless a live transfer holds the temp file.
-pub(super) fn discard(dir: &DirHandle, temp: &OsStr, manifest: &OsStr) {
-    match rfs::openat(
-        dir.fd(),
-        temp,
-        OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-        Mode::empty(),
-    ) {
-        Ok(fd) => {
-            // A transfer that was just interrupted may still hold it for a
-            // moment (as in resume); one that is really live keeps it.
-            if lock_within(&fd, RESUME_LOCK_WAIT).is_err() {
-                return; // in use
-            }
-            // Unlink while holding the lock.
-            let _ = rfs::unlinkat(dir.fd(), temp, AtFlags::empty());
-            drop(fd);
-        }
-        Err(Errno::NOENT) => {}
-        Err(_) => return,
-    }
-    let _ = rfs::unlinkat(dir.fd(), manifest, AtFlags::empty());
 }
 
 /// Refuse early when the final name is an existing directory; else the

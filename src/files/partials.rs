@@ -13,13 +13,12 @@
 use std::ffi::{OsStr, OsString};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::{Path, PathBuf};
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use rustix::fd::{AsFd, OwnedFd};
 use rustix::fs::{self as rfs, AtFlags, FileType, FlockOperation, Mode, OFlags};
 use rustix::io::Errno;
 
-use super::commit::{discard, manifest_name_for};
 use super::manifest::Manifest;
 use super::root::DirHandle;
 use super::temp_prefix;
@@ -27,6 +26,58 @@ use crate::escape::esc;
 
 const PART: &[u8] = b".part";
 const MANIFEST: &[u8] = b".part.manifest";
+
+/// The manifest's name beside temp file `temp`.
+pub(super) fn manifest_name_for(temp: &OsStr) -> OsString {
+    let mut m = temp.to_owned();
+    m.push(".manifest");
+    m
+}
+
+/// How long [`super::Destination::resume`] waits for the temp file of an
+/// interrupted transfer to be released by its old owner.
+pub(super) const RESUME_LOCK_WAIT: Duration = Duration::from_secs(5);
+
+/// Take `fd`'s exclusive flock, retrying for up to `wait`. `Ok(true)` when
+/// it was held by someone else at first.
+pub(super) fn lock_within(fd: &impl rustix::fd::AsFd, wait: Duration) -> rustix::io::Result<bool> {
+    let until = Instant::now() + wait;
+    let mut waited = false;
+    loop {
+        match rfs::flock(fd, FlockOperation::NonBlockingLockExclusive) {
+            Ok(()) => return Ok(waited),
+            Err(Errno::WOULDBLOCK) if Instant::now() < until => {
+                waited = true;
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Remove an unusable temp/manifest pair unless a live transfer holds the temp file.
+pub(super) fn discard(dir: &DirHandle, temp: &OsStr, manifest: &OsStr) {
+    match rfs::openat(
+        dir.fd(),
+        temp,
+        OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::empty(),
+    ) {
+        Ok(fd) => {
+            // A transfer that was just interrupted may still hold it for a
+            // moment (as in resume); one that is really live keeps it.
+            if lock_within(&fd, RESUME_LOCK_WAIT).is_err() {
+                return; // in use
+            }
+            // Unlink while holding the lock.
+            let _ = rfs::unlinkat(dir.fd(), temp, AtFlags::empty());
+            drop(fd);
+        }
+        Err(Errno::NOENT) => {}
+        Err(_) => return,
+    }
+    let _ = rfs::unlinkat(dir.fd(), manifest, AtFlags::empty());
+}
 
 /// Names in the directory `fd` (no `stat`: a directory of many files costs
 /// one pass of `getdents`), with their `d_type`.
