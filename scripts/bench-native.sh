@@ -102,7 +102,7 @@ wait $! 2>/dev/null || true
 
 # The tcp provider alone: 1 MiB WRITEs, 4 connections.
 prov=$(RCP_TCP_BW_GIB=$((SIZE_MIB / 1024 > 0 ? SIZE_MIB / 1024 : 1)) \
-  cargo test -q --release --test tcp_provider -- --ignored --nocapture bandwidth 2>/dev/null |
+  cargo test -q --release --test tcp_provider -- --nocapture --exact bandwidth_of_1mib_writes_over_loopback 2>/dev/null |
   grep -o '([0-9.]* Gbit/s)' | tr -dc '0-9.')
 
 # Peak RSS while pushing and pulling a bigger file.

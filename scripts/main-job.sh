@@ -30,7 +30,12 @@ job() {
   b=$(sha256sum <"$dir/root/data.bin" | cut -d' ' -f1)
   c=$(sha256sum <"$dir/local/back.bin" | cut -d' ' -f1)
   echo "main-job: sha256 source $a, pushed $b, pulled back $c"
-  [ "$a" = "$b" ] && [ "$a" = "$c" ]
+  # An if, not `[ ] && [ ]`: set -e ignores a failure left of `&&`, so a
+  # pushed copy that differs would still have printed "verified".
+  if [ "$a" != "$b" ] || [ "$a" != "$c" ]; then
+    echo "main-job: FAILED: the copies' sha256 differ from the source's" >&2
+    return 1
+  fi
   echo "main-job: push and pull over RDMA verbs verified"
 }
 if [ -n "$(ls /sys/class/infiniband 2>/dev/null)" ]; then
@@ -38,5 +43,7 @@ if [ -n "$(ls /sys/class/infiniband 2>/dev/null)" ]; then
   job
 else
   echo "main-job: no RDMA device on this host; running in the soft-RoCE VM"
-  bash scripts/testbed.sh run lo -- bash -c "$(declare -f wait_port job); RCP_MAIN_JOB_DIR=/dev/shm/main-job job"
+  # The guest's bash runs with the host's options (set -euo pipefail), and
+  # its exit code, the job's, is testbed.sh's and so this script's.
+  bash scripts/testbed.sh run lo -- bash -c "set -euo pipefail; $(declare -f wait_port job); RCP_MAIN_JOB_DIR=/dev/shm/main-job job"
 fi

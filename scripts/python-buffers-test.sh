@@ -58,6 +58,10 @@ check() { # check WHAT CMD...: PASS if CMD succeeds
     failed=$((failed + 1)); echo "FAIL $what"
   fi
 }
+# same_digest A B: A is a digest (not empty) and B is the same. For check:
+# `check WHAT [ A ] && [ B ]` would check only the first test, print PASS,
+# then run the second outside check.
+same_digest() { [ -n "$1" ] && [ "$1" = "$2" ]; }
 
 # start_rcpd NAME [FLAG...]: rcpd with root $work/NAME and socket
 # $work/NAME.sock (rcpd_listen, lib-rcpd.sh); sets $addr and $pid. Every
@@ -100,13 +104,15 @@ size=$((24 << 20))
   >"$work/serve.out" 2>"$work/serve.err" &
 pids+=($!)
 wait_for "$work/serve.out" '^exposed kv0'
+rc=0
 "$py" $ex send --socket "$work/a.sock" --peer "$b" --name kv0 --size $size --seed 3 \
-  --message "layer 0" >"$work/send.out" 2>"$work/send.err" || true
+  --message "layer 0" >"$work/send.out" 2>"$work/send.err" || rc=$?
 wait_for "$work/serve.out" '^sha256 '
 sent=$(awk '/^done /{print $4}' "$work/send.out")
 got=$(awk '/^sha256 /{print $2}' "$work/serve.out")
+check "write: the sender exits 0 (exit $rc)" [ "$rc" -eq 0 ]
 check "write: the sender's operation is done, all bytes" grep -q "^done $size sha256 " "$work/send.out"
-check "write: the receiver's buffer has the sender's sha256" [ -n "$sent" ] && [ "$sent" = "$got" ]
+check "write: the receiver's buffer has the sender's sha256" same_digest "$sent" "$got"
 check "write: the owner's event names the writer's message and 24 verified ranges" \
   "$py" -c '
 import json, sys
@@ -122,11 +128,13 @@ check "write: rcpd A logged the service's uid and pid with its registration" \
   >"$work/serve2.out" 2>"$work/serve2.err" &
 pids+=($!)
 wait_for "$work/serve2.out" '^exposed kv1'
+rc=0
 "$py" $ex fetch --socket "$work/a.sock" --peer "$b" --name kv1 --size $size --check xxh3 \
-  >"$work/fetch.out" 2>"$work/fetch.err" || true
+  >"$work/fetch.out" 2>"$work/fetch.err" || rc=$?
 wait_for "$work/serve2.out" '^sha256 '
+check "read: the reader exits 0 (exit $rc)" [ "$rc" -eq 0 ]
 check "read: the reader's buffer has the owner's sha256" \
-  [ "$(awk '/^done /{print $4}' "$work/fetch.out")" = "$(awk '/^sha256 /{print $2}' "$work/serve2.out")" ]
+  same_digest "$(awk '/^sha256 /{print $2}' "$work/serve2.out")" "$(awk '/^done /{print $4}' "$work/fetch.out")"
 check "read: the owner's event says read, under xxh3" "$py" -c '
 import json, sys
 ev = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")][0]
@@ -195,12 +203,13 @@ for i in $(seq 1 8); do
     --chunk 256K >"$work/ms$i.out" 2>&1 &
   mp+=($!)
 done
-for p in "${mp[@]}"; do wait "$p" || true; done
+exited0=0
+for p in "${mp[@]}"; do wait "$p" && exited0=$((exited0 + 1)); done
+check "8 services at once: every writer exits 0 ($exited0 of 8)" [ "$exited0" -eq 8 ]
 same=0
 for i in $(seq 1 8); do
   wait_for "$work/m$i.out" '^sha256 ' || true
-  [ -n "$(awk '/^done /{print $4}' "$work/ms$i.out")" ] &&
-    [ "$(awk '/^done /{print $4}' "$work/ms$i.out")" = "$(awk '/^sha256 /{print $2}' "$work/m$i.out")" ] &&
+  same_digest "$(awk '/^done /{print $4}' "$work/ms$i.out")" "$(awk '/^sha256 /{print $2}' "$work/m$i.out")" &&
     same=$((same + 1))
 done
 check "8 services at once: every owner got its writer's bytes ($same of 8)" [ "$same" -eq 8 ]
@@ -239,11 +248,15 @@ check "owner killed: rcpd B logged the owner gone and its exposure withdrawn" \
   >"$work/after.out" 2>&1 &
 pids+=($!)
 wait_for "$work/after.out" '^exposed after'
+rc=0
 "$py" $ex send --socket "$work/a.sock" --peer "$b" --name after --size $((1 << 20)) --seed 5 \
-  >"$work/asend.out" 2>&1 || true
-wait_for "$work/after.out" '^sha256 ' || true
-check "owner killed: rcpd B serves the next service" \
-  [ "$(awk '/^done /{print $4}' "$work/asend.out")" = "$(awk '/^sha256 /{print $2}' "$work/after.out")" ]
+  >"$work/asend.out" 2>&1 || rc=$?
+# Its owner prints the digest once written; a failed write leaves none (the
+# check below then fails on the writer's empty digest, not after 30 s).
+[ "$rc" -ne 0 ] || wait_for "$work/after.out" '^sha256 ' || true
+check "owner killed: rcpd B serves the next service: the writer exits 0 (exit $rc)" [ "$rc" -eq 0 ]
+check "owner killed: rcpd B serves the next service: its owner has the writer's bytes" \
+  same_digest "$(awk '/^done /{print $4}' "$work/asend.out")" "$(awk '/^sha256 /{print $2}' "$work/after.out")"
 
 # The remote rcpd gone: B is killed; a write to it fails as retryable.
 kill -9 "$b_pid"

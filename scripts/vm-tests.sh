@@ -20,14 +20,40 @@ bash scripts/testbed.sh install
 # verbs test that damages pulled blocks.
 feat=(--features rcp/fault-injection)
 cargo build --workspace --examples --bins "${feat[@]}"
-mapfile -t lo_bins < <(cargo test --workspace "${feat[@]}" --no-run --message-format=json 2>/dev/null \
-  | python3 scripts/lib-test-bins.py fabric,_verbs | grep -Ev "^[^ ]*(netns|rails)_fabric " | awk '{print $1"="$2}')
-mapfile -t ns_bins < <(cargo test --workspace "${feat[@]}" --no-run --message-format=json 2>/dev/null \
-  | python3 scripts/lib-test-bins.py netns_fabric,control_verbs | awk '{print $1"="$2}')
-mapfile -t rails_bins < <(cargo test --workspace "${feat[@]}" --no-run --message-format=json 2>/dev/null \
-  | python3 scripts/lib-test-bins.py rails_fabric | awk '{print $1"="$2}')
-[ ${#rails_bins[@]} -gt 0 ] || { echo "vm-tests: no *rails_fabric test binary found" >&2; exit 1; }
-[ ${#lo_bins[@]} -gt 0 ] || { echo "vm-tests: no *fabric test binaries found" >&2; exit 1; }
+# The test binaries: built once, cargo's exit status checked (a build error
+# fails here, its diagnostics on stderr), then picked from its JSON.
+json=target/vm-test-bins.json
+mkdir -p target
+if ! cargo test --workspace "${feat[@]}" --no-run --message-format=json-render-diagnostics >"$json"; then
+  echo "vm-tests: building the test binaries failed" >&2
+  exit 1
+fi
+test_bins() { # test_bins SUFFIXES: "name=path" of the test targets ending so
+  python3 scripts/lib-test-bins.py "$1" <"$json" | awk '{print $1"="$2}'
+}
+mapfile -t lo_bins < <(test_bins fabric,_verbs | grep -Ev '^[^=]*(netns|rails)_fabric=')
+mapfile -t ns_bins < <(test_bins netns_fabric,control_verbs)
+mapfile -t rails_bins < <(test_bins rails_fabric)
+# Each topology's binaries, by name: one that is missing (renamed, its
+# target gone) fails here rather than leaving its tests unrun.
+# require TOPOLOGY "name=path"... -- NAME...
+require() {
+  local topo=$1 have=() n missing=()
+  shift
+  while [ "$1" != -- ]; do have+=("${1%%=*}"); shift; done
+  shift
+  for n in "$@"; do
+    [[ " ${have[*]} " == *" $n "* ]] || missing+=("$n")
+  done
+  if [ ${#missing[@]} -gt 0 ] || [ ${#have[@]} -eq 0 ]; then
+    echo "vm-tests: topology $topo: test binaries missing: ${missing[*]:-all} (found: ${have[*]:-none})" >&2
+    exit 1
+  fi
+  echo "vm-tests: topology $topo runs ${have[*]}"
+}
+require lo "${lo_bins[@]}" -- fabric datapath_fabric control_verbs memory_window_verbs session_pd_verbs
+require netns "${ns_bins[@]}" -- events_netns_fabric control_verbs
+require rails "${rails_bins[@]}" -- rails_fabric control_rails_fabric
 # The binaries the guest runs again and again, without their debug info
 # (symbols stay): the guest copies them to its tmpfs over 9p at ~8 MB/s
 # (scripts/vm/suite.sh), and DWARF is 80% of a debug build's 450 MB.

@@ -46,6 +46,9 @@ pub struct DoctorOptions {
     pub gid_index: Option<u32>,
     /// The arena the daemon or client will map, in bytes.
     pub arena_bytes: u64,
+    /// RDMA was asked for (`--transport verbs`): no device is then a
+    /// failure, not the note that copies go over tcp.
+    pub rdma_required: bool,
 }
 
 /// All findings, in order.
@@ -89,10 +92,15 @@ pub fn diagnose(opts: &DoctorOptions) -> Diagnosis {
     modules(&mut d);
     let names = verbs::device_names();
     if names.is_empty() {
+        let (level, then) = if opts.rdma_required {
+            (Level::Fail, "and --transport verbs asks for one")
+        } else {
+            (Level::Warn, "copies go over tcp (the TCP provider)")
+        };
         d.push(
             "devices",
-            Level::Fail,
-            "no RDMA device found (ibv_get_device_list is empty); copies will use the TCP provider",
+            level,
+            format!("no RDMA device found (ibv_get_device_list is empty): {then}"),
             "on RDMA hardware load the driver (mlx5_ib) and install ibverbs-providers; for soft-RoCE: \
              `modprobe rdma_rxe && rdma link add rxe0 type rxe netdev <nic>`",
         );
@@ -107,6 +115,16 @@ pub fn diagnose(opts: &DoctorOptions) -> Diagnosis {
         rails(&mut d, &names, opts.gid_index);
     }
     memlock_check(&mut d, opts.arena_bytes);
+    if names.is_empty() && !opts.rdma_required {
+        // Locked memory is for RDMA registrations; tcp copies do without.
+        for c in d.checks.iter_mut().filter(|c| c.name == "memlock") {
+            if c.level == Level::Fail {
+                c.level = Level::Warn;
+                c.detail
+                    .push_str(" (only RDMA needs it; copies go over tcp)");
+            }
+        }
+    }
     hugepages(&mut d, opts.arena_bytes);
     d
 }
@@ -403,8 +421,19 @@ mod tests {
             assert_eq!(dev.level, Level::Ok, "{dev}");
             return;
         }
-        assert_eq!(dev.level, Level::Fail);
+        // Copies go over tcp: a note, not a failure...
+        assert_eq!(dev.level, Level::Warn, "{dev}");
+        assert!(dev.detail.contains("copies go over tcp"), "{dev}");
         assert!(dev.fix.contains("rdma_rxe"), "{dev}");
+        assert!(d.rdma_ready());
+        // ...unless RDMA was asked for.
+        let d = diagnose(&DoctorOptions {
+            arena_bytes: 64 << 20,
+            rdma_required: true,
+            ..Default::default()
+        });
+        let dev = d.checks.iter().find(|c| c.name == "devices").unwrap();
+        assert_eq!(dev.level, Level::Fail, "{dev}");
         assert!(!d.rdma_ready());
     }
 }

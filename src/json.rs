@@ -131,10 +131,14 @@ pub struct SummaryLine {
     pub dirs: u64,
     pub bytes: u64,
     pub moved: u64,
+    /// Files left as they were at the destination (the quick check, `-c`,
+    /// `-u`, `--ignore-existing`); not counted in `files`.
+    pub skipped: u64,
     pub seconds: f64,
     /// Moved bits per second / 1e9.
     pub gbps: f64,
-    /// `verbs` or `tcp`; `null` for a dry run (no session).
+    /// `verbs` or `tcp`; `null` for a dry run or when nothing moved (no
+    /// session).
     pub transport: Option<String>,
     pub check: Option<&'static str>,
     pub digest_format: Option<&'static str>,
@@ -232,6 +236,9 @@ pub struct BenchLine {
     pub wakeups: u64,
     pub tx_depth: u32,
     pub cq_cpu: String,
+    /// `verbs`, or `tcp` (`rcp bench --transport tcp`: loopback over the
+    /// TCP provider).
+    pub transport: &'static str,
 }
 
 /// `"type": "listening"`: `rcp bench --server` is ready.

@@ -25,6 +25,7 @@
 //! - [`escape`]: strings from outside (client names, paths, reasons) as they go into a log line.
 
 pub mod bench;
+mod blocking;
 pub mod control;
 pub mod datapath;
 pub mod doctor;
@@ -37,6 +38,7 @@ pub mod metrics;
 pub mod parse;
 pub mod phase;
 pub mod provider;
+pub mod units;
 pub mod verbs;
 
 pub mod proto {

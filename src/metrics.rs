@@ -110,6 +110,9 @@ pub enum ClientLimit {
     SessionGrace,
     /// A session closed: unused for the idle time after its last Move.
     SessionIdle,
+    /// A Move stream waited: rcpd runs all its transfer slots
+    /// (`--max-transfers`).
+    Transfers,
     /// A Move stream waited: its client runs its share of the transfer
     /// slots (`--max-transfers-per-client`).
     TransfersPerClient,
@@ -119,11 +122,12 @@ pub enum ClientLimit {
 }
 
 impl ClientLimit {
-    pub const ALL: [ClientLimit; 6] = [
+    pub const ALL: [ClientLimit; 7] = [
         ClientLimit::Sessions,
         ClientLimit::SessionsPerClient,
         ClientLimit::SessionGrace,
         ClientLimit::SessionIdle,
+        ClientLimit::Transfers,
         ClientLimit::TransfersPerClient,
         ClientLimit::NoProgress,
     ];
@@ -135,6 +139,7 @@ impl ClientLimit {
             ClientLimit::SessionsPerClient => "sessions_per_client",
             ClientLimit::SessionGrace => "session_grace",
             ClientLimit::SessionIdle => "session_idle",
+            ClientLimit::Transfers => "transfers",
             ClientLimit::TransfersPerClient => "transfers_per_client",
             ClientLimit::NoProgress => "no_progress",
         }
@@ -173,6 +178,7 @@ pub struct Metrics {
     /// the pool, and warm now.
     copy_sessions_opened: Counter,
     copy_sessions_reused: Counter,
+    copy_sessions_expired: Counter,
     copy_sessions_warm: Gauge,
     /// `rcp_rail_*_total`, in the order of [`RAIL_COUNTERS`].
     rail_counters: Vec<Family<Labels, Counter>>,
@@ -219,6 +225,7 @@ impl Metrics {
             client_limits: Family::default(),
             copy_sessions_opened: Counter::default(),
             copy_sessions_reused: Counter::default(),
+            copy_sessions_expired: Counter::default(),
             copy_sessions_warm: Gauge::default(),
             rail_counters: RAIL_COUNTERS.iter().map(|_| Family::default()).collect(),
             rail_up: Family::default(),
@@ -360,6 +367,11 @@ impl Metrics {
             m.copy_sessions_reused.clone(),
         );
         d.register(
+            "copy_sessions_expired",
+            "Warm sessions the Copy API closed after --copy-session-idle unused",
+            m.copy_sessions_expired.clone(),
+        );
+        d.register(
             "copy_sessions_warm",
             "Idle sessions the Copy API keeps warm to other rcpds",
             m.copy_sessions_warm.clone(),
@@ -458,6 +470,11 @@ impl Metrics {
     /// The Copy API served a call over a warm session.
     pub fn copy_session_reused(&self) {
         self.copy_sessions_reused.inc();
+    }
+
+    /// The Copy API closed `n` warm sessions left unused for the idle time.
+    pub fn copy_sessions_expired(&self, n: usize) {
+        self.copy_sessions_expired.inc_by(n as u64);
     }
 
     /// The Copy API keeps `n` sessions warm now.

@@ -89,3 +89,45 @@ fn bad_options_exit_1_with_a_clear_message() {
         );
     }
 }
+
+/// `rcp bench --transport tcp`: loopback through the TCP provider on a
+/// host without RDMA, the same bench line (messages counted, the
+/// transport named); the modes that need a peer's device are refused.
+#[test]
+fn bench_runs_over_tcp() {
+    let out = Command::new(common::bin("rcp"))
+        .args([
+            "bench",
+            "--transport",
+            "tcp",
+            "--iters",
+            "300",
+            "--size",
+            "8K",
+        ])
+        .output()
+        .expect("run rcp");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert_eq!(out.status.code(), Some(0), "{stdout}{stderr}");
+    let line = stdout.lines().next().unwrap_or_default();
+    assert!(line.starts_with("bench op=write size=8192 "), "{line}");
+    let field = |k: &str| {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix(&format!("{k}=")))
+            .unwrap_or_else(|| panic!("no {k}= in {line}"))
+            .to_string()
+    };
+    assert_eq!(field("msgs"), "300", "{line}");
+    assert!(field("gbps").parse::<f64>().unwrap() > 0.0, "{line}");
+    assert_eq!(field("transport"), "tcp", "{line}");
+    assert!(stderr.contains("rcp bench: write 8192 B x 300"), "{stderr}");
+    let (code, err) = bench(&["--transport", "tcp", "--server"], &[]);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("over tcp rcp bench runs loopback only"),
+        "{err}"
+    );
+}

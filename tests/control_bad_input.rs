@@ -233,7 +233,7 @@ fn another_protocol_major_is_refused_at_the_handshake() {
                 rcp::control::VERSION_MAJOR,
                 rcp::control::VERSION_MINOR
             );
-            assert_eq!(ours, "2.2");
+            assert_eq!(ours, "2.3");
             assert!(
                 e.message().contains(&theirs) && e.message().contains(&ours),
                 "names both versions: {e:?}"
@@ -697,8 +697,6 @@ fn a_second_open_of_a_file_id_is_ignored() {
     assert!(!root.join("dup3").exists());
 }
 
-/// File id 0 (a proto3 default: a client that forgot to set it) must be
-/// refused or served, never left without an answer.
 /// Later in a stream, with a push open and its window written: a frame
 /// outside the protocol ends the stream with a violation naming it, the
 /// file is not committed (though the right answers follow), and rcpd logs
@@ -971,49 +969,143 @@ fn a_one_ms_timeout_does_not_make_rcpd_flood_keepalives() {
     );
 }
 
+/// Rcpd after a stream that broke the protocol with `what`: one line of
+/// its log names it.
+fn logged_once(d: &Rcpd, what: &str) {
+    let log = d.log();
+    let n = log.lines().filter(|l| l.contains(what)).count();
+    assert_eq!(n, 1, "{what}: {n} lines in\n{log}");
+}
+
+/// File id 0 (a proto3 default: a client that forgot to set it) is a
+/// protocol violation (docs/protocol.md, "Messages outside the
+/// protocol"): the stream ends naming it, nothing is created.
 #[test]
-fn file_id_zero_is_answered() {
-    let (_tmp, _root, d) = setup(None);
+fn file_id_zero_is_a_protocol_violation() {
+    let (_tmp, root, d) = setup(None);
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         let mut c = grpc(d.port).await;
         let s = tcp_session(&mut c, BS4K).await;
         let mut m = Move::open(&mut c, s.id(), vec![raw::push(0, "zero", 4096)]).await;
-        let r = tokio::time::timeout(Duration::from_secs(10), m.frame_or_status()).await;
-        match r {
-            Ok(Ok(f)) => assert!(
-                !f.opened.is_empty() || !f.failed.is_empty(),
-                "an answer for file 0: {f:?}"
-            ),
-            Ok(Err(e)) => assert_eq!(raw::reason(&e), Reason::Protocol, "{e:?}"),
-            Err(_) => panic!("no answer to an OpenFile with file id 0 in 10 s"),
-        }
+        let e = m.status().await;
+        assert_eq!(e.code(), Code::Aborted, "{e:?}");
+        assert_eq!(raw::reason(&e), Reason::Protocol, "{e:?}");
+        assert!(
+            e.message().contains("OpenFile: file id 0 is reserved"),
+            "{e:?}"
+        );
+        assert!(
+            m.inbox.opened.is_empty(),
+            "file 0 was opened: {:?}",
+            m.inbox
+        );
     });
+    assert_eq!(names(&root), Vec::<String>::new());
+    logged_once(&d, "file id 0 is reserved");
 }
 
+/// A second FileEnd for a file with a different digest is a protocol
+/// violation (docs/protocol.md): the stream ends naming it, though the
+/// file's blocks and its first, right digest came; nothing is committed.
+#[test]
+fn a_second_different_file_digest_is_a_protocol_violation() {
+    let (_tmp, root, d) = setup(None);
+    let data = vec![5u8; 4096];
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let mut c = grpc(d.port).await;
+        let s = tcp_session(&mut c, BS4K).await;
+        let (mut m, g) = push_granted(&mut c, s.id(), "twice", 4096).await;
+        assert_eq!(s.write(g.addr, g.rkey, &data), WcStatus::Success);
+        let right = raw::file_digest(&data, BS4K);
+        let mut wrong = right.clone();
+        wrong[0] ^= 1;
+        // Both digests before the window's WindowDone: the file cannot be
+        // committed before the second arrives.
+        m.send_end(1, right);
+        m.send_end(1, wrong);
+        m.try_send(ClientFrame {
+            done: vec![raw::pushed(&g, vec![raw::sha256(&data)])],
+            ..Default::default()
+        });
+        let e = m.status().await;
+        assert_eq!(e.code(), Code::Aborted, "{e:?}");
+        assert_eq!(raw::reason(&e), Reason::Protocol, "{e:?}");
+        assert!(
+            e.message()
+                .contains("FileEnd: file 1: two different file digests"),
+            "{e:?}"
+        );
+        assert!(m.inbox.committed.is_empty(), "{:?}", m.inbox);
+    });
+    assert!(!root.join("twice").exists(), "{:?}", names(&root));
+    logged_once(&d, "two different file digests");
+}
+
+/// rcpd's `--max-open-files` is what its handshake agrees; a client that
+/// opens more files at once than agreed breaks the protocol
+/// (docs/protocol.md): the stream ends naming the limit, and the files
+/// opened within it are not committed.
+#[test]
+fn more_files_open_than_agreed_is_a_protocol_violation() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("root");
+    std::fs::create_dir(&root).unwrap();
+    let d = Rcpd::start(&root, T, None, &["--max-open-files", "2"]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let mut c = grpc(d.port).await;
+        let s = tcp_session(&mut c, BS4K).await;
+        assert_eq!(s.hs.max_open_files, 2, "{:?}", s.hs);
+        let open = (1..=3).map(|f| raw::push(f, &format!("f{f}"), 4096));
+        let mut m = Move::open(&mut c, s.id(), open.collect()).await;
+        let e = m.status().await;
+        assert_eq!(e.code(), Code::Aborted, "{e:?}");
+        assert_eq!(raw::reason(&e), Reason::Protocol, "{e:?}");
+        assert!(
+            e.message()
+                .contains("OpenFile: file 3: more than 2 files open at once"),
+            "{e:?}"
+        );
+        assert!(m.inbox.committed.is_empty(), "{:?}", m.inbox);
+    });
+    assert!(!root.join("f3").exists(), "{:?}", names(&root));
+    logged_once(&d, "more than 2 files open at once");
+}
+
+/// rcpd killed mid-push (a window of the 64 MiB file verified, the copy
+/// held by `--bwlimit` to 16 MiB/s, 4 s at least, and seen running when
+/// rcpd is killed): the copy fails retryably, part of the file was moved,
+/// nothing is under the final name, and another rcpd resumes it.
 #[test]
 fn killed_daemon_leaves_no_file_under_the_final_name() {
     let (tmp, root, mut d) = setup(None);
     let src = tmp.path().join("big");
     make_file(&src, 64 << 20, 3);
     let bs = ["--block-size", "64K"];
-    let child = rcp_cmd(
+    let held = ["--bwlimit", "16777216"];
+    let p = src.to_str().unwrap();
+    let mut child = rcp_cmd(
         d.port,
         T,
         None,
-        &[
-            &bs[..],
-            &["push", "-q", src.to_str().unwrap(), "127.0.0.1:/"],
-        ]
-        .concat(),
+        &[&bs[..], &["push", "-q"], &held, &[p, "127.0.0.1:/"]].concat(),
     )
     .stdout(Stdio::null())
     .stderr(Stdio::piped())
     .spawn()
     .unwrap();
-    wait_verified(&root, "big", 64);
+    wait_verified_while(&root, "big", 64, &mut child, || d.log());
     d.child.kill().unwrap();
     d.child.wait().unwrap();
+    // The kill landed mid-copy: the copy was running, and the manifest
+    // holds part of the file's 1024 blocks.
+    let verified = verified_blocks(&root, "big").expect("a manifest");
+    assert!(
+        verified < 1024,
+        "all {verified} blocks were verified before the kill"
+    );
     let out = child.wait_with_output().unwrap();
     assert_eq!(
         out.status.code(),
@@ -1028,29 +1120,46 @@ fn killed_daemon_leaves_no_file_under_the_final_name() {
         d2.port,
         T,
         None,
-        &[
-            &bs[..],
-            &["push", "--resume", src.to_str().unwrap(), "127.0.0.1:/"],
-        ]
-        .concat(),
+        &[&bs[..], &["push", "--resume", p, "127.0.0.1:/"]].concat(),
     );
     assert_eq!(r.code, 0, "{}", r.stderr);
     assert!(moved(&r.stdout) < 64 << 20, "{}", r.stdout);
     assert_eq!(sha256sum(&src), sha256sum(&root.join("big")));
 }
 
+/// SIGTERM while a push runs: rcpd stops taking requests but lets it
+/// finish, then exits 0. The signal comes once a window of the copy is
+/// verified, the copy held by `--bwlimit` (24 MiB at 6 MiB/s: 4 s at
+/// least), and rcpd says it had the transfer running when the signal came.
 #[test]
 fn sigterm_lets_the_running_copy_finish() {
-    let (tmp, root, d) = setup(None);
-    let bg = copy_in_flight(&d, tmp.path(), None);
-    wait_for("the copy to start", Duration::from_secs(60), || {
-        find_manifest(&root, "inflight").is_some()
-    });
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("root");
+    std::fs::create_dir(&root).unwrap();
+    // A grace no loaded machine runs out of: the copy must finish.
+    let d = Rcpd::start(&root, T, None, &["--shutdown-grace", "600"]);
+    let src = tmp.path().join("inflight");
+    make_file(&src, 24 << 20, 99);
+    let p = src.to_str().unwrap();
+    let args = ["push", "-q", "--bwlimit", "6291456", p, "127.0.0.1:/"];
+    let mut child = rcp_cmd(d.port, T, None, &args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let window = rcp::control::WINDOW_SIZE as u64 / (1 << 20);
+    wait_verified_while(&root, "inflight", window, &mut child, || d.log());
     nix_kill(d.child.id(), "TERM");
-    bg.finishes(&root);
+    Bg { child, src }.finishes(&root);
     let mut d = d;
     let st = d.child.wait().unwrap();
     assert!(st.success(), "rcpd exit {st:?}: {}", d.log());
+    let log = d.log();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("shutting down") && l.contains("active=1")),
+        "rcpd had no transfer running when SIGTERM came:\n{log}"
+    );
 }
 
 #[test]
@@ -1300,4 +1409,120 @@ fn an_rkey_works_only_in_its_own_session() {
         hex::encode(raw::sha256(&good)),
         "session 1's copy has the right digest"
     );
+}
+
+/// A path and an abort reason carrying a newline, a bell, an escape and a
+/// right-to-left override go into rcpd's log escaped (src/escape.rs): no
+/// line of the log starts with what followed the newline, none of those
+/// characters is in the log as itself, and the escapes are there. The file
+/// itself is stored under its name as given.
+#[test]
+fn paths_and_abort_reasons_are_escaped_in_the_log() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("root");
+    std::fs::create_dir(&root).unwrap();
+    // Paths are logged at debug.
+    let d = Rcpd::start(&root, T, None, &["--log", "rcp=debug"]);
+    let name = "evil\nFORGED-PATH-LINE \u{7}\u{1b}[2J\u{202e}txt";
+    let reason = "bye\nFORGED-ABORT-LINE \u{7}\u{202e}";
+    let data = vec![8u8; 4096];
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let mut c = grpc(d.port).await;
+        let s = tcp_session(&mut c, BS4K).await;
+        let (mut m, g) = push_granted(&mut c, s.id(), name, 4096).await;
+        assert_eq!(s.write(g.addr, g.rkey, &data), WcStatus::Success);
+        m.send_done(raw::pushed(&g, vec![raw::sha256(&data)]));
+        m.send_end(1, raw::file_digest(&data, BS4K));
+        assert_eq!(m.committed().await.file, 1);
+        m.close();
+        m.finish().await;
+        let (mut m, _g) = push_granted(&mut c, s.id(), "aborted", 4096).await;
+        m.send(ClientFrame {
+            abort: Some(proto::Abort {
+                reason: reason.into(),
+            }),
+            ..Default::default()
+        });
+        let e = m.status().await;
+        assert!(e.message().contains(reason), "{e:?}");
+    });
+    assert_eq!(std::fs::read(root.join(name)).unwrap(), data);
+    let log = d.log();
+    for forged in ["FORGED-PATH-LINE", "FORGED-ABORT-LINE"] {
+        let logged: Vec<&str> = log.lines().filter(|l| l.contains(forged)).collect();
+        assert!(!logged.is_empty(), "{forged} not logged:\n{log}");
+        for l in &logged {
+            assert!(
+                l.contains(&format!("\\n{forged}")),
+                "{forged} not after an escaped newline: {l:?} in\n{log:?}"
+            );
+        }
+    }
+    for c in ['\u{7}', '\u{202e}'] {
+        assert!(!log.contains(c), "{c:?} in the log as itself:\n{log:?}");
+    }
+    for e in ["\\u{7}", "\\u{1b}", "\\u{202e}"] {
+        assert!(log.contains(e), "no {e} in the log:\n{log}");
+    }
+    // The path's escape (a colour code could bring its own ESC).
+    assert!(!log.contains("\u{1b}[2J"), "{log:?}");
+}
+
+/// `/metrics` names no path, token or key: a copy with a token to paths of
+/// distinctive names, and a raw session (its data-channel key known) are
+/// running or done when it is scraped, and none of them is in the text.
+#[test]
+fn metrics_expose_no_path_token_or_key() {
+    const TOKEN: &str = "tok-Zq81xMetricsSecret";
+    let (tmp, root, d) = setup(Some(TOKEN));
+    let dir = tmp.path().join("dir-Wq7Distinctive");
+    std::fs::create_dir(&dir).unwrap();
+    let src = dir.join("file-Kx3Distinctive");
+    make_file(&src, 3 << 20, 21);
+    let r = rcp(
+        d.port,
+        T,
+        Some(TOKEN),
+        &[
+            "push",
+            "-q",
+            src.to_str().unwrap(),
+            "127.0.0.1:/remote-Pv5Distinctive",
+        ],
+    );
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(root.join("remote-Pv5Distinctive").exists());
+    let text = common::metrics::scrape(d.metrics.as_deref().unwrap());
+    // The scrape saw the copy (so it is the right rcpd).
+    assert!(
+        text.contains(r#"rcp_transfers_total{direction="push",outcome="ok"} 1"#),
+        "{text}"
+    );
+    // A raw session (its key known) with a push open, on an rcpd without a
+    // token (the raw rig speaks none), scraped while it is open.
+    let (_tmp2, _root2, d2) = setup(None);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (text2, key) = rt.block_on(async {
+        let mut c = grpc(d2.port).await;
+        let s = tcp_session(&mut c, BS4K).await;
+        let (_m, _g) = push_granted(&mut c, s.id(), "open-Hj2Distinctive", 4096).await;
+        let key: String = s.key().iter().map(|b| format!("{b:02x}")).collect();
+        let text = common::metrics::scrape(d2.metrics.as_deref().unwrap());
+        (text, key)
+    });
+    assert!(text2.contains("rcp_active_transfers 1"), "{text2}");
+    let text = text + &text2;
+    let secrets = [
+        TOKEN,
+        "Zq81x",
+        "Wq7Distinctive",
+        "Kx3Distinctive",
+        "Pv5Distinctive",
+        "Hj2Distinctive",
+        &key,
+    ];
+    for s in secrets {
+        assert!(!text.contains(s), "/metrics shows {s:?}:\n{text}");
+    }
 }

@@ -160,7 +160,12 @@ fn json_lines_of_push_and_pull() {
         &["pull", &remote("dst/b.txt"), back.to_str().unwrap()],
     );
     assert_eq!(r.code, 0, "{}", r.stderr);
-    assert!(r.stdout.starts_with("1 file, 10000 bytes"), "{}", r.stdout);
+    assert!(
+        r.stdout
+            .starts_with("1 file, 9.77 KiB (10000 bytes, 10000 moved)"),
+        "{}",
+        r.stdout
+    );
 }
 
 #[test]

@@ -30,8 +30,9 @@ use rcp::datapath::{
 };
 use rcp::engine::{Extent, OpKind, WcStatus, WindowJob};
 use rcp::mem::{Arena, PeerSpan};
+use rcp::provider::verbs::VerbsChannel;
 use rcp::provider::Channel;
-use rcp::verbs::{ConnectParams, MemoryRegion, VerbsChannel};
+use rcp::verbs::{ConnectParams, MemoryRegion};
 use tokio::sync::mpsc::UnboundedReceiver;
 
 /// Send-queue depth asked for (the device may grant more: rxe 255 for 128).

@@ -263,6 +263,15 @@ mod confinement {
 }
 
 /// Names in `dir`, sorted.
+/// The variable `var` a child process's test (an ignored `child_*`) gets
+/// from its parent test `parent`; run any other way, the child fails:
+/// alone it checks nothing.
+fn child_env(var: &str, parent: &str) -> String {
+    std::env::var(var).unwrap_or_else(|_| {
+        panic!("not a test of its own: {parent} runs it in a child process, with {var} set")
+    })
+}
+
 fn names(dir: &Path) -> Vec<String> {
     let mut v: Vec<String> = fs::read_dir(dir)
         .unwrap()
@@ -590,12 +599,13 @@ mod resume {
     }
 
     /// Runs in a child process (see `killed_transfer_resumes`): writes some blocks,
-    /// then dies by SIGKILL, so no destructor runs.
+    /// then dies by SIGKILL, so no destructor runs. Ignored: not a test of
+    /// its own (run directly it would check nothing); the parent runs it
+    /// with `--ignored --exact`.
     #[test]
+    #[ignore = "the child process of killed_transfer_resumes, run by it"]
     fn child_writer() {
-        let Ok(dir) = std::env::var("RCP_FILES_CHILD_DIR") else {
-            return;
-        };
+        let dir = child_env("RCP_FILES_CHILD_DIR", "killed_transfer_resumes");
         let data = pattern(LEN as usize, 11);
         let dir = DirHandle::open(dir).unwrap();
         let mut d = Destination::create(&dir, "f", LEN, opts(1)).unwrap();
@@ -615,6 +625,7 @@ mod resume {
             .args([
                 "--exact",
                 "resume::child_writer",
+                "--ignored",
                 "--nocapture",
                 "--test-threads=1",
             ])
@@ -1475,11 +1486,14 @@ mod batch {
     /// batch of small files written and sealed (every block verified, the
     /// file digests matched), then killed by SIGKILL before `publish`, as a
     /// receiver that batches its syncs and renames is between the two.
+    /// Ignored: not a test of its own; the parent runs it with `--ignored`.
     #[test]
+    #[ignore = "the child process of killed_between_write_and_rename, run by it"]
     fn child_batch_writer() {
-        let Ok(dir) = std::env::var("RCP_FILES_BATCH_CHILD_DIR") else {
-            return;
-        };
+        let dir = child_env(
+            "RCP_FILES_BATCH_CHILD_DIR",
+            "killed_between_write_and_rename",
+        );
         let dir = DirHandle::open(dir).unwrap();
         let mut sealed = Vec::new();
         for i in 0..BATCH_KILLED {
@@ -1517,6 +1531,7 @@ mod batch {
             .args([
                 "--exact",
                 "batch::child_batch_writer",
+                "--ignored",
                 "--nocapture",
                 "--test-threads=1",
             ])
@@ -1665,11 +1680,13 @@ mod pool {
         v
     }
 
+    /// Runs in a child process (see `pool_is_sized_once_and_lives_on`): a
+    /// fresh process whose pool nothing has sized yet. Ignored: not a test
+    /// of its own; the parent runs it with `--ignored`.
     #[test]
+    #[ignore = "the child process of pool_is_sized_once_and_lives_on, run by it"]
     fn child_pool() {
-        if std::env::var("RCP_FILES_POOL_CHILD").is_err() {
-            return;
-        }
+        child_env("RCP_FILES_POOL_CHILD", "pool_is_sized_once_and_lives_on");
         assert!(digest_threads().is_empty());
         set_pool_threads(3).unwrap();
         assert_eq!(digest::pool_threads(), 3);
@@ -1707,6 +1724,7 @@ mod pool {
             .args([
                 "--exact",
                 "pool::child_pool",
+                "--ignored",
                 "--nocapture",
                 "--test-threads=1",
             ])

@@ -36,6 +36,7 @@ use std::time::{Duration, Instant};
 use common::verbs_rig::dev;
 use rcp::engine::{LocalSeg, OpKind, RemoteSeg, WcStatus, WorkCompletion, WorkRequest};
 use rcp::mem::{Arena, ArenaConfig, PeerSpan};
+use rcp::provider::verbs::{MwDomain, RegisteredSlots, VerbsChannel};
 use rcp::verbs::*;
 
 const NEEDS: &str = "needs an RDMA device: run scripts/test-all.sh (soft-RoCE VM)";

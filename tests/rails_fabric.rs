@@ -29,10 +29,10 @@ use rcp::datapath::{
 use rcp::engine::{Extent, OpKind, WindowJob};
 use rcp::mem::{Arena, ArenaConfig};
 use rcp::parse::RailName;
+use rcp::provider::verbs::VerbsChannel;
 use rcp::provider::Channel;
 use rcp::verbs::{
     Access, ConnectParams, Context, Gid, MemoryRegion, PortWatcher, ProtectionDomain, QpBuilder,
-    VerbsChannel,
 };
 use tokio::sync::mpsc::UnboundedReceiver;
 

@@ -19,7 +19,8 @@ use rcp::proto::Direction;
 
 const AFTER_HELP: &str = "\
 Remote paths are HOST:PATH or [IPV6]:PATH, resolved beneath the server's --root.
-The bearer token is read from RCP_TOKEN. Every flag can also be set as RCP_<FLAG>
+The bearer token is read from --token-file or RCP_TOKEN (rcp has no users:
+HOST:PATH, never user@HOST:PATH). Every flag can also be set as RCP_<FLAG>
 (e.g. RCP_PORT, RCP_TRANSPORT, RCP_BLOCK_SIZE); a flag beats the environment.
 
 Exit codes:
@@ -145,6 +146,10 @@ struct Cli {
     /// output (push, pull, bench, doctor; schema in docs/json.md).
     #[arg(long, env = "RCP_JSON", global = true)]
     json: bool,
+    /// File holding rcpd's bearer token (surrounding whitespace trimmed);
+    /// without it the token is read from RCP_TOKEN. Beats RCP_TOKEN.
+    #[arg(long, env = "RCP_TOKEN_FILE", global = true)]
+    token_file: Option<PathBuf>,
     /// Talk TLS to rcpd, trusting this PEM CA.
     #[arg(long, env = "RCP_TLS_CA", global = true)]
     tls_ca: Option<PathBuf>,
@@ -166,9 +171,11 @@ struct Cli {
 enum Cmd {
     /// rcp bench [HOST[:PORT]]: perftest-like benchmark of the data path
     /// over verbs. Without HOST: loopback on the local device (two QPs, one
-    /// process). --server: serve one client (perftest style). Uses the
-    /// global --batch, --signal-every, --inline, --mode, --device,
-    /// --gid-index. Prints one `bench op=... ` line per run.
+    /// process). --server: serve one client (perftest style). With
+    /// --transport tcp (or auto on a host without RDMA devices): loopback
+    /// through the TCP provider on 127.0.0.1. Uses the global --batch,
+    /// --signal-every, --inline, --mode, --device, --gid-index. Prints one
+    /// `bench op=... ` line per run.
     Bench {
         /// A `rcp bench --server` to run against (port 18515 unless given).
         host: Option<String>,
@@ -251,6 +258,51 @@ struct CopyArgs {
     /// 1m; 0: never): a JSON line with --json, else a line on stderr.
     #[arg(long, visible_alias = "progress-interval", env = "RCP_STATS", value_parser = parse_interval)]
     stats: Option<Duration>,
+    /// Compare files of the same size by content (digests computed on
+    /// both ends) instead of size and mtime; unchanged ones are skipped.
+    #[arg(
+        short = 'c',
+        long,
+        env = "RCP_CHECKSUM",
+        conflicts_with = "ignore_times"
+    )]
+    checksum: bool,
+    /// Never skip a file for having the source's size and mtime at the
+    /// destination (rsync's quick check, the default).
+    #[arg(short = 'I', long, env = "RCP_IGNORE_TIMES")]
+    ignore_times: bool,
+    /// Skip files that are newer at the destination.
+    #[arg(short = 'u', long, env = "RCP_UPDATE")]
+    update: bool,
+    /// Skip files that exist at the destination, whatever they hold.
+    #[arg(long, env = "RCP_IGNORE_EXISTING")]
+    ignore_existing: bool,
+    /// Of a file that exists at the destination and differs, move only the
+    /// blocks whose digests differ (both ends hash their copy); the rest is
+    /// taken from the destination's copy. --resume does it too.
+    #[arg(long, env = "RCP_DELTA")]
+    delta: bool,
+}
+
+impl CopyArgs {
+    /// Which files already at the destination stay (rsync's rules), and
+    /// whether the others move as deltas (`--delta`, `--resume`).
+    fn skip_rules(&self, resume: bool) -> jobs::skip::Rules {
+        use jobs::skip::Compare;
+        jobs::skip::Rules {
+            compare: if self.checksum {
+                Compare::Content
+            } else if self.ignore_times {
+                Compare::Always
+            } else {
+                Compare::Quick
+            },
+            update: self.update,
+            ignore_existing: self.ignore_existing,
+            // A dry run hashes nothing and makes no partial file.
+            delta: (self.delta || resume) && !self.dry_run,
+        }
+    }
 }
 
 impl Cli {
@@ -279,34 +331,33 @@ fn parse_size(s: &str) -> Result<u64, String> {
     rcp::control::protocol::check_block_size(v, rcp::control::WINDOW_SIZE as u64)
 }
 
-/// Progress on a terminal: one bar for the whole job (many files are in
-/// flight at once, their blocks sharing windows), with the files done.
+/// Progress on a terminal, as rsync's `--info=progress2` and rclone's: one
+/// bar for the whole job (many files are in flight at once, their blocks
+/// sharing windows), sized from the plan so that it starts at zero, moved
+/// by the blocks the data path confirms, with the files committed; IEC
+/// units throughout.
 struct Bars {
     total: ProgressBar,
-    started: AtomicU64,
-    done: AtomicU64,
+    files: u64,
 }
 
 impl Bars {
-    fn new() -> Bars {
-        let total = ProgressBar::new(0);
+    fn new(bytes: u64, files: u64) -> Bars {
+        let total = ProgressBar::new(bytes);
         total.set_style(
             ProgressStyle::with_template(
-                "{bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta} {wide_bar} {msg}",
+                "{binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} eta {eta} {wide_bar} {msg}",
             )
             .expect("template"),
         );
-        total.enable_steady_tick(Duration::from_millis(200));
-        Bars {
-            total,
-            started: AtomicU64::new(0),
-            done: AtomicU64::new(0),
-        }
+        total.set_message(format!("0/{files} files"));
+        Bars { total, files }
     }
 
-    fn show(&self, last: &str) {
-        let (d, n) = (self.done.load(Relaxed), self.started.load(Relaxed));
-        self.total.set_message(format!("{d}/{n} files {last}"));
+    fn show(&self, bytes: u64, done: u64) {
+        self.total.set_position(bytes);
+        self.total
+            .set_message(format!("{done}/{} files", self.files));
     }
 }
 
@@ -317,14 +368,46 @@ struct Watch {
     bars: Option<Bars>,
     /// `--json`: the file lines' direction.
     json: Option<Direction>,
-    /// Say on stderr which provider each session runs over, and why.
+    /// Say on stderr which provider each session runs over, and why (-v).
     announce: bool,
+    /// `--transport auto`: a tcp session on a host that has RDMA devices
+    /// (none of them usable) is worth a warning; on a host without any,
+    /// tcp is the expected choice and nothing is said.
+    auto: bool,
     /// The current session's provider and check (the file lines').
     session: std::sync::Mutex<(String, rcp::files::Check)>,
+    /// Bytes of windows done (verified).
     bytes: AtomicU64,
     files_done: AtomicU64,
     /// The bytes of the files done (for an interrupt's report).
     committed: AtomicU64,
+    /// The job's bytes, from the plan.
+    bytes_total: u64,
+    /// The current session's data-path counters and the bytes shown when
+    /// it started: progress between windows, a chain of blocks at a time.
+    live: std::sync::Mutex<Option<(Arc<rcp::datapath::DataPathStats>, u64)>>,
+}
+
+impl Watch {
+    /// Bytes to show: what the data path confirmed (blocks), never less
+    /// than the windows done, never more than the job.
+    fn shown(&self) -> u64 {
+        let done = self.bytes.load(Relaxed);
+        let live = self
+            .live
+            .lock()
+            .unwrap()
+            .as_ref()
+            .map_or(0, |(s, base)| base + s.counters().bytes_confirmed);
+        done.max(live).min(self.bytes_total)
+    }
+
+    /// Redraw the bar, if any.
+    fn draw(&self) {
+        if let Some(b) = &self.bars {
+            b.show(self.shown(), self.files_done.load(Relaxed));
+        }
+    }
 }
 
 impl jobs::Watcher for Watch {
@@ -332,8 +415,20 @@ impl jobs::Watcher for Watch {
         rcp::phase::mark("session up");
         if self.announce {
             eprintln!("rcp: transport {}", s.transport);
+        } else if self.auto
+            && s.kind == rcp::provider::ProviderKind::Tcp
+            && !rcp::verbs::device_names().is_empty()
+        {
+            eprintln!("rcp: WARNING: transport {}", s.transport);
         }
         *self.session.lock().unwrap() = (s.kind.to_string(), s.check());
+        let base = self.shown();
+        *self.live.lock().unwrap() = s.data_path_stats().map(|st| {
+            // Counted from here: a session's counters start where its
+            // data path did (a fallback's are fresh).
+            let before = st.counters().bytes_confirmed;
+            (st, base.saturating_sub(before))
+        });
     }
     fn fell_back(&self, why: &str) {
         eprintln!("rcp: WARNING: {why}");
@@ -341,25 +436,15 @@ impl jobs::Watcher for Watch {
 }
 
 impl Observer for Watch {
-    fn file_start(&self, _name: &str, len: u64) {
-        if let Some(b) = &self.bars {
-            b.total.inc_length(len);
-            b.started.fetch_add(1, Relaxed);
-        }
-    }
     fn progress(&self, n: u64) {
         self.bytes.fetch_add(n, Relaxed);
-        if let Some(b) = &self.bars {
-            b.total.inc(n);
-        }
+        self.draw();
     }
     fn file_done(&self, r: &FileResult) {
+        // Counted as committed (renamed into place), not as started.
         self.files_done.fetch_add(1, Relaxed);
         self.committed.fetch_add(r.length, Relaxed);
-        if let Some(b) = &self.bars {
-            b.done.fetch_add(1, Relaxed);
-            b.show(&r.path);
-        }
+        self.draw();
         if let Some(dir) = self.json {
             let (transport, check) = self.session.lock().unwrap().clone();
             println!(
@@ -373,18 +458,31 @@ impl Observer for Watch {
     }
 }
 
-/// `--stats`: a progress line every `every` until the task is aborted.
+/// The bar between events: a redraw every 100 ms from the data path's
+/// counters, until the task is aborted.
+fn bar_ticker(watch: Arc<Watch>) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_millis(100));
+        loop {
+            tick.tick().await;
+            watch.draw();
+        }
+    })
+}
+
+/// `--stats`: a progress line at the start (0 bytes, printed before this
+/// returns), then one every `every` until the task is aborted (the last,
+/// at the end, is printed once the copy is done).
 fn progress_ticker(
     watch: Arc<Watch>,
     plan: &Plan,
     every: Duration,
     as_json: bool,
 ) -> tokio::task::JoinHandle<()> {
-    let (direction, bytes_total, files_total) = (
-        plan.direction().label(),
-        plan.bytes(),
-        plan.files.len() as u64,
-    );
+    let (direction, files_total) = (plan.direction().label(), plan.files.len() as u64);
+    // The line at 0, before anything moves.
+    let first = progress_line(&watch, direction, files_total, 0, Duration::ZERO, 0.0);
+    print_progress(&first, as_json);
     tokio::spawn(async move {
         let t0 = Instant::now();
         let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
@@ -393,35 +491,54 @@ fn progress_ticker(
         let (mut last_t, mut last_b) = (t0, 0u64);
         loop {
             tick.tick().await;
-            let (now, bytes) = (Instant::now(), watch.bytes.load(Relaxed));
+            let now = Instant::now();
+            let bytes = watch.shown();
             let dt = now.duration_since(last_t).as_secs_f64().max(1e-9);
-            let p = json::ProgressLine {
-                direction,
-                bytes,
-                bytes_total,
-                files_done: watch.files_done.load(Relaxed),
-                files_total,
-                seconds: now.duration_since(t0).as_secs_f64(),
-                bytes_per_second: bytes.saturating_sub(last_b) as f64 / dt,
-            };
+            let rate = bytes.saturating_sub(last_b) as f64 / dt;
+            let p = progress_line(&watch, direction, files_total, bytes, now - t0, rate);
             (last_t, last_b) = (now, bytes);
-            if as_json {
-                println!("{}", line("progress", &p));
-            } else {
-                eprintln!(
-                    "rcp: {} {}/{} bytes ({:.1}%), {}/{} files, {:.1} MB/s, {:.1} s",
-                    p.direction,
-                    p.bytes,
-                    p.bytes_total,
-                    p.bytes as f64 * 100.0 / p.bytes_total.max(1) as f64,
-                    p.files_done,
-                    p.files_total,
-                    p.bytes_per_second / 1e6,
-                    p.seconds
-                );
-            }
+            print_progress(&p, as_json);
         }
     })
+}
+
+/// A `progress` line's fields.
+fn progress_line(
+    watch: &Watch,
+    direction: &'static str,
+    files_total: u64,
+    bytes: u64,
+    elapsed: Duration,
+    bytes_per_second: f64,
+) -> json::ProgressLine {
+    json::ProgressLine {
+        direction,
+        bytes,
+        bytes_total: watch.bytes_total,
+        files_done: watch.files_done.load(Relaxed),
+        files_total,
+        seconds: elapsed.as_secs_f64(),
+        bytes_per_second,
+    }
+}
+
+/// A progress line: JSON with `--json`, else a line on stderr in IEC units.
+fn print_progress(p: &json::ProgressLine, as_json: bool) {
+    if as_json {
+        println!("{}", line("progress", p));
+    } else {
+        eprintln!(
+            "rcp: {} {}/{} ({:.1}%), {}/{} files, {}, {:.1} s",
+            p.direction,
+            rcp::units::bytes(p.bytes),
+            rcp::units::bytes(p.bytes_total),
+            p.bytes as f64 * 100.0 / p.bytes_total.max(1) as f64,
+            p.files_done,
+            p.files_total,
+            rcp::units::rate(p.bytes_per_second),
+            p.seconds
+        );
+    }
 }
 
 /// `--dry-run`: what the plan would copy, and the totals.
@@ -449,6 +566,7 @@ fn print_plan(plan: &Plan, as_json: bool, quiet: bool, seconds: f64) {
             dirs,
             bytes,
             moved: 0,
+            skipped: plan.skipped.len() as u64,
             seconds,
             gbps: 0.0,
             transport: None,
@@ -462,15 +580,17 @@ fn print_plan(plan: &Plan, as_json: bool, quiet: bool, seconds: f64) {
         println!("{}", line("summary", &l));
     } else if !quiet {
         println!(
-            "dry run: {files} file{}, {bytes} bytes, {dirs} director{} to make; nothing copied",
+            "dry run: {files} file{}, {bytes} bytes, {dirs} director{} to make, {} unchanged; \
+             nothing copied",
             if files == 1 { "" } else { "s" },
             if dirs == 1 { "y" } else { "ies" },
+            plan.skipped.len(),
         );
     }
 }
 
 async fn run(c: Cli) -> Result<(), ControlError> {
-    let opts = client_options(&c);
+    let opts = client_options(&c)?;
     let (copy, args, push) = match &c.cmd {
         Cmd::Push { copy, args } => (copy, args, true),
         Cmd::Pull { copy, args } => (copy, args, false),
@@ -487,10 +607,26 @@ async fn run(c: Cli) -> Result<(), ControlError> {
     copy_files(&c, copy, &paths, opts).await
 }
 
+/// The bearer token: `--token-file`'s, else `RCP_TOKEN`'s.
+fn token(c: &Cli) -> Result<Option<String>, ControlError> {
+    let Some(f) = &c.token_file else {
+        return Ok(std::env::var("RCP_TOKEN").ok().filter(|t| !t.is_empty()));
+    };
+    let t = std::fs::read_to_string(f)
+        .map_err(|e| ControlError::Usage(format!("--token-file {}: {e}", f.display())))?;
+    match t.trim() {
+        "" => Err(ControlError::Usage(format!(
+            "--token-file {}: the file is empty",
+            f.display()
+        ))),
+        t => Ok(Some(t.to_string())),
+    }
+}
+
 /// What the user typed becomes the client's settings (once).
-fn client_options(c: &Cli) -> ClientOptions {
-    ClientOptions {
-        token: std::env::var("RCP_TOKEN").ok().filter(|t| !t.is_empty()),
+fn client_options(c: &Cli) -> Result<ClientOptions, ControlError> {
+    Ok(ClientOptions {
+        token: token(c)?,
         transport: c.transport,
         rails: c.device.clone().map(|d| d.0).unwrap_or_default(),
         qps_per_rail: c.qps_per_rail,
@@ -523,7 +659,7 @@ fn client_options(c: &Cli) -> ClientOptions {
             _ => None,
         },
         ..ClientOptions::default()
-    }
+    })
 }
 
 /// `rcp doctor [HOST]`: a line per check; an error when one failed.
@@ -536,7 +672,7 @@ async fn doctor(c: &Cli, host: Option<&str>, opts: ClientOptions) -> Result<(), 
         }
         None => None,
     };
-    let d = jobs::doctor(addr, opts).await;
+    let (d, rcpd) = jobs::doctor(addr, opts).await;
     let count = |l| d.checks.iter().filter(|c| c.level == l).count() as u64;
     let failures = count(rcp::doctor::Level::Fail);
     for check in &d.checks {
@@ -555,12 +691,17 @@ async fn doctor(c: &Cli, host: Option<&str>, opts: ClientOptions) -> Result<(), 
         };
         println!("{}", line("doctor", &l));
     }
-    if failures > 0 {
+    // 6 when RDMA is broken or was asked for and is not there; else the
+    // rcpd check's own code (5: it does not answer, retry; 6: refused).
+    if !d.rdma_ready() {
         return Err(ControlError::Fatal(
             "doctor found problems (FAIL above)".into(),
         ));
     }
-    Ok(())
+    match rcpd {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
 }
 
 /// `rcp push` / `rcp pull`: plan, then (unless a dry run) copy with
@@ -576,6 +717,7 @@ async fn copy_files(
         preserve: c.preserve,
         resume: c.resume,
         sha256: c.sha256,
+        skip: copy.skip_rules(c.resume),
     };
     rcp::phase::mark("runtime up, arguments parsed");
     let client = Client::connect(paths.addr(), opts).await?;
@@ -591,27 +733,56 @@ async fn copy_files(
         print_plan(&plan, c.json, c.quiet, t0.elapsed().as_secs_f64());
         return Ok(());
     }
+    let (bytes_total, files_total) = (plan.bytes(), plan.files.len() as u64);
     let watch = Arc::new(Watch {
-        bars: (!c.quiet && std::io::stderr().is_terminal()).then(Bars::new),
+        bars: (!c.quiet && std::io::stderr().is_terminal())
+            .then(|| Bars::new(bytes_total, files_total)),
         json: c.json.then(|| plan.direction()),
-        announce: c.transport == Transport::Auto || c.verbose > 0,
+        announce: c.verbose > 0,
+        auto: c.transport == Transport::Auto,
         session: Default::default(),
         bytes: AtomicU64::new(0),
         files_done: AtomicU64::new(0),
         committed: AtomicU64::new(0),
+        bytes_total,
+        live: Default::default(),
     });
-    let ticker = copy
-        .stats
-        .filter(|d| !d.is_zero() && (c.json || !c.quiet))
-        .map(|every| progress_ticker(watch.clone(), &plan, every, c.json));
+    let bar = watch.bars.as_ref().map(|_| bar_ticker(watch.clone()));
+    let stats = copy.stats.filter(|d| !d.is_zero() && (c.json || !c.quiet));
+    let ticker = stats.map(|every| progress_ticker(watch.clone(), &plan, every, c.json));
     let (direction, dirs) = (plan.direction(), plan.dirs() as u64);
-    let (files_total, bytes_total) = (plan.files.len() as u64, plan.bytes());
+    let t0 = Instant::now();
     // The jobs policy: over verbs, and with --transport auto on over tcp
     // when verbs cannot start or every rail stays down; staging sized to
     // what the copy can fill.
     let outcome = jobs::run(&client, plan, &*watch).await;
-    if let Some(t) = ticker {
+    for t in [bar, ticker].into_iter().flatten() {
         t.abort();
+    }
+    if let Some(b) = &watch.bars {
+        // The bar's last state is what was done: all of it on success.
+        match &outcome {
+            Ok(o) => b.show(
+                o.totals.bytes.max(watch.shown()),
+                watch.files_done.load(Relaxed),
+            ),
+            Err(_) => watch.draw(),
+        }
+        b.total.abandon();
+    }
+    if let (Some(_), Ok(o)) = (stats, &outcome) {
+        // The last progress line: every file, every byte.
+        let secs = t0.elapsed();
+        let rate = o.totals.moved as f64 / secs.as_secs_f64().max(1e-9);
+        let p = progress_line(
+            &watch,
+            direction.label(),
+            files_total,
+            o.totals.bytes,
+            secs,
+            rate,
+        );
+        print_progress(&p, c.json);
     }
     rcp::phase::mark("files done, session closed");
     if let (Err(_), Some(sig)) = (&outcome, rcp::control::interrupt::raised()) {
@@ -636,6 +807,7 @@ fn print_outcome(c: &Cli, direction: Direction, dirs: u64, outcome: jobs::Outcom
         check,
         fell_back,
         stats,
+        session,
     } = outcome;
     let transport = kind.to_string();
     if c.json {
@@ -647,9 +819,10 @@ fn print_outcome(c: &Cli, direction: Direction, dirs: u64, outcome: jobs::Outcom
             dirs,
             bytes: totals.bytes,
             moved: totals.moved,
+            skipped: totals.skipped,
             seconds: totals.seconds,
             gbps: totals.gbps(),
-            transport: Some(transport),
+            transport: session.then_some(transport),
             check: Some(check.name()),
             digest_format: Some(check.digest_format()),
             digest: totals.digest.as_deref().filter(|_| one).map(hex),
@@ -658,6 +831,8 @@ fn print_outcome(c: &Cli, direction: Direction, dirs: u64, outcome: jobs::Outcom
             fallback: fell_back,
         };
         println!("{}", line("summary", &l));
+    } else if !c.quiet && !session {
+        println!("{}", totals.summary_unchanged());
     } else if !c.quiet {
         let over = match &fell_back {
             // Why: the WARNING line when it happened.
@@ -678,6 +853,28 @@ fn print_outcome(c: &Cli, direction: Direction, dirs: u64, outcome: jobs::Outcom
 
 fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// Whether the bench runs over tcp: when asked, or with auto for a
+/// loopback run on a host without RDMA devices (and none named); a run
+/// that needs a peer's device (`--server`, HOST, `--compare`) over tcp is
+/// a usage error (its exit code).
+fn bench_over_tcp(c: &Cli, loopback: bool) -> Result<bool, i32> {
+    let tcp = match c.transport {
+        Transport::Tcp => true,
+        Transport::Verbs => false,
+        Transport::Auto => loopback && c.device.is_none() && rcp::verbs::device_names().is_empty(),
+    };
+    if tcp && !loopback {
+        let m = "over tcp rcp bench runs loopback only (no --server, HOST or --compare): \
+                 give --transport verbs for those";
+        eprintln!("rcp bench: {m}");
+        if c.json {
+            print_error(exit::USAGE, "USAGE", m);
+        }
+        return Err(exit::USAGE);
+    }
+    Ok(tcp)
 }
 
 /// `rcp bench`: synchronous (the data path has its own threads).
@@ -715,13 +912,18 @@ fn bench(c: &Cli) -> i32 {
             return exit::USAGE;
         }
     };
+    let tcp = match bench_over_tcp(c, !*server && !*compare && host.is_none()) {
+        Ok(t) => t,
+        Err(code) => return code,
+    };
     let o = BenchOptions {
+        tcp,
         op: *op,
         size: *size,
         batch: c.batch,
         signal_every: c.signal_every.unwrap_or(c.batch),
         inline: c.inline.unwrap_or(0),
-        mode: c.poll_mode.unwrap_or(rcp::datapath::PollMode::Poll),
+        mode: c.poll_mode.unwrap_or(bench::default_mode(tcp)),
         cq_cpu: c.cq_cpu.unwrap_or_default(),
         // With --seconds: rounds of about 64 MiB, so a run ends close to
         // its seconds even with large messages.
@@ -846,6 +1048,8 @@ fn main() {
     };
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        // Colour only for a person at a terminal, never into files and pipes.
+        .with_ansi(std::io::stderr().is_terminal())
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
                 tracing_subscriber::EnvFilter::new(format!("{level},rcp::mem::arena=error"))

@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # Runs inside the soft-RoCE VM (see scripts/testbed.sh). Arguments: the topology
 # (lo, netns or rails), then "name=path" pairs of test binaries to run with --ignored.
-# Every step's result is counted; any failure makes the script fail.
+# Every step's result is counted; any failure makes the script fail, and so
+# does a run in which no step ran. A step that runs a test binary counts the
+# tests it ran (libtest, below) and fails when none did. Ends with the tests
+# the binaries ran ("vm-TOPO: N tests passed in K test binary steps") and the
+# plain line "vm-TOPO: N passed, M failed" (steps).
 set -u
 # shellcheck source=../lib-rcpd.sh
 . "$(dirname "$0")/../lib-rcpd.sh"
 topo=$1; shift
-passed=0 failed=0 failures=()
+passed=0 failed=0 failures=() tests_passed=0 libtest_steps=0
 # RCP_SUITE_ONLY=REGEX: run only the steps whose name matches (e.g. 'link cut').
 step() {
   local name=$1; shift
@@ -34,6 +38,39 @@ for b in "${vm_bins[@]}"; do cp "$from/$b" "$bin/$b" || exit 1; done
 echo "=== vm[$topo]: binaries copied from $from to $bin in $((SECONDS - t0)) s"
 export RCP_TEST_BIN_DIR=$bin
 ex=$bin/examples/verbs_blocks
+# libtest [--min N] CMD...: run CMD, a libtest test binary or a command
+# that execs one (ip netns exec ... env ... BIN), its output streamed and
+# kept, then count the tests in its "test result: ok. P passed; F failed;
+# I ignored; ..." line(s). With --ignored the tests that ran are the passed
+# and failed ones, so P is what passed. Fails when CMD fails, when it printed
+# no result line, or when fewer than N (default 1) tests passed: a name
+# filter that matches nothing ran 0 tests and "passed" before.
+libtest() {
+  local min=1
+  if [ "$1" = --min ]; then min=$2; shift 2; fi
+  local log rc np=0 nf=0 ni=0 lines=0 p f i
+  log=$(mktemp "$RCP_TEST_TMPDIR/libtest.XXXXXX")
+  # Into a file, streamed by tail: a pipe to tee would wait for any
+  # process of the test that outlived it and held the pipe open.
+  "$@" >"$log" 2>&1 &
+  local pid=$!
+  tail -n +1 -f --pid="$pid" "$log" &
+  local tp=$!
+  wait "$pid"; rc=$?
+  wait "$tp"
+  while read -r p f i; do
+    np=$((np + p)) nf=$((nf + f)) ni=$((ni + i)) lines=$((lines + 1))
+  done < <(sed -nE 's/^test result: [A-Za-z]+\. ([0-9]+) passed; ([0-9]+) failed; ([0-9]+) ignored;.*/\1 \2 \3/p' "$log")
+  rm -f "$log"
+  libtest_steps=$((libtest_steps + 1)) tests_passed=$((tests_passed + np))
+  echo "=== vm[$topo]: $np tests passed, $nf failed, $ni ignored (exit $rc)"
+  [ "$rc" -eq 0 ] || return 1
+  [ "$lines" -gt 0 ] || { echo "=== vm[$topo]: FAILED: no libtest \"test result:\" line"; return 1; }
+  [ "$np" -ge "$min" ] || {
+    echo "=== vm[$topo]: FAILED: $np tests passed, at least $min expected (a filter that matches nothing?)"
+    return 1
+  }
+}
 # A `bench op=... msgs=N ...` line with N > 0.
 bench_line_ok() {
   local msgs
@@ -58,7 +95,7 @@ lo)
     if [ "${nb%%=*}" = control_verbs ]; then
       for x in "${across[@]}"; do skip+=(--skip "$x"); done
     fi
-    step "${nb%%=*} (rxe0 on lo)" "${nb#*=}" --ignored --test-threads=1 --nocapture "${skip[@]}"
+    step "${nb%%=*} (rxe0 on lo)" libtest "${nb#*=}" --ignored --test-threads=1 --nocapture "${skip[@]}"
   done
   serve_client() {
     "$ex" serve --listen 127.0.0.1:7470 --mib "$1" & local s=$!
@@ -331,15 +368,16 @@ assert r["event"] == "read" and "error" not in r and len(r["ranges"]) == 4, r' \
       # The lo topology runs the other scenarios; across the namespaces,
       # those where two hosts differ from one: trees, a resume, a stopped
       # peer on either side, back-pressure (the lo run skips these).
+      # At least one test for each of the five names.
       step "control_verbs e2e scenarios (rcp in a on rxea -> rcpd in b on rxeb)" \
-        ip netns exec a env RCP_TEST_HOST=192.168.77.2 RCP_TEST_RCPD_NETNS=b \
+        libtest --min 5 ip netns exec a env RCP_TEST_HOST=192.168.77.2 RCP_TEST_RCPD_NETNS=b \
         RCP_TEST_RCPD_DEVICE=rxeb RCP_TEST_RCP_DEVICE=rxea \
         "${nb#*=}" --ignored --test-threads=1 --skip verbs_ \
         push_pull_tree_of_200_files push_resume_after_client_killed \
         stopped_client_is_evicted stopped_server_makes_the_client_give_up \
         eight_clients_at_once_with_back_pressure
     else
-      step "${nb%%=*} (netns)" "${nb#*=}" --ignored --test-threads=1 --nocapture
+      step "${nb%%=*} (netns)" libtest "${nb#*=}" --ignored --test-threads=1 --nocapture
     fi
   done
   ;;
@@ -360,14 +398,23 @@ rails)
     if [ "${nb%%=*}" = control_rails_fabric ]; then
       # rcp in a (the test binary), rcpd in b: sessions over both rails.
       step "rcp push/pull over two rails (rcp in a -> rcpd in b)" \
-        ip netns exec a env RCP_TEST_HOST=192.168.77.2 RCP_TEST_RCPD_NETNS=b \
+        libtest ip netns exec a env RCP_TEST_HOST=192.168.77.2 RCP_TEST_RCPD_NETNS=b \
         "${nb#*=}" --ignored --test-threads=1 --nocapture
     else
-      step "${nb%%=*} (rails)" "${nb#*=}" --ignored --test-threads=1 --nocapture
+      step "${nb%%=*} (rails)" libtest "${nb#*=}" --ignored --test-threads=1 --nocapture
     fi
   done
   ;;
 esac
+# A run in which nothing ran is a failure: RCP_SUITE_ONLY matching no step,
+# or (without it) a topology given no test binary or whose binaries ran
+# nothing.
+if [ $((passed + failed)) -eq 0 ]; then
+  failed=1 failures+=("no step ran${RCP_SUITE_ONLY:+ (RCP_SUITE_ONLY='$RCP_SUITE_ONLY' matches no step)}")
+elif [ -z "${RCP_SUITE_ONLY:-}" ] && [ "$tests_passed" -eq 0 ]; then
+  failed=$((failed + 1)) failures+=("no test binary ran a test")
+fi
 echo "=== vm[$topo] failures: ${failures[*]:-none}"
+echo "vm-$topo: $tests_passed tests passed in $libtest_steps test binary steps"
 echo "vm-$topo: $passed passed, $failed failed"
 [ "$failed" -eq 0 ]

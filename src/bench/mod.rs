@@ -23,6 +23,7 @@
 //! the process's (getrusage: user + system, all threads) per message.
 
 mod run;
+mod tcp;
 pub mod wire;
 
 use std::fmt;
@@ -30,7 +31,17 @@ use std::fmt;
 use crate::datapath::{CqCpu, PollMode, Report};
 use crate::engine::OpKind;
 
-pub use run::{run_client, run_compare, run_loopback, serve, ServerOptions};
+pub use run::{run_client, run_compare, serve, ServerOptions};
+
+/// The bench in one process: A posts into B's region on the same device
+/// (over tcp, `o.tcp`: a channel into a target on 127.0.0.1).
+pub fn run_loopback(o: &BenchOptions) -> Result<Measured, BenchError> {
+    if o.tcp {
+        tcp::run_loopback_tcp(o)
+    } else {
+        run::run_loopback_verbs(o)
+    }
+}
 
 /// perftest's port, the default for `rcp bench --server` and the client.
 pub const DEFAULT_PORT: u16 = 18515;
@@ -48,6 +59,17 @@ pub const ROUND_BYTES: u64 = 64 << 20;
 /// round, so rounds must stay short for large messages).
 pub fn round_iters(size: u64) -> u64 {
     (ROUND_BYTES / size.max(1)).clamp(1, 10_000)
+}
+
+/// The completion mode without `--mode`: a polling thread per QP on
+/// verbs, as perftest's; events over tcp (a spinning thread would take a
+/// core from the provider's own).
+pub fn default_mode(tcp: bool) -> PollMode {
+    if tcp {
+        PollMode::Event
+    } else {
+        PollMode::Poll
+    }
 }
 
 /// Send-queue depth of every bench QP (the default and largest tx depth).
@@ -83,6 +105,9 @@ pub struct BenchOptions {
     pub device: Option<String>,
     /// GID index (default: the first RoCE v2 IPv4-mapped GID).
     pub gid_index: Option<u32>,
+    /// Over the TCP provider (loopback on 127.0.0.1) instead of verbs: for
+    /// hosts without RDMA.
+    pub tcp: bool,
 }
 
 impl Default for BenchOptions {
@@ -101,6 +126,7 @@ impl Default for BenchOptions {
             tx_depth: None,
             device: None,
             gid_index: None,
+            tcp: false,
         }
     }
 }
@@ -194,6 +220,15 @@ impl BenchOptions {
         Ok(())
     }
 
+    /// `verbs` or `tcp`.
+    pub fn transport(&self) -> &'static str {
+        if self.tcp {
+            "tcp"
+        } else {
+            "verbs"
+        }
+    }
+
     /// Requests outstanding per QP at most.
     pub fn tx_depth(&self) -> u32 {
         self.tx_depth.unwrap_or(SQ_DEPTH)
@@ -247,7 +282,7 @@ pub fn format_line(o: &BenchOptions, m: &Measured) -> String {
         "bench op={} size={} batch={} signal={} inline={} mode={} qps={} msgs={} seconds={:.3} \
          gbps={:.3} mb_per_s={:.1} msg_per_s={:.0} p50_us={:.1} p99_us={:.1} doorbells={} \
          signaled={} inline_posted={} completions={} cpu_ns_per_msg={:.0} polls={} empty_polls={} arms={} wakeups={} \
-         tx_depth={} cq_cpu={}",
+         tx_depth={} cq_cpu={} transport={}",
         op_name(o.op),
         o.size,
         o.batch,
@@ -273,6 +308,7 @@ pub fn format_line(o: &BenchOptions, m: &Measured) -> String {
         r.wakeups,
         o.tx_depth(),
         o.cq_cpu,
+        o.transport(),
     )
 }
 
@@ -310,6 +346,7 @@ pub fn json_line(o: &BenchOptions, m: &Measured, label: Option<&str>) -> String 
             wakeups: r.wakeups,
             tx_depth: o.tx_depth(),
             cq_cpu: o.cq_cpu.to_string(),
+            transport: o.transport(),
         },
     )
 }

@@ -11,10 +11,9 @@ use super::{BenchError, BenchOptions, Measured, MAX_QPS};
 use crate::datapath::{DataPath, DataPathConfig, DpEvent, ReconnectError, ReconnectFn, Report};
 use crate::engine::{Extent, WindowJob};
 use crate::mem::{Arena, ArenaConfig};
+use crate::provider::verbs::VerbsChannel;
 use crate::provider::Channel;
-use crate::verbs::{
-    Access, ConnectParams, Context, MemoryRegion, ProtectionDomain, QpBuilder, VerbsChannel,
-};
+use crate::verbs::{Access, ConnectParams, Context, MemoryRegion, ProtectionDomain, QpBuilder};
 
 /// Send-queue depth of every bench QP.
 pub(super) const SQ: u32 = 128;
@@ -89,21 +88,59 @@ fn params(local: &QpInfo, peer: &QpInfo) -> ConnectParams {
 
 /// The target side of a loopback lane, kept for the lane's life (and for
 /// reconnects).
-struct Peer {
+pub(super) struct Peer {
     ch: Arc<VerbsChannel>,
     _arena: Arena,
     _mr: MemoryRegion,
 }
 
-/// One QP that posts, its staging, and the region it targets.
-struct Lane {
-    ch: Arc<VerbsChannel>,
-    arena: Arena,
-    mr: MemoryRegion,
-    remote: Region,
-    peer: Option<Peer>,
+/// What a lane posts through: a QP (with, loopback, the QP it is
+/// connected to), or the TCP provider's channel (with, loopback, the
+/// target it talks to).
+pub(super) enum Link {
+    Verbs {
+        ch: Arc<VerbsChannel>,
+        peer: Option<Peer>,
+    },
+    Tcp {
+        ch: Arc<crate::provider::tcp::TcpChannel>,
+        /// Loopback: what keeps the target and its region alive
+        /// (dropped after the channel: fields drop in order).
+        _peer: Option<Box<dyn std::any::Any + Send + Sync>>,
+    },
+}
+
+/// One QP (or TCP channel) that posts, its staging, and the region it
+/// targets.
+pub(super) struct Lane {
+    pub(super) link: Link,
+    pub(super) arena: Arena,
+    /// The staging's local key.
+    pub(super) lkey: u32,
+    /// What keeps `lkey` valid (a memory region, a TCP registration).
+    pub(super) _reg: Box<dyn std::any::Any + Send + Sync>,
+    pub(super) remote: Region,
     /// The posting device's NUMA node (for `--cq-cpu auto`).
-    numa_node: Option<u32>,
+    pub(super) numa_node: Option<u32>,
+}
+
+impl Lane {
+    fn channel(&self) -> Arc<dyn Channel> {
+        match &self.link {
+            Link::Verbs { ch, .. } => ch.clone(),
+            Link::Tcp { ch, .. } => ch.clone(),
+        }
+    }
+
+    /// After a failure: nothing may still write the staging arena when it
+    /// is reused. A QP goes to the error state; a TCP lane is never reused
+    /// (its runs are not repeated after a failure, and its channel drops
+    /// before its arena).
+    fn stop(&self) {
+        if let Link::Verbs { ch, .. } = &self.link {
+            let _ = ch.set_error();
+        }
+    }
 }
 
 fn cpu_ns() -> u64 {
@@ -154,7 +191,7 @@ fn window(l: &Lane, o: &BenchOptions, lay: &Layout, id: u64, w: u64, n: u64) -> 
         id,
         op: o.op,
         local_addr: l.arena.addr() + base,
-        lkey: l.mr.lkey(),
+        lkey: l.lkey,
         remote_addr: l.remote.addr + base,
         rkey: l.remote.rkey,
         extents: (0..n)
@@ -177,8 +214,17 @@ fn start_lane(i: usize, l: &Lane, o: &BenchOptions) -> Result<DataPath, BenchErr
         tx_depth: o.tx_depth.map(|t| t as usize),
         ..DataPathConfig::default()
     };
-    let me = l.ch.clone();
-    let peer = l.peer.as_ref().map(|p| p.ch.clone());
+    let (me, peer) = match &l.link {
+        Link::Verbs { ch, peer } => (ch.clone(), peer.as_ref().map(|p| p.ch.clone())),
+        Link::Tcp { .. } => {
+            let reconnect: ReconnectFn = Box::new(|| {
+                Err(ReconnectError::permanent(
+                    "the bench does not reconnect over tcp; run it again",
+                ))
+            });
+            return Ok(DataPath::start(cfg, l.channel(), reconnect, None)?);
+        }
+    };
     let reconnect: ReconnectFn = Box::new(move || -> Result<(), ReconnectError> {
         let Some(p) = &peer else {
             return Err(ReconnectError::permanent(
@@ -193,8 +239,7 @@ fn start_lane(i: usize, l: &Lane, o: &BenchOptions) -> Result<DataPath, BenchErr
             .map_err(ReconnectError::retryable)?;
         Ok(())
     });
-    let ch: Arc<dyn Channel> = l.ch.clone();
-    Ok(DataPath::start(cfg, ch, reconnect, None)?)
+    Ok(DataPath::start(cfg, l.channel(), reconnect, None)?)
 }
 
 /// Rounds of `o.iters` messages on lane number `i` until `deadline` (one
@@ -226,7 +271,7 @@ fn run_lane(
                 let id = seq * lay.count + w;
                 seq += 1;
                 // SAFETY: window slot `w` of the staging arena (registered
-                // under `l.mr`, alive as long as the lane) is used by this
+                // under `l.lkey`, alive as long as the lane) is used by this
                 // window alone: a slot is submitted again only after its
                 // WindowDone, and the bench never reads or writes the
                 // staging memory. On failure the data path is closed and the
@@ -272,7 +317,7 @@ fn run_lane(
     let mut r = dp.close();
     if let Err(e) = result {
         // Nothing may still write the staging arena when it is reused.
-        let _ = l.ch.set_error();
+        l.stop();
         return Err(e);
     }
     r.seconds = seconds;
@@ -299,7 +344,7 @@ fn merge(into: &mut Report, r: Report, seconds_max: bool) {
 
 /// Run `o` on the first `o.qps` lanes, one thread and one data path each;
 /// each lane repeats rounds of `o.iters` until `o.seconds` when set.
-fn run_lanes(lanes: &[Lane], o: &BenchOptions) -> Result<Measured, BenchError> {
+pub(super) fn run_lanes(lanes: &[Lane], o: &BenchOptions) -> Result<Measured, BenchError> {
     let n = o.qps.min(lanes.len());
     let cpu0 = cpu_ns();
     let deadline = o
@@ -343,23 +388,27 @@ fn loopback_lanes(o: &BenchOptions, qps: usize) -> Result<Vec<Lane>, BenchError>
             len: b_arena.len() as u64,
         };
         out.push(Lane {
-            ch: Arc::new(a),
+            link: Link::Verbs {
+                ch: Arc::new(a),
+                peer: Some(Peer {
+                    ch: Arc::new(b),
+                    _arena: b_arena,
+                    _mr: b_mr,
+                }),
+            },
             arena,
-            mr,
+            lkey: mr.lkey(),
+            _reg: Box::new(mr),
             remote,
-            peer: Some(Peer {
-                ch: Arc::new(b),
-                _arena: b_arena,
-                _mr: b_mr,
-            }),
             numa_node: sa.ctx.numa_node(),
         });
     }
     Ok(out)
 }
 
-/// The bench in one process: A posts into B's region on the same device.
-pub fn run_loopback(o: &BenchOptions) -> Result<Measured, BenchError> {
+/// The bench in one process over verbs: A posts into B's region on the
+/// same device.
+pub(super) fn run_loopback_verbs(o: &BenchOptions) -> Result<Measured, BenchError> {
     o.validate()?;
     let lanes = loopback_lanes(o, o.qps)?;
     run_lanes(&lanes, o)
@@ -496,11 +545,14 @@ pub fn run_client(addr: &str, o: &BenchOptions) -> Result<Measured, BenchError> 
         ch.handshake(&peer.ep, &params(&me, &peer))?;
         let (arena, mr) = region(&s)?;
         lanes.push(Lane {
-            ch: Arc::new(ch),
+            link: Link::Verbs {
+                ch: Arc::new(ch),
+                peer: None,
+            },
             arena,
-            mr,
+            lkey: mr.lkey(),
+            _reg: Box::new(mr),
             remote: reg,
-            peer: None,
             numa_node: s.ctx.numa_node(),
         });
     }

@@ -237,6 +237,8 @@ impl AdmittedCopy {
             // The final progress carries the file's sha256sum value, which
             // services compare with what they hold.
             sha256: true,
+            // The Copy API moves every file (it has no skip rules yet).
+            ..Job::default()
         };
         let lease = self.pool.lease(&self.peer, self.opts.clone()).await?;
         let client = lease.client();

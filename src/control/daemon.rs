@@ -14,7 +14,9 @@ use tonic::transport::server::TcpIncoming;
 use tonic::transport::Server;
 
 use super::auth::CheckBearer;
+use super::buffers::grant::GrantService;
 use super::buffers::socket::Socket;
+use super::buffers::Buffers;
 use super::client::ClientOptions;
 use super::copy::CopyService;
 use super::copy_peers::CopyPeers;
@@ -116,7 +118,7 @@ pub async fn run(
     let grpc_addr = listener
         .local_addr()
         .map_err(ControlError::io("local address"))?;
-    let svc = start_service(&cfg, root.clone(), link, grpc_addr)?;
+    let (svc, buffers) = start_service(&cfg, root.clone(), link, grpc_addr)?;
     let metrics = svc.metrics.clone();
     let (reporter, health_svc) = tonic_health::server::health_reporter();
     reporter.set_serving::<RcpServer<RcpService>>().await;
@@ -148,7 +150,7 @@ pub async fn run(
     let mut builder = grpc_server(&cfg)?;
     let (unix_stop_tx, unix_stop_rx) = tokio::sync::oneshot::channel::<()>();
     let unix_tasks = match socket {
-        Some(sock) => serve_unix(sock, &svc, routes.clone(), unix_stop_rx),
+        Some(sock) => serve_unix(sock, &buffers, routes.clone(), unix_stop_rx),
         None => Vec::new(),
     };
     let server = tokio::spawn(
@@ -215,13 +217,14 @@ async fn open_link(cfg: &DaemonConfig) -> Result<(ServerLink, String)> {
 
 /// The service over `link`, with its Copy API and buffer operations set
 /// up to dial the peers `--copy-peers` allows (`grpc_addr` being this
-/// rcpd itself), and its session sweeper running.
+/// rcpd itself), and its session sweeper running; and the services'
+/// buffers it grants from (the unix socket serves them).
 fn start_service(
     cfg: &DaemonConfig,
     root: PathBuf,
     link: ServerLink,
     grpc_addr: SocketAddr,
-) -> Result<Arc<Service>> {
+) -> Result<(Arc<Service>, Arc<Buffers>)> {
     let peer_opts = peer_options(cfg);
     let peers = Arc::new(CopyPeers::new(cfg.copy_peers.clone()).with_own(grpc_addr));
     if peers.entries().is_empty() {
@@ -234,7 +237,13 @@ fn start_service(
         pool: super::jobs::Pool::new(cfg.copy_pool),
         peers: peers.clone(),
     };
-    let svc = Service::new(service_config(cfg, root), link, Some(Arc::new(copier)))?;
+    let buffers = Buffers::new();
+    let svc = Service::new(
+        service_config(cfg, root),
+        link,
+        Some(Arc::new(copier)),
+        Some(Arc::new(GrantService(buffers.clone()))),
+    )?;
     svc.spawn_sweeper();
     // Buffer sessions' data paths show in this rcpd's /metrics (each
     // rail's series), as copies' do.
@@ -242,10 +251,10 @@ fn start_service(
         metrics: Some(svc.metrics.clone()),
         ..peer_opts
     };
-    svc.buffers.set_client_options(buffer_opts, peers);
-    *svc.buffers.token.lock().unwrap() = cfg.token.clone();
-    *svc.buffers.default_check.lock().unwrap() = cfg.checks.first().copied();
-    Ok(svc)
+    buffers.set_client_options(buffer_opts, peers);
+    *buffers.token.lock().unwrap() = cfg.token.clone();
+    *buffers.default_check.lock().unwrap() = cfg.checks.first().copied();
+    Ok((svc, buffers))
 }
 
 fn service_config(cfg: &DaemonConfig, root: PathBuf) -> ServiceConfig {
@@ -363,7 +372,7 @@ fn grpc_server(cfg: &DaemonConfig) -> Result<Server> {
 /// socket file is removed when the gRPC side ends.
 fn serve_unix(
     sock: Socket,
-    svc: &Arc<Service>,
+    buffers: &Arc<Buffers>,
     routes: Routes,
     stop: tokio::sync::oneshot::Receiver<()>,
 ) -> Vec<tokio::task::JoinHandle<()>> {
@@ -372,7 +381,7 @@ fn serve_unix(
     let accept = tokio::spawn(super::buffers::socket::accept_loop(
         listener,
         tx,
-        svc.buffers.clone(),
+        buffers.clone(),
     ));
     let grpc = tokio::spawn(async move {
         let _ = Server::builder()

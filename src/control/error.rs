@@ -125,6 +125,23 @@ pub fn status(reason: Reason, message: impl Into<String>) -> Status {
     )
 }
 
+/// gRPC metadata key of a `BufferGrant` answer saying this rcpd holds no
+/// such session (closed idle, or restarted): the peer gives its session up
+/// and asks again on a new one. Any other `retryable` (a range busy for a
+/// moment) leaves the session alone.
+pub const SESSION_GONE: &str = "rcp-session-gone";
+
+/// The answer to a request on a session this rcpd no longer holds
+/// (`retryable`, marked [`SESSION_GONE`]).
+pub fn session_gone(message: impl std::fmt::Display) -> Status {
+    let mut s = status(Reason::Retryable, message.to_string());
+    s.metadata_mut().insert(
+        SESSION_GONE,
+        tonic::metadata::MetadataValue::from_static("1"),
+    );
+    s
+}
+
 /// What went wrong, classified so the CLI can pick an exit code and the
 /// server a gRPC status.
 #[derive(Debug, thiserror::Error)]
@@ -167,6 +184,25 @@ pub enum ControlError {
     Protocol(#[from] super::protocol::Violation),
     #[error("{0}")]
     Other(String),
+    /// What the user named on rcpd's side is not there: `remote
+    /// HOST:PATH: no such file` (or directory).
+    #[error("remote {host}:{path}: no such {}", if *.dir { "directory" } else { "file" })]
+    RemoteNotFound {
+        host: String,
+        path: String,
+        dir: bool,
+    },
+    /// A name that does not resolve: retrying the same name will not help.
+    #[error("unknown host {host:?}: {source}")]
+    UnknownHost {
+        host: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// Something answers at the address, but not rcpd (its health port,
+    /// an HTTP server, another service): a wrong host or port.
+    #[error("{addr} answers but is not rcpd ({why})")]
+    NotRcpd { addr: String, why: String },
     /// Fatal, with the message as is.
     #[error("{0}")]
     Fatal(String),
@@ -191,12 +227,16 @@ impl ControlError {
             Unauthenticated(_) => Reason::Unauthenticated,
             Permission(_) => Reason::Permission,
             Exceeded(_) => Reason::Exceeded,
-            Retryable(_) | Provider(_) => Reason::Retryable,
+            Retryable(_) => Reason::Retryable,
+            Provider(p) => provider_reason(p),
             Io { source, .. } => io_reason(source),
             DataPath(e) => datapath_reason(e),
             Failed(f) => f.reason,
             Protocol(_) => Reason::Protocol,
             Other(_) => Reason::Other,
+            RemoteNotFound { dir: true, .. } => Reason::DirNotFound,
+            RemoteNotFound { dir: false, .. } => Reason::FileNotFound,
+            UnknownHost { .. } | NotRcpd { .. } => Reason::Invalid,
             Fatal(_) => Reason::Invalid,
         }
     }
@@ -223,6 +263,18 @@ pub fn io_reason(e: &std::io::Error) -> Reason {
         std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded => Reason::Exceeded,
         std::io::ErrorKind::InvalidData => Reason::Integrity,
         _ => Reason::Other,
+    }
+}
+
+/// The reason of a provider error: a device (or its provider library)
+/// that is not there will not appear on a retry (exit 6: `--transport
+/// verbs` on a host without RDMA); the rest may pass.
+pub fn provider_reason(e: &crate::provider::ProviderError) -> Reason {
+    match e {
+        crate::provider::ProviderError::Verbs(v) if v.hint == crate::verbs::Hint::Device => {
+            Reason::Invalid
+        }
+        _ => Reason::Retryable,
     }
 }
 

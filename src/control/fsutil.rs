@@ -36,8 +36,10 @@ impl From<PathError> for ControlError {
             PathError::NotRegularFile { .. } | PathError::BadName { .. } => {
                 ControlError::Invalid(msg)
             }
-            PathError::Io { source, .. } => ControlError::Io {
-                context: msg,
+            // The OS error once: the context is what was done to which
+            // path, the source says why.
+            PathError::Io { op, path, source } => ControlError::Io {
+                context: format!("{op} {path:?}"),
                 source,
             },
             _ => ControlError::PathRefused(msg),
@@ -53,8 +55,8 @@ impl From<FileError> for ControlError {
             FileError::DigestMismatch { .. } => ControlError::Integrity(msg),
             FileError::Digest(_) | FileError::Incomplete { .. } => ControlError::Invalid(msg),
             FileError::OutOfRange { .. } | FileError::BadBlock { .. } => ControlError::Invalid(msg),
-            FileError::Io { source, .. } => ControlError::Io {
-                context: msg,
+            FileError::Io { op, path, source } => ControlError::Io {
+                context: format!("{op} {}", path.display()),
                 source,
             },
             FileError::SourceChanged { .. } => ControlError::Retryable(msg),

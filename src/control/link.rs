@@ -9,10 +9,10 @@ use std::sync::Arc;
 use crate::datapath::QpRetry;
 use crate::mem::{Arena, ArenaConfig, BlockPool, PeerSpan};
 use crate::provider::tcp::{SessionBinding, TcpChannel, TcpDomain, TcpTarget, DEFAULT_CONNS};
+use crate::provider::verbs::{MwDomain, RegisteredSlots, VerbsChannel, VerbsDomain};
 use crate::provider::{Access, Channel, Domain, ProviderKind, Registration};
 use crate::verbs::{
-    device_names, ConnectParams, Context, Gid, MwDomain, MwPool, ProtectionDomain, QpBuilder,
-    QpEndpoint, RegisteredSlots, VerbsChannel, VerbsDomain,
+    device_names, ConnectParams, Context, Gid, MwPool, ProtectionDomain, QpBuilder, QpEndpoint,
 };
 
 use super::error::{ControlError, Result};

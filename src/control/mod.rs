@@ -12,10 +12,14 @@
 //! - [`jobs`]: `rcp push/pull` (argument resolution, trees, totals);
 //! - [`copy`]: the service API's `Copy` over [`jobs`], plugged into the
 //!   server as its [`server::Copier`];
+//! - [`buffers`]: services' buffers (the unix socket's service protocol,
+//!   operations to peer rcpds), whose grants to peers' sessions are
+//!   plugged into the server as its [`server::BufferGrants`];
 //! - [`daemon`]: building and serving rcpd (auth, health, reflection,
 //!   keepalives, shutdown, metrics);
 //! - beside them: [`link`] (provider setup on both ends), [`rails`] (the
-//!   rule pairing a session's rails with the peer's), [`error`] (typed
+//!   rule pairing a session's rails with the peer's), [`fallback`] (who
+//!   may fall back to tcp: the rails' watch a data path is given), [`error`] (typed
 //!   errors, reasons, exit codes), [`auth`], [`tls`], [`fsutil`],
 //!   [`copy_peers`] (the rcpds this one may dial with its credentials).
 
@@ -26,6 +30,7 @@ pub mod copy;
 pub mod copy_peers;
 pub mod daemon;
 pub mod error;
+pub mod fallback;
 pub mod fsutil;
 pub mod interrupt;
 pub mod jobs;
@@ -35,6 +40,9 @@ pub mod rails;
 pub mod server;
 pub mod tls;
 
+/// Control's callers name it `control::in_place`; it lives in the crate's
+/// `blocking` module, below the data path, which calls it too.
+pub(crate) use crate::blocking::in_place;
 pub use client::{Client, ClientOptions, FileResult, Session};
 pub use error::{exit, ControlError};
 pub use link::Transport;
@@ -73,7 +81,7 @@ pub fn place_copy_threads(
     let node = device
         .as_deref()
         .and_then(crate::mem::numa::device_numa_node);
-    let cpus = crate::datapath::config::node_cpus_allowed(node).len();
+    let cpus = crate::datapath::cpus::node_cpus_allowed(node).len();
     if crate::files::set_pool_threads(cpus).is_ok() {
         tracing::info!(
             threads = cpus,
@@ -90,22 +98,14 @@ pub fn place_copy_threads(
     cpu
 }
 
-/// Run blocking work from async code: on a worker of the multi-threaded
-/// runtime without stalling it, inline elsewhere.
-pub(crate) fn in_place<R>(f: impl FnOnce() -> R) -> R {
-    match tokio::runtime::Handle::try_current() {
-        Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
-            tokio::task::block_in_place(f)
-        }
-        _ => f(),
-    }
-}
-
 /// Protocol version spoken. 2.1: rails. 2.2: `REASON_PROTOCOL` for
 /// messages outside the protocol, the retry bound in the handshake's
-/// answer, numbered frames.
+/// answer, numbered frames. 2.3: `Digests` (skip by content, `--delta`),
+/// `OpenFile.keep_blocks`, and the tree calls of `-a`/`--delete`
+/// (`MakeLink`, `Remove`) and `REASON_INTERRUPTED`; an older peer answers
+/// them UNIMPLEMENTED or ignores the new fields.
 pub const VERSION_MAJOR: u32 = 2;
-pub const VERSION_MINOR: u32 = 2;
+pub const VERSION_MINOR: u32 = 3;
 /// Default gRPC port of rcpd.
 pub const DEFAULT_PORT: u16 = 7471;
 /// Default block size.

@@ -12,6 +12,7 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
+use super::cpus::node_cpus_allowed;
 use crate::engine::{BatchPolicy, StreamConfig};
 use crate::provider::{ChannelCaps, ProviderKind};
 
@@ -363,7 +364,7 @@ impl CqCpu {
             CqCpu::Unpinned => Vec::new(),
             CqCpu::Cpu(c) => vec![c],
             CqCpu::Auto => {
-                let allowed = super::completion::allowed_cpus();
+                let allowed = super::cpus::allowed_cpus();
                 let node = numa_node.map(crate::mem::numa::node_cpus);
                 auto_cpus(&allowed, node.as_deref())
             }
@@ -374,23 +375,6 @@ impl CqCpu {
     pub fn for_thread(self, numa_node: Option<u32>, i: usize) -> Option<usize> {
         let cpus = self.cpus(numa_node);
         (!cpus.is_empty()).then(|| cpus[i % cpus.len()])
-    }
-}
-
-/// CPUs the process may use on the device's NUMA node (all it may use when
-/// the node is unknown or offers none of them).
-pub fn node_cpus_allowed(numa_node: Option<u32>) -> Vec<usize> {
-    let allowed = super::completion::allowed_cpus();
-    let on_node: Vec<usize> = numa_node
-        .map(crate::mem::numa::node_cpus)
-        .unwrap_or_default()
-        .into_iter()
-        .filter(|c| allowed.contains(c))
-        .collect();
-    if on_node.is_empty() {
-        allowed
-    } else {
-        on_node
     }
 }
 

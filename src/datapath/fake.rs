@@ -119,7 +119,7 @@ impl Channel for FakeChannel {
             self.post_cpus
                 .lock()
                 .unwrap()
-                .push(super::completion::allowed_cpus());
+                .push(super::cpus::allowed_cpus());
         }
         let refuse = self.refuse_after.lock().unwrap().take();
         let mut i = self.inner.lock().unwrap();

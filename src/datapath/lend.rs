@@ -388,7 +388,7 @@ impl LendingPath {
 impl Drop for LendingPath {
     fn drop(&mut self) {
         if self.dp.is_some() {
-            crate::control::in_place(|| self.finish());
+            crate::blocking::in_place(|| self.finish());
         }
     }
 }

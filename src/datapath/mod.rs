@@ -53,7 +53,8 @@
 //!   memory leased from services' buffers, on every rail;
 //! - [`bucket`]: [`TokenBucket`], the rate limit the posting thread
 //!   consults before each chain ([`RateLimit`]);
-//! - [`completion`]: the completion thread's loop, CPU pinning, [`AvoidCpu`];
+//! - [`completion`]: the completion thread's loop;
+//! - [`cpus`]: CPU pinning, the CPUs allowed (on a NUMA node), [`AvoidCpu`];
 //! - [`port`]: [`PortMonitor`], port state the reconnect waits on;
 //! - [`stats`]: [`DataPathStats`] (with [`RailStats`] per rail), live
 //!   atomics for a metrics exporter, and [`Latencies`];
@@ -62,6 +63,7 @@
 pub mod bucket;
 pub mod completion;
 pub mod config;
+pub mod cpus;
 pub mod keys;
 pub mod lend;
 pub mod port;
@@ -79,8 +81,9 @@ mod rail_tests;
 mod tests;
 
 pub use bucket::{RateLimit, TokenBucket};
-pub use completion::{allowed_cpus, completion_loop, pin_current_thread, AvoidCpu, POLL_BATCH};
+pub use completion::{completion_loop, POLL_BATCH};
 pub use config::{Backoff, ConfigError, CqCpu, DataPathConfig, PollMode, QpRetry, RailPause};
+pub use cpus::{allowed_cpus, pin_current_thread, AvoidCpu};
 pub use keys::RailKeys;
 pub use port::PortMonitor;
 pub use report::{RailReport, Report};

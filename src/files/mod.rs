@@ -74,6 +74,7 @@ use std::ffi::{OsStr, OsString};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 
 pub mod commit;
+pub mod content;
 pub mod digest;
 pub mod dircache;
 pub mod direct;

@@ -347,8 +347,15 @@ impl Root {
         rfs::openat(cur, ".", flags, Mode::empty()).map_err(err)
     }
 
+    /// A path as messages show it: beneath the root, as the client named
+    /// it; rcpd's own root path never reaches a client (it logs it once
+    /// at start).
     fn display(&self, rel: &RelPath) -> PathBuf {
-        self.path.join(rel.to_path())
+        // The root itself is "" so that a name in it reads `name`.
+        match rel.file_name() {
+            None => PathBuf::new(),
+            Some(_) => rel.to_path(),
+        }
     }
 
     /// Open a regular file for reading. Symlinks inside the root are followed; FIFOs,

@@ -4,10 +4,11 @@
 //! access rights) and connected [`Channel`]s that post chains of one-sided
 //! [`WorkRequest`]s with one doorbell and report [`WorkCompletion`]s. The
 //! engine and the data path run unchanged on either provider:
-//! - `verbs` ([`crate::verbs::channel`]): RC queue pairs over libibverbs;
-//!   a domain registers each span in a PD ([`crate::verbs::VerbsDomain`]),
+//! - `verbs` ([`verbs`], over the RAII types of [`crate::verbs`]): RC
+//!   queue pairs over libibverbs; a domain registers each span in a PD
+//!   ([`verbs::VerbsDomain`]),
 //!   or grants spans of memory registered once through type-2 memory
-//!   windows bound to one QP ([`crate::verbs::MwDomain`], rcpd where the
+//!   windows bound to one QP ([`verbs::MwDomain`], rcpd where the
 //!   device has them);
 //! - `tcp` ([`tcp`]): one-sided WRITE/READ emulated over TCP for hosts
 //!   without RDMA, with the same registration, bounds, rkey and access
@@ -25,6 +26,7 @@ pub use crate::verbs::Access;
 use crate::verbs::QpEndpoint;
 
 pub mod tcp;
+pub mod verbs;
 
 /// Which provider.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

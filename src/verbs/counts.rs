@@ -42,6 +42,6 @@ pub(super) fn bound() {
     WINDOW_BINDS.fetch_add(1, Relaxed);
 }
 
-pub(super) fn deferred() {
+pub(crate) fn deferred() {
     BINDS_DEFERRED.fetch_add(1, Relaxed);
 }

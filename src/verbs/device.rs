@@ -1,4 +1,5 @@
-//! Devices: list, open by name, capabilities and port attributes.
+//! Devices: list, open by name, capabilities, port attributes and the
+//! port's GID table (chosen from in `gid.rs`).
 
 use std::ffi::CStr;
 use std::fmt;
@@ -7,6 +8,7 @@ use std::sync::Arc;
 use rdma_sys::*;
 
 use super::error::{Hint, VerbsError};
+use super::gid::{Gid, GidEntry, GidType};
 
 /// Capabilities that decide queue sizes, SGE counts and rd_atomic. Queried
 /// from the device, never assumed (a ConnectX and rxe differ).
@@ -350,7 +352,7 @@ impl Context {
                 a
             }
         };
-        let table = super::gid::gid_table(self, port.port, port.gid_tbl_len)?;
+        let table = gid_table(self, port.port, port.gid_tbl_len)?;
         let choice = super::gid::choose_gid(&table, gid_index).map_err(|why| {
             VerbsError::new(
                 "ibv_query_gid",
@@ -392,6 +394,53 @@ impl Drop for Context {
         unsafe {
             ibv_close_device(self.ctx);
         }
+    }
+}
+
+/// Read a port's GID table: values from `ibv_query_gid`, types and netdevs
+/// from sysfs (`/sys/class/infiniband/DEV/ports/P/gid_attrs`).
+pub fn gid_table(ctx: &Context, port: u8, len: u32) -> Result<Vec<GidEntry>, VerbsError> {
+    let mut out = Vec::new();
+    let base = format!(
+        "/sys/class/infiniband/{}/ports/{port}/gid_attrs",
+        ctx.name()
+    );
+    for index in 0..len.min(256) {
+        let gid = query_gid(ctx, port, index)?;
+        if gid.is_zero() {
+            continue;
+        }
+        let kind = std::fs::read_to_string(format!("{base}/types/{index}"))
+            .map(|s| GidType::parse(&s))
+            .unwrap_or(GidType::Unknown);
+        let netdev = std::fs::read_to_string(format!("{base}/ndevs/{index}"))
+            .ok()
+            .map(|s| s.trim().to_string());
+        out.push(GidEntry {
+            index,
+            gid,
+            kind,
+            netdev,
+        });
+    }
+    Ok(out)
+}
+
+/// `ibv_query_gid` for one index.
+pub fn query_gid(ctx: &Context, port: u8, index: u32) -> Result<Gid, VerbsError> {
+    // SAFETY: ctx is open; the out-parameter is a plain 16-byte union.
+    unsafe {
+        let mut g: rdma_sys::ibv_gid = std::mem::zeroed();
+        let rc = rdma_sys::ibv_query_gid(ctx.ctx, port, index as i32, &mut g);
+        if rc != 0 {
+            return Err(VerbsError::new(
+                "ibv_query_gid",
+                if rc < 0 { libc::EINVAL } else { rc },
+                format!("reading GID {index} of {} port {port}", ctx.name()),
+            )
+            .with_hint(Hint::Gid));
+        }
+        Ok(Gid(g.raw))
     }
 }
 

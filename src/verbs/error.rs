@@ -45,7 +45,8 @@ impl fmt::Display for Hint {
 
 /// A failed verbs call.
 #[derive(Debug, thiserror::Error)]
-#[error("{call} failed: {} (errno {errno}){}{}", std::io::Error::from_raw_os_error(*.errno), ctx_sep(.context), hint_sep(.hint))]
+// The OS error once: its text already ends with "(os error N)".
+#[error("{call} failed: {}{}{}", std::io::Error::from_raw_os_error(*.errno), ctx_sep(.context), hint_sep(.hint))]
 pub struct VerbsError {
     /// The libibverbs function that failed.
     pub call: &'static str,
@@ -147,7 +148,9 @@ mod tests {
         let e = VerbsError::new("ibv_reg_mr", -libc::ENOMEM, "registering 64 MiB arena");
         let s = e.to_string();
         assert!(s.starts_with("ibv_reg_mr failed"), "{s}");
-        assert!(s.contains("errno 12"), "{s}");
+        // The errno once, in the OS error's own words.
+        assert!(s.contains("(os error 12)"), "{s}");
+        assert_eq!(s.matches("12").count(), 1, "{s}");
         assert!(s.contains("registering 64 MiB arena"), "{s}");
         assert!(s.contains("ulimit -l"), "{s}");
         let e = VerbsError::new("ibv_modify_qp(RTR)", libc::EINVAL, "");

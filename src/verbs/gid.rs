@@ -1,4 +1,5 @@
-//! The GID table and the choice of the GID a QP is addressed by.
+//! GIDs, the entries of a port's GID table, and the choice of the GID a QP
+//! is addressed by (the table is read from the device in `device.rs`).
 //!
 //! On RoCE the GID decides the IP version and the RoCE version of every
 //! packet. We prefer a RoCE v2 GID that is an IPv4-mapped address (it routes
@@ -8,9 +9,6 @@
 
 use std::fmt;
 use std::net::Ipv6Addr;
-
-use super::device::Context;
-use super::error::{Hint, VerbsError};
 
 /// A GID as 16 raw bytes.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -53,7 +51,7 @@ pub enum GidType {
 }
 
 impl GidType {
-    fn parse(s: &str) -> GidType {
+    pub(super) fn parse(s: &str) -> GidType {
         let s = s.trim();
         if s.eq_ignore_ascii_case("RoCE v2") {
             GidType::RoceV2
@@ -142,53 +140,6 @@ fn valid_indexes(entries: &[GidEntry]) -> String {
         "none".into()
     } else {
         v.join(", ")
-    }
-}
-
-/// Read a port's GID table: values from `ibv_query_gid`, types and netdevs
-/// from sysfs (`/sys/class/infiniband/DEV/ports/P/gid_attrs`).
-pub fn gid_table(ctx: &Context, port: u8, len: u32) -> Result<Vec<GidEntry>, VerbsError> {
-    let mut out = Vec::new();
-    let base = format!(
-        "/sys/class/infiniband/{}/ports/{port}/gid_attrs",
-        ctx.name()
-    );
-    for index in 0..len.min(256) {
-        let gid = query_gid(ctx, port, index)?;
-        if gid.is_zero() {
-            continue;
-        }
-        let kind = std::fs::read_to_string(format!("{base}/types/{index}"))
-            .map(|s| GidType::parse(&s))
-            .unwrap_or(GidType::Unknown);
-        let netdev = std::fs::read_to_string(format!("{base}/ndevs/{index}"))
-            .ok()
-            .map(|s| s.trim().to_string());
-        out.push(GidEntry {
-            index,
-            gid,
-            kind,
-            netdev,
-        });
-    }
-    Ok(out)
-}
-
-/// `ibv_query_gid` for one index.
-pub fn query_gid(ctx: &Context, port: u8, index: u32) -> Result<Gid, VerbsError> {
-    // SAFETY: ctx is open; the out-parameter is a plain 16-byte union.
-    unsafe {
-        let mut g: rdma_sys::ibv_gid = std::mem::zeroed();
-        let rc = rdma_sys::ibv_query_gid(ctx.ctx, port, index as i32, &mut g);
-        if rc != 0 {
-            return Err(VerbsError::new(
-                "ibv_query_gid",
-                if rc < 0 { libc::EINVAL } else { rc },
-                format!("reading GID {index} of {} port {port}", ctx.name()),
-            )
-            .with_hint(Hint::Gid));
-        }
-        Ok(Gid(g.raw))
     }
 }
 

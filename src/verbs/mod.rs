@@ -9,7 +9,8 @@
 //! Every queue pair is built by [`QpBuilder`] (`qp.rs`): it sizes the QP
 //! and its completion queue in one place, from the device's queried caps,
 //! and gives a [`PreparedQp`] in INIT whose handshake with the peer's
-//! endpoint takes it to RTS.
+//! endpoint takes it to RTS (or which becomes a provider channel still in
+//! INIT, `into_channel` in [`crate::provider::verbs`]).
 //!
 //! `unsafe` invariants, where they live:
 //! - `ibv_*` handles are valid from creation to `Drop` (each type's `Drop`);
@@ -23,7 +24,6 @@
 //! - every async event is acked right after it is copied out, so no QP or CQ
 //!   destroy waits on it (`events.rs`).
 
-pub mod channel;
 pub mod counts;
 pub mod cq;
 pub mod device;
@@ -35,15 +35,14 @@ pub mod pd;
 pub mod post;
 pub mod qp;
 
-pub use channel::{MwDomain, RegisteredSlots, VerbsChannel, VerbsDomain, WindowRegistration};
 pub use counts::{counts, VerbsCounts};
 pub use cq::{CompletionChannel, CompletionQueue, POLL_BATCH};
 pub use device::{
-    device_names, Context, DeviceCaps, LinkLayer, MemWindowCaps, PortAttr, PortState,
+    device_names, gid_table, Context, DeviceCaps, LinkLayer, MemWindowCaps, PortAttr, PortState,
 };
 pub use error::{Hint, VerbsError};
 pub use events::{AsyncEvent, AsyncEventKind, AsyncEvents, PortWatcher};
-pub use gid::{choose_gid, gid_table, Gid, GidChoice, GidEntry, GidType};
+pub use gid::{choose_gid, Gid, GidChoice, GidEntry, GidType};
 pub use mw::{MemoryWindow, MwPool, MwState};
 pub use pd::{Access, MemoryRegion, ProtectionDomain};
 pub use post::PostScratch;

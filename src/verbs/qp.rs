@@ -9,7 +9,6 @@ use std::time::{Duration, Instant};
 
 use rdma_sys::*;
 
-use super::channel::VerbsChannel;
 use super::cq::{CompletionChannel, CompletionQueue};
 use super::device::{mtu_enum, DeviceCaps, PortState};
 use super::error::{Hint, VerbsError};
@@ -252,7 +251,7 @@ pub fn sq_entries(asked: u32, caps: &DeviceCaps) -> u32 {
 /// waiting for the peer's.
 #[derive(Debug)]
 pub struct PreparedQp {
-    qp: QueuePair,
+    pub(crate) qp: QueuePair,
 }
 
 impl PreparedQp {
@@ -279,13 +278,6 @@ impl PreparedQp {
     ) -> Result<QueuePair, VerbsError> {
         self.qp.handshake(remote, p)?;
         Ok(self.qp)
-    }
-
-    /// The QP as a provider channel, still in INIT: for a driver that hands
-    /// the channel out before the peer's endpoint arrives, and connects it
-    /// with [`VerbsChannel::handshake`] when it does.
-    pub fn into_channel(self) -> VerbsChannel {
-        VerbsChannel::new(self.qp)
     }
 }
 
@@ -323,7 +315,7 @@ impl QueuePair {
             ));
         }
         let port = ctx.port(cfg.port)?;
-        let gid = super::gid::query_gid(ctx, cfg.port, cfg.gid_index)?;
+        let gid = super::device::query_gid(ctx, cfg.port, cfg.gid_index)?;
         // SAFETY: zeroed init attrs are valid; we set the fields that matter.
         let mut init: ibv_qp_init_attr = unsafe { std::mem::zeroed() };
         init.send_cq = send_cq.cq;
@@ -561,7 +553,7 @@ impl QueuePair {
         self.resets += 1;
         let ctx = self.pd.context().clone();
         let port = ctx.port(self.cfg.port)?;
-        self.local.gid = super::gid::query_gid(&ctx, self.cfg.port, self.cfg.gid_index)?;
+        self.local.gid = super::device::query_gid(&ctx, self.cfg.port, self.cfg.gid_index)?;
         self.local.lid = port.lid;
         self.local.mtu = port.active_mtu;
         self.local.psn = random_psn();

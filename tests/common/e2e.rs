@@ -459,27 +459,88 @@ pub fn interrupted_copy(t: &str, s: &Scale, sub: &str, sig: &str, then: Then) {
     assert_eq!(names(dir), vec!["big".to_string()], "no partial left");
 }
 
-/// Eight clients push at once to an rcpd with three transfer slots: the
-/// excess waits, none fails.
+/// Eight clients push to an rcpd with three transfer slots: the excess
+/// waits, none fails. Three clients are stopped (SIGSTOP) once rcpd runs
+/// their transfers, so the other five meet full slots whatever the
+/// machine's speed: rcpd counts each of them waiting (`transfers`) and
+/// never runs more than three transfers while they wait. The per-client
+/// share is lifted (all clients share one address): the limit under test
+/// is `--max-transfers`.
 pub fn eight_clients_with_back_pressure(t: &str, s: &Scale) {
     let (tmp, root) = tmp_with_root();
-    let d = Rcpd::start(&root, t, None, &["--max-transfers", "3"]);
-    let mut kids = Vec::new();
-    for i in 0..8u64 {
+    // Long watchdogs on both ends: the stopped clients say nothing for as
+    // long as the others take to arrive.
+    let limits = [
+        "--max-transfers",
+        "3",
+        "--max-transfers-per-client",
+        "8",
+        "--timeout",
+        "600",
+    ];
+    let d = Rcpd::start(&root, t, None, &limits);
+    let url = d.metrics.clone().expect("rcpd serves /metrics");
+    let active = || metrics::sample(&metrics::scrape(&url), "rcp_active_transfers");
+    let waited = || {
+        let m = metrics::scrape(&url);
+        metrics::sample(&m, r#"rcpd_client_limits_total{reason="transfers"}"#)
+    };
+    // The first three held by `--bwlimit` to a quarter of their file a
+    // second (4 s at least): each is still running when it is stopped.
+    let rate = (s.client_len / 4).to_string();
+    let push = |i: u64, held_to: Option<&str>| {
         let src = tmp.path().join(format!("c{i}"));
         make_file(&src, s.client_len + i * 1000, 100 + i);
-        let child = rcp_cmd(
-            d.port,
-            t,
-            None,
-            &["push", src.to_str().unwrap(), &remote("/")],
-        )
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+        let p = src.to_str().unwrap();
+        let mut args = vec!["push", "--timeout", "600"];
+        args.extend(held_to.map(|r| ["--bwlimit", r]).into_iter().flatten());
+        let dst = remote("/");
+        args.extend([p, &dst]);
+        let child = rcp_cmd(d.port, t, None, &args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        (src, child)
+    };
+    // One at a time: started, seen running by rcpd, stopped.
+    let mut kids = Vec::new();
+    let mut stopped = KillOnPanic(Vec::new());
+    for i in 0..3u64 {
+        let (src, mut child) = push(i, Some(&rate));
+        let n = i as f64 + 1.0;
+        wait_for(
+            "rcpd running the new transfer",
+            Duration::from_secs(120),
+            || {
+                if let Some(st) = child.try_wait().unwrap() {
+                    let mut e = String::new();
+                    let _ = std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut e);
+                    panic!("c{i} ended ({st}) before rcpd ran it: {e}\n{}", d.log());
+                }
+                active() == Some(n)
+            },
+        );
+        signal(child.id(), "STOP");
+        stopped.0.push(child.id());
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "c{i} ended before SIGSTOP"
+        );
+        assert_eq!(active(), Some(n), "c{i}'s transfer ended before SIGSTOP");
         kids.push((src, child));
     }
+    kids.extend((3..8).map(|i| push(i, None)));
+    wait_for(
+        "rcpd counting five Move streams waiting for a transfer slot",
+        Duration::from_secs(120),
+        || waited() == Some(5.0),
+    );
+    assert_eq!(active(), Some(3.0), "more than --max-transfers ran");
+    for (_, c) in &kids[..3] {
+        signal(c.id(), "CONT");
+    }
+    stopped.0.clear();
     for (src, child) in kids {
         let out = child.wait_with_output().unwrap();
         assert!(
@@ -491,6 +552,23 @@ pub fn eight_clients_with_back_pressure(t: &str, s: &Scale) {
         );
         let name = src.file_name().unwrap();
         assert_eq!(sha256sum(&src), sha256sum(&root.join(name)));
+    }
+    assert_eq!(waited(), Some(5.0), "{}", d.log());
+}
+
+/// Processes a test stopped: killed should it fail before it lets them go
+/// on, so none is left behind stopped.
+struct KillOnPanic(Vec<u32>);
+
+impl Drop for KillOnPanic {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            for pid in &self.0 {
+                let _ = Command::new("kill")
+                    .args(["-KILL", &pid.to_string()])
+                    .status();
+            }
+        }
     }
 }
 
@@ -1114,6 +1192,54 @@ macro_rules! e2e_tests {
         $(#[$attr])*
         fn stopped_server_makes_the_client_give_up() {
             $crate::common::e2e::stopped_server_makes_the_client_give_up($t, &$scale);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn push_rerun_skips_what_is_unchanged() {
+            $crate::common::e2e_sync::rerun_skips_what_is_unchanged($t, true);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn pull_rerun_skips_what_is_unchanged() {
+            $crate::common::e2e_sync::rerun_skips_what_is_unchanged($t, false);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn push_update_and_ignore_existing() {
+            $crate::common::e2e_sync::update_and_ignore_existing($t, true);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn pull_update_and_ignore_existing() {
+            $crate::common::e2e_sync::update_and_ignore_existing($t, false);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn push_checksum_finds_a_same_size_change() {
+            $crate::common::e2e_sync::checksum_finds_a_same_size_change($t, true);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn pull_checksum_finds_a_same_size_change() {
+            $crate::common::e2e_sync::checksum_finds_a_same_size_change($t, false);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn push_delta_moves_only_the_changed_block() {
+            $crate::common::e2e_sync::delta_moves_only_the_changed_block($t, true);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn pull_delta_moves_only_the_changed_block() {
+            $crate::common::e2e_sync::delta_moves_only_the_changed_block($t, false);
         }
     };
 }

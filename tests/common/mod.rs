@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod e2e;
+pub mod e2e_sync;
 pub mod metrics;
 pub mod pattern;
 pub mod raw;
@@ -326,11 +327,16 @@ pub fn make_file(p: &Path, len: u64, seed: u64) {
     f.flush().unwrap();
 }
 
-/// "(N moved)" from a summary line.
+/// "N moved)" from a summary line (`... (B bytes, N moved) ...`).
 pub fn moved(summary: &str) -> u64 {
     let i = summary.find(" moved)").expect("summary has moved bytes");
     let head = &summary[..i];
-    head.rsplit('(').next().unwrap().trim().parse().unwrap()
+    head.rsplit([' ', '('])
+        .next()
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
 }
 
 pub fn wait_for(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {

@@ -10,13 +10,13 @@
 //!   rail failed since the last confirmed byte, that byte older than
 //!   `ClientOptions::tcp_fallback_after` (10 s by default), operations
 //!   waiting; or the data path failing retryably.
-//! - Who may fall back is the jobs policy's
-//!   ([`rail_watch`](crate::control::jobs::rail_watch)): `--transport auto`
+//! - Who may fall back is the files' rule
+//!   ([`rail_watch`](crate::control::fallback::rail_watch)): `--transport auto`
 //!   over verbs; an explicit `--transport verbs` never does, nor tcp.
 
 use std::time::Duration;
 
-use crate::control::jobs::rail_watch;
+use crate::control::fallback::rail_watch;
 use crate::control::link::Transport;
 use crate::control::protocol::rails::RailWatch;
 use crate::control::protocol::Failure;

@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 
 use super::{Buffers, Exposure, OpError};
 use crate::control::error::Reason;
-use crate::control::server::SessionState;
+use crate::control::server::{BufferGrants, SessionState};
 use crate::files::Check;
 use crate::mem::memfd::{LeaseKind, LeasedRange};
 use crate::proto;
@@ -201,6 +201,36 @@ pub(crate) fn digests(check: Check, ranges: &[LeasedRange]) -> Vec<Vec<u8>> {
     })
 }
 
+/// The buffers' side of rcpd's `BufferGrant`/`BufferDone`, plugged into
+/// the service by the daemon as its [`BufferGrants`] (the way
+/// `control::copy` serves `Copy`).
+pub struct GrantService(pub Arc<Buffers>);
+
+impl BufferGrants for GrantService {
+    fn grant(
+        &self,
+        session: &SessionState,
+        session_id: u64,
+        req: proto::BufferGrantRequest,
+        peer: Option<IpAddr>,
+    ) -> Result<proto::BufferGrantResponse, tonic::Status> {
+        Ok(grant(&self.0, session, session_id, req, peer)?)
+    }
+
+    fn done(
+        &self,
+        session: Option<&SessionState>,
+        session_id: u64,
+        req: proto::BufferDoneRequest,
+    ) -> Result<proto::BufferDoneResponse, tonic::Status> {
+        Ok(done(&self.0, session, session_id, req)?)
+    }
+
+    fn session_closed(&self, id: u64) {
+        self.0.session_closed(id);
+    }
+}
+
 /// `BufferGrant` from the peer at `peer` on its session `session_id`.
 pub fn grant(
     bufs: &Arc<Buffers>,
@@ -346,7 +376,7 @@ fn lease_ranges(
             .buffer
             .lease(r.offset, r.len, kind)
             .expect("inside the exposure, so inside the buffer")
-            .map_err(|e| OpError::new(Reason::Invalid, format!("{:?}: {e}", req.name)))?;
+            .map_err(|e| OpError::new(Reason::Retryable, format!("{:?}: {e}", req.name)))?;
         ranges.push(l);
     }
     Ok(ranges)

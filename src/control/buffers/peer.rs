@@ -622,7 +622,9 @@ fn lease_local(op: &OpSpec) -> Result<Vec<LeasedRange>, OpError> {
                     ),
                 )
             })?
-            .map_err(|e| OpError::new(Reason::Invalid, e.to_string()))?;
+            // Busy is for a moment (until the operation holding it ends):
+            // the caller may try again.
+            .map_err(|e| OpError::new(Reason::Retryable, e.to_string()))?;
         local.push(r);
     }
     Ok(local)
@@ -641,11 +643,12 @@ async fn granted(bufs: &Arc<Buffers>, op: &OpSpec) -> Result<Granting, OpError> 
         let (link, new) = link(bufs, &op.peer, op.check).await?;
         let reg = link.registration(op.buffer_uid, &op.buffer)?;
         match request_grant(&link, op).await {
-            Err(e) if e.reason == Reason::Retryable && !new => {
+            Err(Refused::SessionGone(e)) if !new => {
                 tracing::info!(peer = %crate::escape::esc(&op.peer), session = link.session_id, error = %crate::escape::esc(&e), "buffer session given up: a new one");
                 link.retire(format!("the peer gave up the session: {e}"));
             }
-            r => return r.map(|g| (link, reg, g)),
+            Err(Refused::SessionGone(e) | Refused::Other(e)) => return Err(e),
+            Ok(g) => return Ok((link, reg, g)),
         }
     }
 }
@@ -655,11 +658,24 @@ fn peer_error(peer: &str, s: &tonic::Status) -> OpError {
     OpError::new(status_reason(s), format!("peer {peer}: {}", s.message()))
 }
 
+/// Why a peer gave no grant: it no longer holds the session (a new one
+/// may get it), or anything else.
+enum Refused {
+    SessionGone(OpError),
+    Other(OpError),
+}
+
+impl From<OpError> for Refused {
+    fn from(e: OpError) -> Refused {
+        Refused::Other(e)
+    }
+}
+
 /// `BufferGrant` for the operation's remote ranges.
 async fn request_grant(
     link: &PeerLink,
     op: &OpSpec,
-) -> Result<proto::BufferGrantResponse, OpError> {
+) -> Result<proto::BufferGrantResponse, Refused> {
     let grant = link
         .client
         .buffer_grant(proto::BufferGrantRequest {
@@ -678,16 +694,25 @@ async fn request_grant(
             message: op.message.clone(),
         })
         .await
-        .map_err(|s| peer_error(&op.peer, &s))?;
+        .map_err(|s| {
+            let e = peer_error(&op.peer, &s);
+            if s.metadata()
+                .contains_key(crate::control::error::SESSION_GONE)
+            {
+                Refused::SessionGone(e)
+            } else {
+                Refused::Other(e)
+            }
+        })?;
     if grant.ranges.len() != op.descs.len() {
-        return Err(OpError::new(
+        return Err(Refused::Other(OpError::new(
             Reason::Invalid,
             format!(
                 "peer granted {} ranges for {}",
                 grant.ranges.len(),
                 op.descs.len()
             ),
-        ));
+        )));
     }
     link.check_rail_rkeys(&op.peer, &grant.ranges)?;
     Ok(grant)
@@ -909,5 +934,42 @@ impl Granted<'_> {
                 )
             },
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mem::arena::{Arena, ArenaConfig};
+
+    fn op(buffer: &ServiceBuffer, write: bool, descs: Vec<(u64, u64, u64)>) -> OpSpec {
+        OpSpec {
+            buffer: buffer.clone(),
+            buffer_uid: 1,
+            peer: "127.0.0.1:7471".into(),
+            name: "x".into(),
+            write,
+            descs,
+            message: String::new(),
+            check: Check::Blake3,
+        }
+    }
+
+    /// A local range another operation holds is busy for a moment: the
+    /// caller is told `retryable` (try again), not `invalid`; a range
+    /// outside the buffer stays `invalid`. Shared leases (two writes from
+    /// the same bytes) do not conflict.
+    #[test]
+    fn a_busy_local_range_is_retryable_and_a_wrong_one_invalid() {
+        let b = ServiceBuffer::from_arena(Arena::new(&ArenaConfig::new(1 << 20)).unwrap());
+        let read = lease_local(&op(&b, false, vec![(0, 0, 8192)])).unwrap();
+        let e = lease_local(&op(&b, true, vec![(4096, 0, 4096)])).unwrap_err();
+        assert_eq!(e.reason, Reason::Retryable, "{e}");
+        drop(read);
+        let w1 = lease_local(&op(&b, true, vec![(0, 0, 8192)])).unwrap();
+        let _w2 = lease_local(&op(&b, true, vec![(4096, 0, 4096)])).unwrap();
+        drop(w1);
+        let e = lease_local(&op(&b, true, vec![(2 << 20, 0, 4096)])).unwrap_err();
+        assert_eq!(e.reason, Reason::Invalid, "{e}");
     }
 }

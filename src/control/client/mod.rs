@@ -151,7 +151,89 @@ impl Default for ClientOptions {
 pub struct Client {
     rpc: Rpc,
     host: String,
+    /// `host:port` as the user gave it (for messages).
+    addr: String,
     opts: ClientOptions,
+}
+
+/// Where `host`:`port` resolves, once: a name that does not resolve is
+/// [`ControlError::UnknownHost`] (not worth retrying), never a transport
+/// error of the first request.
+async fn resolve(host: &str, port: u16) -> Result<Vec<SocketAddr>> {
+    let bare = host.trim_start_matches('[').trim_end_matches(']');
+    let found = tokio::net::lookup_host((bare, port))
+        .await
+        .map_err(|source| ControlError::UnknownHost {
+            host: bare.to_string(),
+            source,
+        })?;
+    let addrs: Vec<SocketAddr> = found.collect();
+    if addrs.is_empty() {
+        return Err(ControlError::UnknownHost {
+            host: bare.to_string(),
+            source: std::io::Error::new(std::io::ErrorKind::NotFound, "no address"),
+        });
+    }
+    Ok(addrs)
+}
+
+/// What answers at `addrs` when gRPC's first request failed at the
+/// transport: the first bytes it sends back to HTTP/2's preface, read by
+/// their type (a TLS record, an HTTP/1 status line, an HTTP/2 frame) and
+/// never by an error message's text.
+async fn sniff(addrs: &[SocketAddr], wait: Duration) -> Answer {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let talk = async {
+        let mut s = tokio::net::TcpStream::connect(addrs).await.ok()?;
+        // The client preface and an empty SETTINGS frame.
+        let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+        hello.extend_from_slice(&[0, 0, 0, 4, 0, 0, 0, 0, 0]);
+        s.write_all(&hello).await.ok()?;
+        let mut buf = [0u8; 16];
+        let mut n = 0;
+        while n < 5 {
+            match s.read(&mut buf[n..]).await {
+                Ok(0) | Err(_) => break,
+                Ok(k) => n += k,
+            }
+        }
+        Some(buf[..n].to_vec())
+    };
+    match tokio::time::timeout(wait, talk).await {
+        Err(_) => Answer::Silent,
+        Ok(None) => Answer::Closed,
+        Ok(Some(b)) => Answer::of(&b),
+    }
+}
+
+/// What [`sniff`] heard.
+#[derive(Debug, PartialEq, Eq)]
+enum Answer {
+    /// A TLS record (an alert or a handshake): a TLS server.
+    Tls,
+    /// `HTTP/1.x ...` (or an error page): a web server.
+    Http,
+    /// An HTTP/2 frame: an HTTP/2 server that is not a gRPC one we know.
+    Http2,
+    /// Some other protocol.
+    Other,
+    /// The connection closed without a byte.
+    Closed,
+    /// Nothing within the wait.
+    Silent,
+}
+
+impl Answer {
+    fn of(b: &[u8]) -> Answer {
+        match b {
+            [] => Answer::Closed,
+            [0x14..=0x17, 0x03, ..] => Answer::Tls,
+            // A status line, or an error page without one (HTTP/0.9 style).
+            [b'H', b'T', b'T', b'P', b'/', ..] | [b'<', ..] => Answer::Http,
+            [_, _, _, 0x04, ..] => Answer::Http2,
+            _ => Answer::Other,
+        }
+    }
 }
 
 /// One grpc.health.v1 check on the gRPC port (no token needed): with TLS 1.3
@@ -159,13 +241,31 @@ pub struct Client {
 /// the connection after the handshake, and a plaintext client meets a TLS
 /// server as an HTTP/2 framing error. Both are named here instead of
 /// surfacing as a cancelled first request.
-async fn probe(ch: &GrpcChannel, uri: &str, tls: Option<&super::tls::ClientTls>) -> Result<()> {
+async fn probe(
+    ch: &GrpcChannel,
+    uri: &str,
+    tls: Option<&super::tls::ClientTls>,
+    (addr, addrs): (&str, &[SocketAddr]),
+    wait: Duration,
+) -> Result<()> {
     use tonic_health::pb::{health_client::HealthClient, HealthCheckRequest};
-    let r = HealthClient::new(ch.clone())
-        .check(HealthCheckRequest {
-            service: String::new(),
-        })
-        .await;
+    let mut health = HealthClient::new(ch.clone());
+    let check = health.check(HealthCheckRequest {
+        service: String::new(),
+    });
+    let not_rcpd = |why: &str| ControlError::NotRcpd {
+        addr: addr.to_string(),
+        why: why.to_string(),
+    };
+    let r = match tokio::time::timeout(wait, check).await {
+        Ok(r) => r,
+        Err(_) => {
+            return Err(not_rcpd(&format!(
+                "no answer to gRPC's first request in {} s",
+                wait.as_secs()
+            )))
+        }
+    };
     let Err(st) = r else { return Ok(()) };
     let why = source_chain(&st);
     // The first request on a fresh connection failing at the transport
@@ -182,6 +282,18 @@ async fn probe(ch: &GrpcChannel, uri: &str, tls: Option<&super::tls::ClientTls>)
         // Unimplemented: an rcpd without the health service; anything else
         // shows up again on the first real request.
         return Ok(());
+    }
+    if tls.is_none() {
+        // Plaintext: what answers tells a TLS rcpd from something else.
+        match sniff(addrs, Duration::from_secs(2)).await {
+            Answer::Http => return Err(not_rcpd("an HTTP/1 server")),
+            Answer::Http2 => {
+                return Err(not_rcpd("an HTTP/2 server without gRPC's health service"))
+            }
+            Answer::Other => return Err(not_rcpd("it does not speak HTTP/2")),
+            Answer::Silent => return Err(not_rcpd("it does not answer HTTP/2")),
+            Answer::Tls | Answer::Closed => {}
+        }
     }
     Err(match tls {
         Some(t) => ControlError::Fatal(format!(
@@ -270,6 +382,14 @@ impl Client {
         opts: ClientOptions,
     ) -> Result<Client> {
         let (mut uri, host) = endpoint_uri(addr)?;
+        let pinned = match pinned {
+            Some(a) => a,
+            None => {
+                let (_, port) = crate::parse::host_port(addr, DEFAULT_PORT)
+                    .map_err(|e| ControlError::Usage(e.to_string()))?;
+                resolve(&host, port).await?
+            }
+        };
         if opts.tls.is_some() {
             uri = uri.replacen("http://", "https://", 1);
         }
@@ -289,10 +409,9 @@ impl Client {
                 .tls_config(t.config(&host)?)
                 .map_err(|e| ControlError::Usage(format!("TLS configuration: {e}")))?;
         }
-        let ch = match pinned {
-            None => ep.connect().await,
-            Some(addrs) => ep.connect_with_connector(pinned_connector(addrs)).await,
-        };
+        let ch = ep
+            .connect_with_connector(pinned_connector(pinned.clone()))
+            .await;
         let ch = ch.map_err(|e| {
             let why = source_chain(&e);
             // A handshake the server refused is not worth retrying.
@@ -302,12 +421,17 @@ impl Client {
                 ControlError::Retryable(format!("connecting to rcpd at {uri}: {why}"))
             }
         })?;
-        probe(&ch, &uri, opts.tls.as_ref()).await?;
+        probe(&ch, &uri, opts.tls.as_ref(), (addr, &pinned), opts.timeout).await?;
         let auth = AddBearer::new(opts.token.as_deref()).map_err(ControlError::Usage)?;
         let rpc = proto::rcp_client::RcpClient::with_interceptor(ch, auth)
             .max_decoding_message_size(MAX_MESSAGE)
             .max_encoding_message_size(MAX_MESSAGE);
-        Ok(Client { rpc, host, opts })
+        Ok(Client {
+            rpc,
+            host,
+            addr: addr.to_string(),
+            opts,
+        })
     }
 
     pub fn options(&self) -> &ClientOptions {
@@ -328,8 +452,38 @@ impl Client {
         Client {
             rpc: self.rpc.clone(),
             host: self.host.clone(),
+            addr: self.addr.clone(),
             opts,
         }
+    }
+
+    /// The host as the user named it (no port).
+    pub fn host(&self) -> &str {
+        &self.host
+    }
+
+    /// rcpd's digests of `paths` (beneath its root) under `check`, cut at
+    /// `block_size`, each block's too when `blocks`: one `Digests` call, in
+    /// the order of `paths` ([`crate::control::jobs::skip`]).
+    pub async fn digests(
+        &self,
+        paths: Vec<String>,
+        check: crate::files::Check,
+        block_size: u64,
+        blocks: bool,
+    ) -> Result<Vec<proto::FileDigests>> {
+        Ok(self
+            .rpc
+            .clone()
+            .digests(proto::DigestsRequest {
+                paths,
+                check: super::protocol::check_to_wire(check) as i32,
+                block_size,
+                blocks,
+            })
+            .await?
+            .into_inner()
+            .files)
     }
 
     /// Metadata of a remote path (`None` if it does not exist).
@@ -346,9 +500,24 @@ impl Client {
                 path: path.into(),
                 fingerprint,
             })
-            .await?
+            .await
+            .map_err(|st| self.not_rcpd(st))?
             .into_inner();
         Ok(if r.exists { r.entry } else { None })
+    }
+
+    /// A status of the first rcp request: UNIMPLEMENTED without rcpd's
+    /// error details means no `rcp.v1.Rcp` service answers there (rcpd's
+    /// own health port, another gRPC server).
+    fn not_rcpd(&self, st: tonic::Status) -> ControlError {
+        use tonic_types::StatusExt;
+        if st.code() == tonic::Code::Unimplemented && st.get_details_error_info().is_none() {
+            return ControlError::NotRcpd {
+                addr: self.addr.clone(),
+                why: "no rcp.v1.Rcp service there; rcpd's health port?".into(),
+            };
+        }
+        st.into()
     }
 
     /// Entries beneath a remote directory.

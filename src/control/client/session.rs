@@ -6,7 +6,6 @@ use std::sync::Arc;
 
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use super::io::FileJob;
 use super::{Client, ClientOptions, Rpc};
 use crate::control::error::{status_reason, ControlError, Reason, Result};
 use crate::control::link::{
@@ -23,8 +22,9 @@ use crate::datapath::{DataPath, DataPathConfig, DpEvent, PollMode, RailSpec, Rep
 use crate::mem::Block;
 use crate::parse::RailName;
 use crate::proto;
+use crate::provider::verbs::{VerbsChannel, VerbsDomain};
 use crate::provider::{Channel, ProviderKind};
-use crate::verbs::{PortWatcher, VerbsChannel};
+use crate::verbs::PortWatcher;
 
 /// Sees files start, progress and finish (the binary draws bars, the Copy
 /// API counts).
@@ -458,6 +458,12 @@ impl Session {
         self.id
     }
 
+    /// The data path's live counters (bytes confirmed as each chain of
+    /// blocks completes), for progress between windows.
+    pub fn data_path_stats(&self) -> Option<Arc<crate::datapath::DataPathStats>> {
+        self.dp.as_ref().map(|dp| dp.stats().clone())
+    }
+
     /// Why the last transfer gave up on RDMA (`--transport auto`, every
     /// rail down past `tcp_fallback_after`): the jobs policy then continues
     /// over tcp.
@@ -504,7 +510,7 @@ impl Session {
         self.used
             .iter()
             .map(|&l| {
-                Arc::new(crate::verbs::VerbsDomain {
+                Arc::new(VerbsDomain {
                     pd: self.link.rails[l].device.pd.clone(),
                 }) as Arc<dyn crate::provider::Domain>
             })
@@ -515,32 +521,6 @@ impl Session {
     /// (each rail's key map reads them); `None` with one rail.
     pub(crate) fn rail_keys(&self) -> Option<Arc<RailKeys>> {
         self.keys.clone()
-    }
-
-    /// Move `files` over one Move stream, up to the session's files in
-    /// flight at once; `obs` sees each start, the progress and each result.
-    /// The first file that fails ends the stream with its error (what was
-    /// verified stays resumable).
-    pub async fn transfer(
-        &mut self,
-        files: &mut (dyn Iterator<Item = FileJob> + Send),
-        obs: &dyn Observer,
-    ) -> Result<()> {
-        super::stream::run(self, files, obs).await
-    }
-
-    /// [`transfer`](Self::transfer) of a list; the results, in the order
-    /// the files finished.
-    pub async fn transfer_all(&mut self, files: Vec<FileJob>) -> Result<Vec<FileResult>> {
-        struct Collect(std::sync::Mutex<Vec<FileResult>>);
-        impl Observer for Collect {
-            fn file_done(&self, r: &FileResult) {
-                self.0.lock().unwrap().push(r.clone());
-            }
-        }
-        let c = Collect(Default::default());
-        self.transfer(&mut files.into_iter(), &c).await?;
-        Ok(c.0.into_inner().unwrap())
     }
 
     /// Stop the data path and release the server's resources for this

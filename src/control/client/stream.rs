@@ -107,6 +107,34 @@ fn now_of(t0: Instant) -> u64 {
     t0.elapsed().as_nanos() as u64
 }
 
+impl Session {
+    /// Move `files` over one Move stream, up to the session's files in
+    /// flight at once; `obs` sees each start, the progress and each result.
+    /// The first file that fails ends the stream with its error (what was
+    /// verified stays resumable).
+    pub async fn transfer(
+        &mut self,
+        files: &mut (dyn Iterator<Item = FileJob> + Send),
+        obs: &dyn Observer,
+    ) -> Result<()> {
+        run(self, files, obs).await
+    }
+
+    /// [`transfer`](Self::transfer) of a list; the results, in the order
+    /// the files finished.
+    pub async fn transfer_all(&mut self, files: Vec<FileJob>) -> Result<Vec<FileResult>> {
+        struct Collect(std::sync::Mutex<Vec<FileResult>>);
+        impl Observer for Collect {
+            fn file_done(&self, r: &FileResult) {
+                self.0.lock().unwrap().push(r.clone());
+            }
+        }
+        let c = Collect(Default::default());
+        self.transfer(&mut files.into_iter(), &c).await?;
+        Ok(c.0.into_inner().unwrap())
+    }
+}
+
 /// Run one Move stream for `files` over `s`.
 pub(super) async fn run(
     s: &mut Session,
@@ -160,7 +188,7 @@ fn core_of(s: &Session) -> ClientCore {
     // fallback. Whether to continue over tcp is the jobs policy's
     // (jobs::run): the stream only ends, saying why.
     if let Some(w) =
-        crate::control::jobs::rail_watch(s.opts.transport, s.kind, s.opts.tcp_fallback_after, 0)
+        crate::control::fallback::rail_watch(s.opts.transport, s.kind, s.opts.tcp_fallback_after, 0)
     {
         core.watch(w);
     }

@@ -16,9 +16,12 @@
 //! - [`Totals`]: what the summary line says;
 //! - [`doctor`]: the local checks plus whether an rcpd answers.
 
+mod contents;
+mod delta;
 mod paths;
 mod policy;
 mod pool;
+pub mod skip;
 
 use std::path::{Component, Path, PathBuf};
 
@@ -79,6 +82,9 @@ pub struct Job {
     /// Also compute the flat SHA-256 of every file (on the receiving side)
     /// and show it.
     pub sha256: bool,
+    /// Which files already at the destination stay as they are
+    /// ([`skip`]; the default moves every file).
+    pub skip: skip::Rules,
 }
 
 /// Totals of a run.
@@ -94,6 +100,8 @@ pub struct Totals {
     pub digest: Option<Vec<u8>>,
     /// Its flat SHA-256, when asked for.
     pub sha256: Option<Vec<u8>>,
+    /// Files left as they were at the destination ([`skip`]).
+    pub skipped: u64,
 }
 
 impl Totals {
@@ -114,10 +122,13 @@ impl Totals {
         }
     }
 
-    /// The final summary line, for blocks checked with `check` (named when
-    /// it is not the default, BLAKE3; `none` loudly).
+    /// The final summary line, for blocks checked with `check`: a single
+    /// file's digest carries the check's name (`blake3-tree:...`, derived
+    /// from the block digests, so not what `b3sum` or `sha256sum` print);
+    /// a check other than the default, BLAKE3, is named for a tree too
+    /// (`none` loudly).
     pub fn summary_checked(&self, transport: &str, check: crate::files::Check) -> String {
-        let mut s = self.summary(transport);
+        let mut s = self.summary_line(transport, check);
         match check {
             crate::files::Check::Blake3 => {}
             crate::files::Check::None => {
@@ -128,26 +139,57 @@ impl Totals {
         s
     }
 
-    pub fn summary(&self, transport: &str) -> String {
-        let gbps = self.gbps();
+    /// The summary line of a job that left every file as it was (no
+    /// session was opened).
+    pub fn summary_unchanged(&self) -> String {
+        format!(
+            "0 files, 0 B (0 moved) in {:.3} s, {} unchanged: nothing to move",
+            self.seconds, self.skipped
+        )
+    }
+
+    /// `N files, 3.00 MiB (3145728 bytes, 3145728 moved) in 0.123 s,
+    /// 24.39 MiB/s over tcp[, digest blake3-tree:HEX | , sha256 HEX]`: IEC
+    /// units as the progress bar's, the exact counts beside them.
+    fn summary_line(&self, transport: &str, check: crate::files::Check) -> String {
+        let rate = if self.seconds > 0.0 {
+            self.moved as f64 / self.seconds
+        } else {
+            0.0
+        };
         let mut s = format!(
-            "{} file{}, {} bytes ({} moved) in {:.3} s, {:.3} Gb/s over {transport}",
+            "{} file{}, {} ({} bytes, {} moved) in {:.3} s, {} over {transport}",
             self.files,
             if self.files == 1 { "" } else { "s" },
+            crate::units::bytes(self.bytes),
             self.bytes,
             self.moved,
             self.seconds,
-            gbps
+            crate::units::rate(rate),
         );
+        if self.skipped > 0 {
+            s.push_str(&format!(", {} unchanged", self.skipped));
+        }
         if self.files == 1 {
-            match (&self.sha256, &self.digest) {
-                (Some(f), _) => s.push_str(&format!(", sha256 {}", hex::encode(f))),
-                (None, Some(d)) => s.push_str(&format!(", digest {}", hex::encode(d))),
+            match (&self.sha256, &self.digest, check) {
+                // The flat SHA-256: what sha256sum prints for the file.
+                (Some(f), _, _) => s.push_str(&format!(", sha256 {}", hex::encode(f))),
+                (None, _, crate::files::Check::None) => {}
+                (None, Some(d), c) => {
+                    s.push_str(&format!(", digest {}:{}", digest_label(c), hex::encode(d)))
+                }
                 _ => {}
             }
         }
         s
     }
+}
+
+/// What a file digest of `check` is called next to its value: a hash over
+/// the block digests (a tree of one level), named so that nobody takes it
+/// for `sha256sum`'s or `b3sum`'s value.
+pub fn digest_label(check: crate::files::Check) -> String {
+    format!("{}-tree", check.name())
 }
 
 /// `rcp -v`'s line per rail of the session's data path, from its report
@@ -231,6 +273,9 @@ pub struct Planned {
     pub dest: String,
     /// Its length when the plan was made.
     pub bytes: u64,
+    /// The source's modification time when the plan saw it (what the
+    /// quick check compares, [`skip`]).
+    pub mtime_ns: Option<i64>,
 }
 
 /// What a push or pull will do, resolved before anything is created on
@@ -245,6 +290,9 @@ pub struct Plan {
     /// Pull `-r`: the local directories to make first.
     pub local_dirs: Vec<PathBuf>,
     pub files: Vec<Planned>,
+    /// Files the job's [`skip::Rules`] leave as they are at the
+    /// destination.
+    pub skipped: Vec<Planned>,
 }
 
 impl Plan {
@@ -317,6 +365,7 @@ pub async fn plan_push(
                 source: local.display().to_string(),
                 dest,
                 bytes: meta.len(),
+                mtime_ns: Some(mtime_ns(&meta)),
             });
             continue;
         }
@@ -358,10 +407,18 @@ pub async fn plan_push(
                 source: src.display().to_string(),
                 dest,
                 bytes: e.len,
+                mtime_ns: Some(super::fsutil::ns_from_ts(e.mtime)),
             });
         }
     }
+    skip::prune(client, &mut plan, &job.skip).await?;
     Ok(plan)
+}
+
+/// A local file's modification time in nanoseconds.
+fn mtime_ns(m: &std::fs::Metadata) -> i64 {
+    use std::os::unix::fs::MetadataExt;
+    m.mtime() * 1_000_000_000 + m.mtime_nsec()
 }
 
 /// Make the plan's remote and local directories. A directory with a file
@@ -431,10 +488,10 @@ pub async fn plan_pull(
     let mut plan = Plan::default();
     for r in remotes {
         let Some(st) = client.stat(r).await? else {
-            return Err(if r.ends_with('/') {
-                ControlError::DirNotFound(r.clone())
-            } else {
-                ControlError::FileNotFound(r.clone())
+            return Err(ControlError::RemoteNotFound {
+                host: client.host().to_string(),
+                path: r.clone(),
+                dir: r.ends_with('/'),
             });
         };
         if st.r#type != FileType::Dir as i32 {
@@ -446,6 +503,7 @@ pub async fn plan_pull(
                 source: r.clone(),
                 dest: dst.display().to_string(),
                 bytes: st.length,
+                mtime_ns: Some(st.mtime_ns),
             });
             continue;
         }
@@ -472,10 +530,12 @@ pub async fn plan_pull(
                     source: src,
                     dest: dst.display().to_string(),
                     bytes: e.length,
+                    mtime_ns: Some(e.mtime_ns),
                 });
             }
         }
     }
+    skip::prune(client, &mut plan, &job.skip).await?;
     Ok(plan)
 }
 
@@ -492,47 +552,68 @@ pub async fn pull(
 }
 
 /// `rcp doctor [HOST]`: the local checks of [`crate::doctor`], plus whether
-/// the rcpd at `remote` answers and accepts the token.
+/// the rcpd at `remote` answers and accepts the token; with the error of
+/// that check when it failed (its exit code is doctor's).
 pub async fn doctor(
     remote: Option<String>,
     opts: super::client::ClientOptions,
-) -> crate::doctor::Diagnosis {
+) -> (crate::doctor::Diagnosis, Option<ControlError>) {
     use crate::doctor::{diagnose, DoctorOptions, Finding, Level};
     let d_opts = DoctorOptions {
         device: opts.rails.first().map(|r| r.device.clone()),
         gid_index: opts.gid_index,
         arena_bytes: 32 << 20,
+        rdma_required: opts.transport == super::link::Transport::Verbs,
     };
     let mut d = tokio::task::spawn_blocking(move || diagnose(&d_opts))
         .await
         .unwrap_or_default();
-    if let Some(addr) = remote {
-        let check = match Client::connect(&addr, opts).await {
-            Err(e) => Finding {
+    let Some(addr) = remote else { return (d, None) };
+    let r = match Client::connect(&addr, opts).await {
+        Ok(c) => c.stat("").await.map(|_| ()),
+        Err(e) => Err(e),
+    };
+    let failed = r.err();
+    d.add(match &failed {
+        None => Finding {
+            name: "rcpd",
+            level: Level::Ok,
+            detail: format!("{addr} answers and accepts the token"),
+            fix: String::new(),
+        },
+        Some(e) => {
+            let msg = e.to_string();
+            Finding {
                 name: "rcpd",
                 level: Level::Fail,
-                detail: format!("{addr}: {e}"),
-                fix: "is rcpd running there, on this port (-P), reachable through the firewall?"
-                    .into(),
-            },
-            Ok(c) => match c.stat("").await {
-                Ok(_) => Finding {
-                    name: "rcpd",
-                    level: Level::Ok,
-                    detail: format!("{addr} answers and accepts the token"),
-                    fix: String::new(),
+                detail: if msg.contains(&addr) {
+                    msg
+                } else {
+                    format!("{addr}: {msg}")
                 },
-                Err(e) => Finding {
-                    name: "rcpd",
-                    level: Level::Fail,
-                    detail: format!("{addr}: {e}"),
-                    fix: "set RCP_TOKEN to the token rcpd was started with".into(),
-                },
-            },
-        };
-        d.add(check);
+                fix: doctor_fix(e).into(),
+            }
+        }
+    });
+    (d, failed)
+}
+
+/// What to do about a failed rcpd check, by the error's type.
+fn doctor_fix(e: &ControlError) -> &'static str {
+    use crate::proto::Reason;
+    match e {
+        ControlError::NotRcpd { .. } => {
+            "give rcpd's gRPC port (-P; its --listen), not its health or metrics port"
+        }
+        ControlError::UnknownHost { .. } => "check the host name (it does not resolve)",
+        e if e.reason() == Reason::Unauthenticated => {
+            "give the token rcpd was started with (RCP_TOKEN or --token-file)"
+        }
+        e if e.reason() == Reason::Retryable => {
+            "is rcpd running there, on this port (-P), reachable through the firewall?"
+        }
+        _ => "see the message above",
     }
-    d
 }
 
 #[cfg(test)]

@@ -36,6 +36,7 @@ impl Paths {
     /// rcpd on `port`. A usage error names the argument that breaks a rule.
     pub fn push(args: &[String], port: u16) -> Result<Paths> {
         let (last, rest) = split(args)?;
+        no_users(args, port)?;
         let r = parse_remote(last, port).ok_or_else(|| {
             ControlError::Usage(format!("the destination {last:?} is not HOST:PATH"))
         })?;
@@ -55,6 +56,7 @@ impl Paths {
     /// rcpd on `port`. A usage error names the argument that breaks a rule.
     pub fn pull(args: &[String], port: u16) -> Result<Paths> {
         let (last, rest) = split(args)?;
+        no_users(args, port)?;
         if parse_remote(last, port).is_some() {
             return Err(ControlError::Usage(format!(
                 "the pull destination {last:?} must be local"
@@ -94,6 +96,22 @@ impl Paths {
             Paths::Push { sources, dest, .. } => plan_push(client, sources, dest, job).await,
             Paths::Pull { sources, dest, .. } => plan_pull(client, sources, dest, job).await,
         }
+    }
+}
+
+/// `user@host:path` is scp's and rsync's, not rcp's: rcpd has no users
+/// (a token says who may copy), so a user name is refused rather than
+/// silently ignored.
+fn no_users(args: &[String], port: u16) -> Result<()> {
+    match args
+        .iter()
+        .find(|a| parse_remote(a, port).is_some_and(|r| r.host.contains('@')))
+    {
+        Some(a) => Err(ControlError::Usage(format!(
+            "{a:?}: rcp has no users (rcpd authenticates with its token: RCP_TOKEN or \
+             --token-file); write HOST:PATH without the user@"
+        ))),
+        None => Ok(()),
     }
 }
 
@@ -157,6 +175,22 @@ mod tests {
         assert!(m.contains("\"local\" is not HOST:PATH"), "{m}");
         let m = usage(Paths::pull(&args(&["n1:/a", "n2:/b", "out"]), 7));
         assert!(m.contains("same host"), "{m}");
+    }
+
+    #[test]
+    fn a_user_name_is_refused() {
+        for a in [args(&["a", "me@node:/d"]), args(&["me@[fe80::1]:x", "out"])] {
+            let r = if a[0] == "a" {
+                Paths::push(&a, 9)
+            } else {
+                Paths::pull(&a, 9)
+            };
+            let m = usage(r);
+            assert!(m.contains("rcp has no users"), "{m}");
+            assert!(m.contains("@"), "{m}");
+        }
+        // A local name with an @ in it is a local name.
+        assert!(Paths::push(&args(&["./me@x", "node:/d"]), 9).is_ok());
     }
 
     #[test]

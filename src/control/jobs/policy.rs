@@ -25,8 +25,8 @@ use futures::future::BoxFuture;
 use super::{Plan, Totals};
 use crate::control::client::{Client, FileJob, FileResult, Observer, Session, SessionStats};
 use crate::control::error::{ControlError, Reason, Result};
+pub use crate::control::fallback::{may_fall_back, rail_watch};
 use crate::control::link::{resolve_transport, Transport};
-use crate::control::protocol::rails::RailWatch;
 use crate::control::protocol::Failure;
 use crate::provider::ProviderKind;
 
@@ -85,30 +85,9 @@ pub struct Outcome {
     /// What the last session's data path did (`None`: it was not closed
     /// cleanly, or a pool kept it open).
     pub stats: Option<SessionStats>,
-}
-
-/// Whether what runs over `kind` under `transport` may fall back to tcp:
-/// only `--transport auto` over verbs (an explicit `--transport verbs`
-/// never falls back; tcp has nowhere to go).
-pub fn may_fall_back(transport: Transport, kind: ProviderKind) -> bool {
-    transport == Transport::Auto && kind == ProviderKind::Verbs
-}
-
-/// The rails' watch for a data path over `kind` under `transport`, from
-/// `now` on, giving up after `after` (`ClientOptions::tcp_fallback_after`):
-/// `None` when it may not fall back or `after` is `None`. A file stream's
-/// core and a buffer session to a peer rcpd watch with it.
-pub fn rail_watch(
-    transport: Transport,
-    kind: ProviderKind,
-    after: Option<std::time::Duration>,
-    now: u64,
-) -> Option<RailWatch> {
-    let after = after.filter(|_| may_fall_back(transport, kind))?;
-    Some(RailWatch::new(
-        now,
-        u64::try_from(after.as_nanos()).unwrap_or(u64::MAX),
-    ))
+    /// Whether a session was opened at all (not when every file was left
+    /// as it was).
+    pub session: bool,
 }
 
 /// Whether a job that tried `tried` and failed with `failed` goes on over
@@ -229,10 +208,18 @@ pub async fn run_over(
     let t0 = Instant::now();
     let transport = client.options().transport;
     super::make_dirs(client, &plan).await?;
+    let skipped = plan.skipped.len() as u64;
+    if plan.files.is_empty() {
+        // Nothing moves: no handshake, no data path.
+        return Ok(nothing_moved(client, sessions, skipped, t0));
+    }
     let files: Vec<FileJob> = plan.files.into_iter().map(|p| p.job).collect();
     let c = Counting {
         inner: w,
-        totals: Mutex::new(Totals::default()),
+        totals: Mutex::new(Totals {
+            skipped,
+            ..Totals::default()
+        }),
         done: Mutex::new(HashMap::new()),
     };
     let mut fell_back = None;
@@ -306,7 +293,31 @@ pub async fn run_over(
         check,
         fell_back,
         stats,
+        session: true,
     })
+}
+
+/// The outcome of a job with no file to move (every one left as it was):
+/// no session was opened.
+fn nothing_moved(client: &Client, sessions: &dyn Sessions, skipped: u64, t0: Instant) -> Outcome {
+    let check = client
+        .options()
+        .verify
+        .first()
+        .copied()
+        .unwrap_or(crate::files::Check::Blake3);
+    Outcome {
+        totals: Totals {
+            skipped,
+            seconds: t0.elapsed().as_secs_f64(),
+            ..Totals::default()
+        },
+        kind: sessions.first().0,
+        check,
+        fell_back: None,
+        stats: None,
+        session: false,
+    }
 }
 
 #[cfg(test)]

@@ -188,6 +188,9 @@ impl Pool {
             *w = keep;
             if !old.is_empty() {
                 self.gauge(w.len());
+                if let Some(m) = self.metrics.get() {
+                    m.copy_sessions_expired(old.len());
+                }
             }
             old
         };

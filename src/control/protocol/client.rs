@@ -23,6 +23,10 @@ pub struct FileSpec {
     pub create_parents: bool,
     /// Ask the receiving side for the flat SHA-256 too.
     pub flat_sha256: bool,
+    /// Push `--delta`: blocks the destination holds already (a bitmap as
+    /// `OpenFile.have_blocks`) and their digests, in block order.
+    pub keep_blocks: Vec<u8>,
+    pub keep_digests: Vec<Vec<u8>>,
 }
 
 /// Push: what [`ClientAction::OpenSource`] found.
@@ -262,7 +266,7 @@ impl ClientCore {
     }
 
     /// [`watch_rails`](Self::watch_rails) with the watch made
-    /// (`jobs::policy::rail_watch`).
+    /// (`control::fallback::rail_watch`).
     pub fn watch(&mut self, w: RailWatch) {
         self.watch = Some(w);
     }
@@ -522,6 +526,8 @@ impl ClientCore {
             resume: s.resume,
             create_parents: s.create_parents,
             flat_sha256: s.flat_sha256,
+            keep_blocks: s.keep_blocks.clone(),
+            keep_digests: s.keep_digests.clone(),
             ..Default::default()
         };
         if let Some(m) = meta {
@@ -597,7 +603,8 @@ impl ClientCore {
         }
         if let Some(ff) = f.failed.into_iter().next() {
             let reason = Reason::try_from(ff.reason).unwrap_or(Reason::Other);
-            return self.end(Err(Failure::new(reason, ff.message)));
+            // Said by rcpd, about its side.
+            return self.end(Err(Failure::new(reason, format!("rcpd: {}", ff.message))));
         }
         for o in f.opened {
             self.on_opened(o);

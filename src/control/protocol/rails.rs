@@ -3,7 +3,7 @@
 //! core ([`super::ClientCore::watch_rails`]) and a buffer session to a peer
 //! rcpd (`control::buffers::peer`). State and time passed in, no I/O;
 //! whether the user may fall back at all (`--transport auto` over verbs)
-//! is the jobs policy's (`control::jobs::policy`).
+//! is `control::fallback`'s.
 
 use super::{Failure, Reason};
 

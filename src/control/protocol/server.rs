@@ -361,7 +361,7 @@ impl ServerCore {
             return;
         }
         if let Err(f) = &r {
-            tracing::debug!(reason = ?f.reason, message = %f.message, "move stream ends");
+            tracing::debug!(reason = ?f.reason, message = %crate::escape::esc(&f.message), "move stream ends");
         }
         self.phase = Phase::Ended;
         self.actions.push_back(ServerAction::End(r));

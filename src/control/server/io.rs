@@ -254,7 +254,7 @@ impl StreamIo {
     fn open_push(&self, open: &proto::OpenFile) -> Result<(FileHandle, OpenedFile), ControlError> {
         let (dir, name, path) = self.push_target(open)?;
         if open.length >= SPACE_CHECK_FROM {
-            check_space(dir.display(), open.length)?;
+            check_space(&dir, open.length)?;
         }
         let source = fsutil::source_id(open.length, open.mtime_ns, &open.source_fingerprint);
         let opts = DestinationOptions {
@@ -277,7 +277,16 @@ impl StreamIo {
         };
         let dest = match dest {
             Some(d) => d,
-            None => Destination::create(&dir, &name, open.length, opts)?,
+            None => {
+                let mut d = Destination::create(&dir, &name, open.length, opts)?;
+                if !open.keep_blocks.is_empty() {
+                    let root = self.svc.root();
+                    let check = self.session.params.check;
+                    let kept = super::delta::seed(root, &path, open, &mut d, check)?;
+                    tracing::debug!(path = %esc(&path), kept, "push --delta");
+                }
+                d
+            }
         };
         let total = open.length.div_ceil(self.bs);
         let missing = dest.missing_blocks();
@@ -567,8 +576,9 @@ impl StreamIo {
     }
 }
 
-fn check_space(dir: &std::path::Path, need: u64) -> Result<(), ControlError> {
-    if let Ok(s) = nix::sys::statvfs::statvfs(dir) {
+fn check_space(dir: &DirHandle, need: u64) -> Result<(), ControlError> {
+    // By its descriptor: a handle's path is for messages (beneath the root).
+    if let Ok(s) = nix::sys::statvfs::fstatvfs(dir.fd()) {
         let avail = s.blocks_available() * s.fragment_size();
         if need > avail {
             return Err(ControlError::Exceeded(format!(

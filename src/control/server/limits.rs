@@ -57,7 +57,9 @@ impl Service {
         let closed = self.sessions.sweep(Instant::now());
         let mut by: HashMap<(ClientId, ClientLimit), (u64, String)> = HashMap::new();
         for c in &closed {
-            self.buffers.session_closed(c.id);
+            if let Some(b) = &self.buffers {
+                b.session_closed(c.id);
+            }
             tracing::debug!(
                 session = format_args!("{:#x}", c.id),
                 why = c.why.as_str(),

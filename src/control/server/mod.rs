@@ -17,9 +17,13 @@
 //!   root, filling windows, making them reachable (a memory-window bind or
 //!   a registration), revoking and verifying them, batched commits.
 //!
-//! The service knows nothing of the client library: the `Copy` API is
-//! served through a [`Copier`] that `daemon` plugs in.
+//! The service knows nothing of the client library nor of services'
+//! buffers: the `Copy` API is served through a [`Copier`], and grants of
+//! buffers to peers' sessions through [`BufferGrants`], both plugged in by
+//! `daemon`.
 
+mod delta;
+mod digests;
 mod io;
 mod limits;
 mod session;
@@ -87,6 +91,32 @@ pub trait Copier: Send + Sync {
     >;
 }
 
+/// Grants of services' buffers to peers' sessions (`BufferGrant`,
+/// `BufferDone`), served by `control::buffers`, plugged in by
+/// `control::daemon`.
+pub trait BufferGrants: Send + Sync {
+    /// Grant the ranges `req` asks of a buffer exposed to `peer`, to the
+    /// client's `session` (`session_id`).
+    fn grant(
+        &self,
+        session: &SessionState,
+        session_id: u64,
+        req: proto::BufferGrantRequest,
+        peer: Option<std::net::IpAddr>,
+    ) -> std::result::Result<proto::BufferGrantResponse, Status>;
+    /// A grant's round is over: revoke it and check what landed; grant
+    /// damaged ranges again while `session` is open.
+    fn done(
+        &self,
+        session: Option<&SessionState>,
+        session_id: u64,
+        req: proto::BufferDoneRequest,
+    ) -> std::result::Result<proto::BufferDoneResponse, Status>;
+    /// Session `id` closed (by its client or as unused): what was granted
+    /// to it goes.
+    fn session_closed(&self, id: u64);
+}
+
 /// Shared state of the service.
 pub struct Service {
     cfg: ServiceConfig,
@@ -104,9 +134,9 @@ pub struct Service {
     /// bytes, throughput, integrity and auth failures, the data paths of the
     /// copies it drives.
     pub metrics: Arc<crate::metrics::Metrics>,
-    /// Services' buffers, their exposures and the grants made on them
-    /// (`control::buffers`).
-    pub buffers: Arc<crate::control::buffers::Buffers>,
+    /// Grants of services' buffers (`control::buffers`); `None`: this
+    /// rcpd grants none.
+    buffers: Option<Arc<dyn BufferGrants>>,
 }
 
 /// A server-streaming response.
@@ -118,6 +148,7 @@ impl Service {
         cfg: ServiceConfig,
         link: ServerLink,
         copier: Option<Arc<dyn Copier>>,
+        buffers: Option<Arc<dyn BufferGrants>>,
     ) -> Result<Arc<Service>> {
         let slots = link.slots.capacity();
         let root = Root::open(&cfg.root)?;
@@ -133,7 +164,7 @@ impl Service {
             link: Arc::new(link),
             copier,
             metrics: Arc::new(crate::metrics::Metrics::new()),
-            buffers: crate::control::buffers::Buffers::new(),
+            buffers,
         }))
     }
 
@@ -246,7 +277,9 @@ impl proto::rcp_server::Rcp for RcpService {
         // Only the client that opened it closes it.
         match self.0.sessions.remove(id, client) {
             Some(s) => {
-                self.0.buffers.session_closed(id);
+                if let Some(b) = &self.0.buffers {
+                    b.session_closed(id);
+                }
                 in_place(|| drop(s));
                 Ok(Response::new(proto::CloseSessionResponse {}))
             }
@@ -383,22 +416,26 @@ impl proto::rcp_server::Rcp for RcpService {
         &self,
         req: Request<proto::BufferGrantRequest>,
     ) -> std::result::Result<Response<proto::BufferGrantResponse>, Status> {
+        let Some(b) = self.0.buffers.clone() else {
+            return Err(Status::unimplemented("this rcpd does not grant buffers"));
+        };
         let peer = req.remote_addr().map(|a| a.ip());
         let client = ClientId::of(&req);
         let req = req.into_inner();
         let id = req.session_id;
         // A session the peer still holds but this rcpd closed (idle): the
         // peer opens a new one on `retryable`.
-        let session = self.0.session(id, client).map_err(|e| {
-            crate::control::buffers::OpError::new(super::error::Reason::Retryable, e.to_string())
-        })?;
+        let session = self
+            .0
+            .session(id, client)
+            .map_err(|e| super::error::session_gone(e.to_string()))?;
         *session.last_used.lock().unwrap() = std::time::Instant::now();
         // A session kept for buffer operations is at work: the idle time
         // closes it, not the grace for sessions that never start.
         session
             .moved
             .store(true, std::sync::atomic::Ordering::Relaxed);
-        let r = crate::control::buffers::grant::grant(&self.0.buffers, &session, id, req, peer)?;
+        let r = b.grant(&session, id, req, peer)?;
         Ok(Response::new(r))
     }
 
@@ -406,6 +443,9 @@ impl proto::rcp_server::Rcp for RcpService {
         &self,
         req: Request<proto::BufferDoneRequest>,
     ) -> std::result::Result<Response<proto::BufferDoneResponse>, Status> {
+        let Some(b) = self.0.buffers.clone() else {
+            return Err(Status::unimplemented("this rcpd does not grant buffers"));
+        };
         let client = ClientId::of(&req);
         let req = req.into_inner();
         let id = req.session_id;
@@ -414,7 +454,19 @@ impl proto::rcp_server::Rcp for RcpService {
         if let Some(s) = &session {
             *s.last_used.lock().unwrap() = std::time::Instant::now();
         }
-        let r = crate::control::buffers::grant::done(&self.0.buffers, session.as_deref(), id, req)?;
+        let r = b.done(session.as_deref(), id, req)?;
+        Ok(Response::new(r))
+    }
+
+    async fn digests(
+        &self,
+        req: Request<proto::DigestsRequest>,
+    ) -> std::result::Result<Response<proto::DigestsResponse>, Status> {
+        self.0.heard(&req);
+        let s = self.0.clone();
+        let r = tokio::task::spawn_blocking(move || digests::answer(&s.root, &req.into_inner()))
+            .await
+            .map_err(|e| ControlError::Other(format!("hashing: {e}")))??;
         Ok(Response::new(r))
     }
 }

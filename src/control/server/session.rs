@@ -21,8 +21,9 @@ use crate::control::rails::{pair, RailAddr, RailPair};
 use crate::datapath::QpRetry;
 use crate::proto;
 use crate::provider::tcp::SessionBinding;
+use crate::provider::verbs::VerbsChannel;
 use crate::provider::{Domain, ProviderKind};
-use crate::verbs::{QpEndpoint, VerbsChannel};
+use crate::verbs::QpEndpoint;
 
 /// One client's session as rcpd keeps it: its own domain (its windows are
 /// reachable only by its own data path) and, over verbs, its QP.

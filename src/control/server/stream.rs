@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, OwnedSemaphorePermit, TryAcquireError};
 use tonic::{Status, Streaming};
 
 use super::io::{FileHandle, Slot, StreamIo};
@@ -133,23 +133,43 @@ pub(super) async fn run(
             }
         }
     };
-    let permit = match with_keepalives(svc.transfers.clone().acquire_owned(), keepalive, &tx).await
-    {
-        Some(Ok(p)) => p,
-        Some(Err(_)) => {
-            let _ = tx
-                .send(Err(
-                    ControlError::Retryable("rcpd is shutting down".into()).into()
-                ))
-                .await;
-            return;
-        }
-        None => return,
+    let Some(permit) = transfer_slot(&svc, client, &session.client_name, keepalive, &tx).await
+    else {
+        return;
     };
     let mut d = Driver::new(svc.clone(), session.clone(), client, tx, slot);
     d.core.handle_frame(d.now(), first);
     d.run(&mut rx).await;
     drop((permit, mine));
+}
+
+/// One of rcpd's transfer slots (`--max-transfers`), waited for with
+/// keepalives when all are taken (counted once, as `transfers`); `None`
+/// when the client is gone or rcpd shuts down (told to the client).
+async fn transfer_slot(
+    svc: &Service,
+    client: ClientId,
+    name: &str,
+    keepalive: Duration,
+    tx: &Tx,
+) -> Option<OwnedSemaphorePermit> {
+    let slots = svc.transfers.clone();
+    let got = match slots.clone().try_acquire_owned() {
+        Ok(p) => Ok(p),
+        Err(TryAcquireError::Closed) => Err(()),
+        Err(TryAcquireError::NoPermits) => {
+            let what = "Move stream waits: rcpd runs all its transfers (--max-transfers)";
+            svc.limited(ClientLimit::Transfers, 1, client, name, what);
+            with_keepalives(slots.acquire_owned(), keepalive, tx)
+                .await?
+                .map_err(|_| ())
+        }
+    };
+    if got.is_err() {
+        let e = ControlError::Retryable("rcpd is shutting down".into());
+        let _ = tx.send(Err(e.into())).await;
+    }
+    got.ok()
 }
 
 /// `wait`, sending keepalives every `every` meanwhile; `None` when the

@@ -5,7 +5,8 @@ use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use super::helpers::{Cmd, SLICE};
+use super::helpers::SLICE;
+use super::msg::Cmd;
 use super::poster::Poster;
 use crate::datapath::report::{RailReport, Report};
 

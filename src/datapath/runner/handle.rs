@@ -2,7 +2,6 @@
 //! (configurations, counters, each rail's threads, the posting thread),
 //! then fed windows, read for events and closed.
 
-use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::mpsc::{self, Sender};
 use std::sync::{Arc, Mutex};
@@ -10,8 +9,9 @@ use std::thread::JoinHandle;
 
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
-use super::helpers::{spawn_watcher, Cmd, CqThread, Helper};
-use super::poster::{Input, Poster, RailRt, RailThreads};
+use super::helpers::{spawn_watcher, CqThread, Helper};
+use super::msg::{Cmd, Input, Shared};
+use super::poster::{Poster, RailRt, RailThreads};
 use super::spec::{RailSpec, ReconnectFn};
 use super::{DataPathError, DpEvent};
 use crate::datapath::config::{ConfigError, DataPathConfig};
@@ -21,26 +21,6 @@ use crate::datapath::stats::DataPathStats;
 use crate::engine::stream::{RailConfig, WindowError, MAX_RAILS};
 use crate::engine::{Stream, StreamConfig, WindowJob, WorkCompletion};
 use crate::provider::Channel;
-
-/// What the caller's side and the posting thread share.
-#[derive(Default)]
-pub(super) struct Shared {
-    /// Failed or closing: `submit` refuses.
-    pub(super) stopped: AtomicBool,
-    /// Ids submitted and not yet done (so `submit` refuses a live id at
-    /// once instead of the posting thread later).
-    pub(super) live: Mutex<HashSet<u64>>,
-    /// Times the posting thread blocked on its input queue with no timeout
-    /// (idle: only an input wakes it), and whether it is blocked so now.
-    #[cfg(test)]
-    pub(super) parks: AtomicU64,
-    #[cfg(test)]
-    pub(super) parked: AtomicBool,
-    /// Times the posting thread waited for an input (any wait: a poster
-    /// that spins shows as many).
-    #[cfg(test)]
-    pub(super) waits: AtomicU64,
-}
 
 /// A session-long data path over one channel or several rails. See the
 /// module docs.

@@ -9,25 +9,15 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::poster::{CqBatch, CqEnd, Input};
+use super::msg::{Cmd, CqBatch, CqEnd, Input};
 use super::spec::{FenceFn, RailReconnectFn};
-use crate::datapath::completion::{completion_loop, pin_current_thread};
+use crate::datapath::completion::completion_loop;
 use crate::datapath::config::{Backoff, PollMode};
+use crate::datapath::cpus::pin_current_thread;
 use crate::datapath::port::PortMonitor;
 use crate::datapath::stats::DataPathStats;
 use crate::engine::WorkCompletion;
 use crate::provider::Channel;
-
-/// What the posting thread asks a rail's helper.
-pub(super) enum Cmd {
-    /// Bring the rail back: fence it first (if `fence`), wait `after`, then
-    /// reconnect.
-    Reconnect {
-        fence: bool,
-        after: Duration,
-    },
-    Stop,
-}
 
 /// Longest a helper or port watcher blocks at once before it looks at its
 /// stop signal.

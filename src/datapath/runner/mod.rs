@@ -90,8 +90,11 @@
 //!   by step), submit, events, close;
 //! - `spec`: [`RailSpec`] and the callbacks a rail is given;
 //! - `event`: [`DpEvent`] and [`DataPathError`];
-//! - `poster`: the posting thread's state, loop, inputs and the stream's
-//!   events;
+//! - `msg`: what the threads pass each other: the posting thread's input
+//!   queue (`Input`, with the completion threads' batches), the commands
+//!   to a rail's helper (`Cmd`) and the state `handle` and the posting
+//!   thread share (`Shared`);
+//! - `poster`: the posting thread's state, loop and the stream's events;
 //! - `post`: its posting (chains onto the rails' channels, the rate limit)
 //!   and the counters it publishes;
 //! - `recover`: its error path (reconnects asked for, rails rejoining,
@@ -105,6 +108,7 @@ mod close;
 mod event;
 mod handle;
 mod helpers;
+mod msg;
 mod post;
 mod poster;
 mod recover;
@@ -117,8 +121,8 @@ pub use spec::{FenceFn, KeyMapFn, RailReconnectFn, RailSpec, ReconnectFn};
 
 #[cfg(doc)]
 use super::{
-    completion::{completion_loop, AvoidCpu},
-    Backoff, DataPathStats, PortMonitor, Report, TokenBucket,
+    completion::completion_loop, cpus::AvoidCpu, Backoff, DataPathStats, PortMonitor, Report,
+    TokenBucket,
 };
 #[cfg(doc)]
 use crate::{engine::Stream, provider::Channel};

@@ -12,55 +12,23 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc::UnboundedSender;
 
-use super::handle::Shared;
-use super::helpers::Cmd;
+use super::msg::{Cmd, CqBatch, CqEnd, Input, Shared};
 use super::spec::KeyMapFn;
-use super::{DataPathError, DpEvent, ReconnectError};
+use super::{DataPathError, DpEvent};
 use crate::datapath::bucket::TokenBucket;
-use crate::datapath::completion::AvoidCpu;
 use crate::datapath::config::{DataPathConfig, PollMode};
+use crate::datapath::cpus::AvoidCpu;
 use crate::datapath::port::PortMonitor;
 use crate::datapath::report::Report;
 use crate::datapath::stats::{DataPathStats, Latencies};
 use crate::engine::slots::WrId;
 use crate::engine::stream::{AnyEvent, Batch, Event, RailEvent, RailState, State};
-use crate::engine::{Stream, WindowJob, WorkCompletion};
-use crate::provider::{Channel, ProviderError};
+use crate::engine::{Stream, WorkCompletion};
+use crate::provider::Channel;
 
 /// In poll mode, how long the poster spins for the next completion batch
 /// before it parks (the completion thread keeps spinning on the CQ).
 pub const POSTER_SPIN: Duration = Duration::from_micros(20);
-
-/// A completion thread's batch, stamped with the time it was polled.
-pub(super) struct CqBatch {
-    pub(super) at: Instant,
-    pub(super) wcs: Vec<WorkCompletion>,
-}
-
-/// How a completion thread ended.
-pub(super) enum CqEnd {
-    Stopped,
-    Error(ProviderError),
-    Panicked,
-}
-
-/// The posting thread's one input queue.
-pub(super) enum Input {
-    Cq(usize, CqBatch),
-    Submit(WindowJob),
-    CqEnded(usize, CqEnd),
-    /// A rail's helper brought it back, or gave up after `attempts`.
-    Reconnected {
-        rail: usize,
-        result: Result<(), (u32, ReconnectError)>,
-    },
-    /// A rail's fence callback returned `Ok`: its queue pair touches no
-    /// memory any more.
-    Fenced(usize),
-    /// A rail's port went down.
-    PortDown(usize),
-    Close,
-}
 
 /// The posting thread's view of one rail.
 pub(super) struct RailRt {

@@ -5,7 +5,7 @@
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 
-use super::helpers::Cmd;
+use super::msg::Cmd;
 use super::poster::Poster;
 use super::{DataPathError, DpEvent, ReconnectError};
 use crate::engine::stream::{RailState, State};

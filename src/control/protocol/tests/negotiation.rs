@@ -172,7 +172,7 @@ fn out_of_range_parameters_are_clamped_or_refused() {
         ..hello()
     });
     assert_eq!(r.reason, Reason::Version);
-    assert!(r.message.contains("protocol 3.2 is not supported"), "{r}");
+    assert!(r.message.contains("protocol 3.3 is not supported"), "{r}");
     let r = refused(proto::HandshakeRequest {
         providers: vec![proto::Provider::Verbs as i32, 77],
         ..hello()

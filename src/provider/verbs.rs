@@ -6,17 +6,17 @@ use std::fmt;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use super::cq::CompletionQueue;
-use super::mw::{inc_rkey, MemoryWindow, MwPool, MW_TIMEOUT};
-use super::pd::{Access, MemoryRegion, ProtectionDomain};
-use super::post::PostScratch;
-use super::qp::{ConnectParams, QpEndpoint, QueuePair};
-use super::VerbsError;
-use crate::engine::{WorkCompletion, WorkRequest};
-use crate::mem::{Arena, PeerSpan};
-use crate::provider::{
+use super::{
     Bases, Channel, ChannelCaps, Domain, PostFailure, ProviderError, ProviderKind, Registration,
 };
+use crate::engine::{WorkCompletion, WorkRequest};
+use crate::mem::{Arena, PeerSpan};
+use crate::verbs::cq::CompletionQueue;
+use crate::verbs::mw::{inc_rkey, MemoryWindow, MwPool, MW_TIMEOUT};
+use crate::verbs::pd::{Access, MemoryRegion, ProtectionDomain};
+use crate::verbs::post::PostScratch;
+use crate::verbs::qp::{ConnectParams, PreparedQp, QpEndpoint, QueuePair};
+use crate::verbs::VerbsError;
 
 impl Registration for MemoryRegion {
     fn lkey(&self) -> u32 {
@@ -345,6 +345,15 @@ pub struct VerbsChannel {
     deferred: Mutex<Vec<Weak<Mutex<WindowCell>>>>,
 }
 
+impl PreparedQp {
+    /// The QP as a provider channel, still in INIT: for a driver that hands
+    /// the channel out before the peer's endpoint arrives, and connects it
+    /// with [`VerbsChannel::handshake`] when it does.
+    pub fn into_channel(self) -> VerbsChannel {
+        VerbsChannel::new(self.qp)
+    }
+}
+
 impl VerbsChannel {
     /// Wrap a QP (in any state; connect it with [`VerbsChannel::handshake`]).
     pub fn new(qp: QueuePair) -> VerbsChannel {
@@ -407,7 +416,7 @@ impl VerbsChannel {
     unsafe fn bind_or_defer(&self, pool: &MwPool, p: Pending) -> Result<(Cell, u32), VerbsError> {
         let mut qp = self.qp.lock().unwrap();
         let mut mw = pool.take()?;
-        if qp.state() == super::qp::QpState::Rts {
+        if qp.state() == crate::verbs::qp::QpState::Rts {
             // SAFETY: the caller's contract, passed on.
             match unsafe { mw.bind(&mut qp, &p.mr, p.addr, p.len, p.access, MW_TIMEOUT) } {
                 Ok(rkey) => return Ok((Arc::new(Mutex::new(WindowCell::Bound(mw))), rkey)),
@@ -439,7 +448,7 @@ impl VerbsChannel {
         let mut d = self.deferred.lock().unwrap();
         d.retain(|w| w.strong_count() > 0);
         d.push(Arc::downgrade(&cell));
-        super::counts::deferred();
+        crate::verbs::counts::deferred();
         Ok((cell, rkey))
     }
 

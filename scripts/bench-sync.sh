@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# Keeping a tree in sync, rcp against rsync (docs/rsync.md), native
+# loopback, tcp provider, tmpfs (/dev/shm), RCP_BENCH_PASSES (5)
+# interleaved passes, medians and the spread:
+#  - rerun of an unchanged tree of RCP_BENCH_FILES (20000) files of
+#    RCP_BENCH_FILE_KIB (16) KiB: `rcp push -r -p` against `rsync -a` to an
+#    rsync daemon on 127.0.0.1, both after a first full copy; bytes moved
+#    (rcp: --json's moved; rsync: --stats' "Total bytes sent");
+#  - --delta of a RCP_BENCH_DELTA_MIB (256) MiB file with one 1 MiB region
+#    changed (other random bytes each pass, at an offset that is not
+#    block-aligned): `rcp push --delta` against `rsync` (its delta
+#    algorithm, the default to a daemon), bytes moved as above.
+# RCP_BENCH_BIN=DIR runs the rcp and rcpd in DIR instead of building.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# shellcheck source=lib-rcpd.sh
+. scripts/lib-rcpd.sh
+N=${RCP_BENCH_FILES:-20000}
+KIB=${RCP_BENCH_FILE_KIB:-16}
+PASSES=${RCP_BENCH_PASSES:-5}
+MIB=${RCP_BENCH_DELTA_MIB:-256}
+command -v rsync >/dev/null || {
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends rsync >/dev/null
+}
+if [ -n "${RCP_BENCH_BIN:-}" ]; then
+  R=$RCP_BENCH_BIN
+else
+  cargo build --release --workspace --bins
+  R=$PWD/target/release
+fi
+shm=$(mktemp -d /dev/shm/rcp-sync.XXXXXX)
+cleanup() {
+  [ -n "${RCPD_PID:-}" ] && kill "$RCPD_PID" 2>/dev/null
+  if [ -f "$shm/rsyncd.pid" ]; then kill "$(cat "$shm/rsyncd.pid")" 2>/dev/null || true; sleep 0.3; fi
+  rm -rf "$shm"
+}
+trap cleanup EXIT
+mkdir -p "$shm/src" "$shm/rcp" "$shm/rsync"
+python3 - "$shm/src/tree" "$N" "$((KIB * 1024))" <<'PY'
+import os, sys
+d, n, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+for i in range(n):
+    sub = os.path.join(d, "d%02d" % (i % 20), "e%d" % (i % 7))
+    os.makedirs(sub, exist_ok=True)
+    with open(os.path.join(sub, "f%06d" % i), "wb") as f:
+        f.write(os.urandom(size))
+PY
+head -c "$((MIB << 20))" /dev/urandom >"$shm/src/big"
+cat >"$shm/rsyncd.conf" <<CONF
+pid file = $shm/rsyncd.pid
+use chroot = no
+[sync]
+path = $shm/rsync
+read only = no
+uid = root
+gid = root
+CONF
+rsync --daemon --config="$shm/rsyncd.conf" --port=17874 --address=127.0.0.1
+wait_port 127.0.0.1 17874
+rcpd_listen "$shm/rcpd.out" "$shm/rcpd.log" "$R/rcpd" --root "$shm/rcp" --log warn
+port=${RCPD_ADDR##*:}
+RCP=("$R/rcp" -P "$port" --transport tcp -q)
+RS=rsync://127.0.0.1:17874/sync/
+now() { date +%s.%N; }
+# The first copies.
+"${RCP[@]}" push -r -p "$shm/src/tree" 127.0.0.1:
+"${RCP[@]}" push "$shm/src/big" 127.0.0.1:
+rsync -a "$shm/src/tree" "$shm/src/big" "$RS"
+declare -A T MOVED
+add() { T[$1]="${T[$1]:-} $2"; MOVED[$1]=$3; }
+for p in $(seq "$PASSES"); do
+  t0=$(now)
+  m=$("${RCP[@]}" --json push -r -p "$shm/src/tree" 127.0.0.1: | python3 -c 'import json,sys; print([json.loads(l) for l in sys.stdin][-1]["moved"])')
+  add "rerun rcp push -r -p" "$(python3 -c "print($(now) - $t0)")" "$m"
+  t0=$(now)
+  m=$(rsync -a --stats "$shm/src/tree" "$RS" | awk '/Total bytes sent/{gsub(",","",$4); print $4}')
+  add "rerun rsync -a" "$(python3 -c "print($(now) - $t0)")" "$m"
+  # One MiB changed, not block-aligned.
+  python3 -c "
+import os
+f = open('$shm/src/big', 'r+b'); f.seek(100 * 2**20 + 12345); f.write(os.urandom(2**20))"
+  t0=$(now)
+  m=$("${RCP[@]}" --json push --delta "$shm/src/big" 127.0.0.1: | python3 -c 'import json,sys; print([json.loads(l) for l in sys.stdin][-1]["moved"])')
+  add "delta rcp push --delta" "$(python3 -c "print($(now) - $t0)")" "$m"
+  t0=$(now)
+  m=$(rsync --stats "$shm/src/big" "$RS" | awk '/Total bytes sent/{gsub(",","",$4); print $4}')
+  add "delta rsync" "$(python3 -c "print($(now) - $t0)")" "$m"
+  cmp "$shm/src/big" "$shm/rcp/big"
+  cmp "$shm/src/big" "$shm/rsync/big"
+done
+for k in "rerun rcp push -r -p" "rerun rsync -a" "delta rcp push --delta" "delta rsync"; do
+  python3 - "$k" "${MOVED[$k]}" ${T[$k]} <<'PY'
+import statistics, sys
+k, moved, ts = sys.argv[1], sys.argv[2], sorted(map(float, sys.argv[3:]))
+print(f"{k:28s} median {statistics.median(ts):.3f} s  (min {ts[0]:.3f}, max {ts[-1]:.3f}), moved {moved} bytes (last pass)")
+PY
+done

@@ -1,0 +1,393 @@
+//! What a job leaves alone at the destination, by rsync's rules:
+//!
+//! - the quick check ([`Compare::Quick`], rcp's default like rsync's): a
+//!   destination file of the source's size and modification time is
+//!   unchanged. Without `-p` a copy's mtime is the time it was written, so
+//!   a rerun skips mostly with `-p` (rsync without `-t` alike);
+//! - `-c` ([`Compare::Content`]): a destination file of the source's size
+//!   is compared by content, the derived file digest of the session's
+//!   check (BLAKE3 by default) computed on both ends at once, rcpd's in
+//!   batches of files on its hashing pool ([`Client::digests`]);
+//! - `-I` ([`Compare::Always`], also what library callers and the Copy API
+//!   get unless they ask): every file moves;
+//! - `-u` ([`Rules::update`]): a destination newer than the source stays;
+//! - `--ignore-existing`: whatever exists at the destination stays.
+//!
+//! [`prune`] applies them to a [`Plan`] before anything is created: the
+//! destination's sizes and mtimes come from one recursive `List` per tree
+//! pushed (a `Stat` per single file) or from local `lstat`s on a pull. What
+//! stays moves to [`Plan::skipped`]; a plan left with no file opens no
+//! session at all ([`super::run`]).
+
+use std::collections::{HashMap, HashSet};
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+
+use futures::{StreamExt, TryStreamExt};
+
+use super::contents::{content_check, local_contents, remote_contents};
+use super::{join_remote, Plan};
+use crate::control::client::Client;
+use crate::control::error::{ControlError, Reason, Result};
+use crate::proto::{self, FileType};
+
+/// How a file that exists at the destination is told unchanged.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Compare {
+    /// Never: every file moves (`-I`).
+    #[default]
+    Always,
+    /// Same size and modification time (rsync's quick check).
+    Quick,
+    /// Same size and content digest (`-c`).
+    Content,
+}
+
+/// Which files a job leaves alone.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Rules {
+    pub compare: Compare,
+    /// `-u`: a destination file newer than the source stays.
+    pub update: bool,
+    /// `--ignore-existing`: anything at the destination's name stays.
+    pub ignore_existing: bool,
+    /// `--delta` (and `--resume`): of a file that moves and exists at the
+    /// destination, only the blocks that differ move ([`super::delta`]).
+    pub delta: bool,
+}
+
+impl Rules {
+    /// Whether the rules may leave any file alone (else nothing is looked
+    /// up at the destination).
+    pub fn active(&self) -> bool {
+        *self != Rules::default()
+    }
+}
+
+/// A regular file's size and modification time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Meta {
+    pub len: u64,
+    pub mtime_ns: i64,
+}
+
+/// What stands at a destination name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dest {
+    Missing,
+    File(Meta),
+    /// A directory, a symlink, ...
+    Other,
+}
+
+/// What [`decide`] says of a file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    Copy,
+    Skip,
+    /// Same size under `-c`: the contents decide.
+    CompareContent,
+}
+
+/// rsync's decision for a source of `src` whose destination is `dst`.
+pub fn decide(r: &Rules, src: Meta, dst: Dest) -> Verdict {
+    let d = match dst {
+        Dest::Missing => return Verdict::Copy,
+        _ if r.ignore_existing => return Verdict::Skip,
+        Dest::Other => return Verdict::Copy,
+        Dest::File(d) => d,
+    };
+    if r.update && d.mtime_ns > src.mtime_ns {
+        return Verdict::Skip;
+    }
+    match r.compare {
+        Compare::Always => Verdict::Copy,
+        Compare::Quick if d == src => Verdict::Skip,
+        Compare::Quick => Verdict::Copy,
+        Compare::Content if d.len == src.len => Verdict::CompareContent,
+        Compare::Content => Verdict::Copy,
+    }
+}
+
+/// A local path's [`Dest`].
+pub fn local_dest(p: &Path) -> Result<Dest> {
+    match std::fs::symlink_metadata(p) {
+        Ok(m) if m.is_file() => Ok(Dest::File(Meta {
+            len: m.len(),
+            mtime_ns: m.mtime() * 1_000_000_000 + m.mtime_nsec(),
+        })),
+        Ok(_) => Ok(Dest::Other),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Dest::Missing),
+        Err(e) => Err(ControlError::Io {
+            context: format!("stat {}", p.display()),
+            source: e,
+        }),
+    }
+}
+
+fn remote_dest(e: &proto::Entry) -> Dest {
+    if e.r#type == FileType::File as i32 {
+        Dest::File(Meta {
+            len: e.length,
+            mtime_ns: e.mtime_ns,
+        })
+    } else {
+        Dest::Other
+    }
+}
+
+/// Push: what stands at each planned file's remote destination, and the
+/// remote directories that exist already. One recursive `List` per tree
+/// (the remote directories no other one is beneath), a `Stat` per file
+/// pushed on its own.
+async fn remote_dests(client: &Client, plan: &Plan) -> Result<(Vec<Dest>, HashSet<String>)> {
+    let dirs: HashSet<&str> = plan
+        .remote_dirs
+        .iter()
+        .map(|d| d.trim_end_matches('/'))
+        .collect();
+    let tops = dirs
+        .iter()
+        .filter(|d| !d.rsplit_once('/').is_some_and(|(p, _)| dirs.contains(p)));
+    let mut found: HashMap<String, Dest> = HashMap::new();
+    let mut existing = HashSet::new();
+    for top in tops {
+        let listed = match client.list(top, true).await {
+            Ok(e) => vec![(top.to_string(), e)],
+            // Not there yet (or not a directory: the copy says so).
+            Err(e) if e.reason() == Reason::DirNotFound => continue,
+            // A tree too large for one answer: a List per directory.
+            Err(e) => {
+                tracing::debug!(error = %e, top, "listing the destination per directory");
+                let beneath = dirs.iter().filter(|d| {
+                    *d == top || d.strip_prefix(top).is_some_and(|r| r.starts_with('/'))
+                });
+                list_each(client, beneath.map(|d| d.to_string()).collect()).await?
+            }
+        };
+        for (dir, entries) in listed {
+            existing.insert(dir.clone());
+            for e in &entries {
+                let p = join_remote(&dir, Path::new(&e.path));
+                if e.r#type == FileType::Dir as i32 {
+                    existing.insert(p.clone());
+                }
+                found.insert(p, remote_dest(e));
+            }
+        }
+    }
+    let singles: Vec<usize> = (0..plan.files.len())
+        .filter(|&i| {
+            !found.contains_key(&plan.files[i].dest) && !plan.files[i].job.spec.create_parents
+        })
+        .collect();
+    let stats: Vec<(usize, Dest)> = futures::stream::iter(singles)
+        .map(|i| async move {
+            let e = client.stat(&plan.files[i].dest).await?;
+            Ok::<_, ControlError>((i, e.as_ref().map_or(Dest::Missing, remote_dest)))
+        })
+        .buffered(16)
+        .try_collect()
+        .await?;
+    let mut out: Vec<Dest> = plan
+        .files
+        .iter()
+        .map(|f| found.get(&f.dest).copied().unwrap_or(Dest::Missing))
+        .collect();
+    for (i, d) in stats {
+        out[i] = d;
+    }
+    Ok((out, existing))
+}
+
+/// A List (not recursive) of each of `dirs` that exists, 16 at a time.
+async fn list_each(client: &Client, dirs: Vec<String>) -> Result<Vec<(String, Vec<proto::Entry>)>> {
+    let listed: Vec<Option<(String, Vec<proto::Entry>)>> = futures::stream::iter(dirs)
+        .map(|d| async move {
+            match client.list(&d, false).await {
+                Ok(e) => Ok(Some((d, e))),
+                Err(e) if e.reason() == Reason::DirNotFound => Ok(None),
+                Err(e) => Err(e),
+            }
+        })
+        .buffered(16)
+        .try_collect()
+        .await?;
+    Ok(listed.into_iter().flatten().collect())
+}
+
+/// The source's [`Meta`] of a planned file (a push's local source stated
+/// when the plan did not keep it).
+fn source_meta(plan: &Plan, i: usize) -> Result<Meta> {
+    let f = &plan.files[i];
+    match f.mtime_ns {
+        Some(mtime_ns) => Ok(Meta {
+            len: f.bytes,
+            mtime_ns,
+        }),
+        None => match local_dest(&f.job.local)? {
+            Dest::File(m) => Ok(m),
+            // The copy reports it.
+            _ => Ok(Meta {
+                len: f.bytes,
+                mtime_ns: i64::MIN,
+            }),
+        },
+    }
+}
+
+/// `-c`: which of the files at `idx` hold the same content on both ends,
+/// both ends hashing at once.
+async fn same_content(client: &Client, plan: &Plan, idx: &[usize]) -> Result<Vec<bool>> {
+    let check = content_check(client);
+    let bs = client.options().block_size;
+    let (remote, local): (Vec<String>, Vec<PathBuf>) = idx
+        .iter()
+        .map(|&i| {
+            let f = &plan.files[i];
+            // Push: the local source against its remote destination; pull:
+            // the remote source against its local destination.
+            let remote = if plan.push { &f.dest } else { &f.source };
+            (remote.clone(), f.job.local.clone())
+        })
+        .unzip();
+    let (r, l) = tokio::join!(
+        remote_contents(client, remote, check, bs, false),
+        local_contents(local, check, bs, false)
+    );
+    Ok(r?
+        .iter()
+        .zip(l?.iter())
+        .map(
+            |(r, l)| matches!((r, l), (Some(r), Some(l)) if r.len == l.len && r.digest == l.digest),
+        )
+        .collect())
+}
+
+/// Move the files `rules` leave alone from `plan.files` to
+/// `plan.skipped`, and drop the remote directories that exist already.
+pub async fn prune(client: &Client, plan: &mut Plan, rules: &Rules) -> Result<()> {
+    if !rules.active() || plan.files.is_empty() {
+        return Ok(());
+    }
+    let dests = if plan.push {
+        let (d, existing) = remote_dests(client, plan).await?;
+        plan.remote_dirs
+            .retain(|d| !existing.contains(d.trim_end_matches('/')));
+        d
+    } else {
+        plan.local_dirs.retain(|d| !d.is_dir());
+        plan.files
+            .iter()
+            .map(|f| local_dest(&f.job.local))
+            .collect::<Result<Vec<_>>>()?
+    };
+    let mut verdicts = Vec::with_capacity(dests.len());
+    for (i, &d) in dests.iter().enumerate() {
+        verdicts.push(decide(rules, source_meta(plan, i)?, d));
+    }
+    let idx: Vec<usize> = (0..verdicts.len())
+        .filter(|&i| verdicts[i] == Verdict::CompareContent)
+        .collect();
+    if !idx.is_empty() {
+        for (&i, same) in idx.iter().zip(same_content(client, plan, &idx).await?) {
+            verdicts[i] = if same { Verdict::Skip } else { Verdict::Copy };
+        }
+    }
+    if rules.delta {
+        // Files that move over a copy of more than one block.
+        let bs = client.options().block_size;
+        let idx: Vec<usize> = (0..verdicts.len())
+            .filter(|&i| verdicts[i] == Verdict::Copy && plan.files[i].bytes > bs)
+            .filter(|&i| matches!(dests[i], Dest::File(m) if m.len > 0))
+            .collect();
+        super::delta::prepare(client, plan, &idx).await?;
+    }
+    let files = std::mem::take(&mut plan.files);
+    for (f, v) in files.into_iter().zip(verdicts) {
+        if v == Verdict::Skip {
+            plan.skipped.push(f);
+        } else {
+            plan.files.push(f);
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SRC: Meta = Meta {
+        len: 10,
+        mtime_ns: 1_000,
+    };
+
+    fn with(len: u64, mtime_ns: i64) -> Dest {
+        Dest::File(Meta { len, mtime_ns })
+    }
+
+    #[test]
+    fn the_quick_check_skips_same_size_and_mtime_only() {
+        let q = Rules {
+            compare: Compare::Quick,
+            ..Rules::default()
+        };
+        assert_eq!(decide(&q, SRC, with(10, 1_000)), Verdict::Skip);
+        assert_eq!(decide(&q, SRC, with(11, 1_000)), Verdict::Copy);
+        assert_eq!(decide(&q, SRC, with(10, 1_001)), Verdict::Copy);
+        assert_eq!(decide(&q, SRC, Dest::Missing), Verdict::Copy);
+        assert_eq!(decide(&q, SRC, Dest::Other), Verdict::Copy);
+    }
+
+    #[test]
+    fn ignore_times_moves_everything() {
+        let i = Rules::default();
+        assert!(!i.active());
+        assert_eq!(decide(&i, SRC, with(10, 1_000)), Verdict::Copy);
+    }
+
+    #[test]
+    fn update_keeps_a_newer_destination() {
+        let u = Rules {
+            compare: Compare::Quick,
+            update: true,
+            ..Rules::default()
+        };
+        assert_eq!(decide(&u, SRC, with(3, 2_000)), Verdict::Skip);
+        // Same time, other size: rsync -u updates it.
+        assert_eq!(decide(&u, SRC, with(3, 1_000)), Verdict::Copy);
+        assert_eq!(decide(&u, SRC, with(10, 999)), Verdict::Copy);
+        // With -I too.
+        let ui = Rules {
+            update: true,
+            ..Rules::default()
+        };
+        assert_eq!(decide(&ui, SRC, with(10, 2_000)), Verdict::Skip);
+    }
+
+    #[test]
+    fn ignore_existing_keeps_whatever_is_there() {
+        let e = Rules {
+            ignore_existing: true,
+            ..Rules::default()
+        };
+        assert_eq!(decide(&e, SRC, with(3, 1)), Verdict::Skip);
+        assert_eq!(decide(&e, SRC, Dest::Other), Verdict::Skip);
+        assert_eq!(decide(&e, SRC, Dest::Missing), Verdict::Copy);
+    }
+
+    #[test]
+    fn checksum_compares_contents_of_same_size_files() {
+        let c = Rules {
+            compare: Compare::Content,
+            ..Rules::default()
+        };
+        assert_eq!(
+            decide(&c, SRC, with(10, 5)),
+            Verdict::CompareContent,
+            "mtime does not matter"
+        );
+        assert_eq!(decide(&c, SRC, with(9, 1_000)), Verdict::Copy);
+    }
+}

@@ -1,0 +1,201 @@
+//! What a file holds, as digests, without copying it: each block's digest
+//! under a [`Check`] and the derived file digest built from them (the same
+//! encoding a copy's commit compares, see [`super::digest`]). `rcp -c`
+//! compares the file digests of both ends; `--delta` compares the blocks'.
+//!
+//! Both ends compute them on the process-wide hashing pool
+//! ([`super::digest::on_pool`]): a batch of small files a file per pool
+//! thread, a large file a block per pool thread.
+
+use super::digest::{file_digest_with, on_pool, Check, Sha256Digest};
+use super::{Destination, Result, SourceFile};
+
+/// The digests of one file's content cut into blocks of one size.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Content {
+    pub len: u64,
+    /// The derived file digest (the check's encoding, see the module doc
+    /// of [`super::digest`]).
+    pub digest: Sha256Digest,
+    /// Each block's digest, in order (empty unless asked for).
+    pub blocks: Vec<Sha256Digest>,
+}
+
+/// Blocks of a file hashed together on one pool thread, so that a file of
+/// small blocks does not cost a pool hand-off per block.
+const BLOCKS_PER_TASK: u64 = 4;
+
+/// Each block's digest of `src` cut at `block_size`, read with `pread`
+/// (buffered) and hashed on the pool.
+pub fn block_digests(src: &SourceFile, check: Check, block_size: u64) -> Result<Vec<Sha256Digest>> {
+    let len = src.len();
+    let n = len.div_ceil(block_size);
+    let tasks: Vec<u64> = (0..n.div_ceil(BLOCKS_PER_TASK)).collect();
+    let hash_task = |t: &u64| -> Result<Vec<Sha256Digest>> {
+        let mut buf = vec![0u8; block_size as usize];
+        let first = t * BLOCKS_PER_TASK;
+        let mut out = Vec::new();
+        for b in first..(first + BLOCKS_PER_TASK).min(n) {
+            let off = b * block_size;
+            let want = (len - off).min(block_size) as usize;
+            let got = src.read_at(off, &mut buf[..want])?;
+            out.push(check.block(&buf[..got]));
+        }
+        Ok(out)
+    };
+    let parts = if tasks.len() > 1 {
+        on_pool(&tasks, hash_task)
+    } else {
+        tasks.iter().map(hash_task).collect()
+    };
+    let mut all = Vec::with_capacity(n as usize);
+    for p in parts {
+        all.extend(p?);
+    }
+    Ok(all)
+}
+
+/// [`Content`] of `src`: its file digest, and its block digests when
+/// `keep_blocks`.
+pub fn content(
+    src: &SourceFile,
+    check: Check,
+    block_size: u64,
+    keep_blocks: bool,
+) -> Result<Content> {
+    let blocks = block_digests(src, check, block_size)?;
+    let digest = file_digest_with(check, src.len(), block_size, &blocks);
+    Ok(Content {
+        len: src.len(),
+        digest,
+        blocks: if keep_blocks { blocks } else { Vec::new() },
+    })
+}
+
+/// [`content`] of each file `open` opens, a file per pool thread (its
+/// blocks then hashed on that thread or spread again for a large file);
+/// `None` where `open` found no regular file.
+pub fn contents<T: Sync>(
+    items: &[T],
+    open: impl Fn(&T) -> Result<Option<SourceFile>> + Sync + Send,
+    check: Check,
+    block_size: u64,
+    keep_blocks: bool,
+) -> Vec<Result<Option<Content>>> {
+    on_pool(items, |it| {
+        let Some(src) = open(it)? else {
+            return Ok(None);
+        };
+        content(&src, check, block_size, keep_blocks).map(Some)
+    })
+}
+
+/// Blocks [`seed`] reads and hashes together.
+const SEED_BATCH: usize = 16;
+
+/// `--delta`: write into `dest` (fresh) each block of `keep` (index and
+/// digest under `check`, the destination's) that `src`, the file now at the
+/// destination's name, still holds: read, hashed again on the pool a batch
+/// at a time, written as if it had arrived ([`Destination::write_block`]).
+/// A block `src` no longer holds (shorter, changed) is left missing: it
+/// moves. Returns how many were kept.
+pub fn seed(
+    src: &SourceFile,
+    dest: &mut Destination,
+    keep: &[(u64, Sha256Digest)],
+    check: Check,
+) -> Result<u64> {
+    if check.is_none() {
+        return Ok(0);
+    }
+    let bs = dest.block_size();
+    let mut kept = 0;
+    for batch in keep.chunks(SEED_BATCH) {
+        let mut bufs = Vec::with_capacity(batch.len());
+        for &(b, _) in batch {
+            if b >= dest.block_count() {
+                bufs.push(None);
+                continue;
+            }
+            let want = dest.block_len(b) as usize;
+            let mut buf = vec![0u8; want];
+            let got = if b * bs < src.len() {
+                src.read_at(b * bs, &mut buf)?
+            } else {
+                0
+            };
+            bufs.push((got == want).then_some(buf));
+        }
+        let slices: Vec<&[u8]> = bufs.iter().flatten().map(|b| b.as_slice()).collect();
+        let mut hashed = check.blocks(&slices).into_iter();
+        for (&(b, want), buf) in batch.iter().zip(&bufs) {
+            let Some(buf) = buf else { continue };
+            let d = hashed.next().expect("a digest per block read");
+            if d == want {
+                dest.write_block(b, buf, d)?;
+                kept += 1;
+            }
+        }
+    }
+    Ok(kept)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocks_and_file_digest_match_the_copys_encoding() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("f");
+        let data: Vec<u8> = (0..(5 * 4096 + 17)).map(|i| (i * 7 % 251) as u8).collect();
+        std::fs::write(&p, &data).unwrap();
+        let src = SourceFile::open(&p).unwrap();
+        let c = content(&src, Check::Blake3, 4096, true).unwrap();
+        let want: Vec<Sha256Digest> = data.chunks(4096).map(|b| Check::Blake3.block(b)).collect();
+        assert_eq!(c.blocks, want);
+        assert_eq!(c.len, data.len() as u64);
+        assert_eq!(
+            c.digest,
+            file_digest_with(Check::Blake3, data.len() as u64, 4096, &want)
+        );
+        let empty = dir.path().join("e");
+        std::fs::write(&empty, b"").unwrap();
+        let e = content(
+            &SourceFile::open(&empty).unwrap(),
+            Check::Blake3,
+            4096,
+            true,
+        )
+        .unwrap();
+        assert!(e.blocks.is_empty());
+    }
+
+    #[test]
+    fn seed_keeps_only_the_blocks_the_old_copy_still_holds() {
+        let dir = tempfile::tempdir().unwrap();
+        let old: Vec<u8> = (0..(4 * 4096 + 100)).map(|i| (i % 253) as u8).collect();
+        let p = dir.path().join("f");
+        std::fs::write(&p, &old).unwrap();
+        let mut new = old.clone();
+        new[4096 + 7] ^= 0xff;
+        let digests: Vec<Sha256Digest> = new.chunks(4096).map(|b| Check::Blake3.block(b)).collect();
+        // Asked to keep every block but 1; block 3's digest is wrong.
+        let mut keep: Vec<(u64, Sha256Digest)> = [0u64, 2, 3, 4]
+            .iter()
+            .map(|&b| (b, digests[b as usize]))
+            .collect();
+        keep[2].1 = [7; 32];
+        let d = crate::files::DirHandle::open(dir.path()).unwrap();
+        let opts = crate::files::DestinationOptions {
+            block_size: 4096,
+            check: Check::Blake3,
+            ..Default::default()
+        };
+        let mut dest = Destination::create(&d, "f", new.len() as u64, opts).unwrap();
+        let src = SourceFile::open(&p).unwrap();
+        assert_eq!(seed(&src, &mut dest, &keep, Check::Blake3).unwrap(), 3);
+        assert_eq!(dest.missing_blocks(), vec![1, 3]);
+        dest.abort();
+    }
+}
