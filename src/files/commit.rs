@@ -406,6 +406,12 @@ impl Destination {
             }
         }
         let st = rfs::fstat(&fd).map_err(|e| io_err("stat", &tpath, e))?;
+        if st.st_nlink == 0 {
+            // Removed while we waited for its lock (rcpd's --partial-ttl
+            // sweep, or another copy's discard): start afresh.
+            tracing::info!(temp = %esc(tpath.display()), "temp file was swept meanwhile; starting afresh");
+            return Ok(None);
+        }
         #[allow(clippy::unnecessary_cast)]
         if FileType::from_raw_mode(st.st_mode) != FileType::RegularFile
             || st.st_size as u64 != m.len
