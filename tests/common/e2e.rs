@@ -456,7 +456,12 @@ pub fn interrupted_copy(t: &str, s: &Scale, sub: &str, sig: &str, then: Then) {
         assert!(m < s.resume_len, "the resume moved {m} bytes: {so}");
     }
     assert_eq!(sha256sum(&dir.join("big")), want);
-    assert_eq!(names(dir), vec!["big".to_string()], "no partial left");
+    assert_eq!(
+        names(dir),
+        vec!["big".to_string()],
+        "no partial left: {so}{se}\nrcpd: {}",
+        d.log()
+    );
 }
 
 /// Eight clients push to an rcpd with three transfer slots: the excess
