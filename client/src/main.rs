@@ -1,5 +1,7 @@
 //! `rcp`: push and pull files to and from rcpd over RDMA (or TCP).
 
+mod signals;
+
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -30,7 +32,9 @@ Exit codes:
   5  temporary error (network, server unavailable): retry, --resume continues
   6  fatal error (integrity mismatch, authentication, permission, refused request)
   7  transfer exceeded a limit (size, space at the destination)
-  8  protocol violation: rcpd (or this rcp) sent a message outside the protocol";
+  8  protocol violation: rcpd (or this rcp) sent a message outside the protocol
+  130  interrupted by SIGINT: aborted cleanly, stderr says the --resume command
+  143  terminated by SIGTERM: as 130";
 
 #[derive(Parser, Debug)]
 #[command(name = "rcp", version, about = "Copy files between hosts over RDMA (rcpd on the other side)", after_help = AFTER_HELP)]
@@ -401,6 +405,8 @@ struct Watch {
     /// Bytes of windows done (verified).
     bytes: AtomicU64,
     files_done: AtomicU64,
+    /// The bytes of the files done (for an interrupt's report).
+    committed: AtomicU64,
     /// The job's bytes, from the plan.
     bytes_total: u64,
     /// The current session's data-path counters and the bytes shown when
@@ -463,6 +469,7 @@ impl Observer for Watch {
     fn file_done(&self, r: &FileResult) {
         // Counted as committed (renamed into place), not as started.
         self.files_done.fetch_add(1, Relaxed);
+        self.committed.fetch_add(r.length, Relaxed);
         self.draw();
         if let Some(dir) = self.json {
             let (transport, check) = self.session.lock().unwrap().clone();
@@ -633,6 +640,7 @@ async fn run(c: Cli) -> Result<(), ControlError> {
     } else {
         Paths::pull(args, c.port)
     }?;
+    signals::catch();
     copy_files(&c, copy, &paths, opts).await
 }
 
@@ -866,7 +874,10 @@ async fn copy_files(
     let client = Client::connect(paths.addr(), opts).await?;
     rcp::phase::mark("connected to rcpd");
     let t0 = Instant::now();
-    let mut plan = paths.plan(&client, &job).await?;
+    let mut plan = tokio::select! {
+        p = paths.plan(&client, &job) => p?,
+        sig = rcp::control::interrupt::wait() => return Err(ControlError::Failed(sig.failure())),
+    };
     rcp::phase::mark("planned");
     print_left_out(&plan, c.json, c.quiet);
     if copy.dry_run {
@@ -885,6 +896,7 @@ async fn copy_files(
         session: Default::default(),
         bytes: AtomicU64::new(0),
         files_done: AtomicU64::new(0),
+        committed: AtomicU64::new(0),
         bytes_total,
         live: Default::default(),
     });
@@ -926,6 +938,15 @@ async fn copy_files(
         print_progress(&p, c.json);
     }
     rcp::phase::mark("files done, session closed");
+    if let (Err(_), Some(sig)) = (&outcome, rcp::control::interrupt::raised()) {
+        let done = signals::Done {
+            files: watch.files_done.load(Relaxed),
+            files_total,
+            bytes: watch.committed.load(Relaxed),
+            bytes_total,
+        };
+        signals::report(sig, &done);
+    }
     let outcome = outcome?;
     // Links and --delete only after every file made it.
     let say = !c.quiet && c.verbose > 0;
@@ -1227,15 +1248,20 @@ fn main() {
         }
         Err(e) => {
             eprintln!("rcp: {e}");
+            // An interrupt's code says which signal (130, 143).
+            let code = match (e.reason(), rcp::control::interrupt::raised()) {
+                (rcp::proto::Reason::Interrupted, Some(sig)) => sig.exit_code(),
+                _ => e.exit_code(),
+            };
             if as_json {
                 let reason = e.reason();
                 print_error(
-                    e.exit_code(),
+                    code,
                     reason.as_str_name().trim_start_matches("REASON_"),
                     &e.to_string(),
                 );
             }
-            std::process::exit(e.exit_code());
+            std::process::exit(code);
         }
     }
 }

@@ -80,6 +80,8 @@ pub mod dircache;
 pub mod direct;
 pub mod error;
 pub mod manifest;
+pub mod mode;
+pub mod partials;
 pub mod path;
 pub mod reader;
 pub mod root;

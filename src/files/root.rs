@@ -22,7 +22,7 @@ use std::fs::File;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use rustix::fs::{self as rfs, AtFlags, FileType, Mode, OFlags, ResolveFlags};
 use rustix::io::Errno;
@@ -110,6 +110,10 @@ pub struct ListEntry {
 pub struct DirHandle {
     fd: Arc<OwnedFd>,
     display: PathBuf,
+    /// The partials (`.rcp-*.part*`) in the directory when first asked
+    /// ([`super::partials`]): one listing per directory opened, not one
+    /// per file created in it.
+    partials: Arc<OnceLock<Vec<OsString>>>,
 }
 
 impl DirHandle {
@@ -126,10 +130,16 @@ impl DirHandle {
         Ok(DirHandle {
             fd: Arc::new(fd),
             display: path.to_owned(),
+            partials: Arc::default(),
         })
     }
     pub fn fd(&self) -> BorrowedFd<'_> {
         self.fd.as_fd()
+    }
+    /// The partials in the directory when this handle (or a clone) first
+    /// asked, by `list`; later asks get the same list.
+    pub(crate) fn partials_once(&self, list: impl FnOnce() -> Vec<OsString>) -> &[OsString] {
+        self.partials.get_or_init(list)
     }
     pub(crate) fn fd_owned(&self) -> &OwnedFd {
         &self.fd
@@ -413,6 +423,7 @@ impl Root {
         Ok(DirHandle {
             fd: Arc::new(fd),
             display: self.display(r),
+            partials: Arc::default(),
         })
     }
 
