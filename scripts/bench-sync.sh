@@ -3,7 +3,7 @@
 # loopback, tcp provider, tmpfs (/dev/shm), RCP_BENCH_PASSES (5)
 # interleaved passes, medians and the spread:
 #  - rerun of an unchanged tree of RCP_BENCH_FILES (20000) files of
-#    RCP_BENCH_FILE_KIB (16) KiB: `rcp push -r -p` against `rsync -a` to an
+#    RCP_BENCH_FILE_KIB (16) KiB: `rcp push -a` against `rsync -a` to an
 #    rsync daemon on 127.0.0.1, both after a first full copy; bytes moved
 #    (rcp: --json's moved; rsync: --stats' "Total bytes sent");
 #  - --delta of a RCP_BENCH_DELTA_MIB (256) MiB file with one 1 MiB region
@@ -63,6 +63,10 @@ port=${RCPD_ADDR##*:}
 RCP=("$R/rcp" -P "$port" --transport tcp -q)
 RS=rsync://127.0.0.1:17874/sync/
 now() { date +%s.%N; }
+# What each moved, read after its timing (a parser's start-up is not the
+# copy's time): rcp's `moved` of its --json summary, rsync's --stats.
+rcp_moved() { python3 -c 'import json,sys; print([json.loads(l) for l in open(sys.argv[1])][-1]["moved"])' "$1"; }
+rsync_sent() { awk '/Total bytes sent/{gsub(",","",$4); print $4}' "$1"; }
 # The first copies.
 "${RCP[@]}" push -r -p "$shm/src/tree" 127.0.0.1:
 "${RCP[@]}" push "$shm/src/big" 127.0.0.1:
@@ -71,25 +75,29 @@ declare -A T MOVED
 add() { T[$1]="${T[$1]:-} $2"; MOVED[$1]=$3; }
 for p in $(seq "$PASSES"); do
   t0=$(now)
-  m=$("${RCP[@]}" --json push -r -p "$shm/src/tree" 127.0.0.1: | python3 -c 'import json,sys; print([json.loads(l) for l in sys.stdin][-1]["moved"])')
-  add "rerun rcp push -r -p" "$(python3 -c "print($(now) - $t0)")" "$m"
+  "${RCP[@]}" --json push -a "$shm/src/tree" 127.0.0.1: >"$shm/out"
+  t=$(python3 -c "print($(now) - $t0)")
+  add "rerun rcp push -a" "$t" "$(rcp_moved "$shm/out")"
   t0=$(now)
-  m=$(rsync -a --stats "$shm/src/tree" "$RS" | awk '/Total bytes sent/{gsub(",","",$4); print $4}')
-  add "rerun rsync -a" "$(python3 -c "print($(now) - $t0)")" "$m"
+  rsync -a --stats "$shm/src/tree" "$RS" >"$shm/out"
+  t=$(python3 -c "print($(now) - $t0)")
+  add "rerun rsync -a" "$t" "$(rsync_sent "$shm/out")"
   # One MiB changed, not block-aligned.
   python3 -c "
 import os
 f = open('$shm/src/big', 'r+b'); f.seek(100 * 2**20 + 12345); f.write(os.urandom(2**20))"
   t0=$(now)
-  m=$("${RCP[@]}" --json push --delta "$shm/src/big" 127.0.0.1: | python3 -c 'import json,sys; print([json.loads(l) for l in sys.stdin][-1]["moved"])')
-  add "delta rcp push --delta" "$(python3 -c "print($(now) - $t0)")" "$m"
+  "${RCP[@]}" --json push --delta "$shm/src/big" 127.0.0.1: >"$shm/out"
+  t=$(python3 -c "print($(now) - $t0)")
+  add "delta rcp push --delta" "$t" "$(rcp_moved "$shm/out")"
   t0=$(now)
-  m=$(rsync --stats "$shm/src/big" "$RS" | awk '/Total bytes sent/{gsub(",","",$4); print $4}')
-  add "delta rsync" "$(python3 -c "print($(now) - $t0)")" "$m"
+  rsync --stats "$shm/src/big" "$RS" >"$shm/out"
+  t=$(python3 -c "print($(now) - $t0)")
+  add "delta rsync" "$t" "$(rsync_sent "$shm/out")"
   cmp "$shm/src/big" "$shm/rcp/big"
   cmp "$shm/src/big" "$shm/rsync/big"
 done
-for k in "rerun rcp push -r -p" "rerun rsync -a" "delta rcp push --delta" "delta rsync"; do
+for k in "rerun rcp push -a" "rerun rsync -a" "delta rcp push --delta" "delta rsync"; do
   python3 - "$k" "${MOVED[$k]}" ${T[$k]} <<'PY'
 import statistics, sys
 k, moved, ts = sys.argv[1], sys.argv[2], sorted(map(float, sys.argv[3:]))

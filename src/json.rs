@@ -152,6 +152,37 @@ pub struct SummaryLine {
     /// `--transport auto`: why the copy left verbs for tcp midway (every
     /// RDMA rail down past `--tcp-fallback-after`); `null`: it did not.
     pub fallback: Option<String>,
+    /// `-r`: `links` (symlinks made, `-a`), `left_out` (entries left out
+    /// with a warning: symlinks without `-a`, links outside the tree,
+    /// FIFOs...), `excluded` (`--exclude`), `deleted` (`--delete`).
+    #[serde(flatten)]
+    pub tree: crate::control::jobs::tree::TreeCounts,
+}
+
+/// `"type": "left_out"`: a source entry not copied, and why (also a
+/// warning on stderr without `--json`). Not the quick check's skips.
+#[derive(Clone, Debug, Serialize)]
+pub struct LeftOutLine {
+    pub path: String,
+    pub reason: String,
+}
+
+/// `"type": "link"`: a symlink `-a` made at the destination (`dry_run`:
+/// would make).
+#[derive(Clone, Debug, Serialize)]
+pub struct LinkLine {
+    pub path: String,
+    pub target: String,
+    pub dry_run: bool,
+}
+
+/// `"type": "delete"`: an entry `--delete` removed at the destination
+/// (`dry_run`: would remove).
+#[derive(Clone, Debug, Serialize)]
+pub struct DeleteLine {
+    pub path: String,
+    pub dir: bool,
+    pub dry_run: bool,
 }
 
 /// `"type": "check"`: one finding of `rcp doctor`.

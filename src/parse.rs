@@ -93,7 +93,7 @@ pub fn bytes(s: &str) -> Result<u64, ParseError> {
 }
 
 /// A duration as rclone writes one: `1.5`, `2s`, `500ms`, `1m` (a bare
-/// number is seconds; `s`, `ms`, `m`, `h` suffixes; fractions allowed).
+/// number is seconds; `s`, `ms`, `m`, `h`, `d` suffixes; fractions allowed).
 pub fn duration(s: &str) -> Result<std::time::Duration, ParseError> {
     let t = s.trim();
     let (num, unit) = if let Some(n) = t.strip_suffix("ms") {
@@ -104,6 +104,8 @@ pub fn duration(s: &str) -> Result<std::time::Duration, ParseError> {
         (n, 60.0)
     } else if let Some(n) = t.strip_suffix('h') {
         (n, 3600.0)
+    } else if let Some(n) = t.strip_suffix('d') {
+        (n, 86_400.0)
     } else {
         (t, 1.0)
     };
@@ -256,6 +258,7 @@ mod tests {
         assert_eq!(duration("2.5s").unwrap(), Duration::from_millis(2500));
         assert_eq!(duration("500ms").unwrap(), Duration::from_millis(500));
         assert_eq!(duration("1m").unwrap(), Duration::from_secs(60));
+        assert_eq!(duration("1d").unwrap(), Duration::from_secs(86_400));
         assert_eq!(duration("0").unwrap(), Duration::ZERO);
         for bad in ["", "s", "-1", "1x", "1e3", "fast"] {
             assert!(duration(bad).is_err(), "{bad}");

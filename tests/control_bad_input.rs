@@ -98,6 +98,85 @@ fn path_escapes_are_refused() {
     bg.finishes(&root);
 }
 
+/// The tree calls of `-a` and `--delete` stay beneath the root: MakeLink
+/// refuses a target that is absolute or climbs out of the root, and a path
+/// through a symlink; Remove refuses the root itself, an escape, a path
+/// through a symlink, a directory that is not empty, and removes a link to
+/// a directory as the link, never what it points at.
+#[test]
+fn make_link_and_remove_stay_beneath_the_root() {
+    let (tmp, root, d) = setup(None);
+    let outside = tmp.path().join("outside");
+    std::fs::create_dir(&outside).unwrap();
+    std::fs::write(outside.join("secret"), b"outside").unwrap();
+    std::os::unix::fs::symlink(&outside, root.join("link")).unwrap();
+    std::fs::create_dir_all(root.join("sub/full")).unwrap();
+    std::fs::write(root.join("sub/full/f"), b"f").unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let mut c = grpc(d.port).await;
+        for (path, target) in [
+            ("l1", "../outside/secret"),
+            ("sub/l2", "../../outside"),
+            ("l3", "/etc/passwd"),
+            ("l4", ""),
+            ("../l5", "x"),
+            ("link/l6", "secret"),
+        ] {
+            let e = c
+                .make_link(proto::MakeLinkRequest {
+                    path: path.into(),
+                    target: target.into(),
+                })
+                .await
+                .unwrap_err();
+            assert!(
+                matches!(raw::reason(&e), Reason::Invalid | Reason::PathRefused),
+                "{path} -> {target}: {e:?}"
+            );
+        }
+        for l in ["l1", "sub/l2", "l3", "l4"] {
+            assert!(std::fs::symlink_metadata(root.join(l)).is_err(), "{l}");
+        }
+        assert!(std::fs::symlink_metadata(tmp.path().join("l5")).is_err());
+        assert!(std::fs::symlink_metadata(outside.join("l6")).is_err());
+        // Inside: made, with its text (a link to a sibling directory too).
+        c.make_link(proto::MakeLinkRequest {
+            path: "sub/ok".into(),
+            target: "../sub/full/f".into(),
+        })
+        .await
+        .unwrap();
+        assert_eq!(
+            std::fs::read_link(root.join("sub/ok")).unwrap(),
+            Path::new("../sub/full/f")
+        );
+
+        for path in [
+            "",
+            "/",
+            ".",
+            "sub/..",
+            "../outside/secret",
+            "link/secret",
+            "sub/full",
+        ] {
+            let r = c.remove(proto::RemoveRequest { path: path.into() }).await;
+            assert!(r.is_err(), "{path}: removed");
+        }
+        assert!(root.is_dir() && root.join("sub/full/f").is_file());
+        assert_eq!(std::fs::read(outside.join("secret")).unwrap(), b"outside");
+        // The link goes, what it points at stays.
+        c.remove(proto::RemoveRequest {
+            path: "link".into(),
+        })
+        .await
+        .unwrap();
+        assert!(std::fs::symlink_metadata(root.join("link")).is_err());
+        assert_eq!(std::fs::read(outside.join("secret")).unwrap(), b"outside");
+    });
+}
+
 #[test]
 fn wrong_or_missing_token_is_refused() {
     let (tmp, root, d) = setup(Some("good-token"));

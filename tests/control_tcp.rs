@@ -5,6 +5,7 @@
 mod common;
 
 use common::*;
+use std::time::Duration;
 
 const T: &str = "tcp";
 
@@ -245,4 +246,54 @@ fn a_pushed_tree_meets_what_stands_at_its_names() {
         let n = format!("a{i:02}");
         assert_eq!(sha256sum(&got.join(&n)), sha256sum(&sub.join(&n)), "{n}");
     }
+}
+
+/// A file under `dir` last written `age` ago (or, negative, that far ahead).
+fn partial_aged(p: &std::path::Path, age_s: i64) {
+    std::fs::write(p, b"partial").unwrap();
+    let now = std::time::SystemTime::now();
+    let d = std::time::Duration::from_secs(age_s.unsigned_abs());
+    let t = if age_s >= 0 { now - d } else { now + d };
+    let f = std::fs::File::options().write(true).open(p).unwrap();
+    f.set_modified(t).unwrap();
+}
+
+/// rcpd's --partial-ttl: at start it removes the partials (temp file and
+/// manifest) beneath its root not written for longer than the ttl, keeps a
+/// fresh one and every other file, and sweeps again while it runs. Ages
+/// are mtimes set in the past (or the future, for the one that must stay):
+/// nothing depends on how long the test takes.
+#[test]
+fn rcpd_sweeps_partials_unused_for_the_partial_ttl() {
+    let (_tmp, root) = e2e::tmp_with_root();
+    let sub = root.join("a/b");
+    std::fs::create_dir_all(&sub).unwrap();
+    let old = sub.join(".rcp-old.0011223344556677.part");
+    partial_aged(&old, 7200);
+    partial_aged(&sub.join(".rcp-old.0011223344556677.part.manifest"), 7200);
+    let fresh = sub.join(".rcp-new.0011223344556677.part");
+    partial_aged(&fresh, -7200);
+    partial_aged(&sub.join(".rcp-new.0011223344556677.part.manifest"), -7200);
+    let plain = root.join("plain");
+    partial_aged(&plain, 7200);
+    // 4 s: swept again every second.
+    let d = Rcpd::start(&root, T, None, &["--partial-ttl", "4s"]);
+    wait_for("the first sweep", Duration::from_secs(60), || {
+        d.log().contains("partial files swept")
+    });
+    assert_eq!(
+        names(&sub),
+        [
+            ".rcp-new.0011223344556677.part",
+            ".rcp-new.0011223344556677.part.manifest"
+        ],
+        "{}",
+        d.log()
+    );
+    assert!(plain.exists());
+    // One left later is swept while rcpd runs.
+    let later = root.join(".rcp-later.0011223344556677.part");
+    partial_aged(&later, 7200);
+    wait_for("a later sweep", Duration::from_secs(60), || !later.exists());
+    assert!(fresh.exists() && plain.exists());
 }

@@ -1,12 +1,14 @@
 //! `rcp`: push and pull files to and from rcpd over RDMA (or TCP).
 
+mod signals;
+
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use clap::{Args, Parser, Subcommand};
+use clap::{ArgMatches, Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use rcp::control::client::Observer;
 use rcp::control::jobs::{self, Job, Paths, Plan};
@@ -30,7 +32,9 @@ Exit codes:
   5  temporary error (network, server unavailable): retry, --resume continues
   6  fatal error (integrity mismatch, authentication, permission, refused request)
   7  transfer exceeded a limit (size, space at the destination)
-  8  protocol violation: rcpd (or this rcp) sent a message outside the protocol";
+  8  protocol violation: rcpd (or this rcp) sent a message outside the protocol
+  130  interrupted by SIGINT: aborted cleanly, stderr says the --resume command
+  143  terminated by SIGTERM: as 130";
 
 #[derive(Parser, Debug)]
 #[command(name = "rcp", version, about = "Copy files between hosts over RDMA (rcpd on the other side)", after_help = AFTER_HELP)]
@@ -238,9 +242,35 @@ enum Cmd {
 /// What push and pull share.
 #[derive(Args, Debug, Clone)]
 struct CopyArgs {
-    /// Copy directories recursively (symlinks are never followed).
+    /// Copy directories recursively (symlinks are never followed; without
+    /// -a each is skipped with a warning).
     #[arg(short, long, env = "RCP_RECURSIVE")]
     recursive: bool,
+    /// Archive: -r -p, and symlinks recreated as symlinks with their
+    /// target text (never followed); a link pointing outside the copied
+    /// tree (absolute, or climbing out of it) is skipped with a warning, as
+    /// rsync --safe-links.
+    #[arg(short = 'a', long, env = "RCP_ARCHIVE")]
+    archive: bool,
+    /// With -r/-a: after the copy, remove what the destination directory
+    /// holds that the source does not (each said on stderr, or a "delete"
+    /// JSON line); excluded names are kept, as rsync's default.
+    #[arg(long, env = "RCP_DELETE")]
+    delete: bool,
+    /// Leave out what matches PATTERN (rsync's rules: `*` within a name,
+    /// `**` across `/`, `?`, a leading `/` anchors at the copied directory,
+    /// a trailing `/` matches directories only; first matching
+    /// --exclude/--include wins). Repeatable.
+    #[arg(long, value_name = "PATTERN")]
+    exclude: Vec<String>,
+    /// Keep what matches PATTERN even if a later --exclude matches it
+    /// (same rules, first match wins). Repeatable.
+    #[arg(long, value_name = "PATTERN")]
+    include: Vec<String>,
+    /// --exclude and --include in the order typed (filled from the command
+    /// line's positions).
+    #[arg(skip)]
+    rules: Vec<(bool, String)>,
     /// List what would be copied (a line per file with its size) and the
     /// totals; move no byte, create nothing on either side.
     #[arg(short = 'n', long, env = "RCP_DRY_RUN")]
@@ -375,6 +405,8 @@ struct Watch {
     /// Bytes of windows done (verified).
     bytes: AtomicU64,
     files_done: AtomicU64,
+    /// The bytes of the files done (for an interrupt's report).
+    committed: AtomicU64,
     /// The job's bytes, from the plan.
     bytes_total: u64,
     /// The current session's data-path counters and the bytes shown when
@@ -437,6 +469,7 @@ impl Observer for Watch {
     fn file_done(&self, r: &FileResult) {
         // Counted as committed (renamed into place), not as started.
         self.files_done.fetch_add(1, Relaxed);
+        self.committed.fetch_add(r.length, Relaxed);
         self.draw();
         if let Some(dir) = self.json {
             let (transport, check) = self.session.lock().unwrap().clone();
@@ -550,7 +583,14 @@ fn print_plan(plan: &Plan, as_json: bool, quiet: bool, seconds: f64) {
             println!("would {dir} {} -> {} ({} bytes)", f.source, f.dest, f.bytes);
         }
     }
+    for l in &plan.tree.links {
+        print_link(l, true, as_json, !quiet);
+    }
+    for d in &plan.tree.deletes {
+        print_deletion(d, true, as_json, !quiet);
+    }
     let (files, bytes, dirs) = (plan.files.len() as u64, plan.bytes(), plan.dirs() as u64);
+    let tree = plan.tree.counts();
     if as_json {
         let l = json::SummaryLine {
             direction: dir,
@@ -569,15 +609,19 @@ fn print_plan(plan: &Plan, as_json: bool, quiet: bool, seconds: f64) {
             sha256: None,
             reconnects: None,
             fallback: None,
+            tree,
         };
         println!("{}", line("summary", &l));
     } else if !quiet {
         println!(
-            "dry run: {files} file{}, {bytes} bytes, {dirs} director{} to make, {} unchanged; \
+            "dry run: {files} file{}, {bytes} bytes, {dirs} director{} to make, {} unchanged{}; \
              nothing copied",
             if files == 1 { "" } else { "s" },
             if dirs == 1 { "y" } else { "ies" },
             plan.skipped.len(),
+            tree_summary(&tree)
+                .map(|t| format!(" (would be: {t})"))
+                .unwrap_or_default(),
         );
     }
 }
@@ -596,6 +640,7 @@ async fn run(c: Cli) -> Result<(), ControlError> {
     } else {
         Paths::pull(args, c.port)
     }?;
+    signals::catch();
     copy_files(&c, copy, &paths, opts).await
 }
 
@@ -696,6 +741,126 @@ async fn doctor(c: &Cli, host: Option<&str>, opts: ClientOptions) -> Result<(), 
     }
 }
 
+/// The copy flags become the job (once): -a is -r -p plus links.
+fn job_of(c: &Cli, copy: &CopyArgs) -> Result<Job, ControlError> {
+    let recursive = copy.recursive || copy.archive;
+    if copy.delete && !recursive {
+        return Err(ControlError::Usage(
+            "--delete needs -r or -a (it acts on directories)".into(),
+        ));
+    }
+    let mut filter = jobs::filter::Filter::default();
+    for (include, p) in &copy.rules {
+        filter
+            .push(*include, p)
+            .map_err(|e| ControlError::Usage(e.to_string()))?;
+    }
+    Ok(Job {
+        recursive,
+        preserve: c.preserve || copy.archive,
+        resume: c.resume,
+        sha256: c.sha256,
+        skip: copy.skip_rules(c.resume),
+        links: copy.archive,
+        delete: copy.delete,
+        filter,
+    })
+}
+
+/// --exclude/--include of a push or pull, in the order typed.
+fn ordered_rules(m: &ArgMatches) -> Vec<(bool, String)> {
+    let mut out = Vec::new();
+    for (id, include) in [("exclude", false), ("include", true)] {
+        let (Some(ix), Some(vs)) = (m.indices_of(id), m.get_many::<String>(id)) else {
+            continue;
+        };
+        out.extend(ix.zip(vs).map(|(i, v)| (i, include, v.clone())));
+    }
+    out.sort_by_key(|r| r.0);
+    out.into_iter().map(|(_, inc, v)| (inc, v)).collect()
+}
+
+/// The command line, with the filter rules' order kept.
+fn parse_cli() -> Result<Cli, clap::Error> {
+    let m = Cli::command().try_get_matches()?;
+    let mut c = Cli::from_arg_matches(&m)?;
+    if let (Cmd::Push { copy, .. } | Cmd::Pull { copy, .. }, Some((_, sm))) =
+        (&mut c.cmd, m.subcommand())
+    {
+        copy.rules = ordered_rules(sm);
+    }
+    Ok(c)
+}
+
+/// What the tree part of a plan leaves out, said (never silently): a
+/// warning on stderr per entry, or a "left_out" JSON line.
+fn print_left_out(plan: &Plan, as_json: bool, quiet: bool) {
+    for n in &plan.tree.left_out {
+        if as_json {
+            let l = json::LeftOutLine {
+                path: n.path.clone(),
+                reason: n.reason.clone(),
+            };
+            println!("{}", line("left_out", &l));
+        } else if !quiet {
+            // rsync's words for what it does not copy.
+            match n.reason.strip_prefix("non-regular file") {
+                Some(why) => eprintln!("rcp: skipping non-regular file {:?}{why}", n.path),
+                None => eprintln!("rcp: skipping {:?}: {}", n.path, n.reason),
+            }
+        }
+    }
+}
+
+/// A symlink (`-a`), made or (dry run) planned: a JSON line, or when
+/// `say` (a dry run's listing; -v for a real run) a line.
+fn print_link(l: &jobs::tree::LinkPlan, dry_run: bool, as_json: bool, say: bool) {
+    if as_json {
+        let j = json::LinkLine {
+            path: l.dest.clone(),
+            target: l.target.clone(),
+            dry_run,
+        };
+        println!("{}", line("link", &j));
+    } else if dry_run && say {
+        println!("would link {} -> {}", l.dest, l.target);
+    } else if say {
+        eprintln!("link {} -> {}", l.dest, l.target);
+    }
+}
+
+/// A deletion (`--delete`), done or (dry run) planned: a JSON line, or
+/// when `say` (a dry run's listing; -v for a real run, as rsync) a line.
+fn print_deletion(d: &jobs::tree::Deletion, dry_run: bool, as_json: bool, say: bool) {
+    if as_json {
+        let l = json::DeleteLine {
+            path: d.path.clone(),
+            dir: d.dir,
+            dry_run,
+        };
+        println!("{}", line("delete", &l));
+    } else if dry_run && say {
+        println!("would delete {}", d.path);
+    } else if say {
+        eprintln!("deleting {}", d.path);
+    }
+}
+
+/// The tree's counts after the human summary, when there are any.
+fn tree_summary(t: &jobs::tree::TreeCounts) -> Option<String> {
+    let parts: Vec<String> = [
+        (t.links, "symlink made", "symlinks made"),
+        (t.left_out, "entry left out", "entries left out"),
+        (t.excluded, "entry excluded", "entries excluded"),
+        (t.deleted, "entry deleted", "entries deleted"),
+    ]
+    .iter()
+    .filter(|(n, ..)| *n > 0)
+    .map(|(n, one, many)| format!("{n} {}", if *n == 1 { one } else { many }))
+    .collect();
+    (!parts.is_empty()).then(|| parts.join(", "))
+}
+
 /// `rcp push` / `rcp pull`: plan, then (unless a dry run) copy with
 /// progress, and print the summary.
 async fn copy_files(
@@ -704,24 +869,23 @@ async fn copy_files(
     paths: &Paths,
     opts: ClientOptions,
 ) -> Result<(), ControlError> {
-    let job = Job {
-        recursive: copy.recursive,
-        preserve: c.preserve,
-        resume: c.resume,
-        sha256: c.sha256,
-        skip: copy.skip_rules(c.resume),
-    };
+    let job = job_of(c, copy)?;
     rcp::phase::mark("runtime up, arguments parsed");
     let client = Client::connect(paths.addr(), opts).await?;
     rcp::phase::mark("connected to rcpd");
     let t0 = Instant::now();
-    let plan = paths.plan(&client, &job).await?;
+    let mut plan = tokio::select! {
+        p = paths.plan(&client, &job) => p?,
+        sig = rcp::control::interrupt::wait() => return Err(ControlError::Failed(sig.failure())),
+    };
     rcp::phase::mark("planned");
+    print_left_out(&plan, c.json, c.quiet);
     if copy.dry_run {
         // No session: nothing is set up on rcpd, nothing moves.
         print_plan(&plan, c.json, c.quiet, t0.elapsed().as_secs_f64());
         return Ok(());
     }
+    let tree_plan = std::mem::take(&mut plan.tree);
     let (bytes_total, files_total) = (plan.bytes(), plan.files.len() as u64);
     let watch = Arc::new(Watch {
         bars: (!c.quiet && std::io::stderr().is_terminal())
@@ -732,6 +896,7 @@ async fn copy_files(
         session: Default::default(),
         bytes: AtomicU64::new(0),
         files_done: AtomicU64::new(0),
+        committed: AtomicU64::new(0),
         bytes_total,
         live: Default::default(),
     });
@@ -773,13 +938,35 @@ async fn copy_files(
         print_progress(&p, c.json);
     }
     rcp::phase::mark("files done, session closed");
-    print_outcome(c, direction, dirs, outcome?);
+    if let (Err(_), Some(sig)) = (&outcome, rcp::control::interrupt::raised()) {
+        let done = signals::Done {
+            files: watch.files_done.load(Relaxed),
+            files_total,
+            bytes: watch.committed.load(Relaxed),
+            bytes_total,
+        };
+        signals::report(sig, &done);
+    }
+    let outcome = outcome?;
+    // Links and --delete only after every file made it.
+    let say = !c.quiet && c.verbose > 0;
+    let linked = |l: &jobs::tree::LinkPlan| print_link(l, false, c.json, say);
+    let deleted = |d: &jobs::tree::Deletion| print_deletion(d, false, c.json, say);
+    let push = direction == Direction::Push;
+    let tree = jobs::tree::finish(&client, push, &tree_plan, &linked, &deleted).await?;
+    print_outcome(c, direction, dirs, outcome, tree);
     Ok(())
 }
 
 /// The summary of a copy: a JSON line, or the human line (and with -v a
 /// line per rail).
-fn print_outcome(c: &Cli, direction: Direction, dirs: u64, outcome: jobs::Outcome) {
+fn print_outcome(
+    c: &Cli,
+    direction: Direction,
+    dirs: u64,
+    outcome: jobs::Outcome,
+    tree: jobs::tree::TreeCounts,
+) {
     let jobs::Outcome {
         totals,
         kind,
@@ -808,17 +995,24 @@ fn print_outcome(c: &Cli, direction: Direction, dirs: u64, outcome: jobs::Outcom
             sha256: totals.sha256.as_deref().filter(|_| one).map(hex),
             reconnects: stats.map(|s| s.report.counters.reconnects),
             fallback: fell_back,
+            tree,
         };
         println!("{}", line("summary", &l));
-    } else if !c.quiet && !session {
-        println!("{}", totals.summary_unchanged());
     } else if !c.quiet {
-        let over = match &fell_back {
-            // Why: the WARNING line when it happened.
-            Some(_) => format!("{transport} (FELL BACK from verbs)"),
-            None => transport,
+        let mut s = if session {
+            let over = match &fell_back {
+                // Why: the WARNING line when it happened.
+                Some(_) => format!("{transport} (FELL BACK from verbs)"),
+                None => transport,
+            };
+            totals.summary_checked(&over, check)
+        } else {
+            totals.summary_unchanged()
         };
-        println!("{}", totals.summary_checked(&over, check));
+        if let Some(t) = tree_summary(&tree) {
+            s.push_str(&format!("; {t}"));
+        }
+        println!("{s}");
         if c.verbose > 0 {
             for l in stats
                 .iter()
@@ -1003,7 +1197,7 @@ fn json_asked() -> bool {
 
 fn main() {
     rcp::phase::start();
-    let c = match Cli::try_parse() {
+    let c = match parse_cli() {
         Ok(c) => c,
         Err(e) => {
             let code = match e.kind() {
@@ -1054,15 +1248,20 @@ fn main() {
         }
         Err(e) => {
             eprintln!("rcp: {e}");
+            // An interrupt's code says which signal (130, 143).
+            let code = match (e.reason(), rcp::control::interrupt::raised()) {
+                (rcp::proto::Reason::Interrupted, Some(sig)) => sig.exit_code(),
+                _ => e.exit_code(),
+            };
             if as_json {
                 let reason = e.reason();
                 print_error(
-                    e.exit_code(),
+                    code,
                     reason.as_str_name().trim_start_matches("REASON_"),
                     &e.to_string(),
                 );
             }
-            std::process::exit(e.exit_code());
+            std::process::exit(code);
         }
     }
 }

@@ -159,6 +159,14 @@ struct Args {
     /// default: --tls-client-ca.
     #[arg(long, env = "RCPD_TLS_PEER_CA")]
     tls_peer_ca: Option<PathBuf>,
+    /// Remove partial files (`.rcp-*.part` and their manifests, what an
+    /// interrupted push leaves for `--resume`) beneath --root that neither
+    /// the copy nor its manifest wrote for this long (`12h`, `1d`, `3600`:
+    /// seconds unless suffixed s, m, h, d; 0: never). Swept at start, then
+    /// every quarter of it (at least every second, at most hourly); never a
+    /// partial a live transfer holds.
+    #[arg(long, env = "RCPD_PARTIAL_TTL", default_value = "1d", value_parser = parse_ttl)]
+    partial_ttl: Duration,
     /// Seconds running transfers get to finish after SIGTERM/SIGINT.
     #[arg(long, env = "RCPD_SHUTDOWN_GRACE", default_value_t = 30)]
     shutdown_grace: u64,
@@ -183,6 +191,10 @@ fn env_names() -> Vec<String> {
 
 fn parse_rate(s: &str) -> Result<u64, String> {
     rcp::parse::bytes(s).map_err(|e| e.to_string())
+}
+
+fn parse_ttl(s: &str) -> Result<Duration, String> {
+    rcp::parse::duration(s).map_err(|e| e.to_string())
 }
 
 fn addr_opt(s: Option<&str>, what: &str) -> anyhow::Result<Option<SocketAddr>> {
@@ -294,6 +306,10 @@ fn main() -> anyhow::Result<()> {
     }
     .check_bwlimit()
     .map_err(|e| anyhow::anyhow!("{e}"))?;
+    if !a.partial_ttl.is_zero() {
+        rcp::files::partials::spawn_sweeper(cfg.root.clone(), a.partial_ttl)
+            .context("starting the partial-file sweeper")?;
+    }
     let rt = tokio::runtime::Runtime::new().context("starting the runtime")?;
     rt.block_on(daemon::run(cfg, daemon::shutdown_signal(), |b, why| {
         let mut line = format!("rcpd listening on {} transport {why}", b.grpc);

@@ -38,6 +38,12 @@ pub mod exit {
     /// A peer broke the protocol (a message outside it): a bug in rcp or
     /// rcpd, or a hostile peer; retrying will not help.
     pub const PROTOCOL: i32 = 8;
+    /// Interrupted by SIGINT (128 + 2, the shell's habit): the copy was
+    /// aborted cleanly, what was verified kept; stderr says the `--resume`
+    /// command that continues it.
+    pub const INTERRUPTED: i32 = 130;
+    /// Terminated by SIGTERM (128 + 15), as [`INTERRUPTED`].
+    pub const TERMINATED: i32 = 143;
 }
 
 /// The exit code of `reason`.
@@ -55,6 +61,7 @@ pub fn exit_code(reason: Reason) -> i32 {
         Reason::Exceeded => exit::TRANSFER_EXCEEDED,
         Reason::Retryable => exit::RETRYABLE,
         Reason::Protocol => exit::PROTOCOL,
+        Reason::Interrupted => exit::INTERRUPTED,
         Reason::Other | Reason::Unspecified => exit::OTHER,
     }
 }
@@ -71,6 +78,7 @@ pub fn status_code(reason: Reason) -> Code {
         Reason::Retryable => Code::Unavailable,
         Reason::Version => Code::FailedPrecondition,
         Reason::Protocol => Code::Aborted,
+        Reason::Interrupted => Code::Cancelled,
         Reason::Other | Reason::Unspecified => Code::Internal,
     }
 }

@@ -32,6 +32,7 @@ pub mod daemon;
 pub mod error;
 pub mod fallback;
 pub mod fsutil;
+pub mod interrupt;
 pub mod jobs;
 pub mod link;
 pub mod protocol;

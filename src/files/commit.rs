@@ -19,8 +19,10 @@
 //! 3. [`seal`](Destination::seal): every block must be recorded; the file digest
 //!    derived from the recorded block digests ([`super::digest::file_digest`]) must
 //!    equal the expected one (else the temp file and manifest are removed and
-//!    [`FileError::DigestMismatch`] returned); optional mode/mtime (`-p`). No fsync,
-//!    no rename: the result is a [`Sealed`] file.
+//!    [`FileError::DigestMismatch`] returned); its mode set ([`super::mode`]: with
+//!    `-p` the source's, else the replaced file's or the source's masked by the
+//!    umask) and, with `-p`, its mtime. No fsync, no rename: the result is a
+//!    [`Sealed`] file.
 //! 4. [`publish`] a batch of sealed files: their data is made durable in as few calls
 //!    as possible (one `syncfs` per file system holding several of them, `fdatasync`
 //!    for a file alone on its file system), THEN each is renamed over its final name
@@ -61,6 +63,7 @@ use super::digest::{
 use super::direct::{DirectWrites, WriteStats};
 use super::error::{io_err, DigestError, FileError, Result};
 use super::manifest::{block_count, Manifest, SourceId};
+use super::partials::{discard, lock_within, manifest_name_for, RESUME_LOCK_WAIT};
 use super::path::check_name_os;
 use super::reader::IoMode;
 use super::root::{list_fd, DirHandle, FileKind, Timestamp};
@@ -84,9 +87,13 @@ pub struct Preserve {
 pub struct DestinationOptions {
     /// Block size for [`Destination::write_block`] indices and the manifest bitmap.
     pub block_size: u64,
-    /// Mode and mtime to set before the rename (`-p`); `None`: new file gets
-    /// `0o666 & !umask`, mtime = now.
+    /// Mode and mtime to set before the rename (`-p`); `None`: the mode of
+    /// [`super::mode::received_mode`] (an existing file's bits kept, a new
+    /// file's from [`Self::source_mode`] masked by the umask), mtime = now.
     pub preserve: Option<Preserve>,
+    /// Without `-p`: the source's permission bits, which a new file gets
+    /// masked by the umask. `None`: `0o666` masked by the umask.
+    pub source_mode: Option<u32>,
     /// Enable resume: keep a manifest, and keep the temp file when dropped without
     /// commit. The id is recorded so a later resume only continues the same source.
     /// Files of at most one block keep no manifest all the same (see the module doc).
@@ -119,6 +126,7 @@ impl Default for DestinationOptions {
         DestinationOptions {
             block_size: DEFAULT_BLOCK_SIZE,
             preserve: None,
+            source_mode: None,
             resume: None,
             expected_digest: None,
             check: Check::Sha256,
@@ -148,6 +156,9 @@ pub struct Destination {
     unsaved: u64,
     last_save: Instant,
     finished: bool,
+    /// The permission bits of the file at the final name when this
+    /// destination was made, if one was there (kept without `-p`).
+    existing_mode: Option<u32>,
 }
 
 impl std::fmt::Debug for Destination {
@@ -172,12 +183,6 @@ fn flat_digest(len: u64, opts: &DestinationOptions) -> Option<StreamingFileDiges
         .then(|| StreamingFileDigest::new(Some(len), opts.max_pending_digest_bytes))
 }
 
-fn manifest_name_for(temp: &OsStr) -> OsString {
-    let mut m = temp.to_owned();
-    m.push(".manifest");
-    m
-}
-
 impl Destination {
     /// Start receiving `len` bytes that will become `dir/final_name`.
     pub fn create(
@@ -194,14 +199,14 @@ impl Destination {
                 why: "block size is zero",
             });
         }
-        refuse_directory(dir, final_name)?;
+        let existing_mode = refuse_directory(dir, final_name)?;
         let temp = temp_name(final_name, "part");
         let tpath = dir.display().join(&temp);
         let fd = rfs::openat(
             dir.fd(),
             &temp,
             OFlags::RDWR | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-            Mode::from_raw_mode(0o666),
+            Mode::from_raw_mode(super::mode::TEMP_MODE),
         )
         .map_err(|e| io_err("create temp file", &tpath, e))?;
         let remove = |e: FileError| {
@@ -250,6 +255,11 @@ impl Destination {
             check: opts.check,
             blocks: BTreeMap::new(),
         };
+        if block_count(len, opts.block_size) > 1 && opts.resume.is_some() {
+            // A copy that could leave a partial replaces what an earlier,
+            // interrupted one of the name left (rather than leave another).
+            super::partials::sweep_name(dir, final_name, &temp);
+        }
         let mut d = Destination {
             dir: dir.clone(),
             file: File::from(fd),
@@ -262,6 +272,7 @@ impl Destination {
             unsaved: 0,
             last_save: Instant::now(),
             finished: false,
+            existing_mode,
         };
         if d.keeps_manifest() {
             // From now on a crash leaves a manifest next to the temp file.
@@ -395,6 +406,12 @@ impl Destination {
             }
         }
         let st = rfs::fstat(&fd).map_err(|e| io_err("stat", &tpath, e))?;
+        if st.st_nlink == 0 {
+            // Removed while we waited for its lock (rcpd's --partial-ttl
+            // sweep, or another copy's discard): start afresh.
+            tracing::info!(temp = %esc(tpath.display()), "temp file was swept meanwhile; starting afresh");
+            return Ok(None);
+        }
         #[allow(clippy::unnecessary_cast)]
         if FileType::from_raw_mode(st.st_mode) != FileType::RegularFile
             || st.st_size as u64 != m.len
@@ -436,6 +453,7 @@ impl Destination {
             unsaved: 0,
             last_save: Instant::now(),
             finished: false,
+            existing_mode: refuse_directory(dir, &m.final_name)?,
         };
         d.rebuild(&m.blocks)?;
         if d.keeps_manifest() {
@@ -720,10 +738,9 @@ impl Destination {
                 actual: to_hex(&actual),
             });
         }
+        self.set_mode()?;
         if let Some(p) = self.opts.preserve {
             let tpath = self.temp_path();
-            rfs::fchmod(&self.file, Mode::from_raw_mode(p.mode & 0o7777))
-                .map_err(|e| io_err("chmod", &tpath, e))?;
             let ts = rustix::fs::Timespec {
                 tv_sec: p.mtime.sec,
                 tv_nsec: p.mtime.nsec.into(),
@@ -742,6 +759,23 @@ impl Destination {
             derived,
             flat,
         })
+    }
+
+    /// Give the temp file its final mode: the source's with `-p`, else
+    /// [`super::mode::received_mode`]'s. (Durable with the data: a lone
+    /// file's `fdatasync` may leave a mode change behind after a crash, and
+    /// then the file keeps the temp's `0600`, never anything wider.)
+    fn set_mode(&self) -> Result<()> {
+        let mode = match self.opts.preserve {
+            Some(p) => p.mode & 0o7777,
+            None => super::mode::received_mode(
+                self.existing_mode,
+                self.opts.source_mode,
+                super::mode::process_umask(),
+            ),
+        };
+        rfs::fchmod(&self.file, Mode::from_raw_mode(mode))
+            .map_err(|e| io_err("chmod", self.temp_path(), e))
     }
 
     /// [`seal`](Self::seal) and [`publish`] this one file.
@@ -1022,27 +1056,6 @@ impl DirInfo {
     }
 }
 
-/// How long [`Destination::resume`] waits for the temp file of an
-/// interrupted transfer to be released by its old owner.
-const RESUME_LOCK_WAIT: Duration = Duration::from_secs(5);
-
-/// Take `fd`'s exclusive flock, retrying for up to `wait`. `Ok(true)` when
-/// it was held by someone else at first.
-fn lock_within(fd: &impl rustix::fd::AsFd, wait: Duration) -> rustix::io::Result<bool> {
-    let until = Instant::now() + wait;
-    let mut waited = false;
-    loop {
-        match rfs::flock(fd, FlockOperation::NonBlockingLockExclusive) {
-            Ok(()) => return Ok(waited),
-            Err(Errno::WOULDBLOCK) if Instant::now() < until => {
-                waited = true;
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            Err(e) => return Err(e),
-        }
-    }
-}
-
 /// Why manifest `m` (of temp `temp`) cannot resume `source` under `opts`,
 /// if it cannot.
 fn stale(
@@ -1070,38 +1083,16 @@ fn stale(
     }
 }
 
-/// Remove an unusable temp/manifest pair unless a live transfer holds the temp file.
-fn discard(dir: &DirHandle, temp: &OsStr, manifest: &OsStr) {
-    match rfs::openat(
-        dir.fd(),
-        temp,
-        OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-        Mode::empty(),
-    ) {
-        Ok(fd) => {
-            // A transfer that was just interrupted may still hold it for a
-            // moment (as in resume); one that is really live keeps it.
-            if lock_within(&fd, RESUME_LOCK_WAIT).is_err() {
-                return; // in use
-            }
-            // Unlink while holding the lock.
-            let _ = rfs::unlinkat(dir.fd(), temp, AtFlags::empty());
-            drop(fd);
-        }
-        Err(Errno::NOENT) => {}
-        Err(_) => return,
-    }
-    let _ = rfs::unlinkat(dir.fd(), manifest, AtFlags::empty());
-}
-
-/// Refuse early when the final name is an existing directory.
-/// Any other answer (nothing there, a file, a failed look) is left to the
-/// create and the rename, which meet it themselves.
-fn refuse_directory(dir: &DirHandle, name: &OsStr) -> Result<()> {
+/// Refuse early when the final name is an existing directory; else the
+/// permission bits of the regular file standing there, if one does.
+/// Any other answer (nothing there, something else, a failed look) is left
+/// to the create and the rename, which meet it themselves.
+fn refuse_directory(dir: &DirHandle, name: &OsStr) -> Result<Option<u32>> {
     match dir.entry(name) {
         Ok(Some(m)) if m.kind == FileKind::Dir => Err(FileError::IsADirectory {
             path: dir.display().join(name),
         }),
-        _ => Ok(()),
+        Ok(Some(m)) if m.kind == FileKind::File => Ok(Some(m.mode)),
+        _ => Ok(None),
     }
 }

@@ -110,26 +110,32 @@ pub fn seed(
     }
     let bs = dest.block_size();
     let mut kept = 0;
+    // One buffer per block of a batch, made once: a fresh zeroed buffer per
+    // block cost page faults and clearing as large as the reads.
+    let mut bufs: Vec<Vec<u8>> = (0..SEED_BATCH.min(keep.len()))
+        .map(|_| Vec::with_capacity(bs as usize))
+        .collect();
     for batch in keep.chunks(SEED_BATCH) {
-        let mut bufs = Vec::with_capacity(batch.len());
-        for &(b, _) in batch {
-            if b >= dest.block_count() {
-                bufs.push(None);
+        let mut ok = vec![false; batch.len()];
+        for ((&(b, _), buf), ok) in batch.iter().zip(bufs.iter_mut()).zip(ok.iter_mut()) {
+            if b >= dest.block_count() || b * bs >= src.len() {
                 continue;
             }
             let want = dest.block_len(b) as usize;
-            let mut buf = vec![0u8; want];
-            let got = if b * bs < src.len() {
-                src.read_at(b * bs, &mut buf)?
-            } else {
-                0
-            };
-            bufs.push((got == want).then_some(buf));
+            buf.resize(want, 0);
+            *ok = src.read_at(b * bs, buf)? == want;
         }
-        let slices: Vec<&[u8]> = bufs.iter().flatten().map(|b| b.as_slice()).collect();
+        let slices: Vec<&[u8]> = bufs
+            .iter()
+            .zip(&ok)
+            .filter(|(_, &ok)| ok)
+            .map(|(b, _)| b.as_slice())
+            .collect();
         let mut hashed = check.blocks(&slices).into_iter();
-        for (&(b, want), buf) in batch.iter().zip(&bufs) {
-            let Some(buf) = buf else { continue };
+        for ((&(b, want), buf), &ok) in batch.iter().zip(&bufs).zip(&ok) {
+            if !ok {
+                continue;
+            }
             let d = hashed.next().expect("a digest per block read");
             if d == want {
                 dest.write_block(b, buf, d)?;

@@ -22,7 +22,7 @@ use std::fs::File;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use rustix::fs::{self as rfs, AtFlags, FileType, Mode, OFlags, ResolveFlags};
 use rustix::io::Errno;
@@ -110,6 +110,10 @@ pub struct ListEntry {
 pub struct DirHandle {
     fd: Arc<OwnedFd>,
     display: PathBuf,
+    /// The partials (`.rcp-*.part*`) in the directory when first asked
+    /// ([`super::partials`]): one listing per directory opened, not one
+    /// per file created in it.
+    partials: Arc<OnceLock<Vec<OsString>>>,
 }
 
 impl DirHandle {
@@ -126,10 +130,16 @@ impl DirHandle {
         Ok(DirHandle {
             fd: Arc::new(fd),
             display: path.to_owned(),
+            partials: Arc::default(),
         })
     }
     pub fn fd(&self) -> BorrowedFd<'_> {
         self.fd.as_fd()
+    }
+    /// The partials in the directory when this handle (or a clone) first
+    /// asked, by `list`; later asks get the same list.
+    pub(crate) fn partials_once(&self, list: impl FnOnce() -> Vec<OsString>) -> &[OsString] {
+        self.partials.get_or_init(list)
     }
     pub(crate) fn fd_owned(&self) -> &OwnedFd {
         &self.fd
@@ -413,6 +423,7 @@ impl Root {
         Ok(DirHandle {
             fd: Arc::new(fd),
             display: self.display(r),
+            partials: Arc::default(),
         })
     }
 
@@ -473,6 +484,44 @@ impl Root {
                 e => io_err("rename", self.display(&r), e),
             });
         }
+        Ok(())
+    }
+}
+
+impl Root {
+    /// Remove `rel` (a file, a symlink or an empty directory) beneath the
+    /// root, following no symlink on the way nor at the end (each step an
+    /// `openat(O_NOFOLLOW)`, then `unlinkat` of the name itself). The root
+    /// itself is never removed; a directory that is not empty is refused.
+    pub fn remove(&self, rel: &str) -> Result<()> {
+        let r = normalize(rel)?;
+        let name = r.file_name().ok_or_else(|| PathError::BadName {
+            name: rel.to_owned(),
+            why: "the root itself is never removed",
+        })?;
+        check_name(name)?;
+        let top = self.open_dir_rel(&RelPath::root())?;
+        let mut dir = top
+            .fd()
+            .try_clone_to_owned()
+            .map_err(|e| io_err("dup", self.display(&r), e))?;
+        for c in r.parent().components() {
+            dir = rfs::openat(
+                &dir,
+                c.as_str(),
+                OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                Mode::empty(),
+            )
+            .map_err(|e| map_errno(e, rel, "open directory"))?;
+        }
+        let st = rfs::statat(&dir, name, AtFlags::SYMLINK_NOFOLLOW)
+            .map_err(|e| map_errno(e, rel, "stat"))?;
+        let flags = if FileType::from_raw_mode(st.st_mode) == FileType::Directory {
+            AtFlags::REMOVEDIR
+        } else {
+            AtFlags::empty()
+        };
+        rfs::unlinkat(&dir, name, flags).map_err(|e| map_errno(e, rel, "remove"))?;
         Ok(())
     }
 }

@@ -52,6 +52,9 @@ pub struct Entry {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Skipped {
     pub rel_path: PathBuf,
+    /// What it is (a symlink, or something else that is not a regular file
+    /// or a directory).
+    pub kind: FileKind,
     pub reason: &'static str,
 }
 
@@ -120,9 +123,12 @@ fn walk_dir(
         };
         let skip = |out: &mut Tree, reason| {
             let p = display.join(&rel).display().to_string();
-            tracing::warn!(path = %crate::escape::esc(&p), reason, "skipped");
+            // Debug only: the caller says it (rcp's warning and count, a
+            // List entry's `left_out` for a pull).
+            tracing::debug!(path = %crate::escape::esc(&p), reason, "skipped");
             out.skipped.push(Skipped {
                 rel_path: rel.clone(),
+                kind: m.kind,
                 reason,
             });
         };

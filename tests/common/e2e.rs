@@ -343,6 +343,127 @@ pub fn pull_resume_after_client_killed(t: &str, s: &Scale) {
     resume(t, d.port, s, &args, &dst, "big", &want);
 }
 
+/// Start `rcp args` held by `--bwlimit`, send it `sig` (`INT`, `TERM`)
+/// once the manifest of `name` in `dir` (the receiving side) shows a
+/// verified window, and return its exit code and stderr: nothing is under
+/// the final name, the partial is kept.
+fn interrupt_mid_copy(
+    t: &str,
+    d: &Rcpd,
+    s: &Scale,
+    args: &[&str],
+    (dir, name): (&Path, &str),
+    sig: &str,
+) -> (i32, String) {
+    let rate = (s.resume_len / 4).to_string();
+    let args = held(args, &rate);
+    let err_path = dir.with_extension("rcp.stderr");
+    let err = std::fs::File::create(&err_path).unwrap();
+    let mut child = rcp_blocks(t, d.port, s.resume_block, &args)
+        .stdout(Stdio::null())
+        .stderr(err)
+        .spawn()
+        .unwrap();
+    let blocks = WINDOW_SIZE as u64 / s.resume_block;
+    wait_verified_while(dir, name, blocks, &mut child, || {
+        let said = std::fs::read_to_string(&err_path).unwrap_or_default();
+        format!("rcp {args:?}: {said}\nrcpd: {}", d.log())
+    });
+    signal(child.id(), sig);
+    let st = child.wait().unwrap();
+    let said = std::fs::read_to_string(&err_path).unwrap();
+    assert!(!dir.join(name).exists(), "nothing under the final name");
+    assert!(find_manifest(dir, name).is_some(), "{:?}", names(dir));
+    (st.code().unwrap_or(-1), said)
+}
+
+/// What an interrupted rcp said on stderr: the signal, what was done, and
+/// the `--resume` command line (returned) that continues the copy.
+fn says_how_to_resume(said: &str, sig: &str, sub: &str, len: u64) -> String {
+    assert!(said.contains(&format!("interrupted by SIG{sig}")), "{said}");
+    assert!(
+        said.contains(&format!("0 of 1 files committed (0 of {len} bytes)")),
+        "{said}"
+    );
+    let cmd = said
+        .lines()
+        .find_map(|l| l.strip_prefix("rcp: to continue: "))
+        .unwrap_or_else(|| panic!("no --resume command: {said}"));
+    assert!(cmd.contains(&format!(" {sub} --resume ")), "{cmd}");
+    cmd.to_string()
+}
+
+/// How an interrupted copy is taken up again.
+#[derive(Clone, Copy)]
+pub enum Then {
+    /// The same command without `--resume`: it starts afresh and removes
+    /// the partial the interrupted one kept.
+    Rerun,
+    /// The command the interrupted rcp printed (`--resume` in it): it
+    /// moves less than the file.
+    Printed,
+}
+
+/// A push or pull (`sub`) interrupted by `sig` mid-copy exits 128 + the
+/// signal, says how to continue; taken up again (`then`) it ends with
+/// the file and no `.rcp-*` partial in the destination directory.
+pub fn interrupted_copy(t: &str, s: &Scale, sub: &str, sig: &str, then: Then) {
+    let (tmp, root) = tmp_with_root();
+    let d = Rcpd::start(&root, t, None, FEW_WINDOWS);
+    let (src, dst) = (tmp.path().join("big"), tmp.path().join("dst"));
+    std::fs::create_dir(&dst).unwrap();
+    let (args, dir) = if sub == "push" {
+        make_file(&src, s.resume_len, 11);
+        (vec![src.to_str().unwrap().to_string(), remote("/")], &root)
+    } else {
+        make_file(&root.join("big"), s.resume_len, 12);
+        (vec![remote("big"), dst.to_str().unwrap().to_string()], &dst)
+    };
+    let want = sha256sum(&if sub == "push" { src } else { root.join("big") });
+    let args: Vec<&str> = [sub, "-q"]
+        .into_iter()
+        .chain(args.iter().map(String::as_str))
+        .collect();
+    let (code, said) = interrupt_mid_copy(t, &d, s, &args, (dir, "big"), sig);
+    let want_code = if sig == "INT" { 130 } else { 143 };
+    assert_eq!(code, want_code, "{said}\nrcpd: {}", d.log());
+    let cmd = says_how_to_resume(&said, sig, sub, s.resume_len);
+    let out = match then {
+        Then::Rerun => rcp_blocks(t, d.port, s.resume_block, &args)
+            .output()
+            .unwrap(),
+        Then::Printed => {
+            // As the user would: in a shell, with rcp's environment.
+            let rcp = rcp_cmd(d.port, t, None, &[]);
+            let mut sh = Command::new("sh");
+            sh.args(["-c", &cmd.replace(" -q ", " ")]);
+            for (k, v) in rcp.get_envs() {
+                match v {
+                    Some(v) => sh.env(k, v),
+                    None => sh.env_remove(k),
+                };
+            }
+            sh.output().unwrap()
+        }
+    };
+    let (so, se) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{so}{se}\nrcpd: {}", d.log());
+    if let Then::Printed = then {
+        let m = moved(&so);
+        assert!(m < s.resume_len, "the resume moved {m} bytes: {so}");
+    }
+    assert_eq!(sha256sum(&dir.join("big")), want);
+    assert_eq!(
+        names(dir),
+        vec!["big".to_string()],
+        "no partial left: {so}{se}\nrcpd: {}",
+        d.log()
+    );
+}
+
 /// Eight clients push to an rcpd with three transfer slots: the excess
 /// waits, none fails. Three clients are stopped (SIGSTOP) once rcpd runs
 /// their transfers, so the other five meet full slots whatever the
@@ -830,6 +951,137 @@ pub fn staging_sized_to_the_job(t: &str) {
     }
 }
 
+/// Permission bits of `p`.
+pub fn mode_of(p: &Path) -> u32 {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(p).unwrap().permissions().mode() & 0o7777
+}
+
+/// Make `p` a file of `len` bytes with permission bits `mode`.
+fn file_with_mode(p: &Path, len: u64, mode: u32) {
+    use std::os::unix::fs::PermissionsExt;
+    make_file(p, len, u64::from(mode));
+    std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).unwrap();
+}
+
+/// Modes without `-p`, as rsync has them, both ways and for trees (both
+/// ends under umask 022): a new file keeps the source's bits (0600 stays
+/// 0600, 0755 stays executable), a file replaced keeps its own (a 0600
+/// key.pem stays 0600 under a 0644 source); with `-p` the source's win.
+pub fn modes_of_new_and_replaced_files(t: &str) {
+    let (tmp, root) = tmp_with_root();
+    let d = Rcpd::start_umask(&Topology::from_env(), &root, t, None, &[], Some(0o022));
+    let run = |args: &[&str]| {
+        let out = rcp_cmd_umask(d.port, t, None, args, 0o022)
+            .output()
+            .unwrap();
+        let said = format!(
+            "{args:?}: {}{}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+            d.log()
+        );
+        assert!(out.status.success(), "{said}");
+    };
+    let src = tmp.path().join("src");
+    std::fs::create_dir(&src).unwrap();
+    // One file of several blocks (written with O_DIRECT where allowed).
+    file_with_mode(&src.join("key.pem"), 3 * WINDOW_SIZE as u64 + 5, 0o600);
+    file_with_mode(&src.join("run.sh"), 100, 0o755);
+    file_with_mode(&src.join("open.txt"), 10, 0o644);
+    let back = tmp.path().join("back");
+    std::fs::create_dir(&back).unwrap();
+    let (s, r, b) = (src.to_str().unwrap(), remote("/"), back.to_str().unwrap());
+    run(&["push", "-q", "-r", s, &r]);
+    for (name, want) in [("key.pem", 0o600), ("run.sh", 0o755), ("open.txt", 0o644)] {
+        assert_eq!(mode_of(&root.join("src").join(name)), want, "pushed {name}");
+    }
+    run(&["pull", "-q", "-r", &remote("src"), b]);
+    for (name, want) in [("key.pem", 0o600), ("run.sh", 0o755), ("open.txt", 0o644)] {
+        assert_eq!(mode_of(&back.join("src").join(name)), want, "pulled {name}");
+    }
+    // A 0644 source over an existing 0600 file, each way: the file keeps 0600.
+    let loose = tmp.path().join("loose");
+    std::fs::create_dir(&loose).unwrap();
+    file_with_mode(&loose.join("key.pem"), 2 * WINDOW_SIZE as u64, 0o644);
+    let key = loose.join("key.pem");
+    run(&["push", "-q", key.to_str().unwrap(), &remote("src/key.pem")]);
+    assert_eq!(sha256sum(&root.join("src/key.pem")), sha256sum(&key));
+    assert_eq!(mode_of(&root.join("src/key.pem")), 0o600, "push kept 0600");
+    let local_key = back.join("src/key.pem");
+    std::fs::set_permissions(root.join("src/key.pem"), perm(0o644)).unwrap();
+    run(&[
+        "pull",
+        "-q",
+        &remote("src/key.pem"),
+        local_key.to_str().unwrap(),
+    ]);
+    assert_eq!(sha256sum(&local_key), sha256sum(&key));
+    assert_eq!(mode_of(&local_key), 0o600, "pull kept 0600");
+    // With -p the source's mode wins, each way.
+    run(&[
+        "push",
+        "-q",
+        "-p",
+        key.to_str().unwrap(),
+        &remote("src/run.sh"),
+    ]);
+    assert_eq!(mode_of(&root.join("src/run.sh")), 0o644, "push -p");
+    run(&[
+        "pull",
+        "-q",
+        "-p",
+        &remote("src/key.pem"),
+        local_key.to_str().unwrap(),
+    ]);
+    assert_eq!(mode_of(&local_key), 0o644, "pull -p");
+    // No temp file left behind.
+    assert_eq!(names(&root.join("src")), ["key.pem", "open.txt", "run.sh"]);
+    assert_eq!(names(&back.join("src")), ["key.pem", "open.txt", "run.sh"]);
+}
+
+fn perm(mode: u32) -> std::fs::Permissions {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::Permissions::from_mode(mode)
+}
+
+/// Without `-p` a new file's bits are the source's masked by the
+/// receiver's umask: rcpd's on push, rcp's on pull (077 here: 0755 lands
+/// 0700, 0644 lands 0600), never wider than the source.
+pub fn modes_masked_by_the_receivers_umask(t: &str) {
+    let (tmp, root) = tmp_with_root();
+    let d = Rcpd::start_umask(&Topology::from_env(), &root, t, None, &[], Some(0o077));
+    let run = |args: &[&str]| {
+        let out = rcp_cmd_umask(d.port, t, None, args, 0o077)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{args:?}: {}\n{}",
+            String::from_utf8_lossy(&out.stderr),
+            d.log()
+        );
+    };
+    let src = tmp.path().join("run.sh");
+    file_with_mode(&src, 100, 0o755);
+    let narrow = tmp.path().join("narrow");
+    file_with_mode(&narrow, 100, 0o640);
+    run(&[
+        "push",
+        "-q",
+        src.to_str().unwrap(),
+        narrow.to_str().unwrap(),
+        &remote("/"),
+    ]);
+    assert_eq!(mode_of(&root.join("run.sh")), 0o700, "push: rcpd's umask");
+    assert_eq!(mode_of(&root.join("narrow")), 0o600, "push: never wider");
+    std::fs::set_permissions(root.join("run.sh"), perm(0o644)).unwrap();
+    let back = tmp.path().join("back");
+    std::fs::create_dir(&back).unwrap();
+    run(&["pull", "-q", &remote("run.sh"), back.to_str().unwrap()]);
+    assert_eq!(mode_of(&back.join("run.sh")), 0o600, "pull: rcp's umask");
+}
+
 /// The scenarios above as `#[test]`s over `$transport` at the [`Scale`]
 /// given, each carrying the attributes given (the VM's `#[ignore = ...]`).
 #[macro_export]
@@ -879,6 +1131,34 @@ macro_rules! e2e_tests {
 
         #[test]
         $(#[$attr])*
+        fn push_interrupted_by_sigint_then_rerun_leaves_no_partial() {
+            use $crate::common::e2e::{interrupted_copy, Then};
+            interrupted_copy($t, &$scale, "push", "INT", Then::Rerun);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn pull_interrupted_by_sigint_then_rerun_leaves_no_partial() {
+            use $crate::common::e2e::{interrupted_copy, Then};
+            interrupted_copy($t, &$scale, "pull", "INT", Then::Rerun);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn push_terminated_resumes_with_the_printed_command() {
+            use $crate::common::e2e::{interrupted_copy, Then};
+            interrupted_copy($t, &$scale, "push", "TERM", Then::Printed);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn pull_terminated_resumes_with_the_printed_command() {
+            use $crate::common::e2e::{interrupted_copy, Then};
+            interrupted_copy($t, &$scale, "pull", "TERM", Then::Printed);
+        }
+
+        #[test]
+        $(#[$attr])*
         fn eight_clients_at_once_with_back_pressure() {
             $crate::common::e2e::eight_clients_with_back_pressure($t, &$scale);
         }
@@ -893,6 +1173,18 @@ macro_rules! e2e_tests {
         $(#[$attr])*
         fn resume_across_a_change_of_check() {
             $crate::common::e2e::resume_across_a_change_of_check($t, &$scale);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn modes_of_new_and_replaced_files() {
+            $crate::common::e2e::modes_of_new_and_replaced_files($t);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn modes_masked_by_the_receivers_umask() {
+            $crate::common::e2e::modes_masked_by_the_receivers_umask($t);
         }
 
         #[test]
@@ -953,6 +1245,42 @@ macro_rules! e2e_tests {
         $(#[$attr])*
         fn pull_delta_moves_only_the_changed_block() {
             $crate::common::e2e_sync::delta_moves_only_the_changed_block($t, false);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn push_archive_keeps_links_and_says_what_it_leaves_out() {
+            $crate::common::e2e_tree::archive_keeps_links_and_says_what_it_leaves_out($t, true);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn pull_archive_keeps_links_and_says_what_it_leaves_out() {
+            $crate::common::e2e_tree::archive_keeps_links_and_says_what_it_leaves_out($t, false);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn push_delete_removes_what_the_source_lacks() {
+            $crate::common::e2e_tree::delete_removes_what_the_source_lacks($t, true);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn pull_delete_removes_what_the_source_lacks() {
+            $crate::common::e2e_tree::delete_removes_what_the_source_lacks($t, false);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn push_exclude_and_include_follow_rsyncs_rules() {
+            $crate::common::e2e_tree::exclude_and_include_follow_rsyncs_rules($t, true);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn pull_exclude_and_include_follow_rsyncs_rules() {
+            $crate::common::e2e_tree::exclude_and_include_follow_rsyncs_rules($t, false);
         }
     };
 }

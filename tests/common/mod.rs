@@ -4,6 +4,7 @@
 
 pub mod e2e;
 pub mod e2e_sync;
+pub mod e2e_tree;
 pub mod metrics;
 pub mod pattern;
 pub mod raw;
@@ -62,13 +63,31 @@ impl Rcpd {
         token: Option<&str>,
         extra: &[&str],
     ) -> Rcpd {
+        Rcpd::start_umask(topo, root, transport, token, extra, None)
+    }
+
+    /// [`Rcpd::start_in`], rcpd running under `umask` when given.
+    pub fn start_umask(
+        topo: &Topology,
+        root: &Path,
+        transport: &str,
+        token: Option<&str>,
+        extra: &[&str],
+        umask: Option<u32>,
+    ) -> Rcpd {
         let stderr_path = root.with_extension("rcpd.log");
         let log = std::fs::File::create(&stderr_path).expect("log file");
         let mut cmd = match &topo.rcpd_netns {
             Some(ns) => {
                 let mut c = Command::new("ip");
                 // ip netns exec execs the program: the child is rcpd itself.
-                c.args(["netns", "exec", ns]).arg(bin("rcpd"));
+                c.args(["netns", "exec", ns]).args(umask_prefix(umask));
+                c.arg(bin("rcpd"));
+                c
+            }
+            None if umask.is_some() => {
+                let mut c = Command::new("sh");
+                c.args(&umask_prefix(umask)[1..]).arg(bin("rcpd"));
                 c
             }
             None => Command::new(bin("rcpd")),
@@ -178,6 +197,43 @@ pub fn host() -> String {
 /// other rcpds of its test: they all listen on [`host`], on any port.
 pub fn copy_peers() -> String {
     host()
+}
+
+/// What runs a program under `umask` (the shell sets it and execs the
+/// program, so the child is the program itself): `sh -c ... sh`, or nothing.
+pub fn umask_prefix(umask: Option<u32>) -> Vec<String> {
+    match umask {
+        Some(u) => vec![
+            "sh".into(),
+            "-c".into(),
+            format!("umask {u:03o}; exec \"$0\" \"$@\""),
+        ],
+        None => Vec::new(),
+    }
+}
+
+/// [`rcp_cmd`] under `umask`.
+pub fn rcp_cmd_umask(
+    port: u16,
+    transport: &str,
+    token: Option<&str>,
+    args: &[&str],
+    umask: u32,
+) -> Command {
+    let inner = rcp_cmd(port, transport, token, args);
+    let pre = umask_prefix(Some(umask));
+    let mut cmd = Command::new(&pre[0]);
+    cmd.args(&pre[1..])
+        .arg(inner.get_program())
+        .args(inner.get_args())
+        .stdin(Stdio::null());
+    for (k, v) in inner.get_envs() {
+        match v {
+            Some(v) => cmd.env(k, v),
+            None => cmd.env_remove(k),
+        };
+    }
+    cmd
 }
 
 /// `HOST:path` for rcp's command line.

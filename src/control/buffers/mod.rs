@@ -144,7 +144,7 @@ pub fn reason_name(r: Reason) -> &'static str {
         Reason::Exceeded => "exceeded",
         Reason::Retryable => "retryable",
         Reason::Protocol => "protocol",
-        Reason::Other | Reason::Unspecified => "other",
+        Reason::Interrupted | Reason::Other | Reason::Unspecified => "other",
     }
 }
 

@@ -193,6 +193,7 @@ fn dest_options(
             mode: mode & 0o7777,
             mtime: fsutil::ts_from_ns(mtime_ns),
         }),
+        source_mode: Some(mode),
         flat_sha256: spec.flat_sha256,
         ..DestinationOptions::default()
     }

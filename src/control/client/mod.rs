@@ -543,6 +543,27 @@ impl Client {
         Ok(())
     }
 
+    /// Create (or atomically replace) remote symlink `path` -> `target`.
+    pub async fn make_link(&self, path: &str, target: &str) -> Result<()> {
+        self.rpc
+            .clone()
+            .make_link(proto::MakeLinkRequest {
+                path: path.into(),
+                target: target.into(),
+            })
+            .await?;
+        Ok(())
+    }
+
+    /// Remove one remote entry (a file, a symlink or an empty directory).
+    pub async fn remove(&self, path: &str) -> Result<()> {
+        self.rpc
+            .clone()
+            .remove(proto::RemoveRequest { path: path.into() })
+            .await?;
+        Ok(())
+    }
+
     /// Service API: ask this rcpd to copy to or from another rcpd; progress
     /// messages until the end.
     pub async fn copy(&self, req: proto::CopyRequest) -> Result<Streaming<proto::CopyProgress>> {

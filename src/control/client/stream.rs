@@ -99,6 +99,8 @@ struct Driver<'a> {
     /// Pull: the local directories opened last, shared with the jobs that
     /// create destinations in them.
     dirs: Arc<DirCache<PathBuf>>,
+    /// A SIGINT or SIGTERM ([`crate::control::interrupt`]) aborted the stream.
+    interrupted: bool,
 }
 
 fn now_of(t0: Instant) -> u64 {
@@ -209,6 +211,7 @@ impl<'a> Driver<'a> {
             done_rx,
             prechecked: HashMap::new(),
             dirs: Arc::default(),
+            interrupted: false,
         }
     }
 
@@ -322,6 +325,12 @@ impl<'a> Driver<'a> {
             _ = sleep_until(deadline), if deadline.is_some() => {
                 let now = now_of(self.t0);
                 self.core.handle_timeout(now);
+            }
+            sig = crate::control::interrupt::wait(), if !self.interrupted => {
+                // Abort (an Abort frame to rcpd): what was verified is kept
+                // on both sides for --resume.
+                self.interrupted = true;
+                self.core.abort(sig.failure());
             }
         }
     }

@@ -13,16 +13,22 @@
 //!   fallback, one policy for the binary, the library and the Copy API);
 //! - [`push`] / [`pull`]: both;
 //! - [`Pool`]: warm sessions for rcpd's Copy API;
+//! - [`filter`]: `--exclude`/`--include`, rsync's pattern rules, pure;
+//! - [`tree`]: symlinks (`-a`), what is skipped, `--delete`: planned with
+//!   the files, done after them ([`tree::finish`]);
 //! - [`Totals`]: what the summary line says;
 //! - [`doctor`]: the local checks plus whether an rcpd answers.
 
 mod contents;
 mod delta;
+pub mod filter;
 mod paths;
 mod policy;
 mod pool;
 pub mod skip;
+pub mod tree;
 
+use std::collections::HashSet;
 use std::path::{Component, Path, PathBuf};
 
 use super::client::{Client, FileJob, FileResult};
@@ -82,6 +88,14 @@ pub struct Job {
     /// Also compute the flat SHA-256 of every file (on the receiving side)
     /// and show it.
     pub sha256: bool,
+    /// `-a`: symlinks recreated as symlinks (those staying inside the
+    /// tree); without, each is skipped with a warning.
+    pub links: bool,
+    /// `--delete`: remove what the destination tree holds and the source
+    /// does not, after the copy.
+    pub delete: bool,
+    /// `--exclude`/`--include`, in order.
+    pub filter: filter::Filter,
     /// Which files already at the destination stay as they are
     /// ([`skip`]; the default moves every file).
     pub skip: skip::Rules,
@@ -290,6 +304,9 @@ pub struct Plan {
     /// Pull `-r`: the local directories to make first.
     pub local_dirs: Vec<PathBuf>,
     pub files: Vec<Planned>,
+    /// `-r`: links, skipped entries, deletions ([`tree::finish`] after the
+    /// files).
+    pub tree: tree::TreePlan,
     /// Files the job's [`skip::Rules`] leave as they are at the
     /// destination.
     pub skipped: Vec<Planned>,
@@ -381,21 +398,22 @@ pub async fn plan_push(
             remote.to_string()
         };
         let tree = crate::files::walk(local)?;
-        for s in &tree.skipped {
-            tracing::warn!(path = %s.rel_path.display(), reason = s.reason, "skipped");
-        }
+        let (entries, names) = admit_local(&mut plan.tree, job, local, &base, tree);
         // The tree's directories first, empty ones included (scp -r,
         // rsync -r); files then create whatever parents they still need.
         plan.remote_dirs.push(base.clone());
-        for d in tree
-            .entries
+        for d in entries
             .iter()
             .filter(|e| e.kind == crate::files::EntryKind::Dir)
         {
             plan.remote_dirs.push(join_remote(&base, &d.rel_path));
         }
-        for e in tree
-            .entries
+        if job.delete {
+            let dest = tree::remote_entries(client, &base).await?;
+            plan.tree
+                .delete_extras(&job.filter, &dest, &names, |r| join_remote(&base, r));
+        }
+        for e in entries
             .into_iter()
             .filter(|e| e.kind == crate::files::EntryKind::File)
         {
@@ -413,6 +431,45 @@ pub async fn plan_push(
     }
     skip::prune(client, &mut plan, &job.skip).await?;
     Ok(plan)
+}
+
+/// The walked local tree judged for a push to `base`: the files and
+/// directories to copy, and the names the source holds (for `--delete`).
+fn admit_local(
+    t: &mut tree::TreePlan,
+    job: &Job,
+    local: &Path,
+    base: &str,
+    walked: crate::files::Tree,
+) -> (Vec<crate::files::Entry>, HashSet<PathBuf>) {
+    use crate::files::EntryKind;
+    let mut names = HashSet::new();
+    let mut keep = Vec::new();
+    for s in &walked.skipped {
+        // A link the walk refused (absolute, escaping) or a FIFO, socket,
+        // device: its reason.
+        let kind = tree::Kind::Skipped {
+            link: s.kind == crate::files::FileKind::Symlink,
+            why: s.reason,
+        };
+        let shown = local.join(&s.rel_path).display().to_string();
+        let dest = join_remote(base, &s.rel_path);
+        t.admit(job, &s.rel_path, kind, shown, dest, &mut names);
+    }
+    for e in walked.entries {
+        let target = e.symlink_target.as_ref().map(|t| t.to_string_lossy());
+        let kind = match e.kind {
+            EntryKind::File => tree::Kind::File,
+            EntryKind::Dir => tree::Kind::Dir,
+            EntryKind::Symlink => tree::Kind::Link(target.as_deref()),
+        };
+        let shown = local.join(&e.rel_path).display().to_string();
+        let dest = join_remote(base, &e.rel_path);
+        if t.admit(job, &e.rel_path, kind, shown, dest, &mut names) {
+            keep.push(e);
+        }
+    }
+    (keep, names)
 }
 
 /// A local file's modification time in nanoseconds.
@@ -516,9 +573,16 @@ pub async fn plan_pull(
             local.to_path_buf()
         };
         plan.local_dirs.push(base.clone());
+        let mut names = HashSet::new();
         for e in client.list(r, true).await? {
             let rel = safe_rel(&e.path)?;
             let dst = base.join(&rel);
+            let kind = listed_kind(&e);
+            let shown = join_remote(r, &rel);
+            let dest = dst.display().to_string();
+            if !plan.tree.admit(job, &rel, kind, shown, dest, &mut names) {
+                continue;
+            }
             if e.r#type == FileType::Dir as i32 {
                 plan.local_dirs.push(dst);
             } else if e.r#type == FileType::File as i32 {
@@ -534,9 +598,36 @@ pub async fn plan_pull(
                 });
             }
         }
+        if job.delete {
+            let dest = tree::local_entries(&base)?;
+            plan.tree.delete_extras(&job.filter, &dest, &names, |r| {
+                base.join(r).display().to_string()
+            });
+        }
     }
     skip::prune(client, &mut plan, &job.skip).await?;
     Ok(plan)
+}
+
+/// What a remote listing says an entry is.
+fn listed_kind(e: &crate::proto::Entry) -> tree::Kind<'_> {
+    if !e.left_out.is_empty() {
+        return tree::Kind::Skipped {
+            link: e.r#type == FileType::Symlink as i32,
+            why: &e.left_out,
+        };
+    }
+    match FileType::try_from(e.r#type) {
+        Ok(FileType::Dir) => tree::Kind::Dir,
+        Ok(FileType::File) => tree::Kind::File,
+        Ok(FileType::Symlink) => {
+            tree::Kind::Link(Some(e.link_target.as_str()).filter(|t| !t.is_empty()))
+        }
+        _ => tree::Kind::Skipped {
+            link: false,
+            why: "not a regular file, directory or symlink",
+        },
+    }
 }
 
 /// `rcp pull [-r] HOST:REMOTE... LOCAL`: planned, then [`run`].

@@ -102,7 +102,7 @@ pub fn tcp_fallback(
     failed: &ControlError,
     gave_up: Option<&str>,
 ) -> Option<String> {
-    if !may_fall_back(transport, tried) {
+    if !may_fall_back(transport, tried) || failed.reason() == Reason::Interrupted {
         return None;
     }
     if let Some(why) = gave_up {
@@ -110,7 +110,11 @@ pub fn tcp_fallback(
     }
     match failed.reason() {
         // tcp would meet the same refusal.
-        Reason::Unauthenticated | Reason::Usage | Reason::Version | Reason::Exceeded => None,
+        Reason::Unauthenticated
+        | Reason::Usage
+        | Reason::Version
+        | Reason::Exceeded
+        | Reason::Interrupted => None,
         _ => Some(format!(
             "the verbs session could not be set up (transport auto): {failed}"
         )),

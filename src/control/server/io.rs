@@ -263,6 +263,7 @@ impl StreamIo {
                 mode: open.mode & 0o7777,
                 mtime: fsutil::ts_from_ns(open.mtime_ns),
             }),
+            source_mode: Some(open.mode),
             // Always resumable: an interrupted push can be continued with
             // --resume (the temp file and manifest stay hidden until then).
             resume: Some(source),

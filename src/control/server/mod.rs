@@ -226,6 +226,7 @@ fn entry(
         mode,
         mtime_ns: fsutil::ns_from_ts(mtime),
         fingerprint: Vec::new(),
+        ..proto::Entry::default()
     }
 }
 
@@ -352,13 +353,30 @@ impl proto::rcp_server::Rcp for RcpService {
                         files::EntryKind::Dir => FileKind::Dir,
                         files::EntryKind::Symlink => FileKind::Symlink,
                     };
-                    out.push(entry(
+                    let mut x = entry(
                         e.rel_path.to_string_lossy().into_owned(),
                         kind,
                         e.len,
                         e.mode,
                         e.mtime,
-                    ));
+                    );
+                    if let Some(t) = e.symlink_target {
+                        x.link_target = t.to_string_lossy().into_owned();
+                    }
+                    out.push(x);
+                }
+                // What the walk left out, said to the client (which warns
+                // and counts it): never dropped silently.
+                for s in t.skipped {
+                    let mut x = entry(
+                        s.rel_path.to_string_lossy().into_owned(),
+                        s.kind,
+                        0,
+                        0,
+                        files::Timestamp::default(),
+                    );
+                    x.left_out = s.reason.to_string();
+                    out.push(x);
                 }
             } else {
                 for e in root.list(&rel)? {
@@ -394,6 +412,37 @@ impl proto::rcp_server::Rcp for RcpService {
             e => e.into(),
         })?;
         Ok(Response::new(proto::MakeDirResponse {}))
+    }
+
+    async fn make_link(
+        &self,
+        req: Request<proto::MakeLinkRequest>,
+    ) -> std::result::Result<Response<proto::MakeLinkResponse>, Status> {
+        self.0.heard(&req);
+        let r = req.into_inner();
+        let rel = fsutil::root_rel(&r.path);
+        let root = &self.0.root;
+        in_place(|| root.symlink(&rel, &r.target)).map_err(|e| match e {
+            FileError::Path(PathError::SymlinkOutside { .. }) => ControlError::Invalid(format!(
+                "{}: symlink target {:?} leads outside",
+                r.path, r.target
+            )),
+            e => e.into(),
+        })?;
+        Ok(Response::new(proto::MakeLinkResponse {}))
+    }
+
+    async fn remove(
+        &self,
+        req: Request<proto::RemoveRequest>,
+    ) -> std::result::Result<Response<proto::RemoveResponse>, Status> {
+        self.0.heard(&req);
+        let path = req.into_inner().path;
+        let rel = fsutil::root_rel(&path);
+        let root = &self.0.root;
+        in_place(|| root.remove(&rel)).map_err(ControlError::from)?;
+        tracing::info!(path = %crate::escape::esc(&path), "removed (--delete)");
+        Ok(Response::new(proto::RemoveResponse {}))
     }
 
     type CopyStream = BoxStream<proto::CopyProgress>;

@@ -1,0 +1,80 @@
+//! Which permission bits a received file gets, rsync's rule without `-p`:
+//! a file that already stands at the final name keeps its own permission
+//! bits when it is replaced; a new file gets the source's permission bits
+//! masked by the receiver's umask (never wider than the source). `-p`
+//! ([`super::Preserve`]) sets the source's bits, special ones included.
+//!
+//! The temp file is always created `0600` (a partial is nobody else's to
+//! read) and given its final mode once, at seal.
+
+use std::sync::OnceLock;
+
+/// Permission bits only: without `-p` setuid, setgid and sticky never come
+/// along (from the source, nor from the file replaced).
+const PERMISSION_BITS: u32 = 0o777;
+
+/// The mode a temp file is created with.
+pub(crate) const TEMP_MODE: u32 = 0o600;
+
+/// The mode of a received file without `-p`: the replaced file's permission
+/// bits when there is one (`existing`), else `source`'s masked by `umask`.
+/// `source` is `None` when the sender did not say (then `0666`, as a
+/// created file gets).
+pub fn received_mode(existing: Option<u32>, source: Option<u32>, umask: u32) -> u32 {
+    match existing {
+        Some(m) => m & PERMISSION_BITS,
+        None => source.unwrap_or(0o666) & PERMISSION_BITS & !umask,
+    }
+}
+
+/// This process's umask, read once (from `/proc/self/status`, which reads
+/// it without changing it; where that is missing, `022`).
+pub fn process_umask() -> u32 {
+    static UMASK: OnceLock<u32> = OnceLock::new();
+    *UMASK.get_or_init(|| {
+        std::fs::read_to_string("/proc/self/status")
+            .ok()
+            .and_then(|s| parse_umask(&s))
+            .unwrap_or(0o022)
+    })
+}
+
+fn parse_umask(status: &str) -> Option<u32> {
+    let line = status.lines().find(|l| l.starts_with("Umask:"))?;
+    u32::from_str_radix(line["Umask:".len()..].trim(), 8).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_new_file_gets_the_source_bits_masked() {
+        assert_eq!(received_mode(None, Some(0o600), 0o022), 0o600);
+        assert_eq!(received_mode(None, Some(0o755), 0o022), 0o755);
+        assert_eq!(received_mode(None, Some(0o777), 0o027), 0o750);
+        assert_eq!(received_mode(None, Some(0o644), 0o077), 0o600);
+        assert_eq!(received_mode(None, None, 0o022), 0o644);
+    }
+
+    #[test]
+    fn special_bits_never_come_along() {
+        assert_eq!(received_mode(None, Some(0o4755), 0), 0o755);
+        assert_eq!(received_mode(Some(0o2750), Some(0o644), 0), 0o750);
+    }
+
+    #[test]
+    fn an_existing_file_keeps_its_bits() {
+        assert_eq!(received_mode(Some(0o600), Some(0o644), 0o022), 0o600);
+        assert_eq!(received_mode(Some(0o666), Some(0o600), 0o077), 0o666);
+    }
+
+    #[test]
+    fn umask_is_read_from_proc() {
+        assert_eq!(
+            parse_umask("Name:\tx\nUmask:\t0027\nState:\tR\n"),
+            Some(0o027)
+        );
+        assert_eq!(parse_umask("Name:\tx\n"), None);
+    }
+}

@@ -1,0 +1,329 @@
+//! End-to-end scenarios of what `-r` does with a tree beyond its files,
+//! rsync's habits: `-a` recreates symlinks with their target text (never
+//! following one) and leaves out, said and counted, those pointing outside
+//! the tree (`--safe-links`); without `-a` every symlink is left out with
+//! rsync's "skipping non-regular file"; `--delete` removes what the
+//! destination holds and the source does not (listed; a dry run removes
+//! nothing; excluded names kept); `--exclude`/`--include` follow rsync's
+//! rules. Push and pull alike, over every transport ([`crate::e2e_tests!`]).
+
+use std::collections::BTreeSet;
+use std::os::unix::fs::symlink;
+use std::path::{Path, PathBuf};
+
+use super::e2e::tmp_with_root;
+use super::e2e_sync::summary;
+use super::*;
+
+/// A tree to copy by push (local source, remote destination) or by pull
+/// (remote source, local destination), and a directory outside of both.
+pub struct Trees {
+    _tmp: tempfile::TempDir,
+    pub d: Rcpd,
+    pub t: String,
+    pub push: bool,
+    pub src: PathBuf,
+    pub dst: PathBuf,
+    /// Outside the copied trees: holds `secret`.
+    pub outside: PathBuf,
+}
+
+impl Trees {
+    pub fn new(t: &str, push: bool) -> Trees {
+        let (tmp, root) = tmp_with_root();
+        let d = Rcpd::start(&root, t, None, &[]);
+        let local = tmp.path().join("local");
+        std::fs::create_dir(&local).unwrap();
+        let (src, dst) = if push {
+            (local.join("tree"), root.join("tree"))
+        } else {
+            (root.join("tree"), local.join("tree"))
+        };
+        std::fs::create_dir(&src).unwrap();
+        let outside = tmp.path().join("outside");
+        std::fs::create_dir(&outside).unwrap();
+        std::fs::write(outside.join("secret"), b"outside").unwrap();
+        Trees {
+            _tmp: tmp,
+            d,
+            t: t.to_string(),
+            push,
+            src,
+            dst,
+            outside,
+        }
+    }
+
+    /// A file of the source tree.
+    pub fn file(&self, rel: &str, len: u64) {
+        let p = self.src.join(rel);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        make_file(&p, len, len);
+    }
+
+    /// `rcp push|pull ARGS` of the tree.
+    pub fn run(&self, args: &[&str]) -> Run {
+        let (sub, from, to) = if self.push {
+            ("push", self.src.to_str().unwrap().to_string(), remote(""))
+        } else {
+            (
+                "pull",
+                remote("tree"),
+                self.dst.parent().unwrap().to_str().unwrap().to_string(),
+            )
+        };
+        let mut a = vec![sub];
+        a.extend_from_slice(args);
+        a.extend([from.as_str(), to.as_str()]);
+        rcp(self.d.port, &self.t, None, &a)
+    }
+
+    /// [`Trees::run`], which must succeed.
+    pub fn ok(&self, args: &[&str]) -> Run {
+        let r = self.run(args);
+        assert_eq!(
+            r.code,
+            0,
+            "{args:?}: {}{}\n{}",
+            r.stdout,
+            r.stderr,
+            self.d.log()
+        );
+        r
+    }
+
+    /// The `--json` lines of `kind`, each one's `path` relative to the
+    /// source or destination tree.
+    pub fn paths(&self, stdout: &str, kind: &str) -> Vec<String> {
+        json_lines(stdout, kind)
+            .iter()
+            .map(|v| self.rel(v["path"].as_str().unwrap()))
+            .collect()
+    }
+
+    fn rel(&self, p: &str) -> String {
+        for top in [&self.src, &self.dst] {
+            if let Ok(r) = Path::new(p).strip_prefix(top) {
+                return r.to_str().unwrap().to_string();
+            }
+        }
+        // Remote paths: "tree/..." beneath rcpd's root.
+        let p = p.trim_start_matches('/');
+        p.strip_prefix("tree/").unwrap_or(p).to_string()
+    }
+}
+
+fn json_lines(stdout: &str, kind: &str) -> Vec<serde_json::Value> {
+    stdout
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["type"] == kind)
+        .collect()
+}
+
+fn set(v: &[&str]) -> BTreeSet<String> {
+    v.iter().map(|s| s.to_string()).collect()
+}
+
+fn link_of(p: &Path) -> Option<PathBuf> {
+    let m = std::fs::symlink_metadata(p).ok()?;
+    m.file_type()
+        .is_symlink()
+        .then(|| std::fs::read_link(p).unwrap())
+}
+
+/// `-a`: a relative link staying inside the tree (dangling or not) is
+/// recreated with its target text; an absolute one and one climbing out
+/// of the tree are left out, each named and counted. Without `-a` every
+/// link is left out with rsync's warning, none silently.
+pub fn archive_keeps_links_and_says_what_it_leaves_out(t: &str, push: bool) {
+    let s = Trees::new(t, push);
+    s.file("f", 1000);
+    s.file("sub/g", 2000);
+    symlink("../f", s.src.join("sub/rel")).unwrap();
+    symlink("missing", s.src.join("dangling")).unwrap();
+    symlink("../../outside/secret", s.src.join("esc")).unwrap();
+    symlink(s.outside.join("secret"), s.src.join("abs")).unwrap();
+    let all = set(&["sub/rel", "dangling", "esc", "abs"]);
+
+    // Without -a: every link left out, said on stderr and in --json.
+    let r = s.ok(&["-r"]);
+    for l in &all {
+        let line = r
+            .stderr
+            .lines()
+            .find(|x| x.contains(&format!("{l}\"")))
+            .unwrap_or_else(|| panic!("no warning names {l}: {}", r.stderr));
+        assert!(line.contains("skipping non-regular file"), "{line}");
+    }
+    let r = s.ok(&["-r", "--json"]);
+    assert_eq!(summary(&r.stdout)["left_out"], 4, "{}", r.stdout);
+    assert_eq!(summary(&r.stdout)["links"], 0, "{}", r.stdout);
+    let out: BTreeSet<String> = s.paths(&r.stdout, "left_out").into_iter().collect();
+    assert_eq!(out, all, "{}", r.stdout);
+    for l in &all {
+        assert!(link_of(&s.dst.join(l)).is_none(), "{l} was made without -a");
+    }
+    assert_eq!(
+        sha256sum(&s.dst.join("sub/g")),
+        sha256sum(&s.src.join("sub/g"))
+    );
+
+    // -a: the two inside made, as links, with their text.
+    let r = s.ok(&["-a", "--json"]);
+    let sum = summary(&r.stdout);
+    assert_eq!(sum["links"], 2, "{}", r.stdout);
+    assert_eq!(sum["left_out"], 2, "{}", r.stdout);
+    let out: BTreeSet<String> = s.paths(&r.stdout, "left_out").into_iter().collect();
+    assert_eq!(out, set(&["esc", "abs"]), "{}", r.stdout);
+    let made: BTreeSet<String> = s.paths(&r.stdout, "link").into_iter().collect();
+    assert_eq!(made, set(&["sub/rel", "dangling"]), "{}", r.stdout);
+    assert_eq!(link_of(&s.dst.join("sub/rel")), Some(PathBuf::from("../f")));
+    assert_eq!(
+        link_of(&s.dst.join("dangling")),
+        Some(PathBuf::from("missing"))
+    );
+    for l in ["esc", "abs"] {
+        assert!(std::fs::symlink_metadata(s.dst.join(l)).is_err(), "{l}");
+    }
+    assert_eq!(sha256sum(&s.dst.join("f")), sha256sum(&s.src.join("f")));
+    // The human run names the ones left out, and why.
+    let r = s.ok(&["-a"]);
+    for l in ["esc", "abs"] {
+        assert!(
+            r.stderr
+                .lines()
+                .any(|x| x.contains(&format!("{l}\":")) && x.contains("--safe-links")),
+            "{l}: {}",
+            r.stderr
+        );
+    }
+    assert!(
+        r.stdout.contains("2 symlinks made, 2 entries left out"),
+        "{}",
+        r.stdout
+    );
+    assert_eq!(std::fs::read(s.outside.join("secret")).unwrap(), b"outside");
+}
+
+/// `--delete`: a dry run lists what would go and removes nothing; the run
+/// removes it (deepest first, each said with -v), keeps excluded names,
+/// removes a link to a directory outside without following it, and
+/// touches nothing beside the destination tree.
+pub fn delete_removes_what_the_source_lacks(t: &str, push: bool) {
+    let s = Trees::new(t, push);
+    s.file("f", 1000);
+    s.file("sub/g", 3000);
+    s.ok(&["-r"]);
+    let beside = s.dst.parent().unwrap().join("beside");
+    std::fs::write(&beside, b"beside").unwrap();
+    std::fs::write(s.dst.join("extra"), b"x").unwrap();
+    std::fs::create_dir_all(s.dst.join("gone/x")).unwrap();
+    std::fs::write(s.dst.join("gone/x/y"), b"y").unwrap();
+    std::fs::write(s.dst.join("sub/old"), b"o").unwrap();
+    std::fs::write(s.dst.join("note.log"), b"kept").unwrap();
+    symlink(&s.outside, s.dst.join("lnk")).unwrap();
+    let extras = ["extra", "gone/x/y", "gone/x", "gone", "sub/old", "lnk"];
+
+    // --delete acts on directories only.
+    if push {
+        let r = s.run(&["--delete", s.src.join("f").to_str().unwrap()]);
+        assert_eq!(r.code, 1, "{}{}", r.stdout, r.stderr);
+    }
+
+    let r = s.ok(&[
+        "-r",
+        "--delete",
+        "--dry-run",
+        "--json",
+        "--exclude",
+        "*.log",
+    ]);
+    let listed = s.paths(&r.stdout, "delete");
+    assert_eq!(
+        listed.iter().cloned().collect::<BTreeSet<_>>(),
+        set(&extras),
+        "{}",
+        r.stdout
+    );
+    let at = |n: &str| listed.iter().position(|p| p == n).unwrap();
+    assert!(at("gone/x/y") < at("gone/x") && at("gone/x") < at("gone"));
+    assert_eq!(summary(&r.stdout)["deleted"], extras.len(), "{}", r.stdout);
+    for e in extras {
+        assert!(
+            std::fs::symlink_metadata(s.dst.join(e)).is_ok(),
+            "the dry run removed {e}"
+        );
+    }
+
+    let r = s.ok(&["-r", "--delete", "-v", "--exclude", "*.log"]);
+    for e in extras {
+        assert!(
+            r.stderr
+                .lines()
+                .any(|l| l.starts_with("deleting ") && l.ends_with(&format!("tree/{e}"))),
+            "{e} not said: {}",
+            r.stderr
+        );
+        assert!(
+            std::fs::symlink_metadata(s.dst.join(e)).is_err(),
+            "{e} is still there"
+        );
+    }
+    assert_eq!(std::fs::read(s.dst.join("note.log")).unwrap(), b"kept");
+    assert_eq!(std::fs::read(s.outside.join("secret")).unwrap(), b"outside");
+    assert_eq!(std::fs::read(&beside).unwrap(), b"beside");
+    assert_eq!(
+        sha256sum(&s.dst.join("sub/g")),
+        sha256sum(&s.src.join("sub/g"))
+    );
+    // Nothing left to delete.
+    let r = s.ok(&["-r", "--delete", "--json", "--exclude", "*.log"]);
+    assert_eq!(summary(&r.stdout)["deleted"], 0, "{}", r.stdout);
+}
+
+/// `--exclude`/`--include`: first match wins, `*` within a name, `**`
+/// across `/`, a leading `/` anchored at the tree, a trailing `/` for
+/// directories only; a dry run plans the same.
+pub fn exclude_and_include_follow_rsyncs_rules(t: &str, push: bool) {
+    let s = Trees::new(t, push);
+    for f in [
+        "a.txt",
+        "b.log",
+        "keep.log",
+        "sub/c.txt",
+        "sub/d.log",
+        "build/out.o",
+        "sub/build",
+        "deep/x/tmp/z",
+        "deep/z",
+    ] {
+        s.file(f, 100 + f.len() as u64);
+    }
+    let rules = [
+        "--include",
+        "keep.log",
+        "--exclude",
+        "*.log",
+        "--exclude",
+        "/build/",
+        "--exclude",
+        "deep/**/z",
+    ];
+    let copied = set(&["a.txt", "keep.log", "sub/c.txt", "sub/build", "deep/z"]);
+    let dry = s.ok(&[&["-r", "--dry-run", "--json"], &rules[..]].concat());
+    let planned: BTreeSet<String> = s.paths(&dry.stdout, "plan").into_iter().collect();
+    assert_eq!(planned, copied, "{}", dry.stdout);
+    assert_eq!(summary(&dry.stdout)["excluded"], 4, "{}", dry.stdout);
+    assert!(!s.dst.exists(), "the dry run made the destination");
+
+    let r = s.ok(&[&["-r", "--json"], &rules[..]].concat());
+    assert_eq!(summary(&r.stdout)["files"], copied.len(), "{}", r.stdout);
+    assert_eq!(summary(&r.stdout)["excluded"], 4, "{}", r.stdout);
+    for f in &copied {
+        assert_eq!(sha256sum(&s.dst.join(f)), sha256sum(&s.src.join(f)), "{f}");
+    }
+    for f in ["b.log", "sub/d.log", "build", "deep/x/tmp/z"] {
+        assert!(!s.dst.join(f).exists(), "{f} was copied");
+    }
+}
