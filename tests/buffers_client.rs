@@ -5,7 +5,8 @@
 //! the owner's event checked; then an unknown name. And an operation to
 //! a peer off rcpd's --copy-peers: refused, and nothing dials it. And a
 //! grant revoked with the session it was made to. And a kept session the
-//! peer rcpd no longer holds, given up for a new one.
+//! peer rcpd no longer holds, given up for a new one. And an exposure
+//! gone mid-write: only the write into it fails.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
