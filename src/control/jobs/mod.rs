@@ -310,6 +310,10 @@ pub struct Plan {
     /// Files the job's [`skip::Rules`] leave as they are at the
     /// destination.
     pub skipped: Vec<Planned>,
+    /// Push `-r`: the recursive List of a tree's destination, made while
+    /// the tree was walked, for the quick check ([`skip::prune`]); `None`:
+    /// no such directory.
+    pub listed: std::collections::HashMap<String, Option<Vec<crate::proto::Entry>>>,
 }
 
 impl Plan {
@@ -397,7 +401,12 @@ pub async fn plan_push(
         } else {
             remote.to_string()
         };
-        let tree = crate::files::walk(local)?;
+        let (tree, listed) = walk_and_list(client, local, &base, job.skip.active()).await;
+        if let Some(l) = listed {
+            plan.listed
+                .insert(base.trim_end_matches('/').to_string(), l);
+        }
+        let tree = tree?;
         let (entries, names) = admit_local(&mut plan.tree, job, local, &base, tree);
         // The tree's directories first, empty ones included (scp -r,
         // rsync -r); files then create whatever parents they still need.
@@ -431,6 +440,40 @@ pub async fn plan_push(
     }
     skip::prune(client, &mut plan, &job.skip).await?;
     Ok(plan)
+}
+
+/// Walk `local` (on a blocking thread) while rcpd lists `base`, the tree's
+/// destination, when the quick check will compare with it (`list`): on a
+/// rerun the two cost about the same, so they overlap. The listing is
+/// `None` when not asked for or not usable (the check lists again its own
+/// way: a tree too large for one answer), `Some(None)` when `base` does
+/// not exist.
+async fn walk_and_list(
+    client: &Client,
+    local: &Path,
+    base: &str,
+    list: bool,
+) -> (
+    Result<crate::files::Tree>,
+    Option<Option<Vec<crate::proto::Entry>>>,
+) {
+    let path = local.to_path_buf();
+    let walk = tokio::task::spawn_blocking(move || crate::files::walk(path));
+    let listing = async {
+        if !list {
+            return None;
+        }
+        match client.list(base, true).await {
+            Ok(e) => Some(Some(e)),
+            Err(e) if e.reason() == super::error::Reason::DirNotFound => Some(None),
+            Err(_) => None,
+        }
+    };
+    let (tree, listing) = tokio::join!(walk, listing);
+    let tree = tree
+        .map_err(|e| ControlError::Other(format!("walking {}: {e}", local.display())))
+        .and_then(|t| t.map_err(ControlError::from));
+    (tree, listing)
 }
 
 /// The walked local tree judged for a push to `base`: the files and

@@ -140,7 +140,11 @@ fn remote_dest(e: &proto::Entry) -> Dest {
 /// remote directories that exist already. One recursive `List` per tree
 /// (the remote directories no other one is beneath), a `Stat` per file
 /// pushed on its own.
-async fn remote_dests(client: &Client, plan: &Plan) -> Result<(Vec<Dest>, HashSet<String>)> {
+async fn remote_dests(
+    client: &Client,
+    plan: &Plan,
+    mut listed: HashMap<String, Option<Vec<proto::Entry>>>,
+) -> Result<(Vec<Dest>, HashSet<String>)> {
     let dirs: HashSet<&str> = plan
         .remote_dirs
         .iter()
@@ -152,7 +156,13 @@ async fn remote_dests(client: &Client, plan: &Plan) -> Result<(Vec<Dest>, HashSe
     let mut found: HashMap<String, Dest> = HashMap::new();
     let mut existing = HashSet::new();
     for top in tops {
-        let listed = match client.list(top, true).await {
+        // Listed while the tree was walked, or now.
+        let answer = match listed.remove(*top) {
+            Some(Some(e)) => Ok(e),
+            Some(None) => continue,
+            None => client.list(top, true).await,
+        };
+        let listed = match answer {
             Ok(e) => vec![(top.to_string(), e)],
             // Not there yet (or not a directory: the copy says so).
             Err(e) if e.reason() == Reason::DirNotFound => continue,
@@ -271,7 +281,8 @@ pub async fn prune(client: &Client, plan: &mut Plan, rules: &Rules) -> Result<()
         return Ok(());
     }
     let dests = if plan.push {
-        let (d, existing) = remote_dests(client, plan).await?;
+        let listed = std::mem::take(&mut plan.listed);
+        let (d, existing) = remote_dests(client, plan, listed).await?;
         plan.remote_dirs
             .retain(|d| !existing.contains(d.trim_end_matches('/')));
         d
