@@ -90,49 +90,62 @@ pub fn contents<T: Sync>(
     })
 }
 
-/// Blocks [`seed`] reads and hashes together.
+/// Blocks [`seed`] reads, hashes and writes together.
 const SEED_BATCH: usize = 16;
 
-/// `--delta`: write into `dest` (fresh) each block of `keep` (index and
-/// digest under `check`, the destination's) that `src`, the file now at the
-/// destination's name, still holds: read, hashed again on the pool a batch
-/// at a time, written as if it had arrived ([`Destination::write_block`]).
-/// A block `src` no longer holds (shorter, changed) is left missing: it
-/// moves. Returns how many were kept.
-pub fn seed(
-    src: &SourceFile,
-    dest: &mut Destination,
-    keep: &[(u64, Sha256Digest)],
-    check: Check,
-) -> Result<u64> {
-    if check.is_none() {
-        return Ok(0);
-    }
-    let bs = dest.block_size();
-    let mut kept = 0;
-    // One buffer per block of a batch, made once: a fresh zeroed buffer per
-    // block cost page faults and clearing as large as the reads.
-    let mut bufs: Vec<Vec<u8>> = (0..SEED_BATCH.min(keep.len()))
-        .map(|_| Vec::with_capacity(bs as usize))
-        .collect();
-    for batch in keep.chunks(SEED_BATCH) {
-        let mut ok = vec![false; batch.len()];
-        for ((&(b, _), buf), ok) in batch.iter().zip(bufs.iter_mut()).zip(ok.iter_mut()) {
-            if b >= dest.block_count() || b * bs >= src.len() {
-                continue;
+/// A batch of [`seed`]'s blocks in memory: each buffer holds its block
+/// when `ok` (read whole).
+#[derive(Default)]
+struct SeedBatch {
+    bufs: Vec<Vec<u8>>,
+    ok: Vec<bool>,
+}
+
+impl SeedBatch {
+    /// Read the blocks of `batch` from `src` (a block past either end, or
+    /// read short, is not `ok`: it moves).
+    fn read(
+        &mut self,
+        src: &SourceFile,
+        dest: &Destination,
+        batch: &[(u64, Sha256Digest)],
+    ) -> Result<()> {
+        let bs = dest.block_size();
+        self.bufs
+            .resize_with(batch.len(), || Vec::with_capacity(bs as usize));
+        self.ok.clear();
+        for (&(b, _), buf) in batch.iter().zip(self.bufs.iter_mut()) {
+            let mut ok = false;
+            if b < dest.block_count() && b * bs < src.len() {
+                let want = dest.block_len(b) as usize;
+                buf.resize(want, 0);
+                ok = src.read_at(b * bs, buf)? == want;
             }
-            let want = dest.block_len(b) as usize;
-            buf.resize(want, 0);
-            *ok = src.read_at(b * bs, buf)? == want;
+            self.ok.push(ok);
         }
-        let slices: Vec<&[u8]> = bufs
+        Ok(())
+    }
+
+    fn slices(&self) -> Vec<&[u8]> {
+        self.bufs
             .iter()
-            .zip(&ok)
+            .zip(&self.ok)
             .filter(|(_, &ok)| ok)
             .map(|(b, _)| b.as_slice())
-            .collect();
-        let mut hashed = check.blocks(&slices).into_iter();
-        for ((&(b, want), buf), &ok) in batch.iter().zip(&bufs).zip(&ok) {
+            .collect()
+    }
+
+    /// Write each block of `batch` whose digest (`hashed`, one per `ok`
+    /// block) is the one asked for; how many.
+    fn write(
+        &self,
+        dest: &mut Destination,
+        batch: &[(u64, Sha256Digest)],
+        hashed: Vec<Sha256Digest>,
+    ) -> Result<u64> {
+        let mut hashed = hashed.into_iter();
+        let mut kept = 0;
+        for ((&(b, want), buf), &ok) in batch.iter().zip(&self.bufs).zip(&self.ok) {
             if !ok {
                 continue;
             }
@@ -142,6 +155,60 @@ pub fn seed(
                 kept += 1;
             }
         }
+        Ok(kept)
+    }
+}
+
+/// `--delta`: write into `dest` (fresh) each block of `keep` (index and
+/// digest under `check`, the destination's) that `src`, the file now at the
+/// destination's name, still holds: read, hashed again on the pool a batch
+/// at a time, written as if it had arrived ([`Destination::write_block`]);
+/// the written bytes are the hashed ones. A block `src` no longer holds
+/// (shorter, changed) is left missing: it moves. Returns how many were
+/// kept. Pipelined: while one batch is hashed, the one before it is
+/// written and the one after it read (reads and writes are copies as
+/// large as the hashing).
+pub fn seed(
+    src: &SourceFile,
+    dest: &mut Destination,
+    keep: &[(u64, Sha256Digest)],
+    check: Check,
+) -> Result<u64> {
+    if check.is_none() || keep.is_empty() {
+        return Ok(0);
+    }
+    let batches: Vec<&[(u64, Sha256Digest)]> = keep.chunks(SEED_BATCH).collect();
+    let (mut reading, mut hashing, mut writing) = (
+        SeedBatch::default(),
+        SeedBatch::default(),
+        SeedBatch::default(),
+    );
+    hashing.read(src, dest, batches[0])?;
+    // The batch written next and its digests.
+    let mut pending: Option<(usize, Vec<Sha256Digest>)> = None;
+    let mut kept = 0;
+    for i in 0..batches.len() {
+        let (hashed, io) = std::thread::scope(|s| {
+            let h = s.spawn(|| check.blocks(&hashing.slices()));
+            let io = (|| -> Result<()> {
+                if let Some((j, d)) = pending.take() {
+                    kept += writing.write(dest, batches[j], d)?;
+                }
+                if let Some(next) = batches.get(i + 1) {
+                    reading.read(src, dest, next)?;
+                }
+                Ok(())
+            })();
+            (h.join().expect("the hashing thread"), io)
+        });
+        io?;
+        pending = Some((i, hashed));
+        // hashing -> writing, reading -> hashing, writing -> reading.
+        std::mem::swap(&mut writing, &mut hashing);
+        std::mem::swap(&mut hashing, &mut reading);
+    }
+    if let Some((j, d)) = pending {
+        kept += writing.write(dest, batches[j], d)?;
     }
     Ok(kept)
 }
@@ -202,6 +269,52 @@ mod tests {
         let src = SourceFile::open(&p).unwrap();
         assert_eq!(seed(&src, &mut dest, &keep, Check::Blake3).unwrap(), 3);
         assert_eq!(dest.missing_blocks(), vec![1, 3]);
+        dest.abort();
+    }
+
+    /// Across batches (three here: the pipeline reads one while it hashes
+    /// another and writes a third), each block is kept or left missing by
+    /// its own digest, and what is kept is the old copy's bytes.
+    #[test]
+    fn seed_across_batches_keeps_each_block_by_its_own_digest() {
+        let dir = tempfile::tempdir().unwrap();
+        let n = 2 * SEED_BATCH as u64 + 5;
+        let old: Vec<u8> = (0..(n * 4096)).map(|i| (i * 31 % 251) as u8).collect();
+        let p = dir.path().join("f");
+        std::fs::write(&p, &old).unwrap();
+        let digests: Vec<Sha256Digest> = old.chunks(4096).map(|b| Check::Blake3.block(b)).collect();
+        let wrong = [3u64, SEED_BATCH as u64 + 1, 2 * SEED_BATCH as u64 + 4];
+        let keep: Vec<(u64, Sha256Digest)> = (0..n)
+            .map(|b| {
+                (
+                    b,
+                    if wrong.contains(&b) {
+                        [9; 32]
+                    } else {
+                        digests[b as usize]
+                    },
+                )
+            })
+            .collect();
+        let d = crate::files::DirHandle::open(dir.path()).unwrap();
+        let opts = crate::files::DestinationOptions {
+            block_size: 4096,
+            check: Check::Blake3,
+            ..Default::default()
+        };
+        let mut dest = Destination::create(&d, "g", old.len() as u64, opts).unwrap();
+        let src = SourceFile::open(&p).unwrap();
+        let kept = seed(&src, &mut dest, &keep, Check::Blake3).unwrap();
+        assert_eq!(kept, n - wrong.len() as u64);
+        assert_eq!(dest.missing_blocks(), wrong.to_vec());
+        let tmp = std::fs::read(dest.temp_path()).unwrap();
+        for b in (0..n).filter(|b| !wrong.contains(b)) {
+            let r = (b * 4096) as usize..((b + 1) * 4096) as usize;
+            assert!(
+                tmp[r.clone()] == old[r],
+                "block {b} holds the old copy's bytes"
+            );
+        }
         dest.abort();
     }
 }
