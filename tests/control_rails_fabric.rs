@@ -283,17 +283,45 @@ impl Progress {
         true
     }
 
-    /// Take one stderr line: `rcp: push B/T bytes ...` (`--stats`).
+    /// Take one stderr line: `rcp: push 4.00 MiB/48.00 MiB (8.3%), ...`
+    /// (`--stats`, IEC units with two decimals: exact enough here, where
+    /// progress moves by chains of MiBs).
     fn line(&self, l: &str) {
         let b = l
             .strip_prefix("rcp: push ")
             .or_else(|| l.strip_prefix("rcp: pull "))
             .and_then(|r| r.split_once('/'))
-            .and_then(|(b, _)| b.parse::<u64>().ok());
+            .and_then(|(b, _)| iec_bytes(b));
         if let Some(b) = b {
             self.bytes.fetch_max(b, Relaxed);
         }
     }
+}
+
+/// `0 B`, `4.00 MiB`, ... (rcp's `units::bytes`) as bytes.
+fn iec_bytes(s: &str) -> Option<u64> {
+    let (v, unit) = s.split_once(' ')?;
+    let v: f64 = v.parse().ok()?;
+    let shift = match unit {
+        "B" => 0,
+        "KiB" => 10,
+        "MiB" => 20,
+        "GiB" => 30,
+        "TiB" => 40,
+        _ => return None,
+    };
+    Some((v * (1u64 << shift) as f64) as u64)
+}
+
+#[test]
+fn progress_lines_are_read_in_iec_units() {
+    let p = Progress::default();
+    p.line("rcp: push 0 B/48.00 MiB (0.0%), 0/1 files, 0 B/s, 0.1 s");
+    assert_eq!(p.now(), 0);
+    p.line("rcp: push 4.00 MiB/48.00 MiB (8.3%), 0/1 files, 40.02 MiB/s, 1.0 s");
+    assert_eq!(p.now(), 4 << 20);
+    p.line("rcp: pull 1.50 GiB/2.00 GiB (75.0%), 0/1 files, 40.02 MiB/s, 9.0 s");
+    assert_eq!(p.now(), 3 << 29);
 }
 
 /// What a cut saw: bytes confirmed when the link went down and when it
