@@ -491,6 +491,100 @@ async fn closing_a_session_revokes_its_buffer_grants() {
     d.stop().await;
 }
 
+/// A grant's round is the exposer's core's: a BufferDone naming another
+/// round (late, repeated) is refused and changes nothing, and a grant
+/// whose peer then says nothing is revoked at rcpd's timeout (the range it
+/// held exclusively is free again for the next writer).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_done_changes_nothing_and_a_silent_peers_grant_is_revoked() {
+    use rcp::proto::{self, rcp_client::RcpClient};
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("root");
+    std::fs::create_dir(&root).unwrap();
+    let sock = dir.path().join("rcpd.sock");
+    let mut cfg = config(&root, &sock);
+    cfg.timeout = Duration::from_secs(1);
+    let d = Daemon::start(cfg).await;
+    let owner = ServiceClient::connect(Some(&sock), None).await.unwrap();
+    let buf = owner.create_buffer(2 << 20).await.unwrap();
+    owner
+        .expose(&buf, "slow", 0, 2 << 20, "rw", &[])
+        .await
+        .unwrap();
+
+    let mut c = RcpClient::connect(format!("http://{}", d.addr))
+        .await
+        .unwrap();
+    let hs = c
+        .handshake(common::raw::hello(ProviderKind::Tcp, 1 << 20))
+        .await
+        .unwrap()
+        .into_inner();
+    let session_id = hs.session_id;
+    let grant = |c: &mut RcpClient<_>, access: proto::BufferAccess| {
+        let mut c = c.clone();
+        async move {
+            c.buffer_grant(proto::BufferGrantRequest {
+                session_id,
+                name: "slow".into(),
+                access: access as i32,
+                ranges: vec![proto::BufferRange {
+                    offset: 0,
+                    len: 4096,
+                }],
+                message: String::new(),
+                node: String::new(),
+            })
+            .await
+        }
+    };
+    let done = |grant: u64, round: u32| proto::BufferDoneRequest {
+        session_id,
+        grant,
+        round: Some(round),
+        ..Default::default()
+    };
+
+    // A read's grant in round 0: a BufferDone for round 1 is refused, and
+    // the grant still ends normally with round 0's.
+    let g = grant(&mut c, proto::BufferAccess::Read)
+        .await
+        .unwrap()
+        .into_inner()
+        .grant;
+    let e = c.buffer_done(done(g, 1)).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Aborted, "{e:?}");
+    assert!(e.message().contains("round 1 of grant"), "{e:?}");
+    c.buffer_done(done(g, 0))
+        .await
+        .expect("round 0's BufferDone after a stale one");
+
+    // A write's grant, then silence: the range is held (a second writer is
+    // told to retry) until the timeout revokes the grant.
+    let held = grant(&mut c, proto::BufferAccess::Write)
+        .await
+        .unwrap()
+        .into_inner()
+        .grant;
+    let busy = grant(&mut c, proto::BufferAccess::Write).await.unwrap_err();
+    assert_eq!(busy.code(), tonic::Code::Unavailable, "{busy:?}");
+    let start = std::time::Instant::now();
+    let next = loop {
+        // A guard against a hang only; the timeout is 1 s.
+        assert!(start.elapsed() < Duration::from_secs(120), "never revoked");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        if let Ok(g) = grant(&mut c, proto::BufferAccess::Write).await {
+            break g.into_inner().grant;
+        }
+    };
+    let e = c.buffer_done(done(held, 0)).await.unwrap_err();
+    assert!(e.message().contains("not live"), "{e:?}");
+    assert_ne!(next, held);
+
+    drop(owner);
+    d.stop().await;
+}
+
 /// Where the initiating side of buffer operations logs.
 const PEER_LOG: &str = "rcp::control::buffers::peer";
 

@@ -102,8 +102,9 @@ pub fn place_copy_threads(
 /// messages outside the protocol, the retry bound in the handshake's
 /// answer, numbered frames. 2.3: `Digests` (skip by content, `--delta`),
 /// `OpenFile.keep_blocks`, and the tree calls of `-a`/`--delete`
-/// (`MakeLink`, `Remove`) and `REASON_INTERRUPTED`; an older peer answers
-/// them UNIMPLEMENTED or ignores the new fields.
+/// (`MakeLink`, `Remove`), `REASON_INTERRUPTED` and
+/// `BufferDoneRequest.round`; an older peer answers them UNIMPLEMENTED or
+/// ignores the new fields.
 pub const VERSION_MAJOR: u32 = 2;
 pub const VERSION_MINOR: u32 = 3;
 /// Default gRPC port of rcpd.

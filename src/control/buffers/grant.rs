@@ -7,15 +7,19 @@
 //! what landed (write) or takes the peer's word (read), grants the ranges
 //! that did not match again, as files' blocks are, at most the session's
 //! `max_retries` rounds, and at the end tells the owner. A grant whose peer
-//! says nothing in a round for rcpd's timeout is revoked too.
+//! says nothing in a round for rcpd's timeout is revoked too. What each
+//! answer means is [`GrantCore`]'s; this is its driver (the table of
+//! grants, keys, hashing, the owner's event, the timer).
 
 use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use super::{Buffers, Exposure, OpError};
 use crate::control::error::Reason;
+use crate::control::protocol::buffer::{DoneStep, GrantCore, GrantNext, GrantPhase};
 use crate::control::server::{BufferGrants, SessionState};
 use crate::files::Check;
 use crate::mem::memfd::{LeaseKind, LeasedRange};
@@ -36,15 +40,9 @@ struct GrantState {
     /// Each range's digest: read, those sent with the grant; write, those
     /// of what landed, as each range is verified.
     digests: Vec<Vec<u8>>,
-    /// The ranges moving in this round (indices): every one in the first,
-    /// then the ones granted again.
-    moving: Vec<u32>,
-    /// Rounds after the first: times damaged ranges were granted again.
-    round: u32,
-    /// Ranges granted again, over all rounds (the owner's event).
-    resent: u32,
-    /// The session's retry bound (the handshake's `max_retries`).
-    max_retries: u32,
+    /// Its rounds: the ranges moving, the round against the retry bound,
+    /// the round's deadline.
+    core: GrantCore,
     session: u64,
     name: String,
     write: bool,
@@ -56,7 +54,7 @@ struct GrantState {
 
 /// A grant in the table.
 enum Slot {
-    Live(GrantState),
+    Live(Box<GrantState>),
     /// `BufferDone` holds the grant's state while it verifies (its keys
     /// revoked); the owner going meanwhile removes the slot, and the state
     /// is dropped when `BufferDone` finds it gone.
@@ -83,13 +81,29 @@ impl Slot {
 }
 
 /// The grants one rcpd made, by id.
-#[derive(Default)]
 pub struct Grants {
     next: AtomicU64,
     live: Mutex<HashMap<u64, Slot>>,
+    /// The cores' time 0.
+    t0: Instant,
+}
+
+impl Default for Grants {
+    fn default() -> Grants {
+        Grants {
+            next: AtomicU64::default(),
+            live: Mutex::default(),
+            t0: Instant::now(),
+        }
+    }
 }
 
 impl Grants {
+    /// Nanoseconds since the table's birth: the cores' clock.
+    fn now(&self) -> u64 {
+        self.t0.elapsed().as_nanos() as u64
+    }
+
     /// Revoke every grant on connection `owner`'s exposures; how many.
     pub(crate) fn revoke_owner(&self, owner: u64) -> usize {
         self.revoke_where(|g| g.owner() == owner)
@@ -121,23 +135,33 @@ impl Grants {
         self.live.lock().unwrap().len()
     }
 
-    /// Grant `id` of `session` if it is still in `round` (its timeout).
-    fn expire(&self, id: u64, session: u64, round: u32) -> Option<GrantState> {
+    /// Grant `id` of `session` if its core says it expired by `now`.
+    fn expire(&self, id: u64, session: u64, now: u64) -> Option<Box<GrantState>> {
         let mut l = self.live.lock().unwrap();
-        match l.get(&id) {
-            Some(Slot::Live(g)) if g.session == session && g.round == round => {
-                match l.remove(&id) {
-                    Some(Slot::Live(g)) => Some(g),
-                    _ => unreachable!("matched above"),
-                }
-            }
+        let expired = match l.get_mut(&id) {
+            Some(Slot::Live(g)) if g.session == session => g.core.handle_timeout(now),
+            _ => false,
+        };
+        if !expired {
+            return None;
+        }
+        match l.remove(&id) {
+            Some(Slot::Live(g)) => Some(g),
+            _ => unreachable!("matched above"),
+        }
+    }
+
+    /// When grant `id` of `session` expires, while it is live.
+    fn deadline(&self, id: u64, session: u64) -> Option<u64> {
+        match self.live.lock().unwrap().get(&id) {
+            Some(Slot::Live(g)) if g.session == session => g.core.poll_timeout(),
             _ => None,
         }
     }
 
     /// Grant `id` of `session` for its `BufferDone`: its slot says it is
     /// being verified until [`Grants::resume`] or [`Grants::end`].
-    fn begin_done(&self, id: u64, session: u64) -> Result<GrantState, OpError> {
+    fn begin_done(&self, id: u64, session: u64) -> Result<Box<GrantState>, OpError> {
         let mut l = self.live.lock().unwrap();
         match l.get(&id) {
             Some(s) if s.session() == session => {}
@@ -167,7 +191,7 @@ impl Grants {
 
     /// Put grant `id`'s state back (ranges granted again); `false` when it
     /// was revoked meanwhile (the state is dropped then).
-    fn resume(&self, id: u64, g: GrantState) -> bool {
+    fn resume(&self, id: u64, g: Box<GrantState>) -> bool {
         let mut l = self.live.lock().unwrap();
         if matches!(l.get(&id), Some(Slot::Verifying { .. })) {
             l.insert(id, Slot::Live(g));
@@ -250,6 +274,14 @@ pub fn grant(
         digests(check, &ranges)
     };
     let id = bufs.grants.next.fetch_add(1, Relaxed) + 1;
+    let core = GrantCore::new(
+        ranges.len() as u32,
+        write,
+        !check.is_none(),
+        session.params.max_retries,
+        bufs.grant_timeout().as_nanos() as u64,
+        bufs.grants.now(),
+    );
     let what = if write { "write" } else { "read" };
     tracing::debug!(grant = id, name = %crate::escape::esc(&req.name), what, ranges = out.len(), "buffer grant");
     let resp = proto::BufferGrantResponse {
@@ -259,14 +291,11 @@ pub fn grant(
     };
     bufs.grants.live.lock().unwrap().insert(
         id,
-        Slot::Live(GrantState {
+        Slot::Live(Box::new(GrantState {
             regs,
-            moving: (0..ranges.len() as u32).collect(),
             ranges,
             digests,
-            round: 0,
-            resent: 0,
-            max_retries: session.params.max_retries,
+            core,
             session: session_id,
             name: req.name,
             write,
@@ -274,9 +303,9 @@ pub fn grant(
             message: req.message,
             peer: event_peer(&req.node, peer),
             exp,
-        }),
+        })),
     );
-    arm_timeout(bufs, id, session_id, 0);
+    arm_timeout(bufs, id, session_id);
     Ok(resp)
 }
 
@@ -464,15 +493,20 @@ fn register<'a>(
     Ok((regs, out))
 }
 
-/// Revoke grant `id` if its peer says nothing more in `round` for rcpd's
-/// timeout.
-fn arm_timeout(bufs: &Arc<Buffers>, id: u64, session_id: u64, round: u32) {
-    let (b, t) = (bufs.clone(), bufs.grant_timeout());
+/// Revoke grant `id` once its core says it expired: sleep to the round's
+/// deadline ([`GrantCore::poll_timeout`]) and ask; a grant that moved on
+/// to another round meanwhile has a later deadline, slept to in turn.
+fn arm_timeout(bufs: &Arc<Buffers>, id: u64, session_id: u64) {
+    let b = bufs.clone();
     tokio::spawn(async move {
-        tokio::time::sleep(t).await;
-        if let Some(g) = b.grants.expire(id, session_id, round) {
-            tracing::warn!(grant = id, name = %crate::escape::esc(&g.name), "buffer grant revoked: its peer said nothing for the timeout");
-            crate::control::in_place(|| drop(g));
+        while let Some(at) = b.grants.deadline(id, session_id) {
+            let wait = at.saturating_sub(b.grants.now());
+            tokio::time::sleep(std::time::Duration::from_nanos(wait)).await;
+            if let Some(g) = b.grants.expire(id, session_id, b.grants.now()) {
+                tracing::warn!(grant = id, name = %crate::escape::esc(&g.name), "buffer grant revoked: its peer said nothing for the timeout");
+                crate::control::in_place(|| drop(g));
+                return;
+            }
         }
     });
 }
@@ -497,90 +531,76 @@ pub fn done(
 ) -> Result<proto::BufferDoneResponse, OpError> {
     let id = req.grant;
     let mut g = bufs.grants.begin_done(id, session_id)?;
+    let step = match g.core.done(&req) {
+        Ok(step) => step,
+        Err(e) if g.core.phase() == GrantPhase::Live => {
+            // Another round's (late or repeated): the grant goes on as it was.
+            bufs.grants.resume(id, g);
+            return Err(e.into());
+        }
+        Err(e) => {
+            bufs.grants.end(id);
+            crate::control::in_place(|| drop(g));
+            return Err(e.into());
+        }
+    };
     // Revoke first: nothing reaches the ranges from here on.
     crate::control::in_place(|| g.regs.clear());
-    let ended = |g: GrantState| {
+    let ended = |g: Box<GrantState>| {
         bufs.grants.end(id);
         crate::control::in_place(|| drop(g));
     };
-    if !req.failed.is_empty() {
-        tracing::info!(grant = id, name = %crate::escape::esc(&g.name), why = %crate::escape::esc(&req.failed), "buffer operation failed on the peer");
-        ended(g);
-        return Ok(proto::BufferDoneResponse::default());
-    }
-    let bad = match verify(&mut g, &req) {
-        Ok(bad) => bad,
+    let bad = match step {
+        DoneStep::Failed => {
+            tracing::info!(grant = id, name = %crate::escape::esc(&g.name), why = %crate::escape::esc(&req.failed), "buffer operation failed on the peer");
+            ended(g);
+            return Ok(proto::BufferDoneResponse::default());
+        }
+        DoneStep::Checked(bad) => bad,
+        DoneStep::Hash(moving) => verify(&mut g, &moving, &req.digests),
+    };
+    let again = match g.core.verified(bufs.grants.now(), bad, session.is_some()) {
+        GrantNext::Regrant(bad) => bad,
+        GrantNext::End { bad } => {
+            tell_owner(&g, &bad);
+            ended(g);
+            return Ok(proto::BufferDoneResponse {
+                bad,
+                again: Vec::new(),
+            });
+        }
+    };
+    let s = session.expect("a regrant only on an open session");
+    let granted = match regrant(&mut g, s, &again) {
+        Ok(granted) => granted,
         Err(e) => {
+            g.core.regrant_failed();
             ended(g);
             return Err(e);
         }
     };
-    let session = session.filter(|_| !bad.is_empty() && g.round < g.max_retries);
-    if let Some(s) = session {
-        let again = match regrant(&mut g, s, &bad) {
-            Ok(again) => again,
-            Err(e) => {
-                ended(g);
-                return Err(e);
-            }
-        };
-        let round = g.round;
-        tracing::debug!(grant = id, round, ranges = ?bad, "buffer ranges damaged: granted again");
-        if !bufs.grants.resume(id, g) {
-            return Err(OpError::new(
-                Reason::Retryable,
-                format!(
-                    "grant {id} was revoked while it was verified (its exposure was withdrawn)"
-                ),
-            ));
-        }
-        arm_timeout(bufs, id, session_id, round);
-        return Ok(proto::BufferDoneResponse { bad, again });
+    tracing::debug!(grant = id, round = g.core.round(), ranges = ?again, "buffer ranges damaged: granted again");
+    if !bufs.grants.resume(id, g) {
+        return Err(OpError::new(
+            Reason::Retryable,
+            format!("grant {id} was revoked while it was verified (its exposure was withdrawn)"),
+        ));
     }
-    tell_owner(&g, &bad);
-    ended(g);
+    arm_timeout(bufs, id, session_id);
     Ok(proto::BufferDoneResponse {
-        bad,
-        again: Vec::new(),
+        bad: again,
+        again: granted,
     })
 }
 
-/// The ranges of this round that did not match: for a write, hash what
-/// landed (keys revoked) and compare with the peer's digests; for a read,
-/// the peer compared and says which.
-fn verify(g: &mut GrantState, req: &proto::BufferDoneRequest) -> Result<Vec<u32>, OpError> {
-    if !g.write {
-        let mut bad = req.bad.clone();
-        bad.sort_unstable();
-        bad.dedup();
-        if let Some(i) = bad.iter().find(|i| !g.moving.contains(i)) {
-            return Err(OpError::new(
-                Reason::Protocol,
-                format!(
-                    "range {i} was not read in this round of grant {}",
-                    req.grant
-                ),
-            ));
-        }
-        return Ok(bad);
-    }
-    if g.check.is_none() {
-        return Ok(Vec::new());
-    }
-    if req.digests.len() != g.ranges.len() {
-        return Err(OpError::new(
-            Reason::Invalid,
-            format!(
-                "{} digests for {} ranges",
-                req.digests.len(),
-                g.ranges.len()
-            ),
-        ));
-    }
+/// A write's ranges of this round (`moving`) that did not match the
+/// peer's `digests`: hash what landed (keys revoked), keeping each
+/// range's digest for the owner.
+fn verify(g: &mut GrantState, moving: &[u32], digests: &[Vec<u8>]) -> Vec<u32> {
     let check = g.check;
     let mut bad = Vec::new();
     crate::control::in_place(|| {
-        for &i in &g.moving {
+        for &i in moving {
             let r = &mut g.ranges[i as usize];
             // SAFETY: the round's registrations were revoked above and the
             // range is leased exclusively (a write's grant): no device
@@ -589,17 +609,17 @@ fn verify(g: &mut GrantState, req: &proto::BufferDoneRequest) -> Result<Vec<u32>
         }
         // The round's ranges on the hashing pool.
         let ranges = &g.ranges;
-        let got = crate::files::digest::on_pool(&g.moving, |&i| {
+        let got = crate::files::digest::on_pool(moving, |&i| {
             ranges[i as usize].with(|b| check.wire(&check.block(b)))
         });
-        for (&i, d) in g.moving.iter().zip(got) {
-            if d != req.digests[i as usize] {
+        for (&i, d) in moving.iter().zip(got) {
+            if d != digests[i as usize] {
                 bad.push(i);
             }
             g.digests[i as usize] = d;
         }
     });
-    Ok(bad)
+    bad
 }
 
 /// Grant the ranges `bad` again (the next round): new keys in the
@@ -612,9 +632,6 @@ fn regrant(
     let ranges = bad.iter().map(|&i| &g.ranges[i as usize]);
     let (regs, again) = register(&g.exp, session, ranges, g.write, &g.name)?;
     g.regs = regs;
-    g.moving = bad.to_vec();
-    g.round += 1;
-    g.resent += bad.len() as u32;
     Ok(again)
 }
 
@@ -634,15 +651,15 @@ fn tell_owner(g: &GrantState, bad: &[u32]) {
         "ranges": list,
         "message": g.message,
         "check": g.check.name(),
-        "resent": g.resent,
+        "resent": g.core.resent(),
     });
     if !bad.is_empty() {
         ev["error"] = OpError::new(
             Reason::Integrity,
             format!(
                 "ranges {bad:?} did not match their digests{}",
-                if g.round > 0 {
-                    format!(" after {} resends", g.round)
+                if g.core.round() > 0 {
+                    format!(" after {} resends", g.core.round())
                 } else {
                     String::new()
                 }

@@ -121,6 +121,12 @@ impl std::fmt::Display for OpError {
 /// So that a service's `?` takes it into `anyhow` or `Box<dyn Error>`.
 impl std::error::Error for OpError {}
 
+impl From<super::protocol::Failure> for OpError {
+    fn from(e: super::protocol::Failure) -> OpError {
+        OpError::new(e.reason, e.message)
+    }
+}
+
 impl From<super::error::ControlError> for OpError {
     fn from(e: super::error::ControlError) -> OpError {
         OpError::new(e.reason(), e.to_string())

@@ -39,6 +39,7 @@ use crate::control::client::{Client, Session};
 use crate::control::error::{status_reason, ControlError, Reason};
 use crate::control::jobs::tcp_fallback;
 use crate::control::link::resolve_transport;
+use crate::control::protocol::buffer::{self, OpCore, OpNext};
 use crate::control::protocol::rails::LOOK_EVERY_NS;
 use crate::datapath::lend::{LendingPath, RailRegs};
 use crate::datapath::{DataPathError, DpEvent};
@@ -241,29 +242,6 @@ impl PeerLink {
     fn retire(&self, why: String) {
         self.fail(why);
         self.stop.notify_one();
-    }
-
-    /// Several rails: each granted range names its rkey on every rail, rail
-    /// 0's first (the peer registers it in each rail's domain).
-    fn check_rail_rkeys(&self, peer: &str, ranges: &[proto::GrantedRange]) -> Result<(), OpError> {
-        let rails = self.path.rails();
-        if rails < 2 {
-            return Ok(());
-        }
-        match ranges
-            .iter()
-            .position(|g| g.rail_rkeys.len() != rails || g.rail_rkeys.first() != Some(&g.rkey))
-        {
-            None => Ok(()),
-            Some(i) => Err(OpError::new(
-                Reason::Protocol,
-                format!(
-                    "peer {peer} broke the protocol: granted range {i} with {} rail rkeys on a \
-                     session of {rails} rails",
-                    ranges[i].rail_rkeys.len()
-                ),
-            )),
-        }
     }
 
     fn dead(&self) -> Option<String> {
@@ -540,7 +518,8 @@ pub async fn run(
     }
 }
 
-/// [`run`] once, on the peer's session now.
+/// [`run`] once, on the peer's session now. What each answer of the peer
+/// means is [`OpCore`]'s; this drives it (leases, windows, hashing, RPCs).
 async fn attempt(
     bufs: &Arc<Buffers>,
     op: &OpSpec,
@@ -556,6 +535,13 @@ async fn attempt(
     } else {
         Vec::new()
     };
+    let mut core = OpCore::new(
+        op.descs.len() as u32,
+        op.write,
+        link.path.rails() as u32,
+        link.max_retries,
+    );
+    let checked = core.granted(&grant);
     let g = Granted {
         link: &link,
         op,
@@ -565,13 +551,16 @@ async fn attempt(
         sent,
         posted: Mutex::new(Vec::new()),
     };
+    if let Err(e) = checked {
+        g.fail(e.message.clone()).await;
+        return Err(g.broke(e).into());
+    }
     let mut moving: Vec<Moving> = local
         .into_iter()
         .zip(grant.ranges)
         .enumerate()
         .map(|(i, (r, at))| (i as u32, r, at))
         .collect();
-    let mut round = 0;
     loop {
         let mut landed = match g.post(moving).await {
             Ok(l) => l,
@@ -584,23 +573,30 @@ async fn attempt(
             g.fail("cancelled".into()).await;
             return Err(OpError::new(Reason::Other, "cancelled").into());
         }
-        let resp = g.finish_round(&mut landed).await?;
-        if resp.again.is_empty() {
-            if resp.bad.is_empty() {
+        let (mine, resp) = g.finish_round(&mut landed, core.round()).await?;
+        moving = match core.round_done(&mine, resp) {
+            Ok(OpNext::Done) => {
                 return Ok(Moved {
                     bytes: op.descs.iter().map(|d| d.2).sum(),
                     kind: link.kind,
                     fell_back: link.fell_back.clone(),
-                });
+                })
             }
-            return Err(g.damaged(&resp.bad, round).into());
-        }
-        round += 1;
-        moving = match g.again(landed, resp, round) {
-            Ok(m) => m,
+            Ok(OpNext::Damaged { bad, rounds }) => {
+                return Err(OpError::new(
+                    Reason::Integrity,
+                    format!(
+                        "peer {}: {}",
+                        op.peer,
+                        buffer::damaged_message(op.write, &bad, rounds)
+                    ),
+                )
+                .into())
+            }
+            Ok(OpNext::Again(again)) => g.again(landed, again, core.round()),
             Err(e) => {
                 g.fail(e.message.clone()).await;
-                return Err(e.into());
+                return Err(g.broke(e).into());
             }
         };
     }
@@ -719,17 +715,6 @@ async fn request_grant(
                 Refused::Other(e)
             }
         })?;
-    if grant.ranges.len() != op.descs.len() {
-        return Err(Refused::Other(OpError::new(
-            Reason::Invalid,
-            format!(
-                "peer granted {} ranges for {}",
-                grant.ranges.len(),
-                op.descs.len()
-            ),
-        )));
-    }
-    link.check_rail_rkeys(&op.peer, &grant.ranges)?;
     Ok(grant)
 }
 
@@ -752,6 +737,7 @@ impl Granted<'_> {
     /// `BufferDone` for the round.
     async fn done(
         &self,
+        round: Option<u32>,
         failed: String,
         digests: Vec<Vec<u8>>,
         bad: Vec<u32>,
@@ -764,6 +750,7 @@ impl Granted<'_> {
                 digests,
                 failed,
                 bad,
+                round,
             })
             .await
             .map_err(|s| peer_error(&self.op.peer, &s))
@@ -772,7 +759,7 @@ impl Granted<'_> {
     /// Tell the peer the operation failed (best effort: the grant is
     /// revoked either way, at the latest after the peer's timeout).
     async fn fail(&self, why: String) {
-        let _ = self.done(why, Vec::new(), Vec::new()).await;
+        let _ = self.done(None, why, Vec::new(), Vec::new()).await;
     }
 
     /// Post a window per range (split into requests of the session's block
@@ -878,15 +865,17 @@ impl Granted<'_> {
 
     /// The round's `BufferDone`: for a write the digests of what was sent
     /// (the peer compares); for a read, compare what landed here and say
-    /// which ranges did not match.
+    /// which ranges did not match. Those (`mine`) and the peer's answer.
     async fn finish_round(
         &self,
         landed: &mut [(u32, LeasedRange)],
-    ) -> Result<proto::BufferDoneResponse, OpError> {
+        round: u32,
+    ) -> Result<(Vec<u32>, proto::BufferDoneResponse), OpError> {
         if self.op.write {
-            return self
-                .done(String::new(), self.sent.clone(), Vec::new())
-                .await;
+            let resp = self
+                .done(Some(round), String::new(), self.sent.clone(), Vec::new())
+                .await?;
+            return Ok((Vec::new(), resp));
         }
         let check = self.link.check;
         let mut bad = Vec::new();
@@ -909,85 +898,38 @@ impl Granted<'_> {
                 }
             });
         }
-        let resp = self.done(String::new(), Vec::new(), bad.clone()).await?;
-        if resp.again.is_empty() && resp.bad.is_empty() && !bad.is_empty() {
-            // A peer that takes no notice of a mismatch still fails it.
-            return Ok(proto::BufferDoneResponse {
-                bad,
-                again: Vec::new(),
-            });
-        }
-        Ok(resp)
+        let resp = self
+            .done(Some(round), String::new(), Vec::new(), bad.clone())
+            .await?;
+        Ok((bad, resp))
     }
 
-    /// The next round: the ranges the peer granted again (`resp.bad`, at
-    /// `resp.again`), from those that `landed`.
+    /// The next round (`round`): the ranges the peer granted again, each
+    /// with its local lease (every range of a round lands before its
+    /// answer, and the core took only ranges that were moving).
     fn again(
         &self,
         landed: Vec<(u32, LeasedRange)>,
-        resp: proto::BufferDoneResponse,
+        again: Vec<(u32, proto::GrantedRange)>,
         round: u32,
-    ) -> Result<Vec<Moving>, OpError> {
-        let broke = |why: String| {
-            OpError::new(
-                Reason::Protocol,
-                format!(
-                    "peer {} broke the protocol: BufferDone: {why}",
-                    self.op.peer
-                ),
-            )
-        };
-        if round > self.link.max_retries {
-            return Err(broke(format!(
-                "round {round} of grant {} is past the retry bound {}",
-                self.id, self.link.max_retries
-            )));
-        }
-        if resp.again.len() != resp.bad.len() {
-            return Err(broke(format!(
-                "{} ranges granted again for {} bad",
-                resp.again.len(),
-                resp.bad.len()
-            )));
-        }
-        self.link.check_rail_rkeys(&self.op.peer, &resp.again)?;
+    ) -> Vec<Moving> {
         let mut landed: HashMap<u32, LeasedRange> = landed.into_iter().collect();
-        let mut moving = Vec::with_capacity(resp.bad.len());
-        for (i, at) in resp.bad.into_iter().zip(resp.again) {
-            let r = landed
-                .remove(&i)
-                .ok_or_else(|| broke(format!("range {i} granted again was not moving")))?;
-            moving.push((i, r, at));
-        }
+        let moving: Vec<Moving> = again
+            .into_iter()
+            .map(|(i, at)| {
+                let r = landed
+                    .remove(&i)
+                    .expect("a range moving in the round landed");
+                (i, r, at)
+            })
+            .collect();
         tracing::debug!(peer = %crate::escape::esc(&self.op.peer), grant = self.id, round, ranges = moving.len(), "buffer ranges damaged: moving them again");
-        Ok(moving)
+        moving
     }
 
-    /// The operation's end when ranges still did not match after `round`
-    /// rounds of resends.
-    fn damaged(&self, bad: &[u32], round: u32) -> OpError {
-        let after = if round > 0 {
-            format!(
-                " after {round} {}",
-                if self.op.write { "resends" } else { "re-reads" }
-            )
-        } else {
-            String::new()
-        };
-        OpError::new(
-            Reason::Integrity,
-            if self.op.write {
-                format!(
-                    "peer {}: ranges {bad:?} did not land intact{after}",
-                    self.op.peer
-                )
-            } else {
-                format!(
-                    "peer {}: ranges {bad:?} read do not match their digests{after}",
-                    self.op.peer
-                )
-            },
-        )
+    /// The peer broke the protocol (the core's `e`): the operation's end.
+    fn broke(&self, e: crate::control::protocol::Failure) -> OpError {
+        OpError::new(e.reason, format!("peer {} {}", self.op.peer, e.message))
     }
 }
 

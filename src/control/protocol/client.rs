@@ -797,9 +797,7 @@ impl ClientCore {
         if g.len > p.window_size {
             return Err(format!("window {} of {} bytes", g.window, g.len));
         }
-        if p.rails > 1
-            && (g.rail_rkeys.len() != p.rails as usize || g.rail_rkeys.first() != Some(&g.rkey))
-        {
+        if !super::rail_rkeys_fit(p.rails, g.rkey, &g.rail_rkeys) {
             // Several rails: the window's key on each, rail 0's first.
             return Err(format!(
                 "window {}: a grant with {} rail rkeys on a session of {} rails",

@@ -54,6 +54,7 @@
 //!   the stream's status is the abort's); the core still refuses it and
 //!   logs it, once.
 
+pub mod buffer;
 mod client;
 pub mod negotiate;
 pub mod rails;
@@ -313,6 +314,14 @@ impl From<Violation> for Failure {
     fn from(v: Violation) -> Self {
         Failure::new(Reason::Protocol, v.to_string())
     }
+}
+
+/// Whether a granted window or range carries a key per rail as a session
+/// of `rails` rails needs: with several, one per rail, rail 0's (`rkey`)
+/// first; with one, the list is not read. Files' grants and buffer ranges
+/// are checked by it alike.
+pub fn rail_rkeys_fit(rails: u32, rkey: u32, rail_rkeys: &[u32]) -> bool {
+    rails < 2 || (rail_rkeys.len() == rails as usize && rail_rkeys.first() == Some(&rkey))
 }
 
 /// Bitmap of blocks (bit i of byte i/8, LSB first), as on the wire.

@@ -16,6 +16,9 @@ use crate::proto::{self, ClientFrame, Direction, ServerFrame};
 /// watch, and sessions run with what they agreed.
 mod negotiation;
 
+/// Buffer operations' cores, alone and as a Pair over a lossy link.
+mod buffer;
+
 /// A small deterministic generator (xorshift64*).
 #[derive(Clone, Debug)]
 struct Rng(u64);
