@@ -14,6 +14,7 @@ mod common;
 
 use std::time::Duration;
 
+use rcp::control::buffers::api::{OpStateName, ServiceReason};
 use rcp::control::buffers::client::ServiceClient;
 use rcp::control::daemon::{self, DaemonConfig};
 use rcp::control::link::MemoryWindows;
@@ -112,7 +113,7 @@ async fn a_rust_service_writes_and_reads_another_services_buffer() {
 
     let owner = ServiceClient::connect(Some(&sock), None).await.unwrap();
     // hello names the address peers dial this rcpd at: its gRPC address.
-    assert_eq!(owner.node(), addr, "{}", owner.hello());
+    assert_eq!(owner.node(), addr, "{:?}", owner.hello());
     let dst = owner.create_buffer(2 << 20).await.unwrap();
     owner
         .expose(&dst, "rust0", 0, 2 << 20, "rw", &[])
@@ -141,14 +142,27 @@ async fn a_rust_service_writes_and_reads_another_services_buffer() {
     let mut both = f("length");
     both["len"] = 4096.into();
     let e = owner.request("expose", both, &[]).await.unwrap_err();
-    assert_eq!(e.reason_name(), "invalid", "{e}");
+    assert_eq!(ServiceReason::of(e.reason).name(), "invalid", "{e}");
+    // A request outside the schema (api::Request) is refused, naming what
+    // is wrong, and the connection goes on.
+    let e = owner
+        .request("expose", serde_json::json!({"buffer": dst.id}), &[])
+        .await
+        .unwrap_err();
+    assert_eq!(e.reason, rcp::proto::Reason::Invalid, "{e}");
+    assert!(e.message.contains("missing field `name`"), "{e}");
+    let e = owner
+        .request("frob", serde_json::json!({}), &[])
+        .await
+        .unwrap_err();
+    assert!(e.message.contains("unknown variant `frob`"), "{e}");
     let h = writer
         .write(&src, &addr, "rust0", &[(0, 8192, 4096)], None)
         .await
         .unwrap();
     let e = writer.wait(h).await.unwrap_err();
     assert_eq!(
-        e.reason_name(),
+        ServiceReason::of(e.reason).name(),
         "invalid",
         "only [0, 4096) is exposed now: {e}"
     );
@@ -157,7 +171,7 @@ async fn a_rust_service_writes_and_reads_another_services_buffer() {
         .expose(&src, "rust0", 0, 4096, "rw", &[])
         .await
         .unwrap_err();
-    assert_eq!(e.reason_name(), "permission", "{e}");
+    assert_eq!(ServiceReason::of(e.reason).name(), "permission", "{e}");
     owner.request("expose", f("len"), &[]).await.unwrap();
     owner
         .expose(&dst, "rust0", 0, 2 << 20, "rw", &[])
@@ -182,7 +196,7 @@ async fn a_rust_service_writes_and_reads_another_services_buffer() {
         .await
         .unwrap();
     let e = writer.wait(h).await.unwrap_err();
-    assert_eq!(e.reason_name(), "not_found", "{e}");
+    assert_eq!(ServiceReason::of(e.reason).name(), "not_found", "{e}");
 
     drop((owner, writer));
     d.stop().await;
@@ -265,7 +279,7 @@ async fn damaged_ranges_move_again_up_to_the_retry_bound() {
         .unwrap();
     let e = peer.wait(h).await.unwrap_err();
     corrupt_ranges("damaged-w", 0);
-    assert_eq!(e.reason_name(), "integrity", "{e}");
+    assert_eq!(ServiceReason::of(e.reason).name(), "integrity", "{e}");
     assert!(e.message.contains("after 3 resends"), "{e}");
     let ev = owner_event(&owner).await;
     assert_eq!(ev["resent"], 3, "{ev}");
@@ -291,7 +305,7 @@ async fn damaged_ranges_move_again_up_to_the_retry_bound() {
         .unwrap();
     let e = peer.wait(h).await.unwrap_err();
     corrupt_ranges("damaged-r", 0);
-    assert_eq!(e.reason_name(), "integrity", "{e}");
+    assert_eq!(ServiceReason::of(e.reason).name(), "integrity", "{e}");
     assert!(e.message.contains("after 3 re-reads"), "{e}");
     let ev = owner_event(&owner).await;
     assert_eq!(ev["resent"], 3, "{ev}");
@@ -325,7 +339,7 @@ async fn an_operation_to_an_unlisted_peer_is_refused_before_any_connection() {
         .await
         .unwrap();
     let e = writer.wait(h).await.unwrap_err();
-    assert_eq!(e.reason_name(), "permission", "{e}");
+    assert_eq!(ServiceReason::of(e.reason).name(), "permission", "{e}");
     assert!(
         e.message.contains("--copy-peers") && e.message.contains(&stranger_addr),
         "{e}"
@@ -341,7 +355,7 @@ async fn an_operation_to_an_unlisted_peer_is_refused_before_any_connection() {
         .await
         .unwrap();
     let e = writer.wait(h).await.unwrap_err();
-    assert_eq!(e.reason_name(), "not_found", "{e}");
+    assert_eq!(ServiceReason::of(e.reason).name(), "not_found", "{e}");
     drop(writer);
     d.stop().await;
 }
@@ -685,7 +699,7 @@ async fn exposed(
 const HANG_GUARD: Duration = Duration::from_secs(300);
 
 /// Operation `h`'s end, bounded by [`HANG_GUARD`].
-async fn ended(c: &ServiceClient, h: u64) -> Result<u64, rcp::control::buffers::OpError> {
+async fn ended(c: &ServiceClient, h: u64) -> Result<u64, rcp::control::buffers::Failure> {
     tokio::time::timeout(HANG_GUARD, c.wait(h))
         .await
         .expect("the operation ended")
@@ -846,12 +860,12 @@ async fn an_exposure_gone_mid_write_fails_only_the_write_into_it() {
     landed(&vbuf, 2 * MIB - 1).await;
     for h in [hv, ho] {
         let st = writer.status(h).await.unwrap();
-        assert_eq!(st["state"], "running", "{st}");
+        assert_eq!(st.state, OpStateName::Running, "{st:?}");
     }
     drop((victim, vbuf));
 
     let e = ended(&writer, hv).await.unwrap_err();
-    assert_eq!(e.reason_name(), "not_found", "{e}");
+    assert_eq!(ServiceReason::of(e.reason).name(), "not_found", "{e}");
     assert!(e.message.contains("\"victim\" is gone"), "{e}");
     assert_eq!(
         ended(&writer, ho).await.unwrap(),

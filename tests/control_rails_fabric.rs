@@ -33,6 +33,7 @@ use std::time::{Duration, Instant};
 use common::e2e::tmp_with_root;
 use common::metrics::{sample, samples, scrape};
 use common::{make_file, rcp, rcp_cmd, remote, sha256sum, Rcpd, Run, Topology};
+use rcp::control::buffers::api::OpStateName;
 use rcp::control::buffers::client::ServiceClient;
 use rcp::files::Check;
 
@@ -933,10 +934,10 @@ async fn cut_mid_op(
     // moved, and whether the operation still runs.
     let at = rail_bytes(metrics).iter().sum::<u64>() - base;
     let st = bounded("status at the cut", svc.status(h)).await.unwrap();
-    println!("every rail cut at {at} bytes of {FB_BUF}: {st}");
+    println!("every rail cut at {at} bytes of {FB_BUF}: {st:?}");
     assert!(
-        reached && st["state"] == "running" && at < FB_BUF,
-        "the cut landed mid-operation ({at} bytes confirmed once it took): {st}{}",
+        reached && st.state == OpStateName::Running && at < FB_BUF,
+        "the cut landed mid-operation ({at} bytes confirmed once it took): {st:?}{}",
         logs()
     );
     let done = bounded("wait", svc.wait(h)).await;

@@ -296,6 +296,15 @@ impl From<Failure> for ControlError {
     }
 }
 
+impl From<ControlError> for Failure {
+    fn from(e: ControlError) -> Self {
+        match e {
+            ControlError::Failed(f) => f,
+            e => Failure::new(e.reason(), e.to_string()),
+        }
+    }
+}
+
 impl From<Status> for ControlError {
     fn from(s: Status) -> Self {
         ControlError::Failed(Failure::new(status_reason(&s), s.message().to_string()))

@@ -12,8 +12,12 @@ use serde_json::{json, Value};
 use tokio::net::UnixStream;
 use tokio::sync::{mpsc, oneshot};
 
+use super::api::{
+    self, Desc, ErrorBody, HelloReply, OpRequest, OpStateName, OpStatus, Registered, Request,
+    Started,
+};
 use super::wire::{self, FrameReader, MAGIC};
-use super::OpError;
+use super::Failure;
 use crate::control::error::Reason;
 use crate::mem::memfd::LocalBuffer;
 
@@ -49,7 +53,7 @@ pub struct ServiceClient {
     send: tokio::sync::Mutex<()>,
     reader: tokio::task::JoinHandle<()>,
     /// rcpd's reply to `hello` (`session`, `node`, `check`).
-    hello: Value,
+    hello: HelloReply,
 }
 
 impl Drop for ServiceClient {
@@ -58,29 +62,29 @@ impl Drop for ServiceClient {
     }
 }
 
-fn closed() -> OpError {
-    OpError::new(Reason::Retryable, "the connection to rcpd closed")
-}
-
-fn reason_of(name: &str) -> Reason {
-    match name {
-        "invalid" => Reason::Invalid,
-        "not_found" => Reason::FileNotFound,
-        "integrity" => Reason::Integrity,
-        "unauthenticated" => Reason::Unauthenticated,
-        "permission" => Reason::Permission,
-        "exceeded" => Reason::Exceeded,
-        "retryable" => Reason::Retryable,
-        _ => Reason::Other,
-    }
+fn closed() -> Failure {
+    Failure::new(Reason::Retryable, "the connection to rcpd closed")
 }
 
 /// An `{reason, message}` object as an error.
-pub fn error_of(v: &Value) -> OpError {
-    OpError::new(
-        reason_of(v.get("reason").and_then(Value::as_str).unwrap_or("")),
-        v.get("message").and_then(Value::as_str).unwrap_or(""),
-    )
+pub fn error_of(v: &Value) -> Failure {
+    match serde_json::from_value::<ErrorBody>(v.clone()) {
+        Ok(e) => e.into(),
+        Err(e) => Failure::new(
+            Reason::Other,
+            format!("an error rcpd sent is not one: {e}: {v}"),
+        ),
+    }
+}
+
+/// A reply as what it should be.
+fn parse<R: serde::de::DeserializeOwned>(what: &str, v: Value) -> Result<R, Failure> {
+    serde_json::from_value(v.clone()).map_err(|e| {
+        Failure::new(
+            Reason::Protocol,
+            format!("rcpd's reply to {what} is not one: {e}: {v}"),
+        )
+    })
 }
 
 impl ServiceClient {
@@ -89,13 +93,13 @@ impl ServiceClient {
     pub async fn connect(
         path: Option<&Path>,
         token: Option<&str>,
-    ) -> Result<ServiceClient, OpError> {
+    ) -> Result<ServiceClient, Failure> {
         let path = path
             .map(Path::to_path_buf)
             .or_else(|| std::env::var_os("RCP_SOCKET").map(Into::into))
             .unwrap_or_else(|| DEFAULT_SOCKET.into());
         let s = UnixStream::connect(&path).await.map_err(|e| {
-            OpError::new(
+            Failure::new(
                 Reason::Retryable,
                 format!("connecting to {}: {e}", path.display()),
             )
@@ -125,40 +129,67 @@ impl ServiceClient {
             next: AtomicU64::new(0),
             send: tokio::sync::Mutex::new(()),
             reader,
-            hello: Value::Null,
+            hello: HelloReply {
+                session: 0,
+                version: 0,
+                node: String::new(),
+                check: String::new(),
+            },
         };
         let token = token
             .map(str::to_owned)
             .or_else(|| std::env::var("RCP_TOKEN").ok());
-        let mut hello = json!({"version": super::service::VERSION, "name": format!("rust pid {}", std::process::id())});
-        if let Some(t) = token {
-            hello["token"] = json!(t);
-        }
-        c.hello = c.request("hello", hello, &[]).await?;
+        let hello = Request::Hello(api::Hello {
+            version: api::VERSION,
+            token,
+            name: format!("rust pid {}", std::process::id()),
+        });
+        c.hello = c.call("hello", &hello, &[]).await?;
         Ok(c)
     }
 
     /// The address peers dial this rcpd at (`hello`'s `node`): what a
     /// service on another node names as `peer` to reach buffers here.
     pub fn node(&self) -> &str {
-        self.hello["node"].as_str().unwrap_or("")
+        &self.hello.node
     }
 
     /// rcpd's whole reply to `hello`.
-    pub fn hello(&self) -> &Value {
+    pub fn hello(&self) -> &HelloReply {
         &self.hello
     }
 
-    /// One request and its reply (an error reply as `Err`).
+    /// One request of the protocol and its reply, as `R`.
+    pub async fn call<R: serde::de::DeserializeOwned>(
+        &self,
+        what: &str,
+        req: &Request,
+        fds: &[std::os::fd::BorrowedFd<'_>],
+    ) -> Result<R, Failure> {
+        let fields = serde_json::to_value(req).expect("requests serialize");
+        parse(what, self.request_raw(fields, fds).await?)
+    }
+
+    /// One request as JSON, of any shape (what a service outside this
+    /// crate may send, and tests of rcpd's answers to malformed ones), and
+    /// its reply (an error reply as `Err`).
     pub async fn request(
         &self,
         op: &str,
         mut fields: Value,
         fds: &[std::os::fd::BorrowedFd<'_>],
-    ) -> Result<Value, OpError> {
+    ) -> Result<Value, Failure> {
+        fields["op"] = json!(op);
+        self.request_raw(fields, fds).await
+    }
+
+    async fn request_raw(
+        &self,
+        mut fields: Value,
+        fds: &[std::os::fd::BorrowedFd<'_>],
+    ) -> Result<Value, Failure> {
         let id = self.next.fetch_add(1, Relaxed) + 1;
         fields["id"] = json!(id);
-        fields["op"] = json!(op);
         let (tx, rx) = oneshot::channel();
         self.pending.lock().unwrap().insert(id, tx);
         {
@@ -175,16 +206,16 @@ impl ServiceClient {
     }
 
     /// A new buffer of `size` bytes, registered with rcpd.
-    pub async fn create_buffer(&self, size: u64) -> Result<Buffer, OpError> {
+    pub async fn create_buffer(&self, size: u64) -> Result<Buffer, Failure> {
         let local = LocalBuffer::create(size)
-            .map_err(|e| OpError::new(Reason::Other, format!("memfd: {e}")))?;
-        let r = self
-            .request("register", json!({"size": size}), &[local.fd()])
+            .map_err(|e| Failure::new(Reason::Other, format!("memfd: {e}")))?;
+        let r: Registered = self
+            .call("register", &Request::Register { size }, &[local.fd()])
             .await?;
-        let id = r["buffer"]
-            .as_u64()
-            .ok_or_else(|| OpError::new(Reason::Invalid, "register: no buffer id"))?;
-        Ok(Buffer { id, local })
+        Ok(Buffer {
+            id: r.buffer,
+            local,
+        })
     }
 
     /// Expose `[offset, offset + len)` of `buf` as `name`: access `read`,
@@ -197,36 +228,46 @@ impl ServiceClient {
         len: u64,
         access: &str,
         peers: &[&str],
-    ) -> Result<(), OpError> {
-        let mut f =
-            json!({"buffer": buf.id, "name": name, "offset": offset, "len": len, "access": access});
-        if !peers.is_empty() {
-            f["peers"] = json!(peers);
-        }
-        self.request("expose", f, &[]).await.map(drop)
+    ) -> Result<(), Failure> {
+        let req = Request::Expose(api::Expose {
+            buffer: buf.id,
+            name: name.to_string(),
+            offset,
+            len: Some(len),
+            length: None,
+            access: access.to_string(),
+            peers: peers.iter().map(|p| p.to_string()).collect(),
+        });
+        self.call::<Value>("expose", &req, &[]).await.map(drop)
     }
 
     async fn op(
         &self,
-        op: &str,
+        write: bool,
         buf: &Buffer,
         peer: &str,
         name: &str,
         descs: &[(u64, u64, u64)],
         opts: OpOptions<'_>,
-    ) -> Result<u64, OpError> {
-        let d: Vec<[u64; 3]> = descs.iter().map(|&(a, b, c)| [a, b, c]).collect();
-        let mut f = json!({"buffer": buf.id, "peer": peer, "name": name, "descs": d});
-        if let Some(m) = opts.message {
-            f["message"] = json!(m);
-        }
-        if let Some(c) = opts.check {
-            f["check"] = json!(c);
-        }
-        let r = self.request(op, f, &[]).await?;
-        r["handle"]
-            .as_u64()
-            .ok_or_else(|| OpError::new(Reason::Invalid, "no handle"))
+    ) -> Result<u64, Failure> {
+        let o = OpRequest {
+            buffer: buf.id,
+            peer: peer.to_string(),
+            name: name.to_string(),
+            descs: descs
+                .iter()
+                .map(|&(local, remote, len)| Desc { local, remote, len })
+                .collect(),
+            message: opts.message.unwrap_or("").to_string(),
+            check: opts.check.map(str::to_string),
+        };
+        let (what, req) = if write {
+            ("write", Request::Write(o))
+        } else {
+            ("read", Request::Read(o))
+        };
+        let r: Started = self.call(what, &req, &[]).await?;
+        Ok(r.handle)
     }
 
     /// Write `descs` (local offset, remote offset, len) of `buf` into
@@ -238,7 +279,7 @@ impl ServiceClient {
         name: &str,
         descs: &[(u64, u64, u64)],
         message: Option<&str>,
-    ) -> Result<u64, OpError> {
+    ) -> Result<u64, Failure> {
         let opts = OpOptions {
             message,
             check: None,
@@ -254,8 +295,8 @@ impl ServiceClient {
         name: &str,
         descs: &[(u64, u64, u64)],
         opts: OpOptions<'_>,
-    ) -> Result<u64, OpError> {
-        self.op("write", buf, peer, name, descs, opts).await
+    ) -> Result<u64, Failure> {
+        self.op(true, buf, peer, name, descs, opts).await
     }
 
     /// Read `descs` of `peer`'s `name` into `buf`; a handle.
@@ -265,7 +306,7 @@ impl ServiceClient {
         peer: &str,
         name: &str,
         descs: &[(u64, u64, u64)],
-    ) -> Result<u64, OpError> {
+    ) -> Result<u64, Failure> {
         self.read_with(buf, peer, name, descs, OpOptions::default())
             .await
     }
@@ -278,27 +319,32 @@ impl ServiceClient {
         name: &str,
         descs: &[(u64, u64, u64)],
         opts: OpOptions<'_>,
-    ) -> Result<u64, OpError> {
-        self.op("read", buf, peer, name, descs, opts).await
+    ) -> Result<u64, Failure> {
+        self.op(false, buf, peer, name, descs, opts).await
     }
 
     /// Wait for operation `h`: the bytes moved, or its failure.
-    pub async fn wait(&self, h: u64) -> Result<u64, OpError> {
-        let s = self.request("wait", json!({"handle": h}), &[]).await?;
-        match s["state"].as_str() {
-            Some("done") => Ok(s["bytes"].as_u64().unwrap_or(0)),
-            Some("failed") => Err(error_of(&s["failure"])),
-            other => Err(OpError::new(
+    pub async fn wait(&self, h: u64) -> Result<u64, Failure> {
+        let req = Request::Wait {
+            handle: h,
+            timeout_ms: None,
+        };
+        let s: OpStatus = self.call("wait", &req, &[]).await?;
+        match (s.state, s.failure) {
+            (OpStateName::Done, _) => Ok(s.bytes.unwrap_or(0)),
+            (OpStateName::Failed, Some(f)) => Err(f.into()),
+            (state, _) => Err(Failure::new(
                 Reason::Other,
-                format!("operation {h}: {other:?}"),
+                format!("operation {h}: {state:?}"),
             )),
         }
     }
 
     /// Operation `h`'s state as rcpd reports it (`state`, `bytes`,
     /// `transport`, `fell_back`, `failure`: docs/buffers.md).
-    pub async fn status(&self, h: u64) -> Result<Value, OpError> {
-        self.request("status", json!({"handle": h}), &[]).await
+    pub async fn status(&self, h: u64) -> Result<OpStatus, Failure> {
+        self.call("status", &Request::Status { handle: h }, &[])
+            .await
     }
 
     /// The next event (`written`, `read`, `done`); `None` once closed.

@@ -17,7 +17,8 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use super::{Buffers, Exposure, OpError};
+use super::api::{ErrorBody, Event, OwnerEvent, ServiceReason};
+use super::{Buffers, Exposure, Failure};
 use crate::control::error::Reason;
 use crate::control::protocol::buffer::{DoneStep, GrantCore, GrantNext, GrantPhase};
 use crate::control::server::{BufferGrants, SessionState};
@@ -25,7 +26,6 @@ use crate::files::Check;
 use crate::mem::memfd::{LeaseKind, LeasedRange};
 use crate::proto;
 use crate::provider::{Access, Registration};
-use serde_json::{json, Value};
 
 /// Ranges one operation may name.
 pub const MAX_RANGES: usize = 4096;
@@ -161,12 +161,12 @@ impl Grants {
 
     /// Grant `id` of `session` for its `BufferDone`: its slot says it is
     /// being verified until [`Grants::resume`] or [`Grants::end`].
-    fn begin_done(&self, id: u64, session: u64) -> Result<Box<GrantState>, OpError> {
+    fn begin_done(&self, id: u64, session: u64) -> Result<Box<GrantState>, Failure> {
         let mut l = self.live.lock().unwrap();
         match l.get(&id) {
             Some(s) if s.session() == session => {}
             _ => {
-                return Err(OpError::new(
+                return Err(Failure::new(
                     Reason::Retryable,
                     format!(
                         "grant {id} is not live on this session (revoked: its exposure was \
@@ -180,7 +180,7 @@ impl Grants {
             Some(Slot::Live(g)) => Ok(g),
             Some(v) => {
                 l.insert(id, v);
-                Err(OpError::new(
+                Err(Failure::new(
                     Reason::Protocol,
                     format!("a BufferDone for grant {id} while its last one is verified"),
                 ))
@@ -262,7 +262,7 @@ pub fn grant(
     session_id: u64,
     req: proto::BufferGrantRequest,
     peer: Option<IpAddr>,
-) -> Result<proto::BufferGrantResponse, OpError> {
+) -> Result<proto::BufferGrantResponse, Failure> {
     let write = check_request(&req)?;
     let exp = exposure_for(bufs, &req, write, peer)?;
     let ranges = lease_ranges(&exp, &req, write)?;
@@ -311,20 +311,20 @@ pub fn grant(
 
 /// The request's own bounds (access named, ranges, message); whether it
 /// writes.
-fn check_request(req: &proto::BufferGrantRequest) -> Result<bool, OpError> {
+fn check_request(req: &proto::BufferGrantRequest) -> Result<bool, Failure> {
     let write = match proto::BufferAccess::try_from(req.access) {
         Ok(proto::BufferAccess::Write) => true,
         Ok(proto::BufferAccess::Read) => false,
-        _ => return Err(OpError::new(Reason::Invalid, "no buffer access named")),
+        _ => return Err(Failure::new(Reason::Invalid, "no buffer access named")),
     };
     if req.ranges.is_empty() || req.ranges.len() > MAX_RANGES {
-        return Err(OpError::new(
+        return Err(Failure::new(
             Reason::Invalid,
             format!("{} ranges (1..={MAX_RANGES})", req.ranges.len()),
         ));
     }
     if req.message.len() > MAX_MESSAGE {
-        return Err(OpError::new(
+        return Err(Failure::new(
             Reason::Invalid,
             format!(
                 "a message of {} bytes (at most {MAX_MESSAGE})",
@@ -333,7 +333,7 @@ fn check_request(req: &proto::BufferGrantRequest) -> Result<bool, OpError> {
         ));
     }
     if req.node.len() > MAX_MESSAGE {
-        return Err(OpError::new(
+        return Err(Failure::new(
             Reason::Invalid,
             format!(
                 "a node address of {} bytes (at most {MAX_MESSAGE})",
@@ -360,7 +360,7 @@ fn exposure_for(
     req: &proto::BufferGrantRequest,
     write: bool,
     peer: Option<IpAddr>,
-) -> Result<Arc<Exposure>, OpError> {
+) -> Result<Arc<Exposure>, Failure> {
     let exp = bufs
         .exposures
         .lock()
@@ -368,20 +368,20 @@ fn exposure_for(
         .get(&req.name)
         .cloned()
         .ok_or_else(|| {
-            OpError::new(
+            Failure::new(
                 Reason::FileNotFound,
                 format!("no buffer is exposed as {:?} on this rcpd", req.name),
             )
         })?;
     let what = if write { "write" } else { "read" };
     if (write && !exp.access.write) || (!write && !exp.access.read) {
-        return Err(OpError::new(
+        return Err(Failure::new(
             Reason::Permission,
             format!("{:?} is not exposed for {what}", req.name),
         ));
     }
     if !exp.peers.is_empty() && !peer.is_some_and(|p| exp.peers.contains(&canonical(p))) {
-        return Err(OpError::new(
+        return Err(Failure::new(
             Reason::Permission,
             format!(
                 "{:?} is not exposed to peer {}",
@@ -399,7 +399,7 @@ fn lease_ranges(
     exp: &Exposure,
     req: &proto::BufferGrantRequest,
     write: bool,
-) -> Result<Vec<LeasedRange>, OpError> {
+) -> Result<Vec<LeasedRange>, Failure> {
     let (lo, hi) = (exp.offset, exp.offset + exp.len);
     let kind = if write {
         LeaseKind::Exclusive
@@ -410,7 +410,7 @@ fn lease_ranges(
     for r in &req.ranges {
         let end = r.offset.checked_add(r.len);
         if r.len == 0 || r.offset < lo || end.is_none_or(|e| e > hi) {
-            return Err(OpError::new(
+            return Err(Failure::new(
                 Reason::Invalid,
                 format!(
                     "range [{}, {}) is outside the exposed [{lo}, {hi}) of {:?}",
@@ -424,7 +424,7 @@ fn lease_ranges(
             .buffer
             .lease(r.offset, r.len, kind)
             .expect("inside the exposure, so inside the buffer")
-            .map_err(|e| OpError::new(Reason::Retryable, format!("{:?}: {e}", req.name)))?;
+            .map_err(|e| Failure::new(Reason::Retryable, format!("{:?}: {e}", req.name)))?;
         ranges.push(l);
     }
     Ok(ranges)
@@ -442,7 +442,7 @@ fn register<'a>(
     ranges: impl IntoIterator<Item = &'a LeasedRange>,
     write: bool,
     name: &str,
-) -> Result<Registered, OpError> {
+) -> Result<Registered, Failure> {
     let access = if write {
         Access::REMOTE_WRITE | Access::LOCAL_WRITE
     } else {
@@ -471,7 +471,7 @@ fn register<'a>(
             // and fail the check: src/mem/memfd.rs.)
             let reg =
                 unsafe { d.register_in(&exp.bases, &whole, r.span(), access) }.map_err(|e| {
-                    OpError::new(
+                    Failure::new(
                         Reason::Other,
                         format!(
                             "registering [{}, +{}) of {name:?}: {e}",
@@ -528,7 +528,7 @@ pub fn done(
     session: Option<&SessionState>,
     session_id: u64,
     req: proto::BufferDoneRequest,
-) -> Result<proto::BufferDoneResponse, OpError> {
+) -> Result<proto::BufferDoneResponse, Failure> {
     let id = req.grant;
     let mut g = bufs.grants.begin_done(id, session_id)?;
     let step = match g.core.done(&req) {
@@ -536,12 +536,12 @@ pub fn done(
         Err(e) if g.core.phase() == GrantPhase::Live => {
             // Another round's (late or repeated): the grant goes on as it was.
             bufs.grants.resume(id, g);
-            return Err(e.into());
+            return Err(e);
         }
         Err(e) => {
             bufs.grants.end(id);
             crate::control::in_place(|| drop(g));
-            return Err(e.into());
+            return Err(e);
         }
     };
     // Revoke first: nothing reaches the ranges from here on.
@@ -581,7 +581,7 @@ pub fn done(
     };
     tracing::debug!(grant = id, round = g.core.round(), ranges = ?again, "buffer ranges damaged: granted again");
     if !bufs.grants.resume(id, g) {
-        return Err(OpError::new(
+        return Err(Failure::new(
             Reason::Retryable,
             format!("grant {id} was revoked while it was verified (its exposure was withdrawn)"),
         ));
@@ -628,7 +628,7 @@ fn regrant(
     g: &mut GrantState,
     session: &SessionState,
     bad: &[u32],
-) -> Result<Vec<proto::GrantedRange>, OpError> {
+) -> Result<Vec<proto::GrantedRange>, Failure> {
     let ranges = bad.iter().map(|&i| &g.ranges[i as usize]);
     let (regs, again) = register(&g.exp, session, ranges, g.write, &g.name)?;
     g.regs = regs;
@@ -638,34 +638,38 @@ fn regrant(
 /// The owner's event for the ended grant: every range with its digest,
 /// the ranges granted again, and which did not match in the end.
 fn tell_owner(g: &GrantState, bad: &[u32]) {
-    let list: Vec<Value> = g
-        .ranges
-        .iter()
-        .zip(&g.digests)
-        .map(|(r, d)| json!([r.lease().offset(), r.lease().len(), hex(d)]))
-        .collect();
-    let mut ev = json!({
-        "event": if g.write { "written" } else { "read" },
-        "name": g.name,
-        "peer": g.peer,
-        "ranges": list,
-        "message": g.message,
-        "check": g.check.name(),
-        "resent": g.core.resent(),
+    let error = (!bad.is_empty()).then(|| ErrorBody {
+        reason: ServiceReason::Integrity,
+        message: format!(
+            "ranges {bad:?} did not match their digests{}",
+            if g.core.round() > 0 {
+                format!(" after {} resends", g.core.round())
+            } else {
+                String::new()
+            }
+        ),
     });
-    if !bad.is_empty() {
-        ev["error"] = OpError::new(
-            Reason::Integrity,
-            format!(
-                "ranges {bad:?} did not match their digests{}",
-                if g.core.round() > 0 {
-                    format!(" after {} resends", g.core.round())
-                } else {
-                    String::new()
-                }
-            ),
-        )
-        .to_json();
-    }
-    let _ = g.exp.events.send(ev);
+    let ev = OwnerEvent {
+        name: g.name.clone(),
+        peer: g.peer.clone(),
+        ranges: g
+            .ranges
+            .iter()
+            .zip(&g.digests)
+            .map(|(r, d)| (r.lease().offset(), r.lease().len(), hex(d)))
+            .collect(),
+        message: g.message.clone(),
+        check: g.check.name().to_string(),
+        resent: g.core.resent(),
+        error,
+    };
+    let ev = if g.write {
+        Event::Written(ev)
+    } else {
+        Event::Read(ev)
+    };
+    let _ = g
+        .exp
+        .events
+        .send(serde_json::to_value(ev).expect("events serialize"));
 }

@@ -3,6 +3,9 @@
 //! moved by one-sided RDMA (or the tcp provider) between two rcpds, with no
 //! staging copy.
 //!
+//! - [`api`]: the service protocol's messages as types (requests, replies,
+//!   events, reason names), one schema for rcpd, the Rust client and the
+//!   Python package;
 //! - [`socket`]: the unix socket: gRPC and the service protocol on one
 //!   path, told apart by a connection's first bytes;
 //! - [`wire`]: the service protocol's frames (JSON, fds as SCM_RIGHTS);
@@ -20,6 +23,7 @@
 //!
 //! [`Buffers`] is what one rcpd shares between them.
 
+pub mod api;
 pub mod client;
 pub mod fallback;
 pub mod faults;
@@ -39,7 +43,7 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use super::client::ClientOptions;
 use super::copy_peers::CopyPeers;
-use super::error::Reason;
+
 use crate::mem::memfd::ServiceBuffer;
 
 /// What a peer may do to an exposed range.
@@ -87,72 +91,9 @@ pub struct Exposure {
     pub bases: crate::provider::Bases,
 }
 
-/// An error for a service or a peer: a reason and a sentence.
-#[derive(Clone, Debug)]
-pub struct OpError {
-    pub reason: Reason,
-    pub message: String,
-}
-
-impl OpError {
-    pub fn new(reason: Reason, message: impl Into<String>) -> OpError {
-        OpError {
-            reason,
-            message: message.into(),
-        }
-    }
-
-    /// The service protocol's name of the reason (docs/buffers.md).
-    pub fn reason_name(&self) -> &'static str {
-        reason_name(self.reason)
-    }
-
-    pub fn to_json(&self) -> Value {
-        serde_json::json!({"reason": self.reason_name(), "message": self.message})
-    }
-}
-
-impl std::fmt::Display for OpError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}: {}", self.reason_name(), self.message)
-    }
-}
-
-/// So that a service's `?` takes it into `anyhow` or `Box<dyn Error>`.
-impl std::error::Error for OpError {}
-
-impl From<super::protocol::Failure> for OpError {
-    fn from(e: super::protocol::Failure) -> OpError {
-        OpError::new(e.reason, e.message)
-    }
-}
-
-impl From<super::error::ControlError> for OpError {
-    fn from(e: super::error::ControlError) -> OpError {
-        OpError::new(e.reason(), e.to_string())
-    }
-}
-
-impl From<OpError> for tonic::Status {
-    fn from(e: OpError) -> tonic::Status {
-        super::error::status(e.reason, e.message)
-    }
-}
-
-/// The service protocol's lower-case reason names.
-pub fn reason_name(r: Reason) -> &'static str {
-    match r {
-        Reason::Usage | Reason::Invalid | Reason::PathRefused | Reason::Version => "invalid",
-        Reason::DirNotFound | Reason::FileNotFound => "not_found",
-        Reason::Integrity => "integrity",
-        Reason::Unauthenticated => "unauthenticated",
-        Reason::Permission => "permission",
-        Reason::Exceeded => "exceeded",
-        Reason::Retryable => "retryable",
-        Reason::Protocol => "protocol",
-        Reason::Interrupted | Reason::Other | Reason::Unspecified => "other",
-    }
-}
+/// An error for a service or a peer: a reason and a sentence (the files'
+/// [`Failure`]; a service sees it as an [`api::ErrorBody`]).
+pub use crate::control::protocol::Failure;
 
 /// What one rcpd shares between its service connections, the grants it
 /// made to peers and the sessions it opened to them.

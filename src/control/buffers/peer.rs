@@ -32,9 +32,10 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{oneshot, watch};
 
+use super::api::Desc;
 use super::fallback::{continuing, LinkWatch};
 use super::grant::digests;
-use super::{Buffers, OpError};
+use super::{Buffers, Failure};
 use crate::control::client::{Client, Session};
 use crate::control::error::{status_reason, ControlError, Reason};
 use crate::control::jobs::tcp_fallback;
@@ -250,7 +251,7 @@ impl PeerLink {
 
     /// The buffer's registrations in this session's domains, one per rail
     /// (made once).
-    fn registration(&self, uid: u64, buf: &ServiceBuffer) -> Result<Arc<RailRegs>, OpError> {
+    fn registration(&self, uid: u64, buf: &ServiceBuffer) -> Result<Arc<RailRegs>, Failure> {
         if let Some(r) = self.regs.lock().unwrap().get(&uid) {
             return Ok(r.clone());
         }
@@ -266,7 +267,7 @@ impl PeerLink {
                 .collect::<Result<Vec<Arc<dyn Registration>>, String>>()?;
             self.path.rail_regs(regs).map_err(|e| e.to_string())
         })
-        .map_err(|e| OpError::new(Reason::Other, e))?;
+        .map_err(|e| Failure::new(Reason::Other, e))?;
         self.regs.lock().unwrap().insert(uid, r.clone());
         Ok(r)
     }
@@ -278,7 +279,7 @@ async fn link(
     bufs: &Arc<Buffers>,
     peer: &str,
     check: Check,
-) -> Result<(Arc<PeerLink>, bool), OpError> {
+) -> Result<(Arc<PeerLink>, bool), Failure> {
     let key = (peer.to_string(), check.name());
     if let Some(l) = bufs.peers.live(&key) {
         return Ok((l, false));
@@ -289,19 +290,19 @@ async fn link(
     }
     // rcpd's token and certificate go to listed peers only: refused here,
     // before any connection, naming the flag.
-    let admitted = bufs.copy_peers().admit(peer).await.map_err(OpError::from)?;
+    let admitted = bufs.copy_peers().admit(peer).await.map_err(Failure::from)?;
     let mut o = bufs.client_options();
     o.verify = vec![check];
     let client = Client::connect_admitted(&admitted, o)
         .await
-        .map_err(|e| OpError::new(e.reason(), format!("peer {peer}: {e}")))?;
+        .map_err(|e| Failure::new(e.reason(), format!("peer {peer}: {e}")))?;
     let fell_back = bufs.peers.fell_back.lock().unwrap().get(&key).cloned();
     let (mut session, fell_back) = open_session(&client, peer, fell_back).await?;
     let (dp, events) = session
         .take_data_path()
-        .ok_or_else(|| OpError::new(Reason::Other, "the session has no data path"))?;
+        .ok_or_else(|| Failure::new(Reason::Other, "the session has no data path"))?;
     let lp = LendingPath::new(dp, events, session.rail_keys())
-        .map_err(|e| OpError::new(Reason::Other, format!("peer {peer}: {e}")))?;
+        .map_err(|e| Failure::new(Reason::Other, format!("peer {peer}: {e}")))?;
     let (closed_tx, closed) = watch::channel(());
     let o = client.options();
     let l = Arc::new(PeerLink {
@@ -348,9 +349,9 @@ async fn open_session(
     client: &Client,
     peer: &str,
     fell_back: Option<String>,
-) -> Result<(Session, Option<String>), OpError> {
+) -> Result<(Session, Option<String>), Failure> {
     let failed = |e: ControlError, after: &str| {
-        OpError::new(e.reason(), format!("peer {peer}: {after}session: {e}"))
+        Failure::new(e.reason(), format!("peer {peer}: {after}session: {e}"))
     };
     let tcp = |why: String| async move {
         client
@@ -444,7 +445,7 @@ pub struct OpSpec {
     pub name: String,
     pub write: bool,
     /// (local offset, remote offset, len).
-    pub descs: Vec<(u64, u64, u64)>,
+    pub descs: Vec<Desc>,
     pub message: String,
     pub check: Check,
 }
@@ -461,7 +462,7 @@ pub struct Moved {
 
 /// How an attempt at an operation ended, when not with its bytes moved.
 enum Attempt {
-    Failed(OpError),
+    Failed(Failure),
     /// Its session gave up on RDMA (why) while it waited: it runs again
     /// over tcp once the session's data path has closed (`closed`: a
     /// read's ranges come back then).
@@ -478,8 +479,8 @@ enum Attempt {
     },
 }
 
-impl From<OpError> for Attempt {
-    fn from(e: OpError) -> Attempt {
+impl From<Failure> for Attempt {
+    fn from(e: Failure) -> Attempt {
         Attempt::Failed(e)
     }
 }
@@ -493,9 +494,9 @@ pub async fn run(
     bufs: &Arc<Buffers>,
     op: &OpSpec,
     cancelled: &AtomicBool,
-) -> Result<Moved, OpError> {
+) -> Result<Moved, Failure> {
     if op.descs.is_empty() {
-        return Err(OpError::new(Reason::Invalid, "no descriptors"));
+        return Err(Failure::new(Reason::Invalid, "no descriptors"));
     }
     let (why, mut closed, then) = match attempt(bufs, op, cancelled).await {
         Ok(m) => return Ok(m),
@@ -508,12 +509,12 @@ pub async fn run(
     // the attempt over tcp then fails naming them busy.
     let timeout = bufs.client_options().timeout;
     let _ = tokio::time::timeout(timeout, async { while closed.changed().await.is_ok() {} }).await;
-    let after = |e: OpError| OpError::new(e.reason, format!("{why}; then {then}: {}", e.message));
+    let after = |e: Failure| Failure::new(e.reason, format!("{why}; then {then}: {}", e.message));
     match attempt(bufs, op, cancelled).await {
         Ok(m) => Ok(m),
         Err(Attempt::Failed(e)) => Err(after(e)),
         Err(Attempt::GaveUp { why: again, .. } | Attempt::Bystander { why: again, .. }) => {
-            Err(after(OpError::new(Reason::Retryable, again)))
+            Err(after(Failure::new(Reason::Retryable, again)))
         }
     }
 }
@@ -527,7 +528,7 @@ async fn attempt(
 ) -> Result<Moved, Attempt> {
     let local = lease_local(op)?;
     if cancelled.load(Relaxed) {
-        return Err(OpError::new(Reason::Other, "cancelled").into());
+        return Err(Failure::new(Reason::Other, "cancelled").into());
     }
     let (link, reg, grant) = granted(bufs, op).await?;
     let sent = if op.write {
@@ -571,19 +572,19 @@ async fn attempt(
         };
         if cancelled.load(Relaxed) {
             g.fail("cancelled".into()).await;
-            return Err(OpError::new(Reason::Other, "cancelled").into());
+            return Err(Failure::new(Reason::Other, "cancelled").into());
         }
         let (mine, resp) = g.finish_round(&mut landed, core.round()).await?;
         moving = match core.round_done(&mine, resp) {
             Ok(OpNext::Done) => {
                 return Ok(Moved {
-                    bytes: op.descs.iter().map(|d| d.2).sum(),
+                    bytes: op.descs.iter().map(|d| d.len).sum(),
                     kind: link.kind,
                     fell_back: link.fell_back.clone(),
                 })
             }
             Ok(OpNext::Damaged { bad, rounds }) => {
-                return Err(OpError::new(
+                return Err(Failure::new(
                     Reason::Integrity,
                     format!(
                         "peer {}: {}",
@@ -608,19 +609,24 @@ type Moving = (u32, LeasedRange, proto::GrantedRange);
 
 /// Lease the operation's local ranges: shared for a write (the device
 /// reads them), exclusive for a read (bytes land).
-fn lease_local(op: &OpSpec) -> Result<Vec<LeasedRange>, OpError> {
+fn lease_local(op: &OpSpec) -> Result<Vec<LeasedRange>, Failure> {
     let kind = if op.write {
         LeaseKind::Shared
     } else {
         LeaseKind::Exclusive
     };
     let mut local = Vec::with_capacity(op.descs.len());
-    for &(lo, ro, len) in &op.descs {
+    for &Desc {
+        local: lo,
+        remote: ro,
+        len,
+    } in &op.descs
+    {
         let r = op
             .buffer
             .lease(lo, len, kind)
             .ok_or_else(|| {
-                OpError::new(
+                Failure::new(
                     Reason::Invalid,
                     format!(
                         "descriptor ({lo}, {ro}, {len}): local range [{lo}, {}) is empty or outside \
@@ -632,7 +638,7 @@ fn lease_local(op: &OpSpec) -> Result<Vec<LeasedRange>, OpError> {
             })?
             // Busy is for a moment (until the operation holding it ends):
             // the caller may try again.
-            .map_err(|e| OpError::new(Reason::Retryable, e.to_string()))?;
+            .map_err(|e| Failure::new(Reason::Retryable, e.to_string()))?;
         local.push(r);
     }
     Ok(local)
@@ -646,7 +652,7 @@ type Granting = (Arc<PeerLink>, Arc<RailRegs>, proto::BufferGrantResponse);
 /// and the peer's grant. A kept session the peer no longer holds (it
 /// closed it, idle; its answer is `retryable`) is given up and the grant
 /// asked for once more on a new one.
-async fn granted(bufs: &Arc<Buffers>, op: &OpSpec) -> Result<Granting, OpError> {
+async fn granted(bufs: &Arc<Buffers>, op: &OpSpec) -> Result<Granting, Failure> {
     loop {
         let (link, new) = link(bufs, &op.peer, op.check).await?;
         let reg = link.registration(op.buffer_uid, &op.buffer)?;
@@ -663,19 +669,19 @@ async fn granted(bufs: &Arc<Buffers>, op: &OpSpec) -> Result<Granting, OpError> 
 }
 
 /// A peer's error as the operation's.
-fn peer_error(peer: &str, s: &tonic::Status) -> OpError {
-    OpError::new(status_reason(s), format!("peer {peer}: {}", s.message()))
+fn peer_error(peer: &str, s: &tonic::Status) -> Failure {
+    Failure::new(status_reason(s), format!("peer {peer}: {}", s.message()))
 }
 
 /// Why a peer gave no grant: it no longer holds the session (a new one
 /// may get it), or anything else.
 enum Refused {
-    SessionGone(OpError),
-    Other(OpError),
+    SessionGone(Failure),
+    Other(Failure),
 }
 
-impl From<OpError> for Refused {
-    fn from(e: OpError) -> Refused {
+impl From<Failure> for Refused {
+    fn from(e: Failure) -> Refused {
         Refused::Other(e)
     }
 }
@@ -699,7 +705,10 @@ async fn request_grant(
             ranges: op
                 .descs
                 .iter()
-                .map(|&(_, offset, len)| proto::BufferRange { offset, len })
+                .map(|d| proto::BufferRange {
+                    offset: d.remote,
+                    len: d.len,
+                })
                 .collect(),
             message: op.message.clone(),
             node: node.to_string(),
@@ -741,7 +750,7 @@ impl Granted<'_> {
         failed: String,
         digests: Vec<Vec<u8>>,
         bad: Vec<u32>,
-    ) -> Result<proto::BufferDoneResponse, OpError> {
+    ) -> Result<proto::BufferDoneResponse, Failure> {
         self.link
             .client
             .buffer_done(proto::BufferDoneRequest {
@@ -773,7 +782,7 @@ impl Granted<'_> {
         let mut waits = Vec::with_capacity(moving.len());
         let mut failure = None;
         for (i, r, at) in moving {
-            let len = self.op.descs[i as usize].2;
+            let len = self.op.descs[i as usize].len;
             let id = link.next.fetch_add(1, Relaxed) + 1;
             let extents = (0..len.div_ceil(chunk))
                 .map(|k| Extent {
@@ -840,7 +849,7 @@ impl Granted<'_> {
             return Attempt::GaveUp { why, closed };
         }
         match *link.refused.lock().unwrap() {
-            Some(w) if self.posted.lock().unwrap().contains(&w) => Attempt::Failed(OpError::new(
+            Some(w) if self.posted.lock().unwrap().contains(&w) => Attempt::Failed(Failure::new(
                 Reason::FileNotFound,
                 format!(
                     "peer {}: the exposure {:?} is gone: the peer refused the operation's \
@@ -856,7 +865,7 @@ impl Granted<'_> {
                 ),
                 closed,
             },
-            None => Attempt::Failed(OpError::new(
+            None => Attempt::Failed(Failure::new(
                 Reason::Retryable,
                 format!("peer {}: {why}", op.peer),
             )),
@@ -870,7 +879,7 @@ impl Granted<'_> {
         &self,
         landed: &mut [(u32, LeasedRange)],
         round: u32,
-    ) -> Result<(Vec<u32>, proto::BufferDoneResponse), OpError> {
+    ) -> Result<(Vec<u32>, proto::BufferDoneResponse), Failure> {
         if self.op.write {
             let resp = self
                 .done(Some(round), String::new(), self.sent.clone(), Vec::new())
@@ -928,8 +937,8 @@ impl Granted<'_> {
     }
 
     /// The peer broke the protocol (the core's `e`): the operation's end.
-    fn broke(&self, e: crate::control::protocol::Failure) -> OpError {
-        OpError::new(e.reason, format!("peer {} {}", self.op.peer, e.message))
+    fn broke(&self, e: crate::control::protocol::Failure) -> Failure {
+        Failure::new(e.reason, format!("peer {} {}", self.op.peer, e.message))
     }
 }
 
@@ -939,6 +948,10 @@ mod tests {
     use crate::mem::arena::{Arena, ArenaConfig};
 
     fn op(buffer: &ServiceBuffer, write: bool, descs: Vec<(u64, u64, u64)>) -> OpSpec {
+        let descs = descs
+            .into_iter()
+            .map(|(local, remote, len)| Desc { local, remote, len })
+            .collect();
         OpSpec {
             buffer: buffer.clone(),
             buffer_uid: 1,

@@ -14,50 +14,61 @@ use serde_json::{json, Value};
 use tokio::net::UnixStream;
 use tokio::sync::{mpsc, watch};
 
+use super::api::{
+    self, ErrorBody, Event, HelloReply, OpRequest, OpStateName, OpStatus, Registered, Request,
+    Started,
+};
 use super::peer::{self, OpSpec};
 use super::wire::{self, FrameReader};
-use super::{Access, Buffers, Exposure, OpError};
+use super::{Access, Buffers, Exposure, Failure};
 use crate::control::error::Reason;
 use crate::files::Check;
 use crate::mem::memfd::ServiceBuffer;
 
-/// The protocol version `hello` speaks.
-pub const VERSION: u64 = 1;
+pub use super::api::VERSION;
 
 /// Where an operation is.
 #[derive(Clone, Debug)]
 pub enum OpState {
     Running,
     Done(super::peer::Moved),
-    Failed(OpError),
+    Failed(Failure),
     Cancelled,
 }
 
 impl OpState {
-    fn name(&self) -> &'static str {
+    /// The state as `wait`, `status`, `cancel` and the `done` event give
+    /// it.
+    fn status(&self, handle: u64) -> OpStatus {
+        let mut st = OpStatus {
+            handle,
+            state: OpStateName::Running,
+            bytes: None,
+            transport: None,
+            fell_back: None,
+            failure: None,
+        };
         match self {
-            OpState::Running => "running",
-            OpState::Done(_) => "done",
-            OpState::Failed(_) => "failed",
-            OpState::Cancelled => "cancelled",
-        }
-    }
-
-    fn to_json(&self, handle: u64) -> Value {
-        let mut v = json!({"handle": handle, "state": self.name()});
-        match self {
+            OpState::Running => {}
             OpState::Done(m) => {
-                v["bytes"] = json!(m.bytes);
-                v["transport"] = json!(m.kind.to_string());
-                if let Some(why) = &m.fell_back {
-                    v["fell_back"] = json!(why);
-                }
+                st.state = OpStateName::Done;
+                st.bytes = Some(m.bytes);
+                st.transport = Some(m.kind.to_string());
+                st.fell_back = m.fell_back.clone();
             }
-            OpState::Failed(e) => v["failure"] = e.to_json(),
-            _ => {}
+            OpState::Failed(e) => {
+                st.state = OpStateName::Failed;
+                st.failure = Some(ErrorBody::from(e));
+            }
+            OpState::Cancelled => st.state = OpStateName::Cancelled,
         }
-        v
+        st
     }
+}
+
+/// A reply as a JSON object.
+fn reply(v: impl serde::Serialize) -> Result<Value, Failure> {
+    Ok(serde_json::to_value(v).expect("replies serialize"))
 }
 
 struct Op {
@@ -90,20 +101,8 @@ struct Conn {
 /// peer sessions are keyed by them).
 static NEXT_UID: AtomicU64 = AtomicU64::new(1);
 
-fn bad(m: impl Into<String>) -> OpError {
-    OpError::new(Reason::Invalid, m)
-}
-
-fn u64_field(v: &Value, k: &str) -> Result<u64, OpError> {
-    v.get(k)
-        .and_then(Value::as_u64)
-        .ok_or_else(|| bad(format!("{k}: a non-negative integer is required")))
-}
-
-fn str_field<'a>(v: &'a Value, k: &str) -> Result<&'a str, OpError> {
-    v.get(k)
-        .and_then(Value::as_str)
-        .ok_or_else(|| bad(format!("{k}: a string is required")))
+fn bad(m: impl Into<String>) -> Failure {
+    Failure::new(Reason::Invalid, m)
 }
 
 /// Serve one connection whose magic was already read.
@@ -161,16 +160,13 @@ pub async fn serve(bufs: Arc<Buffers>, stream: UnixStream, mut reader: FrameRead
         };
         // Requests that may wait run on their own; the rest answer in order.
         let c = conn.clone();
-        let slow = matches!(
-            op.as_str(),
-            "wait" | "cancel" | "release" | "write" | "read"
-        );
+        let slow = Request::may_wait(&op);
         let task = async move {
-            let r = c.handle(&op, &frame, fd).await;
+            let r = c.handle(&op, frame, fd).await;
             let mut reply = match r {
                 Ok(Value::Object(m)) => Value::Object(m),
                 Ok(_) => json!({}),
-                Err(e) => json!({"error": e.to_json()}),
+                Err(e) => json!({ "error": ErrorBody::from(&e) }),
             };
             reply["re"] = id;
             let _ = c.out.send(reply);
@@ -190,45 +186,45 @@ impl Conn {
     async fn handle(
         self: &Arc<Self>,
         op: &str,
-        v: &Value,
+        frame: Value,
         fd: Option<std::os::fd::OwnedFd>,
-    ) -> Result<Value, OpError> {
+    ) -> Result<Value, Failure> {
         if op != "hello" && !self.hello.load(Relaxed) {
-            return Err(OpError::new(
+            return Err(Failure::new(
                 Reason::Unauthenticated,
                 "say hello first (with rcpd's token when it has one)",
             ));
         }
-        match op {
-            "hello" => self.hello(v),
-            "register" => self.register(v, fd),
-            "release" => self.release(v).await,
-            "expose" => self.expose(v),
-            "unexpose" => {
-                let name = str_field(v, "name")?;
+        let req: Request =
+            serde_json::from_value(frame).map_err(|e| bad(format!("{op:?}: {e}")))?;
+        match req {
+            Request::Hello(h) => self.hello(h),
+            Request::Register { size } => self.register(size, fd),
+            Request::Release { buffer } => self.release(buffer).await,
+            Request::Expose(x) => self.expose(x),
+            Request::Unexpose { name } => {
                 let mut ex = self.bufs.exposures.lock().unwrap();
-                match ex.get(name) {
+                match ex.get(&name) {
                     Some(e) if e.owner == self.id => {
-                        ex.remove(name);
+                        ex.remove(&name);
                         Ok(json!({}))
                     }
-                    _ => Err(OpError::new(
+                    _ => Err(Failure::new(
                         Reason::FileNotFound,
                         format!("{name:?} is not exposed by this connection"),
                     )),
                 }
             }
-            "write" | "read" => self.start(op == "write", v),
-            "wait" => self.wait(v).await,
-            "status" => {
-                let h = u64_field(v, "handle")?;
-                let o = self.op(h)?;
+            Request::Write(o) => self.start(true, o),
+            Request::Read(o) => self.start(false, o),
+            Request::Wait { handle, timeout_ms } => self.wait(handle, timeout_ms).await,
+            Request::Status { handle } => {
+                let o = self.op(handle)?;
                 let s = o.state.borrow().clone();
-                Ok(s.to_json(h))
+                reply(s.status(handle))
             }
-            "cancel" => {
-                let h = u64_field(v, "handle")?;
-                let o = self.op(h)?;
+            Request::Cancel { handle } => {
+                let o = self.op(handle)?;
                 o.cancelled.store(true, Relaxed);
                 let mut rx = o.state.clone();
                 let s = rx
@@ -236,51 +232,43 @@ impl Conn {
                     .await
                     .map(|s| s.clone())
                     .unwrap_or(OpState::Cancelled);
-                Ok(s.to_json(h))
+                reply(s.status(handle))
             }
-            o => Err(bad(format!("unknown request {o:?}"))),
         }
     }
 
-    fn hello(&self, v: &Value) -> Result<Value, OpError> {
+    fn hello(&self, h: api::Hello) -> Result<Value, Failure> {
         if let Some(want) = self.bufs.token.lock().unwrap().clone() {
-            let got = v.get("token").and_then(Value::as_str).unwrap_or("");
+            let got = h.token.as_deref().unwrap_or("");
             if !crate::control::auth::constant_time_eq(got.as_bytes(), want.as_bytes()) {
-                return Err(OpError::new(
+                return Err(Failure::new(
                     Reason::Unauthenticated,
                     "rcpd has a token: give it in hello (RCP_TOKEN)",
                 ));
             }
         }
-        let ver = v.get("version").and_then(Value::as_u64).unwrap_or(VERSION);
-        if ver != VERSION {
-            return Err(OpError::new(
+        if h.version != VERSION {
+            return Err(Failure::new(
                 Reason::Version,
-                format!("service protocol {ver}; this rcpd speaks {VERSION}"),
+                format!("service protocol {}; this rcpd speaks {VERSION}", h.version),
             ));
         }
-        let name = v
-            .get("name")
-            .and_then(Value::as_str)
-            .unwrap_or("")
-            .to_string();
-        tracing::info!(conn = self.id, peer = %self.cred, name = %crate::escape::esc(&name), "service hello");
-        *self.name.lock().unwrap() = name;
+        tracing::info!(conn = self.id, peer = %self.cred, name = %crate::escape::esc(&h.name), "service hello");
+        *self.name.lock().unwrap() = h.name;
         self.hello.store(true, Relaxed);
-        Ok(json!({
-            "session": self.id,
-            "version": VERSION,
-            "node": self.bufs.node.lock().unwrap().clone(),
-            "check": self.default_check().name(),
-        }))
+        reply(HelloReply {
+            session: self.id,
+            version: VERSION,
+            node: self.bufs.node.lock().unwrap().clone(),
+            check: self.default_check().name().to_string(),
+        })
     }
 
     fn default_check(&self) -> Check {
         self.bufs.default_check.lock().unwrap().unwrap_or_default()
     }
 
-    fn register(&self, v: &Value, fd: Option<std::os::fd::OwnedFd>) -> Result<Value, OpError> {
-        let size = u64_field(v, "size")?;
+    fn register(&self, size: u64, fd: Option<std::os::fd::OwnedFd>) -> Result<Value, Failure> {
         let fd = fd.ok_or_else(|| {
             bad("register carries the memfd as SCM_RIGHTS on its frame; none came")
         })?;
@@ -296,11 +284,10 @@ impl Conn {
             "buffer registered"
         );
         self.buffers.lock().unwrap().insert(id, Buf { buffer, uid });
-        Ok(json!({"buffer": id}))
+        reply(Registered { buffer: id })
     }
 
-    fn buffer(&self, v: &Value) -> Result<(u64, ServiceBuffer, u64), OpError> {
-        let id = u64_field(v, "buffer")?;
+    fn buffer(&self, id: u64) -> Result<(u64, ServiceBuffer, u64), Failure> {
         let b = self.buffers.lock().unwrap();
         let b = b
             .get(&id)
@@ -308,7 +295,7 @@ impl Conn {
         Ok((id, b.buffer.clone(), b.uid))
     }
 
-    fn op(&self, h: u64) -> Result<Arc<Op>, OpError> {
+    fn op(&self, h: u64) -> Result<Arc<Op>, Failure> {
         self.ops
             .lock()
             .unwrap()
@@ -317,8 +304,8 @@ impl Conn {
             .ok_or_else(|| bad(format!("no operation {h} on this connection")))
     }
 
-    async fn release(&self, v: &Value) -> Result<Value, OpError> {
-        let (id, buffer, uid) = self.buffer(v)?;
+    async fn release(&self, id: u64) -> Result<Value, Failure> {
+        let (id, buffer, uid) = self.buffer(id)?;
         self.bufs
             .exposures
             .lock()
@@ -345,19 +332,17 @@ impl Conn {
         Ok(json!({}))
     }
 
-    fn expose(&self, v: &Value) -> Result<Value, OpError> {
-        let (_, buffer, _) = self.buffer(v)?;
-        let name = str_field(v, "name")?;
+    fn expose(&self, x: api::Expose) -> Result<Value, Failure> {
+        let (_, buffer, _) = self.buffer(x.buffer)?;
+        let name = x.name.as_str();
         if name.is_empty() || name.len() > 256 {
             return Err(bad("name: 1..=256 bytes"));
         }
-        let offset = v.get("offset").and_then(Value::as_u64).unwrap_or(0);
+        let offset = x.offset;
         // `length` as the Python package's `expose(length=)` names it.
-        let len = match (v.get("len"), v.get("length")) {
+        let len = match (x.len, x.length) {
             (Some(_), Some(_)) => return Err(bad("len and length: give one")),
-            (Some(l), None) | (None, Some(l)) => l
-                .as_u64()
-                .ok_or_else(|| bad("len: a non-negative integer is required"))?,
+            (Some(l), None) | (None, Some(l)) => l,
             (None, None) => buffer.len().saturating_sub(offset),
         };
         if len == 0 || offset.checked_add(len).is_none_or(|e| e > buffer.len()) {
@@ -366,23 +351,20 @@ impl Conn {
                 buffer.len()
             )));
         }
-        let a = v.get("access").and_then(Value::as_str).unwrap_or("rw");
+        let a = x.access.as_str();
         let access =
             Access::parse(a).ok_or_else(|| bad(format!("access {a:?}: read, write or rw")))?;
         let mut peers = Vec::new();
-        if let Some(list) = v.get("peers").and_then(Value::as_array) {
-            for p in list {
-                let s = p.as_str().unwrap_or("");
-                let ip: IpAddr = s
-                    .parse()
-                    .map_err(|_| bad(format!("peers: {s:?} is not an IP address")))?;
-                peers.push(super::grant::canonical(ip));
-            }
+        for s in &x.peers {
+            let ip: IpAddr = s
+                .parse()
+                .map_err(|_| bad(format!("peers: {s:?} is not an IP address")))?;
+            peers.push(super::grant::canonical(ip));
         }
         let mut ex = self.bufs.exposures.lock().unwrap();
         if let Some(e) = ex.get(name) {
             if e.owner != self.id {
-                return Err(OpError::new(
+                return Err(Failure::new(
                     Reason::Permission,
                     format!("{name:?} is exposed by another service"),
                 ));
@@ -405,32 +387,9 @@ impl Conn {
         Ok(json!({}))
     }
 
-    fn start(self: &Arc<Self>, write: bool, v: &Value) -> Result<Value, OpError> {
-        let (bid, buffer, uid) = self.buffer(v)?;
-        let peer = str_field(v, "peer")?.to_string();
-        let name = str_field(v, "name")?.to_string();
-        let descs = v
-            .get("descs")
-            .and_then(Value::as_array)
-            .ok_or_else(|| bad("descs: a list of [local_off, remote_off, len]"))?
-            .iter()
-            .map(|d| {
-                let a = d.as_array().filter(|a| a.len() == 3);
-                let n = |i: usize| a.and_then(|a| a[i].as_u64());
-                match (n(0), n(1), n(2)) {
-                    (Some(l), Some(r), Some(len)) => Ok((l, r, len)),
-                    _ => Err(bad(format!(
-                        "descs: {d} is not [local_off, remote_off, len]"
-                    ))),
-                }
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        let message = v
-            .get("message")
-            .and_then(Value::as_str)
-            .unwrap_or("")
-            .to_string();
-        let check = match v.get("check").and_then(Value::as_str) {
+    fn start(self: &Arc<Self>, write: bool, o: OpRequest) -> Result<Value, Failure> {
+        let (bid, buffer, uid) = self.buffer(o.buffer)?;
+        let check = match o.check.as_deref() {
             Some(c) => Check::from_name(c).ok_or_else(|| bad(format!("check {c:?}")))?,
             None => self.default_check(),
         };
@@ -445,11 +404,11 @@ impl Conn {
         let spec = OpSpec {
             buffer,
             buffer_uid: uid,
-            peer,
-            name,
+            peer: o.peer,
+            name: o.name,
             write,
-            descs,
-            message,
+            descs: o.descs,
+            message: o.message,
             check,
         };
         let c = self.clone();
@@ -464,27 +423,27 @@ impl Conn {
             if let OpState::Failed(e) = &st {
                 tracing::info!(conn = c.id, handle = h, error = %crate::escape::esc(&e), "buffer operation failed");
             }
-            let mut ev = st.to_json(h);
-            ev["event"] = json!("done");
-            let _ = c.out.send(ev);
+            let ev = Event::Done(st.status(h));
+            let _ = c
+                .out
+                .send(serde_json::to_value(ev).expect("events serialize"));
             let _ = tx.send(st);
         });
-        Ok(json!({"handle": h}))
+        reply(Started { handle: h })
     }
 
-    async fn wait(&self, v: &Value) -> Result<Value, OpError> {
-        let h = u64_field(v, "handle")?;
+    async fn wait(&self, h: u64, timeout_ms: Option<u64>) -> Result<Value, Failure> {
         let o = self.op(h)?;
         let mut rx = o.state.clone();
         let fin = rx.wait_for(|s| !matches!(s, OpState::Running));
-        let s = match v.get("timeout_ms").and_then(Value::as_u64) {
+        let s = match timeout_ms {
             Some(ms) => match tokio::time::timeout(Duration::from_millis(ms), fin).await {
                 Ok(r) => r.map(|s| s.clone()).unwrap_or(OpState::Cancelled),
                 Err(_) => OpState::Running,
             },
             None => fin.await.map(|s| s.clone()).unwrap_or(OpState::Cancelled),
         };
-        Ok(s.to_json(h))
+        reply(s.status(h))
     }
 
     /// The connection ended: cancel its operations, withdraw its

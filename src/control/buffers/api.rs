@@ -1,0 +1,434 @@
+//! The service protocol's messages (docs/buffers.md) as types: what a
+//! service sends ([`Request`]), what rcpd answers ([`HelloReply`],
+//! [`Registered`], [`Started`], [`OpStatus`], [`ErrorBody`]) and the
+//! events it sends ([`Event`]). rcpd parses requests into them and builds
+//! its replies and events from them; the Rust client
+//! ([`super::client::ServiceClient`]) sends and reads the same types; the
+//! Python package speaks the JSON they define and is tested against rcpd.
+//! One source for the schema, and one table of reason names
+//! ([`ServiceReason`]).
+
+use serde::{Deserialize, Serialize};
+
+use crate::control::error::Reason;
+use crate::control::protocol::Failure;
+
+/// The protocol version `hello` speaks.
+pub const VERSION: u64 = 1;
+
+/// A reason as services see it: rcp's reasons, in lower case, with the
+/// ones a service cannot act on apart folded together. The one table both
+/// ways.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ServiceReason {
+    Invalid,
+    NotFound,
+    Integrity,
+    Unauthenticated,
+    Permission,
+    Exceeded,
+    Retryable,
+    /// A peer rcpd sent a message outside the protocol.
+    Protocol,
+    /// Anything else (and any name this side does not know).
+    #[serde(other)]
+    Other,
+}
+
+impl ServiceReason {
+    /// rcp's `reason` as a service sees it.
+    pub fn of(reason: Reason) -> ServiceReason {
+        match reason {
+            Reason::Usage | Reason::Invalid | Reason::PathRefused | Reason::Version => {
+                ServiceReason::Invalid
+            }
+            Reason::DirNotFound | Reason::FileNotFound => ServiceReason::NotFound,
+            Reason::Integrity => ServiceReason::Integrity,
+            Reason::Unauthenticated => ServiceReason::Unauthenticated,
+            Reason::Permission => ServiceReason::Permission,
+            Reason::Exceeded => ServiceReason::Exceeded,
+            Reason::Retryable => ServiceReason::Retryable,
+            Reason::Protocol => ServiceReason::Protocol,
+            Reason::Interrupted | Reason::Other | Reason::Unspecified => ServiceReason::Other,
+        }
+    }
+
+    /// The rcp reason a service's error stands for (its exit code's).
+    pub fn reason(self) -> Reason {
+        match self {
+            ServiceReason::Invalid => Reason::Invalid,
+            ServiceReason::NotFound => Reason::FileNotFound,
+            ServiceReason::Integrity => Reason::Integrity,
+            ServiceReason::Unauthenticated => Reason::Unauthenticated,
+            ServiceReason::Permission => Reason::Permission,
+            ServiceReason::Exceeded => Reason::Exceeded,
+            ServiceReason::Retryable => Reason::Retryable,
+            ServiceReason::Protocol => Reason::Protocol,
+            ServiceReason::Other => Reason::Other,
+        }
+    }
+
+    /// Its name on the wire.
+    pub fn name(self) -> &'static str {
+        match self {
+            ServiceReason::Invalid => "invalid",
+            ServiceReason::NotFound => "not_found",
+            ServiceReason::Integrity => "integrity",
+            ServiceReason::Unauthenticated => "unauthenticated",
+            ServiceReason::Permission => "permission",
+            ServiceReason::Exceeded => "exceeded",
+            ServiceReason::Retryable => "retryable",
+            ServiceReason::Protocol => "protocol",
+            ServiceReason::Other => "other",
+        }
+    }
+}
+
+/// An error reply's `error`, an operation's `failure`, an event's `error`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorBody {
+    pub reason: ServiceReason,
+    #[serde(default)]
+    pub message: String,
+}
+
+impl From<&Failure> for ErrorBody {
+    fn from(f: &Failure) -> ErrorBody {
+        ErrorBody {
+            reason: ServiceReason::of(f.reason),
+            message: f.message.clone(),
+        }
+    }
+}
+
+impl From<ErrorBody> for Failure {
+    fn from(e: ErrorBody) -> Failure {
+        Failure::new(e.reason.reason(), e.message)
+    }
+}
+
+/// A request (`{"id": N, "op": ..., ...}`; the id is the frame's, not
+/// part of the request).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Request {
+    Hello(Hello),
+    /// The memfd rides on the frame as SCM_RIGHTS.
+    Register {
+        size: u64,
+    },
+    Release {
+        buffer: u64,
+    },
+    Expose(Expose),
+    Unexpose {
+        name: String,
+    },
+    Write(OpRequest),
+    Read(OpRequest),
+    Wait {
+        handle: u64,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        timeout_ms: Option<u64>,
+    },
+    Status {
+        handle: u64,
+    },
+    Cancel {
+        handle: u64,
+    },
+}
+
+impl Request {
+    /// Requests that may wait run on their own; the rest are answered in
+    /// order.
+    pub fn may_wait(op: &str) -> bool {
+        matches!(op, "wait" | "cancel" | "release" | "write" | "read")
+    }
+}
+
+fn version_1() -> u64 {
+    VERSION
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hello {
+    #[serde(default = "version_1")]
+    pub version: u64,
+    /// rcpd's bearer token, when it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token: Option<String>,
+    /// For logs.
+    #[serde(default)]
+    pub name: String,
+}
+
+fn rw() -> String {
+    "rw".into()
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Expose {
+    pub buffer: u64,
+    pub name: String,
+    #[serde(default)]
+    pub offset: u64,
+    /// Default: to the buffer's end.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub len: Option<u64>,
+    /// `len` as the Python package's `expose(length=)` names it; not both.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub length: Option<u64>,
+    /// `read`, `write` or `rw`.
+    #[serde(default = "rw")]
+    pub access: String,
+    /// IP addresses of the peer rcpds allowed (empty: any).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub peers: Vec<String>,
+}
+
+/// A `write` or a `read`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OpRequest {
+    pub buffer: u64,
+    /// `HOST:PORT` of the other rcpd.
+    pub peer: String,
+    /// The exposure there.
+    pub name: String,
+    pub descs: Vec<Desc>,
+    /// Delivered with the owner's event (at most 256 bytes).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub message: String,
+    /// `blake3`, `sha256`, `xxh3` or `none`; absent: rcpd's default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub check: Option<String>,
+}
+
+/// One range of an operation, `[local_off, remote_off, len]` on the wire:
+/// `local` in the service's own buffer, `remote` in the owner's whole
+/// buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(from = "[u64; 3]", into = "[u64; 3]")]
+pub struct Desc {
+    pub local: u64,
+    pub remote: u64,
+    pub len: u64,
+}
+
+impl From<[u64; 3]> for Desc {
+    fn from([local, remote, len]: [u64; 3]) -> Desc {
+        Desc { local, remote, len }
+    }
+}
+
+impl From<Desc> for [u64; 3] {
+    fn from(d: Desc) -> [u64; 3] {
+        [d.local, d.remote, d.len]
+    }
+}
+
+/// `hello`'s reply.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HelloReply {
+    pub session: u64,
+    pub version: u64,
+    /// The address peers dial this rcpd at (`HOST:PORT`).
+    pub node: String,
+    /// The default check.
+    pub check: String,
+}
+
+/// `register`'s reply.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Registered {
+    pub buffer: u64,
+}
+
+/// `write`'s and `read`'s reply.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Started {
+    pub handle: u64,
+}
+
+/// Where an operation is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OpStateName {
+    Running,
+    Done,
+    Failed,
+    Cancelled,
+}
+
+/// `wait`'s, `status`'s and `cancel`'s reply, and the `done` event.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OpStatus {
+    pub handle: u64,
+    pub state: OpStateName,
+    /// Bytes moved, when done.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes: Option<u64>,
+    /// `verbs` or `tcp`: the provider its bytes moved over, when done.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transport: Option<String>,
+    /// Why it moved over tcp, when RDMA gave up.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fell_back: Option<String>,
+    /// When failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure: Option<ErrorBody>,
+}
+
+/// An event (`{"event": ..., ...}`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum Event {
+    /// To the owner of an exposure a peer wrote, once, after the bytes
+    /// were verified.
+    Written(OwnerEvent),
+    /// To the owner of an exposure a peer read, once, after the reader
+    /// verified them.
+    Read(OwnerEvent),
+    /// To the service that started the operation.
+    Done(OpStatus),
+}
+
+/// What the owner of an exposure hears of a peer's operation on it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OwnerEvent {
+    pub name: String,
+    /// The peer rcpd, `HOST:PORT` as it is dialed.
+    pub peer: String,
+    /// `[offset, len, digest hex]` in the owner's buffer.
+    pub ranges: Vec<(u64, u64, String)>,
+    pub message: String,
+    pub check: String,
+    /// Ranges granted again because they did not match, over all rounds.
+    pub resent: u32,
+    /// When a range still did not match after the retries.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<ErrorBody>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// The frames docs/buffers.md shows and the Python package sends
+    /// parse as the types; what the types write reads back the same.
+    #[test]
+    fn documented_frames_parse_and_round_trip() {
+        let frames = [
+            json!({"id": 1, "op": "hello", "version": 1, "token": "t", "name": "py"}),
+            json!({"id": 2, "op": "register", "size": 4194304}),
+            json!({"id": 3, "op": "expose", "buffer": 1, "name": "kv0", "offset": 0, "length": 4096, "access": "read", "peers": ["10.0.0.2"]}),
+            json!({"id": 4, "op": "write", "buffer": 1, "peer": "b:7471", "name": "kv0", "descs": [[0, 4096, 4096]], "message": "hi"}),
+            json!({"id": 5, "op": "read", "buffer": 1, "peer": "b:7471", "name": "kv0", "descs": [[0, 0, 8192], [8192, 8192, 4096]], "check": "xxh3"}),
+            json!({"id": 6, "op": "wait", "handle": 3, "timeout_ms": 10}),
+            json!({"id": 7, "op": "unexpose", "name": "kv0"}),
+            json!({"id": 8, "op": "release", "buffer": 1}),
+            json!({"id": 9, "op": "status", "handle": 3}),
+            json!({"id": 10, "op": "cancel", "handle": 3}),
+        ];
+        for f in frames {
+            let r: Request =
+                serde_json::from_value(f.clone()).unwrap_or_else(|e| panic!("{f}: {e}"));
+            let back: Request = serde_json::from_value(serde_json::to_value(&r).unwrap()).unwrap();
+            assert_eq!(back, r, "{f}");
+        }
+        let r: Request = serde_json::from_value(
+            json!({"op": "read", "buffer": 1, "peer": "p", "name": "n", "descs": [[1, 2, 3]]}),
+        )
+        .unwrap();
+        let Request::Read(o) = r else { panic!("{r:?}") };
+        assert_eq!(
+            o.descs,
+            [Desc {
+                local: 1,
+                remote: 2,
+                len: 3
+            }]
+        );
+        assert_eq!(serde_json::to_value(o.descs[0]).unwrap(), json!([1, 2, 3]));
+    }
+
+    /// A request outside the schema is refused, naming what is wrong.
+    #[test]
+    fn malformed_requests_name_the_field() {
+        let e = |v| {
+            serde_json::from_value::<Request>(v)
+                .unwrap_err()
+                .to_string()
+        };
+        assert!(e(json!({"op": "frob"})).contains("unknown variant `frob`"));
+        assert!(e(json!({"op": "expose", "buffer": 1})).contains("missing field `name`"));
+        assert!(e(
+            json!({"op": "write", "buffer": 1, "peer": "p", "name": "n", "descs": [[1, 2]]})
+        )
+        .contains("array of length 3"));
+        assert!(e(json!({"op": "wait", "handle": -1})).contains("invalid value"));
+    }
+
+    /// Every reason name goes both ways; `protocol` is kept (it was once
+    /// read back as `other`) and an unknown name is `other`.
+    #[test]
+    fn reason_names_go_both_ways() {
+        for r in [
+            ServiceReason::Invalid,
+            ServiceReason::NotFound,
+            ServiceReason::Integrity,
+            ServiceReason::Unauthenticated,
+            ServiceReason::Permission,
+            ServiceReason::Exceeded,
+            ServiceReason::Retryable,
+            ServiceReason::Protocol,
+            ServiceReason::Other,
+        ] {
+            assert_eq!(ServiceReason::of(r.reason()), r);
+            assert_eq!(serde_json::to_value(r).unwrap(), json!(r.name()));
+            assert_eq!(
+                serde_json::from_value::<ServiceReason>(json!(r.name())).unwrap(),
+                r
+            );
+        }
+        assert_eq!(
+            serde_json::from_value::<ServiceReason>(json!("new_one")).unwrap(),
+            ServiceReason::Other
+        );
+    }
+
+    /// Events and statuses as docs/buffers.md shows them.
+    #[test]
+    fn events_have_the_documented_shape() {
+        let ev = Event::Written(OwnerEvent {
+            name: "kv0".into(),
+            peer: "a:7471".into(),
+            ranges: vec![(4096, 4096, "ab".into())],
+            message: String::new(),
+            check: "blake3".into(),
+            resent: 0,
+            error: None,
+        });
+        assert_eq!(
+            serde_json::to_value(&ev).unwrap(),
+            json!({"event": "written", "name": "kv0", "peer": "a:7471", "ranges": [[4096, 4096, "ab"]], "message": "", "check": "blake3", "resent": 0})
+        );
+        let done = Event::Done(OpStatus {
+            handle: 2,
+            state: OpStateName::Failed,
+            bytes: None,
+            transport: None,
+            fell_back: None,
+            failure: Some(ErrorBody {
+                reason: ServiceReason::Retryable,
+                message: "m".into(),
+            }),
+        });
+        assert_eq!(
+            serde_json::to_value(&done).unwrap(),
+            json!({"event": "done", "handle": 2, "state": "failed", "failure": {"reason": "retryable", "message": "m"}})
+        );
+    }
+}
