@@ -705,6 +705,89 @@ async fn ended(c: &ServiceClient, h: u64) -> Result<u64, rcp::control::buffers::
         .expect("the operation ended")
 }
 
+/// What [`PEER_LOG`] said about `peer` with `message`, counted.
+fn peer_said(peer: &str, message: &str) -> usize {
+    peer_log(peer)
+        .iter()
+        .filter(|l| l.message == message)
+        .count()
+}
+
+/// Sessions to peer rcpds follow Copy's warm-session policy: one unused
+/// for `--copy-session-idle` is closed (the next operation opens a new
+/// one), and with `--copy-sessions` of them kept, opening another closes
+/// the one unused longest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peer_sessions_expire_when_idle_and_are_bounded() {
+    let dir = tempfile::tempdir().unwrap();
+    let mk = |n: &str| {
+        let d = dir.path().join(n);
+        std::fs::create_dir(&d).unwrap();
+        d
+    };
+    let (a_dir, b_dir, init_dir) = (mk("a"), mk("b"), mk("init"));
+    let (a, a_sock) = start_rcpd(&a_dir).await;
+    let (b, b_sock) = start_rcpd(&b_dir).await;
+    // The recorder is installed at the first look.
+    assert!(peer_log(&a.addr).is_empty());
+    let init_root = init_dir.join("root");
+    std::fs::create_dir(&init_root).unwrap();
+    let init_sock = init_dir.join("rcpd.sock");
+    let mut cfg = config(&init_root, &init_sock);
+    cfg.copy_peers = vec![a.addr.parse().unwrap(), b.addr.parse().unwrap()];
+    cfg.copy_pool = rcp::control::jobs::PoolConfig {
+        idle: Duration::from_millis(300),
+        max: 1,
+    };
+    let init = Daemon::start(cfg).await;
+    let (_oa, _da) = exposed(&a_sock, "a").await;
+    let (_ob, _db) = exposed(&b_sock, "b").await;
+    let writer = ServiceClient::connect(Some(&init_sock), None)
+        .await
+        .unwrap();
+    let src = writer.create_buffer(1 << 20).await.unwrap();
+    let write = |peer: String, name: &'static str| {
+        let (w, s) = (&writer, &src);
+        async move {
+            let h = w
+                .write(s, &peer, name, &[(0, 0, 4096)], None)
+                .await
+                .unwrap();
+            assert_eq!(ended(w, h).await.unwrap(), 4096);
+        }
+    };
+    const OPENED: &str = "buffer session to a peer";
+    const IDLE: &str = "buffer session closed: unused for --copy-session-idle";
+    const ROOM: &str = "buffer session closed: more sessions than --copy-sessions";
+
+    write(a.addr.clone(), "a").await;
+    assert_eq!(peer_said(&a.addr, OPENED), 1);
+    let start = std::time::Instant::now();
+    while peer_said(&a.addr, IDLE) == 0 {
+        assert!(
+            start.elapsed() < HANG_GUARD,
+            "the idle session was never closed"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    write(a.addr.clone(), "a").await;
+    assert_eq!(
+        peer_said(&a.addr, OPENED),
+        2,
+        "a new session after the idle one closed"
+    );
+
+    // At most one kept: B's session closes A's (unused) one at once.
+    write(b.addr.clone(), "b").await;
+    assert_eq!(peer_said(&b.addr, OPENED), 1);
+    assert_eq!(peer_said(&a.addr, ROOM), 1, "{:?}", peer_log(&a.addr));
+
+    drop(writer);
+    init.stop().await;
+    a.stop().await;
+    b.stop().await;
+}
+
 /// A kept buffer session the peer rcpd no longer holds (it restarted on its
 /// address: its sessions are gone, the exposure is made again) is given up
 /// on the peer's `retryable` and the grant asked for once more on a new

@@ -16,7 +16,7 @@ use tonic::transport::Server;
 use super::auth::CheckBearer;
 use super::buffers::grant::GrantService;
 use super::buffers::socket::Socket;
-use super::buffers::Buffers;
+use super::buffers::{Buffers, BuffersConfig};
 use super::client::ClientOptions;
 use super::copy::CopyService;
 use super::copy_peers::CopyPeers;
@@ -238,24 +238,28 @@ fn start_service(
         pool: super::jobs::Pool::new(cfg.copy_pool),
         peers: peers.clone(),
     };
-    let buffers = Buffers::new();
+    let metrics = Arc::new(crate::metrics::Metrics::new());
+    let buffers = Buffers::new(BuffersConfig {
+        // Buffer sessions' data paths show in this rcpd's /metrics (each
+        // rail's series), as copies' do.
+        client: ClientOptions {
+            metrics: Some(metrics.clone()),
+            ..peer_opts
+        },
+        peers,
+        default_check: cfg.checks.first().copied(),
+        token: cfg.token.clone(),
+        node: super::buffers::node_address(grpc_addr),
+        pool: cfg.copy_pool,
+    });
     let svc = Service::new(
         service_config(cfg, root),
         link,
+        metrics,
         Some(Arc::new(copier)),
         Some(Arc::new(GrantService(buffers.clone()))),
     )?;
     svc.spawn_sweeper();
-    // Buffer sessions' data paths show in this rcpd's /metrics (each
-    // rail's series), as copies' do.
-    let buffer_opts = ClientOptions {
-        metrics: Some(svc.metrics.clone()),
-        ..peer_opts
-    };
-    buffers.set_client_options(buffer_opts, peers);
-    *buffers.token.lock().unwrap() = cfg.token.clone();
-    *buffers.node.lock().unwrap() = super::buffers::node_address(grpc_addr);
-    *buffers.default_check.lock().unwrap() = cfg.checks.first().copied();
     Ok((svc, buffers))
 }
 

@@ -15,8 +15,6 @@
 //!   `BufferDone`): a grant per operation, revoked at its end;
 //! - [`peer`]: the initiating side: a session per peer rcpd, windows posted
 //!   from the service's pages ([`crate::datapath::lend`]);
-//! - [`fallback`]: when a peer session gives up on RDMA for the tcp
-//!   provider (transport auto, the files' rule);
 //! - [`client`]: the Rust client of the service protocol;
 //! - [`faults`]: test-only damage of checked ranges (the `fault-injection`
 //!   feature).
@@ -25,7 +23,6 @@
 
 pub mod api;
 pub mod client;
-pub mod fallback;
 pub mod faults;
 pub mod grant;
 pub mod peer;
@@ -95,6 +92,30 @@ pub struct Exposure {
 /// [`Failure`]; a service sees it as an [`api::ErrorBody`]).
 pub use crate::control::protocol::Failure;
 
+/// What the daemon gives the buffers at birth.
+#[derive(Clone, Debug, Default)]
+pub struct BuffersConfig {
+    /// How this rcpd connects to peers (token, TLS, transport, metrics,
+    /// ...); its `timeout` is also how long a grant waits for its peer.
+    pub client: ClientOptions,
+    /// The peers it may connect to (`--copy-peers`; its credentials go to
+    /// no other).
+    pub peers: Arc<CopyPeers>,
+    /// The check a service's operation uses when it names none (the first
+    /// of `--verify`; none given: the default check).
+    pub default_check: Option<crate::files::Check>,
+    /// rcpd's bearer token: a service says it in `hello`.
+    pub token: Option<String>,
+    /// The address peers dial this rcpd at (`hello`'s `node`; see
+    /// [`node_address`]).
+    pub node: String,
+    /// Sessions to peer rcpds kept when unused: at most `max`, each for
+    /// `idle` (`--copy-sessions`, `--copy-session-idle`: the policy of
+    /// Copy's warm sessions). A session over tcp after a fallback ends so
+    /// too, and the next operation tries verbs again.
+    pub pool: crate::control::jobs::PoolConfig,
+}
+
 /// What one rcpd shares between its service connections, the grants it
 /// made to peers and the sessions it opened to them.
 #[derive(Default)]
@@ -106,21 +127,7 @@ pub struct Buffers {
     pub(crate) grants: grant::Grants,
     /// Sessions to peer rcpds, by (address, check).
     pub(crate) peers: peer::Peers,
-    /// How this rcpd connects to peers (token, TLS, transport...), set by
-    /// the daemon.
-    opts: Mutex<Option<ClientOptions>>,
-    /// The peers it may connect to (`--copy-peers`); unset: none.
-    copy_peers: Mutex<Arc<CopyPeers>>,
-    /// The check a service's operation uses when it names none.
-    pub default_check: Mutex<Option<crate::files::Check>>,
-    /// This rcpd's timeout: a grant whose peer says nothing this long is
-    /// revoked.
-    pub timeout: Mutex<Option<std::time::Duration>>,
-    /// rcpd's bearer token: a service says it in `hello`.
-    pub token: Mutex<Option<String>>,
-    /// The address peers dial this rcpd at (`hello`'s `node`; see
-    /// [`node_address`]), set by the daemon once its gRPC port is bound.
-    pub node: Mutex<String>,
+    cfg: BuffersConfig,
 }
 
 /// The address peers dial an rcpd at whose gRPC listener is bound to
@@ -142,31 +149,40 @@ pub fn node_address(grpc: std::net::SocketAddr) -> String {
 }
 
 impl Buffers {
-    pub fn new() -> Arc<Buffers> {
-        Arc::default()
+    pub fn new(cfg: BuffersConfig) -> Arc<Buffers> {
+        Arc::new(Buffers {
+            cfg,
+            ..Buffers::default()
+        })
     }
 
-    /// The options this rcpd's sessions to peers are opened with, and the
-    /// peers it may open them to (its credentials go to no other).
-    pub fn set_client_options(&self, o: ClientOptions, peers: Arc<CopyPeers>) {
-        *self.timeout.lock().unwrap() = Some(o.timeout);
-        *self.opts.lock().unwrap() = Some(o);
-        *self.copy_peers.lock().unwrap() = peers;
+    pub(crate) fn client_options(&self) -> &ClientOptions {
+        &self.cfg.client
     }
 
-    pub(crate) fn client_options(&self) -> ClientOptions {
-        self.opts.lock().unwrap().clone().unwrap_or_default()
+    pub(crate) fn copy_peers(&self) -> &CopyPeers {
+        &self.cfg.peers
     }
 
-    pub(crate) fn copy_peers(&self) -> Arc<CopyPeers> {
-        self.copy_peers.lock().unwrap().clone()
-    }
-
+    /// How long a grant waits for its peer: rcpd's timeout.
     pub(crate) fn grant_timeout(&self) -> std::time::Duration {
-        self.timeout
-            .lock()
-            .unwrap()
-            .unwrap_or(super::client::DEFAULT_TIMEOUT)
+        self.cfg.client.timeout
+    }
+
+    pub(crate) fn pool(&self) -> crate::control::jobs::PoolConfig {
+        self.cfg.pool
+    }
+
+    pub(crate) fn token(&self) -> Option<&str> {
+        self.cfg.token.as_deref()
+    }
+
+    pub(crate) fn node(&self) -> &str {
+        &self.cfg.node
+    }
+
+    pub(crate) fn default_check(&self) -> crate::files::Check {
+        self.cfg.default_check.unwrap_or_default()
     }
 
     pub(crate) fn new_conn(&self) -> u64 {

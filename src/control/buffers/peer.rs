@@ -33,12 +33,11 @@ use std::time::{Duration, Instant};
 use tokio::sync::{oneshot, watch};
 
 use super::api::Desc;
-use super::fallback::{continuing, LinkWatch};
 use super::grant::digests;
 use super::{Buffers, Failure};
 use crate::control::client::{Client, Session};
 use crate::control::error::{status_reason, ControlError, Reason};
-use crate::control::jobs::tcp_fallback;
+use crate::control::fallback::{continuing, tcp_fallback, then_over_tcp, LinkWatch};
 use crate::control::link::resolve_transport;
 use crate::control::protocol::buffer::{self, OpCore, OpNext};
 use crate::control::protocol::rails::LOOK_EVERY_NS;
@@ -80,7 +79,8 @@ impl Peers {
         self.links.lock().unwrap().len()
     }
 
-    /// The live session under `key`, if any.
+    /// The live session under `key`, if any (taken under the table's
+    /// lock, so an idle one is never retired while it is being taken).
     fn live(&self, key: &Key) -> Option<Arc<PeerLink>> {
         self.links
             .lock()
@@ -88,6 +88,41 @@ impl Peers {
             .get(key)
             .filter(|l| l.dead().is_none())
             .cloned()
+    }
+
+    /// Take `l` out of the table if nobody uses it (only the table and
+    /// its driver hold it) and it has been unused for `idle`; whether it
+    /// was.
+    fn take_idle(&self, l: &Arc<PeerLink>, idle: Duration) -> bool {
+        let mut m = self.links.lock().unwrap();
+        let idle_now = Arc::strong_count(l) <= 2 && l.last_used.lock().unwrap().elapsed() >= idle;
+        if idle_now && m.get(&l.key).is_some_and(|x| Arc::ptr_eq(x, l)) {
+            m.remove(&l.key);
+            return true;
+        }
+        false
+    }
+
+    /// Make room for one more session: with `max` kept already, the one
+    /// unused longest (and unused now) is retired, as the pool of Copy's
+    /// warm sessions does.
+    fn make_room(&self, max: usize) {
+        let gone = {
+            let mut m = self.links.lock().unwrap();
+            if m.len() < max.max(1) {
+                return;
+            }
+            let oldest = m
+                .iter()
+                .filter(|(_, l)| Arc::strong_count(l) <= 2)
+                .min_by_key(|(_, l)| *l.last_used.lock().unwrap())
+                .map(|(k, _)| k.clone());
+            oldest.and_then(|k| m.remove(&k))
+        };
+        if let Some(l) = gone {
+            tracing::info!(peer = %crate::escape::esc(&l.key.0), session = l.session_id, "buffer session closed: more sessions than --copy-sessions");
+            l.retire("closed to make room for another peer's session".into());
+        }
     }
 
     pub fn is_empty(&self) -> bool {
@@ -143,6 +178,8 @@ pub struct PeerLink {
     refused: Mutex<Option<u64>>,
     /// Ends the driver (and with it the data path): [`PeerLink::retire`].
     stop: tokio::sync::Notify,
+    /// When an operation last took or let go of it (its idle expiry).
+    last_used: Mutex<Instant>,
     /// Declared last: closed (CloseSession) after the data path.
     session: Mutex<Option<Session>>,
 }
@@ -291,7 +328,7 @@ async fn link(
     // rcpd's token and certificate go to listed peers only: refused here,
     // before any connection, naming the flag.
     let admitted = bufs.copy_peers().admit(peer).await.map_err(Failure::from)?;
-    let mut o = bufs.client_options();
+    let mut o = bufs.client_options().clone();
     o.verify = vec![check];
     let client = Client::connect_admitted(&admitted, o)
         .await
@@ -333,9 +370,11 @@ async fn link(
         dead: Mutex::new(None),
         refused: Mutex::new(None),
         stop: tokio::sync::Notify::new(),
+        last_used: Mutex::new(Instant::now()),
         session: Mutex::new(Some(session)),
     });
     tracing::info!(peer = %crate::escape::esc(peer), check = check.name(), session = l.session_id, transport = %l.kind, rails = l.path.rails(), fell_back = l.fell_back.as_deref().unwrap_or(""), "buffer session to a peer");
+    bufs.peers.make_room(bufs.pool().max);
     tokio::spawn(drive(bufs.clone(), l.clone()));
     bufs.peers.links.lock().unwrap().insert(key, l.clone());
     Ok((l, true))
@@ -350,15 +389,19 @@ async fn open_session(
     peer: &str,
     fell_back: Option<String>,
 ) -> Result<(Session, Option<String>), Failure> {
-    let failed = |e: ControlError, after: &str| {
-        Failure::new(e.reason(), format!("peer {peer}: {after}session: {e}"))
-    };
+    let failed = |e: ControlError| Failure::new(e.reason(), format!("peer {peer}: session: {e}"));
     let tcp = |why: String| async move {
         client
             .session_with(ProviderKind::Tcp, format!("tcp: {why}"))
             .await
             .map(|s| (s, Some(why.clone())))
-            .map_err(|e| failed(e, &format!("{why}; then over the tcp provider: ")))
+            .map_err(|e| {
+                let s = format!("session: {e}");
+                Failure::new(
+                    e.reason(),
+                    format!("peer {peer}: {}", then_over_tcp(&why, &s)),
+                )
+            })
     };
     if let Some(why) = fell_back {
         return tcp(why).await;
@@ -373,7 +416,7 @@ async fn open_session(
                 tracing::warn!(peer = %crate::escape::esc(peer), "buffer session: {why}");
                 tcp(why).await
             }
-            None => Err(failed(e, "")),
+            None => Err(failed(e)),
         },
     }
 }
@@ -384,9 +427,16 @@ async fn open_session(
 /// operations waiting and the link is dropped.
 async fn drive(bufs: Arc<Buffers>, d: Arc<PeerLink>) {
     let path = d.path.clone();
+    let idle = bufs.pool().idle;
+    // How often an unused session looks whether its idle time is up.
+    let idle_look = (idle / 4).clamp(Duration::from_millis(50), Duration::from_secs(5));
     loop {
         if let Some(why) = d.look() {
             d.give_up(&bufs, why);
+            break;
+        }
+        if bufs.peers.take_idle(&d, idle) {
+            tracing::info!(peer = %crate::escape::esc(&d.key.0), session = d.session_id, transport = %d.kind, "buffer session closed: unused for --copy-session-idle");
             break;
         }
         let at = d.next_look();
@@ -394,6 +444,7 @@ async fn drive(bufs: Arc<Buffers>, d: Arc<PeerLink>) {
             e = path.next_event() => Some(e),
             _ = d.stop.notified() => Some(None),
             _ = tokio::time::sleep_until(at.unwrap_or_else(tokio::time::Instant::now)), if at.is_some() => None,
+            _ = tokio::time::sleep(idle_look) => None,
         };
         let Some(next) = next else { continue };
         let Some((ev, range)) = next else { break };
@@ -498,18 +549,30 @@ pub async fn run(
     if op.descs.is_empty() {
         return Err(Failure::new(Reason::Invalid, "no descriptors"));
     }
-    let (why, mut closed, then) = match attempt(bufs, op, cancelled).await {
+    let (why, mut closed, tcp) = match attempt(bufs, op, cancelled).await {
         Ok(m) => return Ok(m),
         Err(Attempt::Failed(e)) => return Err(e),
-        Err(Attempt::GaveUp { why, closed }) => (why, closed, "over the tcp provider"),
-        Err(Attempt::Bystander { why, closed }) => (why, closed, "on a new session"),
+        Err(Attempt::GaveUp { why, closed }) => (why, closed, true),
+        Err(Attempt::Bystander { why, closed }) => (why, closed, false),
+    };
+    let then = if tcp {
+        "over the tcp provider"
+    } else {
+        "on a new session"
     };
     tracing::info!(peer = %crate::escape::esc(&op.peer), name = %crate::escape::esc(&op.name), "buffer operation moves again {then}: {why}");
     // Bounded: a data path that cannot close keeps a read's ranges, and
     // the attempt over tcp then fails naming them busy.
     let timeout = bufs.client_options().timeout;
     let _ = tokio::time::timeout(timeout, async { while closed.changed().await.is_ok() {} }).await;
-    let after = |e: Failure| Failure::new(e.reason, format!("{why}; then {then}: {}", e.message));
+    let after = |e: Failure| {
+        let m = if tcp {
+            then_over_tcp(&why, &e.message)
+        } else {
+            format!("{why}; then {then}: {}", e.message)
+        };
+        Failure::new(e.reason, m)
+    };
     match attempt(bufs, op, cancelled).await {
         Ok(m) => Ok(m),
         Err(Attempt::Failed(e)) => Err(after(e)),
@@ -531,6 +594,7 @@ async fn attempt(
         return Err(Failure::new(Reason::Other, "cancelled").into());
     }
     let (link, reg, grant) = granted(bufs, op).await?;
+    let _using = Using(&link);
     let sent = if op.write {
         digests(link.check, &local)
     } else {
@@ -603,6 +667,16 @@ async fn attempt(
     }
 }
 
+/// An operation's use of a session: when it ends, the session's idle time
+/// starts again.
+struct Using<'a>(&'a PeerLink);
+
+impl Drop for Using<'_> {
+    fn drop(&mut self) {
+        *self.0.last_used.lock().unwrap() = Instant::now();
+    }
+}
+
 /// A range moving in a round: its index among the operation's, its local
 /// lease, where the peer granted it.
 type Moving = (u32, LeasedRange, proto::GrantedRange);
@@ -656,7 +730,7 @@ async fn granted(bufs: &Arc<Buffers>, op: &OpSpec) -> Result<Granting, Failure> 
     loop {
         let (link, new) = link(bufs, &op.peer, op.check).await?;
         let reg = link.registration(op.buffer_uid, &op.buffer)?;
-        let node = bufs.node.lock().unwrap().clone();
+        let node = bufs.node().to_string();
         match request_grant(&link, op, &node).await {
             Err(Refused::SessionGone(e)) if !new => {
                 tracing::info!(peer = %crate::escape::esc(&op.peer), session = link.session_id, error = %crate::escape::esc(&e), "buffer session given up: a new one");

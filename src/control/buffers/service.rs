@@ -238,7 +238,7 @@ impl Conn {
     }
 
     fn hello(&self, h: api::Hello) -> Result<Value, Failure> {
-        if let Some(want) = self.bufs.token.lock().unwrap().clone() {
+        if let Some(want) = self.bufs.token() {
             let got = h.token.as_deref().unwrap_or("");
             if !crate::control::auth::constant_time_eq(got.as_bytes(), want.as_bytes()) {
                 return Err(Failure::new(
@@ -259,13 +259,13 @@ impl Conn {
         reply(HelloReply {
             session: self.id,
             version: VERSION,
-            node: self.bufs.node.lock().unwrap().clone(),
+            node: self.bufs.node().to_string(),
             check: self.default_check().name().to_string(),
         })
     }
 
     fn default_check(&self) -> Check {
-        self.bufs.default_check.lock().unwrap().unwrap_or_default()
+        self.bufs.default_check()
     }
 
     fn register(&self, size: u64, fd: Option<std::os::fd::OwnedFd>) -> Result<Value, Failure> {

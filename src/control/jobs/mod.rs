@@ -36,9 +36,7 @@ use super::error::{ControlError, Result};
 use crate::proto::{Direction, FileType};
 
 pub use paths::Paths;
-pub use policy::{
-    may_fall_back, rail_watch, run, run_over, tcp_fallback, Outcome, Sessions, Watcher,
-};
+pub use policy::{run, run_over, Outcome, Sessions, Watcher};
 pub use pool::{Key, Lease, Pool, PoolConfig, DEFAULT_POOL_IDLE, DEFAULT_POOL_MAX};
 
 /// `HOST:PATH` (or `[v6]:PATH`) split into the rcpd address and the path.

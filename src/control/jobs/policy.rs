@@ -25,9 +25,8 @@ use futures::future::BoxFuture;
 use super::{Plan, Totals};
 use crate::control::client::{Client, FileJob, FileResult, Observer, Session, SessionStats};
 use crate::control::error::{ControlError, Reason, Result};
-pub use crate::control::fallback::{may_fall_back, rail_watch};
-use crate::control::link::{resolve_transport, Transport};
-use crate::control::protocol::Failure;
+use crate::control::fallback::{after_fallback, continuing, tcp_fallback};
+use crate::control::link::resolve_transport;
 use crate::provider::ProviderKind;
 
 /// Where a job's sessions come from and where they go when it is done: a
@@ -90,37 +89,6 @@ pub struct Outcome {
     pub session: bool,
 }
 
-/// Whether a job that tried `tried` and failed with `failed` goes on over
-/// tcp, and why: only with `--transport auto` after verbs
-/// ([`may_fall_back`]). `gave_up` is
-/// the session's own word that its stream gave up on RDMA
-/// ([`Session::fallback`]); without it `failed` is a session that could
-/// not be set up.
-pub fn tcp_fallback(
-    transport: Transport,
-    tried: ProviderKind,
-    failed: &ControlError,
-    gave_up: Option<&str>,
-) -> Option<String> {
-    if !may_fall_back(transport, tried) || failed.reason() == Reason::Interrupted {
-        return None;
-    }
-    if let Some(why) = gave_up {
-        return Some(why.to_string());
-    }
-    match failed.reason() {
-        // tcp would meet the same refusal.
-        Reason::Unauthenticated
-        | Reason::Usage
-        | Reason::Version
-        | Reason::Exceeded
-        | Reason::Interrupted => None,
-        _ => Some(format!(
-            "the verbs session could not be set up (transport auto): {failed}"
-        )),
-    }
-}
-
 /// Whether a stream's failure may be its session's, not the files': what
 /// a peer that dropped or forgot the session (restarted) answers.
 fn stale(e: &ControlError) -> bool {
@@ -128,20 +96,6 @@ fn stale(e: &ControlError) -> bool {
         e.reason(),
         Reason::Retryable | Reason::Invalid | Reason::Other | Reason::Unspecified
     )
-}
-
-/// The sentence said when a job falls back.
-fn continuing(why: &str) -> String {
-    format!("{why}; continuing over the tcp provider")
-}
-
-/// An error over tcp after falling back, with why it was over tcp; its
-/// reason (and so the exit code) is tcp's.
-fn after_fallback(why: &str, e: ControlError) -> ControlError {
-    ControlError::Failed(Failure::new(
-        e.reason(),
-        format!("{why}; then over the tcp provider: {e}"),
-    ))
 }
 
 /// The watcher plus the totals and which files finished.
@@ -323,70 +277,6 @@ fn nothing_moved(client: &Client, sessions: &dyn Sessions, skipped: u64, t0: Ins
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::provider::ProviderError;
-
-    fn refused(reason: Reason) -> ControlError {
-        ControlError::Failed(Failure::new(reason, "no"))
-    }
-
-    #[test]
-    fn only_auto_after_verbs_falls_back() {
-        let e = ControlError::Retryable("link down".into());
-        let gave_up = Some("every RDMA rail has been down for 10 s");
-        assert_eq!(
-            tcp_fallback(Transport::Auto, ProviderKind::Verbs, &e, gave_up).as_deref(),
-            gave_up
-        );
-        // Asked for verbs: the user gets verbs or its error.
-        assert_eq!(
-            tcp_fallback(Transport::Verbs, ProviderKind::Verbs, &e, gave_up),
-            None
-        );
-        // Already over tcp: nowhere to go.
-        assert_eq!(
-            tcp_fallback(Transport::Auto, ProviderKind::Tcp, &e, gave_up),
-            None
-        );
-    }
-
-    #[test]
-    fn only_auto_over_verbs_is_watched() {
-        let after = Some(std::time::Duration::from_secs(10));
-        let w = rail_watch(Transport::Auto, ProviderKind::Verbs, after, 7).expect("watched");
-        assert_eq!(w.deadline(true), Some(7 + 10_000_000_000));
-        assert!(rail_watch(Transport::Verbs, ProviderKind::Verbs, after, 0).is_none());
-        assert!(rail_watch(Transport::Auto, ProviderKind::Tcp, after, 0).is_none());
-        assert!(rail_watch(Transport::Tcp, ProviderKind::Tcp, after, 0).is_none());
-        // --tcp-fallback-after 0: never.
-        assert!(rail_watch(Transport::Auto, ProviderKind::Verbs, None, 0).is_none());
-    }
-
-    #[test]
-    fn a_verbs_session_that_cannot_start_falls_back_unless_tcp_would_be_refused_too() {
-        let dev = ControlError::Provider(ProviderError::Protocol("no ACTIVE port".into()));
-        let why = tcp_fallback(Transport::Auto, ProviderKind::Verbs, &dev, None).unwrap();
-        assert!(why.contains("could not be set up") && why.contains("no ACTIVE port"));
-        // An rcpd that serves only tcp refuses the verbs provider: Invalid.
-        assert!(tcp_fallback(
-            Transport::Auto,
-            ProviderKind::Verbs,
-            &refused(Reason::Invalid),
-            None
-        )
-        .is_some());
-        for r in [
-            Reason::Unauthenticated,
-            Reason::Usage,
-            Reason::Version,
-            Reason::Exceeded,
-        ] {
-            assert_eq!(
-                tcp_fallback(Transport::Auto, ProviderKind::Verbs, &refused(r), None),
-                None,
-                "{r:?}"
-            );
-        }
-    }
 
     #[test]
     fn what_finished_does_not_move_again_and_the_rest_resumes() {
@@ -412,15 +302,5 @@ mod tests {
             ]
         );
         assert!(rest.iter().all(|j| j.spec.resume));
-    }
-
-    #[test]
-    fn an_error_over_tcp_keeps_its_reason_and_says_why_it_was_tcp() {
-        let e = after_fallback(
-            "every rail down; continuing over the tcp provider",
-            ControlError::FileNotFound("x".into()),
-        );
-        assert_eq!(e.reason(), Reason::FileNotFound);
-        assert!(e.to_string().starts_with("every rail down"), "{e}");
     }
 }

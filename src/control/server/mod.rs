@@ -147,6 +147,7 @@ impl Service {
     pub fn new(
         cfg: ServiceConfig,
         link: ServerLink,
+        metrics: Arc<crate::metrics::Metrics>,
         copier: Option<Arc<dyn Copier>>,
         buffers: Option<Arc<dyn BufferGrants>>,
     ) -> Result<Arc<Service>> {
@@ -163,7 +164,7 @@ impl Service {
             cfg,
             link: Arc::new(link),
             copier,
-            metrics: Arc::new(crate::metrics::Metrics::new()),
+            metrics,
             buffers,
         }))
     }
