@@ -19,6 +19,16 @@
 //!   [`control::server::Service`], the client library ([`control::Client`],
 //!   [`control::Session`]: one data path per session, many files in flight), and
 //!   `rcp`'s jobs ([`control::jobs`]).
+//! - Buffers from services ([`control::buffers`], docs/buffers.md): a service's
+//!   memfd ([`mem::memfd::ServiceBuffer`], leased by range) exposed by name
+//!   ([`control::buffers::Exposure`]) and moved between two rcpds; the service
+//!   protocol's messages ([`control::buffers::api::Request`],
+//!   [`control::buffers::api::Event`]) and its Rust client
+//!   ([`control::buffers::client::ServiceClient`]); the rounds of an operation
+//!   as I/O-free cores ([`control::protocol::buffer::GrantCore`] on the exposing
+//!   rcpd, [`control::protocol::buffer::OpCore`] on the initiating one), driven
+//!   by `buffers::grant` and `buffers::peer`, whose windows go through
+//!   [`datapath::lend::LendingPath`]; tcp fallback by [`control::fallback`].
 //! - [`metrics`], [`doctor`]: Prometheus counters, `rcp doctor`'s checks.
 //! - [`parse`]: `HOST[:PORT]`, sizes, rates and durations, parsed once for every binary.
 //! - [`json`]: the `--json` lines (schema in `docs/json.md`).

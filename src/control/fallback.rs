@@ -44,7 +44,7 @@ pub fn rail_watch(
 /// tcp, and why: only with `--transport auto` after verbs
 /// ([`may_fall_back`]). `gave_up` is
 /// the session's own word that its stream gave up on RDMA
-/// ([`Session::fallback`]); without it `failed` is a session that could
+/// ([`Session::fallback`](crate::control::Session::fallback)); without it `failed` is a session that could
 /// not be set up.
 pub fn tcp_fallback(
     transport: Transport,

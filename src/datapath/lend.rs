@@ -350,11 +350,6 @@ impl LendingPath {
         Some((ev, range))
     }
 
-    /// Whether the data path failed or is closing.
-    pub fn is_stopped(&self) -> bool {
-        self.dp.as_ref().is_none_or(DataPath::is_stopped)
-    }
-
     /// Windows whose bytes are still lent.
     pub fn lent(&self) -> usize {
         self.lent.lock().unwrap().len()

@@ -1659,11 +1659,6 @@ impl Stream {
         self.live.len()
     }
 
-    /// Whether a window with this id is live.
-    pub fn is_live(&self, id: u64) -> bool {
-        self.live.contains_key(&id)
-    }
-
     /// Requests posted and not yet retired, on all rails (zombies
     /// included: a device may still hold them).
     pub fn outstanding(&self) -> usize {
@@ -1714,11 +1709,6 @@ impl Stream {
     /// Where rail `rail` stands. Panics if there is no such rail.
     pub fn rail_state(&self, rail: usize) -> RailState {
         self.rails[rail].state
-    }
-
-    /// Rail `rail`'s current epoch.
-    pub fn rail_epoch(&self, rail: usize) -> u32 {
-        self.rails[rail].epoch
     }
 
     /// Rail `rail`'s configuration.

@@ -581,15 +581,6 @@ impl PeerSpan {
         })
     }
 
-    /// The span covering a block.
-    pub fn of_block(b: &Block) -> PeerSpan {
-        PeerSpan {
-            region: b.pool.arena.region.clone(),
-            offset: b.offset,
-            len: b.len,
-        }
-    }
-
     pub fn addr(&self) -> u64 {
         self.region.ptr as u64 + self.offset as u64
     }

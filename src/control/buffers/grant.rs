@@ -130,11 +130,6 @@ impl Grants {
         n
     }
 
-    /// Live grants (tests, logs).
-    pub fn live(&self) -> usize {
-        self.live.lock().unwrap().len()
-    }
-
     /// Grant `id` of `session` if its core says it expired by `now`.
     fn expire(&self, id: u64, session: u64, now: u64) -> Option<Box<GrantState>> {
         let mut l = self.live.lock().unwrap();

@@ -17,7 +17,7 @@
 //! handshake) rounds, before the operation fails. A failed data path fails
 //! the operations on it and the session is made anew by the next one.
 //!
-//! The tcp fallback ([`super::fallback`], files' rule): under
+//! The tcp fallback ([`crate::control::fallback`], files' rule): under
 //! `--transport auto` a verbs session whose rails all stayed down past
 //! `tcp_fallback_after` with operations waiting, or whose data path failed
 //! retryably, is given up; the operations that were waiting run again from
@@ -74,11 +74,6 @@ impl Peers {
         }
     }
 
-    /// Sessions open now.
-    pub fn len(&self) -> usize {
-        self.links.lock().unwrap().len()
-    }
-
     /// The live session under `key`, if any (taken under the table's
     /// lock, so an idle one is never retired while it is being taken).
     fn live(&self, key: &Key) -> Option<Arc<PeerLink>> {
@@ -123,10 +118,6 @@ impl Peers {
             tracing::info!(peer = %crate::escape::esc(&l.key.0), session = l.session_id, "buffer session closed: more sessions than --copy-sessions");
             l.retire("closed to make room for another peer's session".into());
         }
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 }
 

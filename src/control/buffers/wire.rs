@@ -38,12 +38,6 @@ impl Default for FrameReader {
 }
 
 impl FrameReader {
-    /// Bytes already read past the magic (a caller that peeked does not
-    /// need this).
-    pub fn prime(&mut self, bytes: &[u8]) {
-        self.buf.extend_from_slice(bytes);
-    }
-
     /// Read into the buffer once, collecting fds; 0 at end of stream.
     async fn fill(&mut self, s: &UnixStream) -> io::Result<usize> {
         let mut chunk = vec![0u8; 64 << 10];

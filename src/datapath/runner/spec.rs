@@ -84,13 +84,6 @@ impl RailSpec {
         self
     }
 
-    /// With its own CQ CPU choice.
-    pub fn with_cq_cpu(mut self, c: CqCpu, numa_node: Option<u32>) -> Self {
-        self.cq_cpu = Some(c);
-        self.numa_node = numa_node;
-        self
-    }
-
     /// With a key map.
     pub fn with_keys(mut self, k: KeyMapFn) -> Self {
         self.keys = Some(k);
