@@ -17,7 +17,6 @@ use std::time::Duration;
 use rcp::control::buffers::api::{OpStateName, ServiceReason};
 use rcp::control::buffers::client::ServiceClient;
 use rcp::control::daemon::{self, DaemonConfig};
-use rcp::control::link::MemoryWindows;
 use rcp::control::Transport;
 use rcp::provider::ProviderKind;
 
@@ -25,34 +24,18 @@ fn config(root: &std::path::Path, socket: &std::path::Path) -> DaemonConfig {
     DaemonConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         health_listen: None,
-        metrics_listen: None,
         root: root.to_path_buf(),
         transport: Transport::Tcp,
-        rails: Vec::new(),
-        gid_index: None,
         arena_mib: 16,
-        hugepage_dir: None,
-        memory_windows: MemoryWindows::Auto,
         max_transfers: 4,
-        max_transfers_per_client: None,
-        max_sessions: rcp::control::server::DEFAULT_MAX_SESSIONS,
-        max_sessions_per_client: rcp::control::server::DEFAULT_MAX_SESSIONS_PER_CLIENT,
-        session_grace: rcp::control::server::DEFAULT_SESSION_GRACE,
-        token: None,
-        cq_cpu: None,
-        batch: 32,
-        signal_every: 32,
         shutdown_grace: Duration::from_secs(1),
         timeout: Duration::from_secs(30),
         max_open_files: 64,
         checks: vec![rcp::files::Check::Sha256],
-        tls: None,
-        tls_peer_ca: None,
-        bwlimit: None,
         socket: Some(socket.to_path_buf()),
-        copy_pool: Default::default(),
         // The writer's peer is this rcpd itself: allowed with no list.
         copy_peers: Vec::new(),
+        ..DaemonConfig::default()
     }
 }
 

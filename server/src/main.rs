@@ -15,6 +15,10 @@ use rcp::control::server;
 use rcp::control::{ServerTls, Transport};
 use rcp::parse::RailList;
 
+/// rcpd's defaults ([`DaemonConfig::default`]): the flags' defaults.
+static DEFAULTS: std::sync::LazyLock<DaemonConfig> =
+    std::sync::LazyLock::new(DaemonConfig::default);
+
 #[derive(Parser, Debug)]
 #[command(
     name = "rcpd",
@@ -23,7 +27,7 @@ use rcp::parse::RailList;
 )]
 struct Args {
     /// gRPC address (rcp's control plane; port 0 picks one).
-    #[arg(long, env = "RCPD_LISTEN", default_value = "0.0.0.0:7471")]
+    #[arg(long, env = "RCPD_LISTEN", default_value_t = DEFAULTS.listen)]
     listen: SocketAddr,
     /// Plaintext grpc.health.v1 only, no auth ("none" disables).
     #[arg(long, env = "RCPD_HEALTH_LISTEN", default_value = "0.0.0.0:7472")]
@@ -46,7 +50,7 @@ struct Args {
     #[arg(long, env = "RCPD_GID_INDEX")]
     gid_index: Option<u32>,
     /// Registered window arena in MiB (4 MiB windows).
-    #[arg(long, env = "RCPD_ARENA_MIB", default_value_t = 256)]
+    #[arg(long, env = "RCPD_ARENA_MIB", default_value_t = DEFAULTS.arena_mib)]
     arena_mib: usize,
     /// hugetlbfs mount to allocate the arena from.
     #[arg(long, env = "RCPD_HUGEPAGE_DIR")]
@@ -58,7 +62,7 @@ struct Args {
     #[arg(long, env = "RCPD_MEMORY_WINDOWS", default_value = "auto")]
     memory_windows: MemoryWindows,
     /// Transfers served at once; more wait (back-pressure), they do not fail.
-    #[arg(long, env = "RCPD_MAX_TRANSFERS", default_value_t = 16)]
+    #[arg(long, env = "RCPD_MAX_TRANSFERS", default_value_t = DEFAULTS.max_transfers)]
     max_transfers: usize,
     /// Of --max-transfers, what one client (its address and, over mutual
     /// TLS, its certificate) runs at once; its others wait (default: half
@@ -67,25 +71,25 @@ struct Args {
     #[arg(long, env = "RCPD_MAX_TRANSFERS_PER_CLIENT", value_parser = clap::value_parser!(u64).range(1..))]
     max_transfers_per_client: Option<u64>,
     /// Sessions open at once; a handshake beyond is refused.
-    #[arg(long, env = "RCPD_MAX_SESSIONS", default_value_t = server::DEFAULT_MAX_SESSIONS as u64, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, env = "RCPD_MAX_SESSIONS", default_value_t = DEFAULTS.max_sessions as u64, value_parser = clap::value_parser!(u64).range(1..))]
     max_sessions: u64,
     /// Of --max-sessions, what one client may hold.
-    #[arg(long, env = "RCPD_MAX_SESSIONS_PER_CLIENT", default_value_t = server::DEFAULT_MAX_SESSIONS_PER_CLIENT as u64, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, env = "RCPD_MAX_SESSIONS_PER_CLIENT", default_value_t = DEFAULTS.max_sessions_per_client as u64, value_parser = clap::value_parser!(u64).range(1..))]
     max_sessions_per_client: u64,
     /// Seconds a session may stay without a Move stream, while its client
     /// sends no other request either, before it is closed and its QP and
     /// place freed (a session whose streams ran is closed 30 minutes after
     /// its last).
-    #[arg(long, env = "RCPD_SESSION_GRACE", default_value_t = server::DEFAULT_SESSION_GRACE.as_secs(), value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, env = "RCPD_SESSION_GRACE", default_value_t = DEFAULTS.session_grace.as_secs(), value_parser = clap::value_parser!(u64).range(1..))]
     session_grace: u64,
     /// Files one session may have open at once.
-    #[arg(long, env = "RCPD_MAX_OPEN_FILES", default_value_t = rcp::control::DEFAULT_MAX_OPEN_FILES, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    #[arg(long, env = "RCPD_MAX_OPEN_FILES", default_value_t = DEFAULTS.max_open_files, value_parser = clap::value_parser!(u32).range(1..=65536))]
     max_open_files: u32,
     /// Seconds a Move stream may go without progress (bytes moved or a file
     /// committed: keepalives are not progress) or without a word from its
     /// client before it is ended and its slots, windows and registrations
     /// are freed; what it wrote stays resumable.
-    #[arg(long, env = "RCPD_TIMEOUT", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, env = "RCPD_TIMEOUT", default_value_t = DEFAULTS.timeout.as_secs(), value_parser = clap::value_parser!(u64).range(1..))]
     timeout: u64,
     /// The block checks clients may ask for (rcp --verify), comma-separated:
     /// blake3, sha256, xxh3, none (the default: all four). Restrict it to
@@ -110,10 +114,10 @@ struct Args {
     #[arg(long, env = "RCPD_CQ_CPU")]
     cq_cpu: Option<rcp::datapath::CqCpu>,
     /// Work requests per doorbell for copies this rcpd makes.
-    #[arg(long, env = "RCPD_BATCH", default_value_t = rcp::datapath::DataPathConfig::default().batch)]
+    #[arg(long, env = "RCPD_BATCH", default_value_t = DEFAULTS.batch)]
     batch: usize,
     /// Signal every n-th work request.
-    #[arg(long, env = "RCPD_SIGNAL_EVERY", default_value_t = rcp::datapath::DataPathConfig::default().signal_every)]
+    #[arg(long, env = "RCPD_SIGNAL_EVERY", default_value_t = DEFAULTS.signal_every)]
     signal_every: usize,
     /// Bytes per second each copy this rcpd makes through the Copy API,
     /// and each session it opens to a peer for its services' buffer
@@ -127,11 +131,11 @@ struct Args {
     /// API), for the next Copy to that peer with the same settings to reuse
     /// (0: close each session after its Copy).
     #[arg(long, env = "RCPD_COPY_SESSION_IDLE",
-          default_value_t = rcp::control::jobs::DEFAULT_POOL_IDLE.as_secs())]
+          default_value_t = DEFAULTS.copy_pool.idle.as_secs())]
     copy_session_idle: u64,
     /// Warm sessions to other rcpds kept at most, over all peers; the least
     /// recently used is closed first (0: none).
-    #[arg(long, env = "RCPD_COPY_SESSIONS", default_value_t = rcp::control::jobs::DEFAULT_POOL_MAX)]
+    #[arg(long, env = "RCPD_COPY_SESSIONS", default_value_t = DEFAULTS.copy_pool.max)]
     copy_sessions: usize,
     /// The other rcpds this one may dial as a client, for the Copy API and
     /// buffer operations, handing them its token and TLS client
@@ -168,7 +172,7 @@ struct Args {
     #[arg(long, env = "RCPD_PARTIAL_TTL", default_value = "1d", value_parser = parse_ttl)]
     partial_ttl: Duration,
     /// Seconds running transfers get to finish after SIGTERM/SIGINT.
-    #[arg(long, env = "RCPD_SHUTDOWN_GRACE", default_value_t = 30)]
+    #[arg(long, env = "RCPD_SHUTDOWN_GRACE", default_value_t = DEFAULTS.shutdown_grace.as_secs())]
     shutdown_grace: u64,
     /// Also serve on this unix socket (mode 0660): the gRPC API, and the
     /// service protocol through which local services hand rcpd their

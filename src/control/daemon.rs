@@ -85,6 +85,45 @@ pub struct DaemonConfig {
     pub copy_peers: Vec<super::copy_peers::PeerEntry>,
 }
 
+/// rcpd's defaults, in one place: rcpd's flags take theirs from here, and
+/// a test or an embedding changes only what it needs.
+impl Default for DaemonConfig {
+    fn default() -> Self {
+        let dp = crate::datapath::DataPathConfig::default();
+        DaemonConfig {
+            listen: SocketAddr::from(([0, 0, 0, 0], 7471)),
+            health_listen: Some(SocketAddr::from(([0, 0, 0, 0], 7472))),
+            metrics_listen: None,
+            root: PathBuf::new(),
+            transport: Transport::Auto,
+            rails: Vec::new(),
+            gid_index: None,
+            arena_mib: 256,
+            hugepage_dir: None,
+            memory_windows: MemoryWindows::Auto,
+            max_transfers: 16,
+            max_transfers_per_client: None,
+            max_sessions: super::server::DEFAULT_MAX_SESSIONS,
+            max_sessions_per_client: super::server::DEFAULT_MAX_SESSIONS_PER_CLIENT,
+            session_grace: super::server::DEFAULT_SESSION_GRACE,
+            token: None,
+            cq_cpu: None,
+            batch: dp.batch,
+            signal_every: dp.signal_every,
+            shutdown_grace: Duration::from_secs(30),
+            timeout: Duration::from_secs(60),
+            max_open_files: super::DEFAULT_MAX_OPEN_FILES,
+            checks: crate::files::Check::ALL.to_vec(),
+            tls: None,
+            tls_peer_ca: None,
+            bwlimit: None,
+            socket: None,
+            copy_pool: super::jobs::PoolConfig::default(),
+            copy_peers: Vec::new(),
+        }
+    }
+}
+
 /// Addresses actually bound (port 0 resolved).
 #[derive(Clone, Debug)]
 pub struct Bound {
