@@ -745,6 +745,14 @@ async fn peer_sessions_expire_when_idle_and_are_bounded() {
 
     write(a.addr.clone(), "a").await;
     assert_eq!(peer_said(&a.addr, OPENED), 1);
+    // A buffer session maps one window of staging, not a copy's eight: it
+    // never posts from it.
+    let opened = peer_log(&a.addr);
+    assert_eq!(
+        opened[0].fields.get("windows").map(String::as_str),
+        Some("1"),
+        "{opened:?}"
+    );
     let start = std::time::Instant::now();
     while peer_said(&a.addr, IDLE) == 0 {
         assert!(

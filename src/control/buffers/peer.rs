@@ -321,11 +321,17 @@ async fn link(
     let admitted = bufs.copy_peers().admit(peer).await.map_err(Failure::from)?;
     let mut o = bufs.client_options().clone();
     o.verify = vec![check];
+    // Buffer operations post from the services' pages, never from staging
+    // (no Move stream runs on this session): one window of it, the least a
+    // session maps, not the DEFAULT_WINDOWS a file copy wants (4 MiB
+    // pinned instead of 32 over verbs, and one of rcpd B's window slots).
+    o.windows = 1;
     let client = Client::connect_admitted(&admitted, o)
         .await
         .map_err(|e| Failure::new(e.reason(), format!("peer {peer}: {e}")))?;
     let fell_back = bufs.peers.fell_back.lock().unwrap().get(&key).cloned();
     let (mut session, fell_back) = open_session(&client, peer, fell_back).await?;
+    let staging_windows = session.windows();
     let (dp, events) = session
         .take_data_path()
         .ok_or_else(|| Failure::new(Reason::Other, "the session has no data path"))?;
@@ -364,7 +370,7 @@ async fn link(
         last_used: Mutex::new(Instant::now()),
         session: Mutex::new(Some(session)),
     });
-    tracing::info!(peer = %crate::escape::esc(peer), check = check.name(), session = l.session_id, transport = %l.kind, rails = l.path.rails(), fell_back = l.fell_back.as_deref().unwrap_or(""), "buffer session to a peer");
+    tracing::info!(peer = %crate::escape::esc(peer), check = check.name(), session = l.session_id, transport = %l.kind, rails = l.path.rails(), windows = staging_windows, fell_back = l.fell_back.as_deref().unwrap_or(""), "buffer session to a peer");
     bufs.peers.make_room(bufs.pool().max);
     tokio::spawn(drive(bufs.clone(), l.clone()));
     bufs.peers.links.lock().unwrap().insert(key, l.clone());

@@ -480,6 +480,11 @@ impl Session {
         self.params.block_size
     }
 
+    /// Windows of staging the session maps (and rcpd granted it at once).
+    pub fn windows(&self) -> u32 {
+        self.params.window_count
+    }
+
     /// The block check the handshake agreed on; file digests are derived
     /// from its block digests ([`crate::files::Check::digest_format`]).
     pub fn check(&self) -> crate::files::Check {
