@@ -403,6 +403,66 @@ pub fn pool_threads() -> usize {
     pool().current_num_threads()
 }
 
+/// What landed, checked against the sender's digests: each block's digest
+/// (padded, as [`Check::block`]) and whether it matched. The one check of
+/// what landed, for files' windows (both directions) and buffers' ranges
+/// (both sides).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Landed {
+    pub digests: Vec<Sha256Digest>,
+    pub ok: Vec<bool>,
+}
+
+impl Landed {
+    /// The indices of the blocks that did not match.
+    pub fn bad(&self) -> Vec<u32> {
+        (0..self.ok.len() as u32)
+            .filter(|&i| !self.ok[i as usize])
+            .collect()
+    }
+}
+
+impl Check {
+    /// Check what landed in `blocks` against `wants` (the sender's wire
+    /// digests, in order; one missing counts as a mismatch), hashing on
+    /// the pool when the blocks are large ([`Check::blocks`]).
+    pub fn landed<W: AsRef<[u8]>>(self, blocks: &[&[u8]], wants: &[W]) -> Landed {
+        self.compare(self.blocks(blocks), |i| wants.get(i).map(AsRef::as_ref))
+    }
+
+    /// [`Check::landed`] for bytes reached through a guard (a buffer's
+    /// leased ranges): `hash` gives each item's digest (the check's
+    /// [`Check::block`] of its bytes), run on the pool ([`on_pool`]);
+    /// `want(i)` the sender's wire digest of item `i`.
+    pub fn landed_with<'w, T: Sync>(
+        self,
+        items: &[T],
+        hash: impl Fn(&T) -> Sha256Digest + Sync + Send,
+        want: impl Fn(usize) -> Option<&'w [u8]>,
+    ) -> Landed {
+        let digests = if self.is_none() {
+            vec![[0; 32]; items.len()]
+        } else {
+            on_pool(items, hash)
+        };
+        self.compare(digests, want)
+    }
+
+    fn compare<'w>(
+        self,
+        digests: Vec<Sha256Digest>,
+        want: impl Fn(usize) -> Option<&'w [u8]>,
+    ) -> Landed {
+        let n = self.digest_len();
+        let ok = digests
+            .iter()
+            .enumerate()
+            .map(|(i, d)| want(i) == Some(&d[..n]))
+            .collect();
+        Landed { digests, ok }
+    }
+}
+
 /// `digest(item)` of each of `items` (`Check::wire` of its bytes' digest,
 /// say) on the process-wide hashing pool, in their order: for callers
 /// whose bytes are reached through a guard rather than held as slices
@@ -586,6 +646,32 @@ mod tests {
     }
 
     use super::*;
+
+    /// What landed is checked one way everywhere: a damaged block, and a
+    /// block whose digest the sender never gave, do not match; under
+    /// `none` (no digests) everything does.
+    #[test]
+    fn landed_names_what_does_not_match() {
+        let (a, b, c) = (vec![1u8; 4096], vec![2u8; 4096], vec![3u8; 100]);
+        let blocks: Vec<&[u8]> = vec![&a, &b, &c];
+        for check in [Check::Blake3, Check::Sha256, Check::Xxh3] {
+            let mut wants: Vec<Vec<u8>> =
+                blocks.iter().map(|x| check.wire(&check.block(x))).collect();
+            assert_eq!(check.landed(&blocks, &wants).bad(), Vec::<u32>::new());
+            wants[1][0] ^= 1;
+            let l = check.landed(&blocks, &wants[..2]);
+            assert_eq!(l.bad(), vec![1, 2], "{check:?}");
+            assert_eq!(l.digests[0], check.block(&a));
+            let g = check.landed_with(
+                &blocks,
+                |x| check.block(x),
+                |i| wants.get(i).map(Vec::as_slice),
+            );
+            assert_eq!(g.bad(), vec![1], "{check:?}");
+        }
+        let none: Vec<Vec<u8>> = vec![Vec::new(); 3];
+        assert!(Check::None.landed(&blocks, &none).bad().is_empty());
+    }
 
     /// The official BLAKE3 test vectors (test_vectors.json of the BLAKE3
     /// reference: input `i % 251` for `i` in `0..len`, the default 32-byte

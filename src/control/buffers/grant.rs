@@ -602,16 +602,18 @@ fn verify(g: &mut GrantState, moving: &[u32], digests: &[Vec<u8>]) -> Vec<u32> {
             // reaches it.
             unsafe { super::faults::inject(&g.name, r) };
         }
-        // The round's ranges on the hashing pool.
+        // The round's ranges on the hashing pool, against the peer's.
         let ranges = &g.ranges;
-        let got = crate::files::digest::on_pool(moving, |&i| {
-            ranges[i as usize].with(|b| check.wire(&check.block(b)))
-        });
-        for (&i, d) in moving.iter().zip(got) {
-            if d != digests[i as usize] {
+        let landed = check.landed_with(
+            moving,
+            |&i| ranges[i as usize].with(|b| check.block(b)),
+            |k| digests.get(moving[k] as usize).map(Vec::as_slice),
+        );
+        for ((&i, d), ok) in moving.iter().zip(&landed.digests).zip(&landed.ok) {
+            if !ok {
                 bad.push(i);
             }
-            g.digests[i as usize] = d;
+            g.digests[i as usize] = check.wire(d);
         }
     });
     bad

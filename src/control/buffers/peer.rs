@@ -968,14 +968,16 @@ impl Granted<'_> {
                     unsafe { super::faults::inject(&self.op.name, r) };
                 }
                 // The ranges on the hashing pool, as the owner's were.
-                let got = crate::files::digest::on_pool(landed, |(_, r)| {
-                    r.with(|b| check.wire(&check.block(b)))
-                });
-                for ((i, _), d) in landed.iter().zip(got) {
-                    if self.want.get(*i as usize) != Some(&d) {
-                        bad.push(*i);
-                    }
-                }
+                let checked = check.landed_with(
+                    landed,
+                    |(_, r)| r.with(|b| check.block(b)),
+                    |k| self.want.get(landed[k].0 as usize).map(Vec::as_slice),
+                );
+                bad = checked
+                    .bad()
+                    .iter()
+                    .map(|&k| landed[k as usize].0)
+                    .collect();
             });
         }
         let resp = self

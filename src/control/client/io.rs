@@ -323,21 +323,19 @@ pub(super) fn check_and_write(
         .iter()
         .map(|e| &mem[e.offset as usize..(e.offset + u64::from(e.len)) as usize])
         .collect();
-    let got = check.blocks(&slices);
-    let mut bad = Vec::new();
-    for (i, ((e, data), (g, want))) in extents
+    let landed = check.landed(&slices, digests);
+    for (((e, data), g), &ok) in extents
         .iter()
         .zip(&slices)
-        .zip(got.iter().zip(digests))
-        .enumerate()
+        .zip(&landed.digests)
+        .zip(&landed.ok)
     {
-        if g[..check.digest_len()] != want[..] {
+        if !ok {
             tracing::warn!(
                 file = e.file,
                 block = e.block,
                 "pulled block does not match the server's digest: reading it again"
             );
-            bad.push(i as u32);
             continue;
         }
         let dest = dests.get(&e.file).ok_or_else(|| {
@@ -349,7 +347,7 @@ pub(super) fn check_and_write(
             .ok_or_else(|| Failure::new(Reason::Other, "destination already committed"))?;
         d.write_block(e.block, data, *g).map_err(fail)?;
     }
-    Ok(bad)
+    Ok(landed.bad())
 }
 
 /// Push, resume: digests of blocks that do not move.

@@ -451,17 +451,14 @@ impl StreamIo {
             .iter()
             .map(|e| &mem[e.offset as usize..(e.offset + u64::from(e.len)) as usize])
             .collect();
-        let check = self.session.params.check;
-        let got = check.blocks(&slices);
-        let mut bad = Vec::new();
-        for (i, ((e, data), (g, want))) in extents
+        let landed = self.session.params.check.landed(&slices, expected);
+        for (((e, data), g), ok) in extents
             .iter()
             .zip(&slices)
-            .zip(got.iter().zip(expected))
-            .enumerate()
+            .zip(&landed.digests)
+            .zip(&landed.ok)
         {
-            if g[..check.digest_len()] != want[..] {
-                bad.push(i as u32);
+            if !ok {
                 continue;
             }
             let Some(FileHandle::Push { dest, .. }) = files.get(&e.file) else {
@@ -476,6 +473,7 @@ impl StreamIo {
                 .ok_or_else(|| Failure::new(Reason::Other, "destination already committed"))?;
             d.write_block(e.block, data, *g).map_err(fail)?;
         }
+        let bad = landed.bad();
         if !bad.is_empty() {
             self.svc.metrics.integrity_failures(bad.len() as u64);
             tracing::warn!(
