@@ -41,6 +41,8 @@ pub mod datapath;
 pub mod doctor;
 pub mod engine;
 pub mod escape;
+#[cfg(feature = "fault-injection")]
+pub mod faults;
 pub mod files;
 pub mod json;
 pub mod mem;

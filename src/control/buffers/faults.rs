@@ -1,7 +1,7 @@
 //! Test-only faults for buffer operations, compiled in only with the
 //! `fault-injection` feature (the test scripts'; off in normal builds,
-//! debug or release), as the files' `RCP_TEST_CORRUPT_PULLED_BLOCKS`:
-//! [`corrupt_ranges`] makes the next
+//! debug or release), on the one table of [`crate::faults`] (as the files'
+//! `RCP_TEST_CORRUPT_PULLED_BLOCKS`): `corrupt_ranges` makes the next
 //! ranges of an exposure that are checked arrive damaged, one byte flipped
 //! just before their digest is compared, as if damaged on the way. Where:
 //! for a write, on the exposing rcpd, in what landed (after the grant was
@@ -11,19 +11,11 @@
 
 use crate::mem::memfd::LeasedRange;
 
-#[cfg(feature = "fault-injection")]
-static CORRUPT: std::sync::Mutex<Option<std::collections::HashMap<String, u32>>> =
-    std::sync::Mutex::new(None);
-
 /// The next `n` ranges of exposure `name` checked arrive damaged
 /// ([`u32::MAX`]: every one from now on; 0: none).
 #[cfg(feature = "fault-injection")]
 pub fn corrupt_ranges(name: &str, n: u32) {
-    CORRUPT
-        .lock()
-        .unwrap()
-        .get_or_insert_with(Default::default)
-        .insert(name.to_string(), n);
+    crate::faults::arm(&crate::faults::range_key(name), n);
 }
 
 /// Damage `range` of exposure `name` if a fault is armed for it (with
@@ -34,19 +26,7 @@ pub fn corrupt_ranges(name: &str, n: u32) {
 /// As [`LeasedRange::with_mut`]: no device reaches the range now.
 #[cfg(feature = "fault-injection")]
 pub(crate) unsafe fn inject(name: &str, range: &mut LeasedRange) {
-    let armed = {
-        let mut m = CORRUPT.lock().unwrap();
-        match m.as_mut().and_then(|m| m.get_mut(name)) {
-            Some(n) if *n > 0 => {
-                if *n != u32::MAX {
-                    *n -= 1;
-                }
-                true
-            }
-            _ => false,
-        }
-    };
-    if armed {
+    if crate::faults::fire(&crate::faults::range_key(name)) {
         // SAFETY: the caller's contract (this function's).
         let done = unsafe { range.with_mut(|b| b[0] ^= 0x5a) };
         tracing::warn!(

@@ -287,18 +287,9 @@ pub(super) fn fill(
 /// checked, as if damaged on the way.
 #[cfg(feature = "fault-injection")]
 pub(super) fn inject_faults(slot: &mut Block, extents: &[proto::Extent]) {
-    use std::sync::atomic::{AtomicI64, Ordering};
-    static LEFT: AtomicI64 = AtomicI64::new(-1);
-    if LEFT.load(Ordering::Relaxed) < 0 {
-        let n = std::env::var("RCP_TEST_CORRUPT_PULLED_BLOCKS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0);
-        let _ = LEFT.compare_exchange(-1, n, Ordering::Relaxed, Ordering::Relaxed);
-    }
     let mem = slot.as_mut_slice();
     for e in extents {
-        if e.len > 0 && LEFT.fetch_sub(1, Ordering::Relaxed) > 0 {
+        if e.len > 0 && crate::faults::fire(crate::faults::PULLED_BLOCKS) {
             mem[e.offset as usize] ^= 0x5a;
             tracing::warn!(
                 file = e.file,
