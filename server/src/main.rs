@@ -11,7 +11,6 @@ use anyhow::{bail, Context};
 use clap::{CommandFactory, Parser};
 use rcp::control::daemon::{self, DaemonConfig};
 use rcp::control::link::MemoryWindows;
-use rcp::control::server;
 use rcp::control::{ServerTls, Transport};
 use rcp::parse::RailList;
 
