@@ -53,7 +53,7 @@ struct GrantState {
 }
 
 /// A grant in the table.
-enum Slot {
+enum Entry {
     Live(Box<GrantState>),
     /// `BufferDone` holds the grant's state while it verifies (its keys
     /// revoked); the owner going meanwhile removes the slot, and the state
@@ -64,18 +64,18 @@ enum Slot {
     },
 }
 
-impl Slot {
+impl Entry {
     fn owner(&self) -> u64 {
         match self {
-            Slot::Live(g) => g.exp.owner,
-            Slot::Verifying { owner, .. } => *owner,
+            Entry::Live(g) => g.exp.owner,
+            Entry::Verifying { owner, .. } => *owner,
         }
     }
 
     fn session(&self) -> u64 {
         match self {
-            Slot::Live(g) => g.session,
-            Slot::Verifying { session, .. } => *session,
+            Entry::Live(g) => g.session,
+            Entry::Verifying { session, .. } => *session,
         }
     }
 }
@@ -83,7 +83,7 @@ impl Slot {
 /// The grants one rcpd made, by id.
 pub struct Grants {
     next: AtomicU64,
-    live: Mutex<HashMap<u64, Slot>>,
+    live: Mutex<HashMap<u64, Entry>>,
     /// The cores' time 0.
     t0: Instant,
 }
@@ -115,8 +115,8 @@ impl Grants {
         self.revoke_where(|g| g.session() == session)
     }
 
-    fn revoke_where(&self, which: impl Fn(&Slot) -> bool) -> usize {
-        let gone: Vec<Slot> = {
+    fn revoke_where(&self, which: impl Fn(&Entry) -> bool) -> usize {
+        let gone: Vec<Entry> = {
             let mut l = self.live.lock().unwrap();
             let ids: Vec<u64> = l
                 .iter()
@@ -134,14 +134,14 @@ impl Grants {
     fn expire(&self, id: u64, session: u64, now: u64) -> Option<Box<GrantState>> {
         let mut l = self.live.lock().unwrap();
         let expired = match l.get_mut(&id) {
-            Some(Slot::Live(g)) if g.session == session => g.core.handle_timeout(now),
+            Some(Entry::Live(g)) if g.session == session => g.core.handle_timeout(now),
             _ => false,
         };
         if !expired {
             return None;
         }
         match l.remove(&id) {
-            Some(Slot::Live(g)) => Some(g),
+            Some(Entry::Live(g)) => Some(g),
             _ => unreachable!("matched above"),
         }
     }
@@ -149,7 +149,7 @@ impl Grants {
     /// When grant `id` of `session` expires, while it is live.
     fn deadline(&self, id: u64, session: u64) -> Option<u64> {
         match self.live.lock().unwrap().get(&id) {
-            Some(Slot::Live(g)) if g.session == session => g.core.poll_timeout(),
+            Some(Entry::Live(g)) if g.session == session => g.core.poll_timeout(),
             _ => None,
         }
     }
@@ -171,8 +171,8 @@ impl Grants {
             }
         }
         let owner = l[&id].owner();
-        match l.insert(id, Slot::Verifying { session, owner }) {
-            Some(Slot::Live(g)) => Ok(g),
+        match l.insert(id, Entry::Verifying { session, owner }) {
+            Some(Entry::Live(g)) => Ok(g),
             Some(v) => {
                 l.insert(id, v);
                 Err(Failure::new(
@@ -188,8 +188,8 @@ impl Grants {
     /// was revoked meanwhile (the state is dropped then).
     fn resume(&self, id: u64, g: Box<GrantState>) -> bool {
         let mut l = self.live.lock().unwrap();
-        if matches!(l.get(&id), Some(Slot::Verifying { .. })) {
-            l.insert(id, Slot::Live(g));
+        if matches!(l.get(&id), Some(Entry::Verifying { .. })) {
+            l.insert(id, Entry::Live(g));
             return true;
         }
         drop(l);
@@ -200,7 +200,7 @@ impl Grants {
     /// Grant `id`'s `BufferDone` ended it.
     fn end(&self, id: u64) {
         let mut l = self.live.lock().unwrap();
-        if matches!(l.get(&id), Some(Slot::Verifying { .. })) {
+        if matches!(l.get(&id), Some(Entry::Verifying { .. })) {
             l.remove(&id);
         }
     }
@@ -286,7 +286,7 @@ pub fn grant(
     };
     bufs.grants.live.lock().unwrap().insert(
         id,
-        Slot::Live(Box::new(GrantState {
+        Entry::Live(Box::new(GrantState {
             regs,
             ranges,
             digests,

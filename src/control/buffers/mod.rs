@@ -45,23 +45,23 @@ use crate::mem::memfd::ServiceBuffer;
 
 /// What a peer may do to an exposed range.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Access {
+pub struct Rights {
     pub read: bool,
     pub write: bool,
 }
 
-impl Access {
-    pub fn parse(s: &str) -> Option<Access> {
+impl Rights {
+    pub fn parse(s: &str) -> Option<Rights> {
         match s {
-            "read" | "r" => Some(Access {
+            "read" | "r" => Some(Rights {
                 read: true,
                 write: false,
             }),
-            "write" | "w" => Some(Access {
+            "write" | "w" => Some(Rights {
                 read: false,
                 write: true,
             }),
-            "rw" | "readwrite" | "read,write" => Some(Access {
+            "rw" | "readwrite" | "read,write" => Some(Rights {
                 read: true,
                 write: true,
             }),
@@ -77,7 +77,7 @@ pub struct Exposure {
     pub buffer: ServiceBuffer,
     pub offset: u64,
     pub len: u64,
-    pub access: Access,
+    pub access: Rights,
     /// Empty: any peer rcpd.
     pub peers: Vec<IpAddr>,
     /// The owner's events.

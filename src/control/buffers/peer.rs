@@ -164,7 +164,7 @@ pub struct PeerLink {
     dead: Mutex<Option<String>>,
     /// The window whose request the peer refused (remote access error:
     /// the grant it was posted under is revoked, its exposure gone), when
-    /// that failed the data path: [`Granted::post`] tells the operation
+    /// that failed the data path: [`GrantedOp::post`] tells the operation
     /// that posted it from the others on the session.
     refused: Mutex<Option<u64>>,
     /// Ends the driver (and with it the data path): [`PeerLink::retire`].
@@ -604,7 +604,7 @@ async fn attempt(
         link.max_retries,
     );
     let checked = core.granted(&grant);
-    let g = Granted {
+    let g = GrantedOp {
         link: &link,
         op,
         reg,
@@ -799,7 +799,7 @@ async fn request_grant(
 }
 
 /// An operation the peer granted.
-struct Granted<'a> {
+struct GrantedOp<'a> {
     link: &'a PeerLink,
     op: &'a OpSpec,
     reg: Arc<RailRegs>,
@@ -813,7 +813,7 @@ struct Granted<'a> {
     posted: Mutex<Vec<u64>>,
 }
 
-impl Granted<'_> {
+impl GrantedOp<'_> {
     /// `BufferDone` for the round.
     async fn done(
         &self,

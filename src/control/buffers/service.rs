@@ -20,7 +20,7 @@ use super::api::{
 };
 use super::peer::{self, OpSpec};
 use super::wire::{self, FrameReader};
-use super::{Access, Buffers, Exposure, Failure};
+use super::{Buffers, Exposure, Failure, Rights};
 use crate::control::error::Reason;
 use crate::files::Check;
 use crate::mem::memfd::ServiceBuffer;
@@ -353,7 +353,7 @@ impl Conn {
         }
         let a = x.access.as_str();
         let access =
-            Access::parse(a).ok_or_else(|| bad(format!("access {a:?}: read, write or rw")))?;
+            Rights::parse(a).ok_or_else(|| bad(format!("access {a:?}: read, write or rw")))?;
         let mut peers = Vec::new();
         for s in &x.peers {
             let ip: IpAddr = s

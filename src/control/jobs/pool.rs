@@ -128,7 +128,11 @@ impl Pool {
     /// session of their [`Key`] if the pool has them, else a fresh
     /// connection to the addresses `peer` was admitted at (`opts`' metrics
     /// count the pool's sessions).
-    pub async fn lease(self: &Arc<Pool>, peer: &Admitted, opts: ClientOptions) -> Result<Lease> {
+    pub async fn lease(
+        self: &Arc<Pool>,
+        peer: &Admitted,
+        opts: ClientOptions,
+    ) -> Result<WarmLease> {
         let key = Key::of(peer.remote(), &opts);
         if let Some(m) = &opts.metrics {
             let _ = self.metrics.set(m.clone());
@@ -145,7 +149,7 @@ impl Pool {
             Some(x) => (x.client, Some(x.session)),
             None => (Client::connect_admitted(peer, opts).await?, None),
         };
-        Ok(Lease {
+        Ok(WarmLease {
             pool: self.clone(),
             key,
             client,
@@ -221,7 +225,7 @@ async fn reaper(pool: Weak<Pool>, every: Duration) {
 
 /// One Copy's sessions: the warm one first, fresh ones after; those that
 /// end well go back to the pool.
-pub struct Lease {
+pub struct WarmLease {
     pool: Arc<Pool>,
     key: Key,
     client: Client,
@@ -229,14 +233,14 @@ pub struct Lease {
     warm_id: Option<u64>,
 }
 
-impl Lease {
+impl WarmLease {
     /// The connection to the peer (plans, directories).
     pub fn client(&self) -> &Client {
         &self.client
     }
 }
 
-impl Sessions for Lease {
+impl Sessions for WarmLease {
     fn first(&self) -> (ProviderKind, String) {
         match &*self.warm.lock().unwrap() {
             Some(s) => (s.kind, s.transport.clone()),
@@ -292,7 +296,7 @@ impl Sessions for Lease {
     }
 }
 
-impl Drop for Lease {
+impl Drop for WarmLease {
     fn drop(&mut self) {
         // A warm session the Copy never used (it failed before) goes back.
         if let Some(s) = self.warm.get_mut().unwrap().take() {
