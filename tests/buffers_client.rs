@@ -582,8 +582,12 @@ async fn a_stale_done_changes_nothing_and_a_silent_peers_grant_is_revoked() {
     d.stop().await;
 }
 
-/// Where the initiating side of buffer operations logs.
-const PEER_LOG: &str = "rcp::control::buffers::peer";
+/// Where the initiating side of buffer operations logs: its operations
+/// and its sessions to peers.
+const PEER_LOG: [&str; 2] = [
+    "rcp::control::buffers::peer",
+    "rcp::control::buffers::sessions",
+];
 
 /// An event [`PEER_LOG`] logged: its message and fields.
 #[derive(Clone, Debug, Default)]
@@ -613,7 +617,7 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Record {
         m: &tracing::Metadata<'_>,
         _: tracing_subscriber::layer::Context<'_, S>,
     ) -> bool {
-        m.target() == PEER_LOG && *m.level() <= tracing::Level::INFO
+        PEER_LOG.contains(&m.target()) && *m.level() <= tracing::Level::INFO
     }
 
     fn on_event(&self, e: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {

@@ -13,7 +13,9 @@
 //!   operations and events;
 //! - [`grant`]: the exposing side of an operation (`BufferGrant`,
 //!   `BufferDone`): a grant per operation, revoked at its end;
-//! - [`peer`]: the initiating side: a session per peer rcpd, windows posted
+//! - [`sessions`]: sessions to peer rcpds (one per peer and check, kept by
+//!   Copy's pool policy), their drivers and the tcp fallback;
+//! - [`peer`]: the initiating side of an operation: windows posted
 //!   from the service's pages ([`crate::datapath::lend`]);
 //! - [`client`]: the Rust client of the service protocol;
 //! - [`faults`]: test-only damage of checked ranges (the `fault-injection`
@@ -27,6 +29,7 @@ pub mod faults;
 pub mod grant;
 pub mod peer;
 pub mod service;
+pub mod sessions;
 pub mod socket;
 pub mod wire;
 
@@ -126,7 +129,7 @@ pub struct Buffers {
     /// Grants made to peers' sessions, by grant id.
     pub(crate) grants: grant::Grants,
     /// Sessions to peer rcpds, by (address, check).
-    pub(crate) peers: peer::Peers,
+    pub(crate) peers: sessions::Peers,
     cfg: BuffersConfig,
 }
 
