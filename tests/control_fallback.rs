@@ -24,6 +24,8 @@ struct VerbsBroken<'a> {
     client: &'a Client,
     verbs_tried: AtomicUsize,
     opened: Mutex<Vec<ProviderKind>>,
+    /// Each session the job let go of, and whether it may be kept warm.
+    finished: Mutex<Vec<(ProviderKind, bool)>>,
 }
 
 impl Sessions for VerbsBroken<'_> {
@@ -48,6 +50,7 @@ impl Sessions for VerbsBroken<'_> {
         })
     }
     fn finish(&self, s: Session, ok: bool) -> BoxFuture<'_, Option<SessionStats>> {
+        self.finished.lock().unwrap().push((s.kind, ok));
         self.client.finish(s, ok)
     }
 }
@@ -100,6 +103,7 @@ fn a_verbs_session_that_cannot_start_continues_over_tcp_with_transport_auto() {
             client: &client,
             verbs_tried: AtomicUsize::new(0),
             opened: Mutex::new(Vec::new()),
+            finished: Mutex::new(Vec::new()),
         };
         let seen = Seen::default();
         let plan = jobs::plan_push(
@@ -128,6 +132,14 @@ fn a_verbs_session_that_cannot_start_continues_over_tcp_with_transport_auto() {
             said[0]
         );
         assert_eq!(o.fell_back.as_deref(), Some(said[0].as_str()));
+        // The tcp session it fell back to may be kept warm, as any that
+        // ended well: the next Copy to the peer uses it while it is warm,
+        // and tries verbs again once it went unused (the rule buffer
+        // sessions follow).
+        assert_eq!(
+            *sessions.finished.lock().unwrap(),
+            vec![(ProviderKind::Tcp, true)]
+        );
         let ss = seen.sessions.lock().unwrap().clone();
         assert_eq!(ss.len(), 1);
         assert_eq!(ss[0].0, "tcp");
@@ -151,6 +163,7 @@ fn asked_for_verbs_a_verbs_session_that_cannot_start_is_the_error() {
             client: &client,
             verbs_tried: AtomicUsize::new(0),
             opened: Mutex::new(Vec::new()),
+            finished: Mutex::new(Vec::new()),
         };
         let seen = Seen::default();
         let plan = jobs::plan_push(

@@ -228,11 +228,12 @@ pub async fn run_over(
         }
     }
     let (kind, check) = (session.kind, session.check());
-    // A session the job fell back to is not used again: the next job
-    // tries verbs first.
-    let stats = sessions
-        .finish(session, r.is_ok() && fell_back.is_none())
-        .await;
+    // A session the job fell back to is kept like any that ended well: a
+    // pool's next job to the peer uses it while it is warm (over tcp) and
+    // tries verbs again once it went unused for the pool's idle time; the
+    // rule buffer sessions follow (`buffers::sessions`). rcp's own jobs
+    // keep nothing: its next run tries verbs first.
+    let stats = sessions.finish(session, r.is_ok()).await;
     if let Err(e) = r {
         return Err(match &fell_back {
             Some(why) => after_fallback(why, e),
