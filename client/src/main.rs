@@ -43,6 +43,7 @@ struct Cli {
     cmd: Cmd,
     /// rcpd's gRPC port.
     #[arg(
+        help_heading = "Connection and security",
         short = 'P',
         long,
         env = "RCP_PORT",
@@ -51,12 +52,23 @@ struct Cli {
     )]
     port: u16,
     /// auto (verbs when an RDMA port is ACTIVE, else tcp), verbs or tcp.
-    #[arg(long, env = "RCP_TRANSPORT", default_value = "auto", global = true)]
+    #[arg(
+        help_heading = "Transport and data path",
+        long,
+        env = "RCP_TRANSPORT",
+        default_value = "auto",
+        global = true
+    )]
     transport: Transport,
     /// RDMA rails: devices, comma-separated, NAME[:PORT] where a device has
     /// several ports (default: every ACTIVE port of this network namespace
     /// on the NUMA node of the first).
-    #[arg(long, env = "RCP_DEVICE", global = true)]
+    #[arg(
+        help_heading = "Transport and data path",
+        long,
+        env = "RCP_DEVICE",
+        global = true
+    )]
     device: Option<RailList>,
     /// With --transport auto: when every RDMA rail has been down this many
     /// seconds with blocks waiting, continue the copy over the tcp provider,
@@ -64,6 +76,7 @@ struct Cli {
     /// set up continues over tcp at once. rcpd of --transport auto serves
     /// both.
     #[arg(
+        help_heading = "Transport and data path",
         long,
         env = "RCP_TCP_FALLBACK_AFTER",
         default_value_t = rcp::control::client::DEFAULT_TCP_FALLBACK_AFTER.as_secs(),
@@ -71,52 +84,78 @@ struct Cli {
     )]
     tcp_fallback_after: u64,
     /// Queue pairs per rail, for links one QP cannot fill (1..=16).
-    #[arg(long, env = "RCP_QPS_PER_RAIL", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=16), global = true)]
+    #[arg(help_heading = "Transport and data path", long, env = "RCP_QPS_PER_RAIL", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=16), global = true)]
     qps_per_rail: u32,
     /// GID index (default: first RoCE v2 IPv4-mapped GID).
-    #[arg(long, env = "RCP_GID_INDEX", global = true)]
+    #[arg(
+        help_heading = "Transport and data path",
+        long,
+        env = "RCP_GID_INDEX",
+        global = true
+    )]
     gid_index: Option<u32>,
     /// Block size: a power of two >= 4096, suffixes K/M allowed (max 4M).
-    #[arg(long, env = "RCP_BLOCK_SIZE", default_value = "1M", value_parser = parse_size, global = true)]
+    #[arg(help_heading = "Transport and data path", long, env = "RCP_BLOCK_SIZE", default_value = "1M", value_parser = parse_size, global = true)]
     block_size: u64,
     /// Work requests per doorbell (1..=64).
-    #[arg(long, env = "RCP_BATCH", default_value_t = rcp::datapath::DataPathConfig::default().batch, global = true)]
+    #[arg(help_heading = "Transport and data path", long, env = "RCP_BATCH", default_value_t = rcp::datapath::DataPathConfig::default().batch, global = true)]
     batch: usize,
     /// Signal every n-th work request of a chain (default: 32; bench: the batch).
-    #[arg(long, env = "RCP_SIGNAL_EVERY", global = true)]
+    #[arg(
+        help_heading = "Transport and data path",
+        long,
+        env = "RCP_SIGNAL_EVERY",
+        global = true
+    )]
     signal_every: Option<usize>,
     /// Post writes up to this many bytes inline (0 disables; default 64, or
     /// the device's limit if lower; bench: 0).
-    #[arg(long, env = "RCP_INLINE", global = true)]
+    #[arg(
+        help_heading = "Transport and data path",
+        long,
+        env = "RCP_INLINE",
+        global = true
+    )]
     inline: Option<u32>,
     /// Completion thread: poll, event, hybrid or hybrid:K (default: hybrid
     /// on verbs, event on tcp; bench: poll).
-    #[arg(long, visible_alias = "mode", env = "RCP_POLL_MODE", global = true)]
+    #[arg(
+        help_heading = "Transport and data path",
+        long,
+        visible_alias = "mode",
+        env = "RCP_POLL_MODE",
+        global = true
+    )]
     poll_mode: Option<rcp::datapath::PollMode>,
     /// Completion thread's CPU: auto (a CPU of the device's NUMA node), none
     /// (unpinned) or a CPU number. Default for copies: auto when the
     /// device's NUMA node offers this process 4 or more CPUs, else none;
     /// bench: none. While a pinned completion thread polls, the posting
     /// thread keeps off its CPU.
-    #[arg(long, env = "RCP_CQ_CPU", global = true)]
+    #[arg(
+        help_heading = "Transport and data path",
+        long,
+        env = "RCP_CQ_CPU",
+        global = true
+    )]
     cq_cpu: Option<rcp::datapath::CqCpu>,
     /// The data QP's local ACK timeout exponent, 0..=31 (4.096 us * 2^N;
     /// default 14, ~67 ms).
-    #[arg(long, env = "RCP_QP_TIMEOUT", default_value_t = rcp::datapath::QpRetry::default().ack_timeout, value_parser = clap::value_parser!(u8).range(0..=31), global = true)]
+    #[arg(help_heading = "Transport and data path", long, env = "RCP_QP_TIMEOUT", default_value_t = rcp::datapath::QpRetry::default().ack_timeout, value_parser = clap::value_parser!(u8).range(0..=31), global = true)]
     qp_timeout: u8,
     /// The data QP's retransmissions before a request fails and the data
     /// path reconnects, 0..=7 (default 7; Soft-RoCE retries 7 forever).
-    #[arg(long, env = "RCP_QP_RETRY_CNT", default_value_t = rcp::datapath::QpRetry::default().retry_cnt, value_parser = clap::value_parser!(u8).range(0..=7), global = true)]
+    #[arg(help_heading = "Transport and data path", long, env = "RCP_QP_RETRY_CNT", default_value_t = rcp::datapath::QpRetry::default().retry_cnt, value_parser = clap::value_parser!(u8).range(0..=7), global = true)]
     qp_retry_cnt: u8,
     /// Continue an interrupted copy from its manifest, moving only missing blocks.
-    #[arg(long, env = "RCP_RESUME", global = true)]
+    #[arg(help_heading = "Copying", long, env = "RCP_RESUME", global = true)]
     resume: bool,
     /// Files in flight at once (open on the session's stream).
-    #[arg(long, env = "RCP_TRANSFERS", default_value_t = rcp::control::client::DEFAULT_TRANSFERS, value_parser = clap::value_parser!(u32).range(1..=4096), global = true)]
+    #[arg(help_heading = "Transport and data path", long, env = "RCP_TRANSFERS", default_value_t = rcp::control::client::DEFAULT_TRANSFERS, value_parser = clap::value_parser!(u32).range(1..=4096), global = true)]
     transfers: u32,
     /// Seconds without progress (or without a word from rcpd) before the
     /// copy gives up with exit code 5; --resume continues it.
-    #[arg(long, env = "RCP_TIMEOUT", default_value_t = rcp::control::client::DEFAULT_TIMEOUT.as_secs(), value_parser = clap::value_parser!(u64).range(1..), global = true)]
+    #[arg(help_heading = "Connection and security", long, env = "RCP_TIMEOUT", default_value_t = rcp::control::client::DEFAULT_TIMEOUT.as_secs(), value_parser = clap::value_parser!(u64).range(1..), global = true)]
     timeout: u64,
     /// How every block is checked end to end, one check or several
     /// (comma-separated, preferred first; rcpd takes the first it allows,
@@ -125,6 +164,7 @@ struct Cli {
     /// (the link's CRCs only). The default gets BLAKE3, or SHA-256 from an
     /// rcpd older than protocol 2.2 or one that does not allow BLAKE3.
     #[arg(
+        help_heading = "Transport and data path",
         long,
         env = "RCP_VERIFY",
         value_delimiter = ',',
@@ -134,36 +174,70 @@ struct Cli {
     verify: Vec<rcp::files::Check>,
     /// Also compute each file's flat SHA-256 (the sha256sum value) on the
     /// receiving side and print it in the summary.
-    #[arg(long, env = "RCP_SHA256", global = true)]
+    #[arg(help_heading = "Copying", long, env = "RCP_SHA256", global = true)]
     sha256: bool,
     /// Preserve mode and mtime.
-    #[arg(short = 'p', long, env = "RCP_PRESERVE", global = true)]
+    #[arg(
+        help_heading = "Copying",
+        short = 'p',
+        long,
+        env = "RCP_PRESERVE",
+        global = true
+    )]
     preserve: bool,
     /// No progress, no summary.
-    #[arg(short, long, env = "RCP_QUIET", global = true)]
+    #[arg(help_heading = "Output", short, long, env = "RCP_QUIET", global = true)]
     quiet: bool,
     /// Print one JSON object per line on stdout instead of the human
     /// output (push, pull, bench, doctor; schema in docs/json.md).
-    #[arg(long, env = "RCP_JSON", global = true)]
+    #[arg(help_heading = "Output", long, env = "RCP_JSON", global = true)]
     json: bool,
     /// File holding rcpd's bearer token (surrounding whitespace trimmed);
     /// without it the token is read from RCP_TOKEN. Beats RCP_TOKEN.
-    #[arg(long, env = "RCP_TOKEN_FILE", global = true)]
+    #[arg(
+        help_heading = "Connection and security",
+        long,
+        env = "RCP_TOKEN_FILE",
+        global = true
+    )]
     token_file: Option<PathBuf>,
     /// Talk TLS to rcpd, trusting this PEM CA.
-    #[arg(long, env = "RCP_TLS_CA", global = true)]
+    #[arg(
+        help_heading = "Connection and security",
+        long,
+        env = "RCP_TLS_CA",
+        global = true
+    )]
     tls_ca: Option<PathBuf>,
     /// Client certificate (PEM) for an rcpd that requires mutual TLS.
-    #[arg(long, env = "RCP_TLS_CERT", global = true, requires = "tls_ca")]
+    #[arg(
+        help_heading = "Connection and security",
+        long,
+        env = "RCP_TLS_CERT",
+        global = true,
+        requires = "tls_ca"
+    )]
     tls_cert: Option<PathBuf>,
     /// Private key (PEM) of --tls-cert.
-    #[arg(long, env = "RCP_TLS_KEY", global = true, requires = "tls_cert")]
+    #[arg(
+        help_heading = "Connection and security",
+        long,
+        env = "RCP_TLS_KEY",
+        global = true,
+        requires = "tls_cert"
+    )]
     tls_key: Option<PathBuf>,
     /// Name rcpd's certificate must carry (default: the host given).
-    #[arg(long, env = "RCP_TLS_DOMAIN", global = true, requires = "tls_ca")]
+    #[arg(
+        help_heading = "Connection and security",
+        long,
+        env = "RCP_TLS_DOMAIN",
+        global = true,
+        requires = "tls_ca"
+    )]
     tls_domain: Option<String>,
     /// More logging (-v, -vv).
-    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    #[arg(help_heading = "Output", short, long, action = clap::ArgAction::Count, global = true)]
     verbose: u8,
 }
 
@@ -244,28 +318,28 @@ enum Cmd {
 struct CopyArgs {
     /// Copy directories recursively (symlinks are never followed; without
     /// -a each is skipped with a warning).
-    #[arg(short, long, env = "RCP_RECURSIVE")]
+    #[arg(help_heading = "Copying", short, long, env = "RCP_RECURSIVE")]
     recursive: bool,
     /// Archive: -r -p, and symlinks recreated as symlinks with their
     /// target text (never followed); a link pointing outside the copied
     /// tree (absolute, or climbing out of it) is skipped with a warning, as
     /// rsync --safe-links.
-    #[arg(short = 'a', long, env = "RCP_ARCHIVE")]
+    #[arg(help_heading = "Copying", short = 'a', long, env = "RCP_ARCHIVE")]
     archive: bool,
     /// With -r/-a: after the copy, remove what the destination directory
     /// holds that the source does not (each said on stderr, or a "delete"
     /// JSON line); excluded names are kept, as rsync's default.
-    #[arg(long, env = "RCP_DELETE")]
+    #[arg(help_heading = "Copying", long, env = "RCP_DELETE")]
     delete: bool,
     /// Leave out what matches PATTERN (rsync's rules: `*` within a name,
     /// `**` across `/`, `?`, a leading `/` anchors at the copied directory,
     /// a trailing `/` matches directories only; first matching
     /// --exclude/--include wins). Repeatable.
-    #[arg(long, value_name = "PATTERN")]
+    #[arg(help_heading = "Copying", long, value_name = "PATTERN")]
     exclude: Vec<String>,
     /// Keep what matches PATTERN even if a later --exclude matches it
     /// (same rules, first match wins). Repeatable.
-    #[arg(long, value_name = "PATTERN")]
+    #[arg(help_heading = "Copying", long, value_name = "PATTERN")]
     include: Vec<String>,
     /// --exclude and --include in the order typed (filled from the command
     /// line's positions).
@@ -273,20 +347,21 @@ struct CopyArgs {
     rules: Vec<(bool, String)>,
     /// List what would be copied (a line per file with its size) and the
     /// totals; move no byte, create nothing on either side.
-    #[arg(short = 'n', long, env = "RCP_DRY_RUN")]
+    #[arg(help_heading = "Copying", short = 'n', long, env = "RCP_DRY_RUN")]
     dry_run: bool,
     /// Bytes per second at most (K/M/G suffixes, powers of 1024, fractions
     /// allowed: 500K, 1.5M; 0: unlimited). Unlike rsync, a bare number is
     /// bytes, not KiB.
-    #[arg(long, env = "RCP_BWLIMIT", value_parser = parse_bytes)]
+    #[arg(help_heading = "Transport and data path", long, env = "RCP_BWLIMIT", value_parser = parse_bytes)]
     bwlimit: Option<u64>,
     /// Print progress every INTERVAL (rclone's --stats: 1, 2.5s, 500ms,
     /// 1m; 0: never): a JSON line with --json, else a line on stderr.
-    #[arg(long, visible_alias = "progress-interval", env = "RCP_STATS", value_parser = parse_interval)]
+    #[arg(help_heading = "Output", long, visible_alias = "progress-interval", env = "RCP_STATS", value_parser = parse_interval)]
     stats: Option<Duration>,
     /// Compare files of the same size by content (digests computed on
     /// both ends) instead of size and mtime; unchanged ones are skipped.
     #[arg(
+        help_heading = "Skipping and delta (rsync's quick check by default)",
         short = 'c',
         long,
         env = "RCP_CHECKSUM",
@@ -295,18 +370,36 @@ struct CopyArgs {
     checksum: bool,
     /// Never skip a file for having the source's size and mtime at the
     /// destination (rsync's quick check, the default).
-    #[arg(short = 'I', long, env = "RCP_IGNORE_TIMES")]
+    #[arg(
+        help_heading = "Skipping and delta (rsync's quick check by default)",
+        short = 'I',
+        long,
+        env = "RCP_IGNORE_TIMES"
+    )]
     ignore_times: bool,
     /// Skip files that are newer at the destination.
-    #[arg(short = 'u', long, env = "RCP_UPDATE")]
+    #[arg(
+        help_heading = "Skipping and delta (rsync's quick check by default)",
+        short = 'u',
+        long,
+        env = "RCP_UPDATE"
+    )]
     update: bool,
     /// Skip files that exist at the destination, whatever they hold.
-    #[arg(long, env = "RCP_IGNORE_EXISTING")]
+    #[arg(
+        help_heading = "Skipping and delta (rsync's quick check by default)",
+        long,
+        env = "RCP_IGNORE_EXISTING"
+    )]
     ignore_existing: bool,
     /// Of a file that exists at the destination and differs, move only the
     /// blocks whose digests differ (both ends hash their copy); the rest is
     /// taken from the destination's copy. --resume does it too.
-    #[arg(long, env = "RCP_DELTA")]
+    #[arg(
+        help_heading = "Skipping and delta (rsync's quick check by default)",
+        long,
+        env = "RCP_DELTA"
+    )]
     delta: bool,
 }
 
