@@ -529,8 +529,12 @@ pub fn done(
     let step = match g.core.done(&req) {
         Ok(step) => step,
         Err(e) if g.core.phase() == GrantPhase::Live => {
-            // Another round's (late or repeated): the grant goes on as it was.
-            bufs.grants.resume(id, g);
+            // Another round's (late or repeated): the grant goes on as it
+            // was, its timer too (one that woke while the grant was out of
+            // the table has let go of it).
+            if bufs.grants.resume(id, g) {
+                arm_timeout(bufs, id, session_id);
+            }
             return Err(e);
         }
         Err(e) => {
