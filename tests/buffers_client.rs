@@ -425,6 +425,25 @@ async fn a_buffer_session_outlives_the_session_grace() {
     d.stop().await;
 }
 
+/// A raw BufferGrant of `name`'s first 4 KiB on session `session_id`.
+fn first_page(
+    session_id: u64,
+    name: &str,
+    access: rcp::proto::BufferAccess,
+) -> rcp::proto::BufferGrantRequest {
+    rcp::proto::BufferGrantRequest {
+        session_id,
+        name: name.into(),
+        access: access as i32,
+        ranges: vec![rcp::proto::BufferRange {
+            offset: 0,
+            len: 4096,
+        }],
+        message: String::new(),
+        node: String::new(),
+    }
+}
+
 /// A grant dies with the session it was made to: after CloseSession its
 /// BufferDone finds it revoked, where one made and done on the same open
 /// session ends normally.
@@ -452,21 +471,11 @@ async fn closing_a_session_revokes_its_buffer_grants() {
     let grant = |c: &mut RcpClient<_>| {
         let mut c = c.clone();
         async move {
-            c.buffer_grant(proto::BufferGrantRequest {
-                session_id,
-                name: "held".into(),
-                access: proto::BufferAccess::Read as i32,
-                ranges: vec![proto::BufferRange {
-                    offset: 0,
-                    len: 4096,
-                }],
-                message: String::new(),
-                node: String::new(),
-            })
-            .await
-            .unwrap()
-            .into_inner()
-            .grant
+            c.buffer_grant(first_page(session_id, "held", proto::BufferAccess::Read))
+                .await
+                .unwrap()
+                .into_inner()
+                .grant
         }
     };
     let done = |grant: u64| proto::BufferDoneRequest {
@@ -520,20 +529,7 @@ async fn a_stale_done_changes_nothing_and_a_silent_peers_grant_is_revoked() {
     let session_id = hs.session_id;
     let grant = |c: &mut RcpClient<_>, access: proto::BufferAccess| {
         let mut c = c.clone();
-        async move {
-            c.buffer_grant(proto::BufferGrantRequest {
-                session_id,
-                name: "slow".into(),
-                access: access as i32,
-                ranges: vec![proto::BufferRange {
-                    offset: 0,
-                    len: 4096,
-                }],
-                message: String::new(),
-                node: String::new(),
-            })
-            .await
-        }
+        async move { c.buffer_grant(first_page(session_id, "slow", access)).await }
     };
     let done = |grant: u64, round: u32| proto::BufferDoneRequest {
         session_id,
