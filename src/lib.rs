@@ -10,6 +10,9 @@
 //!   `Stream` over a channel (posting thread, pinned completion thread, reconnect):
 //!   `unsafe` [`submit`](datapath::DataPath::submit) a window, wait for its
 //!   [`datapath::DpEvent::WindowDone`], `close` for the [`datapath::Report`].
+//!   Sessions lend it their windows' bytes through
+//!   [`datapath::lend::LendingPath`] (a staging block or a service's leased
+//!   range, [`datapath::lend::Loan`]), which discharges that contract once.
 //! - [`provider`]: the `Domain`/`Channel` interface the data path runs on (verbs or tcp).
 //! - [`bench`]: `rcp bench`, the perftest-like benchmark of the data path (loopback, server, client).
 //! - [`files`]: files beneath a root, atomic destinations sealed and published in
@@ -27,8 +30,8 @@
 //!   ([`control::buffers::client::ServiceClient`]); the rounds of an operation
 //!   as I/O-free cores ([`control::protocol::buffer::GrantCore`] on the exposing
 //!   rcpd, [`control::protocol::buffer::OpCore`] on the initiating one), driven
-//!   by `buffers::grant` and `buffers::peer`, whose windows go through
-//!   [`datapath::lend::LendingPath`]; tcp fallback by [`control::fallback`].
+//!   by `buffers::grant` and `buffers::peer`, whose windows go through the
+//!   session's [`datapath::lend::LendingPath`]; tcp fallback by [`control::fallback`].
 //! - [`metrics`], [`doctor`]: Prometheus counters, `rcp doctor`'s checks.
 //! - [`parse`]: `HOST[:PORT]`, sizes, rates and durations, parsed once for every binary.
 //! - [`json`]: the `--json` lines (schema in `docs/json.md`).

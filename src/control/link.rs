@@ -416,6 +416,16 @@ impl ClientLink {
         }
     }
 
+    /// The staging's registration on each rail of a data path, in its
+    /// order: verbs, the rails `used` names (indices in `rails`); tcp, the
+    /// domain's one.
+    pub fn staging_regs(&self, used: &[usize]) -> Vec<Arc<dyn Registration>> {
+        match &self.tcp_reg {
+            Some(r) => vec![r.clone()],
+            None => used.iter().map(|&l| self.rails[l]._reg.clone()).collect(),
+        }
+    }
+
     /// Verbs parameters of rail 0 for the handshake request.
     pub fn verbs_params(&self) -> Option<proto::VerbsParams> {
         self.rails.first().map(ClientRail::params)

@@ -2,17 +2,19 @@
 //! 0's `(lkey, rkey)`, and each other rail's [`RailSpec::keys`] maps them
 //! to that rail's through a [`RailKeys`].
 //!
-//! - rkeys: a window's rkey on every rail, by its rkey on rail 0, entered
-//!   before the window is submitted and removed at its `WindowDone` (the
+//! - rkeys: a window's rkey on every rail, by its rkey on rail 0, held
+//!   before the window is submitted and released at its `WindowDone` (the
 //!   peer grants each window on every rail);
-//! - lkeys: the key of local memory on every rail, by its key on rail 0,
-//!   for memory registered apart from the session's staging (services'
-//!   buffers, [`crate::datapath::lend`]); the staging's key on a rail is
-//!   the rail's `default_lkey` ([`RailKeys::map_for`]).
+//! - lkeys: the key of local memory on every rail, by its key on rail 0
+//!   (a session's staging, services' buffers), held while the memory's
+//!   registrations live; a key not entered maps to the rail's
+//!   `default_lkey`, its staging's ([`RailKeys::map_for`]).
 //!
-//! Entries are counted: entered once per holder (windows that share a
-//! remote registration, registrations that several windows hold), removed
-//! when the last lets go.
+//! One way in and out for both, used by [`crate::datapath::lend`] alone:
+//! `hold_*` enters a key's keys per rail, or counts one more holder of the
+//! same keys (windows that share a remote registration, registrations
+//! that several windows hold), and refuses other keys under a key held;
+//! `release_*` lets go of one holder, the last removing the entry.
 //!
 //! [`RailSpec::keys`]: crate::datapath::RailSpec::keys
 
@@ -80,29 +82,23 @@ fn on(m: &Entries, key: u32, rail: usize) -> Option<u32> {
 }
 
 impl RailKeys {
-    /// Enter a window's rkey on every rail (`rails[0]` is `rkey`); other
-    /// keys entered under `rkey` are replaced.
-    pub fn insert(&self, rkey: u32, rails: Vec<u32>) {
-        let mut m = self.0.lock().unwrap();
-        if hold(&mut m.rkeys, "rkey", rkey, rails.clone()).is_err() {
-            m.rkeys.insert(rkey, (rails, 1));
-        }
-    }
-
-    /// A window whose rail-0 rkey is `rkey` ended.
-    pub fn remove(&self, rkey: u32) {
-        release(&mut self.0.lock().unwrap().rkeys, rkey);
-    }
-
-    /// [`insert`](Self::insert), refused when `rkey` is entered with other
-    /// keys (two live windows that disagree on a rail's key).
+    /// Enter a window's rkey on every rail (`rails[0]` is `rkey`), or
+    /// count one more holder of the same keys; refused when `rkey` is
+    /// entered with other keys (two live windows that disagree on a rail's
+    /// key).
     pub fn hold_rkeys(&self, rkey: u32, rails: Vec<u32>) -> Result<(), KeyConflict> {
         hold(&mut self.0.lock().unwrap().rkeys, "rkey", rkey, rails)
     }
 
+    /// A window whose rail-0 rkey is `rkey` ended: one holder lets go, the
+    /// last removes its keys.
+    pub fn release_rkeys(&self, rkey: u32) {
+        release(&mut self.0.lock().unwrap().rkeys, rkey);
+    }
+
     /// The rkey on `rail` of the window whose rail-0 rkey is `rkey`. A
-    /// window that is not known (never: its driver inserts before it
-    /// submits) keeps `rkey`, which the rail's device refuses with a remote
+    /// window that is not known (never: the lending path holds its keys
+    /// before it submits) keeps `rkey`, which the rail's device refuses with a remote
     /// access error: the rail fails, the bytes never land elsewhere.
     pub fn get(&self, rkey: u32, rail: usize) -> u32 {
         on(&self.0.lock().unwrap().rkeys, rkey, rail).unwrap_or(rkey)
@@ -150,11 +146,11 @@ mod tests {
         let k = Arc::new(RailKeys::default());
         let m = k.map_for(1, 0x50);
         assert_eq!(m(0x10, 0x20), (0x50, 0x20), "nothing entered");
-        k.insert(0x20, vec![0x20, 0x21]);
+        k.hold_rkeys(0x20, vec![0x20, 0x21]).unwrap();
         k.hold_lkeys(0x10, vec![0x10, 0x11]).unwrap();
         assert_eq!(m(0x10, 0x20), (0x11, 0x21));
         assert_eq!(m(0x99, 0x20), (0x50, 0x21), "the staging's lkey");
-        k.remove(0x20);
+        k.release_rkeys(0x20);
         assert_eq!(m(0x10, 0x20), (0x11, 0x20));
     }
 
@@ -178,13 +174,12 @@ mod tests {
         k.hold_rkeys(7, vec![7, 8]).unwrap();
         k.hold_rkeys(7, vec![7, 8]).unwrap();
         assert!(k.hold_rkeys(7, vec![7, 9]).is_err());
-        k.remove(7);
+        k.release_rkeys(7);
         assert_eq!(k.get(7, 1), 8);
-        k.remove(7);
+        k.release_rkeys(7);
         assert_eq!(k.get(7, 1), 7);
-        // insert replaces keys that disagree (a window granted anew).
-        k.insert(7, vec![7, 8]);
-        k.insert(7, vec![7, 9]);
+        // Released by all, the key takes other keys (a window granted anew).
+        k.hold_rkeys(7, vec![7, 9]).unwrap();
         assert_eq!(k.get(7, 1), 9);
     }
 }

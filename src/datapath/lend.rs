@@ -1,7 +1,10 @@
-//! A data path over memory leased from services' buffers
-//! ([`crate::mem::memfd`]): [`LendingPath::submit`] is safe because each
-//! window comes with the [`LeasedRange`] of its local bytes, which the
-//! lending path keeps until the data path has let go of them.
+//! A data path whose windows' local bytes are lent to it: a session's
+//! staging blocks (file streams) or ranges leased from services' buffers
+//! ([`crate::mem::memfd`], buffer operations). [`LendingPath::submit`] is
+//! safe because each window comes with its [`Loan`] (the [`Block`] or the
+//! [`LeasedRange`] of its local bytes), which the lending path keeps until
+//! the data path has let go of them. It is the only caller of the unsafe
+//! [`DataPath::submit`] outside the data path's own tests and `rcp bench`.
 //!
 //! [`DataPath::submit`]'s obligations, discharged here:
 //! - the bytes are registered under the window's lkey on every rail: the
@@ -11,17 +14,19 @@
 //!   entered in the path's [`RailKeys`] (which each rail's key map reads)
 //!   for as long as they live, so every rail posts the window under its
 //!   own registration's lkey;
-//! - they stay mapped: the lease's span holds the mapping;
-//! - nobody else in rcpd touches them meanwhile: the lease is exclusive for
-//!   a READ window (bytes land) and at least shared for a WRITE window
-//!   (the device reads), so rcpd's other users of the buffer (grants,
-//!   hashing, other operations) are refused the range;
-//! - until the data path reports the window done: the lease is dropped on
-//!   [`DpEvent::WindowDone`] for its id (taken by
-//!   [`LendingPath::next_event`]), or after [`LendingPath::close`] when no
-//!   request is left outstanding; a data path that closes with requests
-//!   still in a device keeps its leases (and mappings) for the process's
-//!   life rather than give the bytes back early.
+//! - they stay mapped: a block holds its arena, a lease's span the
+//!   service buffer's mapping;
+//! - nobody else in rcpd touches them meanwhile: a block is its holder's
+//!   alone (moved into the lending path), a lease is exclusive for a READ
+//!   window (bytes land) and at least shared for a WRITE window (the
+//!   device reads), so rcpd's other users of the buffer (grants, hashing,
+//!   other operations) are refused the range;
+//! - until the data path reports the window done: the loan is handed back
+//!   on [`DpEvent::WindowDone`] for its id (by [`LendingPath::next_event`]),
+//!   or dropped after [`LendingPath::close`] when no request is left
+//!   outstanding; a data path that closes with requests still in a device
+//!   keeps its loans (and mappings) for the process's life rather than
+//!   give the bytes back early.
 //!
 //! The service that owns the buffer maps the same pages and may write
 //! them; it is another process, outside what rcpd can exclude. Bytes it
@@ -37,11 +42,68 @@ use super::runner::{DataPath, DataPathError, DpEvent};
 use super::Report;
 use crate::engine::{OpKind, WindowJob};
 use crate::mem::memfd::{LeaseKind, LeasedRange};
+use crate::mem::Block;
 use crate::provider::Registration;
+
+/// A window's local bytes, lent to the data path from its submission to
+/// its end.
+#[derive(Debug)]
+pub enum Loan {
+    /// A block of a session's staging (a file stream's window).
+    Staging(Block),
+    /// A range leased from a service's buffer (a buffer operation).
+    Range(LeasedRange),
+}
+
+impl Loan {
+    /// The bytes' address and length.
+    fn bounds(&self) -> (u64, u64) {
+        match self {
+            Loan::Staging(b) => (b.addr(), b.len() as u64),
+            Loan::Range(r) => (r.span().addr(), r.span().len() as u64),
+        }
+    }
+
+    /// Whether rcpd has no other user of the bytes (a READ lands in them).
+    fn exclusive(&self) -> bool {
+        match self {
+            Loan::Staging(_) => true,
+            Loan::Range(r) => r.lease().kind() == LeaseKind::Exclusive,
+        }
+    }
+
+    /// The staging block, when it is one.
+    pub fn into_block(self) -> Option<Block> {
+        match self {
+            Loan::Staging(b) => Some(b),
+            Loan::Range(_) => None,
+        }
+    }
+
+    /// The leased range, when it is one.
+    pub fn into_range(self) -> Option<LeasedRange> {
+        match self {
+            Loan::Range(r) => Some(r),
+            Loan::Staging(_) => None,
+        }
+    }
+}
+
+impl From<Block> for Loan {
+    fn from(b: Block) -> Loan {
+        Loan::Staging(b)
+    }
+}
+
+impl From<LeasedRange> for Loan {
+    fn from(r: LeasedRange) -> Loan {
+        Loan::Range(r)
+    }
+}
 
 /// What a lent window keeps from its submission to its end.
 struct Lent {
-    range: LeasedRange,
+    loan: Loan,
     _regs: Arc<RailRegs>,
     /// Several rails: its rail-0 rkey, entered in the key map until then.
     rkey: Option<u32>,
@@ -86,8 +148,7 @@ impl Drop for RailRegs {
     }
 }
 
-/// A [`DataPath`] whose windows' local bytes are leased ranges of
-/// services' buffers.
+/// A [`DataPath`] whose windows' local bytes are lent to it ([`Loan`]).
 pub struct LendingPath {
     /// `None` once closed.
     dp: Option<DataPath>,
@@ -101,14 +162,14 @@ pub struct LendingPath {
 /// A window the lending path cannot take.
 #[derive(Debug, thiserror::Error)]
 pub enum LendError {
-    #[error("window {id}: its local bytes [{start:#x}, {end:#x}) are not all in {range:?}")]
+    #[error("window {id}: its local bytes [{start:#x}, {end:#x}) are not all in {range}")]
     OutsideLease {
         id: u64,
         start: u64,
         end: u64,
         range: String,
     },
-    #[error("window {id}: a READ lands bytes, its range must be leased exclusively")]
+    #[error("window {id}: a READ lands bytes, its range must be lent exclusively")]
     SharedForRead { id: u64 },
     #[error(
         "window {id}: lkey {lkey:#x} is not rail 0's of registrations {regs} covering the range"
@@ -192,16 +253,16 @@ impl LendingPath {
         }))
     }
 
-    /// Check `job` against its range, registrations and rkeys per rail.
+    /// Check `job` against its loan, registrations and rkeys per rail.
     fn check(
         &self,
         job: &WindowJob,
-        range: &LeasedRange,
+        loan: &Loan,
         regs: &RailRegs,
         rail_rkeys: &[u32],
     ) -> Result<(), LendError> {
         let id = job.id;
-        let span = range.span();
+        let (addr, len) = loan.bounds();
         let end = job
             .extents
             .iter()
@@ -209,15 +270,15 @@ impl LendingPath {
             .max()
             .unwrap_or(0);
         let (start, stop) = (job.local_addr, job.local_addr.saturating_add(end));
-        if start < span.addr() || stop > span.addr() + span.len() as u64 {
+        if start < addr || stop > addr.saturating_add(len) {
             return Err(LendError::OutsideLease {
                 id,
                 start,
                 end: stop,
-                range: format!("{range:?}"),
+                range: format!("{loan:?}"),
             });
         }
-        if job.op == OpKind::Read && range.lease().kind() != LeaseKind::Exclusive {
+        if job.op == OpKind::Read && !loan.exclusive() {
             return Err(LendError::SharedForRead { id });
         }
         let same_map = match (&self.keys, &regs.keys) {
@@ -251,19 +312,21 @@ impl LendingPath {
         Ok(())
     }
 
-    /// Submit `job`, whose local bytes lie in `range` and are registered
+    /// Submit `job`, whose local bytes lie in `loan` and are registered
     /// on every rail by `regs` (rail 0's under `job.lkey`); both are kept
     /// until the window's end. With several rails, `rail_rkeys` is the
     /// window's rkey on each (rail 0's first, `job.rkey`), entered in the
-    /// key map until the window's end; with one, it is not read.
+    /// key map until the window's end; with one, it is not read. Refused
+    /// (the loan dropped, nothing posted) when any of that does not hold.
     pub fn submit(
         &self,
         job: WindowJob,
-        range: LeasedRange,
+        loan: impl Into<Loan>,
         regs: Arc<RailRegs>,
         rail_rkeys: &[u32],
     ) -> Result<(), LendError> {
-        self.check(&job, &range, &regs, rail_rkeys)?;
+        let loan = loan.into();
+        self.check(&job, &loan, &regs, rail_rkeys)?;
         let id = job.id;
         {
             let mut held = self.lent.lock().unwrap();
@@ -283,7 +346,7 @@ impl LendingPath {
             held.insert(
                 id,
                 Lent {
-                    range,
+                    loan,
                     _regs: regs,
                     rkey,
                 },
@@ -292,16 +355,17 @@ impl LendingPath {
         let r = match &self.dp {
             Some(dp) => {
                 // SAFETY: (module docs) the bytes [local_addr + e.offset, + e.len)
-                // of every extent lie in `range` and are registered on every rail
+                // of every extent lie in `loan` and are registered on every rail
                 // by `regs` (checked above: one registration per rail, covering
-                // them, rail 0's under `job.lkey`), held with the range. With
+                // them, rail 0's under `job.lkey`), held with the loan. With
                 // several rails each rail past the first posts under the lkey its
                 // key map gives for `job.lkey`: the one `regs` entered in this
                 // path's `RailKeys` (the map the rails read, checked above), which
                 // stays entered while `regs` lives (a counted entry, refused to
-                // anyone entering other keys under the same lkey). The range's span
-                // keeps the bytes mapped; its lease makes this window rcpd's only
-                // user of them (exclusive for a READ, checked above); range and
+                // anyone entering other keys under the same lkey). The loan keeps
+                // the bytes mapped (a block its arena, a range its span) and makes
+                // this window rcpd's only user of them (a block is owned; a lease is
+                // exclusive for a READ, checked above); loan and
                 // registrations are dropped only on the window's WindowDone
                 // (`next_event`) or after `close` left no request outstanding.
                 // Were a rail's map not `keys` (`new`'s caller's word), the rail
@@ -329,25 +393,25 @@ impl LendingPath {
 
     fn forget_rkey(&self, h: Option<&Lent>) {
         if let (Some(k), Some(rkey)) = (&self.keys, h.and_then(|h| h.rkey)) {
-            k.remove(rkey);
+            k.release_rkeys(rkey);
         }
     }
 
     /// The next event; at a window's `WindowDone` its rkeys per rail are
-    /// forgotten, its registrations let go and its leased range handed back
-    /// (the caller reads a READ window's bytes through it, then drops it).
-    /// `None` once the data path is closed.
-    pub async fn next_event(&self) -> Option<(DpEvent, Option<LeasedRange>)> {
+    /// forgotten, its registrations let go and its loan handed back (the
+    /// caller reads a READ window's bytes through it, then drops or reuses
+    /// it). `None` once the data path is closed.
+    pub async fn next_event(&self) -> Option<(DpEvent, Option<Loan>)> {
         let ev = self.events.lock().await.recv().await?;
-        let range = match &ev {
+        let loan = match &ev {
             DpEvent::WindowDone { id } => {
                 let h = self.lent.lock().unwrap().remove(id);
                 self.forget_rkey(h.as_ref());
-                h.map(|h| h.range)
+                h.map(|h| h.loan)
             }
             _ => None,
         };
-        Some((ev, range))
+        Some((ev, loan))
     }
 
     /// Windows whose bytes are still lent.
@@ -371,8 +435,8 @@ impl LendingPath {
             tracing::warn!(
                 outstanding = report.outstanding_at_close,
                 windows = held.len(),
-                "a buffer data path closed with requests still in the device: their ranges \
-                 stay leased and mapped for the life of rcpd"
+                "a data path closed with requests still in the device: their windows' bytes \
+                 stay lent (and mapped) for the life of the process"
             );
             std::mem::forget(held);
         }

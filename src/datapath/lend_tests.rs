@@ -350,3 +350,101 @@ async fn a_lending_path_refuses_what_is_not_one_per_rail() {
         .await
         .unwrap();
 }
+
+/// A file stream's way: staging blocks of an arena registered on both
+/// rails are lent window by window; each comes back at its window's end
+/// (READ: holding the bytes that landed), and a window reaching past its
+/// block is refused before anything is posted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn staging_blocks_are_lent_and_come_back_at_their_windows_end() {
+    let r = rig();
+    let keys = Arc::new(RailKeys::default());
+    let path = lending(&r, Some(keys.clone())).unwrap();
+    let arena = Arena::new(&ArenaConfig::new(2 * WIN as usize)).unwrap();
+    let span = PeerSpan::new(&arena, arena.addr(), arena.len()).unwrap();
+    let staging = path
+        .rail_regs(
+            r.rails
+                .iter()
+                .map(|x| x.local.register_local(&span, Access::LOCAL_WRITE).unwrap())
+                .collect(),
+        )
+        .unwrap();
+    let pool = arena.into_pool(WIN as usize).unwrap();
+    let rk = rkeys(&r);
+    let job = |id, op, b: &crate::mem::Block, remote: u64| WindowJob {
+        id,
+        op,
+        local_addr: b.addr(),
+        lkey: staging.lkey(),
+        remote_addr: r.remote.addr() + remote,
+        rkey: rk[0],
+        extents: (0..WIN / CHUNK)
+            .map(|k| Extent {
+                offset: k * CHUNK,
+                len: CHUNK as u32,
+            })
+            .collect(),
+    };
+
+    // The arena may be larger than asked (whole pages): count from here.
+    let free = pool.available();
+    let mut out = pool.take().unwrap();
+    let data: Vec<u8> = (0..WIN).map(|i| (i * 7 + i / 1021) as u8).collect();
+    out.as_mut_slice().copy_from_slice(&data);
+    path.submit(job(1, OpKind::Write, &out, 0), out, staging.clone(), &rk)
+        .unwrap();
+    assert_eq!(
+        pool.available(),
+        free - 1,
+        "the written block is the path's"
+    );
+    let back = next_loan(&path).await;
+    assert_eq!(pool.available(), free - 1, "handed back, not dropped");
+    drop(back);
+    assert_eq!(pool.available(), free);
+
+    let into = pool.take().unwrap();
+    path.submit(job(2, OpKind::Read, &into, 0), into, staging.clone(), &rk)
+        .unwrap();
+    let landed = next_loan(&path).await;
+    assert!(
+        landed.as_slice() == data,
+        "the read landed in the block lent"
+    );
+    drop(landed);
+
+    // Extents past the block's end: refused, the block back in the pool.
+    let short = pool.take().unwrap();
+    let mut j = job(3, OpKind::Read, &short, 0);
+    j.extents.push(Extent {
+        offset: WIN,
+        len: CHUNK as u32,
+    });
+    let e = path.submit(j, short, staging.clone(), &rk).unwrap_err();
+    assert!(matches!(e, LendError::OutsideLease { id: 3, .. }), "{e}");
+    assert_eq!(pool.available(), free, "a refused window's block went back");
+    assert_eq!(path.lent(), 0);
+    drop(staging);
+    tokio::task::spawn_blocking(move || path.close())
+        .await
+        .unwrap();
+}
+
+/// The block the next WindowDone hands back.
+async fn next_loan(path: &LendingPath) -> crate::mem::Block {
+    loop {
+        let next = tokio::time::timeout(HANG_GUARD, path.next_event())
+            .await
+            .expect("a window's end within HANG_GUARD");
+        match next.expect("the data path ended") {
+            (DpEvent::WindowDone { .. }, Some(loan)) => {
+                return loan
+                    .into_block()
+                    .expect("a staging block comes back as one")
+            }
+            (DpEvent::Failed(e), _) => panic!("the data path failed: {e}"),
+            (e, _) => println!("event {e:?}"),
+        }
+    }
+}

@@ -49,8 +49,9 @@
 //! - [`runner`]: [`DataPath`], [`RailSpec`], [`DpEvent`], [`DataPathError`];
 //! - [`keys`]: [`RailKeys`], the keys of rails past the first (rail 0's
 //!   keys → each rail's), which their key maps read;
-//! - [`lend`]: [`LendingPath`](lend::LendingPath), a data path over
-//!   memory leased from services' buffers, on every rail;
+//! - [`lend`]: [`LendingPath`](lend::LendingPath), the one lender: a data
+//!   path whose windows' bytes (a session's staging blocks, ranges leased
+//!   from services' buffers) it holds until their ends, on every rail;
 //! - [`bucket`]: [`TokenBucket`], the rate limit the posting thread
 //!   consults before each chain ([`RateLimit`]);
 //! - [`completion`]: the completion thread's loop;

@@ -33,7 +33,7 @@ use crate::control::error::{ControlError, Reason};
 use crate::control::fallback::{continuing, tcp_fallback, then_over_tcp, LinkWatch};
 use crate::control::link::resolve_transport;
 use crate::control::protocol::rails::LOOK_EVERY_NS;
-use crate::datapath::lend::{LendingPath, RailRegs};
+use crate::datapath::lend::{LendingPath, Loan, RailRegs};
 use crate::datapath::{DataPathError, DpEvent};
 use crate::engine::WcStatus;
 use crate::files::Check;
@@ -327,11 +327,9 @@ pub(super) async fn link(
     let fell_back = bufs.peers.fell_back.lock().unwrap().get(&key).cloned();
     let (mut session, fell_back) = open_session(&client, peer, fell_back).await?;
     let staging_windows = session.windows();
-    let (dp, events) = session
+    let lp = session
         .take_data_path()
         .ok_or_else(|| Failure::new(Reason::Other, "the session has no data path"))?;
-    let lp = LendingPath::new(dp, events, session.rail_keys())
-        .map_err(|e| Failure::new(Reason::Other, format!("peer {peer}: {e}")))?;
     let (closed_tx, closed) = watch::channel(());
     let o = client.options();
     let l = Arc::new(PeerLink {
@@ -439,11 +437,11 @@ async fn drive(bufs: Arc<Buffers>, d: Arc<PeerLink>) {
             _ = tokio::time::sleep(idle_look) => None,
         };
         let Some(next) = next else { continue };
-        let Some((ev, range)) = next else { break };
+        let Some((ev, loan)) = next else { break };
         match ev {
             DpEvent::WindowDone { id } => {
                 let w = d.waiters.lock().unwrap().remove(&id);
-                if let (Some(w), Some(r)) = (w, range) {
+                if let (Some(w), Some(r)) = (w, loan.and_then(Loan::into_range)) {
                     let _ = w.send(Ok(r));
                 }
             }

@@ -4,8 +4,6 @@
 use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
 use std::sync::Arc;
 
-use tokio::sync::mpsc::UnboundedReceiver;
-
 use super::{Client, ClientOptions, Rpc};
 use crate::control::error::{status_reason, ControlError, Reason, Result};
 use crate::control::link::{
@@ -17,9 +15,9 @@ use crate::control::protocol::{check_block_size, check_grant, check_to_wire, Par
 use crate::control::rails::MAX_QPS_PER_RAIL;
 use crate::control::{VERSION_MAJOR, VERSION_MINOR, WINDOW_SIZE};
 use crate::datapath::config::DEFAULT_MAX_INLINE;
+use crate::datapath::lend::{LendingPath, RailRegs};
 use crate::datapath::RailKeys;
-use crate::datapath::{DataPath, DataPathConfig, DpEvent, PollMode, RailSpec, Report};
-use crate::mem::Block;
+use crate::datapath::{DataPath, DataPathConfig, PollMode, RailSpec, Report};
 use crate::parse::RailName;
 use crate::proto;
 use crate::provider::verbs::{VerbsChannel, VerbsDomain};
@@ -69,15 +67,23 @@ pub struct SessionStats {
 pub struct Session {
     pub(super) rpc: Rpc,
     pub(super) opts: ClientOptions,
-    pub(super) dp: Option<DataPath>,
-    pub(super) events: Option<UnboundedReceiver<DpEvent>>,
+    /// The data path, lent the staging's blocks window by window (the
+    /// lending path keeps a window's block until its end, also past a
+    /// stream that failed, until it is closed).
+    pub(super) dp: Option<LendingPath>,
+    /// The staging's registrations on every rail of the data path (its
+    /// windows' `regs`; rail 0's key is each window's `lkey`). Declared
+    /// before `link`: they go before the link's QPs and arena.
+    pub(super) staging: Arc<RailRegs>,
     pub(super) link: Arc<ClientLink>,
     pub(super) id: u64,
     pub(super) params: Params,
-    /// The staging's key on the session's rail 0 (each job's `lkey`).
-    pub(super) lkey: u32,
-    /// Several rails: each window's rkey on every rail, by rail 0's.
-    pub(super) keys: Option<Arc<RailKeys>>,
+    /// The next window's id on the data path (unique for the session's
+    /// life: a failed stream's windows may still be lent).
+    pub(super) next_window: u64,
+    /// A stream failed (it may have left windows in the data path): no
+    /// other runs on the session.
+    pub(super) broken: bool,
     /// Each rail's `device:port`, in the data path's order.
     pub(super) rail_names: Vec<String>,
     /// Verbs: each data-path rail's index in `link.rails`.
@@ -85,9 +91,6 @@ pub struct Session {
     /// Set when the stream gave up on RDMA because every rail stayed down
     /// (`ClientOptions::tcp_fallback_after`): why, for the user.
     pub(super) fallback: Option<String>,
-    /// Staging lent to the device by a stream that failed: kept until the
-    /// data path is closed (see `DataPath::submit`'s contract).
-    pub(super) quarantine: Vec<Block>,
     /// What the session's files did (the data path's report is filed
     /// under it).
     pub(super) direction: Option<proto::Direction>,
@@ -160,22 +163,29 @@ impl Client {
                 s
             }
         };
-        let events = started.dp.take_events();
+        let dp = started.dp;
+        let events = dp
+            .take_events()
+            .ok_or_else(|| ControlError::Other("the data path's events are taken".into()))?;
+        let lp = LendingPath::new(dp, events, started.keys)
+            .map_err(|e| ControlError::Other(e.to_string()))?;
+        let staging = lp
+            .rail_regs(link.staging_regs(&started.used))
+            .map_err(|e| ControlError::Other(format!("staging keys: {e}")))?;
         crate::phase::mark("data path started");
         Ok(Session {
             rpc: self.rpc.clone(),
             opts: o,
-            dp: Some(started.dp),
-            events,
+            dp: Some(lp),
+            staging,
             link,
             id: resp.session_id,
             params,
-            lkey: started.lkey,
-            keys: started.keys,
+            next_window: 1,
+            broken: false,
             rail_names: started.rail_names,
             used: started.used,
             fallback: None,
-            quarantine: Vec::new(),
             direction: None,
             transport: why,
             kind,
@@ -210,7 +220,6 @@ impl Client {
         }
         Ok(Started {
             dp,
-            lkey: link.lkey(),
             keys: None,
             rail_names: Vec::new(),
             used: Vec::new(),
@@ -274,7 +283,6 @@ impl Client {
         }
         Ok(Started {
             dp,
-            lkey: first.lkey,
             keys,
             rail_names,
             used,
@@ -285,8 +293,6 @@ impl Client {
 /// A session's data path as started, and what the session keeps of it.
 struct Started {
     dp: DataPath,
-    /// The staging's key on rail 0.
-    lkey: u32,
     keys: Option<Arc<RailKeys>>,
     /// Verbs: each rail's `device:port`.
     rail_names: Vec<String>,
@@ -461,7 +467,7 @@ impl Session {
     /// The data path's live counters (bytes confirmed as each chain of
     /// blocks completes), for progress between windows.
     pub fn data_path_stats(&self) -> Option<Arc<crate::datapath::DataPathStats>> {
-        self.dp.as_ref().map(|dp| dp.stats().clone())
+        self.dp.as_ref().and_then(|dp| dp.stats().cloned())
     }
 
     /// Why the last transfer gave up on RDMA (`--transport auto`, every
@@ -473,7 +479,10 @@ impl Session {
 
     /// The rails of the session's data path (1: one QP, or tcp).
     pub fn rails(&self) -> usize {
-        self.dp.as_ref().map_or(1, |d| d.stats().rails.len())
+        self.dp
+            .as_ref()
+            .and_then(LendingPath::stats)
+            .map_or(1, |s| s.rails.len())
     }
 
     pub fn block_size(&self) -> u64 {
@@ -497,12 +506,11 @@ impl Session {
         self.params.max_retries
     }
 
-    /// The data path and its events, for a driver of their own (buffers,
-    /// `control::buffers::peer`); the session keeps its link and rcpd's
+    /// The lending path, for a driver of its own (buffers,
+    /// `control::buffers::sessions`); the session keeps its link and rcpd's
     /// resources until it is closed or dropped.
-    pub(crate) fn take_data_path(&mut self) -> Option<(DataPath, UnboundedReceiver<DpEvent>)> {
-        let events = self.events.take()?;
-        Some((self.dp.take()?, events))
+    pub(crate) fn take_data_path(&mut self) -> Option<LendingPath> {
+        self.dp.take()
     }
 
     /// The domains the session's local memory registers in, one per rail
@@ -522,22 +530,16 @@ impl Session {
             .collect()
     }
 
-    /// Several rails: the keys the rails past the first map rail 0's to
-    /// (each rail's key map reads them); `None` with one rail.
-    pub(crate) fn rail_keys(&self) -> Option<Arc<RailKeys>> {
-        self.keys.clone()
-    }
-
     /// Stop the data path and release the server's resources for this
     /// session; what the data path did.
     pub async fn close(mut self) -> Result<SessionStats> {
         let dp = self.dp.take();
-        let report = tokio::task::spawn_blocking(move || dp.map(DataPath::close))
+        // Closed, the lending path gives back the windows' blocks (unless
+        // the device kept requests).
+        let report = tokio::task::spawn_blocking(move || dp.map(LendingPath::close))
             .await
             .map_err(|e| ControlError::Other(e.to_string()))?
             .unwrap_or_default();
-        // The device has let go of every window now.
-        self.quarantine.clear();
         if let Some(m) = &self.opts.metrics {
             m.datapath_report(self.direction, &report);
         }
@@ -556,9 +558,9 @@ impl Session {
 impl Drop for Session {
     fn drop(&mut self) {
         // Close the data path before the staging it may still be writing
-        // is returned (quarantine drops after this).
+        // is unregistered (the fields drop after this).
         if let Some(dp) = self.dp.take() {
-            let _ = crate::control::in_place(|| dp.close());
+            let _ = crate::blocking::in_place(|| dp.close());
         }
     }
 }

@@ -17,6 +17,7 @@ use crate::control::protocol::{
     files_whole_in, ClientAction, ClientCore, ClientEvent, Digest, Failure, FileId, Held,
     LocalCommit, Reason, SourceMeta, WindowId,
 };
+use crate::datapath::lend::{LendError, LendingPath, Loan};
 use crate::datapath::DpEvent;
 use crate::engine::{Extent, OpKind, WindowJob};
 use crate::files::{Destination, DirCache, DirHandle};
@@ -69,13 +70,13 @@ type Job = Box<dyn FnOnce() -> Option<Done> + Send>;
 /// files' opens reach the server while the rest of a large batch is opened.
 const BATCH_ANSWERS: usize = 16;
 
-/// A window lent to the data path.
+/// A window in the data path (its staging block is the lending path's
+/// until the window's end).
 struct Lent {
     /// WRITE (push: the device reads the slot) or READ (pull: it fills
     /// it).
     op: OpKind,
     grant: proto::Grant,
-    slot: Block,
     /// Push: the digests of what was written.
     digests: Vec<Digest>,
 }
@@ -88,7 +89,6 @@ struct Driver<'a> {
     jobs: HashMap<FileId, (FileJob, Instant)>,
     locals: HashMap<FileId, Local>,
     lent: HashMap<u64, Lent>,
-    next_dp: u64,
     done_tx: mpsc::UnboundedSender<Done>,
     done_rx: mpsc::UnboundedReceiver<Done>,
     /// Push: sources checked by the job that filled their window (files it
@@ -149,16 +149,16 @@ pub(super) async fn run(
         .r#move(UnboundedReceiverStream::new(out_rx))
         .await?
         .into_inner();
-    let mut events = s.events.take().ok_or_else(|| {
-        ControlError::Other("the session's data path is gone (an earlier stream failed)".into())
-    })?;
+    if s.broken || s.dp.is_none() {
+        return Err(ControlError::Other(
+            "the session's data path is gone (an earlier stream failed)".into(),
+        ));
+    }
     let mut d = Driver::new(s, core, out_tx);
     let mut server_open = true;
-    let end = d
-        .drive(files, obs, &mut inbound, &mut events, &mut server_open)
-        .await;
-    let (lent, locals) = d.wind_down(obs);
-    s.quarantine.extend(lent);
+    let end = d.drive(files, obs, &mut inbound, &mut server_open).await;
+    // Windows still in the data path stay lent to it until it is closed.
+    let locals = d.wind_down(obs);
     // Destinations left are suspended for --resume: off the runtime.
     tokio::task::spawn_blocking(move || drop(locals));
     match end {
@@ -170,12 +170,12 @@ pub(super) async fn run(
                 })
                 .await;
             }
-            s.events = Some(events);
             Ok(())
         }
         Err(f) => {
             // A failed stream may leave windows in the data path: the
             // session is not reused.
+            s.broken = true;
             Err(ControlError::Failed(f))
         }
     }
@@ -206,7 +206,6 @@ impl<'a> Driver<'a> {
             jobs: HashMap::new(),
             locals: HashMap::new(),
             lent: HashMap::new(),
-            next_dp: 1,
             done_tx,
             done_rx,
             prechecked: HashMap::new(),
@@ -222,7 +221,6 @@ impl<'a> Driver<'a> {
         files: &mut (dyn Iterator<Item = FileJob> + Send),
         obs: &dyn Observer,
         inbound: &mut tonic::Streaming<proto::ServerFrame>,
-        events: &mut mpsc::UnboundedReceiver<DpEvent>,
         server_open: &mut bool,
     ) -> std::result::Result<(), Failure> {
         let mut fed_all = false;
@@ -239,14 +237,15 @@ impl<'a> Driver<'a> {
                 .s
                 .dp
                 .as_ref()
-                .map_or(0, |dp| dp.stats().counters().bytes_confirmed);
+                .and_then(LendingPath::stats)
+                .map_or(0, |st| st.counters().bytes_confirmed);
             let failures = self.rail_failures();
             self.core.data_path(now, confirmed, &failures);
             if let Some(r) = self.act() {
                 return r;
             }
             self.send_frames(now);
-            self.wait(obs, inbound, events, server_open).await;
+            self.wait(obs, inbound, server_open).await;
         }
     }
 
@@ -289,7 +288,6 @@ impl<'a> Driver<'a> {
         &mut self,
         obs: &dyn Observer,
         inbound: &mut tonic::Streaming<proto::ServerFrame>,
-        events: &mut mpsc::UnboundedReceiver<DpEvent>,
         server_open: &mut bool,
     ) {
         let deadline = self
@@ -318,8 +316,8 @@ impl<'a> Driver<'a> {
                     self.apply(x, obs);
                 }
             }
-            ev = events.recv() => match ev {
-                Some(ev) => self.data_path(ev, obs),
+            ev = next_event(self.s.dp.as_ref()) => match ev {
+                Some((ev, loan)) => self.data_path(ev, loan, obs),
                 None => self.core.abort(Failure::new(Reason::Retryable, "the data path stopped")),
             },
             _ = sleep_until(deadline), if deadline.is_some() => {
@@ -337,9 +335,8 @@ impl<'a> Driver<'a> {
 
     /// The stream ended: note a fallback, tell the observer the last files,
     /// send what is queued (an Abort) and close our side. Returns the
-    /// windows still lent to the device (the device's until the data path
-    /// is closed) and the local destinations left.
-    fn wind_down(mut self, obs: &dyn Observer) -> (Vec<Block>, HashMap<FileId, Local>) {
+    /// local destinations left.
+    fn wind_down(mut self, obs: &dyn Observer) -> HashMap<FileId, Local> {
         if let Some(why) = self.core.fallback() {
             self.s.fallback = Some(why.to_string());
         }
@@ -347,8 +344,7 @@ impl<'a> Driver<'a> {
         let now = now_of(self.t0);
         self.send_frames(now);
         self.out = None;
-        let lent = self.lent.drain().map(|(_, l)| l.slot).collect();
-        (lent, std::mem::take(&mut self.locals))
+        std::mem::take(&mut self.locals)
     }
 }
 
@@ -624,19 +620,13 @@ impl Driver<'_> {
 
     /// Lend a staging slot to the data path for a window.
     fn submit(&mut self, op: OpKind, grant: proto::Grant, slot: Block, digests: Vec<Digest>) {
-        if let Some(keys) = &self.s.keys {
-            // Several rails: the window's key on each (the core checked
-            // there is one per rail), before any of its extents can be
-            // posted on one.
-            keys.insert(grant.rkey, grant.rail_rkeys.clone());
-        }
-        let id = self.next_dp;
-        self.next_dp += 1;
+        let id = self.s.next_window;
+        self.s.next_window += 1;
         let job = WindowJob {
             id,
             op,
             local_addr: slot.addr(),
-            lkey: self.s.lkey,
+            lkey: self.s.staging.lkey(),
             remote_addr: grant.addr,
             rkey: grant.rkey,
             extents: grant
@@ -648,41 +638,40 @@ impl Driver<'_> {
                 })
                 .collect(),
         };
-        let dp = self.s.dp.as_ref().expect("a live session has a data path");
-        // SAFETY: `slot` lies in the staging arena registered under
-        // `lkey` (and on every other rail under the keys just noted) with
-        // this session's provider, and every extent lies
-        // inside it (the core checked each against the window size, which
-        // is at most the slot's). The slot is moved into `self.lent` and
-        // nothing touches it until the data path reports this id done;
-        // a stream that ends first hands it to `Session::quarantine`, which
-        // keeps it until the data path is closed.
-        let r = unsafe { dp.submit(job) };
+        let lp = self.s.dp.as_ref().expect("a live session has a data path");
+        // The lending path keeps the slot until the window's end (or, the
+        // stream failing first, until the data path is closed) and enters
+        // the window's rkeys on every rail (the core checked there is one
+        // per rail) before any extent can be posted.
+        let r = lp.submit(job, slot, self.s.staging.clone(), &grant.rail_rkeys);
         crate::phase::first_window();
-        self.lent.insert(
-            id,
-            Lent {
-                op,
-                grant,
-                slot,
-                digests,
-            },
-        );
-        if let Err(e) = r {
-            let f = ControlError::DataPath(e).failure();
-            self.core.abort(f);
+        match r {
+            Ok(()) => {
+                self.lent.insert(id, Lent { op, grant, digests });
+            }
+            Err(e) => {
+                let f = match e {
+                    LendError::DataPath(e) => ControlError::DataPath(e).failure(),
+                    e => Failure::new(Reason::Other, format!("window {}: {e}", grant.window)),
+                };
+                self.core.abort(f);
+            }
         }
     }
 
-    fn data_path(&mut self, ev: DpEvent, obs: &dyn Observer) {
+    fn data_path(&mut self, ev: DpEvent, loan: Option<Loan>, obs: &dyn Observer) {
         match ev {
             DpEvent::WindowDone { id } => {
                 let Some(l) = self.lent.remove(&id) else {
                     return;
                 };
-                if let Some(keys) = &self.s.keys {
-                    keys.remove(l.grant.rkey);
-                }
+                let Some(slot) = loan.and_then(Loan::into_block) else {
+                    self.core.abort(Failure::new(
+                        Reason::Other,
+                        format!("window {id} ended without its staging block"),
+                    ));
+                    return;
+                };
                 let (window, round) = (l.grant.window, l.grant.round);
                 match l.op {
                     OpKind::Write => {
@@ -690,7 +679,7 @@ impl Driver<'_> {
                         // runs behind the staging under --bwlimit).
                         let bytes: u64 = l.grant.extents.iter().map(|e| u64::from(e.len)).sum();
                         obs.progress(bytes);
-                        drop(l.slot);
+                        drop(slot);
                         let now = self.now();
                         self.core.sent(now, window, round, Ok(l.digests));
                     }
@@ -702,7 +691,7 @@ impl Driver<'_> {
                             .filter_map(|e| Some((e.file, self.dest(e.file)?)))
                             .collect();
                         let bytes: u64 = l.grant.extents.iter().map(|e| u64::from(e.len)).sum();
-                        let Lent { grant, slot, .. } = l;
+                        let grant = l.grant;
                         let check = self.s.params.check;
                         #[allow(unused_mut)]
                         let mut slot = slot;
@@ -753,13 +742,13 @@ impl Driver<'_> {
 
     /// Each rail's failures so far.
     fn rail_failures(&self) -> Vec<u64> {
-        self.s.dp.as_ref().map_or(Vec::new(), |dp| {
-            dp.stats()
-                .rails
-                .iter()
-                .map(|r| r.counters().failures)
-                .collect()
-        })
+        self.s
+            .dp
+            .as_ref()
+            .and_then(LendingPath::stats)
+            .map_or(Vec::new(), |st| {
+                st.rails.iter().map(|r| r.counters().failures).collect()
+            })
     }
 
     fn apply(&mut self, d: Done, obs: &dyn Observer) {
@@ -856,6 +845,14 @@ impl Driver<'_> {
                 }
             }
         }
+    }
+}
+
+/// The lending path's next event (never, without one).
+async fn next_event(lp: Option<&LendingPath>) -> Option<(DpEvent, Option<Loan>)> {
+    match lp {
+        Some(lp) => lp.next_event().await,
+        None => std::future::pending().await,
     }
 }
 
