@@ -25,6 +25,7 @@ use crate::mem::PeerSpan;
 pub use crate::verbs::Access;
 use crate::verbs::QpEndpoint;
 
+pub mod exposed;
 pub mod tcp;
 pub mod verbs;
 

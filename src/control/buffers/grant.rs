@@ -25,18 +25,21 @@ use crate::control::server::{BufferGrants, SessionState};
 use crate::files::Check;
 use crate::mem::memfd::{LeaseKind, LeasedRange};
 use crate::proto;
-use crate::provider::{Access, Registration};
+use crate::provider::exposed::Exposed;
+use crate::provider::Access;
 
 /// Ranges one operation may name.
 pub const MAX_RANGES: usize = 4096;
 /// Bytes of a writer's message.
 pub const MAX_MESSAGE: usize = 256;
 
-/// One live grant. Fields drop in order: the registrations (revoking every
-/// key) before the leases.
+/// One live grant.
 struct GrantState {
-    regs: Vec<Arc<dyn Registration>>,
-    ranges: Vec<LeasedRange>,
+    /// Each range's lease and, while the round grants it, its
+    /// registrations (one per rail): its bytes reachable only revoked.
+    ranges: Vec<Exposed<LeasedRange>>,
+    /// Each range's (offset, length) in the buffer.
+    at: Vec<(u64, u64)>,
     /// Each range's digest: read, those sent with the grant; write, those
     /// of what landed, as each range is verified.
     digests: Vec<Vec<u8>>,
@@ -261,13 +264,19 @@ pub fn grant(
     let write = check_request(&req)?;
     let exp = exposure_for(bufs, &req, write, peer)?;
     let ranges = lease_ranges(&exp, &req, write)?;
-    let (regs, out) = register(&exp, session, &ranges, write, &req.name)?;
     let check = session.params.check;
     let digests = if write {
         vec![Vec::new(); ranges.len()]
     } else {
         digests(check, &ranges)
     };
+    let at = ranges
+        .iter()
+        .map(|r| (r.lease().offset(), r.lease().len()))
+        .collect();
+    let mut ranges: Vec<Exposed<LeasedRange>> = ranges.into_iter().map(Exposed::new).collect();
+    let all: Vec<u32> = (0..ranges.len() as u32).collect();
+    let out = register(&exp, session, &mut ranges, &all, write, &req.name)?;
     let id = bufs.grants.next.fetch_add(1, Relaxed) + 1;
     let core = GrantCore::new(
         ranges.len() as u32,
@@ -287,8 +296,8 @@ pub fn grant(
     bufs.grants.live.lock().unwrap().insert(
         id,
         Entry::Live(Box::new(GrantState {
-            regs,
             ranges,
+            at,
             digests,
             core,
             session: session_id,
@@ -425,67 +434,56 @@ fn lease_ranges(
     Ok(ranges)
 }
 
-/// A round's registrations, and what the peer is told of each range.
-type Registered = (Vec<Arc<dyn Registration>>, Vec<proto::GrantedRange>);
-
-/// Register each of `ranges` in the session's domain (and each rail's)
-/// with the one right the operation needs; the registrations and what the
-/// peer is told of each range.
-fn register<'a>(
+/// Grant `which` of `ranges` in the session's domain (and each rail's)
+/// with the one right the operation needs; what the peer is told of each.
+fn register(
     exp: &Exposure,
     session: &SessionState,
-    ranges: impl IntoIterator<Item = &'a LeasedRange>,
+    ranges: &mut [Exposed<LeasedRange>],
+    which: &[u32],
     write: bool,
     name: &str,
-) -> Result<Registered, Failure> {
+) -> Result<Vec<proto::GrantedRange>, Failure> {
     let access = if write {
         Access::REMOTE_WRITE | Access::LOCAL_WRITE
     } else {
         Access::REMOTE_READ
     };
-    let domains: Vec<&Arc<dyn crate::provider::Domain>> = std::iter::once(&session.domain)
-        .chain(session.rail_domains())
+    let domains: Vec<&dyn crate::provider::Domain> = std::iter::once(&*session.domain)
+        .chain(session.rail_domains().map(|d| &**d))
         .collect();
     let whole = exp
         .buffer
         .span_of(exp.offset, exp.len)
         .expect("an exposure lies inside its buffer");
-    let mut regs = Vec::new();
     let mut out = Vec::new();
-    for r in ranges {
-        let mut keys = Vec::new();
-        let mut addr = 0;
-        for d in &domains {
-            // SAFETY: the range is leased for as long as the grant lives
-            // (exclusively for a peer's WRITE, shared for its READ), so no
-            // other user inside rcpd (requests, other grants, hashing)
-            // reaches it in a conflicting way; the registrations live only
-            // in the grant's state, which drops them (revoking every key)
-            // before its leases, and `BufferDone` revokes before it
-            // verifies. (The service's own writes are beyond rcpd's reach
-            // and fail the check: src/mem/memfd.rs.)
-            let reg =
-                unsafe { d.register_in(&exp.bases, &whole, r.span(), access) }.map_err(|e| {
-                    Failure::new(
-                        Reason::Other,
-                        format!(
-                            "registering [{}, +{}) of {name:?}: {e}",
-                            r.lease().offset(),
-                            r.lease().len(),
-                        ),
-                    )
-                })?;
-            addr = reg.addr();
-            keys.push(reg.rkey());
-            regs.push(reg);
-        }
+    for &i in which {
+        let r = &mut ranges[i as usize];
+        let len = r.revoke().span().len();
+        // A range leased exclusively for a peer's WRITE, shared for its
+        // READ (`lease_ranges`); the service's own writes are beyond
+        // rcpd's reach and fail the check (src/mem/memfd.rs).
+        let regs = r
+            .grant(
+                domains.iter().copied(),
+                len,
+                access,
+                Some((&exp.bases, &whole)),
+            )
+            .map_err(|e| {
+                Failure::new(
+                    Reason::Other,
+                    format!("registering range {i} ({len} bytes) of {name:?}: {e}"),
+                )
+            })?;
+        let keys: Vec<u32> = regs.iter().map(|r| r.rkey()).collect();
         out.push(proto::GrantedRange {
-            addr,
+            addr: regs[0].addr(),
             rkey: keys[0],
             rail_rkeys: if keys.len() > 1 { keys } else { Vec::new() },
         });
     }
-    Ok((regs, out))
+    Ok(out)
 }
 
 /// Revoke grant `id` once its core says it expired: sleep to the round's
@@ -544,7 +542,11 @@ pub fn done(
         }
     };
     // Revoke first: nothing reaches the ranges from here on.
-    crate::control::in_place(|| g.regs.clear());
+    crate::control::in_place(|| {
+        for r in &mut g.ranges {
+            r.revoke();
+        }
+    });
     let ended = |g: Box<GrantState>| {
         bufs.grants.end(id);
         crate::control::in_place(|| drop(g));
@@ -600,17 +602,20 @@ fn verify(g: &mut GrantState, moving: &[u32], digests: &[Vec<u8>]) -> Vec<u32> {
     let mut bad = Vec::new();
     crate::control::in_place(|| {
         for &i in moving {
-            let r = &mut g.ranges[i as usize];
-            // SAFETY: the round's registrations were revoked above and the
-            // range is leased exclusively (a write's grant): no device
-            // reaches it.
+            let r = g.ranges[i as usize].revoke();
+            // SAFETY: the round's registrations are revoked and the range
+            // is leased exclusively (a write's grant): no device reaches
+            // it.
             unsafe { super::faults::inject(&g.name, r) };
         }
         // The round's ranges on the hashing pool, against the peer's.
         let ranges = &g.ranges;
         let landed = check.landed_with(
             moving,
-            |&i| ranges[i as usize].with(|b| check.block(b)),
+            |&i| {
+                let r = ranges[i as usize].get().expect("revoked above");
+                r.with(|b| check.block(b))
+            },
             |k| digests.get(moving[k] as usize).map(Vec::as_slice),
         );
         for ((&i, d), ok) in moving.iter().zip(&landed.digests).zip(&landed.ok) {
@@ -630,10 +635,7 @@ fn regrant(
     session: &SessionState,
     bad: &[u32],
 ) -> Result<Vec<proto::GrantedRange>, Failure> {
-    let ranges = bad.iter().map(|&i| &g.ranges[i as usize]);
-    let (regs, again) = register(&g.exp, session, ranges, g.write, &g.name)?;
-    g.regs = regs;
-    Ok(again)
+    register(&g.exp, session, &mut g.ranges, bad, g.write, &g.name)
 }
 
 /// The owner's event for the ended grant: every range with its digest,
@@ -654,10 +656,10 @@ fn tell_owner(g: &GrantState, bad: &[u32]) {
         name: g.name.clone(),
         peer: g.peer.clone(),
         ranges: g
-            .ranges
+            .at
             .iter()
             .zip(&g.digests)
-            .map(|(r, d)| (r.lease().offset(), r.lease().len(), hex(d)))
+            .map(|(&(o, n), d)| (o, n, hex(d)))
             .collect(),
         message: g.message.clone(),
         check: g.check.name().to_string(),

@@ -26,8 +26,9 @@ use crate::files::{
     self, Destination, DestinationOptions, DirCache, DirHandle, FileError, FileKind, PathError,
     Preserve, SourceFile,
 };
-use crate::mem::{Block, PeerSpan};
+use crate::mem::Block;
 use crate::proto::{self, Direction};
+use crate::provider::exposed::Exposed;
 use crate::provider::{Access, Domain, ProviderError, Registration};
 
 /// Files below this length are not checked against the free space up
@@ -68,24 +69,18 @@ impl FileHandle {
 }
 
 /// A window's arena slot and, while granted, its registrations (one per
-/// rail of the session).
-///
-/// While a registration lives the peer may write or read the slot's bytes
-/// at any time, so they are reachable only through [`revoke`](Self::revoke),
-/// which drops every registration first: the slot holds the only
-/// references, so that revokes every rkey. Fields drop in order: the
-/// registrations before the block goes back to the pool.
+/// rail of the session): an [`Exposed`] block (its bytes reachable only
+/// through [`revoke`](Self::revoke), which drops every registration
+/// first) and the window's permit.
 pub(super) struct Slot {
-    reg: Vec<Arc<dyn Registration>>,
-    block: Block,
+    block: Exposed<Block>,
     _permit: OwnedSemaphorePermit,
 }
 
 impl Slot {
     pub fn new(block: Block, permit: OwnedSemaphorePermit) -> Self {
         Slot {
-            reg: Vec::new(),
-            block,
+            block: Exposed::new(block),
             _permit: permit,
         }
     }
@@ -93,8 +88,7 @@ impl Slot {
     /// Revoke every grant of the slot (its rkeys fail from the peer's next
     /// request on) and hand out its bytes.
     pub fn revoke(&mut self) -> &mut Block {
-        self.reg.clear();
-        &mut self.block
+        self.block.revoke()
     }
 
     /// Revoke what was granted before, then lend the first `len` bytes of
@@ -108,30 +102,7 @@ impl Slot {
         len: usize,
         access: Access,
     ) -> Result<&[Arc<dyn Registration>], ProviderError> {
-        self.reg.clear();
-        let span = PeerSpan::new(self.block.arena(), self.block.addr(), len)
-            .filter(|_| len <= self.block.len())
-            .ok_or_else(|| {
-                ProviderError::Protocol(format!("{len} bytes do not fit in {:?}", self.block))
-            })?;
-        for d in domains {
-            // SAFETY: the slot's block is this slot's alone (a Block is
-            // its holder's exclusive owner, and the ledger keeps each
-            // granted window's block in one Slot), and the span made here
-            // is the only one over it, lent to these registrations only.
-            // Safe code reaches the bytes only through `revoke`, which
-            // drops every registration first; the slot hands none of them
-            // out beyond this borrow (their keys are all the ledger sends),
-            // and they drop before the block when the slot does.
-            match unsafe { d.register(&span, access) } {
-                Ok(r) => self.reg.push(r),
-                Err(e) => {
-                    self.reg.clear();
-                    return Err(e);
-                }
-            }
-        }
-        Ok(&self.reg)
+        self.block.grant(domains, len, access, None)
     }
 }
 
