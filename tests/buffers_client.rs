@@ -745,12 +745,12 @@ async fn peer_sessions_expire_when_idle_and_are_bounded() {
 
     write(a.addr.clone(), "a").await;
     assert_eq!(peer_said(&a.addr, OPENED), 1);
-    // A buffer session maps one window of staging, not a copy's eight: it
-    // never posts from it.
+    // A buffer session maps no staging (a copy's maps eight windows): it
+    // posts from the services' pages only.
     let opened = peer_log(&a.addr);
     assert_eq!(
         opened[0].fields.get("windows").map(String::as_str),
-        Some("1"),
+        Some("0"),
         "{opened:?}"
     );
     let start = std::time::Instant::now();

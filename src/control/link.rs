@@ -290,10 +290,11 @@ pub struct ClientRail {
     pub device: Device,
     /// The rail's QP, created before the handshake.
     pub channel: Arc<VerbsChannel>,
-    /// The key the staging is registered under in the rail's PD.
+    /// The key the staging is registered under in the rail's PD (0: the
+    /// link maps no staging).
     pub lkey: u32,
     // Fields drop in order: the QP before the registration.
-    _reg: Arc<dyn Registration>,
+    _reg: Option<Arc<dyn Registration>>,
 }
 
 impl ClientRail {
@@ -313,15 +314,17 @@ pub struct ClientLink {
     pub tcp_domain: Option<Arc<TcpDomain>>,
     /// TCP: the staging's registration.
     tcp_reg: Option<Arc<dyn Registration>>,
-    /// Staging windows, each laid out like the server window it moves.
+    /// Staging windows, each laid out like the server window it moves
+    /// (`None`: a link that moves no files, only memory registered apart).
     /// Declared last: the arena outlives every registration of it.
-    pub slots: BlockPool,
+    pub slots: Option<BlockPool>,
 }
 
 impl ClientLink {
     /// Open the provider and register `windows` staging windows of
-    /// `window_size` bytes; verbs: a QP and a registration on each of
-    /// `rails` (empty: the first device with an ACTIVE port).
+    /// `window_size` bytes (0: map no staging at all); verbs: a QP and a
+    /// registration on each of `rails` (empty: the first device with an
+    /// ACTIVE port).
     pub fn open(
         kind: ProviderKind,
         rails: &[RailName],
@@ -330,18 +333,26 @@ impl ClientLink {
         windows: usize,
         max_inline: u32,
     ) -> Result<ClientLink> {
-        let size = window_size * windows.max(1);
-        // Verbs registration pins the staging: faulted in now, on its node.
-        // The tcp provider pins nothing: pages fault in as a job reaches
-        // them, and a small copy never zeroes the rest.
-        let acfg = ArenaConfig {
-            prefault: kind == ProviderKind::Verbs,
-            ..ArenaConfig::new(size)
+        let arena = (windows > 0)
+            .then(|| {
+                // Verbs registration pins the staging: faulted in now, on
+                // its node. The tcp provider pins nothing: pages fault in
+                // as a job reaches them, and a small copy never zeroes the
+                // rest.
+                let acfg = ArenaConfig {
+                    prefault: kind == ProviderKind::Verbs,
+                    ..ArenaConfig::new(window_size * windows)
+                };
+                Arena::new(&acfg).map_err(|e| ControlError::Other(format!("staging arena: {e}")))
+            })
+            .transpose()?;
+        let staging = match &arena {
+            Some(a) => Some(
+                PeerSpan::new(a, a.addr(), a.len())
+                    .ok_or_else(|| ControlError::Other("staging span".into()))?,
+            ),
+            None => None,
         };
-        let arena =
-            Arena::new(&acfg).map_err(|e| ControlError::Other(format!("staging arena: {e}")))?;
-        let staging = PeerSpan::new(&arena, arena.addr(), arena.len())
-            .ok_or_else(|| ControlError::Other("staging span".into()))?;
         let mut out = Vec::new();
         let mut tcp_domain = None;
         let mut tcp_reg = None;
@@ -370,8 +381,13 @@ impl ClientLink {
                         }
                         Err(e) => return Err(e),
                     };
-                    let reg = VerbsDomain { pd: dev.pd.clone() }
-                        .register_local(&staging, Access::LOCAL_WRITE)?;
+                    let reg = match &staging {
+                        Some(st) => Some(
+                            VerbsDomain { pd: dev.pd.clone() }
+                                .register_local(st, Access::LOCAL_WRITE)?,
+                        ),
+                        None => None,
+                    };
                     let qp = dev
                         .qp_builder(&dev.pd)
                         .max_inline(max_inline)
@@ -381,7 +397,7 @@ impl ClientLink {
                     out.push(ClientRail {
                         device: dev,
                         channel: Arc::new(qp.into_channel()),
-                        lkey: reg.lkey(),
+                        lkey: reg.as_ref().map_or(0, |r| r.lkey()),
                         _reg: reg,
                     });
                 }
@@ -391,12 +407,15 @@ impl ClientLink {
             }
             ProviderKind::Tcp => {
                 let d = TcpDomain::new();
-                tcp_reg = Some(d.register_local(&staging, Access::LOCAL_WRITE)?);
+                if let Some(st) = &staging {
+                    tcp_reg = Some(d.register_local(st, Access::LOCAL_WRITE)?);
+                }
                 tcp_domain = Some(d);
             }
         }
         let slots = arena
-            .into_pool(window_size)
+            .map(|a| a.into_pool(window_size))
+            .transpose()
             .map_err(|e| ControlError::Other(format!("staging pool: {e}")))?;
         Ok(ClientLink {
             kind,
@@ -407,7 +426,8 @@ impl ClientLink {
         })
     }
 
-    /// The key of the staging on rail 0 (verbs) or the TCP domain.
+    /// The key of the staging on rail 0 (verbs) or the TCP domain (0: no
+    /// staging).
     pub fn lkey(&self) -> u32 {
         match (&self.tcp_reg, self.rails.first()) {
             (Some(r), _) => r.lkey(),
@@ -418,10 +438,11 @@ impl ClientLink {
 
     /// The staging's registration on each rail of a data path, in its
     /// order: verbs, the rails `used` names (indices in `rails`); tcp, the
-    /// domain's one.
-    pub fn staging_regs(&self, used: &[usize]) -> Vec<Arc<dyn Registration>> {
+    /// domain's one. `None`: the link maps no staging.
+    pub fn staging_regs(&self, used: &[usize]) -> Option<Vec<Arc<dyn Registration>>> {
+        self.slots.as_ref()?;
         match &self.tcp_reg {
-            Some(r) => vec![r.clone()],
+            Some(r) => Some(vec![r.clone()]),
             None => used.iter().map(|&l| self.rails[l]._reg.clone()).collect(),
         }
     }
@@ -539,7 +560,9 @@ impl ClientLink {
                     addr,
                     // A connection per staging window at most: a copy of
                     // one window needs one connection (and its threads).
-                    DEFAULT_CONNS.min(self.slots.capacity()).max(1),
+                    DEFAULT_CONNS
+                        .min(self.slots.as_ref().map_or(1, BlockPool::capacity))
+                        .max(1),
                     128,
                     key,
                 )?;

@@ -147,7 +147,12 @@ impl Session {
 
     /// WRITE `data` to (addr, rkey) on `ch` (a channel of this client).
     pub fn write_on(&self, ch: &dyn Channel, addr: u64, rkey: u32, data: &[u8]) -> WcStatus {
-        let mut slot = self.link.slots.take().expect("a free staging window");
+        let mut slot = self
+            .link
+            .slots
+            .as_ref()
+            .and_then(|p| p.take())
+            .expect("a free staging window");
         slot.as_mut_slice()[..data.len()].copy_from_slice(data);
         let st = self.post(ch, OpKind::Write, slot.addr(), data.len(), addr, rkey);
         drop(slot);
@@ -162,7 +167,12 @@ impl Session {
         rkey: u32,
         len: usize,
     ) -> (WcStatus, Vec<u8>) {
-        let mut slot = self.link.slots.take().expect("a free staging window");
+        let mut slot = self
+            .link
+            .slots
+            .as_ref()
+            .and_then(|p| p.take())
+            .expect("a free staging window");
         slot.as_mut_slice()[..len].fill(0);
         let st = self.post(ch, OpKind::Read, slot.addr(), len, addr, rkey);
         (st, slot.as_slice()[..len].to_vec())

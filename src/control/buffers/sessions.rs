@@ -4,7 +4,7 @@
 //! `--copy-session-idle`, at most `--copy-sessions` kept), on the daemon's
 //! rails (`--device`, or every ACTIVE port), as files' sessions; its data
 //! path is a [`LendingPath`] (the service's pages are the windows' local
-//! bytes; one window of staging, never posted from). A buffer is
+//! bytes; the session maps no staging, [`Client::bare_session`]). A buffer is
 //! registered in every rail's domain of the session once, on first use,
 //! and forgotten when its service releases it; with several rails each
 //! window's extents are spread over them, each rail posting under its own
@@ -316,17 +316,12 @@ pub(super) async fn link(
     let admitted = bufs.copy_peers().admit(peer).await.map_err(Failure::from)?;
     let mut o = bufs.client_options().clone();
     o.verify = vec![check];
-    // Buffer operations post from the services' pages, never from staging
-    // (no Move stream runs on this session): one window of it, the least a
-    // session maps, not the DEFAULT_WINDOWS a file copy wants (4 MiB
-    // pinned instead of 32 over verbs, and one of rcpd B's window slots).
-    o.windows = 1;
     let client = Client::connect_admitted(&admitted, o)
         .await
         .map_err(|e| Failure::new(e.reason(), format!("peer {peer}: {e}")))?;
     let fell_back = bufs.peers.fell_back.lock().unwrap().get(&key).cloned();
     let (mut session, fell_back) = open_session(&client, peer, fell_back).await?;
-    let staging_windows = session.windows();
+    let session_windows = session.windows();
     let lp = session
         .take_data_path()
         .ok_or_else(|| Failure::new(Reason::Other, "the session has no data path"))?;
@@ -363,7 +358,7 @@ pub(super) async fn link(
         last_used: Mutex::new(Instant::now()),
         session: Mutex::new(Some(session)),
     });
-    tracing::info!(peer = %crate::escape::esc(peer), check = check.name(), session = l.session_id, transport = %l.kind, rails = l.path.rails(), windows = staging_windows, fell_back = l.fell_back.as_deref().unwrap_or(""), "buffer session to a peer");
+    tracing::info!(peer = %crate::escape::esc(peer), check = check.name(), session = l.session_id, transport = %l.kind, rails = l.path.rails(), windows = session_windows, fell_back = l.fell_back.as_deref().unwrap_or(""), "buffer session to a peer");
     bufs.peers.make_room(bufs.pool().max);
     tokio::spawn(drive(bufs.clone(), l.clone()));
     bufs.peers.links.lock().unwrap().insert(key, l.clone());
@@ -382,7 +377,7 @@ async fn open_session(
     let failed = |e: ControlError| Failure::new(e.reason(), format!("peer {peer}: session: {e}"));
     let tcp = |why: String| async move {
         client
-            .session_with(ProviderKind::Tcp, format!("tcp: {why}"))
+            .bare_session(ProviderKind::Tcp, format!("tcp: {why}"))
             .await
             .map(|s| (s, Some(why.clone())))
             .map_err(|e| {
@@ -398,7 +393,7 @@ async fn open_session(
     }
     let o = client.options();
     let (kind, why) = resolve_transport(o.transport, &o.rails);
-    match client.session_with(kind, why).await {
+    match client.bare_session(kind, why).await {
         Ok(s) => Ok((s, None)),
         Err(e) => match tcp_fallback(o.transport, kind, &e, None) {
             Some(why) => {

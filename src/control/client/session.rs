@@ -72,9 +72,10 @@ pub struct Session {
     /// stream that failed, until it is closed).
     pub(super) dp: Option<LendingPath>,
     /// The staging's registrations on every rail of the data path (its
-    /// windows' `regs`; rail 0's key is each window's `lkey`). Declared
+    /// windows' `regs`; rail 0's key is each window's `lkey`); `None`: a
+    /// session that maps no staging ([`Client::bare_session`]). Declared
     /// before `link`: they go before the link's QPs and arena.
-    pub(super) staging: Arc<RailRegs>,
+    pub(super) staging: Option<Arc<RailRegs>>,
     pub(super) link: Arc<ClientLink>,
     pub(super) id: u64,
     pub(super) params: Params,
@@ -129,12 +130,34 @@ impl Client {
 
     /// [`Client::session`] with the provider already chosen.
     pub async fn session_with(&self, kind: ProviderKind, why: String) -> Result<Session> {
+        self.open_session(kind, why, true).await
+    }
+
+    /// A session that maps no staging: its link, handshake and data path
+    /// only, for windows whose bytes are registered apart (buffer
+    /// operations post from services' pages). It moves no files.
+    pub(crate) async fn bare_session(&self, kind: ProviderKind, why: String) -> Result<Session> {
+        self.open_session(kind, why, false).await
+    }
+
+    async fn open_session(
+        &self,
+        kind: ProviderKind,
+        why: String,
+        staging: bool,
+    ) -> Result<Session> {
         let o = self.opts.clone();
         let bs = check_block_size(o.block_size, WINDOW_SIZE as u64).map_err(ControlError::Usage)?;
         o.check_bwlimit()?;
-        let windows = o.windows.clamp(1, MAX_WINDOWS);
+        // Without staging the handshake still asks for one window (rcpd
+        // grants at least one); no stream runs to use it.
+        let windows = if staging {
+            o.windows.clamp(1, MAX_WINDOWS)
+        } else {
+            1
+        };
         let per = o.qps_per_rail.clamp(1, MAX_QPS_PER_RAIL);
-        let link = open_link(&o, kind, windows, per).await?;
+        let link = open_link(&o, kind, if staging { windows } else { 0 }, per).await?;
         crate::phase::mark("staging mapped and registered");
         let req = handshake_request(&o, kind, &link, per, bs, windows);
         let resp = self.rpc.clone().handshake(req.clone()).await?.into_inner();
@@ -169,9 +192,13 @@ impl Client {
             .ok_or_else(|| ControlError::Other("the data path's events are taken".into()))?;
         let lp = LendingPath::new(dp, events, started.keys)
             .map_err(|e| ControlError::Other(e.to_string()))?;
-        let staging = lp
-            .rail_regs(link.staging_regs(&started.used))
-            .map_err(|e| ControlError::Other(format!("staging keys: {e}")))?;
+        let staging = match link.staging_regs(&started.used) {
+            Some(regs) => Some(
+                lp.rail_regs(regs)
+                    .map_err(|e| ControlError::Other(format!("staging keys: {e}")))?,
+            ),
+            None => None,
+        };
         crate::phase::mark("data path started");
         Ok(Session {
             rpc: self.rpc.clone(),
@@ -489,9 +516,14 @@ impl Session {
         self.params.block_size
     }
 
-    /// Windows of staging the session maps (and rcpd granted it at once).
+    /// Windows of staging the session maps (and rcpd granted it at once);
+    /// 0 for a session that maps none.
     pub fn windows(&self) -> u32 {
-        self.params.window_count
+        if self.staging.is_some() {
+            self.params.window_count
+        } else {
+            0
+        }
     }
 
     /// The block check the handshake agreed on; file digests are derived

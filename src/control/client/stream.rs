@@ -21,7 +21,7 @@ use crate::datapath::lend::{LendError, LendingPath, Loan};
 use crate::datapath::DpEvent;
 use crate::engine::{Extent, OpKind, WindowJob};
 use crate::files::{Destination, DirCache, DirHandle};
-use crate::mem::Block;
+use crate::mem::{Block, BlockPool};
 use crate::proto::{self, ClientFrame, Direction};
 
 /// What FindResume found: the local directory and name, and an
@@ -152,6 +152,11 @@ pub(super) async fn run(
     if s.broken || s.dp.is_none() {
         return Err(ControlError::Other(
             "the session's data path is gone (an earlier stream failed)".into(),
+        ));
+    }
+    if s.staging.is_none() {
+        return Err(ControlError::Usage(
+            "this session maps no staging (Client::bare_session): it moves no files".into(),
         ));
     }
     let mut d = Driver::new(s, core, out_tx);
@@ -560,7 +565,7 @@ impl Driver<'_> {
     }
 
     fn take_slot(&mut self) -> Option<Block> {
-        let b = self.s.link.slots.take();
+        let b = self.s.link.slots.as_ref().and_then(BlockPool::take);
         if b.is_none() {
             // Never: the core grants no more windows at once than agreed,
             // which is no more than the staging has, and a slot comes back
@@ -620,13 +625,19 @@ impl Driver<'_> {
 
     /// Lend a staging slot to the data path for a window.
     fn submit(&mut self, op: OpKind, grant: proto::Grant, slot: Block, digests: Vec<Digest>) {
+        // A slot came from the staging: `run` refuses a session without.
+        let staging = self
+            .s
+            .staging
+            .clone()
+            .expect("a stream's session maps staging");
         let id = self.s.next_window;
         self.s.next_window += 1;
         let job = WindowJob {
             id,
             op,
             local_addr: slot.addr(),
-            lkey: self.s.staging.lkey(),
+            lkey: staging.lkey(),
             remote_addr: grant.addr,
             rkey: grant.rkey,
             extents: grant
@@ -643,7 +654,7 @@ impl Driver<'_> {
         // stream failing first, until the data path is closed) and enters
         // the window's rkeys on every rail (the core checked there is one
         // per rail) before any extent can be posted.
-        let r = lp.submit(job, slot, self.s.staging.clone(), &grant.rail_rkeys);
+        let r = lp.submit(job, slot, staging, &grant.rail_rkeys);
         crate::phase::first_window();
         match r {
             Ok(()) => {
