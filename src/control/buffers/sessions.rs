@@ -25,12 +25,14 @@ use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use futures::future::BoxFuture;
 use tokio::sync::{oneshot, watch};
 
 use super::{Buffers, Failure};
-use crate::control::client::{Client, Session};
+use crate::control::client::{Client, Session, SessionStats};
 use crate::control::error::{ControlError, Reason};
-use crate::control::fallback::{continuing, tcp_fallback, then_over_tcp, LinkWatch};
+use crate::control::fallback::{after_fallback, LinkWatch};
+use crate::control::jobs::{open_first, Sessions};
 use crate::control::link::resolve_transport;
 use crate::control::protocol::rails::LOOK_EVERY_NS;
 use crate::datapath::lend::{LendingPath, Loan, RailRegs};
@@ -365,45 +367,53 @@ pub(super) async fn link(
     Ok((l, true))
 }
 
-/// A session over the provider rcpd tries first, or over tcp: when the
-/// peer's RDMA gave up (`fell_back`, why), or when a verbs session cannot
-/// be set up and the jobs policy says tcp may do ([`tcp_fallback`]). The
-/// session, and why it is over tcp when it is for a fallback.
+/// Buffer sessions to one peer as the jobs policy sees them
+/// ([`Sessions`]): bare ones (no staging), over the provider rcpd tries
+/// first.
+struct Bare<'a>(&'a Client);
+
+impl Sessions for Bare<'_> {
+    fn first(&self) -> (ProviderKind, String) {
+        let o = self.0.options();
+        resolve_transport(o.transport, &o.rails)
+    }
+
+    fn open(
+        &self,
+        kind: ProviderKind,
+        why: String,
+    ) -> BoxFuture<'_, Result<Session, ControlError>> {
+        Box::pin(self.0.bare_session(kind, why))
+    }
+
+    fn finish(&self, s: Session, _ok: bool) -> BoxFuture<'_, Option<SessionStats>> {
+        Box::pin(async move { s.close().await.ok() })
+    }
+}
+
+/// A session by the jobs policy's sequence ([`open_first`]: the provider
+/// rcpd tries first, or tcp when a verbs session cannot be set up and the
+/// fallback may do), or over tcp straight away when the peer's RDMA gave
+/// up before (`fell_back`, why). The session, and why it is over tcp when
+/// it is for a fallback.
 async fn open_session(
     client: &Client,
     peer: &str,
     fell_back: Option<String>,
 ) -> Result<(Session, Option<String>), Failure> {
     let failed = |e: ControlError| Failure::new(e.reason(), format!("peer {peer}: session: {e}"));
-    let tcp = |why: String| async move {
-        client
-            .bare_session(ProviderKind::Tcp, format!("tcp: {why}"))
-            .await
-            .map(|s| (s, Some(why.clone())))
-            .map_err(|e| {
-                let s = format!("session: {e}");
-                Failure::new(
-                    e.reason(),
-                    format!("peer {peer}: {}", then_over_tcp(&why, &s)),
-                )
-            })
-    };
+    let bare = Bare(client);
     if let Some(why) = fell_back {
-        return tcp(why).await;
+        return match bare.open(ProviderKind::Tcp, format!("tcp: {why}")).await {
+            Ok(s) => Ok((s, Some(why))),
+            Err(e) => Err(failed(after_fallback(&why, e))),
+        };
     }
-    let o = client.options();
-    let (kind, why) = resolve_transport(o.transport, &o.rails);
-    match client.bare_session(kind, why).await {
-        Ok(s) => Ok((s, None)),
-        Err(e) => match tcp_fallback(o.transport, kind, &e, None) {
-            Some(why) => {
-                let why = continuing(&why);
-                tracing::warn!(peer = %crate::escape::esc(peer), "buffer session: {why}");
-                tcp(why).await
-            }
-            None => Err(failed(e)),
-        },
-    }
+    let said =
+        |why: &str| tracing::warn!(peer = %crate::escape::esc(peer), "buffer session: {why}");
+    open_first(&bare, client.options().transport, &said)
+        .await
+        .map_err(failed)
 }
 
 /// A session's driver: window ends to their operations; the tcp

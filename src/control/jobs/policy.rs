@@ -176,24 +176,8 @@ pub async fn run_over(
         }),
         done: Mutex::new(HashMap::new()),
     };
-    let mut fell_back = None;
-    let (kind, why) = sessions.first();
-    let mut session = match sessions.open(kind, why).await {
-        Ok(s) => s,
-        Err(e) => {
-            let Some(why) = tcp_fallback(transport, kind, &e, None).map(|w| continuing(&w)) else {
-                return Err(e);
-            };
-            tracing::warn!("{why}");
-            w.fell_back(&why);
-            let s = sessions
-                .open(ProviderKind::Tcp, format!("tcp: {why}"))
-                .await
-                .map_err(|e| after_fallback(&why, e))?;
-            fell_back = Some(why);
-            s
-        }
-    };
+    let (mut session, mut fell_back) =
+        open_first(sessions, transport, &|why| w.fell_back(why)).await?;
     w.session(&session);
     let mut r = session.transfer(&mut files.iter().cloned(), &c).await;
     if let Err(e) = &r {
@@ -250,6 +234,34 @@ pub async fn run_over(
         stats,
         session: true,
     })
+}
+
+/// A session from `sessions` over the provider it tries first or, when
+/// that cannot be set up for a reason tcp need not share
+/// ([`tcp_fallback`]), over tcp; then why it is over tcp (said to
+/// `fell_back` and the log). The one sequence for jobs, the Copy API and
+/// buffer operations (`buffers::sessions`).
+pub async fn open_first(
+    sessions: &dyn Sessions,
+    transport: crate::control::Transport,
+    fell_back: &(dyn Fn(&str) + Sync),
+) -> Result<(Session, Option<String>)> {
+    let (kind, why) = sessions.first();
+    match sessions.open(kind, why).await {
+        Ok(s) => Ok((s, None)),
+        Err(e) => {
+            let Some(why) = tcp_fallback(transport, kind, &e, None).map(|w| continuing(&w)) else {
+                return Err(e);
+            };
+            tracing::warn!("{why}");
+            fell_back(&why);
+            let s = sessions
+                .open(ProviderKind::Tcp, format!("tcp: {why}"))
+                .await
+                .map_err(|e| after_fallback(&why, e))?;
+            Ok((s, Some(why)))
+        }
+    }
 }
 
 /// The outcome of a job with no file to move (every one left as it was):
