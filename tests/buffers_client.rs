@@ -779,6 +779,100 @@ async fn peer_sessions_expire_when_idle_and_are_bounded() {
     b.stop().await;
 }
 
+/// One bound for Copy's warm sessions and buffer sessions (one pool of
+/// sessions to peers, `--copy-sessions`): a Copy's session kept warm takes
+/// the room of an unused buffer session, and the next buffer session the
+/// warm one's. (No session goes idle here: `--copy-session-idle` is long.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn copy_and_buffer_sessions_share_one_bound() {
+    let dir = tempfile::tempdir().unwrap();
+    let mk = |n: &str| {
+        let d = dir.path().join(n);
+        std::fs::create_dir(&d).unwrap();
+        d
+    };
+    let (a_dir, b_dir, init_dir) = (mk("a"), mk("b"), mk("init"));
+    let (a, _a_sock) = start_rcpd(&a_dir).await;
+    let (b, b_sock) = start_rcpd(&b_dir).await;
+    assert!(peer_log(&b.addr).is_empty());
+    let init_root = init_dir.join("root");
+    std::fs::create_dir(&init_root).unwrap();
+    let init_sock = init_dir.join("rcpd.sock");
+    let mut cfg = config(&init_root, &init_sock);
+    cfg.copy_peers = vec![a.addr.parse().unwrap(), b.addr.parse().unwrap()];
+    cfg.copy_pool = rcp::control::jobs::PoolConfig {
+        idle: HANG_GUARD,
+        max: 1,
+    };
+    cfg.metrics_listen = Some("127.0.0.1:0".parse().unwrap());
+    let init = Daemon::start(cfg).await;
+    let (_ob, _db) = exposed(&b_sock, "b").await;
+    let writer = ServiceClient::connect(Some(&init_sock), None)
+        .await
+        .unwrap();
+    let src = writer.create_buffer(1 << 20).await.unwrap();
+    let write = || async {
+        let h = writer
+            .write(&src, &b.addr, "b", &[(0, 0, 4096)], None)
+            .await
+            .unwrap();
+        assert_eq!(ended(&writer, h).await.unwrap(), 4096);
+    };
+    const OPENED: &str = "buffer session to a peer";
+    const ROOM: &str = "buffer session closed: more sessions than --copy-sessions";
+    write().await;
+    assert_eq!(peer_said(&b.addr, OPENED), 1);
+
+    // One bound for Copy's warm sessions and buffer sessions: a Copy's
+    // session kept warm closes B's (unused) buffer session, and the next
+    // buffer session closes the warm one.
+    std::fs::write(init_root.join("f"), vec![7u8; 100_000]).unwrap();
+    let c = rcp::control::Client::connect(&init.addr, rcp::control::ClientOptions::default())
+        .await
+        .unwrap();
+    let mut s = c
+        .copy(rcp::proto::CopyRequest {
+            direction: rcp::proto::Direction::Push as i32,
+            local_path: "f".into(),
+            remote: a.addr.clone(),
+            remote_path: "f".into(),
+            transport: "tcp".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let mut last = None;
+    while let Some(p) = s.message().await.unwrap() {
+        last = Some(p);
+    }
+    let p = last.expect("the Copy's last progress");
+    assert!(p.done && p.error.is_empty(), "{p:?}");
+    let url = format!("http://{}/metrics", init.bound.metrics.unwrap());
+    let warm = || {
+        let text = common::metrics::scrape(&url);
+        common::metrics::sample(&text, "rcpd_copy_sessions_warm")
+    };
+    assert_eq!(warm(), Some(1.0), "the Copy's session is kept warm");
+    assert_eq!(
+        peer_said(&b.addr, ROOM),
+        1,
+        "the warm session took B's buffer session's room: {:?}",
+        peer_log(&b.addr)
+    );
+    write().await;
+    assert_eq!(peer_said(&b.addr, OPENED), 2);
+    assert_eq!(
+        warm(),
+        Some(0.0),
+        "the buffer session took the warm one's room"
+    );
+
+    drop(writer);
+    init.stop().await;
+    a.stop().await;
+    b.stop().await;
+}
+
 /// A kept buffer session the peer rcpd no longer holds (it restarted on its
 /// address: its sessions are gone, the exposure is made again) is given up
 /// on the peer's `retryable` and the grant asked for once more on a new

@@ -272,9 +272,11 @@ fn start_service(
     } else {
         tracing::info!(copy_peers = %peers.entries().iter().map(ToString::to_string).collect::<Vec<_>>().join(","), "peers this rcpd may dial");
     }
+    // One pool of sessions to peers, for Copy and buffer operations.
+    let pool = super::jobs::Pool::new(cfg.copy_pool);
     let copier = CopyService {
         opts: peer_opts.clone(),
-        pool: super::jobs::Pool::new(cfg.copy_pool),
+        pool: pool.clone(),
         peers: peers.clone(),
     };
     let metrics = Arc::new(crate::metrics::Metrics::new());
@@ -289,7 +291,7 @@ fn start_service(
         default_check: cfg.checks.first().copied(),
         token: cfg.token.clone(),
         node: super::buffers::node_address(grpc_addr),
-        pool: cfg.copy_pool,
+        pool,
     });
     let svc = Service::new(
         service_config(cfg, root),

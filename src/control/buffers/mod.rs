@@ -96,7 +96,7 @@ pub struct Exposure {
 pub use crate::control::protocol::Failure;
 
 /// What the daemon gives the buffers at birth.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone)]
 pub struct BuffersConfig {
     /// How this rcpd connects to peers (token, TLS, transport, metrics,
     /// ...); its `timeout` is also how long a grant waits for its peer.
@@ -112,16 +112,16 @@ pub struct BuffersConfig {
     /// The address peers dial this rcpd at (`hello`'s `node`; see
     /// [`node_address`]).
     pub node: String,
-    /// Sessions to peer rcpds kept when unused: at most `max`, each for
-    /// `idle` (`--copy-sessions`, `--copy-session-idle`: the policy of
-    /// Copy's warm sessions). A session over tcp after a fallback ends so
-    /// too, and the next operation tries verbs again.
-    pub pool: crate::control::jobs::PoolConfig,
+    /// The pool of sessions to peers rcpd keeps, shared with the Copy API:
+    /// its bound counts buffer sessions and Copy's warm ones together
+    /// (`--copy-sessions`), and a buffer session unused for its `idle`
+    /// (`--copy-session-idle`) is closed. A session over tcp after a
+    /// fallback ends so too, and the next operation tries verbs again.
+    pub pool: Arc<crate::control::jobs::Pool>,
 }
 
 /// What one rcpd shares between its service connections, the grants it
 /// made to peers and the sessions it opened to them.
-#[derive(Default)]
 pub struct Buffers {
     next_conn: AtomicU64,
     /// Exposures by name.
@@ -154,8 +154,11 @@ pub fn node_address(grpc: std::net::SocketAddr) -> String {
 impl Buffers {
     pub fn new(cfg: BuffersConfig) -> Arc<Buffers> {
         Arc::new(Buffers {
+            next_conn: AtomicU64::default(),
+            exposures: Mutex::default(),
+            grants: grant::Grants::default(),
+            peers: sessions::Peers::default(),
             cfg,
-            ..Buffers::default()
         })
     }
 
@@ -172,8 +175,8 @@ impl Buffers {
         self.cfg.client.timeout
     }
 
-    pub(crate) fn pool(&self) -> crate::control::jobs::PoolConfig {
-        self.cfg.pool
+    pub(crate) fn pool(&self) -> &Arc<crate::control::jobs::Pool> {
+        &self.cfg.pool
     }
 
     pub(crate) fn token(&self) -> Option<&str> {

@@ -32,7 +32,7 @@ use super::{Buffers, Failure};
 use crate::control::client::{Client, Session, SessionStats};
 use crate::control::error::{ControlError, Reason};
 use crate::control::fallback::{after_fallback, LinkWatch};
-use crate::control::jobs::{open_first, Sessions};
+use crate::control::jobs::{open_first, Kept, Sessions};
 use crate::control::link::resolve_transport;
 use crate::control::protocol::rails::LOOK_EVERY_NS;
 use crate::datapath::lend::{LendingPath, Loan, RailRegs};
@@ -91,25 +91,49 @@ impl Peers {
         false
     }
 
-    /// Make room for one more session: with `max` kept already, the one
-    /// unused longest (and unused now) is retired, as the pool of Copy's
-    /// warm sessions does.
-    pub(super) fn make_room(&self, max: usize) {
+    /// Close `l` to make room for another session (the pool's bound), if
+    /// nobody uses it (only the table and its driver hold it: taken under
+    /// the table's lock, as [`Peers::live`] takes one); whether it closed.
+    fn close_for_room(&self, l: &Arc<PeerLink>) -> bool {
         let gone = {
             let mut m = self.links.lock().unwrap();
-            if m.len() < max.max(1) {
-                return;
-            }
-            let oldest = m
-                .iter()
-                .filter(|(_, l)| Arc::strong_count(l) <= 2)
-                .min_by_key(|(_, l)| *l.last_used.lock().unwrap())
-                .map(|(k, _)| k.clone());
-            oldest.and_then(|k| m.remove(&k))
+            // The table's, the driver's and the caller's.
+            let unused = Arc::strong_count(l) <= 3;
+            unused && m.get(&l.key).is_some_and(|x| Arc::ptr_eq(x, l)) && m.remove(&l.key).is_some()
         };
-        if let Some(l) = gone {
+        if gone {
             tracing::info!(peer = %crate::escape::esc(&l.key.0), session = l.session_id, "buffer session closed: more sessions than --copy-sessions");
             l.retire("closed to make room for another peer's session".into());
+        }
+        gone
+    }
+}
+
+/// A buffer session as the pool of sessions to peers counts it.
+pub(super) struct Counted {
+    pub(super) bufs: std::sync::Weak<Buffers>,
+    pub(super) link: std::sync::Weak<PeerLink>,
+}
+
+impl Kept for Counted {
+    fn open(&self) -> bool {
+        self.link.upgrade().is_some_and(|l| l.dead().is_none())
+    }
+
+    fn unused_since(&self) -> Option<Instant> {
+        // The table's and the driver's: no operation holds it.
+        if self.link.strong_count() > 2 {
+            return None;
+        }
+        let l = self.link.upgrade()?;
+        let t = *l.last_used.lock().unwrap();
+        Some(t)
+    }
+
+    fn close_for_room(&self) -> bool {
+        match (self.bufs.upgrade(), self.link.upgrade()) {
+            (Some(b), Some(l)) => b.peers.close_for_room(&l),
+            _ => true,
         }
     }
 }
@@ -361,7 +385,10 @@ pub(super) async fn link(
         session: Mutex::new(Some(session)),
     });
     tracing::info!(peer = %crate::escape::esc(peer), check = check.name(), session = l.session_id, transport = %l.kind, rails = l.path.rails(), windows = session_windows, fell_back = l.fell_back.as_deref().unwrap_or(""), "buffer session to a peer");
-    bufs.peers.make_room(bufs.pool().max);
+    bufs.pool().count_in(Box::new(Counted {
+        bufs: Arc::downgrade(bufs),
+        link: Arc::downgrade(&l),
+    }));
     tokio::spawn(drive(bufs.clone(), l.clone()));
     bufs.peers.links.lock().unwrap().insert(key, l.clone());
     Ok((l, true))
@@ -422,7 +449,7 @@ async fn open_session(
 /// operations waiting and the link is dropped.
 async fn drive(bufs: Arc<Buffers>, d: Arc<PeerLink>) {
     let path = d.path.clone();
-    let idle = bufs.pool().idle;
+    let idle = bufs.pool().config().idle;
     // How often an unused session looks whether its idle time is up.
     let idle_look = (idle / 4).clamp(Duration::from_millis(50), Duration::from_secs(5));
     loop {

@@ -37,7 +37,7 @@ use crate::proto::{Direction, FileType};
 
 pub use paths::Paths;
 pub use policy::{open_first, run, run_over, Outcome, Sessions, Watcher};
-pub use pool::{Key, Pool, PoolConfig, WarmLease, DEFAULT_POOL_IDLE, DEFAULT_POOL_MAX};
+pub use pool::{Kept, Key, Pool, PoolConfig, WarmLease, DEFAULT_POOL_IDLE, DEFAULT_POOL_MAX};
 
 /// `HOST:PATH` (or `[v6]:PATH`) split into the rcpd address and the path.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -14,6 +14,11 @@
 //! it) is replaced by a fresh one once ([`Sessions::warm`]). rcpd's
 //! /metrics counts `rcpd_copy_sessions_opened_total`,
 //! `rcpd_copy_sessions_reused_total` and shows `rcpd_copy_sessions_warm`.
+//!
+//! The bound is rcpd's, over every session it keeps to peers: buffer
+//! operations' sessions ([`crate::control::buffers`]) are counted in too
+//! ([`Pool::count_in`], a [`Kept`] each), and making room closes the one
+//! unused longest of either kind.
 
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
@@ -89,6 +94,19 @@ struct Warm {
     since: Instant,
 }
 
+/// A session to a peer kept by another part of rcpd (a buffer session),
+/// counted against the pool's bound.
+pub trait Kept: Send + Sync {
+    /// Whether it is still open (a closed one no longer counts).
+    fn open(&self) -> bool;
+    /// When it was last used, if nothing uses it now (it may then be
+    /// closed to make room).
+    fn unused_since(&self) -> Option<Instant>;
+    /// Close it to make room, unless something took it meanwhile; whether
+    /// it closed.
+    fn close_for_room(&self) -> bool;
+}
+
 /// The pool (one per rcpd).
 pub struct Pool {
     cfg: PoolConfig,
@@ -96,6 +114,8 @@ pub struct Pool {
     metrics: OnceLock<Arc<Metrics>>,
     /// Least recently used first.
     warm: Mutex<Vec<Warm>>,
+    /// The other sessions the bound counts.
+    others: Mutex<Vec<Box<dyn Kept>>>,
 }
 
 impl Pool {
@@ -106,6 +126,7 @@ impl Pool {
             cfg,
             metrics: OnceLock::new(),
             warm: Mutex::new(Vec::new()),
+            others: Mutex::new(Vec::new()),
         });
         if cfg.keeps() {
             let weak = Arc::downgrade(&pool);
@@ -174,12 +195,69 @@ impl Pool {
                 session,
                 since: Instant::now(),
             });
-            let over = w.len().saturating_sub(self.cfg.max);
-            let evicted = w.drain(..over).collect();
+            let evicted = self.make_room(&mut w, 0);
             self.gauge(w.len());
             evicted
         };
         close_all(evicted);
+    }
+
+    /// Count `k` against the bound from now on (until it closes), making
+    /// room for it first.
+    pub fn count_in(&self, k: Box<dyn Kept>) {
+        let evicted = {
+            let mut w = self.warm.lock().unwrap();
+            let evicted = self.make_room(&mut w, 1);
+            self.gauge(w.len());
+            evicted
+        };
+        close_all(evicted);
+        self.others.lock().unwrap().push(k);
+    }
+
+    /// Sessions kept now, over both kinds.
+    pub fn kept(&self) -> usize {
+        let mut o = self.others.lock().unwrap();
+        o.retain(|k| k.open());
+        self.warm.lock().unwrap().len() + o.len()
+    }
+
+    /// Close the unused longest, of warm sessions (`w`, locked by the
+    /// caller) and the others, until `more` fit under the bound; the warm
+    /// ones taken out, for the caller to close. In use, the others are
+    /// left: the bound is then exceeded until they are done.
+    fn make_room(&self, w: &mut Vec<Warm>, more: usize) -> Vec<Warm> {
+        let mut out = Vec::new();
+        let mut o = self.others.lock().unwrap();
+        // A buffer operation needs its session even when none is kept.
+        let bound = self.cfg.max.max(more);
+        loop {
+            o.retain(|k| k.open());
+            if w.len() + o.len() + more <= bound {
+                return out;
+            }
+            // `w` is least recently used first.
+            let warm = w.first().map(|x| x.since);
+            let other = o
+                .iter()
+                .enumerate()
+                .filter_map(|(i, k)| Some((k.unused_since()?, i)))
+                .min();
+            match (warm, other) {
+                (Some(a), Some((b, i))) if b < a => {
+                    if !o[i].close_for_room() {
+                        return out;
+                    }
+                }
+                (Some(_), _) => out.push(w.remove(0)),
+                (None, Some((_, i))) => {
+                    if !o[i].close_for_room() {
+                        return out;
+                    }
+                }
+                (None, None) => return out,
+            }
+        }
     }
 
     /// Close the sessions unused for the idle time.
