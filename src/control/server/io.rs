@@ -72,14 +72,14 @@ impl FileHandle {
 /// rail of the session): an [`Exposed`] block (its bytes reachable only
 /// through [`revoke`](Self::revoke), which drops every registration
 /// first) and the window's permit.
-pub(super) struct Slot {
+pub(super) struct WindowSlot {
     block: Exposed<Block>,
     _permit: OwnedSemaphorePermit,
 }
 
-impl Slot {
+impl WindowSlot {
     pub fn new(block: Block, permit: OwnedSemaphorePermit) -> Self {
-        Slot {
+        WindowSlot {
             block: Exposed::new(block),
             _permit: permit,
         }
@@ -329,7 +329,7 @@ impl StreamIo {
     /// digests.
     pub fn grant(
         &self,
-        slot: &mut Slot,
+        slot: &mut WindowSlot,
         extents: &[proto::Extent],
         fill: Option<&HashMap<FileId, FileHandle>>,
         len: usize,
@@ -411,7 +411,7 @@ impl StreamIo {
     /// of those that do not.
     pub fn verify(
         &self,
-        slot: &mut Slot,
+        slot: &mut WindowSlot,
         extents: &[proto::Extent],
         expected: &[Digest],
         files: &HashMap<FileId, FileHandle>,
@@ -564,11 +564,11 @@ mod tests {
     use crate::mem::{Arena, ArenaConfig};
     use crate::provider::tcp::TcpDomain;
 
-    fn slot(pool: &crate::mem::BlockPool) -> Slot {
+    fn slot(pool: &crate::mem::BlockPool) -> WindowSlot {
         let permit = Arc::new(tokio::sync::Semaphore::new(1))
             .try_acquire_owned()
             .unwrap();
-        Slot::new(pool.take().unwrap(), permit)
+        WindowSlot::new(pool.take().unwrap(), permit)
     }
 
     /// A slot's bytes are handed out only after every grant of it is

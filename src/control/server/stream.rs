@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, TryAcquireError};
 use tonic::{Status, Streaming};
 
-use super::io::{FileHandle, Slot, StreamIo};
+use super::io::{FileHandle, StreamIo, WindowSlot};
 use super::limits::{ClientId, Watchdog};
 use super::session::MoveSlot;
 use super::Service;
@@ -32,7 +32,7 @@ enum Done {
     Granted {
         window: WindowId,
         round: u32,
-        slot: Option<Slot>,
+        slot: Option<WindowSlot>,
         /// Pull: the window was filled from the file (bytes moved).
         fill: bool,
         r: Result<Granted, Failure>,
@@ -43,7 +43,7 @@ enum Done {
     Verified {
         window: WindowId,
         round: u32,
-        slot: Slot,
+        slot: WindowSlot,
         r: Result<Vec<u32>, Failure>,
     },
     Hashed(FileId, Result<Vec<(u64, Digest)>, Failure>),
@@ -199,7 +199,7 @@ struct Driver {
     t0: Instant,
     tx: Tx,
     files: HashMap<FileId, FileInfo>,
-    slots: HashMap<WindowId, Slot>,
+    slots: HashMap<WindowId, WindowSlot>,
     done_tx: mpsc::UnboundedSender<Done>,
     done_rx: mpsc::UnboundedReceiver<Done>,
     /// The session's one stream: given back before the client can see
@@ -588,7 +588,7 @@ impl Driver {
                         return;
                     };
                     let block = svc.link.slots.take().expect("a permit per free slot");
-                    Slot::new(block, permit)
+                    WindowSlot::new(block, permit)
                 }
             };
             let r = tokio::task::spawn_blocking(move || {
@@ -638,7 +638,7 @@ impl Driver {
             None => match self.svc.slots.clone().try_acquire_owned() {
                 Ok(permit) => {
                     let block = self.svc.link.slots.take().expect("a permit per free slot");
-                    Slot::new(block, permit)
+                    WindowSlot::new(block, permit)
                 }
                 Err(_) => return false,
             },

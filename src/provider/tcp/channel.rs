@@ -27,7 +27,7 @@ const SPLIT_BYTES: u64 = 256 << 10;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// One posted request as the channel tracks it until it is retired.
-struct Slot {
+struct Posted {
     wr_id: u64,
     signaled: bool,
     /// The target acknowledged it (and its READ payload has landed).
@@ -39,7 +39,7 @@ struct Slot {
     landing: bool,
 }
 
-impl Slot {
+impl Posted {
     /// Local memory is being touched: no completion may hand the buffer
     /// back to the caller yet.
     fn busy(&self) -> bool {
@@ -51,7 +51,7 @@ struct State {
     next_seq: u64,
     /// Outstanding requests by post sequence number. The first entry is the
     /// oldest not yet acknowledged: everything before it has succeeded.
-    slots: BTreeMap<u64, Slot>,
+    slots: BTreeMap<u64, Posted>,
     /// The channel is in the error state (like an RC QP in ERR).
     broken: bool,
     /// Why the channel broke, when no request could carry it at the time:
@@ -117,7 +117,7 @@ impl Shared {
     /// Report `culprit` and, on the first error, put the channel in the
     /// error state: every other outstanding request is flushed (those whose
     /// local memory is being copied right now are flushed by whoever copies
-    /// it, once done: see [`Slot::busy`]) and the connections are cut.
+    /// it, once done: see [`Posted::busy`]) and the connections are cut.
     fn fail(&self, st: &mut State, culprit: Option<WorkCompletion>) {
         if let Some(c) = culprit {
             st.cq.push_back(c);
@@ -452,7 +452,7 @@ impl Channel for TcpChannel {
     /// request is retired. WRITE payloads are copied out of it before `post`
     /// returns; READ payloads are copied into it by a reader thread, before
     /// the completion that retires the request is reported (a request whose
-    /// payload is still landing is never flushed early: [`Slot::busy`]).
+    /// payload is still landing is never flushed early: [`Posted::busy`]).
     unsafe fn post(&self, wrs: &[WorkRequest]) -> Result<(), PostFailure> {
         if wrs.is_empty() {
             return Ok(());
@@ -496,7 +496,7 @@ impl Channel for TcpChannel {
             for (i, (wr, _, _)) in ok.iter().enumerate() {
                 st.slots.insert(
                     first + i as u64,
-                    Slot {
+                    Posted {
                         wr_id: wr.wr_id,
                         signaled: wr.signaled,
                         done: false,
