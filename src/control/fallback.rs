@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use crate::control::error::{ControlError, Reason};
 use crate::control::link::Transport;
-use crate::control::protocol::rails::RailWatch;
+use crate::control::protocol::rail_watch::RailWatch;
 use crate::control::protocol::Failure;
 use crate::provider::ProviderKind;
 

@@ -34,7 +34,7 @@ use crate::control::error::{ControlError, Reason};
 use crate::control::fallback::{after_fallback, LinkWatch};
 use crate::control::jobs::{open_first, Kept, Sessions};
 use crate::control::link::resolve_transport;
-use crate::control::protocol::rails::LOOK_EVERY_NS;
+use crate::control::protocol::rail_watch::LOOK_EVERY_NS;
 use crate::datapath::lend::{LendingPath, Loan, RailRegs};
 use crate::datapath::{DataPathError, DpEvent};
 use crate::engine::WcStatus;

@@ -2,7 +2,7 @@
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
-use super::rails::RailWatch;
+use super::rail_watch::RailWatch;
 use super::{
     Bitmap, Digest, DigestChain, Failure, FileId, FrameKind, FrameSeq, IdSet, Liveness, Params,
     Reason, SeqCheck, Side, Violation, WindowId,

@@ -57,7 +57,7 @@
 pub mod buffer;
 mod client;
 pub mod negotiate;
-pub mod rails;
+pub mod rail_watch;
 mod server;
 #[cfg(test)]
 mod tests;

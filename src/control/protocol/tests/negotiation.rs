@@ -3,7 +3,7 @@ use crate::control::protocol::negotiate::{
     keepalive_for, DEFAULT_MAX_RETRIES, MAX_RETRIES, MAX_TIMEOUT_NS, MAX_WINDOWS, MIN_BLOCK_SIZE,
     MIN_KEEPALIVE_NS, MIN_TIMEOUT_NS,
 };
-use crate::control::protocol::rails::every_rail_failed;
+use crate::control::protocol::rail_watch::every_rail_failed;
 use crate::control::rails::MAX_QPS_PER_RAIL;
 use crate::files::Check;
 use crate::provider::ProviderKind;
