@@ -70,18 +70,14 @@ pub struct RailStats {
     pub port_waits: AtomicU64,
     /// Gauge: free send-queue entries of the rail.
     pub sq_free: AtomicU64,
-    /// Gauge: the rail's state, [`RailStats::STATES`] index.
+    /// Gauge: the rail's state, its [`RailState::index`].
     pub state: AtomicU64,
 }
 
 impl RailStats {
-    /// The values of the `state` gauge, by index.
-    pub const STATES: [&'static str; 5] =
-        ["running", "flushing", "needs_reconnect", "paused", "down"];
-
-    /// The `state` gauge's label.
+    /// The `state` gauge's label ([`RailState::LABELS`]).
     pub fn state_label(&self) -> &'static str {
-        Self::STATES
+        RailState::LABELS
             .get(self.state.load(Relaxed) as usize)
             .copied()
             .unwrap_or("unknown")
@@ -97,11 +93,7 @@ impl RailStats {
     pub fn publish(&self, c: &Counters, sq_free: u64, state: RailState) {
         self.counters.store(c);
         self.sq_free.store(sq_free, Relaxed);
-        let i = Self::STATES
-            .iter()
-            .position(|&l| l == state.label())
-            .unwrap_or(0);
-        self.state.store(i as u64, Relaxed);
+        self.state.store(state.index() as u64, Relaxed);
     }
 }
 

@@ -543,7 +543,8 @@ impl Metrics {
                 if gone {
                     self.rail_up.remove(&l);
                 } else {
-                    let up = rail.state_label() == RailStats::STATES[0];
+                    let up =
+                        rail.state_label() == crate::engine::stream::RailState::Running.label();
                     self.rail_up.get_or_create(&l).set(i64::from(up));
                 }
             }

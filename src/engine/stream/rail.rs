@@ -189,15 +189,24 @@ impl RailState {
         matches!(self, RailState::Down | RailState::Paused { .. })
     }
 
+    /// Every state's label ([`RailState::label`]), by [`RailState::index`].
+    pub const LABELS: [&'static str; 5] =
+        ["running", "flushing", "needs_reconnect", "paused", "down"];
+
+    /// The state's index in [`RailState::LABELS`] (a metrics gauge's value).
+    pub fn index(self) -> usize {
+        match self {
+            RailState::Running => 0,
+            RailState::Flushing => 1,
+            RailState::NeedsReconnect => 2,
+            RailState::Paused { .. } => 3,
+            RailState::Down => 4,
+        }
+    }
+
     /// A short stable label for logs and metrics.
     pub fn label(self) -> &'static str {
-        match self {
-            RailState::Running => "running",
-            RailState::Flushing => "flushing",
-            RailState::NeedsReconnect => "needs_reconnect",
-            RailState::Paused { .. } => "paused",
-            RailState::Down => "down",
-        }
+        Self::LABELS[self.index()]
     }
 }
 
