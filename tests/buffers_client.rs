@@ -696,15 +696,21 @@ fn peer_said(peer: &str, message: &str) -> usize {
         .count()
 }
 
-/// Sessions to peer rcpds follow Copy's warm-session policy: one unused
-/// for `--copy-session-idle` is closed (the next operation opens a new
-/// one), and with `--copy-sessions` of them kept, opening another closes
-/// the one unused longest.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn peer_sessions_expire_when_idle_and_are_bounded() {
-    let dir = tempfile::tempdir().unwrap();
+/// Two peer rcpds (A, B) and an initiating one that may dial both, its
+/// sessions to peers kept by `pool`, its `/metrics` served.
+struct Three {
+    a: Daemon,
+    a_sock: std::path::PathBuf,
+    b: Daemon,
+    b_sock: std::path::PathBuf,
+    init: Daemon,
+    init_sock: std::path::PathBuf,
+    init_root: std::path::PathBuf,
+}
+
+async fn three(dir: &std::path::Path, pool: rcp::control::jobs::PoolConfig) -> Three {
     let mk = |n: &str| {
-        let d = dir.path().join(n);
+        let d = dir.join(n);
         std::fs::create_dir(&d).unwrap();
         d
     };
@@ -712,17 +718,46 @@ async fn peer_sessions_expire_when_idle_and_are_bounded() {
     let (a, a_sock) = start_rcpd(&a_dir).await;
     let (b, b_sock) = start_rcpd(&b_dir).await;
     // The recorder is installed at the first look.
-    assert!(peer_log(&a.addr).is_empty());
+    assert!(peer_log(&a.addr).is_empty() && peer_log(&b.addr).is_empty());
     let init_root = init_dir.join("root");
     std::fs::create_dir(&init_root).unwrap();
     let init_sock = init_dir.join("rcpd.sock");
     let mut cfg = config(&init_root, &init_sock);
     cfg.copy_peers = vec![a.addr.parse().unwrap(), b.addr.parse().unwrap()];
-    cfg.copy_pool = rcp::control::jobs::PoolConfig {
+    cfg.copy_pool = pool;
+    cfg.metrics_listen = Some("127.0.0.1:0".parse().unwrap());
+    let init = Daemon::start(cfg).await;
+    Three {
+        a,
+        a_sock,
+        b,
+        b_sock,
+        init,
+        init_sock,
+        init_root,
+    }
+}
+
+/// Sessions to peer rcpds follow Copy's warm-session policy: one unused
+/// for `--copy-session-idle` is closed (the next operation opens a new
+/// one), and with `--copy-sessions` of them kept, opening another closes
+/// the one unused longest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peer_sessions_expire_when_idle_and_are_bounded() {
+    let dir = tempfile::tempdir().unwrap();
+    let pool = rcp::control::jobs::PoolConfig {
         idle: Duration::from_millis(300),
         max: 1,
     };
-    let init = Daemon::start(cfg).await;
+    let Three {
+        a,
+        a_sock,
+        b,
+        b_sock,
+        init,
+        init_sock,
+        ..
+    } = three(dir.path(), pool).await;
     let (_oa, _da) = exposed(&a_sock, "a").await;
     let (_ob, _db) = exposed(&b_sock, "b").await;
     let writer = ServiceClient::connect(Some(&init_sock), None)
@@ -786,26 +821,19 @@ async fn peer_sessions_expire_when_idle_and_are_bounded() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn copy_and_buffer_sessions_share_one_bound() {
     let dir = tempfile::tempdir().unwrap();
-    let mk = |n: &str| {
-        let d = dir.path().join(n);
-        std::fs::create_dir(&d).unwrap();
-        d
-    };
-    let (a_dir, b_dir, init_dir) = (mk("a"), mk("b"), mk("init"));
-    let (a, _a_sock) = start_rcpd(&a_dir).await;
-    let (b, b_sock) = start_rcpd(&b_dir).await;
-    assert!(peer_log(&b.addr).is_empty());
-    let init_root = init_dir.join("root");
-    std::fs::create_dir(&init_root).unwrap();
-    let init_sock = init_dir.join("rcpd.sock");
-    let mut cfg = config(&init_root, &init_sock);
-    cfg.copy_peers = vec![a.addr.parse().unwrap(), b.addr.parse().unwrap()];
-    cfg.copy_pool = rcp::control::jobs::PoolConfig {
+    let pool = rcp::control::jobs::PoolConfig {
         idle: HANG_GUARD,
         max: 1,
     };
-    cfg.metrics_listen = Some("127.0.0.1:0".parse().unwrap());
-    let init = Daemon::start(cfg).await;
+    let Three {
+        a,
+        b,
+        b_sock,
+        init,
+        init_sock,
+        init_root,
+        ..
+    } = three(dir.path(), pool).await;
     let (_ob, _db) = exposed(&b_sock, "b").await;
     let writer = ServiceClient::connect(Some(&init_sock), None)
         .await

@@ -145,14 +145,15 @@ impl Session {
         self.read_on(&*self.ch, addr, rkey, len)
     }
 
+    /// A free window of the link's staging.
+    fn staging_window(&self) -> rcp::mem::Block {
+        let pool = self.link.slots.as_ref().expect("the link maps staging");
+        pool.take().expect("a free staging window")
+    }
+
     /// WRITE `data` to (addr, rkey) on `ch` (a channel of this client).
     pub fn write_on(&self, ch: &dyn Channel, addr: u64, rkey: u32, data: &[u8]) -> WcStatus {
-        let mut slot = self
-            .link
-            .slots
-            .as_ref()
-            .and_then(|p| p.take())
-            .expect("a free staging window");
+        let mut slot = self.staging_window();
         slot.as_mut_slice()[..data.len()].copy_from_slice(data);
         let st = self.post(ch, OpKind::Write, slot.addr(), data.len(), addr, rkey);
         drop(slot);
@@ -167,12 +168,7 @@ impl Session {
         rkey: u32,
         len: usize,
     ) -> (WcStatus, Vec<u8>) {
-        let mut slot = self
-            .link
-            .slots
-            .as_ref()
-            .and_then(|p| p.take())
-            .expect("a free staging window");
+        let mut slot = self.staging_window();
         slot.as_mut_slice()[..len].fill(0);
         let st = self.post(ch, OpKind::Read, slot.addr(), len, addr, rkey);
         (st, slot.as_slice()[..len].to_vec())
