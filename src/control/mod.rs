@@ -109,8 +109,8 @@ pub const VERSION_MAJOR: u32 = 2;
 pub const VERSION_MINOR: u32 = 3;
 /// Default gRPC port of rcpd.
 pub const DEFAULT_PORT: u16 = 7471;
-/// Default block size.
-pub const DEFAULT_BLOCK_SIZE: u64 = 1 << 20;
+/// Default block size: the one of [`crate::files`].
+pub use crate::files::DEFAULT_BLOCK_SIZE;
 /// Files one session may have open at once: rcpd's `--max-open-files` when
 /// not given, and rcp's `--transfers`, which asks for as many. A file holds
 /// its place from its open until its commit, so this is also how deep a

@@ -70,8 +70,10 @@ use super::root::{list_fd, DirHandle, FileKind, Timestamp};
 use super::{temp_name, temp_prefix};
 use crate::escape::esc;
 
-/// Default block size when the caller has no opinion (4 MiB).
-pub const DEFAULT_BLOCK_SIZE: u64 = 4 << 20;
+/// Default block size when the caller has no opinion (1 MiB): a copy's
+/// (`rcp --block-size`, rcpd's answer to a client asking 0) and a
+/// [`Destination`]'s alike.
+pub const DEFAULT_BLOCK_SIZE: u64 = 1 << 20;
 
 /// `-p`: what to apply to the file before it is renamed into place.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
