@@ -254,7 +254,7 @@ impl LendingPath {
     }
 
     /// Check `job` against its loan, registrations and rkeys per rail.
-    fn check(
+    fn validate(
         &self,
         job: &WindowJob,
         loan: &Loan,
@@ -326,7 +326,7 @@ impl LendingPath {
         rail_rkeys: &[u32],
     ) -> Result<(), LendError> {
         let loan = loan.into();
-        self.check(&job, &loan, &regs, rail_rkeys)?;
+        self.validate(&job, &loan, &regs, rail_rkeys)?;
         let id = job.id;
         {
             let mut held = self.lent.lock().unwrap();

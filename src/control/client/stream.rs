@@ -72,7 +72,7 @@ const BATCH_ANSWERS: usize = 16;
 
 /// A window in the data path (its staging block is the lending path's
 /// until the window's end).
-struct Lent {
+struct InFlight {
     /// WRITE (push: the device reads the slot) or READ (pull: it fills
     /// it).
     op: OpKind,
@@ -88,7 +88,7 @@ struct Driver<'a> {
     out: Option<mpsc::UnboundedSender<ClientFrame>>,
     jobs: HashMap<FileId, (FileJob, Instant)>,
     locals: HashMap<FileId, Local>,
-    lent: HashMap<u64, Lent>,
+    in_flight: HashMap<u64, InFlight>,
     done_tx: mpsc::UnboundedSender<Done>,
     done_rx: mpsc::UnboundedReceiver<Done>,
     /// Push: sources checked by the job that filled their window (files it
@@ -210,7 +210,7 @@ impl<'a> Driver<'a> {
             out: Some(out),
             jobs: HashMap::new(),
             locals: HashMap::new(),
-            lent: HashMap::new(),
+            in_flight: HashMap::new(),
             done_tx,
             done_rx,
             prechecked: HashMap::new(),
@@ -658,7 +658,7 @@ impl Driver<'_> {
         crate::phase::first_window();
         match r {
             Ok(()) => {
-                self.lent.insert(id, Lent { op, grant, digests });
+                self.in_flight.insert(id, InFlight { op, grant, digests });
             }
             Err(e) => {
                 let f = match e {
@@ -673,7 +673,7 @@ impl Driver<'_> {
     fn data_path(&mut self, ev: DpEvent, loan: Option<Loan>, obs: &dyn Observer) {
         match ev {
             DpEvent::WindowDone { id } => {
-                let Some(l) = self.lent.remove(&id) else {
+                let Some(l) = self.in_flight.remove(&id) else {
                     return;
                 };
                 let Some(slot) = loan.and_then(Loan::into_block) else {
