@@ -23,7 +23,7 @@
 //!    `-p` the source's, else the replaced file's or the source's masked by the
 //!    umask) and, with `-p`, its mtime. No fsync, no rename: the result is a
 //!    [`Sealed`] file.
-//! 4. [`publish`] a batch of sealed files: their data is made durable in as few calls
+//! 4. [`publish`](super::publish::publish) a batch of sealed files: their data is made durable in as few calls
 //!    as possible (one `syncfs` per file system holding several of them, `fdatasync`
 //!    for a file alone on its file system), THEN each is renamed over its final name
 //!    (an existing file there is replaced only now, atomically), THEN each distinct
@@ -110,7 +110,7 @@ pub struct DestinationOptions {
     pub check: Check,
     /// Also compute the flat whole-file SHA-256 (the `sha256sum` value) while the
     /// blocks are written, and return it from [`Destination::seal`] /
-    /// [`publish`]. Off by default: it is a second, serial pass over every byte.
+    /// [`publish`](super::publish::publish). Off by default: it is a second, serial pass over every byte.
     pub flat_sha256: bool,
     /// Write the manifest after this many newly verified blocks...
     pub manifest_every_blocks: u64,
@@ -143,13 +143,13 @@ impl Default for DestinationOptions {
 
 /// A file being received; see the module doc.
 pub struct Destination {
-    dir: DirHandle,
+    pub(super) dir: DirHandle,
     /// The temp file, buffered: reads, the unaligned writes, syncs.
     file: File,
     /// Its `O_DIRECT` twin, for the aligned writes, where allowed.
     direct: DirectWrites,
-    manifest_name: OsString,
-    manifest: Manifest,
+    pub(super) manifest_name: OsString,
+    pub(super) manifest: Manifest,
     opts: DestinationOptions,
     /// The flat SHA-256, with [`DestinationOptions::flat_sha256`] only.
     flat: Option<StreamingFileDigest>,
@@ -157,7 +157,7 @@ pub struct Destination {
     deferred: BTreeMap<u64, u64>,
     unsaved: u64,
     last_save: Instant,
-    finished: bool,
+    pub(super) finished: bool,
     /// The permission bits of the file at the final name when this
     /// destination was made, if one was there (kept without `-p`).
     existing_mode: Option<u32>,
@@ -683,7 +683,7 @@ impl Destination {
 
     /// Verify without publishing: every block recorded, the file digest derived from
     /// the recorded block digests equal to `expected`, `-p` applied. No fsync, no
-    /// rename: [`publish`] does those, for many files at once. On a digest mismatch
+    /// rename: [`publish`](super::publish::publish) does those, for many files at once. On a digest mismatch
     /// the temp file (and manifest) is removed; on other errors the destination is
     /// dropped (kept for resume if it keeps a manifest, else removed).
     pub fn seal(self, expected: Sha256Digest) -> Result<Sealed> {
@@ -780,12 +780,12 @@ impl Destination {
             .map_err(|e| io_err("chmod", self.temp_path(), e))
     }
 
-    /// [`seal`](Self::seal) and [`publish`] this one file.
+    /// [`seal`](Self::seal) and [`publish`](super::publish::publish) this one file.
     pub fn commit(self, expected: Sha256Digest) -> Result<Published> {
         self.seal(expected)?.publish()
     }
 
-    /// [`seal_flat`](Self::seal_flat) and [`publish`] this one file. On success the
+    /// [`seal_flat`](Self::seal_flat) and [`publish`](super::publish::publish) this one file. On success the
     /// [`Published::flat_sha256`] is always `Some` (and equal to `expected_flat`).
     pub fn commit_flat(self, expected_flat: Sha256Digest) -> Result<Published> {
         self.seal_flat(expected_flat)?.publish()
@@ -793,7 +793,7 @@ impl Destination {
 
     /// Make this file's data durable on its own: `fdatasync`, or `fsync` when `-p`
     /// changed its mode and times.
-    fn sync_file(&self) -> Result<()> {
+    pub(super) fn sync_file(&self) -> Result<()> {
         let r = if self.opts.preserve.is_some() {
             self.file.sync_all()
         } else {
@@ -845,14 +845,14 @@ impl Drop for Destination {
 }
 
 /// A verified file waiting to be published: every block present, its digest
-/// matched, `-p` applied, still under its temp name. Give it to [`publish`] (with
+/// matched, `-p` applied, still under its temp name. Give it to [`publish`](super::publish::publish) (with
 /// others). Dropped unpublished, it is kept for resume if it keeps a manifest
 /// ([`Destination::keeps_manifest`]), else removed, as a [`Destination`] is.
 #[derive(Debug)]
 pub struct Sealed {
-    dest: Destination,
-    derived: Sha256Digest,
-    flat: Option<Sha256Digest>,
+    pub(super) dest: Destination,
+    pub(super) derived: Sha256Digest,
+    pub(super) flat: Option<Sha256Digest>,
 }
 
 impl Sealed {
@@ -876,15 +876,11 @@ impl Sealed {
     pub fn flat_sha256(&self) -> Option<Sha256Digest> {
         self.flat
     }
-    /// [`publish`] this one file.
-    pub fn publish(self) -> Result<Published> {
-        publish(vec![self]).pop().expect("one result per file")
-    }
     /// Give up: remove the temp file and its manifest.
     pub fn abort(self) {
         self.dest.abort()
     }
-    fn published(&self) -> Published {
+    pub(super) fn published(&self) -> Published {
         Published {
             path: self.final_path(),
             len: self.len(),
@@ -904,158 +900,6 @@ pub struct Published {
     pub derived_digest: Sha256Digest,
     /// The flat whole-file SHA-256, with [`DestinationOptions::flat_sha256`].
     pub flat_sha256: Option<Sha256Digest>,
-}
-
-/// Publish sealed files: results in the order given.
-///
-/// 1. Their data is made durable: one `syncfs(2)` per file system that holds
-///    several of them (file systems told apart by the `st_dev` of the files'
-///    directories), `fdatasync` (`fsync` with `-p`) for a file alone on its file
-///    system. If a `syncfs` fails, each of its files is synced on its own, so only
-///    the ones whose data did not reach the disk fail.
-/// 2. THEN each file that is durable is renamed over its final name (an existing
-///    file there is replaced atomically; a directory there fails that file with
-///    [`FileError::IsADirectory`]).
-/// 3. THEN each distinct parent directory of a renamed file is fsynced once (if that
-///    fails, its files are already under their final names, durable in content, and
-///    get the error).
-/// 4. Then their manifests are removed.
-///
-/// A file that fails any step is not published (never visible under its final name
-/// unless step 3 failed) and does not stop the others; it is dropped like a
-/// [`Destination`]: kept with its manifest for resume if it keeps one, else removed.
-pub fn publish(sealed: Vec<Sealed>) -> Vec<Result<Published>> {
-    let mut results: Vec<Option<Result<Published>>> = (0..sealed.len()).map(|_| None).collect();
-    let mut slots: Vec<Option<Sealed>> = sealed.into_iter().map(Some).collect();
-
-    // Each file's directory, one entry per distinct directory.
-    let mut dirs: Vec<DirInfo> = Vec::new();
-    let mut dir_of = Vec::with_capacity(slots.len());
-    let stat_dirs = slots.len() > 1;
-    for s in slots.iter().flatten() {
-        dir_of.push(DirInfo::index(&mut dirs, &s.dest.dir, stat_dirs));
-    }
-
-    // 1. Durable data.
-    let mut groups: Vec<(Option<u64>, Vec<usize>)> = Vec::new();
-    for (i, &d) in dir_of.iter().enumerate() {
-        let dev = dirs[d].id.map(|(dev, _)| dev);
-        match groups.iter_mut().find(|(g, _)| g.is_some() && *g == dev) {
-            Some((_, members)) => members.push(i),
-            None => groups.push((dev, vec![i])),
-        }
-    }
-    for (_, members) in &groups {
-        let synced_together = members.len() > 1 && {
-            let any = slots[members[0]].as_ref().expect("not yet taken");
-            match rfs::syncfs(any.dest.dir.fd()) {
-                Ok(()) => true,
-                Err(e) => {
-                    tracing::warn!(dir = %esc(any.dest.dir.display().display()), error = %e,
-                        "syncfs failed; syncing the files of the batch one by one");
-                    false
-                }
-            }
-        };
-        if synced_together {
-            continue;
-        }
-        for &i in members {
-            let s = slots[i].as_ref().expect("not yet taken");
-            if let Err(e) = s.dest.sync_file() {
-                results[i] = Some(Err(e));
-                slots[i] = None; // dropped: suspended or removed
-            }
-        }
-    }
-
-    // 2. Rename into place.
-    let mut renamed_in = vec![false; dirs.len()];
-    for (i, slot) in slots.iter_mut().enumerate() {
-        let Some(s) = slot.as_mut() else { continue };
-        let d = &mut s.dest;
-        match rfs::renameat(
-            d.dir.fd(),
-            &d.manifest.temp_name,
-            d.dir.fd(),
-            &d.manifest.final_name,
-        ) {
-            Ok(()) => {
-                d.finished = true;
-                renamed_in[dir_of[i]] = true;
-            }
-            Err(e) => {
-                let path = d.final_path();
-                results[i] = Some(Err(match e {
-                    Errno::ISDIR | Errno::NOTEMPTY | Errno::EXIST => {
-                        tracing::debug!(error = %e, "rename over a directory");
-                        FileError::IsADirectory { path }
-                    }
-                    e => io_err("rename into place", path, e),
-                }));
-                *slot = None;
-            }
-        }
-    }
-
-    // 3. The new names, durable.
-    let mut dir_err: Vec<Option<rustix::io::Errno>> = vec![None; dirs.len()];
-    for (d, info) in dirs.iter().enumerate() {
-        if renamed_in[d] {
-            dir_err[d] = rfs::fsync(info.handle.fd()).err();
-        }
-    }
-
-    // 4. Manifests go; results.
-    for (i, slot) in slots.iter_mut().enumerate() {
-        let Some(s) = slot.take() else { continue };
-        if s.dest.keeps_manifest() {
-            let _ = rfs::unlinkat(s.dest.dir.fd(), &s.dest.manifest_name, AtFlags::empty());
-        }
-        let info = &dirs[dir_of[i]];
-        results[i] = Some(match dir_err[dir_of[i]] {
-            None => Ok(s.published()),
-            Some(e) => Err(io_err(
-                "fsync directory (file renamed into place)",
-                info.handle.display(),
-                e,
-            )),
-        });
-    }
-    results
-        .into_iter()
-        .map(|r| r.expect("every file has a result"))
-        .collect()
-}
-
-/// A directory of files being published.
-struct DirInfo {
-    handle: DirHandle,
-    /// `(st_dev, st_ino)`, when looked at.
-    id: Option<(u64, u64)>,
-}
-
-impl DirInfo {
-    /// The index in `dirs` of `dir` (same handle, or the same directory by
-    /// device and inode when `stat`), added if new.
-    fn index(dirs: &mut Vec<DirInfo>, dir: &DirHandle, stat: bool) -> usize {
-        if let Some(i) = dirs.iter().position(|d| d.handle.same_handle(dir)) {
-            return i;
-        }
-        #[allow(clippy::unnecessary_cast)]
-        let id = stat
-            .then(|| rfs::fstat(dir.fd()).ok())
-            .flatten()
-            .map(|st| (st.st_dev as u64, st.st_ino as u64));
-        if let Some(i) = dirs.iter().position(|d| id.is_some() && d.id == id) {
-            return i;
-        }
-        dirs.push(DirInfo {
-            handle: dir.clone(),
-            id,
-        });
-        dirs.len() - 1
-    }
 }
 
 /// Why manifest `m` (of temp `temp`) cannot resume `source` under `opts`,

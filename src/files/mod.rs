@@ -83,13 +83,14 @@ pub mod manifest;
 pub mod mode;
 pub mod partials;
 pub mod path;
+pub mod publish;
 pub mod reader;
 pub mod root;
 pub mod tree;
 pub mod write_behind;
 
 pub use commit::{
-    publish, Destination, DestinationOptions, Preserve, Published, Sealed, DEFAULT_BLOCK_SIZE,
+    Destination, DestinationOptions, Preserve, Published, Sealed, DEFAULT_BLOCK_SIZE,
 };
 pub use digest::{
     block_digest, digest_blocks_parallel, digests_alongside, file_digest, file_digest_with,
@@ -100,6 +101,7 @@ pub use direct::WriteStats;
 pub use error::{DigestError, FileError, ManifestError, PathError, Result};
 pub use manifest::{Manifest, SourceId};
 pub use path::{normalize, symlink_target_within, RelPath};
+pub use publish::publish;
 pub use reader::{IoMode, ReadStats, SourceFile, DIRECT_ALIGN, DIRECT_READ_FROM};
 pub use root::{DirHandle, FileKind, FileMeta, ListEntry, Resolver, Root, Timestamp};
 pub use tree::{resolve_destination, walk, Entry, EntryKind, Skipped, Tree};
