@@ -11,6 +11,7 @@ use std::collections::{BTreeSet, HashMap};
 use proptest::prelude::*;
 
 use super::*;
+use crate::engine::batch::BatchPolicy;
 
 const SLOT: u64 = 4096;
 

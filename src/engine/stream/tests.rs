@@ -7,6 +7,7 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 use proptest::prelude::*;
 
 use super::*;
+use crate::engine::batch::BatchPolicy;
 
 const SLOT: u64 = 4096;
 
