@@ -337,11 +337,6 @@ impl PortWatcher {
         self.shared.state.lock().unwrap().active_at
     }
 
-    /// Whether DEVICE_FATAL was seen (the context must be reopened).
-    pub fn is_fatal(&self) -> bool {
-        self.shared.state.lock().unwrap().fatal
-    }
-
     /// Events read so far (all kinds, all ports).
     pub fn events_seen(&self) -> u64 {
         self.shared.events.load(Ordering::Relaxed)
