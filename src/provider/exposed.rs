@@ -79,17 +79,6 @@ impl<M: Exposable> Exposed<M> {
         self.regs.is_empty().then_some(&self.mem)
     }
 
-    /// Whether a grant is live.
-    pub fn granted(&self) -> bool {
-        !self.regs.is_empty()
-    }
-
-    /// The memory, its grants revoked.
-    pub fn into_inner(mut self) -> M {
-        self.regs.clear();
-        self.mem
-    }
-
     /// Revoke what was granted before, then lend the first `len` bytes to
     /// the peer with `access` through each of `domains` (a memory window
     /// bound to the session's QP, or a registration in its PD, per rail):
@@ -164,7 +153,6 @@ mod tests {
             .unwrap();
         assert_eq!(regs.len(), 1);
         assert!(x.get().is_none(), "nothing while granted");
-        assert!(x.granted());
         let e = x
             .grant(
                 [&*d as &dyn Domain],
@@ -174,11 +162,11 @@ mod tests {
             )
             .unwrap_err();
         assert!(e.to_string().contains("cannot be lent"), "{e}");
-        assert!(!x.granted(), "a failed grant leaves nothing granted");
+        assert!(x.get().is_some(), "a failed grant leaves nothing granted");
         x.grant([&*d as &dyn Domain], 4096, Access::REMOTE_READ, None)
             .unwrap();
         x.revoke().as_mut_slice()[0] = 1;
-        assert!(!x.granted());
+        assert!(x.get().is_some());
     }
 
     #[test]
@@ -210,7 +198,7 @@ mod tests {
         y.grant([&*d as &dyn Domain], 8192, Access::REMOTE_WRITE, None)
             .unwrap();
         assert!(y.get().is_none());
-        drop(y.into_inner());
+        drop(y);
         assert_eq!(buf.leases_live(), 1, "the shared one is still held");
     }
 }

@@ -38,8 +38,6 @@ struct GrantState {
     /// Each range's lease and, while the round grants it, its
     /// registrations (one per rail): its bytes reachable only revoked.
     ranges: Vec<Exposed<LeasedRange>>,
-    /// Each range's (offset, length) in the buffer.
-    at: Vec<(u64, u64)>,
     /// Each range's digest: read, those sent with the grant; write, those
     /// of what landed, as each range is verified.
     digests: Vec<Vec<u8>>,
@@ -270,10 +268,6 @@ pub fn grant(
     } else {
         digests(check, &ranges)
     };
-    let at = ranges
-        .iter()
-        .map(|r| (r.lease().offset(), r.lease().len()))
-        .collect();
     let mut ranges: Vec<Exposed<LeasedRange>> = ranges.into_iter().map(Exposed::new).collect();
     let all: Vec<u32> = (0..ranges.len() as u32).collect();
     let out = register(&exp, session, &mut ranges, &all, write, &req.name)?;
@@ -297,7 +291,6 @@ pub fn grant(
         id,
         Entry::Live(Box::new(GrantState {
             ranges,
-            at,
             digests,
             core,
             session: session_id,
@@ -563,7 +556,7 @@ pub fn done(
     let again = match g.core.verified(bufs.grants.now(), bad, session.is_some()) {
         GrantNext::Regrant(bad) => bad,
         GrantNext::End { bad } => {
-            tell_owner(&g, &bad);
+            tell_owner(&mut g, &bad);
             ended(g);
             return Ok(proto::BufferDoneResponse {
                 bad,
@@ -640,7 +633,7 @@ fn regrant(
 
 /// The owner's event for the ended grant: every range with its digest,
 /// the ranges granted again, and which did not match in the end.
-fn tell_owner(g: &GrantState, bad: &[u32]) {
+fn tell_owner(g: &mut GrantState, bad: &[u32]) {
     let error = (!bad.is_empty()).then(|| ErrorBody {
         reason: ServiceReason::Integrity,
         message: format!(
@@ -656,10 +649,11 @@ fn tell_owner(g: &GrantState, bad: &[u32]) {
         name: g.name.clone(),
         peer: g.peer.clone(),
         ranges: g
-            .at
-            .iter()
+            .ranges
+            .iter_mut()
+            .map(|r| r.revoke().lease())
             .zip(&g.digests)
-            .map(|(&(o, n), d)| (o, n, hex(d)))
+            .map(|(l, d)| (l.offset(), l.len(), hex(d)))
             .collect(),
         message: g.message.clone(),
         check: g.check.name().to_string(),

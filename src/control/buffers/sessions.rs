@@ -110,9 +110,9 @@ impl Peers {
 }
 
 /// A buffer session as the pool of sessions to peers counts it.
-pub(super) struct Counted {
-    pub(super) bufs: std::sync::Weak<Buffers>,
-    pub(super) link: std::sync::Weak<PeerLink>,
+struct Counted {
+    bufs: std::sync::Weak<Buffers>,
+    link: std::sync::Weak<PeerLink>,
 }
 
 impl Kept for Counted {

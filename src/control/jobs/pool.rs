@@ -215,13 +215,6 @@ impl Pool {
         self.others.lock().unwrap().push(k);
     }
 
-    /// Sessions kept now, over both kinds.
-    pub fn kept(&self) -> usize {
-        let mut o = self.others.lock().unwrap();
-        o.retain(|k| k.open());
-        self.warm.lock().unwrap().len() + o.len()
-    }
-
     /// Close the unused longest, of warm sessions (`w`, locked by the
     /// caller) and the others, until `more` fit under the bound; the warm
     /// ones taken out, for the caller to close. In use, the others are
@@ -243,19 +236,18 @@ impl Pool {
                 .enumerate()
                 .filter_map(|(i, k)| Some((k.unused_since()?, i)))
                 .min();
-            match (warm, other) {
-                (Some(a), Some((b, i))) if b < a => {
-                    if !o[i].close_for_room() {
-                        return out;
-                    }
-                }
-                (Some(_), _) => out.push(w.remove(0)),
-                (None, Some((_, i))) => {
-                    if !o[i].close_for_room() {
-                        return out;
-                    }
-                }
+            // The other session to close, when it is the one unused longest.
+            let older = match (warm, other) {
                 (None, None) => return out,
+                (Some(a), Some((b, i))) if b < a => Some(i),
+                (None, Some((_, i))) => Some(i),
+                _ => None,
+            };
+            match older {
+                None => out.push(w.remove(0)),
+                // Taken meanwhile: the bound waits for its end.
+                Some(i) if !o[i].close_for_room() => return out,
+                Some(_) => {}
             }
         }
     }
