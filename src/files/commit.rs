@@ -532,6 +532,31 @@ impl Destination {
     pub fn temp_path(&self) -> PathBuf {
         self.dir.display().join(&self.manifest.temp_name)
     }
+    /// The temp file opened again, read-only (a fan-out forwards from it
+    /// what is verified): an open of its own, not a dup, so that it does
+    /// not hold the temp file's lock (a resume must take it once this
+    /// copy ends).
+    pub fn temp_reader(&self) -> Result<File> {
+        let path = self.temp_path();
+        let fd = rfs::openat(
+            self.dir.fd(),
+            &self.manifest.temp_name,
+            OFlags::RDONLY | OFlags::CLOEXEC | OFlags::NOFOLLOW,
+            Mode::empty(),
+        )
+        .map_err(|e| io_err("open", &path, e))?;
+        let (a, b) = (
+            rfs::fstat(&fd).map_err(|e| io_err("stat", &path, e))?,
+            rfs::fstat(&self.file).map_err(|e| io_err("stat", &path, e))?,
+        );
+        if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino) {
+            return Err(FileError::Destination {
+                path,
+                why: "its temp file was replaced",
+            });
+        }
+        Ok(File::from(fd))
+    }
     /// Bytes hashed so far into the flat SHA-256 (contiguous from 0); `None` without
     /// [`DestinationOptions::flat_sha256`].
     pub fn digested_up_to(&self) -> Option<u64> {

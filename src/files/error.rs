@@ -136,6 +136,10 @@ pub enum FileError {
     IsADirectory { path: PathBuf },
     #[error("destination {path}: {why}")]
     Destination { path: PathBuf, why: &'static str },
+    /// A reader of a [`Growing`](super::growing::Growing) file was
+    /// cancelled while it waited.
+    #[error("cancelled while waiting for the file's blocks")]
+    Cancelled,
     #[error("{path}: directory tree deeper than {max} levels")]
     TooDeep { path: PathBuf, max: usize },
 }

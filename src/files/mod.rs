@@ -79,6 +79,7 @@ pub mod digest;
 pub mod dircache;
 pub mod direct;
 pub mod error;
+pub mod growing;
 pub mod manifest;
 pub mod mode;
 pub mod partials;
@@ -99,6 +100,7 @@ pub use digest::{
 pub use dircache::DirCache;
 pub use direct::WriteStats;
 pub use error::{DigestError, FileError, ManifestError, PathError, Result};
+pub use growing::{Cancel, Growing};
 pub use manifest::{Manifest, SourceId};
 pub use path::{normalize, symlink_target_within, RelPath};
 pub use publish::publish;

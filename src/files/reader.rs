@@ -22,12 +22,13 @@ use std::os::fd::OwnedFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use rustix::fs::{self as rfs, Mode, OFlags};
 use sha2::{Digest, Sha256};
 
 use super::error::{io_err, FileError, PathError, Result};
+use super::growing::{Cancel, Growing};
 use super::manifest::SourceId;
 use super::path::normalize;
 use super::root::{FileKind, FileMeta, Root};
@@ -71,6 +72,9 @@ pub struct SourceFile {
     /// resume manifest needs it, and for a small file it would hash every
     /// byte a second time.
     fingerprint: OnceLock<[u8; 32]>,
+    /// A file still being received ([`SourceFile::growing`]): reads wait
+    /// for their blocks and go to the file it names.
+    growing: Option<(Arc<Growing>, Cancel)>,
 }
 
 impl SourceFile {
@@ -159,6 +163,38 @@ impl SourceFile {
             buffered_reads: AtomicU64::new(0),
             meta,
             fingerprint: OnceLock::new(),
+            growing: None,
+        })
+    }
+
+    /// A file still being received, read as its blocks arrive
+    /// ([`Growing`]): `meta` is its source's (length, mode, mtime), whose
+    /// `fingerprint` it carries; it is unchanged once the file is
+    /// committed. `cancel` ends every wait.
+    pub fn growing(
+        display: &Path,
+        g: Arc<Growing>,
+        meta: FileMeta,
+        fingerprint: Option<[u8; 32]>,
+        cancel: Cancel,
+    ) -> Result<SourceFile> {
+        let file = g.wait_range(0, 0, &cancel)?;
+        let buffered = file.try_clone().map_err(|e| io_err("dup", display, e))?;
+        let fp = OnceLock::new();
+        if let Some(f) = fingerprint {
+            let _ = fp.set(f);
+        }
+        Ok(SourceFile {
+            path: display.to_owned(),
+            buffered,
+            direct: None,
+            direct_why_not: Some("a file still being received is read buffered".into()),
+            direct_ok: AtomicBool::new(false),
+            direct_reads: AtomicU64::new(0),
+            buffered_reads: AtomicU64::new(0),
+            meta,
+            fingerprint: fp,
+            growing: Some((g, cancel)),
         })
     }
 
@@ -189,8 +225,17 @@ impl SourceFile {
             Some(f) => *f,
             None => {
                 let mut head = vec![0u8; FINGERPRINT_BYTES.min(self.meta.len as usize)];
-                read_full(&self.buffered, &mut head, 0, false)
-                    .map_err(|e| io_err("read", &self.path, e))?;
+                let grown = match &self.growing {
+                    Some((g, cancel)) => Some(g.wait_range(0, head.len() as u64, cancel)?),
+                    None => None,
+                };
+                read_full(
+                    grown.as_deref().unwrap_or(&self.buffered),
+                    &mut head,
+                    0,
+                    false,
+                )
+                .map_err(|e| io_err("read", &self.path, e))?;
                 *self
                     .fingerprint
                     .get_or_init(|| Sha256::digest(&head).into())
@@ -232,6 +277,14 @@ impl SourceFile {
 
     /// [`read_at`](Self::read_at), also saying which path served it.
     pub fn read_at_mode(&self, offset: u64, buf: &mut [u8]) -> Result<(usize, IoMode)> {
+        if let Some((g, cancel)) = &self.growing {
+            let f = g.wait_range(offset, buf.len() as u64, cancel)?;
+            let want = (self.meta.len.saturating_sub(offset) as usize).min(buf.len());
+            let n = read_full(&f, &mut buf[..want], offset, false)
+                .map_err(|e| io_err("read", &self.path, e))?;
+            self.buffered_reads.fetch_add(1, Ordering::Relaxed);
+            return Ok((n, IoMode::Buffered));
+        }
         let aligned = offset % DIRECT_ALIGN as u64 == 0
             && (buf.as_ptr() as usize) % DIRECT_ALIGN == 0
             && buf.len() % DIRECT_ALIGN == 0;
@@ -261,6 +314,11 @@ impl SourceFile {
     /// Fail with [`FileError::SourceChanged`] if length or mtime differ from open
     /// time (call after the last block was read, before the digest is trusted).
     pub fn check_unchanged(&self) -> Result<()> {
+        if let Some((g, cancel)) = &self.growing {
+            // What it holds is what the receiver verified: once committed
+            // it is the whole source.
+            return g.wait_committed(cancel).map(|_| ());
+        }
         let st = rfs::fstat(&self.buffered).map_err(|e| io_err("stat", &self.path, e))?;
         let now = FileMeta::from_stat(&st);
         let what = if now.len != self.meta.len {
