@@ -18,6 +18,24 @@ use crate::files::{
 use crate::mem::Block;
 use crate::proto::{self, Direction};
 
+/// Push: where a file's bytes come from when they are not a local path's
+/// (a fan-out node forwards a file it is still receiving).
+pub trait Source: Send + Sync {
+    /// Open it (on a blocking thread): the file and what the receiver is
+    /// told of its source.
+    fn open(&self, bs: u64) -> Result<(Arc<SourceFile>, SourceMeta), Failure>;
+}
+
+/// A [`Source`] a [`FileJob`] reads from.
+#[derive(Clone)]
+pub struct OpenWith(pub Arc<dyn Source>);
+
+impl std::fmt::Debug for OpenWith {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("OpenWith(..)")
+    }
+}
+
 /// One file of a job: what to move and its local path.
 #[derive(Clone, Debug)]
 pub struct FileJob {
@@ -26,6 +44,8 @@ pub struct FileJob {
     pub local: PathBuf,
     /// Its length as far as the caller knows (progress totals).
     pub len_hint: u64,
+    /// Push: read from this instead of opening `local` (shown as it).
+    pub source: Option<OpenWith>,
 }
 
 impl FileJob {
@@ -52,6 +72,7 @@ impl FileJob {
             },
             len_hint,
             local,
+            source: None,
         }
     }
 
@@ -65,6 +86,7 @@ impl FileJob {
             },
             local,
             len_hint: 0,
+            source: None,
         }
     }
 

@@ -438,9 +438,14 @@ impl Driver<'_> {
         while let Some(a) = self.core.poll_action() {
             match a {
                 ClientAction::OpenSource { file } => {
-                    let path = self.jobs[&file].0.local.clone();
+                    let job = &self.jobs[&file].0;
+                    let (path, with) = (job.local.clone(), job.source.clone());
                     batch.push(Box::new(move || {
-                        Some(Done::Source(file, io::open_source(&path, bs)))
+                        let r = match with {
+                            Some(w) => w.0.open(bs),
+                            None => io::open_source(&path, bs),
+                        };
+                        Some(Done::Source(file, r))
                     }));
                 }
                 ClientAction::FindResume { file } => {

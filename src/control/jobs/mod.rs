@@ -97,6 +97,8 @@ pub struct Job {
     /// Which files already at the destination stay as they are
     /// ([`skip`]; the default moves every file).
     pub skip: skip::Rules,
+    /// The fan-out the files belong to (`OpenFile.fanout`); empty: none.
+    pub fanout: String,
 }
 
 /// Totals of a run.
@@ -270,6 +272,7 @@ fn with_job(mut f: FileJob, job: &Job, create_parents: bool) -> FileJob {
     f.spec.resume = job.resume;
     f.spec.flat_sha256 = job.sha256;
     f.spec.create_parents = create_parents;
+    f.spec.fanout = job.fanout.clone();
     f
 }
 

@@ -27,6 +27,8 @@ pub struct FileSpec {
     /// `OpenFile.have_blocks`) and their digests, in block order.
     pub keep_blocks: Vec<u8>,
     pub keep_digests: Vec<Vec<u8>>,
+    /// Push: the fan-out this file belongs to (`OpenFile.fanout`).
+    pub fanout: String,
 }
 
 /// Push: what [`ClientAction::OpenSource`] found.
@@ -528,6 +530,7 @@ impl ClientCore {
             flat_sha256: s.flat_sha256,
             keep_blocks: s.keep_blocks.clone(),
             keep_digests: s.keep_digests.clone(),
+            fanout: s.fanout.clone(),
             ..Default::default()
         };
         if let Some(m) = meta {

@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::OwnedSemaphorePermit;
 
+use super::feeds::Feed;
 use super::{Service, SessionState};
 use crate::control::error::ControlError;
 use crate::control::fsutil;
@@ -22,6 +23,7 @@ use crate::control::protocol::{
     Bitmap, CommittedFile, Digest, Failure, FileId, Granted, OpenedFile, Reason,
 };
 use crate::escape::esc;
+use crate::files::Growing;
 use crate::files::{
     self, Destination, DestinationOptions, DirCache, DirHandle, FileError, FileKind, PathError,
     Preserve, SourceFile,
@@ -35,6 +37,13 @@ use crate::provider::{Access, Domain, ProviderError, Registration};
 /// front (one statvfs each); a full disk still fails them at fallocate.
 const SPACE_CHECK_FROM: u64 = 64 << 20;
 
+/// A pushed file of a fan-out, as its feed shows it.
+#[derive(Clone)]
+pub(super) struct Fed {
+    feed: Arc<Feed>,
+    growing: Arc<Growing>,
+}
+
 /// What the server holds of an open file.
 #[derive(Clone)]
 pub(super) enum FileHandle {
@@ -42,6 +51,9 @@ pub(super) enum FileHandle {
         dest: Arc<Mutex<Option<Destination>>>,
         /// Where it goes, relative to the root.
         path: String,
+        /// A fan-out's file: its blocks told to the feed as they are
+        /// verified.
+        fed: Option<Fed>,
     },
     Pull {
         src: Arc<SourceFile>,
@@ -261,12 +273,24 @@ impl StreamIo {
         };
         let total = open.length.div_ceil(self.bs);
         let missing = dest.missing_blocks();
+        let fed = match open.fanout.is_empty() {
+            true => None,
+            false => {
+                let file = dest.temp_reader()?;
+                let gone: std::collections::HashSet<u64> = missing.iter().copied().collect();
+                let held = (0..total).filter(|b| !gone.contains(b)).collect();
+                let feed = self.svc.fanouts.feed(&open.fanout);
+                let growing = feed.receiving(open, &path, self.bs, file, held);
+                Some(Fed { feed, growing })
+            }
+        };
         let skip = ((missing.len() as u64) < total).then(|| Bitmap::all_but(total, &missing));
         tracing::debug!(path = %esc(&path), length = open.length, resumed = skip.is_some(), "push");
         Ok((
             FileHandle::Push {
                 dest: Arc::new(Mutex::new(Some(dest))),
                 path: path.clone(),
+                fed,
             },
             OpenedFile {
                 length: open.length,
@@ -432,7 +456,7 @@ impl StreamIo {
             if !ok {
                 continue;
             }
-            let Some(FileHandle::Push { dest, .. }) = files.get(&e.file) else {
+            let Some(FileHandle::Push { dest, fed, .. }) = files.get(&e.file) else {
                 return Err(Failure::new(
                     Reason::Other,
                     format!("file {} is not open", e.file),
@@ -443,6 +467,9 @@ impl StreamIo {
                 .as_mut()
                 .ok_or_else(|| Failure::new(Reason::Other, "destination already committed"))?;
             d.write_block(e.block, data, *g).map_err(fail)?;
+            if let Some(f) = fed {
+                f.growing.mark(e.block);
+            }
         }
         let bad = landed.bad();
         if !bad.is_empty() {
@@ -495,7 +522,7 @@ impl StreamIo {
         let mut sealed = Vec::new();
         let mut meta = Vec::new();
         for (file, held, digest) in files {
-            let FileHandle::Push { dest, path } = held else {
+            let FileHandle::Push { dest, path, fed } = held else {
                 out.push((
                     file,
                     Err(Failure::new(Reason::Other, "commit of a pulled file")),
@@ -516,7 +543,7 @@ impl StreamIo {
             match d.seal(expected) {
                 Ok(s) => {
                     sealed.push(s);
-                    meta.push((file, path));
+                    meta.push((file, path, fed));
                 }
                 Err(e) => {
                     if matches!(e, FileError::DigestMismatch { .. }) {
@@ -526,11 +553,14 @@ impl StreamIo {
                 }
             }
         }
-        for ((file, path), r) in meta.into_iter().zip(files::publish(sealed)) {
+        for ((file, path, fed), r) in meta.into_iter().zip(files::publish(sealed)) {
             out.push((
                 file,
                 r.map(|p| {
                     tracing::debug!(path = %esc(&path), "push committed");
+                    if let Some(f) = fed {
+                        f.feed.committed(&path, &f.growing);
+                    }
                     CommittedFile {
                         path,
                         length: p.len,

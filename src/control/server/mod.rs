@@ -24,6 +24,7 @@
 
 mod delta;
 mod digests;
+pub mod feeds;
 mod io;
 mod limits;
 mod session;
@@ -137,6 +138,8 @@ pub struct Service {
     /// Grants of services' buffers (`control::buffers`); `None`: this
     /// rcpd grants none.
     buffers: Option<Arc<dyn BufferGrants>>,
+    /// The fan-outs this rcpd receives, for the Copies that forward them.
+    pub fanouts: feeds::Feeds,
 }
 
 /// A server-streaming response.
@@ -166,6 +169,7 @@ impl Service {
             copier,
             metrics,
             buffers,
+            fanouts: feeds::Feeds::default(),
         }))
     }
 
