@@ -15,11 +15,12 @@ use tonic::Status;
 use super::client::{ClientOptions, FileResult, Observer};
 use super::copy_peers::{Admitted, CopyPeers};
 use super::error::{ControlError, Result};
+use super::fanout::{self, Fanout};
 use super::fsutil;
 use super::jobs::{self, Job, Pool, Watcher};
 use super::server::{BoxStream, Copier, Service};
 use crate::escape::esc;
-use crate::proto::{CopyProgress, CopyRequest, Direction};
+use crate::proto::{CopyProgress, CopyRequest, Direction, NodeResult};
 
 /// Copies for services, with this rcpd's client settings (its token, TLS
 /// identity, data-path settings), over sessions kept warm in `pool`, to
@@ -82,7 +83,7 @@ async fn start(
     svc: Arc<Service>,
     opts: ClientOptions,
     pool: Arc<Pool>,
-    peers: &CopyPeers,
+    peers: &Arc<CopyPeers>,
     req: CopyRequest,
 ) -> Result<BoxStream<CopyProgress>, Status> {
     let dir = Direction::try_from(req.direction)
@@ -94,8 +95,23 @@ async fn start(
             "copy needs remote and remote_path",
         ));
     }
-    let local = confined_local(&svc, &req.local_path)?;
+    // A forwarding copy reads what this rcpd receives (its paths as they
+    // came), not local_path.
+    let local = match req.follow.is_empty() {
+        true => confined_local(&svc, &req.local_path)?,
+        false => svc.root().path().to_path_buf(),
+    };
     let opts = copy_options(opts, &svc, &req)?;
+    if !req.fanout.is_empty() && dir != Direction::Push {
+        return Err(Status::invalid_argument("fan-out is a push"));
+    }
+    // Every node of a fan-out is a peer this rcpd sends to or asks.
+    for n in &req.fanout {
+        peers.admit(n).await.map_err(|e| {
+            tracing::warn!(remote = %esc(n), "fan-out refused: {}", esc(&e));
+            Status::from(e)
+        })?;
+    }
     // Nothing goes to a peer the list does not allow, not even a
     // connection: refused here, naming the flag.
     let peer = peers.admit(&req.remote).await.map_err(|e| {
@@ -104,6 +120,8 @@ async fn start(
     })?;
     let (tx, rx) = mpsc::channel(16);
     let copy = AdmittedCopy {
+        svc,
+        peers: peers.clone(),
         pool,
         peer,
         opts,
@@ -159,6 +177,10 @@ fn copy_options(
     if req.block_size != 0 {
         opts.block_size = req.block_size;
     }
+    if req.bwlimit != 0 {
+        opts.bwlimit = Some(req.bwlimit);
+        opts.check_bwlimit().map_err(Status::from)?;
+    }
     if !req.checks.is_empty() {
         opts.verify = req
             .checks
@@ -174,6 +196,8 @@ fn copy_options(
 
 /// One admitted copy, ready to run.
 struct AdmittedCopy {
+    svc: Arc<Service>,
+    peers: Arc<CopyPeers>,
     pool: Arc<Pool>,
     peer: Admitted,
     opts: ClientOptions,
@@ -192,7 +216,7 @@ impl AdmittedCopy {
         let work = self.work(&obs);
         tokio::pin!(work);
         let mut tick = tokio::time::interval(Duration::from_millis(500));
-        let result: Result<jobs::Outcome> = loop {
+        let result: Result<(jobs::Outcome, Vec<NodeResult>)> = loop {
             tokio::select! {
                 r = &mut work => break r,
                 _ = tick.tick() => {
@@ -206,7 +230,16 @@ impl AdmittedCopy {
         last.done = true;
         let remote = &self.req.remote;
         match result {
-            Ok(o) => {
+            Ok((o, nodes)) => {
+                let incomplete = fanout::incomplete(&nodes);
+                last.nodes = nodes;
+                if let Some(e) = incomplete {
+                    tracing::warn!(remote = %esc(remote), "fan-out incomplete: {}", esc(&e));
+                    last.error = e.to_string();
+                    let _ = tx.send(Ok(last)).await;
+                    let _ = tx.send(Err(Status::from(e))).await;
+                    return;
+                }
                 if let Some(why) = &o.fell_back {
                     tracing::warn!(remote = %remote, "copy fell back to tcp: {why}");
                 }
@@ -227,21 +260,22 @@ impl AdmittedCopy {
     }
 
     /// The copy itself: the jobs policy runs it, the tcp fallback
-    /// included, over a warm session of the pool when it has one.
-    async fn work(&self, obs: &Obs) -> Result<jobs::Outcome> {
+    /// included, over a warm session of the pool when it has one. A
+    /// fan-out's nodes' results with it.
+    async fn work(&self, obs: &Obs) -> Result<(jobs::Outcome, Vec<NodeResult>)> {
         let req = &self.req;
-        let job = Job {
-            recursive: req.recursive,
-            preserve: req.preserve,
-            resume: req.resume,
-            // The final progress carries the file's sha256sum value, which
-            // services compare with what they hold.
-            sha256: true,
-            // The Copy API moves every file (it has no skip rules yet).
-            ..Job::default()
-        };
+        if !req.fanout.is_empty() {
+            return self.fan_out(obs).await;
+        }
         let lease = self.pool.lease(&self.peer, self.opts.clone()).await?;
         let client = lease.client();
+        if !req.follow.is_empty() {
+            let svc = self.svc.clone();
+            let o = fanout::follow::follow(svc, &req.follow, req.follow_files, client, &lease, obs)
+                .await?;
+            return Ok((o, Vec::new()));
+        }
+        let job = self.job(String::new());
         let plan = match self.dir {
             Direction::Push => {
                 let locals = std::slice::from_ref(&self.local);
@@ -252,6 +286,111 @@ impl AdmittedCopy {
                 jobs::plan_pull(client, remotes, &self.local, &job).await?
             }
         };
-        jobs::run_over(client, &lease, plan, obs).await
+        Ok((jobs::run_over(client, &lease, plan, obs).await?, Vec::new()))
+    }
+
+    fn job(&self, fanout: String) -> Job {
+        let req = &self.req;
+        Job {
+            recursive: req.recursive,
+            preserve: req.preserve,
+            resume: req.resume,
+            // The final progress carries the file's sha256sum value, which
+            // services compare with what they hold.
+            sha256: true,
+            // The Copy API moves every file (it has no skip rules yet).
+            fanout,
+            ..Job::default()
+        }
+    }
+
+    /// Push to `remote` and along `fanout` (docs/fanout.md): this rcpd is
+    /// the source, each node forwards to the next.
+    async fn fan_out(&self, obs: &Obs) -> Result<(jobs::Outcome, Vec<NodeResult>)> {
+        let req = &self.req;
+        let id = fanout::new_id();
+        let src = Arc::new(CopySource {
+            pool: self.pool.clone(),
+            peers: self.peers.clone(),
+            opts: self.opts.clone(),
+            local: self.local.clone(),
+            remote_path: req.remote_path.clone(),
+            job: self.job(id.clone()),
+            counts: obs.0.clone(),
+            outcome: Default::default(),
+        });
+        let nodes: Vec<String> = std::iter::once(req.remote.clone())
+            .chain(req.fanout.iter().cloned())
+            .collect();
+        let files = fanout::count_files(&nodes, |n| src.plan(n)).await?;
+        let f = Fanout {
+            nodes,
+            id,
+            files,
+            template: CopyRequest {
+                remote_path: req.remote_path.clone(),
+                recursive: req.recursive,
+                preserve: req.preserve,
+                transport: req.transport.clone(),
+                block_size: req.block_size,
+                checks: req.checks.clone(),
+                bwlimit: req.bwlimit,
+                ..Default::default()
+            },
+            opts: self.opts.clone(),
+            resume: req.resume,
+        };
+        let states = fanout::run(&f, src.clone()).await;
+        let nodes = fanout::results(&states);
+        let done = src.outcome.lock().unwrap().take();
+        match done {
+            Some(o) => Ok((o, nodes)),
+            None => Err(ControlError::Failed(
+                crate::control::protocol::Failure::new(
+                    crate::control::protocol::Reason::Other,
+                    fanout::summary(&states),
+                ),
+            )),
+        }
+    }
+}
+
+/// The Copy API's source of a fan-out: this rcpd's `local`, pushed to a
+/// node over the pool's sessions.
+struct CopySource {
+    pool: Arc<Pool>,
+    peers: Arc<CopyPeers>,
+    opts: ClientOptions,
+    local: PathBuf,
+    remote_path: String,
+    job: Job,
+    counts: Arc<Counts>,
+    /// The last send that finished.
+    outcome: std::sync::Mutex<Option<jobs::Outcome>>,
+}
+
+impl CopySource {
+    async fn plan(&self, node: String) -> Result<jobs::Plan> {
+        let peer = self.peers.admit(&node).await?;
+        let lease = self.pool.lease(&peer, self.opts.clone()).await?;
+        let locals = std::slice::from_ref(&self.local);
+        jobs::plan_push(lease.client(), locals, &self.remote_path, &self.job).await
+    }
+}
+
+impl fanout::SourceSend for CopySource {
+    fn send(self: Arc<Self>, node: String, resume: bool) -> BoxFuture<'static, Result<()>> {
+        Box::pin(async move {
+            let peer = self.peers.admit(&node).await?;
+            let lease = self.pool.lease(&peer, self.opts.clone()).await?;
+            let mut job = self.job.clone();
+            job.resume |= resume;
+            let locals = std::slice::from_ref(&self.local);
+            let plan = jobs::plan_push(lease.client(), locals, &self.remote_path, &job).await?;
+            let obs = Obs(self.counts.clone());
+            let o = jobs::run_over(lease.client(), &lease, plan, &obs).await?;
+            *self.outcome.lock().unwrap() = Some(o);
+            Ok(())
+        })
     }
 }

@@ -38,6 +38,9 @@ pub mod exit {
     /// A peer broke the protocol (a message outside it): a bug in rcp or
     /// rcpd, or a hostile peer; retrying will not help.
     pub const PROTOCOL: i32 = 8;
+    /// A fan-out ended with a node that answers but does not hold every
+    /// file (each node's result is in the summary and `--json`).
+    pub const FANOUT_INCOMPLETE: i32 = 9;
     /// Interrupted by SIGINT (128 + 2, the shell's habit): the copy was
     /// aborted cleanly, what was verified kept; stderr says the `--resume`
     /// command that continues it.
@@ -62,6 +65,7 @@ pub fn exit_code(reason: Reason) -> i32 {
         Reason::Retryable => exit::RETRYABLE,
         Reason::Protocol => exit::PROTOCOL,
         Reason::Interrupted => exit::INTERRUPTED,
+        Reason::FanoutIncomplete => exit::FANOUT_INCOMPLETE,
         Reason::Other | Reason::Unspecified => exit::OTHER,
     }
 }
@@ -79,6 +83,7 @@ pub fn status_code(reason: Reason) -> Code {
         Reason::Version => Code::FailedPrecondition,
         Reason::Protocol => Code::Aborted,
         Reason::Interrupted => Code::Cancelled,
+        Reason::FanoutIncomplete => Code::Unavailable,
         Reason::Other | Reason::Unspecified => Code::Internal,
     }
 }
@@ -206,6 +211,9 @@ pub enum ControlError {
     /// Fatal, with the message as is.
     #[error("{0}")]
     Fatal(String),
+    /// A fan-out's nodes that answer but lack files, with why.
+    #[error("fan-out incomplete: {0}")]
+    FanoutIncomplete(String),
 }
 
 impl ControlError {
@@ -238,6 +246,7 @@ impl ControlError {
             RemoteNotFound { dir: false, .. } => Reason::FileNotFound,
             UnknownHost { .. } | NotRcpd { .. } => Reason::Invalid,
             Fatal(_) => Reason::Invalid,
+            FanoutIncomplete(_) => Reason::FanoutIncomplete,
         }
     }
 

@@ -31,6 +31,7 @@ pub mod copy_peers;
 pub mod daemon;
 pub mod error;
 pub mod fallback;
+pub mod fanout;
 pub mod fsutil;
 pub mod interrupt;
 pub mod jobs;

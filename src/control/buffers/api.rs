@@ -50,7 +50,10 @@ impl ServiceReason {
             Reason::Exceeded => ServiceReason::Exceeded,
             Reason::Retryable => ServiceReason::Retryable,
             Reason::Protocol => ServiceReason::Protocol,
-            Reason::Interrupted | Reason::Other | Reason::Unspecified => ServiceReason::Other,
+            Reason::Interrupted
+            | Reason::FanoutIncomplete
+            | Reason::Other
+            | Reason::Unspecified => ServiceReason::Other,
         }
     }
 

@@ -33,6 +33,17 @@ pub enum Transport {
     Tcp,
 }
 
+impl Transport {
+    /// The name `--transport` takes.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Transport::Auto => "auto",
+            Transport::Verbs => "verbs",
+            Transport::Tcp => "tcp",
+        }
+    }
+}
+
 impl std::str::FromStr for Transport {
     type Err = String;
     fn from_str(s: &str) -> std::result::Result<Self, String> {
