@@ -320,3 +320,16 @@ mod tests {
         );
     }
 }
+
+/// `"type": "node"`: one node of a fan-out and what it got (docs/fanout.md).
+#[derive(Clone, Debug, Serialize)]
+pub struct NodeLine {
+    /// `host:port`.
+    pub node: String,
+    /// `done` (every file, verified), `failed` (it answers but lacks
+    /// files) or `unreachable` (cut out of the chain).
+    pub result: &'static str,
+    /// Why, unless done.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}

@@ -1,5 +1,6 @@
 //! `rcp`: push and pull files to and from rcpd over RDMA (or TCP).
 
+mod fanout;
 mod signals;
 
 use std::io::IsTerminal;
@@ -345,6 +346,18 @@ struct CopyArgs {
     /// line's positions).
     #[arg(skip)]
     rules: Vec<(bool, String)>,
+    /// Push to HOST:PATH and from there along these rcpds too
+    /// (HOST[:PORT],...; -P's port when none): the same PATH on each. Each
+    /// node forwards what it verified to the next as it arrives, so N
+    /// nodes cost about one copy; a node that fails or stops answering is
+    /// routed around (docs/fanout.md). Every file moves (no skipping).
+    #[arg(
+        help_heading = "Copying",
+        long,
+        value_delimiter = ',',
+        value_name = "HOST[:PORT],..."
+    )]
+    fanout: Vec<String>,
     /// List what would be copied (a line per file with its size) and the
     /// totals; move no byte, create nothing on either side.
     #[arg(help_heading = "Copying", short = 'n', long, env = "RCP_DRY_RUN")]
@@ -848,15 +861,31 @@ fn job_of(c: &Cli, copy: &CopyArgs) -> Result<Job, ControlError> {
             .push(*include, p)
             .map_err(|e| ControlError::Usage(e.to_string()))?;
     }
+    let mut skip = copy.skip_rules(c.resume);
+    let mut fanout = String::new();
+    if !copy.fanout.is_empty() {
+        if copy.delete || copy.delta || copy.archive {
+            return Err(ControlError::Usage(
+                "--fanout takes no --delete, --delta or -a (each node gets every file as sent)"
+                    .into(),
+            ));
+        }
+        skip = jobs::skip::Rules {
+            compare: jobs::skip::Compare::Always,
+            ..jobs::skip::Rules::default()
+        };
+        fanout = rcp::control::fanout::new_id();
+    }
     Ok(Job {
         recursive,
         preserve: c.preserve || copy.archive,
         resume: c.resume,
         sha256: c.sha256,
-        skip: copy.skip_rules(c.resume),
+        skip,
         links: copy.archive,
         delete: copy.delete,
         filter,
+        fanout,
     })
 }
 
@@ -964,6 +993,7 @@ async fn copy_files(
 ) -> Result<(), ControlError> {
     let job = job_of(c, copy)?;
     rcp::phase::mark("runtime up, arguments parsed");
+    let fan_opts = opts.clone();
     let client = Client::connect(paths.addr(), opts).await?;
     rcp::phase::mark("connected to rcpd");
     let t0 = Instant::now();
@@ -1001,7 +1031,14 @@ async fn copy_files(
     // The jobs policy: over verbs, and with --transport auto on over tcp
     // when verbs cannot start or every rail stays down; staging sized to
     // what the copy can fill.
-    let outcome = jobs::run(&client, plan, &*watch).await;
+    let (outcome, nodes) = match copy.fanout.is_empty() {
+        true => (jobs::run(&client, plan, &*watch).await, None),
+        false => {
+            let (o, n) =
+                fanout::push(c, &copy.fanout, paths, &job, fan_opts, plan, watch.clone()).await?;
+            (o, Some(n))
+        }
+    };
     for t in [bar, ticker].into_iter().flatten() {
         t.abort();
     }
@@ -1040,7 +1077,13 @@ async fn copy_files(
         };
         signals::report(sig, &done);
     }
+    if let Some(n) = &nodes {
+        fanout::print_nodes(n, c.json, c.quiet);
+    }
     let outcome = outcome?;
+    if let Some(e) = nodes.as_deref().and_then(rcp::control::fanout::incomplete) {
+        return Err(e);
+    }
     // Links and --delete only after every file made it.
     let say = !c.quiet && c.verbose > 0;
     let linked = |l: &jobs::tree::LinkPlan| print_link(l, false, c.json, say);
