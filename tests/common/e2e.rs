@@ -1107,6 +1107,12 @@ macro_rules! e2e_tests {
 
         #[test]
         $(#[$attr])*
+        fn fanout_chain_of_three() {
+            $crate::common::e2e_fanout::chain_of_three($t);
+        }
+
+        #[test]
+        $(#[$attr])*
         fn push_pull_tree_of_200_files() {
             $crate::common::e2e::tree_of_200_files($t);
         }

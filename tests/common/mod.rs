@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod e2e;
+pub mod e2e_fanout;
 pub mod e2e_sync;
 pub mod e2e_tree;
 pub mod metrics;
