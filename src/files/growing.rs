@@ -104,6 +104,16 @@ impl Growing {
         self.cv.notify_all();
     }
 
+    /// The copy writing it ended before its commit: the temp file is let
+    /// go (readers wait for another copy of it to [`restart`](Self::restart)
+    /// it; nothing holds a descriptor meanwhile).
+    pub fn detach(&self) {
+        let mut s = self.state.lock().unwrap();
+        if !s.committed {
+            s.file = None;
+        }
+    }
+
     /// Block `index` is written and verified.
     pub fn mark(&self, index: u64) {
         let mut s = self.state.lock().unwrap();
@@ -205,6 +215,21 @@ mod tests {
         assert_eq!(b, [2]);
         c.cancel();
         assert!(matches!(g.wait_range(0, 4, &c), Err(FileError::Cancelled)));
+    }
+
+    #[test]
+    fn a_detached_file_waits_for_the_next_copy() {
+        let g = Arc::new(Growing::new(4, 4, file_with(&[1; 4]), [0]));
+        g.detach();
+        let c = Cancel::default();
+        let reader = {
+            let (g, c) = (g.clone(), c.clone());
+            std::thread::spawn(move || g.wait_range(0, 4, &c).map(|_| ()))
+        };
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(!reader.is_finished(), "no file to read while detached");
+        g.restart(file_with(&[2; 4]), [0]);
+        reader.join().unwrap().unwrap();
     }
 
     #[test]

@@ -42,6 +42,18 @@ const SPACE_CHECK_FROM: u64 = 64 << 20;
 pub(super) struct Fed {
     feed: Arc<Feed>,
     growing: Arc<Growing>,
+    _detach: Arc<DetachOnDrop>,
+}
+
+/// When the last handle of a fan-out's file goes uncommitted, its
+/// [`Growing`] lets the temp file go (a hostile or failed sender leaves
+/// no descriptor behind in the feed).
+struct DetachOnDrop(Arc<Growing>);
+
+impl Drop for DetachOnDrop {
+    fn drop(&mut self) {
+        self.0.detach();
+    }
 }
 
 /// What the server holds of an open file.
@@ -281,7 +293,12 @@ impl StreamIo {
                 let held = (0..total).filter(|b| !gone.contains(b)).collect();
                 let feed = self.svc.fanouts.feed(&open.fanout);
                 let growing = feed.receiving(open, &path, self.bs, file, held);
-                Some(Fed { feed, growing })
+                let _detach = Arc::new(DetachOnDrop(growing.clone()));
+                Some(Fed {
+                    feed,
+                    growing,
+                    _detach,
+                })
             }
         };
         let skip = ((missing.len() as u64) < total).then(|| Bitmap::all_but(total, &missing));
