@@ -151,6 +151,23 @@ copy strictblake3 --token tok --verify blake3 "$a" push data/src.bin "$c" incomi
 check "--verify blake3 to an rcpd of sha256 only: refused naming both" \
   bash -c '[ "$0" -ne 0 ] && grep -q "accepts only the checks sha256.*offered blake3" "$1"' "$rc" "$work/strictblake3.stderr"
 check "--verify blake3 refused: nothing written" [ ! -e "$work/c/incoming/b3.bin" ]
+# A fan-out through A's unix socket with the rcp package: A pushes to B,
+# B forwards to C (docs/fanout.md); the last progress names both nodes done.
+rc=0
+PYTHONPATH=python RCP_TOKEN=tok "$py" -c '
+import sys, rcp
+c = rcp.connect(sys.argv[1])
+last = list(c.copy("push", "data/src.bin", sys.argv[2], "incoming/fan.bin", transport="tcp",
+                   fanout=[sys.argv[3]]))[-1]
+assert last["done"] and not last["error"], last
+nodes = [(n["node"], n["done"]) for n in last["nodes"]]
+assert nodes == [(sys.argv[2], True), (sys.argv[3], True)], nodes
+print("fan-out done:", nodes)
+' "$work/a.sock" "$b" "$c" >"$work/fan.stdout" 2>"$work/fan.stderr" || rc=$?
+sed "s/^/    fan| /" "$work/fan.stderr" "$work/fan.stdout"
+check "fan-out over the unix socket (rcp package): exits 0, both nodes done" [ "$rc" -eq 0 ]
+check "fan-out: B's copy has the source's sha256sum" [ "$(digest "$work/b/incoming/fan.bin" 2>/dev/null)" = "$want" ]
+check "fan-out: C's copy (forwarded by B) has the source's sha256sum" [ "$(digest "$work/c/incoming/fan.bin" 2>/dev/null)" = "$want" ]
 copy xxh3 --token tok --verify xxh3,sha256 "$a" push data/src.bin "$b" incoming/x.bin
 check "--verify xxh3,sha256 to a default rcpd: copied" [ "$(digest "$work/b/incoming/x.bin" 2>/dev/null)" = "$want" ]
 

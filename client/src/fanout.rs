@@ -104,6 +104,8 @@ pub async fn push(
         opts: opts.clone(),
         resume: job.resume,
     };
+    let mut opts = opts;
+    opts.windows = opts.windows.min(fanout::WINDOWS);
     let src = Arc::new(CliSource {
         opts,
         first: Mutex::new(Some((addr.clone(), plan))),

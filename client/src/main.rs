@@ -34,6 +34,7 @@ Exit codes:
   6  fatal error (integrity mismatch, authentication, permission, refused request)
   7  transfer exceeded a limit (size, space at the destination)
   8  protocol violation: rcpd (or this rcp) sent a message outside the protocol
+  9  --fanout: a node that answers does not hold every file
   130  interrupted by SIGINT: aborted cleanly, stderr says the --resume command
   143  terminated by SIGTERM: as 130";
 

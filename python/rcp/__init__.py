@@ -316,16 +316,19 @@ class Client:
 
     def copy(self, direction, local_path, remote, remote_path, recursive=False,
              preserve=False, resume=False, remote_token="", transport="", block_size=0,
-             token=None, checks=()):
+             token=None, checks=(), fanout=()):
         """Ask rcpd to copy one of its paths to ('push') or from ('pull')
         another rcpd. Yields progress dicts; the last has done=True.
         `checks`: the block checks rcpd offers the other one, preferred
         first ('blake3', 'sha256', 'xxh3', 'none'; empty: rcpd's default,
-        blake3 then sha256). Needs grpcio."""
+        blake3 then sha256). `fanout`: a push goes on from `remote` along
+        these rcpds ("host:port"), each forwarding what it verified to the
+        next (docs/fanout.md); the last progress's `nodes` lists every
+        node's result (node, done, unreachable, error). Needs grpcio."""
         from . import _copy
         return _copy.copy(self.path, token if token is not None else os.environ.get("RCP_TOKEN"),
                           direction, local_path, remote, remote_path, recursive, preserve,
-                          resume, remote_token, transport, block_size, checks)
+                          resume, remote_token, transport, block_size, checks, fanout)
 
 
 def connect(path=None, token=None, name=None):

@@ -30,9 +30,12 @@ def _field(num, value):
 
 
 def encode_request(direction, local_path, remote, remote_path, recursive=False, preserve=False,
-                   resume=False, remote_token="", transport="", block_size=0, checks=()):
+                   resume=False, remote_token="", transport="", block_size=0, checks=(),
+                   fanout=()):
     """A CopyRequest's bytes. `checks`: names of CHECKS, preferred first
-    (empty: the copying rcpd's default, blake3 then sha256)."""
+    (empty: the copying rcpd's default, blake3 then sha256). `fanout`:
+    further rcpds ("host:port") the push goes on to, in chain order
+    (docs/fanout.md)."""
     return b"".join([
         _field(1, DIRECTIONS[direction]), _field(2, local_path), _field(3, remote),
         _field(4, remote_path), _field(5, bool(recursive)), _field(6, bool(preserve)),
@@ -40,6 +43,8 @@ def encode_request(direction, local_path, remote, remote_path, recursive=False, 
         _field(10, int(block_size or 0)),
         # repeated Check checks = 11, packed.
         _field(11, b"".join(_varint(CHECKS[c]) for c in checks)),
+        # repeated string fanout = 14: one field per node.
+        b"".join(_field(14, n) for n in fanout),
     ])
 
 
@@ -48,7 +53,7 @@ def decode_progress(b):
     names = {1: "bytes_done", 2: "bytes_total", 3: "files_done", 4: "files_total", 5: "done",
              6: "sha256", 7: "error"}
     out = {"bytes_done": 0, "bytes_total": 0, "files_done": 0, "files_total": 0, "done": False,
-           "sha256": "", "error": ""}
+           "sha256": "", "error": "", "nodes": []}
     i = 0
 
     def varint():
@@ -73,7 +78,9 @@ def decode_progress(b):
             n = varint()
             v = b[i:i + n]
             i += n
-            if num in names:
+            if num == 8:
+                out["nodes"].append(decode_node(v))
+            elif num in names:
                 out[names[num]] = v.decode()
         elif wt == 1:
             i += 8
@@ -82,6 +89,44 @@ def decode_progress(b):
         else:
             raise ValueError("bad wire type %d" % wt)
     return out
+
+
+def decode_node(b):
+    """A NodeResult (one node of a fan-out) as a dict: node, done,
+    unreachable, error."""
+    out = {"node": "", "done": False, "unreachable": False, "error": ""}
+    i = 0
+    while i < len(b):
+        key, i = _read_varint(b, i)
+        num, wt = key >> 3, key & 7
+        if wt == 0:
+            v, i = _read_varint(b, i)
+            if num == 2:
+                out["done"] = bool(v)
+            elif num == 3:
+                out["unreachable"] = bool(v)
+        elif wt == 2:
+            n, i = _read_varint(b, i)
+            v = b[i:i + n].decode()
+            i += n
+            if num == 1:
+                out["node"] = v
+            elif num == 4:
+                out["error"] = v
+        else:
+            raise ValueError("bad wire type %d in NodeResult" % wt)
+    return out
+
+
+def _read_varint(b, i):
+    n = shift = 0
+    while True:
+        c = b[i]
+        i += 1
+        n |= (c & 0x7F) << shift
+        shift += 7
+        if not c & 0x80:
+            return n, i
 
 
 def channel(target, tls_ca=None, tls_cert=None, tls_key=None, server_name=None):
@@ -120,11 +165,11 @@ def copy_stream(ch, token, timeout=None, **req):
 
 
 def copy(path, token, direction, local_path, remote, remote_path, recursive, preserve, resume,
-         remote_token, transport, block_size, checks=()):
+         remote_token, transport, block_size, checks=(), fanout=()):
     ch = channel(path)
     for p in copy_stream(ch, token, direction=direction, local_path=local_path, remote=remote,
                          remote_path=remote_path, recursive=recursive, preserve=preserve,
                          resume=resume, remote_token=remote_token, transport=transport,
-                         block_size=block_size, checks=checks):
+                         block_size=block_size, checks=checks, fanout=fanout):
         yield p
     ch.close()

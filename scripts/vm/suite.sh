@@ -90,6 +90,8 @@ lo)
   # of the netns topology instead (below): once each, not twice.
   across=(push_pull_tree_of_200_files push_resume_after_client_killed stopped_client_is_evicted
     stopped_server_makes_the_client_give_up eight_clients_at_once_with_back_pressure)
+  # fanout_chain_of_three runs on both: three rcpds on rxe0 here, and
+  # across the namespaces below (rcp in a, the chain in b).
   for nb in "$@"; do
     skip=()
     if [ "${nb%%=*}" = control_verbs ]; then
@@ -368,14 +370,16 @@ assert r["event"] == "read" and "error" not in r and len(r["ranges"]) == 4, r' \
       # The lo topology runs the other scenarios; across the namespaces,
       # those where two hosts differ from one: trees, a resume, a stopped
       # peer on either side, back-pressure (the lo run skips these).
-      # At least one test for each of the five names.
+      # At least one test for each of the six names. A fan-out's chain of
+      # three rcpds is in b (each forwarding to the next on rxeb), its
+      # source in a.
       step "control_verbs e2e scenarios (rcp in a on rxea -> rcpd in b on rxeb)" \
-        libtest --min 5 ip netns exec a env RCP_TEST_HOST=192.168.77.2 RCP_TEST_RCPD_NETNS=b \
+        libtest --min 6 ip netns exec a env RCP_TEST_HOST=192.168.77.2 RCP_TEST_RCPD_NETNS=b \
         RCP_TEST_RCPD_DEVICE=rxeb RCP_TEST_RCP_DEVICE=rxea \
         "${nb#*=}" --ignored --test-threads=1 --skip verbs_ \
         push_pull_tree_of_200_files push_resume_after_client_killed \
         stopped_client_is_evicted stopped_server_makes_the_client_give_up \
-        eight_clients_at_once_with_back_pressure
+        eight_clients_at_once_with_back_pressure fanout_chain_of_three
     else
       step "${nb%%=*} (netns)" libtest "${nb#*=}" --ignored --test-threads=1 --nocapture
     fi

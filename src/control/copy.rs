@@ -267,14 +267,18 @@ impl AdmittedCopy {
         if !req.fanout.is_empty() {
             return self.fan_out(obs).await;
         }
-        let lease = self.pool.lease(&self.peer, self.opts.clone()).await?;
-        let client = lease.client();
         if !req.follow.is_empty() {
+            let mut opts = self.opts.clone();
+            opts.windows = opts.windows.min(fanout::WINDOWS);
+            let lease = self.pool.lease(&self.peer, opts).await?;
             let svc = self.svc.clone();
+            let client = lease.client();
             let o = fanout::follow::follow(svc, &req.follow, req.follow_files, client, &lease, obs)
                 .await?;
             return Ok((o, Vec::new()));
         }
+        let lease = self.pool.lease(&self.peer, self.opts.clone()).await?;
+        let client = lease.client();
         let job = self.job(String::new());
         let plan = match self.dir {
             Direction::Push => {
@@ -309,10 +313,12 @@ impl AdmittedCopy {
     async fn fan_out(&self, obs: &Obs) -> Result<(jobs::Outcome, Vec<NodeResult>)> {
         let req = &self.req;
         let id = fanout::new_id();
+        let mut opts = self.opts.clone();
+        opts.windows = opts.windows.min(fanout::WINDOWS);
         let src = Arc::new(CopySource {
             pool: self.pool.clone(),
             peers: self.peers.clone(),
-            opts: self.opts.clone(),
+            opts,
             local: self.local.clone(),
             remote_path: req.remote_path.clone(),
             job: self.job(id.clone()),

@@ -105,9 +105,11 @@ pub fn place_copy_threads(
 /// `OpenFile.keep_blocks`, and the tree calls of `-a`/`--delete`
 /// (`MakeLink`, `Remove`), `REASON_INTERRUPTED` and
 /// `BufferDoneRequest.round`; an older peer answers them UNIMPLEMENTED or
-/// ignores the new fields.
+/// ignores the new fields. 2.4: fan-out (`OpenFile.fanout`,
+/// `CopyRequest.follow`/`fanout`/`bwlimit`, `CopyProgress.nodes`,
+/// `REASON_FANOUT_INCOMPLETE`).
 pub const VERSION_MAJOR: u32 = 2;
-pub const VERSION_MINOR: u32 = 3;
+pub const VERSION_MINOR: u32 = 4;
 /// Default gRPC port of rcpd.
 pub const DEFAULT_PORT: u16 = 7471;
 /// Default block size: the one of [`crate::files`].

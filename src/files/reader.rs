@@ -315,9 +315,10 @@ impl SourceFile {
     /// time (call after the last block was read, before the digest is trusted).
     pub fn check_unchanged(&self) -> Result<()> {
         if let Some((g, cancel)) = &self.growing {
-            // What it holds is what the receiver verified: once committed
-            // it is the whole source.
-            return g.wait_committed(cancel).map(|_| ());
+            // What it holds is what the receiver verified: once every
+            // block is, it is the whole source (the receiver's commit, a
+            // sync and a rename, need not hold up the next hop).
+            return g.wait_range(0, self.meta.len, cancel).map(|_| ());
         }
         let st = rfs::fstat(&self.buffered).map_err(|e| io_err("stat", &self.path, e))?;
         let now = FileMeta::from_stat(&st);

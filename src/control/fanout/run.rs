@@ -153,10 +153,16 @@ pub async fn run(f: &Fanout, source: Arc<dyn SourceSend>) -> Vec<(String, NodeSt
         .collect()
 }
 
+/// What a forwarding Copy names as its local path: an rcpd of 2.4 reads
+/// the fan-out's files instead; an older one, which knows no `follow`,
+/// refuses a path that leaves its root (instead of pushing its root).
+pub const FOLLOW_LOCAL_PATH: &str = "../a-fan-out-needs-rcpd-2.4";
+
 /// The Copy a node runs to forward the fan-out to node `to`.
 fn follow_request(f: &Fanout, to: usize) -> proto::CopyRequest {
     proto::CopyRequest {
         direction: proto::Direction::Push as i32,
+        local_path: FOLLOW_LOCAL_PATH.into(),
         remote: f.nodes[to].clone(),
         follow: f.id.clone(),
         follow_files: f.files,
