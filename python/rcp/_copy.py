@@ -48,74 +48,26 @@ def encode_request(direction, local_path, remote, remote_path, recursive=False, 
     ])
 
 
-def decode_progress(b):
-    """A CopyProgress as a dict."""
-    names = {1: "bytes_done", 2: "bytes_total", 3: "files_done", 4: "files_total", 5: "done",
-             6: "sha256", 7: "error"}
-    out = {"bytes_done": 0, "bytes_total": 0, "files_done": 0, "files_total": 0, "done": False,
-           "sha256": "", "error": "", "nodes": []}
-    i = 0
-
-    def varint():
-        nonlocal i
-        n = shift = 0
-        while True:
-            c = b[i]
-            i += 1
-            n |= (c & 0x7F) << shift
-            shift += 7
-            if not c & 0x80:
-                return n
-
-    while i < len(b):
-        key = varint()
-        num, wt = key >> 3, key & 7
-        if wt == 0:
-            v = varint()
-            if num in names:
-                out[names[num]] = bool(v) if num == 5 else v
-        elif wt == 2:
-            n = varint()
-            v = b[i:i + n]
-            i += n
-            if num == 8:
-                out["nodes"].append(decode_node(v))
-            elif num in names:
-                out[names[num]] = v.decode()
-        elif wt == 1:
-            i += 8
-        elif wt == 5:
-            i += 4
-        else:
-            raise ValueError("bad wire type %d" % wt)
-    return out
-
-
-def decode_node(b):
-    """A NodeResult (one node of a fan-out) as a dict: node, done,
-    unreachable, error."""
-    out = {"node": "", "done": False, "unreachable": False, "error": ""}
+def _fields(b):
+    """(number, value) of each field of a message: an int for a varint,
+    bytes for a length-delimited field (fixed-size ones skipped)."""
     i = 0
     while i < len(b):
         key, i = _read_varint(b, i)
         num, wt = key >> 3, key & 7
         if wt == 0:
             v, i = _read_varint(b, i)
-            if num == 2:
-                out["done"] = bool(v)
-            elif num == 3:
-                out["unreachable"] = bool(v)
+            yield num, v
         elif wt == 2:
             n, i = _read_varint(b, i)
-            v = b[i:i + n].decode()
+            yield num, b[i:i + n]
             i += n
-            if num == 1:
-                out["node"] = v
-            elif num == 4:
-                out["error"] = v
+        elif wt == 1:
+            i += 8
+        elif wt == 5:
+            i += 4
         else:
-            raise ValueError("bad wire type %d in NodeResult" % wt)
-    return out
+            raise ValueError("bad wire type %d" % wt)
 
 
 def _read_varint(b, i):
@@ -127,6 +79,36 @@ def _read_varint(b, i):
         shift += 7
         if not c & 0x80:
             return n, i
+
+
+def decode_progress(b):
+    """A CopyProgress as a dict; `nodes`: a fan-out's NodeResults
+    (decode_node)."""
+    ints = {1: "bytes_done", 2: "bytes_total", 3: "files_done", 4: "files_total"}
+    out = {"bytes_done": 0, "bytes_total": 0, "files_done": 0, "files_total": 0, "done": False,
+           "sha256": "", "error": "", "nodes": []}
+    for num, v in _fields(b):
+        if num in ints:
+            out[ints[num]] = v
+        elif num == 5:
+            out["done"] = bool(v)
+        elif num in (6, 7):
+            out["sha256" if num == 6 else "error"] = v.decode()
+        elif num == 8:
+            out["nodes"].append(decode_node(v))
+    return out
+
+
+def decode_node(b):
+    """A NodeResult (one node of a fan-out) as a dict: node, done,
+    unreachable, error."""
+    out = {"node": "", "done": False, "unreachable": False, "error": ""}
+    for num, v in _fields(b):
+        if num in (1, 4):
+            out["node" if num == 1 else "error"] = v.decode()
+        elif num in (2, 3):
+            out["done" if num == 2 else "unreachable"] = bool(v)
+    return out
 
 
 def channel(target, tls_ca=None, tls_cert=None, tls_key=None, server_name=None):

@@ -81,6 +81,31 @@ pub fn node_results(stdout: &str) -> Vec<(String, String)> {
         .collect()
 }
 
+/// `rcp push --json SRC HOST:NAME --fanout FAN` to node 0 of `nodes`, and
+/// what it printed: its exit code checked against `code` and its `node`
+/// lines against `want` ((node, result) in chain order).
+pub fn push_fanout(
+    t: &str,
+    nodes: &Nodes,
+    (src, name, fan): (&Path, &str, &str),
+    (code, want): (i32, Vec<(String, &str)>),
+) -> Run {
+    let dst = remote(name);
+    let args = [
+        "push",
+        "--json",
+        src.to_str().unwrap(),
+        &dst,
+        "--fanout",
+        fan,
+    ];
+    let r = rcp(nodes.port(0), t, Some(TOKEN), &args);
+    assert_eq!(r.code, code, "{}{}\n{}", r.stdout, r.stderr, nodes.logs());
+    let want: Vec<(String, String)> = want.into_iter().map(|(n, s)| (n, s.to_string())).collect();
+    assert_eq!(node_results(&r.stdout), want, "{}", r.stdout);
+    r
+}
+
 /// No `.rcp-*` temp file or manifest left under `dir`.
 pub fn no_partials(dir: &Path) {
     for e in walkdir(dir) {
@@ -239,28 +264,12 @@ pub fn node_missing_at_the_start(t: &str) {
     make_file(&src, (5 << 20) + 9, 23);
     // node 0, the missing one, node 1.
     let fan = format!("{gone},{}", nodes.addr(1));
-    let r = rcp(
-        nodes.port(0),
-        t,
-        Some(TOKEN),
-        &[
-            "push",
-            "--json",
-            src.to_str().unwrap(),
-            &remote("f"),
-            "--fanout",
-            &fan,
-        ],
-    );
-    assert_eq!(r.code, 0, "{}{}\n{}", r.stdout, r.stderr, nodes.logs());
-    assert_eq!(
-        node_results(&r.stdout),
-        vec![
-            (nodes.addr(0), "done".to_string()),
-            (gone, "unreachable".to_string()),
-            (nodes.addr(1), "done".to_string()),
-        ]
-    );
+    let want = vec![
+        (nodes.addr(0), "done"),
+        (gone, "unreachable"),
+        (nodes.addr(1), "done"),
+    ];
+    push_fanout(t, &nodes, (&src, "f", &fan), (0, want));
     for root in &nodes.roots {
         assert_eq!(sha256sum(&root.join("f")), sha256sum(&src));
     }
@@ -275,30 +284,12 @@ pub fn node_refusing_the_token(t: &str) {
     let src = nodes.tmp.path().join("f");
     make_file(&src, (5 << 20) + 1, 24);
     let fan = nodes.fanout(1, &[]);
-    let r = rcp(
-        nodes.port(0),
-        t,
-        Some(TOKEN),
-        &[
-            "push",
-            "--json",
-            src.to_str().unwrap(),
-            &remote("f"),
-            "--fanout",
-            &fan,
-        ],
-    );
-    assert_eq!(r.code, 9, "{}{}\n{}", r.stdout, r.stderr, nodes.logs());
-    assert_eq!(
-        node_results(&r.stdout),
-        vec![
-            (nodes.addr(0), "done".to_string()),
-            (nodes.addr(1), "failed".to_string()),
-            (nodes.addr(2), "done".to_string()),
-        ],
-        "{}",
-        r.stdout
-    );
+    let want = vec![
+        (nodes.addr(0), "done"),
+        (nodes.addr(1), "failed"),
+        (nodes.addr(2), "done"),
+    ];
+    let r = push_fanout(t, &nodes, (&src, "f", &fan), (9, want));
     assert!(
         r.stdout.contains("invalid token"),
         "the reason: {}",
