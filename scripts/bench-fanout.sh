@@ -14,7 +14,7 @@
 #   sudo bash scripts/bench-fanout.sh [release dir, default target/release]
 set -euo pipefail
 BIN=${1:-target/release}
-MIB=${MIB:-256}; PASSES=${PASSES:-5}; RATE=${RATE:-400mbit}
+MIB=${MIB:-256}; PASSES=${PASSES:-5}; RATE=${RATE:-400mbit}  # QLAT=100ms
 W=$(mktemp -d /var/tmp/fanout.XXXXXX)
 NS=(rcpfo0 rcpfo1 rcpfo2 rcpfo3 rcpfo4)
 declare -A PID
@@ -38,8 +38,9 @@ for i in "${!NS[@]}"; do
   ip -n "$n" addr add "10.77.0.$((10 + i))/24" dev eth0
   ip -n "$n" link set eth0 up
   ip -n "$n" link set lo up
-  # The node's egress: a token bucket at RATE.
-  ip netns exec "$n" tc qdisc add dev eth0 root tbf rate "$RATE" burst 256kb latency 100ms
+  # The node's egress: a token bucket at RATE, a FIFO holding up to
+  # QLAT of it (100ms: 5 MB at 400 Mbit/s, a deep buffer).
+  ip netns exec "$n" tc qdisc add dev eth0 root tbf rate "$RATE" burst 256kb latency "${QLAT:-100ms}"
 done
 addr() { echo "10.77.0.$((10 + $1)):7471"; }
 start_node() { # i
@@ -89,5 +90,5 @@ for pass in $(seq "$PASSES"); do
   tk=-
   if [ -z "${FAN_NODES:-}" ]; then tk=$(kill2 "$t1"); start_node 2; fi
   echo "pass $pass: one $t1 s  fan4 $t4 s  kill $tk s"
-  [ -z "${LOG:-}" ] || grep -h "rcp::" "$W"/n*.log | grep -v "arena\|h2::" | sort | tail -${LOGLINES:-60}
+  [ -z "${LOG:-}" ] || grep -H "rcp::" "$W"/n*.log | sed "s|^$W/||" | grep -v "arena\|h2::" | sort | tail -${LOGLINES:-60}
 done

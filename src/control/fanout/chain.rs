@@ -182,7 +182,7 @@ impl Chain {
             Sender::Node(u) if !up(u) => {
                 self.cut(
                     u,
-                    NodeState::Unreachable(format!("stopped answering ({reason})")),
+                    NodeState::Unreachable(format!("does not answer ({reason})")),
                 );
             }
             Sender::Node(u) if by_sender => {

@@ -489,6 +489,12 @@ impl StreamIo {
             }
         }
         let bad = landed.bad();
+        tracing::debug!(
+            first = extents.first().map(|e| e.block),
+            blocks = extents.len(),
+            bad = bad.len(),
+            "window verified"
+        );
         if !bad.is_empty() {
             self.svc.metrics.integrity_failures(bad.len() as u64);
             tracing::warn!(
