@@ -11,6 +11,8 @@
 #    block-aligned): `rcp push --delta` against `rsync` (its delta
 #    algorithm, the default to a daemon), bytes moved as above.
 # RCP_BENCH_BIN=DIR runs the rcp and rcpd in DIR instead of building.
+# RCP_BENCH_BASE=DIR adds the rcp in DIR to each pass of --delta (against
+# the same rcpd, into a file of its own): a client change A/B in one run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=lib-rcpd.sh
@@ -71,6 +73,11 @@ rsync_sent() { awk '/Total bytes sent/{gsub(",","",$4); print $4}' "$1"; }
 "${RCP[@]}" push -r -p "$shm/src/tree" 127.0.0.1:
 "${RCP[@]}" push "$shm/src/big" 127.0.0.1:
 rsync -a "$shm/src/tree" "$shm/src/big" "$RS"
+BASE=()
+if [ -n "${RCP_BENCH_BASE:-}" ]; then
+  BASE=("$RCP_BENCH_BASE/rcp" -P "$port" --transport tcp -q)
+  "${BASE[@]}" push "$shm/src/big" 127.0.0.1:big-base
+fi
 declare -A T MOVED
 add() { T[$1]="${T[$1]:-} $2"; MOVED[$1]=$3; }
 for p in $(seq "$PASSES"); do
@@ -90,6 +97,13 @@ f = open('$shm/src/big', 'r+b'); f.seek(100 * 2**20 + 12345); f.write(os.urandom
   "${RCP[@]}" --json push --delta "$shm/src/big" 127.0.0.1: >"$shm/out"
   t=$(python3 -c "print($(now) - $t0)")
   add "delta rcp push --delta" "$t" "$(rcp_moved "$shm/out")"
+  if [ ${#BASE[@]} -gt 0 ]; then
+    t0=$(now)
+    "${BASE[@]}" --json push --delta "$shm/src/big" 127.0.0.1:big-base >"$shm/out"
+    t=$(python3 -c "print($(now) - $t0)")
+    add "delta base push --delta" "$t" "$(rcp_moved "$shm/out")"
+    cmp "$shm/src/big" "$shm/rcp/big-base"
+  fi
   t0=$(now)
   rsync --stats "$shm/src/big" "$RS" >"$shm/out"
   t=$(python3 -c "print($(now) - $t0)")
@@ -97,7 +111,9 @@ f = open('$shm/src/big', 'r+b'); f.seek(100 * 2**20 + 12345); f.write(os.urandom
   cmp "$shm/src/big" "$shm/rcp/big"
   cmp "$shm/src/big" "$shm/rsync/big"
 done
-for k in "rerun rcp push -a" "rerun rsync -a" "delta rcp push --delta" "delta rsync"; do
+keys=("rerun rcp push -a" "rerun rsync -a" "delta rcp push --delta" "delta rsync")
+[ ${#BASE[@]} -gt 0 ] && keys+=("delta base push --delta")
+for k in "${keys[@]}"; do
   python3 - "$k" "${MOVED[$k]}" ${T[$k]} <<'PY'
 import statistics, sys
 k, moved, ts = sys.argv[1], sys.argv[2], sorted(map(float, sys.argv[3:]))

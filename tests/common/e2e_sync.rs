@@ -302,6 +302,24 @@ pub fn delta_moves_only_the_changed_block(t: &str, push: bool) {
     // Without --delta, every block moves.
     let r = run(&[]);
     assert_eq!(r["moved"], len, "{r}");
+    // Grown at its end: only its last block, now longer, moves (the old
+    // copy's is short).
+    let mut grown = b.clone();
+    grown.extend((0..40_000u32).map(|i| (i % 251) as u8));
+    std::fs::write(&src, &grown).unwrap();
+    let r = run(&["--delta"]);
+    assert_eq!(
+        r["moved"],
+        grown.len() as u64 - 16 * BS,
+        "the last block moves: {r}"
+    );
+    assert_eq!(sha256sum(&dst), sha256sum(&src));
+    // Cut inside a block: the new last block's bytes are the start of the
+    // old copy's, so nothing moves.
+    std::fs::write(&src, &grown[..(10 * BS + 5) as usize]).unwrap();
+    let r = run(&["--delta"]);
+    assert_eq!(r["moved"], 0, "a truncated file moves nothing: {r}");
+    assert_eq!(sha256sum(&dst), sha256sum(&src));
     // No partial file or manifest is left beside the copy.
     for e in std::fs::read_dir(dst.parent().unwrap()).unwrap() {
         let n = e.unwrap().file_name().to_string_lossy().into_owned();

@@ -1,10 +1,11 @@
 //! Push `--delta` on rcpd: a new file starts from the blocks the file now
-//! at its final name holds already. The client compared both ends' block
-//! digests (`Digests`) and named the blocks that match, with their digests
-//! (`OpenFile.keep_blocks`, `keep_digests`); each is read from the
-//! existing file, hashed again under the session's check (on the hashing
-//! pool, a batch of blocks at a time) and, when it still matches, written
-//! into the new file as if it had arrived ([`Destination::write_block`]).
+//! at its final name holds already. The client names the blocks it may
+//! hold (every block of the source) with the source's digests of them
+//! (`OpenFile.keep_blocks`, `keep_digests`); each is read from the existing
+//! file, hashed under the session's check (on the hashing pool, a batch of
+//! blocks at a time) and, when it matches, written into the new file as if
+//! it had arrived ([`Destination::write_block`]): the old copy is read and
+//! hashed once.
 //! Those blocks are then not missing: `Opened.skip_blocks` lists them, the
 //! rest moves, and the file is verified and committed whole, as always.
 
