@@ -595,8 +595,40 @@ impl Destination {
     /// by the caller against the sender's). Duplicates of a recorded block are
     /// ignored. Recorded in the manifest (saved at the configured rate).
     pub fn write_block(&mut self, index: u64, data: &[u8], digest: Sha256Digest) -> Result<()> {
+        self.check_block(index, data)?;
+        debug_assert_eq!(
+            self.manifest.check.block(data),
+            digest,
+            "write_block: digest is not of data"
+        );
+        if self.manifest.blocks.contains_key(&index) {
+            tracing::debug!(block = index, "duplicate block ignored");
+            return Ok(());
+        }
         let n = self.block_count();
-        if index >= n {
+        let offset = index * self.block_size();
+        // A file of one block is one buffered pwrite: no second fd for it.
+        let mode = if n > 1 {
+            self.direct.write_all_at(
+                &self.dir,
+                &self.manifest.temp_name,
+                &self.file,
+                data,
+                offset,
+            )
+        } else {
+            self.direct.write_buffered(&self.file, data, offset)
+        }
+        .map_err(|e| io_err("write", self.temp_path(), e))?;
+        if n > 1 && mode == IoMode::Buffered {
+            self.start_writeback(offset, data.len() as u64);
+        }
+        self.record(index, Some(data), digest)
+    }
+
+    /// A block of `data` fits block `index`: in range, of its length.
+    fn check_block(&self, index: u64, data: &[u8]) -> Result<()> {
+        if index >= self.block_count() {
             return Err(FileError::OutOfRange {
                 path: self.temp_path(),
                 offset: index.saturating_mul(self.block_size()),
@@ -613,50 +645,75 @@ impl Destination {
                 expected: want,
             });
         }
-        debug_assert_eq!(
-            self.manifest.check.block(data),
-            digest,
-            "write_block: digest is not of data"
+        Ok(())
+    }
+
+    /// Start writeback of what was just written (DONTNEED on dirty pages
+    /// queues them for writing without waiting, and drops nothing dirty),
+    /// so the disk works while the copy goes on and the sync at publish
+    /// waits for the tail, not the whole file. Advice only: an error here
+    /// changes nothing but speed. (A one-block file is all tail: the sync
+    /// at publish starts it.)
+    fn start_writeback(&self, offset: u64, len: u64) {
+        let _ = rfs::fadvise(
+            &self.file,
+            offset,
+            std::num::NonZeroU64::new(len),
+            rfs::Advice::DontNeed,
         );
+    }
+
+    /// Write block `index` (`data`, its bytes) into the temp file without
+    /// recording it, from any thread: several blocks are written at once
+    /// this way (buffered), then each recorded with
+    /// [`record_written`](Self::record_written). A block already recorded
+    /// is left as it is.
+    pub fn write_unrecorded(&self, index: u64, data: &[u8]) -> Result<()> {
+        self.check_block(index, data)?;
         if self.manifest.blocks.contains_key(&index) {
-            tracing::debug!(block = index, "duplicate block ignored");
             return Ok(());
         }
         let offset = index * self.block_size();
-        // A file of one block is one buffered pwrite: no second fd for it.
-        let mode = if n > 1 {
-            self.direct.write_all_at(
-                &self.dir,
-                &self.manifest.temp_name,
-                &self.file,
-                data,
-                offset,
-            )
-        } else {
-            self.direct.write_buffered(&self.file, data, offset)
+        self.file
+            .write_all_at(data, offset)
+            .map_err(|e| io_err("write", self.temp_path(), e))?;
+        if self.block_count() > 1 {
+            self.start_writeback(offset, data.len() as u64);
         }
-        .map_err(|e| io_err("write", self.temp_path(), e))?;
-        if n > 1 && mode == IoMode::Buffered {
-            // Start writeback of what was just written (DONTNEED on dirty pages
-            // queues them for writing without waiting, and drops nothing
-            // dirty), so the disk works while the copy goes on and the sync at
-            // publish waits for the tail, not the whole file. Advice only: an
-            // error here changes nothing but speed. (A one-block file is all
-            // tail: the sync at publish starts it.)
-            let _ = rfs::fadvise(
-                &self.file,
-                offset,
-                std::num::NonZeroU64::new(want),
-                rfs::Advice::DontNeed,
-            );
+        Ok(())
+    }
+
+    /// Record block `index`, whose bytes [`write_unrecorded`](Self::write_unrecorded)
+    /// wrote and whose digest under the destination's [`Check`] is
+    /// `digest`, as [`write_block`](Self::write_block) records a block.
+    pub fn record_written(&mut self, index: u64, digest: Sha256Digest) -> Result<()> {
+        if index >= self.block_count() {
+            return Err(FileError::OutOfRange {
+                path: self.temp_path(),
+                offset: index.saturating_mul(self.block_size()),
+                len: 0,
+                file_len: self.len(),
+            });
         }
+        if self.manifest.blocks.contains_key(&index) {
+            return Ok(());
+        }
+        self.record(index, None, digest)
+    }
+
+    /// Record block `index` in the manifest (saved at the configured rate)
+    /// and feed the flat SHA-256 its bytes (`data`, or read back from the
+    /// temp file when `None` or not yet its turn).
+    fn record(&mut self, index: u64, data: Option<&[u8]>, digest: Sha256Digest) -> Result<()> {
+        let offset = index * self.block_size();
+        let want = self.block_len(index);
         if let Some(flat) = &mut self.flat {
-            match flat.update(offset, data) {
-                Ok(()) => {}
-                Err(DigestError::Backpressure { .. }) => {
+            match data.map(|d| flat.update(offset, d)) {
+                Some(Ok(())) => {}
+                Some(Err(DigestError::Backpressure { .. })) | None => {
                     self.deferred.insert(offset, want);
                 }
-                Err(e) => return Err(e.into()),
+                Some(Err(e)) => return Err(e.into()),
             }
             self.drain_deferred()?;
         }

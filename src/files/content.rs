@@ -90,84 +90,26 @@ pub fn contents<T: Sync>(
     })
 }
 
-/// Blocks [`seed`] reads, hashes and writes together.
-const SEED_BATCH: usize = 16;
+/// Blocks one task of [`seed`] reads, hashes and writes, on one pool
+/// thread.
+const SEED_BATCH: usize = 4;
 
-/// A batch of [`seed`]'s blocks in memory: each buffer holds its block
-/// when `ok` (read whole).
-#[derive(Default)]
-struct SeedBatch {
-    bufs: Vec<Vec<u8>>,
-    ok: Vec<bool>,
-}
-
-impl SeedBatch {
-    /// Read the blocks of `batch` from `src` (a block past either end, or
-    /// read short, is not `ok`: it moves).
-    fn read(
-        &mut self,
-        src: &SourceFile,
-        dest: &Destination,
-        batch: &[(u64, Sha256Digest)],
-    ) -> Result<()> {
-        let bs = dest.block_size();
-        self.bufs
-            .resize_with(batch.len(), || Vec::with_capacity(bs as usize));
-        self.ok.clear();
-        for (&(b, _), buf) in batch.iter().zip(self.bufs.iter_mut()) {
-            let mut ok = false;
-            if b < dest.block_count() && b * bs < src.len() {
-                let want = dest.block_len(b) as usize;
-                buf.resize(want, 0);
-                ok = src.read_at(b * bs, buf)? == want;
-            }
-            self.ok.push(ok);
-        }
-        Ok(())
-    }
-
-    fn slices(&self) -> Vec<&[u8]> {
-        self.bufs
-            .iter()
-            .zip(&self.ok)
-            .filter(|(_, &ok)| ok)
-            .map(|(b, _)| b.as_slice())
-            .collect()
-    }
-
-    /// Write each block of `batch` whose digest (`hashed`, one per `ok`
-    /// block) is the one asked for; how many.
-    fn write(
-        &self,
-        dest: &mut Destination,
-        batch: &[(u64, Sha256Digest)],
-        hashed: Vec<Sha256Digest>,
-    ) -> Result<u64> {
-        let mut hashed = hashed.into_iter();
-        let mut kept = 0;
-        for ((&(b, want), buf), &ok) in batch.iter().zip(&self.bufs).zip(&self.ok) {
-            if !ok {
-                continue;
-            }
-            let d = hashed.next().expect("a digest per block read");
-            if d == want {
-                dest.write_block(b, buf, d)?;
-                kept += 1;
-            }
-        }
-        Ok(kept)
-    }
+thread_local! {
+    /// A pool thread's buffer for [`seed`]'s blocks, kept between tasks
+    /// (a fresh buffer per block costs its page faults and clearing).
+    static SEED_BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// `--delta`: write into `dest` (fresh) each block of `keep` (index and
 /// digest under `check`, the destination's) that `src`, the file now at the
-/// destination's name, still holds: read, hashed again on the pool a batch
-/// at a time, written as if it had arrived ([`Destination::write_block`]);
-/// the written bytes are the hashed ones. A block `src` no longer holds
-/// (shorter, changed) is left missing: it moves. Returns how many were
-/// kept. Pipelined: while one batch is hashed, the one before it is
-/// written and the one after it read (reads and writes are copies as
-/// large as the hashing).
+/// destination's name, holds: read, hashed, and written as if it had
+/// arrived when its digest is the one asked for; the written bytes are the
+/// hashed ones (read once into a buffer of this process). A block `src`
+/// does not hold (shorter, changed) is left missing: it moves. Returns how
+/// many were kept. The blocks are spread over the hashing pool, a few per
+/// task, each thread reading, hashing and writing its own (the temp file
+/// is written at their offsets from every thread at once); they are
+/// recorded in `dest` afterwards, in order.
 pub fn seed(
     src: &SourceFile,
     dest: &mut Destination,
@@ -177,38 +119,37 @@ pub fn seed(
     if check.is_none() || keep.is_empty() {
         return Ok(0);
     }
-    let batches: Vec<&[(u64, Sha256Digest)]> = keep.chunks(SEED_BATCH).collect();
-    let (mut reading, mut hashing, mut writing) = (
-        SeedBatch::default(),
-        SeedBatch::default(),
-        SeedBatch::default(),
-    );
-    hashing.read(src, dest, batches[0])?;
-    // The batch written next and its digests.
-    let mut pending: Option<(usize, Vec<Sha256Digest>)> = None;
+    let tasks: Vec<&[(u64, Sha256Digest)]> = keep.chunks(SEED_BATCH).collect();
+    let bs = dest.block_size();
+    let d: &Destination = dest;
+    let task = |t: &&[(u64, Sha256Digest)]| -> Result<Vec<(u64, Sha256Digest)>> {
+        SEED_BUF.with_borrow_mut(|buf| {
+            let mut kept = Vec::with_capacity(t.len());
+            for &(b, want) in t.iter() {
+                if b >= d.block_count() || b * bs >= src.len() {
+                    continue;
+                }
+                let len = d.block_len(b) as usize;
+                if buf.len() < len {
+                    buf.resize(len, 0);
+                }
+                let block = &mut buf[..len];
+                if src.read_at(b * bs, block)? != len || check.block(block) != want {
+                    continue;
+                }
+                d.write_unrecorded(b, block)?;
+                kept.push((b, want));
+            }
+            Ok(kept)
+        })
+    };
+    let done = on_pool(&tasks, task);
     let mut kept = 0;
-    for i in 0..batches.len() {
-        let (hashed, io) = std::thread::scope(|s| {
-            let h = s.spawn(|| check.blocks(&hashing.slices()));
-            let io = (|| -> Result<()> {
-                if let Some((j, d)) = pending.take() {
-                    kept += writing.write(dest, batches[j], d)?;
-                }
-                if let Some(next) = batches.get(i + 1) {
-                    reading.read(src, dest, next)?;
-                }
-                Ok(())
-            })();
-            (h.join().expect("the hashing thread"), io)
-        });
-        io?;
-        pending = Some((i, hashed));
-        // hashing -> writing, reading -> hashing, writing -> reading.
-        std::mem::swap(&mut writing, &mut hashing);
-        std::mem::swap(&mut hashing, &mut reading);
-    }
-    if let Some((j, d)) = pending {
-        kept += writing.write(dest, batches[j], d)?;
+    for t in done {
+        for (b, digest) in t? {
+            dest.record_written(b, digest)?;
+            kept += 1;
+        }
     }
     Ok(kept)
 }
@@ -270,6 +211,47 @@ mod tests {
         assert_eq!(seed(&src, &mut dest, &keep, Check::Blake3).unwrap(), 3);
         assert_eq!(dest.missing_blocks(), vec![1, 3]);
         dest.abort();
+    }
+
+    #[test]
+    fn a_seeded_file_has_the_flat_sha256_of_its_bytes() {
+        // Many blocks (tasks on several pool threads), kept ones recorded
+        // out of the flat digest's order, then the changed ones arriving.
+        let dir = tempfile::tempdir().unwrap();
+        let old: Vec<u8> = (0..(40 * 4096 + 100))
+            .map(|i| (i * 13 % 251) as u8)
+            .collect();
+        let p = dir.path().join("f");
+        std::fs::write(&p, &old).unwrap();
+        let mut new = old.clone();
+        for b in [0usize, 17, 40] {
+            new[b * 4096] ^= 0xff;
+        }
+        let digests: Vec<Sha256Digest> = new.chunks(4096).map(|b| Check::Blake3.block(b)).collect();
+        let keep: Vec<(u64, Sha256Digest)> = digests
+            .iter()
+            .copied()
+            .zip(0u64..)
+            .map(|(d, b)| (b, d))
+            .collect();
+        let d = crate::files::DirHandle::open(dir.path()).unwrap();
+        let opts = crate::files::DestinationOptions {
+            block_size: 4096,
+            check: Check::Blake3,
+            flat_sha256: true,
+            ..Default::default()
+        };
+        let mut dest = Destination::create(&d, "f", new.len() as u64, opts).unwrap();
+        let src = SourceFile::open(&p).unwrap();
+        assert_eq!(seed(&src, &mut dest, &keep, Check::Blake3).unwrap(), 38);
+        assert_eq!(dest.missing_blocks(), vec![0, 17, 40]);
+        for b in [17u64, 40, 0] {
+            let block = new.chunks(4096).nth(b as usize).unwrap();
+            dest.write_block(b, block, digests[b as usize]).unwrap();
+        }
+        let flat = crate::files::digest::block_digest(&new);
+        dest.seal_flat(flat).unwrap().publish().unwrap();
+        assert_eq!(std::fs::read(&p).unwrap(), new);
     }
 
     /// Across batches (three here: the pipeline reads one while it hashes
