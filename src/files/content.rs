@@ -28,27 +28,38 @@ const BLOCKS_PER_TASK: u64 = 4;
 /// Each block's digest of `src` cut at `block_size`, read with `pread`
 /// (buffered) and hashed on the pool.
 pub fn block_digests(src: &SourceFile, check: Check, block_size: u64) -> Result<Vec<Sha256Digest>> {
+    let all: Vec<u64> = (0..src.len().div_ceil(block_size)).collect();
+    digests_of(src, check, block_size, &all)
+}
+
+/// The digests of blocks `blocks` of `src` cut at `block_size` (in their
+/// order), read with `pread` (buffered) and hashed on the pool, a few
+/// blocks per task. A block read short (the file shrank) is hashed as read.
+pub fn digests_of(
+    src: &SourceFile,
+    check: Check,
+    block_size: u64,
+    blocks: &[u64],
+) -> Result<Vec<Sha256Digest>> {
     let len = src.len();
-    let n = len.div_ceil(block_size);
-    let tasks: Vec<u64> = (0..n.div_ceil(BLOCKS_PER_TASK)).collect();
-    let hash_task = |t: &u64| -> Result<Vec<Sha256Digest>> {
-        let mut buf = vec![0u8; block_size as usize];
-        let first = t * BLOCKS_PER_TASK;
-        let mut out = Vec::new();
-        for b in first..(first + BLOCKS_PER_TASK).min(n) {
-            let off = b * block_size;
-            let want = (len - off).min(block_size) as usize;
-            let got = src.read_at(off, &mut buf[..want])?;
-            out.push(check.block(&buf[..got]));
-        }
-        Ok(out)
+    let tasks: Vec<&[u64]> = blocks.chunks(BLOCKS_PER_TASK as usize).collect();
+    let hash_task = |t: &&[u64]| -> Result<Vec<Sha256Digest>> {
+        SEED_BUF.with_borrow_mut(|buf| {
+            let mut out = Vec::with_capacity(t.len());
+            for &b in t.iter() {
+                let off = b * block_size;
+                let want = len.saturating_sub(off).min(block_size) as usize;
+                if buf.len() < want {
+                    buf.resize(want, 0);
+                }
+                let got = src.read_at(off, &mut buf[..want])?;
+                out.push(check.block(&buf[..got]));
+            }
+            Ok(out)
+        })
     };
-    let parts = if tasks.len() > 1 {
-        on_pool(&tasks, hash_task)
-    } else {
-        tasks.iter().map(hash_task).collect()
-    };
-    let mut all = Vec::with_capacity(n as usize);
+    let parts = on_pool(&tasks, hash_task);
+    let mut all = Vec::with_capacity(blocks.len());
     for p in parts {
         all.extend(p?);
     }
@@ -95,8 +106,9 @@ pub fn contents<T: Sync>(
 const SEED_BATCH: usize = 4;
 
 thread_local! {
-    /// A pool thread's buffer for [`seed`]'s blocks, kept between tasks
-    /// (a fresh buffer per block costs its page faults and clearing).
+    /// A pool thread's buffer for the blocks it reads ([`seed`],
+    /// [`digests_of`]), kept between tasks (a fresh buffer per block costs
+    /// its page faults and clearing).
     static SEED_BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 

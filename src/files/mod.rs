@@ -104,7 +104,7 @@ pub use growing::{Cancel, Growing};
 pub use manifest::{Manifest, SourceId};
 pub use path::{normalize, symlink_target_within, RelPath};
 pub use publish::publish;
-pub use reader::{IoMode, ReadStats, SourceFile, DIRECT_ALIGN, DIRECT_READ_FROM};
+pub use reader::{IoMode, KnownBlocks, ReadStats, SourceFile, DIRECT_ALIGN, DIRECT_READ_FROM};
 pub use root::{DirHandle, FileKind, FileMeta, ListEntry, Resolver, Root, Timestamp};
 pub use tree::{resolve_destination, walk, Entry, EntryKind, Skipped, Tree};
 pub use write_behind::WriteBehind;

@@ -27,6 +27,7 @@ use std::sync::{Arc, OnceLock};
 use rustix::fs::{self as rfs, Mode, OFlags};
 use sha2::{Digest, Sha256};
 
+use super::digest::{Check, Sha256Digest};
 use super::error::{io_err, FileError, PathError, Result};
 use super::growing::{Cancel, Growing};
 use super::manifest::SourceId;
@@ -75,6 +76,38 @@ pub struct SourceFile {
     /// A file still being received ([`SourceFile::growing`]): reads wait
     /// for their blocks and go to the file it names.
     growing: Option<(Arc<Growing>, Cancel)>,
+    /// Its block digests, computed from an earlier open of the same file
+    /// as it is now ([`SourceFile::know`]).
+    known: Option<Arc<KnownBlocks>>,
+}
+
+/// The block digests of a file under one check and block size, with the
+/// file's identity when they were computed (its device, inode, length and
+/// mtime, as [`SourceFile::check_unchanged`] compares them): what a later
+/// open of the same, unchanged file need not read again
+/// ([`SourceFile::know`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KnownBlocks {
+    meta: FileMeta,
+    check: Check,
+    block_size: u64,
+    blocks: Vec<Sha256Digest>,
+}
+
+impl KnownBlocks {
+    /// The digests `blocks` of `src` (every block, cut at `block_size`,
+    /// under `check`), computed from it as it was opened.
+    pub fn of(src: &SourceFile, check: Check, block_size: u64, blocks: Vec<Sha256Digest>) -> Self {
+        KnownBlocks {
+            meta: src.meta,
+            check,
+            block_size,
+            blocks,
+        }
+    }
+    pub fn blocks(&self) -> &[Sha256Digest] {
+        &self.blocks
+    }
 }
 
 impl SourceFile {
@@ -164,6 +197,7 @@ impl SourceFile {
             meta,
             fingerprint: OnceLock::new(),
             growing: None,
+            known: None,
         })
     }
 
@@ -195,7 +229,34 @@ impl SourceFile {
             meta,
             fingerprint: fp,
             growing: Some((g, cancel)),
+            known: None,
         })
+    }
+
+    /// Take `k` as this file's block digests when it was computed from
+    /// this file as it was opened now (same device, inode, length and
+    /// mtime, and every block); whether it was taken.
+    pub fn know(&mut self, k: Arc<KnownBlocks>) -> bool {
+        let fits = k.meta.dev == self.meta.dev
+            && k.meta.ino == self.meta.ino
+            && k.meta.len == self.meta.len
+            && k.meta.mtime == self.meta.mtime
+            && k.block_size > 0
+            && k.blocks.len() as u64 == self.meta.len.div_ceil(k.block_size)
+            && self.growing.is_none();
+        if fits {
+            self.known = Some(k);
+        }
+        fits
+    }
+
+    /// The block digests [`know`](Self::know) took, when under `check`
+    /// cut at `block_size`.
+    pub fn known_blocks(&self, check: Check, block_size: u64) -> Option<&[Sha256Digest]> {
+        self.known
+            .as_deref()
+            .filter(|k| k.check == check && k.block_size == block_size)
+            .map(KnownBlocks::blocks)
     }
 
     pub fn path(&self) -> &Path {
@@ -354,4 +415,65 @@ fn read_full(f: &File, buf: &mut [u8], offset: u64, direct: bool) -> io::Result<
         }
     }
     Ok(done)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn known_blocks_are_taken_only_by_the_same_unchanged_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("f");
+        std::fs::write(&p, vec![7u8; 10_000]).unwrap();
+        let first = SourceFile::open(&p).unwrap();
+        // Digests that are not the file's: what is taken is what was given.
+        let k = Arc::new(KnownBlocks::of(
+            &first,
+            Check::Blake3,
+            4096,
+            vec![[1; 32]; 3],
+        ));
+        let mut again = SourceFile::open(&p).unwrap();
+        assert!(again.know(k.clone()));
+        assert_eq!(
+            again.known_blocks(Check::Blake3, 4096),
+            Some(&[[1u8; 32]; 3][..])
+        );
+        // Another check or block size: not these digests.
+        assert_eq!(again.known_blocks(Check::Sha256, 4096), None);
+        assert_eq!(again.known_blocks(Check::Blake3, 8192), None);
+        // Not every block: refused.
+        let short = Arc::new(KnownBlocks::of(
+            &first,
+            Check::Blake3,
+            4096,
+            vec![[1; 32]; 2],
+        ));
+        assert!(!SourceFile::open(&p).unwrap().know(short));
+        // Rewritten since (another length, then another file at the path).
+        std::fs::write(&p, vec![7u8; 10_001]).unwrap();
+        let mut changed = SourceFile::open(&p).unwrap();
+        assert!(!changed.know(k.clone()));
+        assert_eq!(changed.known_blocks(Check::Blake3, 4096), None);
+        // Another file put at the path, of the same length and mtime (made
+        // while the first still exists: another inode).
+        let q = dir.path().join("g");
+        std::fs::write(&q, vec![7u8; 10_000]).unwrap();
+        let first_mtime = std::time::UNIX_EPOCH
+            + std::time::Duration::new(first.mtime().sec as u64, first.mtime().nsec);
+        std::fs::File::options()
+            .write(true)
+            .open(&q)
+            .unwrap()
+            .set_modified(first_mtime)
+            .unwrap();
+        std::fs::rename(&q, &p).unwrap();
+        let mut r = SourceFile::open(&p).unwrap();
+        assert_eq!(
+            (r.meta().len, r.meta().mtime),
+            (first.meta().len, first.meta().mtime)
+        );
+        assert!(!r.know(k), "another inode is another file");
+    }
 }

@@ -13,7 +13,8 @@ use crate::control::protocol::{
     Digest, Failure, FileId, FileSpec, Held, LocalCommit, Reason, SourceMeta,
 };
 use crate::files::{
-    self, Check, Destination, DestinationOptions, DirCache, DirHandle, Preserve, SourceFile,
+    self, Check, Destination, DestinationOptions, DirCache, DirHandle, KnownBlocks, Preserve,
+    SourceFile,
 };
 use crate::mem::Block;
 use crate::proto::{self, Direction};
@@ -136,7 +137,17 @@ pub(super) fn drop_may_block(l: &Local) -> bool {
 /// read only for a file of more than one `bs` block: a smaller copy keeps no
 /// manifest, and the fingerprint would hash its bytes a second time.
 pub(super) fn open_source(path: &Path, bs: u64) -> Result<(Arc<SourceFile>, SourceMeta), Failure> {
-    let src = SourceFile::open(path).map_err(|e| {
+    open_source_known(path, bs, None)
+}
+
+/// [`open_source`], taking `known` as the file's block digests when they
+/// were computed from it as it is now ([`SourceFile::know`]).
+fn open_source_known(
+    path: &Path,
+    bs: u64,
+    known: Option<Arc<KnownBlocks>>,
+) -> Result<(Arc<SourceFile>, SourceMeta), Failure> {
+    let mut src = SourceFile::open(path).map_err(|e| {
         // Only when it failed: a stat per file costs on trees of small files.
         if std::fs::metadata(path).is_ok_and(|m| m.is_dir()) {
             return Failure::new(
@@ -146,6 +157,9 @@ pub(super) fn open_source(path: &Path, bs: u64) -> Result<(Arc<SourceFile>, Sour
         }
         fail(e)
     })?;
+    if let Some(k) = known {
+        src.know(k);
+    }
     let meta = SourceMeta {
         length: src.len(),
         mode: src.mode(),
@@ -157,6 +171,21 @@ pub(super) fn open_source(path: &Path, bs: u64) -> Result<(Arc<SourceFile>, Sour
         },
     };
     Ok((Arc::new(src), meta))
+}
+
+/// A local file whose block digests the plan computed (`--delta`): opened
+/// as any local source, its digests taken when the file is unchanged since,
+/// so that the blocks that do not move are not read and hashed again
+/// ([`hash`]).
+pub struct KnownSource {
+    pub path: PathBuf,
+    pub known: Arc<KnownBlocks>,
+}
+
+impl Source for KnownSource {
+    fn open(&self, bs: u64) -> Result<(Arc<SourceFile>, SourceMeta), Failure> {
+        open_source_known(&self.path, bs, Some(self.known.clone()))
+    }
 }
 
 /// Pull: the directory and name of the final local path, creating parents
@@ -370,19 +399,22 @@ pub(super) fn hash(
     blocks: &[u64],
     bs: u64,
 ) -> Result<Vec<(u64, Digest)>, Failure> {
-    let mut buf = vec![0u8; bs as usize];
-    let mut out = Vec::with_capacity(blocks.len());
-    for &b in blocks {
-        let n = (src.len() - b * bs).min(bs) as usize;
-        fsutil::read_exact(src, b * bs, &mut buf[..n]).map_err(|x| {
-            fail(ControlError::io(format!(
-                "reading {}",
-                src.path().display()
-            ))(x))
-        })?;
-        out.push((b, check.wire(&check.block(&buf[..n]))));
+    // Known from the plan and the file unchanged since: no read. (Were it
+    // changed, the check of the source at the end fails the copy.)
+    if let Some(known) = src.known_blocks(check, bs) {
+        if src.check_unchanged().is_ok() && blocks.iter().all(|&b| b < known.len() as u64) {
+            return Ok(blocks
+                .iter()
+                .map(|&b| (b, check.wire(&known[b as usize])))
+                .collect());
+        }
     }
-    Ok(out)
+    let digests = crate::files::content::digests_of(src, check, bs, blocks).map_err(fail)?;
+    Ok(blocks
+        .iter()
+        .zip(digests)
+        .map(|(&b, d)| (b, check.wire(&d)))
+        .collect())
 }
 
 /// Pull: seal every file, then publish them as one batch.

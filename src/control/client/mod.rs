@@ -42,7 +42,7 @@ use super::link::Transport;
 use super::{DEFAULT_BLOCK_SIZE, DEFAULT_MAX_OPEN_FILES, DEFAULT_PORT, MAX_MESSAGE};
 use crate::proto;
 
-pub use io::{FileJob, OpenWith, Source};
+pub use io::{FileJob, KnownSource, OpenWith, Source};
 pub use session::{datapath_config, FileResult, Observer, Quiet, Session, SessionStats};
 
 type Rpc = proto::rcp_client::RcpClient<InterceptedService<GrpcChannel, AddBearer>>;

@@ -9,8 +9,9 @@ use futures::{StreamExt, TryStreamExt};
 
 use crate::control::client::Client;
 use crate::control::error::{ControlError, Result};
-use crate::files::content::{contents, Content};
-use crate::files::{Check, SourceFile};
+use crate::files::content::{block_digests, contents, Content};
+use crate::files::digest::on_pool;
+use crate::files::{Check, KnownBlocks, SourceFile};
 use crate::proto;
 
 /// The check whose digests `-c` compares: the first of the client's
@@ -95,6 +96,36 @@ pub async fn local_contents(
             block_size,
             blocks,
         )
+    })
+    .await
+    .map_err(|e| ControlError::Other(format!("hashing local files: {e}")))?;
+    r.into_iter()
+        .map(|c| c.map_err(ControlError::from))
+        .collect()
+}
+
+/// The block digests of each local file of `paths` with its identity then
+/// ([`KnownBlocks`]: what the copy's own open of the unchanged file takes
+/// instead of hashing it again), a file per pool thread; `None` where there
+/// is no regular file.
+pub async fn local_known(
+    paths: Vec<PathBuf>,
+    check: Check,
+    block_size: u64,
+) -> Result<Vec<Option<KnownBlocks>>> {
+    let r = tokio::task::spawn_blocking(move || {
+        on_pool(&paths, |p| -> crate::files::Result<Option<KnownBlocks>> {
+            let src = match SourceFile::open(p) {
+                Ok(s) if s.meta().kind == crate::files::FileKind::File => s,
+                Ok(_) => return Ok(None),
+                Err(crate::files::FileError::Path(crate::files::PathError::NotFound {
+                    ..
+                })) => return Ok(None),
+                Err(e) => return Err(e),
+            };
+            let blocks = block_digests(&src, check, block_size)?;
+            Ok(Some(KnownBlocks::of(&src, check, block_size, blocks)))
+        })
     })
     .await
     .map_err(|e| ControlError::Other(format!("hashing local files: {e}")))?;

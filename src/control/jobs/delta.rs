@@ -22,10 +22,11 @@
 //! and replaces the old one atomically, as every copy does.
 
 use std::path::Path;
+use std::sync::Arc;
 
-use super::contents::{content_check, local_contents, remote_contents};
+use super::contents::{content_check, local_known, remote_contents};
 use super::Plan;
-use crate::control::client::Client;
+use crate::control::client::{Client, KnownSource, OpenWith};
 use crate::control::error::{ControlError, Result};
 use crate::control::fsutil;
 use crate::control::protocol::Bitmap;
@@ -40,18 +41,33 @@ pub async fn prepare(client: &Client, plan: &mut Plan, idx: &[usize]) -> Result<
     }
     let check = content_check(client);
     let bs = client.options().block_size;
-    // The source's block digests: local on a push, rcpd's on a pull. The
-    // old copy is hashed once, by the seed that compares it with them.
-    let sources = if plan.push {
+    if plan.push {
+        // The local sources' block digests, kept for the copy's own open of
+        // each (the blocks that do not move are not read again).
         let local = idx
             .iter()
             .map(|&i| plan.files[i].job.local.clone())
             .collect();
-        local_contents(local, check, bs, true).await?
-    } else {
-        let remote = idx.iter().map(|&i| plan.files[i].source.clone()).collect();
-        remote_contents(client, remote, check, bs, true).await?
-    };
+        for (&i, known) in idx.iter().zip(local_known(local, check, bs).await?) {
+            let Some(known) = known else { continue };
+            let f = &mut plan.files[i];
+            let n = known.blocks().len() as u64;
+            f.job.spec.keep_blocks = Bitmap::all_but(n, &[]).bits;
+            f.job.spec.keep_digests = known.blocks().iter().map(|d| check.wire(d)).collect();
+            // A fan-out's source reads through its own Source: keep it.
+            if f.job.source.is_none() {
+                f.job.source = Some(OpenWith(Arc::new(KnownSource {
+                    path: f.job.local.clone(),
+                    known: Arc::new(known),
+                })));
+            }
+        }
+        return Ok(());
+    }
+    // Pull: rcpd's digests of its source; the local copy is hashed once,
+    // by the seed that compares it with them.
+    let remote = idx.iter().map(|&i| plan.files[i].source.clone()).collect();
+    let sources = remote_contents(client, remote, check, bs, true).await?;
     for (&i, src) in idx.iter().zip(sources) {
         let Some(src) = src else { continue };
         let keep: Vec<(u64, Sha256Digest)> = src
@@ -61,10 +77,7 @@ pub async fn prepare(client: &Client, plan: &mut Plan, idx: &[usize]) -> Result<
             .map(|(d, b)| (b, d))
             .collect();
         let f = &mut plan.files[i];
-        if plan.push {
-            f.job.spec.keep_blocks = Bitmap::all_but(keep.len() as u64, &[]).bits;
-            f.job.spec.keep_digests = keep.iter().map(|(_, d)| check.wire(d)).collect();
-        } else if seed_pull(client, &f.source, &f.job.local, keep, check, bs).await? {
+        if seed_pull(client, &f.source, &f.job.local, keep, check, bs).await? {
             f.job.spec.resume = true;
         }
     }
