@@ -29,7 +29,7 @@ use super::Plan;
 use crate::control::client::{Client, KnownSource, OpenWith};
 use crate::control::error::{ControlError, Result};
 use crate::control::fsutil;
-use crate::control::protocol::Bitmap;
+use crate::control::protocol::{Bitmap, OPEN_DIGEST_BYTES};
 use crate::files::content;
 use crate::files::{Check, Destination, DestinationOptions, DirHandle, Sha256Digest, SourceFile};
 
@@ -41,6 +41,30 @@ pub async fn prepare(client: &Client, plan: &mut Plan, idx: &[usize]) -> Result<
     }
     let check = content_check(client);
     let bs = client.options().block_size;
+    // A file's block digests go in one message (OpenFile, or rcpd's
+    // Digests answer): a file with more moves whole.
+    let idx: Vec<usize> = idx
+        .iter()
+        .copied()
+        .filter(|&i| {
+            let f = &plan.files[i];
+            let n = f.bytes.div_ceil(bs);
+            let fits = digest_bytes(n) <= OPEN_DIGEST_BYTES;
+            if !fits {
+                let name = if plan.push {
+                    f.job.local.display().to_string()
+                } else {
+                    f.source.clone()
+                };
+                tracing::warn!(
+                    "--delta: {name} has {n} blocks, more digests than one message carries; \
+                     it moves whole (a larger --block-size would keep its unchanged blocks)"
+                );
+            }
+            fits
+        })
+        .collect();
+    let idx = &idx[..];
     if plan.push {
         // The local sources' block digests, kept for the copy's own open of
         // each (the blocks that do not move are not read again).
@@ -82,6 +106,11 @@ pub async fn prepare(client: &Client, plan: &mut Plan, idx: &[usize]) -> Result<
         }
     }
     Ok(())
+}
+
+/// Bytes of `n` block digests in a message, at most (32-byte digests).
+fn digest_bytes(n: u64) -> usize {
+    (n as usize).div_ceil(8) + n as usize * (32 + 2)
 }
 
 /// Pull: a resumable partial of the remote `source` beside `local` (its

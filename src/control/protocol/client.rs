@@ -400,6 +400,9 @@ impl ClientCore {
         let session = self.out.session_id;
         let mut f = std::mem::take(&mut self.out);
         self.out.session_id = session;
+        // Files whose `--delta` digests would make the frame larger than a
+        // message may be go in the next frames.
+        self.out.open = f.open.split_off(opens_that_fit(&f.open));
         f.progress = self.progress;
         f.seq = self.seq.stamp();
         Some(f)
@@ -1178,4 +1181,52 @@ fn moved_bytes(p: &Params, f: &File) -> u64 {
         .filter(|&b| !f.skip.as_ref().is_some_and(|s| s.get(b)))
         .map(|b| u64::from(p.block_len(f.length, b)))
         .sum()
+}
+
+/// Bytes of `--delta` digests one frame carries in its `OpenFile`s, half
+/// a message ([`crate::control::MAX_MESSAGE`]): the rest of the frame and
+/// its encoding fit in the other half.
+pub const OPEN_DIGEST_BYTES: usize = crate::control::MAX_MESSAGE / 2;
+
+/// How many of `open`, from the first, one frame carries: at least one,
+/// and no more than [`OPEN_DIGEST_BYTES`] of their digests together.
+fn opens_that_fit(open: &[proto::OpenFile]) -> usize {
+    let mut bytes = 0;
+    for (i, o) in open.iter().enumerate() {
+        bytes += open_digest_bytes(o);
+        if i > 0 && bytes > OPEN_DIGEST_BYTES {
+            return i;
+        }
+    }
+    open.len()
+}
+
+/// What an `OpenFile`'s `--delta` digests add to its frame, with their
+/// encoding.
+fn open_digest_bytes(o: &proto::OpenFile) -> usize {
+    o.keep_blocks.len() + o.keep_digests.iter().map(|d| d.len() + 2).sum::<usize>()
+}
+
+#[cfg(test)]
+mod frame_tests {
+    use super::*;
+
+    fn open_with(digests: usize) -> proto::OpenFile {
+        proto::OpenFile {
+            keep_digests: vec![vec![0; 32]; digests],
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn delta_digests_of_many_files_span_frames() {
+        // Three files of 25 000 digests (850 kB each): two fit a frame.
+        let three = vec![open_with(25_000), open_with(25_000), open_with(25_000)];
+        assert_eq!(opens_that_fit(&three), 2);
+        assert!(open_digest_bytes(&three[0]) * 2 <= OPEN_DIGEST_BYTES);
+        // One alone goes whatever its size; small ones all go.
+        assert_eq!(opens_that_fit(&[open_with(100_000), open_with(1)]), 1);
+        assert_eq!(opens_that_fit(&vec![open_with(10); 50]), 50);
+        assert_eq!(opens_that_fit(&[]), 0);
+    }
 }

@@ -66,6 +66,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 pub use client::{
     ClientAction, ClientCore, ClientEvent, FileDone, FileSpec, Held, LocalCommit, SourceMeta,
+    OPEN_DIGEST_BYTES,
 };
 pub use negotiate::{check_block_size, check_grant, negotiate, Agreed, Refusal, Staging, Terms};
 pub use server::{CommittedFile, Granted, OpenedFile, ServerAction, ServerCore, MAX_FILE_LEN};
