@@ -192,6 +192,40 @@ EOF
 check "faults: refused fds, names, ranges, access and peers, each with its reason" \
   "$py" "$work/faults.py" "$work/a.sock" "$work/b.sock" "$b"
 
+# Many operations per request: write_many, read_many and wait_all of 64
+# pages of 4 KiB (tuples and dicts), every page where it belongs; a batch
+# with a bad op is refused, naming it.
+cat >"$work/many.py" <<'EOF'
+import os, sys, rcp
+a_sock, b_sock, b = sys.argv[1:4]
+ca, cb = rcp.connect(a_sock), rcp.connect(b_sock)
+n, page = 64, 4096
+src = ca.create_buffer(2 * n * page)
+dst = cb.create_buffer(n * page)
+cb.expose(dst, "many")
+data = os.urandom(n * page)
+src.view[: n * page] = data
+ops = [(src, b, "many", [(i * page, (n - 1 - i) * page, page)]) for i in range(n)]
+hs = ca.write_many(ops)
+st = ca.wait_all(hs)
+assert [s["state"] for s in st] == ["done"] * n, st
+for i in range(n):
+    j = n - 1 - i
+    assert bytes(dst.view[j * page:(j + 1) * page]) == data[i * page:(i + 1) * page], i
+reads = [dict(buf=src, peer=b, name="many", descs=[((n + i) * page, (n - 1 - i) * page, page)], check="xxh3") for i in range(n)]
+st = ca.wait_all(ca.read_many(reads), timeout=60)
+assert [s["state"] for s in st] == ["done"] * n, st
+assert bytes(src.view[n * page: 2 * n * page]) == data
+try:
+    ca.write_many([(src, b, "many", [(0, 0, page)]), (src, b, "many", [(0, 0, page)], None, "md5")])
+    sys.exit("a batch with a bad check was accepted")
+except rcp.RcpError as e:
+    assert e.reason == "invalid" and "operation 1" in e.message, e
+print("many: 64 writes and 64 reads in one request each, every page checked")
+EOF
+check "many: write_many, read_many, wait_all move every page where it belongs" \
+  "$py" "$work/many.py" "$work/a.sock" "$work/b.sock" "$b"
+
 # Many services at once on one rcpd: 8 writers on A into 8 owners on B.
 for i in $(seq 1 8); do
   "$py" $ex serve --socket "$work/b.sock" --name "m$i" --size $((2 << 20)) --access write \

@@ -186,6 +186,107 @@ async fn a_rust_service_writes_and_reads_another_services_buffer() {
     assert!(!sock.exists(), "rcpd removes its socket when it stops");
 }
 
+/// One write through `write_many`, waited for; its handle.
+async fn hs_last(
+    c: &ServiceClient,
+    op: &impl Fn(u64, u64, u64) -> rcp::control::buffers::api::OpRequest,
+) -> u64 {
+    let h = c.start_many(true, vec![op(9, 0, 0)]).await.unwrap();
+    assert_eq!(
+        c.wait_all(h.clone()).await.unwrap()[0].state,
+        OpStateName::Done
+    );
+    h[0]
+}
+
+/// `write_many` / `read_many` / `wait_all`: many operations in one request
+/// each, every byte where it belongs; an operation that cannot start fails
+/// the request, naming it, and none of the others starts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_operations_start_and_end_in_one_request_each() {
+    use rcp::control::buffers::api::{Desc, OpRequest};
+    const OPS: u64 = 64;
+    const LEN: u64 = 4096;
+    let dir = tempfile::tempdir().unwrap();
+    let (d, sock) = start_rcpd(dir.path()).await;
+    let addr = d.addr.clone();
+    let owner = ServiceClient::connect(Some(&sock), None).await.unwrap();
+    let dst = owner.create_buffer(OPS * LEN).await.unwrap();
+    owner
+        .expose(&dst, "many", 0, OPS * LEN, "rw", &[])
+        .await
+        .unwrap();
+    let writer = ServiceClient::connect(Some(&sock), None).await.unwrap();
+    let src = writer.create_buffer(2 * OPS * LEN).await.unwrap();
+    let data: Vec<u8> = (0..OPS * LEN).map(|i| (i * 13 + 5) as u8).collect();
+    assert!(src.local.write_at(0, &data));
+    // Op i writes the writer's page i to the owner's page OPS-1-i.
+    let op = |i: u64, local: u64, remote: u64| OpRequest {
+        buffer: src.id,
+        peer: addr.clone(),
+        name: "many".into(),
+        descs: vec![Desc {
+            local,
+            remote,
+            len: LEN,
+        }],
+        message: format!("op {i}"),
+        check: None,
+    };
+    let writes: Vec<OpRequest> = (0..OPS)
+        .map(|i| op(i, i * LEN, (OPS - 1 - i) * LEN))
+        .collect();
+    let hs = writer.start_many(true, writes).await.unwrap();
+    assert_eq!(hs.len() as u64, OPS);
+    let st = writer.wait_all(hs.clone()).await.unwrap();
+    assert_eq!(st.len() as u64, OPS);
+    for (s, h) in st.iter().zip(&hs) {
+        assert_eq!(
+            (s.handle, s.state, s.bytes),
+            (*h, OpStateName::Done, Some(LEN)),
+            "{s:?}"
+        );
+    }
+    let mut got = vec![0u8; (OPS * LEN) as usize];
+    assert!(dst.local.read_at(0, &mut got));
+    for i in 0..OPS {
+        let (a, b) = ((i * LEN) as usize, ((OPS - 1 - i) * LEN) as usize);
+        assert!(
+            got[b..b + LEN as usize] == data[a..a + LEN as usize],
+            "page {i}"
+        );
+    }
+    // Read them all back, in place, into the second half.
+    let reads: Vec<OpRequest> = (0..OPS)
+        .map(|i| op(i, (OPS + i) * LEN, (OPS - 1 - i) * LEN))
+        .collect();
+    let hs = writer.start_many(false, reads).await.unwrap();
+    let st = writer.wait_all(hs).await.unwrap();
+    assert!(st.iter().all(|s| s.state == OpStateName::Done), "{st:?}");
+    let mut back = vec![0u8; (OPS * LEN) as usize];
+    assert!(src.local.read_at(OPS * LEN, &mut back));
+    assert!(back == data, "the reads landed the same bytes");
+    // One bad op (no such buffer) after a good one: refused, named, and
+    // the good one did not start (no operation took the next handle: a
+    // connection numbers its operations in order).
+    let last = hs_last(&writer, &op).await;
+    let mut bad = vec![op(0, 0, 0), op(1, LEN, LEN)];
+    bad[1].buffer = 999;
+    let e = writer.start_many(true, bad).await.unwrap_err();
+    assert!(e.message.contains("operation 1"), "{e}");
+    assert!(e.message.contains("no buffer 999"), "{e}");
+    let e = writer.status(last + 1).await.unwrap_err();
+    assert!(
+        e.message.contains(&format!("no operation {}", last + 1)),
+        "{e}"
+    );
+    // wait_all of a handle that does not exist: refused.
+    let e = writer.wait_all(vec![12345]).await.unwrap_err();
+    assert!(e.message.contains("no operation 12345"), "{e}");
+    drop((owner, writer));
+    d.stop().await;
+}
+
 /// The owner's next event (it starts no operations: no `done` events).
 #[cfg(feature = "fault-injection")]
 async fn owner_event(owner: &ServiceClient) -> serde_json::Value {

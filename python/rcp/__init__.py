@@ -260,7 +260,8 @@ class Client:
     def unexpose(self, name):
         return self._request("unexpose", name=name)
 
-    def _op(self, op, buf, peer, name, descs, message, check):
+    @staticmethod
+    def _op_fields(buf, peer, name, descs, message=None, check=None):
         f = {
             "buffer": buf.id,
             "peer": peer,
@@ -271,7 +272,41 @@ class Client:
             f["message"] = message
         if check:
             f["check"] = check
+        return f
+
+    def _op(self, op, buf, peer, name, descs, message, check):
+        f = self._op_fields(buf, peer, name, descs, message, check)
         return Handle(self, self._request(op, **f)["handle"])
+
+    def _many(self, op, ops):
+        fields = []
+        for o in ops:
+            if isinstance(o, dict):
+                fields.append(self._op_fields(**o))
+            else:
+                fields.append(self._op_fields(*o))
+        return [Handle(self, h) for h in self._request(op, ops=fields)["handles"]]
+
+    def write_many(self, ops):
+        """Start several writes in one request: each op is shaped as
+        write()'s arguments, a tuple (buf, peer, name, descs[, message[,
+        check]]) or a dict of them. rcpd checks every op before it starts
+        any (one that cannot start raises RcpError naming it, and none
+        starts); a list of Handles in their order."""
+        return self._many("write_many", ops)
+
+    def read_many(self, ops):
+        """write_many() of reads."""
+        return self._many("read_many", ops)
+
+    def wait_all(self, handles, timeout=None):
+        """Wait for each of `handles` in one request (within `timeout`
+        seconds for all): a list of their states, as Handle.wait() gives
+        them, in their order."""
+        f = {"handles": [h.id if isinstance(h, Handle) else int(h) for h in handles]}
+        if timeout is not None:
+            f["timeout_ms"] = int(timeout * 1000)
+        return self._request("wait_all", **f)["statuses"]
 
     def write(self, buf, peer, name, descs, message=None, check=None):
         """Write ranges of `buf` into `peer`'s buffer `name`: descs is a

@@ -130,6 +130,23 @@ pub enum Request {
     },
     Write(OpRequest),
     Read(OpRequest),
+    /// Several writes in one request: each checked before any starts (one
+    /// that cannot start fails the request, naming it, and none starts);
+    /// a handle each, in their order.
+    WriteMany {
+        ops: Vec<OpRequest>,
+    },
+    /// [`Request::WriteMany`] of reads.
+    ReadMany {
+        ops: Vec<OpRequest>,
+    },
+    /// Wait for each of `handles` (within one `timeout_ms` for all): a
+    /// status each, in their order.
+    WaitAll {
+        handles: Vec<u64>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        timeout_ms: Option<u64>,
+    },
     Wait {
         handle: u64,
         #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -147,7 +164,17 @@ impl Request {
     /// Requests that may wait run on their own; the rest are answered in
     /// order.
     pub fn may_wait(op: &str) -> bool {
-        matches!(op, "wait" | "cancel" | "release" | "write" | "read")
+        matches!(
+            op,
+            "wait"
+                | "cancel"
+                | "release"
+                | "write"
+                | "read"
+                | "write_many"
+                | "read_many"
+                | "wait_all"
+        )
     }
 }
 
@@ -254,6 +281,18 @@ pub struct Started {
     pub handle: u64,
 }
 
+/// `write_many`'s and `read_many`'s reply.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StartedMany {
+    pub handles: Vec<u64>,
+}
+
+/// `wait_all`'s reply.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Statuses {
+    pub statuses: Vec<OpStatus>,
+}
+
 /// Where an operation is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -328,6 +367,9 @@ mod tests {
             json!({"id": 2, "op": "register", "size": 4194304}),
             json!({"id": 3, "op": "expose", "buffer": 1, "name": "kv0", "offset": 0, "length": 4096, "access": "read", "peers": ["10.0.0.2"]}),
             json!({"id": 4, "op": "write", "buffer": 1, "peer": "b:7471", "name": "kv0", "descs": [[0, 4096, 4096]], "message": "hi"}),
+            json!({"id": 5, "op": "write_many", "ops": [{"buffer": 1, "peer": "b:7471", "name": "kv0", "descs": [[0, 0, 4096]]}, {"buffer": 1, "peer": "b:7471", "name": "kv0", "descs": [[4096, 4096, 4096]], "check": "xxh3"}]}),
+            json!({"id": 6, "op": "read_many", "ops": [{"buffer": 1, "peer": "b:7471", "name": "kv0", "descs": [[0, 0, 4096]]}]}),
+            json!({"id": 7, "op": "wait_all", "handles": [1, 2], "timeout_ms": 1000}),
             json!({"id": 5, "op": "read", "buffer": 1, "peer": "b:7471", "name": "kv0", "descs": [[0, 0, 8192], [8192, 8192, 4096]], "check": "xxh3"}),
             json!({"id": 6, "op": "wait", "handle": 3, "timeout_ms": 10}),
             json!({"id": 7, "op": "unexpose", "name": "kv0"}),

@@ -340,6 +340,29 @@ impl ServiceClient {
         }
     }
 
+    /// `write_many` (`write`) or `read_many`: each of `ops` checked by rcpd
+    /// before any starts, in one request; their handles in order.
+    pub async fn start_many(&self, write: bool, ops: Vec<OpRequest>) -> Result<Vec<u64>, Failure> {
+        let (what, req) = if write {
+            ("write_many", Request::WriteMany { ops })
+        } else {
+            ("read_many", Request::ReadMany { ops })
+        };
+        let r: api::StartedMany = self.call(what, &req, &[]).await?;
+        Ok(r.handles)
+    }
+
+    /// Wait for each of `handles`, in one request; their final states in
+    /// order (each `done`, `failed` with its failure, or `cancelled`).
+    pub async fn wait_all(&self, handles: Vec<u64>) -> Result<Vec<OpStatus>, Failure> {
+        let req = Request::WaitAll {
+            handles,
+            timeout_ms: None,
+        };
+        let r: api::Statuses = self.call("wait_all", &req, &[]).await?;
+        Ok(r.statuses)
+    }
+
     /// Operation `h`'s state as rcpd reports it (`state`, `bytes`,
     /// `transport`, `fell_back`, `failure`: docs/buffers.md).
     pub async fn status(&self, h: u64) -> Result<OpStatus, Failure> {

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use tokio::net::UnixStream;
@@ -16,7 +16,7 @@ use tokio::sync::{mpsc, watch};
 
 use super::api::{
     self, ErrorBody, Event, HelloReply, OpRequest, OpStateName, OpStatus, Registered, Request,
-    Started,
+    Started, StartedMany, Statuses,
 };
 use super::peer::{self, OpSpec};
 use super::wire::{self, FrameReader};
@@ -26,6 +26,9 @@ use crate::files::Check;
 use crate::mem::memfd::ServiceBuffer;
 
 pub use super::api::VERSION;
+
+/// Operations one `write_many` or `read_many` may start.
+pub const MAX_OPS_PER_REQUEST: usize = 4096;
 
 /// Where an operation is.
 #[derive(Clone, Debug)]
@@ -215,9 +218,39 @@ impl Conn {
                     )),
                 }
             }
-            Request::Write(o) => self.start(true, o),
-            Request::Read(o) => self.start(false, o),
-            Request::Wait { handle, timeout_ms } => self.wait(handle, timeout_ms).await,
+            Request::Write(o) => {
+                let p = self.prepare(true, o)?;
+                reply(Started {
+                    handle: self.launch(p),
+                })
+            }
+            Request::Read(o) => {
+                let p = self.prepare(false, o)?;
+                reply(Started {
+                    handle: self.launch(p),
+                })
+            }
+            Request::WriteMany { ops } => self.start_many(true, ops),
+            Request::ReadMany { ops } => self.start_many(false, ops),
+            Request::Wait { handle, timeout_ms } => {
+                let deadline = timeout_ms.map(|ms| Instant::now() + Duration::from_millis(ms));
+                reply(self.wait(handle, deadline).await?)
+            }
+            Request::WaitAll {
+                handles,
+                timeout_ms,
+            } => {
+                let deadline = timeout_ms.map(|ms| Instant::now() + Duration::from_millis(ms));
+                // Each handle exists before any is waited for.
+                for &h in &handles {
+                    self.op(h)?;
+                }
+                let mut statuses = Vec::with_capacity(handles.len());
+                for h in handles {
+                    statuses.push(self.wait(h, deadline).await?);
+                }
+                reply(Statuses { statuses })
+            }
             Request::Status { handle } => {
                 let o = self.op(handle)?;
                 let s = o.state.borrow().clone();
@@ -387,20 +420,14 @@ impl Conn {
         Ok(json!({}))
     }
 
-    fn start(self: &Arc<Self>, write: bool, o: OpRequest) -> Result<Value, Failure> {
+    /// An operation checked (its buffer, its check) and ready to start,
+    /// with its buffer's number on this connection.
+    fn prepare(&self, write: bool, o: OpRequest) -> Result<(u64, OpSpec), Failure> {
         let (bid, buffer, uid) = self.buffer(o.buffer)?;
         let check = match o.check.as_deref() {
             Some(c) => Check::from_name(c).ok_or_else(|| bad(format!("check {c:?}")))?,
             None => self.default_check(),
         };
-        let h = self.next_op.fetch_add(1, Relaxed) + 1;
-        let (tx, rx) = watch::channel(OpState::Running);
-        let op = Arc::new(Op {
-            buffer: bid,
-            cancelled: AtomicBool::new(false),
-            state: rx,
-        });
-        self.ops.lock().unwrap().insert(h, op.clone());
         let spec = OpSpec {
             buffer,
             buffer_uid: uid,
@@ -411,6 +438,39 @@ impl Conn {
             message: o.message,
             check,
         };
+        Ok((bid, spec))
+    }
+
+    /// `write_many` / `read_many`: every operation checked, then each
+    /// started; their handles in order.
+    fn start_many(self: &Arc<Self>, write: bool, ops: Vec<OpRequest>) -> Result<Value, Failure> {
+        if ops.len() > MAX_OPS_PER_REQUEST {
+            return Err(bad(format!(
+                "{} operations in one request (at most {MAX_OPS_PER_REQUEST})",
+                ops.len()
+            )));
+        }
+        let mut ready = Vec::with_capacity(ops.len());
+        for (i, o) in ops.into_iter().enumerate() {
+            let p = self
+                .prepare(write, o)
+                .map_err(|f| Failure::new(f.reason, format!("operation {i}: {}", f.message)))?;
+            ready.push(p);
+        }
+        let handles = ready.into_iter().map(|p| self.launch(p)).collect();
+        reply(StartedMany { handles })
+    }
+
+    /// Start a prepared operation; its handle.
+    fn launch(self: &Arc<Self>, (buffer, spec): (u64, OpSpec)) -> u64 {
+        let h = self.next_op.fetch_add(1, Relaxed) + 1;
+        let (tx, rx) = watch::channel(OpState::Running);
+        let op = Arc::new(Op {
+            buffer,
+            cancelled: AtomicBool::new(false),
+            state: rx,
+        });
+        self.ops.lock().unwrap().insert(h, op.clone());
         let c = self.clone();
         tokio::spawn(async move {
             let r = peer::run(&c.bufs, &spec, &op.cancelled).await;
@@ -429,21 +489,22 @@ impl Conn {
                 .send(serde_json::to_value(ev).expect("events serialize"));
             let _ = tx.send(st);
         });
-        reply(Started { handle: h })
+        h
     }
 
-    async fn wait(&self, h: u64, timeout_ms: Option<u64>) -> Result<Value, Failure> {
+    /// Operation `h`'s status once it ended, or running at `deadline`.
+    async fn wait(&self, h: u64, deadline: Option<Instant>) -> Result<OpStatus, Failure> {
         let o = self.op(h)?;
         let mut rx = o.state.clone();
         let fin = rx.wait_for(|s| !matches!(s, OpState::Running));
-        let s = match timeout_ms {
-            Some(ms) => match tokio::time::timeout(Duration::from_millis(ms), fin).await {
+        let s = match deadline {
+            Some(d) => match tokio::time::timeout_at(d.into(), fin).await {
                 Ok(r) => r.map(|s| s.clone()).unwrap_or(OpState::Cancelled),
                 Err(_) => OpState::Running,
             },
             None => fin.await.map(|s| s.clone()).unwrap_or(OpState::Cancelled),
         };
-        reply(s.status(h))
+        Ok(s.status(h))
     }
 
     /// The connection ended: cancel its operations, withdraw its

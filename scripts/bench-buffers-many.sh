@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# docs/benchmarks.md, "Many small operations from Python": one Python
+# service on rcpd A keeps RCP_BENCH_INFLIGHT (64) writes of RCP_BENCH_KIB
+# (4) KiB in flight into a service's buffer on rcpd B (tcp provider,
+# loopback, release build), RCP_BENCH_OPS (4096) operations per pass, two
+# ways interleaved for RCP_BENCH_PASSES (5) passes:
+#   one   write() per operation, then Handle.wait() of each (64 + 64
+#         requests on the service socket per 64 operations)
+#   many  write_many() of 64, then wait_all() (2 requests per 64)
+# Operations per second (first request to last reply), and the CPU of both
+# rcpds per 1000 operations (utime + stime from /proc). Every byte is
+# checked by the owner after each pass. Medians, spread, ratio pass by pass.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# shellcheck source=lib-rcpd.sh
+. scripts/lib-rcpd.sh
+PASSES=${RCP_BENCH_PASSES:-5}
+if [ "${RCP_BENCH_BUILD:-1}" = 1 ]; then cargo build --release -q -p rcp-server --bin rcpd; fi
+rcpd=$PWD/target/release/rcpd
+venv=$PWD/target/bench-venv
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check --force-reinstall --no-deps ./python >&2
+py=$venv/bin/python
+work=$(mktemp -d /tmp/rcp-many.XXXXXX)
+pids=()
+cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$work"; }
+trap cleanup EXIT
+for n in a b; do
+  mkdir -p "$work/$n"
+  rcpd_listen "$work/$n.out" "$work/$n.log" "$rcpd" --root "$work/$n" --arena-mib 16 \
+    --socket "$work/$n.sock" --log warn --copy-peers 127.0.0.1
+  pids+=("$RCPD_PID")
+  eval "${n}_pid=$RCPD_PID ${n}_addr=$RCPD_ADDR"
+done
+cat >"$work/many.py" <<'EOF'
+import os, sys, time, rcp
+a_sock, b_sock, b, a_pid, b_pid, mode = sys.argv[1:7]
+inflight = int(os.environ.get("RCP_BENCH_INFLIGHT", "64"))
+kib = int(os.environ.get("RCP_BENCH_KIB", "4"))
+total = int(os.environ.get("RCP_BENCH_OPS", "4096"))
+size = kib << 10
+def cpu(pid):
+    f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+ca, cb = rcp.connect(a_sock), rcp.connect(b_sock)
+src = ca.create_buffer(inflight * size)
+dst = cb.create_buffer(total * size)
+cb.expose(dst, "bench")
+data = os.urandom(inflight * size)
+src.view[:] = data
+c0 = cpu(a_pid) + cpu(b_pid)
+t0 = time.perf_counter()
+for base in range(0, total, inflight):
+    ops = [(src, b, "bench", [(i * size, (base + i) * size, size)]) for i in range(inflight)]
+    if mode == "many":
+        st = ca.wait_all(ca.write_many(ops))
+    else:
+        hs = [ca.write(*o) for o in ops]
+        st = [h.wait() for h in hs]
+    assert all(s["state"] == "done" for s in st), st
+t = time.perf_counter() - t0
+c = cpu(a_pid) + cpu(b_pid) - c0
+for base in range(0, total, inflight):
+    assert bytes(dst.view[base * size:(base + inflight) * size]) == data, base
+print(f"{total / t:.0f} {c / total * 1000:.3f}")
+EOF
+declare -A R C
+for p in $(seq "$PASSES"); do
+  for m in one many; do
+    read -r ops cpu < <("$py" "$work/many.py" "$work/a.sock" "$work/b.sock" "$b_addr" "$a_pid" "$b_pid" "$m")
+    R[$m]="${R[$m]:-} $ops"; C[$m]="${C[$m]:-} $cpu"
+    echo "pass $p $m: $ops operations/s, both rcpds $cpu CPU s per 1000 operations (load $(cut -d' ' -f1 /proc/loadavg))"
+  done
+done
+"$py" - "${R[one]}" "${R[many]}" "${C[one]}" "${C[many]}" <<'EOF'
+import statistics as st, sys
+one, many, c1, cm = ([float(x) for x in a.split()] for a in sys.argv[1:5])
+ratio = [m / o for o, m in zip(one, many)]
+for name, v, c in (("write + wait", one, c1), ("write_many + wait_all", many, cm)):
+    print(f"{name:22s} median {st.median(v):.0f} ops/s ({min(v):.0f}-{max(v):.0f}), rcpds {st.median(c):.3f} CPU s / 1000 ops")
+print(f"many / one: median {st.median(ratio):.2f} ({min(ratio):.2f}-{max(ratio):.2f})")
+EOF
