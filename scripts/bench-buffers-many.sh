@@ -45,13 +45,14 @@ def cpu(pid):
 ca, cb = rcp.connect(a_sock), rcp.connect(b_sock)
 src = ca.create_buffer(inflight * size)
 dst = cb.create_buffer(total * size)
-cb.expose(dst, "bench")
+name = f"bench{os.getpid()}"
+cb.expose(dst, name)
 data = os.urandom(inflight * size)
 src.view[:] = data
 c0 = cpu(a_pid) + cpu(b_pid)
 t0 = time.perf_counter()
 for base in range(0, total, inflight):
-    ops = [(src, b, "bench", [(i * size, (base + i) * size, size)]) for i in range(inflight)]
+    ops = [(src, b, name, [(i * size, (base + i) * size, size)]) for i in range(inflight)]
     if mode == "many":
         st = ca.wait_all(ca.write_many(ops))
     else:
@@ -66,7 +67,7 @@ print(f"{total / t:.0f} {c / total * 1000:.3f}")
 EOF
 declare -A R C
 for p in $(seq "$PASSES"); do
-  for m in one many; do
+  for m in ${RCP_BENCH_MODES:-one many}; do
     read -r ops cpu < <("$py" "$work/many.py" "$work/a.sock" "$work/b.sock" "$b_addr" "$a_pid" "$b_pid" "$m")
     R[$m]="${R[$m]:-} $ops"; C[$m]="${C[$m]:-} $cpu"
     echo "pass $p $m: $ops operations/s, both rcpds $cpu CPU s per 1000 operations (load $(cut -d' ' -f1 /proc/loadavg))"

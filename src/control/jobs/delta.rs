@@ -90,8 +90,13 @@ pub async fn prepare(client: &Client, plan: &mut Plan, idx: &[usize]) -> Result<
     }
     // Pull: rcpd's digests of its source; the local copy is hashed once,
     // by the seed that compares it with them.
-    let remote = idx.iter().map(|&i| plan.files[i].source.clone()).collect();
-    let sources = remote_contents(client, remote, check, bs, true).await?;
+    // Files per Digests call by the bytes of their digests, so that each
+    // answer fits a message.
+    let mut sources = Vec::with_capacity(idx.len());
+    for group in by_digest_bytes(idx.iter().map(|&i| plan.files[i].bytes.div_ceil(bs))) {
+        let remote = group.map(|k| plan.files[idx[k]].source.clone()).collect();
+        sources.extend(remote_contents(client, remote, check, bs, true).await?);
+    }
     for (&i, src) in idx.iter().zip(sources) {
         let Some(src) = src else { continue };
         let keep: Vec<(u64, Sha256Digest)> = src
@@ -111,6 +116,28 @@ pub async fn prepare(client: &Client, plan: &mut Plan, idx: &[usize]) -> Result<
 /// Bytes of `n` block digests in a message, at most (32-byte digests).
 fn digest_bytes(n: u64) -> usize {
     (n as usize).div_ceil(8) + n as usize * (32 + 2)
+}
+
+/// Consecutive ranges of indices into `blocks` (each file's block count)
+/// whose digests together fit [`OPEN_DIGEST_BYTES`] (a file alone always
+/// forms a range).
+fn by_digest_bytes(blocks: impl Iterator<Item = u64>) -> Vec<std::ops::Range<usize>> {
+    let mut out = Vec::new();
+    let (mut start, mut bytes) = (0, 0);
+    let mut n = 0;
+    for (k, b) in blocks.enumerate() {
+        let d = digest_bytes(b);
+        if k > start && bytes + d > OPEN_DIGEST_BYTES {
+            out.push(start..k);
+            (start, bytes) = (k, 0);
+        }
+        bytes += d;
+        n = k + 1;
+    }
+    if n > start {
+        out.push(start..n);
+    }
+    out
 }
 
 /// Pull: a resumable partial of the remote `source` beside `local` (its
@@ -156,4 +183,22 @@ async fn seed_pull(
     })
     .await
     .map_err(|e| ControlError::Other(format!("seeding {}: {e}", source)))?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn digests_calls_are_grouped_to_fit_a_message() {
+        // ~25 000 blocks' digests are 850 kB: two fit half a message.
+        let g = by_digest_bytes([25_000u64, 25_000, 25_000, 10, 10].into_iter());
+        assert_eq!(g, vec![0..2, 2..5]);
+        // Small files all go together; none, no call.
+        assert_eq!(by_digest_bytes([4u64; 300].into_iter()), vec![0..300]);
+        assert!(by_digest_bytes(std::iter::empty()).is_empty());
+        // Each file within the bound on its own range at worst.
+        let g = by_digest_bytes([60_000u64, 60_000].into_iter());
+        assert_eq!(g, vec![0..1, 1..2]);
+    }
 }
