@@ -7,6 +7,8 @@
 #   one   write() per operation, then Handle.wait() of each (64 + 64
 #         requests on the service socket per 64 operations)
 #   many  write_many() of 64, then wait_all() (2 requests per 64)
+#   quiet many, connected with done_events=False (no `done` event per
+#         operation)
 # Operations per second (first request to last reply), and the CPU of both
 # rcpds per 1000 operations (utime + stime from /proc). Every byte is
 # checked by the owner after each pass. Medians, spread, ratio pass by pass.
@@ -42,7 +44,7 @@ size = kib << 10
 def cpu(pid):
     f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
-ca, cb = rcp.connect(a_sock), rcp.connect(b_sock)
+ca, cb = rcp.connect(a_sock, done_events=(mode != "quiet")), rcp.connect(b_sock)
 src = ca.create_buffer(inflight * size)
 dst = cb.create_buffer(total * size)
 name = f"bench{os.getpid()}"
@@ -53,7 +55,7 @@ c0 = cpu(a_pid) + cpu(b_pid)
 t0 = time.perf_counter()
 for base in range(0, total, inflight):
     ops = [(src, b, name, [(i * size, (base + i) * size, size)]) for i in range(inflight)]
-    if mode == "many":
+    if mode in ("many", "quiet"):
         st = ca.wait_all(ca.write_many(ops))
     else:
         hs = [ca.write(*o) for o in ops]
@@ -67,17 +69,22 @@ print(f"{total / t:.0f} {c / total * 1000:.3f}")
 EOF
 declare -A R C
 for p in $(seq "$PASSES"); do
-  for m in ${RCP_BENCH_MODES:-one many}; do
+  for m in ${RCP_BENCH_MODES:-one many quiet}; do
     read -r ops cpu < <("$py" "$work/many.py" "$work/a.sock" "$work/b.sock" "$b_addr" "$a_pid" "$b_pid" "$m")
     R[$m]="${R[$m]:-} $ops"; C[$m]="${C[$m]:-} $cpu"
     echo "pass $p $m: $ops operations/s, both rcpds $cpu CPU s per 1000 operations (load $(cut -d' ' -f1 /proc/loadavg))"
   done
 done
-"$py" - "${R[one]}" "${R[many]}" "${C[one]}" "${C[many]}" <<'EOF'
+"$py" - "${R[one]:-}" "${R[many]:-}" "${R[quiet]:-}" "${C[one]:-}" "${C[many]:-}" "${C[quiet]:-}" <<'EOF'
 import statistics as st, sys
-one, many, c1, cm = ([float(x) for x in a.split()] for a in sys.argv[1:5])
-ratio = [m / o for o, m in zip(one, many)]
-for name, v, c in (("write + wait", one, c1), ("write_many + wait_all", many, cm)):
-    print(f"{name:22s} median {st.median(v):.0f} ops/s ({min(v):.0f}-{max(v):.0f}), rcpds {st.median(c):.3f} CPU s / 1000 ops")
-print(f"many / one: median {st.median(ratio):.2f} ({min(ratio):.2f}-{max(ratio):.2f})")
+rs = [[float(x) for x in a.split()] for a in sys.argv[1:4]]
+cs = [[float(x) for x in a.split()] for a in sys.argv[4:7]]
+names = ("write + wait", "write_many + wait_all", "the same, no done events")
+for name, v, c in zip(names, rs, cs):
+    if v:
+        print(f"{name:26s} median {st.median(v):.0f} ops/s ({min(v):.0f}-{max(v):.0f}), rcpds {st.median(c):.3f} CPU s / 1000 ops")
+for name, v in zip(names[1:], rs[1:]):
+    if v and rs[0]:
+        r = [m / o for o, m in zip(rs[0], v)]
+        print(f"{name} / write + wait: median {st.median(r):.2f} ({min(r):.2f}-{max(r):.2f})")
 EOF

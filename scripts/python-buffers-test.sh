@@ -221,9 +221,22 @@ try:
     sys.exit("a batch with a bad check was accepted")
 except rcp.RcpError as e:
     assert e.reason == "invalid" and "operation 1" in e.message, e
-print("many: 64 writes and 64 reads in one request each, every page checked")
+# Each of the 128 operations sent its `done` event before its wait_all
+# reply: all are queued already.
+done = [ev for ev in ca.events(timeout=0) if ev["event"] == "done"]
+assert len(done) == 2 * n, len(done)
+# done_events=False: the same writes, no `done` event at all.
+quiet = rcp.connect(a_sock, done_events=False)
+qsrc = quiet.create_buffer(n * page)
+qsrc.view[:] = data
+st = quiet.wait_all(quiet.write_many([(qsrc, b, "many", [(i * page, i * page, page)]) for i in range(n)]))
+assert [s["state"] for s in st] == ["done"] * n, st
+assert bytes(dst.view[: n * page]) == data
+ev = quiet.next_event(timeout=0.5)
+assert ev is None, ev
+print("many: 64 writes and 64 reads in one request each, every page checked; done_events=False sends none")
 EOF
-check "many: write_many, read_many, wait_all move every page where it belongs" \
+check "many: write_many, read_many, wait_all move every page where it belongs; done_events=False" \
   "$py" "$work/many.py" "$work/a.sock" "$work/b.sock" "$b"
 
 # Many services at once on one rcpd: 8 writers on A into 8 owners on B.

@@ -139,7 +139,7 @@ class Client:
     """A connection to rcpd's unix socket. Everything registered over it
     lives as long as it does (or until released)."""
 
-    def __init__(self, path=None, token=None, name=None):
+    def __init__(self, path=None, token=None, name=None, done_events=True):
         self.path = path or os.environ.get("RCP_SOCKET") or DEFAULT_SOCKET
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.connect(self.path)
@@ -154,6 +154,10 @@ class Client:
         self._reader.start()
         token = token if token is not None else os.environ.get("RCP_TOKEN")
         hello = {"version": VERSION, "name": name or f"pid {os.getpid()}"}
+        if not done_events:
+            # Operations' ends come from wait()/wait_all() only: no `done`
+            # event per operation to parse, or to pile up unread.
+            hello["done_events"] = False
         if token:
             hello["token"] = token
         self.hello = self._request("hello", **hello)
@@ -366,7 +370,9 @@ class Client:
                           resume, remote_token, transport, block_size, checks, fanout)
 
 
-def connect(path=None, token=None, name=None):
+def connect(path=None, token=None, name=None, done_events=True):
     """Connect to rcpd's socket: `path`, else $RCP_SOCKET, else
-    /run/rcp/rcpd.sock."""
-    return Client(path, token, name)
+    /run/rcp/rcpd.sock. done_events=False: rcpd sends no `done` event for
+    this connection's operations (their ends come from wait/wait_all; the
+    events of the exposures, `written` and `read`, still come)."""
+    return Client(path, token, name, done_events)

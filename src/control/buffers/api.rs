@@ -192,6 +192,19 @@ pub struct Hello {
     /// For logs.
     #[serde(default)]
     pub name: String,
+    /// Whether this connection hears a `done` event for each operation it
+    /// starts (default: yes). A service that learns how its operations
+    /// ended from `wait` / `wait_all` says no, and rcpd sends none.
+    #[serde(default = "yes", skip_serializing_if = "is_true")]
+    pub done_events: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn is_true(b: &bool) -> bool {
+    *b
 }
 
 fn rw() -> String {
@@ -364,6 +377,7 @@ mod tests {
     fn documented_frames_parse_and_round_trip() {
         let frames = [
             json!({"id": 1, "op": "hello", "version": 1, "token": "t", "name": "py"}),
+            json!({"id": 1, "op": "hello", "version": 1, "name": "quiet", "done_events": false}),
             json!({"id": 2, "op": "register", "size": 4194304}),
             json!({"id": 3, "op": "expose", "buffer": 1, "name": "kv0", "offset": 0, "length": 4096, "access": "read", "peers": ["10.0.0.2"]}),
             json!({"id": 4, "op": "write", "buffer": 1, "peer": "b:7471", "name": "kv0", "descs": [[0, 4096, 4096]], "message": "hi"}),

@@ -143,6 +143,7 @@ impl ServiceClient {
             version: api::VERSION,
             token,
             name: format!("rust pid {}", std::process::id()),
+            done_events: true,
         });
         c.hello = c.call("hello", &hello, &[]).await?;
         Ok(c)

@@ -97,6 +97,8 @@ struct Conn {
     /// `uid=U pid=P` of the peer (SO_PEERCRED).
     cred: String,
     hello: AtomicBool,
+    /// hello's `done_events`.
+    done_events: AtomicBool,
     name: Mutex<String>,
 }
 
@@ -138,6 +140,7 @@ pub async fn serve(bufs: Arc<Buffers>, stream: UnixStream, mut reader: FrameRead
         next_op: AtomicU64::new(0),
         cred,
         hello: AtomicBool::new(false),
+        done_events: AtomicBool::new(true),
         name: Mutex::new(String::new()),
     });
     tracing::info!(conn = conn.id, peer = %conn.cred, "service connected");
@@ -288,6 +291,7 @@ impl Conn {
         }
         tracing::info!(conn = self.id, peer = %self.cred, name = %crate::escape::esc(&h.name), "service hello");
         *self.name.lock().unwrap() = h.name;
+        self.done_events.store(h.done_events, Relaxed);
         self.hello.store(true, Relaxed);
         reply(HelloReply {
             session: self.id,
@@ -483,10 +487,12 @@ impl Conn {
             if let OpState::Failed(e) = &st {
                 tracing::info!(conn = c.id, handle = h, error = %crate::escape::esc(&e), "buffer operation failed");
             }
-            let ev = Event::Done(st.status(h));
-            let _ = c
-                .out
-                .send(serde_json::to_value(ev).expect("events serialize"));
+            if c.done_events.load(Relaxed) {
+                let ev = Event::Done(st.status(h));
+                let _ = c
+                    .out
+                    .send(serde_json::to_value(ev).expect("events serialize"));
+            }
             let _ = tx.send(st);
         });
         h
