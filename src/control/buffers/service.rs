@@ -27,6 +27,9 @@ use crate::mem::memfd::ServiceBuffer;
 
 pub use super::api::VERSION;
 
+/// Bytes of queued frames one send to a service carries, at most (about).
+const COALESCE_BYTES: usize = 256 << 10;
+
 /// Operations one `write_many` or `read_many` may start.
 pub const MAX_OPS_PER_REQUEST: usize = 4096;
 
@@ -124,8 +127,18 @@ pub async fn serve(bufs: Arc<Buffers>, stream: UnixStream, mut reader: FrameRead
     let (tx, mut rx) = mpsc::unbounded_channel::<Value>();
     let w = stream.clone();
     let writer = tokio::spawn(async move {
+        // Replies and events queued together go out in one send (a batch's
+        // replies and `done` events: one syscall, one wake-up of the
+        // service's reader, not one each).
         while let Some(v) = rx.recv().await {
-            if wire::send(&w, &wire::encode(&v), &[]).await.is_err() {
+            let mut out = wire::encode(&v);
+            while out.len() < COALESCE_BYTES {
+                match rx.try_recv() {
+                    Ok(v) => out.extend_from_slice(&wire::encode(&v)),
+                    Err(_) => break,
+                }
+            }
+            if wire::send(&w, &out, &[]).await.is_err() {
                 break;
             }
         }
