@@ -283,7 +283,27 @@ async fn many_operations_start_and_end_in_one_request_each() {
     // wait_all of a handle that does not exist: refused.
     let e = writer.wait_all(vec![12345]).await.unwrap_err();
     assert!(e.message.contains("no operation 12345"), "{e}");
-    drop((owner, writer));
+    // The writer heard a `done` event per operation, each sent before its
+    // reply; a connection that said done_events false hears none.
+    let ev = writer.next_event().await.unwrap();
+    assert_eq!(ev["event"], "done", "{ev}");
+    let quiet = ServiceClient::connect_with(Some(&sock), None, false)
+        .await
+        .unwrap();
+    let qsrc = quiet.create_buffer(OPS * LEN).await.unwrap();
+    let qop = |i: u64| OpRequest {
+        buffer: qsrc.id,
+        ..op(i, i * LEN, i * LEN)
+    };
+    let hs = quiet
+        .start_many(true, (0..OPS).map(qop).collect())
+        .await
+        .unwrap();
+    let st = quiet.wait_all(hs).await.unwrap();
+    assert!(st.iter().all(|s| s.state == OpStateName::Done), "{st:?}");
+    let none = tokio::time::timeout(Duration::from_millis(500), quiet.next_event()).await;
+    assert!(none.is_err(), "no event: {none:?}");
+    drop((owner, writer, quiet));
     d.stop().await;
 }
 

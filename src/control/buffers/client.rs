@@ -94,6 +94,18 @@ impl ServiceClient {
         path: Option<&Path>,
         token: Option<&str>,
     ) -> Result<ServiceClient, Failure> {
+        Self::connect_with(path, token, true).await
+    }
+
+    /// [`connect`](Self::connect), saying whether this connection hears a
+    /// `done` event for each of its operations (`done_events`; without,
+    /// their ends come from [`wait`](Self::wait) and
+    /// [`wait_all`](Self::wait_all), and no unread event piles up).
+    pub async fn connect_with(
+        path: Option<&Path>,
+        token: Option<&str>,
+        done_events: bool,
+    ) -> Result<ServiceClient, Failure> {
         let path = path
             .map(Path::to_path_buf)
             .or_else(|| std::env::var_os("RCP_SOCKET").map(Into::into))
@@ -143,7 +155,7 @@ impl ServiceClient {
             version: api::VERSION,
             token,
             name: format!("rust pid {}", std::process::id()),
-            done_events: true,
+            done_events,
         });
         c.hello = c.call("hello", &hello, &[]).await?;
         Ok(c)
