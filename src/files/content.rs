@@ -44,7 +44,7 @@ pub fn digests_of(
     let len = src.len();
     let tasks: Vec<&[u64]> = blocks.chunks(BLOCKS_PER_TASK as usize).collect();
     let hash_task = |t: &&[u64]| -> Result<Vec<Sha256Digest>> {
-        SEED_BUF.with_borrow_mut(|buf| {
+        BLOCK_BUF.with_borrow_mut(|buf| {
             let mut out = Vec::with_capacity(t.len());
             for &b in t.iter() {
                 let off = b * block_size;
@@ -109,7 +109,7 @@ thread_local! {
     /// A pool thread's buffer for the blocks it reads ([`seed`],
     /// [`digests_of`]), kept between tasks (a fresh buffer per block costs
     /// its page faults and clearing).
-    static SEED_BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+    static BLOCK_BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// `--delta`: write into `dest` (fresh) each block of `keep` (index and
@@ -135,7 +135,7 @@ pub fn seed(
     let bs = dest.block_size();
     let d: &Destination = dest;
     let task = |t: &&[(u64, Sha256Digest)]| -> Result<Vec<(u64, Sha256Digest)>> {
-        SEED_BUF.with_borrow_mut(|buf| {
+        BLOCK_BUF.with_borrow_mut(|buf| {
             let mut kept = Vec::with_capacity(t.len());
             for &(b, want) in t.iter() {
                 if b >= d.block_count() || b * bs >= src.len() {

@@ -2,7 +2,6 @@
 //! rcpd receives in the fan-out, pushed to the next node as their blocks
 //! are verified here, until every file of the fan-out is there.
 
-use std::collections::HashSet;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -35,7 +34,7 @@ impl Source for Fed {
             .get(&self.path)
             .ok_or_else(|| Failure::invalid(format!("{} is not in the fan-out", self.path)))?;
         let o = &f.open;
-        let meta = SourceMeta {
+        let mut meta = SourceMeta {
             length: o.length,
             mode: o.mode,
             mtime_ns: o.mtime_ns,
@@ -67,7 +66,6 @@ impl Source for Fed {
                 s
             }
         };
-        let mut meta = meta;
         if meta.fingerprint.is_empty() && o.length > bs {
             meta.fingerprint = src.source_id().map_err(failure)?.fingerprint.to_vec();
         }
@@ -97,20 +95,16 @@ pub async fn follow(
     let feed = svc.fanouts.wait(id).await;
     let cancel = Cancel::default();
     let _stop = CancelOnDrop(cancel.clone());
-    let mut sent: HashSet<String> = HashSet::new();
-    let mut seen = 0;
+    // The feed lists each path once, in the order it first came: the
+    // files sent are the first `sent` of it.
+    let mut sent = 0;
     let mut last = None;
-    while (sent.len() as u64) < files {
-        let new = feed.since(seen);
-        if new.is_empty() {
-            feed.more_than(seen).await;
+    while (sent as u64) < files {
+        let batch: Vec<FedFile> = feed.since(sent);
+        if batch.is_empty() {
+            feed.more_than(sent).await;
             continue;
         }
-        seen += new.len();
-        let batch: Vec<FedFile> = new
-            .into_iter()
-            .filter(|f| !sent.contains(&f.path))
-            .collect();
         let plan = jobs::Plan {
             push: true,
             files: batch
@@ -120,7 +114,7 @@ pub async fn follow(
             ..jobs::Plan::default()
         };
         let o = jobs::run_over(client, sessions, plan, w).await?;
-        sent.extend(batch.into_iter().map(|f| f.path));
+        sent += batch.len();
         last = Some(merge(last, o));
     }
     last.ok_or_else(|| ControlError::Invalid("a fan-out of no files".into()))

@@ -122,20 +122,18 @@ fn digest_bytes(n: u64) -> usize {
 /// whose digests together fit [`OPEN_DIGEST_BYTES`] (a file alone always
 /// forms a range).
 fn by_digest_bytes(blocks: impl Iterator<Item = u64>) -> Vec<std::ops::Range<usize>> {
+    let sizes: Vec<usize> = blocks.map(digest_bytes).collect();
     let mut out = Vec::new();
     let (mut start, mut bytes) = (0, 0);
-    let mut n = 0;
-    for (k, b) in blocks.enumerate() {
-        let d = digest_bytes(b);
+    for (k, &d) in sizes.iter().enumerate() {
         if k > start && bytes + d > OPEN_DIGEST_BYTES {
             out.push(start..k);
             (start, bytes) = (k, 0);
         }
         bytes += d;
-        n = k + 1;
     }
-    if n > start {
-        out.push(start..n);
+    if start < sizes.len() {
+        out.push(start..sizes.len());
     }
     out
 }
