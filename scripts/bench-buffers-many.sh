@@ -9,6 +9,8 @@
 #   many  write_many() of 64, then wait_all() (2 requests per 64)
 #   quiet many, connected with done_events=False (no `done` event per
 #         operation)
+#   standing  quiet, into an exposure with grant="standing" (one grant per
+#         session: each operation is its WRITE and one BufferNotify)
 # Operations per second (first request to last reply), and the CPU of both
 # rcpds per 1000 operations (utime + stime from /proc). Every byte is
 # checked by the owner after each pass. Medians, spread, ratio pass by pass.
@@ -44,18 +46,18 @@ size = kib << 10
 def cpu(pid):
     f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
-ca, cb = rcp.connect(a_sock, done_events=(mode != "quiet")), rcp.connect(b_sock)
+ca, cb = rcp.connect(a_sock, done_events=(mode in ("one", "many"))), rcp.connect(b_sock)
 src = ca.create_buffer(inflight * size)
 dst = cb.create_buffer(total * size)
 name = f"bench{os.getpid()}"
-cb.expose(dst, name)
+cb.expose(dst, name, grant="standing" if mode == "standing" else "per-op")
 data = os.urandom(inflight * size)
 src.view[:] = data
 c0 = cpu(a_pid) + cpu(b_pid)
 t0 = time.perf_counter()
 for base in range(0, total, inflight):
     ops = [(src, b, name, [(i * size, (base + i) * size, size)]) for i in range(inflight)]
-    if mode in ("many", "quiet"):
+    if mode in ("many", "quiet", "standing"):
         st = ca.wait_all(ca.write_many(ops))
     else:
         hs = [ca.write(*o) for o in ops]
@@ -69,17 +71,18 @@ print(f"{total / t:.0f} {c / total * 1000:.3f}")
 EOF
 declare -A R C
 for p in $(seq "$PASSES"); do
-  for m in ${RCP_BENCH_MODES:-one many quiet}; do
+  for m in ${RCP_BENCH_MODES:-one many quiet standing}; do
     read -r ops cpu < <("$py" "$work/many.py" "$work/a.sock" "$work/b.sock" "$b_addr" "$a_pid" "$b_pid" "$m")
     R[$m]="${R[$m]:-} $ops"; C[$m]="${C[$m]:-} $cpu"
     echo "pass $p $m: $ops operations/s, both rcpds $cpu CPU s per 1000 operations (load $(cut -d' ' -f1 /proc/loadavg))"
   done
 done
-"$py" - "${R[one]:-}" "${R[many]:-}" "${R[quiet]:-}" "${C[one]:-}" "${C[many]:-}" "${C[quiet]:-}" <<'EOF'
+"$py" - "${R[one]:-}" "${R[many]:-}" "${R[quiet]:-}" "${R[standing]:-}" \
+  "${C[one]:-}" "${C[many]:-}" "${C[quiet]:-}" "${C[standing]:-}" <<'EOF'
 import statistics as st, sys
-rs = [[float(x) for x in a.split()] for a in sys.argv[1:4]]
-cs = [[float(x) for x in a.split()] for a in sys.argv[4:7]]
-names = ("write + wait", "write_many + wait_all", "the same, no done events")
+rs = [[float(x) for x in a.split()] for a in sys.argv[1:5]]
+cs = [[float(x) for x in a.split()] for a in sys.argv[5:9]]
+names = ("write + wait", "write_many + wait_all", "the same, no done events", "the same, standing grant")
 for name, v, c in zip(names, rs, cs):
     if v:
         print(f"{name:26s} median {st.median(v):.0f} ops/s ({min(v):.0f}-{max(v):.0f}), rcpds {st.median(c):.3f} CPU s / 1000 ops")

@@ -239,6 +239,45 @@ EOF
 check "many: write_many, read_many, wait_all move every page where it belongs; done_events=False" \
   "$py" "$work/many.py" "$work/a.sock" "$work/b.sock" "$b"
 
+# Standing grants: an exposure with grant="standing" takes 64 writes and
+# 64 reads under one grant per access (B's log says it made two), each
+# page where it belongs and an owner's event per operation; unexposed, the
+# next write fails not_found naming it and the owner's bytes stay.
+cat >"$work/standing.py" <<'EOF'
+import os, sys, rcp
+a_sock, b_sock, b = sys.argv[1:4]
+ca, cb = rcp.connect(a_sock, done_events=False), rcp.connect(b_sock)
+n, page = 64, 4096
+src = ca.create_buffer(2 * n * page)
+dst = cb.create_buffer(n * page)
+cb.expose(dst, "st", grant="standing")
+data = os.urandom(n * page)
+src.view[: n * page] = data
+st = ca.wait_all(ca.write_many([(src, b, "st", [(i * page, (n - 1 - i) * page, page)], "w%d" % i) for i in range(n)]))
+assert [s["state"] for s in st] == ["done"] * n, st
+for i in range(n):
+    j = n - 1 - i
+    assert bytes(dst.view[j * page:(j + 1) * page]) == data[i * page:(i + 1) * page], i
+st = ca.wait_all(ca.read_many([dict(buf=src, peer=b, name="st", descs=[((n + i) * page, (n - 1 - i) * page, page)]) for i in range(n)]))
+assert [s["state"] for s in st] == ["done"] * n, st
+assert bytes(src.view[n * page: 2 * n * page]) == data
+evs = [cb.next_event(timeout=60) for _ in range(2 * n)]
+assert sorted(e["message"] for e in evs if e["event"] == "written") == sorted("w%d" % i for i in range(n)), evs
+assert sum(e["event"] == "read" for e in evs) == n, evs
+cb.unexpose("st")
+before = bytes(dst.view[: n * page])
+src.view[:page] = b"\xee" * page
+r = ca.write(src, b, "st", [(0, 0, page)]).wait()
+assert r["state"] == "failed", ("a write after unexpose", r)
+assert r["failure"]["reason"] == "not_found" and '"st"' in r["failure"]["message"], r
+assert bytes(dst.view[: n * page]) == before, "the owner's bytes changed"
+print("standing: 64 writes and 64 reads under standing grants, every page and event checked; unexposed, refused")
+EOF
+check "standing: write_many/read_many under standing grants; unexpose revokes them" \
+  "$py" "$work/standing.py" "$work/a.sock" "$work/b.sock" "$b"
+check "standing: rcpd B made one standing grant per access, not one per operation" \
+  [ "$(sed 's/\x1b\[[0-9;]*m//g' "$work/b.log" | grep -ac "standing grant")" = 2 ]
+
 # Many services at once on one rcpd: 8 writers on A into 8 owners on B.
 for i in $(seq 1 8); do
   "$py" $ex serve --socket "$work/b.sock" --name "m$i" --size $((2 << 20)) --access write \

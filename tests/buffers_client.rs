@@ -6,7 +6,9 @@
 //! a peer off rcpd's --copy-peers: refused, and nothing dials it. And a
 //! grant revoked with the session it was made to. And a kept session the
 //! peer rcpd no longer holds, given up for a new one. And an exposure
-//! gone mid-write: only the write into it fails.
+//! gone mid-write: only the write into it fails. And standing grants:
+//! operations without a grant each, told by notices, revoked with their
+//! exposure, its owner and their session.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -562,6 +564,7 @@ fn first_page(
         }],
         message: String::new(),
         node: String::new(),
+        standing_ok: false,
     }
 }
 
@@ -701,9 +704,11 @@ async fn a_stale_done_changes_nothing_and_a_silent_peers_grant_is_revoked() {
 
 /// Where the initiating side of buffer operations logs: its operations
 /// and its sessions to peers.
-const PEER_LOG: [&str; 2] = [
+const PEER_LOG: [&str; 4] = [
+    "rcp::control::buffers",
     "rcp::control::buffers::peer",
     "rcp::control::buffers::sessions",
+    "rcp::control::buffers::standing",
 ];
 
 /// An event [`PEER_LOG`] logged: its message and fields.
@@ -747,6 +752,14 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Record {
 /// What [`PEER_LOG`] logged about `peer`, in order, since the first call
 /// (which installs the recorder, for every rcpd of this test binary).
 fn peer_log(peer: &str) -> Vec<Logged> {
+    // rcpd quotes the address (rcp::escape::esc).
+    let quoted = format!("\"{peer}\"");
+    logged(|l| l.fields.get("peer") == Some(&quoted))
+}
+
+/// What [`PEER_LOG`] logged that `which`, in order (the first call installs
+/// the recorder, for every rcpd of this test binary).
+fn logged(which: impl Fn(&Logged) -> bool) -> Vec<Logged> {
     static LOG: OnceLock<Arc<Mutex<Vec<Logged>>>> = OnceLock::new();
     let log = LOG.get_or_init(|| {
         use tracing_subscriber::layer::SubscriberExt;
@@ -757,13 +770,8 @@ fn peer_log(peer: &str) -> Vec<Logged> {
         .expect("no other subscriber in this test binary");
         log
     });
-    // rcpd quotes the address (rcp::escape::esc).
-    let quoted = format!("\"{peer}\"");
     let log = log.lock().unwrap();
-    log.iter()
-        .filter(|l| l.fields.get("peer") == Some(&quoted))
-        .cloned()
-        .collect()
+    log.iter().filter(|l| which(l)).cloned().collect()
 }
 
 /// The ids of the sessions opened to `peer` for buffer operations, and the
@@ -1203,5 +1211,323 @@ async fn an_exposure_gone_mid_write_fails_only_the_write_into_it() {
         .collect();
     assert_eq!(again, ["\"other\""], "{again:?}");
     drop((writer, other));
+    d.stop().await;
+}
+
+/// The owner's next event, bounded by [`HANG_GUARD`].
+async fn next_event(c: &ServiceClient) -> serde_json::Value {
+    tokio::time::timeout(HANG_GUARD, c.next_event())
+        .await
+        .expect("an event")
+        .expect("the connection is open")
+}
+
+/// An exposure with standing grants: many writes and reads move under one
+/// grant per access (the owner's rcpd grants each once, and the owner
+/// hears an event per operation with its message); withdrawn, the next
+/// write fails naming the exposure gone and touches nothing; exposed again
+/// it serves again; its owner gone, the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standing_grants_serve_many_operations_until_their_exposure_goes() {
+    use rcp::control::buffers::api::{Desc, OpRequest};
+    const OPS: u64 = 32;
+    const LEN: u64 = 4096;
+    let dir = tempfile::tempdir().unwrap();
+    let (d, sock) = start_rcpd(dir.path()).await;
+    let addr = d.addr.clone();
+    peer_log(&addr);
+    let owner = ServiceClient::connect(Some(&sock), None).await.unwrap();
+    let dst = owner.create_buffer(OPS * LEN).await.unwrap();
+    owner
+        .expose_standing(&dst, "st", 0, OPS * LEN, "rw", &[])
+        .await
+        .unwrap();
+    let writer = ServiceClient::connect_with(Some(&sock), None, false)
+        .await
+        .unwrap();
+    let src = writer.create_buffer(2 * OPS * LEN).await.unwrap();
+    let data: Vec<u8> = (0..OPS * LEN).map(|i| (i * 31 + 7) as u8).collect();
+    assert!(src.local.write_at(0, &data));
+    let op = |i: u64, local: u64, remote: u64| OpRequest {
+        buffer: src.id,
+        peer: addr.clone(),
+        name: "st".into(),
+        descs: vec![Desc {
+            local,
+            remote,
+            len: LEN,
+        }],
+        message: format!("op {i}"),
+        check: None,
+    };
+    // Twice over, to see the grant kept between batches.
+    for _ in 0..2 {
+        let writes = (0..OPS)
+            .map(|i| op(i, i * LEN, (OPS - 1 - i) * LEN))
+            .collect();
+        let hs = writer.start_many(true, writes).await.unwrap();
+        let st = writer.wait_all(hs).await.unwrap();
+        assert!(st.iter().all(|s| s.state == OpStateName::Done), "{st:?}");
+    }
+    let mut got = vec![0u8; (OPS * LEN) as usize];
+    assert!(dst.local.read_at(0, &mut got));
+    for i in 0..OPS {
+        let (a, b) = ((i * LEN) as usize, ((OPS - 1 - i) * LEN) as usize);
+        assert!(
+            got[b..b + LEN as usize] == data[a..a + LEN as usize],
+            "page {i}"
+        );
+    }
+    let mut messages = std::collections::BTreeSet::new();
+    for _ in 0..2 * OPS {
+        let ev = next_event(&owner).await;
+        assert_eq!(ev["event"], "written", "{ev}");
+        assert_eq!(ev["peer"], addr.as_str(), "{ev}");
+        assert_eq!(ev["ranges"][0][1], LEN, "{ev}");
+        assert_eq!(ev["ranges"][0][2].as_str().unwrap().len(), 64, "{ev}");
+        messages.insert(ev["message"].as_str().unwrap().to_string());
+    }
+    assert_eq!(messages.len() as u64, OPS, "an event per operation");
+    let reads = (0..OPS)
+        .map(|i| op(i, (OPS + i) * LEN, (OPS - 1 - i) * LEN))
+        .collect();
+    let hs = writer.start_many(false, reads).await.unwrap();
+    let st = writer.wait_all(hs).await.unwrap();
+    assert!(st.iter().all(|s| s.state == OpStateName::Done), "{st:?}");
+    let mut back = vec![0u8; (OPS * LEN) as usize];
+    assert!(src.local.read_at(OPS * LEN, &mut back));
+    assert!(back == data, "the reads landed the same bytes");
+    assert_eq!(next_event(&owner).await["event"], "read");
+    // One grant per access for all of them.
+    assert_eq!(peer_said(&addr, "standing grant"), 2);
+
+    // Withdrawn: the next write fails, naming the exposure, and the
+    // owner's bytes stay as they were.
+    owner.unexpose("st").await.unwrap();
+    assert!(src.local.write_at(0, &vec![0xee; LEN as usize]));
+    let h = writer
+        .write(&src, &addr, "st", &[(0, 0, LEN)], None)
+        .await
+        .unwrap();
+    let e = ended(&writer, h).await.unwrap_err();
+    assert_eq!(ServiceReason::of(e.reason).name(), "not_found", "{e}");
+    assert!(e.message.contains("\"st\""), "{e}");
+    assert!(dst.local.read_at(0, &mut got));
+    assert!(
+        got[..LEN as usize] == data[((OPS - 1) * LEN) as usize..],
+        "untouched"
+    );
+
+    // Exposed again: served again, under a new standing grant.
+    owner
+        .expose_standing(&dst, "st", 0, OPS * LEN, "write", &[])
+        .await
+        .unwrap();
+    let h = writer
+        .write(&src, &addr, "st", &[(0, 0, LEN)], None)
+        .await
+        .unwrap();
+    assert_eq!(ended(&writer, h).await.unwrap(), LEN);
+    assert!(dst.local.read_at(0, &mut got));
+    assert!(got[..LEN as usize].iter().all(|&b| b == 0xee));
+    assert_eq!(peer_said(&addr, "standing grant"), 3);
+
+    // Its owner gone: the same.
+    drop(owner);
+    assert!(src.local.write_at(0, &vec![0x11; LEN as usize]));
+    let e = loop {
+        let h = writer
+            .write(&src, &addr, "st", &[(0, 0, LEN)], None)
+            .await
+            .unwrap();
+        match ended(&writer, h).await {
+            // The owner's end is not yet seen by its rcpd: its exposure
+            // still stands (the bytes land where it was).
+            Ok(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            Err(e) => break e,
+        }
+    };
+    assert_eq!(ServiceReason::of(e.reason).name(), "not_found", "{e}");
+    let before = got[..LEN as usize].to_vec();
+    assert!(dst.local.read_at(0, &mut got));
+    assert!(got[..LEN as usize] == before[..] || got[..LEN as usize].iter().all(|&b| b == 0x11));
+    drop(writer);
+    d.stop().await;
+}
+
+/// The protocol of standing grants, raw: an rcpd that does not ask for
+/// one gets a grant per operation; one that asks gets the exposure whole,
+/// the same grant every time; a notice is checked against what landed
+/// (bad ranges are the peer's to move again, the owner hears nothing until
+/// the operation ends: done, or failed at the retry bound); a notice
+/// outside the exposure or for no such grant is refused; a BufferDone of
+/// a standing grant is refused; and the grant dies with its session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standing_grant_is_told_by_notices_and_dies_with_its_session() {
+    use rcp::proto::{self, rcp_client::RcpClient};
+    let dir = tempfile::tempdir().unwrap();
+    let (d, sock) = start_rcpd(dir.path()).await;
+    let owner = ServiceClient::connect(Some(&sock), None).await.unwrap();
+    let buf = owner.create_buffer(1 << 20).await.unwrap();
+    owner
+        .expose_standing(&buf, "raw", 0, 1 << 20, "write", &[])
+        .await
+        .unwrap();
+    logged(|_| false);
+    let mut c = RcpClient::connect(format!("http://{}", d.addr))
+        .await
+        .unwrap();
+    let hs = c
+        .handshake(common::raw::hello(ProviderKind::Tcp, 1 << 20))
+        .await
+        .unwrap()
+        .into_inner();
+    let session_id = hs.session_id;
+    let mut req = first_page(session_id, "raw", proto::BufferAccess::Write);
+    let per_op = c.buffer_grant(req.clone()).await.unwrap().into_inner();
+    assert!(per_op.standing.is_none() && per_op.grant != 0, "{per_op:?}");
+    c.buffer_done(proto::BufferDoneRequest {
+        session_id,
+        grant: per_op.grant,
+        failed: "not used".into(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    req.standing_ok = true;
+    let sg = c
+        .buffer_grant(req.clone())
+        .await
+        .unwrap()
+        .into_inner()
+        .standing
+        .unwrap();
+    assert_eq!((sg.offset, sg.len), (0, 1 << 20), "{sg:?}");
+    let again = c
+        .buffer_grant(req.clone())
+        .await
+        .unwrap()
+        .into_inner()
+        .standing
+        .unwrap();
+    assert_eq!(again.id, sg.id, "one standing grant per session and access");
+
+    let zero = common::raw::sha256(&[0u8; 4096]);
+    let notice = |offset: u64, digest: Vec<u8>, round: u32| proto::BufferNotice {
+        standing: sg.id,
+        ranges: vec![proto::BufferRange { offset, len: 4096 }],
+        digests: vec![digest],
+        message: format!("round {round}"),
+        round,
+        resent: round,
+    };
+    let nc = c.clone();
+    let notify = |ops: Vec<proto::BufferNotice>, session_id: u64| {
+        let mut c = nc.clone();
+        async move {
+            c.buffer_notify(proto::BufferNotifyRequest {
+                session_id,
+                ops,
+                node: String::new(),
+            })
+            .await
+        }
+    };
+    // One call, four notices: a wrong digest in round 0 (move it again),
+    // the right one, a range outside, no such grant.
+    let mut outside = notice((1 << 20) - 4096, zero.clone(), 0);
+    outside.ranges[0].len = 8192;
+    let mut unknown = notice(0, zero.clone(), 0);
+    unknown.standing = sg.id + 1000;
+    let r = notify(
+        vec![
+            notice(0, vec![1; 32], 0),
+            notice(4096, zero.clone(), 0),
+            outside,
+            unknown,
+        ],
+        session_id,
+    )
+    .await
+    .unwrap()
+    .into_inner()
+    .results;
+    assert_eq!(r.len(), 4);
+    assert_eq!(
+        (r[0].bad.clone(), r[0].ended, r[0].error.as_str()),
+        (vec![0], false, "")
+    );
+    assert_eq!(
+        (r[1].bad.clone(), r[1].ended, r[1].error.as_str()),
+        (vec![], true, "")
+    );
+    assert_eq!(r[2].reason, proto::Reason::Invalid as i32, "{:?}", r[2]);
+    assert!(r[2].error.contains("outside the exposed"), "{:?}", r[2]);
+    assert_eq!(
+        r[3].reason,
+        proto::Reason::FileNotFound as i32,
+        "{:?}",
+        r[3]
+    );
+    // The owner heard only of the operation that ended.
+    let ev = next_event(&owner).await;
+    assert_eq!(
+        (ev["event"].as_str(), ev["message"].as_str()),
+        (Some("written"), Some("round 0")),
+        "{ev}"
+    );
+    assert_eq!(ev["ranges"][0][0], 4096, "{ev}");
+    // Still wrong at the bound: ended, and the owner told it failed.
+    let r = notify(vec![notice(0, vec![1; 32], hs.max_retries)], session_id)
+        .await
+        .unwrap()
+        .into_inner()
+        .results;
+    assert_eq!((r[0].bad.clone(), r[0].ended), (vec![0], true));
+    let ev = next_event(&owner).await;
+    assert_eq!(ev["error"]["reason"], "integrity", "{ev}");
+    // BufferDone is not how a standing grant's operations end.
+    let e = c
+        .buffer_done(proto::BufferDoneRequest {
+            session_id,
+            grant: sg.id,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert!(e.message().contains("standing grant"), "{e:?}");
+
+    // The session ends: its standing grant with it. Asked on a new
+    // session, the old grant is not there.
+    c.close_session(proto::CloseSessionRequest { session_id })
+        .await
+        .unwrap();
+    let closed = logged(|l| {
+        l.message == "session closed: its buffer grants revoked"
+            && l.fields.get("session") == Some(&format!("{session_id:#x}"))
+    });
+    assert_eq!(closed.len(), 1, "{closed:?}");
+    assert_eq!(closed[0].fields["grants_revoked"], "1", "{closed:?}");
+    let e = notify(vec![notice(4096, zero.clone(), 0)], session_id)
+        .await
+        .unwrap_err();
+    assert!(e.message().contains("session"), "{e:?}");
+    let hs2 = c
+        .handshake(common::raw::hello(ProviderKind::Tcp, 1 << 20))
+        .await
+        .unwrap()
+        .into_inner();
+    let r = notify(vec![notice(4096, zero, 0)], hs2.session_id)
+        .await
+        .unwrap()
+        .into_inner()
+        .results;
+    assert_eq!(
+        r[0].reason,
+        proto::Reason::FileNotFound as i32,
+        "{:?}",
+        r[0]
+    );
+    drop(owner);
     d.stop().await;
 }

@@ -3,10 +3,12 @@
 (docs/buffers.md), with the `rcp` package (python/).
 
     buffers.py serve --name NAME --size BYTES [--socket PATH] [--access rw] [--events N]
+                     [--grant per-op|standing]
     buffers.py send  --peer HOST:PORT --name NAME --size BYTES [--socket PATH] [--seed N]
     buffers.py fetch --peer HOST:PORT --name NAME --size BYTES [--socket PATH]
 
-serve: create a buffer, expose it, print `exposed NAME at NODE` (NODE: the
+serve: create a buffer, expose it (--grant standing: each peer's session is
+granted all of it once), print `exposed NAME at NODE` (NODE: the
 address the other node's service gives as --peer), then print each
 event as a JSON line (`written` / `read`, with each range's digest) and,
 after --events of them, `sha256 HEX` of the whole buffer, and exit.
@@ -48,6 +50,7 @@ def main():
     ap.add_argument("--size", type=size, required=True)
     ap.add_argument("--peer", help="HOST:PORT of the other rcpd")
     ap.add_argument("--access", default="rw")
+    ap.add_argument("--grant", default="per-op", choices=["per-op", "standing"])
     ap.add_argument("--events", type=int, default=1)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--chunk", type=size, default=1 << 20)
@@ -60,7 +63,7 @@ def main():
         if a.access != "write":
             data = random.Random(a.seed).randbytes(a.size)
             buf.view[:] = data
-        c.expose(buf, a.name, access=a.access)
+        c.expose(buf, a.name, access=a.access, grant=a.grant)
         print("exposed", a.name, "at", c.node, flush=True)
         seen = 0
         while seen < a.events:

@@ -250,15 +250,23 @@ class Client:
         bid = buf.id if isinstance(buf, Buffer) else buf
         return self._request("release", buffer=bid)
 
-    def expose(self, buf, name, offset=0, length=None, access="rw", peers=None):
+    def expose(
+        self, buf, name, offset=0, length=None, access="rw", peers=None, grant="per-op"
+    ):
         """Make [offset, offset+length) of `buf` reachable from other
         rcpds as `name`: access 'read', 'write' or 'rw'; peers: IP
-        addresses of the rcpds allowed (None: any)."""
+        addresses of the rcpds allowed (None: any); grant: 'per-op' (a
+        grant per operation, revoked at its end) or 'standing' (each
+        peer's session is granted the whole range once, until unexpose,
+        this connection's end or the session's: its operations need no
+        grant each)."""
         f = {"buffer": buf.id, "name": name, "offset": offset, "access": access}
         if length is not None:
             f["len"] = length
         if peers:
             f["peers"] = list(peers)
+        if grant != "per-op":
+            f["grant"] = grant
         return self._request("expose", **f)
 
     def unexpose(self, name):

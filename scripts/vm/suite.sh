@@ -293,10 +293,14 @@ netns)
   # --memory-windows (off: a registration per grant in the session's PD;
   # auto: rxe has type-2 windows, so each grant binds one to the session's
   # QP, which b's log must say). The provider must have been verbs: rcpd a's
-  # buffer session and rcpd b's session both say so in their logs.
+  # buffer session and rcpd b's session both say so in their logs. Second
+  # argument `standing`: both exposures give standing grants (b's log says
+  # it made them), and once kv0's owner is gone (b's log says so) a's next
+  # write into kv0, under the grant a still holds, fails not_found naming
+  # kv0 (the window b bound was invalidated: rxe refuses the request).
   pybuf() {
-    local mw=$1 dir run py="timeout 300 python3" size=$((4 << 20)) rc=0
-    dir=$PWD/target/vm-pybuf-$mw
+    local mw=$1 grant=${2:-per-op} dir run py="timeout 300 python3" size=$((4 << 20)) rc=0
+    dir=$PWD/target/vm-pybuf-$mw-$grant
     # The sockets on the guest's own /tmp, not on the host's shared tree.
     run=$(mktemp -d /tmp/rcp-pybuf.XXXXXX 2>/dev/null || mktemp -d "$PWD/target/rcp-pybuf.XXXXXX")
     rm -rf "$dir" && mkdir -p "$dir/a" "$dir/b"
@@ -312,15 +316,24 @@ netns)
     for _ in $(seq 300); do [ -S "$run/a.sock" ] && [ -S "$run/b.sock" ] && break; sleep 0.2; done
     # b's service exposes kv0 for writes; a's writes all of it (1 MiB ranges).
     ip netns exec b $py examples/python/buffers.py serve --socket "$run/b.sock" --name kv0 \
-      --size $size --access write >"$dir/serve.out" 2>"$dir/serve.err" &
+      --size $size --access write --grant "$grant" >"$dir/serve.out" 2>"$dir/serve.err" &
     local sv=$!
     for _ in $(seq 300); do grep -q '^exposed kv0' "$dir/serve.out" && break; sleep 0.2; done
     ip netns exec a $py examples/python/buffers.py send --socket "$run/a.sock" --peer 192.168.77.2:7471 \
       --name kv0 --size $size --seed 3 --message "layer 0" >"$dir/send.out" 2>"$dir/send.err" || rc=1
     wait $sv || rc=1
+    if [ "$grant" = standing ]; then
+      for _ in $(seq 300); do grep -aq "service gone: exposures withdrawn" "$dir/b.log" && break; sleep 0.2; done
+      if ip netns exec a $py examples/python/buffers.py send --socket "$run/a.sock" --peer 192.168.77.2:7471 \
+        --name kv0 --size $size --seed 4 >"$dir/send2.out" 2>"$dir/send2.err"; then
+        echo "pybuf: a write under a revoked standing grant ended done"; rc=1
+      fi
+      grep -q 'not_found' "$dir/send2.err" && grep -q 'kv0' "$dir/send2.err" ||
+        { echo "pybuf: the write after kv0's owner went did not fail not_found naming kv0:"; cat "$dir/send2.err"; rc=1; }
+    fi
     # b's service exposes kv1 for reads; a's reads all of it.
     ip netns exec b $py examples/python/buffers.py serve --socket "$run/b.sock" --name kv1 \
-      --size $size --access read --seed 9 >"$dir/serve2.out" 2>"$dir/serve2.err" &
+      --size $size --access read --seed 9 --grant "$grant" >"$dir/serve2.out" 2>"$dir/serve2.err" &
     sv=$!
     for _ in $(seq 300); do grep -q '^exposed kv1' "$dir/serve2.out" && break; sleep 0.2; done
     ip netns exec a $py examples/python/buffers.py fetch --socket "$run/a.sock" --peer 192.168.77.2:7471 \
@@ -350,6 +363,10 @@ assert r["event"] == "read" and "error" not in r and len(r["ranges"]) == 4, r' \
       { echo "pybuf: rcpd a's buffer session was not over verbs"; rc=1; }
     sed 's/\x1b\[[0-9;]*m//g' "$dir/b.log" | grep -aq "session opened.*provider=verbs" ||
       { echo "pybuf: rcpd b served no verbs session"; rc=1; }
+    if [ "$grant" = standing ]; then
+      [ "$(sed 's/\x1b\[[0-9;]*m//g' "$dir/b.log" | grep -ac "standing grant")" = 2 ] ||
+        { echo "pybuf: rcpd b did not make one standing grant for each of kv0 and kv1"; rc=1; }
+    fi
     if [ "$mw" = off ]; then
       grep -aq "no memory windows" "$dir/b.log" || { echo "pybuf: rcpd b did not go without windows"; rc=1; }
     else
@@ -361,6 +378,7 @@ assert r["event"] == "read" and "error" not in r and len(r["ranges"]) == 4, r' \
   }
   step "python buffers over verbs, memory windows off (service in a -> service in b)" pybuf off
   step "python buffers over verbs, memory windows per grant (service in a -> service in b)" pybuf on
+  step "python buffers over verbs, standing grants, revoked with their owner (service in a -> service in b)" pybuf on standing
   for nb in "$@"; do
     if [ "${nb%%=*}" = control_verbs ]; then
       # The shared end-to-end scenarios (tests/common/e2e.rs) across the

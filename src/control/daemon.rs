@@ -14,7 +14,7 @@ use tonic::transport::server::TcpIncoming;
 use tonic::transport::Server;
 
 use super::auth::CheckBearer;
-use super::buffers::grant::GrantService;
+use super::buffers::rpc::GrantService;
 use super::buffers::socket::Socket;
 use super::buffers::{Buffers, BuffersConfig};
 use super::client::ClientOptions;

@@ -107,9 +107,11 @@ pub fn place_copy_threads(
 /// `BufferDoneRequest.round`; an older peer answers them UNIMPLEMENTED or
 /// ignores the new fields. 2.4: fan-out (`OpenFile.fanout`,
 /// `CopyRequest.follow`/`fanout`/`bwlimit`, `CopyProgress.nodes`,
-/// `REASON_FANOUT_INCOMPLETE`).
+/// `REASON_FANOUT_INCOMPLETE`). 2.5: standing grants
+/// (`BufferGrantRequest.standing_ok`, `BufferGrantResponse.standing`,
+/// `BufferNotify`).
 pub const VERSION_MAJOR: u32 = 2;
-pub const VERSION_MINOR: u32 = 4;
+pub const VERSION_MINOR: u32 = 5;
 /// Default gRPC port of rcpd.
 pub const DEFAULT_PORT: u16 = 7471;
 /// Default block size: the one of [`crate::files`].

@@ -29,6 +29,8 @@ pub trait Exposable: fmt::Debug {
     fn span_of(&self, len: usize) -> Option<PeerSpan>;
     /// Whether its holder is rcpd's only user of the bytes.
     fn exclusive(&self) -> bool;
+    /// Its length in bytes.
+    fn bytes(&self) -> usize;
 }
 
 impl Exposable for Block {
@@ -37,6 +39,9 @@ impl Exposable for Block {
     }
     fn exclusive(&self) -> bool {
         true
+    }
+    fn bytes(&self) -> usize {
+        self.len()
     }
 }
 
@@ -47,6 +52,47 @@ impl Exposable for LeasedRange {
     }
     fn exclusive(&self) -> bool {
         self.lease().kind() == LeaseKind::Exclusive
+    }
+    fn bytes(&self) -> usize {
+        self.span().len()
+    }
+}
+
+/// A service's whole exposure lent to one peer's session for as long as it
+/// stands (a standing grant, docs/buffers.md): the owner trusts that peer
+/// with it as with its own mapping. A service's buffer is memory rcpd
+/// already treats as changing under it at any time (the service writes it
+/// whenever it likes, src/mem/memfd.rs): rcpd reads such bytes only to
+/// hash them (a byte changed meanwhile fails the check, it cannot mislead
+/// rcpd) and writes them only through the device (a read's window, under
+/// an exclusive lease), which the standing peer's writes can overlap only
+/// as the owner's own writes can. So a standing grant takes no lease: the
+/// owner's other operations and per-operation grants go on beside it, and
+/// [`Domain::register`]'s obligation holds for this memory the way it
+/// holds for a shared mapping the owner writes.
+#[derive(Debug)]
+pub struct Standing {
+    span: PeerSpan,
+}
+
+impl Standing {
+    /// The exposure's span (the buffer's arena in it keeps the mapping
+    /// alive past every registration).
+    pub fn new(span: PeerSpan) -> Standing {
+        Standing { span }
+    }
+}
+
+impl Exposable for Standing {
+    fn span_of(&self, len: usize) -> Option<PeerSpan> {
+        (len == self.span.len()).then(|| self.span.clone())
+    }
+    /// The owner lent the peer the right to write it (the type's docs).
+    fn exclusive(&self) -> bool {
+        true
+    }
+    fn bytes(&self) -> usize {
+        self.span.len()
     }
 }
 

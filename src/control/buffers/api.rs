@@ -229,6 +229,11 @@ pub struct Expose {
     /// IP addresses of the peer rcpds allowed (empty: any).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub peers: Vec<String>,
+    /// `per-op` (default): a grant per operation; `standing`: a peer's
+    /// session is granted the whole exposure once, until it is withdrawn
+    /// (docs/buffers.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grant: Option<String>,
 }
 
 /// A `write` or a `read`.

@@ -242,6 +242,43 @@ impl ServiceClient {
         access: &str,
         peers: &[&str],
     ) -> Result<(), Failure> {
+        self.expose_as(buf, name, (offset, len), access, peers, false)
+            .await
+    }
+
+    /// [`expose`](Self::expose) with standing grants: each peer's session
+    /// is granted the whole range once, and its operations into it move
+    /// without a grant each (docs/buffers.md).
+    pub async fn expose_standing(
+        &self,
+        buf: &Buffer,
+        name: &str,
+        offset: u64,
+        len: u64,
+        access: &str,
+        peers: &[&str],
+    ) -> Result<(), Failure> {
+        self.expose_as(buf, name, (offset, len), access, peers, true)
+            .await
+    }
+
+    /// Withdraw exposure `name` (its standing grants are revoked now).
+    pub async fn unexpose(&self, name: &str) -> Result<(), Failure> {
+        let req = Request::Unexpose {
+            name: name.to_string(),
+        };
+        self.call::<Value>("unexpose", &req, &[]).await.map(drop)
+    }
+
+    async fn expose_as(
+        &self,
+        buf: &Buffer,
+        name: &str,
+        (offset, len): (u64, u64),
+        access: &str,
+        peers: &[&str],
+        standing: bool,
+    ) -> Result<(), Failure> {
         let req = Request::Expose(api::Expose {
             buffer: buf.id,
             name: name.to_string(),
@@ -250,6 +287,7 @@ impl ServiceClient {
             length: None,
             access: access.to_string(),
             peers: peers.iter().map(|p| p.to_string()).collect(),
+            grant: standing.then(|| "standing".to_string()),
         });
         self.call::<Value>("expose", &req, &[]).await.map(drop)
     }

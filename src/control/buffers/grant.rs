@@ -21,7 +21,7 @@ use super::api::{ErrorBody, Event, OwnerEvent, ServiceReason};
 use super::{Buffers, Exposure, Failure};
 use crate::control::error::Reason;
 use crate::control::protocol::buffer::{DoneStep, GrantCore, GrantNext, GrantPhase};
-use crate::control::server::{BufferGrants, SessionState};
+use crate::control::server::SessionState;
 use crate::files::Check;
 use crate::mem::memfd::{LeaseKind, LeasedRange};
 use crate::proto;
@@ -53,6 +53,27 @@ struct GrantState {
     exp: Arc<Exposure>,
 }
 
+/// What a standing grant ([`super::standing`]) grants, to whom.
+#[derive(Clone)]
+pub struct StandingGrant {
+    pub(super) session: u64,
+    pub(super) exp: Arc<Exposure>,
+    pub(super) write: bool,
+    pub(super) name: String,
+    /// The peer as the owner's events name it.
+    pub(super) peer: String,
+}
+
+/// A standing grant as the table holds it: its registrations (one per
+/// rail; dropped first when it is revoked), what the peer was told, and
+/// what it grants.
+pub struct Held {
+    /// Kept for its drop (which revokes every key).
+    pub(super) _keys: Exposed<crate::provider::exposed::Standing>,
+    pub(super) range: proto::GrantedRange,
+    pub(super) grant: StandingGrant,
+}
+
 /// A grant in the table.
 enum Entry {
     Live(Box<GrantState>),
@@ -63,6 +84,9 @@ enum Entry {
         session: u64,
         owner: u64,
     },
+    /// A standing grant ([`super::standing`]): the whole exposure, until
+    /// the exposure is withdrawn, its owner goes or the session ends.
+    Standing(Box<Held>),
 }
 
 impl Entry {
@@ -70,6 +94,7 @@ impl Entry {
         match self {
             Entry::Live(g) => g.exp.owner,
             Entry::Verifying { owner, .. } => *owner,
+            Entry::Standing(s) => s.grant.exp.owner,
         }
     }
 
@@ -77,8 +102,29 @@ impl Entry {
         match self {
             Entry::Live(g) => g.session,
             Entry::Verifying { session, .. } => *session,
+            Entry::Standing(s) => s.grant.session,
         }
     }
+}
+
+/// In `live`, the standing grant of `session` on `exp` with `write`
+/// access: its id and range.
+fn find_standing(
+    live: &HashMap<u64, Entry>,
+    session: u64,
+    exp: &Arc<Exposure>,
+    write: bool,
+) -> Option<(u64, proto::GrantedRange)> {
+    live.iter().find_map(|(&id, g)| match g {
+        Entry::Standing(s)
+            if s.grant.session == session
+                && s.grant.write == write
+                && Arc::ptr_eq(&s.grant.exp, exp) =>
+        {
+            Some((id, s.range.clone()))
+        }
+        _ => None,
+    })
 }
 
 /// The grants one rcpd made, by id.
@@ -114,6 +160,49 @@ impl Grants {
     /// it was granted stays reachable); how many.
     pub(crate) fn revoke_session(&self, session: u64) -> usize {
         self.revoke_where(|g| g.session() == session)
+    }
+
+    /// Revoke the standing grants of exposure `exp` (withdrawn or
+    /// replaced; grants per operation keep their ranges to their end);
+    /// how many.
+    pub(crate) fn revoke_standing(&self, exp: &Arc<Exposure>) -> usize {
+        self.revoke_where(|g| matches!(g, Entry::Standing(s) if Arc::ptr_eq(&s.grant.exp, exp)))
+    }
+
+    /// The standing grant of `session` on `exp` with `write` access, if
+    /// there is one: its id and what the peer was told of it.
+    pub(super) fn standing_of(
+        &self,
+        session: u64,
+        exp: &Arc<Exposure>,
+        write: bool,
+    ) -> Option<(u64, proto::GrantedRange)> {
+        find_standing(&self.live.lock().unwrap(), session, exp, write)
+    }
+
+    /// File standing grant `h`, unless one of its session, exposure and
+    /// access came first (then that one's id and range, `h` revoked);
+    /// whether `h` was filed.
+    pub(super) fn insert_standing(&self, h: Held) -> (u64, proto::GrantedRange, bool) {
+        let mut l = self.live.lock().unwrap();
+        let g = &h.grant;
+        if let Some((id, range)) = find_standing(&l, g.session, &g.exp, g.write) {
+            drop(l);
+            crate::control::in_place(|| drop(h));
+            return (id, range, false);
+        }
+        let id = self.next.fetch_add(1, Relaxed) + 1;
+        let range = h.range.clone();
+        l.insert(id, Entry::Standing(Box::new(h)));
+        (id, range, true)
+    }
+
+    /// What standing grant `id` of `session` grants, while it stands.
+    pub(super) fn standing(&self, id: u64, session: u64) -> Option<StandingGrant> {
+        match self.live.lock().unwrap().get(&id) {
+            Some(Entry::Standing(s)) if s.grant.session == session => Some(s.grant.clone()),
+            _ => None,
+        }
     }
 
     fn revoke_where(&self, which: impl Fn(&Entry) -> bool) -> usize {
@@ -171,6 +260,12 @@ impl Grants {
                 ))
             }
         }
+        if matches!(l[&id], Entry::Standing(_)) {
+            return Err(Failure::new(
+                Reason::Protocol,
+                format!("grant {id} is a standing grant: its operations end with BufferNotify"),
+            ));
+        }
         let owner = l[&id].owner();
         match l.insert(id, Entry::Verifying { session, owner }) {
             Some(Entry::Live(g)) => Ok(g),
@@ -207,7 +302,7 @@ impl Grants {
     }
 }
 
-fn hex(b: &[u8]) -> String {
+pub(super) fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
@@ -221,46 +316,28 @@ pub(crate) fn digests(check: Check, ranges: &[LeasedRange]) -> Vec<Vec<u8>> {
     })
 }
 
-/// The buffers' side of rcpd's `BufferGrant`/`BufferDone`, plugged into
-/// the service by the daemon as its [`BufferGrants`] (the way
-/// `control::copy` serves `Copy`).
-pub struct GrantService(pub Arc<Buffers>);
-
-impl BufferGrants for GrantService {
-    fn grant(
-        &self,
-        session: &SessionState,
-        session_id: u64,
-        req: proto::BufferGrantRequest,
-        peer: Option<IpAddr>,
-    ) -> Result<proto::BufferGrantResponse, tonic::Status> {
-        Ok(grant(&self.0, session, session_id, req, peer)?)
-    }
-
-    fn done(
-        &self,
-        session: Option<&SessionState>,
-        session_id: u64,
-        req: proto::BufferDoneRequest,
-    ) -> Result<proto::BufferDoneResponse, tonic::Status> {
-        Ok(done(&self.0, session, session_id, req)?)
-    }
-
-    fn session_closed(&self, id: u64) {
-        self.0.session_closed(id);
-    }
+/// What `BufferGrant` from the peer at `peer` asks, checked: whether it
+/// writes, and the exposure it may reach.
+pub fn admit(
+    bufs: &Buffers,
+    req: &proto::BufferGrantRequest,
+    peer: Option<IpAddr>,
+) -> Result<(bool, Arc<Exposure>), Failure> {
+    let write = check_request(req)?;
+    let exp = exposure_for(bufs, req, write, peer)?;
+    Ok((write, exp))
 }
 
-/// `BufferGrant` from the peer at `peer` on its session `session_id`.
+/// `BufferGrant` from the peer at `peer` on its session `session_id`, a
+/// grant of its own for the operation ([`admit`]ted: `write`, `exp`).
 pub fn grant(
     bufs: &Arc<Buffers>,
     session: &SessionState,
     session_id: u64,
     req: proto::BufferGrantRequest,
     peer: Option<IpAddr>,
+    (write, exp): (bool, Arc<Exposure>),
 ) -> Result<proto::BufferGrantResponse, Failure> {
-    let write = check_request(&req)?;
-    let exp = exposure_for(bufs, &req, write, peer)?;
     let ranges = lease_ranges(&exp, &req, write)?;
     let check = session.params.check;
     let digests = if write {
@@ -286,6 +363,7 @@ pub fn grant(
         grant: id,
         ranges: out,
         digests: if write { Vec::new() } else { digests.clone() },
+        standing: None,
     };
     bufs.grants.live.lock().unwrap().insert(
         id,
@@ -344,7 +422,7 @@ fn check_request(req: &proto::BufferGrantRequest) -> Result<bool, Failure> {
 /// The peer as the owner's event names it: the address the peer rcpd
 /// says it is dialed at, else (an rcpd that predates it) the IP address
 /// its request came from.
-fn event_peer(node: &str, ip: Option<IpAddr>) -> String {
+pub(super) fn event_peer(node: &str, ip: Option<IpAddr>) -> String {
     if !node.is_empty() {
         return node.to_string();
     }
@@ -390,6 +468,23 @@ fn exposure_for(
     Ok(exp)
 }
 
+/// `r` (not empty) if it lies inside `exp` (exposed as `name`).
+pub(super) fn inside(exp: &Exposure, r: &proto::BufferRange, name: &str) -> Result<(), Failure> {
+    let (lo, hi) = (exp.offset, exp.offset + exp.len);
+    let end = r.offset.checked_add(r.len);
+    if r.len == 0 || r.offset < lo || end.is_none_or(|e| e > hi) {
+        return Err(Failure::new(
+            Reason::Invalid,
+            format!(
+                "range [{}, {}) is outside the exposed [{lo}, {hi}) of {name:?}",
+                r.offset,
+                r.offset.saturating_add(r.len),
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// Lease each range of the request inside the exposure (exclusively for
 /// bytes that land, shared for bytes read).
 fn lease_ranges(
@@ -397,7 +492,6 @@ fn lease_ranges(
     req: &proto::BufferGrantRequest,
     write: bool,
 ) -> Result<Vec<LeasedRange>, Failure> {
-    let (lo, hi) = (exp.offset, exp.offset + exp.len);
     let kind = if write {
         LeaseKind::Exclusive
     } else {
@@ -405,18 +499,7 @@ fn lease_ranges(
     };
     let mut ranges = Vec::with_capacity(req.ranges.len());
     for r in &req.ranges {
-        let end = r.offset.checked_add(r.len);
-        if r.len == 0 || r.offset < lo || end.is_none_or(|e| e > hi) {
-            return Err(Failure::new(
-                Reason::Invalid,
-                format!(
-                    "range [{}, {}) is outside the exposed [{lo}, {hi}) of {:?}",
-                    r.offset,
-                    r.offset.saturating_add(r.len),
-                    req.name
-                ),
-            ));
-        }
+        inside(exp, r, &req.name)?;
         let l = exp
             .buffer
             .lease(r.offset, r.len, kind)
@@ -429,10 +512,10 @@ fn lease_ranges(
 
 /// Grant `which` of `ranges` in the session's domain (and each rail's)
 /// with the one right the operation needs; what the peer is told of each.
-fn register(
+pub(super) fn register<M: crate::provider::exposed::Exposable>(
     exp: &Exposure,
     session: &SessionState,
-    ranges: &mut [Exposed<LeasedRange>],
+    ranges: &mut [Exposed<M>],
     which: &[u32],
     write: bool,
     name: &str,
@@ -452,7 +535,7 @@ fn register(
     let mut out = Vec::new();
     for &i in which {
         let r = &mut ranges[i as usize];
-        let len = r.revoke().span().len();
+        let len = r.revoke().bytes();
         // A range leased exclusively for a peer's WRITE, shared for its
         // READ (`lease_ranges`); the service's own writes are beyond
         // rcpd's reach and fail the check (src/mem/memfd.rs).
@@ -634,39 +717,49 @@ fn regrant(
 /// The owner's event for the ended grant: every range with its digest,
 /// the ranges granted again, and which did not match in the end.
 fn tell_owner(g: &mut GrantState, bad: &[u32]) {
-    let error = (!bad.is_empty()).then(|| ErrorBody {
+    let ranges = g
+        .ranges
+        .iter_mut()
+        .map(|r| r.revoke().lease())
+        .zip(&g.digests)
+        .map(|(l, d)| (l.offset(), l.len(), hex(d)))
+        .collect();
+    let ev = OwnerEvent {
+        name: g.name.clone(),
+        peer: g.peer.clone(),
+        ranges,
+        message: g.message.clone(),
+        check: g.check.name().to_string(),
+        resent: g.core.resent(),
+        error: damage(bad, g.core.round()),
+    };
+    send_event(&g.exp, g.write, ev);
+}
+
+/// The error of an operation whose ranges `bad` did not match after
+/// `rounds` rounds of resends (none: it moved intact).
+pub(super) fn damage(bad: &[u32], rounds: u32) -> Option<ErrorBody> {
+    (!bad.is_empty()).then(|| ErrorBody {
         reason: ServiceReason::Integrity,
         message: format!(
             "ranges {bad:?} did not match their digests{}",
-            if g.core.round() > 0 {
-                format!(" after {} resends", g.core.round())
+            if rounds > 0 {
+                format!(" after {rounds} resends")
             } else {
                 String::new()
             }
         ),
-    });
-    let ev = OwnerEvent {
-        name: g.name.clone(),
-        peer: g.peer.clone(),
-        ranges: g
-            .ranges
-            .iter_mut()
-            .map(|r| r.revoke().lease())
-            .zip(&g.digests)
-            .map(|(l, d)| (l.offset(), l.len(), hex(d)))
-            .collect(),
-        message: g.message.clone(),
-        check: g.check.name().to_string(),
-        resent: g.core.resent(),
-        error,
-    };
-    let ev = if g.write {
+    })
+}
+
+/// Send `exp`'s owner the event of a peer's write (or read) `ev`.
+pub(super) fn send_event(exp: &Exposure, write: bool, ev: OwnerEvent) {
+    let ev = if write {
         Event::Written(ev)
     } else {
         Event::Read(ev)
     };
-    let _ = g
-        .exp
+    let _ = exp
         .events
         .send(serde_json::to_value(ev).expect("events serialize"));
 }

@@ -11,8 +11,13 @@
 //! - [`wire`]: the service protocol's frames (JSON, fds as SCM_RIGHTS);
 //! - [`service`]: one service connection: its buffers, exposures,
 //!   operations and events;
+//! - [`rpc`]: rcpd's `BufferGrant`, `BufferDone` and `BufferNotify`,
+//!   served by [`grant`] or [`standing`];
 //! - [`grant`]: the exposing side of an operation (`BufferGrant`,
 //!   `BufferDone`): a grant per operation, revoked at its end;
+//! - [`standing`]: the exposing side of standing grants (`grant:
+//!   standing`): an exposure granted whole to a peer's session once, its
+//!   operations told in batches (`BufferNotify`);
 //! - [`sessions`]: sessions to peer rcpds (one per peer and check, kept by
 //!   Copy's pool policy), their drivers and the tcp fallback;
 //! - [`peer`]: the initiating side of an operation: windows posted
@@ -28,9 +33,11 @@ pub mod client;
 pub mod faults;
 pub mod grant;
 pub mod peer;
+pub mod rpc;
 pub mod service;
 pub mod sessions;
 pub mod socket;
+pub mod standing;
 pub mod wire;
 
 use std::collections::HashMap;
@@ -83,6 +90,9 @@ pub struct Exposure {
     pub access: Rights,
     /// Empty: any peer rcpd.
     pub peers: Vec<IpAddr>,
+    /// Peers get a standing grant (the whole exposure, kept for their
+    /// session until the exposure goes) instead of one per operation.
+    pub standing: bool,
     /// The owner's events.
     pub events: UnboundedSender<Value>,
     /// What grants inside the exposure are made into where the memory is

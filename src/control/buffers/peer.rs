@@ -22,7 +22,7 @@ use super::grant::digests;
 use super::{Buffers, Failure};
 use crate::control::error::{status_reason, Reason};
 use crate::control::fallback::then_over_tcp;
-use crate::control::protocol::buffer::{self, OpCore, OpNext};
+use crate::control::protocol::buffer::{self, OpCore, OpNext, StandingCore, StandingNext};
 use crate::datapath::lend::RailRegs;
 use crate::engine::{Extent, OpKind, WindowJob};
 use crate::files::Check;
@@ -136,7 +136,13 @@ async fn attempt(
     if cancelled.load(Relaxed) {
         return Err(Failure::new(Reason::Other, "cancelled").into());
     }
-    let (link, reg, grant) = granted(bufs, op).await?;
+    let (link, reg, grant) = match granted(bufs, op).await? {
+        (link, reg, Grant::PerOp(g)) => (link, reg, g),
+        (link, reg, Grant::Standing(sg)) => {
+            let _using = Using(&link);
+            return standing(&link, op, reg, sg, local, cancelled).await;
+        }
+    };
     let _using = Using(&link);
     let sent = if op.write {
         digests(link.check, &local)
@@ -183,24 +189,8 @@ async fn attempt(
         }
         let (mine, resp) = g.finish_round(&mut landed, core.round()).await?;
         moving = match core.round_done(&mine, resp) {
-            Ok(OpNext::Done) => {
-                return Ok(Moved {
-                    bytes: op.descs.iter().map(|d| d.len).sum(),
-                    kind: link.kind,
-                    fell_back: link.fell_back.clone(),
-                })
-            }
-            Ok(OpNext::Damaged { bad, rounds }) => {
-                return Err(Failure::new(
-                    Reason::Integrity,
-                    format!(
-                        "peer {}: {}",
-                        op.peer,
-                        buffer::damaged_message(op.write, &bad, rounds)
-                    ),
-                )
-                .into())
-            }
+            Ok(OpNext::Done) => return Ok(moved(&link, op)),
+            Ok(OpNext::Damaged { bad, rounds }) => return Err(damaged(op, &bad, rounds)),
             Ok(OpNext::Again(again)) => g.again(landed, again, core.round()),
             Err(e) => {
                 g.fail(e.message.clone()).await;
@@ -261,9 +251,17 @@ fn lease_local(op: &OpSpec) -> Result<Vec<LeasedRange>, Failure> {
     Ok(local)
 }
 
+/// What an operation moves under.
+enum Grant {
+    /// A grant of its own.
+    PerOp(proto::BufferGrantResponse),
+    /// The session's standing grant of the exposure.
+    Standing(proto::StandingGrant),
+}
+
 /// The session an operation runs on, the buffer's registration in it and
 /// the peer's grant.
-type Granting = (Arc<PeerLink>, Arc<RailRegs>, proto::BufferGrantResponse);
+type Granting = (Arc<PeerLink>, Arc<RailRegs>, Grant);
 
 /// The session to the operation's peer, the buffer's registration in it
 /// and the peer's grant. A kept session the peer no longer holds (it
@@ -273,6 +271,15 @@ async fn granted(bufs: &Arc<Buffers>, op: &OpSpec) -> Result<Granting, Failure> 
     loop {
         let (link, new) = link(bufs, &op.peer, op.check).await?;
         let reg = link.registration(op.buffer_uid, &op.buffer)?;
+        let held = link
+            .standing
+            .lock()
+            .unwrap()
+            .get(&(op.name.clone(), op.write))
+            .cloned();
+        if let Some(sg) = held {
+            return Ok((link, reg, Grant::Standing(sg)));
+        }
         let node = bufs.node().to_string();
         match request_grant(&link, op, &node).await {
             Err(Refused::SessionGone(e)) if !new => {
@@ -280,7 +287,16 @@ async fn granted(bufs: &Arc<Buffers>, op: &OpSpec) -> Result<Granting, Failure> 
                 link.retire(format!("the peer gave up the session: {e}"));
             }
             Err(Refused::SessionGone(e) | Refused::Other(e)) => return Err(e),
-            Ok(g) => return Ok((link, reg, g)),
+            Ok(proto::BufferGrantResponse {
+                standing: Some(sg), ..
+            }) => {
+                link.standing
+                    .lock()
+                    .unwrap()
+                    .insert((op.name.clone(), op.write), sg.clone());
+                return Ok((link, reg, Grant::Standing(sg)));
+            }
+            Ok(g) => return Ok((link, reg, Grant::PerOp(g))),
         }
     }
 }
@@ -319,16 +335,10 @@ async fn request_grant(
             } else {
                 proto::BufferAccess::Read
             } as i32,
-            ranges: op
-                .descs
-                .iter()
-                .map(|d| proto::BufferRange {
-                    offset: d.remote,
-                    len: d.len,
-                })
-                .collect(),
+            ranges: remote_ranges(op),
             message: op.message.clone(),
             node: node.to_string(),
+            standing_ok: true,
         })
         .await
         .map_err(|s| {
@@ -342,6 +352,190 @@ async fn request_grant(
             }
         })?;
     Ok(grant)
+}
+
+/// [`attempt`] under the session's standing grant `sg` of the exposure:
+/// post every range where the grant places it, then one notice; the
+/// ranges the peer found bad move again (the grant stands), as many rounds
+/// as its bound allows. What each answer means is [`StandingCore`]'s.
+async fn standing(
+    link: &Arc<PeerLink>,
+    op: &OpSpec,
+    reg: Arc<RailRegs>,
+    sg: proto::StandingGrant,
+    local: Vec<LeasedRange>,
+    cancelled: &AtomicBool,
+) -> Result<Moved, Attempt> {
+    let place = placing(op, &sg)?;
+    let check = link.check;
+    let mut digests = if op.write {
+        digests(check, &local)
+    } else {
+        vec![Vec::new(); if check.is_none() { 0 } else { local.len() }]
+    };
+    let mut core = StandingCore::new(op.descs.len() as u32, link.max_retries);
+    let g = GrantedOp {
+        link,
+        op,
+        reg,
+        id: sg.id,
+        want: Vec::new(),
+        sent: Vec::new(),
+        posted: Mutex::new(Vec::new()),
+    };
+    // The grant is gone with the exposure: the next operation asks anew.
+    let forget = || {
+        let key = (op.name.clone(), op.write);
+        link.standing.lock().unwrap().remove(&key);
+    };
+    let mut moving: Vec<Moving> = local
+        .into_iter()
+        .enumerate()
+        .map(|(i, r)| (i as u32, r, place(i as u32)))
+        .collect();
+    loop {
+        let landed = g.post(moving).await.map_err(|why| {
+            forget();
+            g.post_failed(why)
+        })?;
+        if cancelled.load(Relaxed) {
+            return Err(Failure::new(Reason::Other, "cancelled").into());
+        }
+        if !op.write && !check.is_none() {
+            // What landed, hashed on the pool; the peer compares.
+            let ds = crate::control::in_place(|| {
+                crate::files::digest::on_pool(&landed, |(_, r)| {
+                    r.with(|b| check.wire(&check.block(b)))
+                })
+            });
+            for ((i, _), d) in landed.iter().zip(ds) {
+                digests[*i as usize] = d;
+            }
+        }
+        let notice = notice(op, sg.id, &digests, &core);
+        let result = tell(link, notice).await?;
+        moving = match core.answered(&result) {
+            Ok(StandingNext::Done) => return Ok(moved(link, op)),
+            Ok(StandingNext::Damaged { bad, rounds }) => return Err(damaged(op, &bad, rounds)),
+            Ok(StandingNext::Again(bad)) => landed
+                .into_iter()
+                .filter(|(i, _)| bad.contains(i))
+                .map(|(i, r)| (i, r, place(i)))
+                .collect(),
+            Err(e) => {
+                if e.reason == Reason::FileNotFound {
+                    forget();
+                }
+                let m = format!("peer {}: {}", op.peer, e.message);
+                return Err(Failure::new(e.reason, m).into());
+            }
+        };
+    }
+}
+
+/// Where standing grant `sg` places each of the operation's ranges (by
+/// index); refused when one lies outside the exposure (the peer's device
+/// would refuse its request, and so fail the session for every operation
+/// on it).
+fn placing<'a>(
+    op: &'a OpSpec,
+    sg: &proto::StandingGrant,
+) -> Result<impl Fn(u32) -> proto::GrantedRange + 'a, Failure> {
+    let at = sg.range.clone().ok_or_else(|| {
+        Failure::new(
+            Reason::Protocol,
+            format!(
+                "peer {} broke the protocol: a standing grant with no range",
+                op.peer
+            ),
+        )
+    })?;
+    let (lo, hi) = (sg.offset, sg.offset.saturating_add(sg.len));
+    let outside = |d: &&Desc| d.remote < lo || d.remote.checked_add(d.len).is_none_or(|e| e > hi);
+    if let Some(d) = op.descs.iter().find(outside) {
+        return Err(Failure::new(
+            Reason::Invalid,
+            format!(
+                "peer {}: range [{}, {}) is outside the exposed [{lo}, {hi}) of {:?}",
+                op.peer,
+                d.remote,
+                d.remote.saturating_add(d.len),
+                op.name
+            ),
+        ));
+    }
+    Ok(move |i: u32| proto::GrantedRange {
+        addr: at.addr + (op.descs[i as usize].remote - lo),
+        ..at.clone()
+    })
+}
+
+/// The notice of the operation's round now under standing grant `id`.
+fn notice(op: &OpSpec, id: u64, digests: &[Vec<u8>], core: &StandingCore) -> proto::BufferNotice {
+    proto::BufferNotice {
+        standing: id,
+        ranges: remote_ranges(op),
+        digests: digests.to_vec(),
+        message: op.message.clone(),
+        round: core.round(),
+        resent: core.resent(),
+    }
+}
+
+/// Tell the peer of `n` (one `BufferNotify`); its result.
+async fn tell(
+    link: &PeerLink,
+    n: proto::BufferNotice,
+) -> Result<proto::BufferNoticeResult, Failure> {
+    let peer = &link.key.0;
+    let resp = link
+        .client
+        .buffer_notify(proto::BufferNotifyRequest {
+            session_id: link.session_id,
+            ops: vec![n],
+            node: String::new(),
+        })
+        .await
+        .map_err(|s| peer_error(peer, &s))?;
+    resp.results.into_iter().next().ok_or_else(|| {
+        Failure::new(
+            Reason::Protocol,
+            format!("peer {peer} broke the protocol: BufferNotify: no result"),
+        )
+    })
+}
+
+/// The operation's ranges in the peer's buffer.
+fn remote_ranges(op: &OpSpec) -> Vec<proto::BufferRange> {
+    op.descs
+        .iter()
+        .map(|d| proto::BufferRange {
+            offset: d.remote,
+            len: d.len,
+        })
+        .collect()
+}
+
+/// What an operation on `link` that moved every range did.
+fn moved(link: &PeerLink, op: &OpSpec) -> Moved {
+    Moved {
+        bytes: op.descs.iter().map(|d| d.len).sum(),
+        kind: link.kind,
+        fell_back: link.fell_back.clone(),
+    }
+}
+
+/// An operation whose ranges `bad` still did not match after `rounds`.
+fn damaged(op: &OpSpec, bad: &[u32], rounds: u32) -> Attempt {
+    Failure::new(
+        Reason::Integrity,
+        format!(
+            "peer {}: {}",
+            op.peer,
+            buffer::damaged_message(op.write, bad, rounds)
+        ),
+    )
+    .into()
 }
 
 /// An operation the peer granted.

@@ -225,7 +225,10 @@ impl Conn {
                 let mut ex = self.bufs.exposures.lock().unwrap();
                 match ex.get(&name) {
                     Some(e) if e.owner == self.id => {
-                        ex.remove(&name);
+                        let gone = ex.remove(&name).expect("looked up above");
+                        drop(ex);
+                        let n = self.bufs.grants.revoke_standing(&gone);
+                        tracing::info!(conn = self.id, name = %crate::escape::esc(&name), standing_revoked = n, "buffer withdrawn");
                         Ok(json!({}))
                     }
                     _ => Err(Failure::new(
@@ -411,6 +414,11 @@ impl Conn {
                 .map_err(|_| bad(format!("peers: {s:?} is not an IP address")))?;
             peers.push(super::grant::canonical(ip));
         }
+        let standing = match x.grant.as_deref() {
+            None | Some("per-op") => false,
+            Some("standing") => true,
+            Some(g) => return Err(bad(format!("grant {g:?}: per-op or standing"))),
+        };
         let mut ex = self.bufs.exposures.lock().unwrap();
         if let Some(e) = ex.get(name) {
             if e.owner != self.id {
@@ -420,7 +428,7 @@ impl Conn {
                 ));
             }
         }
-        ex.insert(
+        let replaced = ex.insert(
             name.to_string(),
             Arc::new(Exposure {
                 owner: self.id,
@@ -429,11 +437,15 @@ impl Conn {
                 len,
                 access,
                 peers,
+                standing,
                 events: self.out.clone(),
                 bases: Default::default(),
             }),
         );
-        tracing::info!(conn = self.id, name = %crate::escape::esc(name), offset, len, ?access, "buffer exposed");
+        drop(ex);
+        // What peers held of the exposure it replaces goes with it.
+        let revoked = replaced.map_or(0, |old| self.bufs.grants.revoke_standing(&old));
+        tracing::info!(conn = self.id, name = %crate::escape::esc(name), offset, len, ?access, standing, standing_revoked = revoked, "buffer exposed");
         Ok(json!({}))
     }
 

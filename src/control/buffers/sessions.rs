@@ -176,6 +176,9 @@ pub struct PeerLink {
     /// Changes (its sender drops) once the lending path has closed.
     pub(super) closed: watch::Receiver<()>,
     pub(super) regs: Mutex<HashMap<u64, Arc<RailRegs>>>,
+    /// Standing grants the peer gave this session, by (exposure name,
+    /// write): operations into them need no grant each.
+    pub(super) standing: Mutex<HashMap<(String, bool), crate::proto::StandingGrant>>,
     pub(super) waiters: Mutex<HashMap<u64, Waiter>>,
     pub(super) next: AtomicU64,
     pub(super) dead: Mutex<Option<String>>,
@@ -376,6 +379,7 @@ pub(super) async fn link(
         }),
         closed,
         regs: Mutex::new(HashMap::new()),
+        standing: Mutex::new(HashMap::new()),
         waiters: Mutex::new(HashMap::new()),
         next: AtomicU64::new(0),
         dead: Mutex::new(None),

@@ -585,6 +585,14 @@ impl Client {
     ) -> std::result::Result<proto::BufferDoneResponse, tonic::Status> {
         Ok(self.rpc.clone().buffer_done(req).await?.into_inner())
     }
+
+    /// Buffers: tell operations moved under standing grants.
+    pub async fn buffer_notify(
+        &self,
+        req: proto::BufferNotifyRequest,
+    ) -> std::result::Result<proto::BufferNotifyResponse, tonic::Status> {
+        Ok(self.rpc.clone().buffer_notify(req).await?.into_inner())
+    }
 }
 
 #[cfg(test)]

@@ -440,11 +440,130 @@ impl OpCore {
     /// reads after the peer's name.)
     fn broke(&mut self, what: &str, why: String) -> Failure {
         self.over = true;
-        Failure::new(
-            Reason::Protocol,
-            format!("broke the protocol: {what}: {why}"),
-        )
+        broken(what, why)
     }
+}
+
+/// What the initiator does after a standing operation's notice.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StandingNext {
+    /// Every range moved and matched; the owner was told.
+    Done,
+    /// Move these ranges again (the grant stands) and notify the next
+    /// round.
+    Again(Vec<RangeIdx>),
+    /// These ranges still did not match after `rounds` rounds of resends;
+    /// the owner was told it failed.
+    Damaged { bad: Vec<RangeIdx>, rounds: u32 },
+}
+
+/// The initiating side of one operation under a standing grant
+/// (`BufferGrantResponse.standing`): its ranges move without a grant each,
+/// then a `BufferNotice` tells the exposer, whose answer says which did not
+/// match and whether it told the owner (ended). The checks of the answer
+/// ([`StandingCore::answered`]): bad ranges are among those that moved in
+/// the round, each once; a peer that leaves the operation open past the
+/// bound it announced (`max_retries`), or with nothing bad, broke the
+/// protocol.
+#[derive(Clone, Debug)]
+pub struct StandingCore {
+    max_retries: u32,
+    round: u32,
+    resent: u32,
+    moving: Vec<RangeIdx>,
+    over: bool,
+}
+
+impl StandingCore {
+    /// An operation of `ranges` ranges on a session whose peer retries at
+    /// most `max_retries` rounds.
+    pub fn new(ranges: u32, max_retries: u32) -> StandingCore {
+        StandingCore {
+            max_retries,
+            round: 0,
+            resent: 0,
+            moving: (0..ranges).collect(),
+            over: false,
+        }
+    }
+
+    /// The round now (0: the first), as the notice names it.
+    pub fn round(&self) -> u32 {
+        self.round
+    }
+
+    /// Ranges moved again before this round (the notice's `resent`).
+    pub fn resent(&self) -> u32 {
+        self.resent
+    }
+
+    /// The ranges moving in this round.
+    pub fn moving(&self) -> &[RangeIdx] {
+        &self.moving
+    }
+
+    /// The exposer's answer to the round's notice.
+    pub fn answered(&mut self, r: &proto::BufferNoticeResult) -> Result<StandingNext, Failure> {
+        if self.over {
+            return Err(self.broke("an answer after the operation's end".into()));
+        }
+        if !r.error.is_empty() {
+            self.over = true;
+            let reason = Reason::try_from(r.reason).unwrap_or(Reason::Other);
+            return Err(Failure::new(reason, r.error.clone()));
+        }
+        let mut bad = r.bad.clone();
+        bad.sort_unstable();
+        bad.dedup();
+        if bad.len() != r.bad.len() {
+            return Err(self.broke("a range bad twice in one answer".into()));
+        }
+        if let Some(i) = bad.iter().find(|i| !self.moving.contains(i)) {
+            return Err(self.broke(format!(
+                "range {i} is bad but was not moving in round {}",
+                self.round
+            )));
+        }
+        if bad.is_empty() {
+            if !r.ended {
+                return Err(self.broke("nothing bad, yet the operation goes on".into()));
+            }
+            self.over = true;
+            return Ok(StandingNext::Done);
+        }
+        if r.ended {
+            self.over = true;
+            return Ok(StandingNext::Damaged {
+                bad,
+                rounds: self.round,
+            });
+        }
+        if self.round >= self.max_retries {
+            return Err(self.broke(format!(
+                "round {} is past the retry bound {}",
+                self.round + 1,
+                self.max_retries
+            )));
+        }
+        self.round += 1;
+        self.resent += bad.len() as u32;
+        self.moving = bad.clone();
+        Ok(StandingNext::Again(bad))
+    }
+
+    fn broke(&mut self, why: String) -> Failure {
+        self.over = true;
+        broken("BufferNotify", why)
+    }
+}
+
+/// The peer broke the protocol in its answer to `what`: why. (The message
+/// reads after the peer's name.)
+fn broken(what: &str, why: String) -> Failure {
+    Failure::new(
+        Reason::Protocol,
+        format!("broke the protocol: {what}: {why}"),
+    )
 }
 
 /// The message of a damaged operation's end.

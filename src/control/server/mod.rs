@@ -113,6 +113,14 @@ pub trait BufferGrants: Send + Sync {
         session_id: u64,
         req: proto::BufferDoneRequest,
     ) -> std::result::Result<proto::BufferDoneResponse, Status>;
+    /// Operations the client moved under standing grants: check each and
+    /// tell its owner.
+    fn notify(
+        &self,
+        session: Option<&SessionState>,
+        session_id: u64,
+        req: proto::BufferNotifyRequest,
+    ) -> std::result::Result<proto::BufferNotifyResponse, Status>;
     /// Session `id` closed (by its client or as unused): what was granted
     /// to it goes.
     fn session_closed(&self, id: u64);
@@ -497,18 +505,20 @@ impl proto::rcp_server::Rcp for RcpService {
         &self,
         req: Request<proto::BufferDoneRequest>,
     ) -> std::result::Result<Response<proto::BufferDoneResponse>, Status> {
-        let Some(b) = self.0.buffers.clone() else {
-            return Err(Status::unimplemented("this rcpd does not grant buffers"));
-        };
-        let client = ClientId::of(&req);
-        let req = req.into_inner();
-        let id = req.session_id;
+        let id = req.get_ref().session_id;
         // The session (while open) grants damaged ranges again.
-        let session = self.0.session_if_open(id, client)?;
-        if let Some(s) = &session {
-            *s.last_used.lock().unwrap() = std::time::Instant::now();
-        }
-        let r = b.done(session.as_deref(), id, req)?;
+        let (b, session) = self.0.buffer_call(&req, id)?;
+        let r = b.done(session.as_deref(), id, req.into_inner())?;
+        Ok(Response::new(r))
+    }
+
+    async fn buffer_notify(
+        &self,
+        req: Request<proto::BufferNotifyRequest>,
+    ) -> std::result::Result<Response<proto::BufferNotifyResponse>, Status> {
+        let id = req.get_ref().session_id;
+        let (b, session) = self.0.buffer_call(&req, id)?;
+        let r = b.notify(session.as_deref(), id, req.into_inner())?;
         Ok(Response::new(r))
     }
 

@@ -123,6 +123,10 @@ pub(super) fn unknown_session(id: u64) -> ControlError {
     ))
 }
 
+/// [`Service::buffer_call`]'s: the buffers' service and the session while
+/// it is open.
+pub(super) type BufferCall = (Arc<dyn super::BufferGrants>, Option<Arc<SessionState>>);
+
 impl Service {
     /// Session `id`, for the client that opened it: to any other client
     /// it does not exist (a client with the token is trusted with its own
@@ -130,6 +134,26 @@ impl Service {
     pub(super) fn session(&self, id: u64, client: ClientId) -> Result<Arc<SessionState>> {
         self.session_if_open(id, client)?
             .ok_or_else(|| unknown_session(id))
+    }
+
+    /// For a buffer call about session `id` of `req`'s client: the
+    /// buffers' service (an rcpd without it answers UNIMPLEMENTED) and the
+    /// session while it is open, its idle time started again.
+    pub(super) fn buffer_call<T>(
+        &self,
+        req: &tonic::Request<T>,
+        id: u64,
+    ) -> std::result::Result<BufferCall, tonic::Status> {
+        let Some(b) = self.buffers.clone() else {
+            return Err(tonic::Status::unimplemented(
+                "this rcpd does not grant buffers",
+            ));
+        };
+        let session = self.session_if_open(id, ClientId::of(req))?;
+        if let Some(s) = &session {
+            *s.last_used.lock().unwrap() = std::time::Instant::now();
+        }
+        Ok((b, session))
     }
 
     /// Session `id` if it is still open (`None` once closed), refused as

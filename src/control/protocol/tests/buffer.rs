@@ -24,6 +24,7 @@ fn grant(n: usize) -> proto::BufferGrantResponse {
         grant: 1,
         ranges: (0..n as u32).map(|k| range(k + 1, &[])).collect(),
         digests: Vec::new(),
+        standing: None,
     }
 }
 
@@ -428,6 +429,7 @@ impl BufSim {
                     grant: id,
                     ranges,
                     digests,
+                    standing: None,
                 });
                 self.send(Rpc::GrantAnswer { op, seq, r });
             }
@@ -771,4 +773,86 @@ proptest! {
         s.run();
         s.check();
     }
+}
+
+fn notice(bad: &[u32], ended: bool) -> proto::BufferNoticeResult {
+    proto::BufferNoticeResult {
+        bad: bad.to_vec(),
+        ended,
+        ..Default::default()
+    }
+}
+
+/// A standing operation: done when the exposer found nothing bad; bad
+/// ranges move again, counted as resent, until the exposer ends it
+/// (damaged) within its bound.
+#[test]
+fn a_standing_operation_moves_bad_ranges_again_until_the_exposer_ends_it() {
+    let mut op = StandingCore::new(3, 2);
+    assert_eq!(op.moving(), &[0, 1, 2]);
+    assert_eq!(op.answered(&notice(&[], true)).unwrap(), StandingNext::Done);
+
+    let mut op = StandingCore::new(3, 2);
+    assert_eq!(
+        op.answered(&notice(&[2, 0], false)).unwrap(),
+        StandingNext::Again(vec![0, 2])
+    );
+    assert_eq!(
+        (op.round(), op.resent(), op.moving()),
+        (1, 2, &[0u32, 2][..])
+    );
+    assert_eq!(
+        op.answered(&notice(&[2], false)).unwrap(),
+        StandingNext::Again(vec![2])
+    );
+    assert_eq!(
+        op.answered(&notice(&[2], true)).unwrap(),
+        StandingNext::Damaged {
+            bad: vec![2],
+            rounds: 2
+        }
+    );
+    // Over: a repeated answer is refused.
+    let e = op.answered(&notice(&[], true)).unwrap_err();
+    assert_eq!(e.reason, Reason::Protocol);
+}
+
+/// The exposer's answers are checked: a range bad that was not moving,
+/// twice in one answer, an operation left open with nothing bad or past
+/// the bound are protocol errors; a refusal is its reason.
+#[test]
+fn a_standing_operation_refuses_answers_outside_the_protocol() {
+    let mut op = StandingCore::new(2, 3);
+    op.answered(&notice(&[1], false)).unwrap();
+    let e = op.answered(&notice(&[0], false)).unwrap_err();
+    assert!(
+        e.message.contains("range 0 is bad but was not moving"),
+        "{e}"
+    );
+
+    let e = StandingCore::new(2, 3)
+        .answered(&notice(&[1, 1], false))
+        .unwrap_err();
+    assert!(e.message.contains("bad twice"), "{e}");
+
+    let e = StandingCore::new(2, 3)
+        .answered(&notice(&[], false))
+        .unwrap_err();
+    assert!(e.message.contains("goes on"), "{e}");
+
+    let mut op = StandingCore::new(1, 1);
+    op.answered(&notice(&[0], false)).unwrap();
+    let e = op.answered(&notice(&[0], false)).unwrap_err();
+    assert_eq!(e.reason, Reason::Protocol);
+    assert!(e.message.contains("past the retry bound 1"), "{e}");
+
+    let e = StandingCore::new(1, 3)
+        .answered(&proto::BufferNoticeResult {
+            error: "no standing grant 7 on this session".into(),
+            reason: Reason::FileNotFound as i32,
+            ..Default::default()
+        })
+        .unwrap_err();
+    assert_eq!(e.reason, Reason::FileNotFound);
+    assert!(e.message.contains("no standing grant 7"), "{e}");
 }
