@@ -1233,8 +1233,13 @@ async fn standing_grants_serve_many_operations_until_their_exposure_goes() {
     const OPS: u64 = 32;
     const LEN: u64 = 4096;
     let dir = tempfile::tempdir().unwrap();
-    let (d, sock) = start_rcpd(dir.path()).await;
-    let addr = d.addr.clone();
+    let root = dir.path().join("root");
+    std::fs::create_dir(&root).unwrap();
+    let sock = dir.path().join("rcpd.sock");
+    let mut cfg = config(&root, &sock);
+    cfg.metrics_listen = Some("127.0.0.1:0".parse().unwrap());
+    let d = Daemon::start(cfg).await;
+    let (addr, metrics) = (d.addr.clone(), d.bound.metrics.unwrap());
     peer_log(&addr);
     let owner = ServiceClient::connect(Some(&sock), None).await.unwrap();
     let dst = owner.create_buffer(OPS * LEN).await.unwrap();
@@ -1298,8 +1303,19 @@ async fn standing_grants_serve_many_operations_until_their_exposure_goes() {
     assert!(src.local.read_at(OPS * LEN, &mut back));
     assert!(back == data, "the reads landed the same bytes");
     assert_eq!(next_event(&owner).await["event"], "read");
-    // One grant per access for all of them.
+    // One grant per access for all of them, and every operation told
+    // (in batches: as many calls at most).
     assert_eq!(peer_said(&addr, "standing grant"), 2);
+    let m = scrape(metrics);
+    let counter = |name: &str| -> u64 {
+        m.lines()
+            .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{name} in {m}"))
+    };
+    assert_eq!(counter("rcpd_buffer_standing_grants_total "), 2);
+    assert_eq!(counter("rcpd_buffer_notices_total "), 3 * OPS);
+    let calls = counter("rcpd_buffer_notify_calls_total ");
+    assert!((1..=3 * OPS).contains(&calls), "{calls} calls");
 
     // Withdrawn: the next write fails, naming the exposure, and the
     // owner's bytes stay as they were.

@@ -183,6 +183,11 @@ pub struct Metrics {
     copy_sessions_reused: Counter,
     copy_sessions_expired: Counter,
     copy_sessions_warm: Gauge,
+    /// Buffers under standing grants: grants made, `BufferNotify` calls
+    /// served and the operations they told.
+    buffer_standing_grants: Counter,
+    buffer_notify_calls: Counter,
+    buffer_notices: Counter,
     /// `rcp_rail_*_total`, in the order of [`RAIL_COUNTERS`].
     rail_counters: Vec<Family<Labels, Counter>>,
     /// `rcp_rail_up`: 1 while the rail carries chains, 0 otherwise.
@@ -230,6 +235,9 @@ impl Metrics {
             copy_sessions_reused: Counter::default(),
             copy_sessions_expired: Counter::default(),
             copy_sessions_warm: Gauge::default(),
+            buffer_standing_grants: Counter::default(),
+            buffer_notify_calls: Counter::default(),
+            buffer_notices: Counter::default(),
             rail_counters: RAIL_COUNTERS.iter().map(|_| Family::default()).collect(),
             rail_up: Family::default(),
             tracked: Mutex::new(Vec::new()),
@@ -379,6 +387,21 @@ impl Metrics {
             "Idle sessions the Copy API keeps warm to other rcpds",
             m.copy_sessions_warm.clone(),
         );
+        d.register(
+            "buffer_standing_grants",
+            "Standing grants made to peers' sessions (an exposure granted whole, once)",
+            m.buffer_standing_grants.clone(),
+        );
+        d.register(
+            "buffer_notify_calls",
+            "BufferNotify calls served (each tells a batch of operations under standing grants)",
+            m.buffer_notify_calls.clone(),
+        );
+        d.register(
+            "buffer_notices",
+            "Operations under standing grants told by BufferNotify",
+            m.buffer_notices.clone(),
+        );
     }
 
     /// Follow a data path's live counters under `device`/`qp` labels until
@@ -473,6 +496,17 @@ impl Metrics {
     /// The Copy API served a call over a warm session.
     pub fn copy_session_reused(&self) {
         self.copy_sessions_reused.inc();
+    }
+
+    /// A standing grant was made to a peer's session.
+    pub fn buffer_standing_grant(&self) {
+        self.buffer_standing_grants.inc();
+    }
+
+    /// A `BufferNotify` of `notices` operations was served.
+    pub fn buffer_notify(&self, notices: usize) {
+        self.buffer_notify_calls.inc();
+        self.buffer_notices.inc_by(notices as u64);
     }
 
     /// The Copy API closed `n` warm sessions left unused for the idle time.

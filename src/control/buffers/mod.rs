@@ -18,6 +18,8 @@
 //! - [`standing`]: the exposing side of standing grants (`grant:
 //!   standing`): an exposure granted whole to a peer's session once, its
 //!   operations told in batches (`BufferNotify`);
+//! - [`notices`]: the initiating side's notices of operations under
+//!   standing grants, batched per session;
 //! - [`sessions`]: sessions to peer rcpds (one per peer and check, kept by
 //!   Copy's pool policy), their drivers and the tcp fallback;
 //! - [`peer`]: the initiating side of an operation: windows posted
@@ -32,6 +34,7 @@ pub mod api;
 pub mod client;
 pub mod faults;
 pub mod grant;
+pub mod notices;
 pub mod peer;
 pub mod rpc;
 pub mod service;

@@ -413,7 +413,7 @@ async fn standing(
             }
         }
         let notice = notice(op, sg.id, &digests, &core);
-        let result = tell(link, notice).await?;
+        let result = link.notices.notify(notice).await?;
         moving = match core.answered(&result) {
             Ok(StandingNext::Done) => return Ok(moved(link, op)),
             Ok(StandingNext::Damaged { bad, rounds }) => return Err(damaged(op, &bad, rounds)),
@@ -480,29 +480,6 @@ fn notice(op: &OpSpec, id: u64, digests: &[Vec<u8>], core: &StandingCore) -> pro
         round: core.round(),
         resent: core.resent(),
     }
-}
-
-/// Tell the peer of `n` (one `BufferNotify`); its result.
-async fn tell(
-    link: &PeerLink,
-    n: proto::BufferNotice,
-) -> Result<proto::BufferNoticeResult, Failure> {
-    let peer = &link.key.0;
-    let resp = link
-        .client
-        .buffer_notify(proto::BufferNotifyRequest {
-            session_id: link.session_id,
-            ops: vec![n],
-            node: String::new(),
-        })
-        .await
-        .map_err(|s| peer_error(peer, &s))?;
-    resp.results.into_iter().next().ok_or_else(|| {
-        Failure::new(
-            Reason::Protocol,
-            format!("peer {peer} broke the protocol: BufferNotify: no result"),
-        )
-    })
 }
 
 /// The operation's ranges in the peer's buffer.

@@ -179,6 +179,8 @@ pub struct PeerLink {
     /// Standing grants the peer gave this session, by (exposure name,
     /// write): operations into them need no grant each.
     pub(super) standing: Mutex<HashMap<(String, bool), crate::proto::StandingGrant>>,
+    /// Their operations' notices, batched.
+    pub(super) notices: Arc<super::notices::Notices>,
     pub(super) waiters: Mutex<HashMap<u64, Waiter>>,
     pub(super) next: AtomicU64,
     pub(super) dead: Mutex<Option<String>>,
@@ -355,6 +357,7 @@ pub(super) async fn link(
         .take_data_path()
         .ok_or_else(|| Failure::new(Reason::Other, "the session has no data path"))?;
     let (closed_tx, closed) = watch::channel(());
+    let notices = super::notices::Notices::new(client.clone(), session.id(), peer.to_string());
     let o = client.options();
     let l = Arc::new(PeerLink {
         key: key.clone(),
@@ -380,6 +383,7 @@ pub(super) async fn link(
         closed,
         regs: Mutex::new(HashMap::new()),
         standing: Mutex::new(HashMap::new()),
+        notices,
         waiters: Mutex::new(HashMap::new()),
         next: AtomicU64::new(0),
         dead: Mutex::new(None),

@@ -78,6 +78,9 @@ pub(super) fn grant(
                 ));
             }
             if new {
+                if let Some(m) = &bufs.client_options().metrics {
+                    m.buffer_standing_grant();
+                }
                 tracing::info!(grant = id, name = %crate::escape::esc(name), peer = %crate::escape::esc(&peer_named), session = format_args!("{session_id:#x}"), write, "standing grant");
             }
             (id, range)
@@ -186,6 +189,9 @@ pub fn notify(
             "the session is closed: its standing grants were revoked",
         ));
     };
+    if let Some(m) = &bufs.client_options().metrics {
+        m.buffer_notify(req.ops.len());
+    }
     let (check, max_retries) = (session.params.check, session.params.max_retries);
     let checked: Vec<Result<Checked, proto::BufferNoticeResult>> = req
         .ops

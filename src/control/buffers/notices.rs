@@ -1,0 +1,125 @@
+//! Notices of operations under standing grants, batched per session: at
+//! most one `BufferNotify` of a session is in flight; the notices of the
+//! operations that end their moves meanwhile queue, and go together in the
+//! next call as soon as it returns. A lone operation's notice leaves at
+//! once (nothing waits for company); 64 operations in flight share a few
+//! calls instead of 64. Each operation gets its own notice's result.
+
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::oneshot;
+
+use super::standing::MAX_NOTICES;
+use super::Failure;
+use crate::control::client::Client;
+use crate::control::error::{status_reason, Reason};
+use crate::proto;
+
+type Reply = oneshot::Sender<Result<proto::BufferNoticeResult, Failure>>;
+
+/// A session's queue of notices (one per session to a peer).
+pub struct Notices {
+    client: Client,
+    session_id: u64,
+    /// The peer, for errors.
+    peer: String,
+    q: Mutex<Queue>,
+}
+
+#[derive(Default)]
+struct Queue {
+    /// A call is in flight (its task sends the queue next).
+    busy: bool,
+    waiting: Vec<(proto::BufferNotice, Reply)>,
+}
+
+impl Notices {
+    /// The notices of session `session_id` to `peer`, over `client`.
+    pub fn new(client: Client, session_id: u64, peer: String) -> Arc<Notices> {
+        Arc::new(Notices {
+            client,
+            session_id,
+            peer,
+            q: Mutex::default(),
+        })
+    }
+
+    /// Tell the peer of `n` (with whatever else is queued); its result.
+    pub async fn notify(
+        self: &Arc<Self>,
+        n: proto::BufferNotice,
+    ) -> Result<proto::BufferNoticeResult, Failure> {
+        let (tx, rx) = oneshot::channel();
+        let lead = {
+            let mut q = self.q.lock().unwrap();
+            q.waiting.push((n, tx));
+            !std::mem::replace(&mut q.busy, true)
+        };
+        if lead {
+            // Its own task: an operation that goes away does not strand
+            // the others' notices.
+            tokio::spawn(self.clone().send_queued());
+        }
+        rx.await.unwrap_or_else(|_| {
+            Err(Failure::new(
+                Reason::Retryable,
+                "the session's notices were dropped",
+            ))
+        })
+    }
+
+    /// Send what is queued, call after call, until the queue is empty.
+    async fn send_queued(self: Arc<Self>) {
+        loop {
+            let batch: Vec<(proto::BufferNotice, Reply)> = {
+                let mut q = self.q.lock().unwrap();
+                if q.waiting.is_empty() {
+                    q.busy = false;
+                    return;
+                }
+                let n = q.waiting.len().min(MAX_NOTICES);
+                q.waiting.drain(..n).collect()
+            };
+            let (ops, replies): (Vec<_>, Vec<_>) = batch.into_iter().unzip();
+            let sent = ops.len();
+            let r = self
+                .client
+                .buffer_notify(proto::BufferNotifyRequest {
+                    session_id: self.session_id,
+                    ops,
+                    node: String::new(),
+                })
+                .await;
+            let peer = &self.peer;
+            let results = match r {
+                Ok(resp) if resp.results.len() == sent => resp.results,
+                Ok(resp) => {
+                    let e = Failure::new(
+                        Reason::Protocol,
+                        format!(
+                            "peer {peer} broke the protocol: BufferNotify: {} results for \
+                             {sent} notices",
+                            resp.results.len()
+                        ),
+                    );
+                    fail_all(replies, e);
+                    continue;
+                }
+                Err(s) => {
+                    let m = format!("peer {peer}: {}", s.message());
+                    fail_all(replies, Failure::new(status_reason(&s), m));
+                    continue;
+                }
+            };
+            for (tx, res) in replies.into_iter().zip(results) {
+                let _ = tx.send(Ok(res));
+            }
+        }
+    }
+}
+
+fn fail_all(replies: Vec<Reply>, e: Failure) {
+    for tx in replies {
+        let _ = tx.send(Err(e.clone()));
+    }
+}
