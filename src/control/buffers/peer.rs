@@ -71,6 +71,13 @@ enum Attempt {
         why: String,
         closed: watch::Receiver<()>,
     },
+    /// The session's standing grant it moved under was revoked (its
+    /// exposure withdrawn, replaced or its owner gone) before the peer
+    /// checked it: it runs again, whole, asking for a grant anew (which
+    /// says whether the name is exposed now).
+    Revoked {
+        why: String,
+    },
 }
 
 impl From<Failure> for Attempt {
@@ -92,22 +99,26 @@ pub async fn run(
     if op.descs.is_empty() {
         return Err(Failure::new(Reason::Invalid, "no descriptors"));
     }
-    let (why, mut closed, tcp) = match attempt(bufs, op, cancelled).await {
+    let (why, closed, tcp) = match attempt(bufs, op, cancelled).await {
         Ok(m) => return Ok(m),
         Err(Attempt::Failed(e)) => return Err(e),
-        Err(Attempt::GaveUp { why, closed }) => (why, closed, true),
-        Err(Attempt::Bystander { why, closed }) => (why, closed, false),
+        Err(Attempt::GaveUp { why, closed }) => (why, Some(closed), true),
+        Err(Attempt::Bystander { why, closed }) => (why, Some(closed), false),
+        Err(Attempt::Revoked { why }) => (why, None, false),
     };
-    let then = if tcp {
-        "over the tcp provider"
-    } else {
-        "on a new session"
+    let then = match (tcp, &closed) {
+        (true, _) => "over the tcp provider",
+        (false, Some(_)) => "on a new session",
+        (false, None) => "with a grant asked anew",
     };
     tracing::info!(peer = %crate::escape::esc(&op.peer), name = %crate::escape::esc(&op.name), "buffer operation moves again {then}: {why}");
     // Bounded: a data path that cannot close keeps a read's ranges, and
     // the attempt over tcp then fails naming them busy.
-    let timeout = bufs.client_options().timeout;
-    let _ = tokio::time::timeout(timeout, async { while closed.changed().await.is_ok() {} }).await;
+    if let Some(mut closed) = closed {
+        let timeout = bufs.client_options().timeout;
+        let _ =
+            tokio::time::timeout(timeout, async { while closed.changed().await.is_ok() {} }).await;
+    }
     let after = |e: Failure| {
         let m = if tcp {
             then_over_tcp(&why, &e.message)
@@ -119,9 +130,11 @@ pub async fn run(
     match attempt(bufs, op, cancelled).await {
         Ok(m) => Ok(m),
         Err(Attempt::Failed(e)) => Err(after(e)),
-        Err(Attempt::GaveUp { why: again, .. } | Attempt::Bystander { why: again, .. }) => {
-            Err(after(Failure::new(Reason::Retryable, again)))
-        }
+        Err(
+            Attempt::GaveUp { why: again, .. }
+            | Attempt::Bystander { why: again, .. }
+            | Attempt::Revoked { why: again },
+        ) => Err(after(Failure::new(Reason::Retryable, again))),
     }
 }
 
@@ -396,7 +409,15 @@ async fn standing(
     loop {
         let landed = g.post(moving).await.map_err(|why| {
             forget();
-            g.post_failed(why)
+            match g.post_failed(why) {
+                // The peer refused this operation's request: the grant is
+                // gone, which says nothing yet of the name now.
+                Attempt::Failed(e) if e.reason == Reason::FileNotFound => Attempt::Bystander {
+                    why: revoked(op, &e.message),
+                    closed: link.closed.clone(),
+                },
+                a => a,
+            }
         })?;
         if cancelled.load(Relaxed) {
             return Err(Failure::new(Reason::Other, "cancelled").into());
@@ -422,15 +443,28 @@ async fn standing(
                 .filter(|(i, _)| bad.contains(i))
                 .map(|(i, r)| (i, r, place(i)))
                 .collect(),
+            Err(e) if e.reason == Reason::FileNotFound => {
+                forget();
+                return Err(Attempt::Revoked {
+                    why: revoked(op, &e.message),
+                });
+            }
             Err(e) => {
-                if e.reason == Reason::FileNotFound {
-                    forget();
-                }
                 let m = format!("peer {}: {}", op.peer, e.message);
                 return Err(Failure::new(e.reason, m).into());
             }
         };
     }
+}
+
+/// Why an operation under a standing grant runs again: the grant was
+/// revoked (`detail`).
+fn revoked(op: &OpSpec, detail: &str) -> String {
+    format!(
+        "peer {}: the standing grant of {:?} was revoked (its exposure withdrawn, replaced or \
+         its owner gone): {detail}",
+        op.peer, op.name
+    )
 }
 
 /// Where standing grant `sg` places each of the operation's ranges (by
