@@ -13,6 +13,19 @@
 //!     [--size 4096] [--iters 1000] [--warmup 20] [--passes 1] [--verify CHECK]
 //! ```
 //!
+//! relay (`buffers_bench relay [--size 4096] [--iters 1000] [--warmup 20]
+//! [--passes 1]`, no rcpd): the reference for latency, the same bytes over
+//! the same channels without rcp: this process (the service) writes a frame
+//! of `--size` bytes to a relay process on a unix socket, which forwards it
+//! over TCP on loopback to a second relay process, which forwards it on a
+//! unix socket back to this process (the owner); timed from the write until
+//! the owner has read the whole frame. Two children of this binary
+//! (`relay-hop`) are the relays: blocking reads and writes, no framing but
+//! a 4-byte length.
+//!
+//! `--grant standing` (throughput, latency): the owner exposes its buffer with
+//! standing grants (docs/buffers.md), instead of a grant per operation.
+//!
 //! throughput: buffers of `--mib` MiB on both sides; each pass writes all of
 //! the initiator's buffer into the owner's as one operation of `--range-mib`
 //! MiB descriptors, and reads it back the same way (`--ops`). A pass is
@@ -163,7 +176,15 @@ impl Bench {
         let owner_sock = PathBuf::from(a.need("--owner-socket")?);
         let owner = ServiceClient::connect(Some(&owner_sock), None).await?;
         let dst = owner.create_buffer(size).await?;
-        owner.expose(&dst, EXPOSED, 0, size, "rw", &[]).await?;
+        match a.get("--grant") {
+            None | Some("per-op") => owner.expose(&dst, EXPOSED, 0, size, "rw", &[]).await?,
+            Some("standing") => {
+                owner
+                    .expose_standing(&dst, EXPOSED, 0, size, "rw", &[])
+                    .await?
+            }
+            Some(g) => return Err(format!("--grant {g}: per-op or standing").into()),
+        }
         let init = ServiceClient::connect(Some(&sock), None).await?;
         let src = init.create_buffer(size).await?;
         Ok(Bench {
@@ -330,6 +351,7 @@ async fn latency(a: &Args) -> R<()> {
     let passes: u32 = a.num("--passes", 1)?;
     let b = Bench::open(a, size.next_multiple_of(MIB)).await?;
     let check = b.check.clone().unwrap_or_else(|| "default".into());
+    let grant = a.get("--grant").unwrap_or("per-op");
     fill(&b.src, Some(1))?;
     let d = [(0, 0, size)];
     let opts = OpOptions {
@@ -346,7 +368,22 @@ async fn latency(a: &Args) -> R<()> {
                 .write_with(&b.src, &b.peer, EXPOSED, &d, opts)
                 .await?;
             let th = t0.elapsed().as_secs_f64() * 1e6;
-            let ev = b.owner_event("written", 1).await?;
+            // An operation that failed sends the owner nothing: after a
+            // while, its own end says why.
+            let ev = match tokio::time::timeout(
+                std::time::Duration::from_secs(30),
+                b.owner_event("written", 1),
+            )
+            .await
+            {
+                Ok(ev) => ev?,
+                Err(_) => {
+                    let end = b.init.wait(h).await;
+                    return Err(
+                        format!("write {i}: no owner's event in 30 s; the write: {end:?}").into(),
+                    );
+                }
+            };
             let t = t0.elapsed().as_secs_f64() * 1e6;
             if ev["message"] != "bench" {
                 return Err(format!("the owner's event lost the message: {ev}").into());
@@ -361,7 +398,7 @@ async fn latency(a: &Args) -> R<()> {
         us.sort_by(f64::total_cmp);
         let mut m = us.clone();
         println!(
-            "bufbench mode=latency op=write+notify check={check} size={size} iters={iters} pass={p} p50_us={:.1} p99_us={:.1} min_us={:.1} max_us={:.1} handle_p50_us={:.1} waited_p50_us={:.1}",
+            "bufbench mode=latency op=write+notify grant={grant} check={check} size={size} iters={iters} pass={p} p50_us={:.1} p99_us={:.1} min_us={:.1} max_us={:.1} handle_p50_us={:.1} waited_p50_us={:.1}",
             median(&mut m),
             quantile(&us, 0.99),
             us[0],
@@ -403,6 +440,123 @@ fn hash(a: &Args) -> R<()> {
     Ok(())
 }
 
+/// Copy length-prefixed frames from `from` to `to` until `from` ends.
+fn forward(mut from: impl std::io::Read, mut to: impl std::io::Write) -> R<()> {
+    let mut buf = Vec::new();
+    loop {
+        let mut len = [0u8; 4];
+        if from.read_exact(&mut len).is_err() {
+            return Ok(());
+        }
+        buf.resize(u32::from_le_bytes(len) as usize, 0);
+        from.read_exact(&mut buf)?;
+        to.write_all(&len)?;
+        to.write_all(&buf)?;
+    }
+}
+
+/// One relay of `relay`: `--unix-in PATH --tcp-out ADDR` (the first) or
+/// `--tcp-in ADDR --unix-out PATH` (the second); one connection each way.
+/// Says `listening` on its output once it listens.
+fn relay_hop(a: &Args) -> R<()> {
+    use std::os::unix::net::{UnixListener, UnixStream};
+    let listening = || println!("listening");
+    if let Some(path) = a.get("--unix-in") {
+        let l = UnixListener::bind(path)?;
+        listening();
+        let (c, _) = l.accept()?;
+        let out = std::net::TcpStream::connect(a.need("--tcp-out")?)?;
+        out.set_nodelay(true)?;
+        return forward(c, out);
+    }
+    let l = std::net::TcpListener::bind(a.need("--tcp-in")?)?;
+    listening();
+    let (c, _) = l.accept()?;
+    c.set_nodelay(true)?;
+    forward(c, UnixStream::connect(a.need("--unix-out")?)?)
+}
+
+/// A `relay-hop` child with `args`, once it listens.
+fn hop(args: &[&std::ffi::OsStr]) -> R<std::process::Child> {
+    use std::io::BufRead;
+    let mut c = std::process::Command::new(std::env::current_exe()?)
+        .arg("relay-hop")
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .spawn()?;
+    let mut line = String::new();
+    std::io::BufReader::new(c.stdout.as_mut().expect("piped")).read_line(&mut line)?;
+    if line.trim() != "listening" {
+        return Err(format!("relay-hop {args:?} did not start").into());
+    }
+    Ok(c)
+}
+
+/// The relay reference of `latency` (the module docs).
+fn relay(a: &Args) -> R<()> {
+    use std::io::{Read, Write};
+    use std::os::unix::net::{UnixListener, UnixStream};
+    let size: usize = a.num("--size", 4096)?;
+    let iters: usize = a.num("--iters", 1000)?;
+    let warmup: usize = a.num("--warmup", 20)?;
+    let passes: u32 = a.num("--passes", 1)?;
+    let dir = std::env::temp_dir().join(format!("rcp-relay.{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let (a_sock, owner_sock) = (dir.join("a.sock"), dir.join("owner.sock"));
+    let owner = UnixListener::bind(&owner_sock)?;
+    // A free port for relay B (taken back from the kernel just before).
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .to_string();
+    let mut hb = hop(&[
+        "--tcp-in".as_ref(),
+        port.as_ref(),
+        "--unix-out".as_ref(),
+        owner_sock.as_os_str(),
+    ])?;
+    let mut ha = hop(&[
+        "--unix-in".as_ref(),
+        a_sock.as_os_str(),
+        "--tcp-out".as_ref(),
+        port.as_ref(),
+    ])?;
+    let mut svc = UnixStream::connect(&a_sock)?;
+    let (mut own, _) = owner.accept()?;
+    let frame: Vec<u8> = (0..size).map(|i| i as u8).collect();
+    let mut got = vec![0u8; size];
+    for p in 1..=passes {
+        let mut us = Vec::new();
+        for i in 0..warmup + iters {
+            let t0 = Instant::now();
+            svc.write_all(&(size as u32).to_le_bytes())?;
+            svc.write_all(&frame)?;
+            let mut len = [0u8; 4];
+            own.read_exact(&mut len)?;
+            own.read_exact(&mut got)?;
+            let t = t0.elapsed().as_secs_f64() * 1e6;
+            if got != frame {
+                return Err("the relays changed the bytes".into());
+            }
+            if i >= warmup {
+                us.push(t);
+            }
+        }
+        us.sort_by(f64::total_cmp);
+        let mut m = us.clone();
+        println!(
+            "bufbench mode=relay size={size} iters={iters} pass={p} p50_us={:.1} p99_us={:.1} min_us={:.1} max_us={:.1}",
+            median(&mut m),
+            quantile(&us, 0.99),
+            us[0],
+            us[us.len() - 1]
+        );
+    }
+    drop((svc, own));
+    let _ = (ha.wait(), hb.wait());
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
 #[tokio::main]
 async fn main() -> R<()> {
     let a = Args(std::env::args().skip(1).collect());
@@ -410,6 +564,8 @@ async fn main() -> R<()> {
         Some("throughput") => throughput(&a).await,
         Some("latency") => latency(&a).await,
         Some("hash") => hash(&a),
+        Some("relay") => relay(&a),
+        Some("relay-hop") => relay_hop(&a),
         _ => {
             eprintln!("usage: buffers_bench throughput|latency|hash --socket A.sock --owner-socket B.sock --peer HOST:PORT [...] (see the source's header)");
             std::process::exit(2);

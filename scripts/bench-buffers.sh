@@ -7,6 +7,8 @@
 #   bash scripts/bench-buffers.sh vm [lo|netns]  # soft-RoCE VM: rxe0 on lo, then across namespaces a/b,
 #                                         # against ib_write_bw / ib_read_bw / ib_write_lat
 #   bash scripts/bench-buffers.sh profile # perf: where both rcpds' CPU goes natively, and iperf3's
+#   bash scripts/bench-buffers.sh lat     # native 4 KiB write until the owner's event: grants per
+#                                         # operation, standing grants, and the relay reference
 #   bash scripts/bench-buffers.sh         # native, then vm
 #
 # native: two rcpds (tcp, --socket each) on 127.0.0.1, buffers on normal
@@ -175,8 +177,48 @@ vm() { # [TOPOLOGY...]: lo and netns unless named
   done
 }
 
+# lat: natively, RCP_BENCH_PASSES (5) interleaved passes of
+# RCP_BENCH_LAT_ITERS (1000) 4 KiB writes, each timed until the owner's
+# event (blake3): into an exposure with grants per operation, one with
+# standing grants, and the relay reference (buffers_bench relay: the same
+# 4 KiB from this process over a unix socket, TCP loopback and a unix
+# socket through two relay processes back to it). Medians of the p50s and
+# p99s, and each pass's ratio to the relay's.
+lat() {
+  local res p
+  start_pair
+  res=$w/lat.txt
+  echo "4 KiB write until the owner's event, native (tcp), ${PASSES} passes (load:$(uptime | sed 's/.*load average://')):"
+  bb latency --iters 100 --verify blake3 >/dev/null
+  for p in $(seq "$PASSES"); do
+    for g in per-op standing; do
+      bb latency --iters "${RCP_BENCH_LAT_ITERS:-1000}" --verify blake3 --grant "$g" | sed "s/pass=1/pass=$p/" | tee -a "$res"
+    done
+    "$R/examples/buffers_bench" relay --iters "${RCP_BENCH_LAT_ITERS:-1000}" | sed "s/pass=1/pass=$p/" | tee -a "$res"
+  done
+  python3 - "$res" <<'PY'
+import re, statistics as st, sys
+rows = [dict(re.findall(r"(\w+)=(\S+)", l)) for l in open(sys.argv[1])]
+kind = lambda r: r.get("grant", "relay")
+relay = {r["pass"]: r for r in rows if kind(r) == "relay"}
+for k in ("per-op", "standing", "relay"):
+    rs = [r for r in rows if kind(r) == k]
+    p50 = [float(r["p50_us"]) for r in rs]
+    p99 = [float(r["p99_us"]) for r in rs]
+    line = f"{k:9} p50 {st.median(p50):7.1f} us ({min(p50):.1f}-{max(p50):.1f})  p99 {st.median(p99):7.1f} us"
+    if k != "relay":
+        r50 = [float(r["p50_us"]) / float(relay[r["pass"]]["p50_us"]) for r in rs]
+        r99 = [float(r["p99_us"]) / float(relay[r["pass"]]["p99_us"]) for r in rs]
+        line += f"  / relay: p50 {st.median(r50):.2f} ({min(r50):.2f}-{max(r50):.2f}), p99 {st.median(r99):.2f} ({min(r99):.2f}-{max(r99):.2f})"
+    print(line)
+PY
+  stop
+  trap - EXIT
+}
+
 case $what in
 native) native ;;
+lat) lat ;;
 profile) profile ;;
 vm) shift; vm "$@" ;;
 all) native; vm ;;

@@ -423,12 +423,8 @@ async fn standing(
             return Err(Failure::new(Reason::Other, "cancelled").into());
         }
         if !op.write && !check.is_none() {
-            // What landed, hashed on the pool; the peer compares.
-            let ds = crate::control::in_place(|| {
-                crate::files::digest::on_pool(&landed, |(_, r)| {
-                    r.with(|b| check.wire(&check.block(b)))
-                })
-            });
+            // What landed, hashed; the peer compares.
+            let ds = super::grant::digests_by(check, &landed, |(_, r)| r);
             for ((i, _), d) in landed.iter().zip(ds) {
                 digests[*i as usize] = d;
             }

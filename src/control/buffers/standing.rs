@@ -16,7 +16,8 @@ use std::sync::Arc;
 
 use super::api::OwnerEvent;
 use super::grant::{
-    damage, hex, inside, register, send_event, Held, StandingGrant, MAX_MESSAGE, MAX_RANGES,
+    damage, digests_by, hex, inside, register, send_event, Held, StandingGrant, MAX_MESSAGE,
+    MAX_RANGES,
 };
 use super::{Buffers, Exposure, Failure};
 use crate::control::error::Reason;
@@ -198,20 +199,13 @@ pub fn notify(
         .iter()
         .map(|n| check_notice(bufs, session_id, check, n))
         .collect();
-    // Every range of every notice on the hashing pool at once.
+    // Every range of every notice hashed at once.
     let all: Vec<&LeasedRange> = checked
         .iter()
         .flatten()
         .flat_map(|c| c.ranges.iter())
         .collect();
-    let mut landed = if check.is_none() {
-        Vec::new()
-    } else {
-        crate::control::in_place(|| {
-            crate::files::digest::on_pool(&all, |r| r.with(|b| check.wire(&check.block(b))))
-        })
-    }
-    .into_iter();
+    let mut landed = digests_by(check, &all, |r| r).into_iter();
     let results = checked
         .into_iter()
         .zip(&req.ops)
