@@ -22,9 +22,9 @@ for op in ("write", "read"):
         print(f"  buffer {op} {c}: {med([float(r['mb_per_s']) for r in rs])} MB/s, "
               f"ratio to ib_{op}_bw pass by pass {med(ratio)}")
 print("4 KiB write + the owner's event (us):")
-for c in sorted({r["check"] for r in rows if r.get("mode") == "latency"}):
-    rs = [r for r in rows if r.get("mode") == "latency" and r["check"] == c]
-    print(f"  {c}: p50 {med([float(r['p50_us']) for r in rs])}, p99 {med([float(r['p99_us']) for r in rs])}"
+for g, c in sorted({(r.get("grant", "per-op"), r["check"]) for r in rows if r.get("mode") == "latency"}):
+    rs = [r for r in rows if r.get("mode") == "latency" and r["check"] == c and r.get("grant", "per-op") == g]
+    print(f"  {c}, grant {g}: p50 {med([float(r['p50_us']) for r in rs])}, p99 {med([float(r['p99_us']) for r in rs])}"
           + (f"; the handle came after {med([float(r['handle_p50_us']) for r in rs])}, the wait's answer after "
              f"{med([float(r['waited_p50_us']) for r in rs])} (p50)" if all("handle_p50_us" in r for r in rs) else ""))
 lat = []

@@ -108,6 +108,7 @@ for p in $(seq "$PASSES"); do
   done
   for c in $CHECKS; do
     bb latency --iters "$LAT" --verify "$c" | sed "s/pass=1/pass=$p/" | tee -a "$res"
+    bb latency --iters "$LAT" --verify "$c" --grant standing | sed "s/pass=1/pass=$p/" | tee -a "$res"
   done
   r=$(pt ib_write_lat -s 4096 -n "$LAT")
   hdr=$(grep '#bytes' "$run/pt-last.log" | tail -n1 || true)
