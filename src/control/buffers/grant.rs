@@ -71,7 +71,8 @@ pub struct Held {
     /// Kept for its drop (which revokes every key).
     pub(super) _keys: Exposed<crate::provider::exposed::Standing>,
     pub(super) range: proto::GrantedRange,
-    pub(super) grant: StandingGrant,
+    /// Shared with each notice checked against it.
+    pub(super) grant: Arc<StandingGrant>,
 }
 
 /// A grant in the table.
@@ -198,7 +199,7 @@ impl Grants {
     }
 
     /// What standing grant `id` of `session` grants, while it stands.
-    pub(super) fn standing(&self, id: u64, session: u64) -> Option<StandingGrant> {
+    pub(super) fn standing(&self, id: u64, session: u64) -> Option<Arc<StandingGrant>> {
         match self.live.lock().unwrap().get(&id) {
             Some(Entry::Standing(s)) if s.grant.session == session => Some(s.grant.clone()),
             _ => None,
@@ -487,17 +488,22 @@ fn exposure_for(
     Ok(exp)
 }
 
-/// `r` (not empty) if it lies inside `exp` (exposed as `name`).
-pub(super) fn inside(exp: &Exposure, r: &proto::BufferRange, name: &str) -> Result<(), Failure> {
-    let (lo, hi) = (exp.offset, exp.offset + exp.len);
-    let end = r.offset.checked_add(r.len);
-    if r.len == 0 || r.offset < lo || end.is_none_or(|e| e > hi) {
+/// `[offset, offset + len)` (not empty) if it lies inside the exposed
+/// `(start, size)` of `name`.
+pub(crate) fn inside(
+    (start, size): (u64, u64),
+    offset: u64,
+    len: u64,
+    name: &str,
+) -> Result<(), Failure> {
+    let (lo, hi) = (start, start.saturating_add(size));
+    let end = offset.checked_add(len);
+    if len == 0 || offset < lo || end.is_none_or(|e| e > hi) {
         return Err(Failure::new(
             Reason::Invalid,
             format!(
-                "range [{}, {}) is outside the exposed [{lo}, {hi}) of {name:?}",
-                r.offset,
-                r.offset.saturating_add(r.len),
+                "range [{offset}, {}) is outside the exposed [{lo}, {hi}) of {name:?}",
+                offset.saturating_add(len),
             ),
         ));
     }
@@ -518,7 +524,7 @@ fn lease_ranges(
     };
     let mut ranges = Vec::with_capacity(req.ranges.len());
     for r in &req.ranges {
-        inside(exp, r, &req.name)?;
+        inside((exp.offset, exp.len), r.offset, r.len, &req.name)?;
         let l = exp
             .buffer
             .lease(r.offset, r.len, kind)

@@ -269,7 +269,7 @@ enum Grant {
     /// A grant of its own.
     PerOp(proto::BufferGrantResponse),
     /// The session's standing grant of the exposure.
-    Standing(proto::StandingGrant),
+    Standing(Arc<proto::StandingGrant>),
 }
 
 /// The session an operation runs on, the buffer's registration in it and
@@ -284,11 +284,8 @@ async fn granted(bufs: &Arc<Buffers>, op: &OpSpec) -> Result<Granting, Failure> 
     loop {
         let (link, new) = link(bufs, &op.peer, op.check).await?;
         let reg = link.registration(op.buffer_uid, &op.buffer)?;
-        let held = link
-            .standing
-            .lock()
-            .unwrap()
-            .get(&(op.name.clone(), op.write))
+        let held = link.standing.lock().unwrap()[op.write as usize]
+            .get(op.name.as_str())
             .cloned();
         if let Some(sg) = held {
             return Ok((link, reg, Grant::Standing(sg)));
@@ -303,10 +300,9 @@ async fn granted(bufs: &Arc<Buffers>, op: &OpSpec) -> Result<Granting, Failure> 
             Ok(proto::BufferGrantResponse {
                 standing: Some(sg), ..
             }) => {
-                link.standing
-                    .lock()
-                    .unwrap()
-                    .insert((op.name.clone(), op.write), sg.clone());
+                let sg = Arc::new(sg);
+                link.standing.lock().unwrap()[op.write as usize]
+                    .insert(op.name.clone(), sg.clone());
                 return Ok((link, reg, Grant::Standing(sg)));
             }
             Ok(g) => return Ok((link, reg, Grant::PerOp(g))),
@@ -375,7 +371,7 @@ async fn standing(
     link: &Arc<PeerLink>,
     op: &OpSpec,
     reg: Arc<RailRegs>,
-    sg: proto::StandingGrant,
+    sg: Arc<proto::StandingGrant>,
     local: Vec<LeasedRange>,
     cancelled: &AtomicBool,
 ) -> Result<Moved, Attempt> {
@@ -398,8 +394,7 @@ async fn standing(
     };
     // The grant is gone with the exposure: the next operation asks anew.
     let forget = || {
-        let key = (op.name.clone(), op.write);
-        link.standing.lock().unwrap().remove(&key);
+        link.standing.lock().unwrap()[op.write as usize].remove(op.name.as_str());
     };
     let mut moving: Vec<Moving> = local
         .into_iter()
@@ -480,22 +475,13 @@ fn placing<'a>(
             ),
         )
     })?;
-    let (lo, hi) = (sg.offset, sg.offset.saturating_add(sg.len));
-    let outside = |d: &&Desc| d.remote < lo || d.remote.checked_add(d.len).is_none_or(|e| e > hi);
-    if let Some(d) = op.descs.iter().find(outside) {
-        return Err(Failure::new(
-            Reason::Invalid,
-            format!(
-                "peer {}: range [{}, {}) is outside the exposed [{lo}, {hi}) of {:?}",
-                op.peer,
-                d.remote,
-                d.remote.saturating_add(d.len),
-                op.name
-            ),
-        ));
+    for d in &op.descs {
+        super::grant::inside((sg.offset, sg.len), d.remote, d.len, &op.name)
+            .map_err(|e| Failure::new(e.reason, format!("peer {}: {}", op.peer, e.message)))?;
     }
+    let base = sg.offset;
     Ok(move |i: u32| proto::GrantedRange {
-        addr: at.addr + (op.descs[i as usize].remote - lo),
+        addr: at.addr + (op.descs[i as usize].remote - base),
         ..at.clone()
     })
 }

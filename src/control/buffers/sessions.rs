@@ -176,9 +176,10 @@ pub struct PeerLink {
     /// Changes (its sender drops) once the lending path has closed.
     pub(super) closed: watch::Receiver<()>,
     pub(super) regs: Mutex<HashMap<u64, Arc<RailRegs>>>,
-    /// Standing grants the peer gave this session, by (exposure name,
-    /// write): operations into them need no grant each.
-    pub(super) standing: Mutex<HashMap<(String, bool), crate::proto::StandingGrant>>,
+    /// Standing grants the peer gave this session, for reads ([0]) and
+    /// writes ([1]), by exposure name: operations into them need no grant
+    /// each.
+    pub(super) standing: Mutex<[HashMap<String, Arc<crate::proto::StandingGrant>>; 2]>,
     /// Their operations' notices, batched.
     pub(super) notices: Arc<super::notices::Notices>,
     pub(super) waiters: Mutex<HashMap<u64, Waiter>>,
@@ -382,7 +383,7 @@ pub(super) async fn link(
         }),
         closed,
         regs: Mutex::new(HashMap::new()),
-        standing: Mutex::new(HashMap::new()),
+        standing: Mutex::default(),
         notices,
         waiters: Mutex::new(HashMap::new()),
         next: AtomicU64::new(0),

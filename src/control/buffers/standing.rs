@@ -55,13 +55,13 @@ pub(super) fn grant(
             let (id, range, new) = bufs.grants.insert_standing(Held {
                 _keys: reg,
                 range: ranges.remove(0),
-                grant: StandingGrant {
+                grant: Arc::new(StandingGrant {
                     session: session_id,
                     exp: exp.clone(),
                     write,
                     name: name.to_string(),
                     peer,
-                },
+                }),
             });
             // Withdrawn meanwhile (its withdrawal revoked what it found,
             // which may not have been this one yet): revoked here.
@@ -110,7 +110,7 @@ fn refused(reason: Reason, message: String) -> proto::BufferNoticeResult {
 /// A notice checked against its standing grant: the grant and each
 /// range leased (shared: hashed here while nothing of rcpd's lands there).
 struct Checked {
-    grant: StandingGrant,
+    grant: Arc<StandingGrant>,
     ranges: Vec<LeasedRange>,
 }
 
@@ -159,7 +159,8 @@ fn check_notice(
     let exp = &grant.exp;
     let mut ranges = Vec::with_capacity(n.ranges.len());
     for r in &n.ranges {
-        inside(exp, r, &grant.name).map_err(|e| refused(e.reason, e.message))?;
+        inside((exp.offset, exp.len), r.offset, r.len, &grant.name)
+            .map_err(|e| refused(e.reason, e.message))?;
         let l = exp
             .buffer
             .lease(r.offset, r.len, LeaseKind::Shared)
@@ -212,11 +213,7 @@ pub fn notify(
         .map(|(c, n)| match c {
             Err(refused) => refused,
             Ok(c) => {
-                let mine: Vec<Vec<u8>> = if check.is_none() {
-                    vec![Vec::new(); c.ranges.len()]
-                } else {
-                    landed.by_ref().take(c.ranges.len()).collect()
-                };
+                let mine: Vec<Vec<u8>> = landed.by_ref().take(c.ranges.len()).collect();
                 let bad: Vec<u32> = (0..c.ranges.len() as u32)
                     .filter(|&i| !check.is_none() && mine[i as usize] != n.digests[i as usize])
                     .collect();
