@@ -1303,6 +1303,15 @@ async fn standing_grants_serve_many_operations_until_their_exposure_goes() {
     assert!(src.local.read_at(OPS * LEN, &mut back));
     assert!(back == data, "the reads landed the same bytes");
     assert_eq!(next_event(&owner).await["event"], "read");
+    // A range past the exposure is refused before anything is posted
+    // (the device would refuse it and fail the session).
+    let h = writer
+        .write(&src, &addr, "st", &[(0, OPS * LEN, LEN)], None)
+        .await
+        .unwrap();
+    let e = ended(&writer, h).await.unwrap_err();
+    assert_eq!(ServiceReason::of(e.reason).name(), "invalid", "{e}");
+    assert!(e.message.contains("outside the exposed"), "{e}");
     // One grant per access for all of them, and every operation told
     // (in batches: as many calls at most).
     assert_eq!(peer_said(&addr, "standing grant"), 2);
