@@ -1325,6 +1325,8 @@ async fn standing_grants_serve_many_operations_until_their_exposure_goes() {
     assert_eq!(counter("rcpd_buffer_notices_total "), 3 * OPS);
     let calls = counter("rcpd_buffer_notify_calls_total ");
     assert!((1..=3 * OPS).contains(&calls), "{calls} calls");
+    // A tcp session: every call came on the data path, none over gRPC.
+    assert_eq!(counter("rcpd_buffer_notify_frames_total "), calls);
 
     // Withdrawn: the next write fails, naming the exposure, and the
     // owner's bytes stay as they were.

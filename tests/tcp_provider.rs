@@ -863,3 +863,95 @@ fn bandwidth_of_1mib_writes_over_loopback() {
         bytes * 8.0 / dt / 1e9
     );
 }
+
+/// Takes a session's messages: answers with the first byte of `span` as
+/// it is when the message is handled, then the payload reversed.
+struct FirstByteThenReversed(PeerSpan);
+
+impl rcp::provider::tcp::Messages for FirstByteThenReversed {
+    fn message(&self, payload: &[u8]) -> Vec<u8> {
+        let mut a = self.0.with(0, 1, |b| b.to_vec()).unwrap();
+        a.extend(payload.iter().rev());
+        a
+    }
+}
+
+/// A MESSAGE on a session's connection goes to whoever takes the
+/// session's messages, after every request the connection carried before
+/// it (the WRITE before it has landed when it is handled), and its answer
+/// comes back in order; on a session that takes none it is answered
+/// "no messages" and the connection goes on; one longer than the limit
+/// drops the connection.
+#[test]
+fn messages_reach_their_sessions_taker_in_order_and_no_one_else() {
+    use rcp::provider::tcp::wire::{Hello, Op, Request, Response, Status, MAX_MESSAGE, RESP_LEN};
+    let target = TcpTarget::bind_sessions("127.0.0.1:0").unwrap();
+    let taken = Mem::new(MIB);
+    let d1 = taken.domain.clone();
+    let reg = taken.reg(0, 4096, Access::REMOTE_WRITE);
+    let addr = taken.addr(0);
+    d1.take_messages(Arc::new(FirstByteThenReversed(taken.span.clone())));
+    let d2 = TcpDomain::new();
+    let (b1, b2) = (
+        target.bind_session(&d1).unwrap(),
+        target.bind_session(&d2).unwrap(),
+    );
+    let open = |key| {
+        let mut s = TcpStream::connect(target.local_addr()).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        s.write_all(&Hello { key }.encode()).unwrap();
+        s
+    };
+    let message = |tag, payload: &[u8]| {
+        let mut b = Request {
+            op: Op::Message,
+            tag,
+            addr: 0,
+            rkey: 0,
+            len: payload.len() as u32,
+        }
+        .encode()
+        .to_vec();
+        b.extend_from_slice(payload);
+        b
+    };
+    let answer = |s: &mut TcpStream| {
+        let mut h = [0u8; RESP_LEN];
+        s.read_exact(&mut h).unwrap();
+        let r = Response::decode(&h).unwrap();
+        let mut body = vec![0u8; r.len as usize];
+        s.read_exact(&mut body).unwrap();
+        (r.status, r.tag, body)
+    };
+
+    // A WRITE of 0x5a and a MESSAGE, pipelined in one send.
+    let mut s = open(b1.key());
+    let mut out = Request {
+        op: Op::Write,
+        tag: 1,
+        addr,
+        rkey: reg.rkey(),
+        len: 4096,
+    }
+    .encode()
+    .to_vec();
+    out.extend_from_slice(&[0x5a; 4096]);
+    out.extend(message(2, b"abc"));
+    s.write_all(&out).unwrap();
+    assert_eq!(answer(&mut s), (Status::Ok, 1, vec![]));
+    assert_eq!(answer(&mut s), (Status::Ok, 2, b"\x5acba".to_vec()));
+
+    // No taker: answered, and the connection serves the next one.
+    let mut s2 = open(b2.key());
+    s2.write_all(&message(7, b"x")).unwrap();
+    assert_eq!(answer(&mut s2), (Status::NoMessages, 7, vec![]));
+    s2.write_all(&message(8, b"y")).unwrap();
+    assert_eq!(answer(&mut s2), (Status::NoMessages, 8, vec![]));
+
+    // Too long: the connection is dropped unanswered.
+    let mut hdr = message(9, b"")[..32].to_vec();
+    hdr[28..32].copy_from_slice(&(MAX_MESSAGE + 1).to_le_bytes());
+    s.write_all(&hdr).unwrap();
+    let mut rest = Vec::new();
+    assert_eq!(s.read_to_end(&mut rest).unwrap(), 0, "dropped, unanswered");
+}

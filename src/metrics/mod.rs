@@ -187,6 +187,7 @@ pub struct Metrics {
     /// served and the operations they told.
     buffer_standing_grants: Counter,
     buffer_notify_calls: Counter,
+    buffer_notify_frames: Counter,
     buffer_notices: Counter,
     /// `rcp_rail_*_total`, in the order of [`RAIL_COUNTERS`].
     rail_counters: Vec<Family<Labels, Counter>>,
@@ -237,6 +238,7 @@ impl Metrics {
             copy_sessions_warm: Gauge::default(),
             buffer_standing_grants: Counter::default(),
             buffer_notify_calls: Counter::default(),
+            buffer_notify_frames: Counter::default(),
             buffer_notices: Counter::default(),
             rail_counters: RAIL_COUNTERS.iter().map(|_| Family::default()).collect(),
             rail_up: Family::default(),
@@ -398,6 +400,12 @@ impl Metrics {
             m.buffer_notify_calls.clone(),
         );
         d.register(
+            "buffer_notify_frames",
+            "Of the BufferNotify calls, those that came on the data path (a tcp session's \
+             MESSAGE frame) rather than over gRPC",
+            m.buffer_notify_frames.clone(),
+        );
+        d.register(
             "buffer_notices",
             "Operations under standing grants told by BufferNotify",
             m.buffer_notices.clone(),
@@ -503,9 +511,13 @@ impl Metrics {
         self.buffer_standing_grants.inc();
     }
 
-    /// A `BufferNotify` of `notices` operations was served.
-    pub fn buffer_notify(&self, notices: usize) {
+    /// A `BufferNotify` of `notices` operations was served (`frame`: it
+    /// came on the data path).
+    pub fn buffer_notify(&self, notices: usize, frame: bool) {
         self.buffer_notify_calls.inc();
+        if frame {
+            self.buffer_notify_frames.inc();
+        }
         self.buffer_notices.inc_by(notices as u64);
     }
 

@@ -9,6 +9,9 @@
 //!   granted). A violation is answered with a remote access error and puts
 //!   that connection in the error state; a malformed stream closes only that
 //!   connection.
+//!   A [`Messages`] taker of a session's domain gets the MESSAGE frames of
+//!   its connections (two-sided, answered in order): rcpd's notices of
+//!   operations under standing grants travel so.
 //! - [`TcpChannel`]: the active side. `post` writes a chain as one buffered
 //!   send per connection (pipelined), spread over several TCP connections;
 //!   a reader thread per connection turns responses into completions with RC
@@ -35,7 +38,7 @@ mod target;
 pub mod wire;
 
 pub use channel::{TcpChannel, DEFAULT_CONNS};
-pub use domain::{TcpDomain, TcpRegistration};
+pub use domain::{Messages, TcpDomain, TcpRegistration};
 pub use target::{SessionBinding, TcpTarget};
 
 /// Socket-side buffer of each reader and writer (headers and small payloads

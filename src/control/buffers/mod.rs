@@ -33,6 +33,7 @@
 pub mod api;
 pub mod client;
 pub mod faults;
+pub mod frames;
 pub mod grant;
 pub mod notices;
 pub mod peer;

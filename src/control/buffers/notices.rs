@@ -4,11 +4,14 @@
 //! next call as soon as it returns. A lone operation's notice leaves at
 //! once (nothing waits for company); 64 operations in flight share a few
 //! calls instead of 64. Each operation gets its own notice's result.
+//! A call goes on the data path where the session and the peer allow it
+//! ([`super::frames`]), else as a gRPC `BufferNotify`.
 
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::oneshot;
 
+use super::frames::Frames;
 use super::standing::MAX_NOTICES;
 use super::Failure;
 use crate::control::client::Client;
@@ -20,6 +23,8 @@ type Reply = oneshot::Sender<Result<proto::BufferNoticeResult, Failure>>;
 /// A session's queue of notices (one per session to a peer).
 pub struct Notices {
     client: Client,
+    /// Tcp sessions: the data path's way.
+    pub(super) frames: Option<Frames>,
     session_id: u64,
     /// The peer, for errors.
     peer: String,
@@ -34,10 +39,17 @@ struct Queue {
 }
 
 impl Notices {
-    /// The notices of session `session_id` to `peer`, over `client`.
-    pub fn new(client: Client, session_id: u64, peer: String) -> Arc<Notices> {
+    /// The notices of session `session_id` to `peer`, over `client` or
+    /// `frames`.
+    pub fn new(
+        client: Client,
+        frames: Option<Frames>,
+        session_id: u64,
+        peer: String,
+    ) -> Arc<Notices> {
         Arc::new(Notices {
             client,
+            frames,
             session_id,
             peer,
             q: Mutex::default(),
@@ -83,8 +95,7 @@ impl Notices {
             let (ops, replies): (Vec<_>, Vec<_>) = batch.into_iter().unzip();
             let sent = ops.len();
             let r = self
-                .client
-                .buffer_notify(proto::BufferNotifyRequest {
+                .call(proto::BufferNotifyRequest {
                     session_id: self.session_id,
                     ops,
                     node: String::new(),
@@ -105,9 +116,8 @@ impl Notices {
                     fail_all(replies, e);
                     continue;
                 }
-                Err(s) => {
-                    let m = format!("peer {peer}: {}", s.message());
-                    fail_all(replies, Failure::new(status_reason(&s), m));
+                Err(e) => {
+                    fail_all(replies, e);
                     continue;
                 }
             };
@@ -115,6 +125,26 @@ impl Notices {
                 let _ = tx.send(Ok(res));
             }
         }
+    }
+}
+
+impl Notices {
+    /// One call: a frame where it may go as one, else gRPC.
+    async fn call(
+        &self,
+        req: proto::BufferNotifyRequest,
+    ) -> Result<proto::BufferNotifyResponse, Failure> {
+        if let Some(f) = &self.frames {
+            if let Some(payload) = f.encode(&req) {
+                return f.call(&payload, &self.peer).await;
+            }
+        }
+        self.client.buffer_notify(req).await.map_err(|s| {
+            Failure::new(
+                status_reason(&s),
+                format!("peer {}: {}", self.peer, s.message()),
+            )
+        })
     }
 }
 

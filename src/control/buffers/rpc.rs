@@ -7,7 +7,10 @@
 use std::net::IpAddr;
 use std::sync::Arc;
 
-use super::{grant, standing, Buffers};
+use prost::Message;
+
+use super::{grant, standing, Buffers, Failure};
+use crate::control::error::Reason;
 use crate::control::server::{BufferGrants, SessionState};
 use crate::proto;
 
@@ -53,7 +56,30 @@ impl BufferGrants for GrantService {
         session_id: u64,
         req: proto::BufferNotifyRequest,
     ) -> Result<proto::BufferNotifyResponse, tonic::Status> {
-        Ok(standing::notify(&self.0, session, session_id, req)?)
+        Ok(standing::notify(&self.0, session, session_id, req, false)?)
+    }
+
+    fn notify_frame(
+        &self,
+        session: Option<&SessionState>,
+        session_id: u64,
+        payload: &[u8],
+    ) -> Vec<u8> {
+        let answer = proto::BufferNotifyRequest::decode(payload)
+            .map_err(|e| Failure::new(Reason::Protocol, format!("a malformed notice frame: {e}")))
+            .and_then(|req| standing::notify(&self.0, session, session_id, req, true));
+        let frame = match answer {
+            Ok(r) => proto::BufferNotifyFrame {
+                response: Some(r),
+                ..Default::default()
+            },
+            Err(e) => proto::BufferNotifyFrame {
+                response: None,
+                error: e.message,
+                reason: e.reason as i32,
+            },
+        };
+        frame.encode_to_vec()
     }
 
     fn session_closed(&self, id: u64) {

@@ -358,7 +358,11 @@ pub(super) async fn link(
         .take_data_path()
         .ok_or_else(|| Failure::new(Reason::Other, "the session has no data path"))?;
     let (closed_tx, closed) = watch::channel(());
-    let notices = super::notices::Notices::new(client.clone(), session.id(), peer.to_string());
+    let frames = session
+        .tcp_target()
+        .map(|t| super::frames::Frames::new(t, client.options().timeout));
+    let notices =
+        super::notices::Notices::new(client.clone(), frames, session.id(), peer.to_string());
     let o = client.options();
     let l = Arc::new(PeerLink {
         key: key.clone(),

@@ -93,6 +93,9 @@ pub(super) fn grant(
             offset: exp.offset,
             len: exp.len,
             range: Some(range),
+            // A tcp session's connections carry its notices
+            // (`server::SessionMessages`).
+            frames: session.kind == crate::provider::ProviderKind::Tcp,
         }),
         ..Default::default()
     })
@@ -172,12 +175,14 @@ fn check_notice(
 }
 
 /// `BufferNotify` on session `session_id` (`session`: its state; a closed
-/// session's standing grants are revoked, so its notices find none).
+/// session's standing grants are revoked, so its notices find none);
+/// `frame`: it came on the data path ([`super::frames`]).
 pub fn notify(
     bufs: &Arc<Buffers>,
     session: Option<&SessionState>,
     session_id: u64,
     req: proto::BufferNotifyRequest,
+    frame: bool,
 ) -> Result<proto::BufferNotifyResponse, Failure> {
     if req.ops.len() > MAX_NOTICES {
         return Err(Failure::new(
@@ -192,7 +197,7 @@ pub fn notify(
         ));
     };
     if let Some(m) = &bufs.client_options().metrics {
-        m.buffer_notify(req.ops.len());
+        m.buffer_notify(req.ops.len(), frame);
     }
     let (check, max_retries) = (session.params.check, session.params.max_retries);
     let checked: Vec<Result<Checked, proto::BufferNoticeResult>> = req

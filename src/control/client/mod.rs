@@ -43,7 +43,9 @@ use super::{DEFAULT_BLOCK_SIZE, DEFAULT_MAX_OPEN_FILES, DEFAULT_PORT, MAX_MESSAG
 use crate::proto;
 
 pub use io::{FileJob, KnownSource, OpenWith, Source};
-pub use session::{datapath_config, FileResult, Observer, Quiet, Session, SessionStats};
+pub use session::{
+    datapath_config, DataTarget, FileResult, Observer, Quiet, Session, SessionStats,
+};
 
 type Rpc = proto::rcp_client::RcpClient<InterceptedService<GrpcChannel, AddBearer>>;
 

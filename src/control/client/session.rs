@@ -7,8 +7,8 @@ use std::sync::Arc;
 use super::{Client, ClientOptions, Rpc};
 use crate::control::error::{status_reason, ControlError, Reason, Result};
 use crate::control::link::{
-    connect_params, ep_from_proto, ep_to_proto, rails_or_default, resolve_transport, ClientLink,
-    ClientRail,
+    connect_params, ep_from_proto, ep_to_proto, rails_or_default, resolve_transport, tcp_target,
+    ClientLink, ClientRail,
 };
 use crate::control::protocol::negotiate::{provider_to_wire, timeout_ms, MAX_WINDOWS};
 use crate::control::protocol::{check_block_size, check_grant, check_to_wire, Params, Staging};
@@ -98,6 +98,9 @@ pub struct Session {
     /// Which provider and why (for the user).
     pub transport: String,
     pub kind: ProviderKind,
+    /// TCP: where the data connections go and their key (a connection of
+    /// its own carries messages, [`crate::provider::tcp::wire::Op::Message`]).
+    pub(super) tcp_target: Option<DataTarget>,
 }
 
 /// The data-path settings a client uses on `kind`.
@@ -216,6 +219,7 @@ impl Client {
             direction: None,
             transport: why,
             kind,
+            tcp_target: started.tcp_target,
         })
     }
 
@@ -227,11 +231,13 @@ impl Client {
         link: &Arc<ClientLink>,
         resp: &proto::HandshakeResponse,
     ) -> Result<Started> {
-        let (l2, r2, host, retry) = (link.clone(), resp.clone(), self.host.clone(), o.qp_retry);
-        let channel: Arc<dyn Channel> =
-            tokio::task::spawn_blocking(move || l2.connect(&r2, &host, retry))
-                .await
-                .map_err(|e| ControlError::Other(e.to_string()))??;
+        let (l2, r2, host) = (link.clone(), resp.clone(), self.host.clone());
+        let (channel, target) = tokio::task::spawn_blocking(move || {
+            let target = tcp_target(&r2, &host)?;
+            Ok::<_, ControlError>((l2.connect_tcp(target.0, target.1)?, target))
+        })
+        .await
+        .map_err(|e| ControlError::Other(e.to_string()))??;
         crate::phase::mark("tcp data connections up");
         let reconnect: crate::datapath::ReconnectFn = Box::new(|| {
             Err(crate::datapath::ReconnectError::permanent(
@@ -250,6 +256,7 @@ impl Client {
             keys: None,
             rail_names: Vec::new(),
             used: Vec::new(),
+            tcp_target: Some(target),
         })
     }
 
@@ -313,6 +320,7 @@ impl Client {
             keys,
             rail_names,
             used,
+            tcp_target: None,
         })
     }
 }
@@ -325,7 +333,15 @@ struct Started {
     rail_names: Vec<String>,
     /// Verbs: each rail's index in the link's rails.
     used: Vec<usize>,
+    /// TCP: [`Session::tcp_target`].
+    tcp_target: Option<DataTarget>,
 }
+
+/// Where a tcp session's data connections go and the key they open with.
+pub type DataTarget = (
+    std::net::SocketAddr,
+    Option<[u8; crate::provider::tcp::wire::KEY_LEN]>,
+);
 
 /// The session's staging, registered with `kind`'s provider (verbs: on
 /// every rail, `per` queue pairs each).
@@ -487,6 +503,11 @@ fn reconnector(
 }
 
 impl Session {
+    /// TCP: where the data connections go and their key.
+    pub fn tcp_target(&self) -> Option<DataTarget> {
+        self.tcp_target
+    }
+
     pub fn id(&self) -> u64 {
         self.id
     }

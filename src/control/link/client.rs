@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use crate::datapath::QpRetry;
 use crate::mem::{Arena, ArenaConfig, BlockPool, PeerSpan};
-use crate::provider::tcp::{TcpChannel, TcpDomain, DEFAULT_CONNS};
+use crate::provider::tcp::{wire::KEY_LEN, TcpChannel, TcpDomain, DEFAULT_CONNS};
 use crate::provider::verbs::{VerbsChannel, VerbsDomain};
 use crate::provider::{Access, Channel, Domain, ProviderKind, Registration};
 
@@ -261,44 +261,63 @@ impl ClientLink {
                 Ok(self.rails[used[0]].channel.clone())
             }
             ProviderKind::Tcp => {
-                let host = if resp.tcp_data_host.is_empty()
-                    || resp.tcp_data_host == "0.0.0.0"
-                    || resp.tcp_data_host == "::"
-                {
-                    server_host.to_string()
-                } else {
-                    resp.tcp_data_host.clone()
-                };
-                let host = host.trim_start_matches('[').trim_end_matches(']');
-                let port = u16::try_from(resp.tcp_data_port).map_err(|_| {
-                    ControlError::Invalid(format!("TCP data port {}", resp.tcp_data_port))
-                })?;
-                let addr: SocketAddr = std::net::ToSocketAddrs::to_socket_addrs(&(host, port))
-                    .map_err(ControlError::io(format!("resolving {host}")))?
-                    .next()
-                    .ok_or_else(|| ControlError::Other(format!("{host} has no address")))?;
-                let key = match resp.tcp_session_key.len() {
-                    0 => None,
-                    _ => Some(resp.tcp_session_key.as_slice().try_into().map_err(|_| {
-                        ControlError::Invalid(format!(
-                            "TCP session key of {} bytes, not 16",
-                            resp.tcp_session_key.len()
-                        ))
-                    })?),
-                };
-                let ch = TcpChannel::connect_session(
-                    self.tcp_domain.clone().expect("tcp link has a domain"),
-                    addr,
-                    // A connection per staging window at most: a copy of
-                    // one window needs one connection (and its threads).
-                    DEFAULT_CONNS
-                        .min(self.slots.as_ref().map_or(1, BlockPool::capacity))
-                        .max(1),
-                    128,
-                    key,
-                )?;
-                Ok(Arc::new(ch))
+                let (addr, key) = tcp_target(resp, server_host)?;
+                self.connect_tcp(addr, key)
             }
         }
     }
+
+    /// The tcp provider's data connections to `addr`, each opening with
+    /// `key` (the session's, from [`tcp_target`]).
+    pub fn connect_tcp(
+        &self,
+        addr: SocketAddr,
+        key: Option<[u8; KEY_LEN]>,
+    ) -> Result<Arc<dyn Channel>> {
+        let ch = TcpChannel::connect_session(
+            self.tcp_domain.clone().expect("tcp link has a domain"),
+            addr,
+            // A connection per staging window at most: a copy of
+            // one window needs one connection (and its threads).
+            DEFAULT_CONNS
+                .min(self.slots.as_ref().map_or(1, BlockPool::capacity))
+                .max(1),
+            128,
+            key,
+        )?;
+        Ok(Arc::new(ch))
+    }
+}
+
+/// Where a tcp session's data connections go (`server_host` where rcpd
+/// listens on every address) and the key they open with.
+pub fn tcp_target(
+    resp: &proto::HandshakeResponse,
+    server_host: &str,
+) -> Result<(SocketAddr, Option<[u8; KEY_LEN]>)> {
+    let host = if resp.tcp_data_host.is_empty()
+        || resp.tcp_data_host == "0.0.0.0"
+        || resp.tcp_data_host == "::"
+    {
+        server_host.to_string()
+    } else {
+        resp.tcp_data_host.clone()
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let port = u16::try_from(resp.tcp_data_port)
+        .map_err(|_| ControlError::Invalid(format!("TCP data port {}", resp.tcp_data_port)))?;
+    let addr: SocketAddr = std::net::ToSocketAddrs::to_socket_addrs(&(host, port))
+        .map_err(ControlError::io(format!("resolving {host}")))?
+        .next()
+        .ok_or_else(|| ControlError::Other(format!("{host} has no address")))?;
+    let key = match resp.tcp_session_key.len() {
+        0 => None,
+        _ => Some(resp.tcp_session_key.as_slice().try_into().map_err(|_| {
+            ControlError::Invalid(format!(
+                "TCP session key of {} bytes, not 16",
+                resp.tcp_session_key.len()
+            ))
+        })?),
+    };
+    Ok((addr, key))
 }

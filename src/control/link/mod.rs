@@ -7,7 +7,7 @@
 mod client;
 mod server;
 
-pub use client::{ClientLink, ClientRail};
+pub use client::{tcp_target, ClientLink, ClientRail};
 pub use server::{MemoryWindows, ServerLink, ServerLinkConfig, SessionDomain, WindowAccess};
 
 use std::sync::Arc;

@@ -218,6 +218,7 @@ fn domain_on(dev: &Device, windows: &WindowAccess) -> Result<SessionDomain> {
                 }),
                 channel: Some(ch),
                 tcp: None,
+                tcp_domain: None,
             })
         }
         WindowAccess::PerGrant { .. } => per_grant_domain(dev),
@@ -239,6 +240,7 @@ fn per_grant_domain(dev: &Device) -> Result<SessionDomain> {
         domain: Arc::new(VerbsDomain { pd }),
         channel: Some(Arc::new(q.into_channel())),
         tcp: None,
+        tcp_domain: None,
     })
 }
 
@@ -324,6 +326,9 @@ pub struct SessionDomain {
     /// TCP: binds the session's data connections to `domain`; dropping it
     /// unbinds the key.
     pub tcp: Option<SessionBinding>,
+    /// TCP: `domain` as the tcp provider's (who takes its connections'
+    /// messages is set on it).
+    pub tcp_domain: Option<Arc<TcpDomain>>,
 }
 
 impl ServerLink {
@@ -347,9 +352,10 @@ impl ServerLink {
                 let d = TcpDomain::new();
                 let binding = target.bind_session(&d)?;
                 Ok(SessionDomain {
-                    domain: d,
+                    domain: d.clone(),
                     channel: None,
                     tcp: Some(binding),
+                    tcp_domain: Some(d),
                 })
             }
             (None, None) => Err(ControlError::Other(format!(

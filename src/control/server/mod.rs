@@ -121,6 +121,15 @@ pub trait BufferGrants: Send + Sync {
         session_id: u64,
         req: proto::BufferNotifyRequest,
     ) -> std::result::Result<proto::BufferNotifyResponse, Status>;
+    /// The same on the data path: a MESSAGE frame's payload on one of the
+    /// tcp session's connections (a `BufferNotifyRequest`), answered with
+    /// a `BufferNotifyFrame`'s bytes.
+    fn notify_frame(
+        &self,
+        session: Option<&SessionState>,
+        session_id: u64,
+        payload: &[u8],
+    ) -> Vec<u8>;
     /// Session `id` closed (by its client or as unused): what was granted
     /// to it goes.
     fn session_closed(&self, id: u64);

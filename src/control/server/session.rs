@@ -123,6 +123,27 @@ pub(super) fn unknown_session(id: u64) -> ControlError {
     ))
 }
 
+/// The MESSAGE frames of a tcp session's connections: notices of
+/// operations under its standing grants, on the data path
+/// ([`super::BufferGrants::notify_frame`]). Only the session's client
+/// holds the key that binds a connection to it, as for its rkeys. Holds
+/// the session weakly (the session holds the domain that holds this).
+struct SessionMessages {
+    buffers: Arc<dyn super::BufferGrants>,
+    session: std::sync::Weak<SessionState>,
+    id: u64,
+}
+
+impl crate::provider::tcp::Messages for SessionMessages {
+    fn message(&self, payload: &[u8]) -> Vec<u8> {
+        let s = self.session.upgrade();
+        if let Some(s) = &s {
+            *s.last_used.lock().unwrap() = Instant::now();
+        }
+        self.buffers.notify_frame(s.as_deref(), self.id, payload)
+    }
+}
+
 /// [`Service::buffer_call`]'s: the buffers' service and the session while
 /// it is open.
 pub(super) type BufferCall = (Arc<dyn super::BufferGrants>, Option<Arc<SessionState>>);
@@ -260,7 +281,8 @@ impl Service {
             ..agreed.params
         };
         let p = params;
-        place.commit(Arc::new(SessionState {
+        let tcp_domain = sd.tcp_domain.clone();
+        let state = Arc::new(SessionState {
             kind,
             params,
             domain: sd.domain,
@@ -278,7 +300,15 @@ impl Service {
                 .chars()
                 .take(crate::escape::MAX_LOGGED)
                 .collect(),
-        }));
+        });
+        if let (Some(d), Some(b)) = (tcp_domain, &self.buffers) {
+            d.take_messages(Arc::new(SessionMessages {
+                buffers: b.clone(),
+                session: Arc::downgrade(&state),
+                id,
+            }));
+        }
+        place.commit(state);
         tracing::info!(
             session = format_args!("{id:#x}"),
             %client,

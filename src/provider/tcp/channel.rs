@@ -639,6 +639,10 @@ fn reader_loop(sh: &Shared, c: usize, stream: TcpStream) {
             return sh.conn_died(c, Some(p.seq), WcStatus::Fatal, &why);
         }
         match (resp.status, p.dest) {
+            (Status::NoMessages, _) => {
+                let why = format!("request {}: answered as a message it was not", resp.tag);
+                return sh.conn_died(c, Some(p.seq), WcStatus::Fatal, &why);
+            }
             (Status::RemoteAccess, _) => {
                 let mut st = lock(&sh.state);
                 if st.broken {

@@ -31,10 +31,23 @@ struct Tables {
     by_lkey: HashMap<u32, Arc<Entry>>,
 }
 
+/// Whoever takes the messages (two-sided SENDs, [`Op::Message`]) that
+/// arrive on connections bound to a domain's session: the target calls it
+/// on the connection's thread, in the connection's order, and sends back
+/// what it returns. Ordered after every request the same connection
+/// carried before it, as a SEND after WRITEs on an RC QP.
+///
+/// [`Op::Message`]: super::wire::Op::Message
+pub trait Messages: Send + Sync {
+    /// The answer to `payload`.
+    fn message(&self, payload: &[u8]) -> Vec<u8>;
+}
+
 /// A registration table shared by a process's target and channels.
 #[derive(Default)]
 pub struct TcpDomain {
     tables: Arc<RwLock<Tables>>,
+    messages: RwLock<Option<Arc<dyn Messages>>>,
 }
 
 impl fmt::Debug for TcpDomain {
@@ -93,6 +106,20 @@ impl TcpDomain {
             entry,
             tables: Arc::downgrade(&self.tables),
         }))
+    }
+
+    /// From now on `m` takes the messages of connections bound to this
+    /// domain (until the domain goes).
+    pub fn take_messages(&self, m: Arc<dyn Messages>) {
+        *self.messages.write().unwrap_or_else(|e| e.into_inner()) = Some(m);
+    }
+
+    /// Who takes this domain's messages, if anyone.
+    pub(crate) fn messages(&self) -> Option<Arc<dyn Messages>> {
+        self.messages
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Number of live registrations.

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::thread::JoinHandle;
 
 use super::domain::{Entry, TcpDomain};
-use super::wire::{Hello, Op, Request, Response, Status, KEY_LEN, REQ_LEN};
+use super::wire::{Hello, Op, Request, Response, Status, KEY_LEN, MAX_MESSAGE, REQ_LEN};
 use super::SOCKET_BUF;
 use crate::provider::{Endpoint, ProviderError};
 
@@ -294,6 +294,7 @@ fn authorize(domain: &Weak<TcpDomain>, req: &Request) -> Option<(Arc<Entry>, usi
     let right = match req.op {
         Op::Write => entry.access.remote_write(),
         Op::Read => entry.access.remote_read(),
+        Op::Message => false,
     };
     if !right {
         return None;
@@ -327,6 +328,43 @@ fn discard(r: &mut impl Read, n: u32) -> io::Result<()> {
 
 fn out_of_range() -> io::Error {
     io::Error::other("registration range changed under a request")
+}
+
+/// A MESSAGE: its payload to whoever takes the session's messages, their
+/// answer back (status 2 when no one does; the connection goes on).
+fn message(
+    domain: &Weak<TcpDomain>,
+    req: &Request,
+    reader: &mut impl Read,
+    writer: &mut impl Write,
+) -> Result<(), ServeError> {
+    if req.len > MAX_MESSAGE {
+        return Err(super::wire::WireError::TooLong(req.len).into());
+    }
+    let mut payload = vec![0u8; req.len as usize];
+    reader.read_exact(&mut payload)?;
+    let Some(taker) = domain.upgrade().and_then(|d| d.messages()) else {
+        let resp = Response {
+            status: Status::NoMessages,
+            tag: req.tag,
+            len: 0,
+        };
+        writer.write_all(&resp.encode())?;
+        return Ok(());
+    };
+    let answer = taker.message(&payload);
+    let len = u32::try_from(answer.len())
+        .ok()
+        .filter(|&l| l <= MAX_MESSAGE)
+        .ok_or_else(|| io::Error::other(format!("an answer of {} bytes", answer.len())))?;
+    let resp = Response {
+        status: Status::Ok,
+        tag: req.tag,
+        len,
+    };
+    writer.write_all(&resp.encode())?;
+    writer.write_all(&answer)?;
+    Ok(())
 }
 
 fn serve(shared: &Shared, stream: TcpStream) -> Result<(), ServeError> {
@@ -369,8 +407,15 @@ fn serve(shared: &Shared, stream: TcpStream) -> Result<(), ServeError> {
         }
         let req = Request::decode(&hdr)?;
         if errored {
-            if req.op == Op::Write {
+            if req.op != Op::Read {
                 discard(&mut reader, req.len)?;
+            }
+            continue;
+        }
+        if req.op == Op::Message {
+            message(&domain, &req, &mut reader, &mut writer)?;
+            if reader.buffer().is_empty() {
+                writer.flush()?;
             }
             continue;
         }
@@ -415,6 +460,7 @@ fn serve(shared: &Shared, stream: TcpStream) -> Result<(), ServeError> {
                         };
                         writer.write_all(&resp.encode())?;
                     }
+                    Op::Message => unreachable!("messages are served before authorize"),
                     Op::Read => {
                         let resp = Response {
                             status: Status::Ok,

@@ -3,16 +3,21 @@
 //! Request (32 bytes), initiator -> target, then `len` payload bytes for a
 //! WRITE:
 //! ```text
-//!  0..4   magic "RCPT"        4  version (1)     5  op (1 WRITE, 2 READ)
+//!  0..4   magic "RCPT"        4  version (1)     5  op (1 WRITE, 2 READ, 3 MESSAGE)
 //!  6..8   reserved (0)        8..16  tag (the channel's post sequence number)
 //! 16..24  remote addr        24..28  rkey      28..32  len
 //! ```
 //! Response (24 bytes), target -> initiator, in request order per connection,
-//! then `len` payload bytes for a successful READ:
+//! then `len` payload bytes for a successful READ or MESSAGE:
 //! ```text
-//!  0..4   magic "RCPR"        4  status (0 ok, 1 remote access error)
+//!  0..4   magic "RCPR"        4  status (0 ok, 1 remote access error,
+//!                                        2 no messages taken)
 //!  5..8   reserved (0)        8..16  tag (echoed)   16..20 len   20..24 reserved
 //! ```
+//! A MESSAGE (a SEND, two-sided) carries `len` bytes for whoever takes the
+//! messages of the connection's session (addr and rkey 0); its response
+//! carries the answer (`TcpDomain::take_messages`). A target with no one
+//! taking them answers status 2 and goes on serving the connection.
 //! Hello (32 bytes), optional, initiator -> target, only as the first bytes of
 //! a connection: binds it to the session whose key it carries (the target then
 //! honours only that session's rkeys on it):
@@ -23,6 +28,9 @@
 
 /// Largest payload of one request; anything larger is garbage.
 pub const MAX_LEN: u32 = 64 << 20;
+
+/// Largest MESSAGE payload or answer.
+pub const MAX_MESSAGE: u32 = 16 << 20;
 
 pub const REQ_MAGIC: [u8; 4] = *b"RCPT";
 pub const RESP_MAGIC: [u8; 4] = *b"RCPR";
@@ -52,6 +60,9 @@ pub enum WireError {
 pub enum Op {
     Write = 1,
     Read = 2,
+    /// Two-sided: `len` bytes for the session's [`Messages`](super::Messages),
+    /// answered with theirs.
+    Message = 3,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -67,6 +78,8 @@ pub struct Request {
 pub enum Status {
     Ok = 0,
     RemoteAccess = 1,
+    /// A MESSAGE that nothing takes on this connection's session.
+    NoMessages = 2,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -112,6 +125,7 @@ impl Request {
         let op = match b[5] {
             1 => Op::Write,
             2 => Op::Read,
+            3 => Op::Message,
             o => return Err(WireError::UnknownOp(o)),
         };
         let len = u32_at(b, 28);
@@ -175,6 +189,7 @@ impl Response {
         let status = match b[4] {
             0 => Status::Ok,
             1 => Status::RemoteAccess,
+            2 => Status::NoMessages,
             s => return Err(WireError::UnknownStatus(s)),
         };
         let len = u32_at(b, 16);
@@ -212,6 +227,14 @@ mod tests {
         let mut b = r.encode();
         b[5] = 7;
         assert_eq!(Request::decode(&b), Err(WireError::UnknownOp(7)));
+        let m = Request {
+            op: Op::Message,
+            tag: 5,
+            addr: 0,
+            rkey: 0,
+            len: 300,
+        };
+        assert_eq!(Request::decode(&m.encode()), Ok(m));
         let mut b = r.encode();
         b[28..32].copy_from_slice(&(MAX_LEN + 1).to_le_bytes());
         assert_eq!(Request::decode(&b), Err(WireError::TooLong(MAX_LEN + 1)));
@@ -244,5 +267,10 @@ mod tests {
         let mut b = r.encode();
         b[4] = 3;
         assert_eq!(Response::decode(&b), Err(WireError::UnknownStatus(3)));
+        b[4] = 2;
+        assert_eq!(
+            Response::decode(&b).map(|r| r.status),
+            Ok(Status::NoMessages)
+        );
     }
 }
