@@ -1327,6 +1327,10 @@ async fn standing_grants_serve_many_operations_until_their_exposure_goes() {
     assert!((1..=3 * OPS).contains(&calls), "{calls} calls");
     // A tcp session: every call came on the data path, none over gRPC.
     assert_eq!(counter("rcpd_buffer_notify_frames_total "), calls);
+    // Of the 2 * OPS writes, those a free connection took went with their
+    // notice (the others through the data path, told in batches).
+    let framed = counter("rcpd_buffer_framed_writes_total ");
+    assert!((1..=2 * OPS).contains(&framed), "{framed} framed writes");
 
     // Withdrawn: the next write fails, naming the exposure, and the
     // owner's bytes stay as they were.

@@ -188,6 +188,7 @@ pub struct Metrics {
     buffer_standing_grants: Counter,
     buffer_notify_calls: Counter,
     buffer_notify_frames: Counter,
+    buffer_framed_writes: Counter,
     buffer_notices: Counter,
     /// `rcp_rail_*_total`, in the order of [`RAIL_COUNTERS`].
     rail_counters: Vec<Family<Labels, Counter>>,
@@ -239,6 +240,7 @@ impl Metrics {
             buffer_standing_grants: Counter::default(),
             buffer_notify_calls: Counter::default(),
             buffer_notify_frames: Counter::default(),
+            buffer_framed_writes: Counter::default(),
             buffer_notices: Counter::default(),
             rail_counters: RAIL_COUNTERS.iter().map(|_| Family::default()).collect(),
             rail_up: Family::default(),
@@ -406,6 +408,12 @@ impl Metrics {
             m.buffer_notify_frames.clone(),
         );
         d.register(
+            "buffer_framed_writes",
+            "Small writes under standing grants this rcpd moved with their notice in one \
+             exchange on a connection of a tcp session (no data-path thread)",
+            m.buffer_framed_writes.clone(),
+        );
+        d.register(
             "buffer_notices",
             "Operations under standing grants told by BufferNotify",
             m.buffer_notices.clone(),
@@ -519,6 +527,11 @@ impl Metrics {
             self.buffer_notify_frames.inc();
         }
         self.buffer_notices.inc_by(notices as u64);
+    }
+
+    /// A write moved with its notice on a connection of a tcp session.
+    pub fn buffer_framed_write(&self) {
+        self.buffer_framed_writes.inc();
     }
 
     /// The Copy API closed `n` warm sessions left unused for the idle time.

@@ -4,35 +4,59 @@
 //! ([`crate::provider::tcp::wire`]) on a connection of the session (opened
 //! with the session's key, like its data connections), and its answer
 //! comes back on it: no gRPC call, no HTTP/2 stream, no task on either
-//! side between the socket and the check. Sent only after the notice's
-//! ranges completed, so it is ordered after the data, as a SEND after
-//! WRITEs on an RC QP.
+//! side between the socket and the check. It is ordered after the data,
+//! as a SEND after WRITEs on an RC QP: sent after the ranges completed,
+//! or, for a small write ([`Frames::write_notify`]), behind its WRITEs on
+//! the same connection in the same send, so that a write until the
+//! owner's event is one round trip between the rcpds with no thread of
+//! the data path in it.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use prost::Message;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::Failure;
 use crate::control::client::DataTarget;
 use crate::control::error::Reason;
+use crate::mem::memfd::LeasedRange;
 use crate::proto;
-use crate::provider::tcp::wire::{Hello, Op, Request, Response, Status, MAX_MESSAGE, RESP_LEN};
+use crate::provider::tcp::wire::{
+    Hello, Op, Request, Response, Status, MAX_MESSAGE, REQ_LEN, RESP_LEN,
+};
 
-/// A session's connection for notices.
+/// Connections kept open between calls.
+const IDLE: usize = 8;
+
+/// Writes at most this big (all ranges together) go on a connection of
+/// their own with their notice ([`Frames::write_notify`]); larger ones
+/// go through the data path's threads, which copy nothing.
+pub const WRITE_MAX: u64 = 256 << 10;
+
+/// A session's connections for notices and small writes.
 pub struct Frames {
     target: DataTarget,
     /// A standing grant of the peer's said it takes notices so.
     taken: AtomicBool,
-    /// Open between calls (one call at a time: the session's notices
-    /// have one in flight, [`super::notices::Notices`]).
-    conn: Mutex<Option<TcpStream>>,
+    /// Open between calls, each used by one call at a time.
+    idle: Mutex<Vec<TcpStream>>,
+    /// Writes on connections at once (more go through the data path).
+    writes: Arc<Semaphore>,
     tag: AtomicU64,
     /// A call that gets no answer this long fails (retryable).
     timeout: Duration,
+}
+
+/// Why a write on a connection did not end with the notice's answer.
+pub enum WriteFailed {
+    /// The peer refused a WRITE (a remote access error: its standing
+    /// grant is revoked); this connection is dropped, nothing else.
+    Refused(String),
+    Failed(Failure),
 }
 
 impl Frames {
@@ -40,7 +64,8 @@ impl Frames {
         Frames {
             target,
             taken: AtomicBool::new(false),
-            conn: Mutex::new(None),
+            idle: Mutex::new(Vec::new()),
+            writes: Arc::new(Semaphore::new(IDLE)),
             tag: AtomicU64::new(0),
             timeout,
         }
@@ -60,59 +85,146 @@ impl Frames {
         (payload.len() <= MAX_MESSAGE as usize).then_some(payload)
     }
 
+    /// Leave to write `bytes` on a connection with the notice: the peer
+    /// takes frames, the write is small, and a connection is free for it.
+    pub fn may_write(&self, bytes: u64) -> Option<OwnedSemaphorePermit> {
+        if !self.taken.load(Ordering::Relaxed) || bytes > WRITE_MAX {
+            return None;
+        }
+        self.writes.clone().try_acquire_owned().ok()
+    }
+
     /// Send `payload` (from [`Frames::encode`]) and take the answer.
     pub async fn call(
         &self,
         payload: &[u8],
         peer: &str,
     ) -> Result<proto::BufferNotifyResponse, Failure> {
+        let tag = self.tag.fetch_add(1, Ordering::Relaxed);
+        let mut out = Vec::with_capacity(payload.len() + REQ_LEN);
+        message(&mut out, tag, payload);
+        match self.exchange(out, &[], tag, peer).await {
+            Ok(r) => Ok(r),
+            Err(WriteFailed::Failed(f)) => Err(f),
+            Err(WriteFailed::Refused(m)) => Err(Failure::new(
+                Reason::Protocol,
+                format!("peer {peer} broke the protocol: a notice frame: {m}"),
+            )),
+        }
+    }
+
+    /// Write each `(bytes, addr, rkey)` and then `notice` on one
+    /// connection, in one send: the peer's target executes the WRITEs
+    /// and then hands the notice to its check (ordered after them, as a
+    /// SEND after WRITEs on an RC QP); the notice's answer.
+    pub async fn write_notify(
+        &self,
+        _permit: OwnedSemaphorePermit,
+        ranges: &[(&LeasedRange, u64, u32)],
+        notice: proto::BufferNotice,
+        peer: &str,
+    ) -> Result<proto::BufferNotifyResponse, WriteFailed> {
+        let msg = proto::BufferNotifyRequest {
+            session_id: 0,
+            ops: vec![notice],
+            node: String::new(),
+        }
+        .encode_to_vec();
+        let bytes: usize = ranges
+            .iter()
+            .map(|(r, _, _)| r.lease().len() as usize)
+            .sum();
+        let mut out = Vec::with_capacity(bytes + (ranges.len() + 1) * REQ_LEN + msg.len());
+        let mut tags = Vec::with_capacity(ranges.len());
+        for &(r, addr, rkey) in ranges {
+            let tag = self.tag.fetch_add(1, Ordering::Relaxed);
+            let req = Request {
+                op: Op::Write,
+                tag,
+                addr,
+                rkey,
+                len: r.lease().len() as u32,
+            };
+            out.extend_from_slice(&req.encode());
+            r.with(|b| out.extend_from_slice(b));
+            tags.push(tag);
+        }
+        let tag = self.tag.fetch_add(1, Ordering::Relaxed);
+        message(&mut out, tag, &msg);
+        self.exchange(out, &tags, tag, peer).await
+    }
+
+    /// Send `out` on a free connection, take the answers to the WRITEs
+    /// `writes` and then to the message `tag`.
+    async fn exchange(
+        &self,
+        out: Vec<u8>,
+        writes: &[u64],
+        tag: u64,
+        peer: &str,
+    ) -> Result<proto::BufferNotifyResponse, WriteFailed> {
         let broke = |e: std::io::Error| {
-            Failure::new(
+            WriteFailed::Failed(Failure::new(
                 Reason::Retryable,
                 format!(
                     "peer {peer}: the notices' connection to {}: {e}",
                     self.target.0
                 ),
-            )
+            ))
         };
-        let conn = self.conn.lock().unwrap().take();
+        let conn = self.idle.lock().unwrap().pop();
         let mut s = match conn {
             Some(s) => s,
             None => self.connect().await.map_err(broke)?,
         };
-        let tag = self.tag.fetch_add(1, Ordering::Relaxed);
-        let answer = tokio::time::timeout(self.timeout, exchange(&mut s, tag, payload))
-            .await
-            .unwrap_or_else(|_| {
-                Err(Exchange::Io(std::io::Error::new(
-                    std::io::ErrorKind::TimedOut,
-                    format!("no answer in {:?}", self.timeout),
-                )))
-            });
+        let answer = tokio::time::timeout(self.timeout, async {
+            s.write_all(&out).await?;
+            for &w in writes {
+                answer(&mut s, w, false).await?;
+            }
+            answer(&mut s, tag, true).await
+        })
+        .await
+        .unwrap_or_else(|_| {
+            Err(Exchange::Io(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("no answer in {:?}", self.timeout),
+            )))
+        });
         let bytes = match answer {
             Ok(b) => b,
             Err(Exchange::Io(e)) => return Err(broke(e)),
+            Err(Exchange::Refused) => {
+                return Err(WriteFailed::Refused(
+                    "a WRITE refused (a remote access error)".into(),
+                ))
+            }
             Err(Exchange::Broke(m)) => {
-                return Err(Failure::new(
+                return Err(WriteFailed::Failed(Failure::new(
                     Reason::Protocol,
                     format!("peer {peer} broke the protocol: a notice frame: {m}"),
-                ))
+                )))
             }
         };
         // The connection is in step again: kept for the next call.
-        *self.conn.lock().unwrap() = Some(s);
+        {
+            let mut idle = self.idle.lock().unwrap();
+            if idle.len() < IDLE {
+                idle.push(s);
+            }
+        }
         let f = proto::BufferNotifyFrame::decode(bytes.as_slice()).map_err(|e| {
-            Failure::new(
+            WriteFailed::Failed(Failure::new(
                 Reason::Protocol,
                 format!("peer {peer} broke the protocol: a notice frame's answer: {e}"),
-            )
+            ))
         })?;
         match f.response {
             Some(r) if f.error.is_empty() => Ok(r),
-            _ => Err(Failure::new(
+            _ => Err(WriteFailed::Failed(Failure::new(
                 Reason::try_from(f.reason).unwrap_or(Reason::Other),
                 format!("peer {peer}: {}", f.error),
-            )),
+            ))),
         }
     }
 
@@ -126,8 +238,24 @@ impl Frames {
     }
 }
 
+/// A MESSAGE request carrying `payload`, appended to `out`.
+fn message(out: &mut Vec<u8>, tag: u64, payload: &[u8]) {
+    let req = Request {
+        op: Op::Message,
+        tag,
+        addr: 0,
+        rkey: 0,
+        len: payload.len() as u32,
+    };
+    out.extend_from_slice(&req.encode());
+    out.extend_from_slice(payload);
+}
+
 enum Exchange {
     Io(std::io::Error),
+    /// A WRITE was refused: the target answers nothing more on the
+    /// connection.
+    Refused,
     /// The peer's answer does not fit the request.
     Broke(String),
 }
@@ -138,37 +266,28 @@ impl From<std::io::Error> for Exchange {
     }
 }
 
-/// One MESSAGE and its answer on `s`.
-async fn exchange(s: &mut TcpStream, tag: u64, payload: &[u8]) -> Result<Vec<u8>, Exchange> {
-    let req = Request {
-        op: Op::Message,
-        tag,
-        addr: 0,
-        rkey: 0,
-        len: payload.len() as u32,
-    };
-    let mut out = Vec::with_capacity(payload.len() + 32);
-    out.extend_from_slice(&req.encode());
-    out.extend_from_slice(payload);
-    s.write_all(&out).await?;
+/// The answer to request `tag` on `s`: a WRITE's (nothing) or a
+/// MESSAGE's (its payload).
+async fn answer(s: &mut TcpStream, tag: u64, message: bool) -> Result<Vec<u8>, Exchange> {
     let mut hdr = [0u8; RESP_LEN];
     s.read_exact(&mut hdr).await?;
     let resp = Response::decode(&hdr).map_err(|e| Exchange::Broke(e.to_string()))?;
     if resp.tag != tag {
         return Err(Exchange::Broke(format!(
-            "the answer to {} for message {tag}",
+            "the answer to {} for request {tag}",
             resp.tag
         )));
     }
     match resp.status {
-        Status::Ok if resp.len <= MAX_MESSAGE => {}
+        Status::Ok if !message && resp.len == 0 => return Ok(Vec::new()),
+        Status::Ok if message && resp.len <= MAX_MESSAGE => {}
         Status::Ok => return Err(Exchange::Broke(format!("an answer of {} bytes", resp.len))),
         Status::NoMessages => {
             return Err(Exchange::Broke(
                 "its standing grant said it takes notices as frames; its session takes none".into(),
             ))
         }
-        Status::RemoteAccess => return Err(Exchange::Broke("a remote access error".into())),
+        Status::RemoteAccess => return Err(Exchange::Refused),
     }
     let mut answer = vec![0u8; resp.len as usize];
     s.read_exact(&mut answer).await?;

@@ -18,6 +18,7 @@ use std::time::Instant;
 use tokio::sync::{oneshot, watch};
 
 use super::api::Desc;
+use super::frames::WriteFailed;
 use super::grant::digests;
 use super::{Buffers, Failure};
 use crate::control::error::{status_reason, Reason};
@@ -405,30 +406,70 @@ async fn standing(
         .map(|(i, r)| (i as u32, r, place(i as u32)))
         .collect();
     loop {
-        let landed = g.post(moving).await.map_err(|why| {
-            forget();
-            match g.post_failed(why) {
-                // The peer refused this operation's request: the grant is
-                // gone, which says nothing yet of the name now.
-                Attempt::Failed(e) if e.reason == Reason::FileNotFound => Attempt::Bystander {
-                    why: revoked(op, &e.message),
-                    closed: link.closed.clone(),
-                },
-                a => a,
+        let framed = if op.write {
+            let bytes = moving.iter().map(|(_, r, _)| r.lease().len()).sum();
+            link.notices
+                .frames
+                .as_ref()
+                .and_then(|f| Some((f, f.may_write(bytes)?)))
+        } else {
+            None
+        };
+        let (landed, result) = match framed {
+            // Small: the WRITEs and the notice in one exchange.
+            Some((f, permit)) => {
+                let ranges: Vec<_> = moving
+                    .iter()
+                    .map(|(_, r, at)| (r, at.addr, at.rkey))
+                    .collect();
+                let n = notice(op, sg.id, &digests, &core);
+                if let Some(m) = &link.client.options().metrics {
+                    m.buffer_framed_write();
+                }
+                let result = match f.write_notify(permit, &ranges, n, &op.peer).await {
+                    Ok(r) => one_result(op, r)?,
+                    Err(WriteFailed::Refused(m)) => {
+                        forget();
+                        return Err(Attempt::Revoked {
+                            why: revoked(op, &m),
+                        });
+                    }
+                    Err(WriteFailed::Failed(e)) => return Err(e.into()),
+                };
+                drop(ranges);
+                (moving.into_iter().map(|(i, r, _)| (i, r)).collect(), result)
             }
-        })?;
-        if cancelled.load(Relaxed) {
-            return Err(Failure::new(Reason::Other, "cancelled").into());
-        }
-        if !op.write && !check.is_none() {
-            // What landed, hashed; the peer compares.
-            let ds = super::grant::digests_by(check, &landed, |(_, r)| r);
-            for ((i, _), d) in landed.iter().zip(ds) {
-                digests[*i as usize] = d;
+            None => {
+                let landed = g.post(moving).await.map_err(|why| {
+                    forget();
+                    match g.post_failed(why) {
+                        // The peer refused this operation's request: the
+                        // grant is gone, which says nothing yet of the
+                        // name now.
+                        Attempt::Failed(e) if e.reason == Reason::FileNotFound => {
+                            Attempt::Bystander {
+                                why: revoked(op, &e.message),
+                                closed: link.closed.clone(),
+                            }
+                        }
+                        a => a,
+                    }
+                })?;
+                if cancelled.load(Relaxed) {
+                    return Err(Failure::new(Reason::Other, "cancelled").into());
+                }
+                if !op.write && !check.is_none() {
+                    // What landed, hashed; the peer compares.
+                    let ds = super::grant::digests_by(check, &landed, |(_, r)| r);
+                    for ((i, _), d) in landed.iter().zip(ds) {
+                        digests[*i as usize] = d;
+                    }
+                }
+                let n = notice(op, sg.id, &digests, &core);
+                let result: proto::BufferNoticeResult = link.notices.notify(n).await?;
+                (landed, result)
             }
-        }
-        let notice = notice(op, sg.id, &digests, &core);
-        let result = link.notices.notify(notice).await?;
+        };
         moving = match core.answered(&result) {
             Ok(StandingNext::Done) => return Ok(moved(link, op)),
             Ok(StandingNext::Damaged { bad, rounds }) => return Err(damaged(op, &bad, rounds)),
@@ -487,6 +528,25 @@ fn placing<'a>(
         addr: at.addr + (op.descs[i as usize].remote - base),
         ..at.clone()
     })
+}
+
+/// The one notice's result of an answer to one notice.
+fn one_result(
+    op: &OpSpec,
+    r: proto::BufferNotifyResponse,
+) -> Result<proto::BufferNoticeResult, Failure> {
+    let n = r.results.len();
+    let mut it = r.results.into_iter();
+    match (it.next(), n) {
+        (Some(one), 1) => Ok(one),
+        _ => Err(Failure::new(
+            Reason::Protocol,
+            format!(
+                "peer {} broke the protocol: BufferNotify: {n} results for 1 notice",
+                op.peer
+            ),
+        )),
+    }
 }
 
 /// The notice of the operation's round now under standing grant `id`.
