@@ -1392,6 +1392,81 @@ async fn standing_grants_serve_many_operations_until_their_exposure_goes() {
     d.stop().await;
 }
 
+/// Small writes under standing grants of two exposures, one of them
+/// withdrawn, started together (so that they share the exchanges that
+/// carry them with their notices): each write to the withdrawn one fails
+/// `not_found` naming it, each to the other is done and its bytes land;
+/// the withdrawn one's buffer is untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_write_fails_only_its_own_operation_among_those_sent_with_it() {
+    use rcp::control::buffers::api::{Desc, OpRequest};
+    const OPS: u64 = 16;
+    const LEN: u64 = 4096;
+    let dir = tempfile::tempdir().unwrap();
+    let (d, sock) = start_rcpd(dir.path()).await;
+    let addr = d.addr.clone();
+    let owner = ServiceClient::connect(Some(&sock), None).await.unwrap();
+    let keep = owner.create_buffer(OPS * LEN).await.unwrap();
+    let gone = owner.create_buffer(OPS * LEN).await.unwrap();
+    for (b, name) in [(&keep, "keep"), (&gone, "gone")] {
+        owner
+            .expose_standing(b, name, 0, OPS * LEN, "write", &[])
+            .await
+            .unwrap();
+    }
+    let writer = ServiceClient::connect_with(Some(&sock), None, false)
+        .await
+        .unwrap();
+    let src = writer.create_buffer(OPS * LEN).await.unwrap();
+    let data: Vec<u8> = (0..OPS * LEN).map(|i| (i * 13 + 5) as u8).collect();
+    assert!(src.local.write_at(0, &data));
+    let op = |name: &str, i: u64| OpRequest {
+        buffer: src.id,
+        peer: addr.clone(),
+        name: name.into(),
+        descs: vec![Desc {
+            local: i * LEN,
+            remote: i * LEN,
+            len: LEN,
+        }],
+        message: String::new(),
+        check: None,
+    };
+    // Both granted to the writer's session (standing), then one withdrawn.
+    for name in ["keep", "gone"] {
+        let h = writer.start_many(true, vec![op(name, 0)]).await.unwrap();
+        assert!(writer.wait_all(h).await.unwrap()[0].state == OpStateName::Done);
+    }
+    owner.unexpose("gone").await.unwrap();
+    assert!(gone.local.write_at(0, &vec![0u8; (OPS * LEN) as usize]));
+    let ops = (0..OPS)
+        .flat_map(|i| [op("keep", i), op("gone", i)])
+        .collect();
+    let hs = writer.start_many(true, ops).await.unwrap();
+    let st = tokio::time::timeout(HANG_GUARD, writer.wait_all(hs))
+        .await
+        .unwrap()
+        .unwrap();
+    for (k, s) in st.iter().enumerate() {
+        if k % 2 == 0 {
+            assert_eq!(s.state, OpStateName::Done, "{k}: {s:?}");
+        } else {
+            assert_eq!(s.state, OpStateName::Failed, "{k}: {s:?}");
+            let f = s.failure.as_ref().expect("a failure");
+            assert_eq!(f.reason.name(), "not_found", "{f:?}");
+            assert!(f.message.contains("\"gone\""), "{f:?}");
+        }
+    }
+    let mut got = vec![0u8; (OPS * LEN) as usize];
+    assert!(keep.local.read_at(0, &mut got));
+    assert!(got == data, "every write to keep landed");
+    assert!(gone.local.read_at(0, &mut got));
+    assert!(got.iter().all(|&b| b == 0), "nothing landed in gone");
+    drop(writer);
+    drop(owner);
+    d.stop().await;
+}
+
 /// The protocol of standing grants, raw: an rcpd that does not ask for
 /// one gets a grant per operation; one that asks gets the exposure whole,
 /// the same grant every time; a notice is checked against what landed

@@ -24,7 +24,7 @@ type Reply = oneshot::Sender<Result<proto::BufferNoticeResult, Failure>>;
 pub struct Notices {
     client: Client,
     /// Tcp sessions: the data path's way.
-    pub(super) frames: Option<Frames>,
+    pub(super) frames: Option<Arc<Frames>>,
     session_id: u64,
     /// The peer, for errors.
     peer: String,
@@ -43,7 +43,7 @@ impl Notices {
     /// `frames`.
     pub fn new(
         client: Client,
-        frames: Option<Frames>,
+        frames: Option<Arc<Frames>>,
         session_id: u64,
         peer: String,
     ) -> Arc<Notices> {

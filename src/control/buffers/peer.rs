@@ -406,34 +406,36 @@ async fn standing(
         .map(|(i, r)| (i as u32, r, place(i as u32)))
         .collect();
     loop {
-        let framed = if op.write {
-            let bytes = moving.iter().map(|(_, r, _)| r.lease().len()).sum();
-            link.notices
-                .frames
-                .as_ref()
-                .and_then(|f| Some((f, f.may_write(bytes)?)))
-        } else {
-            None
+        let framed = match &link.notices.frames {
+            Some(f)
+                if op.write && f.carries(moving.iter().map(|(_, r, _)| r.lease().len()).sum()) =>
+            {
+                Some(f)
+            }
+            _ => None,
         };
         let (landed, result) = match framed {
-            // Small: the WRITEs and the notice in one exchange.
-            Some((f, permit)) => {
+            // Small: the WRITEs and the notice in one exchange (with
+            // those of other small writes meanwhile).
+            Some(f) => {
+                if let Some(m) = &link.client.options().metrics {
+                    m.buffer_framed_write();
+                }
                 let ranges: Vec<_> = moving
                     .iter()
                     .map(|(_, r, at)| (r, at.addr, at.rkey))
                     .collect();
                 let n = notice(op, sg.id, &digests, &core);
-                if let Some(m) = &link.client.options().metrics {
-                    m.buffer_framed_write();
-                }
-                let result = match f.write_notify(permit, &ranges, n, &op.peer).await {
-                    Ok(r) => one_result(op, r)?,
+                let result = match f.write_notify(&ranges, n, &op.peer).await {
+                    Ok(r) => r,
                     Err(WriteFailed::Refused(m)) => {
                         forget();
                         return Err(Attempt::Revoked {
                             why: revoked(op, &m),
                         });
                     }
+                    // Nothing of it was told: the same round again.
+                    Err(WriteFailed::Again) => continue,
                     Err(WriteFailed::Failed(e)) => return Err(e.into()),
                 };
                 drop(ranges);
@@ -528,25 +530,6 @@ fn placing<'a>(
         addr: at.addr + (op.descs[i as usize].remote - base),
         ..at.clone()
     })
-}
-
-/// The one notice's result of an answer to one notice.
-fn one_result(
-    op: &OpSpec,
-    r: proto::BufferNotifyResponse,
-) -> Result<proto::BufferNoticeResult, Failure> {
-    let n = r.results.len();
-    let mut it = r.results.into_iter();
-    match (it.next(), n) {
-        (Some(one), 1) => Ok(one),
-        _ => Err(Failure::new(
-            Reason::Protocol,
-            format!(
-                "peer {} broke the protocol: BufferNotify: {n} results for 1 notice",
-                op.peer
-            ),
-        )),
-    }
 }
 
 /// The notice of the operation's round now under standing grant `id`.

@@ -360,7 +360,7 @@ pub(super) async fn link(
     let (closed_tx, closed) = watch::channel(());
     let frames = session
         .tcp_target()
-        .map(|t| super::frames::Frames::new(t, client.options().timeout));
+        .map(|t| Arc::new(super::frames::Frames::new(t, client.options().timeout)));
     let notices =
         super::notices::Notices::new(client.clone(), frames, session.id(), peer.to_string());
     let o = client.options();
