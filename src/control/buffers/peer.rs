@@ -396,10 +396,7 @@ async fn standing(
         sent: Vec::new(),
         posted: Mutex::new(Vec::new()),
     };
-    // The grant is gone with the exposure: the next operation asks anew.
-    let forget = || {
-        link.standing.lock().unwrap()[op.write as usize].remove(op.name.as_str());
-    };
+    let forget = || forget(link, op);
     let mut moving: Vec<Moving> = local
         .into_iter()
         .enumerate()
@@ -418,28 +415,12 @@ async fn standing(
             // Small: the WRITEs and the notice in one exchange (with
             // those of other small writes meanwhile).
             Some(f) => {
-                if let Some(m) = &link.client.options().metrics {
-                    m.buffer_framed_write();
-                }
-                let ranges: Vec<_> = moving
-                    .iter()
-                    .map(|(_, r, at)| (r, at.addr, at.rkey))
-                    .collect();
                 let n = notice(op, sg.id, &digests, &core);
-                let result = match f.write_notify(&ranges, n, &op.peer).await {
-                    Ok(r) => r,
-                    Err(WriteFailed::Refused(m)) => {
-                        forget();
-                        return Err(Attempt::Revoked {
-                            why: revoked(op, &m),
-                        });
-                    }
+                match write_framed(link, op, f, &moving, n).await? {
+                    Some(result) => (moving.into_iter().map(|(i, r, _)| (i, r)).collect(), result),
                     // Nothing of it was told: the same round again.
-                    Err(WriteFailed::Again) => continue,
-                    Err(WriteFailed::Failed(e)) => return Err(e.into()),
-                };
-                drop(ranges);
-                (moving.into_iter().map(|(i, r, _)| (i, r)).collect(), result)
+                    None => continue,
+                }
             }
             None => {
                 let landed = g.post(moving).await.map_err(|why| {
@@ -492,6 +473,45 @@ async fn standing(
             }
         };
     }
+}
+
+/// A small write's round moved with its notice on one of the session's
+/// connections ([`Frames::write_notify`]): the notice's result, or `None`
+/// when nothing of it was told (another write of its exchange was
+/// refused): the same round again.
+///
+/// [`Frames::write_notify`]: super::frames::Frames::write_notify
+async fn write_framed(
+    link: &PeerLink,
+    op: &OpSpec,
+    f: &Arc<super::frames::Frames>,
+    moving: &[Moving],
+    n: proto::BufferNotice,
+) -> Result<Option<proto::BufferNoticeResult>, Attempt> {
+    if let Some(m) = &link.client.options().metrics {
+        m.buffer_framed_write();
+    }
+    let ranges: Vec<_> = moving
+        .iter()
+        .map(|(_, r, at)| (r, at.addr, at.rkey))
+        .collect();
+    match f.write_notify(&ranges, n, &op.peer).await {
+        Ok(r) => Ok(Some(r)),
+        Err(WriteFailed::Refused(m)) => {
+            forget(link, op);
+            Err(Attempt::Revoked {
+                why: revoked(op, &m),
+            })
+        }
+        Err(WriteFailed::Again) => Ok(None),
+        Err(WriteFailed::Failed(e)) => Err(e.into()),
+    }
+}
+
+/// The session's standing grant of the operation's exposure is gone with
+/// the exposure: the next operation asks anew.
+fn forget(link: &PeerLink, op: &OpSpec) {
+    link.standing.lock().unwrap()[op.write as usize].remove(op.name.as_str());
 }
 
 /// Why an operation under a standing grant runs again: the grant was
