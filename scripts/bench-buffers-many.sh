@@ -9,6 +9,9 @@
 #   many  write_many() of 64, then wait_all() (2 requests per 64)
 #   quiet many, connected with done_events=False (no `done` event per
 #         operation)
+#   window    standing, the window in two halves: one half submitted
+#         (write_many) while the other is waited for (wait_all), so that
+#         never fewer than half are in flight (not in the default modes)
 #   standing  quiet, into an exposure with grant="standing" (one grant per
 #         session: each operation is its WRITE and one BufferNotify)
 # Operations per second (first request to last reply), and the CPU of both
@@ -50,19 +53,32 @@ ca, cb = rcp.connect(a_sock, done_events=(mode in ("one", "many"))), rcp.connect
 src = ca.create_buffer(inflight * size)
 dst = cb.create_buffer(total * size)
 name = f"bench{os.getpid()}"
-cb.expose(dst, name, grant="standing" if mode == "standing" else "per-op")
+cb.expose(dst, name, grant="standing" if mode in ("standing", "window") else "per-op")
 data = os.urandom(inflight * size)
 src.view[:] = data
 c0 = cpu(a_pid) + cpu(b_pid)
 t0 = time.perf_counter()
-for base in range(0, total, inflight):
+def done(st):
+    assert all(s["state"] == "done" for s in st), st
+if mode == "window":
+    # Two halves of the window: one submitted while the other is waited
+    # for, so that between inflight/2 and inflight are in flight at once.
+    half, waiting = inflight // 2, []
+    for k, base in enumerate(range(0, total, half)):
+        ops = [(src, b, name, [((k % 2 * half + i) * size, (base + i) * size, size)])
+               for i in range(half)]
+        waiting.append(ca.write_many(ops))
+        if len(waiting) == 2:
+            done(ca.wait_all(waiting.pop(0)))
+    for hs in waiting:
+        done(ca.wait_all(hs))
+for base in range(0, total if mode != "window" else 0, inflight):
     ops = [(src, b, name, [(i * size, (base + i) * size, size)]) for i in range(inflight)]
     if mode in ("many", "quiet", "standing"):
-        st = ca.wait_all(ca.write_many(ops))
+        done(ca.wait_all(ca.write_many(ops)))
     else:
         hs = [ca.write(*o) for o in ops]
-        st = [h.wait() for h in hs]
-    assert all(s["state"] == "done" for s in st), st
+        done([h.wait() for h in hs])
 t = time.perf_counter() - t0
 c = cpu(a_pid) + cpu(b_pid) - c0
 for base in range(0, total, inflight):
@@ -77,12 +93,13 @@ for p in $(seq "$PASSES"); do
     echo "pass $p $m: $ops operations/s, both rcpds $cpu CPU s per 1000 operations (load $(cut -d' ' -f1 /proc/loadavg))"
   done
 done
-"$py" - "${R[one]:-}" "${R[many]:-}" "${R[quiet]:-}" "${R[standing]:-}" \
-  "${C[one]:-}" "${C[many]:-}" "${C[quiet]:-}" "${C[standing]:-}" <<'EOF'
+"$py" - "${R[one]:-}" "${R[many]:-}" "${R[quiet]:-}" "${R[standing]:-}" "${R[window]:-}" \
+  "${C[one]:-}" "${C[many]:-}" "${C[quiet]:-}" "${C[standing]:-}" "${C[window]:-}" <<'EOF'
 import statistics as st, sys
-rs = [[float(x) for x in a.split()] for a in sys.argv[1:5]]
-cs = [[float(x) for x in a.split()] for a in sys.argv[5:9]]
-names = ("write + wait", "write_many + wait_all", "the same, no done events", "the same, standing grant")
+rs = [[float(x) for x in a.split()] for a in sys.argv[1:6]]
+cs = [[float(x) for x in a.split()] for a in sys.argv[6:11]]
+names = ("write + wait", "write_many + wait_all", "the same, no done events", "the same, standing grant",
+         "standing, two halves in turn")
 for name, v, c in zip(names, rs, cs):
     if v:
         print(f"{name:26s} median {st.median(v):.0f} ops/s ({min(v):.0f}-{max(v):.0f}), rcpds {st.median(c):.3f} CPU s / 1000 ops")
