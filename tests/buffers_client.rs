@@ -20,6 +20,7 @@ use rcp::control::buffers::api::{OpStateName, ServiceReason};
 use rcp::control::buffers::client::ServiceClient;
 use rcp::control::daemon::{self, DaemonConfig};
 use rcp::control::Transport;
+use rcp::provider::tcp::wire::{self, Status};
 use rcp::provider::ProviderKind;
 
 fn config(root: &std::path::Path, socket: &std::path::Path) -> DaemonConfig {
@@ -1467,6 +1468,48 @@ async fn a_refused_write_fails_only_its_own_operation_among_those_sent_with_it()
     d.stop().await;
 }
 
+/// A connection to a tcp session's data port carrying MESSAGE frames
+/// (notices on the data path), raw.
+struct Frames {
+    s: tokio::net::TcpStream,
+    tag: u64,
+}
+
+impl Frames {
+    async fn open(hs: &rcp::proto::HandshakeResponse) -> Frames {
+        use tokio::io::AsyncWriteExt;
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", hs.tcp_data_port as u16))
+            .await
+            .unwrap();
+        let key = hs.tcp_session_key.as_slice().try_into().unwrap();
+        s.write_all(&wire::Hello { key }.encode()).await.unwrap();
+        Frames { s, tag: 0 }
+    }
+
+    /// One MESSAGE and its answer: status and payload.
+    async fn send(&mut self, payload: &[u8]) -> (Status, Vec<u8>) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        self.tag += 1;
+        let req = wire::Request {
+            op: wire::Op::Message,
+            tag: self.tag,
+            addr: 0,
+            rkey: 0,
+            len: payload.len() as u32,
+        };
+        let mut out = req.encode().to_vec();
+        out.extend_from_slice(payload);
+        self.s.write_all(&out).await.unwrap();
+        let mut h = [0u8; wire::RESP_LEN];
+        self.s.read_exact(&mut h).await.unwrap();
+        let r = wire::Response::decode(&h).unwrap();
+        assert_eq!(r.tag, self.tag);
+        let mut body = vec![0u8; r.len as usize];
+        self.s.read_exact(&mut body).await.unwrap();
+        (r.status, body)
+    }
+}
+
 /// The protocol of standing grants, raw: an rcpd that does not ask for
 /// one gets a grant per operation; one that asks gets the exposure whole,
 /// the same grant every time; a notice is checked against what landed
@@ -1476,7 +1519,9 @@ async fn a_refused_write_fails_only_its_own_operation_among_those_sent_with_it()
 /// a standing grant is refused; and the grant dies with its session.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standing_grant_is_told_by_notices_and_dies_with_its_session() {
+    use prost::Message;
     use rcp::proto::{self, rcp_client::RcpClient};
+
     let dir = tempfile::tempdir().unwrap();
     let (d, sock) = start_rcpd(dir.path()).await;
     let owner = ServiceClient::connect(Some(&sock), None).await.unwrap();
@@ -1598,6 +1643,28 @@ async fn a_standing_grant_is_told_by_notices_and_dies_with_its_session() {
     assert_eq!((r[0].bad.clone(), r[0].ended), (vec![0], true));
     let ev = next_event(&owner).await;
     assert_eq!(ev["error"]["reason"], "integrity", "{ev}");
+    // The same on the data path (protocol 2.6): the grant says so, and a
+    // connection opened with the session's key carries MESSAGE frames.
+    assert!(sg.frames, "{sg:?}");
+    let mut fc = Frames::open(&hs).await;
+    let (status, answer) = fc.send(&[0xff; 7]).await;
+    assert_eq!(status, Status::Ok);
+    let f = proto::BufferNotifyFrame::decode(answer.as_slice()).unwrap();
+    assert!(f.response.is_none(), "{f:?}");
+    assert_eq!(f.reason, proto::Reason::Protocol as i32, "{f:?}");
+    assert!(f.error.contains("malformed"), "{f:?}");
+    let req = proto::BufferNotifyRequest {
+        ops: vec![notice(8192, zero.clone(), 0)],
+        ..Default::default()
+    };
+    let (status, answer) = fc.send(&req.encode_to_vec()).await;
+    assert_eq!(status, Status::Ok);
+    let f = proto::BufferNotifyFrame::decode(answer.as_slice()).unwrap();
+    let r = f.response.expect("an answer").results;
+    assert_eq!((r.len(), r[0].ended, r[0].error.as_str()), (1, true, ""));
+    let ev = next_event(&owner).await;
+    assert_eq!(ev["ranges"][0][0], 8192, "{ev}");
+
     // BufferDone is not how a standing grant's operations end.
     let e = c
         .buffer_done(proto::BufferDoneRequest {
@@ -1624,6 +1691,9 @@ async fn a_standing_grant_is_told_by_notices_and_dies_with_its_session() {
         .await
         .unwrap_err();
     assert!(e.message().contains("session"), "{e:?}");
+    // Its frames reach no one now: answered, and nothing is told.
+    let (status, _) = fc.send(&req.encode_to_vec()).await;
+    assert_eq!(status, Status::NoMessages);
     let hs2 = c
         .handshake(common::raw::hello(ProviderKind::Tcp, 1 << 20))
         .await
