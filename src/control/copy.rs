@@ -324,11 +324,12 @@ impl AdmittedCopy {
             job: self.job(id.clone()),
             counts: obs.0.clone(),
             outcome: Default::default(),
+            planned: Default::default(),
         });
         let nodes: Vec<String> = std::iter::once(req.remote.clone())
             .chain(req.fanout.iter().cloned())
             .collect();
-        let files = fanout::count_files(&nodes, |n| src.plan(n)).await?;
+        let files = fanout::count_files(&nodes, |n| src.count(n)).await?;
         let f = Fanout {
             nodes,
             id,
@@ -373,14 +374,22 @@ struct CopySource {
     counts: Arc<Counts>,
     /// The last send that finished.
     outcome: std::sync::Mutex<Option<jobs::Outcome>>,
+    /// The plan that counted the files, and the node it was made against:
+    /// the first hop's send, to the same node with the same job, runs it
+    /// instead of planning the tree again.
+    planned: std::sync::Mutex<Option<(String, jobs::Plan)>>,
 }
 
 impl CopySource {
-    async fn plan(&self, node: String) -> Result<jobs::Plan> {
+    /// Plan the push against `node`: how many files (the plan is kept).
+    async fn count(&self, node: String) -> Result<u64> {
         let peer = self.peers.admit(&node).await?;
         let lease = self.pool.lease(&peer, self.opts.clone()).await?;
         let locals = std::slice::from_ref(&self.local);
-        jobs::plan_push(lease.client(), locals, &self.remote_path, &self.job).await
+        let plan = jobs::plan_push(lease.client(), locals, &self.remote_path, &self.job).await?;
+        let files = plan.files.len() as u64;
+        *self.planned.lock().unwrap() = Some((node, plan));
+        Ok(files)
     }
 }
 
@@ -391,8 +400,17 @@ impl fanout::SourceSend for CopySource {
             let lease = self.pool.lease(&peer, self.opts.clone()).await?;
             let mut job = self.job.clone();
             job.resume |= resume;
-            let locals = std::slice::from_ref(&self.local);
-            let plan = jobs::plan_push(lease.client(), locals, &self.remote_path, &job).await?;
+            let kept = self.planned.lock().unwrap().take();
+            let plan = match kept {
+                Some((n, plan)) if n == node && !resume => {
+                    tracing::debug!(node = %crate::escape::esc(&node), files = plan.files.len(), "fan-out: the counting plan is the first hop's");
+                    plan
+                }
+                _ => {
+                    let locals = std::slice::from_ref(&self.local);
+                    jobs::plan_push(lease.client(), locals, &self.remote_path, &job).await?
+                }
+            };
             let obs = Obs(self.counts.clone());
             let o = jobs::run_over(lease.client(), &lease, plan, &obs).await?;
             *self.outcome.lock().unwrap() = Some(o);

@@ -218,16 +218,16 @@ async fn probe(node: &str, opts: ClientOptions) -> bool {
 }
 
 /// The fan-out's files, counted by a plan against the first node that
-/// answers (`plan`); the error of the last if none does.
-pub async fn count_files<F, Fut>(nodes: &[String], plan: F) -> Result<u64>
+/// answers (`count`); the error of the last if none does.
+pub async fn count_files<F, Fut>(nodes: &[String], count: F) -> Result<u64>
 where
     F: Fn(String) -> Fut,
-    Fut: std::future::Future<Output = Result<crate::control::jobs::Plan>>,
+    Fut: std::future::Future<Output = Result<u64>>,
 {
     let mut err = None;
     for n in nodes {
-        match plan(n.clone()).await {
-            Ok(p) => return Ok(p.files.len() as u64),
+        match count(n.clone()).await {
+            Ok(files) => return Ok(files),
             Err(e) => {
                 tracing::warn!(node = %crate::escape::esc(n), "fan-out: cannot plan against it: {}", crate::escape::esc(&e));
                 err = Some(e);
