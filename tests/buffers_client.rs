@@ -53,6 +53,10 @@ struct Daemon {
 
 impl Daemon {
     async fn start(cfg: DaemonConfig) -> Daemon {
+        // On a port of the kernel's choosing, anything logged about the
+        // address was about an earlier rcpd (a restart on a given
+        // address keeps its history).
+        let new_port = cfg.listen.port() == 0;
         let (tx, rx) = tokio::sync::oneshot::channel();
         let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
         let server = tokio::spawn(async move {
@@ -69,6 +73,9 @@ impl Daemon {
         });
         let bound: daemon::Bound = rx.await.unwrap();
         let addr = bound.grpc.to_string();
+        if new_port {
+            forget_peer(&addr);
+        }
         Daemon {
             addr,
             bound,
@@ -761,8 +768,14 @@ fn peer_log(peer: &str) -> Vec<Logged> {
 /// What [`PEER_LOG`] logged that `which`, in order (the first call installs
 /// the recorder, for every rcpd of this test binary).
 fn logged(which: impl Fn(&Logged) -> bool) -> Vec<Logged> {
+    let log = recorded().lock().unwrap();
+    log.iter().filter(|l| which(l)).cloned().collect()
+}
+
+/// The recorder's lines, installed at the first call.
+fn recorded() -> &'static Mutex<Vec<Logged>> {
     static LOG: OnceLock<Arc<Mutex<Vec<Logged>>>> = OnceLock::new();
-    let log = LOG.get_or_init(|| {
+    LOG.get_or_init(|| {
         use tracing_subscriber::layer::SubscriberExt;
         let log = Arc::default();
         tracing::subscriber::set_global_default(
@@ -770,9 +783,18 @@ fn logged(which: impl Fn(&Logged) -> bool) -> Vec<Logged> {
         )
         .expect("no other subscriber in this test binary");
         log
-    });
-    let log = log.lock().unwrap();
-    log.iter().filter(|l| which(l)).cloned().collect()
+    })
+}
+
+/// Forget what was logged about `peer`: an rcpd now listening there on a
+/// port the kernel chose is new (an earlier test's rcpd may have had the
+/// same port).
+fn forget_peer(peer: &str) {
+    let quoted = format!("\"{peer}\"");
+    recorded()
+        .lock()
+        .unwrap()
+        .retain(|l| l.fields.get("peer") != Some(&quoted));
 }
 
 /// The ids of the sessions opened to `peer` for buffer operations, and the
