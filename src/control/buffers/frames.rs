@@ -263,23 +263,13 @@ impl Frames {
         message(&mut m, tag, &msg);
         out.push(m);
         let sent = replies.len();
-        match self.exchange(out, &writes, tag, peer).await {
-            Ok(r) if r.results.len() == sent => {
-                for (tx, res) in replies.into_iter().zip(r.results) {
+        let answer = self.exchange(out, &writes, tag, peer).await.and_then(|r| {
+            super::notices::results_of(r, sent, peer).map_err(|e| (None, WriteFailed::Failed(e)))
+        });
+        match answer {
+            Ok(results) => {
+                for (tx, res) in replies.into_iter().zip(results) {
                     let _ = tx.send(Ok(res));
-                }
-            }
-            Ok(r) => {
-                let e = Failure::new(
-                    Reason::Protocol,
-                    format!(
-                        "peer {peer} broke the protocol: BufferNotify: {} results for {sent} \
-                         notices",
-                        r.results.len()
-                    ),
-                );
-                for tx in replies {
-                    let _ = tx.send(Err(WriteFailed::Failed(e.clone())));
                 }
             }
             Err((Some(k), WriteFailed::Refused(m))) => {

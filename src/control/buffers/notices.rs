@@ -101,34 +101,17 @@ impl Notices {
                     node: String::new(),
                 })
                 .await;
-            let peer = &self.peer;
-            let results = match r {
-                Ok(resp) if resp.results.len() == sent => resp.results,
-                Ok(resp) => {
-                    let e = Failure::new(
-                        Reason::Protocol,
-                        format!(
-                            "peer {peer} broke the protocol: BufferNotify: {} results for \
-                             {sent} notices",
-                            resp.results.len()
-                        ),
-                    );
-                    fail_all(replies, e);
-                    continue;
+            match r.and_then(|resp| results_of(resp, sent, &self.peer)) {
+                Ok(results) => {
+                    for (tx, res) in replies.into_iter().zip(results) {
+                        let _ = tx.send(Ok(res));
+                    }
                 }
-                Err(e) => {
-                    fail_all(replies, e);
-                    continue;
-                }
-            };
-            for (tx, res) in replies.into_iter().zip(results) {
-                let _ = tx.send(Ok(res));
+                Err(e) => fail_all(replies, e),
             }
         }
     }
-}
 
-impl Notices {
     /// One call: a frame where it may go as one, else gRPC.
     async fn call(
         &self,
@@ -146,6 +129,25 @@ impl Notices {
             )
         })
     }
+}
+
+/// A notify call's results, one per notice of the `sent` it carried (any
+/// other count breaks the protocol).
+pub(super) fn results_of(
+    resp: proto::BufferNotifyResponse,
+    sent: usize,
+    peer: &str,
+) -> Result<Vec<proto::BufferNoticeResult>, Failure> {
+    if resp.results.len() != sent {
+        return Err(Failure::new(
+            Reason::Protocol,
+            format!(
+                "peer {peer} broke the protocol: BufferNotify: {} results for {sent} notices",
+                resp.results.len()
+            ),
+        ));
+    }
+    Ok(resp.results)
 }
 
 fn fail_all(replies: Vec<Reply>, e: Failure) {

@@ -488,15 +488,17 @@ async fn write_framed(
     moving: &[Moving],
     n: proto::BufferNotice,
 ) -> Result<Option<proto::BufferNoticeResult>, Attempt> {
-    if let Some(m) = &link.client.options().metrics {
-        m.buffer_framed_write();
-    }
     let ranges: Vec<_> = moving
         .iter()
         .map(|(_, r, at)| (r, at.addr, at.rkey))
         .collect();
     match f.write_notify(&ranges, n, &op.peer).await {
-        Ok(r) => Ok(Some(r)),
+        Ok(r) => {
+            if let Some(m) = &link.client.options().metrics {
+                m.buffer_framed_write();
+            }
+            Ok(Some(r))
+        }
         Err(WriteFailed::Refused(m)) => {
             forget(link, op);
             Err(Attempt::Revoked {
