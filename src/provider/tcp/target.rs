@@ -414,65 +414,62 @@ fn serve(shared: &Shared, stream: TcpStream) -> Result<(), ServeError> {
         }
         if req.op == Op::Message {
             message(&domain, &req, &mut reader, &mut writer)?;
-            if reader.buffer().is_empty() {
-                writer.flush()?;
-            }
-            continue;
-        }
-        match authorize(&domain, &req) {
-            None => {
-                tracing::warn!(
-                    op = ?req.op, addr = format_args!("{:#x}", req.addr), rkey = format_args!("{:#x}", req.rkey),
-                    len = req.len, "tcp target: remote access error"
-                );
-                if req.op == Op::Write {
-                    discard(&mut reader, req.len)?;
-                }
-                let resp = Response {
-                    status: Status::RemoteAccess,
-                    tag: req.tag,
-                    len: 0,
-                };
-                writer.write_all(&resp.encode())?;
-                writer.flush()?;
-                errored = true;
-                continue;
-            }
-            Some((entry, off)) => {
-                let n = req.len as usize;
-                match req.op {
-                    Op::Write => {
-                        // Straight from the socket into registered memory.
-                        // SAFETY: this is the emulated NIC writing memory
-                        // its owner registered with REMOTE_WRITE (checked in
-                        // `lookup`): registering a span for remote access
-                        // lends it to the peers holding the rkey until the
-                        // registration is dropped, exactly as with a real
-                        // device, and the owner's protocol leaves a granted
-                        // window alone. Only this connection's thread
-                        // executes this request.
-                        unsafe { entry.span.with_mut(off, n, |buf| reader.read_exact(buf)) }
-                            .unwrap_or_else(|| Err(out_of_range()))?;
-                        let resp = Response {
-                            status: Status::Ok,
-                            tag: req.tag,
-                            len: 0,
-                        };
-                        writer.write_all(&resp.encode())?;
+        } else {
+            match authorize(&domain, &req) {
+                None => {
+                    tracing::warn!(
+                        op = ?req.op, addr = format_args!("{:#x}", req.addr), rkey = format_args!("{:#x}", req.rkey),
+                        len = req.len, "tcp target: remote access error"
+                    );
+                    if req.op == Op::Write {
+                        discard(&mut reader, req.len)?;
                     }
-                    Op::Message => unreachable!("messages are served before authorize"),
-                    Op::Read => {
-                        let resp = Response {
-                            status: Status::Ok,
-                            tag: req.tag,
-                            len: req.len,
-                        };
-                        writer.write_all(&resp.encode())?;
-                        // Straight from registered memory into the socket.
-                        entry
-                            .span
-                            .with(off, n, |buf| writer.write_all(buf))
-                            .unwrap_or_else(|| Err(out_of_range()))?;
+                    let resp = Response {
+                        status: Status::RemoteAccess,
+                        tag: req.tag,
+                        len: 0,
+                    };
+                    writer.write_all(&resp.encode())?;
+                    writer.flush()?;
+                    errored = true;
+                    continue;
+                }
+                Some((entry, off)) => {
+                    let n = req.len as usize;
+                    match req.op {
+                        Op::Write => {
+                            // Straight from the socket into registered memory.
+                            // SAFETY: this is the emulated NIC writing memory
+                            // its owner registered with REMOTE_WRITE (checked in
+                            // `lookup`): registering a span for remote access
+                            // lends it to the peers holding the rkey until the
+                            // registration is dropped, exactly as with a real
+                            // device, and the owner's protocol leaves a granted
+                            // window alone. Only this connection's thread
+                            // executes this request.
+                            unsafe { entry.span.with_mut(off, n, |buf| reader.read_exact(buf)) }
+                                .unwrap_or_else(|| Err(out_of_range()))?;
+                            let resp = Response {
+                                status: Status::Ok,
+                                tag: req.tag,
+                                len: 0,
+                            };
+                            writer.write_all(&resp.encode())?;
+                        }
+                        Op::Message => unreachable!("messages are served before authorize"),
+                        Op::Read => {
+                            let resp = Response {
+                                status: Status::Ok,
+                                tag: req.tag,
+                                len: req.len,
+                            };
+                            writer.write_all(&resp.encode())?;
+                            // Straight from registered memory into the socket.
+                            entry
+                                .span
+                                .with(off, n, |buf| writer.write_all(buf))
+                                .unwrap_or_else(|| Err(out_of_range()))?;
+                        }
                     }
                 }
             }
