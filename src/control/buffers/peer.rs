@@ -403,14 +403,8 @@ async fn standing(
         .map(|(i, r)| (i as u32, r, place(i as u32)))
         .collect();
     loop {
-        let framed = match &link.notices.frames {
-            Some(f)
-                if op.write && f.carries(moving.iter().map(|(_, r, _)| r.lease().len()).sum()) =>
-            {
-                Some(f)
-            }
-            _ => None,
-        };
+        let bytes = || moving.iter().map(|(_, r, _)| r.lease().len()).sum();
+        let framed = (link.notices.frames.as_ref()).filter(|f| op.write && f.carries(bytes()));
         let (landed, result) = match framed {
             // Small: the WRITEs and the notice in one exchange (with
             // those of other small writes meanwhile).
