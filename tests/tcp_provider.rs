@@ -955,3 +955,43 @@ fn messages_reach_their_sessions_taker_in_order_and_no_one_else() {
     let mut rest = Vec::new();
     assert_eq!(s.read_to_end(&mut rest).unwrap(), 0, "dropped, unanswered");
 }
+
+#[test]
+fn a_write_is_answered_before_the_target_waits_for_the_next_one() {
+    // A stream of WRITEs keeps part of the next one in the target's
+    // buffer: the answer to the one executed must leave then, not when
+    // the stream pauses (a window that landed would be told only with the
+    // windows after it: docs/fanout.md). Here the initiator sends one
+    // WRITE whole and the next one in part, then waits for the first
+    // answer before it sends the rest.
+    use rcp::provider::tcp::wire::{Op, Request, Response, Status, RESP_LEN};
+    let r = rig(MIB, MIB, 16);
+    let write = |tag, off: usize, len: usize| {
+        let mut b = Request {
+            op: Op::Write,
+            tag,
+            addr: r.remote.addr(off),
+            rkey: r.rreg.rkey(),
+            len: len as u32,
+        }
+        .encode()
+        .to_vec();
+        b.extend(std::iter::repeat_n(tag as u8, len));
+        b
+    };
+    let mut s = TcpStream::connect(r.target.local_addr()).unwrap();
+    s.set_read_timeout(Some(T)).unwrap();
+    let (first, second) = (write(1, 0, 64 << 10), write(2, 64 << 10, 64 << 10));
+    let mut out = first;
+    out.extend_from_slice(&second[..32 + 1000]);
+    s.write_all(&out).unwrap();
+    let mut h = [0u8; RESP_LEN];
+    s.read_exact(&mut h)
+        .expect("the first WRITE answered while the second is incomplete");
+    let resp = Response::decode(&h).unwrap();
+    assert_eq!((resp.status, resp.tag), (Status::Ok, 1));
+    s.write_all(&second[32 + 1000..]).unwrap();
+    s.read_exact(&mut h).unwrap();
+    assert_eq!(Response::decode(&h).unwrap().tag, 2);
+    assert_eq!(r.remote.bytes(64 << 10, 64 << 10), vec![2u8; 64 << 10]);
+}

@@ -318,6 +318,19 @@ fn read_header(r: &mut impl Read, buf: &mut [u8]) -> io::Result<bool> {
     Ok(true)
 }
 
+/// `buf` holds the next request whole (its header and any payload it
+/// carries): it runs without reading the socket.
+fn next_is_buffered(buf: &[u8]) -> bool {
+    let Some(hdr) = buf.first_chunk::<REQ_LEN>() else {
+        return false;
+    };
+    match Request::decode(hdr) {
+        Ok(r) if r.op == Op::Read => true,
+        Ok(r) => buf.len() - REQ_LEN >= r.len as usize,
+        Err(_) => false,
+    }
+}
+
 fn discard(r: &mut impl Read, n: u32) -> io::Result<()> {
     let copied = io::copy(&mut r.take(u64::from(n)), &mut io::sink())?;
     if copied < u64::from(n) {
@@ -474,8 +487,12 @@ fn serve(shared: &Shared, stream: TcpStream) -> Result<(), ServeError> {
                 }
             }
         }
-        // Answer as soon as there is nothing more queued to execute.
-        if reader.buffer().is_empty() {
+        // Answer before the next request could wait on the socket. A test
+        // of an empty buffer is not that: a stream of WRITEs keeps part
+        // of the next one buffered, and every answer would wait until the
+        // stream paused (a window that landed would be told only with the
+        // windows after it).
+        if !next_is_buffered(reader.buffer()) {
             writer.flush()?;
         }
     }
