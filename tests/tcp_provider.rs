@@ -995,3 +995,64 @@ fn a_write_is_answered_before_the_target_waits_for_the_next_one() {
     assert_eq!(Response::decode(&h).unwrap().tag, 2);
     assert_eq!(r.remote.bytes(64 << 10, 64 << 10), vec![2u8; 64 << 10]);
 }
+
+#[test]
+fn a_post_does_not_wait_for_the_link_and_a_closed_channel_lets_go() {
+    // A target that accepts and never reads: the sockets fill. Like a
+    // NIC's send queue, `post` queues and returns (the data path's thread
+    // that posts also takes the completions); dropping the channel then
+    // ends its threads. The payload is larger than any socket buffers.
+    let remote = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = remote.local_addr().unwrap();
+    let held = std::thread::spawn(move || {
+        let mut conns = Vec::new();
+        for c in remote.incoming().take(DEFAULT_CONNS) {
+            conns.push(c.unwrap());
+        }
+        conns
+    });
+    let local = Mem::new(64 * MIB);
+    let lreg = local.reg(0, 64 * MIB, Access::LOCAL_WRITE);
+    let ch = TcpChannel::connect(local.domain.clone(), addr, DEFAULT_CONNS, 64).unwrap();
+    let conns = held.join().unwrap();
+    let wrs: Vec<WorkRequest> = (0..64)
+        .map(|i| WorkRequest {
+            wr_id: i,
+            kind: OpKind::Write,
+            local: LocalSeg {
+                addr: local.addr(i as usize * MIB),
+                len: MIB as u32,
+                lkey: lreg.lkey(),
+            },
+            remote: RemoteSeg {
+                addr: 0x1000,
+                rkey: 1,
+            },
+            signaled: i == 63,
+            inline: false,
+        })
+        .collect();
+    let ch = Arc::new(ch);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let poster = {
+        let ch = ch.clone();
+        std::thread::spawn(move || {
+            // SAFETY: `local` outlives the channel (its threads are joined
+            // when the last clone drops, before the arena); nothing else
+            // touches those bytes.
+            unsafe { ch.post(&wrs) }.unwrap();
+            tx.send(()).unwrap();
+        })
+    };
+    let posted = rx.recv_timeout(T);
+    if posted.is_err() {
+        // Cut the connections under the post so the test ends.
+        drop(conns);
+        poster.join().unwrap();
+        panic!("post waited for a link that carries nothing");
+    }
+    poster.join().unwrap();
+    assert_eq!(ch.outstanding(), 64);
+    drop(ch);
+    drop(conns);
+}

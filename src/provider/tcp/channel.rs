@@ -1,5 +1,13 @@
 //! The active side: a channel of several TCP connections with RC completion
 //! semantics.
+//!
+//! Like a NIC's send queue, `post` only queues: each connection has a
+//! sending thread (`rcp-tcp-tx{c}`) that copies the requests and their
+//! WRITE payloads into its socket, and a reader (`rcp-tcp-cq{c}`) that takes
+//! the target's answers. A post that waited for the socket would hold the
+//! poster (the data path's thread that also takes completions) for as long
+//! as the link needs to carry the chain: a window that landed would be
+//! reported only once the next one had been written out (docs/fanout.md).
 
 use std::collections::{BTreeMap, VecDeque};
 use std::io::{self, BufReader, BufWriter, Read, Write};
@@ -10,7 +18,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use super::domain::{Entry, TcpDomain};
-use super::wire::{Hello, Op, Request, Response, Status, KEY_LEN, MAX_LEN, RESP_LEN};
+use super::wire::{Hello, Op, Request, Response, Status, KEY_LEN, MAX_LEN, REQ_LEN, RESP_LEN};
 use super::SOCKET_BUF;
 use crate::engine::{OpKind, WcStatus, WorkCompletion, WorkRequest};
 use crate::provider::{
@@ -67,6 +75,27 @@ struct Pending {
     seq: u64,
     /// READ destination: local registration, offset, length.
     dest: Option<(Arc<Entry>, usize, u32)>,
+}
+
+/// One request for a connection's sending thread: its header and, for a
+/// WRITE, where its payload is (local registration, offset, length).
+struct TxItem {
+    seq: u64,
+    header: [u8; REQ_LEN],
+    payload: Option<(Arc<Entry>, usize, usize)>,
+}
+
+/// A connection's send queue: parts of chains in post order.
+#[derive(Default)]
+struct TxQueue {
+    parts: VecDeque<Vec<TxItem>>,
+    closing: bool,
+}
+
+#[derive(Default)]
+struct Tx {
+    queue: Mutex<TxQueue>,
+    cv: Condvar,
 }
 
 struct Shared {
@@ -161,7 +190,7 @@ impl Shared {
         }
     }
 
-    /// `post` is done with the local memory of `seqs`.
+    /// The sending thread is done with the local memory of `seqs`.
     fn sent(&self, seqs: impl Iterator<Item = u64>) {
         let mut st = lock(&self.state);
         for k in seqs {
@@ -210,11 +239,13 @@ impl Shared {
 pub struct TcpChannel {
     shared: Arc<Shared>,
     domain: Arc<TcpDomain>,
-    writers: Vec<Mutex<BufWriter<TcpStream>>>,
+    /// Each connection's send queue, served by its sending thread.
+    txs: Vec<Arc<Tx>>,
     /// Serializes posts (and holds the round-robin cursor) so sequence
     /// numbers and per-connection wire order agree.
     post_lock: Mutex<usize>,
-    readers: Vec<JoinHandle<()>>,
+    /// The connections' readers and sending threads.
+    threads: Vec<JoinHandle<()>>,
     caps: ChannelCaps,
     peer: SocketAddr,
 }
@@ -223,7 +254,7 @@ impl std::fmt::Debug for TcpChannel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TcpChannel")
             .field("peer", &self.peer)
-            .field("conns", &self.writers.len())
+            .field("conns", &self.txs.len())
             .field("caps", &self.caps)
             .finish()
     }
@@ -280,6 +311,7 @@ impl TcpChannel {
             sockets.push(s.try_clone().map_err(io_err("cloning a socket"))?);
             readers_in.push(s.try_clone().map_err(io_err("cloning a socket"))?);
         }
+        let txs: Vec<Arc<Tx>> = (0..conns).map(|_| Arc::default()).collect();
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
                 next_seq: 0,
@@ -294,40 +326,38 @@ impl TcpChannel {
             sockets,
             closing: AtomicBool::new(false),
         });
-        let mut readers = Vec::with_capacity(conns);
-        for (c, s) in readers_in.into_iter().enumerate() {
-            let sh = shared.clone();
+        let mut threads = Vec::with_capacity(2 * conns);
+        let ends = readers_in.into_iter().zip(streams).enumerate();
+        for (c, (r, w)) in ends {
+            let (sh, sh2, tx) = (shared.clone(), shared.clone(), txs[c].clone());
             let h = std::thread::Builder::new()
                 .name(format!("rcp-tcp-cq{c}"))
-                .spawn(move || reader_loop(&sh, c, s));
+                .spawn(move || reader_loop(&sh, c, r))
+                .and_then(|h| {
+                    threads.push(h);
+                    std::thread::Builder::new()
+                        .name(format!("rcp-tcp-tx{c}"))
+                        .spawn(move || sender_loop(&sh2, &tx, c, w))
+                });
             match h {
-                Ok(h) => readers.push(h),
+                Ok(h) => threads.push(h),
                 Err(e) => {
-                    shared.closing.store(true, Ordering::SeqCst);
-                    for s in &shared.sockets {
-                        let _ = s.shutdown(Shutdown::Both);
-                    }
-                    for h in readers {
-                        let _ = h.join();
-                    }
-                    return Err(io_err("spawning a TCP channel reader")(e));
+                    stop(&shared, &txs, threads);
+                    return Err(io_err("spawning a TCP channel thread")(e));
                 }
             }
         }
         Ok(TcpChannel {
             shared,
             domain,
-            writers: streams
-                .into_iter()
-                .map(|s| Mutex::new(BufWriter::with_capacity(SOCKET_BUF, s)))
-                .collect(),
+            txs,
             post_lock: Mutex::new(0),
-            readers,
+            threads,
             caps: ChannelCaps {
                 sq_depth,
-                // Every write is copied into the socket before `post`
-                // returns, but without an lkey there is no safe way to reach
-                // the bytes: no inline.
+                // Every write is copied into the socket from its
+                // registration; without an lkey there is no safe way to
+                // reach the bytes: no inline.
                 max_inline: 0,
                 max_sge: 1,
             },
@@ -355,7 +385,7 @@ impl TcpChannel {
     }
 
     pub fn connections(&self) -> usize {
-        self.writers.len()
+        self.txs.len()
     }
 
     /// Requests posted and not yet retired.
@@ -387,11 +417,9 @@ impl TcpChannel {
         Ok((e, off))
     }
 
-    /// Write `part` (with its sequence numbers) to connection `c` as one
-    /// buffered send. On failure, the first request of the part is the
-    /// culprit.
+    /// Queue `part` (with its sequence numbers) for connection `c`'s
+    /// sending thread, which writes it as one buffered send.
     fn send(&self, c: usize, part: &[(u64, &WorkRequest, Arc<Entry>, usize)]) {
-        let mut w = lock(&self.writers[c]);
         {
             let mut fifo = lock(&self.shared.fifos[c]);
             for (seq, wr, e, off) in part {
@@ -401,9 +429,11 @@ impl TcpChannel {
                 });
             }
         }
-        let res = (|| -> io::Result<()> {
-            for (seq, wr, e, off) in part {
-                let req = Request {
+        let items = part
+            .iter()
+            .map(|(seq, wr, e, off)| TxItem {
+                seq: *seq,
+                header: Request {
                     op: match wr.kind {
                         OpKind::Write => Op::Write,
                         OpKind::Read => Op::Read,
@@ -412,26 +442,78 @@ impl TcpChannel {
                     addr: wr.remote.addr,
                     rkey: wr.remote.rkey,
                     len: wr.local.len,
-                };
-                w.write_all(&req.encode())?;
-                if wr.kind == OpKind::Write {
-                    // Straight from registered memory into the socket.
-                    e.span
-                        .with(*off, wr.local.len as usize, |b| w.write_all(b))
-                        .unwrap_or_else(|| Err(io::Error::other("local range changed")))?;
                 }
+                .encode(),
+                payload: (wr.kind == OpKind::Write)
+                    .then(|| (e.clone(), *off, wr.local.len as usize)),
+            })
+            .collect();
+        let tx = &self.txs[c];
+        lock(&tx.queue).parts.push_back(items);
+        tx.cv.notify_one();
+    }
+}
+
+/// Stop a channel's threads: the readers see their sockets shut, the
+/// sending threads their queues closing (what is still queued is never
+/// sent: its memory is released as sent, the channel being closed).
+fn stop(shared: &Shared, txs: &[Arc<Tx>], threads: Vec<JoinHandle<()>>) {
+    shared.closing.store(true, Ordering::SeqCst);
+    for s in &shared.sockets {
+        let _ = s.shutdown(Shutdown::Both);
+    }
+    for tx in txs {
+        lock(&tx.queue).closing = true;
+        tx.cv.notify_all();
+    }
+    for h in threads {
+        let _ = h.join();
+    }
+}
+
+/// Connection `c`'s sending thread: each queued part as one buffered send,
+/// in post order. A part's memory is released ([`Shared::sent`]) once its
+/// bytes are out of it; on a write error the part's first request is the
+/// culprit and the connection is cut.
+fn sender_loop(sh: &Shared, tx: &Tx, c: usize, stream: TcpStream) {
+    let mut w = BufWriter::with_capacity(SOCKET_BUF, stream);
+    loop {
+        let (parts, closing) = {
+            let mut q = lock(&tx.queue);
+            while q.parts.is_empty() && !q.closing {
+                q = tx.cv.wait(q).unwrap_or_else(|e| e.into_inner());
             }
-            w.flush()
-        })();
-        if res.is_err() {
-            // The connection is finished; what is still buffered never goes.
-            let _ = w.get_ref().shutdown(Shutdown::Both);
+            (std::mem::take(&mut q.parts), q.closing)
+        };
+        if closing {
+            for part in parts {
+                sh.sent(part.iter().map(|i| i.seq));
+            }
+            return;
         }
-        drop(w);
-        self.shared.sent(part.iter().map(|p| p.0));
-        if let Err(e) = res {
-            self.shared
-                .conn_died(c, Some(part[0].0), WcStatus::Fatal, &e);
+        for part in parts {
+            let res = (|| -> io::Result<()> {
+                for i in &part {
+                    w.write_all(&i.header)?;
+                    if let Some((e, off, len)) = &i.payload {
+                        // Straight from registered memory into the socket:
+                        // the request is not retired (nor its memory handed
+                        // back) before `sent` below.
+                        e.span
+                            .with(*off, *len, |b| w.write_all(b))
+                            .unwrap_or_else(|| Err(io::Error::other("local range changed")))?;
+                    }
+                }
+                w.flush()
+            })();
+            if res.is_err() {
+                // The connection is finished; what is still buffered never goes.
+                let _ = w.get_ref().shutdown(Shutdown::Both);
+            }
+            sh.sent(part.iter().map(|i| i.seq));
+            if let Err(e) = res {
+                sh.conn_died(c, Some(part[0].seq), WcStatus::Fatal, &e);
+            }
         }
     }
 }
@@ -449,8 +531,10 @@ impl Channel for TcpChannel {
     ///
     /// As [`Channel::post`]: the local segment of every request is
     /// registered in this channel's domain and left to the channel until the
-    /// request is retired. WRITE payloads are copied out of it before `post`
-    /// returns; READ payloads are copied into it by a reader thread, before
+    /// request is retired. WRITE payloads are copied out of it by the
+    /// connection's sending thread, which releases the request
+    /// ([`Posted::busy`]) only after; READ payloads are copied into it by a
+    /// reader thread, before
     /// the completion that retires the request is reported (a request whose
     /// payload is still landing is never flushed early: [`Posted::busy`]).
     unsafe fn post(&self, wrs: &[WorkRequest]) -> Result<(), PostFailure> {
@@ -515,7 +599,7 @@ impl Channel for TcpChannel {
             .collect();
         if !items.is_empty() {
             let n = items.len();
-            let conns = self.writers.len();
+            let conns = self.txs.len();
             let bytes: u64 = items
                 .iter()
                 .map(|(_, wr, _, _)| u64::from(wr.local.len))
@@ -579,13 +663,7 @@ impl Channel for TcpChannel {
 
 impl Drop for TcpChannel {
     fn drop(&mut self) {
-        self.shared.closing.store(true, Ordering::SeqCst);
-        for w in &self.writers {
-            let _ = lock(w).get_ref().shutdown(Shutdown::Both);
-        }
-        for h in self.readers.drain(..) {
-            let _ = h.join();
-        }
+        stop(&self.shared, &self.txs, std::mem::take(&mut self.threads));
     }
 }
 
