@@ -17,13 +17,14 @@
 # Operations per second (first request to last reply), and the CPU of both
 # rcpds per 1000 operations (utime + stime from /proc). Every byte is
 # checked by the owner after each pass. Medians, spread, ratio pass by pass.
+# RCP_BENCH_RCPD: another rcpd binary (an older build, for an A/B).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=lib-rcpd.sh
 . scripts/lib-rcpd.sh
 PASSES=${RCP_BENCH_PASSES:-5}
 if [ "${RCP_BENCH_BUILD:-1}" = 1 ]; then cargo build --release -q -p rcp-server --bin rcpd; fi
-rcpd=$PWD/target/release/rcpd
+rcpd=${RCP_BENCH_RCPD:-$PWD/target/release/rcpd}
 venv=$PWD/target/bench-venv
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --force-reinstall --no-deps ./python >&2
