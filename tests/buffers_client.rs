@@ -1518,6 +1518,7 @@ impl Frames {
             addr: 0,
             rkey: 0,
             len: payload.len() as u32,
+            prompt: true,
         };
         let mut out = req.encode().to_vec();
         out.extend_from_slice(payload);

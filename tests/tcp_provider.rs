@@ -909,6 +909,7 @@ fn messages_reach_their_sessions_taker_in_order_and_no_one_else() {
             addr: 0,
             rkey: 0,
             len: payload.len() as u32,
+            prompt: false,
         }
         .encode()
         .to_vec();
@@ -932,6 +933,7 @@ fn messages_reach_their_sessions_taker_in_order_and_no_one_else() {
         addr,
         rkey: reg.rkey(),
         len: 4096,
+        prompt: false,
     }
     .encode()
     .to_vec();
@@ -973,6 +975,8 @@ fn a_write_is_answered_before_the_target_waits_for_the_next_one() {
             addr: r.remote.addr(off),
             rkey: r.rreg.rkey(),
             len: len as u32,
+            // Waited on: answered before the target reads on.
+            prompt: true,
         }
         .encode()
         .to_vec();

@@ -167,6 +167,8 @@ impl Frames {
                 addr,
                 rkey,
                 len: r.lease().len() as u32,
+                // Only the MESSAGE's answer is waited on.
+                prompt: false,
             };
             piece.extend_from_slice(&req.encode());
             r.with(|b| piece.extend_from_slice(b));
@@ -417,6 +419,7 @@ fn message(out: &mut Vec<u8>, tag: u64, payload: &[u8]) {
         addr: 0,
         rkey: 0,
         len: payload.len() as u32,
+        prompt: true,
     };
     out.extend_from_slice(&req.encode());
     out.extend_from_slice(payload);

@@ -442,6 +442,8 @@ impl TcpChannel {
                     addr: wr.remote.addr,
                     rkey: wr.remote.rkey,
                     len: wr.local.len,
+                    // A completion will be reported for it.
+                    prompt: wr.signaled,
                 }
                 .encode(),
                 payload: (wr.kind == OpKind::Write)

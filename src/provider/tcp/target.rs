@@ -396,6 +396,8 @@ fn serve(shared: &Shared, stream: TcpStream) -> Result<(), ServeError> {
         .map(Arc::downgrade)
         .unwrap_or_default();
     let mut first = true;
+    // An answer the initiator waits on is in the writer's buffer.
+    let mut prompt = false;
     loop {
         if !read_header(&mut reader, &mut hdr)? {
             writer.flush()?;
@@ -419,6 +421,8 @@ fn serve(shared: &Shared, stream: TcpStream) -> Result<(), ServeError> {
             }
         }
         let req = Request::decode(&hdr)?;
+        // A MESSAGE's answer is always waited on (a peer before the flag).
+        prompt |= req.prompt || req.op == Op::Message;
         if errored {
             if req.op != Op::Read {
                 discard(&mut reader, req.len)?;
@@ -487,13 +491,14 @@ fn serve(shared: &Shared, stream: TcpStream) -> Result<(), ServeError> {
                 }
             }
         }
-        // Answer before the next request could wait on the socket. A test
-        // of an empty buffer is not that: a stream of WRITEs keeps part
-        // of the next one buffered, and every answer would wait until the
-        // stream paused (a window that landed would be told only with the
-        // windows after it).
-        if !next_is_buffered(reader.buffer()) {
+        // Answer at a pause, and before the next request could wait on
+        // the socket when an answer is waited on: a stream of WRITEs keeps
+        // part of the next one buffered, so with pauses only a window that
+        // landed would be told only with the windows after it.
+        let buffered = reader.buffer();
+        if buffered.is_empty() || (prompt && !next_is_buffered(buffered)) {
             writer.flush()?;
+            prompt = false;
         }
     }
 }

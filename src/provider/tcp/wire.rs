@@ -4,7 +4,8 @@
 //! WRITE:
 //! ```text
 //!  0..4   magic "RCPT"        4  version (1)     5  op (1 WRITE, 2 READ, 3 MESSAGE)
-//!  6..8   reserved (0)        8..16  tag (the channel's post sequence number)
+//!  6      flags (bit 0 prompt)  7  reserved (0)
+//!  8..16  tag (the channel's post sequence number)
 //! 16..24  remote addr        24..28  rkey      28..32  len
 //! ```
 //! Response (24 bytes), target -> initiator, in request order per connection,
@@ -14,6 +15,12 @@
 //!                                        2 no messages taken)
 //!  5..8   reserved (0)        8..16  tag (echoed)   16..20 len   20..24 reserved
 //! ```
+//! A prompt request is one the initiator waits on (a signaled work request,
+//! a MESSAGE): the target sends its answer, with every one before it,
+//! before it would wait on the socket for the next request. The answers of
+//! other requests may wait for a prompt one or for a pause in the stream
+//! (fewer sends and fewer wake-ups on the initiator). A target that ignores
+//! the flag (before it existed) answers at pauses only.
 //! A MESSAGE (a SEND, two-sided) carries `len` bytes for whoever takes the
 //! messages of the connection's session (addr and rkey 0); its response
 //! carries the answer (`TcpDomain::take_messages`). A target with no one
@@ -72,7 +79,12 @@ pub struct Request {
     pub addr: u64,
     pub rkey: u32,
     pub len: u32,
+    /// The initiator waits on the answer (see the module's docs).
+    pub prompt: bool,
 }
+
+/// Bit of a request's flags byte: [`Request::prompt`].
+const PROMPT: u8 = 1;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Status {
@@ -107,6 +119,7 @@ impl Request {
         b[0..4].copy_from_slice(&REQ_MAGIC);
         b[4] = VERSION;
         b[5] = self.op as u8;
+        b[6] = if self.prompt { PROMPT } else { 0 };
         b[8..16].copy_from_slice(&self.tag.to_le_bytes());
         b[16..24].copy_from_slice(&self.addr.to_le_bytes());
         b[24..28].copy_from_slice(&self.rkey.to_le_bytes());
@@ -138,6 +151,7 @@ impl Request {
             addr: u64_at(b, 16),
             rkey: u32_at(b, 24),
             len,
+            prompt: b[6] & PROMPT != 0,
         })
     }
 }
@@ -216,6 +230,7 @@ mod tests {
             addr: 0xdead_beef_0000,
             rkey: 0x1234_5678,
             len: 4096,
+            prompt: true,
         };
         assert_eq!(Request::decode(&r.encode()), Ok(r));
         let mut b = r.encode();
@@ -233,6 +248,7 @@ mod tests {
             addr: 0,
             rkey: 0,
             len: 300,
+            prompt: false,
         };
         assert_eq!(Request::decode(&m.encode()), Ok(m));
         let mut b = r.encode();
@@ -252,6 +268,7 @@ mod tests {
             addr: 2,
             rkey: 3,
             len: 4,
+            prompt: false,
         };
         assert_eq!(Hello::decode(&r.encode()), None);
     }
