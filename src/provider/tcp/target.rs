@@ -2,7 +2,7 @@
 //! registrations, checking what a NIC checks.
 
 use std::collections::HashMap;
-use std::io::{self, BufReader, BufWriter, Read, Write};
+use std::io::{self, BufRead, BufReader, BufWriter, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -318,6 +318,26 @@ fn read_header(r: &mut impl Read, buf: &mut [u8]) -> io::Result<bool> {
     Ok(true)
 }
 
+/// Below this many bytes still to come, a payload is read through the
+/// connection's buffer (one read may bring the requests after it too).
+const DIRECT_READ: usize = 32 << 10;
+
+/// Fill `buf` with the payload that follows: what the connection's buffer
+/// holds first, the rest straight from the socket when it is large (not
+/// through the buffer, which would copy it a second time).
+fn read_payload(reader: &mut BufReader<TcpStream>, buf: &mut [u8]) -> io::Result<()> {
+    let have = reader.buffer();
+    let n = have.len().min(buf.len());
+    buf[..n].copy_from_slice(&have[..n]);
+    reader.consume(n);
+    let rest = &mut buf[n..];
+    if rest.len() >= DIRECT_READ {
+        reader.get_mut().read_exact(rest)
+    } else {
+        reader.read_exact(rest)
+    }
+}
+
 /// `buf` holds the next request whole (its header and any payload it
 /// carries): it runs without reading the socket.
 fn next_is_buffered(buf: &[u8]) -> bool {
@@ -464,8 +484,12 @@ fn serve(shared: &Shared, stream: TcpStream) -> Result<(), ServeError> {
                             // device, and the owner's protocol leaves a granted
                             // window alone. Only this connection's thread
                             // executes this request.
-                            unsafe { entry.span.with_mut(off, n, |buf| reader.read_exact(buf)) }
-                                .unwrap_or_else(|| Err(out_of_range()))?;
+                            unsafe {
+                                entry
+                                    .span
+                                    .with_mut(off, n, |buf| read_payload(&mut reader, buf))
+                            }
+                            .unwrap_or_else(|| Err(out_of_range()))?;
                             let resp = Response {
                                 status: Status::Ok,
                                 tag: req.tag,
