@@ -400,6 +400,52 @@ fn message(
     Ok(())
 }
 
+/// Execute an authorized WRITE or READ at `off` of `entry`, answering it
+/// into `writer`.
+fn execute(
+    entry: &Entry,
+    off: usize,
+    req: &Request,
+    reader: &mut BufReader<TcpStream>,
+    writer: &mut BufWriter<TcpStream>,
+) -> io::Result<()> {
+    let n = req.len as usize;
+    match req.op {
+        Op::Write => {
+            // Straight from the socket into registered memory.
+            // SAFETY: this is the emulated NIC writing memory its owner
+            // registered with REMOTE_WRITE (checked in `authorize`):
+            // registering a span for remote access lends it to the peers
+            // holding the rkey until the registration is dropped, exactly as
+            // with a real device, and the owner's protocol leaves a granted
+            // window alone. Only this connection's thread executes this
+            // request.
+            unsafe { entry.span.with_mut(off, n, |buf| read_payload(reader, buf)) }
+                .unwrap_or_else(|| Err(out_of_range()))?;
+            let resp = Response {
+                status: Status::Ok,
+                tag: req.tag,
+                len: 0,
+            };
+            writer.write_all(&resp.encode())
+        }
+        Op::Message => unreachable!("messages are served before authorize"),
+        Op::Read => {
+            let resp = Response {
+                status: Status::Ok,
+                tag: req.tag,
+                len: req.len,
+            };
+            writer.write_all(&resp.encode())?;
+            // Straight from registered memory into the socket.
+            entry
+                .span
+                .with(off, n, |buf| writer.write_all(buf))
+                .unwrap_or_else(|| Err(out_of_range()))
+        }
+    }
+}
+
 fn serve(shared: &Shared, stream: TcpStream) -> Result<(), ServeError> {
     let mut reader = BufReader::with_capacity(SOCKET_BUF, stream.try_clone()?);
     let mut writer = BufWriter::with_capacity(SOCKET_BUF, stream);
@@ -471,48 +517,7 @@ fn serve(shared: &Shared, stream: TcpStream) -> Result<(), ServeError> {
                     errored = true;
                     continue;
                 }
-                Some((entry, off)) => {
-                    let n = req.len as usize;
-                    match req.op {
-                        Op::Write => {
-                            // Straight from the socket into registered memory.
-                            // SAFETY: this is the emulated NIC writing memory
-                            // its owner registered with REMOTE_WRITE (checked in
-                            // `lookup`): registering a span for remote access
-                            // lends it to the peers holding the rkey until the
-                            // registration is dropped, exactly as with a real
-                            // device, and the owner's protocol leaves a granted
-                            // window alone. Only this connection's thread
-                            // executes this request.
-                            unsafe {
-                                entry
-                                    .span
-                                    .with_mut(off, n, |buf| read_payload(&mut reader, buf))
-                            }
-                            .unwrap_or_else(|| Err(out_of_range()))?;
-                            let resp = Response {
-                                status: Status::Ok,
-                                tag: req.tag,
-                                len: 0,
-                            };
-                            writer.write_all(&resp.encode())?;
-                        }
-                        Op::Message => unreachable!("messages are served before authorize"),
-                        Op::Read => {
-                            let resp = Response {
-                                status: Status::Ok,
-                                tag: req.tag,
-                                len: req.len,
-                            };
-                            writer.write_all(&resp.encode())?;
-                            // Straight from registered memory into the socket.
-                            entry
-                                .span
-                                .with(off, n, |buf| writer.write_all(buf))
-                                .unwrap_or_else(|| Err(out_of_range()))?;
-                        }
-                    }
-                }
+                Some((entry, off)) => execute(&entry, off, &req, &mut reader, &mut writer)?,
             }
         }
         // Answer at a pause, and before the next request could wait on
