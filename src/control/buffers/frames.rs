@@ -266,7 +266,7 @@ impl Frames {
         out.push(m);
         let sent = replies.len();
         let answer = self.exchange(out, &writes, tag, peer).await.and_then(|r| {
-            super::notices::results_of(r, sent, peer).map_err(|e| (None, WriteFailed::Failed(e)))
+            super::standing::results_of(r, sent, peer).map_err(|e| (None, WriteFailed::Failed(e)))
         });
         match answer {
             Ok(results) => {

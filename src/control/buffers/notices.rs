@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use tokio::sync::oneshot;
 
 use super::frames::Frames;
-use super::standing::MAX_NOTICES;
+use super::standing::{self, MAX_NOTICES};
 use super::Failure;
 use crate::control::client::Client;
 use crate::control::error::{status_reason, Reason};
@@ -101,7 +101,7 @@ impl Notices {
                     node: String::new(),
                 })
                 .await;
-            match r.and_then(|resp| results_of(resp, sent, &self.peer)) {
+            match r.and_then(|resp| standing::results_of(resp, sent, &self.peer)) {
                 Ok(results) => {
                     for (tx, res) in replies.into_iter().zip(results) {
                         let _ = tx.send(Ok(res));
@@ -129,25 +129,6 @@ impl Notices {
             )
         })
     }
-}
-
-/// A notify call's results, one per notice of the `sent` it carried (any
-/// other count breaks the protocol).
-pub(super) fn results_of(
-    resp: proto::BufferNotifyResponse,
-    sent: usize,
-    peer: &str,
-) -> Result<Vec<proto::BufferNoticeResult>, Failure> {
-    if resp.results.len() != sent {
-        return Err(Failure::new(
-            Reason::Protocol,
-            format!(
-                "peer {peer} broke the protocol: BufferNotify: {} results for {sent} notices",
-                resp.results.len()
-            ),
-        ));
-    }
-    Ok(resp.results)
 }
 
 fn fail_all(replies: Vec<Reply>, e: Failure) {

@@ -258,3 +258,22 @@ fn tell_owner(c: &Checked, n: &proto::BufferNotice, check: Check, mine: &[Vec<u8
     };
     send_event(&g.exp, g.write, ev);
 }
+
+/// A notify call's results, one per notice of the `sent` it carried (any
+/// other count breaks the protocol).
+pub(super) fn results_of(
+    resp: proto::BufferNotifyResponse,
+    sent: usize,
+    peer: &str,
+) -> Result<Vec<proto::BufferNoticeResult>, Failure> {
+    if resp.results.len() != sent {
+        return Err(Failure::new(
+            Reason::Protocol,
+            format!(
+                "peer {peer} broke the protocol: BufferNotify: {} results for {sent} notices",
+                resp.results.len()
+            ),
+        ));
+    }
+    Ok(resp.results)
+}
