@@ -46,6 +46,12 @@ const LEADERS: usize = 2;
 /// Payload bytes one exchange carries at most (at least one write).
 const BATCH_BYTES: usize = 1 << 20;
 
+/// Capacity of the send buffers kept for the next writes, at most: each
+/// write's WRITEs are copied into one, and a fresh allocation per write
+/// (64 KiB and more) cost malloc's bookkeeping and the kernel's page
+/// faults every time.
+const SPARE_BYTES: usize = LEADERS * BATCH_BYTES;
+
 /// A session's connections for notices and small writes.
 pub struct Frames {
     target: DataTarget,
@@ -58,6 +64,8 @@ pub struct Frames {
     tag: AtomicU64,
     /// A call that gets no answer this long fails (retryable).
     timeout: Duration,
+    /// Send buffers of earlier writes, for the next ones ([`SPARE_BYTES`]).
+    spare: Mutex<Vec<Vec<u8>>>,
 }
 
 /// Why a write on a connection did not end with the notice's answer.
@@ -97,6 +105,7 @@ impl Frames {
             q: Mutex::default(),
             tag: AtomicU64::new(0),
             timeout,
+            spare: Mutex::default(),
         }
     }
 
@@ -129,7 +138,7 @@ impl Frames {
         let tag = self.tag.fetch_add(1, Ordering::Relaxed);
         let mut out = Vec::with_capacity(payload.len() + REQ_LEN);
         message(&mut out, tag, payload);
-        match self.exchange(vec![out], &[], tag, peer).await {
+        match self.exchange(&[out], &[], tag, peer).await {
             Ok(r) => Ok(r),
             Err((_, WriteFailed::Failed(f))) => Err(f),
             Err((_, m)) => Err(Failure::new(
@@ -157,7 +166,7 @@ impl Frames {
             .iter()
             .map(|(r, _, _)| r.lease().len() as usize)
             .sum();
-        let mut piece = Vec::with_capacity(bytes + ranges.len() * REQ_LEN);
+        let mut piece = self.buffer(bytes + ranges.len() * REQ_LEN);
         let mut tags = Vec::with_capacity(ranges.len());
         for &(r, addr, rkey) in ranges {
             let tag = self.tag.fetch_add(1, Ordering::Relaxed);
@@ -265,7 +274,9 @@ impl Frames {
         message(&mut m, tag, &msg);
         out.push(m);
         let sent = replies.len();
-        let answer = self.exchange(out, &writes, tag, peer).await.and_then(|r| {
+        let answer = self.exchange(&out, &writes, tag, peer).await;
+        self.give_back(out);
+        let answer = answer.and_then(|r| {
             super::standing::results_of(r, sent, peer).map_err(|e| (None, WriteFailed::Failed(e)))
         });
         match answer {
@@ -297,7 +308,7 @@ impl Frames {
     /// refused WRITE names its operation.
     async fn exchange(
         &self,
-        out: Vec<Vec<u8>>,
+        out: &[Vec<u8>],
         writes: &[Vec<u64>],
         tag: u64,
         peer: &str,
@@ -321,7 +332,7 @@ impl Frames {
         };
         let mut refused = None;
         let answer = tokio::time::timeout(self.timeout, async {
-            write_all(&mut s, &out).await?;
+            write_all(&mut s, out).await?;
             for (k, tags) in writes.iter().enumerate() {
                 refused = Some(k);
                 for &w in tags {
@@ -382,6 +393,29 @@ impl Frames {
                     format!("peer {peer}: {}", f.error),
                 )),
             )),
+        }
+    }
+
+    /// An empty send buffer of at least `len` bytes: a spare one if one is
+    /// large enough.
+    fn buffer(&self, len: usize) -> Vec<u8> {
+        let mut spare = self.spare.lock().unwrap();
+        match spare.iter().position(|b| b.capacity() >= len) {
+            Some(i) => spare.swap_remove(i),
+            None => Vec::with_capacity(len),
+        }
+    }
+
+    /// Keep `bufs` (sent) for the next writes, up to [`SPARE_BYTES`].
+    fn give_back(&self, bufs: Vec<Vec<u8>>) {
+        let mut spare = self.spare.lock().unwrap();
+        let mut kept: usize = spare.iter().map(Vec::capacity).sum();
+        for mut b in bufs {
+            if kept + b.capacity() <= SPARE_BYTES {
+                kept += b.capacity();
+                b.clear();
+                spare.push(b);
+            }
         }
     }
 
