@@ -52,6 +52,16 @@ const BATCH_BYTES: usize = 1 << 20;
 /// faults every time.
 const SPARE_BYTES: usize = LEADERS * BATCH_BYTES;
 
+/// Send buffers kept, at most (a write takes the last one given back).
+const SPARE_BUFS: usize = 64;
+
+/// Send buffers kept for the next writes, and their capacity in all.
+#[derive(Default)]
+struct Spare {
+    bufs: Vec<Vec<u8>>,
+    bytes: usize,
+}
+
 /// A session's connections for notices and small writes.
 pub struct Frames {
     target: DataTarget,
@@ -65,7 +75,7 @@ pub struct Frames {
     /// A call that gets no answer this long fails (retryable).
     timeout: Duration,
     /// Send buffers of earlier writes, for the next ones ([`SPARE_BYTES`]).
-    spare: Mutex<Vec<Vec<u8>>>,
+    spare: Mutex<Spare>,
 }
 
 /// Why a write on a connection did not end with the notice's answer.
@@ -396,25 +406,29 @@ impl Frames {
         }
     }
 
-    /// An empty send buffer of at least `len` bytes: a spare one if one is
-    /// large enough.
+    /// An empty send buffer of at least `len` bytes: the last one given
+    /// back if it is large enough (a session's writes are mostly of one
+    /// size), else a new one (and the small one is let go).
     fn buffer(&self, len: usize) -> Vec<u8> {
         let mut spare = self.spare.lock().unwrap();
-        match spare.iter().position(|b| b.capacity() >= len) {
-            Some(i) => spare.swap_remove(i),
-            None => Vec::with_capacity(len),
+        if let Some(b) = spare.bufs.pop() {
+            spare.bytes -= b.capacity();
+            if b.capacity() >= len {
+                return b;
+            }
         }
+        Vec::with_capacity(len)
     }
 
-    /// Keep `bufs` (sent) for the next writes, up to [`SPARE_BYTES`].
+    /// Keep `bufs` (sent) for the next writes, up to [`SPARE_BUFS`] of
+    /// them and [`SPARE_BYTES`] in all.
     fn give_back(&self, bufs: Vec<Vec<u8>>) {
         let mut spare = self.spare.lock().unwrap();
-        let mut kept: usize = spare.iter().map(Vec::capacity).sum();
         for mut b in bufs {
-            if kept + b.capacity() <= SPARE_BYTES {
-                kept += b.capacity();
+            if spare.bufs.len() < SPARE_BUFS && spare.bytes + b.capacity() <= SPARE_BYTES {
+                spare.bytes += b.capacity();
                 b.clear();
-                spare.push(b);
+                spare.bufs.push(b);
             }
         }
     }
