@@ -473,10 +473,11 @@ fn stop(shared: &Shared, txs: &[Arc<Tx>], threads: Vec<JoinHandle<()>>) {
     }
 }
 
-/// Connection `c`'s sending thread: each queued part as one buffered send,
-/// in post order. A part's memory is released ([`Shared::sent`]) once its
-/// bytes are out of it; on a write error the part's first request is the
-/// culprit and the connection is cut.
+/// Connection `c`'s sending thread: the parts queued meanwhile as one
+/// buffered send (one flush however many chains queued), in post order.
+/// Their memory is released ([`Shared::sent`]) once their bytes are out of
+/// it; on a write error the first of them is the culprit and the
+/// connection is cut.
 fn sender_loop(sh: &Shared, tx: &Tx, c: usize, stream: TcpStream) {
     let mut w = BufWriter::with_capacity(SOCKET_BUF, stream);
     loop {
@@ -487,35 +488,32 @@ fn sender_loop(sh: &Shared, tx: &Tx, c: usize, stream: TcpStream) {
             }
             (std::mem::take(&mut q.parts), q.closing)
         };
+        let seqs = || parts.iter().flatten().map(|i| i.seq);
         if closing {
-            for part in parts {
-                sh.sent(part.iter().map(|i| i.seq));
-            }
+            sh.sent(seqs());
             return;
         }
-        for part in parts {
-            let res = (|| -> io::Result<()> {
-                for i in &part {
-                    w.write_all(&i.header)?;
-                    if let Some((e, off, len)) = &i.payload {
-                        // Straight from registered memory into the socket:
-                        // the request is not retired (nor its memory handed
-                        // back) before `sent` below.
-                        e.span
-                            .with(*off, *len, |b| w.write_all(b))
-                            .unwrap_or_else(|| Err(io::Error::other("local range changed")))?;
-                    }
+        let res = (|| -> io::Result<()> {
+            for i in parts.iter().flatten() {
+                w.write_all(&i.header)?;
+                if let Some((e, off, len)) = &i.payload {
+                    // Straight from registered memory into the socket: the
+                    // request is not retired (nor its memory handed back)
+                    // before `sent` below.
+                    e.span
+                        .with(*off, *len, |b| w.write_all(b))
+                        .unwrap_or_else(|| Err(io::Error::other("local range changed")))?;
                 }
-                w.flush()
-            })();
-            if res.is_err() {
-                // The connection is finished; what is still buffered never goes.
-                let _ = w.get_ref().shutdown(Shutdown::Both);
             }
-            sh.sent(part.iter().map(|i| i.seq));
-            if let Err(e) = res {
-                sh.conn_died(c, Some(part[0].seq), WcStatus::Fatal, &e);
-            }
+            w.flush()
+        })();
+        if res.is_err() {
+            // The connection is finished; what is still buffered never goes.
+            let _ = w.get_ref().shutdown(Shutdown::Both);
+        }
+        sh.sent(seqs());
+        if let Err(e) = res {
+            sh.conn_died(c, seqs().next(), WcStatus::Fatal, &e);
         }
     }
 }
