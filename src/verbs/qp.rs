@@ -15,7 +15,7 @@ use super::error::{Hint, VerbsError};
 use super::gid::Gid;
 use super::pd::{Access, ProtectionDomain};
 use super::post::PostScratch;
-use crate::engine::{OpKind, WcStatus, WorkCompletion, WorkRequest};
+use crate::engine::{LocalSeg, OpKind, WcStatus, WorkCompletion, WorkRequest};
 
 /// What the peer needs to reach this QP (exchanged over the control plane).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -43,6 +43,9 @@ pub(crate) struct QpConfig {
     /// Remote access the QP accepts as a responder (least privilege: only
     /// what the transfer needs).
     pub remote_access: Access,
+    /// Receive-queue entries (1 for a QP that only takes one-sided
+    /// requests and never posts a receive).
+    pub rq_depth: u32,
 }
 
 /// Link parameters for RTR/RTS.
@@ -152,6 +155,7 @@ pub struct QpBuilder {
     max_inline: u32,
     remote_access: Access,
     events: bool,
+    rq_depth: u32,
 }
 
 impl fmt::Debug for QpBuilder {
@@ -163,6 +167,7 @@ impl fmt::Debug for QpBuilder {
             .field("max_inline", &self.max_inline)
             .field("remote_access", &self.remote_access)
             .field("events", &self.events)
+            .field("rq_depth", &self.rq_depth)
             .finish_non_exhaustive()
     }
 }
@@ -184,7 +189,17 @@ impl QpBuilder {
             max_inline: 0,
             remote_access: Access::LOCAL_READ,
             events: false,
+            rq_depth: 0,
         }
+    }
+
+    /// Receive-queue entries, for a QP that takes SENDs into posted
+    /// receives ([`QueuePair::post_recv`]); the CQ gets as many entries
+    /// more. 0 (the default): a QP that only serves and issues one-sided
+    /// requests.
+    pub fn recv_depth(mut self, n: u32) -> QpBuilder {
+        self.rq_depth = n;
+        self
     }
 
     /// Send-queue entries asked for (the device's limits bound them).
@@ -217,13 +232,16 @@ impl QpBuilder {
     /// Create the CQ and the QP and take the QP to INIT.
     pub fn build(self) -> Result<PreparedQp, VerbsError> {
         let ctx = self.pd.context();
-        let sq = sq_entries(self.sq_depth, &ctx.caps());
+        let caps = ctx.caps();
+        let sq = sq_entries(self.sq_depth, &caps);
+        let rq = self.rq_depth.min(caps.max_qp_wr);
         let ch = if self.events {
             Some(CompletionChannel::new(ctx)?)
         } else {
             None
         };
-        let cq = CompletionQueue::new(ctx, sq, ch.as_ref())?;
+        // A receive yields one completion too.
+        let cq = CompletionQueue::new(ctx, (sq + rq).min(caps.max_cqe), ch.as_ref())?;
         let qp = QueuePair::new(
             &self.pd,
             &cq,
@@ -235,6 +253,7 @@ impl QpBuilder {
                 max_send_sge: 1,
                 max_inline: self.max_inline,
                 remote_access: self.remote_access,
+                rq_depth: rq.max(1),
             },
         )?;
         Ok(PreparedQp { qp })
@@ -303,14 +322,16 @@ impl QueuePair {
                 ),
             ));
         }
-        if send_cq.depth() < cfg.sq_depth {
+        if send_cq.depth() < cfg.sq_depth + cfg.rq_depth - 1 {
             return Err(VerbsError::new(
                 "ibv_create_qp",
                 libc::EINVAL,
                 format!(
-                    "CQ depth {} < SQ depth {}: a CQ overrun would move the QP to the error state",
+                    "CQ depth {} < SQ depth {} + RQ depth {}: a CQ overrun would move the QP to the \
+                     error state",
                     send_cq.depth(),
-                    cfg.sq_depth
+                    cfg.sq_depth,
+                    cfg.rq_depth
                 ),
             ));
         }
@@ -323,7 +344,7 @@ impl QueuePair {
         init.qp_type = ibv_qp_type::IBV_QPT_RC;
         init.sq_sig_all = 0; // selective signaling
         init.cap.max_send_wr = cfg.sq_depth;
-        init.cap.max_recv_wr = 1;
+        init.cap.max_recv_wr = cfg.rq_depth;
         init.cap.max_send_sge = cfg.max_send_sge.clamp(1, caps.max_sge.max(1));
         init.cap.max_recv_sge = 1;
         init.cap.max_inline_data = cfg.max_inline;
@@ -710,6 +731,83 @@ impl QueuePair {
             });
         }
         Ok(())
+    }
+}
+
+impl QueuePair {
+    /// Post one receive of `seg` (a SEND from the peer lands there; its
+    /// completion carries `wr_id` and the bytes that came).
+    ///
+    /// # Safety
+    /// `seg` must lie in memory registered under its lkey with local write
+    /// access, which the caller neither reads nor writes and keeps mapped
+    /// from this call until the completion that retires the receive (its
+    /// own, successful or flushed) or the QP's destruction or reset: the
+    /// device writes the peer's message there at any time until then.
+    pub unsafe fn post_recv(&self, wr_id: u64, seg: LocalSeg) -> Result<(), VerbsError> {
+        let mut sge = ibv_sge {
+            addr: seg.addr,
+            length: seg.len,
+            lkey: seg.lkey,
+        };
+        // SAFETY: ibv_recv_wr is plain old data; all-zero is a valid value.
+        let mut wr: ibv_recv_wr = unsafe { std::mem::zeroed() };
+        wr.wr_id = wr_id;
+        wr.sg_list = &mut sge;
+        wr.num_sge = 1;
+        let mut bad: *mut ibv_recv_wr = std::ptr::null_mut();
+        // SAFETY: the QP is valid; wr and its SGE live for the call (the
+        // device copies them); the caller guarantees the buffer.
+        let rc = unsafe { ibv_post_recv(self.qp, &mut wr, &mut bad) };
+        if rc != 0 {
+            return Err(VerbsError::new(
+                "ibv_post_recv",
+                rc,
+                format!("QP {:#x}", self.local.qpn),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Post one SEND of `seg`, signaled (its completion carries `wr_id`):
+    /// the peer's next posted receive takes it.
+    ///
+    /// # Safety
+    /// `seg` must lie in memory registered under its lkey, which the caller
+    /// does not write and keeps mapped from this call until this SEND's
+    /// completion (successful or flushed) or the QP's destruction or
+    /// reset: the device reads it until then.
+    pub unsafe fn post_message(&self, wr_id: u64, seg: LocalSeg) -> Result<(), VerbsError> {
+        let mut sge = ibv_sge {
+            addr: seg.addr,
+            length: seg.len,
+            lkey: seg.lkey,
+        };
+        // SAFETY: ibv_send_wr is plain old data; all-zero is a valid value.
+        let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+        wr.wr_id = wr_id;
+        wr.sg_list = &mut sge;
+        wr.num_sge = 1;
+        wr.opcode = ibv_wr_opcode::IBV_WR_SEND;
+        wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
+        let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
+        // SAFETY: the QP is valid; wr and its SGE live for the call; the
+        // caller guarantees the buffer.
+        let rc = unsafe { ibv_post_send(self.qp, &mut wr, &mut bad) };
+        if rc != 0 {
+            return Err(VerbsError::new(
+                "ibv_post_send(SEND)",
+                rc,
+                format!("QP {:#x}", self.local.qpn),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The port the QP is on, and the index of the GID it is addressed by
+    /// (another QP on the same path is built with these).
+    pub fn path(&self) -> (u8, u32) {
+        (self.cfg.port, self.cfg.gid_index)
     }
 }
 
