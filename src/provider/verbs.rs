@@ -12,6 +12,7 @@ use super::{
 use crate::engine::{WorkCompletion, WorkRequest};
 use crate::mem::{Arena, PeerSpan};
 use crate::verbs::cq::CompletionQueue;
+use crate::verbs::messages::PreparedMessages;
 use crate::verbs::mw::{inc_rkey, MemoryWindow, MwPool, MW_TIMEOUT};
 use crate::verbs::pd::{Access, MemoryRegion, ProtectionDomain};
 use crate::verbs::post::PostScratch;
@@ -374,6 +375,14 @@ impl VerbsChannel {
 
     pub fn endpoint(&self) -> QpEndpoint {
         self.qp.lock().unwrap().endpoint()
+    }
+
+    /// A message QP for the same session ([`crate::verbs::messages`]): in
+    /// this QP's protection domain, on its port and GID.
+    pub fn prepare_messages(&self) -> Result<PreparedMessages, VerbsError> {
+        let qp = self.qp.lock().unwrap();
+        let (port, gid_index) = qp.path();
+        PreparedMessages::new(qp.pd(), port, gid_index)
     }
 
     pub fn handshake(&self, remote: &QpEndpoint, p: &ConnectParams) -> Result<(), VerbsError> {

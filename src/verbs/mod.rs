@@ -20,6 +20,8 @@
 //!   deallocation, never reused (`mw.rs`);
 //! - [`QueuePair::post_send`] is `unsafe`: the caller owns each local buffer
 //!   until the completion that retires its request (`qp.rs`);
+//! - a message QP's receives and SENDs own their blocks until their
+//!   completions, and the QP goes before the blocks (`messages.rs`);
 //! - every completion event is acked before the CQ is destroyed (`cq.rs`);
 //! - every async event is acked right after it is copied out, so no QP or CQ
 //!   destroy waits on it (`events.rs`).
@@ -30,6 +32,7 @@ pub mod device;
 pub mod error;
 pub mod events;
 pub mod gid;
+pub mod messages;
 pub mod mw;
 pub mod pd;
 pub mod post;
