@@ -297,7 +297,8 @@ netns)
   # argument `standing`: both exposures give standing grants (b's log says
   # it made them), and once kv0's owner is gone (b's log says so) a's next
   # write into kv0, under the grant a still holds, fails not_found naming
-  # kv0 (the window b bound was invalidated: rxe refuses the request).
+  # kv0 (the window b bound was invalidated: rxe refuses the request); the
+  # notices went on a message QP (b connected one, a never gave it up).
   pybuf() {
     local mw=$1 grant=${2:-per-op} dir run py="timeout 300 python3" size=$((4 << 20)) rc=0
     dir=$PWD/target/vm-pybuf-$mw-$grant
@@ -366,6 +367,11 @@ assert r["event"] == "read" and "error" not in r and len(r["ranges"]) == 4, r' \
     if [ "$grant" = standing ]; then
       [ "$(sed 's/\x1b\[[0-9;]*m//g' "$dir/b.log" | grep -ac "standing grant")" = 2 ] ||
         { echo "pybuf: rcpd b did not make one standing grant for each of kv0 and kv1"; rc=1; }
+      # The notices went on the session's message QP (2.7), not gRPC.
+      grep -aq "message QP connected" "$dir/b.log" ||
+        { echo "pybuf: rcpd b connected no message QP for the notices"; rc=1; }
+      ! grep -aq "notices over gRPC" "$dir/a.log" ||
+        { echo "pybuf: rcpd a's notices fell back to gRPC:"; grep -a "notices over gRPC" "$dir/a.log"; rc=1; }
     fi
     if [ "$mw" = off ]; then
       grep -aq "no memory windows" "$dir/b.log" || { echo "pybuf: rcpd b did not go without windows"; rc=1; }

@@ -385,25 +385,7 @@ impl Frames {
                 idle.push(s);
             }
         }
-        let f = proto::BufferNotifyFrame::decode(bytes.as_slice()).map_err(|e| {
-            (
-                None,
-                WriteFailed::Failed(Failure::new(
-                    Reason::Protocol,
-                    format!("peer {peer} broke the protocol: a notice frame's answer: {e}"),
-                )),
-            )
-        })?;
-        match f.response {
-            Some(r) if f.error.is_empty() => Ok(r),
-            _ => Err((
-                None,
-                WriteFailed::Failed(Failure::new(
-                    Reason::try_from(f.reason).unwrap_or(Reason::Other),
-                    format!("peer {peer}: {}", f.error),
-                )),
-            )),
-        }
+        frame_response(&bytes, peer).map_err(|e| (None, WriteFailed::Failed(e)))
     }
 
     /// An empty send buffer of at least `len` bytes: the last one given
@@ -440,6 +422,28 @@ impl Frames {
             s.write_all(&Hello { key }.encode()).await?;
         }
         Ok(s)
+    }
+}
+
+/// The answer to a notice call on the data path (a `BufferNotifyFrame`'s
+/// bytes, on a tcp connection or a verbs message QP): the response, or
+/// why the call was refused.
+pub(super) fn frame_response(
+    bytes: &[u8],
+    peer: &str,
+) -> Result<proto::BufferNotifyResponse, Failure> {
+    let f = proto::BufferNotifyFrame::decode(bytes).map_err(|e| {
+        Failure::new(
+            Reason::Protocol,
+            format!("peer {peer} broke the protocol: a notice frame's answer: {e}"),
+        )
+    })?;
+    match f.response {
+        Some(r) if f.error.is_empty() => Ok(r),
+        _ => Err(Failure::new(
+            Reason::try_from(f.reason).unwrap_or(Reason::Other),
+            format!("peer {peer}: {}", f.error),
+        )),
     }
 }
 

@@ -35,6 +35,7 @@ pub mod client;
 pub mod faults;
 pub mod frames;
 pub mod grant;
+pub mod messages;
 pub mod notices;
 pub mod peer;
 pub mod rpc;

@@ -5,13 +5,15 @@
 //! once (nothing waits for company); 64 operations in flight share a few
 //! calls instead of 64. Each operation gets its own notice's result.
 //! A call goes on the data path where the session and the peer allow it
-//! ([`super::frames`]), else as a gRPC `BufferNotify`.
+//! (a tcp session's connection, [`super::frames`]; a verbs session's
+//! message QP, [`super::messages`]), else as a gRPC `BufferNotify`.
 
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::oneshot;
 
 use super::frames::Frames;
+use super::messages::VerbsNotices;
 use super::standing::{self, MAX_NOTICES};
 use super::Failure;
 use crate::control::client::Client;
@@ -25,6 +27,8 @@ pub struct Notices {
     client: Client,
     /// Tcp sessions: the data path's way.
     pub(super) frames: Option<Arc<Frames>>,
+    /// Verbs sessions: the message QP's way.
+    verbs: Option<VerbsNotices>,
     session_id: u64,
     /// The peer, for errors.
     peer: String,
@@ -39,21 +43,35 @@ struct Queue {
 }
 
 impl Notices {
-    /// The notices of session `session_id` to `peer`, over `client` or
-    /// `frames`.
+    /// The notices of session `session_id` to `peer`, over `client`,
+    /// `frames` (tcp) or a message QP on the path of `rail` (verbs).
     pub fn new(
         client: Client,
         frames: Option<Arc<Frames>>,
+        rail: Option<Arc<crate::provider::verbs::VerbsChannel>>,
         session_id: u64,
         peer: String,
     ) -> Arc<Notices> {
+        let verbs = rail.map(|r| VerbsNotices::new(r, client.clone(), session_id));
         Arc::new(Notices {
             client,
             frames,
+            verbs,
             session_id,
             peer,
             q: Mutex::default(),
         })
+    }
+
+    /// The peer gave a standing grant that says `frames`: it takes
+    /// notices on the data path.
+    pub fn taken(&self) {
+        if let Some(f) = &self.frames {
+            f.taken();
+        }
+        if let Some(v) = &self.verbs {
+            v.taken();
+        }
     }
 
     /// Tell the peer of `n` (with whatever else is queued); its result.
@@ -120,6 +138,11 @@ impl Notices {
         if let Some(f) = &self.frames {
             if let Some(payload) = f.encode(&req) {
                 return f.call(&payload, &self.peer).await;
+            }
+        }
+        if let Some(v) = &self.verbs {
+            if let Some(r) = v.call(&req, &self.peer).await {
+                return r;
             }
         }
         self.client.buffer_notify(req).await.map_err(|s| {

@@ -301,8 +301,8 @@ async fn granted(bufs: &Arc<Buffers>, op: &OpSpec) -> Result<Granting, Failure> 
             Ok(proto::BufferGrantResponse {
                 standing: Some(sg), ..
             }) => {
-                if let (true, Some(f)) = (sg.frames, &link.notices.frames) {
-                    f.taken();
+                if sg.frames {
+                    link.notices.taken();
                 }
                 let sg = Arc::new(sg);
                 link.standing.lock().unwrap()[op.write as usize]

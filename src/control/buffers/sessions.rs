@@ -361,8 +361,13 @@ pub(super) async fn link(
     let frames = session
         .tcp_target()
         .map(|t| Arc::new(super::frames::Frames::new(t, client.options().timeout)));
-    let notices =
-        super::notices::Notices::new(client.clone(), frames, session.id(), peer.to_string());
+    let notices = super::notices::Notices::new(
+        client.clone(),
+        frames,
+        session.first_rail(),
+        session.id(),
+        peer.to_string(),
+    );
     let o = client.options();
     let l = Arc::new(PeerLink {
         key: key.clone(),

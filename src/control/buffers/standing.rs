@@ -93,9 +93,10 @@ pub(super) fn grant(
             offset: exp.offset,
             len: exp.len,
             range: Some(range),
-            // A tcp session's connections carry its notices
-            // (`server::SessionMessages`).
-            frames: session.kind == crate::provider::ProviderKind::Tcp,
+            // Notices may leave gRPC (`server::SessionMessages`): on a
+            // tcp session's connections, on a verbs session's message QP
+            // (`BufferMessages`).
+            frames: true,
         }),
         ..Default::default()
     })

@@ -595,6 +595,25 @@ impl Client {
     ) -> std::result::Result<proto::BufferNotifyResponse, tonic::Status> {
         Ok(self.rpc.clone().buffer_notify(req).await?.into_inner())
     }
+
+    /// `BufferMessages` (2.7): rcpd's message QP for session
+    /// `session_id`'s notices, connected to ours at `ours`.
+    pub async fn buffer_messages(
+        &self,
+        session_id: u64,
+        ours: &crate::verbs::QpEndpoint,
+    ) -> std::result::Result<crate::verbs::QpEndpoint, tonic::Status> {
+        let req = proto::BufferMessagesRequest {
+            session_id,
+            endpoint: Some(crate::control::link::ep_to_proto(ours)),
+        };
+        let resp = self.rpc.clone().buffer_messages(req).await?.into_inner();
+        let ep = resp
+            .endpoint
+            .ok_or_else(|| tonic::Status::internal("BufferMessages: rcpd sent no endpoint"))?;
+        crate::control::link::ep_from_proto(&ep)
+            .map_err(|e| tonic::Status::internal(format!("BufferMessages: {e}")))
+    }
 }
 
 #[cfg(test)]

@@ -512,6 +512,15 @@ impl Session {
         self.id
     }
 
+    /// Verbs: the QP of the data path's first rail (a message QP for the
+    /// session is built on its path, [`VerbsChannel::prepare_messages`]).
+    ///
+    /// [`VerbsChannel::prepare_messages`]: crate::provider::verbs::VerbsChannel::prepare_messages
+    pub fn first_rail(&self) -> Option<Arc<crate::provider::verbs::VerbsChannel>> {
+        let k = *self.used.first()?;
+        Some(self.link.rails.get(k)?.channel.clone())
+    }
+
     /// The data path's live counters (bytes confirmed as each chain of
     /// blocks completes), for progress between windows.
     pub fn data_path_stats(&self) -> Option<Arc<crate::datapath::DataPathStats>> {

@@ -531,6 +531,15 @@ impl proto::rcp_server::Rcp for RcpService {
         Ok(Response::new(r))
     }
 
+    async fn buffer_messages(
+        &self,
+        req: Request<proto::BufferMessagesRequest>,
+    ) -> std::result::Result<Response<proto::BufferMessagesResponse>, Status> {
+        let client = ClientId::of(&req);
+        let r = in_place(|| self.0.buffer_messages(client, req.into_inner()))?;
+        Ok(Response::new(r))
+    }
+
     async fn digests(
         &self,
         req: Request<proto::DigestsRequest>,

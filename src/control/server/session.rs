@@ -43,6 +43,9 @@ pub struct SessionState {
     /// Verbs: the session's QP (memory windows are bound on it, under its
     /// lock, so never while a reconnect resets it).
     qp: Option<Arc<VerbsChannel>>,
+    /// Verbs: the QP its notices come on (`BufferMessages`), once the
+    /// client opened it.
+    messages: Mutex<Option<crate::verbs::messages::Messenger>>,
     /// Verbs, a session over several rails: rails 1.. (rail 0 is `domain`
     /// and `qp`), each a QP on its device through which every grant is
     /// reachable too (a memory window bound on it, or, on a device without
@@ -288,6 +291,7 @@ impl Service {
             domain: sd.domain,
             _tcp_binding: sd.tcp,
             qp,
+            messages: Mutex::new(None),
             rails,
             rd,
             epoch: AtomicU64::new(0),
@@ -431,6 +435,62 @@ impl Service {
                 })
             }
         }
+    }
+}
+
+impl Service {
+    /// `BufferMessages`: a message QP for session `req.session_id`'s
+    /// notices (verbs sessions only), connected to the client's; it
+    /// replaces the session's last one and goes with the session.
+    pub(super) fn buffer_messages(
+        &self,
+        client: ClientId,
+        req: proto::BufferMessagesRequest,
+    ) -> std::result::Result<proto::BufferMessagesResponse, tonic::Status> {
+        let Some(buffers) = self.buffers.clone() else {
+            return Err(tonic::Status::unimplemented(
+                "this rcpd does not grant buffers",
+            ));
+        };
+        let s = self.session(req.session_id, client)?;
+        let qp = s.qp.as_ref().ok_or_else(|| {
+            ControlError::Invalid(format!(
+                "session {:#x} is not over verbs: its notices go on its tcp connections",
+                req.session_id
+            ))
+        })?;
+        let cep = ep_from_proto(
+            req.endpoint
+                .as_ref()
+                .ok_or_else(|| ControlError::Invalid("BufferMessages without endpoint".into()))?,
+        )?;
+        let provider = |e: crate::verbs::VerbsError| ControlError::Provider(e.into());
+        let prep = qp.prepare_messages().map_err(provider)?;
+        let ep = prep.endpoint();
+        let m = SessionMessages {
+            buffers,
+            session: Arc::downgrade(&s),
+            id: req.session_id,
+        };
+        let handler: crate::verbs::messages::Handler =
+            Box::new(move |payload| crate::provider::tcp::Messages::message(&m, payload));
+        let messenger = prep
+            .connect(
+                &cep,
+                &connect_params(1, 1, QpRetry::default()),
+                Some(handler),
+                &format!("rcpd-msg-{:x}", req.session_id & 0xffff),
+            )
+            .map_err(provider)?;
+        let old = s.messages.lock().unwrap().replace(messenger);
+        drop(old);
+        tracing::info!(
+            session = format_args!("{:#x}", req.session_id),
+            "message QP connected: notices come on it"
+        );
+        Ok(proto::BufferMessagesResponse {
+            endpoint: Some(ep_to_proto(&ep)),
+        })
     }
 }
 
