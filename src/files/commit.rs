@@ -66,7 +66,7 @@ use super::manifest::{block_count, Manifest, SourceId};
 use super::partials::{discard, lock_within, manifest_name_for, RESUME_LOCK_WAIT};
 use super::path::check_name_os;
 use super::reader::IoMode;
-use super::root::{list_fd, DirHandle, FileKind, Timestamp};
+use super::root::{list_fd, DirHandle, FileKind, FileMeta, Timestamp};
 use super::{temp_name, temp_prefix};
 use crate::escape::esc;
 
@@ -195,13 +195,30 @@ impl Destination {
     ) -> Result<Destination> {
         let final_name = final_name.as_ref();
         check_name_os(final_name)?;
+        let existing = dir.entry(final_name).ok().flatten();
+        Self::create_over(dir, final_name, existing.as_ref(), len, opts)
+    }
+
+    /// [`Destination::create`] where the caller has just looked at what
+    /// `dir/final_name` is (`existing`, `None`: nothing there), so the
+    /// name is not looked up again: a directory there is refused, a
+    /// regular file's mode is what a copy without `-p` keeps.
+    pub fn create_over(
+        dir: &DirHandle,
+        final_name: impl AsRef<OsStr>,
+        existing: Option<&FileMeta>,
+        len: u64,
+        opts: DestinationOptions,
+    ) -> Result<Destination> {
+        let final_name = final_name.as_ref();
+        check_name_os(final_name)?;
         if opts.block_size == 0 {
             return Err(FileError::Destination {
                 path: dir.display().join(final_name),
                 why: "block size is zero",
             });
         }
-        let existing_mode = refuse_directory(dir, final_name)?;
+        let existing_mode = refuse_directory_in(dir, final_name, existing)?;
         let temp = temp_name(final_name, "part");
         let tpath = dir.display().join(&temp);
         let fd = rfs::openat(
@@ -1016,11 +1033,21 @@ fn stale(
 /// Any other answer (nothing there, something else, a failed look) is left
 /// to the create and the rename, which meet it themselves.
 fn refuse_directory(dir: &DirHandle, name: &OsStr) -> Result<Option<u32>> {
-    match dir.entry(name) {
-        Ok(Some(m)) if m.kind == FileKind::Dir => Err(FileError::IsADirectory {
+    let existing = dir.entry(name).ok().flatten();
+    refuse_directory_in(dir, name, existing.as_ref())
+}
+
+/// A directory at `dir/name` (`existing`) refused; a regular file's mode.
+fn refuse_directory_in(
+    dir: &DirHandle,
+    name: &OsStr,
+    existing: Option<&FileMeta>,
+) -> Result<Option<u32>> {
+    match existing {
+        Some(m) if m.kind == FileKind::Dir => Err(FileError::IsADirectory {
             path: dir.display().join(name),
         }),
-        Ok(Some(m)) if m.kind == FileKind::File => Ok(Some(m.mode)),
+        Some(m) if m.kind == FileKind::File => Ok(Some(m.mode)),
         _ => Ok(None),
     }
 }

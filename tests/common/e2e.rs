@@ -1018,6 +1018,33 @@ pub fn modes_of_new_and_replaced_files(t: &str) {
     ]);
     assert_eq!(sha256sum(&local_key), sha256sum(&key));
     assert_eq!(mode_of(&local_key), 0o600, "pull kept 0600");
+    // The same in a tree pushed again (after the first file of a
+    // directory, rcpd looks at each name once, through the directory's
+    // handle): the files replaced keep 0600.
+    let tree = tmp.path().join("tree");
+    std::fs::create_dir(&tree).unwrap();
+    for n in ["a", "b", "c"] {
+        file_with_mode(&tree.join(n), 100, 0o644);
+    }
+    run(&["push", "-q", "-r", tree.to_str().unwrap(), &remote("/")]);
+    for n in ["a", "b", "c"] {
+        std::fs::set_permissions(root.join("tree").join(n), perm(0o600)).unwrap();
+        // Changed, so that the quick check does not skip it.
+        file_with_mode(&tree.join(n), 200, 0o644);
+    }
+    run(&["push", "-q", "-r", tree.to_str().unwrap(), &remote("/")]);
+    for n in ["a", "b", "c"] {
+        assert_eq!(
+            sha256sum(&root.join("tree").join(n)),
+            sha256sum(&tree.join(n))
+        );
+        assert_eq!(
+            mode_of(&root.join("tree").join(n)),
+            0o600,
+            "push -r kept {n} 0600"
+        );
+    }
+    std::fs::remove_dir_all(root.join("tree")).unwrap();
     // With -p the source's mode wins, each way.
     run(&[
         "push",

@@ -23,11 +23,11 @@ use crate::control::protocol::{
     Bitmap, CommittedFile, Digest, Failure, FileId, Granted, OpenedFile, Reason,
 };
 use crate::escape::esc;
-use crate::files::Growing;
 use crate::files::{
     self, Destination, DestinationOptions, DirCache, DirHandle, FileError, FileKind, PathError,
     Preserve, SourceFile,
 };
+use crate::files::{FileMeta, Growing};
 use crate::mem::Block;
 use crate::proto::{self, Direction};
 use crate::provider::exposed::Exposed;
@@ -130,6 +130,10 @@ impl WindowSlot {
     }
 }
 
+/// [`StreamIo::push_target`]'s answer: the directory, the final name, the
+/// path shown, and what was at the final name if it was looked at.
+type PushTarget = (DirHandle, String, String, Option<Option<FileMeta>>);
+
 fn fail(e: impl Into<ControlError>) -> Failure {
     e.into().failure()
 }
@@ -193,11 +197,10 @@ impl StreamIo {
     }
 
     /// Where a push lands: the directory and the final name, scp-style (an
-    /// existing directory means "inside it").
-    fn push_target(
-        &self,
-        open: &proto::OpenFile,
-    ) -> Result<(DirHandle, String, String), ControlError> {
+    /// existing directory means "inside it"), and what is at the final name
+    /// when it was looked at here (`Some(None)`: nothing), so that the
+    /// destination does not look again.
+    fn push_target(&self, open: &proto::OpenFile) -> Result<PushTarget, ControlError> {
         let root = self.svc.root();
         let rel = fsutil::root_rel(&open.path);
         let rp = files::normalize(&rel)?;
@@ -207,8 +210,9 @@ impl StreamIo {
         // "nothing there" and a regular file are settled here; a directory,
         // a symlink or anything else takes the full path below.
         if let (Some(name), Some(d)) = (rp.file_name(), self.open_dir(&rp.parent())) {
-            if d.entry(name)?.is_none_or(|m| m.kind == FileKind::File) {
-                return Ok((d, name.to_string(), fsutil::rel_str(&rp)));
+            let seen = d.entry(name)?;
+            if seen.as_ref().is_none_or(|m| m.kind == FileKind::File) {
+                return Ok((d, name.to_string(), fsutil::rel_str(&rp), Some(seen)));
             }
         }
         match root.stat(&rel) {
@@ -220,7 +224,7 @@ impl StreamIo {
                 } else {
                     format!("{rel}/{name}")
                 };
-                Ok((d, name, shown))
+                Ok((d, name, shown, None))
             }
             Ok(m) if m.kind != FileKind::File => Err(ControlError::Invalid(format!(
                 "{} exists and is not a regular file",
@@ -240,14 +244,14 @@ impl StreamIo {
                         }
                         e => e,
                     })?;
-                Ok((dir, name, fsutil::rel_str(&rp)))
+                Ok((dir, name, fsutil::rel_str(&rp), None))
             }
             Err(e) => Err(e.into()),
         }
     }
 
     fn open_push(&self, open: &proto::OpenFile) -> Result<(FileHandle, OpenedFile), ControlError> {
-        let (dir, name, path) = self.push_target(open)?;
+        let (dir, name, path, seen) = self.push_target(open)?;
         if open.length >= SPACE_CHECK_FROM {
             check_space(&dir, open.length)?;
         }
@@ -273,7 +277,12 @@ impl StreamIo {
         let dest = match dest {
             Some(d) => d,
             None => {
-                let mut d = Destination::create(&dir, &name, open.length, opts)?;
+                let mut d = match &seen {
+                    Some(seen) => {
+                        Destination::create_over(&dir, &name, seen.as_ref(), open.length, opts)?
+                    }
+                    None => Destination::create(&dir, &name, open.length, opts)?,
+                };
                 if !open.keep_blocks.is_empty() {
                     let root = self.svc.root();
                     let check = self.session.params.check;
