@@ -1,7 +1,8 @@
 //! rcp: bulk transfer over RDMA.
 //!
 //! Where to start:
-//! - [`verbs`]: safe types over libibverbs ([`verbs::Context`], [`verbs::QueuePair`], ...).
+//! - [`verbs`]: safe types over libibverbs ([`verbs::Context`], [`verbs::QueuePair`], ...;
+//!   [`verbs::messages::Messenger`]: requests and answers as SENDs on a QP of their own).
 //! - [`mem`]: the hugepage arena that is registered once and carved into blocks.
 //! - [`engine`]: the data-movement state machine, plain data, no I/O:
 //!   [`engine::Stream`] moves a session's windows ([`engine::WindowJob`]: a staging
