@@ -1,0 +1,184 @@
+//! Standing grants over verbs (soft-RoCE in the test VM), with the
+//! notices on the session's message QP (protocol 2.7): two Rust services
+//! on one rcpd (rcpd its own peer, over rxe0), one exposing with
+//! `grant: standing`, the other writing and reading it.
+//!
+//! - 64 writes of 4 KiB at once, twice, then 64 reads: every one done,
+//!   the bytes where they belong, the owner told of each write;
+//! - one write of 2048 ranges (its notice, 2048 digests, is longer than a
+//!   receive of the message QP: it goes as fragments);
+//! - every notify call came on the message QP (`rcpd_buffer_notify_frames`
+//!   = `rcpd_buffer_notify_calls` > 0; rcpd logged the QP), none over
+//!   gRPC;
+//! - withdrawn, the next write fails naming the exposure and touches
+//!   nothing.
+//!
+//! `cargo test --test buffers_verbs --no-run`, then
+//! `scripts/testbed.sh run lo -- <test binary> --ignored --test-threads=1 --nocapture`.
+
+mod common;
+
+use std::time::Duration;
+
+use common::metrics::scrape;
+use common::Rcpd;
+use rcp::control::buffers::api::{Desc, OpRequest, OpStateName, OpStatus};
+use rcp::control::buffers::client::ServiceClient;
+
+const OPS: u64 = 64;
+const LEN: u64 = 4096;
+/// Ranges of the one long write.
+const MANY: u64 = 2048;
+
+/// A call that would hang fails the test instead (never a bound on how
+/// long anything takes: only on waiting forever).
+const HANG_GUARD: Duration = Duration::from_secs(600);
+
+/// Every operation done, over verbs.
+fn all_done(st: &[OpStatus]) {
+    assert!(
+        st.iter()
+            .all(|s| s.state == OpStateName::Done && s.transport.as_deref() == Some("verbs")),
+        "{st:?}"
+    );
+}
+
+fn counter(m: &str, name: &str) -> u64 {
+    m.lines()
+        .find_map(|l| l.strip_prefix(name)?.trim().parse::<f64>().ok())
+        .unwrap_or_else(|| panic!("{name} in {m}")) as u64
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test-all.sh (soft-RoCE VM)"]
+fn standing_notices_go_on_the_message_qp() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async { tokio::time::timeout(HANG_GUARD, run()).await })
+        .expect("the scenario did not hang");
+}
+
+async fn run() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("root");
+    std::fs::create_dir(&root).unwrap();
+    let sock = dir.path().join("rcpd.sock");
+    let d = Rcpd::start(
+        &root,
+        "verbs",
+        None,
+        &["--socket", sock.to_str().unwrap(), "--log", "info"],
+    );
+    let addr = d.addr();
+    let owner = ServiceClient::connect(Some(&sock), None).await.unwrap();
+    let dst = owner.create_buffer(MANY * LEN).await.unwrap();
+    owner
+        .expose_standing(&dst, "st", 0, MANY * LEN, "rw", &[])
+        .await
+        .unwrap();
+    let writer = ServiceClient::connect_with(Some(&sock), None, false)
+        .await
+        .unwrap();
+    let src = writer.create_buffer(MANY * LEN + OPS * LEN).await.unwrap();
+    let data: Vec<u8> = (0..MANY * LEN).map(|i| (i * 31 + 7) as u8).collect();
+    assert!(src.local.write_at(0, &data));
+    let op = |i: u64, descs: Vec<Desc>| OpRequest {
+        buffer: src.id,
+        peer: addr.clone(),
+        name: "st".into(),
+        descs,
+        message: format!("op {i}"),
+        check: None,
+    };
+    let one = |local: u64, remote: u64| {
+        vec![Desc {
+            local,
+            remote,
+            len: LEN,
+        }]
+    };
+
+    // 64 writes at once, twice (the grant kept between the batches).
+    for _ in 0..2 {
+        let writes = (0..OPS)
+            .map(|i| op(i, one(i * LEN, (OPS - 1 - i) * LEN)))
+            .collect();
+        let hs = writer.start_many(true, writes).await.unwrap();
+        let st = writer.wait_all(hs).await.unwrap();
+        all_done(&st);
+    }
+    let mut got = vec![0u8; (OPS * LEN) as usize];
+    assert!(dst.local.read_at(0, &mut got));
+    for i in 0..OPS {
+        let (a, b) = ((i * LEN) as usize, ((OPS - 1 - i) * LEN) as usize);
+        assert!(
+            got[b..b + LEN as usize] == data[a..a + LEN as usize],
+            "page {i}"
+        );
+    }
+    for _ in 0..2 * OPS {
+        let ev = owner.next_event().await.expect("an event");
+        assert_eq!(ev["event"], "written", "{ev}");
+    }
+
+    // One write of 2048 ranges: its notice goes as fragments.
+    let descs = (0..MANY)
+        .map(|k| Desc {
+            local: k * LEN,
+            remote: k * LEN,
+            len: LEN,
+        })
+        .collect();
+    let hs = writer.start_many(true, vec![op(OPS, descs)]).await.unwrap();
+    let st = writer.wait_all(hs).await.unwrap();
+    all_done(&st);
+    let mut all = vec![0u8; (MANY * LEN) as usize];
+    assert!(dst.local.read_at(0, &mut all));
+    assert!(all == data, "the 2048 ranges landed");
+    let ev = owner.next_event().await.expect("an event");
+    assert_eq!(ev["event"], "written", "{ev}");
+    assert_eq!(ev["ranges"].as_array().unwrap().len() as u64, MANY, "{ev}");
+
+    // 64 reads back.
+    let reads = (0..OPS)
+        .map(|i| op(i, one(MANY * LEN + i * LEN, i * LEN)))
+        .collect();
+    let hs = writer.start_many(false, reads).await.unwrap();
+    let st = writer.wait_all(hs).await.unwrap();
+    all_done(&st);
+    let mut back = vec![0u8; (OPS * LEN) as usize];
+    assert!(src.local.read_at(MANY * LEN, &mut back));
+    assert!(back == data[..(OPS * LEN) as usize], "the reads landed");
+
+    // Every notify call on the message QP.
+    let m = scrape(d.metrics.as_ref().expect("rcpd's metrics"));
+    let calls = counter(&m, "rcpd_buffer_notify_calls_total ");
+    let frames = counter(&m, "rcpd_buffer_notify_frames_total ");
+    let notices = counter(&m, "rcpd_buffer_notices_total ");
+    println!("{notices} notices in {calls} calls, {frames} on the message QP");
+    assert!(
+        calls > 0 && frames == calls,
+        "{calls} calls, {frames} on the QP"
+    );
+    assert_eq!(notices, 2 * OPS + 1 + OPS);
+    let log = d.log();
+    assert!(log.contains("message QP connected"), "{log}");
+    assert!(!log.contains("notices over gRPC"), "{log}");
+
+    // Withdrawn: the next write fails naming it, and touches nothing.
+    owner.unexpose("st").await.unwrap();
+    assert!(src.local.write_at(0, &vec![0xee; LEN as usize]));
+    let hs = writer
+        .start_many(true, vec![op(0, one(0, 0))])
+        .await
+        .unwrap();
+    let st = writer.wait_all(hs).await.unwrap();
+    let f = st[0].failure.as_ref().expect("the write failed");
+    assert_eq!(f.reason.name(), "not_found", "{f:?}");
+    assert!(f.message.contains("\"st\""), "{f:?}");
+    assert!(dst.local.read_at(0, &mut all));
+    assert!(all == data, "untouched after the withdrawal");
+}
