@@ -149,6 +149,14 @@ impl VerbsNotices {
     fn give_up(&self, peer: &str, why: &str) {
         let old = std::mem::replace(&mut *self.state.lock().unwrap(), State::Failed);
         tracing::info!(peer = %crate::escape::esc(peer), session = format_args!("{:#x}", self.session_id), why = %crate::escape::esc(why), "notices over gRPC: no message QP");
-        drop(old);
+        // Its thread is stopped and joined: not on a runtime worker's time.
+        crate::blocking::in_place(|| drop(old));
+    }
+}
+
+impl Drop for VerbsNotices {
+    fn drop(&mut self) {
+        let state = std::mem::replace(self.state.get_mut().unwrap(), State::Failed);
+        crate::blocking::in_place(|| drop(state));
     }
 }
