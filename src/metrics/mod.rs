@@ -404,7 +404,7 @@ impl Metrics {
         d.register(
             "buffer_notify_frames",
             "Of the BufferNotify calls, those that came on the data path (a tcp session's \
-             MESSAGE frame) rather than over gRPC",
+             MESSAGE frame, a verbs session's message QP) rather than over gRPC",
             m.buffer_notify_frames.clone(),
         );
         d.register(
