@@ -43,8 +43,8 @@ pub(crate) struct QpConfig {
     /// Remote access the QP accepts as a responder (least privilege: only
     /// what the transfer needs).
     pub remote_access: Access,
-    /// Receive-queue entries (1 for a QP that only takes one-sided
-    /// requests and never posts a receive).
+    /// Receives that may be posted (0: a QP that only takes one-sided
+    /// requests and never posts one).
     pub rq_depth: u32,
 }
 
@@ -141,9 +141,11 @@ pub fn random_psn() -> u32 {
 ///
 /// Each QP gets a completion queue of its own, sized here and nowhere else:
 /// a send-queue entry yields at most one completion (every one of them when
-/// an error flushes the queue) and no receive is ever posted, so the CQ has
-/// as many entries as the send queue, and both stay within what the device
-/// reports (`max_qp_wr`, `max_cqe`; [`sq_entries`]). The send-queue depth
+/// an error flushes the queue), and so does each receive a QP built with
+/// [`recv_depth`](Self::recv_depth) may post (the data path's QPs post
+/// none), so the CQ has as many entries as the two queues, and all stay
+/// within what the device reports (`max_qp_wr`, `max_cqe`;
+/// [`sq_entries`]). The send-queue depth
 /// the QP reports ([`QueuePair::sq_depth`], the data path's credits) never
 /// exceeds the CQ's entries.
 #[derive(Clone)]
@@ -253,7 +255,7 @@ impl QpBuilder {
                 max_send_sge: 1,
                 max_inline: self.max_inline,
                 remote_access: self.remote_access,
-                rq_depth: rq.max(1),
+                rq_depth: rq,
             },
         )?;
         Ok(PreparedQp { qp })
@@ -322,7 +324,7 @@ impl QueuePair {
                 ),
             ));
         }
-        if send_cq.depth() < cfg.sq_depth + cfg.rq_depth - 1 {
+        if send_cq.depth() < cfg.sq_depth + cfg.rq_depth {
             return Err(VerbsError::new(
                 "ibv_create_qp",
                 libc::EINVAL,
@@ -344,7 +346,8 @@ impl QueuePair {
         init.qp_type = ibv_qp_type::IBV_QPT_RC;
         init.sq_sig_all = 0; // selective signaling
         init.cap.max_send_wr = cfg.sq_depth;
-        init.cap.max_recv_wr = cfg.rq_depth;
+        // (At least one: some providers refuse a receive queue of none.)
+        init.cap.max_recv_wr = cfg.rq_depth.max(1);
         init.cap.max_send_sge = cfg.max_send_sge.clamp(1, caps.max_sge.max(1));
         init.cap.max_recv_sge = 1;
         init.cap.max_inline_data = cfg.max_inline;
