@@ -13,6 +13,9 @@
 //! - withdrawn, the next write fails naming the exposure and touches
 //!   nothing.
 //!
+//! And the same QP at the protocol's level, a session made by hand
+//! (`notices_on_a_message_qp_made_by_hand`).
+//!
 //! `cargo test --test buffers_verbs --no-run`, then
 //! `scripts/testbed.sh run lo -- <test binary> --ignored --test-threads=1 --nocapture`.
 
@@ -181,4 +184,143 @@ async fn run() {
     assert!(f.message.contains("\"st\""), "{f:?}");
     assert!(dst.local.read_at(0, &mut all));
     assert!(all == data, "untouched after the withdrawal");
+}
+
+/// The message QP at the protocol's level (a session made by hand, over
+/// verbs): `BufferMessages` connects rcpd's side to ours; one message of
+/// three notices (a wrong digest in round 0, the right one, a grant that
+/// does not exist) is answered on it, each as the gRPC call would be, and
+/// the owner hears of the one that ended; a session closed takes its QP
+/// with it (the next call breaks) and refuses another.
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test-all.sh (soft-RoCE VM)"]
+fn notices_on_a_message_qp_made_by_hand() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async { tokio::time::timeout(HANG_GUARD, by_hand()).await })
+        .expect("the scenario did not hang");
+}
+
+async fn by_hand() {
+    use prost::Message;
+    use rcp::proto::{self, BufferNotifyFrame, BufferNotifyRequest};
+    use rcp::provider::ProviderKind;
+    use rcp::verbs::messages::MessageError;
+
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("root");
+    std::fs::create_dir(&root).unwrap();
+    let sock = dir.path().join("rcpd.sock");
+    let d = Rcpd::start(
+        &root,
+        "verbs",
+        None,
+        &["--socket", sock.to_str().unwrap(), "--log", "info"],
+    );
+    let owner = ServiceClient::connect(Some(&sock), None).await.unwrap();
+    let buf = owner.create_buffer(1 << 20).await.unwrap();
+    owner
+        .expose_standing(&buf, "raw", 0, 1 << 20, "write", &[])
+        .await
+        .unwrap();
+    let mut c = common::raw::grpc(d.port).await;
+    let s = common::raw::Session::open(&mut c, ProviderKind::Verbs, 1 << 20).await;
+    let session_id = s.id();
+    let sg = c
+        .buffer_grant(proto::BufferGrantRequest {
+            session_id,
+            name: "raw".into(),
+            access: proto::BufferAccess::Write as i32,
+            ranges: vec![proto::BufferRange {
+                offset: 0,
+                len: 4096,
+            }],
+            standing_ok: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .standing
+        .expect("a standing grant");
+    assert!(
+        sg.frames,
+        "a verbs session's notices may leave gRPC: {sg:?}"
+    );
+
+    // Our message QP on the session's rail, rcpd's connected to it.
+    let rail = s.link.rails[0].channel.clone();
+    let prep = rail.prepare_messages().unwrap();
+    let theirs = c
+        .buffer_messages(proto::BufferMessagesRequest {
+            session_id,
+            endpoint: Some(rcp::control::link::ep_to_proto(&prep.endpoint())),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .endpoint
+        .expect("rcpd's endpoint");
+    let theirs = rcp::control::link::ep_from_proto(&theirs).unwrap();
+    // Retries bounded: a peer gone surfaces as an error on soft-RoCE too.
+    let p = rcp::verbs::ConnectParams {
+        timeout: 12,
+        retry_cnt: 2,
+        ..Default::default()
+    };
+    let m = prep.connect(&theirs, &p, None, "test-msg").unwrap();
+    let zero = common::raw::sha256(&[0u8; 4096]);
+    let notice = |standing: u64, offset: u64, digest: Vec<u8>| proto::BufferNotice {
+        standing,
+        ranges: vec![proto::BufferRange { offset, len: 4096 }],
+        digests: vec![digest],
+        message: format!("at {offset}"),
+        round: 0,
+        resent: 0,
+    };
+    let req = BufferNotifyRequest {
+        session_id: 0,
+        ops: vec![
+            notice(sg.id, 0, vec![1; 32]),
+            notice(sg.id, 4096, zero.clone()),
+            notice(sg.id + 1000, 0, zero.clone()),
+        ],
+        node: String::new(),
+    };
+    let answer = m.call(req.encode_to_vec()).await.unwrap().unwrap();
+    let f = BufferNotifyFrame::decode(answer.as_slice()).unwrap();
+    assert!(f.error.is_empty(), "{f:?}");
+    let r = f.response.expect("a response").results;
+    assert_eq!(r.len(), 3, "{r:?}");
+    assert_eq!((r[0].bad.clone(), r[0].ended), (vec![0], false), "{r:?}");
+    assert_eq!((r[1].bad.clone(), r[1].ended), (vec![], true), "{r:?}");
+    assert_eq!(r[2].reason, proto::Reason::FileNotFound as i32, "{r:?}");
+    let ev = owner.next_event().await.expect("an event");
+    assert_eq!(
+        (ev["event"].as_str(), ev["message"].as_str()),
+        (Some("written"), Some("at 4096")),
+        "{ev}"
+    );
+    let metrics = scrape(d.metrics.as_ref().unwrap());
+    assert_eq!(counter(&metrics, "rcpd_buffer_notify_frames_total "), 1);
+
+    // The session closed: its QP went with it, and no other is made.
+    c.close_session(proto::CloseSessionRequest { session_id })
+        .await
+        .unwrap();
+    let r = m.call(req.encode_to_vec()).await.unwrap();
+    assert!(matches!(r, Err(MessageError::Broken(_))), "{r:?}");
+    let prep = rail.prepare_messages().unwrap();
+    let e = c
+        .buffer_messages(proto::BufferMessagesRequest {
+            session_id,
+            endpoint: Some(rcp::control::link::ep_to_proto(&prep.endpoint())),
+        })
+        .await
+        .unwrap_err();
+    assert!(e.message().contains("unknown session"), "{e:?}");
+    println!("message QP by hand: answered, then broken with its session");
 }
