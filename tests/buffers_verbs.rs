@@ -265,10 +265,11 @@ async fn by_hand() {
         .endpoint
         .expect("rcpd's endpoint");
     let theirs = rcp::control::link::ep_from_proto(&theirs).unwrap();
-    // Retries bounded: a peer gone surfaces as an error on soft-RoCE too.
+    // Retries bounded (6 of ~268 ms each, patient with a loaded VM): a
+    // peer gone surfaces as an error on soft-RoCE too.
     let p = rcp::verbs::ConnectParams {
-        timeout: 12,
-        retry_cnt: 2,
+        timeout: 16,
+        retry_cnt: 6,
         ..Default::default()
     };
     let m = prep.connect(&theirs, &p, None, "test-msg").unwrap();

@@ -51,8 +51,10 @@ pub const MAX_MESSAGE: usize = 16 << 20;
 /// Bytes of a fragment's header.
 pub const HDR: usize = 16;
 
-/// Answers queued to go out at most (a peer that sends requests and takes
-/// no answers): more breaks the channel.
+/// Answers queued to go out at most: past it, the receives that took
+/// requests are held, not posted again, until the answers drain (so a peer
+/// that sends requests and takes no answers stalls its own requests, RNR,
+/// instead of growing this side's queue).
 const MAX_QUEUED: usize = 4 * DEPTH;
 
 /// Partly received messages at most.
@@ -247,6 +249,7 @@ impl PreparedMessages {
         let mut w = Worker {
             qp,
             recv,
+            held: Vec::new(),
             send,
             free,
             lkey: mr.lkey(),
@@ -361,8 +364,11 @@ struct Outgoing {
 /// registration and their arena go.
 struct Worker {
     qp: QueuePair,
-    /// Slot `i`: the block of receive `RECV | i` while it is posted.
+    /// Slot `i`: the block of receive `RECV | i` while it is posted, or
+    /// held ([`MAX_QUEUED`]).
     recv: Vec<Option<Block>>,
+    /// Receive slots taken and not posted again (answers back up).
+    held: Vec<usize>,
     /// Slot `i`: the block of SEND `i` while it is posted, or free.
     send: Vec<Option<Block>>,
     /// Send slots not posted.
@@ -446,7 +452,8 @@ impl Worker {
             did = true;
             self.completed(wc)?;
         }
-        Ok(self.post()? || did)
+        let posted = self.post()?;
+        Ok(self.release_held()? || posted || did)
     }
 
     fn completed(&mut self, wc: &WorkCompletion) -> Result<(), String> {
@@ -477,11 +484,6 @@ impl Worker {
                     let _ = tx.send(r);
                 }
             } else {
-                if self.out.iter().filter(|o| o.head.answer).count() >= MAX_QUEUED {
-                    return Err(format!(
-                        "more than {MAX_QUEUED} answers wait to go out: the peer takes none"
-                    ));
-                }
                 let (bytes, refused) = match &self.handler {
                     Some(f) => (f(&m), false),
                     None => (Vec::new(), true),
@@ -498,16 +500,40 @@ impl Worker {
                 });
             }
         }
-        // SAFETY: the block goes back into `recv[slot]`, untouched until
-        // this receive's completion or the QP's destruction (as at
-        // `connect`).
+        self.recv[slot] = Some(block);
+        if self.answers_queued() >= MAX_QUEUED {
+            self.held.push(slot);
+            return Ok(());
+        }
+        self.repost(slot)
+    }
+
+    fn answers_queued(&self) -> usize {
+        self.out.iter().filter(|o| o.head.answer).count()
+    }
+
+    /// Post receive `slot` again (its block is in `recv[slot]`, taken).
+    fn repost(&mut self, slot: usize) -> Result<(), String> {
+        let block = self.recv[slot].as_ref().expect("a taken receive's block");
+        // SAFETY: the block stays in `recv[slot]`, untouched until this
+        // receive's completion (`completed` takes it out only then) or the
+        // QP's destruction (as at `connect`).
         unsafe {
             self.qp
-                .post_recv(RECV | slot as u64, seg(&block, SLOT, self.lkey))
+                .post_recv(RECV | slot as u64, seg(block, SLOT, self.lkey))
         }
-        .map_err(|e| e.to_string())?;
-        self.recv[slot] = Some(block);
-        Ok(())
+        .map_err(|e| e.to_string())
+    }
+
+    /// Post the held receives again once the answers have drained.
+    fn release_held(&mut self) -> Result<bool, String> {
+        let mut did = false;
+        while !self.held.is_empty() && self.answers_queued() < MAX_QUEUED {
+            let slot = self.held.pop().expect("not empty");
+            self.repost(slot)?;
+            did = true;
+        }
+        Ok(did)
     }
 
     /// Post fragments of the waiting messages while send buffers are free:
