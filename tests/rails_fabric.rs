@@ -410,17 +410,65 @@ fn two_rails_carry_one_copy() {
     verify(&r, &data);
 }
 
-fn link(spec: &str, state: &str) {
-    let (ns, dev) = spec.split_once(':').unwrap_or(("", spec));
-    let mut c = Command::new("ip");
-    if !ns.is_empty() {
-        c.args(["-n", ns]);
+/// `ip -batch -` in the namespace of `spec` (`NS:DEV`), started before the
+/// copy: a link set down or up at a point of the copy's progress is then a
+/// line on its stdin, not an exec of `ip` (about a second under TCG, in
+/// which a 64 MiB copy can end before the cut lands).
+struct IpBatch {
+    child: std::process::Child,
+    stdin: std::process::ChildStdin,
+    out: std::io::BufReader<std::process::ChildStdout>,
+    dev: String,
+}
+
+impl IpBatch {
+    fn new(spec: &str) -> IpBatch {
+        use std::process::Stdio;
+        let (ns, dev) = spec.split_once(':').unwrap_or(("", spec));
+        let mut c = Command::new("ip");
+        if !ns.is_empty() {
+            c.args(["-n", ns]);
+        }
+        let mut child = c
+            .args(["-batch", "-"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("run ip -batch");
+        let stdin = child.stdin.take().unwrap();
+        let out = std::io::BufReader::new(child.stdout.take().unwrap());
+        IpBatch {
+            child,
+            stdin,
+            out,
+            dev: dev.to_string(),
+        }
     }
-    let st = c
-        .args(["link", "set", dev, state])
-        .status()
-        .expect("run ip");
-    assert!(st.success(), "ip link set {dev} {state}: {st}");
+
+    /// Set the link `state` (`down`, `up`) and wait until `ip` has (its
+    /// next command, a `link show` of the device, answered).
+    fn link(&mut self, state: &str) {
+        use std::io::{BufRead, Write};
+        let dev = &self.dev;
+        writeln!(self.stdin, "link set {dev} {state}\nlink show dev {dev}").unwrap();
+        self.stdin.flush().unwrap();
+        let mut line = String::new();
+        loop {
+            line.clear();
+            let n = self.out.read_line(&mut line).expect("ip's output");
+            assert!(n > 0, "ip -batch ended before `link show dev {dev}`");
+            if line.contains(&format!(" {dev}")) && line.contains('<') {
+                return;
+            }
+        }
+    }
+}
+
+impl Drop for IpBatch {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }
 
 #[test]
@@ -434,6 +482,7 @@ fn a_rail_cut_for_5s_is_absorbed_and_rejoins() {
     // it runs; the asserts below say it landed with work outstanding.
     let len = 64 << 20;
     let (r, data) = prepare(len);
+    let mut ip = IpBatch::new(&cut);
     let (dp, mut ev) = r.data_path(cfg());
     let stats = dp.stats().clone();
     let t0 = Instant::now();
@@ -441,7 +490,7 @@ fn a_rail_cut_for_5s_is_absorbed_and_rejoins() {
         copy_with_cut(&r, &dp, &mut ev, len, 16 << 10, (16, 16), {
             let (cut, stats) = (cut.clone(), stats.clone());
             move || {
-                link(&cut, "down");
+                ip.link("down");
                 let down = Instant::now();
                 eprintln!(
                     "{cut} down at {:.2} s, {} of {} blocks done",
@@ -449,10 +498,9 @@ fn a_rail_cut_for_5s_is_absorbed_and_rejoins() {
                     stats.counters().extents_confirmed,
                     len / (16 << 10)
                 );
-                let cut = cut.clone();
                 let up = std::thread::spawn(move || {
                     std::thread::sleep(Duration::from_secs(5));
-                    link(&cut, "up");
+                    ip.link("up");
                     eprintln!("{cut} up at {:.2} s", t0.elapsed().as_secs_f64());
                 });
                 (down, up)
