@@ -46,37 +46,48 @@ fn all_done(st: &[OpStatus]) {
     );
 }
 
+/// Counter `name` of rcpd's `/metrics` text `m`.
 fn counter(m: &str, name: &str) -> u64 {
-    m.lines()
-        .find_map(|l| l.strip_prefix(name)?.trim().parse::<f64>().ok())
-        .unwrap_or_else(|| panic!("{name} in {m}")) as u64
+    common::metrics::sample(m, name).unwrap_or_else(|| panic!("{name} in {m}")) as u64
 }
 
-#[test]
-#[ignore = "needs an RDMA device: run scripts/test-all.sh (soft-RoCE VM)"]
-fn standing_notices_go_on_the_message_qp() {
+/// Run `scenario` on a runtime of its own, bounded by [`HANG_GUARD`].
+fn run(scenario: impl std::future::Future<Output = ()>) {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .unwrap();
-    rt.block_on(async { tokio::time::timeout(HANG_GUARD, run()).await })
+    rt.block_on(async { tokio::time::timeout(HANG_GUARD, scenario).await })
         .expect("the scenario did not hang");
 }
 
-async fn run() {
-    let dir = tempfile::tempdir().unwrap();
-    let root = dir.path().join("root");
+/// An rcpd over verbs with its unix socket (in `dir`), and a service of
+/// its own connected to it.
+async fn rcpd_and_owner(dir: &std::path::Path) -> (Rcpd, std::path::PathBuf, ServiceClient) {
+    let root = dir.join("root");
     std::fs::create_dir(&root).unwrap();
-    let sock = dir.path().join("rcpd.sock");
+    let sock = dir.join("rcpd.sock");
     let d = Rcpd::start(
         &root,
         "verbs",
         None,
         &["--socket", sock.to_str().unwrap(), "--log", "info"],
     );
-    let addr = d.addr();
     let owner = ServiceClient::connect(Some(&sock), None).await.unwrap();
+    (d, sock, owner)
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run scripts/test-all.sh (soft-RoCE VM)"]
+fn standing_notices_go_on_the_message_qp() {
+    run(many_operations());
+}
+
+async fn many_operations() {
+    let dir = tempfile::tempdir().unwrap();
+    let (d, sock, owner) = rcpd_and_owner(dir.path()).await;
+    let addr = d.addr();
     let dst = owner.create_buffer(MANY * LEN).await.unwrap();
     owner
         .expose_standing(&dst, "st", 0, MANY * LEN, "rw", &[])
@@ -158,9 +169,9 @@ async fn run() {
 
     // Every notify call on the message QP.
     let m = scrape(d.metrics.as_ref().expect("rcpd's metrics"));
-    let calls = counter(&m, "rcpd_buffer_notify_calls_total ");
-    let frames = counter(&m, "rcpd_buffer_notify_frames_total ");
-    let notices = counter(&m, "rcpd_buffer_notices_total ");
+    let calls = counter(&m, "rcpd_buffer_notify_calls_total");
+    let frames = counter(&m, "rcpd_buffer_notify_frames_total");
+    let notices = counter(&m, "rcpd_buffer_notices_total");
     println!("{notices} notices in {calls} calls, {frames} on the message QP");
     assert!(
         calls > 0 && frames == calls,
@@ -195,13 +206,7 @@ async fn run() {
 #[test]
 #[ignore = "needs an RDMA device: run scripts/test-all.sh (soft-RoCE VM)"]
 fn notices_on_a_message_qp_made_by_hand() {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async { tokio::time::timeout(HANG_GUARD, by_hand()).await })
-        .expect("the scenario did not hang");
+    run(by_hand());
 }
 
 async fn by_hand() {
@@ -211,16 +216,7 @@ async fn by_hand() {
     use rcp::verbs::messages::MessageError;
 
     let dir = tempfile::tempdir().unwrap();
-    let root = dir.path().join("root");
-    std::fs::create_dir(&root).unwrap();
-    let sock = dir.path().join("rcpd.sock");
-    let d = Rcpd::start(
-        &root,
-        "verbs",
-        None,
-        &["--socket", sock.to_str().unwrap(), "--log", "info"],
-    );
-    let owner = ServiceClient::connect(Some(&sock), None).await.unwrap();
+    let (d, _sock, owner) = rcpd_and_owner(dir.path()).await;
     let buf = owner.create_buffer(1 << 20).await.unwrap();
     owner
         .expose_standing(&buf, "raw", 0, 1 << 20, "write", &[])
@@ -306,7 +302,7 @@ async fn by_hand() {
         "{ev}"
     );
     let metrics = scrape(d.metrics.as_ref().unwrap());
-    assert_eq!(counter(&metrics, "rcpd_buffer_notify_frames_total "), 1);
+    assert_eq!(counter(&metrics, "rcpd_buffer_notify_frames_total"), 1);
 
     // The session closed: its QP went with it, and no other is made.
     c.close_session(proto::CloseSessionRequest { session_id })
