@@ -24,29 +24,64 @@ const MAX_FDS: usize = 8;
 /// The reading side of a connection: frames, and the fds that came with
 /// them.
 pub struct FrameReader {
+    /// Room for reads (zeroed once, reused); `buf[start..end]` are the
+    /// bytes read and not consumed yet.
     buf: Vec<u8>,
+    start: usize,
+    end: usize,
     pub fds: VecDeque<OwnedFd>,
 }
+
+/// Bytes one read asks for at least.
+const READ_CHUNK: usize = 64 << 10;
 
 impl Default for FrameReader {
     fn default() -> Self {
         FrameReader {
-            buf: Vec::with_capacity(64 << 10),
+            buf: vec![0; READ_CHUNK],
+            start: 0,
+            end: 0,
             fds: VecDeque::new(),
         }
     }
 }
 
 impl FrameReader {
-    /// Read into the buffer once, collecting fds; 0 at end of stream.
+    /// Bytes read and not consumed yet.
+    fn unread(&self) -> &[u8] {
+        &self.buf[self.start..self.end]
+    }
+
+    /// Mark `n` more bytes consumed.
+    fn consume(&mut self, n: usize) {
+        self.start += n;
+        if self.start == self.end {
+            self.start = 0;
+            self.end = 0;
+        }
+    }
+
+    /// Read into the buffer once, collecting fds; 0 at end of stream. The
+    /// bytes land straight in the buffer's free room (a frame's bytes are
+    /// copied once, by the kernel); the unread bytes are moved to its front
+    /// only when the room behind them runs short, and the buffer grows
+    /// only for a frame larger than it.
     async fn fill(&mut self, s: &UnixStream) -> io::Result<usize> {
-        let mut chunk = vec![0u8; 64 << 10];
+        if self.buf.len() - self.end < READ_CHUNK {
+            self.buf.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+            if self.buf.len() - self.end < READ_CHUNK {
+                self.buf.resize(self.end + READ_CHUNK, 0);
+            }
+        }
+        let room = &mut self.buf[self.end..];
         let (n, fds) = s
             .async_io(Interest::READABLE, || {
                 let mut space =
                     [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
                 let mut anc = RecvAncillaryBuffer::new(&mut space);
-                let mut iov = [IoSliceMut::new(&mut chunk)];
+                let mut iov = [IoSliceMut::new(room)];
                 let r =
                     rustix::net::recvmsg(s.as_fd(), &mut iov, &mut anc, RecvFlags::CMSG_CLOEXEC)
                         .map_err(io::Error::from)?;
@@ -59,42 +94,45 @@ impl FrameReader {
                 Ok((r.bytes, fds))
             })
             .await?;
+        self.end += n;
         self.fds.extend(fds);
-        self.buf.extend_from_slice(&chunk[..n]);
         Ok(n)
     }
 
     /// Read exactly `n` raw bytes (the magic).
     pub async fn read_raw(&mut self, s: &UnixStream, n: usize) -> io::Result<Vec<u8>> {
-        while self.buf.len() < n {
+        while self.unread().len() < n {
             if self.fill(s).await? == 0 {
                 return Err(io::ErrorKind::UnexpectedEof.into());
             }
         }
-        Ok(self.buf.drain(..n).collect())
+        let out = self.unread()[..n].to_vec();
+        self.consume(n);
+        Ok(out)
     }
 
     /// The next frame; `None` at a clean end of stream.
     pub async fn next(&mut self, s: &UnixStream) -> io::Result<Option<Value>> {
         loop {
-            if self.buf.len() >= 4 {
-                let n = u32::from_le_bytes(self.buf[..4].try_into().unwrap()) as usize;
+            let b = self.unread();
+            if b.len() >= 4 {
+                let n = u32::from_le_bytes(b[..4].try_into().unwrap()) as usize;
                 if n > MAX_FRAME {
                     return Err(io::Error::new(
                         io::ErrorKind::InvalidData,
                         format!("frame of {n} bytes, more than {MAX_FRAME}"),
                     ));
                 }
-                if self.buf.len() >= 4 + n {
-                    let v = serde_json::from_slice(&self.buf[4..4 + n]).map_err(|e| {
+                if b.len() >= 4 + n {
+                    let v = serde_json::from_slice(&b[4..4 + n]).map_err(|e| {
                         io::Error::new(io::ErrorKind::InvalidData, format!("frame: {e}"))
                     });
-                    self.buf.drain(..4 + n);
+                    self.consume(4 + n);
                     return v.map(Some);
                 }
             }
             if self.fill(s).await? == 0 {
-                return if self.buf.is_empty() {
+                return if self.unread().is_empty() {
                     Ok(None)
                 } else {
                     Err(io::ErrorKind::UnexpectedEof.into())
@@ -148,4 +186,52 @@ pub async fn send(
         off += n;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncWriteExt;
+
+    /// Frames however the stream cuts them: many in one read, one larger
+    /// than a read's room across many, then a clean end.
+    #[tokio::test]
+    async fn frames_across_reads_and_larger_than_the_room() {
+        let (a, mut b) = UnixStream::pair().unwrap();
+        let big = "x".repeat(3 * READ_CHUNK + 17);
+        let mut want = Vec::new();
+        for i in 0..1000 {
+            want.push(serde_json::json!({ "id": i, "op": "wait" }));
+        }
+        want.push(serde_json::json!({ "id": 1000, "message": big }));
+        for i in 1001..1100 {
+            want.push(serde_json::json!({ "id": i }));
+        }
+        let bytes: Vec<u8> = want.iter().flat_map(encode).collect();
+        let writer = tokio::spawn(async move {
+            // Uneven pieces: frames and their length prefixes split anywhere.
+            for piece in bytes.chunks(4093) {
+                b.write_all(piece).await.unwrap();
+            }
+        });
+        let mut r = FrameReader::default();
+        let mut got = Vec::new();
+        while let Some(v) = r.next(&a).await.unwrap() {
+            got.push(v);
+        }
+        writer.await.unwrap();
+        assert_eq!(got, want);
+    }
+
+    /// A stream that ends inside a frame is an error, not a clean end.
+    #[tokio::test]
+    async fn a_cut_frame_is_an_error() {
+        let (a, mut b) = UnixStream::pair().unwrap();
+        let f = encode(&serde_json::json!({ "id": 1 }));
+        b.write_all(&f[..f.len() - 1]).await.unwrap();
+        drop(b);
+        let mut r = FrameReader::default();
+        let e = r.next(&a).await.unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof);
+    }
 }
