@@ -1128,8 +1128,8 @@ fn print_outcome(
             transport: session.then_some(transport),
             check: Some(check.name()),
             digest_format: Some(check.digest_format()),
-            digest: totals.digest.as_deref().filter(|_| one).map(hex),
-            sha256: totals.sha256.as_deref().filter(|_| one).map(hex),
+            digest: totals.digest.as_deref().filter(|_| one).map(hex::encode),
+            sha256: totals.sha256.as_deref().filter(|_| one).map(hex::encode),
             reconnects: stats.map(|s| s.report.counters.reconnects),
             fallback: fell_back,
             tree,
@@ -1159,10 +1159,6 @@ fn print_outcome(
             }
         }
     }
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
 /// Whether the bench runs over tcp: when asked, or with auto for a

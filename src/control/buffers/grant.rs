@@ -303,10 +303,6 @@ impl Grants {
     }
 }
 
-pub(super) fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
 /// Each range's digest under `check` (empty for none).
 pub(crate) fn digests(check: Check, ranges: &[LeasedRange]) -> Vec<Vec<u8>> {
     digests_by(check, ranges, |r| r)
@@ -758,7 +754,7 @@ fn tell_owner(g: &mut GrantState, bad: &[u32]) {
         .iter_mut()
         .map(|r| r.revoke().lease())
         .zip(&g.digests)
-        .map(|(l, d)| (l.offset(), l.len(), hex(d)))
+        .map(|(l, d)| (l.offset(), l.len(), hex::encode(d)))
         .collect();
     let ev = OwnerEvent {
         name: g.name.clone(),

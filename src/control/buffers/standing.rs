@@ -16,8 +16,7 @@ use std::sync::Arc;
 
 use super::api::OwnerEvent;
 use super::grant::{
-    damage, digests_by, hex, inside, register, send_event, Held, StandingGrant, MAX_MESSAGE,
-    MAX_RANGES,
+    damage, digests_by, inside, register, send_event, Held, StandingGrant, MAX_MESSAGE, MAX_RANGES,
 };
 use super::{Buffers, Exposure, Failure};
 use crate::control::error::Reason;
@@ -246,7 +245,7 @@ fn tell_owner(c: &Checked, n: &proto::BufferNotice, check: Check, mine: &[Vec<u8
         .ranges
         .iter()
         .zip(mine)
-        .map(|(l, d)| (l.lease().offset(), l.lease().len(), hex(d)))
+        .map(|(l, d)| (l.lease().offset(), l.lease().len(), hex::encode(d)))
         .collect();
     let ev = OwnerEvent {
         name: g.name.clone(),
