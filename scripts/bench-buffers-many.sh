@@ -40,9 +40,33 @@ for n in a b; do
   pids+=("$RCPD_PID")
   eval "${n}_pid=$RCPD_PID ${n}_addr=$RCPD_ADDR"
 done
+# The owner is a service of its own, in its own process (as it would be:
+# a Python process has one interpreter lock, and an owner parsing an event
+# per operation in the writer's process took the writer's threads' turns).
+# It exposes its buffer, drains its events, and checks every byte when the
+# writer says the pass is done.
+cat >"$work/owner.py" <<'EOF'
+import sys, threading, rcp
+b_sock, name, total, size, grant, datafile = sys.argv[1:7]
+total, size = int(total), int(size)
+cb = rcp.connect(b_sock)
+dst = cb.create_buffer(total * size)
+cb.expose(dst, name, grant=grant)
+def drain():
+    while cb.next_event() is not None:
+        pass
+threading.Thread(target=drain, daemon=True).start()
+print("ready", flush=True)
+sys.stdin.readline()
+data = open(datafile, "rb").read()
+inflight = len(data) // size
+for base in range(0, total, inflight):
+    assert bytes(dst.view[base * size:(base + inflight) * size]) == data, base
+print("verified", flush=True)
+EOF
 cat >"$work/many.py" <<'EOF'
-import os, sys, time, rcp
-a_sock, b_sock, b, a_pid, b_pid, mode = sys.argv[1:7]
+import os, subprocess, sys, time, rcp
+a_sock, b_sock, b, a_pid, b_pid, mode, work = sys.argv[1:8]
 inflight = int(os.environ.get("RCP_BENCH_INFLIGHT", "64"))
 kib = int(os.environ.get("RCP_BENCH_KIB", "4"))
 total = int(os.environ.get("RCP_BENCH_OPS", "4096"))
@@ -50,12 +74,16 @@ size = kib << 10
 def cpu(pid):
     f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
-ca, cb = rcp.connect(a_sock, done_events=(mode in ("one", "many"))), rcp.connect(b_sock)
-src = ca.create_buffer(inflight * size)
-dst = cb.create_buffer(total * size)
 name = f"bench{os.getpid()}"
-cb.expose(dst, name, grant="standing" if mode in ("standing", "window") else "per-op")
 data = os.urandom(inflight * size)
+open(f"{work}/data", "wb").write(data)
+owner = subprocess.Popen(
+    [sys.executable, f"{work}/owner.py", b_sock, name, str(total), str(size),
+     "standing" if mode in ("standing", "window") else "per-op", f"{work}/data"],
+    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+assert owner.stdout.readline().strip() == "ready", "the owner is ready"
+ca = rcp.connect(a_sock, done_events=(mode in ("one", "many")))
+src = ca.create_buffer(inflight * size)
 src.view[:] = data
 c0 = cpu(a_pid) + cpu(b_pid)
 t0 = time.perf_counter()
@@ -82,14 +110,16 @@ for base in range(0, total if mode != "window" else 0, inflight):
         done([h.wait() for h in hs])
 t = time.perf_counter() - t0
 c = cpu(a_pid) + cpu(b_pid) - c0
-for base in range(0, total, inflight):
-    assert bytes(dst.view[base * size:(base + inflight) * size]) == data, base
+owner.stdin.write("done\n")
+owner.stdin.flush()
+assert owner.stdout.readline().strip() == "verified", "the owner found every byte"
+assert owner.wait() == 0
 print(f"{total / t:.0f} {c / total * 1000:.3f}")
 EOF
 declare -A R C
 for p in $(seq "$PASSES"); do
   for m in ${RCP_BENCH_MODES:-one many quiet standing}; do
-    read -r ops cpu < <("$py" "$work/many.py" "$work/a.sock" "$work/b.sock" "$b_addr" "$a_pid" "$b_pid" "$m")
+    read -r ops cpu < <("$py" "$work/many.py" "$work/a.sock" "$work/b.sock" "$b_addr" "$a_pid" "$b_pid" "$m" "$work")
     R[$m]="${R[$m]:-} $ops"; C[$m]="${C[$m]:-} $cpu"
     echo "pass $p $m: $ops operations/s, both rcpds $cpu CPU s per 1000 operations (load $(cut -d' ' -f1 /proc/loadavg))"
   done
