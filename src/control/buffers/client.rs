@@ -376,10 +376,10 @@ impl ServiceClient {
 
     /// Wait for operation `h`: the bytes moved, or its failure.
     pub async fn wait(&self, h: u64) -> Result<u64, Failure> {
-        let req = Request::Wait {
+        let req = Request::Wait(api::Wait {
             handle: h,
             timeout_ms: None,
-        };
+        });
         let s: OpStatus = self.call("wait", &req, &[]).await?;
         match (s.state, s.failure) {
             (OpStateName::Done, _) => Ok(s.bytes.unwrap_or(0)),
@@ -395,9 +395,9 @@ impl ServiceClient {
     /// before any starts, in one request; their handles in order.
     pub async fn start_many(&self, write: bool, ops: Vec<OpRequest>) -> Result<Vec<u64>, Failure> {
         let (what, req) = if write {
-            ("write_many", Request::WriteMany { ops })
+            ("write_many", Request::WriteMany(api::ManyOps { ops }))
         } else {
-            ("read_many", Request::ReadMany { ops })
+            ("read_many", Request::ReadMany(api::ManyOps { ops }))
         };
         let r: api::StartedMany = self.call(what, &req, &[]).await?;
         Ok(r.handles)
@@ -406,10 +406,10 @@ impl ServiceClient {
     /// Wait for each of `handles`, in one request; their final states in
     /// order (each `done`, `failed` with its failure, or `cancelled`).
     pub async fn wait_all(&self, handles: Vec<u64>) -> Result<Vec<OpStatus>, Failure> {
-        let req = Request::WaitAll {
+        let req = Request::WaitAll(api::WaitAll {
             handles,
             timeout_ms: None,
-        };
+        });
         let r: api::Statuses = self.call("wait_all", &req, &[]).await?;
         Ok(r.statuses)
     }

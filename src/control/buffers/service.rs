@@ -15,8 +15,8 @@ use tokio::net::UnixStream;
 use tokio::sync::{mpsc, watch};
 
 use super::api::{
-    self, ErrorBody, Event, HelloReply, OpRequest, OpStateName, OpStatus, Registered, Request,
-    Started, StartedMany, Statuses,
+    self, ErrorBody, Event, Frame, HelloReply, ManyOps, OpRequest, OpStateName, OpStatus,
+    Registered, Request, Started, StartedMany, Statuses, Wait, WaitAll,
 };
 use super::peer::{self, OpSpec};
 use super::wire::{self, FrameReader};
@@ -158,20 +158,20 @@ pub async fn serve(bufs: Arc<Buffers>, stream: UnixStream, mut reader: FrameRead
     });
     tracing::info!(conn = conn.id, peer = %conn.cred, "service connected");
     loop {
-        let frame = match reader.next(&stream).await {
-            Ok(Some(f)) => f,
+        let frame = match reader.next_frame(&stream).await {
+            Ok(Some(b)) => Frame::parse(&b).map_err(|e| {
+                std::io::Error::new(std::io::ErrorKind::InvalidData, format!("frame: {e}"))
+            }),
             Ok(None) => break,
+            Err(e) => Err(e),
+        };
+        let Frame { id, op, request } = match frame {
+            Ok(f) => f,
             Err(e) => {
                 tracing::info!(conn = conn.id, error = %e, "service connection broke");
                 break;
             }
         };
-        let id = frame.get("id").cloned().unwrap_or(Value::Null);
-        let op = frame
-            .get("op")
-            .and_then(Value::as_str)
-            .unwrap_or("")
-            .to_string();
         let fd = if op == "register" {
             reader.fds.pop_front()
         } else {
@@ -181,7 +181,7 @@ pub async fn serve(bufs: Arc<Buffers>, stream: UnixStream, mut reader: FrameRead
         let c = conn.clone();
         let slow = Request::may_wait(&op);
         let task = async move {
-            let r = c.handle(&op, frame, fd).await;
+            let r = c.handle(&op, request, fd).await;
             let mut reply = match r {
                 Ok(Value::Object(m)) => Value::Object(m),
                 Ok(_) => json!({}),
@@ -205,7 +205,7 @@ impl Conn {
     async fn handle(
         self: &Arc<Self>,
         op: &str,
-        frame: Value,
+        request: Result<Request, serde_json::Error>,
         fd: Option<std::os::fd::OwnedFd>,
     ) -> Result<Value, Failure> {
         if op != "hello" && !self.hello.load(Relaxed) {
@@ -214,8 +214,7 @@ impl Conn {
                 "say hello first (with rcpd's token when it has one)",
             ));
         }
-        let req: Request =
-            serde_json::from_value(frame).map_err(|e| bad(format!("{op:?}: {e}")))?;
+        let req = request.map_err(|e| bad(format!("{op:?}: {e}")))?;
         match req {
             Request::Hello(h) => self.hello(h),
             Request::Register { size } => self.register(size, fd),
@@ -249,16 +248,16 @@ impl Conn {
                     handle: self.launch(p),
                 })
             }
-            Request::WriteMany { ops } => self.start_many(true, ops),
-            Request::ReadMany { ops } => self.start_many(false, ops),
-            Request::Wait { handle, timeout_ms } => {
+            Request::WriteMany(ManyOps { ops }) => self.start_many(true, ops),
+            Request::ReadMany(ManyOps { ops }) => self.start_many(false, ops),
+            Request::Wait(Wait { handle, timeout_ms }) => {
                 let deadline = timeout_ms.map(|ms| Instant::now() + Duration::from_millis(ms));
                 reply(self.wait(handle, deadline).await?)
             }
-            Request::WaitAll {
+            Request::WaitAll(WaitAll {
                 handles,
                 timeout_ms,
-            } => {
+            }) => {
                 let deadline = timeout_ms.map(|ms| Instant::now() + Duration::from_millis(ms));
                 // Each handle exists before any is waited for.
                 for &h in &handles {

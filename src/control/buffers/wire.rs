@@ -111,8 +111,18 @@ impl FrameReader {
         Ok(out)
     }
 
-    /// The next frame; `None` at a clean end of stream.
+    /// The next frame as JSON; `None` at a clean end of stream.
     pub async fn next(&mut self, s: &UnixStream) -> io::Result<Option<Value>> {
+        let Some(b) = self.next_frame(s).await? else {
+            return Ok(None);
+        };
+        serde_json::from_slice(&b)
+            .map(Some)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("frame: {e}")))
+    }
+
+    /// The next frame's bytes; `None` at a clean end of stream.
+    pub async fn next_frame(&mut self, s: &UnixStream) -> io::Result<Option<Vec<u8>>> {
         loop {
             let b = self.unread();
             if b.len() >= 4 {
@@ -124,11 +134,9 @@ impl FrameReader {
                     ));
                 }
                 if b.len() >= 4 + n {
-                    let v = serde_json::from_slice(&b[4..4 + n]).map_err(|e| {
-                        io::Error::new(io::ErrorKind::InvalidData, format!("frame: {e}"))
-                    });
+                    let frame = b[4..4 + n].to_vec();
                     self.consume(4 + n);
-                    return v.map(Some);
+                    return Ok(Some(frame));
                 }
             }
             if self.fill(s).await? == 0 {
