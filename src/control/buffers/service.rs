@@ -4,7 +4,7 @@
 //! its exposures withdrawn, the grants on them revoked, and its buffers
 //! unmapped as soon as the last operation on them has retired.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
@@ -83,6 +83,40 @@ struct Op {
     state: watch::Receiver<OpState>,
 }
 
+/// Ended operations a connection keeps answering `wait` and `status` for,
+/// beyond those running.
+pub const KEPT_ENDED: usize = 65_536;
+
+/// A connection's operations: every running one, and the last `kept` that
+/// ended; an older ended one is forgotten (its handle then answers that
+/// it is no longer kept), so a service that runs for days holds rcpd's
+/// memory to what is running and the last ended.
+struct Ops {
+    by_handle: HashMap<u64, Arc<Op>>,
+    ended: VecDeque<u64>,
+    kept: usize,
+}
+
+impl Ops {
+    fn new(kept: usize) -> Ops {
+        Ops {
+            by_handle: HashMap::new(),
+            ended: VecDeque::new(),
+            kept,
+        }
+    }
+
+    /// Operation `h` ended: kept among the last ended, the oldest beyond
+    /// them forgotten.
+    fn ended(&mut self, h: u64) {
+        self.ended.push_back(h);
+        while self.ended.len() > self.kept {
+            let old = self.ended.pop_front().expect("more than kept");
+            self.by_handle.remove(&old);
+        }
+    }
+}
+
 struct Buf {
     buffer: ServiceBuffer,
     uid: u64,
@@ -95,7 +129,7 @@ struct Conn {
     out: mpsc::UnboundedSender<Value>,
     buffers: Mutex<HashMap<u64, Buf>>,
     next_buf: AtomicU64,
-    ops: Mutex<HashMap<u64, Arc<Op>>>,
+    ops: Mutex<Ops>,
     next_op: AtomicU64,
     /// `uid=U pid=P` of the peer (SO_PEERCRED).
     cred: String,
@@ -149,7 +183,7 @@ pub async fn serve(bufs: Arc<Buffers>, stream: UnixStream, mut reader: FrameRead
         out: tx,
         buffers: Mutex::new(HashMap::new()),
         next_buf: AtomicU64::new(0),
-        ops: Mutex::new(HashMap::new()),
+        ops: Mutex::new(Ops::new(KEPT_ENDED)),
         next_op: AtomicU64::new(0),
         cred,
         hello: AtomicBool::new(false),
@@ -348,12 +382,17 @@ impl Conn {
     }
 
     fn op(&self, h: u64) -> Result<Arc<Op>, Failure> {
-        self.ops
-            .lock()
-            .unwrap()
-            .get(&h)
-            .cloned()
-            .ok_or_else(|| bad(format!("no operation {h} on this connection")))
+        let found = self.ops.lock().unwrap().by_handle.get(&h).cloned();
+        found.ok_or_else(|| {
+            if h >= 1 && h <= self.next_op.load(Relaxed) {
+                bad(format!(
+                    "operation {h} ended and is no longer kept (a connection keeps \
+                     its last {KEPT_ENDED} ended operations)"
+                ))
+            } else {
+                bad(format!("no operation {h} on this connection"))
+            }
+        })
     }
 
     async fn release(&self, id: u64) -> Result<Value, Failure> {
@@ -368,6 +407,7 @@ impl Conn {
             .ops
             .lock()
             .unwrap()
+            .by_handle
             .values()
             .filter(|o| o.buffer == id)
             .cloned()
@@ -498,7 +538,7 @@ impl Conn {
             cancelled: AtomicBool::new(false),
             state: rx,
         });
-        self.ops.lock().unwrap().insert(h, op.clone());
+        self.ops.lock().unwrap().by_handle.insert(h, op.clone());
         let c = self.clone();
         tokio::spawn(async move {
             let r = peer::run(&c.bufs, &spec, &op.cancelled).await;
@@ -518,6 +558,7 @@ impl Conn {
                     .send(serde_json::to_value(ev).expect("events serialize"));
             }
             let _ = tx.send(st);
+            c.ops.lock().unwrap().ended(h);
         });
         h
     }
@@ -541,7 +582,14 @@ impl Conn {
     /// exposures and revoke their grants; the buffers go when the last
     /// operation on them has retired.
     async fn close(&self) {
-        let ops: Vec<Arc<Op>> = self.ops.lock().unwrap().values().cloned().collect();
+        let ops: Vec<Arc<Op>> = self
+            .ops
+            .lock()
+            .unwrap()
+            .by_handle
+            .values()
+            .cloned()
+            .collect();
         for o in &ops {
             o.cancelled.store(true, Relaxed);
         }
@@ -562,5 +610,36 @@ impl Conn {
         }
         crate::control::in_place(|| drop(bufs));
         tracing::info!(conn = self.id, peer = %self.cred, "service disconnected: its buffers are released");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn op() -> Arc<Op> {
+        Arc::new(Op {
+            buffer: 1,
+            cancelled: AtomicBool::new(false),
+            state: watch::channel(OpState::Running).1,
+        })
+    }
+
+    /// Running operations are all kept, and the last `kept` ended ones;
+    /// an older ended one is forgotten, in the order they ended.
+    #[test]
+    fn a_connection_forgets_its_oldest_ended_operations() {
+        let mut ops = Ops::new(3);
+        for h in 1..=10 {
+            ops.by_handle.insert(h, op());
+        }
+        // 2, 4, 6, 8 and 10 end, in that order.
+        for h in [2, 4, 6, 8, 10] {
+            ops.ended(h);
+        }
+        let mut kept: Vec<u64> = ops.by_handle.keys().copied().collect();
+        kept.sort_unstable();
+        assert_eq!(kept, [1, 3, 5, 6, 7, 8, 9, 10]);
+        assert_eq!(ops.ended, [6, 8, 10]);
     }
 }
