@@ -403,22 +403,8 @@ impl Conn {
             .unwrap()
             .retain(|_, e| !(e.owner == self.id && e.buffer.addr() == buffer.addr()));
         drop(buffer);
-        let ops: Vec<Arc<Op>> = self
-            .ops
-            .lock()
-            .unwrap()
-            .by_handle
-            .values()
-            .filter(|o| o.buffer == id)
-            .cloned()
-            .collect();
-        for o in &ops {
-            o.cancelled.store(true, Relaxed);
-        }
-        for o in ops {
-            let mut rx = o.state.clone();
-            let _ = rx.wait_for(|s| !matches!(s, OpState::Running)).await;
-        }
+        let ops = self.cancel_ops(|o| o.buffer == id);
+        retired(ops).await;
         self.buffers.lock().unwrap().remove(&id);
         self.bufs.peers.forget_buffer(uid);
         Ok(json!({}))
@@ -578,26 +564,26 @@ impl Conn {
         Ok(s.status(h))
     }
 
-    /// The connection ended: cancel its operations, withdraw its
-    /// exposures and revoke their grants; the buffers go when the last
-    /// operation on them has retired.
-    async fn close(&self) {
-        let ops: Vec<Arc<Op>> = self
-            .ops
-            .lock()
-            .unwrap()
-            .by_handle
-            .values()
+    /// Cancel the connection's operations that `which` picks; they are
+    /// returned, to wait for their retiring.
+    fn cancel_ops(&self, which: impl Fn(&Op) -> bool) -> Vec<Arc<Op>> {
+        let ops: Vec<Arc<Op>> = (self.ops.lock().unwrap().by_handle.values())
+            .filter(|o| which(o))
             .cloned()
             .collect();
         for o in &ops {
             o.cancelled.store(true, Relaxed);
         }
+        ops
+    }
+
+    /// The connection ended: cancel its operations, withdraw its
+    /// exposures and revoke their grants; the buffers go when the last
+    /// operation on them has retired.
+    async fn close(&self) {
+        let ops = self.cancel_ops(|_| true);
         self.bufs.owner_gone(self.id);
-        for o in ops {
-            let mut rx = o.state.clone();
-            let _ = rx.wait_for(|s| !matches!(s, OpState::Running)).await;
-        }
+        retired(ops).await;
         let bufs: Vec<Buf> = self
             .buffers
             .lock()
@@ -610,6 +596,14 @@ impl Conn {
         }
         crate::control::in_place(|| drop(bufs));
         tracing::info!(conn = self.id, peer = %self.cred, "service disconnected: its buffers are released");
+    }
+}
+
+/// Once every one of `ops` has retired.
+async fn retired(ops: Vec<Arc<Op>>) {
+    for o in ops {
+        let mut rx = o.state.clone();
+        let _ = rx.wait_for(|s| !matches!(s, OpState::Running)).await;
     }
 }
 
