@@ -15,7 +15,7 @@
 //!   [`datapath::lend::LendingPath`] (a staging block or a service's leased
 //!   range, [`datapath::lend::Loan`]), which discharges that contract once.
 //! - [`provider`]: the `Domain`/`Channel` interface the data path runs on (verbs or tcp).
-//! - [`bench`]: `rcp bench`, the perftest-like benchmark of the data path (loopback, server, client).
+//! - [`bench`](mod@bench): `rcp bench`, the perftest-like benchmark of the data path (loopback, server, client).
 //! - [`files`]: files beneath a root, atomic destinations sealed and published in
 //!   batches, block digests and the derived file digest.
 //! - [`control`]: the gRPC control plane: the Move protocol's I/O-free cores

@@ -1,5 +1,9 @@
 //! `rcp`: push and pull files to and from rcpd over RDMA (or TCP).
 
+// clap makes the doc comments of the command definition its --help text,
+// where `[HOST[:PORT]]` is usage syntax, not a link.
+#![allow(rustdoc::broken_intra_doc_links)]
+
 mod fanout;
 mod signals;
 

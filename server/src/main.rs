@@ -3,6 +3,10 @@
 //! `rcpd --print-env` (hidden) lists those variables, from this command
 //! definition: scripts/validate-manifests.sh checks deploy/ against it.
 
+// clap makes the doc comments of the command definition its --help text,
+// where `[HOST[:PORT]]` is usage syntax, not a link.
+#![allow(rustdoc::broken_intra_doc_links)]
+
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;

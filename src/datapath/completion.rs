@@ -22,7 +22,7 @@ pub const POLL_BATCH: usize = 64;
 
 /// How long one `wait` blocks before the loop checks its stop flag: a
 /// safety net, as whoever sets the flag wakes the channel
-/// ([`Channel::wake`](crate::provider::Channel::wake)).
+/// ([`Channel::wake`]).
 pub const WAIT_SLICE: Duration = Duration::from_millis(200);
 
 /// Poll `channel` until `stop` is set or `deliver` returns false (the

@@ -17,7 +17,7 @@
 //! 2. [`Stream::poll_transmit`] fills the caller's [`Batch`] (its capacity
 //!    reused) with one chain and says which rail to post it on: one
 //!    doorbell of up to `batch.chain_len(credits available)` requests,
-//!    signaled per the [`BatchPolicy`]. A chain never reaches past the last
+//!    signaled per the [`BatchPolicy`](crate::engine::BatchPolicy). A chain never reaches past the last
 //!    extent of a window, so that extent is signaled and the window is done
 //!    as soon as it lands. Post the chain; if the provider took only a
 //!    prefix, call [`Stream::post_failed`].

@@ -4,7 +4,7 @@
 //! A verified block sits in registered memory (the pull staging slot, rcpd's
 //! window); a buffered `pwrite` copies it into the page cache and leaves the
 //! kernel to write it back, an `O_DIRECT` one hands the same bytes to the device.
-//! [`DirectWrites`] keeps a second fd of the temp file, opened with `O_DIRECT`,
+//! `DirectWrites` keeps a second fd of the temp file, opened with `O_DIRECT`,
 //! and uses it for a write whose buffer address is a multiple of the file's
 //! direct-I/O memory alignment and whose file offset and length are multiples of
 //! its offset alignment. Everything else (the short last block of a file, an

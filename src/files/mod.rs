@@ -18,7 +18,7 @@
 //!   the file system allows it, buffered otherwise: [`direct`]) and records their digests;
 //!   `seal(expected)` checks that every block is there and that the file digest
 //!   derived from the block digests ([`file_digest`]) matches, and applies `-p`,
-//!   giving a [`Sealed`] file; [`publish`] takes a batch of them: data durable (one
+//!   giving a [`Sealed`] file; [`publish`](fn@publish) takes a batch of them: data durable (one
 //!   `syncfs` per file system, `fdatasync` for a lone file), then `renameat` each into
 //!   place, then one fsync per directory. `commit(expected)` is seal + publish of one.
 //!   With [`DestinationOptions::flat_sha256`] the flat `sha256sum` value is computed
@@ -45,14 +45,14 @@
 //!   name appears (or an existing file there is replaced) in one `renameat`, only
 //!   after [`Destination::seal`] found every block recorded and the derived file
 //!   digest (or, with `seal_flat`, the flat SHA-256) equal to the expected one, AND
-//!   [`publish`] made the data durable (`syncfs`/`fdatasync` returned success).
+//!   [`publish`](fn@publish) made the data durable (`syncfs`/`fdatasync` returned success).
 //!   Failure, abort, drop or SIGKILL leave the final name as it was.
 //! - **Every block is verified, and the file digest covers every block.** A block is
 //!   recorded only with its SHA-256 (checked against the sender's by the caller);
 //!   the derived digest is computed from the recorded digests of all blocks, in
 //!   order, so a resumed file's digest covers the blocks re-read from the temp file
 //!   (their digests re-checked on resume) and the new ones alike.
-//! - **A batch fails file by file.** In [`publish`], a file whose sync or rename
+//! - **A batch fails file by file.** In [`publish`](fn@publish), a file whose sync or rename
 //!   fails is not published and does not keep the others from being published; like
 //!   any unpublished [`Destination`] it keeps its temp file and manifest for resume
 //!   if it keeps a manifest, else both are removed. A file whose seal fails (missing

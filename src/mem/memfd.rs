@@ -1,5 +1,5 @@
 //! A service's memory: a memfd handed to rcpd over its unix socket, checked,
-//! mapped shared and held as an [`Arena`] (so every [`PeerSpan`] and memory
+//! mapped shared and held as an [`Arena`] (so every [`PeerSpan`](super::PeerSpan) and memory
 //! registration of it keeps the mapping alive), and the [`RangeLeases`]
 //! that give each range of it one user inside rcpd at a time.
 //!

@@ -173,9 +173,9 @@ impl CompletionQueue {
         Ok(())
     }
 
-    /// Block until the channel delivers an event for this CQ, [`wake`]
-    /// (Self::wake) is called (now or since the last wait) or `timeout`
-    /// passes. Returns whether an event came. Events are acked in batches.
+    /// Block until the channel delivers an event for this CQ,
+    /// [`wake`](Self::wake) is called (now or since the last wait) or
+    /// `timeout` passes. Returns whether an event came. Events are acked in batches.
     pub fn wait_event(&self, timeout: Duration) -> Result<bool, VerbsError> {
         let (Some(ch), Some(waker)) = (self.channel.as_ref(), self.waker.as_ref()) else {
             return Err(VerbsError::new(

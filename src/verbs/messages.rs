@@ -20,7 +20,7 @@
 //! the arena is in exactly one place: the free send list, a posted
 //! receive's slot or a posted SEND's slot (the device's until that work
 //! request's completion, or the QP's destruction, which comes first in
-//! [`Worker`]'s fields), or the thread's hands between the two.
+//! `Worker`'s fields), or the thread's hands between the two.
 
 use std::borrow::Cow;
 use std::collections::{HashMap, VecDeque};

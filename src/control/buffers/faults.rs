@@ -1,6 +1,6 @@
 //! Test-only faults for buffer operations, compiled in only with the
 //! `fault-injection` feature (the test scripts'; off in normal builds,
-//! debug or release), on the one table of [`crate::faults`] (as the files'
+//! debug or release), on the one table of `crate::faults` (as the files'
 //! `RCP_TEST_CORRUPT_PULLED_BLOCKS`): `corrupt_ranges` makes the next
 //! ranges of an exposure that are checked arrive damaged, one byte flipped
 //! just before their digest is compared, as if damaged on the way. Where:

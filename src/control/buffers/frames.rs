@@ -165,7 +165,7 @@ impl Frames {
     /// target executes the WRITEs and then hands the notices to its
     /// check, as a SEND after WRITEs on an RC QP); this notice's result.
     /// A lone write leaves at once, in this task; writes that come while
-    /// [`LEADERS`] exchanges are under way queue and leave together.
+    /// `LEADERS` exchanges are under way queue and leave together.
     pub async fn write_notify(
         self: &Arc<Self>,
         ranges: &[(&LeasedRange, u64, u32)],

@@ -4,7 +4,7 @@
 //! `--copy-session-idle`, at most `--copy-sessions` kept), on the daemon's
 //! rails (`--device`, or every ACTIVE port), as files' sessions; its data
 //! path is a [`LendingPath`] (the service's pages are the windows' local
-//! bytes; the session maps no staging, [`Client::bare_session`]). A buffer is
+//! bytes; the session maps no staging, `Client::bare_session`). A buffer is
 //! registered in every rail's domain of the session once, on first use,
 //! and forgotten when its service releases it; with several rails each
 //! window's extents are spread over them, each rail posting under its own

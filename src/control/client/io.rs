@@ -176,7 +176,7 @@ fn open_source_known(
 /// A local file whose block digests the plan computed (`--delta`): opened
 /// as any local source, its digests taken when the file is unchanged since,
 /// so that the blocks that do not move are not read and hashed again
-/// ([`hash`]).
+/// (`hash`).
 pub struct KnownSource {
     pub path: PathBuf,
     pub known: Arc<KnownBlocks>,

@@ -52,7 +52,7 @@ pub struct Rules {
     /// `--ignore-existing`: anything at the destination's name stays.
     pub ignore_existing: bool,
     /// `--delta` (and `--resume`): of a file that moves and exists at the
-    /// destination, only the blocks that differ move ([`super::delta`]).
+    /// destination, only the blocks that differ move (`super::delta`).
     pub delta: bool,
 }
 

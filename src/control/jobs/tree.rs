@@ -297,7 +297,7 @@ const IN_FLIGHT: usize = 16;
 
 /// After the files were copied: make the plan's links, then (`--delete`)
 /// remove what the destination holds and the source does not, calling
-/// `deleted` for each (`linked` for each link made). A push's calls go [`IN_FLIGHT`] at a time; its
+/// `deleted` for each (`linked` for each link made). A push's calls go `IN_FLIGHT` at a time; its
 /// removals one depth at a time, so a directory goes only after what it
 /// held.
 pub async fn finish(

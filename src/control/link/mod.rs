@@ -1,6 +1,6 @@
 //! Provider setup for both ends: which transport, which rails, a device
-//! opened and its QPs' parameters; the client's side in [`client`] (its
-//! staging memory and channels), the server's in [`server`] (its window
+//! opened and its QPs' parameters; the client's side in `client` (its
+//! staging memory and channels), the server's in `server` (its window
 //! arena, registered once for memory windows or per grant, the TCP target
 //! and per-session QPs and domains).
 

@@ -260,7 +260,7 @@ pub enum OpNext {
     /// Move these ranges again, where the peer granted them.
     Again(Vec<(RangeIdx, proto::GrantedRange)>),
     /// These ranges still did not match after `rounds` rounds of resends:
-    /// the operation failed ([`OpCore::damaged`]).
+    /// the operation failed ([`damaged_message`]).
     Damaged { bad: Vec<RangeIdx>, rounds: u32 },
 }
 

@@ -210,7 +210,7 @@ impl std::error::Error for WindowError {}
 pub enum StreamError {
     /// The stream has failed; nothing to reconnect.
     Terminal,
-    /// [`Stream::post_failed`] got a batch that is not the latest one.
+    /// [`Stream::post_failed`](super::Stream::post_failed) got a batch that is not the latest one.
     NotLastBatch,
     /// The stream has no rail with this index.
     NoSuchRail(usize),
@@ -265,7 +265,7 @@ pub enum ErrorCause {
 /// What the runtime should do about an error batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Recovery {
-    /// Replace the queue pair, then call [`Stream::rail_reconnected`].
+    /// Replace the queue pair, then call [`Stream::rail_reconnected`](super::Stream::rail_reconnected).
     Reconnect,
     /// Give up; see [`State::Failed`].
     Fail,
@@ -315,7 +315,7 @@ pub enum State {
     /// An error arrived: not posting, absorbing the epoch's remaining
     /// completions.
     Flushing,
-    /// Nothing outstanding; waiting for [`Stream::rail_reconnected`].
+    /// Nothing outstanding; waiting for [`Stream::rail_reconnected`](super::Stream::rail_reconnected).
     NeedsReconnect,
     /// Given up (terminal).
     Failed {
@@ -332,8 +332,8 @@ pub enum State {
 
 /// Running totals: the one count of what the stream did, which runtimes
 /// publish (live stats, reports, metrics) instead of counting again. The
-/// same struct counts each rail ([`Stream::rail_counters`]) and the whole
-/// stream ([`Stream::counters`]); the totals are the sums of the rails',
+/// same struct counts each rail ([`Stream::rail_counters`](super::Stream::rail_counters)) and the whole
+/// stream ([`Stream::counters`](super::Stream::counters)); the totals are the sums of the rails',
 /// except [`windows_done`](Self::windows_done) (windows belong to no rail,
 /// 0 per rail) and completions naming no rail of the stream (stale in the
 /// totals only).
@@ -375,7 +375,7 @@ pub struct Counters {
     pub fences: u64,
     /// Rails paused (several rails).
     pub pauses: u64,
-    /// Calls to [`Stream::post_failed`] that took requests back.
+    /// Calls to [`Stream::post_failed`](super::Stream::post_failed) that took requests back.
     pub post_failures: u64,
     /// Extents confirmed.
     pub extents_confirmed: u64,

@@ -533,10 +533,10 @@ impl Channel for TcpChannel {
     /// registered in this channel's domain and left to the channel until the
     /// request is retired. WRITE payloads are copied out of it by the
     /// connection's sending thread, which releases the request
-    /// ([`Posted::busy`]) only after; READ payloads are copied into it by a
+    /// (`Posted::busy`) only after; READ payloads are copied into it by a
     /// reader thread, before
     /// the completion that retires the request is reported (a request whose
-    /// payload is still landing is never flushed early: [`Posted::busy`]).
+    /// payload is still landing is never flushed early: `Posted::busy`).
     unsafe fn post(&self, wrs: &[WorkRequest]) -> Result<(), PostFailure> {
         if wrs.is_empty() {
             return Ok(());
