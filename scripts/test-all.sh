@@ -50,6 +50,9 @@ step "cargo fmt --check" cargo fmt --all -- --check
 step "cargo clippy" cargo clippy --workspace --all-targets -- -D warnings
 step "cargo clippy (fault-injection)" \
   cargo clippy --workspace --all-targets --features rcp/fault-injection -- -D warnings
+# Every intra-doc link resolves (the crate doc and module maps name the
+# types that matter; a link left behind by a rename should fail here).
+step "cargo doc" env RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --workspace
 step "native tests" native_tests
 # Both use target/debug/rcpd, built by the native tests.
 step "Python service client" bash scripts/python-client-test.sh
