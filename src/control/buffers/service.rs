@@ -193,7 +193,7 @@ pub async fn serve(bufs: Arc<Buffers>, stream: UnixStream, mut reader: FrameRead
     tracing::info!(conn = conn.id, peer = %conn.cred, "service connected");
     loop {
         let frame = match reader.next_frame(&stream).await {
-            Ok(Some(b)) => Frame::parse(&b).map_err(|e| {
+            Ok(Some(b)) => Frame::parse(b).map_err(|e| {
                 std::io::Error::new(std::io::ErrorKind::InvalidData, format!("frame: {e}"))
             }),
             Ok(None) => break,

@@ -116,13 +116,14 @@ impl FrameReader {
         let Some(b) = self.next_frame(s).await? else {
             return Ok(None);
         };
-        serde_json::from_slice(&b)
+        serde_json::from_slice(b)
             .map(Some)
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("frame: {e}")))
     }
 
-    /// The next frame's bytes; `None` at a clean end of stream.
-    pub async fn next_frame(&mut self, s: &UnixStream) -> io::Result<Option<Vec<u8>>> {
+    /// The next frame's bytes, where they were read (until the next
+    /// read); `None` at a clean end of stream.
+    pub async fn next_frame(&mut self, s: &UnixStream) -> io::Result<Option<&[u8]>> {
         loop {
             let b = self.unread();
             if b.len() >= 4 {
@@ -134,9 +135,10 @@ impl FrameReader {
                     ));
                 }
                 if b.len() >= 4 + n {
-                    let frame = b[4..4 + n].to_vec();
+                    let at = self.start + 4;
                     self.consume(4 + n);
-                    return Ok(Some(frame));
+                    // Consuming moves no byte: they stay until the next fill.
+                    return Ok(Some(&self.buf[at..at + n]));
                 }
             }
             if self.fill(s).await? == 0 {
