@@ -14,8 +14,9 @@
 #         never fewer than half are in flight (not in the default modes)
 #   standing  quiet, into an exposure with grant="standing" (one grant per
 #         session: each operation is its WRITE and one BufferNotify)
-# Operations per second (first request to last reply), and the CPU of both
-# rcpds per 1000 operations (utime + stime from /proc). Every byte is
+# Operations per second (first request to last reply), and the CPU per 1000
+# operations of both rcpds (utime + stime from /proc), of the writing
+# service and of the owner (each its own os.times()). Every byte is
 # checked by the owner after each pass. Medians, spread, ratio pass by pass.
 # RCP_BENCH_RCPD: another rcpd binary (an older build, for an A/B).
 set -euo pipefail
@@ -46,7 +47,7 @@ done
 # It exposes its buffer, drains its events, and checks every byte when the
 # writer says the pass is done.
 cat >"$work/owner.py" <<'EOF'
-import sys, threading, rcp
+import os, sys, threading, rcp
 b_sock, name, total, size, grant, datafile = sys.argv[1:7]
 total, size = int(total), int(size)
 cb = rcp.connect(b_sock)
@@ -56,13 +57,18 @@ def drain():
     while cb.next_event() is not None:
         pass
 threading.Thread(target=drain, daemon=True).start()
+def cpu():
+    t = os.times()
+    return t.user + t.system
+c0 = cpu()
 print("ready", flush=True)
 sys.stdin.readline()
+c = cpu() - c0
 data = open(datafile, "rb").read()
 inflight = len(data) // size
 for base in range(0, total, inflight):
     assert bytes(dst.view[base * size:(base + inflight) * size]) == data, base
-print("verified", flush=True)
+print(f"verified {c:.3f}", flush=True)
 EOF
 cat >"$work/many.py" <<'EOF'
 import os, subprocess, sys, time, rcp
@@ -86,6 +92,7 @@ ca = rcp.connect(a_sock, done_events=(mode in ("one", "many")))
 src = ca.create_buffer(inflight * size)
 src.view[:] = data
 c0 = cpu(a_pid) + cpu(b_pid)
+s0 = os.times()
 t0 = time.perf_counter()
 def done(st):
     assert all(s["state"] == "done" for s in st), st
@@ -110,18 +117,22 @@ for base in range(0, total if mode != "window" else 0, inflight):
         done([h.wait() for h in hs])
 t = time.perf_counter() - t0
 c = cpu(a_pid) + cpu(b_pid) - c0
+s1 = os.times()
+cs = s1.user + s1.system - s0.user - s0.system
 owner.stdin.write("done\n")
 owner.stdin.flush()
-assert owner.stdout.readline().strip() == "verified", "the owner found every byte"
+said = owner.stdout.readline().split()
+assert said[:1] == ["verified"], "the owner found every byte"
 assert owner.wait() == 0
-print(f"{total / t:.0f} {c / total * 1000:.3f}")
+co = float(said[1])
+print(f"{total / t:.0f} {c / total * 1000:.3f} {cs / total * 1000:.3f} {co / total * 1000:.3f}")
 EOF
 declare -A R C
 for p in $(seq "$PASSES"); do
   for m in ${RCP_BENCH_MODES:-one many quiet standing}; do
-    read -r ops cpu < <("$py" "$work/many.py" "$work/a.sock" "$work/b.sock" "$b_addr" "$a_pid" "$b_pid" "$m" "$work")
+    read -r ops cpu wcpu ocpu < <("$py" "$work/many.py" "$work/a.sock" "$work/b.sock" "$b_addr" "$a_pid" "$b_pid" "$m" "$work")
     R[$m]="${R[$m]:-} $ops"; C[$m]="${C[$m]:-} $cpu"
-    echo "pass $p $m: $ops operations/s, both rcpds $cpu CPU s per 1000 operations (load $(cut -d' ' -f1 /proc/loadavg))"
+    echo "pass $p $m: $ops operations/s, CPU s per 1000 operations: both rcpds $cpu, the writing service $wcpu, the owner $ocpu (load $(cut -d' ' -f1 /proc/loadavg))"
   done
 done
 "$py" - "${R[one]:-}" "${R[many]:-}" "${R[quiet]:-}" "${R[standing]:-}" "${R[window]:-}" \

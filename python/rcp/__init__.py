@@ -32,6 +32,9 @@ DEFAULT_SOCKET = "/run/rcp/rcpd.sock"
 HUGE_PAGE = 2 << 20
 MAGIC = b"RCPB"
 VERSION = 1
+# The most one recv takes from rcpd's socket.
+READ_CHUNK = 1 << 18
+_LEN = struct.Struct("<I")
 
 
 class RcpError(Exception):
@@ -148,7 +151,9 @@ class Client:
         self._lock = threading.Lock()
         self._next = 0
         self._pending = {}
-        self._events = queue.Queue()
+        # SimpleQueue: a C queue, no Condition per put and get (the owner of
+        # a busy exposure takes an event per peer operation).
+        self._events = queue.SimpleQueue()
         self._closed = None
         self._reader = threading.Thread(target=self._read_loop, daemon=True)
         self._reader.start()
@@ -171,35 +176,42 @@ class Client:
 
     # -- framing ---------------------------------------------------------
 
-    def _recv_exact(self, n):
-        b = bytearray()
-        while len(b) < n:
-            chunk = self._sock.recv(n - len(b))
-            if not chunk:
-                raise EOFError("rcpd closed the connection")
-            b += chunk
-        return bytes(b)
-
     def _read_loop(self):
+        # One recv takes whatever rcpd has sent (it coalesces a batch's
+        # replies and events into one send); every whole frame in it is
+        # dispatched before the next recv, not two recvs per frame.
+        buf = bytearray()
         try:
             while True:
-                (n,) = struct.unpack("<I", self._recv_exact(4))
-                msg = json.loads(self._recv_exact(n))
-                if "re" in msg:
-                    with self._lock:
-                        slot = self._pending.pop(msg["re"], None)
-                    if slot is not None:
-                        slot[1] = msg
-                        slot[0].set()
-                elif "event" in msg:
-                    self._events.put(msg)
+                chunk = self._sock.recv(READ_CHUNK)
+                if not chunk:
+                    raise EOFError("rcpd closed the connection")
+                buf += chunk
+                pos, end = 0, len(buf)
+                while end - pos >= 4:
+                    (n,) = _LEN.unpack_from(buf, pos)
+                    if end - pos - 4 < n:
+                        break
+                    self._dispatch(json.loads(buf[pos + 4 : pos + 4 + n]))
+                    pos += 4 + n
+                del buf[:pos]
         except (EOFError, OSError, ValueError) as e:
             self._closed = e
             with self._lock:
                 pending, self._pending = self._pending, {}
             for slot in pending.values():
-                slot[0].set()
+                slot[0].release()
             self._events.put(None)
+
+    def _dispatch(self, msg):
+        if "re" in msg:
+            with self._lock:
+                slot = self._pending.pop(msg["re"], None)
+            if slot is not None:
+                slot[1] = msg
+                slot[0].release()
+        elif "event" in msg:
+            self._events.put(msg)
 
     def _request(self, op, _fds=(), **fields):
         with self._lock:
@@ -207,7 +219,11 @@ class Client:
                 raise RcpError("retryable", f"connection to rcpd closed: {self._closed}")
             self._next += 1
             rid = self._next
-            slot = [threading.Event(), None]
+            # A lock held until the reader hands the reply over (lighter
+            # than an Event: no Condition, no waiter list).
+            done = threading.Lock()
+            done.acquire()
+            slot = [done, None]
             self._pending[rid] = slot
         body = json.dumps(dict(fields, id=rid, op=op)).encode()
         frame = struct.pack("<I", len(body)) + body
@@ -218,7 +234,7 @@ class Client:
                     self._sock.sendall(frame[sent:])
             else:
                 self._sock.sendall(frame)
-        slot[0].wait()
+        slot[0].acquire()
         msg = slot[1]
         if msg is None:
             raise RcpError("retryable", f"connection to rcpd closed: {self._closed}")
