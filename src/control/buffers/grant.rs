@@ -791,7 +791,5 @@ pub(super) fn send_event(exp: &Exposure, write: bool, ev: OwnerEvent) {
     } else {
         Event::Read(ev)
     };
-    let _ = exp
-        .events
-        .send(serde_json::to_value(ev).expect("events serialize"));
+    let _ = exp.events.send(super::wire::encode(&ev));
 }

@@ -50,7 +50,6 @@ use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 
-use serde_json::Value;
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::client::ClientOptions;
@@ -98,8 +97,8 @@ pub struct Exposure {
     /// Peers get a standing grant (the whole exposure, kept for their
     /// session until the exposure goes) instead of one per operation.
     pub standing: bool,
-    /// The owner's events.
-    pub events: UnboundedSender<Value>,
+    /// The owner's events, as frames ready to send.
+    pub events: UnboundedSender<Vec<u8>>,
     /// What grants inside the exposure are made into where the memory is
     /// registered once (memory windows: the exposed range in the device's
     /// PD, on the first grant); withdrawn with the exposure.

@@ -126,7 +126,9 @@ struct Buf {
 struct Conn {
     id: u64,
     bufs: Arc<Buffers>,
-    out: mpsc::UnboundedSender<Value>,
+    /// Frames for the service (replies and events), encoded by who sends
+    /// them.
+    out: mpsc::UnboundedSender<Vec<u8>>,
     buffers: Mutex<HashMap<u64, Buf>>,
     next_buf: AtomicU64,
     ops: Mutex<Ops>,
@@ -158,17 +160,16 @@ pub async fn serve(bufs: Arc<Buffers>, stream: UnixStream, mut reader: FrameRead
         Err(_) => "uid=? pid=?".into(),
     };
     let stream = Arc::new(stream);
-    let (tx, mut rx) = mpsc::unbounded_channel::<Value>();
+    let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
     let w = stream.clone();
     let writer = tokio::spawn(async move {
         // Replies and events queued together go out in one send (a batch's
         // replies and `done` events: one syscall, one wake-up of the
         // service's reader, not one each).
-        while let Some(v) = rx.recv().await {
-            let mut out = wire::encode(&v);
+        while let Some(mut out) = rx.recv().await {
             while out.len() < COALESCE_BYTES {
                 match rx.try_recv() {
-                    Ok(v) => out.extend_from_slice(&wire::encode(&v)),
+                    Ok(f) => out.extend_from_slice(&f),
                     Err(_) => break,
                 }
             }
@@ -222,7 +223,7 @@ pub async fn serve(bufs: Arc<Buffers>, stream: UnixStream, mut reader: FrameRead
                 Err(e) => json!({ "error": ErrorBody::from(&e) }),
             };
             reply["re"] = id;
-            let _ = c.out.send(reply);
+            let _ = c.out.send(wire::encode(&reply));
         };
         if slow {
             tokio::spawn(task);
@@ -539,9 +540,7 @@ impl Conn {
             }
             if c.done_events.load(Relaxed) {
                 let ev = Event::Done(st.status(h));
-                let _ = c
-                    .out
-                    .send(serde_json::to_value(ev).expect("events serialize"));
+                let _ = c.out.send(wire::encode(&ev));
             }
             let _ = tx.send(st);
             c.ops.lock().unwrap().ended(h);

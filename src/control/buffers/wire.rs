@@ -10,6 +10,7 @@ use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, OwnedFd};
 
 use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags};
+use serde::Serialize;
 use serde_json::Value;
 use tokio::io::Interest;
 use tokio::net::UnixStream;
@@ -152,12 +153,14 @@ impl FrameReader {
     }
 }
 
-/// One frame's bytes.
-pub fn encode(v: &Value) -> Vec<u8> {
-    let body = serde_json::to_vec(v).expect("a JSON value serializes");
-    let mut out = Vec::with_capacity(4 + body.len());
-    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
-    out.extend_from_slice(&body);
+/// One frame's bytes: `v` serialized once, straight after its length
+/// (a typed event or reply needs no `Value` built first).
+pub fn encode<T: Serialize + ?Sized>(v: &T) -> Vec<u8> {
+    let mut out = Vec::with_capacity(128);
+    out.extend_from_slice(&[0; 4]);
+    serde_json::to_writer(&mut out, v).expect("a message serializes");
+    let len = (out.len() - 4) as u32;
+    out[..4].copy_from_slice(&len.to_le_bytes());
     out
 }
 
