@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use serde_json::{json, Value};
+use serde_json::json;
 use tokio::net::UnixStream;
 use tokio::sync::{mpsc, watch};
 
@@ -19,7 +19,7 @@ use super::api::{
     Registered, Request, Started, StartedMany, Statuses, Wait, WaitAll,
 };
 use super::peer::{self, OpSpec};
-use super::wire::{self, FrameReader};
+use super::wire::{self, FrameReader, Reply};
 use super::{Buffers, Exposure, Failure, Rights};
 use crate::control::error::Reason;
 use crate::files::Check;
@@ -72,9 +72,9 @@ impl OpState {
     }
 }
 
-/// A reply as a JSON object.
-fn reply(v: impl serde::Serialize) -> Result<Value, Failure> {
-    Ok(serde_json::to_value(v).expect("replies serialize"))
+/// A reply's fields.
+fn reply(v: impl serde::Serialize) -> Result<Reply, Failure> {
+    Ok(Reply::of(&v))
 }
 
 struct Op {
@@ -217,13 +217,11 @@ pub async fn serve(bufs: Arc<Buffers>, stream: UnixStream, mut reader: FrameRead
         let slow = Request::may_wait(&op);
         let task = async move {
             let r = c.handle(&op, request, fd).await;
-            let mut reply = match r {
-                Ok(Value::Object(m)) => Value::Object(m),
-                Ok(_) => json!({}),
-                Err(e) => json!({ "error": ErrorBody::from(&e) }),
+            let fields = match r {
+                Ok(f) => f,
+                Err(e) => Reply::of(&json!({ "error": ErrorBody::from(&e) })),
             };
-            reply["re"] = id;
-            let _ = c.out.send(wire::encode(&reply));
+            let _ = c.out.send(wire::reply_frame(&id, &fields));
         };
         if slow {
             tokio::spawn(task);
@@ -242,7 +240,7 @@ impl Conn {
         op: &str,
         request: Result<Request, serde_json::Error>,
         fd: Option<std::os::fd::OwnedFd>,
-    ) -> Result<Value, Failure> {
+    ) -> Result<Reply, Failure> {
         if op != "hello" && !self.hello.load(Relaxed) {
             return Err(Failure::new(
                 Reason::Unauthenticated,
@@ -263,7 +261,7 @@ impl Conn {
                         drop(ex);
                         let n = self.bufs.grants.revoke_standing(&gone);
                         tracing::info!(conn = self.id, name = %crate::escape::esc(&name), standing_revoked = n, "buffer withdrawn");
-                        Ok(json!({}))
+                        Ok(Reply::empty())
                     }
                     _ => Err(Failure::new(
                         Reason::FileNotFound,
@@ -323,7 +321,7 @@ impl Conn {
         }
     }
 
-    fn hello(&self, h: api::Hello) -> Result<Value, Failure> {
+    fn hello(&self, h: api::Hello) -> Result<Reply, Failure> {
         if let Some(want) = self.bufs.token() {
             let got = h.token.as_deref().unwrap_or("");
             if !crate::control::auth::constant_time_eq(got.as_bytes(), want.as_bytes()) {
@@ -355,7 +353,7 @@ impl Conn {
         self.bufs.default_check()
     }
 
-    fn register(&self, size: u64, fd: Option<std::os::fd::OwnedFd>) -> Result<Value, Failure> {
+    fn register(&self, size: u64, fd: Option<std::os::fd::OwnedFd>) -> Result<Reply, Failure> {
         let fd = fd.ok_or_else(|| {
             bad("register carries the memfd as SCM_RIGHTS on its frame; none came")
         })?;
@@ -396,7 +394,7 @@ impl Conn {
         })
     }
 
-    async fn release(&self, id: u64) -> Result<Value, Failure> {
+    async fn release(&self, id: u64) -> Result<Reply, Failure> {
         let (id, buffer, uid) = self.buffer(id)?;
         self.bufs
             .exposures
@@ -408,10 +406,10 @@ impl Conn {
         retired(ops).await;
         self.buffers.lock().unwrap().remove(&id);
         self.bufs.peers.forget_buffer(uid);
-        Ok(json!({}))
+        Ok(Reply::empty())
     }
 
-    fn expose(&self, x: api::Expose) -> Result<Value, Failure> {
+    fn expose(&self, x: api::Expose) -> Result<Reply, Failure> {
         let (_, buffer, _) = self.buffer(x.buffer)?;
         let name = x.name.as_str();
         if name.is_empty() || name.len() > 256 {
@@ -472,7 +470,7 @@ impl Conn {
         // What peers held of the exposure it replaces goes with it.
         let revoked = replaced.map_or(0, |old| self.bufs.grants.revoke_standing(&old));
         tracing::info!(conn = self.id, name = %crate::escape::esc(name), offset, len, ?access, standing, standing_revoked = revoked, "buffer exposed");
-        Ok(json!({}))
+        Ok(Reply::empty())
     }
 
     /// An operation checked (its buffer, its check) and ready to start,
@@ -498,7 +496,7 @@ impl Conn {
 
     /// `write_many` / `read_many`: every operation checked, then each
     /// started; their handles in order.
-    fn start_many(self: &Arc<Self>, write: bool, ops: Vec<OpRequest>) -> Result<Value, Failure> {
+    fn start_many(self: &Arc<Self>, write: bool, ops: Vec<OpRequest>) -> Result<Reply, Failure> {
         if ops.len() > MAX_OPS_PER_REQUEST {
             return Err(bad(format!(
                 "{} operations in one request (at most {MAX_OPS_PER_REQUEST})",

@@ -164,6 +164,44 @@ pub fn encode<T: Serialize + ?Sized>(v: &T) -> Vec<u8> {
     out
 }
 
+/// A reply's fields: one JSON object, serialized once by the request's
+/// handler (no `Value` built first); [`reply_frame`] puts `re` in front.
+#[derive(Debug)]
+pub struct Reply(Vec<u8>);
+
+impl Reply {
+    /// The fields of `v`, which must serialize as a JSON object.
+    pub fn of<T: Serialize + ?Sized>(v: &T) -> Reply {
+        let b = serde_json::to_vec(v).expect("a reply serializes");
+        assert!(
+            b.first() == Some(&b'{') && b.last() == Some(&b'}'),
+            "a reply is a JSON object"
+        );
+        Reply(b)
+    }
+
+    /// No fields.
+    pub fn empty() -> Reply {
+        Reply(b"{}".to_vec())
+    }
+}
+
+/// The frame answering request `id` with `r`'s fields: `{"re": id, ...}`.
+pub fn reply_frame(id: &Value, r: &Reply) -> Vec<u8> {
+    let mut out = Vec::with_capacity(16 + r.0.len());
+    out.extend_from_slice(&[0; 4]);
+    out.extend_from_slice(b"{\"re\":");
+    serde_json::to_writer(&mut out, id).expect("an id serializes");
+    let fields = &r.0[1..];
+    if fields != b"}" {
+        out.push(b',');
+    }
+    out.extend_from_slice(fields);
+    let len = (out.len() - 4) as u32;
+    out[..4].copy_from_slice(&len.to_le_bytes());
+    out
+}
+
 /// Write all of `bytes`, the first `sendmsg` carrying `fds` (SCM_RIGHTS).
 pub async fn send(
     s: &UnixStream,
@@ -205,6 +243,32 @@ pub async fn send(
 mod tests {
     use super::*;
     use tokio::io::AsyncWriteExt;
+
+    /// A reply's frame is its fields with `re` first, whatever the id's
+    /// type, with no fields too.
+    #[test]
+    fn a_reply_frame_is_its_fields_and_re() {
+        let body = |f: &[u8]| -> Value {
+            let n = u32::from_le_bytes(f[..4].try_into().unwrap()) as usize;
+            assert_eq!(n, f.len() - 4);
+            serde_json::from_slice(&f[4..]).unwrap()
+        };
+        let r = Reply::of(&serde_json::json!({"handles": [1, 2], "x": "a}"}));
+        assert_eq!(
+            body(&reply_frame(&Value::from(7), &r)),
+            serde_json::json!({"re": 7, "handles": [1, 2], "x": "a}"})
+        );
+        assert_eq!(
+            body(&reply_frame(&Value::from("q"), &Reply::empty())),
+            serde_json::json!({"re": "q"})
+        );
+    }
+
+    #[test]
+    #[should_panic(expected = "a reply is a JSON object")]
+    fn a_reply_is_an_object() {
+        Reply::of(&[1, 2]);
+    }
 
     /// Frames however the stream cuts them: many in one read, one larger
     /// than a read's room across many, then a clean end.
