@@ -14,6 +14,8 @@
 #         never fewer than half are in flight (not in the default modes)
 #   standing  quiet, into an exposure with grant="standing" (one grant per
 #         session: each operation is its WRITE and one BufferNotify)
+#   each  standing, the 64 submitted as one prepared list (write_each: one
+#         buffer, peer and name, a descriptor per operation)
 # Operations per second (first request to last reply), and the CPU per 1000
 # operations of both rcpds (utime + stime from /proc), of the writing
 # service and of the owner (each its own os.times()). Every byte is
@@ -85,7 +87,7 @@ data = os.urandom(inflight * size)
 open(f"{work}/data", "wb").write(data)
 owner = subprocess.Popen(
     [sys.executable, f"{work}/owner.py", b_sock, name, str(total), str(size),
-     "standing" if mode in ("standing", "window") else "per-op", f"{work}/data"],
+     "standing" if mode in ("standing", "window", "each") else "per-op", f"{work}/data"],
     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 assert owner.stdout.readline().strip() == "ready", "the owner is ready"
 ca = rcp.connect(a_sock, done_events=(mode in ("one", "many")))
@@ -109,6 +111,10 @@ if mode == "window":
     for hs in waiting:
         done(ca.wait_all(hs))
 for base in range(0, total if mode != "window" else 0, inflight):
+    if mode == "each":
+        descs = [(i * size, (base + i) * size, size) for i in range(inflight)]
+        done(ca.wait_all(ca.write_each(src, b, name, descs)))
+        continue
     ops = [(src, b, name, [(i * size, (base + i) * size, size)]) for i in range(inflight)]
     if mode in ("many", "quiet", "standing"):
         done(ca.wait_all(ca.write_many(ops)))
@@ -135,13 +141,13 @@ for p in $(seq "$PASSES"); do
     echo "pass $p $m: $ops operations/s, CPU s per 1000 operations: both rcpds $cpu, the writing service $wcpu, the owner $ocpu (load $(cut -d' ' -f1 /proc/loadavg))"
   done
 done
-"$py" - "${R[one]:-}" "${R[many]:-}" "${R[quiet]:-}" "${R[standing]:-}" "${R[window]:-}" \
-  "${C[one]:-}" "${C[many]:-}" "${C[quiet]:-}" "${C[standing]:-}" "${C[window]:-}" <<'EOF'
+"$py" - "${R[one]:-}" "${R[many]:-}" "${R[quiet]:-}" "${R[standing]:-}" "${R[window]:-}" "${R[each]:-}" \
+  "${C[one]:-}" "${C[many]:-}" "${C[quiet]:-}" "${C[standing]:-}" "${C[window]:-}" "${C[each]:-}" <<'EOF'
 import statistics as st, sys
-rs = [[float(x) for x in a.split()] for a in sys.argv[1:6]]
-cs = [[float(x) for x in a.split()] for a in sys.argv[6:11]]
+rs = [[float(x) for x in a.split()] for a in sys.argv[1:7]]
+cs = [[float(x) for x in a.split()] for a in sys.argv[7:13]]
 names = ("write + wait", "write_many + wait_all", "the same, no done events", "the same, standing grant",
-         "standing, two halves in turn")
+         "standing, two halves in turn", "standing, write_each")
 for name, v, c in zip(names, rs, cs):
     if v:
         print(f"{name:26s} median {st.median(v):.0f} ops/s ({min(v):.0f}-{max(v):.0f}), rcpds {st.median(c):.3f} CPU s / 1000 ops")

@@ -232,11 +232,19 @@ qsrc.view[:] = data
 st = quiet.wait_all(quiet.write_many([(qsrc, b, "many", [(i * page, i * page, page)]) for i in range(n)]))
 assert [s["state"] for s in st] == ["done"] * n, st
 assert bytes(dst.view[: n * page]) == data
+# One prepared list: each descriptor a write of its own, a handle each.
+data2 = os.urandom(n * page)
+qsrc.view[:] = data2
+hs = quiet.write_each(qsrc, b, "many", [(i * page, i * page, page) for i in range(n)])
+assert len(hs) == n, hs
+st = quiet.wait_all(hs)
+assert [(s["state"], s["bytes"]) for s in st] == [("done", page)] * n, st
+assert bytes(dst.view[: n * page]) == data2
 ev = quiet.next_event(timeout=0.5)
 assert ev is None, ev
-print("many: 64 writes and 64 reads in one request each, every page checked; done_events=False sends none")
+print("many: 64 writes and 64 reads in one request each, 64 from one prepared list (write_each), every page checked; done_events=False sends none")
 EOF
-check "many: write_many, read_many, wait_all move every page where it belongs; done_events=False" \
+check "many: write_many, read_many, write_each, wait_all move every page where it belongs; done_events=False" \
   "$py" "$work/many.py" "$work/a.sock" "$work/b.sock" "$b"
 
 # Standing grants: an exposure with grant="standing" takes 64 writes and

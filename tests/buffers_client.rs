@@ -276,6 +276,28 @@ async fn many_operations_start_and_end_in_one_request_each() {
     let mut back = vec![0u8; (OPS * LEN) as usize];
     assert!(src.local.read_at(OPS * LEN, &mut back));
     assert!(back == data, "the reads landed the same bytes");
+    // One prepared list, each descriptor its own operation: the writer's
+    // pages in order onto the owner's, a handle and a result each.
+    let each = OpRequest {
+        descs: (0..OPS)
+            .map(|i| Desc {
+                local: i * LEN,
+                remote: i * LEN,
+                len: LEN,
+            })
+            .collect(),
+        ..op(0, 0, 0)
+    };
+    let hs = writer.start_each(true, each).await.unwrap();
+    assert_eq!(hs.len() as u64, OPS);
+    let st = writer.wait_all(hs).await.unwrap();
+    assert!(
+        st.iter()
+            .all(|s| (s.state, s.bytes) == (OpStateName::Done, Some(LEN))),
+        "{st:?}"
+    );
+    assert!(dst.local.read_at(0, &mut got));
+    assert!(got == data, "each descriptor's page landed in place");
     // One bad op (no such buffer) after a good one: refused, named, and
     // the good one did not start (no operation took the next handle: a
     // connection numbers its operations in order).

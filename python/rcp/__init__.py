@@ -327,6 +327,22 @@ class Client:
         """write_many() of reads."""
         return self._many("read_many", ops)
 
+    def write_each(self, buf, peer, name, descs, message=None, check=None):
+        """write_many() of one prepared list: each (local offset, remote
+        offset, length) of `descs` is a write of its own, all from `buf`
+        into `peer`'s `name`, with one `message` and `check`. One request,
+        and less to say than a list of ops; a list of Handles in the order
+        of `descs`."""
+        return self._each("write_many", buf, peer, name, descs, message, check)
+
+    def read_each(self, buf, peer, name, descs, message=None, check=None):
+        """write_each() of reads."""
+        return self._each("read_many", buf, peer, name, descs, message, check)
+
+    def _each(self, op, buf, peer, name, descs, message, check):
+        f = self._op_fields(buf, peer, name, descs, message, check)
+        return [Handle(self, h) for h in self._request(op, each=f)["handles"]]
+
     def wait_all(self, handles, timeout=None):
         """Wait for each of `handles` in one request (within `timeout`
         seconds for all): a list of their states, as Handle.wait() gives

@@ -150,10 +150,41 @@ pub enum Request {
 }
 
 /// `write_many` / `read_many`: the operations, each as `write` / `read`
-/// takes it.
+/// takes it (`ops`), or one `write` / `read` whose descriptors are each an
+/// operation of their own (`each`: one buffer, peer, exposure, message and
+/// check for all, a prepared list of descriptors as NIXL's).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ManyOps {
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub ops: Vec<OpRequest>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub each: Option<OpRequest>,
+}
+
+impl ManyOps {
+    /// The operations, at most `max` (`each` as one per descriptor).
+    pub fn into_ops(self, max: usize) -> Result<Vec<OpRequest>, String> {
+        let n = self.ops.len() + self.each.as_ref().map_or(0, |e| e.descs.len());
+        if n > max {
+            return Err(format!("{n} operations in one request (at most {max})"));
+        }
+        match self.each {
+            None => Ok(self.ops),
+            Some(_) if !self.ops.is_empty() => Err("give ops or each, not both".into()),
+            Some(e) => Ok(e
+                .descs
+                .iter()
+                .map(|d| OpRequest {
+                    buffer: e.buffer,
+                    peer: e.peer.clone(),
+                    name: e.name.clone(),
+                    descs: vec![*d],
+                    message: e.message.clone(),
+                    check: e.check.clone(),
+                })
+                .collect()),
+        }
+    }
 }
 
 /// `wait_all`.
@@ -446,6 +477,33 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    /// `each`: one operation per descriptor, everything else shared; not
+    /// with `ops`; the bound counts the operations either way.
+    #[test]
+    fn each_is_an_operation_per_descriptor() {
+        let m = |v: Value| serde_json::from_value::<ManyOps>(v).unwrap();
+        let each = json!({"buffer": 2, "peer": "b:1", "name": "kv", "descs": [[0, 8, 4], [4, 0, 4]], "check": "none"});
+        let ops = m(json!({ "each": each })).into_ops(2).unwrap();
+        assert_eq!(ops.len(), 2);
+        assert_eq!(
+            ops[1].descs,
+            vec![Desc {
+                local: 4,
+                remote: 0,
+                len: 4
+            }]
+        );
+        assert_eq!(
+            (ops[1].buffer, ops[1].name.as_str(), ops[1].check.as_deref()),
+            (2, "kv", Some("none"))
+        );
+        let e = m(json!({ "each": each })).into_ops(1).unwrap_err();
+        assert!(e.contains("2 operations in one request (at most 1)"), "{e}");
+        let both = json!({"each": each, "ops": [each]});
+        assert!(m(both).into_ops(10).unwrap_err().contains("not both"));
+        assert!(m(json!({})).into_ops(10).unwrap().is_empty());
+    }
+
     /// The frames docs/buffers.md shows and the Python package sends
     /// parse as the types; what the types write reads back the same.
     #[test]
@@ -458,6 +516,7 @@ mod tests {
             json!({"id": 4, "op": "write", "buffer": 1, "peer": "b:7471", "name": "kv0", "descs": [[0, 4096, 4096]], "message": "hi"}),
             json!({"id": 5, "op": "write_many", "ops": [{"buffer": 1, "peer": "b:7471", "name": "kv0", "descs": [[0, 0, 4096]]}, {"buffer": 1, "peer": "b:7471", "name": "kv0", "descs": [[4096, 4096, 4096]], "check": "xxh3"}]}),
             json!({"id": 6, "op": "read_many", "ops": [{"buffer": 1, "peer": "b:7471", "name": "kv0", "descs": [[0, 0, 4096]]}]}),
+            json!({"id": 6, "op": "write_many", "each": {"buffer": 1, "peer": "b:7471", "name": "kv0", "descs": [[0, 0, 4096], [4096, 8192, 4096]], "message": "m"}}),
             json!({"id": 7, "op": "wait_all", "handles": [1, 2], "timeout_ms": 1000}),
             json!({"id": 5, "op": "read", "buffer": 1, "peer": "b:7471", "name": "kv0", "descs": [[0, 0, 8192], [8192, 8192, 4096]], "check": "xxh3"}),
             json!({"id": 6, "op": "wait", "handle": 3, "timeout_ms": 10}),

@@ -395,9 +395,32 @@ impl ServiceClient {
     /// before any starts, in one request; their handles in order.
     pub async fn start_many(&self, write: bool, ops: Vec<OpRequest>) -> Result<Vec<u64>, Failure> {
         let (what, req) = if write {
-            ("write_many", Request::WriteMany(api::ManyOps { ops }))
+            (
+                "write_many",
+                Request::WriteMany(api::ManyOps { ops, each: None }),
+            )
         } else {
-            ("read_many", Request::ReadMany(api::ManyOps { ops }))
+            (
+                "read_many",
+                Request::ReadMany(api::ManyOps { ops, each: None }),
+            )
+        };
+        let r: api::StartedMany = self.call(what, &req, &[]).await?;
+        Ok(r.handles)
+    }
+
+    /// `write_many` (`write`) or `read_many` of one prepared list: each of
+    /// `op`'s descriptors an operation of its own (its buffer, peer,
+    /// exposure, message and check for all); their handles in order.
+    pub async fn start_each(&self, write: bool, op: OpRequest) -> Result<Vec<u64>, Failure> {
+        let many = api::ManyOps {
+            ops: Vec::new(),
+            each: Some(op),
+        };
+        let (what, req) = if write {
+            ("write_many", Request::WriteMany(many))
+        } else {
+            ("read_many", Request::ReadMany(many))
         };
         let r: api::StartedMany = self.call(what, &req, &[]).await?;
         Ok(r.handles)

@@ -281,8 +281,8 @@ impl Conn {
                     handle: self.launch(p),
                 })
             }
-            Request::WriteMany(ManyOps { ops }) => self.start_many(true, ops),
-            Request::ReadMany(ManyOps { ops }) => self.start_many(false, ops),
+            Request::WriteMany(m) => self.start_many(true, m),
+            Request::ReadMany(m) => self.start_many(false, m),
             Request::Wait(Wait { handle, timeout_ms }) => {
                 let deadline = timeout_ms.map(|ms| Instant::now() + Duration::from_millis(ms));
                 reply(self.wait(handle, deadline).await?)
@@ -496,13 +496,8 @@ impl Conn {
 
     /// `write_many` / `read_many`: every operation checked, then each
     /// started; their handles in order.
-    fn start_many(self: &Arc<Self>, write: bool, ops: Vec<OpRequest>) -> Result<Reply, Failure> {
-        if ops.len() > MAX_OPS_PER_REQUEST {
-            return Err(bad(format!(
-                "{} operations in one request (at most {MAX_OPS_PER_REQUEST})",
-                ops.len()
-            )));
-        }
+    fn start_many(self: &Arc<Self>, write: bool, many: ManyOps) -> Result<Reply, Failure> {
+        let ops = many.into_ops(MAX_OPS_PER_REQUEST).map_err(bad)?;
         let mut ready = Vec::with_capacity(ops.len());
         for (i, o) in ops.into_iter().enumerate() {
             let p = self
