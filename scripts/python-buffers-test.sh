@@ -96,6 +96,53 @@ start_rcpd b
 b=$addr
 b_pid=$pid
 echo "rcpd A $a, rcpd B $b (tcp, sockets $work/a.sock $work/b.sock)"
+# The package's reader against a stand-in for rcpd's socket: replies and
+# events in frames cut at odd places, several to a send, and frames larger
+# than one read's room (wait_all of 4096 handles answers ~400 KiB), each
+# handed to the right caller in order.
+cat >"$work/reader.py" <<'EOF'
+import json, socket, struct, sys, threading, rcp
+path = sys.argv[1]
+srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+srv.bind(path)
+srv.listen(1)
+def frame(o):
+    b = json.dumps(o).encode()
+    return struct.pack("<I", len(b)) + b
+def rcpd():
+    s, _ = srv.accept()
+    def read_frame():
+        n = struct.unpack("<I", s.recv(4, socket.MSG_WAITALL))[0]
+        return json.loads(s.recv(n, socket.MSG_WAITALL))
+    assert s.recv(4, socket.MSG_WAITALL) == rcp.MAGIC
+    h = read_frame()
+    s.sendall(frame({"re": h["id"], "session": 1}))
+    out = b""
+    for i in range(200):
+        out += frame({"event": "written", "n": i, "pad": "x" * (i * 37 % 5000)})
+    out += frame({"event": "written", "n": 200, "pad": "y" * (3 * rcp.READ_CHUNK + 11)})
+    w = read_frame()
+    out += frame({"re": w["id"], "statuses": [{"handle": i, "state": "done"} for i in range(len(w["handles"]))]})
+    cuts = [1, 3, 4093, 65536, rcp.READ_CHUNK + 5]
+    i = k = 0
+    while i < len(out):
+        n = cuts[k % len(cuts)]
+        s.sendall(out[i:i + n])
+        i, k = i + n, k + 1
+    s.close()
+threading.Thread(target=rcpd, daemon=True).start()
+c = rcp.connect(path)
+st = c.wait_all(list(range(4096)))
+assert [x["handle"] for x in st] == list(range(4096)), len(st)
+evs = [c.next_event(timeout=10) for _ in range(201)]
+assert [e and e["n"] for e in evs] == list(range(201)), [e and e["n"] for e in evs]
+assert evs[200]["pad"] == "y" * (3 * rcp.READ_CHUNK + 11)
+assert c.next_event(timeout=10) is None, "the end of the connection"
+print("reader: 201 events and a 4096-status reply through cut and oversized frames")
+EOF
+check "reader: frames cut anywhere and larger than a read reach their callers in order" \
+  "$py" "$work/reader.py" "$work/reader.sock"
+
 check "the socket file has mode 0660" [ "$(stat -c %a "$work/a.sock")" = 660 ]
 size=$((24 << 20))
 

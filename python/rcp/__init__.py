@@ -32,7 +32,7 @@ DEFAULT_SOCKET = "/run/rcp/rcpd.sock"
 HUGE_PAGE = 2 << 20
 MAGIC = b"RCPB"
 VERSION = 1
-# The most one recv takes from rcpd's socket.
+# The room one recv reads rcpd's socket into (grown for larger frames).
 READ_CHUNK = 1 << 18
 _LEN = struct.Struct("<I")
 
@@ -180,21 +180,30 @@ class Client:
         # One recv takes whatever rcpd has sent (it coalesces a batch's
         # replies and events into one send); every whole frame in it is
         # dispatched before the next recv, not two recvs per frame.
-        buf = bytearray()
+        # Reads land in one reused room (a fresh bytes object per recv was
+        # an mmap, mremap and munmap each); room[start:end] is unread.
+        room = bytearray(READ_CHUNK)
+        start = end = 0
         try:
             while True:
-                chunk = self._sock.recv(READ_CHUNK)
-                if not chunk:
+                if end == len(room):
+                    # Full: move the unread part to the front, or grow
+                    # for a frame larger than the room.
+                    grow = len(room) if start == 0 else 0
+                    room = room[start:end] + bytearray(len(room) - (end - start) + grow)
+                    start, end = 0, end - start
+                n = self._sock.recv_into(memoryview(room)[end:])
+                if not n:
                     raise EOFError("rcpd closed the connection")
-                buf += chunk
-                pos, end = 0, len(buf)
-                while end - pos >= 4:
-                    (n,) = _LEN.unpack_from(buf, pos)
-                    if end - pos - 4 < n:
+                end += n
+                while end - start >= 4:
+                    (n,) = _LEN.unpack_from(room, start)
+                    if end - start - 4 < n:
                         break
-                    self._dispatch(json.loads(buf[pos + 4 : pos + 4 + n]))
-                    pos += 4 + n
-                del buf[:pos]
+                    self._dispatch(json.loads(room[start + 4 : start + 4 + n]))
+                    start += 4 + n
+                if start == end:
+                    start = end = 0
         except (EOFError, OSError, ValueError) as e:
             self._closed = e
             with self._lock:
