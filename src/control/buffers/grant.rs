@@ -786,10 +786,82 @@ pub(super) fn damage(bad: &[u32], rounds: u32) -> Option<ErrorBody> {
 
 /// Send `exp`'s owner the event of a peer's write (or read) `ev`.
 pub(super) fn send_event(exp: &Exposure, write: bool, ev: OwnerEvent) {
+    let _ = exp.events.send(event_frame(write, ev));
+}
+
+/// The frame of a peer's write (or read) `ev` for its owner.
+pub(super) fn event_frame(write: bool, ev: OwnerEvent) -> Vec<u8> {
     let ev = if write {
         Event::Written(ev)
     } else {
         Event::Read(ev)
     };
-    let _ = exp.events.send(super::wire::encode(&ev));
+    super::wire::encode(&ev)
+}
+
+/// Owners' events gathered while a batch is handled, sent when it is:
+/// consecutive events for one owner go as one message to its
+/// connection's writer (one wake-up of it, one send), in their order.
+#[derive(Default)]
+pub(super) struct EventBatch {
+    out: Vec<(Arc<Exposure>, Vec<u8>)>,
+}
+
+impl EventBatch {
+    pub(super) fn push(&mut self, exp: &Arc<Exposure>, frame: Vec<u8>) {
+        match self.out.last_mut() {
+            Some((e, bytes)) if Arc::ptr_eq(e, exp) => bytes.extend_from_slice(&frame),
+            _ => self.out.push((exp.clone(), frame)),
+        }
+    }
+
+    pub(super) fn send(self) {
+        for (exp, bytes) in self.out {
+            let _ = exp.events.send(bytes);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mem::memfd::ServiceBuffer;
+    use crate::mem::{Arena, ArenaConfig};
+
+    fn exposure(events: tokio::sync::mpsc::UnboundedSender<Vec<u8>>) -> Arc<Exposure> {
+        Arc::new(Exposure {
+            owner: 1,
+            buffer: ServiceBuffer::from_arena(Arena::new(&ArenaConfig::new(1 << 20)).unwrap()),
+            offset: 0,
+            len: 4096,
+            access: super::super::Rights {
+                read: true,
+                write: true,
+            },
+            peers: Vec::new(),
+            standing: true,
+            events,
+            bases: Default::default(),
+        })
+    }
+
+    /// A batch's events reach each owner whole and in order, consecutive
+    /// ones for one owner in one message.
+    #[test]
+    fn a_batch_of_events_goes_to_each_owner_in_order() {
+        let (ta, mut ra) = tokio::sync::mpsc::unbounded_channel();
+        let (tb, mut rb) = tokio::sync::mpsc::unbounded_channel();
+        let (a, b) = (exposure(ta), exposure(tb));
+        let mut batch = EventBatch::default();
+        for (exp, f) in [(&a, b"a1"), (&a, b"a2"), (&b, b"b1"), (&a, b"a3")] {
+            batch.push(exp, f.to_vec());
+        }
+        assert!(ra.try_recv().is_err(), "nothing before the batch is sent");
+        batch.send();
+        assert_eq!(ra.try_recv().unwrap(), b"a1a2");
+        assert_eq!(ra.try_recv().unwrap(), b"a3");
+        assert!(ra.try_recv().is_err());
+        assert_eq!(rb.try_recv().unwrap(), b"b1");
+        assert!(rb.try_recv().is_err());
+    }
 }

@@ -16,7 +16,8 @@ use std::sync::Arc;
 
 use super::api::OwnerEvent;
 use super::grant::{
-    damage, digests_by, inside, register, send_event, Held, StandingGrant, MAX_MESSAGE, MAX_RANGES,
+    damage, digests_by, event_frame, inside, register, EventBatch, Held, StandingGrant,
+    MAX_MESSAGE, MAX_RANGES,
 };
 use super::{Buffers, Exposure, Failure};
 use crate::control::error::Reason;
@@ -212,6 +213,7 @@ pub fn notify(
         .flat_map(|c| c.ranges.iter())
         .collect();
     let mut landed = digests_by(check, &all, |r| r).into_iter();
+    let mut events = EventBatch::default();
     let results = checked
         .into_iter()
         .zip(&req.ops)
@@ -224,7 +226,7 @@ pub fn notify(
                     .collect();
                 let ended = bad.is_empty() || n.round >= max_retries;
                 if ended {
-                    tell_owner(&c, n, check, &mine, &bad);
+                    events.push(&c.grant.exp, owner_event(&c, n, check, &mine, &bad));
                 }
                 proto::BufferNoticeResult {
                     bad,
@@ -234,12 +236,19 @@ pub fn notify(
             }
         })
         .collect();
+    events.send();
     Ok(proto::BufferNotifyResponse { results })
 }
 
 /// The owner's event for an operation under a standing grant that ended:
 /// every range with its digest here, and which did not match.
-fn tell_owner(c: &Checked, n: &proto::BufferNotice, check: Check, mine: &[Vec<u8>], bad: &[u32]) {
+fn owner_event(
+    c: &Checked,
+    n: &proto::BufferNotice,
+    check: Check,
+    mine: &[Vec<u8>],
+    bad: &[u32],
+) -> Vec<u8> {
     let g = &c.grant;
     let ranges = c
         .ranges
@@ -256,7 +265,7 @@ fn tell_owner(c: &Checked, n: &proto::BufferNotice, check: Check, mine: &[Vec<u8
         resent: n.resent,
         error: damage(bad, n.round),
     };
-    send_event(&g.exp, g.write, ev);
+    event_frame(g.write, ev)
 }
 
 /// A notify call's results, one per notice of the `sent` it carried (any
