@@ -339,6 +339,18 @@ pub(super) async fn link(
     if let Some(l) = bufs.peers.live(&key) {
         return Ok((l, false));
     }
+    // Boxed: opening a session's state is kilobytes, held by every
+    // operation's task were it inline, though nearly all find one live.
+    Box::pin(open_link(bufs, peer, check, key)).await
+}
+
+/// [`link`]'s slow path: no live session to `peer` for `check` (`key`).
+async fn open_link(
+    bufs: &Arc<Buffers>,
+    peer: &str,
+    check: Check,
+    key: (String, &'static str),
+) -> Result<(Arc<PeerLink>, bool), Failure> {
     let _one = bufs.peers.opening.lock().await;
     if let Some(l) = bufs.peers.live(&key) {
         return Ok((l, false));
