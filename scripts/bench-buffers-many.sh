@@ -16,6 +16,8 @@
 #         session: each operation is its WRITE and one BufferNotify)
 #   each  standing, the 64 submitted as one prepared list (write_each: one
 #         buffer, peer and name, a descriptor per operation)
+#   each-window  each, the window in two halves of write_each as in
+#         window (never fewer than half in flight)
 # Operations per second (first request to last reply), and the CPU per 1000
 # operations of both rcpds (utime + stime from /proc), of the writing
 # service and of the owner (each its own os.times()). Every byte is
@@ -87,7 +89,7 @@ data = os.urandom(inflight * size)
 open(f"{work}/data", "wb").write(data)
 owner = subprocess.Popen(
     [sys.executable, f"{work}/owner.py", b_sock, name, str(total), str(size),
-     "standing" if mode in ("standing", "window", "each") else "per-op", f"{work}/data"],
+     "standing" if mode in ("standing", "window", "each", "each-window") else "per-op", f"{work}/data"],
     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 assert owner.stdout.readline().strip() == "ready", "the owner is ready"
 ca = rcp.connect(a_sock, done_events=(mode in ("one", "many")))
@@ -98,19 +100,23 @@ s0 = os.times()
 t0 = time.perf_counter()
 def done(st):
     assert all(s["state"] == "done" for s in st), st
-if mode == "window":
+if mode in ("window", "each-window"):
     # Two halves of the window: one submitted while the other is waited
     # for, so that between inflight/2 and inflight are in flight at once.
     half, waiting = inflight // 2, []
     for k, base in enumerate(range(0, total, half)):
-        ops = [(src, b, name, [((k % 2 * half + i) * size, (base + i) * size, size)])
-               for i in range(half)]
-        waiting.append(ca.write_many(ops))
+        if mode == "each-window":
+            descs = [((k % 2 * half + i) * size, (base + i) * size, size) for i in range(half)]
+            waiting.append(ca.write_each(src, b, name, descs))
+        else:
+            ops = [(src, b, name, [((k % 2 * half + i) * size, (base + i) * size, size)])
+                   for i in range(half)]
+            waiting.append(ca.write_many(ops))
         if len(waiting) == 2:
             done(ca.wait_all(waiting.pop(0)))
     for hs in waiting:
         done(ca.wait_all(hs))
-for base in range(0, total if mode != "window" else 0, inflight):
+for base in range(0, total if mode not in ("window", "each-window") else 0, inflight):
     if mode == "each":
         descs = [(i * size, (base + i) * size, size) for i in range(inflight)]
         done(ca.wait_all(ca.write_each(src, b, name, descs)))
@@ -141,13 +147,13 @@ for p in $(seq "$PASSES"); do
     echo "pass $p $m: $ops operations/s, CPU s per 1000 operations: both rcpds $cpu, the writing service $wcpu, the owner $ocpu (load $(cut -d' ' -f1 /proc/loadavg))"
   done
 done
-"$py" - "${R[one]:-}" "${R[many]:-}" "${R[quiet]:-}" "${R[standing]:-}" "${R[window]:-}" "${R[each]:-}" \
-  "${C[one]:-}" "${C[many]:-}" "${C[quiet]:-}" "${C[standing]:-}" "${C[window]:-}" "${C[each]:-}" <<'EOF'
+"$py" - "${R[one]:-}" "${R[many]:-}" "${R[quiet]:-}" "${R[standing]:-}" "${R[window]:-}" "${R[each]:-}" "${R[each-window]:-}" \
+  "${C[one]:-}" "${C[many]:-}" "${C[quiet]:-}" "${C[standing]:-}" "${C[window]:-}" "${C[each]:-}" "${C[each-window]:-}" <<'EOF'
 import statistics as st, sys
-rs = [[float(x) for x in a.split()] for a in sys.argv[1:7]]
-cs = [[float(x) for x in a.split()] for a in sys.argv[7:13]]
+rs = [[float(x) for x in a.split()] for a in sys.argv[1:8]]
+cs = [[float(x) for x in a.split()] for a in sys.argv[8:15]]
 names = ("write + wait", "write_many + wait_all", "the same, no done events", "the same, standing grant",
-         "standing, two halves in turn", "standing, write_each")
+         "standing, two halves in turn", "standing, write_each", "write_each, two halves")
 for name, v, c in zip(names, rs, cs):
     if v:
         print(f"{name:26s} median {st.median(v):.0f} ops/s ({min(v):.0f}-{max(v):.0f}), rcpds {st.median(c):.3f} CPU s / 1000 ops")
