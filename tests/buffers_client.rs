@@ -1512,6 +1512,89 @@ async fn a_refused_write_fails_only_its_own_operation_among_those_sent_with_it()
     d.stop().await;
 }
 
+/// A peer that accepts and never answers holds up only the operations
+/// to it: with a session to it being opened (its listener has taken the
+/// connection), writes to a live peer started after it, in one request
+/// with another operation to the silent peer, end (done, their bytes
+/// landed) while both to the silent one still run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_peer_holds_up_only_the_operations_to_it() {
+    use rcp::control::buffers::api::{Desc, OpRequest};
+    const OPS: u64 = 16;
+    const LEN: u64 = 4096;
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("root");
+    std::fs::create_dir(&root).unwrap();
+    let sock = dir.path().join("rcpd.sock");
+    let mut cfg = config(&root, &sock);
+    cfg.copy_peers = vec!["127.0.0.1".parse().unwrap()];
+    // Long enough that the silent peer is given up on only when the
+    // writer goes, however slow this machine is.
+    cfg.timeout = Duration::from_secs(3600);
+    let d = Daemon::start(cfg).await;
+    // A peer that takes connections and says nothing.
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let silent_addr = silent.local_addr().unwrap().to_string();
+    let (accepted, mut dialed) = tokio::sync::mpsc::unbounded_channel();
+    let held = tokio::spawn(async move {
+        let mut conns = Vec::new();
+        while let Ok((c, _)) = silent.accept().await {
+            conns.push(c);
+            let _ = accepted.send(());
+        }
+    });
+    let owner = ServiceClient::connect(Some(&sock), None).await.unwrap();
+    let dst = owner.create_buffer(OPS * LEN).await.unwrap();
+    owner
+        .expose_standing(&dst, "dst", 0, OPS * LEN, "write", &[])
+        .await
+        .unwrap();
+    let writer = ServiceClient::connect_with(Some(&sock), None, false)
+        .await
+        .unwrap();
+    let src = writer.create_buffer(OPS * LEN).await.unwrap();
+    let data: Vec<u8> = (0..OPS * LEN).map(|i| (i * 7 + 3) as u8).collect();
+    assert!(src.local.write_at(0, &data));
+    let op = |peer: &str, i: u64| OpRequest {
+        buffer: src.id,
+        peer: peer.into(),
+        name: "dst".into(),
+        descs: vec![Desc {
+            local: i * LEN,
+            remote: i * LEN,
+            len: LEN,
+        }],
+        message: String::new(),
+        check: None,
+    };
+    let first = writer
+        .start_many(true, vec![op(&silent_addr, 0)])
+        .await
+        .unwrap();
+    dialed.recv().await.expect("rcpd dials the silent peer");
+    let mut ops = vec![op(&silent_addr, 0)];
+    ops.extend((0..OPS).map(|i| op(&d.addr, i)));
+    let hs = writer.start_many(true, ops).await.unwrap();
+    let st = tokio::time::timeout(HANG_GUARD, writer.wait_all(hs[1..].to_vec()))
+        .await
+        .expect("the writes to a live peer end while one to a silent peer waits")
+        .unwrap();
+    for (k, s) in st.iter().enumerate() {
+        assert_eq!(s.state, OpStateName::Done, "{k}: {s:?}");
+    }
+    for h in [first[0], hs[0]] {
+        let waiting = writer.status(h).await.unwrap();
+        assert_eq!(waiting.state, OpStateName::Running, "{waiting:?}");
+    }
+    let mut got = vec![0u8; (OPS * LEN) as usize];
+    assert!(dst.local.read_at(0, &mut got));
+    assert!(got == data, "every write to the live peer landed");
+    drop(writer);
+    drop(owner);
+    d.stop().await;
+    held.abort();
+}
+
 /// A connection to a tcp session's data port carrying MESSAGE frames
 /// (notices on the data path), raw.
 struct Frames {

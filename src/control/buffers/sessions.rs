@@ -51,12 +51,21 @@ pub struct Peers {
     /// Peers whose verbs session gave up on RDMA, and why: their next
     /// sessions are over tcp until one of those ends.
     fell_back: Mutex<HashMap<Key, String>>,
-    /// Held while a session is opened (one per peer, not one per
-    /// operation that found none).
-    opening: tokio::sync::Mutex<()>,
+    /// Held while a session under its key is opened (one per peer, not
+    /// one per operation that found none; a peer that does not answer
+    /// holds up only the operations to it).
+    opening: Mutex<HashMap<Key, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 impl Peers {
+    /// The lock held while a session under `key` is opened; those no one
+    /// holds or waits for are dropped from the table here.
+    fn opening(&self, key: &Key) -> Arc<tokio::sync::Mutex<()>> {
+        let mut m = self.opening.lock().unwrap();
+        m.retain(|_, l| Arc::strong_count(l) > 1);
+        m.entry(key.clone()).or_default().clone()
+    }
+
     /// Forget buffer `uid`'s registrations (its service released it; the
     /// operations still running hold their own).
     pub(crate) fn forget_buffer(&self, uid: u64) {
@@ -351,7 +360,8 @@ async fn open_link(
     check: Check,
     key: (String, &'static str),
 ) -> Result<(Arc<PeerLink>, bool), Failure> {
-    let _one = bufs.peers.opening.lock().await;
+    let opening = bufs.peers.opening(&key);
+    let _one = opening.lock().await;
     if let Some(l) = bufs.peers.live(&key) {
         return Ok((l, false));
     }
