@@ -5,11 +5,13 @@
 //! unmapped as soon as the last operation on them has retired.
 
 use std::collections::{HashMap, VecDeque};
+use std::future::Future;
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use futures::stream::{FuturesUnordered, StreamExt};
 use serde_json::json;
 use tokio::net::UnixStream;
 use tokio::sync::{mpsc, watch};
@@ -32,6 +34,16 @@ const COALESCE_BYTES: usize = 256 << 10;
 
 /// Operations one `write_many` or `read_many` may start.
 pub const MAX_OPS_PER_REQUEST: usize = 4096;
+
+/// How many bytes of a request's operations one task runs: operations
+/// smaller than this share a task (see `Conn::start_many`).
+const TASK_BYTES: u64 = 256 << 10;
+
+/// Run a group of a request's operations in one task, each polled when
+/// woken, until every one has ended.
+fn spawn_group<F: Future<Output = ()> + Send + 'static>(mut group: FuturesUnordered<F>) {
+    tokio::spawn(async move { while group.next().await.is_some() {} });
+}
 
 /// Where an operation is.
 #[derive(Clone, Debug)]
@@ -505,12 +517,44 @@ impl Conn {
                 .map_err(|f| Failure::new(f.reason, format!("operation {i}: {}", f.message)))?;
             ready.push(p);
         }
-        let handles = ready.into_iter().map(|p| self.launch(p)).collect();
+        // Small operations share a task, up to TASK_BYTES of them each
+        // (polled only when woken): a spawn per operation was a task's
+        // allocation, registration and scheduling per 4 KiB write. Larger
+        // ones keep a task each, so that their hashing spreads over the
+        // runtime's threads.
+        let mut handles = Vec::with_capacity(ready.len());
+        let mut group = FuturesUnordered::new();
+        let mut bytes = 0;
+        for p in ready {
+            bytes += p.1.descs.iter().map(|d| d.len).sum::<u64>();
+            let (h, run) = self.operation(p);
+            handles.push(h);
+            group.push(run);
+            if bytes >= TASK_BYTES {
+                spawn_group(std::mem::take(&mut group));
+                bytes = 0;
+            }
+        }
+        if !group.is_empty() {
+            spawn_group(group);
+        }
         reply(StartedMany { handles })
     }
 
-    /// Start a prepared operation; its handle.
-    fn launch(self: &Arc<Self>, (buffer, spec): (u64, OpSpec)) -> u64 {
+    /// Start a prepared operation in a task of its own; its handle.
+    fn launch(self: &Arc<Self>, p: (u64, OpSpec)) -> u64 {
+        let (h, run) = self.operation(p);
+        tokio::spawn(run);
+        h
+    }
+
+    /// A prepared operation, registered under its handle: the handle, and
+    /// the future that runs it to its end (its state, its event, its
+    /// retiring), for the caller to spawn.
+    fn operation(
+        self: &Arc<Self>,
+        (buffer, spec): (u64, OpSpec),
+    ) -> (u64, impl Future<Output = ()> + Send + 'static) {
         let h = self.next_op.fetch_add(1, Relaxed) + 1;
         let (tx, rx) = watch::channel(OpState::Running);
         let op = Arc::new(Op {
@@ -520,7 +564,7 @@ impl Conn {
         });
         self.ops.lock().unwrap().by_handle.insert(h, op.clone());
         let c = self.clone();
-        tokio::spawn(async move {
+        let run = async move {
             let r = peer::run(&c.bufs, &spec, &op.cancelled).await;
             let st = match r {
                 Ok(m) => OpState::Done(m),
@@ -537,8 +581,8 @@ impl Conn {
             }
             let _ = tx.send(st);
             c.ops.lock().unwrap().ended(h);
-        });
-        h
+        };
+        (h, run)
     }
 
     /// Operation `h`'s status once it ended, or running at `deadline`.
