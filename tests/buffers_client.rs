@@ -16,6 +16,7 @@ mod common;
 
 use std::time::Duration;
 
+use rcp::control::buffers::api::{Desc, OpRequest};
 use rcp::control::buffers::api::{OpStateName, ServiceReason};
 use rcp::control::buffers::client::ServiceClient;
 use rcp::control::daemon::{self, DaemonConfig};
@@ -90,12 +91,19 @@ impl Daemon {
     }
 }
 
-/// An in-process rcpd on `dir` (its root beneath) with its socket.
-async fn start_rcpd(dir: &std::path::Path) -> (Daemon, std::path::PathBuf) {
+/// The configuration of an rcpd on `dir` (its root beneath, created) and
+/// its socket's path.
+fn dir_config(dir: &std::path::Path) -> (DaemonConfig, std::path::PathBuf) {
     let root = dir.join("root");
     std::fs::create_dir(&root).unwrap();
     let sock = dir.join("rcpd.sock");
-    (Daemon::start(config(&root, &sock)).await, sock)
+    (config(&root, &sock), sock)
+}
+
+/// An in-process rcpd on `dir` (its root beneath) with its socket.
+async fn start_rcpd(dir: &std::path::Path) -> (Daemon, std::path::PathBuf) {
+    let (cfg, sock) = dir_config(dir);
+    (Daemon::start(cfg).await, sock)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -214,7 +222,6 @@ async fn hs_last(
 /// the request, naming it, and none of the others starts.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_operations_start_and_end_in_one_request_each() {
-    use rcp::control::buffers::api::{Desc, OpRequest};
     const OPS: u64 = 64;
     const LEN: u64 = 4096;
     let dir = tempfile::tempdir().unwrap();
@@ -523,10 +530,7 @@ fn grace_closed(metrics: std::net::SocketAddr) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_buffer_session_outlives_the_session_grace() {
     let dir = tempfile::tempdir().unwrap();
-    let root = dir.path().join("root");
-    std::fs::create_dir(&root).unwrap();
-    let sock = dir.path().join("rcpd.sock");
-    let mut cfg = config(&root, &sock);
+    let (mut cfg, sock) = dir_config(dir.path());
     cfg.session_grace = Duration::from_millis(500);
     cfg.metrics_listen = Some("127.0.0.1:0".parse().unwrap());
     let d = Daemon::start(cfg).await;
@@ -659,10 +663,7 @@ async fn closing_a_session_revokes_its_buffer_grants() {
 async fn a_stale_done_changes_nothing_and_a_silent_peers_grant_is_revoked() {
     use rcp::proto::{self, rcp_client::RcpClient};
     let dir = tempfile::tempdir().unwrap();
-    let root = dir.path().join("root");
-    std::fs::create_dir(&root).unwrap();
-    let sock = dir.path().join("rcpd.sock");
-    let mut cfg = config(&root, &sock);
+    let (mut cfg, sock) = dir_config(dir.path());
     cfg.timeout = Duration::from_secs(1);
     let d = Daemon::start(cfg).await;
     let owner = ServiceClient::connect(Some(&sock), None).await.unwrap();
@@ -1181,10 +1182,7 @@ async fn landed(buf: &rcp::control::buffers::client::Buffer, at: u64) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_exposure_gone_mid_write_fails_only_the_write_into_it() {
     let dir = tempfile::tempdir().unwrap();
-    let root = dir.path().join("root");
-    std::fs::create_dir(&root).unwrap();
-    let sock = dir.path().join("rcpd.sock");
-    let mut cfg = config(&root, &sock);
+    let (mut cfg, sock) = dir_config(dir.path());
     cfg.bwlimit = Some(1 << 20);
     let d = Daemon::start(cfg).await;
     let addr = d.addr.clone();
@@ -1274,14 +1272,10 @@ async fn next_event(c: &ServiceClient) -> serde_json::Value {
 /// it serves again; its owner gone, the same.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn standing_grants_serve_many_operations_until_their_exposure_goes() {
-    use rcp::control::buffers::api::{Desc, OpRequest};
     const OPS: u64 = 32;
     const LEN: u64 = 4096;
     let dir = tempfile::tempdir().unwrap();
-    let root = dir.path().join("root");
-    std::fs::create_dir(&root).unwrap();
-    let sock = dir.path().join("rcpd.sock");
-    let mut cfg = config(&root, &sock);
+    let (mut cfg, sock) = dir_config(dir.path());
     cfg.metrics_listen = Some("127.0.0.1:0".parse().unwrap());
     let d = Daemon::start(cfg).await;
     let (addr, metrics) = (d.addr.clone(), d.bound.metrics.unwrap());
@@ -1437,6 +1431,42 @@ async fn standing_grants_serve_many_operations_until_their_exposure_goes() {
     d.stop().await;
 }
 
+/// A service on `sock` with no `done` events and a buffer of `len` bytes
+/// filled with a pattern: the service, the buffer and its bytes.
+async fn quiet_writer(
+    sock: &std::path::Path,
+    len: u64,
+) -> (
+    ServiceClient,
+    rcp::control::buffers::client::Buffer,
+    Vec<u8>,
+) {
+    let writer = ServiceClient::connect_with(Some(sock), None, false)
+        .await
+        .unwrap();
+    let src = writer.create_buffer(len).await.unwrap();
+    let data: Vec<u8> = (0..len).map(|i| (i * 13 + 5) as u8).collect();
+    assert!(src.local.write_at(0, &data));
+    (writer, src, data)
+}
+
+/// An operation on the `i`th `len` bytes of buffer `buffer`, at the same
+/// offset in exposure `name` of `peer`.
+fn page_op(buffer: u64, peer: &str, name: &str, i: u64, len: u64) -> OpRequest {
+    OpRequest {
+        buffer,
+        peer: peer.into(),
+        name: name.into(),
+        descs: vec![Desc {
+            local: i * len,
+            remote: i * len,
+            len,
+        }],
+        message: String::new(),
+        check: None,
+    }
+}
+
 /// Small writes under standing grants of two exposures, one of them
 /// withdrawn, started together (so that they share the exchanges that
 /// carry them with their notices): each write to the withdrawn one fails
@@ -1444,7 +1474,6 @@ async fn standing_grants_serve_many_operations_until_their_exposure_goes() {
 /// the withdrawn one's buffer is untouched.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_write_fails_only_its_own_operation_among_those_sent_with_it() {
-    use rcp::control::buffers::api::{Desc, OpRequest};
     const OPS: u64 = 16;
     const LEN: u64 = 4096;
     let dir = tempfile::tempdir().unwrap();
@@ -1459,24 +1488,8 @@ async fn a_refused_write_fails_only_its_own_operation_among_those_sent_with_it()
             .await
             .unwrap();
     }
-    let writer = ServiceClient::connect_with(Some(&sock), None, false)
-        .await
-        .unwrap();
-    let src = writer.create_buffer(OPS * LEN).await.unwrap();
-    let data: Vec<u8> = (0..OPS * LEN).map(|i| (i * 13 + 5) as u8).collect();
-    assert!(src.local.write_at(0, &data));
-    let op = |name: &str, i: u64| OpRequest {
-        buffer: src.id,
-        peer: addr.clone(),
-        name: name.into(),
-        descs: vec![Desc {
-            local: i * LEN,
-            remote: i * LEN,
-            len: LEN,
-        }],
-        message: String::new(),
-        check: None,
-    };
+    let (writer, src, data) = quiet_writer(&sock, OPS * LEN).await;
+    let op = |name: &str, i: u64| page_op(src.id, &addr, name, i, LEN);
     // Both granted to the writer's session (standing), then one withdrawn.
     for name in ["keep", "gone"] {
         let h = writer.start_many(true, vec![op(name, 0)]).await.unwrap();
@@ -1519,14 +1532,10 @@ async fn a_refused_write_fails_only_its_own_operation_among_those_sent_with_it()
 /// landed) while both to the silent one still run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_peer_holds_up_only_the_operations_to_it() {
-    use rcp::control::buffers::api::{Desc, OpRequest};
     const OPS: u64 = 16;
     const LEN: u64 = 4096;
     let dir = tempfile::tempdir().unwrap();
-    let root = dir.path().join("root");
-    std::fs::create_dir(&root).unwrap();
-    let sock = dir.path().join("rcpd.sock");
-    let mut cfg = config(&root, &sock);
+    let (mut cfg, sock) = dir_config(dir.path());
     cfg.copy_peers = vec!["127.0.0.1".parse().unwrap()];
     // Long enough that the silent peer is given up on only when the
     // writer goes, however slow this machine is.
@@ -1549,24 +1558,8 @@ async fn a_silent_peer_holds_up_only_the_operations_to_it() {
         .expose_standing(&dst, "dst", 0, OPS * LEN, "write", &[])
         .await
         .unwrap();
-    let writer = ServiceClient::connect_with(Some(&sock), None, false)
-        .await
-        .unwrap();
-    let src = writer.create_buffer(OPS * LEN).await.unwrap();
-    let data: Vec<u8> = (0..OPS * LEN).map(|i| (i * 7 + 3) as u8).collect();
-    assert!(src.local.write_at(0, &data));
-    let op = |peer: &str, i: u64| OpRequest {
-        buffer: src.id,
-        peer: peer.into(),
-        name: "dst".into(),
-        descs: vec![Desc {
-            local: i * LEN,
-            remote: i * LEN,
-            len: LEN,
-        }],
-        message: String::new(),
-        check: None,
-    };
+    let (writer, src, data) = quiet_writer(&sock, OPS * LEN).await;
+    let op = |peer: &str, i: u64| page_op(src.id, peer, "dst", i, LEN);
     let first = writer
         .start_many(true, vec![op(&silent_addr, 0)])
         .await
