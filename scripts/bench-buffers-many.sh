@@ -105,13 +105,11 @@ if mode in ("window", "each-window"):
     # for, so that between inflight/2 and inflight are in flight at once.
     half, waiting = inflight // 2, []
     for k, base in enumerate(range(0, total, half)):
+        descs = [((k % 2 * half + i) * size, (base + i) * size, size) for i in range(half)]
         if mode == "each-window":
-            descs = [((k % 2 * half + i) * size, (base + i) * size, size) for i in range(half)]
             waiting.append(ca.write_each(src, b, name, descs))
         else:
-            ops = [(src, b, name, [((k % 2 * half + i) * size, (base + i) * size, size)])
-                   for i in range(half)]
-            waiting.append(ca.write_many(ops))
+            waiting.append(ca.write_many([(src, b, name, [d]) for d in descs]))
         if len(waiting) == 2:
             done(ca.wait_all(waiting.pop(0)))
     for hs in waiting:
