@@ -358,7 +358,7 @@ async fn open_link(
     bufs: &Arc<Buffers>,
     peer: &str,
     check: Check,
-    key: (String, &'static str),
+    key: Key,
 ) -> Result<(Arc<PeerLink>, bool), Failure> {
     let opening = bufs.peers.opening(&key);
     let _one = opening.lock().await;
