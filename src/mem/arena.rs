@@ -636,6 +636,17 @@ impl PeerSpan {
         Some(f(s))
     }
 
+    /// `[at, at+n)` of the span as a shared slice borrowed from it (to
+    /// gather several ranges into one `writev`); `None` when out of bounds.
+    pub fn slice(&self, at: usize, n: usize) -> Option<&[u8]> {
+        let o = self.check(at, n)?;
+        // SAFETY: as in `with`: bounds checked against the live region,
+        // which the borrowed `self` keeps alive (Arc) as long as the slice;
+        // shared access only, and any writer of these bytes is bound by an
+        // unsafe contract to exclude this read.
+        Some(unsafe { std::slice::from_raw_parts(self.region.ptr.add(o), n) })
+    }
+
     /// Run `f` over several ranges `(at, n)` of the span at once, as shared
     /// slices in the order given (e.g. to hash a chain's blocks on several
     /// threads). `None` when any range is out of bounds.

@@ -17,10 +17,13 @@
 //!   a reader thread per connection turns responses into completions with RC
 //!   semantics (selective signaling, in-order retirement, flush on error).
 //!
-//! Payloads never pass through an intermediate buffer: they go from
-//! registered memory into the socket and from the socket into registered
-//! memory ([`crate::mem::PeerSpan::with`] / `with_mut`). The wire format is
-//! in [`wire`].
+//! WRITE payloads go from registered memory into the socket, gathered with
+//! their headers into `writev`s ([`crate::mem::PeerSpan::slice`]; no copy
+//! of ours), and large payloads land from the socket straight in registered
+//! memory (`with_mut`). Small ones (a READ's answer under the buffer's
+//! size, a WRITE under 32 KiB at the target) pass through the connection's
+//! buffer: one system call carries many of them, at the price of one more
+//! copy each. The wire format is in [`wire`].
 //!
 //! Differences from an RC QP worth knowing:
 //! - requests of one channel travel on several connections, so two
@@ -44,3 +47,25 @@ pub use target::{SessionBinding, TcpTarget};
 /// Socket-side buffer of each reader and writer (headers and small payloads
 /// are batched through it; large payloads bypass it).
 const SOCKET_BUF: usize = 256 << 10;
+
+/// At most this many slices per `writev` (Linux's `IOV_MAX`).
+const MAX_IOV: usize = 1024;
+
+/// Write every byte of `slices` in order with `writev`, as many slices per
+/// call as the kernel takes: headers and payloads go from where they are
+/// into the socket, with no copy into a buffer of ours first.
+fn write_gathered(
+    w: &mut impl std::io::Write,
+    mut slices: &mut [std::io::IoSlice<'_>],
+) -> std::io::Result<()> {
+    while !slices.is_empty() {
+        let upto = slices.len().min(MAX_IOV);
+        match w.write_vectored(&slices[..upto]) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => std::io::IoSlice::advance_slices(&mut slices, n),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}

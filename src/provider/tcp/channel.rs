@@ -10,7 +10,7 @@
 //! reported only once the next one had been written out (docs/fanout.md).
 
 use std::collections::{BTreeMap, VecDeque};
-use std::io::{self, BufReader, BufWriter, Read, Write};
+use std::io::{self, BufReader, IoSlice, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use super::domain::{Entry, TcpDomain};
 use super::wire::{Hello, Op, Request, Response, Status, KEY_LEN, MAX_LEN, REQ_LEN, RESP_LEN};
-use super::SOCKET_BUF;
+use super::{write_gathered, SOCKET_BUF};
 use crate::engine::{OpKind, WcStatus, WorkCompletion, WorkRequest};
 use crate::provider::{
     Access, Channel, ChannelCaps, Endpoint, PostFailure, ProviderError, ProviderKind,
@@ -473,13 +473,13 @@ fn stop(shared: &Shared, txs: &[Arc<Tx>], threads: Vec<JoinHandle<()>>) {
     }
 }
 
-/// Connection `c`'s sending thread: the parts queued meanwhile as one
-/// buffered send (one flush however many chains queued), in post order.
+/// Connection `c`'s sending thread: the parts queued meanwhile, headers and
+/// WRITE payloads gathered into `writev`s (no copy of ours, one call per
+/// [`super::MAX_IOV`] slices however many chains queued), in post order.
 /// Their memory is released ([`Shared::sent`]) once their bytes are out of
 /// it; on a write error the first of them is the culprit and the
 /// connection is cut.
-fn sender_loop(sh: &Shared, tx: &Tx, c: usize, stream: TcpStream) {
-    let mut w = BufWriter::with_capacity(SOCKET_BUF, stream);
+fn sender_loop(sh: &Shared, tx: &Tx, c: usize, mut stream: TcpStream) {
     loop {
         let (parts, closing) = {
             let mut q = lock(&tx.queue);
@@ -494,22 +494,25 @@ fn sender_loop(sh: &Shared, tx: &Tx, c: usize, stream: TcpStream) {
             return;
         }
         let res = (|| -> io::Result<()> {
+            // Straight from registered memory into the socket: the
+            // requests are not retired (nor their memory handed back)
+            // before `sent` below.
+            let mut iov = Vec::with_capacity(2 * parts.iter().map(Vec::len).sum::<usize>());
             for i in parts.iter().flatten() {
-                w.write_all(&i.header)?;
+                iov.push(IoSlice::new(&i.header));
                 if let Some((e, off, len)) = &i.payload {
-                    // Straight from registered memory into the socket: the
-                    // request is not retired (nor its memory handed back)
-                    // before `sent` below.
-                    e.span
-                        .with(*off, *len, |b| w.write_all(b))
-                        .unwrap_or_else(|| Err(io::Error::other("local range changed")))?;
+                    let bytes = e
+                        .span
+                        .slice(*off, *len)
+                        .ok_or_else(|| io::Error::other("local range changed"))?;
+                    iov.push(IoSlice::new(bytes));
                 }
             }
-            w.flush()
+            write_gathered(&mut stream, &mut iov)
         })();
         if res.is_err() {
-            // The connection is finished; what is still buffered never goes.
-            let _ = w.get_ref().shutdown(Shutdown::Both);
+            // The connection is finished.
+            let _ = stream.shutdown(Shutdown::Both);
         }
         sh.sent(seqs());
         if let Err(e) = res {
