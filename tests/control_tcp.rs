@@ -117,6 +117,76 @@ fn preserve_keeps_mode_and_mtime_and_plain_copies_do_not() {
 }
 
 #[test]
+fn tree_directories_are_never_wider_than_the_source_and_archive_keeps_them() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let (tmp, root) = e2e::tmp_with_root();
+    let d = Rcpd::start(&root, T, None, &[]);
+    let src = tmp.path().join("src");
+    for (dir, mode) in [("private", 0o700), ("group", 0o750), ("readonly", 0o555)] {
+        std::fs::create_dir_all(src.join(dir)).unwrap();
+        make_file(&src.join(dir).join("f"), 5000, 1);
+        std::fs::set_permissions(src.join(dir), std::fs::Permissions::from_mode(mode)).unwrap();
+    }
+    let t = std::time::UNIX_EPOCH + Duration::from_secs(1_000_000_000);
+    std::fs::File::open(src.join("group"))
+        .unwrap()
+        .set_modified(t)
+        .unwrap();
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().mode() & 0o7777;
+    let back = tmp.path().join("back");
+    std::fs::create_dir(&back).unwrap();
+    let s = src.to_str().unwrap();
+    for (args, made) in [
+        (["push", "-r", s, "127.0.0.1:r"], root.join("r")),
+        (
+            ["pull", "-r", "127.0.0.1:r", back.to_str().unwrap()],
+            back.join("r"),
+        ),
+    ] {
+        let r = rcp(d.port, T, None, &args);
+        assert_eq!(r.code, 0, "{args:?}: {}", r.stderr);
+        for dir in ["private", "group", "readonly"] {
+            let (want, got) = (mode(&src.join(dir)), mode(&made.join(dir)));
+            // Group and others: never more than the source's (what the
+            // umask leaves of them); the owner keeps rwx (the copy wrote
+            // into it).
+            assert_eq!(
+                got & 0o077 & !(want & 0o077),
+                0,
+                "{made:?}/{dir}: {got:o} wider than {want:o}"
+            );
+            assert_eq!(got & 0o700, 0o700, "{made:?}/{dir}: {got:o}");
+        }
+        assert_eq!(mode(&made.join("private")), 0o700, "{made:?}");
+    }
+    // -a: each directory's mode and mtime exactly, after its files went in.
+    let r = rcp(d.port, T, None, &["push", "-a", s, "127.0.0.1:a"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let r = rcp(
+        d.port,
+        T,
+        None,
+        &["pull", "-a", "127.0.0.1:a", back.to_str().unwrap()],
+    );
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    for made in [root.join("a"), back.join("a")] {
+        for dir in ["private", "group", "readonly"] {
+            assert_eq!(
+                mode(&made.join(dir)),
+                mode(&src.join(dir)),
+                "{made:?}/{dir}"
+            );
+            assert_eq!(
+                sha256sum(&made.join(dir).join("f")),
+                sha256sum(&src.join(dir).join("f"))
+            );
+        }
+        let m = std::fs::metadata(made.join("group")).unwrap();
+        assert_eq!(m.mtime(), 1_000_000_000, "{made:?}/group");
+    }
+}
+
+#[test]
 fn doctor_checks_the_remote_rcpd_and_its_token() {
     let (_tmp, root) = e2e::tmp_with_root();
     let d = Rcpd::start(&root, T, Some("tok"), &[]);

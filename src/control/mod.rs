@@ -111,7 +111,7 @@ pub fn place_copy_threads(
 /// (`BufferGrantRequest.standing_ok`, `BufferGrantResponse.standing`,
 /// `BufferNotify`).
 pub const VERSION_MAJOR: u32 = 2;
-pub const VERSION_MINOR: u32 = 7;
+pub const VERSION_MINOR: u32 = 8;
 /// Default gRPC port of rcpd.
 pub const DEFAULT_PORT: u16 = 7471;
 /// Default block size: the one of [`crate::files`].

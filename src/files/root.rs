@@ -136,6 +136,22 @@ impl DirHandle {
     pub fn fd(&self) -> BorrowedFd<'_> {
         self.fd.as_fd()
     }
+    /// Set this directory's mode to exactly `mode` (permission bits) and
+    /// its mtime to `mtime` (`-p`, once nothing more is written into it).
+    pub fn set_attrs(&self, mode: u32, mtime: Timestamp) -> Result<()> {
+        rfs::fchmod(self.fd(), Mode::from_raw_mode(mode & 0o7777))
+            .map_err(|e| io_err("chmod", &self.display, e))?;
+        let ts = rustix::fs::Timespec {
+            tv_sec: mtime.sec,
+            tv_nsec: mtime.nsec.into(),
+        };
+        let times = rfs::Timestamps {
+            last_access: ts,
+            last_modification: ts,
+        };
+        rfs::futimens(self.fd(), &times).map_err(|e| io_err("utimens", &self.display, e))?;
+        Ok(())
+    }
     /// The partials in the directory when this handle (or a clone) first
     /// asked, by `list`; later asks get the same list.
     pub(crate) fn partials_once(&self, list: impl FnOnce() -> Vec<OsString>) -> &[OsString] {
@@ -431,15 +447,30 @@ impl Root {
     /// New directories get mode `0o777 & !umask`. An existing non-directory on the
     /// way fails with [`PathError::NotADirectory`].
     pub fn create_dir_all(&self, rel: &str) -> Result<DirHandle> {
+        self.create_dir_all_mode(rel, 0)
+    }
+
+    /// [`create_dir_all`](Self::create_dir_all), the last directory, when
+    /// it makes it, with a copied directory's permission bits `mode` plus
+    /// the owner's rwx (the copy writes into it), masked by the umask:
+    /// never wider than the source for group and others (rsync's rule
+    /// without `-p`). `mode` 0: `0o777` masked, as the parents it makes.
+    pub fn create_dir_all_mode(&self, rel: &str, mode: u32) -> Result<DirHandle> {
         let r = normalize(rel)?;
+        let last = r.components().len();
         let mut cur = self.open_dir_rel(&RelPath::root())?;
         let mut prefix = RelPath::root();
-        for name in r.components() {
+        for (i, name) in r.components().iter().enumerate() {
             let next = prefix.join(name)?;
+            let mode = if i + 1 == last && mode != 0 {
+                (mode & 0o7777) | 0o700
+            } else {
+                0o777
+            };
             match self.open_dir_rel(&next) {
                 Ok(d) => cur = d,
                 Err(FileError::Path(PathError::NotFound { .. })) => {
-                    match rfs::mkdirat(cur.fd(), name.as_str(), Mode::from_raw_mode(0o777)) {
+                    match rfs::mkdirat(cur.fd(), name.as_str(), Mode::from_raw_mode(mode)) {
                         Ok(()) | Err(Errno::EXIST) => {}
                         Err(e) => return Err(io_err("mkdir", self.display(&next), e)),
                     }
@@ -450,6 +481,14 @@ impl Root {
             prefix = next;
         }
         Ok(cur)
+    }
+
+    /// `-p` after a copy: set directory `rel`'s mode to exactly `mode`
+    /// (permission bits) and its mtime to `mtime`. It must exist and be a
+    /// directory (not a symlink to one).
+    pub fn set_dir_attrs(&self, rel: &str, mode: u32, mtime: Timestamp) -> Result<()> {
+        let r = normalize(rel)?;
+        self.open_dir_rel(&r)?.set_attrs(mode, mtime)
     }
 
     /// Create (or atomically replace) symlink `rel` -> `target`. The target must be

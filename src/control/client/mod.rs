@@ -536,11 +536,32 @@ impl Client {
             .entries)
     }
 
-    /// `mkdir -p` of a remote directory.
-    pub async fn make_dir(&self, path: &str) -> Result<()> {
+    /// `mkdir -p` of a remote directory; the last one, when made, with a
+    /// copied directory's permission bits `mode` (0: rcpd's default; see
+    /// `MakeDirRequest.mode`).
+    pub async fn make_dir(&self, path: &str, mode: u32) -> Result<()> {
         self.rpc
             .clone()
-            .make_dir(proto::MakeDirRequest { path: path.into() })
+            .make_dir(proto::MakeDirRequest {
+                path: path.into(),
+                mode,
+                ..Default::default()
+            })
+            .await?;
+        Ok(())
+    }
+
+    /// `-p` after a copy: remote directory `path` gets exactly `mode` and
+    /// mtime `mtime_ns`.
+    pub async fn set_dir(&self, path: &str, mode: u32, mtime_ns: i64) -> Result<()> {
+        self.rpc
+            .clone()
+            .make_dir(proto::MakeDirRequest {
+                path: path.into(),
+                mode,
+                exact: true,
+                mtime_ns,
+            })
             .await?;
         Ok(())
     }

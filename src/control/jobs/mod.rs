@@ -301,9 +301,10 @@ pub struct Plan {
     pub push: bool,
     /// Push `-r`: the remote directories to make first (empty ones
     /// included), parents before children.
-    pub remote_dirs: Vec<String>,
-    /// Pull `-r`: the local directories to make first.
-    pub local_dirs: Vec<PathBuf>,
+    pub remote_dirs: Vec<tree::PlannedDir>,
+    /// Pull `-r`: the local directories to make first, parents before
+    /// children.
+    pub local_dirs: Vec<tree::PlannedDir<PathBuf>>,
     pub files: Vec<Planned>,
     /// `-r`: links, skipped entries, deletions ([`tree::finish`] after the
     /// files).
@@ -410,13 +411,22 @@ pub async fn plan_push(
         let tree = tree?;
         let (entries, names) = admit_local(&mut plan.tree, job, local, &base, tree);
         // The tree's directories first, empty ones included (scp -r,
-        // rsync -r); files then create whatever parents they still need.
-        plan.remote_dirs.push(base.clone());
+        // rsync -r), each with its source's mode.
+        use std::os::unix::fs::MetadataExt;
+        plan.remote_dirs.push(tree::PlannedDir {
+            path: base.clone(),
+            mode: meta.mode(),
+            mtime_ns: mtime_ns(&meta),
+        });
         for d in entries
             .iter()
             .filter(|e| e.kind == crate::files::EntryKind::Dir)
         {
-            plan.remote_dirs.push(join_remote(&base, &d.rel_path));
+            plan.remote_dirs.push(tree::PlannedDir {
+                path: join_remote(&base, &d.rel_path),
+                mode: d.mode,
+                mtime_ns: super::fsutil::ns_from_ts(d.mtime),
+            });
         }
         if job.delete {
             let dest = tree::remote_entries(client, &base).await?;
@@ -439,8 +449,17 @@ pub async fn plan_push(
             });
         }
     }
+    if job.preserve {
+        plan.tree.preserved_dirs = deepest_first(plan.remote_dirs.clone());
+    }
     skip::prune(client, &mut plan, &job.skip).await?;
     Ok(plan)
+}
+
+/// `-p`: directories in the order they get their modes and mtimes.
+fn deepest_first(mut dirs: Vec<tree::PlannedDir>) -> Vec<tree::PlannedDir> {
+    dirs.sort_by_key(|d| std::cmp::Reverse(tree::depth(&d.path)));
+    dirs
 }
 
 /// Walk `local` (on a blocking thread) while rcpd lists `base`, the tree's
@@ -522,32 +541,48 @@ fn mtime_ns(m: &std::fs::Metadata) -> i64 {
     m.mtime() * 1_000_000_000 + m.mtime_nsec()
 }
 
-/// Make the plan's remote and local directories. A directory with a file
-/// beneath it is made by that file's open (its parents are created): only
-/// the others, empty ones, cost a MakeDir round trip each.
+/// Make the plan's remote and local directories, each new one with its
+/// source's mode (plus the owner's rwx, masked by the umask: never wider
+/// than the source for group and others, rsync's rule), parents first: a
+/// push's one depth at a time, `tree::IN_FLIGHT` calls at once.
 async fn make_dirs(client: &Client, plan: &Plan) -> Result<()> {
-    let mut holds_files = std::collections::HashSet::new();
-    if plan.push && !plan.remote_dirs.is_empty() {
-        for f in plan.files.iter().filter(|f| f.job.spec.create_parents) {
-            let mut p = f.dest.as_str();
-            while let Some(i) = p.rfind('/') {
-                p = &p[..i];
-                if !holds_files.insert(p) {
-                    break;
-                }
+    use futures::TryStreamExt as _;
+    let mut remote: Vec<&tree::PlannedDir> = plan.remote_dirs.iter().collect();
+    remote.sort_by_key(|d| tree::depth(&d.path));
+    for level in remote.chunk_by(|a, b| tree::depth(&a.path) == tree::depth(&b.path)) {
+        let mut made = futures::stream::FuturesUnordered::new();
+        for d in level {
+            if made.len() >= tree::IN_FLIGHT {
+                made.try_next().await?;
             }
+            made.push(client.make_dir(&d.path, d.mode));
         }
-    }
-    for d in &plan.remote_dirs {
-        if !holds_files.contains(d.trim_end_matches('/')) {
-            client.make_dir(d).await?;
-        }
+        while made.try_next().await?.is_some() {}
     }
     for d in &plan.local_dirs {
-        std::fs::create_dir_all(d)
-            .map_err(ControlError::io(format!("creating {}", d.display())))?;
+        make_local_dir(&d.path, d.mode)
+            .map_err(ControlError::io(format!("creating {}", d.path.display())))?;
     }
     Ok(())
+}
+
+/// `mkdir -p path`, the last directory, when made, with `mode`'s
+/// permission bits plus the owner's rwx (masked by the umask).
+fn make_local_dir(path: &Path, mode: u32) -> std::io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    if path.is_dir() {
+        return Ok(());
+    }
+    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent)?;
+    }
+    match std::fs::DirBuilder::new()
+        .mode((mode & 0o7777) | 0o700)
+        .create(path)
+    {
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && path.is_dir() => Ok(()),
+        r => r,
+    }
 }
 
 /// `rcp push [-r] LOCAL... HOST:REMOTE`: planned, then [`run`].
@@ -616,7 +651,11 @@ pub async fn plan_pull(
         } else {
             local.to_path_buf()
         };
-        plan.local_dirs.push(base.clone());
+        plan.local_dirs.push(tree::PlannedDir {
+            path: base.clone(),
+            mode: st.mode,
+            mtime_ns: st.mtime_ns,
+        });
         let mut names = HashSet::new();
         for e in client.list(r, true).await? {
             let rel = safe_rel(&e.path)?;
@@ -628,7 +667,11 @@ pub async fn plan_pull(
                 continue;
             }
             if e.r#type == FileType::Dir as i32 {
-                plan.local_dirs.push(dst);
+                plan.local_dirs.push(tree::PlannedDir {
+                    path: dst,
+                    mode: e.mode,
+                    mtime_ns: e.mtime_ns,
+                });
             } else if e.r#type == FileType::File as i32 {
                 let src = join_remote(r, &rel);
                 let mut f = with_job(FileJob::pull(&src, dst.clone()), job, true);
@@ -648,6 +691,14 @@ pub async fn plan_pull(
                 base.join(r).display().to_string()
             });
         }
+    }
+    if job.preserve {
+        let dirs = plan.local_dirs.iter().map(|d| tree::PlannedDir {
+            path: d.path.display().to_string(),
+            mode: d.mode,
+            mtime_ns: d.mtime_ns,
+        });
+        plan.tree.preserved_dirs = deepest_first(dirs.collect());
     }
     skip::prune(client, &mut plan, &job.skip).await?;
     Ok(plan)

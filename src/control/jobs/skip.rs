@@ -148,7 +148,7 @@ async fn remote_dests(
     let dirs: HashSet<&str> = plan
         .remote_dirs
         .iter()
-        .map(|d| d.trim_end_matches('/'))
+        .map(|d| d.path.trim_end_matches('/'))
         .collect();
     let tops = dirs
         .iter()
@@ -284,10 +284,10 @@ pub async fn prune(client: &Client, plan: &mut Plan, rules: &Rules) -> Result<()
         let listed = std::mem::take(&mut plan.listed);
         let (d, existing) = remote_dests(client, plan, listed).await?;
         plan.remote_dirs
-            .retain(|d| !existing.contains(d.trim_end_matches('/')));
+            .retain(|d| !existing.contains(d.path.trim_end_matches('/')));
         d
     } else {
-        plan.local_dirs.retain(|d| !d.is_dir());
+        plan.local_dirs.retain(|d| !d.path.is_dir());
         plan.files
             .iter()
             .map(|f| local_dest(&f.job.local))

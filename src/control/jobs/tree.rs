@@ -62,12 +62,26 @@ pub struct Deletion {
 #[derive(Clone, Debug, Default)]
 pub struct TreePlan {
     pub links: Vec<LinkPlan>,
+    /// `-p`: every directory of the tree, deepest first, to get its
+    /// source's mode and mtime once the files are in (rsync -a).
+    pub preserved_dirs: Vec<PlannedDir>,
     pub left_out: Vec<Note>,
     /// Source entries `--exclude` left out (a directory counts once, its
     /// contents not at all).
     pub excluded: u64,
     /// Deepest first.
     pub deletes: Vec<Deletion>,
+}
+
+/// A directory of a copied tree at its destination (remote path for a
+/// push, local for a pull), with its source's permission bits and mtime:
+/// the mode it is made with (never wider than the source's for group and
+/// others), and under `-p` what it gets after the copy.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PlannedDir<P = String> {
+    pub path: P,
+    pub mode: u32,
+    pub mtime_ns: i64,
 }
 
 /// What the summary and `--json` count of a tree.
@@ -293,10 +307,11 @@ fn local_remove(d: &Deletion) -> Result<()> {
 }
 
 /// Remote calls of [`finish`] in flight at once.
-const IN_FLIGHT: usize = 16;
+pub(super) const IN_FLIGHT: usize = 16;
 
 /// After the files were copied: make the plan's links, then (`--delete`)
-/// remove what the destination holds and the source does not, calling
+/// remove what the destination holds and the source does not, then (`-p`)
+/// give every directory its source's mode and mtime, deepest first; calling
 /// `deleted` for each (`linked` for each link made). A push's calls go `IN_FLIGHT` at a time; its
 /// removals one depth at a time, so a directory goes only after what it
 /// held.
@@ -325,6 +340,16 @@ pub async fn finish(
                 deleted(d);
             }
         }
+        for level in tree
+            .preserved_dirs
+            .chunk_by(|a, b| depth(&a.path) == depth(&b.path))
+        {
+            futures::stream::iter(level)
+                .map(|d| client.set_dir(&d.path, d.mode, d.mtime_ns))
+                .buffer_unordered(IN_FLIGHT)
+                .try_collect::<()>()
+                .await?;
+        }
     } else {
         for l in &tree.links {
             local_link(Path::new(&l.dest), &l.target)?;
@@ -334,12 +359,17 @@ pub async fn finish(
             local_remove(d)?;
             deleted(d);
         }
+        for d in &tree.preserved_dirs {
+            crate::files::DirHandle::open(&d.path)
+                .and_then(|h| h.set_attrs(d.mode, crate::control::fsutil::ts_from_ns(d.mtime_ns)))
+                .map_err(ControlError::from)?;
+        }
     }
     Ok(tree.counts())
 }
 
 /// How deep a destination path is (its separators).
-fn depth(path: &str) -> usize {
+pub(super) fn depth(path: &str) -> usize {
     path.trim_end_matches('/').matches('/').count()
 }
 

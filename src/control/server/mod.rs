@@ -424,10 +424,22 @@ impl proto::rcp_server::Rcp for RcpService {
         req: Request<proto::MakeDirRequest>,
     ) -> std::result::Result<Response<proto::MakeDirResponse>, Status> {
         self.0.heard(&req);
-        let path = req.into_inner().path;
+        let proto::MakeDirRequest {
+            path,
+            mode,
+            exact,
+            mtime_ns,
+        } = req.into_inner();
         let rel = fsutil::root_rel(&path);
         let root = &self.0.root;
-        in_place(|| root.create_dir_all(&rel)).map_err(|e| match e {
+        in_place(|| {
+            if exact {
+                root.set_dir_attrs(&rel, mode, fsutil::ts_from_ns(mtime_ns))
+            } else {
+                root.create_dir_all_mode(&rel, mode).map(drop)
+            }
+        })
+        .map_err(|e| match e {
             FileError::Path(PathError::NotADirectory { .. }) => {
                 ControlError::Invalid(format!("{path}: a non-directory is in the way"))
             }
