@@ -187,6 +187,48 @@ fn tree_directories_are_never_wider_than_the_source_and_archive_keeps_them() {
 }
 
 #[test]
+fn archive_rerun_brings_a_changed_mode_to_an_unchanged_file() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let (tmp, root) = e2e::tmp_with_root();
+    let d = Rcpd::start(&root, T, None, &[]);
+    let src = tmp.path().join("src");
+    std::fs::create_dir(&src).unwrap();
+    make_file(&src.join("key.pem"), 3000, 5);
+    let chmod = |p: &std::path::Path, m| {
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(m)).unwrap()
+    };
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().mode() & 0o7777;
+    chmod(&src.join("key.pem"), 0o644);
+    let back = tmp.path().join("back");
+    std::fs::create_dir(&back).unwrap();
+    let s = src.to_str().unwrap();
+    let push = ["push", "-a", s, "127.0.0.1:"];
+    let pull = ["pull", "-a", "127.0.0.1:src", back.to_str().unwrap()];
+    for args in [push, pull] {
+        let r = rcp(d.port, T, None, &args);
+        assert_eq!(r.code, 0, "{args:?}: {}", r.stderr);
+    }
+    // Tightened at the source, size and mtime unchanged: the quick check
+    // alone would leave the copies 0644.
+    let (pushed, pulled) = (root.join("src/key.pem"), back.join("src/key.pem"));
+    let mtime = std::fs::metadata(src.join("key.pem"))
+        .unwrap()
+        .modified()
+        .unwrap();
+    chmod(&src.join("key.pem"), 0o600);
+    let r = rcp(d.port, T, None, &push);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(mode(&pushed), 0o600, "push -a: {}", r.stderr);
+    let r = rcp(d.port, T, None, &pull);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(mode(&pulled), 0o600, "pull -a: {}", r.stderr);
+    for p in [&pushed, &pulled] {
+        assert_eq!(std::fs::metadata(p).unwrap().modified().unwrap(), mtime);
+        assert_eq!(sha256sum(p), sha256sum(&src.join("key.pem")));
+    }
+}
+
+#[test]
 fn doctor_checks_the_remote_rcpd_and_its_token() {
     let (_tmp, root) = e2e::tmp_with_root();
     let d = Rcpd::start(&root, T, Some("tok"), &[]);

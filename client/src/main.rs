@@ -424,7 +424,7 @@ struct CopyArgs {
 impl CopyArgs {
     /// Which files already at the destination stay (rsync's rules), and
     /// whether the others move as deltas (`--delta`, `--resume`).
-    fn skip_rules(&self, resume: bool) -> jobs::skip::Rules {
+    fn skip_rules(&self, resume: bool, preserve: bool) -> jobs::skip::Rules {
         use jobs::skip::Compare;
         jobs::skip::Rules {
             compare: if self.checksum {
@@ -438,6 +438,7 @@ impl CopyArgs {
             ignore_existing: self.ignore_existing,
             // A dry run hashes nothing and makes no partial file.
             delta: (self.delta || resume) && !self.dry_run,
+            modes: preserve,
         }
     }
 }
@@ -866,7 +867,7 @@ fn job_of(c: &Cli, copy: &CopyArgs) -> Result<Job, ControlError> {
             .push(*include, p)
             .map_err(|e| ControlError::Usage(e.to_string()))?;
     }
-    let mut skip = copy.skip_rules(c.resume);
+    let mut skip = copy.skip_rules(c.resume, c.preserve || copy.archive);
     let mut fanout = String::new();
     if !copy.fanout.is_empty() {
         if copy.delete || copy.delta || copy.archive {

@@ -156,6 +156,7 @@ fn planned(
         dest: o.path.clone(),
         bytes: o.length,
         mtime_ns: Some(o.mtime_ns),
+        mode: None,
     }
 }
 

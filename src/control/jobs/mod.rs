@@ -291,6 +291,9 @@ pub struct Planned {
     /// The source's modification time when the plan saw it (what the
     /// quick check compares, [`skip`]).
     pub mtime_ns: Option<i64>,
+    /// The source's permission bits when the plan saw them (`-p`: a
+    /// destination with others is not unchanged, [`skip`]).
+    pub mode: Option<u32>,
 }
 
 /// What a push or pull will do, resolved before anything is created on
@@ -389,6 +392,7 @@ pub async fn plan_push(
                 dest,
                 bytes: meta.len(),
                 mtime_ns: Some(mtime_ns(&meta)),
+                mode: Some(std::os::unix::fs::MetadataExt::mode(&meta)),
             });
             continue;
         }
@@ -446,6 +450,7 @@ pub async fn plan_push(
                 dest,
                 bytes: e.len,
                 mtime_ns: Some(super::fsutil::ns_from_ts(e.mtime)),
+                mode: Some(e.mode),
             });
         }
     }
@@ -640,6 +645,7 @@ pub async fn plan_pull(
                 dest: dst.display().to_string(),
                 bytes: st.length,
                 mtime_ns: Some(st.mtime_ns),
+                mode: Some(st.mode),
             });
             continue;
         }
@@ -682,6 +688,7 @@ pub async fn plan_pull(
                     dest: dst.display().to_string(),
                     bytes: e.length,
                     mtime_ns: Some(e.mtime_ns),
+                    mode: Some(e.mode),
                 });
             }
         }

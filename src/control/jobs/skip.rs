@@ -54,21 +54,38 @@ pub struct Rules {
     /// `--delta` (and `--resume`): of a file that moves and exists at the
     /// destination, only the blocks that differ move (`super::delta`).
     pub delta: bool,
+    /// `-p`: a destination file whose permission bits are not the
+    /// source's is not unchanged (it moves, and gets them): rsync -p
+    /// brings a changed mode to a file the quick check would skip.
+    pub modes: bool,
 }
 
 impl Rules {
     /// Whether the rules may leave any file alone (else nothing is looked
     /// up at the destination).
     pub fn active(&self) -> bool {
-        *self != Rules::default()
+        // `modes` alone leaves nothing alone.
+        Rules {
+            modes: false,
+            ..*self
+        } != Rules::default()
     }
 }
 
-/// A regular file's size and modification time.
+/// A regular file's size, modification time and (when known) permission
+/// bits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Meta {
     pub len: u64,
     pub mtime_ns: i64,
+    pub mode: Option<u32>,
+}
+
+impl Meta {
+    /// Both permission bits known and different.
+    fn mode_differs(&self, other: &Meta) -> bool {
+        matches!((self.mode, other.mode), (Some(a), Some(b)) if a & 0o7777 != b & 0o7777)
+    }
 }
 
 /// What stands at a destination name.
@@ -100,9 +117,12 @@ pub fn decide(r: &Rules, src: Meta, dst: Dest) -> Verdict {
     if r.update && d.mtime_ns > src.mtime_ns {
         return Verdict::Skip;
     }
+    if r.modes && d.mode_differs(&src) {
+        return Verdict::Copy;
+    }
     match r.compare {
         Compare::Always => Verdict::Copy,
-        Compare::Quick if d == src => Verdict::Skip,
+        Compare::Quick if (d.len, d.mtime_ns) == (src.len, src.mtime_ns) => Verdict::Skip,
         Compare::Quick => Verdict::Copy,
         Compare::Content if d.len == src.len => Verdict::CompareContent,
         Compare::Content => Verdict::Copy,
@@ -115,6 +135,7 @@ pub fn local_dest(p: &Path) -> Result<Dest> {
         Ok(m) if m.is_file() => Ok(Dest::File(Meta {
             len: m.len(),
             mtime_ns: m.mtime() * 1_000_000_000 + m.mtime_nsec(),
+            mode: Some(m.mode()),
         })),
         Ok(_) => Ok(Dest::Other),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Dest::Missing),
@@ -130,6 +151,7 @@ fn remote_dest(e: &proto::Entry) -> Dest {
         Dest::File(Meta {
             len: e.length,
             mtime_ns: e.mtime_ns,
+            mode: Some(e.mode),
         })
     } else {
         Dest::Other
@@ -234,6 +256,7 @@ fn source_meta(plan: &Plan, i: usize) -> Result<Meta> {
         Some(mtime_ns) => Ok(Meta {
             len: f.bytes,
             mtime_ns,
+            mode: f.mode,
         }),
         None => match local_dest(&f.job.local)? {
             Dest::File(m) => Ok(m),
@@ -241,6 +264,7 @@ fn source_meta(plan: &Plan, i: usize) -> Result<Meta> {
             _ => Ok(Meta {
                 len: f.bytes,
                 mtime_ns: i64::MIN,
+                mode: None,
             }),
         },
     }
@@ -332,10 +356,46 @@ mod tests {
     const SRC: Meta = Meta {
         len: 10,
         mtime_ns: 1_000,
+        mode: Some(0o100644),
     };
 
     fn with(len: u64, mtime_ns: i64) -> Dest {
-        Dest::File(Meta { len, mtime_ns })
+        Dest::File(Meta {
+            len,
+            mtime_ns,
+            mode: Some(0o100644),
+        })
+    }
+
+    #[test]
+    fn under_p_a_changed_mode_moves_an_otherwise_unchanged_file() {
+        let dst = Dest::File(Meta {
+            mode: Some(0o100600),
+            ..SRC
+        });
+        let q = Rules {
+            compare: Compare::Quick,
+            ..Rules::default()
+        };
+        assert_eq!(decide(&q, SRC, dst), Verdict::Skip, "without -p");
+        let p = Rules { modes: true, ..q };
+        assert_eq!(decide(&p, SRC, dst), Verdict::Copy);
+        assert_eq!(decide(&p, SRC, with(10, 1_000)), Verdict::Skip);
+        // A mode not known on one side decides nothing.
+        let unknown = Meta { mode: None, ..SRC };
+        assert_eq!(decide(&p, unknown, dst), Verdict::Skip);
+        // --ignore-existing and -u keep what is there, mode and all.
+        let e = Rules {
+            ignore_existing: true,
+            ..p
+        };
+        assert_eq!(decide(&e, SRC, dst), Verdict::Skip);
+        // -p alone looks nothing up.
+        assert!(!Rules {
+            modes: true,
+            ..Rules::default()
+        }
+        .active());
     }
 
     #[test]
