@@ -284,7 +284,8 @@ pub fn delete_removes_what_the_source_lacks(t: &str, push: bool) {
 
 /// `--exclude`/`--include`: first match wins, `*` within a name, `**`
 /// across `/`, a leading `/` anchored at the tree, a trailing `/` for
-/// directories only; a dry run plans the same.
+/// directories only, a leading `**/` matching at the top as well; a dry
+/// run plans the same.
 pub fn exclude_and_include_follow_rsyncs_rules(t: &str, push: bool) {
     let s = Trees::new(t, push);
     for f in [
@@ -297,6 +298,8 @@ pub fn exclude_and_include_follow_rsyncs_rules(t: &str, push: bool) {
         "sub/build",
         "deep/x/tmp/z",
         "deep/z",
+        "x.txt",
+        "sub/x.txt",
     ] {
         s.file(f, 100 + f.len() as u64);
     }
@@ -309,21 +312,31 @@ pub fn exclude_and_include_follow_rsyncs_rules(t: &str, push: bool) {
         "/build/",
         "--exclude",
         "deep/**/z",
+        // A leading `**/` matches zero directories too: the top `x.txt`.
+        "--exclude",
+        "**/x.txt",
     ];
     let copied = set(&["a.txt", "keep.log", "sub/c.txt", "sub/build", "deep/z"]);
     let dry = s.ok(&[&["-r", "--dry-run", "--json"], &rules[..]].concat());
     let planned: BTreeSet<String> = s.paths(&dry.stdout, "plan").into_iter().collect();
     assert_eq!(planned, copied, "{}", dry.stdout);
-    assert_eq!(summary(&dry.stdout)["excluded"], 4, "{}", dry.stdout);
+    assert_eq!(summary(&dry.stdout)["excluded"], 6, "{}", dry.stdout);
     assert!(!s.dst.exists(), "the dry run made the destination");
 
     let r = s.ok(&[&["-r", "--json"], &rules[..]].concat());
     assert_eq!(summary(&r.stdout)["files"], copied.len(), "{}", r.stdout);
-    assert_eq!(summary(&r.stdout)["excluded"], 4, "{}", r.stdout);
+    assert_eq!(summary(&r.stdout)["excluded"], 6, "{}", r.stdout);
     for f in &copied {
         assert_eq!(sha256sum(&s.dst.join(f)), sha256sum(&s.src.join(f)), "{f}");
     }
-    for f in ["b.log", "sub/d.log", "build", "deep/x/tmp/z"] {
+    for f in [
+        "b.log",
+        "sub/d.log",
+        "build",
+        "deep/x/tmp/z",
+        "x.txt",
+        "sub/x.txt",
+    ] {
         assert!(!s.dst.join(f).exists(), "{f} was copied");
     }
 }

@@ -12,7 +12,9 @@
 //! - a pattern with a `/` inside (or a `**`) is matched against the whole
 //!   path when anchored, else against any trailing run of its components;
 //!   without, against the last component only;
-//! - `dir/***` matches `dir` and everything beneath it.
+//! - `dir/***` matches `dir` and everything beneath it;
+//! - an unanchored leading `**/` matches zero or more directories (`**/x`
+//!   is `x` at the top too); a `/**/` further in matches one or more.
 //!
 //! [`Filter::excludes`] also says an entry is out when a directory above it
 //! is excluded: an excluded directory is not descended into.
@@ -103,6 +105,11 @@ impl Rule {
         }
         if self.anchored {
             return false;
+        }
+        // rsync: a leading `**/` also matches zero directories, so
+        // `**/x` is `x` at the top too (a `/**/` further in still wants one).
+        if pattern.starts_with(b"**/") && glob(&pattern[3..], path) {
+            return true;
         }
         path.iter()
             .enumerate()
@@ -291,6 +298,38 @@ mod tests {
         assert!(x.excludes("foo/x/bar", FILE));
         assert!(x.excludes("foo/x/y/bar", FILE));
         assert!(!x.excludes("foo/bar", FILE));
+    }
+
+    #[test]
+    fn a_leading_double_star_slash_matches_zero_directories_too() {
+        // As rsync 3.x: `**/x.txt` excludes `x.txt` at the top and below.
+        let x = f(&["- **/x.txt"]);
+        assert!(x.excludes("x.txt", FILE));
+        assert!(x.excludes("c/x.txt", FILE));
+        assert!(x.excludes("c/d/x.txt", FILE));
+        assert!(!x.excludes("x.txty", FILE));
+        let x = f(&["- **/b/"]);
+        assert!(x.excludes("b", DIR));
+        assert!(x.excludes("b/f", FILE), "beneath it");
+        assert!(!x.excludes("b", FILE));
+        let x = f(&["- **/d/***"]);
+        assert!(x.excludes("d", DIR));
+        assert!(x.excludes("d/f", FILE));
+        // Anchored, `/**/x.txt` still wants a directory (as rsync).
+        let x = f(&["- /**/x.txt"]);
+        assert!(!x.excludes("x.txt", FILE));
+        assert!(x.excludes("c/x.txt", FILE));
+        // A `/**/` inside matches one or more directories, not zero: rsync
+        // leaves `a/b` and excludes `a/x/b`, `a/x/y/b` and `z/a/q/b`.
+        let x = f(&["- a/**/b"]);
+        assert!(!x.excludes("a/b", DIR));
+        assert!(x.excludes("a/x/b", DIR));
+        assert!(x.excludes("a/x/y/b", DIR));
+        assert!(x.excludes("z/a/q/b", FILE));
+        assert!(!x.excludes("z/a/b", FILE));
+        let x = f(&["- c/**/x.txt"]);
+        assert!(!x.excludes("c/x.txt", FILE));
+        assert!(x.excludes("c/d/x.txt", FILE));
     }
 
     #[test]
