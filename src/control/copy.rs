@@ -140,14 +140,10 @@ fn confined_local(svc: &Service, local_path: &str) -> Result<PathBuf, Status> {
     let rel = fsutil::root_rel(local_path);
     let rp = crate::files::normalize(&rel).map_err(ControlError::from)?;
     let local = svc.root().path().join(rp.to_path());
-    if let Some(parent) = rp.to_path().parent() {
-        let p = parent.to_string_lossy();
-        let p = if p.is_empty() {
-            ".".to_string()
-        } else {
-            p.into_owned()
-        };
-        svc.root().open_dir(&p).map_err(ControlError::from)?;
+    if let Some(parent) = fsutil::parent_dir(&rp.to_path()) {
+        svc.root()
+            .open_dir(&parent.to_string_lossy())
+            .map_err(ControlError::from)?;
     }
     match svc.root().stat(&rel) {
         Ok(_) | Err(crate::files::FileError::Path(crate::files::PathError::NotFound { .. })) => {}

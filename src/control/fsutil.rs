@@ -1,6 +1,8 @@
 //! Glue between the control plane and [`crate::files`]: remote path
 //! strings, error mapping, timestamps, source identities, exact reads.
 
+use std::path::Path;
+
 use crate::files::{self, FileError, PathError, SourceFile, SourceId, Timestamp};
 
 use super::error::ControlError;
@@ -14,6 +16,16 @@ pub fn root_rel(p: &str) -> String {
         ".".into()
     } else {
         t.into()
+    }
+}
+
+/// The directory that holds the local path `p`: its parent, and `.` for a
+/// bare name (whose [`Path::parent`] is empty); `None` for `/` or an empty
+/// path, which no directory holds.
+pub fn parent_dir(p: &Path) -> Option<&Path> {
+    match p.parent() {
+        Some(d) if d.as_os_str().is_empty() => Some(Path::new(".")),
+        d => d,
     }
 }
 
@@ -105,4 +117,19 @@ pub fn read_exact(src: &SourceFile, offset: u64, buf: &mut [u8]) -> std::io::Res
         ));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bare_names_directory_is_dot() {
+        assert_eq!(parent_dir(Path::new("ldr")), Some(Path::new(".")));
+        assert_eq!(parent_dir(Path::new("./ldr")), Some(Path::new(".")));
+        assert_eq!(parent_dir(Path::new("a/b")), Some(Path::new("a")));
+        assert_eq!(parent_dir(Path::new("/x")), Some(Path::new("/")));
+        assert_eq!(parent_dir(Path::new("/")), None);
+        assert_eq!(parent_dir(Path::new("")), None);
+    }
 }

@@ -1282,6 +1282,12 @@ macro_rules! e2e_tests {
 
         #[test]
         $(#[$attr])*
+        fn pull_delta_to_a_bare_local_name() {
+            $crate::common::e2e_sync::pull_delta_to_a_bare_local_name($t);
+        }
+
+        #[test]
+        $(#[$attr])*
         fn push_archive_keeps_links_and_says_what_it_leaves_out() {
             $crate::common::e2e_tree::archive_keeps_links_and_says_what_it_leaves_out($t, true);
         }

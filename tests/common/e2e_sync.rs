@@ -326,3 +326,51 @@ pub fn delta_moves_only_the_changed_block(t: &str, push: bool) {
         assert!(!n.starts_with('.'), "left behind: {n}");
     }
 }
+
+/// `pull --delta` and `pull --resume` to a bare local name (`./f` an
+/// existing file, no directory written): the directory is the current
+/// one, as a plain pull takes it; the copy matches the source.
+pub fn pull_delta_to_a_bare_local_name(t: &str) {
+    const BS: u64 = 64 << 10;
+    let (tmp, root) = tmp_with_root();
+    let d = Rcpd::start(&root, t, None, &[]);
+    let cwd = tmp.path().join("local");
+    std::fs::create_dir(&cwd).unwrap();
+    let (src, dst) = (root.join("f"), cwd.join("ldr"));
+    let len = 8 * BS + 100;
+    make_file(&src, len, 7);
+    let run = |args: &[&str]| {
+        let mut a = vec!["pull", "--json", "--block-size", "64K"];
+        a.extend_from_slice(args);
+        let from = remote("f");
+        a.extend([from.as_str(), "ldr"]);
+        let out = rcp_cmd(d.port, t, None, &a)
+            .current_dir(&cwd)
+            .output()
+            .unwrap();
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+        );
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{a:?}: {stdout}{stderr}\n{}",
+            d.log()
+        );
+        summary(&stdout)
+    };
+    let r = run(&[]);
+    assert_eq!(r["moved"], len, "{r}");
+    let mut b = std::fs::read(&src).unwrap();
+    for x in &mut b[(3 * BS + 10) as usize..(3 * BS + 20) as usize] {
+        *x = !*x;
+    }
+    std::fs::write(&src, &b).unwrap();
+    let r = run(&["--delta"]);
+    assert_eq!(r["moved"], BS, "one block moves: {r}");
+    assert_eq!(sha256sum(&dst), sha256sum(&src));
+    let r = run(&["--resume"]);
+    assert_eq!(r["moved"], 0, "{r}");
+    assert_eq!(sha256sum(&dst), sha256sum(&src));
+}

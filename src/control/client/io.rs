@@ -196,10 +196,7 @@ pub(super) fn local_dir(
     local: &Path,
     create_parents: bool,
 ) -> Result<(DirHandle, OsString), Failure> {
-    let parent = local
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
+    let parent = fsutil::parent_dir(local).unwrap_or(Path::new("."));
     let name = || {
         local.file_name().map(OsStr::to_os_string).ok_or_else(|| {
             Failure::new(

@@ -154,7 +154,7 @@ async fn seed_pull(
     };
     let local = local.to_path_buf();
     tokio::task::spawn_blocking(move || -> Result<bool> {
-        let (Some(parent), Some(name)) = (local.parent(), local.file_name()) else {
+        let (Some(parent), Some(name)) = (fsutil::parent_dir(&local), local.file_name()) else {
             return Ok(false);
         };
         let dir = DirHandle::open(parent)?;
