@@ -1300,6 +1300,18 @@ macro_rules! e2e_tests {
 
         #[test]
         $(#[$attr])*
+        fn push_a_file_over_a_directory_in_the_tree_is_refused() {
+            $crate::common::e2e_tree::a_file_over_a_directory_in_the_tree_is_refused($t, true);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn pull_a_file_over_a_directory_in_the_tree_is_refused() {
+            $crate::common::e2e_tree::a_file_over_a_directory_in_the_tree_is_refused($t, false);
+        }
+
+        #[test]
+        $(#[$attr])*
         fn push_delete_removes_what_the_source_lacks() {
             $crate::common::e2e_tree::delete_removes_what_the_source_lacks($t, true);
         }

@@ -340,3 +340,30 @@ pub fn exclude_and_include_follow_rsyncs_rules(t: &str, push: bool) {
         assert!(!s.dst.join(f).exists(), "{f} was copied");
     }
 }
+
+/// `-r` into a destination tree where a source FILE's name is an existing
+/// DIRECTORY: refused for that file (exit 2, the path beneath the root
+/// named), the directory and what it holds untouched, never written into
+/// (scp's "inside an existing directory" is the top-level destination's
+/// rule only). Push and pull alike.
+pub fn a_file_over_a_directory_in_the_tree_is_refused(t: &str, push: bool) {
+    let s = Trees::new(t, push);
+    s.file("f1", 1000);
+    s.file("sub/g", 2000);
+    std::fs::create_dir_all(s.dst.join("f1")).unwrap();
+    std::fs::write(s.dst.join("f1/keep"), b"keep").unwrap();
+    let r = s.run(&["-r"]);
+    assert_eq!(r.code, 2, "{}{}\n{}", r.stdout, r.stderr, s.d.log());
+    let line = r
+        .stderr
+        .lines()
+        .find(|l| l.contains("is a directory, refusing to replace it with a file"))
+        .unwrap_or_else(|| panic!("no refusal: {}", r.stderr));
+    assert!(line.contains("tree/f1"), "{line}");
+    assert!(
+        !s.dst.join("f1/f1").exists(),
+        "written inside the directory"
+    );
+    assert!(s.dst.join("f1").is_dir());
+    assert_eq!(std::fs::read(s.dst.join("f1/keep")).unwrap(), b"keep");
+}

@@ -197,7 +197,8 @@ impl StreamIo {
     }
 
     /// Where a push lands: the directory and the final name, scp-style (an
-    /// existing directory means "inside it"), and what is at the final name
+    /// existing directory means "inside it", except for a file of a tree,
+    /// `create_parents`, which is refused there), and what is at the final name
     /// when it was looked at here (`Some(None)`: nothing), so that the
     /// destination does not look again.
     fn push_target(&self, open: &proto::OpenFile) -> Result<PushTarget, ControlError> {
@@ -216,6 +217,12 @@ impl StreamIo {
             }
         }
         match root.stat(&rel) {
+            // A file of a tree (its parents made as needed) names its own
+            // destination: "an existing directory means inside it" is the
+            // top-level destination's rule only, never an entry's.
+            Ok(m) if m.kind == FileKind::Dir && open.create_parents => {
+                Err(FileError::IsADirectory { path: rel.into() }.into())
+            }
             Ok(m) if m.kind == FileKind::Dir => {
                 let d = self.dir(&rel, false)?;
                 let name = open.name.clone();
