@@ -106,7 +106,7 @@ pub use path::{normalize, symlink_target_within, RelPath};
 pub use publish::publish;
 pub use reader::{IoMode, KnownBlocks, ReadStats, SourceFile, DIRECT_ALIGN, DIRECT_READ_FROM};
 pub use root::{DirHandle, FileKind, FileMeta, ListEntry, Resolver, Root, Timestamp};
-pub use tree::{resolve_destination, walk, Entry, EntryKind, Skipped, Tree};
+pub use tree::{resolve_destination, shown_bytes, walk, Entry, EntryKind, Skipped, Tree, NOT_UTF8};
 pub use write_behind::WriteBehind;
 
 /// The prefix of every temporary object next to `name`: `.rcp-<name, at most 200 bytes>.`

@@ -58,6 +58,23 @@ pub struct Skipped {
     pub reason: &'static str,
 }
 
+/// Why [`walk`] leaves out an entry whose name is not valid UTF-8 (and
+/// does not descend into it).
+pub const NOT_UTF8: &str = "name is not valid UTF-8 (rcp carries names as UTF-8)";
+
+/// `p` for a message: valid UTF-8 as it is, each byte of an invalid
+/// sequence as `\xNN` (so a name that is not UTF-8 is named exactly).
+pub fn shown_bytes(p: &Path) -> String {
+    let mut out = String::new();
+    for c in p.as_os_str().as_bytes().utf8_chunks() {
+        out.push_str(c.valid());
+        for b in c.invalid() {
+            out.push_str(&format!("\\x{b:02X}"));
+        }
+    }
+    out
+}
+
 /// Result of a walk.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Tree {
@@ -132,6 +149,12 @@ fn walk_dir(
                 reason,
             });
         };
+        // rcp carries names as UTF-8: one that is not cannot be copied as
+        // itself (nor what is beneath it), and is never renamed.
+        if e.name.to_str().is_none() {
+            skip(out, NOT_UTF8);
+            continue;
+        }
         match m.kind {
             FileKind::File => out.entries.push(entry),
             FileKind::Other => skip(out, "not a regular file, directory or symlink"),

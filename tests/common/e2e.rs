@@ -1312,6 +1312,18 @@ macro_rules! e2e_tests {
 
         #[test]
         $(#[$attr])*
+        fn push_names_not_utf8_are_left_out_and_never_deleted() {
+            $crate::common::e2e_tree::names_not_utf8_are_left_out_and_never_deleted($t, true);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn pull_names_not_utf8_are_left_out_and_never_deleted() {
+            $crate::common::e2e_tree::names_not_utf8_are_left_out_and_never_deleted($t, false);
+        }
+
+        #[test]
+        $(#[$attr])*
         fn push_delete_removes_what_the_source_lacks() {
             $crate::common::e2e_tree::delete_removes_what_the_source_lacks($t, true);
         }

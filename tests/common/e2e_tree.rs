@@ -367,3 +367,67 @@ pub fn a_file_over_a_directory_in_the_tree_is_refused(t: &str, push: bool) {
     assert!(s.dst.join("f1").is_dir());
     assert_eq!(std::fs::read(s.dst.join("f1/keep")).unwrap(), b"keep");
 }
+
+/// A source entry whose name is not valid UTF-8 (a file, a directory) is
+/// left out, named escaped and counted; the other files copy. `--delete`
+/// removes neither a destination entry whose name is not UTF-8 nor one
+/// named as the lossy form of a left-out source (what an older rcp made
+/// of it), and says so: every rerun keeps them.
+pub fn names_not_utf8_are_left_out_and_never_deleted(t: &str, push: bool) {
+    use std::ffi::OsStr;
+    use std::os::unix::ffi::OsStrExt;
+    let s = Trees::new(t, push);
+    s.file("good", 1000);
+    let bad = OsStr::from_bytes(b"bad\xff\xfeutf");
+    make_file(&s.src.join(bad), 500, 3);
+    let bad_dir = OsStr::from_bytes(b"dir\xff");
+    std::fs::create_dir(s.src.join(bad_dir)).unwrap();
+    make_file(&s.src.join(bad_dir).join("inner"), 300, 4);
+    let lossy = "bad\u{FFFD}\u{FFFD}utf";
+
+    let r = s.ok(&["-r", "--json"]);
+    assert_eq!(summary(&r.stdout)["left_out"], 2, "{}", r.stdout);
+    assert_eq!(summary(&r.stdout)["files"], 1, "{}", r.stdout);
+    assert_eq!(
+        sha256sum(&s.dst.join("good")),
+        sha256sum(&s.src.join("good"))
+    );
+    let r = s.ok(&["-r"]);
+    // Named escaped (a quoted path's backslashes doubled).
+    let said = r.stderr.replace(r"\\", r"\");
+    assert!(
+        said.contains(r"bad\xFF\xFEutf") && said.contains(r"dir\xFF"),
+        "not named: {}",
+        r.stderr
+    );
+    let made: Vec<_> = std::fs::read_dir(&s.dst)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(made, vec![std::ffi::OsString::from("good")], "{made:?}");
+
+    // The destination's own entry by that name, and the lossy one.
+    std::fs::write(s.dst.join(bad), b"its own").unwrap();
+    std::fs::write(s.dst.join(lossy), b"old").unwrap();
+    std::fs::write(s.dst.join("extra"), b"x").unwrap();
+    for run in 0..3 {
+        let r = s.ok(&["-a", "--delete"]);
+        assert!(
+            r.stderr.contains("--delete: keeping"),
+            "run {run}: {}",
+            r.stderr
+        );
+        assert_eq!(
+            std::fs::read(s.dst.join(bad)).unwrap(),
+            b"its own",
+            "run {run}"
+        );
+        assert_eq!(
+            std::fs::read(s.dst.join(lossy)).unwrap(),
+            b"old",
+            "run {run}"
+        );
+        assert!(!s.dst.join("extra").exists(), "run {run}: extra kept");
+        assert!(s.src.join(bad).exists() && s.src.join(bad_dir).join("inner").exists());
+    }
+}

@@ -516,11 +516,13 @@ fn admit_local(
     for s in &walked.skipped {
         // A link the walk refused (absolute, escaping) or a FIFO, socket,
         // device: its reason.
+        // A name that is not UTF-8: named exactly (escaped), whatever it is.
+        let bad = s.rel_path.to_str().is_none();
         let kind = tree::Kind::Skipped {
-            link: s.kind == crate::files::FileKind::Symlink,
+            link: s.kind == crate::files::FileKind::Symlink && !bad,
             why: s.reason,
         };
-        let shown = local.join(&s.rel_path).display().to_string();
+        let shown = crate::files::shown_bytes(&local.join(&s.rel_path));
         let dest = join_remote(base, &s.rel_path);
         t.admit(job, &s.rel_path, kind, shown, dest, &mut names);
     }

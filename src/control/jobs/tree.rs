@@ -175,14 +175,20 @@ impl TreePlan {
         names: &HashSet<PathBuf>,
         join: impl Fn(&Path) -> String,
     ) {
-        self.deletes.extend(
-            extras(filter, dest, names)
-                .into_iter()
-                .map(|(rel, dir)| Deletion {
-                    path: join(&rel),
-                    dir,
-                }),
-        );
+        let (extras, kept) = extras(filter, dest, names);
+        for rel in kept {
+            tracing::warn!(
+                "--delete: keeping {} in {}: its name is not valid UTF-8 (or stands \
+                 for one that is not), so no source entry can be told to match it",
+                crate::files::shown_bytes(&rel),
+                join(Path::new(""))
+            );
+        }
+        self.deletes
+            .extend(extras.into_iter().map(|(rel, dir)| Deletion {
+                path: join(&rel),
+                dir,
+            }));
     }
 }
 
@@ -193,21 +199,38 @@ fn ancestor_excluded(filter: &Filter, rel: &Path) -> bool {
         .any(|a| filter.excludes(&a.to_string_lossy(), true))
 }
 
-/// The pure part of [`TreePlan::delete_extras`]: deepest first.
+/// Whether a destination entry's name is not valid UTF-8, or (a remote
+/// listing's lossy form of one) holds U+FFFD: no source name can be told
+/// to match it, so `--delete` keeps it.
+fn bad_name(rel: &Path) -> bool {
+    rel.to_str().is_none_or(|s| s.contains('\u{FFFD}'))
+}
+
+/// The pure part of [`TreePlan::delete_extras`]: the extras, deepest
+/// first, and the entries kept because of their names ([`bad_name`]).
 fn extras(
     filter: &Filter,
     dest: &[(PathBuf, bool)],
     names: &HashSet<PathBuf>,
-) -> Vec<(PathBuf, bool)> {
+) -> (Vec<(PathBuf, bool)>, Vec<PathBuf>) {
     let mut protected: HashSet<&Path> = HashSet::new();
+    let mut kept = Vec::new();
     for (rel, dir) in dest {
         if filter.excludes(&rel.to_string_lossy(), *dir) {
             protected.extend(rel.ancestors());
+        } else if bad_name(rel) {
+            // Itself and the directories holding it.
+            protected.extend(rel.ancestors());
+            kept.push(rel.clone());
         }
     }
     let mut out: Vec<(PathBuf, bool)> = dest
         .iter()
-        .filter(|(rel, _)| !names.contains(rel) && !protected.contains(rel.as_path()))
+        .filter(|(rel, _)| {
+            !names.contains(rel)
+                && !protected.contains(rel.as_path())
+                && !rel.ancestors().any(bad_name)
+        })
         .cloned()
         .collect();
     // Contents before their directory.
@@ -217,7 +240,7 @@ fn extras(
             .cmp(&a.0.components().count())
             .then_with(|| a.0.cmp(&b.0))
     });
-    out
+    (out, kept)
 }
 
 /// A remote destination tree's entries (`--delete`): relative paths and
@@ -253,7 +276,8 @@ pub(super) async fn remote_entries(client: &Client, base: &str) -> Result<Vec<(P
         for (dir, entries) in listed {
             for e in entries {
                 let rel = dir.join(super::safe_rel(&e.path)?);
-                if is_dir(&e) {
+                // A lossy name names nothing there to list.
+                if is_dir(&e) && !bad_name(&rel) {
                     level.push(rel.clone());
                 }
                 out.push((rel, is_dir(&e)));
@@ -396,8 +420,36 @@ mod tests {
         ];
         let names: HashSet<PathBuf> = [p("a"), p("same")].into_iter().collect();
         assert_eq!(
-            extras(&f, &dest, &names),
+            extras(&f, &dest, &names).0,
             vec![(p("a/old"), false), (p("gone/x"), false), (p("gone"), true)]
+        );
+    }
+
+    #[test]
+    fn delete_keeps_names_that_are_not_utf8_and_their_directories() {
+        use std::ffi::OsStr;
+        use std::os::unix::ffi::OsStrExt;
+        let raw = PathBuf::from(OsStr::from_bytes(b"d/bad\xff\xfeutf"));
+        let dest = vec![
+            (p("d"), true),
+            (raw.clone(), false),
+            // A remote listing's lossy form of such a name, and what an
+            // older rcp made of one: no source name can match either.
+            (p("bad\u{FFFD}\u{FFFD}utf"), false),
+            (p("lossy\u{FFFD}"), true),
+            (p("lossy\u{FFFD}/in"), false),
+            (p("extra"), false),
+        ];
+        let (out, kept) = extras(&Filter::default(), &dest, &HashSet::new());
+        assert_eq!(out, vec![(p("extra"), false)]);
+        assert_eq!(
+            kept,
+            vec![
+                raw,
+                p("bad\u{FFFD}\u{FFFD}utf"),
+                p("lossy\u{FFFD}"),
+                p("lossy\u{FFFD}/in")
+            ]
         );
     }
 

@@ -390,25 +390,39 @@ impl proto::rcp_server::Rcp for RcpService {
                 // What the walk left out, said to the client (which warns
                 // and counts it): never dropped silently.
                 for s in t.skipped {
+                    let bad = s.rel_path.to_str().is_none();
                     let mut x = entry(
                         s.rel_path.to_string_lossy().into_owned(),
-                        s.kind,
+                        if bad { FileKind::Other } else { s.kind },
                         0,
                         0,
                         files::Timestamp::default(),
                     );
-                    x.left_out = s.reason.to_string();
+                    x.left_out = match bad {
+                        true => {
+                            format!("{} ({})", files::NOT_UTF8, files::shown_bytes(&s.rel_path))
+                        }
+                        false => s.reason.to_string(),
+                    };
                     out.push(x);
                 }
             } else {
                 for e in root.list(&rel)? {
-                    out.push(entry(
+                    // A name that is not UTF-8 goes as its lossy form, left
+                    // out (as the walk says it), never as a directory to
+                    // list: that form names nothing here.
+                    let bad = e.name.to_str().is_none();
+                    let mut x = entry(
                         e.name.to_string_lossy().into_owned(),
-                        e.meta.kind,
+                        if bad { FileKind::Other } else { e.meta.kind },
                         e.meta.len,
                         e.meta.mode,
                         e.meta.mtime,
-                    ));
+                    );
+                    if bad {
+                        x.left_out = files::NOT_UTF8.to_string();
+                    }
+                    out.push(x);
                 }
             }
             Ok(out)
