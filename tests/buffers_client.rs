@@ -1834,3 +1834,74 @@ async fn a_standing_grant_is_told_by_notices_and_dies_with_its_session() {
     drop(owner);
     d.stop().await;
 }
+
+/// Releasing a buffer withdraws its exposures as `unexpose` does: the
+/// standing grants peers hold on them are revoked, so a write after the
+/// release fails `not_found` and touches nothing, and once another service
+/// exposes the name the writes land there, not in the released buffer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn releasing_a_buffer_revokes_its_standing_grants() {
+    const LEN: u64 = 4096;
+    let dir = tempfile::tempdir().unwrap();
+    let (d, sock) = start_rcpd(dir.path()).await;
+    let addr = d.addr.clone();
+    let owner = ServiceClient::connect(Some(&sock), None).await.unwrap();
+    let dst = owner.create_buffer(4 * LEN).await.unwrap();
+    owner
+        .expose_standing(&dst, "rel", 0, 4 * LEN, "write", &[])
+        .await
+        .unwrap();
+    let (writer, src, data) = quiet_writer(&sock, 4 * LEN).await;
+    // Under the standing grant: it lands.
+    let h = writer
+        .write(&src, &addr, "rel", &[(0, 0, LEN)], None)
+        .await
+        .unwrap();
+    assert_eq!(ended(&writer, h).await.unwrap(), LEN);
+    let mut got = vec![0u8; LEN as usize];
+    assert!(dst.local.read_at(0, &mut got));
+    assert!(got[..] == data[..LEN as usize]);
+    assert_eq!(next_event(&owner).await["event"], "written");
+
+    owner
+        .request("release", serde_json::json!({ "buffer": dst.id }), &[])
+        .await
+        .unwrap();
+    assert!(src.local.write_at(0, &vec![0xee; LEN as usize]));
+    let h = writer
+        .write(&src, &addr, "rel", &[(0, 0, LEN)], None)
+        .await
+        .unwrap();
+    let e = ended(&writer, h).await.unwrap_err();
+    assert_eq!(ServiceReason::of(e.reason).name(), "not_found", "{e}");
+    assert!(dst.local.read_at(0, &mut got));
+    assert!(
+        got[..] == data[..LEN as usize],
+        "the released buffer is untouched"
+    );
+
+    // Another service exposes the name: the writes land in its buffer.
+    let owner2 = ServiceClient::connect(Some(&sock), None).await.unwrap();
+    let dst2 = owner2.create_buffer(4 * LEN).await.unwrap();
+    owner2
+        .expose(&dst2, "rel", 0, 4 * LEN, "write", &[])
+        .await
+        .unwrap();
+    let h = writer
+        .write(&src, &addr, "rel", &[(0, 0, LEN)], None)
+        .await
+        .unwrap();
+    assert_eq!(ended(&writer, h).await.unwrap(), LEN);
+    assert!(dst2.local.read_at(0, &mut got));
+    assert!(
+        got.iter().all(|&b| b == 0xee),
+        "it landed in the new exposure"
+    );
+    assert!(dst.local.read_at(0, &mut got));
+    assert!(
+        got[..] == data[..LEN as usize],
+        "the released buffer is untouched"
+    );
+    drop((owner, owner2, writer));
+    d.stop().await;
+}

@@ -408,12 +408,27 @@ impl Conn {
 
     async fn release(&self, id: u64) -> Result<Reply, Failure> {
         let (id, buffer, uid) = self.buffer(id)?;
-        self.bufs
-            .exposures
-            .lock()
-            .unwrap()
-            .retain(|_, e| !(e.owner == self.id && e.buffer.addr() == buffer.addr()));
+        // Its exposures withdrawn as `unexpose` withdraws one: what peers
+        // hold of them (standing grants) revoked, so that no write lands
+        // in the buffer once it is released.
+        let gone: Vec<(String, Arc<Exposure>)> = {
+            let mut ex = self.bufs.exposures.lock().unwrap();
+            let names: Vec<String> = ex
+                .iter()
+                .filter(|(_, e)| e.owner == self.id && e.buffer.addr() == buffer.addr())
+                .map(|(n, _)| n.clone())
+                .collect();
+            names
+                .into_iter()
+                .filter_map(|n| ex.remove(&n).map(|e| (n, e)))
+                .collect()
+        };
         drop(buffer);
+        for (name, e) in &gone {
+            let n = self.bufs.grants.revoke_standing(e);
+            tracing::info!(conn = self.id, buffer = id, name = %crate::escape::esc(name), standing_revoked = n, "buffer withdrawn: released");
+        }
+        drop(gone);
         let ops = self.cancel_ops(|o| o.buffer == id);
         retired(ops).await;
         self.buffers.lock().unwrap().remove(&id);
