@@ -1905,3 +1905,62 @@ async fn releasing_a_buffer_revokes_its_standing_grants() {
     drop((owner, owner2, writer));
     d.stop().await;
 }
+
+/// Under a standing grant with check `none`, a write and a read are done,
+/// the write's bytes land and the owner hears of each (the writer's
+/// notice and the exposer agree on how many digests it carries: none).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standing_grants_serve_operations_under_check_none() {
+    const LEN: u64 = 4096;
+    let dir = tempfile::tempdir().unwrap();
+    let (mut cfg, sock) = dir_config(dir.path());
+    cfg.checks = vec![rcp::files::Check::Sha256, rcp::files::Check::None];
+    let d = Daemon::start(cfg).await;
+    let addr = d.addr.clone();
+    let owner = ServiceClient::connect(Some(&sock), None).await.unwrap();
+    let dst = owner.create_buffer(4 * LEN).await.unwrap();
+    owner
+        .expose_standing(&dst, "nochk", 0, 4 * LEN, "rw", &[])
+        .await
+        .unwrap();
+    let (writer, src, data) = quiet_writer(&sock, 4 * LEN).await;
+    let none = |i: u64, local: u64| OpRequest {
+        check: Some("none".into()),
+        message: format!("op {i}"),
+        descs: vec![Desc {
+            local,
+            remote: i * LEN,
+            len: LEN,
+        }],
+        ..page_op(src.id, &addr, "nochk", i, LEN)
+    };
+    // Two ranges in one write too: one (empty) digest per range or none.
+    let mut two = none(0, 0);
+    two.descs.push(Desc {
+        local: LEN,
+        remote: LEN,
+        len: LEN,
+    });
+    for (write, op) in [
+        (true, two),
+        (true, none(2, 2 * LEN)),
+        (false, none(0, 3 * LEN)),
+    ] {
+        let hs = writer.start_many(write, vec![op]).await.unwrap();
+        let st = writer.wait_all(hs).await.unwrap();
+        assert!(st.iter().all(|s| s.state == OpStateName::Done), "{st:?}");
+        let ev = next_event(&owner).await;
+        let want = if write { "written" } else { "read" };
+        assert_eq!(ev["event"], want, "{ev}");
+        assert_eq!(ev["check"], "none", "{ev}");
+        assert!(ev.get("error").is_none_or(|e| e.is_null()), "{ev}");
+    }
+    let mut got = vec![0u8; (3 * LEN) as usize];
+    assert!(dst.local.read_at(0, &mut got));
+    assert!(got[..] == data[..(3 * LEN) as usize], "the writes landed");
+    let mut back = vec![0u8; LEN as usize];
+    assert!(src.local.read_at(3 * LEN, &mut back));
+    assert!(back[..] == data[..LEN as usize], "the read landed");
+    drop((owner, writer));
+    d.stop().await;
+}

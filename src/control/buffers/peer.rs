@@ -395,10 +395,14 @@ async fn standing(
 ) -> Result<Moved, Attempt> {
     let place = placing(op, &sg)?;
     let check = link.check;
-    let mut digests = if op.write {
+    // Under check none a notice carries no digests (the exposer expects
+    // none: `standing::check_notice`).
+    let mut digests = if check.is_none() {
+        Vec::new()
+    } else if op.write {
         digests(check, &local)
     } else {
-        vec![Vec::new(); if check.is_none() { 0 } else { local.len() }]
+        vec![Vec::new(); local.len()]
     };
     let mut core = StandingCore::new(op.descs.len() as u32, link.max_retries);
     let g = GrantedOp {
@@ -475,12 +479,33 @@ async fn standing(
                     why: revoked(op, &e.message),
                 });
             }
-            Err(e) => {
-                let m = format!("peer {}: {}", op.peer, e.message);
-                return Err(Failure::new(e.reason, m).into());
-            }
+            Err(e) => return Err(notice_refused(op, e).into()),
         };
     }
+}
+
+/// The failure of an operation under a standing grant whose notice the
+/// peer refused (`e`) or answered against the protocol: its ranges had
+/// moved by then (a write's bytes may be in the peer's buffer, its owner
+/// not told), which the message says, as nothing is undone.
+fn notice_refused(op: &OpSpec, e: Failure) -> Failure {
+    let moved = if op.write {
+        format!(
+            "the operation's bytes were written into {:?} (they may be in the peer's buffer) \
+             but its notice failed, so the exposure's owner was not told",
+            op.name
+        )
+    } else {
+        format!(
+            "the operation's ranges were read from {:?} (they may be in this buffer) but its \
+             notice failed",
+            op.name
+        )
+    };
+    Failure::new(
+        e.reason,
+        format!("peer {}: {moved}: {}", op.peer, e.message),
+    )
 }
 
 /// A small write's round moved with its notice on one of the session's
@@ -862,5 +887,21 @@ mod tests {
         drop(w1);
         let e = lease_local(&op(&b, true, vec![(2 << 20, 0, 4096)])).unwrap_err();
         assert_eq!(e.reason, Reason::Invalid, "{e}");
+    }
+
+    /// A notice refused after the operation's ranges moved fails it with
+    /// the peer's reason, and says that the bytes moved (a write's may be
+    /// in the peer's buffer, its owner not told): not as if nothing had.
+    #[test]
+    fn a_refused_notice_says_the_ranges_had_moved() {
+        let b = ServiceBuffer::from_arena(Arena::new(&ArenaConfig::new(1 << 20)).unwrap());
+        let refused = Failure::new(Reason::Protocol, "2 digests for 1 ranges");
+        let e = notice_refused(&op(&b, true, vec![(0, 0, 4096)]), refused.clone());
+        assert_eq!(e.reason, Reason::Protocol, "{e}");
+        assert!(e.message.contains("bytes were written into \"x\""), "{e}");
+        assert!(e.message.contains("owner was not told"), "{e}");
+        assert!(e.message.ends_with("2 digests for 1 ranges"), "{e}");
+        let e = notice_refused(&op(&b, false, vec![(0, 0, 4096)]), refused);
+        assert!(e.message.contains("were read from \"x\""), "{e}");
     }
 }

@@ -111,6 +111,17 @@ fn refused(reason: Reason, message: String) -> proto::BufferNoticeResult {
     }
 }
 
+/// Digests a notice of `ranges` ranges under `check` carries (`got` of
+/// them): one per range; under none, none, or one empty digest per range
+/// (what an rcpd before this one's writers sent).
+fn digests_wanted(check: Check, ranges: usize, got: usize) -> usize {
+    if check.is_none() && got != ranges {
+        0
+    } else {
+        ranges
+    }
+}
+
 /// A notice checked against its standing grant: the grant and each
 /// range leased (shared: hashed here while nothing of rcpd's lands there).
 struct Checked {
@@ -144,11 +155,20 @@ fn check_notice(
             format!("{} ranges (1..={MAX_RANGES})", n.ranges.len()),
         ));
     }
-    let want = if check.is_none() { 0 } else { n.ranges.len() };
-    if n.digests.len() != want {
+    let got = n.digests.len();
+    if got != digests_wanted(check, n.ranges.len(), got) {
+        let want = if check.is_none() {
+            "none".to_string()
+        } else {
+            n.ranges.len().to_string()
+        };
         return Err(refused(
             Reason::Protocol,
-            format!("{} digests for {} ranges", n.digests.len(), n.ranges.len()),
+            format!(
+                "{got} digests for {} ranges under check {}: {want} expected",
+                n.ranges.len(),
+                check.name()
+            ),
         ));
     }
     if n.message.len() > MAX_MESSAGE {
@@ -285,4 +305,20 @@ pub(super) fn results_of(
         ));
     }
     Ok(resp.results)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A notice carries one digest per range; under check none, none (or,
+    /// from an older writer, one empty digest per range).
+    #[test]
+    fn a_notice_carries_a_digest_per_range_or_none_under_none() {
+        assert_eq!(digests_wanted(Check::Blake3, 2, 0), 2);
+        assert_eq!(digests_wanted(Check::Blake3, 2, 2), 2);
+        assert_eq!(digests_wanted(Check::None, 2, 0), 0);
+        assert_eq!(digests_wanted(Check::None, 2, 2), 2);
+        assert_ne!(digests_wanted(Check::None, 2, 1), 1);
+    }
 }
