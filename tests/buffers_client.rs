@@ -1964,3 +1964,58 @@ async fn standing_grants_serve_operations_under_check_none() {
     drop((owner, writer));
     d.stop().await;
 }
+
+/// A message over 256 bytes fails the operation `invalid` before anything
+/// moves, under a standing grant (whose peer would see the message only
+/// in the notice, after the WRITEs) as under a grant per operation: the
+/// owner's bytes are untouched and it hears nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_over_the_limit_fails_before_anything_moves() {
+    const LEN: u64 = 4096;
+    let dir = tempfile::tempdir().unwrap();
+    let (d, sock) = start_rcpd(dir.path()).await;
+    let addr = d.addr.clone();
+    let owner = ServiceClient::connect(Some(&sock), None).await.unwrap();
+    let dst = owner.create_buffer(2 * LEN).await.unwrap();
+    owner
+        .expose_standing(&dst, "long-st", 0, LEN, "write", &[])
+        .await
+        .unwrap();
+    owner
+        .expose(&dst, "long-op", LEN, LEN, "write", &[])
+        .await
+        .unwrap();
+    let (writer, src, _) = quiet_writer(&sock, LEN).await;
+    // A write under the standing grant first, so that the grant is held.
+    let h = writer
+        .write(&src, &addr, "long-st", &[(0, 0, LEN)], Some("ok"))
+        .await
+        .unwrap();
+    assert_eq!(ended(&writer, h).await.unwrap(), LEN);
+    assert_eq!(next_event(&owner).await["message"], "ok");
+    assert!(src.local.write_at(0, &vec![0xee; LEN as usize]));
+    let mut before = vec![0u8; (2 * LEN) as usize];
+    assert!(dst.local.read_at(0, &mut before));
+    let long = "m".repeat(257);
+    for (name, remote) in [("long-st", 0), ("long-op", LEN)] {
+        let h = writer
+            .write(&src, &addr, name, &[(0, remote, LEN)], Some(&long))
+            .await
+            .unwrap();
+        let e = ended(&writer, h).await.unwrap_err();
+        assert_eq!(ServiceReason::of(e.reason).name(), "invalid", "{name}: {e}");
+        assert!(e.message.contains("257 bytes (at most 256)"), "{name}: {e}");
+    }
+    let mut after = vec![0u8; (2 * LEN) as usize];
+    assert!(dst.local.read_at(0, &mut after));
+    assert!(after == before, "nothing landed");
+    // The owner heard nothing of them: the next event is the next write's.
+    let h = writer
+        .write(&src, &addr, "long-st", &[(0, 0, LEN)], Some("next"))
+        .await
+        .unwrap();
+    assert_eq!(ended(&writer, h).await.unwrap(), LEN);
+    assert_eq!(next_event(&owner).await["message"], "next");
+    drop((owner, writer));
+    d.stop().await;
+}
