@@ -2019,3 +2019,59 @@ async fn a_message_over_the_limit_fails_before_anything_moves() {
     drop((owner, writer));
     d.stop().await;
 }
+
+/// File descriptors sent with a frame that takes none are closed when it
+/// is handled: rcpd keeps no copy of them, and a later `register` takes
+/// its own memfd, not one left over. A connection that sends more fds
+/// than it may have queued ahead of their frames is closed, before the
+/// frame they came with is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fds_sent_with_a_frame_that_takes_none_are_closed() {
+    use rcp::control::buffers::wire as frames;
+    use std::io::Read;
+    use std::os::fd::AsFd;
+    let dir = tempfile::tempdir().unwrap();
+    let (d, sock) = start_rcpd(dir.path()).await;
+    let c = ServiceClient::connect(Some(&sock), None).await.unwrap();
+    let (ours, mut theirs) = std::os::unix::net::UnixStream::pair().unwrap();
+    let e = c
+        .request(
+            "status",
+            serde_json::json!({ "handle": 12345 }),
+            &[ours.as_fd()],
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(ServiceReason::of(e.reason).name(), "invalid", "{e}");
+    // Answered: rcpd closed its copy, so with ours the last one gone the
+    // other end reads the end of the stream at once.
+    drop(ours);
+    theirs.set_nonblocking(true).unwrap();
+    let r = theirs.read(&mut [0u8; 1]);
+    assert!(matches!(r, Ok(0)), "rcpd kept the fd: {r:?}");
+    // A register after it takes its own memfd.
+    let b = c.create_buffer(1 << 20).await.unwrap();
+    assert!(b.id > 0);
+
+    // Fds sent byte by byte ahead of a frame (a hello) past the bound:
+    // the connection is closed, the hello never answered.
+    let s = tokio::net::UnixStream::connect(&sock).await.unwrap();
+    frames::send(&s, frames::MAGIC, &[]).await.unwrap();
+    let hello = frames::encode(&serde_json::json!({ "op": "hello", "id": 1, "name": "fds" }));
+    let (one, _other) = std::os::unix::net::UnixStream::pair().unwrap();
+    let eight = [one.as_fd(); 8];
+    let sends = frames::MAX_QUEUED_FDS / 8 + 1;
+    for i in 0..sends {
+        if frames::send(&s, &hello[i..i + 1], &eight).await.is_err() {
+            break;
+        }
+    }
+    let _ = frames::send(&s, &hello[sends..], &[]).await;
+    let mut r = frames::FrameReader::default();
+    let got = tokio::time::timeout(HANG_GUARD, r.next(&s))
+        .await
+        .expect("rcpd answers or closes");
+    assert!(!matches!(got, Ok(Some(_))), "answered: {got:?}");
+    drop(c);
+    d.stop().await;
+}

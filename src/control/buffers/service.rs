@@ -219,10 +219,18 @@ pub async fn serve(bufs: Arc<Buffers>, stream: UnixStream, mut reader: FrameRead
                 break;
             }
         };
-        let fd = if op == "register" {
-            reader.fds.pop_front()
-        } else {
-            None
+        // Fds that came with the frame: `register`'s memfd; any other
+        // frame's (and any beyond register's one) are closed here, so that
+        // none is left for a later frame to take.
+        let fd = {
+            let mut fds = reader.frame_fds().into_iter();
+            let fd = if op == "register" { fds.next() } else { None };
+            let extra = fds.len();
+            drop(fds);
+            if extra > 0 {
+                tracing::info!(conn = conn.id, op = %crate::escape::esc(&op), fds = extra, "service sent file descriptors with a frame that takes none: closed");
+            }
+            fd
         };
         // Requests that may wait run on their own; the rest answer in order.
         let c = conn.clone();

@@ -2,7 +2,10 @@
 //! `RCPB`, frames of a 4-byte little-endian length and one JSON object;
 //! file descriptors ride on a frame as SCM_RIGHTS. Reading goes through
 //! `recvmsg` so descriptors are collected in arrival order whichever read
-//! they came with.
+//! they came with, each marked with the frame it came with: the kernel
+//! ends a read with the bytes of the send that carried them (a sender puts
+//! a frame's fds on its first bytes), so they belong to the frame the
+//! read's last byte is in.
 
 use std::collections::VecDeque;
 use std::io::{self, IoSliceMut};
@@ -21,6 +24,10 @@ pub const MAGIC: &[u8; 4] = b"RCPB";
 pub const MAX_FRAME: usize = 1 << 20;
 /// File descriptors one read may bring.
 const MAX_FDS: usize = 8;
+/// File descriptors a connection may have queued ahead of the frames they
+/// came with (a frame takes its own when it is read whole): beyond them,
+/// reading fails and the connection is closed.
+pub const MAX_QUEUED_FDS: usize = 64;
 
 /// The reading side of a connection: frames, and the fds that came with
 /// them.
@@ -30,7 +37,13 @@ pub struct FrameReader {
     buf: Vec<u8>,
     start: usize,
     end: usize,
-    pub fds: VecDeque<OwnedFd>,
+    /// Bytes read from the stream, ever.
+    received: u64,
+    /// Where in the stream the last frame returned ends.
+    frame_end: u64,
+    /// Each fd not taken yet, with where in the stream the read that
+    /// brought it ended (in the frame it came with).
+    fds: VecDeque<(u64, OwnedFd)>,
 }
 
 /// Bytes one read asks for at least.
@@ -42,6 +55,8 @@ impl Default for FrameReader {
             buf: vec![0; READ_CHUNK],
             start: 0,
             end: 0,
+            received: 0,
+            frame_end: 0,
             fds: VecDeque::new(),
         }
     }
@@ -96,8 +111,35 @@ impl FrameReader {
             })
             .await?;
         self.end += n;
-        self.fds.extend(fds);
+        self.received += n as u64;
+        let at = self.received;
+        let queued = self.fds.len() + fds.len();
+        self.fds.extend(fds.into_iter().map(|fd| (at, fd)));
+        if queued > MAX_QUEUED_FDS {
+            // Dropped (closed) with the reader.
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "{queued} file descriptors sent ahead of their frames (at most \
+                     {MAX_QUEUED_FDS} queued)"
+                ),
+            ));
+        }
         Ok(n)
+    }
+
+    /// The fds that came with the last frame returned ([`Self::next_frame`]),
+    /// in the order they came; the caller keeps or closes them.
+    pub fn frame_fds(&mut self) -> Vec<OwnedFd> {
+        let mut out = Vec::new();
+        while self
+            .fds
+            .front()
+            .is_some_and(|(at, _)| *at <= self.frame_end)
+        {
+            out.push(self.fds.pop_front().expect("looked at above").1);
+        }
+        out
     }
 
     /// Read exactly `n` raw bytes (the magic).
@@ -137,6 +179,7 @@ impl FrameReader {
                 }
                 if b.len() >= 4 + n {
                     let at = self.start + 4;
+                    self.frame_end = self.received - (self.end - at - n) as u64;
                     self.consume(4 + n);
                     // Consuming moves no byte: they stay until the next fill.
                     return Ok(Some(&self.buf[at..at + n]));
