@@ -2020,6 +2020,66 @@ async fn a_message_over_the_limit_fails_before_anything_moves() {
     d.stop().await;
 }
 
+/// An operation whose own exclusively leased ranges overlap (a write's
+/// remote ones, a read's local ones) fails `invalid`, naming them, before
+/// anything moves: it would conflict with itself on every retry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operation_whose_own_ranges_overlap_is_invalid() {
+    const LEN: u64 = 4096;
+    let dir = tempfile::tempdir().unwrap();
+    let (d, sock) = start_rcpd(dir.path()).await;
+    let addr = d.addr.clone();
+    let owner = ServiceClient::connect(Some(&sock), None).await.unwrap();
+    let dst = owner.create_buffer(4 * LEN).await.unwrap();
+    let pattern = vec![0x33; (4 * LEN) as usize];
+    assert!(dst.local.write_at(0, &pattern));
+    owner
+        .expose(&dst, "ovl", 0, 4 * LEN, "rw", &[])
+        .await
+        .unwrap();
+    let (writer, src, data) = quiet_writer(&sock, 4 * LEN).await;
+    let h = writer
+        .write(
+            &src,
+            &addr,
+            "ovl",
+            &[(0, 0, 2 * LEN), (2 * LEN, LEN, LEN)],
+            None,
+        )
+        .await
+        .unwrap();
+    let e = ended(&writer, h).await.unwrap_err();
+    assert_eq!(ServiceReason::of(e.reason).name(), "invalid", "{e}");
+    assert!(e.message.contains("own remote ranges overlap"), "{e}");
+    let h = writer
+        .read(&src, &addr, "ovl", &[(0, 0, 2 * LEN), (LEN, 2 * LEN, LEN)])
+        .await
+        .unwrap();
+    let e = ended(&writer, h).await.unwrap_err();
+    assert_eq!(ServiceReason::of(e.reason).name(), "invalid", "{e}");
+    assert!(e.message.contains("own local ranges overlap"), "{e}");
+    let mut got = vec![0u8; (4 * LEN) as usize];
+    assert!(dst.local.read_at(0, &mut got));
+    assert!(got == pattern, "nothing landed in the owner's buffer");
+    assert!(src.local.read_at(0, &mut got));
+    assert!(got == data, "nothing landed in the reader's buffer");
+    // Ranges that overlap only where they are shared are fine: a write
+    // from one local range to two remote ones, a read of one remote range
+    // into two local ones.
+    let h = writer
+        .write(&src, &addr, "ovl", &[(0, 0, LEN), (0, LEN, LEN)], None)
+        .await
+        .unwrap();
+    assert_eq!(ended(&writer, h).await.unwrap(), 2 * LEN);
+    let h = writer
+        .read(&src, &addr, "ovl", &[(2 * LEN, 0, LEN), (3 * LEN, 0, LEN)])
+        .await
+        .unwrap();
+    assert_eq!(ended(&writer, h).await.unwrap(), 2 * LEN);
+    drop((owner, writer));
+    d.stop().await;
+}
+
 /// File descriptors sent with a frame that takes none are closed when it
 /// is handled: rcpd keeps no copy of them, and a later `register` takes
 /// its own memfd, not one left over. A connection that sends more fds

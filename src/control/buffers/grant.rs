@@ -434,6 +434,14 @@ fn check_request(req: &proto::BufferGrantRequest) -> Result<bool, Failure> {
             ),
         ));
     }
+    // A write's ranges are leased exclusively here: two that overlap
+    // would hold each other up for good.
+    if write {
+        let ranges = req.ranges.iter().map(|r| (r.offset, r.len));
+        if let Some(m) = overlap(ranges, "remote") {
+            return Err(Failure::new(Reason::Invalid, m));
+        }
+    }
     if req.node.len() > MAX_MESSAGE {
         return Err(Failure::new(
             Reason::Invalid,
@@ -444,6 +452,29 @@ fn check_request(req: &proto::BufferGrantRequest) -> Result<bool, Failure> {
         ));
     }
     Ok(write)
+}
+
+/// Two of an operation's own `ranges` (`(offset, len)`, `which`: local
+/// or remote) that overlap, named; `None` when no two do. Where a range is
+/// leased exclusively (a write's remote ones, a read's local ones) the
+/// operation would conflict with itself, which no retry undoes.
+pub(crate) fn overlap(ranges: impl Iterator<Item = (u64, u64)>, which: &str) -> Option<String> {
+    let mut by_offset: Vec<(u64, u64, usize)> = ranges
+        .enumerate()
+        .map(|(i, (offset, len))| (offset, offset.saturating_add(len), i))
+        .collect();
+    by_offset.sort_unstable();
+    by_offset.windows(2).find_map(|w| {
+        let ((lo_a, hi_a, a), (lo_b, hi_b, b)) = (w[0], w[1]);
+        (lo_b < hi_a).then(|| {
+            format!(
+                "the operation's own {which} ranges overlap: range {} [{lo_a}, {hi_a}) and \
+                 range {} [{lo_b}, {hi_b})",
+                a.min(b),
+                a.max(b)
+            )
+        })
+    })
 }
 
 /// The peer as the owner's event names it: the address the peer rcpd
@@ -843,6 +874,40 @@ mod tests {
             events,
             bases: Default::default(),
         })
+    }
+
+    /// Two ranges of one operation that overlap are named; touching ones
+    /// do not overlap. A write's grant with two is refused `invalid` (its
+    /// exclusive leases would hold each other up), a read's is not.
+    #[test]
+    fn an_operations_own_overlapping_ranges_are_invalid() {
+        assert_eq!(
+            overlap([(0, 4096), (4096, 4096)].into_iter(), "remote"),
+            None
+        );
+        let m = overlap([(8192, 4096), (0, 4096), (4000, 100)].into_iter(), "local").unwrap();
+        assert!(
+            m.contains("own local ranges overlap: range 1 [0, 4096) and range 2"),
+            "{m}"
+        );
+        let req = |access: proto::BufferAccess| proto::BufferGrantRequest {
+            access: access as i32,
+            ranges: vec![
+                proto::BufferRange {
+                    offset: 0,
+                    len: 8192,
+                },
+                proto::BufferRange {
+                    offset: 4096,
+                    len: 4096,
+                },
+            ],
+            ..Default::default()
+        };
+        let e = check_request(&req(proto::BufferAccess::Write)).unwrap_err();
+        assert_eq!(e.reason, Reason::Invalid, "{e}");
+        assert!(e.message.contains("overlap"), "{e}");
+        assert!(!check_request(&req(proto::BufferAccess::Read)).unwrap());
     }
 
     /// A batch's events reach each owner whole and in order, consecutive

@@ -100,6 +100,20 @@ pub async fn run(
     if op.descs.is_empty() {
         return Err(Failure::new(Reason::Invalid, "no descriptors"));
     }
+    // A write's remote ranges and a read's local ones are leased
+    // exclusively: two of its own that overlap would conflict with each
+    // other on every try.
+    let exclusive = op.descs.iter().map(|d| {
+        if op.write {
+            (d.remote, d.len)
+        } else {
+            (d.local, d.len)
+        }
+    });
+    let which = if op.write { "remote" } else { "local" };
+    if let Some(m) = super::grant::overlap(exclusive, which) {
+        return Err(Failure::new(Reason::Invalid, m));
+    }
     // Before anything moves: under a standing grant the peer sees the
     // message only in the notice, after the WRITEs.
     if op.message.len() > MAX_MESSAGE {
