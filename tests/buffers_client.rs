@@ -735,8 +735,9 @@ async fn a_stale_done_changes_nothing_and_a_silent_peers_grant_is_revoked() {
 
 /// Where the initiating side of buffer operations logs: its operations
 /// and its sessions to peers.
-const PEER_LOG: [&str; 4] = [
+const PEER_LOG: [&str; 5] = [
     "rcp::control::buffers",
+    "rcp::control::buffers::service",
     "rcp::control::buffers::peer",
     "rcp::control::buffers::sessions",
     "rcp::control::buffers::standing",
@@ -2133,5 +2134,60 @@ async fn fds_sent_with_a_frame_that_takes_none_are_closed() {
         .expect("rcpd answers or closes");
     assert!(!matches!(got, Ok(Some(_))), "answered: {got:?}");
     drop(c);
+    d.stop().await;
+}
+
+/// A service that sends requests and reads no replies: rcpd stops reading
+/// its requests once their replies are queued beyond its bound (and says
+/// so) instead of queueing replies without end; once the service reads,
+/// every request is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_service_that_reads_no_replies_gets_no_more_requests_read() {
+    use rcp::control::buffers::service::MAX_QUEUED_OUT;
+    use rcp::control::buffers::wire as frames;
+    let dir = tempfile::tempdir().unwrap();
+    let (d, sock) = start_rcpd(dir.path()).await;
+    recorded();
+    let s = Arc::new(tokio::net::UnixStream::connect(&sock).await.unwrap());
+    let mut all = frames::MAGIC.to_vec();
+    let hello = serde_json::json!({ "op": "hello", "id": 0, "name": "flood" });
+    all.extend(frames::encode(&hello));
+    // Replies of four times rcpd's bound (each more than 64 bytes): sent
+    // whole only if rcpd reads every request without its replies read.
+    let n = (4 * MAX_QUEUED_OUT / 64) as u64;
+    for i in 1..=n {
+        let status = serde_json::json!({ "op": "status", "id": i, "handle": 0 });
+        all.extend(frames::encode(&status));
+    }
+    let w = s.clone();
+    let mut sender = tokio::spawn(async move { frames::send(&w, &all, &[]).await });
+    let paused = async {
+        loop {
+            let l = logged(|l| {
+                l.message == "service reads no replies: its requests wait until it does"
+                    && l.fields.get("name").map(String::as_str) == Some("\"flood\"")
+            });
+            if !l.is_empty() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    tokio::select! {
+        r = &mut sender => panic!("every request was read with no reply read: {r:?}"),
+        r = tokio::time::timeout(HANG_GUARD, paused) => r.expect("rcpd says its reading waits"),
+    }
+    assert!(!sender.is_finished());
+    // Read: every request is answered, in order.
+    let mut r = frames::FrameReader::default();
+    for i in 0..=n {
+        let f = tokio::time::timeout(HANG_GUARD, r.next(&s))
+            .await
+            .expect("a reply")
+            .unwrap()
+            .expect("the connection is open");
+        assert_eq!(f["re"], i, "{f}");
+    }
+    sender.await.unwrap().unwrap();
     d.stop().await;
 }

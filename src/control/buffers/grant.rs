@@ -817,7 +817,7 @@ pub(super) fn damage(bad: &[u32], rounds: u32) -> Option<ErrorBody> {
 
 /// Send `exp`'s owner the event of a peer's write (or read) `ev`.
 pub(super) fn send_event(exp: &Exposure, write: bool, ev: OwnerEvent) {
-    let _ = exp.events.send(event_frame(write, ev));
+    exp.events.send(event_frame(write, ev));
 }
 
 /// The frame of a peer's write (or read) `ev` for its owner.
@@ -848,7 +848,7 @@ impl EventBatch {
 
     pub(super) fn send(self) {
         for (exp, bytes) in self.out {
-            let _ = exp.events.send(bytes);
+            exp.events.send(bytes);
         }
     }
 }
@@ -859,7 +859,7 @@ mod tests {
     use crate::mem::memfd::ServiceBuffer;
     use crate::mem::{Arena, ArenaConfig};
 
-    fn exposure(events: tokio::sync::mpsc::UnboundedSender<Vec<u8>>) -> Arc<Exposure> {
+    fn exposure(events: Arc<super::super::service::Outbox>) -> Arc<Exposure> {
         Arc::new(Exposure {
             owner: 1,
             buffer: ServiceBuffer::from_arena(Arena::new(&ArenaConfig::new(1 << 20)).unwrap()),
@@ -914,8 +914,8 @@ mod tests {
     /// ones for one owner in one message.
     #[test]
     fn a_batch_of_events_goes_to_each_owner_in_order() {
-        let (ta, mut ra) = tokio::sync::mpsc::unbounded_channel();
-        let (tb, mut rb) = tokio::sync::mpsc::unbounded_channel();
+        let (ta, mut ra) = super::super::service::Outbox::new();
+        let (tb, mut rb) = super::super::service::Outbox::new();
         let (a, b) = (exposure(ta), exposure(tb));
         let mut batch = EventBatch::default();
         for (exp, f) in [(&a, b"a1"), (&a, b"a2"), (&b, b"b1"), (&a, b"a3")] {

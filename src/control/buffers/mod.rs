@@ -50,8 +50,6 @@ use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 
-use tokio::sync::mpsc::UnboundedSender;
-
 use super::client::ClientOptions;
 use super::copy_peers::CopyPeers;
 
@@ -98,7 +96,7 @@ pub struct Exposure {
     /// session until the exposure goes) instead of one per operation.
     pub standing: bool,
     /// The owner's events, as frames ready to send.
-    pub events: UnboundedSender<Vec<u8>>,
+    pub events: Arc<service::Outbox>,
     /// What grants inside the exposure are made into where the memory is
     /// registered once (memory windows: the exposed range in the device's
     /// PD, on the first grant); withdrawn with the exposure.

@@ -7,14 +7,14 @@
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::stream::{FuturesUnordered, StreamExt};
 use serde_json::json;
 use tokio::net::UnixStream;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{mpsc, watch, Notify};
 
 use super::api::{
     self, ErrorBody, Event, Frame, HelloReply, ManyOps, OpRequest, OpStateName, OpStatus,
@@ -31,6 +31,75 @@ pub use super::api::VERSION;
 
 /// Bytes of queued frames one send to a service carries, at most (about).
 const COALESCE_BYTES: usize = 256 << 10;
+
+/// Bytes of replies and events queued for a service, not yet sent to it,
+/// beyond which rcpd reads no more of its requests until it has read some
+/// (a service that sends requests and reads no replies holds rcpd's memory
+/// to about this, plus one request's replies).
+pub const MAX_QUEUED_OUT: usize = 4 << 20;
+
+/// Frames for a service (replies and events), encoded by who sends them,
+/// with the bytes of them queued and not yet sent.
+pub struct Outbox {
+    tx: mpsc::UnboundedSender<Vec<u8>>,
+    queued: AtomicUsize,
+    /// The writer sent some, or ended.
+    drained: Notify,
+    ended: AtomicBool,
+}
+
+impl Outbox {
+    /// An outbox and what its writer takes frames from.
+    pub fn new() -> (Arc<Outbox>, mpsc::UnboundedReceiver<Vec<u8>>) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let o = Outbox {
+            tx,
+            queued: AtomicUsize::new(0),
+            drained: Notify::new(),
+            ended: AtomicBool::new(false),
+        };
+        (Arc::new(o), rx)
+    }
+
+    /// Queue `frame` for the service (dropped once its connection ended).
+    pub fn send(&self, frame: Vec<u8>) {
+        let n = frame.len();
+        self.queued.fetch_add(n, Relaxed);
+        if self.tx.send(frame).is_err() {
+            self.queued.fetch_sub(n, Relaxed);
+        }
+    }
+
+    /// The writer sent `n` bytes of queued frames.
+    fn sent(&self, n: usize) {
+        self.queued.fetch_sub(n, Relaxed);
+        self.drained.notify_waiters();
+    }
+
+    /// The writer ended: nothing waits for it any more.
+    fn end(&self) {
+        self.ended.store(true, Relaxed);
+        self.drained.notify_waiters();
+    }
+
+    /// Bytes queued and not yet sent.
+    fn queued(&self) -> usize {
+        self.queued.load(Relaxed)
+    }
+
+    /// Once at most `limit` bytes are queued (or the writer ended).
+    async fn below(&self, limit: usize) {
+        loop {
+            let drained = self.drained.notified();
+            tokio::pin!(drained);
+            drained.as_mut().enable();
+            if self.queued() <= limit || self.ended.load(Relaxed) {
+                return;
+            }
+            drained.await;
+        }
+    }
+}
 
 /// Operations one `write_many` or `read_many` may start.
 pub const MAX_OPS_PER_REQUEST: usize = 4096;
@@ -140,7 +209,7 @@ struct Conn {
     bufs: Arc<Buffers>,
     /// Frames for the service (replies and events), encoded by who sends
     /// them.
-    out: mpsc::UnboundedSender<Vec<u8>>,
+    out: Arc<Outbox>,
     buffers: Mutex<HashMap<u64, Buf>>,
     next_buf: AtomicU64,
     ops: Mutex<Ops>,
@@ -172,8 +241,9 @@ pub async fn serve(bufs: Arc<Buffers>, stream: UnixStream, mut reader: FrameRead
         Err(_) => "uid=? pid=?".into(),
     };
     let stream = Arc::new(stream);
-    let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
+    let (tx, mut rx) = Outbox::new();
     let w = stream.clone();
+    let outbox = tx.clone();
     let writer = tokio::spawn(async move {
         // Replies and events queued together go out in one send (a batch's
         // replies and `done` events: one syscall, one wake-up of the
@@ -185,10 +255,14 @@ pub async fn serve(bufs: Arc<Buffers>, stream: UnixStream, mut reader: FrameRead
                     Err(_) => break,
                 }
             }
-            if wire::send(&w, &out, &[]).await.is_err() {
+            let n = out.len();
+            let r = wire::send(&w, &out, &[]).await;
+            outbox.sent(n);
+            if r.is_err() {
                 break;
             }
         }
+        outbox.end();
     });
     let conn = Arc::new(Conn {
         id: bufs.new_conn(),
@@ -205,6 +279,12 @@ pub async fn serve(bufs: Arc<Buffers>, stream: UnixStream, mut reader: FrameRead
     });
     tracing::info!(conn = conn.id, peer = %conn.cred, "service connected");
     loop {
+        // Backpressure: a service that does not read its replies gets no
+        // more requests read until it does.
+        if conn.out.queued() > MAX_QUEUED_OUT {
+            tracing::info!(conn = conn.id, name = %crate::escape::esc(&conn.name.lock().unwrap()), queued = conn.out.queued(), "service reads no replies: its requests wait until it does");
+            conn.out.below(MAX_QUEUED_OUT).await;
+        }
         let frame = match reader.next_frame(&stream).await {
             Ok(Some(b)) => Frame::parse(b).map_err(|e| {
                 std::io::Error::new(std::io::ErrorKind::InvalidData, format!("frame: {e}"))
@@ -241,7 +321,7 @@ pub async fn serve(bufs: Arc<Buffers>, stream: UnixStream, mut reader: FrameRead
                 Ok(f) => f,
                 Err(e) => Reply::of(&json!({ "error": ErrorBody::from(&e) })),
             };
-            let _ = c.out.send(wire::reply_frame(&id, &fields));
+            c.out.send(wire::reply_frame(&id, &fields));
         };
         if slow {
             tokio::spawn(task);
@@ -600,7 +680,7 @@ impl Conn {
             }
             if c.done_events.load(Relaxed) {
                 let ev = Event::Done(st.status(h));
-                let _ = c.out.send(wire::encode(&ev));
+                c.out.send(wire::encode(&ev));
             }
             let _ = tx.send(st);
             c.ops.lock().unwrap().ended(h);
@@ -676,6 +756,25 @@ mod tests {
             cancelled: AtomicBool::new(false),
             state: watch::channel(OpState::Running).1,
         })
+    }
+
+    /// A connection's reading waits while more than the bound of its
+    /// replies is queued, until the writer sent some (or ended).
+    #[tokio::test]
+    async fn requests_wait_while_replies_are_queued_beyond_the_bound() {
+        let (o, mut rx) = Outbox::new();
+        o.send(vec![0; 10]);
+        o.send(vec![0; 10]);
+        assert_eq!(o.queued(), 20);
+        let mut below = Box::pin(o.below(10));
+        assert!(futures::poll!(below.as_mut()).is_pending());
+        let f = rx.recv().await.unwrap();
+        o.sent(f.len());
+        assert!(futures::poll!(below.as_mut()).is_ready());
+        let mut below = Box::pin(o.below(0));
+        assert!(futures::poll!(below.as_mut()).is_pending());
+        o.end();
+        assert!(futures::poll!(below.as_mut()).is_ready());
     }
 
     /// Running operations are all kept, and the last `kept` ended ones;
