@@ -1907,6 +1907,68 @@ async fn releasing_a_buffer_revokes_its_standing_grants() {
     d.stop().await;
 }
 
+/// `release` while a peer's per-operation write into the buffer is
+/// moving (held by rcpd's `--bwlimit`): the write fails and no more of it
+/// lands (at most the block being received when the grant went).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn releasing_a_buffer_stops_a_write_into_it() {
+    const MIB: u64 = 1 << 20;
+    let size = 8 * MIB;
+    let dir = tempfile::tempdir().unwrap();
+    let (mut cfg, sock) = dir_config(dir.path());
+    cfg.bwlimit = Some(1 << 20);
+    let d = Daemon::start(cfg).await;
+    let addr = d.addr.clone();
+    let owner = ServiceClient::connect(Some(&sock), None).await.unwrap();
+    let dst = owner.create_buffer(size).await.unwrap();
+    owner
+        .expose(&dst, "rel", 0, size, "write", &[])
+        .await
+        .unwrap();
+    let writer = ServiceClient::connect(Some(&sock), None).await.unwrap();
+    let src = writer.create_buffer(size).await.unwrap();
+    let data: Vec<u8> = (0..size).map(|i| (i % 251 + 1) as u8).collect();
+    assert!(src.local.write_at(0, &data));
+    let descs: Vec<(u64, u64, u64)> = (0..size)
+        .step_by(MIB as usize)
+        .map(|o| (o, o, MIB))
+        .collect();
+    let h = writer
+        .write(&src, &addr, "rel", &descs, None)
+        .await
+        .unwrap();
+    landed(&dst, 2 * MIB - 1).await;
+    owner
+        .request("release", serde_json::json!({ "buffer": dst.id }), &[])
+        .await
+        .unwrap();
+    // Whole MiB blocks that had landed when release answered.
+    let mut got = vec![0u8; size as usize];
+    assert!(dst.local.read_at(0, &mut got));
+    let blocks = |got: &[u8]| {
+        got.chunks(MIB as usize)
+            .zip(data.chunks(MIB as usize))
+            .take_while(|(g, d)| g == d)
+            .count()
+    };
+    let at_release = blocks(&got);
+    assert!(at_release < 8, "the write was still moving at release");
+    let e = ended(&writer, h).await.unwrap_err();
+    assert_ne!(ServiceReason::of(e.reason).name(), "done", "{e}");
+    assert!(dst.local.read_at(0, &mut got));
+    let after = got
+        .chunks(MIB as usize)
+        .zip(data.chunks(MIB as usize))
+        .filter(|(g, d)| g == d)
+        .count();
+    assert!(
+        after <= at_release + 1,
+        "{after} MiB blocks landed in the released buffer, {at_release} when it was released"
+    );
+    drop((owner, writer));
+    d.stop().await;
+}
+
 /// Under a standing grant with check `none`, a write and a read are done,
 /// the write's bytes land and the owner hears of each (the writer's
 /// notice and the exposer agree on how many digests it carries: none).

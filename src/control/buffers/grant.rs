@@ -170,6 +170,18 @@ impl Grants {
         self.revoke_where(|g| matches!(g, Entry::Standing(s) if Arc::ptr_eq(&s.grant.exp, exp)))
     }
 
+    /// Revoke every grant on exposure `exp`, per operation and standing
+    /// (its buffer is released: nothing more may land in it, as when its
+    /// owner goes); how many.
+    pub(crate) fn revoke_exposure(&self, exp: &Arc<Exposure>) -> usize {
+        self.revoke_where(|g| match g {
+            Entry::Live(g) => Arc::ptr_eq(&g.exp, exp),
+            Entry::Standing(s) => Arc::ptr_eq(&s.grant.exp, exp),
+            // Its keys are revoked already; it only checks what landed.
+            Entry::Verifying { .. } => false,
+        })
+    }
+
     /// The standing grant of `session` on `exp` with `write` access, if
     /// there is one: its id and what the peer was told of it.
     pub(super) fn standing_of(

@@ -496,9 +496,10 @@ impl Conn {
 
     async fn release(&self, id: u64) -> Result<Reply, Failure> {
         let (id, buffer, uid) = self.buffer(id)?;
-        // Its exposures withdrawn as `unexpose` withdraws one: what peers
-        // hold of them (standing grants) revoked, so that no write lands
-        // in the buffer once it is released.
+        // Its exposures withdrawn, and (unlike `unexpose`, which lets
+        // operations under way end) every grant peers hold in them
+        // revoked, per operation and standing, as when the owner goes: no
+        // write lands in the buffer once it is released.
         let gone: Vec<(String, Arc<Exposure>)> = {
             let mut ex = self.bufs.exposures.lock().unwrap();
             let names: Vec<String> = ex
@@ -513,8 +514,8 @@ impl Conn {
         };
         drop(buffer);
         for (name, e) in &gone {
-            let n = self.bufs.grants.revoke_standing(e);
-            tracing::info!(conn = self.id, buffer = id, name = %crate::escape::esc(name), standing_revoked = n, "buffer withdrawn: released");
+            let n = self.bufs.grants.revoke_exposure(e);
+            tracing::info!(conn = self.id, buffer = id, name = %crate::escape::esc(name), grants_revoked = n, "buffer withdrawn: released");
         }
         drop(gone);
         let ops = self.cancel_ops(|o| o.buffer == id);
