@@ -437,15 +437,7 @@ fn check_request(req: &proto::BufferGrantRequest) -> Result<bool, Failure> {
             format!("{} ranges (1..={MAX_RANGES})", req.ranges.len()),
         ));
     }
-    if req.message.len() > MAX_MESSAGE {
-        return Err(Failure::new(
-            Reason::Invalid,
-            format!(
-                "a message of {} bytes (at most {MAX_MESSAGE})",
-                req.message.len()
-            ),
-        ));
-    }
+    within_limit("a message", &req.message)?;
     // A write's ranges are leased exclusively here: two that overlap
     // would hold each other up for good.
     if write {
@@ -454,16 +446,21 @@ fn check_request(req: &proto::BufferGrantRequest) -> Result<bool, Failure> {
             return Err(Failure::new(Reason::Invalid, m));
         }
     }
-    if req.node.len() > MAX_MESSAGE {
+    within_limit("a node address", &req.node)?;
+    Ok(write)
+}
+
+/// `what` (`s`) is at most [`MAX_MESSAGE`] bytes, or the operation is
+/// invalid: one rule for the writer, before anything moves, and the
+/// exposer.
+pub(crate) fn within_limit(what: &str, s: &str) -> Result<(), Failure> {
+    if s.len() > MAX_MESSAGE {
         return Err(Failure::new(
             Reason::Invalid,
-            format!(
-                "a node address of {} bytes (at most {MAX_MESSAGE})",
-                req.node.len()
-            ),
+            format!("{what} of {} bytes (at most {MAX_MESSAGE})", s.len()),
         ));
     }
-    Ok(write)
+    Ok(())
 }
 
 /// Two of an operation's own `ranges` (`(offset, len)`, `which`: local

@@ -19,7 +19,7 @@ use tokio::sync::{oneshot, watch};
 
 use super::api::Desc;
 use super::frames::WriteFailed;
-use super::grant::{digests, MAX_MESSAGE};
+use super::grant::{digests, within_limit};
 use super::{Buffers, Failure};
 use crate::control::error::{status_reason, Reason};
 use crate::control::fallback::then_over_tcp;
@@ -116,15 +116,7 @@ pub async fn run(
     }
     // Before anything moves: under a standing grant the peer sees the
     // message only in the notice, after the WRITEs.
-    if op.message.len() > MAX_MESSAGE {
-        return Err(Failure::new(
-            Reason::Invalid,
-            format!(
-                "a message of {} bytes (at most {MAX_MESSAGE})",
-                op.message.len()
-            ),
-        ));
-    }
+    within_limit("a message", &op.message)?;
     let (why, closed, tcp) = match attempt(bufs, op, cancelled).await {
         Ok(m) => return Ok(m),
         Err(Attempt::Failed(e)) => return Err(e),
