@@ -39,7 +39,7 @@ cache=${RCP_TESTBED_CACHE:-/var/cache/rcp-testbed}
 qemu_min=8.1
 apt_pkgs=(rdma-core ibverbs-providers ibverbs-utils libibverbs-dev
   librdmacm-dev perftest busybox-static kmod iproute2 libclang-dev protobuf-compiler
-  procps util-linux iptables pkg-config openssl binutils)
+  procps util-linux iptables pkg-config openssl binutils rsync)
 
 log() { echo "testbed: $*" >&2; }
 
