@@ -465,3 +465,33 @@ fn recursive_over_an_existing_tree_keeps_modes_as_rsync_does() {
         change: Some(&change_source),
     });
 }
+
+/// Entries that changed kind between runs: a file became a link, a link
+/// became a file, an empty directory became a file, a file became a
+/// directory.
+fn change_kinds(src: &Path) {
+    std::fs::remove_file(src.join("a.txt")).unwrap();
+    std::os::unix::fs::symlink("run.sh", src.join("a.txt")).unwrap();
+    std::fs::remove_file(src.join("rel_file")).unwrap();
+    file(&src.join("rel_file"), 11, 0o644, 200);
+    set_mtime(src, 1_400_000_004, 0);
+}
+
+#[test]
+fn entries_that_changed_kind_are_replaced_as_rsync_does() {
+    for (rcp_flags, rsync_flags) in [
+        (&["-a"][..], &["-rlpt", "--safe-links"][..]),
+        (
+            &["-a", "--delete"][..],
+            &["-rlpt", "--safe-links", "--delete"][..],
+        ),
+    ] {
+        both_ways(Case {
+            rcp_flags,
+            rsync_flags,
+            times: true,
+            setup: &no_setup,
+            change: Some(&change_kinds),
+        });
+    }
+}
