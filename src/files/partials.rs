@@ -1,5 +1,6 @@
-//! Partial files (`.rcp-<name>.<tag>.part` and their `.manifest`) nobody
-//! will resume:
+//! Partial files (`.rcp-<name>.<tag>.part`, their `.manifest` and the
+//! manifest's `.manifest.tmp`, which a process that ends in the middle of
+//! saving the manifest leaves) nobody will resume:
 //! - [`sweep_name`]: before a fresh copy of a name starts, the partials an
 //!   earlier, interrupted copy of the same name left (a run without
 //!   `--resume` replaces them rather than leaving another beside them);
@@ -26,6 +27,28 @@ use crate::escape::esc;
 
 const PART: &[u8] = b".part";
 const MANIFEST: &[u8] = b".part.manifest";
+/// [`Manifest::save`]'s temp name: the manifest's name and this.
+const SAVING: &[u8] = b".tmp";
+
+/// The temp file a partial's name belongs to: itself, or the temp whose
+/// manifest (or manifest being saved) it is.
+fn temp_of(name: &OsStr) -> &OsStr {
+    let mut n = name.as_bytes();
+    if n.ends_with(SAVING) && n[..n.len() - SAVING.len()].ends_with(MANIFEST) {
+        n = &n[..n.len() - SAVING.len()];
+    }
+    if n.ends_with(MANIFEST) {
+        n = &n[..n.len() - ".manifest".len()];
+    }
+    OsStr::from_bytes(n)
+}
+
+/// The name [`Manifest::save`] writes `manifest` under before its rename.
+fn saving_name_for(manifest: &OsStr) -> OsString {
+    let mut m = manifest.to_owned();
+    m.push(OsStr::from_bytes(SAVING));
+    m
+}
 
 /// The manifest's name beside temp file `temp`.
 pub(super) fn manifest_name_for(temp: &OsStr) -> OsString {
@@ -55,7 +78,8 @@ pub(super) fn lock_within(fd: &impl rustix::fd::AsFd, wait: Duration) -> rustix:
     }
 }
 
-/// Remove an unusable temp/manifest pair unless a live transfer holds the temp file.
+/// Remove an unusable temp/manifest pair (and a manifest left half saved)
+/// unless a live transfer holds the temp file.
 pub(super) fn discard(dir: &DirHandle, temp: &OsStr, manifest: &OsStr) {
     match rfs::openat(
         dir.fd(),
@@ -77,6 +101,7 @@ pub(super) fn discard(dir: &DirHandle, temp: &OsStr, manifest: &OsStr) {
         Err(_) => return,
     }
     let _ = rfs::unlinkat(dir.fd(), manifest, AtFlags::empty());
+    let _ = rfs::unlinkat(dir.fd(), saving_name_for(manifest), AtFlags::empty());
 }
 
 /// Names in the directory `fd` (no `stat`: a directory of many files costs
@@ -141,17 +166,24 @@ pub fn sweep_name(dir: &DirHandle, final_name: &OsStr, keep: &OsStr) {
         if name == keep {
             continue;
         }
-        let temp: &OsStr = if n.ends_with(MANIFEST) {
-            OsStr::from_bytes(&n[..n.len() - ".manifest".len()])
-        } else if entries.binary_search(&manifest_name_for(name)).is_ok() {
-            continue; // handled with its manifest
+        let temp = temp_of(name);
+        let mname = manifest_name_for(temp);
+        // A pair is handled once: with its manifest when there is one, else
+        // with its temp file, else (only a manifest half saved) with that.
+        let listed = |n: &OsStr| entries.binary_search_by(|e| e.as_os_str().cmp(n)).is_ok();
+        let by: &OsStr = if listed(&mname) {
+            &mname
+        } else if listed(temp) {
+            temp
         } else {
             name
         };
+        if name.as_os_str() != by {
+            continue;
+        }
         if temp == keep {
             continue;
         }
-        let mname = manifest_name_for(temp);
         let ours = match Manifest::load(dir, &mname) {
             Ok(m) => m.final_name == final_name,
             Err(_) => exact,
@@ -210,7 +242,8 @@ pub fn sweep_older(root: &Path, ttl: Duration, now: SystemTime) -> std::io::Resu
 
 fn is_partial(name: &OsStr) -> bool {
     let n = name.as_bytes();
-    n.starts_with(b".rcp-") && (n.ends_with(PART) || n.ends_with(MANIFEST))
+    n.starts_with(b".rcp-")
+        && (n.ends_with(PART) || n.ends_with(MANIFEST) || temp_of(name).len() < name.len())
 }
 
 /// When `name` in `dir` was last written, if it is there.
@@ -232,12 +265,12 @@ fn sweep_one(
     now: SystemTime,
     swept: &mut Swept,
 ) {
-    let n = name.as_bytes();
     let old =
         |t: Option<SystemTime>| t.is_none_or(|t| now.duration_since(t).is_ok_and(|a| a > ttl));
-    if n.ends_with(MANIFEST) {
-        // With its temp file, handled there; alone, an orphan.
-        let temp = OsStr::from_bytes(&n[..n.len() - ".manifest".len()]);
+    let temp = temp_of(name);
+    if temp != name {
+        // A manifest (or one half saved): with its temp file, handled
+        // there; alone, an orphan.
         if !entries.iter().any(|(e, _)| e == temp) && old(written(dir, name)) {
             let _ = rfs::unlinkat(dir, name, AtFlags::empty());
         }
@@ -259,10 +292,12 @@ fn sweep_one(
         Ok(()) => {
             // Unlinked while the lock is held: no transfer takes it meanwhile.
             let _ = rfs::unlinkat(dir, name, AtFlags::empty());
-            match rfs::unlinkat(dir, &mname, AtFlags::empty()) {
-                Ok(()) | Err(Errno::NOENT) => {}
-                Err(e) => {
-                    tracing::warn!(manifest = %esc(path.join(&mname).display()), error = %e, "cannot remove")
+            for m in [saving_name_for(&mname), mname] {
+                match rfs::unlinkat(dir, &m, AtFlags::empty()) {
+                    Ok(()) | Err(Errno::NOENT) => {}
+                    Err(e) => {
+                        tracing::warn!(manifest = %esc(path.join(&m).display()), error = %e, "cannot remove")
+                    }
                 }
             }
             tracing::info!(temp = %esc(path.join(name).display()), ttl_s = ttl.as_secs(),
@@ -318,6 +353,13 @@ mod tests {
         rfs::flock(&lock, FlockOperation::NonBlockingLockExclusive).unwrap();
         let orphan = tmp.path().join(".rcp-i.0011223344556677.part.manifest");
         touch_at(&orphan, 2 * day);
+        // Manifests left half saved: alone, and beside their temp file.
+        let half = tmp.path().join(".rcp-j.0011223344556677.part.manifest.tmp");
+        touch_at(&half, 2 * day);
+        touch_at(
+            &sub.join(".rcp-f.0011223344556677.part.manifest.tmp"),
+            2 * day,
+        );
         let plain = tmp.path().join("plain");
         touch_at(&plain, 2 * day);
         let s = sweep_older(tmp.path(), day, SystemTime::now()).unwrap();
@@ -328,7 +370,7 @@ mod tests {
                 in_use: 1
             }
         );
-        assert!(!old.exists() && !orphan.exists());
+        assert!(!old.exists() && !orphan.exists() && !half.exists());
         assert!(fresh.exists() && held.exists() && plain.exists());
         assert_eq!(std::fs::read_dir(&sub).unwrap().count(), 1);
     }
@@ -342,7 +384,13 @@ mod tests {
             ".rcp-f.0011223344556677.part",
             ".rcp-f.0011223344556677.part.manifest",
             ".rcp-f.8899aabbccddeeff.part",
+            ".rcp-f.8899aabbccddeeff.part.manifest.tmp",
+            ".rcp-f.4444444444444444.part.manifest.tmp",
+            ".rcp-f.5555555555555555.part",
+            ".rcp-f.5555555555555555.part.manifest",
+            ".rcp-f.5555555555555555.part.manifest.tmp",
             ".rcp-fo.0011223344556677.part",
+            ".rcp-fo.0011223344556677.part.manifest.tmp",
             "f",
         ] {
             touch_at(&p(n), Duration::ZERO);
@@ -360,6 +408,7 @@ mod tests {
             [
                 ".rcp-f.1111111111111111.part",
                 ".rcp-fo.0011223344556677.part",
+                ".rcp-fo.0011223344556677.part.manifest.tmp",
                 "f"
             ]
         );
