@@ -228,6 +228,57 @@ fn archive_rerun_brings_a_changed_mode_to_an_unchanged_file() {
     }
 }
 
+/// rsync's rule for a destination that ends in `/`: a directory, made when
+/// missing, the copy inside it (one file, several, a tree), push and pull;
+/// a file standing at that name is refused (exit 3) and left as it was.
+#[test]
+fn a_destination_ending_in_a_slash_is_a_directory_made_when_missing() {
+    let (tmp, root) = e2e::tmp_with_root();
+    let d = Rcpd::start(&root, T, None, &[]);
+    let ok = |args: &[&str]| {
+        let r = rcp(d.port, T, None, args);
+        assert_eq!(r.code, 0, "{args:?}: {}\n{}", r.stderr, d.log());
+    };
+    let src = tmp.path().join("src");
+    std::fs::create_dir_all(src.join("tree/sub")).unwrap();
+    make_file(&src.join("a"), 5000, 1);
+    make_file(&src.join("b"), 10, 2);
+    make_file(&src.join("tree/sub/c"), 20, 3);
+    let (a, b, tree) = (src.join("a"), src.join("b"), src.join("tree"));
+    let (a, b, tree) = (
+        a.to_str().unwrap(),
+        b.to_str().unwrap(),
+        tree.to_str().unwrap(),
+    );
+    ok(&["push", "-q", a, &remote("one/")]);
+    assert_eq!(sha256sum(&root.join("one/a")), sha256sum(&src.join("a")));
+    ok(&["push", "-q", a, b, &remote("two/")]);
+    assert!(root.join("two/a").is_file() && root.join("two/b").is_file());
+    ok(&["push", "-q", "-r", tree, &remote("three/")]);
+    assert!(root.join("three/tree/sub/c").is_file());
+    // Already there: inside it, as before.
+    ok(&["push", "-q", b, &remote("three/")]);
+    assert!(root.join("three/b").is_file());
+    let r = rcp(d.port, T, None, &["push", "-q", b, &remote("one/a/")]);
+    assert_eq!(r.code, 3, "a file at the name: {}", r.stderr);
+    assert!(r.stderr.contains("not a directory"), "{}", r.stderr);
+    assert_eq!(sha256sum(&root.join("one/a")), sha256sum(&src.join("a")));
+
+    let back = tmp.path().join("back");
+    std::fs::create_dir(&back).unwrap();
+    let at = |p: &str| back.join(p).to_str().unwrap().to_string() + "/";
+    ok(&["pull", "-q", &remote("one/a"), &at("one")]);
+    assert_eq!(sha256sum(&back.join("one/a")), sha256sum(&src.join("a")));
+    ok(&["pull", "-q", &remote("two/a"), &remote("two/b"), &at("two")]);
+    assert!(back.join("two/a").is_file() && back.join("two/b").is_file());
+    ok(&["pull", "-q", "-r", &remote("three/tree"), &at("three")]);
+    assert!(back.join("three/tree/sub/c").is_file());
+    let file = back.join("one/a").to_str().unwrap().to_string() + "/";
+    let r = rcp(d.port, T, None, &["pull", "-q", &remote("two/b"), &file]);
+    assert_eq!(r.code, 3, "a file at the name: {}", r.stderr);
+    assert_eq!(sha256sum(&back.join("one/a")), sha256sum(&src.join("a")));
+}
+
 #[test]
 fn doctor_checks_the_remote_rcpd_and_its_token() {
     let (_tmp, root) = e2e::tmp_with_root();

@@ -359,9 +359,11 @@ pub async fn plan_push(
     job: &Job,
 ) -> Result<Plan> {
     let rstat = client.stat(remote).await?;
-    let remote_is_dir = rstat
+    let exists_as_dir = rstat
         .as_ref()
         .is_some_and(|e| e.r#type == FileType::Dir as i32);
+    let made = dir_to_make(remote, exists_as_dir, rstat.is_some())?;
+    let remote_is_dir = exists_as_dir || made.is_some();
     if locals.len() > 1 && !remote_is_dir {
         return Err(ControlError::DirNotFound(format!(
             "{remote} (several sources need an existing remote directory)"
@@ -457,8 +459,31 @@ pub async fn plan_push(
     if job.preserve {
         plan.tree.preserved_dirs = deepest_first(plan.remote_dirs.clone());
     }
+    // Made as `mkdir` would (no source to take a mode or mtime from).
+    plan.remote_dirs.extend(made.map(|path| tree::PlannedDir {
+        path,
+        mode: 0o777,
+        mtime_ns: 0,
+    }));
     skip::prune(client, &mut plan, &job.skip).await?;
     Ok(plan)
+}
+
+/// rsync's rule for a destination that ends in `/`: it names a directory,
+/// and what is copied goes inside it; when it does not exist it is made
+/// (the directory to make, without its `/`). A file at that name is an
+/// error, not replaced. scp and cp refuse a missing `DIR/` instead; rcp
+/// before this wrote a file named `DIR`.
+fn dir_to_make(dest: &str, is_dir: bool, exists: bool) -> Result<Option<String>> {
+    if !dest.ends_with('/') || is_dir {
+        return Ok(None);
+    }
+    if exists {
+        return Err(ControlError::DirNotFound(format!(
+            "{dest} (not a directory)"
+        )));
+    }
+    Ok(Some(dest.trim_end_matches('/').to_string()))
 }
 
 /// `-p`: directories in the order they get their modes and mtimes.
@@ -604,16 +629,6 @@ pub async fn push(
     run(client, plan, w).await
 }
 
-/// Resolve the final local path of a pull: inside `local` if it is a
-/// directory.
-pub fn local_target(local: &Path, remote: &str) -> PathBuf {
-    if local.is_dir() {
-        local.join(basename(remote))
-    } else {
-        local.to_path_buf()
-    }
-}
-
 /// Resolve `rcp pull [-r] HOST:REMOTE... LOCAL` into a [`Plan`]: stats and
 /// lists the remote sources; creates nothing.
 pub async fn plan_pull(
@@ -622,12 +637,28 @@ pub async fn plan_pull(
     local: &Path,
     job: &Job,
 ) -> Result<Plan> {
-    if remotes.len() > 1 && !local.is_dir() {
+    let typed = local.to_string_lossy();
+    let made = dir_to_make(
+        &typed,
+        local.is_dir(),
+        Path::new(typed.trim_end_matches('/'))
+            .symlink_metadata()
+            .is_ok(),
+    )?;
+    let local_is_dir = local.is_dir() || made.is_some();
+    if remotes.len() > 1 && !local_is_dir {
         return Err(ControlError::DirNotFound(format!(
             "{} (several sources need an existing local directory)",
             local.display()
         )));
     }
+    let inside = |r: &str| {
+        if local_is_dir {
+            local.join(basename(r))
+        } else {
+            local.to_path_buf()
+        }
+    };
     let mut plan = Plan::default();
     for r in remotes {
         let Some(st) = client.stat(r).await? else {
@@ -638,7 +669,7 @@ pub async fn plan_pull(
             });
         };
         if st.r#type != FileType::Dir as i32 {
-            let dst = local_target(local, r);
+            let dst = inside(r);
             let mut f = with_job(FileJob::pull(r, dst.clone()), job, false);
             f.len_hint = st.length;
             plan.files.push(Planned {
@@ -654,11 +685,7 @@ pub async fn plan_pull(
         if !job.recursive {
             return Err(ControlError::Usage(format!("{r} is a directory (use -r)")));
         }
-        let base = if local.is_dir() {
-            local.join(basename(r))
-        } else {
-            local.to_path_buf()
-        };
+        let base = inside(r);
         plan.local_dirs.push(tree::PlannedDir {
             path: base.clone(),
             mode: st.mode,
@@ -708,6 +735,17 @@ pub async fn plan_pull(
             mtime_ns: d.mtime_ns,
         });
         plan.tree.preserved_dirs = deepest_first(dirs.collect());
+    }
+    // Made first (parents before children), as `mkdir` would.
+    if let Some(path) = made {
+        plan.local_dirs.insert(
+            0,
+            tree::PlannedDir {
+                path: PathBuf::from(path),
+                mode: 0o777,
+                mtime_ns: 0,
+            },
+        );
     }
     skip::prune(client, &mut plan, &job.skip).await?;
     Ok(plan)
