@@ -495,3 +495,42 @@ fn entries_that_changed_kind_are_replaced_as_rsync_does() {
         });
     }
 }
+
+/// A destination whose files are, against the source: newer with other
+/// content (secret.key), older with other content (a.txt), the same
+/// content at another mtime and mode (run.sh), the same size, mode and
+/// mtime but other content (sub/b.bin: only a checksum tells).
+fn diverged_destination(out: &Path) {
+    let t = out.join("tree");
+    file(&t.join("secret.key"), 301, 0o644, -100);
+    file(&t.join("a.txt"), 999, 0o600, 50);
+    // Seeded as the source's (length and mode), then another mode and time.
+    file(&t.join("run.sh"), 70, 0o755, 3);
+    std::fs::set_permissions(t.join("run.sh"), std::fs::Permissions::from_mode(0o700)).unwrap();
+    set_mtime(&t.join("run.sh"), 1_300_000_000, 0);
+    // Seeded otherwise, then the source's mode (its mtime is the same).
+    file(&t.join("sub/b.bin"), 70_000, 0o600, 9);
+    std::fs::set_permissions(t.join("sub/b.bin"), std::fs::Permissions::from_mode(0o664)).unwrap();
+}
+
+#[test]
+fn skip_rules_are_rsyncs() {
+    let rsync_a = ["-rlpt", "--safe-links"];
+    for (rcp_extra, rsync_extra) in [
+        (&[][..], &[][..]),
+        (&["-u"][..], &["-u"][..]),
+        (&["--ignore-existing"][..], &["--ignore-existing"][..]),
+        (&["-c"][..], &["-c"][..]),
+        (&["-I"][..], &["-I"][..]),
+    ] {
+        let rcp_flags: Vec<&str> = ["-a"].iter().chain(rcp_extra).copied().collect();
+        let rsync_flags: Vec<&str> = rsync_a.iter().chain(rsync_extra).copied().collect();
+        both_ways(Case {
+            rcp_flags: &rcp_flags,
+            rsync_flags: &rsync_flags,
+            times: true,
+            setup: &diverged_destination,
+            change: None,
+        });
+    }
+}
