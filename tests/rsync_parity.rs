@@ -522,6 +522,8 @@ fn skip_rules_are_rsyncs() {
         (&["--ignore-existing"][..], &["--ignore-existing"][..]),
         (&["-c"][..], &["-c"][..]),
         (&["-I"][..], &["-I"][..]),
+        // rsync's delta transfer is its default; rcp's is a flag.
+        (&["--delta", "-I"][..], &["-I", "--no-whole-file"][..]),
     ] {
         let rcp_flags: Vec<&str> = ["-a"].iter().chain(rcp_extra).copied().collect();
         let rsync_flags: Vec<&str> = rsync_a.iter().chain(rsync_extra).copied().collect();
