@@ -2253,3 +2253,91 @@ async fn a_service_that_reads_no_replies_gets_no_more_requests_read() {
     sender.await.unwrap().unwrap();
     d.stop().await;
 }
+
+/// Two rcpds, the initiator allowed to dial the peer: (peer, its socket,
+/// initiator, its socket). `timeout` is both rcpds' `--timeout`.
+async fn pair(
+    dir: &std::path::Path,
+    timeout: Duration,
+) -> (Daemon, std::path::PathBuf, Daemon, std::path::PathBuf) {
+    let (peer_dir, init_dir) = (dir.join("peer"), dir.join("init"));
+    std::fs::create_dir(&peer_dir).unwrap();
+    std::fs::create_dir(&init_dir).unwrap();
+    let (mut cfg, peer_sock) = dir_config(&peer_dir);
+    cfg.timeout = timeout;
+    let peer = Daemon::start(cfg).await;
+    let (mut cfg, init_sock) = dir_config(&init_dir);
+    cfg.timeout = timeout;
+    cfg.copy_peers = vec![peer.addr.parse().unwrap()];
+    let init = Daemon::start(cfg).await;
+    (peer, peer_sock, init, init_sock)
+}
+
+/// 4096 operations under grants per operation (the default), started at
+/// once from one service towards another rcpd: the initiating rcpd keeps
+/// a bounded number of its calls to that peer in flight (the rest wait
+/// their turn), so the HTTP/2 connection between the two never trips its
+/// flood guard; every operation ends done and every byte lands, for
+/// writes and for reads back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn thousands_of_per_operation_grants_at_once_all_land() {
+    const OPS: u64 = 4096;
+    const LEN: u64 = 4096;
+    let dir = tempfile::tempdir().unwrap();
+    let (peer, peer_sock, init, init_sock) = pair(dir.path(), Duration::from_secs(3600)).await;
+    let owner = ServiceClient::connect(Some(&peer_sock), None)
+        .await
+        .unwrap();
+    let dst = owner.create_buffer(OPS * LEN).await.unwrap();
+    owner
+        .expose(&dst, "wide", 0, OPS * LEN, "rw", &[])
+        .await
+        .unwrap();
+    let (writer, src, data) = quiet_writer(&init_sock, 2 * OPS * LEN).await;
+    let each = |local: u64| OpRequest {
+        descs: (0..OPS)
+            .map(|i| Desc {
+                local: local + i * LEN,
+                remote: i * LEN,
+                len: LEN,
+            })
+            .collect(),
+        ..page_op(src.id, &peer.addr, "wide", 0, LEN)
+    };
+    // Twice, the second time with other bytes.
+    for round in 0..2u64 {
+        let data: Vec<u8> = data.iter().map(|b| b.wrapping_add(round as u8)).collect();
+        assert!(src.local.write_at(0, &data[..(OPS * LEN) as usize]));
+        let hs = writer.start_each(true, each(0)).await.unwrap();
+        assert_eq!(hs.len() as u64, OPS);
+        all_done(&writer, hs, LEN).await;
+        let mut got = vec![0u8; (OPS * LEN) as usize];
+        assert!(dst.local.read_at(0, &mut got));
+        assert!(
+            got[..] == data[..(OPS * LEN) as usize],
+            "every write landed"
+        );
+        let hs = writer.start_each(false, each(OPS * LEN)).await.unwrap();
+        all_done(&writer, hs, LEN).await;
+        assert!(src.local.read_at(OPS * LEN, &mut got));
+        assert!(got[..] == data[..(OPS * LEN) as usize], "every read landed");
+    }
+    drop((owner, writer));
+    init.stop().await;
+    peer.stop().await;
+}
+
+/// Operations `hs` of `c` all end done, `len` bytes each.
+async fn all_done(c: &ServiceClient, hs: Vec<u64>, len: u64) {
+    let st = tokio::time::timeout(HANG_GUARD, c.wait_all(hs))
+        .await
+        .expect("the operations end")
+        .unwrap();
+    for (k, s) in st.iter().enumerate() {
+        assert_eq!(
+            (s.state, s.bytes),
+            (OpStateName::Done, Some(len)),
+            "{k}: {s:?}"
+        );
+    }
+}

@@ -369,6 +369,7 @@ async fn request_grant(
     op: &OpSpec,
     node: &str,
 ) -> Result<proto::BufferGrantResponse, Refused> {
+    let _turn = link.turn().await;
     let grant = link
         .client
         .buffer_grant(proto::BufferGrantRequest {
@@ -673,6 +674,7 @@ impl GrantedOp<'_> {
         digests: Vec<Vec<u8>>,
         bad: Vec<u32>,
     ) -> Result<proto::BufferDoneResponse, Failure> {
+        let _turn = self.link.turn().await;
         self.link
             .client
             .buffer_done(proto::BufferDoneRequest {

@@ -44,6 +44,15 @@ use crate::provider::{Access, Domain, ProviderKind, Registration};
 
 type Key = (String, &'static str);
 
+/// Calls (`BufferGrant`, `BufferDone`) a session has in flight to its peer
+/// at most; the rest wait their turn. Thousands of operations started at
+/// once would otherwise each open an HTTP/2 stream on the one connection
+/// to the peer, and h2 takes that many small DATA frames waiting to be
+/// read for a flood: it sends GOAWAY (`too_many_data_frames`) and every
+/// call on the connection fails. h2's guard allows at least 100 such
+/// frames (a budget of 25 600 bytes, up to 256 counted per frame).
+pub(super) const MAX_CALLS: usize = 64;
+
 /// Sessions to peers, by (address, check name).
 #[derive(Default)]
 pub struct Peers {
@@ -192,6 +201,8 @@ pub struct PeerLink {
     /// Their operations' notices, batched.
     pub(super) notices: Arc<super::notices::Notices>,
     pub(super) waiters: Mutex<HashMap<u64, Waiter>>,
+    /// Turns for calls to the peer ([`MAX_CALLS`]).
+    calls: tokio::sync::Semaphore,
     pub(super) next: AtomicU64,
     pub(super) dead: Mutex<Option<String>>,
     /// The window whose request the peer refused (remote access error:
@@ -303,6 +314,14 @@ impl PeerLink {
     pub(super) fn retire(&self, why: String) {
         self.fail(why);
         self.stop.notify_one();
+    }
+
+    /// A turn for one call to the peer, held until it returns: at most
+    /// [`MAX_CALLS`] in flight on the session's connection.
+    pub(super) async fn turn(&self) -> Option<tokio::sync::SemaphorePermit<'_>> {
+        // Never closed: `None` is unreachable, and would only lift the
+        // bound.
+        self.calls.acquire().await.ok()
     }
 
     pub(super) fn dead(&self) -> Option<String> {
@@ -417,6 +436,7 @@ async fn open_link(
         standing: Mutex::default(),
         notices,
         waiters: Mutex::new(HashMap::new()),
+        calls: tokio::sync::Semaphore::new(MAX_CALLS),
         next: AtomicU64::new(0),
         dead: Mutex::new(None),
         refused: Mutex::new(None),
