@@ -2341,3 +2341,70 @@ async fn all_done(c: &ServiceClient, hs: Vec<u64>, len: u64) {
         );
     }
 }
+
+/// A grant per operation goes with the connection it was asked on: when
+/// that connection ends (here its client goes; a flood guard's GOAWAY or a
+/// keepalive unanswered end it too), the exposing rcpd revokes the grant
+/// and releases its leases then, not at its `--timeout` (an hour here):
+/// the range it held exclusively is granted to the next writer, and the
+/// old grant's BufferDone finds it gone. A grant on a connection still
+/// open is kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_goes_with_the_connection_it_was_asked_on() {
+    use rcp::proto::{self, rcp_client::RcpClient};
+    let dir = tempfile::tempdir().unwrap();
+    let (mut cfg, sock) = dir_config(dir.path());
+    cfg.timeout = Duration::from_secs(3600);
+    let d = Daemon::start(cfg).await;
+    let owner = ServiceClient::connect(Some(&sock), None).await.unwrap();
+    let buf = owner.create_buffer(2 << 20).await.unwrap();
+    owner
+        .expose(&buf, "conn", 0, 2 << 20, "write", &[])
+        .await
+        .unwrap();
+    let connect = || RcpClient::connect(format!("http://{}", d.addr));
+    let mut first = connect().await.unwrap();
+    let session_id = first
+        .handshake(common::raw::hello(ProviderKind::Tcp, 1 << 20))
+        .await
+        .unwrap()
+        .into_inner()
+        .session_id;
+    let write = || first_page(session_id, "conn", proto::BufferAccess::Write);
+    let held = first
+        .buffer_grant(write())
+        .await
+        .unwrap()
+        .into_inner()
+        .grant;
+    // Another connection, the same session: the range is busy while the
+    // first connection is open.
+    let mut second = connect().await.unwrap();
+    let busy = second.buffer_grant(write()).await.unwrap_err();
+    assert_eq!(busy.code(), tonic::Code::Unavailable, "{busy:?}");
+    drop(first);
+    let start = std::time::Instant::now();
+    let next = loop {
+        assert!(start.elapsed() < HANG_GUARD, "the grant was never revoked");
+        match second.buffer_grant(write()).await {
+            Ok(g) => break g.into_inner().grant,
+            Err(e) => assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_ne!(next, held);
+    let done = |grant: u64| proto::BufferDoneRequest {
+        session_id,
+        grant,
+        failed: "given up".into(),
+        ..Default::default()
+    };
+    let e = second.buffer_done(done(held)).await.unwrap_err();
+    assert!(e.message().contains("not live"), "{e:?}");
+    second
+        .buffer_done(done(next))
+        .await
+        .expect("the grant on the open connection is live");
+    drop(owner);
+    d.stop().await;
+}

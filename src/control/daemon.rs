@@ -198,8 +198,12 @@ pub async fn run(
             .add_routes(routes)
             // No Nagle: a small frame waiting for an ACK delayed by 40 ms
             // turns every grant and ack into a 40 ms round trip.
+            // Each connection known: a peer's grants go with it.
             .serve_with_incoming_shutdown(
-                TcpIncoming::from(listener).with_nodelay(Some(true)),
+                super::server::conns::tracked(
+                    TcpIncoming::from(listener).with_nodelay(Some(true)),
+                    buffers.clone(),
+                ),
                 async {
                     let _ = stop_rx.await;
                 },

@@ -11,7 +11,7 @@
 //! answer means is [`GrantCore`]'s; this is its driver (the table of
 //! grants, keys, hashing, the owner's event, the timer).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
@@ -21,6 +21,7 @@ use super::api::{ErrorBody, Event, OwnerEvent, ServiceReason};
 use super::{Buffers, Exposure, Failure};
 use crate::control::error::Reason;
 use crate::control::protocol::buffer::{DoneStep, GrantCore, GrantNext, GrantPhase};
+use crate::control::server::conns::ConnKey;
 use crate::control::server::SessionState;
 use crate::files::Check;
 use crate::mem::memfd::{LeaseKind, LeasedRange};
@@ -51,6 +52,8 @@ struct GrantState {
     message: String,
     peer: String,
     exp: Arc<Exposure>,
+    /// The connection it was asked on: it goes when that ends.
+    conn: Option<ConnKey>,
 }
 
 /// What a standing grant ([`super::standing`]) grants, to whom.
@@ -131,6 +134,8 @@ fn find_standing(
 /// The grants one rcpd made, by id.
 pub struct Grants {
     next: AtomicU64,
+    /// The gRPC port's open connections (taken before `live`).
+    open: Mutex<HashSet<ConnKey>>,
     live: Mutex<HashMap<u64, Entry>>,
     /// The cores' time 0.
     t0: Instant,
@@ -140,6 +145,7 @@ impl Default for Grants {
     fn default() -> Grants {
         Grants {
             next: AtomicU64::default(),
+            open: Mutex::default(),
             live: Mutex::default(),
             t0: Instant::now(),
         }
@@ -155,6 +161,33 @@ impl Grants {
     /// Revoke every grant on connection `owner`'s exposures; how many.
     pub(crate) fn revoke_owner(&self, owner: u64) -> usize {
         self.revoke_where(|g| g.owner() == owner)
+    }
+
+    /// Connection `conn` of the gRPC port opened.
+    pub(crate) fn conn_opened(&self, conn: ConnKey) {
+        self.open.lock().unwrap().insert(conn);
+    }
+
+    /// Connection `conn` ended: revoke every grant per operation asked on
+    /// it (its peer hears of none of them any more: their `BufferDone`
+    /// would have come on it), their leases released now, not at their
+    /// timeout; how many.
+    pub(crate) fn conn_closed(&self, conn: ConnKey) -> usize {
+        self.open.lock().unwrap().remove(&conn);
+        self.revoke_where(|g| matches!(g, Entry::Live(g) if g.conn == Some(conn)))
+    }
+
+    /// File grant `g` as `id`, unless the connection it was asked on has
+    /// ended meanwhile (then it is dropped: revoked); whether it was.
+    fn insert_live(&self, id: u64, g: Box<GrantState>) -> bool {
+        let open = self.open.lock().unwrap();
+        if g.conn.is_some_and(|c| !open.contains(&c)) {
+            drop(open);
+            crate::control::in_place(|| drop(g));
+            return false;
+        }
+        self.live.lock().unwrap().insert(id, Entry::Live(g));
+        true
     }
 
     /// Revoke every grant made to session `session` (it closed: nothing
@@ -296,7 +329,13 @@ impl Grants {
     /// Put grant `id`'s state back (ranges granted again); `false` when it
     /// was revoked meanwhile (the state is dropped then).
     fn resume(&self, id: u64, g: Box<GrantState>) -> bool {
+        let open = self.open.lock().unwrap();
+        let gone = g.conn.is_some_and(|c| !open.contains(&c));
         let mut l = self.live.lock().unwrap();
+        if gone {
+            l.remove(&id);
+        }
+        drop(open);
         if matches!(l.get(&id), Some(Entry::Verifying { .. })) {
             l.insert(id, Entry::Live(g));
             return true;
@@ -374,7 +413,7 @@ pub fn grant(
     session: &SessionState,
     session_id: u64,
     req: proto::BufferGrantRequest,
-    peer: Option<IpAddr>,
+    (peer, conn): (Option<IpAddr>, Option<ConnKey>),
     (write, exp): (bool, Arc<Exposure>),
 ) -> Result<proto::BufferGrantResponse, Failure> {
     let ranges = lease_ranges(&exp, &req, write)?;
@@ -404,9 +443,9 @@ pub fn grant(
         digests: if write { Vec::new() } else { digests.clone() },
         standing: None,
     };
-    bufs.grants.live.lock().unwrap().insert(
+    let filed = bufs.grants.insert_live(
         id,
-        Entry::Live(Box::new(GrantState {
+        Box::new(GrantState {
             ranges,
             digests,
             core,
@@ -417,8 +456,15 @@ pub fn grant(
             message: req.message,
             peer: event_peer(&req.node, peer),
             exp,
-        })),
+            conn,
+        }),
     );
+    if !filed {
+        return Err(Failure::new(
+            Reason::Retryable,
+            "the connection this grant was asked on has closed",
+        ));
+    }
     arm_timeout(bufs, id, session_id);
     Ok(resp)
 }

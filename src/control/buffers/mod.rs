@@ -243,6 +243,21 @@ impl Buffers {
     }
 }
 
+/// The gRPC port's connections: a grant per operation goes with the one
+/// it was asked on.
+impl crate::control::server::conns::ConnWatch for Buffers {
+    fn opened(&self, conn: crate::control::server::conns::ConnKey) {
+        self.grants.conn_opened(conn);
+    }
+
+    fn closed(&self, conn: crate::control::server::conns::ConnKey) {
+        let revoked = self.grants.conn_closed(conn);
+        if revoked > 0 {
+            tracing::warn!(peer = %conn.1, grants_revoked = revoked, "a peer's connection ended: the buffer grants asked on it are revoked");
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::node_address;

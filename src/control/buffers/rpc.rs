@@ -11,6 +11,7 @@ use prost::Message;
 
 use super::{grant, standing, Buffers, Failure};
 use crate::control::error::Reason;
+use crate::control::server::conns::ConnKey;
 use crate::control::server::{BufferGrants, SessionState};
 use crate::proto;
 
@@ -23,6 +24,7 @@ impl BufferGrants for GrantService {
         session_id: u64,
         req: proto::BufferGrantRequest,
         peer: Option<IpAddr>,
+        conn: Option<ConnKey>,
     ) -> Result<proto::BufferGrantResponse, tonic::Status> {
         let (write, exp) = grant::admit(&self.0, &req, peer)?;
         if req.standing_ok && exp.standing {
@@ -36,7 +38,7 @@ impl BufferGrants for GrantService {
             session,
             session_id,
             req,
-            peer,
+            (peer, conn),
             (write, exp),
         )?)
     }

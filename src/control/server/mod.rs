@@ -22,6 +22,7 @@
 //! buffers to peers' sessions through [`BufferGrants`], both plugged in by
 //! `daemon`.
 
+pub mod conns;
 mod delta;
 mod digests;
 pub mod feeds;
@@ -97,13 +98,15 @@ pub trait Copier: Send + Sync {
 /// `control::daemon`.
 pub trait BufferGrants: Send + Sync {
     /// Grant the ranges `req` asks of a buffer exposed to `peer`, to the
-    /// client's `session` (`session_id`).
+    /// client's `session` (`session_id`), over connection `conn` (a grant
+    /// per operation goes when it ends).
     fn grant(
         &self,
         session: &SessionState,
         session_id: u64,
         req: proto::BufferGrantRequest,
         peer: Option<std::net::IpAddr>,
+        conn: Option<conns::ConnKey>,
     ) -> std::result::Result<proto::BufferGrantResponse, Status>;
     /// A grant's round is over: revoke it and check what landed; grant
     /// damaged ranges again while `session` is open.
@@ -517,6 +520,7 @@ impl proto::rcp_server::Rcp for RcpService {
             return Err(Status::unimplemented("this rcpd does not grant buffers"));
         };
         let peer = req.remote_addr().map(|a| a.ip());
+        let conn = conns::conn_of(&req);
         let client = ClientId::of(&req);
         let req = req.into_inner();
         let id = req.session_id;
@@ -532,7 +536,7 @@ impl proto::rcp_server::Rcp for RcpService {
         session
             .moved
             .store(true, std::sync::atomic::Ordering::Relaxed);
-        let r = b.grant(&session, id, req, peer)?;
+        let r = b.grant(&session, id, req, peer, conn)?;
         Ok(Response::new(r))
     }
 
