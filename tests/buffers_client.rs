@@ -2408,3 +2408,41 @@ async fn a_grant_goes_with_the_connection_it_was_asked_on() {
     drop(owner);
     d.stop().await;
 }
+
+/// A peer that takes the connection and never says a word fails the
+/// operation by rcpd's `--timeout` (2 s here), with an error that says it
+/// did not answer (`retryable`: a stalled rcpd may come back), not that
+/// it "answers but is not rcpd".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_never_answers_is_named_silent_not_another_program() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut cfg, sock) = dir_config(dir.path());
+    cfg.copy_peers = vec!["127.0.0.1".parse().unwrap()];
+    cfg.timeout = Duration::from_secs(2);
+    let d = Daemon::start(cfg).await;
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let silent_addr = silent.local_addr().unwrap().to_string();
+    let held = tokio::spawn(async move {
+        let mut conns = Vec::new();
+        while let Ok((c, _)) = silent.accept().await {
+            conns.push(c);
+        }
+    });
+    let (writer, src, _) = quiet_writer(&sock, 1 << 20).await;
+    let h = writer
+        .write(&src, &silent_addr, "x", &[(0, 0, 4096)], None)
+        .await
+        .unwrap();
+    let e = ended(&writer, h).await.unwrap_err();
+    assert_eq!(e.reason, rcp::proto::Reason::Retryable, "{e}");
+    assert!(
+        e.message.contains(&format!(
+            "{silent_addr} took the connection but did not answer within 2 s"
+        )),
+        "{e}"
+    );
+    assert!(!e.message.contains("not rcpd"), "{e}");
+    drop(writer);
+    d.stop().await;
+    held.abort();
+}

@@ -208,6 +208,14 @@ pub enum ControlError {
     /// an HTTP server, another service): a wrong host or port.
     #[error("{addr} answers but is not rcpd ({why})")]
     NotRcpd { addr: String, why: String },
+    /// Something took the connection at the address but sent nothing back
+    /// within the wait (a stalled rcpd, or a program that says nothing):
+    /// not an answer, so not known to be anything but silent.
+    #[error(
+        "{addr} took the connection but did not answer within {secs} s (a stalled rcpd, or \
+         another program on that port)"
+    )]
+    NoAnswer { addr: String, secs: u64 },
     /// Fatal, with the message as is.
     #[error("{0}")]
     Fatal(String),
@@ -245,6 +253,7 @@ impl ControlError {
             RemoteNotFound { dir: true, .. } => Reason::DirNotFound,
             RemoteNotFound { dir: false, .. } => Reason::FileNotFound,
             UnknownHost { .. } | NotRcpd { .. } => Reason::Invalid,
+            NoAnswer { .. } => Reason::Retryable,
             Fatal(_) => Reason::Invalid,
             FanoutIncomplete(_) => Reason::FanoutIncomplete,
         }

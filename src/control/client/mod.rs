@@ -259,14 +259,16 @@ async fn probe(
         addr: addr.to_string(),
         why: why.to_string(),
     };
-    let r = match tokio::time::timeout(wait, check).await {
-        Ok(r) => r,
-        Err(_) => {
-            return Err(not_rcpd(&format!(
-                "no answer to gRPC's first request in {} s",
-                wait.as_secs()
-            )))
-        }
+    // Silence is not an answer: a peer that took the connection and says
+    // nothing within the wait is named as such, not as "not rcpd".
+    let no_answer = || ControlError::NoAnswer {
+        addr: addr.to_string(),
+        secs: wait.as_secs(),
+    };
+    // The whole probe (the sniff below too) within the wait.
+    let deadline = tokio::time::Instant::now() + wait;
+    let Ok(r) = tokio::time::timeout_at(deadline, check).await else {
+        return Err(no_answer());
     };
     let Err(st) = r else { return Ok(()) };
     let why = source_chain(&st);
@@ -287,13 +289,14 @@ async fn probe(
     }
     if tls.is_none() {
         // Plaintext: what answers tells a TLS rcpd from something else.
-        match sniff(addrs, Duration::from_secs(2)).await {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        match sniff(addrs, left.min(Duration::from_secs(2))).await {
             Answer::Http => return Err(not_rcpd("an HTTP/1 server")),
             Answer::Http2 => {
                 return Err(not_rcpd("an HTTP/2 server without gRPC's health service"))
             }
             Answer::Other => return Err(not_rcpd("it does not speak HTTP/2")),
-            Answer::Silent => return Err(not_rcpd("it does not answer HTTP/2")),
+            Answer::Silent => return Err(no_answer()),
             Answer::Tls | Answer::Closed => {}
         }
     }

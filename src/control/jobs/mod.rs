@@ -839,6 +839,9 @@ fn doctor_fix(e: &ControlError) -> &'static str {
             "give rcpd's gRPC port (-P; its --listen), not its health or metrics port"
         }
         ControlError::UnknownHost { .. } => "check the host name (it does not resolve)",
+        ControlError::NoAnswer { .. } => {
+            "is rcpd there stalled, or is the port (-P; rcpd's --listen) another program's?"
+        }
         e if e.reason() == Reason::Unauthenticated => {
             "give the token rcpd was started with (RCP_TOKEN or --token-file)"
         }
