@@ -746,6 +746,8 @@ const PEER_LOG: [&str; 5] = [
 /// An event [`PEER_LOG`] logged: its message and fields.
 #[derive(Clone, Debug, Default)]
 struct Logged {
+    /// `INFO`, `WARN`, ...
+    level: String,
     message: String,
     fields: HashMap<&'static str, String>,
 }
@@ -775,7 +777,10 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Record {
     }
 
     fn on_event(&self, e: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
-        let mut l = Logged::default();
+        let mut l = Logged {
+            level: e.metadata().level().to_string(),
+            ..Logged::default()
+        };
         e.record(&mut l);
         self.0.lock().unwrap().push(l);
     }
@@ -2445,4 +2450,68 @@ async fn a_peer_that_never_answers_is_named_silent_not_another_program() {
     drop(writer);
     d.stop().await;
     held.abort();
+}
+
+/// A malformed frame from a service is logged at warn, its first bytes
+/// escaped (no newline or escape sequence of its own reaches the log): one
+/// outside the schema is answered `invalid` and the connection goes on;
+/// one that is not JSON closes the connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_frame_is_logged_at_warn_escaped() {
+    use rcp::control::buffers::wire as frames;
+    let dir = tempfile::tempdir().unwrap();
+    let (d, sock) = start_rcpd(dir.path()).await;
+    let warned = |message: &str, field: &str, marker: &str| {
+        logged(|l| {
+            l.message == message
+                && l.level == "WARN"
+                && l.fields.get(field).is_some_and(|f| f.contains(marker))
+        })
+    };
+    let c = ServiceClient::connect(Some(&sock), None).await.unwrap();
+    let e = c
+        .request(
+            "expose",
+            serde_json::json!({ "buffer": 1, "marker": "schema-mark\n\u{1b}[2J" }),
+            &[],
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(ServiceReason::of(e.reason).name(), "invalid", "{e}");
+    let w = warned(
+        "service sent a request outside the protocol: answered invalid",
+        "frame",
+        "schema-mark",
+    );
+    assert_eq!(w.len(), 1, "{w:?}");
+    let frame = &w[0].fields["frame"];
+    assert!(
+        !frame.contains('\n') && !frame.contains('\u{1b}'),
+        "{frame}"
+    );
+    assert!(w[0].fields["error"].contains("missing field"), "{w:?}");
+    // The connection goes on.
+    assert!(c.create_buffer(1 << 20).await.is_ok());
+
+    let s = tokio::net::UnixStream::connect(&sock).await.unwrap();
+    frames::send(&s, frames::MAGIC, &[]).await.unwrap();
+    let bad = b"json-mark\n\x1b[2J not json";
+    let mut f = (bad.len() as u32).to_le_bytes().to_vec();
+    f.extend_from_slice(bad);
+    frames::send(&s, &f, &[]).await.unwrap();
+    let mut r = frames::FrameReader::default();
+    let got = tokio::time::timeout(HANG_GUARD, r.next(&s))
+        .await
+        .expect("rcpd closes the connection");
+    assert!(!matches!(got, Ok(Some(_))), "answered: {got:?}");
+    let w = warned("service connection broke", "error", "json-mark");
+    assert_eq!(w.len(), 1, "{w:?}");
+    let error = &w[0].fields["error"];
+    assert!(error.contains("not JSON"), "{error}");
+    assert!(
+        !error.contains('\n') && !error.contains('\u{1b}'),
+        "{error}"
+    );
+    drop(c);
+    d.stop().await;
 }

@@ -286,16 +286,14 @@ pub async fn serve(bufs: Arc<Buffers>, stream: UnixStream, mut reader: FrameRead
             conn.out.below(MAX_QUEUED_OUT).await;
         }
         let frame = match reader.next_frame(&stream).await {
-            Ok(Some(b)) => Frame::parse(b).map_err(|e| {
-                std::io::Error::new(std::io::ErrorKind::InvalidData, format!("frame: {e}"))
-            }),
+            Ok(Some(b)) => parsed(conn.id, b),
             Ok(None) => break,
             Err(e) => Err(e),
         };
         let Frame { id, op, request } = match frame {
             Ok(f) => f,
             Err(e) => {
-                tracing::info!(conn = conn.id, error = %e, "service connection broke");
+                broke(conn.id, &e);
                 break;
             }
         };
@@ -332,6 +330,47 @@ pub async fn serve(bufs: Arc<Buffers>, stream: UnixStream, mut reader: FrameRead
     conn.close().await;
     drop(conn);
     writer.abort();
+}
+
+/// Bytes of a malformed frame its warning shows (escaped, as every
+/// string from outside: [`crate::escape::esc`]).
+const MALFORMED_SHOWN: usize = 128;
+
+/// Frame `b` of connection `conn` parsed. One that is not JSON is an error
+/// naming its first bytes (the connection closes, [`broke`] logs it); one
+/// outside the schema is answered `invalid` by [`Conn::handle`], and
+/// logged here at warn with its first bytes.
+fn parsed(conn: u64, b: &[u8]) -> std::io::Result<Frame> {
+    let shown = || String::from_utf8_lossy(&b[..b.len().min(MALFORMED_SHOWN)]).into_owned();
+    match Frame::parse(b) {
+        Ok(f) => {
+            if let Err(e) = &f.request {
+                tracing::warn!(conn, len = b.len(), frame = %crate::escape::esc(shown()), error = %crate::escape::esc(e), "service sent a request outside the protocol: answered invalid");
+            }
+            Ok(f)
+        }
+        // Logged by [`broke`], the connection closed.
+        Err(e) => Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!(
+                "a frame of {} bytes that is not JSON ({e}): {}",
+                b.len(),
+                shown()
+            ),
+        )),
+    }
+}
+
+/// Connection `conn` ends on `e`: at warn when the service broke the
+/// protocol (a frame over the limit, too many fds ahead of their frames,
+/// one that is not JSON: `e` names it, escaped here), else at info (it
+/// went away mid-frame).
+fn broke(conn: u64, e: &std::io::Error) {
+    if e.kind() == std::io::ErrorKind::InvalidData {
+        tracing::warn!(conn, error = %crate::escape::esc(e), "service connection broke");
+    } else {
+        tracing::info!(conn, error = %e, "service connection broke");
+    }
 }
 
 impl Conn {
