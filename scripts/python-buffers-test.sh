@@ -192,7 +192,7 @@ assert all(len(r[2]) == 32 for r in ev["ranges"]), ev' "$work/serve2.out"
 
 # The faults, one Python program against the two rcpds.
 cat >"$work/faults.py" <<'EOF'
-import os, sys, tempfile, rcp
+import os, sys, tempfile, rcp, rcp._copy
 a_sock, b_sock, b = sys.argv[1:4]
 ok = True
 def expect(what, fn, reason, text=""):
@@ -228,6 +228,17 @@ expect("a peer the exposure does not list", lambda: ca.read(src, b, "elsewhere",
        "permission", "not exposed to peer")
 expect("a local range outside the buffer", lambda: ca.write(src, b, "half", [(1 << 20, 0, 4096)]).result(),
        "invalid", "outside the buffer")
+for name in ("BLAKE3", "Xxh3"):
+    expect(f"a check not named exactly ({name})", lambda: ca.write(src, b, "half", [(0, 0, 4096)], check=name),
+           "invalid", f"unknown check \"{name}\": blake3, sha256, xxh3 or none")
+    try:
+        rcp._copy.encode_request("push", "x", b, "x", checks=[name])
+        print("FAIL", "Copy API: a check not named exactly", name, "-> no error")
+        ok = False
+    except ValueError as e:
+        good = str(e) == f"unknown check {name!r}: blake3, sha256, xxh3 or none"
+        print("PASS" if good else "FAIL", "Copy API: a check not named exactly ->", e)
+        ok &= good
 # The good path still works on the same connections after all that.
 src.view[:4096] = b"x" * 4096
 r = ca.write(src, b, "half", [(0, 4096, 4096)]).result()

@@ -2515,3 +2515,28 @@ async fn a_malformed_frame_is_logged_at_warn_escaped() {
     drop(c);
     d.stop().await;
 }
+
+/// A check is named exactly, in lower case, as everywhere in rcp: `BLAKE3`
+/// or `Xxh3` is refused `invalid` before anything starts, the error
+/// listing the names that are; `sha256` (the one this rcpd allows) runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_check_is_named_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let (d, sock) = start_rcpd(dir.path()).await;
+    let (_owner, _dst) = exposed(&sock, "exact").await;
+    let (writer, src, _) = quiet_writer(&sock, 1 << 20).await;
+    let op = |check: &str| OpRequest {
+        check: Some(check.into()),
+        ..page_op(src.id, &d.addr, "exact", 0, 4096)
+    };
+    for name in ["BLAKE3", "Xxh3", "SHA256", " sha256", "crc32"] {
+        let e = writer.start_many(true, vec![op(name)]).await.unwrap_err();
+        assert_eq!(ServiceReason::of(e.reason).name(), "invalid", "{name}: {e}");
+        let want = format!("unknown check {name:?}: blake3, sha256, xxh3 or none");
+        assert!(e.message.contains(&want), "{name}: {e}");
+    }
+    let hs = writer.start_many(true, vec![op("sha256")]).await.unwrap();
+    all_done(&writer, hs, 4096).await;
+    drop(writer);
+    d.stop().await;
+}

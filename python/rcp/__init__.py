@@ -363,7 +363,10 @@ class Client:
 
     def write(self, buf, peer, name, descs, message=None, check=None):
         """Write ranges of `buf` into `peer`'s buffer `name`: descs is a
-        list of (local offset, remote offset, length). A Handle."""
+        list of (local offset, remote offset, length). `check`: "blake3",
+        "sha256", "xxh3" or "none", named exactly (rcpd refuses another,
+        "BLAKE3" too: RcpError "invalid" listing them); None: rcpd's
+        default. A Handle."""
         return self._op("write", buf, peer, name, descs, message, check)
 
     def read(self, buf, peer, name, descs, message=None, check=None):

@@ -29,6 +29,15 @@ def _field(num, value):
     return _varint((num << 3) | 2) + _varint(len(b)) + b if b else b""
 
 
+def _check(name):
+    """The proto value of check `name`, named exactly (lower case) as
+    everywhere in rcp; another name raises ValueError listing them."""
+    try:
+        return CHECKS[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown check {name!r}: blake3, sha256, xxh3 or none") from None
+
+
 def encode_request(direction, local_path, remote, remote_path, recursive=False, preserve=False,
                    resume=False, remote_token="", transport="", block_size=0, checks=(),
                    fanout=()):
@@ -42,7 +51,7 @@ def encode_request(direction, local_path, remote, remote_path, recursive=False, 
         _field(7, bool(resume)), _field(8, remote_token or ""), _field(9, transport or ""),
         _field(10, int(block_size or 0)),
         # repeated Check checks = 11, packed.
-        _field(11, b"".join(_varint(CHECKS[c]) for c in checks)),
+        _field(11, b"".join(_varint(_check(c)) for c in checks)),
         # repeated string fanout = 14: one field per node.
         b"".join(_field(14, n) for n in fanout),
     ])

@@ -138,11 +138,15 @@ impl Check {
         }
     }
 
-    /// The check named `s` (`blake3`, `sha256`, `xxh3`, `none`).
+    /// The check named `s` (`blake3`, `sha256`, `xxh3`, `none`), exactly:
+    /// `BLAKE3` or ` sha256` name none, as everywhere else a check is named.
     pub fn from_name(s: &str) -> Option<Check> {
-        Check::ALL
-            .into_iter()
-            .find(|c| c.name().eq_ignore_ascii_case(s.trim()))
+        Check::ALL.into_iter().find(|c| c.name() == s)
+    }
+
+    /// Why `s` names no check: the names that do.
+    pub fn unknown(s: &str) -> String {
+        format!("unknown check {s:?}: blake3, sha256, xxh3 or none")
     }
 
     /// Its byte in resume manifests.
@@ -212,9 +216,14 @@ impl std::fmt::Display for Check {
 
 impl std::str::FromStr for Check {
     type Err = String;
+    /// For the command lines (`--verify`, `RCP_VERIFY`, `RCPD_VERIFY`):
+    /// any case, spaces around a name of a list ignored, as they always
+    /// were.
     fn from_str(s: &str) -> Result<Self, String> {
-        Check::from_name(s)
-            .ok_or_else(|| format!("unknown check {s:?}: blake3, sha256, xxh3 or none"))
+        Check::ALL
+            .into_iter()
+            .find(|c| c.name().eq_ignore_ascii_case(s.trim()))
+            .ok_or_else(|| Check::unknown(s))
     }
 }
 

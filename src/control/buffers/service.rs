@@ -633,7 +633,7 @@ impl Conn {
     fn prepare(&self, write: bool, o: OpRequest) -> Result<(u64, OpSpec), Failure> {
         let (bid, buffer, uid) = self.buffer(o.buffer)?;
         let check = match o.check.as_deref() {
-            Some(c) => Check::from_name(c).ok_or_else(|| bad(format!("check {c:?}")))?,
+            Some(c) => Check::from_name(c).ok_or_else(|| bad(Check::unknown(c)))?,
             None => self.default_check(),
         };
         let spec = OpSpec {
