@@ -107,6 +107,49 @@ fn copy_between_two_rcpds() {
     });
 }
 
+/// A asked to pull a tree into its root, where the destination tree holds
+/// a symlink to a directory outside A's root at a directory's name: A
+/// replaces the link by a directory and writes nothing outside its root.
+#[test]
+fn a_copy_into_the_root_never_writes_through_a_link_out_of_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (ra, rb) = (tmp.path().join("a"), tmp.path().join("b"));
+    let outside = tmp.path().join("outside");
+    std::fs::create_dir_all(ra.join("data/t")).unwrap();
+    std::fs::create_dir_all(&outside).unwrap();
+    std::os::unix::fs::symlink(&outside, ra.join("data/t/sub")).unwrap();
+    std::fs::create_dir_all(rb.join("t/sub")).unwrap();
+    make_file(&rb.join("t/sub/f"), 5000, 13);
+    let a = Rcpd::start(&ra, "tcp", Some("tok"), &["--copy-peers", &copy_peers()]);
+    let b = Rcpd::start(&rb, "tcp", Some("tok"), &[]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let p = rt.block_on(copy(
+        &a,
+        CopyRequest {
+            direction: Direction::Pull as i32,
+            local_path: "data".into(),
+            remote: b.addr(),
+            remote_path: "t".into(),
+            recursive: true,
+            transport: "tcp".into(),
+            ..Default::default()
+        },
+    ));
+    let p = p.unwrap_or_else(|e| panic!("{e}\n{}", a.log()));
+    assert!(p.done && p.error.is_empty(), "{p:?}");
+    assert_eq!(
+        names(&outside),
+        Vec::<String>::new(),
+        "written outside A's root"
+    );
+    let sub = std::fs::symlink_metadata(ra.join("data/t/sub")).unwrap();
+    assert!(sub.is_dir(), "{sub:?}");
+    assert_eq!(
+        sha256sum(&ra.join("data/t/sub/f")),
+        sha256sum(&rb.join("t/sub/f"))
+    );
+}
+
 #[test]
 fn metrics_are_scraped_during_a_copy() {
     let tmp = tempfile::tempdir().unwrap();

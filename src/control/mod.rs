@@ -109,9 +109,11 @@ pub fn place_copy_threads(
 /// `CopyRequest.follow`/`fanout`/`bwlimit`, `CopyProgress.nodes`,
 /// `REASON_FANOUT_INCOMPLETE`). 2.5: standing grants
 /// (`BufferGrantRequest.standing_ok`, `BufferGrantResponse.standing`,
-/// `BufferNotify`).
+/// `BufferNotify`). 2.9: `MakeDirRequest.replace_link` (a symlink where a
+/// copied tree has a directory is replaced, not followed; an older rcpd
+/// ignores the field and follows the link).
 pub const VERSION_MAJOR: u32 = 2;
-pub const VERSION_MINOR: u32 = 8;
+pub const VERSION_MINOR: u32 = 9;
 /// Default gRPC port of rcpd.
 pub const DEFAULT_PORT: u16 = 7471;
 /// Default block size: the one of [`crate::files`].

@@ -134,6 +134,10 @@ pub enum FileError {
     SourceChanged { path: PathBuf, what: &'static str },
     #[error("{path}: is a directory, refusing to replace it with a file")]
     IsADirectory { path: PathBuf },
+    /// A directory to make (one of a copied tree, or the destination
+    /// itself) where a file (or anything but a directory) stands.
+    #[error("{path}: is not a directory, refusing to replace it with one")]
+    NotADirectory { path: PathBuf },
     #[error("destination {path}: {why}")]
     Destination { path: PathBuf, why: &'static str },
     /// A reader of a [`Growing`](super::growing::Growing) file was

@@ -456,6 +456,19 @@ impl Root {
     /// never wider than the source for group and others (rsync's rule
     /// without `-p`). `mode` 0: `0o777` masked, as the parents it makes.
     pub fn create_dir_all_mode(&self, rel: &str, mode: u32) -> Result<DirHandle> {
+        self.make_dirs(rel, mode, false)
+    }
+
+    /// [`create_dir_all_mode`](Self::create_dir_all_mode) of a directory
+    /// of a copied tree: a symlink standing at `rel` itself is not followed
+    /// but replaced by a new directory (rsync without `--keep-dirlinks`);
+    /// the link is removed, never what it points to. Parents are followed
+    /// (beneath the root) as ever.
+    pub fn create_tree_dir(&self, rel: &str, mode: u32) -> Result<DirHandle> {
+        self.make_dirs(rel, mode, true)
+    }
+
+    fn make_dirs(&self, rel: &str, mode: u32, replace_link: bool) -> Result<DirHandle> {
         let r = normalize(rel)?;
         let last = r.components().len();
         let mut cur = self.open_dir_rel(&RelPath::root())?;
@@ -467,6 +480,9 @@ impl Root {
             } else {
                 0o777
             };
+            if i + 1 == last && replace_link {
+                return self.tree_dir_in(&cur, name, &next, mode);
+            }
             match self.open_dir_rel(&next) {
                 Ok(d) => cur = d,
                 Err(FileError::Path(PathError::NotFound { .. })) => {
@@ -476,11 +492,65 @@ impl Root {
                     }
                     cur = self.open_dir_rel(&next)?;
                 }
+                // The directory asked for is a file: named, not "a
+                // component" (the parents before it were opened).
+                Err(FileError::Path(PathError::NotADirectory { .. })) if i + 1 == last => {
+                    return Err(FileError::NotADirectory {
+                        path: self.display(&next),
+                    })
+                }
                 Err(e) => return Err(e),
             }
             prefix = next;
         }
         Ok(cur)
+    }
+
+    /// Directory `name` in `parent` (`rel` beneath the root), made with
+    /// `mode` when missing; a symlink there is removed first, and the
+    /// directory is opened without following one (a link put back in
+    /// between is refused, not followed).
+    fn tree_dir_in(
+        &self,
+        parent: &DirHandle,
+        name: &str,
+        rel: &RelPath,
+        mode: u32,
+    ) -> Result<DirHandle> {
+        let shown = self.display(rel);
+        if parent
+            .entry(name)?
+            .is_some_and(|m| m.kind == FileKind::Symlink)
+        {
+            match rfs::unlinkat(parent.fd(), name, AtFlags::empty()) {
+                Ok(()) | Err(Errno::NOENT) => {}
+                Err(e) => return Err(io_err("remove symlink", &shown, e)),
+            }
+            tracing::debug!(path = %crate::escape::esc(shown.display()),
+                "a symlink stood where the tree has a directory: replaced");
+        }
+        match rfs::mkdirat(parent.fd(), name, Mode::from_raw_mode(mode)) {
+            Ok(()) | Err(Errno::EXIST) => {}
+            Err(e) => return Err(io_err("mkdir", &shown, e)),
+        }
+        let fd = rfs::openat(
+            parent.fd(),
+            name,
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|e| match e {
+            // Not a directory (a file), or a symlink again.
+            Errno::NOTDIR | Errno::LOOP => FileError::NotADirectory {
+                path: shown.clone(),
+            },
+            e => io_err("open directory", &shown, e),
+        })?;
+        Ok(DirHandle {
+            fd: Arc::new(fd),
+            display: shown,
+            partials: Arc::default(),
+        })
     }
 
     /// `-p` after a copy: set directory `rel`'s mode to exactly `mode`

@@ -1312,6 +1312,30 @@ macro_rules! e2e_tests {
 
         #[test]
         $(#[$attr])*
+        fn push_a_directory_over_a_file_in_the_tree_is_refused() {
+            $crate::common::e2e_tree::a_directory_over_a_file_in_the_tree_is_refused($t, true);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn pull_a_directory_over_a_file_in_the_tree_is_refused() {
+            $crate::common::e2e_tree::a_directory_over_a_file_in_the_tree_is_refused($t, false);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn push_a_symlinked_directory_at_the_destination_is_replaced() {
+            $crate::common::e2e_tree::a_symlinked_directory_at_the_destination_is_replaced($t, true);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn pull_a_symlinked_directory_at_the_destination_is_replaced() {
+            $crate::common::e2e_tree::a_symlinked_directory_at_the_destination_is_replaced($t, false);
+        }
+
+        #[test]
+        $(#[$attr])*
         fn push_names_not_utf8_are_left_out_and_never_deleted() {
             $crate::common::e2e_tree::names_not_utf8_are_left_out_and_never_deleted($t, true);
         }

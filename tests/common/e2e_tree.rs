@@ -78,6 +78,11 @@ impl Trees {
         rcp(self.d.port, &self.t, None, &a)
     }
 
+    /// Beside the destination tree (`dst`'s directory).
+    pub fn dst_side(&self, rel: &str) -> PathBuf {
+        self.dst.parent().unwrap().join(rel)
+    }
+
     /// [`Trees::run`], which must succeed.
     pub fn ok(&self, args: &[&str]) -> Run {
         let r = self.run(args);
@@ -430,4 +435,112 @@ pub fn names_not_utf8_are_left_out_and_never_deleted(t: &str, push: bool) {
         assert!(!s.dst.join("extra").exists(), "run {run}: extra kept");
         assert!(s.src.join(bad).exists() && s.src.join(bad_dir).join("inner").exists());
     }
+}
+
+/// What `p` is, not following a symlink: "link", "dir", "file" or "none".
+fn kind_of(p: &Path) -> &'static str {
+    match std::fs::symlink_metadata(p) {
+        Ok(m) if m.is_symlink() => "link",
+        Ok(m) if m.is_dir() => "dir",
+        Ok(_) => "file",
+        Err(_) => "none",
+    }
+}
+
+/// `-r` into a destination tree where a directory of the source stands
+/// as a symlink (to a directory beside the tree, to one outside rcpd's
+/// root, the tree's top itself): as rsync without `--keep-dirlinks`, the
+/// link is replaced by a real directory and the files land in it; what
+/// the links pointed to is untouched. A file whose name is a symlink to a
+/// directory replaces the link. A second run changes nothing. Push and
+/// pull alike.
+pub fn a_symlinked_directory_at_the_destination_is_replaced(t: &str, push: bool) {
+    let s = Trees::new(t, push);
+    s.file("sub/f", 1000);
+    s.file("sub/deep/g", 2000);
+    s.file("out/h", 3000);
+    s.file("lf", 4000);
+    // Beside the destination tree (beneath rcpd's root on a push): what
+    // a link points to, with what it holds.
+    let beside = s.dst_side("beside");
+    std::fs::create_dir_all(beside.join("deep")).unwrap();
+    std::fs::write(beside.join("keep"), b"keep").unwrap();
+    // Same size and mtime as the source's: the quick check must not
+    // find it through the link and leave the real one out.
+    std::fs::copy(s.src.join("sub/deep/g"), beside.join("deep/g")).unwrap();
+    let t0 = std::fs::metadata(s.src.join("sub/deep/g"))
+        .unwrap()
+        .modified()
+        .unwrap();
+    std::fs::File::options()
+        .write(true)
+        .open(beside.join("deep/g"))
+        .unwrap()
+        .set_modified(t0)
+        .unwrap();
+    std::fs::create_dir(&s.dst).unwrap();
+    symlink("../beside", s.dst.join("sub")).unwrap();
+    symlink(&s.outside, s.dst.join("out")).unwrap();
+    symlink("../beside", s.dst.join("lf")).unwrap();
+    let untouched = |when: &str| {
+        assert_eq!(names(&s.outside), vec!["secret"], "{when}: outside");
+        assert_eq!(std::fs::read(s.outside.join("secret")).unwrap(), b"outside");
+        assert_eq!(names(&beside), vec!["deep", "keep"], "{when}: beside");
+        assert_eq!(
+            names(&beside.join("deep")),
+            vec!["g"],
+            "{when}: beside/deep"
+        );
+    };
+    let landed = |when: &str| {
+        for d in ["sub", "sub/deep", "out"] {
+            assert_eq!(kind_of(&s.dst.join(d)), "dir", "{when}: {d}");
+        }
+        assert_eq!(kind_of(&s.dst.join("lf")), "file", "{when}: lf");
+        for f in ["sub/f", "sub/deep/g", "out/h", "lf"] {
+            assert_eq!(
+                sha256sum(&s.dst.join(f)),
+                sha256sum(&s.src.join(f)),
+                "{when}: {f}"
+            );
+        }
+        untouched(when);
+    };
+    s.ok(&["-a"]);
+    landed("first run");
+    let r = s.ok(&["-a", "--json"]);
+    assert_eq!(summary(&r.stdout)["files"], 0, "{}", r.stdout);
+    landed("second run");
+
+    // The tree's top itself a link (to the directory beside it).
+    std::fs::remove_dir_all(&s.dst).unwrap();
+    symlink("beside", &s.dst).unwrap();
+    s.ok(&["-r", "--delete"]);
+    landed("top");
+}
+
+/// `-r` into a destination tree where a directory of the source (or the
+/// tree's top) is a file: refused for it (exit 2, as a file over a
+/// directory), the path named, the file untouched. Push and pull alike.
+pub fn a_directory_over_a_file_in_the_tree_is_refused(t: &str, push: bool) {
+    let s = Trees::new(t, push);
+    s.file("sub/g", 2000);
+    std::fs::create_dir(&s.dst).unwrap();
+    std::fs::write(s.dst.join("sub"), b"keep").unwrap();
+    let check = |r: Run, name: &str| {
+        assert_eq!(r.code, 2, "{}{}\n{}", r.stdout, r.stderr, s.d.log());
+        let line = r
+            .stderr
+            .lines()
+            .find(|l| l.contains("is not a directory, refusing to replace it with one"))
+            .unwrap_or_else(|| panic!("no refusal: {}", r.stderr));
+        assert!(line.contains(name), "{line}");
+    };
+    check(s.run(&["-r"]), "tree/sub");
+    assert_eq!(std::fs::read(s.dst.join("sub")).unwrap(), b"keep");
+    // The tree's top: a file where the destination tree goes.
+    std::fs::remove_dir_all(&s.dst).unwrap();
+    std::fs::write(&s.dst, b"top").unwrap();
+    check(s.run(&["-r"]), "tree");
+    assert_eq!(std::fs::read(&s.dst).unwrap(), b"top");
 }

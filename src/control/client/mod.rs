@@ -541,13 +541,16 @@ impl Client {
 
     /// `mkdir -p` of a remote directory; the last one, when made, with a
     /// copied directory's permission bits `mode` (0: rcpd's default; see
-    /// `MakeDirRequest.mode`).
-    pub async fn make_dir(&self, path: &str, mode: u32) -> Result<()> {
+    /// `MakeDirRequest.mode`). `replace_link`: a directory of a copied
+    /// tree, where a symlink is replaced, not followed
+    /// (`MakeDirRequest.replace_link`).
+    pub async fn make_dir(&self, path: &str, mode: u32, replace_link: bool) -> Result<()> {
         self.rpc
             .clone()
             .make_dir(proto::MakeDirRequest {
                 path: path.into(),
                 mode,
+                replace_link,
                 ..Default::default()
             })
             .await?;
@@ -564,6 +567,7 @@ impl Client {
                 mode,
                 exact: true,
                 mtime_ns,
+                replace_link: false,
             })
             .await?;
         Ok(())

@@ -381,12 +381,12 @@ pub async fn plan_push(
                 source: e,
             },
         })?;
+        let dest = if remote_is_dir {
+            join_remote(remote, Path::new(&basename(&local.to_string_lossy())))
+        } else {
+            remote.to_string()
+        };
         if !meta.is_dir() {
-            let dest = if remote_is_dir {
-                join_remote(remote, Path::new(&basename(&local.to_string_lossy())))
-            } else {
-                remote.to_string()
-            };
             let f = FileJob::push_len(local.clone(), remote, meta.len());
             plan.files.push(Planned {
                 job: with_job(f, job, false),
@@ -404,57 +404,13 @@ pub async fn plan_push(
                 local.display()
             )));
         }
-        let base = if remote_is_dir {
-            join_remote(remote, Path::new(&basename(&local.to_string_lossy())))
-        } else {
-            remote.to_string()
-        };
-        let (tree, listed) = walk_and_list(client, local, &base, job.skip.active()).await;
-        if let Some(l) = listed {
-            plan.listed
-                .insert(base.trim_end_matches('/').to_string(), l);
-        }
-        let tree = tree?;
-        let (entries, names) = admit_local(&mut plan.tree, job, local, &base, tree);
-        // The tree's directories first, empty ones included (scp -r,
-        // rsync -r), each with its source's mode.
-        use std::os::unix::fs::MetadataExt;
-        plan.remote_dirs.push(tree::PlannedDir {
-            path: base.clone(),
-            mode: meta.mode(),
+        let top = Top {
+            base: dest,
+            in_tree: remote_is_dir,
+            mode: std::os::unix::fs::MetadataExt::mode(&meta),
             mtime_ns: mtime_ns(&meta),
-        });
-        for d in entries
-            .iter()
-            .filter(|e| e.kind == crate::files::EntryKind::Dir)
-        {
-            plan.remote_dirs.push(tree::PlannedDir {
-                path: join_remote(&base, &d.rel_path),
-                mode: d.mode,
-                mtime_ns: super::fsutil::ns_from_ts(d.mtime),
-            });
-        }
-        if job.delete {
-            let dest = tree::remote_entries(client, &base).await?;
-            plan.tree
-                .delete_extras(&job.filter, &dest, &names, |r| join_remote(&base, r));
-        }
-        for e in entries
-            .into_iter()
-            .filter(|e| e.kind == crate::files::EntryKind::File)
-        {
-            let src = local.join(&e.rel_path);
-            let dest = join_remote(&base, &e.rel_path);
-            let f = FileJob::push_len(src.clone(), &dest, e.len);
-            plan.files.push(Planned {
-                job: with_job(f, job, true),
-                source: src.display().to_string(),
-                dest,
-                bytes: e.len,
-                mtime_ns: Some(super::fsutil::ns_from_ts(e.mtime)),
-                mode: Some(e.mode),
-            });
-        }
+        };
+        plan_push_tree(client, &mut plan, job, local, top).await?;
     }
     if job.preserve {
         plan.tree.preserved_dirs = deepest_first(plan.remote_dirs.clone());
@@ -464,6 +420,7 @@ pub async fn plan_push(
         path,
         mode: 0o777,
         mtime_ns: 0,
+        in_tree: false,
     }));
     skip::prune(client, &mut plan, &job.skip).await?;
     Ok(plan)
@@ -486,6 +443,75 @@ fn dir_to_make(dest: &str, is_dir: bool, exists: bool) -> Result<Option<String>>
     Ok(Some(dest.trim_end_matches('/').to_string()))
 }
 
+/// Where a tree lands and what its top directory is.
+struct Top<P> {
+    base: P,
+    /// [`tree::PlannedDir::in_tree`] of the top.
+    in_tree: bool,
+    mode: u32,
+    mtime_ns: i64,
+}
+
+/// The tree `local` pushed to `top.base`: its directories, files,
+/// links, what is left out and (`--delete`) what goes.
+async fn plan_push_tree(
+    client: &Client,
+    plan: &mut Plan,
+    job: &Job,
+    local: &Path,
+    top: Top<String>,
+) -> Result<()> {
+    let base = top.base;
+    let (tree, listed) = walk_and_list(client, local, &base, job.skip.active(), top.in_tree).await;
+    if let Some(l) = listed {
+        plan.listed
+            .insert(base.trim_end_matches('/').to_string(), l);
+    }
+    let tree = tree?;
+    let (entries, names) = admit_local(&mut plan.tree, job, local, &base, tree);
+    // The tree's directories first, empty ones included (scp -r,
+    // rsync -r), each with its source's mode.
+    plan.remote_dirs.push(tree::PlannedDir {
+        path: base.clone(),
+        mode: top.mode,
+        mtime_ns: top.mtime_ns,
+        in_tree: top.in_tree,
+    });
+    for d in entries
+        .iter()
+        .filter(|e| e.kind == crate::files::EntryKind::Dir)
+    {
+        plan.remote_dirs.push(tree::PlannedDir {
+            path: join_remote(&base, &d.rel_path),
+            mode: d.mode,
+            mtime_ns: super::fsutil::ns_from_ts(d.mtime),
+            in_tree: true,
+        });
+    }
+    if job.delete {
+        let dest = tree::remote_entries(client, &base).await?;
+        plan.tree
+            .delete_extras(&job.filter, &dest, &names, |r| join_remote(&base, r));
+    }
+    for e in entries
+        .into_iter()
+        .filter(|e| e.kind == crate::files::EntryKind::File)
+    {
+        let src = local.join(&e.rel_path);
+        let dest = join_remote(&base, &e.rel_path);
+        let f = FileJob::push_len(src.clone(), &dest, e.len);
+        plan.files.push(Planned {
+            job: with_job(f, job, true),
+            source: src.display().to_string(),
+            dest,
+            bytes: e.len,
+            mtime_ns: Some(super::fsutil::ns_from_ts(e.mtime)),
+            mode: Some(e.mode),
+        });
+    }
+    Ok(())
+}
+
 /// `-p`: directories in the order they get their modes and mtimes.
 fn deepest_first(mut dirs: Vec<tree::PlannedDir>) -> Vec<tree::PlannedDir> {
     dirs.sort_by_key(|d| std::cmp::Reverse(tree::depth(&d.path)));
@@ -497,12 +523,14 @@ fn deepest_first(mut dirs: Vec<tree::PlannedDir>) -> Vec<tree::PlannedDir> {
 /// rerun the two cost about the same, so they overlap. The listing is
 /// `None` when not asked for or not usable (the check lists again its own
 /// way: a tree too large for one answer), `Some(None)` when `base` does
-/// not exist.
+/// not exist (or is a symlink `in_tree`, to be replaced: the plan then
+/// copies every file).
 async fn walk_and_list(
     client: &Client,
     local: &Path,
     base: &str,
     list: bool,
+    in_tree: bool,
 ) -> (
     Result<crate::files::Tree>,
     Option<Option<Vec<crate::proto::Entry>>>,
@@ -510,6 +538,15 @@ async fn walk_and_list(
     let path = local.to_path_buf();
     let walk = tokio::task::spawn_blocking(move || crate::files::walk(path));
     let listing = async {
+        // A symlink where the tree's top goes is replaced by a directory
+        // (not listed through): as if nothing were there.
+        if in_tree {
+            if let Ok(Some(e)) = client.stat(base).await {
+                if e.r#type == FileType::Symlink as i32 {
+                    return Some(None);
+                }
+            }
+        }
         if !list {
             return None;
         }
@@ -587,33 +624,50 @@ async fn make_dirs(client: &Client, plan: &Plan) -> Result<()> {
             if made.len() >= tree::IN_FLIGHT {
                 made.try_next().await?;
             }
-            made.push(client.make_dir(&d.path, d.mode));
+            made.push(client.make_dir(&d.path, d.mode, d.in_tree));
         }
         while made.try_next().await?.is_some() {}
     }
     for d in &plan.local_dirs {
-        make_local_dir(&d.path, d.mode)
-            .map_err(ControlError::io(format!("creating {}", d.path.display())))?;
+        make_local_dir(&d.path, d.mode, d.in_tree)?;
     }
     Ok(())
 }
 
 /// `mkdir -p path`, the last directory, when made, with `mode`'s
-/// permission bits plus the owner's rwx (masked by the umask).
-fn make_local_dir(path: &Path, mode: u32) -> std::io::Result<()> {
+/// permission bits plus the owner's rwx (masked by the umask). `in_tree`
+/// ([`tree::PlannedDir::in_tree`]): a symlink at `path` is removed (the
+/// link, never what it points to) and a directory made in its place.
+fn make_local_dir(path: &Path, mode: u32, in_tree: bool) -> Result<()> {
     use std::os::unix::fs::DirBuilderExt;
-    if path.is_dir() {
+    let io = |e| ControlError::io(format!("creating {}", path.display()))(e);
+    if in_tree && std::fs::symlink_metadata(path).is_ok_and(|m| m.is_symlink()) {
+        std::fs::remove_file(path).map_err(io)?;
+    } else if path.is_dir() {
         return Ok(());
     }
     if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
-        std::fs::create_dir_all(parent)?;
+        std::fs::create_dir_all(parent).map_err(io)?;
     }
-    match std::fs::DirBuilder::new()
+    let made = std::fs::DirBuilder::new()
         .mode((mode & 0o7777) | 0o700)
-        .create(path)
-    {
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && path.is_dir() => Ok(()),
-        r => r,
+        .create(path);
+    match made {
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => match is_dir_here(path, in_tree)
+        {
+            true => Ok(()),
+            false => Err(crate::files::FileError::NotADirectory { path: path.into() }.into()),
+        },
+        r => r.map_err(io),
+    }
+}
+
+/// Whether `path` is a directory: itself when `in_tree` (a symlink to one
+/// is not), else following a symlink.
+fn is_dir_here(path: &Path, in_tree: bool) -> bool {
+    match in_tree {
+        true => std::fs::symlink_metadata(path).is_ok_and(|m| m.is_dir()),
+        false => path.is_dir(),
     }
 }
 
@@ -652,13 +706,6 @@ pub async fn plan_pull(
             local.display()
         )));
     }
-    let inside = |r: &str| {
-        if local_is_dir {
-            local.join(basename(r))
-        } else {
-            local.to_path_buf()
-        }
-    };
     let mut plan = Plan::default();
     for r in remotes {
         let Some(st) = client.stat(r).await? else {
@@ -668,8 +715,12 @@ pub async fn plan_pull(
                 dir: r.ends_with('/'),
             });
         };
+        let inside = local_is_dir;
+        let dst = match inside {
+            true => local.join(basename(r)),
+            false => local.to_path_buf(),
+        };
         if st.r#type != FileType::Dir as i32 {
-            let dst = inside(r);
             let mut f = with_job(FileJob::pull(r, dst.clone()), job, false);
             f.len_hint = st.length;
             plan.files.push(Planned {
@@ -685,54 +736,20 @@ pub async fn plan_pull(
         if !job.recursive {
             return Err(ControlError::Usage(format!("{r} is a directory (use -r)")));
         }
-        let base = inside(r);
-        plan.local_dirs.push(tree::PlannedDir {
-            path: base.clone(),
+        let top = Top {
+            base: dst,
+            in_tree: inside,
             mode: st.mode,
             mtime_ns: st.mtime_ns,
-        });
-        let mut names = HashSet::new();
-        for e in client.list(r, true).await? {
-            let rel = safe_rel(&e.path)?;
-            let dst = base.join(&rel);
-            let kind = listed_kind(&e);
-            let shown = join_remote(r, &rel);
-            let dest = dst.display().to_string();
-            if !plan.tree.admit(job, &rel, kind, shown, dest, &mut names) {
-                continue;
-            }
-            if e.r#type == FileType::Dir as i32 {
-                plan.local_dirs.push(tree::PlannedDir {
-                    path: dst,
-                    mode: e.mode,
-                    mtime_ns: e.mtime_ns,
-                });
-            } else if e.r#type == FileType::File as i32 {
-                let src = join_remote(r, &rel);
-                let mut f = with_job(FileJob::pull(&src, dst.clone()), job, true);
-                f.len_hint = e.length;
-                plan.files.push(Planned {
-                    job: f,
-                    source: src,
-                    dest: dst.display().to_string(),
-                    bytes: e.length,
-                    mtime_ns: Some(e.mtime_ns),
-                    mode: Some(e.mode),
-                });
-            }
-        }
-        if job.delete {
-            let dest = tree::local_entries(&base)?;
-            plan.tree.delete_extras(&job.filter, &dest, &names, |r| {
-                base.join(r).display().to_string()
-            });
-        }
+        };
+        plan_pull_tree(client, &mut plan, job, r, top).await?;
     }
     if job.preserve {
         let dirs = plan.local_dirs.iter().map(|d| tree::PlannedDir {
             path: d.path.display().to_string(),
             mode: d.mode,
             mtime_ns: d.mtime_ns,
+            in_tree: d.in_tree,
         });
         plan.tree.preserved_dirs = deepest_first(dirs.collect());
     }
@@ -744,11 +761,68 @@ pub async fn plan_pull(
                 path: PathBuf::from(path),
                 mode: 0o777,
                 mtime_ns: 0,
+                in_tree: false,
             },
         );
     }
     skip::prune(client, &mut plan, &job.skip).await?;
     Ok(plan)
+}
+
+/// The remote tree `r` pulled to `top.base`: its directories, files,
+/// links, what is left out and (`--delete`) what goes.
+async fn plan_pull_tree(
+    client: &Client,
+    plan: &mut Plan,
+    job: &Job,
+    r: &str,
+    top: Top<PathBuf>,
+) -> Result<()> {
+    let base = top.base;
+    plan.local_dirs.push(tree::PlannedDir {
+        path: base.clone(),
+        mode: top.mode,
+        mtime_ns: top.mtime_ns,
+        in_tree: top.in_tree,
+    });
+    let mut names = HashSet::new();
+    for e in client.list(r, true).await? {
+        let rel = safe_rel(&e.path)?;
+        let dst = base.join(&rel);
+        let kind = listed_kind(&e);
+        let shown = join_remote(r, &rel);
+        let dest = dst.display().to_string();
+        if !plan.tree.admit(job, &rel, kind, shown, dest, &mut names) {
+            continue;
+        }
+        if e.r#type == FileType::Dir as i32 {
+            plan.local_dirs.push(tree::PlannedDir {
+                path: dst,
+                mode: e.mode,
+                mtime_ns: e.mtime_ns,
+                in_tree: true,
+            });
+        } else if e.r#type == FileType::File as i32 {
+            let src = join_remote(r, &rel);
+            let mut f = with_job(FileJob::pull(&src, dst.clone()), job, true);
+            f.len_hint = e.length;
+            plan.files.push(Planned {
+                job: f,
+                source: src,
+                dest: dst.display().to_string(),
+                bytes: e.length,
+                mtime_ns: Some(e.mtime_ns),
+                mode: Some(e.mode),
+            });
+        }
+    }
+    if job.delete {
+        let dest = tree::local_entries(&base, top.in_tree)?;
+        plan.tree.delete_extras(&job.filter, &dest, &names, |r| {
+            base.join(r).display().to_string()
+        });
+    }
+    Ok(())
 }
 
 /// What a remote listing says an entry is.

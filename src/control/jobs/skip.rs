@@ -311,10 +311,26 @@ pub async fn prune(client: &Client, plan: &mut Plan, rules: &Rules) -> Result<()
             .retain(|d| !existing.contains(d.path.trim_end_matches('/')));
         d
     } else {
-        plan.local_dirs.retain(|d| !d.path.is_dir());
+        // Directories to make, and those beneath one (parents come
+        // first): a symlink replaced, or a file in the way, has nothing
+        // beneath it to compare with, whatever resolving through it finds.
+        let mut made: HashSet<PathBuf> = HashSet::new();
+        plan.local_dirs.retain(|d| {
+            let under = d.path.parent().is_some_and(|p| made.contains(p));
+            let make = under || !super::is_dir_here(&d.path, d.in_tree);
+            if make {
+                made.insert(d.path.clone());
+            }
+            make
+        });
         plan.files
             .iter()
-            .map(|f| local_dest(&f.job.local))
+            .map(
+                |f| match f.job.local.parent().is_some_and(|p| made.contains(p)) {
+                    true => Ok(Dest::Missing),
+                    false => local_dest(&f.job.local),
+                },
+            )
             .collect::<Result<Vec<_>>>()?
     };
     let mut verdicts = Vec::with_capacity(dests.len());

@@ -82,6 +82,12 @@ pub struct PlannedDir<P = String> {
     pub path: P,
     pub mode: u32,
     pub mtime_ns: i64,
+    /// A directory of the copied tree, its top included unless it is the
+    /// destination named on the command line: a symlink standing there is
+    /// replaced by a directory, never followed (rsync without
+    /// `--keep-dirlinks`). The named destination is followed, as scp and
+    /// rsync follow it.
+    pub in_tree: bool,
 }
 
 /// What the summary and `--json` count of a tree.
@@ -287,9 +293,12 @@ pub(super) async fn remote_entries(client: &Client, base: &str) -> Result<Vec<(P
     Ok(out)
 }
 
-/// A local destination tree's entries (`--delete` on pull).
-pub(super) fn local_entries(base: &Path) -> Result<Vec<(PathBuf, bool)>> {
-    if !base.is_dir() {
+/// A local destination tree's entries (`--delete` on pull); none when
+/// `base` is not a directory, or (`in_tree`) is a symlink, which the copy
+/// replaces by a directory.
+pub(super) fn local_entries(base: &Path, in_tree: bool) -> Result<Vec<(PathBuf, bool)>> {
+    let link = || std::fs::symlink_metadata(base).is_ok_and(|m| m.is_symlink());
+    if !base.is_dir() || (in_tree && link()) {
         return Ok(Vec::new());
     }
     let t = crate::files::walk(base)?;

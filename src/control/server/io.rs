@@ -216,12 +216,21 @@ impl StreamIo {
                 return Ok((d, name.to_string(), fsutil::rel_str(&rp), Some(seen)));
             }
         }
-        match root.stat(&rel) {
-            // A file of a tree (its parents made as needed) names its own
-            // destination: "an existing directory means inside it" is the
-            // top-level destination's rule only, never an entry's.
+        // A file of a tree (its parents made as needed) names its own
+        // destination: "an existing directory means inside it" is the
+        // top-level destination's rule only, never an entry's; and a
+        // symlink standing at its name is replaced, never followed (rsync).
+        let seen = match open.create_parents {
+            true => root.lstat(&rel),
+            false => root.stat(&rel),
+        };
+        match seen {
             Ok(m) if m.kind == FileKind::Dir && open.create_parents => {
                 Err(FileError::IsADirectory { path: rel.into() }.into())
+            }
+            Ok(m) if m.kind == FileKind::Symlink && open.create_parents => {
+                let (dir, name) = self.parent_of(&rp, open)?;
+                Ok((dir, name, fsutil::rel_str(&rp), None))
             }
             Ok(m) if m.kind == FileKind::Dir => {
                 let d = self.dir(&rel, false)?;
@@ -238,23 +247,34 @@ impl StreamIo {
                 open.path
             ))),
             Ok(_) | Err(FileError::Path(PathError::NotFound { .. })) => {
-                let name = rp
-                    .file_name()
-                    .ok_or_else(|| ControlError::Invalid("cannot write over the root".into()))?
-                    .to_string();
-                let parent = fsutil::rel_str(&rp.parent());
-                let dir = self
-                    .dir(&parent, open.create_parents)
-                    .map_err(|e| match e {
-                        ControlError::FileNotFound(_) | ControlError::DirNotFound(_) => {
-                            ControlError::DirNotFound(format!("{parent} (parent of {})", open.path))
-                        }
-                        e => e,
-                    })?;
+                let (dir, name) = self.parent_of(&rp, open)?;
                 Ok((dir, name, fsutil::rel_str(&rp), None))
             }
             Err(e) => Err(e.into()),
         }
+    }
+
+    /// The directory a pushed file `rp` goes in (made with its parents
+    /// when the file asks), and its name there.
+    fn parent_of(
+        &self,
+        rp: &files::RelPath,
+        open: &proto::OpenFile,
+    ) -> Result<(DirHandle, String), ControlError> {
+        let name = rp
+            .file_name()
+            .ok_or_else(|| ControlError::Invalid("cannot write over the root".into()))?
+            .to_string();
+        let parent = fsutil::rel_str(&rp.parent());
+        let dir = self
+            .dir(&parent, open.create_parents)
+            .map_err(|e| match e {
+                ControlError::FileNotFound(_) | ControlError::DirNotFound(_) => {
+                    ControlError::DirNotFound(format!("{parent} (parent of {})", open.path))
+                }
+                e => e,
+            })?;
+        Ok((dir, name))
     }
 
     fn open_push(&self, open: &proto::OpenFile) -> Result<(FileHandle, OpenedFile), ControlError> {

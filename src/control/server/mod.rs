@@ -446,12 +446,15 @@ impl proto::rcp_server::Rcp for RcpService {
             mode,
             exact,
             mtime_ns,
+            replace_link,
         } = req.into_inner();
         let rel = fsutil::root_rel(&path);
         let root = &self.0.root;
         in_place(|| {
             if exact {
                 root.set_dir_attrs(&rel, mode, fsutil::ts_from_ns(mtime_ns))
+            } else if replace_link {
+                root.create_tree_dir(&rel, mode).map(drop)
             } else {
                 root.create_dir_all_mode(&rel, mode).map(drop)
             }
