@@ -110,8 +110,9 @@ pub fn place_copy_threads(
 /// `REASON_FANOUT_INCOMPLETE`). 2.5: standing grants
 /// (`BufferGrantRequest.standing_ok`, `BufferGrantResponse.standing`,
 /// `BufferNotify`). 2.9: `MakeDirRequest.replace_link` (a symlink where a
-/// copied tree has a directory is replaced, not followed; an older rcpd
-/// ignores the field and follows the link).
+/// copied tree has a directory is replaced, not followed), `Stat` of a
+/// path ending in `/` follows a final symlink and says a link's target;
+/// an older rcpd ignores the field and reports the link.
 pub const VERSION_MAJOR: u32 = 2;
 pub const VERSION_MINOR: u32 = 9;
 /// Default gRPC port of rcpd.

@@ -413,12 +413,28 @@ impl Root {
         Ok(FileMeta::from_stat(&st))
     }
 
-    /// Metadata of `rel` itself: a final symlink is reported, not followed.
+    /// Metadata of `rel` itself: a final symlink is reported, not followed,
+    /// unless `rel` ends in `/` (`link/` names what the link points to, as
+    /// in POSIX path resolution and rsync's `SRC/`).
     pub fn lstat(&self, rel: &str) -> Result<FileMeta> {
         let r = normalize(rel)?;
-        let fd = self.resolve(&r, OFlags::PATH, false)?;
+        let fd = self.resolve(&r, OFlags::PATH, r.trailing_slash())?;
         let st = rfs::fstat(&fd).map_err(|e| map_errno(e, rel, "stat"))?;
         Ok(FileMeta::from_stat(&st))
+    }
+
+    /// The target text of symlink `rel`, as stored in the link (never
+    /// followed; the target is not checked here).
+    pub fn read_link(&self, rel: &str) -> Result<PathBuf> {
+        let r = normalize(rel)?;
+        let name = r.file_name().ok_or_else(|| PathError::BadName {
+            name: rel.to_owned(),
+            why: "the root itself is not a symlink",
+        })?;
+        let dir = self.open_dir_rel(&r.parent())?;
+        let t = rfs::readlinkat(dir.fd(), name, Vec::new())
+            .map_err(|e| io_err("readlink", self.display(&r), e))?;
+        Ok(PathBuf::from(OsString::from_vec(t.into_bytes())))
     }
 
     /// The entries of directory `rel`, sorted by name, with `lstat` metadata.

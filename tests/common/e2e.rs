@@ -1336,6 +1336,18 @@ macro_rules! e2e_tests {
 
         #[test]
         $(#[$attr])*
+        fn push_a_symlink_named_as_source() {
+            $crate::common::e2e_tree::a_symlink_named_as_source($t, true);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn pull_a_symlink_named_as_source() {
+            $crate::common::e2e_tree::a_symlink_named_as_source($t, false);
+        }
+
+        #[test]
+        $(#[$attr])*
         fn push_names_not_utf8_are_left_out_and_never_deleted() {
             $crate::common::e2e_tree::names_not_utf8_are_left_out_and_never_deleted($t, true);
         }

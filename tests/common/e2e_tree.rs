@@ -78,6 +78,30 @@ impl Trees {
         rcp(self.d.port, &self.t, None, &a)
     }
 
+    /// `rcp push|pull ARGS SRCS... DST`: each source named beside the
+    /// source tree (`tree` is the tree; a trailing `/` is kept), the
+    /// destination beside the destination tree.
+    pub fn copy(&self, args: &[&str], srcs: &[&str], dst: &str) -> Run {
+        let beside = |top: &Path, n: &str| format!("{}/{n}", top.parent().unwrap().display());
+        let (sub, from, to): (_, Vec<String>, _) = if self.push {
+            let from = srcs.iter().map(|n| beside(&self.src, n)).collect();
+            ("push", from, remote(dst))
+        } else {
+            let from = srcs.iter().map(|n| remote(n)).collect();
+            ("pull", from, beside(&self.dst, dst))
+        };
+        let mut a = vec![sub];
+        a.extend_from_slice(args);
+        a.extend(from.iter().map(String::as_str));
+        a.push(&to);
+        rcp(self.d.port, &self.t, None, &a)
+    }
+
+    /// Beside the source tree (`src`'s directory).
+    pub fn src_side(&self, rel: &str) -> PathBuf {
+        self.src.parent().unwrap().join(rel)
+    }
+
     /// Beside the destination tree (`dst`'s directory).
     pub fn dst_side(&self, rel: &str) -> PathBuf {
         self.dst.parent().unwrap().join(rel)
@@ -517,6 +541,59 @@ pub fn a_symlinked_directory_at_the_destination_is_replaced(t: &str, push: bool)
     symlink("beside", &s.dst).unwrap();
     s.ok(&["-r", "--delete"]);
     landed("top");
+}
+
+/// A source named on the command line that is a symlink: with `-a` it is
+/// copied as a symlink, its target text kept (one pointing out of its
+/// directory is left out, said, as --safe-links); `LINK/` follows it into
+/// the directory (its contents land in the destination, existing or not);
+/// without `-a` it is followed (a tree by the link's name, a file's
+/// bytes). Push and pull alike.
+pub fn a_symlink_named_as_source(t: &str, push: bool) {
+    let s = Trees::new(t, push);
+    s.file("f", 1000);
+    symlink("tree", s.src_side("tl")).unwrap();
+    symlink("tree/f", s.src_side("fl")).unwrap();
+    symlink("../outside/secret", s.src_side("esc")).unwrap();
+    for d in ["a", "plain"] {
+        std::fs::create_dir(s.dst_side(d)).unwrap();
+    }
+    let same = |p: &Path| assert_eq!(sha256sum(p), sha256sum(&s.src.join("f")), "{p:?}");
+
+    let r = s.copy(&["-a"], &["tl", "fl", "esc"], "a");
+    assert_eq!(r.code, 0, "{}{}\n{}", r.stdout, r.stderr, s.d.log());
+    assert_eq!(link_of(&s.dst_side("a/tl")), Some(PathBuf::from("tree")));
+    assert_eq!(link_of(&s.dst_side("a/fl")), Some(PathBuf::from("tree/f")));
+    assert_eq!(kind_of(&s.dst_side("a/esc")), "none");
+    assert!(
+        r.stderr
+            .lines()
+            .any(|l| l.contains("esc") && l.contains("--safe-links")),
+        "{}",
+        r.stderr
+    );
+    assert!(
+        r.stdout.contains("2 symlinks made, 1 entry left out"),
+        "{}",
+        r.stdout
+    );
+
+    // LINK/: the directory's contents, into a new destination, then into
+    // the same one, existing.
+    for run in 0..2 {
+        let r = s.copy(&["-a"], &["tl/"], "contents");
+        assert_eq!(r.code, 0, "run {run}: {}{}", r.stdout, r.stderr);
+        assert_eq!(names(&s.dst_side("contents")), vec!["f"], "run {run}");
+        same(&s.dst_side("contents/f"));
+    }
+
+    // Without -a: followed.
+    let r = s.copy(&["-r"], &["tl", "fl"], "plain");
+    assert_eq!(r.code, 0, "{}{}\n{}", r.stdout, r.stderr, s.d.log());
+    assert_eq!(kind_of(&s.dst_side("plain/tl")), "dir");
+    same(&s.dst_side("plain/tl/f"));
+    assert_eq!(kind_of(&s.dst_side("plain/fl")), "file");
+    same(&s.dst_side("plain/fl"));
 }
 
 /// `-r` into a destination tree where a directory of the source (or the

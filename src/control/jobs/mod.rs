@@ -352,17 +352,21 @@ impl Plan {
 
 /// Resolve `rcp push [-r] LOCAL... HOST:REMOTE` into a [`Plan`]: stats the
 /// remote destination, walks the local trees; creates nothing.
+///
+/// rsync's rules for a source: `DIR/` (a trailing slash) names the
+/// directory's contents, which land in the destination itself whether or
+/// not it exists; `DIR` lands inside an existing destination directory
+/// (`REMOTE/DIR`), or becomes it. With `-a` a source that is a symlink is
+/// copied as one (`LINK/` follows it); without, it is followed (scp's and
+/// cp's habit; rsync would skip it).
 pub async fn plan_push(
     client: &Client,
     locals: &[PathBuf],
     remote: &str,
     job: &Job,
 ) -> Result<Plan> {
-    let rstat = client.stat(remote).await?;
-    let exists_as_dir = rstat
-        .as_ref()
-        .is_some_and(|e| e.r#type == FileType::Dir as i32);
-    let made = dir_to_make(remote, exists_as_dir, rstat.is_some())?;
+    let (exists, exists_as_dir) = remote_dir(client, remote).await?;
+    let made = dir_to_make(remote, exists_as_dir, exists)?;
     let remote_is_dir = exists_as_dir || made.is_some();
     if locals.len() > 1 && !remote_is_dir {
         return Err(ControlError::DirNotFound(format!(
@@ -374,17 +378,20 @@ pub async fn plan_push(
         ..Plan::default()
     };
     for local in locals {
-        let meta = std::fs::metadata(local).map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => ControlError::FileNotFound(local.display().to_string()),
-            _ => ControlError::Io {
-                context: format!("stat {}", local.display()),
-                source: e,
-            },
-        })?;
-        let dest = if remote_is_dir {
-            join_remote(remote, Path::new(&basename(&local.to_string_lossy())))
+        let contents = names_contents(&local.to_string_lossy());
+        let inside = remote_is_dir && !contents;
+        let name = basename(&local.to_string_lossy());
+        let dest = if inside {
+            join_remote(remote, Path::new(&name))
         } else {
             remote.to_string()
+        };
+        let meta = match local_source(local, job.links && !contents)? {
+            LocalSource::Link(target) => {
+                admit_top_link(&mut plan.tree, job, &name, local, dest, target);
+                continue;
+            }
+            LocalSource::Other(meta) => meta,
         };
         if !meta.is_dir() {
             let f = FileJob::push_len(local.clone(), remote, meta.len());
@@ -406,7 +413,7 @@ pub async fn plan_push(
         }
         let top = Top {
             base: dest,
-            in_tree: remote_is_dir,
+            in_tree: inside,
             mode: std::os::unix::fs::MetadataExt::mode(&meta),
             mtime_ns: mtime_ns(&meta),
         };
@@ -441,6 +448,81 @@ fn dir_to_make(dest: &str, is_dir: bool, exists: bool) -> Result<Option<String>>
         )));
     }
     Ok(Some(dest.trim_end_matches('/').to_string()))
+}
+
+/// Whether a source names a directory's contents (rsync's `SRC/`).
+fn names_contents(source: &str) -> bool {
+    source.ends_with('/')
+}
+
+/// Whether the destination named on the command line exists, and whether
+/// it is a directory, following a symlink there as scp and rsync follow
+/// the destination they are given (rcpd's Stat reports a final link
+/// unless the path ends in `/`; an rcpd older than 2.9 reports it either
+/// way: not a directory).
+async fn remote_dir(client: &Client, remote: &str) -> Result<(bool, bool)> {
+    let is = |e: &Option<crate::proto::Entry>, t: FileType| {
+        e.as_ref().is_some_and(|e| e.r#type == t as i32)
+    };
+    let st = client.stat(remote).await?;
+    if is(&st, FileType::Symlink) && !names_contents(remote) {
+        let followed = client.stat(&format!("{remote}/")).await?;
+        return Ok((true, is(&followed, FileType::Dir)));
+    }
+    Ok((st.is_some(), is(&st, FileType::Dir)))
+}
+
+/// What a push's local source is.
+enum LocalSource {
+    /// A symlink copied as one (`-a`), with its target text.
+    Link(PathBuf),
+    /// A file or directory (a symlink followed).
+    Other(std::fs::Metadata),
+}
+
+/// Look at a push's local source: a symlink is kept as one when `links`,
+/// else followed.
+fn local_source(local: &Path, links: bool) -> Result<LocalSource> {
+    let not_found = |e: std::io::Error| match e.kind() {
+        std::io::ErrorKind::NotFound => ControlError::FileNotFound(local.display().to_string()),
+        _ => ControlError::Io {
+            context: format!("stat {}", local.display()),
+            source: e,
+        },
+    };
+    if links
+        && std::fs::symlink_metadata(local)
+            .map_err(not_found)?
+            .is_symlink()
+    {
+        let target = std::fs::read_link(local).map_err(not_found)?;
+        return Ok(LocalSource::Link(target));
+    }
+    std::fs::metadata(local)
+        .map(LocalSource::Other)
+        .map_err(not_found)
+}
+
+/// A top-level symlink source under `-a`: a link to make at `dest` (push,
+/// remote; pull, local) when its target stays beside it (`--safe-links`,
+/// as for a tree's links), else left out, said.
+fn admit_top_link(
+    t: &mut tree::TreePlan,
+    job: &Job,
+    name: &str,
+    shown: &Path,
+    dest: String,
+    target: PathBuf,
+) {
+    let kind = match target.to_str() {
+        Some(s) => tree::Kind::Link(Some(s)),
+        None => tree::Kind::Skipped {
+            link: false,
+            why: "symlink target is not valid UTF-8 (rcp carries names as UTF-8)",
+        },
+    };
+    let shown = crate::files::shown_bytes(shown);
+    t.admit(job, Path::new(name), kind, shown, dest, &mut HashSet::new());
 }
 
 /// Where a tree lands and what its top directory is.
@@ -684,7 +766,8 @@ pub async fn push(
 }
 
 /// Resolve `rcp pull [-r] HOST:REMOTE... LOCAL` into a [`Plan`]: stats and
-/// lists the remote sources; creates nothing.
+/// lists the remote sources; creates nothing. A source's trailing `/` and
+/// a symlink source follow [`plan_push`]'s rules.
 pub async fn plan_pull(
     client: &Client,
     remotes: &[String],
@@ -708,18 +791,26 @@ pub async fn plan_pull(
     }
     let mut plan = Plan::default();
     for r in remotes {
-        let Some(st) = client.stat(r).await? else {
-            return Err(ControlError::RemoteNotFound {
-                host: client.host().to_string(),
-                path: r.clone(),
-                dir: r.ends_with('/'),
-            });
-        };
-        let inside = local_is_dir;
+        let contents = names_contents(r);
+        let inside = local_is_dir && !contents;
         let dst = match inside {
             true => local.join(basename(r)),
             false => local.to_path_buf(),
         };
+        let st = remote_source(client, r, job.links && !contents).await?;
+        if st.r#type == FileType::Symlink as i32 {
+            let target = PathBuf::from(&st.link_target);
+            let dest = dst.display().to_string();
+            admit_top_link(
+                &mut plan.tree,
+                job,
+                &basename(r),
+                Path::new(r),
+                dest,
+                target,
+            );
+            continue;
+        }
         if st.r#type != FileType::Dir as i32 {
             let mut f = with_job(FileJob::pull(r, dst.clone()), job, false);
             f.len_hint = st.length;
@@ -767,6 +858,23 @@ pub async fn plan_pull(
     }
     skip::prune(client, &mut plan, &job.skip).await?;
     Ok(plan)
+}
+
+/// What a pull's remote source `r` is: a symlink reported as one when
+/// `links` (with its target, from an rcpd of 2.9 or later), else followed
+/// (rcpd's Stat of `r/`).
+async fn remote_source(client: &Client, r: &str, links: bool) -> Result<crate::proto::Entry> {
+    let missing = || ControlError::RemoteNotFound {
+        host: client.host().to_string(),
+        path: r.to_string(),
+        dir: r.ends_with('/'),
+    };
+    let st = client.stat(r).await?.ok_or_else(missing)?;
+    if st.r#type == FileType::Symlink as i32 && !links && !names_contents(r) {
+        // A dangling link names nothing there.
+        return client.stat(&format!("{r}/")).await?.ok_or_else(missing);
+    }
+    Ok(st)
 }
 
 /// The remote tree `r` pulled to `top.base`: its directories, files,

@@ -324,6 +324,12 @@ impl proto::rcp_server::Rcp for RcpService {
         match in_place(|| root.lstat(&rel)) {
             Ok(m) => {
                 let mut e = entry(String::new(), m.kind, m.len, m.mode, m.mtime);
+                if m.kind == FileKind::Symlink {
+                    // What `-a` recreates of a top-level link (empty when
+                    // not UTF-8: the client then leaves it out, said).
+                    let t = in_place(|| root.read_link(&rel)).map_err(ControlError::from)?;
+                    e.link_target = t.to_str().unwrap_or_default().to_string();
+                }
                 if r.fingerprint && m.kind == FileKind::File {
                     let src =
                         in_place(|| SourceFile::open_in(root, &rel)).map_err(ControlError::from)?;
