@@ -989,6 +989,25 @@ fn tree_summary(t: &jobs::tree::TreeCounts) -> Option<String> {
     (!parts.is_empty()).then(|| parts.join(", "))
 }
 
+/// A lone directory source that becomes the destination (which is not a
+/// directory yet), and the destination: the command that continues the
+/// copy once interrupted names the source's contents (`SRC/`, rsync's
+/// rule), which land in the destination again now that it exists, not
+/// in a copy of the source nested inside it. (A destination ending in
+/// `/` is a directory either way: the source lands inside it, made or
+/// not, on every run.)
+fn contents_source(c: &Cli, plan: &Plan) -> Option<(String, String)> {
+    let (Cmd::Push { args, .. } | Cmd::Pull { args, .. }) = &c.cmd else {
+        return None;
+    };
+    let [src, dst] = args.as_slice() else {
+        return None;
+    };
+    let became =
+        plan.remote_dirs.iter().any(|d| !d.in_tree) || plan.local_dirs.iter().any(|d| !d.in_tree);
+    (became && !src.ends_with('/') && !dst.ends_with('/')).then(|| (src.clone(), dst.clone()))
+}
+
 /// `rcp push` / `rcp pull`: plan, then (unless a dry run) copy with
 /// progress, and print the summary.
 async fn copy_files(
@@ -1015,6 +1034,7 @@ async fn copy_files(
         return Ok(());
     }
     let tree_plan = std::mem::take(&mut plan.tree);
+    let contents = contents_source(c, &plan);
     let (bytes_total, files_total) = (plan.bytes(), plan.files.len() as u64);
     let watch = Arc::new(Watch {
         bars: (!c.quiet && std::io::stderr().is_terminal())
@@ -1080,6 +1100,8 @@ async fn copy_files(
             files_total,
             bytes: watch.committed.load(Relaxed),
             bytes_total,
+            moved: watch.shown(),
+            contents,
         };
         signals::report(sig, &done);
     }

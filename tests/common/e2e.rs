@@ -382,9 +382,21 @@ fn interrupt_mid_copy(
 fn says_how_to_resume(said: &str, sig: &str, sub: &str, len: u64) -> String {
     assert!(said.contains(&format!("interrupted by SIG{sig}")), "{said}");
     assert!(
-        said.contains(&format!("0 of 1 files committed (0 of {len} bytes)")),
+        said.contains(&format!("0 of 1 files committed (0 of {len} bytes), ")),
         "{said}"
     );
+    // What moved of the file before the signal is said too: some (a
+    // window was verified), not all.
+    let moved: u64 = said
+        .split(" bytes), ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next()?.parse().ok())
+        .unwrap_or_else(|| panic!("no bytes moved said: {said}"));
+    assert!(
+        said.contains(&format!("{moved} of {len} bytes moved")),
+        "{said}"
+    );
+    assert!(moved > 0 && moved < len, "{said}");
     let cmd = said
         .lines()
         .find_map(|l| l.strip_prefix("rcp: to continue: "))
@@ -432,19 +444,7 @@ pub fn interrupted_copy(t: &str, s: &Scale, sub: &str, sig: &str, then: Then) {
         Then::Rerun => rcp_blocks(t, d.port, s.resume_block, &args)
             .output()
             .unwrap(),
-        Then::Printed => {
-            // As the user would: in a shell, with rcp's environment.
-            let rcp = rcp_cmd(d.port, t, None, &[]);
-            let mut sh = Command::new("sh");
-            sh.args(["-c", &cmd.replace(" -q ", " ")]);
-            for (k, v) in rcp.get_envs() {
-                match v {
-                    Some(v) => sh.env(k, v),
-                    None => sh.env_remove(k),
-                };
-            }
-            sh.output().unwrap()
-        }
+        Then::Printed => run_printed(t, d.port, &cmd),
     };
     let (so, se) = (
         String::from_utf8_lossy(&out.stdout),
@@ -462,6 +462,62 @@ pub fn interrupted_copy(t: &str, s: &Scale, sub: &str, sig: &str, then: Then) {
         "no partial left: {so}{se}\nrcpd: {}",
         d.log()
     );
+}
+
+/// Run the command an interrupted rcp printed (without `-q`) as the user
+/// would: in a shell, with rcp's environment.
+fn run_printed(t: &str, port: u16, cmd: &str) -> std::process::Output {
+    let rcp = rcp_cmd(port, t, None, &[]);
+    let mut sh = Command::new("sh");
+    sh.args(["-c", &cmd.replace(" -q ", " ")]);
+    for (k, v) in rcp.get_envs() {
+        match v {
+            Some(v) => sh.env(k, v),
+            None => sh.env_remove(k),
+        };
+    }
+    sh.output().unwrap()
+}
+
+/// A tree copied (`sub`: push or pull) into a destination that does not
+/// exist, which the tree becomes, interrupted by SIGINT mid-copy: the
+/// printed command names the source as `SRC/` (rsync's "its contents"),
+/// so that, the destination existing by then, the rest lands in the same
+/// place and not nested inside it; it moves less than the file, and
+/// leaves no partial or manifest behind.
+pub fn interrupted_tree_into_a_new_directory(t: &str, s: &Scale, sub: &str) {
+    let (tmp, root) = tmp_with_root();
+    let d = Rcpd::start(&root, t, None, FEW_WINDOWS);
+    let (src, dst) = match sub {
+        "push" => (tmp.path().join("src"), root.join("new")),
+        _ => (root.join("src"), tmp.path().join("new")),
+    };
+    std::fs::create_dir(&src).unwrap();
+    make_file(&src.join("big"), s.resume_len, 15);
+    let want = sha256sum(&src.join("big"));
+    let (from, to) = match sub {
+        "push" => (src.to_str().unwrap().to_string(), remote("new")),
+        _ => (remote("src"), dst.to_str().unwrap().to_string()),
+    };
+    let args = [sub, "-q", "-r", &from, &to];
+    let (code, said) = interrupt_mid_copy(t, &d, s, &args, (&dst, "big"), "INT");
+    assert_eq!(code, 130, "{said}\nrcpd: {}", d.log());
+    let cmd = says_how_to_resume(&said, "INT", sub, s.resume_len);
+    assert!(cmd.contains(&format!("{from}/ ")), "{cmd}");
+    let out = run_printed(t, d.port, &cmd);
+    let (so, se) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{cmd}: {so}{se}\nrcpd: {}", d.log());
+    let m = moved(&so);
+    assert!(m < s.resume_len, "the resume moved {m} bytes: {so}");
+    assert_eq!(
+        names(&dst),
+        vec!["big".to_string()],
+        "nested, or a partial left: {so}{se}"
+    );
+    assert_eq!(sha256sum(&dst.join("big")), want);
 }
 
 /// Eight clients push to an rcpd with three transfer slots: the excess
@@ -1188,6 +1244,18 @@ macro_rules! e2e_tests {
         fn pull_terminated_resumes_with_the_printed_command() {
             use $crate::common::e2e::{interrupted_copy, Then};
             interrupted_copy($t, &$scale, "pull", "TERM", Then::Printed);
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn push_interrupted_tree_into_a_new_directory_resumes_in_place() {
+            $crate::common::e2e::interrupted_tree_into_a_new_directory($t, &$scale, "push");
+        }
+
+        #[test]
+        $(#[$attr])*
+        fn pull_interrupted_tree_into_a_new_directory_resumes_in_place() {
+            $crate::common::e2e::interrupted_tree_into_a_new_directory($t, &$scale, "pull");
         }
 
         #[test]
