@@ -65,18 +65,44 @@ impl Write for Limited<'_, '_> {
                 return Ok(());
             }
             self.left -= 1;
-            match c {
-                '"' => self.out.write_str("\\\"")?,
-                '\\' => self.out.write_str("\\\\")?,
-                '\n' => self.out.write_str("\\n")?,
-                '\r' => self.out.write_str("\\r")?,
-                '\t' => self.out.write_str("\\t")?,
-                c if hidden(c) => write!(self.out, "\\u{{{:x}}}", c as u32)?,
-                c => self.out.write_char(c)?,
-            }
+            escaped(self.out, c)?;
         }
         Ok(())
     }
+}
+
+/// `c` as [`esc`] writes it.
+fn escaped(out: &mut impl Write, c: char) -> fmt::Result {
+    match c {
+        '"' => out.write_str("\\\""),
+        '\\' => out.write_str("\\\\"),
+        '\n' => out.write_str("\\n"),
+        '\r' => out.write_str("\\r"),
+        '\t' => out.write_str("\\t"),
+        c if hidden(c) => write!(out, "\\u{{{:x}}}", c as u32),
+        c => out.write_char(c),
+    }
+}
+
+/// A name (a path) for a line of rcp's own output, a dry run's `would
+/// push SRC -> DST` or `deleting PATH`: as it is when it holds nothing
+/// [`esc`] would escape; else quoted and escaped as [`esc`] does, whole
+/// (never cut: the line is the listing). So a newline in a name cannot
+/// start a line of its own, an escape sequence cannot reach the terminal,
+/// and a quoted name is never taken for a plain one (a name with a quote
+/// or a backslash in it is quoted too).
+pub fn name(s: &str) -> std::borrow::Cow<'_, str> {
+    if !s.chars().any(|c| c == '"' || c == '\\' || hidden(c)) {
+        return std::borrow::Cow::Borrowed(s);
+    }
+    let mut out = String::with_capacity(s.len() + 8);
+    out.push('"');
+    for c in s.chars() {
+        // Writing to a String does not fail.
+        let _ = escaped(&mut out, c);
+    }
+    out.push('"');
+    std::borrow::Cow::Owned(out)
 }
 
 /// Control characters (C0, DEL, C1) and the format characters that move,
@@ -125,6 +151,19 @@ mod tests {
             esc("a\u{202e}b\u{200b}c\u{2028}d\u{feff}").to_string(),
             r#""a\u{202e}b\u{200b}c\u{2028}d\u{feff}""#
         );
+    }
+
+    #[test]
+    fn a_name_is_escaped_only_when_it_must_be_and_never_cut() {
+        assert_eq!(name("dir/a b.txt"), "dir/a b.txt");
+        assert_eq!(name("übergröße 名前"), "übergröße 名前");
+        assert_eq!(name("a\nb"), r#""a\nb""#);
+        assert_eq!(name("c\u{1b}[31mred"), r#""c\u{1b}[31mred""#);
+        assert_eq!(name("q\"uote"), r#""q\"uote""#);
+        assert_eq!(name("back\\slash"), r#""back\\slash""#);
+        assert_eq!(name("rtl\u{202e}x"), r#""rtl\u{202e}x""#);
+        let long = format!("{}\n", "x".repeat(MAX_LOGGED * 4));
+        assert_eq!(name(&long).len(), MAX_LOGGED * 4 + 4);
     }
 
     #[test]

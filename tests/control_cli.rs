@@ -402,6 +402,73 @@ fn dry_run_lists_every_file_and_creates_nothing() {
     assert_eq!(listing(&src), before);
 }
 
+/// A dry run's lines (`would push`, `would delete`) name a file as it is,
+/// unless its name holds a control character (a newline, ESC), a quote
+/// or a backslash: then quoted and escaped, so that no name starts a line
+/// of its own or reaches the terminal as an escape sequence.
+#[test]
+fn dry_run_escapes_names_it_cannot_print_as_they_are() {
+    let (tmp, root) = e2e::tmp_with_root();
+    let d = Rcpd::start(&root, T, None, &[]);
+    let src = tmp.path().join("src");
+    std::fs::create_dir(&src).unwrap();
+    let odd = ["a\nb", "c\u{1b}[31mred", "q\"uote", "back\\slash"];
+    for n in ["plain"].iter().chain(&odd) {
+        make_file(&src.join(n), 10, 1);
+    }
+    let shown = [
+        r#""dst/a\nb""#,
+        r#""dst/c\u{1b}[31mred""#,
+        r#""dst/q\"uote""#,
+        r#""dst/back\\slash""#,
+    ];
+    let s = src.to_str().unwrap();
+    let r = rcp(d.port, T, None, &["push", "-r", "-n", s, &remote("dst")]);
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    let lines: Vec<&str> = r.stdout.lines().collect();
+    assert_eq!(
+        lines.len(),
+        6,
+        "a line per file and the totals: {}",
+        r.stdout
+    );
+    for l in &lines[..5] {
+        assert!(l.starts_with("would push "), "{l:?}");
+    }
+    assert!(!r.stdout.contains('\u{1b}'), "{:?}", r.stdout);
+    assert!(
+        r.stdout.contains(" -> dst/plain (10 bytes)"),
+        "{}",
+        r.stdout
+    );
+    for n in shown {
+        assert!(
+            r.stdout.contains(&format!(" -> {n} (10 bytes)")),
+            "{n}: {}",
+            r.stdout
+        );
+    }
+    // What --delete would remove, named the same way.
+    let r = rcp(d.port, T, None, &["push", "-r", "-q", s, &remote("dst")]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    std::fs::write(root.join("dst/x\ny"), b"x").unwrap();
+    // `SRC/`: the tree's contents, into `dst` as it exists now.
+    let contents = format!("{s}/");
+    let r = rcp(
+        d.port,
+        T,
+        None,
+        &["push", "-r", "-n", "--delete", &contents, &remote("dst")],
+    );
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    assert!(
+        r.stdout.lines().any(|l| l == r#"would delete "dst/x\ny""#),
+        "{}",
+        r.stdout
+    );
+    assert!(root.join("dst/x\ny").exists());
+}
+
 /// `bytes` pushed with `--bwlimit rate`: the seconds rcp took.
 fn limited_push(d: &Rcpd, src: &Path, name: &str, rate: &str) -> f64 {
     let t = Instant::now();

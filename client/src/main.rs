@@ -18,6 +18,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use rcp::control::client::Observer;
 use rcp::control::jobs::{self, Job, Paths, Plan};
 use rcp::control::{exit, Client, ClientOptions, ClientTls, ControlError, FileResult, Transport};
+use rcp::escape;
 use rcp::json::{self, line};
 use rcp::parse::RailList;
 use rcp::proto::Direction;
@@ -692,7 +693,8 @@ fn print_plan(plan: &Plan, as_json: bool, quiet: bool, seconds: f64) {
             };
             println!("{}", line("plan", &l));
         } else if !quiet {
-            println!("would {dir} {} -> {} ({} bytes)", f.source, f.dest, f.bytes);
+            let (from, to) = (escape::name(&f.source), escape::name(&f.dest));
+            println!("would {dir} {from} -> {to} ({} bytes)", f.bytes);
         }
     }
     for l in &plan.tree.links {
@@ -951,9 +953,17 @@ fn print_link(l: &jobs::tree::LinkPlan, dry_run: bool, as_json: bool, say: bool)
         };
         println!("{}", line("link", &j));
     } else if dry_run && say {
-        println!("would link {} -> {}", l.dest, l.target);
+        println!(
+            "would link {} -> {}",
+            escape::name(&l.dest),
+            escape::name(&l.target)
+        );
     } else if say {
-        eprintln!("link {} -> {}", l.dest, l.target);
+        eprintln!(
+            "link {} -> {}",
+            escape::name(&l.dest),
+            escape::name(&l.target)
+        );
     }
 }
 
@@ -968,9 +978,9 @@ fn print_deletion(d: &jobs::tree::Deletion, dry_run: bool, as_json: bool, say: b
         };
         println!("{}", line("delete", &l));
     } else if dry_run && say {
-        println!("would delete {}", d.path);
+        println!("would delete {}", escape::name(&d.path));
     } else if say {
-        eprintln!("deleting {}", d.path);
+        eprintln!("deleting {}", escape::name(&d.path));
     }
 }
 
