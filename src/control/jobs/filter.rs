@@ -47,7 +47,7 @@ impl Rule {
         };
         let mut p = raw.as_bytes();
         if p.is_empty() {
-            return Err(bad("empty"));
+            return Err(bad("empty: it names no file (rsync ignores such a rule)"));
         }
         let anchored = p.starts_with(b"/");
         if anchored {
@@ -63,7 +63,10 @@ impl Rule {
             p = &p[..p.len() - 1];
         }
         if p.is_empty() && !and_below {
-            return Err(bad("matches nothing (only slashes)"));
+            return Err(bad(
+                "slashes alone name no file, so it would match nothing (rsync ignores such a \
+                 rule; \"/*\" is every entry at the top of the tree, \"/***\" everything)",
+            ));
         }
         let whole = anchored || and_below || p.contains(&b'/') || contains(p, b"**");
         Ok(Rule {
@@ -395,7 +398,18 @@ mod tests {
     fn no_rule_includes_and_bad_patterns_are_refused() {
         assert!(!Filter::default().excludes("anything", FILE));
         let mut x = Filter::default();
-        assert!(x.push(false, "").is_err());
-        assert!(x.push(false, "/").is_err());
+        for p in ["", "/", "//"] {
+            let e = x.push(false, p).unwrap_err().to_string();
+            assert!(e.contains(&format!("bad filter pattern {p:?}")), "{e}");
+            assert!(e.contains("rsync ignores such a rule"), "{e}");
+        }
+        assert!(x
+            .push(false, "/")
+            .unwrap_err()
+            .to_string()
+            .contains("\"/*\""));
+        // What the message offers instead does what it says.
+        assert!(f(&["- /*"]).excludes("top", FILE));
+        assert!(f(&["- /***"]).excludes("dir/below", FILE));
     }
 }
