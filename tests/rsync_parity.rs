@@ -536,3 +536,28 @@ fn skip_rules_are_rsyncs() {
         });
     }
 }
+
+/// The destination's tree has a symlink where the source has a directory
+/// (`sub -> ../elsewhere`), and another to a directory where the source
+/// has a file.
+fn linked_destination(out: &Path) {
+    file(&out.join("elsewhere/inside"), 5, 0o644, 60);
+    std::fs::create_dir_all(out.join("tree")).unwrap();
+    std::os::unix::fs::symlink("../elsewhere", out.join("tree/sub")).unwrap();
+}
+
+#[test]
+fn a_linked_directory_at_the_destination_is_replaced_as_rsync_does() {
+    for (rcp_flags, rsync_flags) in [
+        (&["-a"][..], &["-rlpt", "--safe-links"][..]),
+        (&["-r"][..], &["-r"][..]),
+    ] {
+        both_ways(Case {
+            rcp_flags,
+            rsync_flags,
+            times: rcp_flags == ["-a"],
+            setup: &linked_destination,
+            change: None,
+        });
+    }
+}
