@@ -894,7 +894,9 @@ async fn plan_pull_tree(
         in_tree: top.in_tree,
     });
     let mut names = HashSet::new();
-    for e in client.list(r, true).await? {
+    let listed = client.list(r, true).await?;
+    shaped_as_a_tree(&listed)?;
+    for e in listed {
         let rel = safe_rel(&e.path)?;
         let dst = base.join(&rel);
         let kind = listed_kind(&e);
@@ -929,6 +931,31 @@ async fn plan_pull_tree(
         plan.tree.delete_extras(&job.filter, &dest, &names, |r| {
             base.join(r).display().to_string()
         });
+    }
+    Ok(())
+}
+
+/// A pulled tree's listing must be a tree: every entry's parent is the
+/// top or an entry listed as a directory. A listing that names `q/x`
+/// where `q` is a symlink (or not listed) would have the pull open `q`
+/// locally, through whatever stands there: refused, naming both.
+fn shaped_as_a_tree(listed: &[crate::proto::Entry]) -> Result<()> {
+    let dirs: HashSet<&Path> = listed
+        .iter()
+        .filter(|e| e.r#type == FileType::Dir as i32)
+        .map(|e| Path::new(&e.path))
+        .collect();
+    for e in listed {
+        let Some(parent) = Path::new(&e.path).parent() else {
+            continue;
+        };
+        if !parent.as_os_str().is_empty() && !dirs.contains(parent) {
+            return Err(ControlError::Invalid(format!(
+                "the server listed {:?} beneath {:?}, which it did not list as a directory",
+                e.path,
+                parent.display().to_string()
+            )));
+        }
     }
     Ok(())
 }
@@ -1037,6 +1064,35 @@ fn doctor_fix(e: &ControlError) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_pulled_listing_must_be_shaped_as_a_tree() {
+        use crate::proto::Entry;
+        let e = |path: &str, t: FileType| Entry {
+            path: path.into(),
+            r#type: t as i32,
+            ..Entry::default()
+        };
+        let good = [
+            e("d", FileType::Dir),
+            e("d/x", FileType::File),
+            e("d/l", FileType::Symlink),
+            e("y", FileType::File),
+        ];
+        assert!(shaped_as_a_tree(&good).is_ok());
+        // Beneath a symlink, and beneath a name never listed.
+        for bad in [
+            vec![e("q", FileType::Symlink), e("q/x", FileType::File)],
+            vec![e("d", FileType::Dir), e("d/e/x", FileType::File)],
+        ] {
+            let err = shaped_as_a_tree(&bad).unwrap_err();
+            assert_eq!(err.reason(), super::super::error::Reason::Invalid, "{err}");
+            assert!(
+                err.to_string().contains("did not list as a directory"),
+                "{err}"
+            );
+        }
+    }
 
     #[test]
     fn remotes() {
