@@ -39,6 +39,30 @@ fn usage_errors_and_missing_paths_have_their_exit_codes() {
         ],
     );
     assert_eq!(r.code, 1, "{}", r.stderr);
+    // A rules file that cannot be read, or is not text: named, nothing
+    // copied.
+    let missing = tmp.path().join("no-such-rules");
+    let binary = tmp.path().join("binary-rules");
+    std::fs::write(&binary, b"*.log\n\xff\xfe\n").unwrap();
+    for (flag, f, says) in [
+        ("--exclude-from", &missing, "No such file"),
+        ("--include-from", &binary, "not UTF-8"),
+    ] {
+        let f = f.to_str().unwrap();
+        let r = rcp(
+            d.port,
+            T,
+            None,
+            &["push", flag, f, "/etc/hostname", "127.0.0.1:/"],
+        );
+        assert_eq!(r.code, 1, "{}", r.stderr);
+        assert!(
+            r.stderr.contains(&format!("{flag} {f}")) && r.stderr.contains(says),
+            "{}",
+            r.stderr
+        );
+        assert!(!root.join("hostname").exists(), "nothing copied");
+    }
     // Local file not found.
     let r = rcp(d.port, T, None, &["push", "/nonexistent/x", "127.0.0.1:/"]);
     assert_eq!(r.code, 4, "{}", r.stderr);

@@ -454,6 +454,44 @@ fn filters_without_delete_leave_the_destination_as_rsync_does() {
     });
 }
 
+/// --exclude-from and --include-from read as rsync reads them, in their
+/// place among the command line's rules: comments and blank lines, CRLF,
+/// `+ `/`- ` prefixes, and `!` dropping the rule before it (a.txt is
+/// copied after all).
+#[test]
+fn rules_files_are_rsyncs() {
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, text: &str| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, text).unwrap();
+        p.display().to_string()
+    };
+    let cleared = write("cleared", "; a comment\n!\nrun.sh\n");
+    let inc = write("inc", "*.txt\n- sub/deeper/\n");
+    let exc = write("exc", "# a comment\n\n+ keep.log\r\n*.log\r\n- tmp/\n");
+    let filters = [
+        "--exclude",
+        "a.txt",
+        "--exclude-from",
+        &cleared,
+        "--include-from",
+        &inc,
+        "--exclude-from",
+        &exc,
+        "--exclude",
+        ".*",
+    ];
+    let rcp_flags: Vec<&str> = ["-r", "-p"].iter().chain(&filters).copied().collect();
+    let rsync_flags: Vec<&str> = ["-rpt"].iter().chain(&filters).copied().collect();
+    both_ways(Case {
+        rcp_flags: &rcp_flags,
+        rsync_flags: &rsync_flags,
+        times: true,
+        setup: &no_setup,
+        change: None,
+    });
+}
+
 #[test]
 fn recursive_over_an_existing_tree_keeps_modes_as_rsync_does() {
     // Without -p a replaced file keeps its own bits (a.txt stays 0600).

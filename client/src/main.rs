@@ -348,8 +348,17 @@ struct CopyArgs {
     /// (same rules, first match wins). Repeatable.
     #[arg(help_heading = "Copying", long, value_name = "PATTERN")]
     include: Vec<String>,
-    /// --exclude and --include in the order typed (filled from the command
-    /// line's positions).
+    /// Read --exclude patterns from FILE, one per line, in place among the
+    /// other rules (rsync's: blank lines and lines starting with `;` or `#`
+    /// ignored, `+ `/`- ` make a line an include/exclude, `!` clears the
+    /// rules before it; `-` reads standard input). Repeatable.
+    #[arg(help_heading = "Copying", long, value_name = "FILE")]
+    exclude_from: Vec<PathBuf>,
+    /// Read --include patterns from FILE (as --exclude-from). Repeatable.
+    #[arg(help_heading = "Copying", long, value_name = "FILE")]
+    include_from: Vec<PathBuf>,
+    /// --exclude, --include and the rules files' lines in the order typed
+    /// (filled from the command line's positions).
     #[arg(skip)]
     rules: Vec<(bool, String)>,
     /// Push to HOST:PATH and from there along these rcpds too
@@ -897,17 +906,63 @@ fn job_of(c: &Cli, copy: &CopyArgs) -> Result<Job, ControlError> {
     })
 }
 
-/// --exclude/--include of a push or pull, in the order typed.
-fn ordered_rules(m: &ArgMatches) -> Vec<(bool, String)> {
-    let mut out = Vec::new();
-    for (id, include) in [("exclude", false), ("include", true)] {
-        let (Some(ix), Some(vs)) = (m.indices_of(id), m.get_many::<String>(id)) else {
-            continue;
-        };
-        out.extend(ix.zip(vs).map(|(i, v)| (i, include, v.clone())));
+/// --exclude/--include of a push or pull and the rules of
+/// --exclude-from/--include-from files, in the order typed; a file that
+/// cannot be read, or is not UTF-8, is named in the error.
+fn ordered_rules(m: &ArgMatches) -> Result<Vec<(bool, String)>, String> {
+    enum Given {
+        Pattern(String),
+        File(PathBuf),
     }
-    out.sort_by_key(|r| r.0);
-    out.into_iter().map(|(_, inc, v)| (inc, v)).collect()
+    let mut given = Vec::new();
+    for (id, include) in [("exclude", false), ("include", true)] {
+        if let (Some(ix), Some(vs)) = (m.indices_of(id), m.get_many::<String>(id)) {
+            given.extend(
+                ix.zip(vs)
+                    .map(|(i, v)| (i, include, Given::Pattern(v.clone()))),
+            );
+        }
+    }
+    for (id, include) in [("exclude_from", false), ("include_from", true)] {
+        if let (Some(ix), Some(vs)) = (m.indices_of(id), m.get_many::<PathBuf>(id)) {
+            given.extend(
+                ix.zip(vs)
+                    .map(|(i, v)| (i, include, Given::File(v.clone()))),
+            );
+        }
+    }
+    given.sort_by_key(|g| g.0);
+    let mut out = Vec::new();
+    for (_, include, g) in given {
+        let file = match g {
+            Given::Pattern(p) => {
+                out.push((include, p));
+                continue;
+            }
+            Given::File(f) => f,
+        };
+        let flag = if include {
+            "--include-from"
+        } else {
+            "--exclude-from"
+        };
+        let bytes = if file.as_os_str() == "-" {
+            let mut b = Vec::new();
+            std::io::Read::read_to_end(&mut std::io::stdin(), &mut b).map(|_| b)
+        } else {
+            std::fs::read(&file)
+        }
+        .map_err(|e| format!("{flag} {}: {e}", file.display()))?;
+        let text = String::from_utf8(bytes)
+            .map_err(|_| format!("{flag} {}: not UTF-8 text", file.display()))?;
+        for r in jobs::filter::rules_file(&text, include) {
+            match r {
+                jobs::filter::FileRule::Rule { include, pattern } => out.push((include, pattern)),
+                jobs::filter::FileRule::Clear => out.clear(),
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// The command line, with the filter rules' order kept.
@@ -917,7 +972,8 @@ fn parse_cli() -> Result<Cli, clap::Error> {
     if let (Cmd::Push { copy, .. } | Cmd::Pull { copy, .. }, Some((_, sm))) =
         (&mut c.cmd, m.subcommand())
     {
-        copy.rules = ordered_rules(sm);
+        copy.rules = ordered_rules(sm)
+            .map_err(|e| Cli::command().error(clap::error::ErrorKind::ValueValidation, e))?;
     }
     Ok(c)
 }
