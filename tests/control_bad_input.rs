@@ -312,7 +312,7 @@ fn another_protocol_major_is_refused_at_the_handshake() {
                 rcp::control::VERSION_MAJOR,
                 rcp::control::VERSION_MINOR
             );
-            assert_eq!(ours, "2.9");
+            assert_eq!(ours, "2.10");
             assert!(
                 e.message().contains(&theirs) && e.message().contains(&ours),
                 "names both versions: {e:?}"

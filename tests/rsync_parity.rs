@@ -549,6 +549,9 @@ fn diverged_destination(out: &Path) {
     // Seeded otherwise, then the source's mode (its mtime is the same).
     file(&t.join("sub/b.bin"), 70_000, 0o600, 9);
     std::fs::set_permissions(t.join("sub/b.bin"), std::fs::Permissions::from_mode(0o664)).unwrap();
+    // The source's bytes and mode, another mtime.
+    file(&t.join("keep.log"), 31, 0o644, 8);
+    set_mtime(&t.join("keep.log"), 1_300_000_000, 0);
 }
 
 #[test]

@@ -114,7 +114,7 @@ pub fn place_copy_threads(
 /// path ending in `/` follows a final symlink and says a link's target;
 /// an older rcpd ignores the field and reports the link.
 pub const VERSION_MAJOR: u32 = 2;
-pub const VERSION_MINOR: u32 = 9;
+pub const VERSION_MINOR: u32 = 10;
 /// Default gRPC port of rcpd.
 pub const DEFAULT_PORT: u16 = 7471;
 /// Default block size: the one of [`crate::files`].

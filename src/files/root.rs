@@ -577,6 +577,16 @@ impl Root {
         self.open_dir_rel(&r)?.set_attrs(mode, mtime)
     }
 
+    /// `-p` with `-c`, of a file left as it was: set regular file `rel`'s
+    /// mode to exactly `mode` (permission bits) and its mtime to `mtime`.
+    /// A symlink at `rel` is not followed; anything but a regular file is
+    /// [`PathError::NotRegularFile`].
+    pub fn set_file_attrs(&self, rel: &str, mode: u32, mtime: Timestamp) -> Result<()> {
+        let r = normalize(rel)?;
+        let fd = self.resolve(&r, OFlags::RDONLY | OFlags::NONBLOCK, false)?;
+        set_file_attrs_fd(fd.as_fd(), rel, mode, mtime)
+    }
+
     /// Create (or atomically replace) symlink `rel` -> `target`. The target must be
     /// relative and, read lexically from the link's directory, stay inside the root;
     /// otherwise [`PathError::SymlinkOutside`]. A directory at `rel` is not replaced.
@@ -677,4 +687,33 @@ pub(crate) fn list_fd(dir: &OwnedFd, display: &Path) -> Result<Vec<ListEntry>> {
     }
     out.sort_by(|a, b| a.name.as_bytes().cmp(b.name.as_bytes()));
     Ok(out)
+}
+
+/// Set the regular file open at `fd` (named `display` in errors) to
+/// exactly `mode` (permission bits) and mtime `mtime`; anything but a
+/// regular file is [`PathError::NotRegularFile`] and is left untouched.
+pub fn set_file_attrs_fd(
+    fd: BorrowedFd<'_>,
+    display: &str,
+    mode: u32,
+    mtime: Timestamp,
+) -> Result<()> {
+    let st = rfs::fstat(fd).map_err(|e| map_errno(e, display, "stat"))?;
+    if rfs::FileType::from_raw_mode(st.st_mode) != rfs::FileType::RegularFile {
+        return Err(PathError::NotRegularFile {
+            path: display.to_owned(),
+        }
+        .into());
+    }
+    rfs::fchmod(fd, Mode::from_raw_mode(mode & 0o7777)).map_err(|e| io_err("chmod", display, e))?;
+    let ts = rustix::fs::Timespec {
+        tv_sec: mtime.sec,
+        tv_nsec: mtime.nsec.into(),
+    };
+    let times = rfs::Timestamps {
+        last_access: ts,
+        last_modification: ts,
+    };
+    rfs::futimens(fd, &times).map_err(|e| io_err("utimens", display, e))?;
+    Ok(())
 }

@@ -568,6 +568,25 @@ impl Client {
                 exact: true,
                 mtime_ns,
                 replace_link: false,
+                file: false,
+            })
+            .await?;
+        Ok(())
+    }
+
+    /// `-p` with `-c`: set remote regular file `path` (left as it was) to
+    /// exactly `mode` and `mtime_ns` (protocol 2.10: an older rcpd refuses
+    /// it as not a directory, `Invalid`).
+    pub async fn set_file(&self, path: &str, mode: u32, mtime_ns: i64) -> Result<()> {
+        self.rpc
+            .clone()
+            .make_dir(proto::MakeDirRequest {
+                path: path.into(),
+                mode,
+                exact: true,
+                mtime_ns,
+                replace_link: false,
+                file: true,
             })
             .await?;
         Ok(())

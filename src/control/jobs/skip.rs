@@ -343,6 +343,18 @@ pub async fn prune(client: &Client, plan: &mut Plan, rules: &Rules) -> Result<()
     if !idx.is_empty() {
         for (&i, same) in idx.iter().zip(same_content(client, plan, &idx).await?) {
             verdicts[i] = if same { Verdict::Skip } else { Verdict::Copy };
+            // -p: the same bytes keep them, and get the source's times
+            // (its mode is the destination's already, else it moved).
+            let src = source_meta(plan, i)?;
+            if let (true, true, Dest::File(d)) = (same, rules.modes, dests[i]) {
+                if d.mtime_ns != src.mtime_ns {
+                    plan.tree.retimed.push(super::tree::Retimed {
+                        path: plan.files[i].dest.clone(),
+                        mode: src.mode.or(d.mode).unwrap_or(0o644) & 0o7777,
+                        mtime_ns: src.mtime_ns,
+                    });
+                }
+            }
         }
     }
     if rules.delta {

@@ -17,7 +17,7 @@ use super::Job;
 use futures::{StreamExt as _, TryStreamExt as _};
 
 use crate::control::client::Client;
-use crate::control::error::{ControlError, Result};
+use crate::control::error::{ControlError, Reason, Result};
 use crate::files::symlink_target_within;
 use crate::proto::{self, FileType};
 
@@ -71,6 +71,19 @@ pub struct TreePlan {
     pub excluded: u64,
     /// Deepest first.
     pub deletes: Vec<Deletion>,
+    /// `-p` with `-c`: files left as they were (same content) whose mtime
+    /// was not the source's; they get the source's mode and mtime after
+    /// the copy, as rsync updates a file's attributes without moving it.
+    pub retimed: Vec<Retimed>,
+}
+
+/// A destination file (remote path for a push, local for a pull) left as
+/// it was, to get its source's permission bits and mtime ([`finish`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Retimed {
+    pub path: String,
+    pub mode: u32,
+    pub mtime_ns: i64,
 }
 
 /// A directory of a copied tree at its destination (remote path for a
@@ -373,6 +386,20 @@ pub async fn finish(
                 deleted(d);
             }
         }
+        let mut set = futures::stream::iter(&tree.retimed)
+            .map(|f| async move { (f, client.set_file(&f.path, f.mode, f.mtime_ns).await) })
+            .buffer_unordered(IN_FLIGHT);
+        while let Some((f, r)) = set.next().await {
+            match r {
+                Ok(()) => {}
+                // Not a regular file any more, or an rcpd before 2.10
+                // (which takes it for a directory): said, the copy goes on.
+                Err(e) if e.reason() == Reason::Invalid => {
+                    tracing::warn!(path = %crate::escape::esc(&f.path), error = %e, "the file is unchanged but its mode and mtime could not be set");
+                }
+                Err(e) => return Err(e),
+            }
+        }
         for level in tree
             .preserved_dirs
             .chunk_by(|a, b| depth(&a.path) == depth(&b.path))
@@ -392,6 +419,9 @@ pub async fn finish(
             local_remove(d)?;
             deleted(d);
         }
+        for f in &tree.retimed {
+            set_local_attrs(f)?;
+        }
         for d in &tree.preserved_dirs {
             crate::files::DirHandle::open(&d.path)
                 .and_then(|h| h.set_attrs(d.mode, crate::control::fsutil::ts_from_ns(d.mtime_ns)))
@@ -399,6 +429,24 @@ pub async fn finish(
         }
     }
     Ok(tree.counts())
+}
+
+/// A pulled file left as it was gets its source's mode and mtime; a
+/// symlink standing there now is not followed.
+fn set_local_attrs(f: &Retimed) -> Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::File::options()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(&f.path)
+        .map_err(|e| ControlError::from(crate::files::error::io_err("open", &f.path, e)))?;
+    crate::files::root::set_file_attrs_fd(
+        std::os::fd::AsFd::as_fd(&file),
+        &f.path,
+        f.mode,
+        crate::control::fsutil::ts_from_ns(f.mtime_ns),
+    )
+    .map_err(ControlError::from)
 }
 
 /// How deep a destination path is (its separators).

@@ -453,11 +453,14 @@ impl proto::rcp_server::Rcp for RcpService {
             exact,
             mtime_ns,
             replace_link,
+            file,
         } = req.into_inner();
         let rel = fsutil::root_rel(&path);
         let root = &self.0.root;
         in_place(|| {
-            if exact {
+            if exact && file {
+                root.set_file_attrs(&rel, mode, fsutil::ts_from_ns(mtime_ns))
+            } else if exact {
                 root.set_dir_attrs(&rel, mode, fsutil::ts_from_ns(mtime_ns))
             } else if replace_link {
                 root.create_tree_dir(&rel, mode).map(drop)
@@ -468,6 +471,9 @@ impl proto::rcp_server::Rcp for RcpService {
         .map_err(|e| match e {
             FileError::Path(PathError::NotADirectory { .. }) => {
                 ControlError::Invalid(format!("{path}: a non-directory is in the way"))
+            }
+            FileError::Path(PathError::NotRegularFile { .. }) => {
+                ControlError::Invalid(format!("{path}: not a regular file"))
             }
             e => e.into(),
         })?;
