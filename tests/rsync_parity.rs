@@ -552,6 +552,10 @@ fn diverged_destination(out: &Path) {
     // The source's bytes and mode, another mtime.
     file(&t.join("keep.log"), 31, 0o644, 8);
     set_mtime(&t.join("keep.log"), 1_300_000_000, 0);
+    // The source's size and mode, other bytes and an older mtime
+    // (--size-only keeps the bytes; the quick check moves the source's).
+    file(&t.join("tmp/t"), 2, 0o600, 40);
+    std::fs::set_permissions(t.join("tmp/t"), std::fs::Permissions::from_mode(0o644)).unwrap();
 }
 
 #[test]
@@ -562,6 +566,7 @@ fn skip_rules_are_rsyncs() {
         (&["-u"][..], &["-u"][..]),
         (&["--ignore-existing"][..], &["--ignore-existing"][..]),
         (&["-c"][..], &["-c"][..]),
+        (&["--size-only"][..], &["--size-only"][..]),
         (&["-I"][..], &["-I"][..]),
         // rsync's delta transfer is its default; rcp's is a flag.
         (&["--delta", "-I"][..], &["-I", "--no-whole-file"][..]),

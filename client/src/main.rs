@@ -405,6 +405,16 @@ struct CopyArgs {
         env = "RCP_IGNORE_TIMES"
     )]
     ignore_times: bool,
+    /// Skip files that have the source's size at the destination, whatever
+    /// their mtime (rsync's --size-only; with -p they get the source's
+    /// mtime without moving).
+    #[arg(
+        help_heading = "Skipping and delta (rsync's quick check by default)",
+        long,
+        env = "RCP_SIZE_ONLY",
+        conflicts_with_all = ["checksum", "ignore_times"]
+    )]
+    size_only: bool,
     /// Skip files that are newer at the destination.
     #[arg(
         help_heading = "Skipping and delta (rsync's quick check by default)",
@@ -439,6 +449,8 @@ impl CopyArgs {
         jobs::skip::Rules {
             compare: if self.checksum {
                 Compare::Content
+            } else if self.size_only {
+                Compare::Size
             } else if self.ignore_times {
                 Compare::Always
             } else {

@@ -10,6 +10,8 @@
 //!   batches of files on its hashing pool ([`Client::digests`]);
 //! - `-I` ([`Compare::Always`], also what library callers and the Copy API
 //!   get unless they ask): every file moves;
+//! - `--size-only` ([`Compare::Size`]): a destination file of the
+//!   source's size is unchanged, whatever its mtime;
 //! - `-u` ([`Rules::update`]): a destination newer than the source stays;
 //! - `--ignore-existing`: whatever exists at the destination stays.
 //!
@@ -41,6 +43,8 @@ pub enum Compare {
     Quick,
     /// Same size and content digest (`-c`).
     Content,
+    /// Same size, whatever the mtime (`--size-only`).
+    Size,
 }
 
 /// Which files a job leaves alone.
@@ -126,6 +130,28 @@ pub fn decide(r: &Rules, src: Meta, dst: Dest) -> Verdict {
         Compare::Quick => Verdict::Copy,
         Compare::Content if d.len == src.len => Verdict::CompareContent,
         Compare::Content => Verdict::Copy,
+        Compare::Size if d.len == src.len => Verdict::Skip,
+        Compare::Size => Verdict::Copy,
+    }
+}
+
+/// Whether a file [`decide`] left alone gets its source's mode and mtime
+/// after the copy (rsync's attribute update of a file it does not send):
+/// under `-p`, when the comparison (not `-u` or `--ignore-existing`, which
+/// leave a file as it is) found it unchanged with another mtime: `-c`'s
+/// same content, `--size-only`'s same size. The quick check's unchanged
+/// files have the source's mtime already; a mode that differs makes the
+/// file move under `-p`.
+pub fn retimed(r: &Rules, src: Meta, dst: Dest) -> bool {
+    match dst {
+        // A source whose mtime is not known (`source_meta`) sets none.
+        Dest::File(d) if src.mtime_ns != i64::MIN => {
+            r.modes
+                && !r.ignore_existing
+                && !(r.update && d.mtime_ns > src.mtime_ns)
+                && d.mtime_ns != src.mtime_ns
+        }
+        _ => false,
     }
 }
 
@@ -333,28 +359,30 @@ pub async fn prune(client: &Client, plan: &mut Plan, rules: &Rules) -> Result<()
             )
             .collect::<Result<Vec<_>>>()?
     };
-    let mut verdicts = Vec::with_capacity(dests.len());
-    for (i, &d) in dests.iter().enumerate() {
-        verdicts.push(decide(rules, source_meta(plan, i)?, d));
-    }
+    let metas = (0..dests.len())
+        .map(|i| source_meta(plan, i))
+        .collect::<Result<Vec<_>>>()?;
+    let mut verdicts: Vec<Verdict> = metas
+        .iter()
+        .zip(&dests)
+        .map(|(&m, &d)| decide(rules, m, d))
+        .collect();
     let idx: Vec<usize> = (0..verdicts.len())
         .filter(|&i| verdicts[i] == Verdict::CompareContent)
         .collect();
     if !idx.is_empty() {
         for (&i, same) in idx.iter().zip(same_content(client, plan, &idx).await?) {
             verdicts[i] = if same { Verdict::Skip } else { Verdict::Copy };
-            // -p: the same bytes keep them, and get the source's times
-            // (its mode is the destination's already, else it moved).
-            let src = source_meta(plan, i)?;
-            if let (true, true, Dest::File(d)) = (same, rules.modes, dests[i]) {
-                if d.mtime_ns != src.mtime_ns {
-                    plan.tree.retimed.push(super::tree::Retimed {
-                        path: plan.files[i].dest.clone(),
-                        mode: src.mode.or(d.mode).unwrap_or(0o644) & 0o7777,
-                        mtime_ns: src.mtime_ns,
-                    });
-                }
-            }
+        }
+    }
+    for (i, (&src, &d)) in metas.iter().zip(&dests).enumerate() {
+        if let (Verdict::Skip, true, Dest::File(dm)) = (verdicts[i], retimed(rules, src, d), d) {
+            plan.tree.retimed.push(super::tree::Retimed {
+                path: plan.files[i].dest.clone(),
+                // Not known on the source's side: the destination's stays.
+                mode: src.mode.or(dm.mode).unwrap_or(0o644) & 0o7777,
+                mtime_ns: src.mtime_ns,
+            });
         }
     }
     if rules.delta {
@@ -437,6 +465,37 @@ mod tests {
         assert_eq!(decide(&q, SRC, with(10, 1_001)), Verdict::Copy);
         assert_eq!(decide(&q, SRC, Dest::Missing), Verdict::Copy);
         assert_eq!(decide(&q, SRC, Dest::Other), Verdict::Copy);
+    }
+
+    /// --size-only skips the source's size whatever the mtime; under -p
+    /// what the comparison left alone with another mtime gets the
+    /// source's, what -u and --ignore-existing left alone does not.
+    #[test]
+    fn size_only_skips_the_same_size_and_minds_no_time() {
+        let s = Rules {
+            compare: Compare::Size,
+            ..Rules::default()
+        };
+        assert_eq!(decide(&s, SRC, with(10, 5)), Verdict::Skip);
+        assert_eq!(decide(&s, SRC, with(11, 1_000)), Verdict::Copy);
+        assert_eq!(decide(&s, SRC, Dest::Missing), Verdict::Copy);
+        assert!(!retimed(&s, SRC, with(10, 5)), "without -p");
+        let p = Rules { modes: true, ..s };
+        assert!(retimed(&p, SRC, with(10, 5)));
+        assert!(!retimed(&p, SRC, with(10, 1_000)), "the same mtime");
+        let e = Rules {
+            ignore_existing: true,
+            ..p
+        };
+        assert!(!retimed(&e, SRC, with(10, 5)));
+        let u = Rules { update: true, ..p };
+        assert!(!retimed(&u, SRC, with(10, 2_000)), "newer: -u keeps it");
+        assert!(retimed(&u, SRC, with(10, 5)), "older, same size");
+        let unknown = Meta {
+            mtime_ns: i64::MIN,
+            ..SRC
+        };
+        assert!(!retimed(&p, unknown, with(10, 5)));
     }
 
     #[test]
