@@ -139,18 +139,7 @@ impl DirHandle {
     /// Set this directory's mode to exactly `mode` (permission bits) and
     /// its mtime to `mtime` (`-p`, once nothing more is written into it).
     pub fn set_attrs(&self, mode: u32, mtime: Timestamp) -> Result<()> {
-        rfs::fchmod(self.fd(), Mode::from_raw_mode(mode & 0o7777))
-            .map_err(|e| io_err("chmod", &self.display, e))?;
-        let ts = rustix::fs::Timespec {
-            tv_sec: mtime.sec,
-            tv_nsec: mtime.nsec.into(),
-        };
-        let times = rfs::Timestamps {
-            last_access: ts,
-            last_modification: ts,
-        };
-        rfs::futimens(self.fd(), &times).map_err(|e| io_err("utimens", &self.display, e))?;
-        Ok(())
+        set_attrs_fd(self.fd(), &self.display, mode, mtime)
     }
     /// The partials in the directory when this handle (or a clone) first
     /// asked, by `list`; later asks get the same list.
@@ -577,7 +566,7 @@ impl Root {
         self.open_dir_rel(&r)?.set_attrs(mode, mtime)
     }
 
-    /// `-p` with `-c`, of a file left as it was: set regular file `rel`'s
+    /// `-p` with `-c` or `--size-only`, of a file left as it was: set regular file `rel`'s
     /// mode to exactly `mode` (permission bits) and its mtime to `mtime`.
     /// A symlink at `rel` is not followed; anything but a regular file is
     /// [`PathError::NotRegularFile`].
@@ -705,6 +694,12 @@ pub fn set_file_attrs_fd(
         }
         .into());
     }
+    set_attrs_fd(fd, Path::new(display), mode, mtime)
+}
+
+/// `-p`: what is open at `fd` (named `display` in errors) gets exactly
+/// `mode` (permission bits) and mtime `mtime` (its atime too).
+fn set_attrs_fd(fd: BorrowedFd<'_>, display: &Path, mode: u32, mtime: Timestamp) -> Result<()> {
     rfs::fchmod(fd, Mode::from_raw_mode(mode & 0o7777)).map_err(|e| io_err("chmod", display, e))?;
     let ts = rustix::fs::Timespec {
         tv_sec: mtime.sec,

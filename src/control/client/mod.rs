@@ -560,24 +560,19 @@ impl Client {
     /// `-p` after a copy: remote directory `path` gets exactly `mode` and
     /// mtime `mtime_ns`.
     pub async fn set_dir(&self, path: &str, mode: u32, mtime_ns: i64) -> Result<()> {
-        self.rpc
-            .clone()
-            .make_dir(proto::MakeDirRequest {
-                path: path.into(),
-                mode,
-                exact: true,
-                mtime_ns,
-                replace_link: false,
-                file: false,
-            })
-            .await?;
-        Ok(())
+        self.set_attrs(path, mode, mtime_ns, false).await
     }
 
-    /// `-p` with `-c`: set remote regular file `path` (left as it was) to
-    /// exactly `mode` and `mtime_ns` (protocol 2.10: an older rcpd refuses
-    /// it as not a directory, `Invalid`).
+    /// `-p` with `-c` or `--size-only`: set remote regular file `path`
+    /// (left as it was) to exactly `mode` and `mtime_ns` (protocol 2.10:
+    /// an older rcpd refuses it as not a directory, `Invalid`).
     pub async fn set_file(&self, path: &str, mode: u32, mtime_ns: i64) -> Result<()> {
+        self.set_attrs(path, mode, mtime_ns, true).await
+    }
+
+    /// `MakeDir` with `exact`: a directory's attributes, or (`file`) a
+    /// regular file's.
+    async fn set_attrs(&self, path: &str, mode: u32, mtime_ns: i64, file: bool) -> Result<()> {
         self.rpc
             .clone()
             .make_dir(proto::MakeDirRequest {
@@ -586,7 +581,7 @@ impl Client {
                 exact: true,
                 mtime_ns,
                 replace_link: false,
-                file: true,
+                file,
             })
             .await?;
         Ok(())

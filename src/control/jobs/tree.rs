@@ -71,9 +71,10 @@ pub struct TreePlan {
     pub excluded: u64,
     /// Deepest first.
     pub deletes: Vec<Deletion>,
-    /// `-p` with `-c`: files left as they were (same content) whose mtime
-    /// was not the source's; they get the source's mode and mtime after
-    /// the copy, as rsync updates a file's attributes without moving it.
+    /// `-p` with `-c` or `--size-only`: files left as they were whose
+    /// mtime was not the source's ([`super::skip::retimed`]); they get the
+    /// source's mode and mtime after the copy, as rsync updates a file's
+    /// attributes without moving it.
     pub retimed: Vec<Retimed>,
 }
 
