@@ -1376,11 +1376,48 @@ async fn standing_grants_serve_many_operations_until_their_exposure_goes() {
     // notice (the others through the data path, told in batches).
     let framed = counter("rcpd_buffer_framed_writes_total ");
     assert!((1..=2 * OPS).contains(&framed), "{framed} framed writes");
+    // One request's writes under the grant held go together: with their
+    // notices in one entry on the session's connection, told in one call
+    // (each alone, the first would leave at once and the rest after it).
+    let writes = (0..OPS)
+        .map(|i| op(i, i * LEN, (OPS - 1 - i) * LEN))
+        .collect();
+    let hs = writer.start_many(true, writes).await.unwrap();
+    let st = writer.wait_all(hs).await.unwrap();
+    assert!(st.iter().all(|s| s.state == OpStateName::Done), "{st:?}");
+    // (The reads' events before them.)
+    let mut written = 0;
+    while written < OPS {
+        let ev = next_event(&owner).await;
+        match ev["event"].as_str() {
+            Some("read") => {}
+            Some("written") => written += 1,
+            _ => panic!("{ev}"),
+        }
+    }
+    let m = scrape(metrics);
+    let now = |name: &str| -> u64 {
+        m.lines()
+            .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{name} in {m}"))
+    };
+    assert_eq!(now("rcpd_buffer_notify_calls_total ") - calls, 1);
+    assert_eq!(now("rcpd_buffer_framed_writes_total ") - framed, OPS);
+    assert_eq!(now("rcpd_buffer_notices_total "), 4 * OPS);
 
-    // Withdrawn: the next write fails, naming the exposure, and the
-    // owner's bytes stay as they were.
+    // Withdrawn: the next writes fail, naming the exposure, and the
+    // owner's bytes stay as they were. Those of one request first (sent
+    // together under the grant the writer's rcpd still holds, refused,
+    // then each asks anew), then one alone.
     owner.unexpose("st").await.unwrap();
     assert!(src.local.write_at(0, &vec![0xee; LEN as usize]));
+    let writes = (0..4).map(|i| op(i, 0, i * LEN)).collect();
+    let hs = writer.start_many(true, writes).await.unwrap();
+    for s in writer.wait_all(hs).await.unwrap() {
+        let f = s.failure.as_ref().expect("a failure");
+        assert_eq!(f.reason.name(), "not_found", "{f:?}");
+        assert!(f.message.contains("\"st\""), "{f:?}");
+    }
     let h = writer
         .write(&src, &addr, "st", &[(0, 0, LEN)], None)
         .await
@@ -1389,10 +1426,13 @@ async fn standing_grants_serve_many_operations_until_their_exposure_goes() {
     assert_eq!(ServiceReason::of(e.reason).name(), "not_found", "{e}");
     assert!(e.message.contains("\"st\""), "{e}");
     assert!(dst.local.read_at(0, &mut got));
-    assert!(
-        got[..LEN as usize] == data[((OPS - 1) * LEN) as usize..],
-        "untouched"
-    );
+    for i in 0..4 {
+        let (a, b) = (((OPS - 1 - i) * LEN) as usize, (i * LEN) as usize);
+        assert!(
+            got[b..b + LEN as usize] == data[a..a + LEN as usize],
+            "page {i} untouched"
+        );
+    }
 
     // Exposed again: served again, under a new standing grant.
     owner

@@ -90,13 +90,14 @@ pub enum WriteFailed {
     Failed(Failure),
 }
 
-/// A small write waiting for an exchange: its WRITE requests with their
-/// payloads (encoded), their tags, its notice.
+/// Small writes waiting for an exchange, told together (one operation's,
+/// or a prepared list's): their WRITE requests with their payloads
+/// (encoded), their tags, their notices.
 struct Pending {
     piece: Vec<u8>,
     tags: Vec<u64>,
-    notice: proto::BufferNotice,
-    reply: oneshot::Sender<Result<proto::BufferNoticeResult, WriteFailed>>,
+    notices: Vec<proto::BufferNotice>,
+    reply: oneshot::Sender<Result<Vec<proto::BufferNoticeResult>, WriteFailed>>,
 }
 
 #[derive(Default)]
@@ -172,6 +173,20 @@ impl Frames {
         notice: proto::BufferNotice,
         peer: &str,
     ) -> Result<proto::BufferNoticeResult, WriteFailed> {
+        let mut r = self.write_notify_many(ranges, vec![notice], peer).await?;
+        Ok(r.pop().expect("a result per notice"))
+    }
+
+    /// [`Frames::write_notify`] of several writes at once (`ranges`: all
+    /// of theirs, in order; a notice each): one queued entry, one answer,
+    /// a result per notice in their order. A refused WRITE fails them
+    /// all (`Refused`: none of them was told).
+    pub async fn write_notify_many(
+        self: &Arc<Self>,
+        ranges: &[(&LeasedRange, u64, u32)],
+        notices: Vec<proto::BufferNotice>,
+        peer: &str,
+    ) -> Result<Vec<proto::BufferNoticeResult>, WriteFailed> {
         let bytes: usize = ranges
             .iter()
             .map(|(r, _, _)| r.lease().len() as usize)
@@ -199,7 +214,7 @@ impl Frames {
             q.waiting.push(Pending {
                 piece,
                 tags,
-                notice,
+                notices,
                 reply,
             });
             q.leaders < LEADERS && {
@@ -237,13 +252,15 @@ impl Frames {
             q.leaders -= 1;
             return None;
         }
-        let (mut n, mut bytes) = (0, 0);
+        let (mut n, mut bytes, mut notices) = (0, 0, 0);
         for p in &q.waiting {
-            if n > 0 && (bytes + p.piece.len() > BATCH_BYTES || n == MAX_NOTICES) {
+            let more = p.notices.len();
+            if n > 0 && (bytes + p.piece.len() > BATCH_BYTES || notices + more > MAX_NOTICES) {
                 break;
             }
             n += 1;
             bytes += p.piece.len();
+            notices += more;
         }
         Some(q.waiting.drain(..n).collect())
     }
@@ -270,9 +287,10 @@ impl Frames {
         for p in batch {
             out.push(p.piece);
             writes.push(p.tags);
-            ops.push(p.notice);
-            replies.push(p.reply);
+            replies.push((p.notices.len(), p.reply));
+            ops.extend(p.notices);
         }
+        let ops_len = ops.len();
         let msg = proto::BufferNotifyRequest {
             session_id: 0,
             ops,
@@ -283,7 +301,7 @@ impl Frames {
         let mut m = Vec::with_capacity(msg.len() + REQ_LEN);
         message(&mut m, tag, &msg);
         out.push(m);
-        let sent = replies.len();
+        let sent = ops_len;
         let answer = self.exchange(&out, &writes, tag, peer).await;
         self.give_back(out);
         let answer = answer.and_then(|r| {
@@ -291,12 +309,13 @@ impl Frames {
         });
         match answer {
             Ok(results) => {
-                for (tx, res) in replies.into_iter().zip(results) {
-                    let _ = tx.send(Ok(res));
+                let mut results = results.into_iter();
+                for (n, tx) in replies {
+                    let _ = tx.send(Ok(results.by_ref().take(n).collect()));
                 }
             }
             Err((Some(k), WriteFailed::Refused(m))) => {
-                for (i, tx) in replies.into_iter().enumerate() {
+                for (i, (_, tx)) in replies.into_iter().enumerate() {
                     let r = if i == k {
                         WriteFailed::Refused(m.clone())
                     } else {
@@ -306,7 +325,7 @@ impl Frames {
                 }
             }
             Err((_, e)) => {
-                for tx in replies {
+                for (_, tx) in replies {
                     let _ = tx.send(Err(e.clone()));
                 }
             }
@@ -314,8 +333,8 @@ impl Frames {
     }
 
     /// Send `out` on a free connection, take the answers to the WRITEs
-    /// `writes` (grouped by operation) and then to the message `tag`. A
-    /// refused WRITE names its operation.
+    /// `writes` (grouped by queued entry) and then to the message `tag`.
+    /// A refused WRITE names its entry.
     async fn exchange(
         &self,
         out: &[Vec<u8>],

@@ -156,6 +156,162 @@ pub async fn run(
     }
 }
 
+/// An operation's end as the service sees it, or `None`: it runs on its
+/// own ([`run`]).
+pub type GroupEnd = Option<Result<Moved, Failure>>;
+
+/// Several small writes to one peer's exposure (a request's, such as a
+/// prepared list's), moved together where they can be: into the standing
+/// grant the session already holds, on the session's connections with
+/// their notices (tcp), as few queued entries as [`WRITE_MAX`] allows, so
+/// that 64 writes of 4 KiB are one lease pass, one hashing pass, one entry
+/// and one answer instead of 64 of each. The same notices, the same
+/// checks by the peer, the same events for the owner as [`run`]'s, one
+/// each. An operation that cannot go so (no standing grant held yet, not
+/// tcp, too large, cancelled, a descriptor refused here) or whose answer
+/// is not its end (ranges the peer found bad and will take again, the
+/// grant revoked meanwhile) gets `None`, and runs on its own, whole
+/// (writes of the same ranges are idempotent; the owner was told
+/// nothing).
+///
+/// [`WRITE_MAX`]: super::frames::WRITE_MAX
+pub async fn run_group(bufs: &Arc<Buffers>, ops: &[(&OpSpec, &AtomicBool)]) -> Vec<GroupEnd> {
+    let mut ends: Vec<GroupEnd> = (0..ops.len()).map(|_| None).collect();
+    let Some(&(first, _)) = ops.first() else {
+        return ends;
+    };
+    if !ops.iter().all(|(o, _)| together(first, o)) {
+        return ends;
+    }
+    let Some(link) = bufs.peers.live(&(first.peer.clone(), first.check.name())) else {
+        return ends;
+    };
+    let Some(frames) = link.notices.frames.clone().filter(|f| f.carries(0)) else {
+        return ends;
+    };
+    let held = link.standing.lock().unwrap()[1]
+        .get(first.name.as_str())
+        .cloned();
+    let Some(sg) = held else {
+        return ends;
+    };
+    let _using = Using(&link);
+    // Those that go together: each with its local ranges leased and
+    // placed in the grant.
+    let mut going: Vec<(usize, Vec<Moving>)> = Vec::with_capacity(ops.len());
+    for (k, &(op, cancelled)) in ops.iter().enumerate() {
+        let bytes: u64 = op.descs.iter().map(|d| d.len).sum();
+        let alone = cancelled.load(Relaxed)
+            || op.descs.is_empty()
+            || !frames.carries(bytes)
+            || within_limit("a message", &op.message).is_err()
+            || super::grant::overlap(op.descs.iter().map(|d| (d.remote, d.len)), "remote")
+                .is_some();
+        if alone {
+            continue;
+        }
+        let (Ok(place), Ok(local)) = (placing(op, &sg), lease_local(op)) else {
+            continue;
+        };
+        let moving = local
+            .into_iter()
+            .enumerate()
+            .map(|(i, r)| (i as u32, r, place(i as u32)))
+            .collect();
+        going.push((k, moving));
+    }
+    let check = link.check;
+    let digests = if check.is_none() {
+        Vec::new()
+    } else {
+        let all: Vec<&LeasedRange> = going
+            .iter()
+            .flat_map(|(_, m)| m.iter().map(|(_, r, _)| r))
+            .collect();
+        super::grant::digests_by(check, &all, |r| *r)
+    };
+    let mut digests = digests.into_iter();
+    // Entries of at most WRITE_MAX bytes each, told concurrently.
+    let mut entries: Vec<Vec<(usize, &[Moving], proto::BufferNotice)>> = Vec::new();
+    let mut bytes = u64::MAX;
+    for (k, moving) in &going {
+        let op = ops[*k].0;
+        let len: u64 = op.descs.iter().map(|d| d.len).sum();
+        let ds: Vec<Vec<u8>> = if check.is_none() {
+            Vec::new()
+        } else {
+            digests.by_ref().take(moving.len()).collect()
+        };
+        let core = StandingCore::new(op.descs.len() as u32, link.max_retries);
+        let n = notice(op, sg.id, &ds, &core);
+        if bytes.saturating_add(len) > super::frames::WRITE_MAX {
+            entries.push(Vec::new());
+            bytes = 0;
+        }
+        bytes += len;
+        entries.last_mut().expect("an entry").push((*k, moving, n));
+    }
+    let told = entries.into_iter().map(|entry| {
+        let frames = &frames;
+        async move {
+            let ranges: Vec<_> = (entry.iter())
+                .flat_map(|(_, m, _)| m.iter().map(|(_, r, at)| (r, at.addr, at.rkey)))
+                .collect();
+            let (ks, notices): (Vec<usize>, Vec<_>) =
+                entry.into_iter().map(|(k, _, n)| (k, n)).unzip();
+            let r = frames
+                .write_notify_many(&ranges, notices, &first.peer)
+                .await;
+            (ks, r)
+        }
+    });
+    for (ks, r) in futures::future::join_all(told).await {
+        match r {
+            Ok(results) => {
+                if let Some(m) = &link.client.options().metrics {
+                    for _ in &ks {
+                        m.buffer_framed_write();
+                    }
+                }
+                for (k, res) in ks.into_iter().zip(results) {
+                    ends[k] = told_end(&link, ops[k].0, &res);
+                }
+            }
+            // The grant is gone: each asks anew, on its own.
+            Err(WriteFailed::Refused(_)) => forget(&link, first),
+            Err(WriteFailed::Again) => {}
+            Err(WriteFailed::Failed(e)) => {
+                for k in ks {
+                    ends[k] = Some(Err(e.clone()));
+                }
+            }
+        }
+    }
+    ends
+}
+
+/// Whether writes `a` and `b` may go together ([`run_group`]): to one
+/// peer's exposure, under one check.
+pub fn together(a: &OpSpec, b: &OpSpec) -> bool {
+    a.write && b.write && a.peer == b.peer && a.name == b.name && a.check == b.check
+}
+
+/// The end of a grouped write the peer answered `res` (its first round),
+/// or `None` when it runs again on its own.
+fn told_end(link: &PeerLink, op: &OpSpec, res: &proto::BufferNoticeResult) -> GroupEnd {
+    let mut core = StandingCore::new(op.descs.len() as u32, link.max_retries);
+    match core.answered(res) {
+        Ok(StandingNext::Done) => Some(Ok(moved(link, op))),
+        Ok(StandingNext::Damaged { bad, rounds }) => Some(Err(damaged(op, &bad, rounds))),
+        Ok(StandingNext::Again(_)) => None,
+        Err(e) if e.reason == Reason::FileNotFound => {
+            forget(link, op);
+            None
+        }
+        Err(e) => Some(Err(notice_refused(op, e))),
+    }
+}
+
 /// [`run`] once, on the peer's session now. What each answer of the peer
 /// means is [`OpCore`]'s; this drives it (leases, windows, hashing, RPCs).
 async fn attempt(
@@ -233,7 +389,7 @@ async fn per_op(
         let (mine, resp) = g.finish_round(&mut landed, core.round()).await?;
         moving = match core.round_done(&mine, resp) {
             Ok(OpNext::Done) => return Ok(moved(link, op)),
-            Ok(OpNext::Damaged { bad, rounds }) => return Err(damaged(op, &bad, rounds)),
+            Ok(OpNext::Damaged { bad, rounds }) => return Err(damaged(op, &bad, rounds).into()),
             Ok(OpNext::Again(again)) => g.again(landed, again, core.round()),
             Err(e) => {
                 g.fail(e.message.clone()).await;
@@ -485,7 +641,9 @@ async fn standing(
         };
         moving = match core.answered(&result) {
             Ok(StandingNext::Done) => return Ok(moved(link, op)),
-            Ok(StandingNext::Damaged { bad, rounds }) => return Err(damaged(op, &bad, rounds)),
+            Ok(StandingNext::Damaged { bad, rounds }) => {
+                return Err(damaged(op, &bad, rounds).into())
+            }
             Ok(StandingNext::Again(bad)) => landed
                 .into_iter()
                 .filter(|(i, _)| bad.contains(i))
@@ -638,7 +796,7 @@ fn moved(link: &PeerLink, op: &OpSpec) -> Moved {
 }
 
 /// An operation whose ranges `bad` still did not match after `rounds`.
-fn damaged(op: &OpSpec, bad: &[u32], rounds: u32) -> Attempt {
+fn damaged(op: &OpSpec, bad: &[u32], rounds: u32) -> Failure {
     Failure::new(
         Reason::Integrity,
         format!(
@@ -647,7 +805,6 @@ fn damaged(op: &OpSpec, bad: &[u32], rounds: u32) -> Attempt {
             buffer::damaged_message(op.write, bad, rounds)
         ),
     )
-    .into()
 }
 
 /// An operation the peer granted.

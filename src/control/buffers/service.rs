@@ -5,7 +5,6 @@
 //! unmapped as soon as the last operation on them has retired.
 
 use std::collections::{HashMap, VecDeque};
-use std::future::Future;
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
@@ -108,12 +107,6 @@ pub const MAX_OPS_PER_REQUEST: usize = 4096;
 /// smaller than this share a task (see `Conn::start_many`).
 const TASK_BYTES: u64 = 256 << 10;
 
-/// Run a group of a request's operations in one task, each polled when
-/// woken, until every one has ended.
-fn spawn_group<F: Future<Output = ()> + Send + 'static>(mut group: FuturesUnordered<F>) {
-    tokio::spawn(async move { while group.next().await.is_some() {} });
-}
-
 /// Where an operation is.
 #[derive(Clone, Debug)]
 pub enum OpState {
@@ -157,6 +150,10 @@ impl OpState {
 fn reply(v: impl serde::Serialize) -> Result<Reply, Failure> {
     Ok(Reply::of(&v))
 }
+
+/// An operation started: its handle, itself, where its state goes when
+/// it ends, what it moves.
+type Running = (u64, Arc<Op>, watch::Sender<OpState>, OpSpec);
 
 struct Op {
     buffer: u64,
@@ -664,40 +661,87 @@ impl Conn {
         // (polled only when woken): a spawn per operation was a task's
         // allocation, registration and scheduling per 4 KiB write. Larger
         // ones keep a task each, so that their hashing spreads over the
-        // runtime's threads.
+        // runtime's threads. A task's writes first try to go together
+        // (`peer::run_group`).
         let mut handles = Vec::with_capacity(ready.len());
-        let mut group = FuturesUnordered::new();
+        let mut group = Vec::new();
         let mut bytes = 0;
         for p in ready {
             bytes += p.1.descs.iter().map(|d| d.len).sum::<u64>();
-            let (h, run) = self.operation(p);
-            handles.push(h);
-            group.push(run);
+            group.push(p);
             if bytes >= TASK_BYTES {
-                spawn_group(std::mem::take(&mut group));
+                handles.extend(self.spawn_group(std::mem::take(&mut group)));
                 bytes = 0;
             }
         }
         if !group.is_empty() {
-            spawn_group(group);
+            handles.extend(self.spawn_group(group));
         }
         reply(StartedMany { handles })
     }
 
     /// Start a prepared operation in a task of its own; its handle.
-    fn launch(self: &Arc<Self>, p: (u64, OpSpec)) -> u64 {
-        let (h, run) = self.operation(p);
-        tokio::spawn(run);
+    fn launch(self: &Arc<Self>, (buffer, spec): (u64, OpSpec)) -> u64 {
+        let (h, op, tx) = self.new_op(buffer);
+        let c = self.clone();
+        tokio::spawn(async move {
+            let r = peer::run(&c.bufs, &spec, &op.cancelled).await;
+            drop(spec);
+            c.ended(h, &op, tx, r);
+        });
         h
     }
 
-    /// A prepared operation, registered under its handle: the handle, and
-    /// the future that runs it to its end (its state, its event, its
-    /// retiring), for the caller to spawn.
-    fn operation(
-        self: &Arc<Self>,
-        (buffer, spec): (u64, OpSpec),
-    ) -> (u64, impl Future<Output = ()> + Send + 'static) {
+    /// Start prepared operations in one task, each polled when woken
+    /// until every one has ended: first together where they can go so
+    /// (`peer::run_group`: those to one peer's exposure), the others each
+    /// on its own. Their handles.
+    fn spawn_group(self: &Arc<Self>, ready: Vec<(u64, OpSpec)>) -> Vec<u64> {
+        let mut handles = Vec::with_capacity(ready.len());
+        let mut parts: Vec<Vec<Running>> = Vec::new();
+        for (buffer, spec) in ready {
+            let (h, op, tx) = self.new_op(buffer);
+            handles.push(h);
+            let same = |p: &&mut Vec<Running>| peer::together(&p[0].3, &spec);
+            match parts.iter_mut().find(same) {
+                Some(p) => p.push((h, op, tx, spec)),
+                None => parts.push(vec![(h, op, tx, spec)]),
+            }
+        }
+        let c = self.clone();
+        tokio::spawn(async move {
+            let runs: FuturesUnordered<_> = parts.into_iter().map(|p| c.run_together(p)).collect();
+            runs.collect::<()>().await;
+        });
+        handles
+    }
+
+    /// Run started operations `part` (that may go together) to their
+    /// ends: together first, then those that could not each on its own.
+    async fn run_together(&self, part: Vec<Running>) {
+        let together: Vec<(&OpSpec, &AtomicBool)> = part
+            .iter()
+            .map(|(_, op, _, s)| (s, &op.cancelled))
+            .collect();
+        let ends = peer::run_group(&self.bufs, &together).await;
+        drop(together);
+        let alone = FuturesUnordered::new();
+        for ((h, op, tx, spec), end) in part.into_iter().zip(ends) {
+            match end {
+                Some(r) => self.ended(h, &op, tx, r),
+                None => alone.push(async move {
+                    let r = peer::run(&self.bufs, &spec, &op.cancelled).await;
+                    drop(spec);
+                    self.ended(h, &op, tx, r);
+                }),
+            }
+        }
+        alone.collect::<()>().await;
+    }
+
+    /// A new operation on `buffer`, registered under its handle: the
+    /// handle, the operation and where its state goes when it ends.
+    fn new_op(&self, buffer: u64) -> (u64, Arc<Op>, watch::Sender<OpState>) {
         let h = self.next_op.fetch_add(1, Relaxed) + 1;
         let (tx, rx) = watch::channel(OpState::Running);
         let op = Arc::new(Op {
@@ -706,26 +750,25 @@ impl Conn {
             state: rx,
         });
         self.ops.lock().unwrap().by_handle.insert(h, op.clone());
-        let c = self.clone();
-        let run = async move {
-            let r = peer::run(&c.bufs, &spec, &op.cancelled).await;
-            let st = match r {
-                Ok(m) => OpState::Done(m),
-                Err(_) if op.cancelled.load(Relaxed) => OpState::Cancelled,
-                Err(e) => OpState::Failed(e),
-            };
-            drop(spec);
-            if let OpState::Failed(e) = &st {
-                tracing::info!(conn = c.id, handle = h, error = %crate::escape::esc(&e), "buffer operation failed");
-            }
-            if c.done_events.load(Relaxed) {
-                let ev = Event::Done(st.status(h));
-                c.out.send(wire::encode(&ev));
-            }
-            let _ = tx.send(st);
-            c.ops.lock().unwrap().ended(h);
+        (h, op, tx)
+    }
+
+    /// Operation `h` ended with `r`: its state, its event, its retiring.
+    fn ended(&self, h: u64, op: &Op, tx: watch::Sender<OpState>, r: Result<peer::Moved, Failure>) {
+        let st = match r {
+            Ok(m) => OpState::Done(m),
+            Err(_) if op.cancelled.load(Relaxed) => OpState::Cancelled,
+            Err(e) => OpState::Failed(e),
         };
-        (h, run)
+        if let OpState::Failed(e) = &st {
+            tracing::info!(conn = self.id, handle = h, error = %crate::escape::esc(&e), "buffer operation failed");
+        }
+        if self.done_events.load(Relaxed) {
+            let ev = Event::Done(st.status(h));
+            self.out.send(wire::encode(&ev));
+        }
+        let _ = tx.send(st);
+        self.ops.lock().unwrap().ended(h);
     }
 
     /// Operation `h`'s status once it ended, or running at `deadline`.
