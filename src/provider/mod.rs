@@ -36,12 +36,19 @@ pub enum ProviderKind {
     Tcp,
 }
 
-impl fmt::Display for ProviderKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
+impl ProviderKind {
+    /// `verbs` or `tcp`.
+    pub fn name(self) -> &'static str {
+        match self {
             ProviderKind::Verbs => "verbs",
             ProviderKind::Tcp => "tcp",
-        })
+        }
+    }
+}
+
+impl fmt::Display for ProviderKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
     }
 }
 

@@ -432,7 +432,7 @@ pub struct OpStatus {
     pub bytes: Option<u64>,
     /// `verbs` or `tcp`: the provider its bytes moved over, when done.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub transport: Option<String>,
+    pub transport: Option<std::borrow::Cow<'static, str>>,
     /// Why it moved over tcp, when RDMA gave up.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fell_back: Option<String>,

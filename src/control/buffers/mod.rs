@@ -37,6 +37,7 @@ pub mod frames;
 pub mod grant;
 pub mod messages;
 pub mod notices;
+pub mod ops;
 pub mod peer;
 pub mod rpc;
 pub mod service;

@@ -4,7 +4,7 @@
 //! its exposures withdrawn, the grants on them revoked, and its buffers
 //! unmapped as soon as the last operation on them has retired.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
@@ -13,12 +13,13 @@ use std::time::{Duration, Instant};
 use futures::stream::{FuturesUnordered, StreamExt};
 use serde_json::json;
 use tokio::net::UnixStream;
-use tokio::sync::{mpsc, watch, Notify};
+use tokio::sync::{mpsc, Notify};
 
 use super::api::{
-    self, ErrorBody, Event, Frame, HelloReply, ManyOps, OpRequest, OpStateName, OpStatus,
-    Registered, Request, Started, StartedMany, Statuses, Wait, WaitAll,
+    self, ErrorBody, Event, Frame, HelloReply, ManyOps, OpRequest, OpStatus, Registered, Request,
+    Started, StartedMany, Statuses, Wait, WaitAll,
 };
+use super::ops::{OpState, Ops, Unknown, KEPT_ENDED};
 use super::peer::{self, OpSpec};
 use super::wire::{self, FrameReader, Reply};
 use super::{Buffers, Exposure, Failure, Rights};
@@ -107,91 +108,38 @@ pub const MAX_OPS_PER_REQUEST: usize = 4096;
 /// smaller than this share a task (see `Conn::start_many`).
 const TASK_BYTES: u64 = 256 << 10;
 
-/// Where an operation is.
-#[derive(Clone, Debug)]
-pub enum OpState {
-    Running,
-    Done(super::peer::Moved),
-    Failed(Failure),
-    Cancelled,
-}
-
-impl OpState {
-    /// The state as `wait`, `status`, `cancel` and the `done` event give
-    /// it.
-    fn status(&self, handle: u64) -> OpStatus {
-        let mut st = OpStatus {
-            handle,
-            state: OpStateName::Running,
-            bytes: None,
-            transport: None,
-            fell_back: None,
-            failure: None,
-        };
-        match self {
-            OpState::Running => {}
-            OpState::Done(m) => {
-                st.state = OpStateName::Done;
-                st.bytes = Some(m.bytes);
-                st.transport = Some(m.kind.to_string());
-                st.fell_back = m.fell_back.clone();
-            }
-            OpState::Failed(e) => {
-                st.state = OpStateName::Failed;
-                st.failure = Some(ErrorBody::from(e));
-            }
-            OpState::Cancelled => st.state = OpStateName::Cancelled,
-        }
-        st
-    }
-}
-
 /// A reply's fields.
 fn reply(v: impl serde::Serialize) -> Result<Reply, Failure> {
     Ok(Reply::of(&v))
 }
 
-/// An operation started: its handle, itself, where its state goes when
-/// it ends, what it moves.
-type Running = (u64, Arc<Op>, watch::Sender<OpState>, OpSpec);
+/// An operation started: where it ends, its cancel flag, what it moves.
+type Running<'a> = (Ending<'a>, &'a AtomicBool, OpSpec);
 
-struct Op {
-    buffer: u64,
-    cancelled: AtomicBool,
-    state: watch::Receiver<OpState>,
+/// Operation `h` of `conn`, not yet ended: when this goes without
+/// [`Ending::end`] (its task panicked, or the runtime ends), the operation
+/// ends cancelled, so that nothing waits for it forever.
+struct Ending<'a> {
+    conn: &'a Conn,
+    h: u64,
 }
 
-/// Ended operations a connection keeps answering `wait` and `status` for,
-/// beyond those running.
-pub const KEPT_ENDED: usize = 65_536;
-
-/// A connection's operations: every running one, and the last `kept` that
-/// ended; an older ended one is forgotten (its handle then answers that
-/// it is no longer kept), so a service that runs for days holds rcpd's
-/// memory to what is running and the last ended.
-struct Ops {
-    by_handle: HashMap<u64, Arc<Op>>,
-    ended: VecDeque<u64>,
-    kept: usize,
-}
-
-impl Ops {
-    fn new(kept: usize) -> Ops {
-        Ops {
-            by_handle: HashMap::new(),
-            ended: VecDeque::new(),
-            kept,
-        }
+impl Ending<'_> {
+    /// The handle, and no end on drop (the caller records it).
+    fn take(self) -> u64 {
+        let h = self.h;
+        std::mem::forget(self);
+        h
     }
+}
 
-    /// Operation `h` ended: kept among the last ended, the oldest beyond
-    /// them forgotten.
-    fn ended(&mut self, h: u64) {
-        self.ended.push_back(h);
-        while self.ended.len() > self.kept {
-            let old = self.ended.pop_front().expect("more than kept");
-            self.by_handle.remove(&old);
-        }
+impl Drop for Ending<'_> {
+    fn drop(&mut self) {
+        let ops = self.conn.ops.lock().unwrap();
+        ops.cancel_one(self.h);
+        drop(ops);
+        let gone = Failure::new(Reason::Other, "its task ended before it did");
+        self.conn.ended(vec![(self.h, Err(gone))]);
     }
 }
 
@@ -210,7 +158,6 @@ struct Conn {
     buffers: Mutex<HashMap<u64, Buf>>,
     next_buf: AtomicU64,
     ops: Mutex<Ops>,
-    next_op: AtomicU64,
     /// `uid=U pid=P` of the peer (SO_PEERCRED).
     cred: String,
     hello: AtomicBool,
@@ -268,7 +215,6 @@ pub async fn serve(bufs: Arc<Buffers>, stream: UnixStream, mut reader: FrameRead
         buffers: Mutex::new(HashMap::new()),
         next_buf: AtomicU64::new(0),
         ops: Mutex::new(Ops::new(KEPT_ENDED)),
-        next_op: AtomicU64::new(0),
         cred,
         hello: AtomicBool::new(false),
         done_events: AtomicBool::new(true),
@@ -421,6 +367,7 @@ impl Conn {
             Request::ReadMany(m) => self.start_many(false, m),
             Request::Wait(Wait { handle, timeout_ms }) => {
                 let deadline = timeout_ms.map(|ms| Instant::now() + Duration::from_millis(ms));
+                self.op(handle)?;
                 reply(self.wait(handle, deadline).await?)
             }
             Request::WaitAll(WaitAll {
@@ -438,21 +385,11 @@ impl Conn {
                 }
                 reply(Statuses { statuses })
             }
-            Request::Status { handle } => {
-                let o = self.op(handle)?;
-                let s = o.state.borrow().clone();
-                reply(s.status(handle))
-            }
+            Request::Status { handle } => reply(self.op(handle)?.status(handle)),
             Request::Cancel { handle } => {
-                let o = self.op(handle)?;
-                o.cancelled.store(true, Relaxed);
-                let mut rx = o.state.clone();
-                let s = rx
-                    .wait_for(|s| !matches!(s, OpState::Running))
-                    .await
-                    .map(|s| s.clone())
-                    .unwrap_or(OpState::Cancelled);
-                reply(s.status(handle))
+                self.op(handle)?;
+                self.ops.lock().unwrap().cancel_one(handle);
+                reply(self.wait(handle, None).await?)
             }
         }
     }
@@ -516,18 +453,17 @@ impl Conn {
         Ok((id, b.buffer.clone(), b.uid))
     }
 
-    fn op(&self, h: u64) -> Result<Arc<Op>, Failure> {
-        let found = self.ops.lock().unwrap().by_handle.get(&h).cloned();
-        found.ok_or_else(|| {
-            if h >= 1 && h <= self.next_op.load(Relaxed) {
-                bad(format!(
-                    "operation {h} ended and is no longer kept (a connection keeps \
-                     its last {KEPT_ENDED} ended operations)"
-                ))
-            } else {
-                bad(format!("no operation {h} on this connection"))
-            }
-        })
+    /// Where operation `h` is now.
+    fn op(&self, h: u64) -> Result<OpState, Failure> {
+        let ops = self.ops.lock().unwrap();
+        match ops.state(h) {
+            Ok(s) => Ok(s.clone()),
+            Err(Unknown::NoLongerKept) => Err(bad(format!(
+                "operation {h} ended and is no longer kept (a connection keeps its last \
+                 {KEPT_ENDED} ended operations)"
+            ))),
+            Err(Unknown::Never) => Err(bad(format!("no operation {h} on this connection"))),
+        }
     }
 
     async fn release(&self, id: u64) -> Result<Reply, Failure> {
@@ -554,8 +490,8 @@ impl Conn {
             tracing::info!(conn = self.id, buffer = id, name = %crate::escape::esc(name), grants_revoked = n, "buffer withdrawn: released");
         }
         drop(gone);
-        let ops = self.cancel_ops(|o| o.buffer == id);
-        retired(ops).await;
+        let ops = self.ops.lock().unwrap().cancel(|b| b == id);
+        self.retired(ops).await;
         self.buffers.lock().unwrap().remove(&id);
         self.bufs.peers.forget_buffer(uid);
         Ok(Reply::empty())
@@ -682,12 +618,13 @@ impl Conn {
 
     /// Start a prepared operation in a task of its own; its handle.
     fn launch(self: &Arc<Self>, (buffer, spec): (u64, OpSpec)) -> u64 {
-        let (h, op, tx) = self.new_op(buffer);
+        let (h, flags) = self.ops.lock().unwrap().start(&[buffer]);
         let c = self.clone();
         tokio::spawn(async move {
-            let r = peer::run(&c.bufs, &spec, &op.cancelled).await;
+            let ending = Ending { conn: &c, h };
+            let r = peer::run(&c.bufs, &spec, &flags[0]).await;
             drop(spec);
-            c.ended(h, &op, tx, r);
+            c.ended(vec![(ending.take(), r)]);
         });
         h
     }
@@ -697,19 +634,23 @@ impl Conn {
     /// (`peer::run_group`: those to one peer's exposure), the others each
     /// on its own. Their handles.
     fn spawn_group(self: &Arc<Self>, ready: Vec<(u64, OpSpec)>) -> Vec<u64> {
-        let mut handles = Vec::with_capacity(ready.len());
-        let mut parts: Vec<Vec<Running>> = Vec::new();
-        for (buffer, spec) in ready {
-            let (h, op, tx) = self.new_op(buffer);
-            handles.push(h);
-            let same = |p: &&mut Vec<Running>| peer::together(&p[0].3, &spec);
-            match parts.iter_mut().find(same) {
-                Some(p) => p.push((h, op, tx, spec)),
-                None => parts.push(vec![(h, op, tx, spec)]),
-            }
-        }
+        let buffers: Vec<u64> = ready.iter().map(|(b, _)| *b).collect();
+        let (first, flags) = self.ops.lock().unwrap().start(&buffers);
+        let handles = (first..first + ready.len() as u64).collect();
         let c = self.clone();
         tokio::spawn(async move {
+            let mut parts: Vec<Vec<Running>> = Vec::new();
+            for (k, (_, spec)) in ready.into_iter().enumerate() {
+                let ending = Ending {
+                    conn: &c,
+                    h: first + k as u64,
+                };
+                let op = (ending, &flags[k], spec);
+                match parts.iter_mut().find(|p| peer::together(&p[0].2, &op.2)) {
+                    Some(p) => p.push(op),
+                    None => parts.push(vec![op]),
+                }
+            }
             let runs: FuturesUnordered<_> = parts.into_iter().map(|p| c.run_together(p)).collect();
             runs.collect::<()>().await;
         });
@@ -718,94 +659,101 @@ impl Conn {
 
     /// Run started operations `part` (that may go together) to their
     /// ends: together first, then those that could not each on its own.
-    async fn run_together(&self, part: Vec<Running>) {
-        let together: Vec<(&OpSpec, &AtomicBool)> = part
-            .iter()
-            .map(|(_, op, _, s)| (s, &op.cancelled))
-            .collect();
+    async fn run_together(&self, part: Vec<Running<'_>>) {
+        let together: Vec<(&OpSpec, &AtomicBool)> =
+            part.iter().map(|(_, flag, s)| (s, *flag)).collect();
         let ends = peer::run_group(&self.bufs, &together).await;
         drop(together);
         let alone = FuturesUnordered::new();
-        for ((h, op, tx, spec), end) in part.into_iter().zip(ends) {
+        let mut ended = Vec::with_capacity(part.len());
+        for ((ending, flag, spec), end) in part.into_iter().zip(ends) {
             match end {
-                Some(r) => self.ended(h, &op, tx, r),
+                Some(r) => ended.push((ending.take(), r)),
                 None => alone.push(async move {
-                    let r = peer::run(&self.bufs, &spec, &op.cancelled).await;
+                    let r = peer::run(&self.bufs, &spec, flag).await;
                     drop(spec);
-                    self.ended(h, &op, tx, r);
+                    self.ended(vec![(ending.take(), r)]);
                 }),
             }
         }
+        self.ended(ended);
         alone.collect::<()>().await;
     }
 
-    /// A new operation on `buffer`, registered under its handle: the
-    /// handle, the operation and where its state goes when it ends.
-    fn new_op(&self, buffer: u64) -> (u64, Arc<Op>, watch::Sender<OpState>) {
-        let h = self.next_op.fetch_add(1, Relaxed) + 1;
-        let (tx, rx) = watch::channel(OpState::Running);
-        let op = Arc::new(Op {
-            buffer,
-            cancelled: AtomicBool::new(false),
-            state: rx,
-        });
-        self.ops.lock().unwrap().by_handle.insert(h, op.clone());
-        (h, op, tx)
-    }
-
-    /// Operation `h` ended with `r`: its state, its event, its retiring.
-    fn ended(&self, h: u64, op: &Op, tx: watch::Sender<OpState>, r: Result<peer::Moved, Failure>) {
-        let st = match r {
-            Ok(m) => OpState::Done(m),
-            Err(_) if op.cancelled.load(Relaxed) => OpState::Cancelled,
-            Err(e) => OpState::Failed(e),
-        };
-        if let OpState::Failed(e) = &st {
-            tracing::info!(conn = self.id, handle = h, error = %crate::escape::esc(&e), "buffer operation failed");
+    /// Operations ended, each `(h, r)` with `r`: their states, their
+    /// events, their waiters woken (one pass over the table for all).
+    fn ended(&self, ends: Vec<(u64, Result<peer::Moved, Failure>)>) {
+        if ends.is_empty() {
+            return;
         }
-        if self.done_events.load(Relaxed) {
-            let ev = Event::Done(st.status(h));
-            self.out.send(wire::encode(&ev));
+        let events = self.done_events.load(Relaxed);
+        let mut frames = Vec::new();
+        let mut wake = Vec::new();
+        {
+            let mut ops = self.ops.lock().unwrap();
+            for (h, r) in ends {
+                let Some((st, waiters)) = ops.end(h, r) else {
+                    continue;
+                };
+                if let OpState::Failed(e) = &st {
+                    tracing::info!(conn = self.id, handle = h, error = %crate::escape::esc(&e), "buffer operation failed");
+                }
+                if events {
+                    frames.push(wire::encode(&Event::Done(st.status(h))));
+                }
+                wake.extend(waiters);
+            }
         }
-        let _ = tx.send(st);
-        self.ops.lock().unwrap().ended(h);
+        for f in frames {
+            self.out.send(f);
+        }
+        for w in wake {
+            w.notify_waiters();
+        }
     }
 
     /// Operation `h`'s status once it ended, or running at `deadline`.
     async fn wait(&self, h: u64, deadline: Option<Instant>) -> Result<OpStatus, Failure> {
-        let o = self.op(h)?;
-        let mut rx = o.state.clone();
-        let fin = rx.wait_for(|s| !matches!(s, OpState::Running));
-        let s = match deadline {
-            Some(d) => match tokio::time::timeout_at(d.into(), fin).await {
-                Ok(r) => r.map(|s| s.clone()).unwrap_or(OpState::Cancelled),
-                Err(_) => OpState::Running,
-            },
-            None => fin.await.map(|s| s.clone()).unwrap_or(OpState::Cancelled),
+        let Some(waiters) = self.ops.lock().unwrap().waiters(h) else {
+            return Ok(self.op(h)?.status(h));
         };
-        Ok(s.status(h))
+        let woken = waiters.notified();
+        tokio::pin!(woken);
+        woken.as_mut().enable();
+        // (It may have ended between the two looks.)
+        if self.ops.lock().unwrap().over(h) {
+            return Ok(self.op(h)?.status(h));
+        }
+        if let Some(d) = deadline {
+            let _ = tokio::time::timeout_at(d.into(), woken).await;
+        } else {
+            woken.await;
+        }
+        Ok(self.op(h)?.status(h))
     }
 
-    /// Cancel the connection's operations that `which` picks; they are
-    /// returned, to wait for their retiring.
-    fn cancel_ops(&self, which: impl Fn(&Op) -> bool) -> Vec<Arc<Op>> {
-        let ops: Vec<Arc<Op>> = (self.ops.lock().unwrap().by_handle.values())
-            .filter(|o| which(o))
-            .cloned()
-            .collect();
-        for o in &ops {
-            o.cancelled.store(true, Relaxed);
+    /// Once every one of operations `hs` has ended.
+    async fn retired(&self, hs: Vec<u64>) {
+        for h in hs {
+            let Some(waiters) = self.ops.lock().unwrap().waiters(h) else {
+                continue;
+            };
+            let woken = waiters.notified();
+            tokio::pin!(woken);
+            woken.as_mut().enable();
+            if !self.ops.lock().unwrap().over(h) {
+                woken.await;
+            }
         }
-        ops
     }
 
     /// The connection ended: cancel its operations, withdraw its
     /// exposures and revoke their grants; the buffers go when the last
     /// operation on them has retired.
     async fn close(&self) {
-        let ops = self.cancel_ops(|_| true);
+        let ops = self.ops.lock().unwrap().cancel(|_| true);
         self.bufs.owner_gone(self.id);
-        retired(ops).await;
+        self.retired(ops).await;
         let bufs: Vec<Buf> = self
             .buffers
             .lock()
@@ -821,25 +769,9 @@ impl Conn {
     }
 }
 
-/// Once every one of `ops` has retired.
-async fn retired(ops: Vec<Arc<Op>>) {
-    for o in ops {
-        let mut rx = o.state.clone();
-        let _ = rx.wait_for(|s| !matches!(s, OpState::Running)).await;
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn op() -> Arc<Op> {
-        Arc::new(Op {
-            buffer: 1,
-            cancelled: AtomicBool::new(false),
-            state: watch::channel(OpState::Running).1,
-        })
-    }
 
     /// A connection's reading waits while more than the bound of its
     /// replies is queued, until the writer sent some (or ended).
@@ -858,23 +790,5 @@ mod tests {
         assert!(futures::poll!(below.as_mut()).is_pending());
         o.end();
         assert!(futures::poll!(below.as_mut()).is_ready());
-    }
-
-    /// Running operations are all kept, and the last `kept` ended ones;
-    /// an older ended one is forgotten, in the order they ended.
-    #[test]
-    fn a_connection_forgets_its_oldest_ended_operations() {
-        let mut ops = Ops::new(3);
-        for h in 1..=10 {
-            ops.by_handle.insert(h, op());
-        }
-        // 2, 4, 6, 8 and 10 end, in that order.
-        for h in [2, 4, 6, 8, 10] {
-            ops.ended(h);
-        }
-        let mut kept: Vec<u64> = ops.by_handle.keys().copied().collect();
-        kept.sort_unstable();
-        assert_eq!(kept, [1, 3, 5, 6, 7, 8, 9, 10]);
-        assert_eq!(ops.ended, [6, 8, 10]);
     }
 }
