@@ -4,10 +4,16 @@
 //! channel per operation: a request's operations are entered together
 //! (consecutive handles, one allocation for their cancel flags) and a
 //! group that ends together is recorded in one pass, with one wake-up per
-//! operation someone waits on. Every running operation is kept, and the
-//! last `kept` that ended; an older ended one is forgotten (its handle
-//! then answers that it is no longer kept), so a service that runs for
-//! days holds rcpd's memory to what is running and the last ended.
+//! operation someone waits on while it runs.
+//!
+//! The table is a window of the last `kept` handles given, in order (a
+//! request's operations are entered, looked up and ended where the last
+//! ones were: no hashing, no jumps across a large map), and a map of the
+//! older ones still running or that ended after leaving the window, the
+//! last `kept` of those. Every running operation is kept; an older ended
+//! one is forgotten (its handle then answers that it is no longer kept),
+//! so a service that runs for days holds rcpd's memory to what is
+//! running and about twice `kept` ended.
 
 use std::borrow::Cow;
 use std::collections::{HashMap, VecDeque};
@@ -83,11 +89,14 @@ struct Slot {
 
 /// A connection's operations.
 pub struct Ops {
-    by_handle: HashMap<u64, Slot>,
-    ended: VecDeque<u64>,
+    /// The last `kept` handles given, from `first`.
+    recent: VecDeque<Slot>,
+    first: u64,
+    /// Older ones: running, or ended after they left `recent`.
+    older: HashMap<u64, Slot>,
+    /// Those of `older` that ended, in the order they did.
+    older_ended: VecDeque<u64>,
     kept: usize,
-    /// The last handle given.
-    last: u64,
 }
 
 /// Why a handle has no operation.
@@ -102,10 +111,11 @@ pub enum Unknown {
 impl Ops {
     pub fn new(kept: usize) -> Ops {
         Ops {
-            by_handle: HashMap::new(),
-            ended: VecDeque::new(),
+            recent: VecDeque::new(),
+            first: 1,
+            older: HashMap::new(),
+            older_ended: VecDeque::new(),
             kept,
-            last: 0,
         }
     }
 
@@ -113,32 +123,50 @@ impl Ops {
     /// handle (the others' follow it) and their cancel flags, in order.
     pub fn start(&mut self, buffers: &[u64]) -> (u64, Flags) {
         let flags: Flags = buffers.iter().map(|_| AtomicBool::new(false)).collect();
-        let first = self.last + 1;
-        self.by_handle.reserve(buffers.len());
+        let h = self.first + self.recent.len() as u64;
         for (at, &buffer) in buffers.iter().enumerate() {
-            let slot = Slot {
+            self.recent.push_back(Slot {
                 buffer,
                 flags: flags.clone(),
                 at,
                 state: OpState::Running,
                 waiters: None,
-            };
-            self.by_handle.insert(first + at as u64, slot);
+            });
         }
-        self.last += buffers.len() as u64;
-        (first, flags)
+        while self.recent.len() > self.kept {
+            let old = self.recent.pop_front().expect("more than kept");
+            if old.state.running() {
+                self.older.insert(self.first, old);
+            }
+            self.first += 1;
+        }
+        (h, flags)
+    }
+
+    fn slot(&self, h: u64) -> Option<&Slot> {
+        match h.checked_sub(self.first) {
+            Some(k) => self.recent.get(usize::try_from(k).ok()?),
+            None => self.older.get(&h),
+        }
+    }
+
+    fn slot_mut(&mut self, h: u64) -> Option<&mut Slot> {
+        match h.checked_sub(self.first) {
+            Some(k) => self.recent.get_mut(usize::try_from(k).ok()?),
+            None => self.older.get_mut(&h),
+        }
     }
 
     /// Operation `h` ended with `r`: its state (cancelled when it failed
-    /// after it was asked to stop), kept among the last ended, the oldest
-    /// beyond them forgotten. Its waiters, to wake once the table is let
-    /// go. An operation that already ended stays as it ended.
+    /// after it was asked to stop), and its waiters, to wake once the
+    /// table is let go. An operation that already ended stays as it
+    /// ended.
     pub fn end(
         &mut self,
         h: u64,
         r: Result<Moved, Failure>,
     ) -> Option<(OpState, Option<Arc<Notify>>)> {
-        let slot = self.by_handle.get_mut(&h)?;
+        let slot = self.slot_mut(h)?;
         if !slot.state.running() {
             return None;
         }
@@ -148,39 +176,46 @@ impl Ops {
             Err(e) => OpState::Failed(e),
         };
         let ended = (slot.state.clone(), slot.waiters.take());
-        self.ended.push_back(h);
-        while self.ended.len() > self.kept {
-            let old = self.ended.pop_front().expect("more than kept");
-            self.by_handle.remove(&old);
+        if h < self.first {
+            self.older_ended.push_back(h);
+            while self.older_ended.len() > self.kept {
+                let old = self.older_ended.pop_front().expect("more than kept");
+                self.older.remove(&old);
+            }
         }
         Some(ended)
     }
 
     /// Where operation `h` is.
     pub fn state(&self, h: u64) -> Result<&OpState, Unknown> {
-        match self.by_handle.get(&h) {
+        match self.slot(h) {
             Some(s) => Ok(&s.state),
-            None => Err(self.unknown(h)),
+            None if h >= 1 && h < self.first + self.recent.len() as u64 => {
+                Err(Unknown::NoLongerKept)
+            }
+            None => Err(Unknown::Never),
         }
     }
 
     /// Whether `h` ended (or is no longer kept: it ended long ago).
     pub fn over(&self, h: u64) -> bool {
-        self.by_handle.get(&h).is_none_or(|s| !s.state.running())
+        self.slot(h).is_none_or(|s| !s.state.running())
     }
 
     /// What wakes a waiter when running operation `h` ends; `None` when
     /// it is not running.
     pub fn waiters(&mut self, h: u64) -> Option<Arc<Notify>> {
-        let slot = self.by_handle.get_mut(&h).filter(|s| s.state.running())?;
+        let slot = self.slot_mut(h).filter(|s| s.state.running())?;
         Some(slot.waiters.get_or_insert_with(Default::default).clone())
     }
 
     /// Ask the running operations that `which` picks (by their buffer) to
     /// stop: their handles.
     pub fn cancel(&self, which: impl Fn(u64) -> bool) -> Vec<u64> {
+        let recent = (self.recent.iter().enumerate()).map(|(k, s)| (self.first + k as u64, s));
+        let older = self.older.iter().map(|(&h, s)| (h, s));
         let mut picked = Vec::new();
-        for (&h, s) in &self.by_handle {
+        for (h, s) in recent.chain(older) {
             if s.state.running() && which(s.buffer) {
                 s.flags[s.at].store(true, Relaxed);
                 picked.push(h);
@@ -191,16 +226,8 @@ impl Ops {
 
     /// Ask operation `h` to stop (if it runs).
     pub fn cancel_one(&self, h: u64) {
-        if let Some(s) = self.by_handle.get(&h) {
+        if let Some(s) = self.slot(h) {
             s.flags[s.at].store(true, Relaxed);
-        }
-    }
-
-    fn unknown(&self, h: u64) -> Unknown {
-        if h >= 1 && h <= self.last {
-            Unknown::NoLongerKept
-        } else {
-            Unknown::Never
         }
     }
 }
@@ -223,25 +250,36 @@ mod tests {
         Err(Failure::new(Reason::Retryable, "no"))
     }
 
-    /// Running operations are all kept, and the last `kept` ended ones;
-    /// an older ended one is forgotten, in the order they ended.
+    /// Running operations are all kept; an ended one while it is among
+    /// the last `kept` handles given, or among the last `kept` that ended
+    /// after leaving them; an older ended one is forgotten.
     #[test]
     fn a_connection_forgets_its_oldest_ended_operations() {
         let mut ops = Ops::new(3);
-        let (first, _) = ops.start(&[1; 10]);
-        assert_eq!(first, 1);
-        // 2, 4, 6, 8 and 10 end, in that order.
-        for h in [2, 4, 6, 8, 10] {
+        assert_eq!(ops.start(&[1; 4]).0, 1);
+        // 1 left the window running; 2 ended in it and went with it, 3
+        // left it running.
+        assert!(ops.end(2, done()).is_some());
+        assert_eq!(ops.start(&[1; 2]).0, 5);
+        let kept = |ops: &Ops| {
+            (1..=8)
+                .filter(|&h| ops.state(h).is_ok())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(kept(&ops), [1, 3, 4, 5, 6]);
+        assert_eq!(ops.state(2).unwrap_err(), Unknown::NoLongerKept);
+        assert_eq!(ops.state(7).unwrap_err(), Unknown::Never);
+        assert_eq!(ops.state(0).unwrap_err(), Unknown::Never);
+        assert!(ops.over(2) && !ops.over(1) && !ops.over(6));
+        // Older ones that end are kept, the last `kept` of them.
+        assert_eq!(ops.start(&[1; 3]).0, 7);
+        for h in [1, 4, 5, 6] {
             assert!(ops.end(h, done()).is_some());
         }
-        let mut kept: Vec<u64> = ops.by_handle.keys().copied().collect();
-        kept.sort_unstable();
-        assert_eq!(kept, [1, 3, 5, 6, 7, 8, 9, 10]);
-        assert_eq!(ops.ended, [6, 8, 10]);
-        assert_eq!(ops.state(2).unwrap_err(), Unknown::NoLongerKept);
-        assert_eq!(ops.state(11).unwrap_err(), Unknown::Never);
-        assert_eq!(ops.state(0).unwrap_err(), Unknown::Never);
-        assert!(ops.over(2) && ops.over(6) && !ops.over(7));
+        assert_eq!(kept(&ops), [3, 4, 5, 6, 7, 8]);
+        assert!(matches!(ops.state(3).unwrap(), OpState::Running));
+        assert!(matches!(ops.state(9).unwrap(), OpState::Running));
+        assert_eq!(ops.state(1).unwrap_err(), Unknown::NoLongerKept);
     }
 
     /// Handles follow each other across requests; an operation asked to
