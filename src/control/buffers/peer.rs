@@ -198,7 +198,7 @@ pub async fn run_group(bufs: &Arc<Buffers>, ops: &[(&OpSpec, &AtomicBool)]) -> V
     let _using = Using(&link);
     // Those that go together: each with its local ranges leased and
     // placed in the grant.
-    let mut going: Vec<(usize, Vec<Moving>)> = Vec::with_capacity(ops.len());
+    let mut going: Vec<(usize, Vec<Moving>, u64)> = Vec::with_capacity(ops.len());
     for (k, &(op, cancelled)) in ops.iter().enumerate() {
         let bytes: u64 = op.descs.iter().map(|d| d.len).sum();
         let alone = cancelled.load(Relaxed)
@@ -218,7 +218,7 @@ pub async fn run_group(bufs: &Arc<Buffers>, ops: &[(&OpSpec, &AtomicBool)]) -> V
             .enumerate()
             .map(|(i, r)| (i as u32, r, place(i as u32)))
             .collect();
-        going.push((k, moving));
+        going.push((k, moving, bytes));
     }
     let check = link.check;
     let digests = if check.is_none() {
@@ -226,17 +226,18 @@ pub async fn run_group(bufs: &Arc<Buffers>, ops: &[(&OpSpec, &AtomicBool)]) -> V
     } else {
         let all: Vec<&LeasedRange> = going
             .iter()
-            .flat_map(|(_, m)| m.iter().map(|(_, r, _)| r))
+            .flat_map(|(_, m, _)| m.iter().map(|(_, r, _)| r))
             .collect();
         super::grant::digests_by(check, &all, |r| *r)
     };
     let mut digests = digests.into_iter();
     // Entries of at most WRITE_MAX bytes each, told concurrently.
     let mut entries: Vec<Vec<(usize, &[Moving], proto::BufferNotice)>> = Vec::new();
+    // Each one's side of the protocol, answered when the entry is.
+    let mut cores: Vec<Option<StandingCore>> = (0..ops.len()).map(|_| None).collect();
     let mut bytes = u64::MAX;
-    for (k, moving) in &going {
-        let op = ops[*k].0;
-        let len: u64 = op.descs.iter().map(|d| d.len).sum();
+    for &(k, ref moving, len) in &going {
+        let op = ops[k].0;
         let ds: Vec<Vec<u8>> = if check.is_none() {
             Vec::new()
         } else {
@@ -244,12 +245,13 @@ pub async fn run_group(bufs: &Arc<Buffers>, ops: &[(&OpSpec, &AtomicBool)]) -> V
         };
         let core = StandingCore::new(op.descs.len() as u32, link.max_retries);
         let n = notice(op, sg.id, &ds, &core);
+        cores[k] = Some(core);
         if bytes.saturating_add(len) > super::frames::WRITE_MAX {
             entries.push(Vec::new());
             bytes = 0;
         }
         bytes += len;
-        entries.last_mut().expect("an entry").push((*k, moving, n));
+        entries.last_mut().expect("an entry").push((k, moving, n));
     }
     let told = entries.into_iter().map(|entry| {
         let frames = &frames;
@@ -274,7 +276,8 @@ pub async fn run_group(bufs: &Arc<Buffers>, ops: &[(&OpSpec, &AtomicBool)]) -> V
                     }
                 }
                 for (k, res) in ks.into_iter().zip(results) {
-                    ends[k] = told_end(&link, ops[k].0, &res);
+                    let core = cores[k].as_mut().expect("told, so made");
+                    ends[k] = told_end(&link, ops[k].0, core, &res);
                 }
             }
             // The grant is gone: each asks anew, on its own.
@@ -298,8 +301,12 @@ pub fn together(a: &OpSpec, b: &OpSpec) -> bool {
 
 /// The end of a grouped write the peer answered `res` (its first round),
 /// or `None` when it runs again on its own.
-fn told_end(link: &PeerLink, op: &OpSpec, res: &proto::BufferNoticeResult) -> GroupEnd {
-    let mut core = StandingCore::new(op.descs.len() as u32, link.max_retries);
+fn told_end(
+    link: &PeerLink,
+    op: &OpSpec,
+    core: &mut StandingCore,
+    res: &proto::BufferNoticeResult,
+) -> GroupEnd {
     match core.answered(res) {
         Ok(StandingNext::Done) => Some(Ok(moved(link, op))),
         Ok(StandingNext::Damaged { bad, rounds }) => Some(Err(damaged(op, &bad, rounds))),
