@@ -367,7 +367,6 @@ impl Conn {
             Request::ReadMany(m) => self.start_many(false, m),
             Request::Wait(Wait { handle, timeout_ms }) => {
                 let deadline = timeout_ms.map(|ms| Instant::now() + Duration::from_millis(ms));
-                self.op(handle)?;
                 reply(self.wait(handle, deadline).await?)
             }
             Request::WaitAll(WaitAll {
@@ -387,7 +386,6 @@ impl Conn {
             }
             Request::Status { handle } => reply(self.op(handle)?.status(handle)),
             Request::Cancel { handle } => {
-                self.op(handle)?;
                 self.ops.lock().unwrap().cancel_one(handle);
                 reply(self.wait(handle, None).await?)
             }
@@ -714,36 +712,35 @@ impl Conn {
 
     /// Operation `h`'s status once it ended, or running at `deadline`.
     async fn wait(&self, h: u64, deadline: Option<Instant>) -> Result<OpStatus, Failure> {
-        let Some(waiters) = self.ops.lock().unwrap().waiters(h) else {
-            return Ok(self.op(h)?.status(h));
-        };
-        let woken = waiters.notified();
-        tokio::pin!(woken);
-        woken.as_mut().enable();
-        // (It may have ended between the two looks.)
-        if self.ops.lock().unwrap().over(h) {
-            return Ok(self.op(h)?.status(h));
-        }
-        if let Some(d) = deadline {
-            let _ = tokio::time::timeout_at(d.into(), woken).await;
-        } else {
-            woken.await;
-        }
+        self.until_over(h, deadline).await;
         Ok(self.op(h)?.status(h))
     }
 
     /// Once every one of operations `hs` has ended.
     async fn retired(&self, hs: Vec<u64>) {
         for h in hs {
-            let Some(waiters) = self.ops.lock().unwrap().waiters(h) else {
-                continue;
-            };
-            let woken = waiters.notified();
-            tokio::pin!(woken);
-            woken.as_mut().enable();
-            if !self.ops.lock().unwrap().over(h) {
-                woken.await;
+            self.until_over(h, None).await;
+        }
+    }
+
+    /// Once operation `h` is not running (ended, or no such operation),
+    /// or at `deadline`.
+    async fn until_over(&self, h: u64, deadline: Option<Instant>) {
+        let Some(waiters) = self.ops.lock().unwrap().waiters(h) else {
+            return;
+        };
+        let woken = waiters.notified();
+        tokio::pin!(woken);
+        woken.as_mut().enable();
+        // (It may have ended between the two looks.)
+        if self.ops.lock().unwrap().over(h) {
+            return;
+        }
+        match deadline {
+            Some(d) => {
+                let _ = tokio::time::timeout_at(d.into(), woken).await;
             }
+            None => woken.await,
         }
     }
 
