@@ -1310,14 +1310,21 @@ async fn standing_grants_serve_many_operations_until_their_exposure_goes() {
         message: format!("op {i}"),
         check: None,
     };
+    // Every page written in one request, page i to page OPS - 1 - i.
+    let write_all = || {
+        let (writer, op) = (&writer, &op);
+        async move {
+            let writes = (0..OPS)
+                .map(|i| op(i, i * LEN, (OPS - 1 - i) * LEN))
+                .collect();
+            let hs = writer.start_many(true, writes).await.unwrap();
+            let st = writer.wait_all(hs).await.unwrap();
+            assert!(st.iter().all(|s| s.state == OpStateName::Done), "{st:?}");
+        }
+    };
     // Twice over, to see the grant kept between batches.
     for _ in 0..2 {
-        let writes = (0..OPS)
-            .map(|i| op(i, i * LEN, (OPS - 1 - i) * LEN))
-            .collect();
-        let hs = writer.start_many(true, writes).await.unwrap();
-        let st = writer.wait_all(hs).await.unwrap();
-        assert!(st.iter().all(|s| s.state == OpStateName::Done), "{st:?}");
+        write_all().await;
     }
     let mut got = vec![0u8; (OPS * LEN) as usize];
     assert!(dst.local.read_at(0, &mut got));
@@ -1360,31 +1367,24 @@ async fn standing_grants_serve_many_operations_until_their_exposure_goes() {
     // One grant per access for all of them, and every operation told
     // (in batches: as many calls at most).
     assert_eq!(peer_said(&addr, "standing grant"), 2);
-    let m = scrape(metrics);
-    let counter = |name: &str| -> u64 {
-        m.lines()
-            .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
-            .unwrap_or_else(|| panic!("{name} in {m}"))
+    let counter = |m: &str, name: &str| {
+        common::metrics::sample(m, name).unwrap_or_else(|| panic!("{name} in {m}")) as u64
     };
-    assert_eq!(counter("rcpd_buffer_standing_grants_total "), 2);
-    assert_eq!(counter("rcpd_buffer_notices_total "), 3 * OPS);
-    let calls = counter("rcpd_buffer_notify_calls_total ");
+    let m = scrape(metrics);
+    assert_eq!(counter(&m, "rcpd_buffer_standing_grants_total"), 2);
+    assert_eq!(counter(&m, "rcpd_buffer_notices_total"), 3 * OPS);
+    let calls = counter(&m, "rcpd_buffer_notify_calls_total");
     assert!((1..=3 * OPS).contains(&calls), "{calls} calls");
     // A tcp session: every call came on the data path, none over gRPC.
-    assert_eq!(counter("rcpd_buffer_notify_frames_total "), calls);
+    assert_eq!(counter(&m, "rcpd_buffer_notify_frames_total"), calls);
     // Of the 2 * OPS writes, those a free connection took went with their
     // notice (the others through the data path, told in batches).
-    let framed = counter("rcpd_buffer_framed_writes_total ");
+    let framed = counter(&m, "rcpd_buffer_framed_writes_total");
     assert!((1..=2 * OPS).contains(&framed), "{framed} framed writes");
     // One request's writes under the grant held go together: with their
     // notices in one entry on the session's connection, told in one call
     // (each alone, the first would leave at once and the rest after it).
-    let writes = (0..OPS)
-        .map(|i| op(i, i * LEN, (OPS - 1 - i) * LEN))
-        .collect();
-    let hs = writer.start_many(true, writes).await.unwrap();
-    let st = writer.wait_all(hs).await.unwrap();
-    assert!(st.iter().all(|s| s.state == OpStateName::Done), "{st:?}");
+    write_all().await;
     // (The reads' events before them.)
     let mut written = 0;
     while written < OPS {
@@ -1396,14 +1396,9 @@ async fn standing_grants_serve_many_operations_until_their_exposure_goes() {
         }
     }
     let m = scrape(metrics);
-    let now = |name: &str| -> u64 {
-        m.lines()
-            .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
-            .unwrap_or_else(|| panic!("{name} in {m}"))
-    };
-    assert_eq!(now("rcpd_buffer_notify_calls_total ") - calls, 1);
-    assert_eq!(now("rcpd_buffer_framed_writes_total ") - framed, OPS);
-    assert_eq!(now("rcpd_buffer_notices_total "), 4 * OPS);
+    assert_eq!(counter(&m, "rcpd_buffer_notify_calls_total") - calls, 1);
+    assert_eq!(counter(&m, "rcpd_buffer_framed_writes_total") - framed, OPS);
+    assert_eq!(counter(&m, "rcpd_buffer_notices_total"), 4 * OPS);
 
     // Withdrawn: the next writes fail, naming the exposure, and the
     // owner's bytes stay as they were. Those of one request first (sent
