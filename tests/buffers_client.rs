@@ -458,6 +458,105 @@ async fn damaged_ranges_move_again_up_to_the_retry_bound() {
     d.stop().await;
 }
 
+/// Writes of one request under a standing grant go together
+/// (`peer::run_group`); one the owner's rcpd finds damaged goes on alone
+/// from its next round, its rounds together counted toward the retry
+/// bound (3): damaged in four rounds it fails `integrity`, as a write on
+/// its own does; in three, the last resend lands. The others of its
+/// request end as they were.
+#[cfg(feature = "fault-injection")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grouped_write_found_damaged_goes_on_within_the_retry_bound() {
+    use rcp::control::buffers::faults::corrupt_ranges;
+    use rcp::control::protocol::negotiate::DEFAULT_MAX_RETRIES;
+    assert_eq!(DEFAULT_MAX_RETRIES, 3, "the counts below assume 3");
+    const OPS: u64 = 8;
+    const LEN: u64 = 4096;
+    let dir = tempfile::tempdir().unwrap();
+    let (d, sock) = start_rcpd(dir.path()).await;
+    let addr = d.addr.clone();
+    let owner = ServiceClient::connect(Some(&sock), None).await.unwrap();
+    let dst = owner.create_buffer(OPS * LEN).await.unwrap();
+    owner
+        .expose_standing(&dst, "dmg-st", 0, OPS * LEN, "write", &[])
+        .await
+        .unwrap();
+    let writer = ServiceClient::connect_with(Some(&sock), None, false)
+        .await
+        .unwrap();
+    let src = writer.create_buffer(OPS * LEN).await.unwrap();
+    let data: Vec<u8> = (0..OPS * LEN).map(|i| (i * 29 + 3) as u8).collect();
+    assert!(src.local.write_at(0, &data));
+    let op = |i: u64| OpRequest {
+        buffer: src.id,
+        peer: addr.clone(),
+        name: "dmg-st".into(),
+        descs: vec![Desc {
+            local: i * LEN,
+            remote: i * LEN,
+            len: LEN,
+        }],
+        message: format!("op {i}"),
+        check: None,
+    };
+    let run = |n: u64| {
+        let (writer, op) = (&writer, &op);
+        async move {
+            let hs = writer
+                .start_many(true, (0..n).map(op).collect())
+                .await
+                .unwrap();
+            writer.wait_all(hs).await.unwrap()
+        }
+    };
+    // The session takes the standing grant; from then on a request's
+    // writes go together.
+    let st = run(OPS).await;
+    assert!(st.iter().all(|s| s.state == OpStateName::Done), "{st:?}");
+    for _ in 0..OPS {
+        assert_eq!(owner_event(&owner).await["resent"], 0);
+    }
+
+    // One range of the request damaged once: its write goes on alone and
+    // lands, the others are done together.
+    corrupt_ranges("dmg-st", 1);
+    let st = run(OPS).await;
+    assert!(st.iter().all(|s| s.state == OpStateName::Done), "{st:?}");
+    let mut resent = Vec::new();
+    for _ in 0..OPS {
+        let ev = owner_event(&owner).await;
+        assert!(ev.get("error").is_none(), "{ev}");
+        resent.push(ev["resent"].as_u64().unwrap());
+    }
+    resent.sort_unstable();
+    assert_eq!(resent, [0, 0, 0, 0, 0, 0, 0, 1]);
+
+    // Damaged in rounds 0 (together), 1 and 2: the third resend lands.
+    corrupt_ranges("dmg-st", 3);
+    let st = run(1).await;
+    assert_eq!(st[0].state, OpStateName::Done, "{st:?}");
+    let ev = owner_event(&owner).await;
+    assert_eq!(ev["resent"], 3, "{ev}");
+    assert!(ev.get("error").is_none(), "{ev}");
+
+    // Damaged in four rounds: past the bound, whatever went together.
+    corrupt_ranges("dmg-st", 4);
+    let st = run(1).await;
+    corrupt_ranges("dmg-st", 0);
+    let f = st[0].failure.as_ref().expect("a failure");
+    assert_eq!(f.reason.name(), "integrity", "{f:?}");
+    assert!(f.message.contains("after 3 resends"), "{f:?}");
+    let ev = owner_event(&owner).await;
+    assert_eq!(ev["resent"], 3, "{ev}");
+    assert_eq!(ev["error"]["reason"], "integrity", "{ev}");
+    let mut got = vec![0u8; (OPS * LEN) as usize];
+    assert!(dst.local.read_at(0, &mut got));
+    assert!(got == data, "the owner's buffer holds the writer's bytes");
+
+    drop((owner, writer));
+    d.stop().await;
+}
+
 /// A buffer operation to a peer rcpd does not list is refused naming
 /// --copy-peers (rcpd's token and certificate would go there), and no
 /// connection reaches that peer; rcpd itself stays reachable.

@@ -5,7 +5,10 @@
 //! ranges of an exposure that are checked arrive damaged, one byte flipped
 //! just before their digest is compared, as if damaged on the way. Where:
 //! for a write, on the exposing rcpd, in what landed (after the grant was
-//! revoked); for a read, on the reader, in what its READs landed. Keyed by
+//! revoked); for a read, on the reader, in what its READs landed; under a
+//! standing grant, whose ranges the peer's device may reach at any time,
+//! nothing is written: the exposing rcpd counts the range as not matching
+//! ([`damaged`]). Keyed by
 //! the exposure's name, so tests running side by side in one process do
 //! not see each other's faults.
 
@@ -46,3 +49,22 @@ pub(crate) unsafe fn inject(name: &str, range: &mut LeasedRange) {
 #[cfg(not(feature = "fault-injection"))]
 #[inline(always)]
 pub(crate) unsafe fn inject(_name: &str, _range: &mut LeasedRange) {}
+
+/// Whether the range of exposure `name` being checked now counts as
+/// damaged (a fault armed for it), with nothing written: a standing
+/// grant's ranges stay reachable by the peer's device while checked.
+#[cfg(feature = "fault-injection")]
+pub(crate) fn damaged(name: &str) -> bool {
+    let fired = crate::faults::fire(&crate::faults::range_key(name));
+    if fired {
+        tracing::warn!(name = %crate::escape::esc(name), "test fault: a buffer range counted damaged");
+    }
+    fired
+}
+
+/// Without the `fault-injection` feature: no faults.
+#[cfg(not(feature = "fault-injection"))]
+#[inline(always)]
+pub(crate) fn damaged(_name: &str) -> bool {
+    false
+}

@@ -97,6 +97,18 @@ pub async fn run(
     op: &OpSpec,
     cancelled: &AtomicBool,
 ) -> Result<Moved, Failure> {
+    run_from(bufs, op, cancelled, None).await
+}
+
+/// [`run`], going on from `resume` (the rounds a grouped write already
+/// had: [`GroupEnd::Resume`]) while the session and its grant are the
+/// same, so that the retry bound counts every round the operation had.
+pub async fn run_from(
+    bufs: &Arc<Buffers>,
+    op: &OpSpec,
+    cancelled: &AtomicBool,
+    resume: Option<Resume>,
+) -> Result<Moved, Failure> {
     if op.descs.is_empty() {
         return Err(Failure::new(Reason::Invalid, "no descriptors"));
     }
@@ -117,7 +129,7 @@ pub async fn run(
     // Before anything moves: under a standing grant the peer sees the
     // message only in the notice, after the WRITEs.
     within_limit("a message", &op.message)?;
-    let (why, closed, tcp) = match attempt(bufs, op, cancelled).await {
+    let (why, closed, tcp) = match attempt(bufs, op, cancelled, resume).await {
         Ok(m) => return Ok(m),
         Err(Attempt::Failed(e)) => return Err(e),
         Err(Attempt::GaveUp { why, closed }) => (why, Some(closed), true),
@@ -145,7 +157,7 @@ pub async fn run(
         };
         Failure::new(e.reason, m)
     };
-    match attempt(bufs, op, cancelled).await {
+    match attempt(bufs, op, cancelled, None).await {
         Ok(m) => Ok(m),
         Err(Attempt::Failed(e)) => Err(after(e)),
         Err(
@@ -156,9 +168,26 @@ pub async fn run(
     }
 }
 
-/// An operation's end as the service sees it, or `None`: it runs on its
-/// own ([`run`]).
-pub type GroupEnd = Option<Result<Moved, Failure>>;
+/// What became of one of the writes [`run_group`] was given.
+pub enum GroupEnd {
+    /// It ended.
+    Ended(Result<Moved, Failure>),
+    /// It did not go together: it runs on its own, whole ([`run`]).
+    Alone,
+    /// The peer found ranges of it bad and takes them again: it goes on
+    /// on its own from the next round ([`run_from`]).
+    Resume(Resume),
+}
+
+/// Where a grouped write the peer found damaged stands: its session's
+/// link and standing grant, its protocol side (rounds had, ranges still
+/// to move) and the digests its notices carry.
+pub struct Resume {
+    link: Arc<PeerLink>,
+    standing: u64,
+    core: StandingCore,
+    digests: Vec<Vec<u8>>,
+}
 
 /// Several small writes to one peer's exposure (a request's, such as a
 /// prepared list's), moved together where they can be: into the standing
@@ -168,15 +197,16 @@ pub type GroupEnd = Option<Result<Moved, Failure>>;
 /// and one answer instead of 64 of each. The same notices, the same
 /// checks by the peer, the same events for the owner as [`run`]'s, one
 /// each. An operation that cannot go so (no standing grant held yet, not
-/// tcp, too large, cancelled, a descriptor refused here) or whose answer
-/// is not its end (ranges the peer found bad and will take again, the
-/// grant revoked meanwhile) gets `None`, and runs on its own, whole
-/// (writes of the same ranges are idempotent; the owner was told
-/// nothing).
+/// tcp, too large, cancelled, a descriptor refused here) or whose grant
+/// was revoked meanwhile is [`GroupEnd::Alone`]: it runs on its own,
+/// whole (writes of the same ranges are idempotent; the owner was told
+/// nothing). One with ranges the peer found bad and will take again is
+/// [`GroupEnd::Resume`]: it goes on on its own from its next round, so
+/// that its rounds in all stay within the peer's bound.
 ///
 /// [`WRITE_MAX`]: super::frames::WRITE_MAX
 pub async fn run_group(bufs: &Arc<Buffers>, ops: &[(&OpSpec, &AtomicBool)]) -> Vec<GroupEnd> {
-    let mut ends: Vec<GroupEnd> = (0..ops.len()).map(|_| None).collect();
+    let mut ends: Vec<GroupEnd> = (0..ops.len()).map(|_| GroupEnd::Alone).collect();
     let Some(&(first, _)) = ops.first() else {
         return ends;
     };
@@ -233,8 +263,10 @@ pub async fn run_group(bufs: &Arc<Buffers>, ops: &[(&OpSpec, &AtomicBool)]) -> V
     let mut digests = digests.into_iter();
     // Entries of at most WRITE_MAX bytes each, told concurrently.
     let mut entries: Vec<Vec<(usize, &[Moving], proto::BufferNotice)>> = Vec::new();
-    // Each one's side of the protocol, answered when the entry is.
-    let mut cores: Vec<Option<StandingCore>> = (0..ops.len()).map(|_| None).collect();
+    // Each one's side of the protocol and its notice's digests, kept for
+    // its answer.
+    let mut cores: Vec<Option<(StandingCore, Vec<Vec<u8>>)>> =
+        (0..ops.len()).map(|_| None).collect();
     let mut bytes = u64::MAX;
     for &(k, ref moving, len) in &going {
         let op = ops[k].0;
@@ -245,7 +277,7 @@ pub async fn run_group(bufs: &Arc<Buffers>, ops: &[(&OpSpec, &AtomicBool)]) -> V
         };
         let core = StandingCore::new(op.descs.len() as u32, link.max_retries);
         let n = notice(op, sg.id, &ds, &core);
-        cores[k] = Some(core);
+        cores[k] = Some((core, ds));
         if bytes.saturating_add(len) > super::frames::WRITE_MAX {
             entries.push(Vec::new());
             bytes = 0;
@@ -276,8 +308,8 @@ pub async fn run_group(bufs: &Arc<Buffers>, ops: &[(&OpSpec, &AtomicBool)]) -> V
                     }
                 }
                 for (k, res) in ks.into_iter().zip(results) {
-                    let core = cores[k].as_mut().expect("told, so made");
-                    ends[k] = told_end(&link, ops[k].0, core, &res);
+                    let (core, ds) = cores[k].take().expect("told, so made");
+                    ends[k] = told_end(&link, sg.id, ops[k].0, core, ds, &res);
                 }
             }
             // The grant is gone: each asks anew, on its own.
@@ -285,7 +317,7 @@ pub async fn run_group(bufs: &Arc<Buffers>, ops: &[(&OpSpec, &AtomicBool)]) -> V
             Err(WriteFailed::Again) => {}
             Err(WriteFailed::Failed(e)) => {
                 for k in ks {
-                    ends[k] = Some(Err(e.clone()));
+                    ends[k] = GroupEnd::Ended(Err(e.clone()));
                 }
             }
         }
@@ -299,32 +331,43 @@ pub fn together(a: &OpSpec, b: &OpSpec) -> bool {
     a.write && b.write && a.peer == b.peer && a.name == b.name && a.check == b.check
 }
 
-/// The end of a grouped write the peer answered `res` (its first round),
-/// or `None` when it runs again on its own.
+/// The end of a grouped write the peer answered `res` (its first round)
+/// under standing grant `standing`, or how it goes on on its own.
 fn told_end(
-    link: &PeerLink,
+    link: &Arc<PeerLink>,
+    standing: u64,
     op: &OpSpec,
-    core: &mut StandingCore,
+    mut core: StandingCore,
+    digests: Vec<Vec<u8>>,
     res: &proto::BufferNoticeResult,
 ) -> GroupEnd {
     match core.answered(res) {
-        Ok(StandingNext::Done) => Some(Ok(moved(link, op))),
-        Ok(StandingNext::Damaged { bad, rounds }) => Some(Err(damaged(op, &bad, rounds))),
-        Ok(StandingNext::Again(_)) => None,
+        Ok(StandingNext::Done) => GroupEnd::Ended(Ok(moved(link, op))),
+        Ok(StandingNext::Damaged { bad, rounds }) => {
+            GroupEnd::Ended(Err(damaged(op, &bad, rounds)))
+        }
+        Ok(StandingNext::Again(_)) => GroupEnd::Resume(Resume {
+            link: link.clone(),
+            standing,
+            core,
+            digests,
+        }),
         Err(e) if e.reason == Reason::FileNotFound => {
             forget(link, op);
-            None
+            GroupEnd::Alone
         }
-        Err(e) => Some(Err(notice_refused(op, e))),
+        Err(e) => GroupEnd::Ended(Err(notice_refused(op, e))),
     }
 }
 
-/// [`run`] once, on the peer's session now. What each answer of the peer
-/// means is [`OpCore`]'s; this drives it (leases, windows, hashing, RPCs).
+/// [`run`] once, on the peer's session now (going on from `resume` if it
+/// is this session's and grant's). What each answer of the peer means is
+/// [`OpCore`]'s; this drives it (leases, windows, hashing, RPCs).
 async fn attempt(
     bufs: &Arc<Buffers>,
     op: &OpSpec,
     cancelled: &AtomicBool,
+    resume: Option<Resume>,
 ) -> Result<Moved, Attempt> {
     let local = lease_local(op)?;
     if cancelled.load(Relaxed) {
@@ -336,7 +379,10 @@ async fn attempt(
     // made every operation's task 5.4 KB, under a standing grant too.
     match grant {
         Grant::PerOp(g) => Box::pin(per_op(&link, op, reg, g, local, cancelled)).await,
-        Grant::Standing(sg) => standing(&link, op, reg, sg, local, cancelled).await,
+        Grant::Standing(sg) => {
+            let resume = resume.filter(|r| Arc::ptr_eq(&r.link, &link) && r.standing == sg.id);
+            standing(&link, op, reg, sg, local, cancelled, resume).await
+        }
     }
 }
 
@@ -565,7 +611,9 @@ async fn request_grant(
 /// [`attempt`] under the session's standing grant `sg` of the exposure:
 /// post every range where the grant places it, then one notice; the
 /// ranges the peer found bad move again (the grant stands), as many rounds
-/// as its bound allows. What each answer means is [`StandingCore`]'s.
+/// as its bound allows, counting those it had before `resume` (then only
+/// the ranges still to move go). What each answer means is
+/// [`StandingCore`]'s.
 async fn standing(
     link: &Arc<PeerLink>,
     op: &OpSpec,
@@ -573,19 +621,35 @@ async fn standing(
     sg: Arc<proto::StandingGrant>,
     local: Vec<LeasedRange>,
     cancelled: &AtomicBool,
+    resume: Option<Resume>,
 ) -> Result<Moved, Attempt> {
     let place = placing(op, &sg)?;
     let check = link.check;
-    // Under check none a notice carries no digests (the exposer expects
-    // none: `standing::check_notice`).
-    let mut digests = if check.is_none() {
-        Vec::new()
-    } else if op.write {
-        digests(check, &local)
-    } else {
-        vec![Vec::new(); local.len()]
+    let (mut core, mut digests, local) = match resume {
+        Some(r) => {
+            let local = (local.into_iter().enumerate())
+                .filter(|(i, _)| r.core.moving().contains(&(*i as u32)))
+                .collect();
+            (r.core, r.digests, local)
+        }
+        // Under check none a notice carries no digests (the exposer
+        // expects none: `standing::check_notice`).
+        None => {
+            let digests = if check.is_none() {
+                Vec::new()
+            } else if op.write {
+                digests(check, &local)
+            } else {
+                vec![Vec::new(); local.len()]
+            };
+            let core = StandingCore::new(op.descs.len() as u32, link.max_retries);
+            (
+                core,
+                digests,
+                local.into_iter().enumerate().collect::<Vec<_>>(),
+            )
+        }
     };
-    let mut core = StandingCore::new(op.descs.len() as u32, link.max_retries);
     let g = GrantedOp {
         link,
         op,
@@ -598,7 +662,6 @@ async fn standing(
     let forget = || forget(link, op);
     let mut moving: Vec<Moving> = local
         .into_iter()
-        .enumerate()
         .map(|(i, r)| (i as u32, r, place(i as u32)))
         .collect();
     loop {

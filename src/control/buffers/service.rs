@@ -665,14 +665,19 @@ impl Conn {
         let alone = FuturesUnordered::new();
         let mut ended = Vec::with_capacity(part.len());
         for ((ending, flag, spec), end) in part.into_iter().zip(ends) {
-            match end {
-                Some(r) => ended.push((ending.take(), r)),
-                None => alone.push(async move {
-                    let r = peer::run(&self.bufs, &spec, flag).await;
-                    drop(spec);
-                    self.ended(vec![(ending.take(), r)]);
-                }),
-            }
+            let resume = match end {
+                peer::GroupEnd::Ended(r) => {
+                    ended.push((ending.take(), r));
+                    continue;
+                }
+                peer::GroupEnd::Alone => None,
+                peer::GroupEnd::Resume(r) => Some(r),
+            };
+            alone.push(async move {
+                let r = peer::run_from(&self.bufs, &spec, flag, resume).await;
+                drop(spec);
+                self.ended(vec![(ending.take(), r)]);
+            });
         }
         self.ended(ended);
         alone.collect::<()>().await;

@@ -242,7 +242,11 @@ pub fn notify(
             Ok(c) => {
                 let mine: Vec<Vec<u8>> = landed.by_ref().take(c.ranges.len()).collect();
                 let bad: Vec<u32> = (0..c.ranges.len() as u32)
-                    .filter(|&i| !check.is_none() && mine[i as usize] != n.digests[i as usize])
+                    .filter(|&i| {
+                        !check.is_none()
+                            && (mine[i as usize] != n.digests[i as usize]
+                                || super::faults::damaged(&c.grant.name))
+                    })
                     .collect();
                 let ended = bad.is_empty() || n.round >= max_retries;
                 if ended {
