@@ -774,6 +774,66 @@ impl Conn {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::control::buffers::api::OpStateName;
+
+    /// A connection of an rcpd that knows no peers, and what it sends.
+    fn conn() -> (Arc<Conn>, tokio::sync::mpsc::UnboundedReceiver<Vec<u8>>) {
+        let bufs = Buffers::new(super::super::BuffersConfig {
+            client: crate::control::client::ClientOptions::default(),
+            peers: Arc::new(crate::control::copy_peers::CopyPeers::new(Vec::new())),
+            default_check: None,
+            token: None,
+            node: "127.0.0.1:1".into(),
+            pool: crate::control::jobs::Pool::new(Default::default()),
+        });
+        let (out, rx) = Outbox::new();
+        let conn = Arc::new(Conn {
+            id: bufs.new_conn(),
+            bufs,
+            out,
+            buffers: Mutex::new(HashMap::new()),
+            next_buf: AtomicU64::new(0),
+            ops: Mutex::new(Ops::new(KEPT_ENDED)),
+            cred: "uid=0 pid=0".into(),
+            hello: AtomicBool::new(true),
+            done_events: AtomicBool::new(true),
+            name: Mutex::new(String::new()),
+        });
+        (conn, rx)
+    }
+
+    /// An operation whose task goes without ending it (a panic) ends
+    /// cancelled: its waiter wakes, the service hears its `done` event;
+    /// one whose end was taken stays as its task left it.
+    #[tokio::test]
+    async fn an_operation_whose_task_panics_ends_cancelled() {
+        let (c, mut rx) = conn();
+        let (h, _flags) = c.ops.lock().unwrap().start(&[1, 1]);
+        let waiting = tokio::spawn({
+            let c = c.clone();
+            async move { c.wait(h, None).await }
+        });
+        tokio::task::yield_now().await;
+        let task = tokio::spawn({
+            let c = c.clone();
+            async move {
+                let _ending = Ending { conn: &c, h };
+                let kept = Ending { conn: &c, h: h + 1 };
+                assert_eq!(kept.take(), h + 1);
+                panic!("a test's operation task panics");
+            }
+        });
+        assert!(task.await.unwrap_err().is_panic());
+        // (A hang guard only: the waiter wakes at once.)
+        let woke = tokio::time::timeout(std::time::Duration::from_secs(60), waiting).await;
+        let st = woke.expect("the waiter woke").unwrap().unwrap();
+        assert_eq!((st.handle, st.state), (h, OpStateName::Cancelled));
+        let ev = String::from_utf8_lossy(&rx.recv().await.unwrap()).into_owned();
+        assert!(ev.contains("\"cancelled\""), "{ev}");
+        let other = c.op(h + 1).unwrap().status(h + 1);
+        assert_eq!(other.state, OpStateName::Running, "its end was taken");
+        assert!(rx.try_recv().is_err(), "one event");
+    }
 
     /// A connection's reading waits while more than the bound of its
     /// replies is queued, until the writer sent some (or ended).
