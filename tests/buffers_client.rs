@@ -602,22 +602,10 @@ async fn an_operation_to_an_unlisted_peer_is_refused_before_any_connection() {
     d.stop().await;
 }
 
-/// `GET /metrics` of `addr`.
-fn scrape(addr: std::net::SocketAddr) -> String {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
-    s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    out
-}
-
 /// Sessions rcpd closed for `--session-grace` (opened, no work started).
 fn grace_closed(metrics: std::net::SocketAddr) -> u64 {
-    let m = scrape(metrics);
-    m.lines()
-        .find_map(|l| l.strip_prefix("rcpd_client_limits_total{reason=\"session_grace\"} "))
-        .and_then(|v| v.parse::<f64>().ok())
+    let m = common::metrics::scrape(&format!("http://{metrics}/metrics"));
+    common::metrics::sample(&m, "rcpd_client_limits_total{reason=\"session_grace\"}")
         .unwrap_or_else(|| panic!("no session_grace count in {m}")) as u64
 }
 
@@ -1469,7 +1457,7 @@ async fn standing_grants_serve_many_operations_until_their_exposure_goes() {
     let counter = |m: &str, name: &str| {
         common::metrics::sample(m, name).unwrap_or_else(|| panic!("{name} in {m}")) as u64
     };
-    let m = scrape(metrics);
+    let m = common::metrics::scrape(&format!("http://{metrics}/metrics"));
     assert_eq!(counter(&m, "rcpd_buffer_standing_grants_total"), 2);
     assert_eq!(counter(&m, "rcpd_buffer_notices_total"), 3 * OPS);
     let calls = counter(&m, "rcpd_buffer_notify_calls_total");
@@ -1494,7 +1482,7 @@ async fn standing_grants_serve_many_operations_until_their_exposure_goes() {
             _ => panic!("{ev}"),
         }
     }
-    let m = scrape(metrics);
+    let m = common::metrics::scrape(&format!("http://{metrics}/metrics"));
     assert_eq!(counter(&m, "rcpd_buffer_notify_calls_total") - calls, 1);
     assert_eq!(counter(&m, "rcpd_buffer_framed_writes_total") - framed, OPS);
     assert_eq!(counter(&m, "rcpd_buffer_notices_total"), 4 * OPS);
