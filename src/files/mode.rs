@@ -27,6 +27,14 @@ pub fn received_mode(existing: Option<u32>, source: Option<u32>, umask: u32) -> 
     }
 }
 
+/// The mode a copied directory is made with (`mkdir` masks it by the
+/// umask): the source directory's bits `source`, plus the owner's rwx, as
+/// the copy writes into it. Never wider than the source for group and
+/// others (rsync's rule without `-p`).
+pub fn made_dir_mode(source: u32) -> u32 {
+    (source & 0o7777) | 0o700
+}
+
 /// This process's umask, read once (from `/proc/self/status`, which reads
 /// it without changing it; where that is missing, `022`).
 pub fn process_umask() -> u32 {
@@ -67,6 +75,13 @@ mod tests {
     fn an_existing_file_keeps_its_bits() {
         assert_eq!(received_mode(Some(0o600), Some(0o644), 0o022), 0o600);
         assert_eq!(received_mode(Some(0o666), Some(0o600), 0o077), 0o666);
+    }
+
+    #[test]
+    fn a_made_directory_is_the_owners_to_write_and_no_wider() {
+        assert_eq!(made_dir_mode(0o500), 0o700);
+        assert_eq!(made_dir_mode(0o750), 0o750);
+        assert_eq!(made_dir_mode(0o1777), 0o1777);
     }
 
     #[test]

@@ -481,7 +481,7 @@ impl Root {
         for (i, name) in r.components().iter().enumerate() {
             let next = prefix.join(name)?;
             let mode = if i + 1 == last && mode != 0 {
-                (mode & 0o7777) | 0o700
+                super::mode::made_dir_mode(mode)
             } else {
                 0o777
             };

@@ -732,7 +732,7 @@ fn make_local_dir(path: &Path, mode: u32, in_tree: bool) -> Result<()> {
         std::fs::create_dir_all(parent).map_err(io)?;
     }
     let made = std::fs::DirBuilder::new()
-        .mode((mode & 0o7777) | 0o700)
+        .mode(crate::files::mode::made_dir_mode(mode))
         .create(path);
     match made {
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => match is_dir_here(path, in_tree)
