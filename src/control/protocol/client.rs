@@ -201,10 +201,6 @@ pub struct ClientCore {
     live: Liveness,
     /// Frame numbers, sent and heard.
     seq: FrameSeq,
-    /// Ours: grows with every answered action and data-path movement.
-    progress: u64,
-    /// The peer's, as last heard.
-    peer_progress: u64,
     phase: Phase,
     /// The data path's confirmed bytes, as last told.
     confirmed: u64,
@@ -240,8 +236,6 @@ impl ClientCore {
             events: VecDeque::new(),
             live: Liveness::new(p.timeout_ns, p.keepalive_ns, now),
             seq: FrameSeq::default(),
-            progress: 0,
-            peer_progress: 0,
             phase: Phase::Running,
             confirmed: 0,
             watch: None,
@@ -403,7 +397,7 @@ impl ClientCore {
         // Files whose `--delta` digests would make the frame larger than a
         // message may be go in the next frames.
         self.out.open = f.open.split_off(opens_that_fit(&f.open));
-        f.progress = self.progress;
+        f.progress = self.live.progress();
         f.seq = self.seq.stamp();
         Some(f)
     }
@@ -457,15 +451,7 @@ impl ClientCore {
     /// Something moved here (an action finished; the data path confirmed
     /// bytes): progress, and the next frame (a keepalive at least) says so.
     pub fn note_progress(&mut self, now: u64) {
-        self.progress += 1;
-        self.live.progressed(now);
-    }
-
-    /// Whether a frame carrying the peer's `progress` counter moved it.
-    fn peer_moved(&mut self, progress: u64) -> bool {
-        let moved = progress > self.peer_progress;
-        self.peer_progress = self.peer_progress.max(progress);
-        moved
+        self.live.note_progress(now);
     }
 
     fn end(&mut self, r: Result<(), Failure>) {
@@ -595,7 +581,7 @@ impl ClientCore {
                 return self.end(Err(FrameSeq::lost(expected, got)));
             }
         }
-        let moved = self.peer_moved(f.progress);
+        let moved = self.live.peer_moved(f.progress);
         let progress = moved
             || !(f.opened.is_empty()
                 && f.grants.is_empty()

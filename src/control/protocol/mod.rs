@@ -491,6 +491,9 @@ impl DigestChain {
 ///   nothing from the peer for `timeout`, or seen no progress (a frame that
 ///   carried something, an I/O action completed) for `timeout`, ends the
 ///   stream as [`Reason::Retryable`].
+/// - Each end counts its progress (every answered action and data-path
+///   movement) and says the count in every frame; a frame whose count
+///   grew is the peer's progress.
 #[derive(Clone, Copy, Debug)]
 pub struct Liveness {
     timeout: u64,
@@ -498,6 +501,10 @@ pub struct Liveness {
     last_heard: u64,
     last_progress: u64,
     last_sent: u64,
+    /// Ours: grows with every answered action and data-path movement.
+    progress: u64,
+    /// The peer's, as last heard.
+    peer_progress: u64,
 }
 
 impl Liveness {
@@ -510,7 +517,28 @@ impl Liveness {
             last_heard: now,
             last_progress: now,
             last_sent: now,
+            progress: 0,
+            peer_progress: 0,
         }
+    }
+
+    /// Something moved here (an action finished; the data path confirmed
+    /// bytes): progress, counted for the next frame to say.
+    pub fn note_progress(&mut self, now: u64) {
+        self.progress += 1;
+        self.progressed(now);
+    }
+
+    /// Our progress count, as a frame says it.
+    pub fn progress(&self) -> u64 {
+        self.progress
+    }
+
+    /// Whether a frame carrying the peer's `progress` count moved it.
+    pub fn peer_moved(&mut self, progress: u64) -> bool {
+        let moved = progress > self.peer_progress;
+        self.peer_progress = self.peer_progress.max(progress);
+        moved
     }
 
     /// A frame arrived; `progress` unless it was a keepalive.

@@ -193,10 +193,6 @@ pub struct ServerCore {
     live: Liveness,
     /// Frame numbers, sent and heard.
     seq: FrameSeq,
-    /// Ours: grows with every answered action and data-path movement.
-    progress: u64,
-    /// The peer's, as last heard.
-    peer_progress: u64,
     phase: Phase,
     client_closed: bool,
     /// The client sent Abort: anything after it is out of the protocol.
@@ -236,8 +232,6 @@ impl ServerCore {
             actions: VecDeque::new(),
             live: Liveness::new(p.timeout_ns, p.keepalive_ns, now),
             seq: FrameSeq::default(),
-            progress: 0,
-            peer_progress: 0,
             phase: Phase::Running,
             client_closed: false,
             aborted: false,
@@ -272,7 +266,7 @@ impl ServerCore {
         }
         self.live.sent(now);
         let mut f = std::mem::take(&mut self.out);
-        f.progress = self.progress;
+        f.progress = self.live.progress();
         f.seq = self.seq.stamp();
         Some(f)
     }
@@ -344,15 +338,7 @@ impl ServerCore {
     /// Something moved here (an action finished; the data path confirmed
     /// bytes): progress, and the next frame (a keepalive at least) says so.
     pub fn note_progress(&mut self, now: u64) {
-        self.progress += 1;
-        self.live.progressed(now);
-    }
-
-    /// Whether a frame carrying the peer's `progress` counter moved it.
-    fn peer_moved(&mut self, progress: u64) -> bool {
-        let moved = progress > self.peer_progress;
-        self.peer_progress = self.peer_progress.max(progress);
-        moved
+        self.live.note_progress(now);
     }
 
     /// End the stream: a failure also goes out as FileFailed for `file`.
@@ -441,7 +427,7 @@ impl ServerCore {
                 return self.end(Err(FrameSeq::lost(expected, got)));
             }
         }
-        let moved = self.peer_moved(f.progress);
+        let moved = self.live.peer_moved(f.progress);
         let progress = moved
             || !(f.open.is_empty() && f.done.is_empty() && f.end.is_empty())
             || f.abort.is_some();
