@@ -22,6 +22,13 @@ use rcp::parse::RailList;
 static DEFAULTS: std::sync::LazyLock<DaemonConfig> =
     std::sync::LazyLock::new(DaemonConfig::default);
 
+/// `--health-listen`'s default as the flag says it (`none`: off).
+static HEALTH_DEFAULT: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    DEFAULTS
+        .health_listen
+        .map_or_else(|| "none".into(), |a| a.to_string())
+});
+
 #[derive(Parser, Debug)]
 #[command(
     name = "rcpd",
@@ -33,7 +40,7 @@ struct Args {
     #[arg(long, env = "RCPD_LISTEN", default_value_t = DEFAULTS.listen)]
     listen: SocketAddr,
     /// Plaintext grpc.health.v1 only, no auth ("none" disables).
-    #[arg(long, env = "RCPD_HEALTH_LISTEN", default_value = "0.0.0.0:7472")]
+    #[arg(long, env = "RCPD_HEALTH_LISTEN", default_value = HEALTH_DEFAULT.as_str())]
     health_listen: String,
     /// Prometheus text on GET /metrics (unset: off).
     #[arg(long, env = "RCPD_METRICS_LISTEN")]
