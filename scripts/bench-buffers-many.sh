@@ -140,7 +140,22 @@ EOF
 declare -A R C
 for p in $(seq "$PASSES"); do
   for m in ${RCP_BENCH_MODES:-one many quiet standing}; do
-    read -r ops cpu wcpu ocpu < <("$py" "$work/many.py" "$work/a.sock" "$work/b.sock" "$b_addr" "$a_pid" "$b_pid" "$m" "$work")
+    # (Not `read < <(...)`: a pass whose Python died, by a signal too,
+    # ended the script there with nothing said.)
+    st=0
+    out=$("$py" "$work/many.py" "$work/a.sock" "$work/b.sock" "$b_addr" "$a_pid" "$b_pid" "$m" "$work") || st=$?
+    if [ "$st" != 0 ] || [ -z "$out" ]; then
+      echo "pass $p $m: the writing service failed (exit $st; a signal when over 128), output: ${out:-none}" >&2
+      for n in a b; do
+        pid=$a_pid; [ $n = b ] && pid=$b_pid
+        if ! kill -0 "$pid" 2>/dev/null; then
+          echo "rcpd $n is gone; its log ends:" >&2
+          tail -5 "$work/$n.log" >&2
+        fi
+      done
+      exit 1
+    fi
+    read -r ops cpu wcpu ocpu <<<"$out"
     R[$m]="${R[$m]:-} $ops"; C[$m]="${C[$m]:-} $cpu"
     echo "pass $p $m: $ops operations/s, CPU s per 1000 operations: both rcpds $cpu, the writing service $wcpu, the owner $ocpu (load $(cut -d' ' -f1 /proc/loadavg))"
   done
