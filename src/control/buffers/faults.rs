@@ -8,7 +8,7 @@
 //! revoked); for a read, on the reader, in what its READs landed; under a
 //! standing grant, whose ranges the peer's device may reach at any time,
 //! nothing is written: the exposing rcpd counts the range as not matching
-//! ([`damaged`]). Keyed by
+//! (`damaged`). Keyed by
 //! the exposure's name, so tests running side by side in one process do
 //! not see each other's faults.
 
