@@ -298,9 +298,20 @@ assert len(hs) == n, hs
 st = quiet.wait_all(hs)
 assert [(s["state"], s["bytes"]) for s in st] == [("done", page)] * n, st
 assert bytes(dst.view[: n * page]) == data2
+# wait=True: started and waited for in one request, their states back.
+data3 = os.urandom(n * page)
+qsrc.view[:] = data3
+st = quiet.write_each(qsrc, b, "many", [(i * page, (n - 1 - i) * page, page) for i in range(n)], wait=True)
+assert [(s["state"], s["bytes"]) for s in st] == [("done", page)] * n, st
+assert [s["handle"] for s in st] == list(range(hs[-1].id + 1, hs[-1].id + 1 + n)), st
+for i in range(n):
+    assert bytes(dst.view[(n - 1 - i) * page : (n - i) * page]) == data3[i * page : (i + 1) * page], i
+st = quiet.read_many([(qsrc, b, "many", [(i * page, i * page, page)]) for i in range(n)], wait=True, timeout=60)
+assert [s["state"] for s in st] == ["done"] * n, st
+assert bytes(qsrc.view[: n * page]) == bytes(dst.view[: n * page])
 ev = quiet.next_event(timeout=0.5)
 assert ev is None, ev
-print("many: 64 writes and 64 reads in one request each, 64 from one prepared list (write_each), every page checked; done_events=False sends none")
+print("many: 64 writes and 64 reads in one request each, 64 from one prepared list (write_each), and a list started and waited for in one request (wait=True), every page checked; done_events=False sends none")
 EOF
 check "many: write_many, read_many, write_each, wait_all move every page where it belongs; done_events=False" \
   "$py" "$work/many.py" "$work/a.sock" "$work/b.sock" "$b"

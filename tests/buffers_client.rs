@@ -297,6 +297,7 @@ async fn many_operations_start_and_end_in_one_request_each() {
     };
     let hs = writer.start_each(true, each).await.unwrap();
     assert_eq!(hs.len() as u64, OPS);
+    let after = hs[hs.len() - 1] + 1;
     let st = writer.wait_all(hs).await.unwrap();
     assert!(
         st.iter()
@@ -305,6 +306,40 @@ async fn many_operations_start_and_end_in_one_request_each() {
     );
     assert!(dst.local.read_at(0, &mut got));
     assert!(got == data, "each descriptor's page landed in place");
+    // Started and waited for in one request (wait): the final states back,
+    // a handle each after the list's before, the pages where they belong.
+    let rev = OpRequest {
+        descs: (0..OPS)
+            .map(|i| Desc {
+                local: i * LEN,
+                remote: (OPS - 1 - i) * LEN,
+                len: LEN,
+            })
+            .collect(),
+        ..op(0, 0, 0)
+    };
+    let st = writer.run_each(true, rev).await.unwrap();
+    let want: Vec<_> = (after..after + OPS)
+        .map(|h| (h, OpStateName::Done, Some(LEN)))
+        .collect();
+    let ran: Vec<_> = st.iter().map(|s| (s.handle, s.state, s.bytes)).collect();
+    assert_eq!(ran, want);
+    assert!(dst.local.read_at(0, &mut got));
+    for i in 0..OPS {
+        let (a, b) = ((i * LEN) as usize, ((OPS - 1 - i) * LEN) as usize);
+        assert!(
+            got[b..b + LEN as usize] == data[a..a + LEN as usize],
+            "page {i}"
+        );
+    }
+    let reads: Vec<OpRequest> = (0..OPS).map(|i| op(i, (OPS + i) * LEN, i * LEN)).collect();
+    let st = writer.run_many(false, reads).await.unwrap();
+    assert!(st.iter().all(|s| s.state == OpStateName::Done), "{st:?}");
+    assert!(src.local.read_at(OPS * LEN, &mut back));
+    assert!(
+        back == got,
+        "the reads in one request landed the owner's pages"
+    );
     // One bad op (no such buffer) after a good one: refused, named, and
     // the good one did not start (no operation took the next handle: a
     // connection numbers its operations in order).

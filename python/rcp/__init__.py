@@ -315,42 +315,59 @@ class Client:
         f = self._op_fields(buf, peer, name, descs, message, check)
         return Handle(self, self._request(op, **f)["handle"])
 
-    def _many(self, op, ops):
+    def _many(self, op, ops, wait, timeout):
         fields = []
         for o in ops:
             if isinstance(o, dict):
                 fields.append(self._op_fields(**o))
             else:
                 fields.append(self._op_fields(*o))
-        return [Handle(self, h) for h in self._request(op, ops=fields)["handles"]]
+        return self._started(op, {"ops": fields}, wait, timeout)
 
-    def write_many(self, ops):
+    def _started(self, op, f, wait, timeout):
+        if wait:
+            f["wait"] = True
+            if timeout is not None:
+                f["timeout_ms"] = int(timeout * 1000)
+        elif timeout is not None:
+            raise ValueError("timeout goes with wait=True")
+        r = self._request(op, **f)
+        if not wait:
+            return [Handle(self, h) for h in r["handles"]]
+        if "statuses" not in r:
+            raise RcpError("version", f"rcpd answered {op} without statuses: it does not know wait (older)")
+        return r["statuses"]
+
+    def write_many(self, ops, wait=False, timeout=None):
         """Start several writes in one request: each op is shaped as
         write()'s arguments, a tuple (buf, peer, name, descs[, message[,
         check]]) or a dict of them. rcpd checks every op before it starts
         any (one that cannot start raises RcpError naming it, and none
-        starts); a list of Handles in their order."""
-        return self._many("write_many", ops)
+        starts); a list of Handles in their order. With wait=True, the
+        same request also waits for them (within `timeout` seconds for
+        all), as wait_all() would: a list of their states in order, each
+        with its `handle`; a batch in one request instead of two."""
+        return self._many("write_many", ops, wait, timeout)
 
-    def read_many(self, ops):
+    def read_many(self, ops, wait=False, timeout=None):
         """write_many() of reads."""
-        return self._many("read_many", ops)
+        return self._many("read_many", ops, wait, timeout)
 
-    def write_each(self, buf, peer, name, descs, message=None, check=None):
+    def write_each(self, buf, peer, name, descs, message=None, check=None, wait=False, timeout=None):
         """write_many() of one prepared list: each (local offset, remote
         offset, length) of `descs` is a write of its own, all from `buf`
         into `peer`'s `name`, with one `message` and `check`. One request,
         and less to say than a list of ops; a list of Handles in the order
-        of `descs`."""
-        return self._each("write_many", buf, peer, name, descs, message, check)
+        of `descs` (with wait=True, their states: write_many())."""
+        return self._each("write_many", buf, peer, name, descs, message, check, wait, timeout)
 
-    def read_each(self, buf, peer, name, descs, message=None, check=None):
+    def read_each(self, buf, peer, name, descs, message=None, check=None, wait=False, timeout=None):
         """write_each() of reads."""
-        return self._each("read_many", buf, peer, name, descs, message, check)
+        return self._each("read_many", buf, peer, name, descs, message, check, wait, timeout)
 
-    def _each(self, op, buf, peer, name, descs, message, check):
+    def _each(self, op, buf, peer, name, descs, message, check, wait, timeout):
         f = self._op_fields(buf, peer, name, descs, message, check)
-        return [Handle(self, h) for h in self._request(op, each=f)["handles"]]
+        return self._started(op, {"each": f}, wait, timeout)
 
     def wait_all(self, handles, timeout=None):
         """Wait for each of `handles` in one request (within `timeout`

@@ -152,13 +152,20 @@ pub enum Request {
 /// `write_many` / `read_many`: the operations, each as `write` / `read`
 /// takes it (`ops`), or one `write` / `read` whose descriptors are each an
 /// operation of their own (`each`: one buffer, peer, exposure, message and
-/// check for all, a prepared list of descriptors as NIXL's).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+/// check for all, a prepared list of descriptors as NIXL's). With `wait`,
+/// the reply comes once every one has ended (or `timeout_ms`, one bound
+/// for all), with their `statuses` as `wait_all` gives them: a batch in
+/// one request instead of two.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ManyOps {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub ops: Vec<OpRequest>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub each: Option<OpRequest>,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub wait: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_ms: Option<u64>,
 }
 
 impl ManyOps {
@@ -400,10 +407,12 @@ pub struct Started {
     pub handle: u64,
 }
 
-/// `write_many`'s and `read_many`'s reply.
+/// `write_many`'s and `read_many`'s reply (`statuses` with `wait`).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StartedMany {
     pub handles: Vec<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub statuses: Option<Vec<OpStatus>>,
 }
 
 /// `wait_all`'s reply.

@@ -394,19 +394,11 @@ impl ServiceClient {
     /// `write_many` (`write`) or `read_many`: each of `ops` checked by rcpd
     /// before any starts, in one request; their handles in order.
     pub async fn start_many(&self, write: bool, ops: Vec<OpRequest>) -> Result<Vec<u64>, Failure> {
-        let (what, req) = if write {
-            (
-                "write_many",
-                Request::WriteMany(api::ManyOps { ops, each: None }),
-            )
-        } else {
-            (
-                "read_many",
-                Request::ReadMany(api::ManyOps { ops, each: None }),
-            )
+        let many = api::ManyOps {
+            ops,
+            ..Default::default()
         };
-        let r: api::StartedMany = self.call(what, &req, &[]).await?;
-        Ok(r.handles)
+        Ok(self.many(write, many).await?.handles)
     }
 
     /// `write_many` (`write`) or `read_many` of one prepared list: each of
@@ -414,16 +406,55 @@ impl ServiceClient {
     /// exposure, message and check for all); their handles in order.
     pub async fn start_each(&self, write: bool, op: OpRequest) -> Result<Vec<u64>, Failure> {
         let many = api::ManyOps {
-            ops: Vec::new(),
             each: Some(op),
+            ..Default::default()
         };
+        Ok(self.many(write, many).await?.handles)
+    }
+
+    /// [`Self::start_many`] and [`Self::wait_all`] of them in one request:
+    /// their final states in order.
+    pub async fn run_many(
+        &self,
+        write: bool,
+        ops: Vec<OpRequest>,
+    ) -> Result<Vec<OpStatus>, Failure> {
+        let many = api::ManyOps {
+            ops,
+            wait: true,
+            ..Default::default()
+        };
+        self.ran(self.many(write, many).await?)
+    }
+
+    /// [`Self::start_each`] and [`Self::wait_all`] of them in one request:
+    /// their final states in order.
+    pub async fn run_each(&self, write: bool, op: OpRequest) -> Result<Vec<OpStatus>, Failure> {
+        let many = api::ManyOps {
+            each: Some(op),
+            wait: true,
+            ..Default::default()
+        };
+        self.ran(self.many(write, many).await?)
+    }
+
+    async fn many(&self, write: bool, many: api::ManyOps) -> Result<api::StartedMany, Failure> {
         let (what, req) = if write {
             ("write_many", Request::WriteMany(many))
         } else {
             ("read_many", Request::ReadMany(many))
         };
-        let r: api::StartedMany = self.call(what, &req, &[]).await?;
-        Ok(r.handles)
+        self.call(what, &req, &[]).await
+    }
+
+    /// The statuses of a `write_many` / `read_many` with `wait`.
+    fn ran(&self, r: api::StartedMany) -> Result<Vec<OpStatus>, Failure> {
+        r.statuses.ok_or_else(|| {
+            Failure::new(
+                Reason::Version,
+                "rcpd answered write_many/read_many without statuses: it does not know wait (older)",
+            )
+        })
     }
 
     /// Wait for each of `handles`, in one request; their final states in

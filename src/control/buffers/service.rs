@@ -363,8 +363,8 @@ impl Conn {
                     handle: self.launch(p),
                 })
             }
-            Request::WriteMany(m) => self.start_many(true, m),
-            Request::ReadMany(m) => self.start_many(false, m),
+            Request::WriteMany(m) => self.run_many(true, m).await,
+            Request::ReadMany(m) => self.run_many(false, m).await,
             Request::Wait(Wait { handle, timeout_ms }) => {
                 let deadline = timeout_ms.map(|ms| Instant::now() + Duration::from_millis(ms));
                 reply(self.wait(handle, deadline).await?)
@@ -373,16 +373,13 @@ impl Conn {
                 handles,
                 timeout_ms,
             }) => {
-                let deadline = timeout_ms.map(|ms| Instant::now() + Duration::from_millis(ms));
                 // Each handle exists before any is waited for.
                 for &h in &handles {
                     self.op(h)?;
                 }
-                let mut statuses = Vec::with_capacity(handles.len());
-                for h in handles {
-                    statuses.push(self.wait(h, deadline).await?);
-                }
-                reply(Statuses { statuses })
+                reply(Statuses {
+                    statuses: self.statuses(&handles, timeout_ms).await?,
+                })
             }
             Request::Status { handle } => reply(self.op(handle)?.status(handle)),
             Request::Cancel { handle } => {
@@ -580,9 +577,39 @@ impl Conn {
         Ok((bid, spec))
     }
 
-    /// `write_many` / `read_many`: every operation checked, then each
-    /// started; their handles in order.
-    fn start_many(self: &Arc<Self>, write: bool, many: ManyOps) -> Result<Reply, Failure> {
+    /// `write_many` / `read_many`: [`Self::start_many`], and with `wait`
+    /// their statuses once each has ended (or the request's bound).
+    async fn run_many(self: &Arc<Self>, write: bool, many: ManyOps) -> Result<Reply, Failure> {
+        let (wait, timeout_ms) = (many.wait, many.timeout_ms);
+        if timeout_ms.is_some() && !wait {
+            return Err(bad("timeout_ms goes with wait"));
+        }
+        let handles = self.start_many(write, many)?;
+        let statuses = match wait {
+            true => Some(self.statuses(&handles, timeout_ms).await?),
+            false => None,
+        };
+        reply(StartedMany { handles, statuses })
+    }
+
+    /// The statuses of operations `hs`, each once it has ended or when
+    /// `timeout_ms` (one bound for all) has passed.
+    async fn statuses(
+        &self,
+        hs: &[u64],
+        timeout_ms: Option<u64>,
+    ) -> Result<Vec<OpStatus>, Failure> {
+        let deadline = timeout_ms.map(|ms| Instant::now() + Duration::from_millis(ms));
+        let mut statuses = Vec::with_capacity(hs.len());
+        for &h in hs {
+            statuses.push(self.wait(h, deadline).await?);
+        }
+        Ok(statuses)
+    }
+
+    /// Every operation of `many` checked, then each started; their handles
+    /// in order.
+    fn start_many(self: &Arc<Self>, write: bool, many: ManyOps) -> Result<Vec<u64>, Failure> {
         let ops = many.into_ops(MAX_OPS_PER_REQUEST).map_err(bad)?;
         let mut ready = Vec::with_capacity(ops.len());
         for (i, o) in ops.into_iter().enumerate() {
@@ -611,7 +638,7 @@ impl Conn {
         if !group.is_empty() {
             handles.extend(self.spawn_group(group));
         }
-        reply(StartedMany { handles })
+        Ok(handles)
     }
 
     /// Start a prepared operation in a task of its own; its handle.
