@@ -18,6 +18,8 @@
 #         buffer, peer and name, a descriptor per operation)
 #   each-window  each, the window in two halves of write_each as in
 #         window (never fewer than half in flight)
+#   each-wait  each, started and waited for in one request
+#         (write_each(..., wait=True): one request per 64, not two)
 # Operations per second (first request to last reply), and the CPU per 1000
 # operations of both rcpds (utime + stime from /proc), of the writing
 # service and of the owner (each its own os.times()). Every byte is
@@ -89,7 +91,7 @@ data = os.urandom(inflight * size)
 open(f"{work}/data", "wb").write(data)
 owner = subprocess.Popen(
     [sys.executable, f"{work}/owner.py", b_sock, name, str(total), str(size),
-     "standing" if mode in ("standing", "window", "each", "each-window") else "per-op", f"{work}/data"],
+     "standing" if mode in ("standing", "window", "each", "each-window", "each-wait") else "per-op", f"{work}/data"],
     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 assert owner.stdout.readline().strip() == "ready", "the owner is ready"
 ca = rcp.connect(a_sock, done_events=(mode in ("one", "many")))
@@ -118,6 +120,10 @@ for base in range(0, total if mode not in ("window", "each-window") else 0, infl
     if mode == "each":
         descs = [(i * size, (base + i) * size, size) for i in range(inflight)]
         done(ca.wait_all(ca.write_each(src, b, name, descs)))
+        continue
+    if mode == "each-wait":
+        descs = [(i * size, (base + i) * size, size) for i in range(inflight)]
+        done(ca.write_each(src, b, name, descs, wait=True))
         continue
     ops = [(src, b, name, [(i * size, (base + i) * size, size)]) for i in range(inflight)]
     if mode in ("many", "quiet", "standing"):
@@ -160,13 +166,14 @@ for p in $(seq "$PASSES"); do
     echo "pass $p $m: $ops operations/s, CPU s per 1000 operations: both rcpds $cpu, the writing service $wcpu, the owner $ocpu (load $(cut -d' ' -f1 /proc/loadavg))"
   done
 done
-"$py" - "${R[one]:-}" "${R[many]:-}" "${R[quiet]:-}" "${R[standing]:-}" "${R[window]:-}" "${R[each]:-}" "${R[each-window]:-}" \
-  "${C[one]:-}" "${C[many]:-}" "${C[quiet]:-}" "${C[standing]:-}" "${C[window]:-}" "${C[each]:-}" "${C[each-window]:-}" <<'EOF'
+"$py" - "${R[one]:-}" "${R[many]:-}" "${R[quiet]:-}" "${R[standing]:-}" "${R[window]:-}" "${R[each]:-}" "${R[each-window]:-}" "${R[each-wait]:-}" \
+  "${C[one]:-}" "${C[many]:-}" "${C[quiet]:-}" "${C[standing]:-}" "${C[window]:-}" "${C[each]:-}" "${C[each-window]:-}" "${C[each-wait]:-}" <<'EOF'
 import statistics as st, sys
-rs = [[float(x) for x in a.split()] for a in sys.argv[1:8]]
-cs = [[float(x) for x in a.split()] for a in sys.argv[8:15]]
+rs = [[float(x) for x in a.split()] for a in sys.argv[1:9]]
+cs = [[float(x) for x in a.split()] for a in sys.argv[9:17]]
 names = ("write + wait", "write_many + wait_all", "the same, no done events", "the same, standing grant",
-         "standing, two halves in turn", "standing, write_each", "write_each, two halves")
+         "standing, two halves in turn", "standing, write_each", "write_each, two halves",
+         "write_each, wait=True")
 for name, v, c in zip(names, rs, cs):
     if v:
         print(f"{name:26s} median {st.median(v):.0f} ops/s ({min(v):.0f}-{max(v):.0f}), rcpds {st.median(c):.3f} CPU s / 1000 ops")
@@ -174,4 +181,7 @@ for name, v in zip(names[1:], rs[1:]):
     if v and rs[0]:
         r = [m / o for o, m in zip(rs[0], v)]
         print(f"{name} / write + wait: median {st.median(r):.2f} ({min(r):.2f}-{max(r):.2f})")
+    elif v and rs[5] and name != names[5]:
+        r = [m / o for o, m in zip(rs[5], v)]
+        print(f"{name} / standing, write_each: median {st.median(r):.2f} ({min(r):.2f}-{max(r):.2f}) pass by pass")
 EOF
