@@ -238,17 +238,14 @@ async fn many_operations_start_and_end_in_one_request_each() {
     let data: Vec<u8> = (0..OPS * LEN).map(|i| (i * 13 + 5) as u8).collect();
     assert!(src.local.write_at(0, &data));
     // Op i writes the writer's page i to the owner's page OPS-1-i.
-    let op = |i: u64, local: u64, remote: u64| OpRequest {
-        buffer: src.id,
-        peer: addr.clone(),
-        name: "many".into(),
-        descs: vec![Desc {
-            local,
-            remote,
-            len: LEN,
-        }],
-        message: format!("op {i}"),
-        check: None,
+    let op = |i: u64, local: u64, remote: u64| {
+        one_op(
+            src.id,
+            &addr,
+            "many",
+            (local, remote, LEN),
+            format!("op {i}"),
+        )
     };
     let writes: Vec<OpRequest> = (0..OPS)
         .map(|i| op(i, i * LEN, (OPS - 1 - i) * LEN))
@@ -522,17 +519,14 @@ async fn a_grouped_write_found_damaged_goes_on_within_the_retry_bound() {
     let src = writer.create_buffer(OPS * LEN).await.unwrap();
     let data: Vec<u8> = (0..OPS * LEN).map(|i| (i * 29 + 3) as u8).collect();
     assert!(src.local.write_at(0, &data));
-    let op = |i: u64| OpRequest {
-        buffer: src.id,
-        peer: addr.clone(),
-        name: "dmg-st".into(),
-        descs: vec![Desc {
-            local: i * LEN,
-            remote: i * LEN,
-            len: LEN,
-        }],
-        message: format!("op {i}"),
-        check: None,
+    let op = |i: u64| {
+        one_op(
+            src.id,
+            &addr,
+            "dmg-st",
+            (i * LEN, i * LEN, LEN),
+            format!("op {i}"),
+        )
     };
     let run = |n: u64| {
         let (writer, op) = (&writer, &op);
@@ -1420,17 +1414,8 @@ async fn standing_grants_serve_many_operations_until_their_exposure_goes() {
     let src = writer.create_buffer(2 * OPS * LEN).await.unwrap();
     let data: Vec<u8> = (0..OPS * LEN).map(|i| (i * 31 + 7) as u8).collect();
     assert!(src.local.write_at(0, &data));
-    let op = |i: u64, local: u64, remote: u64| OpRequest {
-        buffer: src.id,
-        peer: addr.clone(),
-        name: "st".into(),
-        descs: vec![Desc {
-            local,
-            remote,
-            len: LEN,
-        }],
-        message: format!("op {i}"),
-        check: None,
+    let op = |i: u64, local: u64, remote: u64| {
+        one_op(src.id, &addr, "st", (local, remote, LEN), format!("op {i}"))
     };
     // Every page written in one request, page i to page OPS - 1 - i.
     let write_all = || {
@@ -1616,16 +1601,22 @@ async fn quiet_writer(
 /// An operation on the `i`th `len` bytes of buffer `buffer`, at the same
 /// offset in exposure `name` of `peer`.
 fn page_op(buffer: u64, peer: &str, name: &str, i: u64, len: u64) -> OpRequest {
+    one_op(buffer, peer, name, (i * len, i * len, len), String::new())
+}
+
+/// An operation of one descriptor `(local, remote, len)` from (into)
+/// `buffer` into (from) `peer`'s exposure `name`, with `message`.
+fn one_op(buffer: u64, peer: &str, name: &str, d: (u64, u64, u64), message: String) -> OpRequest {
     OpRequest {
         buffer,
         peer: peer.into(),
         name: name.into(),
         descs: vec![Desc {
-            local: i * len,
-            remote: i * len,
-            len,
+            local: d.0,
+            remote: d.1,
+            len: d.2,
         }],
-        message: String::new(),
+        message,
         check: None,
     }
 }
