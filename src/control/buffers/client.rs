@@ -424,7 +424,7 @@ impl ServiceClient {
             wait: true,
             ..Default::default()
         };
-        self.ran(self.many(write, many).await?)
+        ran(self.many(write, many).await?)
     }
 
     /// [`Self::start_each`] and [`Self::wait_all`] of them in one request:
@@ -435,7 +435,7 @@ impl ServiceClient {
             wait: true,
             ..Default::default()
         };
-        self.ran(self.many(write, many).await?)
+        ran(self.many(write, many).await?)
     }
 
     async fn many(&self, write: bool, many: api::ManyOps) -> Result<api::StartedMany, Failure> {
@@ -445,16 +445,6 @@ impl ServiceClient {
             ("read_many", Request::ReadMany(many))
         };
         self.call(what, &req, &[]).await
-    }
-
-    /// The statuses of a `write_many` / `read_many` with `wait`.
-    fn ran(&self, r: api::StartedMany) -> Result<Vec<OpStatus>, Failure> {
-        r.statuses.ok_or_else(|| {
-            Failure::new(
-                Reason::Version,
-                "rcpd answered write_many/read_many without statuses: it does not know wait (older)",
-            )
-        })
     }
 
     /// Wait for each of `handles`, in one request; their final states in
@@ -479,4 +469,14 @@ impl ServiceClient {
     pub async fn next_event(&self) -> Option<Value> {
         self.events.lock().await.recv().await
     }
+}
+
+/// The statuses of a `write_many` / `read_many` with `wait`.
+fn ran(r: api::StartedMany) -> Result<Vec<OpStatus>, Failure> {
+    r.statuses.ok_or_else(|| {
+        Failure::new(
+            Reason::Version,
+            "rcpd answered write_many/read_many without statuses: it does not know wait (older)",
+        )
+    })
 }
