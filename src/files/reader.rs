@@ -32,7 +32,7 @@ use super::error::{io_err, FileError, PathError, Result};
 use super::growing::{Cancel, Growing};
 use super::manifest::SourceId;
 use super::path::normalize;
-use super::root::{FileKind, FileMeta, Root};
+use super::root::{regular_fd, FileKind, FileMeta, Root};
 use crate::escape::esc;
 
 /// Alignment required for `O_DIRECT` reads (offset, buffer address, length).
@@ -114,13 +114,16 @@ impl SourceFile {
     /// Open a local file (client side: the user's own path, symlinks followed).
     pub fn open(path: impl AsRef<Path>) -> Result<SourceFile> {
         let path = path.as_ref();
-        Self::from_opener(path, |direct| {
+        let open = |direct: bool| {
             let mut f = OFlags::RDONLY | OFlags::NONBLOCK | OFlags::NOCTTY | OFlags::CLOEXEC;
             if direct {
                 f |= OFlags::DIRECT;
             }
             rfs::open(path, f, Mode::empty()).map_err(io::Error::from)
-        })
+        };
+        let fd = open(false).map_err(|e| io_err("open", path, e))?;
+        let (fd, st) = regular_fd(fd, OFlags::empty(), &path.to_string_lossy())?;
+        Self::opened(path, fd, &st, || open(true))
     }
 
     /// Open `rel` beneath the served root (server side, confined; see [`Root`]).
@@ -129,13 +132,10 @@ impl SourceFile {
         let display = root.path().join(r.to_path());
         // Refusals (escape, not a regular file, ...) are reported as such, from the
         // buffered open; a failing O_DIRECT open only means "no direct reads".
-        let first = root.open_regular(&r, OFlags::empty(), rel)?;
-        let mut first = Some(first);
-        Self::from_opener(&display, |direct| {
-            if !direct {
-                return Ok(first.take().expect("buffered fd opened once"));
-            }
+        let (fd, st) = root.open_regular(&r, OFlags::empty(), rel)?;
+        Self::opened(&display, fd, &st, || {
             root.open_regular(&r, OFlags::DIRECT, rel)
+                .map(|(fd, _)| fd)
                 .map_err(|e| match e {
                     PathError::Io { source, .. } => source,
                     other => io::Error::other(other.to_string()),
@@ -152,21 +152,33 @@ impl SourceFile {
     ) -> Result<SourceFile> {
         let fd = open(false).map_err(|e| io_err("open", display, e))?;
         let st = rfs::fstat(&fd).map_err(|e| io_err("stat", display, e))?;
-        let meta = FileMeta::from_stat(&st);
+        let fl = rfs::fcntl_getfl(&fd).map_err(|e| io_err("fcntl", display, e))?;
+        if fl.contains(OFlags::NONBLOCK) {
+            rfs::fcntl_setfl(&fd, fl - OFlags::NONBLOCK)
+                .map_err(|e| io_err("fcntl", display, e))?;
+        }
+        Self::opened(display, fd, &st, || open(true))
+    }
+
+    /// Build from the buffered fd `fd` (blocking, `st` its `fstat`) and
+    /// `open_direct`, asked for an `O_DIRECT` fd of the same file when it
+    /// is large enough to be worth one.
+    fn opened(
+        display: &Path,
+        fd: OwnedFd,
+        st: &rfs::Stat,
+        open_direct: impl FnOnce() -> io::Result<OwnedFd>,
+    ) -> Result<SourceFile> {
+        let meta = FileMeta::from_stat(st);
         if meta.kind != FileKind::File {
             return Err(PathError::NotRegularFile {
                 path: display.to_string_lossy().into_owned(),
             }
             .into());
         }
-        let fl = rfs::fcntl_getfl(&fd).map_err(|e| io_err("fcntl", display, e))?;
-        if fl.contains(OFlags::NONBLOCK) {
-            rfs::fcntl_setfl(&fd, fl - OFlags::NONBLOCK)
-                .map_err(|e| io_err("fcntl", display, e))?;
-        }
         let buffered = File::from(fd);
         let small = meta.len <= DIRECT_READ_FROM;
-        let (direct, why_not) = match (!small).then(|| open(true)) {
+        let (direct, why_not) = match (!small).then(open_direct) {
             None => (None, None),
             Some(Ok(dfd)) => {
                 let dst = rfs::fstat(&dfd).map_err(|e| io_err("stat", display, e))?;
@@ -420,6 +432,36 @@ fn read_full(f: &File, buf: &mut [u8], offset: u64, direct: bool) -> io::Result<
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Both opens (the client's own path, and beneath rcpd's root) refuse
+    /// a FIFO without blocking on it, and hand back a blocking fd of a
+    /// regular file (`O_NONBLOCK` only guarded the open).
+    #[test]
+    fn a_regular_file_is_read_blocking_and_a_fifo_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("f");
+        std::fs::write(&p, vec![7u8; 100]).unwrap();
+        nix::unistd::mkfifo(&dir.path().join("fifo"), nix::sys::stat::Mode::S_IRWXU).unwrap();
+        let root = Root::open(dir.path()).unwrap();
+        for f in [
+            SourceFile::open(&p).unwrap(),
+            SourceFile::open_in(&root, "f").unwrap(),
+        ] {
+            let fl = rfs::fcntl_getfl(&f.buffered).unwrap();
+            assert!(!fl.contains(OFlags::NONBLOCK), "{fl:?}");
+            assert_eq!(f.meta.len, 100);
+        }
+        let refused = [
+            SourceFile::open(dir.path().join("fifo")).map(|_| ()),
+            SourceFile::open_in(&root, "fifo").map(|_| ()),
+        ];
+        for r in refused {
+            assert!(
+                matches!(r, Err(FileError::Path(PathError::NotRegularFile { .. }))),
+                "{r:?}"
+            );
+        }
+    }
 
     #[test]
     fn known_blocks_are_taken_only_by_the_same_unchanged_file() {

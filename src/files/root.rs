@@ -190,6 +190,27 @@ pub struct Root {
 
 const MAX_SYMLINKS: usize = 40;
 
+/// An fd opened `O_NONBLOCK` (so that opening a FIFO cannot block) with
+/// `keep` of the flags `F_SETFL` sets (`O_DIRECT`, `O_NOATIME`, ...), made
+/// a blocking reader of a regular file: its `fstat`, anything but a
+/// regular file refused ([`PathError::NotRegularFile`], `shown`), and one
+/// `F_SETFL` to `keep`, which drops `O_NONBLOCK` without reading the flags
+/// first (each file a copy opens pays these calls).
+pub(crate) fn regular_fd(
+    fd: OwnedFd,
+    keep: OFlags,
+    shown: &str,
+) -> Result<(OwnedFd, rfs::Stat), PathError> {
+    let st = rfs::fstat(&fd).map_err(|e| map_errno(e, shown, "stat"))?;
+    if FileType::from_raw_mode(st.st_mode) != FileType::RegularFile {
+        return Err(PathError::NotRegularFile {
+            path: shown.to_owned(),
+        });
+    }
+    rfs::fcntl_setfl(&fd, keep).map_err(|e| map_errno(e, shown, "fcntl"))?;
+    Ok((fd, st))
+}
+
 fn map_errno(e: Errno, path: &str, op: &'static str) -> PathError {
     let path = path.to_owned();
     match e {
@@ -367,31 +388,24 @@ impl Root {
     /// devices and directories are refused with [`PathError::NotRegularFile`].
     pub fn open_read(&self, rel: &str) -> Result<File> {
         let r = normalize(rel)?;
-        Ok(File::from(self.open_regular(&r, OFlags::empty(), rel)?))
+        Ok(File::from(self.open_regular(&r, OFlags::empty(), rel)?.0))
     }
 
-    /// Open a regular file beneath the root with extra flags (e.g. `O_DIRECT`).
-    /// `O_NONBLOCK` keeps a FIFO from blocking the open; it is refused right after.
+    /// Open a regular file beneath the root with extra flags (e.g. `O_DIRECT`):
+    /// the fd and its `fstat`. `O_NONBLOCK` keeps a FIFO from blocking the open;
+    /// it is refused right after ([`regular_fd`]).
     pub(crate) fn open_regular(
         &self,
         r: &RelPath,
         extra: OFlags,
         shown: &str,
-    ) -> Result<OwnedFd, PathError> {
+    ) -> Result<(OwnedFd, rfs::Stat), PathError> {
         let fd = self.resolve(
             r,
             OFlags::RDONLY | OFlags::NONBLOCK | OFlags::NOCTTY | extra,
             true,
         )?;
-        let st = rfs::fstat(&fd).map_err(|e| map_errno(e, shown, "stat"))?;
-        if FileType::from_raw_mode(st.st_mode) != FileType::RegularFile {
-            return Err(PathError::NotRegularFile {
-                path: shown.to_owned(),
-            });
-        }
-        let fl = rfs::fcntl_getfl(&fd).map_err(|e| map_errno(e, shown, "fcntl"))?;
-        rfs::fcntl_setfl(&fd, fl - OFlags::NONBLOCK).map_err(|e| map_errno(e, shown, "fcntl"))?;
-        Ok(fd)
+        regular_fd(fd, extra, shown)
     }
 
     /// Metadata of `rel`, following symlinks that stay inside the root.
