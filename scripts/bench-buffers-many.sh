@@ -30,6 +30,11 @@ cd "$(dirname "$0")/.."
 # shellcheck source=lib-rcpd.sh
 . scripts/lib-rcpd.sh
 PASSES=${RCP_BENCH_PASSES:-5}
+# Every batch is a whole window (the owner checks window by window).
+if (( ${RCP_BENCH_OPS:-4096} % ${RCP_BENCH_INFLIGHT:-64} )); then
+  echo "RCP_BENCH_OPS (${RCP_BENCH_OPS:-4096}) must be a multiple of RCP_BENCH_INFLIGHT (${RCP_BENCH_INFLIGHT:-64})" >&2
+  exit 2
+fi
 if [ "${RCP_BENCH_BUILD:-1}" = 1 ]; then cargo build --release -q -p rcp-server --bin rcpd; fi
 rcpd=${RCP_BENCH_RCPD:-$PWD/target/release/rcpd}
 venv=$PWD/target/bench-venv
