@@ -20,6 +20,9 @@
 #         window (never fewer than half in flight)
 #   each-wait  each, started and waited for in one request
 #         (write_each(..., wait=True): one request per 64, not two)
+#   each-wait2  each-wait from two threads, each with half the window
+#         (32) in one request at a time: two batches overlap, with
+#         nothing a service would not have (not in the default modes)
 # Operations per second (first request to last reply), and the CPU per 1000
 # operations of both rcpds (utime + stime from /proc), of the writing
 # service and of the owner (each its own os.times()). Every byte is
@@ -96,7 +99,7 @@ data = os.urandom(inflight * size)
 open(f"{work}/data", "wb").write(data)
 owner = subprocess.Popen(
     [sys.executable, f"{work}/owner.py", b_sock, name, str(total), str(size),
-     "standing" if mode in ("standing", "window", "each", "each-window", "each-wait") else "per-op", f"{work}/data"],
+     "standing" if mode in ("standing", "window", "each", "each-window", "each-wait", "each-wait2") else "per-op", f"{work}/data"],
     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 assert owner.stdout.readline().strip() == "ready", "the owner is ready"
 ca = rcp.connect(a_sock, done_events=(mode in ("one", "many")))
@@ -121,7 +124,26 @@ if mode in ("window", "each-window"):
             done(ca.wait_all(waiting.pop(0)))
     for hs in waiting:
         done(ca.wait_all(hs))
-for base in range(0, total if mode not in ("window", "each-window") else 0, inflight):
+if mode == "each-wait2":
+    # Thread t takes the batches k of half the window with k % 2 == t,
+    # from its half of the source: window by window the owner sees data.
+    import threading
+    half, failed = inflight // 2, []
+    def batches(t):
+        try:
+            for k, base in enumerate(range(0, total, half)):
+                if k % 2 == t:
+                    descs = [((t * half + i) * size, (base + i) * size, size) for i in range(half)]
+                    done(ca.write_each(src, b, name, descs, wait=True))
+        except BaseException as e:
+            failed.append(e)
+    ts = [threading.Thread(target=batches, args=(t,)) for t in (0, 1)]
+    for th in ts:
+        th.start()
+    for th in ts:
+        th.join()
+    assert not failed, failed
+for base in range(0, total if mode not in ("window", "each-window", "each-wait2") else 0, inflight):
     if mode == "each":
         descs = [(i * size, (base + i) * size, size) for i in range(inflight)]
         done(ca.wait_all(ca.write_each(src, b, name, descs)))
@@ -171,14 +193,14 @@ for p in $(seq "$PASSES"); do
     echo "pass $p $m: $ops operations/s, CPU s per 1000 operations: both rcpds $cpu, the writing service $wcpu, the owner $ocpu (load $(cut -d' ' -f1 /proc/loadavg))"
   done
 done
-"$py" - "${R[one]:-}" "${R[many]:-}" "${R[quiet]:-}" "${R[standing]:-}" "${R[window]:-}" "${R[each]:-}" "${R[each-window]:-}" "${R[each-wait]:-}" \
-  "${C[one]:-}" "${C[many]:-}" "${C[quiet]:-}" "${C[standing]:-}" "${C[window]:-}" "${C[each]:-}" "${C[each-window]:-}" "${C[each-wait]:-}" <<'EOF'
+"$py" - "${R[one]:-}" "${R[many]:-}" "${R[quiet]:-}" "${R[standing]:-}" "${R[window]:-}" "${R[each]:-}" "${R[each-window]:-}" "${R[each-wait]:-}" "${R[each-wait2]:-}" \
+  "${C[one]:-}" "${C[many]:-}" "${C[quiet]:-}" "${C[standing]:-}" "${C[window]:-}" "${C[each]:-}" "${C[each-window]:-}" "${C[each-wait]:-}" "${C[each-wait2]:-}" <<'EOF'
 import statistics as st, sys
-rs = [[float(x) for x in a.split()] for a in sys.argv[1:9]]
-cs = [[float(x) for x in a.split()] for a in sys.argv[9:17]]
+rs = [[float(x) for x in a.split()] for a in sys.argv[1:10]]
+cs = [[float(x) for x in a.split()] for a in sys.argv[10:19]]
 names = ("write + wait", "write_many + wait_all", "the same, no done events", "the same, standing grant",
          "standing, two halves in turn", "standing, write_each", "write_each, two halves",
-         "write_each, wait=True")
+         "write_each, wait=True", "the same, two threads")
 for name, v, c in zip(names, rs, cs):
     if v:
         print(f"{name:26s} median {st.median(v):.0f} ops/s ({min(v):.0f}-{max(v):.0f}), rcpds {st.median(c):.3f} CPU s / 1000 ops")
@@ -189,4 +211,7 @@ for name, v in zip(names[1:], rs[1:]):
     elif v and rs[5] and name != names[5]:
         r = [m / o for o, m in zip(rs[5], v)]
         print(f"{name} / standing, write_each: median {st.median(r):.2f} ({min(r):.2f}-{max(r):.2f}) pass by pass")
+if rs[7] and rs[8]:
+    r = [m / o for o, m in zip(rs[7], rs[8])]
+    print(f"{names[8]} / {names[7]}: median {st.median(r):.2f} ({min(r):.2f}-{max(r):.2f}) pass by pass")
 EOF
