@@ -7,6 +7,7 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -866,13 +867,36 @@ fn bandwidth_of_1mib_writes_over_loopback() {
 
 /// Takes a session's messages: answers with the first byte of `span` as
 /// it is when the message is handled, then the payload reversed.
-struct FirstByteThenReversed(PeerSpan);
+struct FirstByteThenReversed(PeerSpan, Arc<AfterAnswer>);
+
+/// What a taker's work after its answer saw: whether the peer had read
+/// the answer by then.
+#[derive(Default)]
+struct AfterAnswer {
+    read: AtomicBool,
+    ran: AtomicUsize,
+    ran_after_read: AtomicBool,
+}
 
 impl rcp::provider::tcp::Messages for FirstByteThenReversed {
-    fn message(&self, payload: &[u8]) -> Vec<u8> {
+    fn message(&self, payload: &[u8]) -> rcp::provider::tcp::Answer {
         let mut a = self.0.with(0, 1, |b| b.to_vec()).unwrap();
         a.extend(payload.iter().rev());
-        a
+        let w = self.1.clone();
+        rcp::provider::tcp::Answer {
+            bytes: a,
+            // Runs once the answer is sent, so the peer can read it while
+            // this waits. Run before (the answer held back), it would wait
+            // out its bound and record that it ran first.
+            then: Some(Box::new(move || {
+                let t0 = Instant::now();
+                while !w.read.load(SeqCst) && t0.elapsed() < Duration::from_secs(30) {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                w.ran_after_read.store(w.read.load(SeqCst), SeqCst);
+                w.ran.fetch_add(1, SeqCst);
+            })),
+        }
     }
 }
 
@@ -890,7 +914,11 @@ fn messages_reach_their_sessions_taker_in_order_and_no_one_else() {
     let d1 = taken.domain.clone();
     let reg = taken.reg(0, 4096, Access::REMOTE_WRITE);
     let addr = taken.addr(0);
-    d1.take_messages(Arc::new(FirstByteThenReversed(taken.span.clone())));
+    let after = Arc::new(AfterAnswer::default());
+    d1.take_messages(Arc::new(FirstByteThenReversed(
+        taken.span.clone(),
+        after.clone(),
+    )));
     let d2 = TcpDomain::new();
     let (b1, b2) = (
         target.bind_session(&d1).unwrap(),
@@ -942,6 +970,17 @@ fn messages_reach_their_sessions_taker_in_order_and_no_one_else() {
     s.write_all(&out).unwrap();
     assert_eq!(answer(&mut s), (Status::Ok, 1, vec![]));
     assert_eq!(answer(&mut s), (Status::Ok, 2, b"\x5acba".to_vec()));
+    // What the taker left for after its answer ran once that was sent.
+    after.read.store(true, SeqCst);
+    let t0 = Instant::now();
+    while after.ran.load(SeqCst) == 0 {
+        assert!(t0.elapsed() < Duration::from_secs(60), "never ran");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(
+        after.ran_after_read.load(SeqCst),
+        "ran before its answer was sent"
+    );
 
     // No taker: answered, and the connection serves the next one.
     let mut s2 = open(b2.key());

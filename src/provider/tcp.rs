@@ -41,7 +41,7 @@ mod target;
 pub mod wire;
 
 pub use channel::{TcpChannel, DEFAULT_CONNS};
-pub use domain::{Messages, TcpDomain, TcpRegistration};
+pub use domain::{Answer, Messages, TcpDomain, TcpRegistration};
 pub use target::{SessionBinding, TcpTarget};
 
 /// Socket-side buffer of each reader and writer (headers and small payloads

@@ -546,7 +546,7 @@ mod tests {
     use super::*;
     use crate::mem::memfd::{LeaseKind, ServiceBuffer};
     use crate::mem::{Arena, ArenaConfig};
-    use crate::provider::tcp::{Messages, TcpDomain, TcpTarget};
+    use crate::provider::tcp::{Answer, Messages, TcpDomain, TcpTarget};
     use crate::provider::{Access, Registration};
 
     /// Answers every notice `ended` and keeps how many each call carried;
@@ -574,7 +574,7 @@ mod tests {
     }
 
     impl Messages for Told {
-        fn message(&self, payload: &[u8]) -> Vec<u8> {
+        fn message(&self, payload: &[u8]) -> Answer {
             let req = proto::BufferNotifyRequest::decode(payload).unwrap();
             let shut = self.shut.lock().unwrap();
             drop(self.opened.wait_while(shut, |s| *s).unwrap());
@@ -587,11 +587,13 @@ mod tests {
                     ..Default::default()
                 })
                 .collect();
-            proto::BufferNotifyFrame {
-                response: Some(proto::BufferNotifyResponse { results }),
-                ..Default::default()
-            }
-            .encode_to_vec()
+            Answer::of(
+                proto::BufferNotifyFrame {
+                    response: Some(proto::BufferNotifyResponse { results }),
+                    ..Default::default()
+                }
+                .encode_to_vec(),
+            )
         }
     }
 

@@ -901,6 +901,10 @@ impl EventBatch {
         }
     }
 
+    pub(super) fn is_empty(&self) -> bool {
+        self.out.is_empty()
+    }
+
     pub(super) fn send(self) {
         for (exp, bytes) in self.out {
             exp.events.send(bytes);

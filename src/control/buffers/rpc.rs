@@ -14,6 +14,7 @@ use crate::control::error::Reason;
 use crate::control::server::conns::ConnKey;
 use crate::control::server::{BufferGrants, SessionState};
 use crate::proto;
+use crate::provider::tcp::Answer;
 
 pub struct GrantService(pub Arc<Buffers>);
 
@@ -58,7 +59,9 @@ impl BufferGrants for GrantService {
         session_id: u64,
         req: proto::BufferNotifyRequest,
     ) -> Result<proto::BufferNotifyResponse, tonic::Status> {
-        Ok(standing::notify(&self.0, session, session_id, req, false)?)
+        let (resp, events) = standing::notify(&self.0, session, session_id, req, false)?;
+        events.send();
+        Ok(resp)
     }
 
     fn notify_frame(
@@ -66,22 +69,33 @@ impl BufferGrants for GrantService {
         session: Option<&SessionState>,
         session_id: u64,
         payload: &[u8],
-    ) -> Vec<u8> {
+    ) -> Answer {
         let answer = proto::BufferNotifyRequest::decode(payload)
             .map_err(|e| Failure::new(Reason::Protocol, format!("a malformed notice frame: {e}")))
             .and_then(|req| standing::notify(&self.0, session, session_id, req, true));
-        let frame = match answer {
-            Ok(r) => proto::BufferNotifyFrame {
-                response: Some(r),
-                ..Default::default()
-            },
-            Err(e) => proto::BufferNotifyFrame {
-                response: None,
-                error: e.message,
-                reason: e.reason as i32,
-            },
+        let (frame, events) = match answer {
+            Ok((r, events)) => (
+                proto::BufferNotifyFrame {
+                    response: Some(r),
+                    ..Default::default()
+                },
+                Some(events),
+            ),
+            Err(e) => (
+                proto::BufferNotifyFrame {
+                    response: None,
+                    error: e.message,
+                    reason: e.reason as i32,
+                },
+                None,
+            ),
         };
-        frame.encode_to_vec()
+        Answer {
+            bytes: frame.encode_to_vec(),
+            then: events
+                .filter(|e| !e.is_empty())
+                .map(|e| Box::new(move || e.send()) as Box<dyn FnOnce() + Send>),
+        }
     }
 
     fn session_closed(&self, id: u64) {

@@ -197,14 +197,16 @@ fn check_notice(
 
 /// `BufferNotify` on session `session_id` (`session`: its state; a closed
 /// session's standing grants are revoked, so its notices find none);
-/// `frame`: it came on the data path ([`super::frames`]).
-pub fn notify(
+/// `frame`: it came on the data path ([`super::frames`]). The answer, and
+/// the owners' events of the operations it ended, for the caller to send
+/// once the answer is on its way (the writer need not wait for them).
+pub(super) fn notify(
     bufs: &Arc<Buffers>,
     session: Option<&SessionState>,
     session_id: u64,
     req: proto::BufferNotifyRequest,
     frame: bool,
-) -> Result<proto::BufferNotifyResponse, Failure> {
+) -> Result<(proto::BufferNotifyResponse, EventBatch), Failure> {
     if req.ops.len() > MAX_NOTICES {
         return Err(Failure::new(
             Reason::Invalid,
@@ -260,8 +262,7 @@ pub fn notify(
             }
         })
         .collect();
-    events.send();
-    Ok(proto::BufferNotifyResponse { results })
+    Ok((proto::BufferNotifyResponse { results }, events))
 }
 
 /// The owner's event for an operation under a standing grant that ended:

@@ -126,13 +126,14 @@ pub trait BufferGrants: Send + Sync {
     ) -> std::result::Result<proto::BufferNotifyResponse, Status>;
     /// The same on the data path: a MESSAGE frame's payload on one of the
     /// tcp session's connections (a `BufferNotifyRequest`), answered with
-    /// a `BufferNotifyFrame`'s bytes.
+    /// a `BufferNotifyFrame`'s bytes; the owners' events are sent after
+    /// the answer (the peer's operations need not wait for them).
     fn notify_frame(
         &self,
         session: Option<&SessionState>,
         session_id: u64,
         payload: &[u8],
-    ) -> Vec<u8>;
+    ) -> crate::provider::tcp::Answer;
     /// Session `id` closed (by its client or as unused): what was granted
     /// to it goes.
     fn session_closed(&self, id: u64);

@@ -138,7 +138,7 @@ struct SessionMessages {
 }
 
 impl crate::provider::tcp::Messages for SessionMessages {
-    fn message(&self, payload: &[u8]) -> Vec<u8> {
+    fn message(&self, payload: &[u8]) -> crate::provider::tcp::Answer {
         let s = self.session.upgrade();
         if let Some(s) = &s {
             *s.last_used.lock().unwrap() = Instant::now();
@@ -472,8 +472,15 @@ impl Service {
             session: Arc::downgrade(&s),
             id: req.session_id,
         };
-        let handler: crate::verbs::messages::Handler =
-            Box::new(move |payload| crate::provider::tcp::Messages::message(&m, payload));
+        // The messenger posts its answers later on its own thread: what
+        // comes after an answer runs before it here.
+        let handler: crate::verbs::messages::Handler = Box::new(move |payload| {
+            let a = crate::provider::tcp::Messages::message(&m, payload);
+            if let Some(then) = a.then {
+                then();
+            }
+            a.bytes
+        });
         let messenger = prep
             .connect(
                 &cep,

@@ -40,7 +40,22 @@ struct Tables {
 /// [`Op::Message`]: super::wire::Op::Message
 pub trait Messages: Send + Sync {
     /// The answer to `payload`.
-    fn message(&self, payload: &[u8]) -> Vec<u8>;
+    fn message(&self, payload: &[u8]) -> Answer;
+}
+
+/// A message's answer: its bytes, and work the peer need not wait for,
+/// run by the connection's thread once the answer is sent (or the
+/// connection ends).
+pub struct Answer {
+    pub bytes: Vec<u8>,
+    pub then: Option<Box<dyn FnOnce() + Send>>,
+}
+
+impl Answer {
+    /// An answer with nothing to run after it.
+    pub fn of(bytes: Vec<u8>) -> Answer {
+        Answer { bytes, then: None }
+    }
 }
 
 /// A registration table shared by a process's target and channels.

@@ -363,13 +363,35 @@ fn out_of_range() -> io::Error {
     io::Error::other("registration range changed under a request")
 }
 
+/// Work of answers in the writer's buffer, run once they are sent: after
+/// the next flush, or when the connection ends (sent or not, as the
+/// answers' takers would have run it before answering).
+#[derive(Default)]
+struct AfterSent(Vec<Box<dyn FnOnce() + Send>>);
+
+impl AfterSent {
+    fn run(&mut self) {
+        for f in self.0.drain(..) {
+            f();
+        }
+    }
+}
+
+impl Drop for AfterSent {
+    fn drop(&mut self) {
+        self.run();
+    }
+}
+
 /// A MESSAGE: its payload to whoever takes the session's messages, their
-/// answer back (status 2 when no one does; the connection goes on).
+/// answer back (status 2 when no one does; the connection goes on); what
+/// the taker left for after the answer goes to `after`.
 fn message(
     domain: &Weak<TcpDomain>,
     req: &Request,
     reader: &mut impl Read,
     writer: &mut impl Write,
+    after: &mut AfterSent,
 ) -> Result<(), ServeError> {
     if req.len > MAX_MESSAGE {
         return Err(super::wire::WireError::TooLong(req.len).into());
@@ -386,6 +408,8 @@ fn message(
         return Ok(());
     };
     let answer = taker.message(&payload);
+    after.0.extend(answer.then);
+    let answer = answer.bytes;
     let len = u32::try_from(answer.len())
         .ok()
         .filter(|&l| l <= MAX_MESSAGE)
@@ -447,6 +471,8 @@ fn execute(
 }
 
 fn serve(shared: &Shared, stream: TcpStream) -> Result<(), ServeError> {
+    // Before the writer: dropped after it, whose drop sends what it holds.
+    let mut after = AfterSent::default();
     let mut reader = BufReader::with_capacity(SOCKET_BUF, stream.try_clone()?);
     let mut writer = BufWriter::with_capacity(SOCKET_BUF, stream);
     // After an access error the connection is in the error state (an RC QP's
@@ -496,7 +522,7 @@ fn serve(shared: &Shared, stream: TcpStream) -> Result<(), ServeError> {
             continue;
         }
         if req.op == Op::Message {
-            message(&domain, &req, &mut reader, &mut writer)?;
+            message(&domain, &req, &mut reader, &mut writer, &mut after)?;
         } else {
             match authorize(&domain, &req) {
                 None => {
@@ -528,6 +554,7 @@ fn serve(shared: &Shared, stream: TcpStream) -> Result<(), ServeError> {
         if buffered.is_empty() || (prompt && !next_is_buffered(buffered)) {
             writer.flush()?;
             prompt = false;
+            after.run();
         }
     }
 }
