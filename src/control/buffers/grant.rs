@@ -901,8 +901,10 @@ impl EventBatch {
         }
     }
 
-    pub(super) fn is_empty(&self) -> bool {
-        self.out.is_empty()
+    /// Sending these, as an answer's work after it is sent (none when
+    /// there are none).
+    pub(super) fn after_answer(self) -> Option<Box<dyn FnOnce() + Send>> {
+        (!self.out.is_empty()).then(|| Box::new(move || self.send()) as Box<dyn FnOnce() + Send>)
     }
 
     pub(super) fn send(self) {

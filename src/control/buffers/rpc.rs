@@ -73,13 +73,13 @@ impl BufferGrants for GrantService {
         let answer = proto::BufferNotifyRequest::decode(payload)
             .map_err(|e| Failure::new(Reason::Protocol, format!("a malformed notice frame: {e}")))
             .and_then(|req| standing::notify(&self.0, session, session_id, req, true));
-        let (frame, events) = match answer {
+        let (frame, then) = match answer {
             Ok((r, events)) => (
                 proto::BufferNotifyFrame {
                     response: Some(r),
                     ..Default::default()
                 },
-                Some(events),
+                events.after_answer(),
             ),
             Err(e) => (
                 proto::BufferNotifyFrame {
@@ -92,9 +92,7 @@ impl BufferGrants for GrantService {
         };
         Answer {
             bytes: frame.encode_to_vec(),
-            then: events
-                .filter(|e| !e.is_empty())
-                .map(|e| Box::new(move || e.send()) as Box<dyn FnOnce() + Send>),
+            then,
         }
     }
 
