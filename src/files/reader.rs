@@ -152,6 +152,12 @@ impl SourceFile {
     ) -> Result<SourceFile> {
         let fd = open(false).map_err(|e| io_err("open", display, e))?;
         let st = rfs::fstat(&fd).map_err(|e| io_err("stat", display, e))?;
+        if FileMeta::from_stat(&st).kind != FileKind::File {
+            return Err(PathError::NotRegularFile {
+                path: display.to_string_lossy().into_owned(),
+            }
+            .into());
+        }
         let fl = rfs::fcntl_getfl(&fd).map_err(|e| io_err("fcntl", display, e))?;
         if fl.contains(OFlags::NONBLOCK) {
             rfs::fcntl_setfl(&fd, fl - OFlags::NONBLOCK)
@@ -160,9 +166,9 @@ impl SourceFile {
         Self::opened(display, fd, &st, || open(true))
     }
 
-    /// Build from the buffered fd `fd` (blocking, `st` its `fstat`) and
-    /// `open_direct`, asked for an `O_DIRECT` fd of the same file when it
-    /// is large enough to be worth one.
+    /// Build from the buffered fd `fd` (a blocking reader of a regular
+    /// file, `st` its `fstat`) and `open_direct`, asked for an `O_DIRECT`
+    /// fd of the same file when it is large enough to be worth one.
     fn opened(
         display: &Path,
         fd: OwnedFd,
@@ -170,12 +176,6 @@ impl SourceFile {
         open_direct: impl FnOnce() -> io::Result<OwnedFd>,
     ) -> Result<SourceFile> {
         let meta = FileMeta::from_stat(st);
-        if meta.kind != FileKind::File {
-            return Err(PathError::NotRegularFile {
-                path: display.to_string_lossy().into_owned(),
-            }
-            .into());
-        }
         let buffered = File::from(fd);
         let small = meta.len <= DIRECT_READ_FROM;
         let (direct, why_not) = match (!small).then(open_direct) {
@@ -451,9 +451,15 @@ mod tests {
             assert!(!fl.contains(OFlags::NONBLOCK), "{fl:?}");
             assert_eq!(f.meta.len, 100);
         }
+        let fifo = dir.path().join("fifo");
         let refused = [
-            SourceFile::open(dir.path().join("fifo")).map(|_| ()),
+            SourceFile::open(&fifo).map(|_| ()),
             SourceFile::open_in(&root, "fifo").map(|_| ()),
+            SourceFile::from_opener(&fifo, |_| {
+                rfs::open(&fifo, OFlags::RDONLY | OFlags::NONBLOCK, Mode::empty())
+                    .map_err(io::Error::from)
+            })
+            .map(|_| ()),
         ];
         for r in refused {
             assert!(
