@@ -193,11 +193,15 @@ for p in $(seq "$PASSES"); do
     echo "pass $p $m: $ops operations/s, CPU s per 1000 operations: both rcpds $cpu, the writing service $wcpu, the owner $ocpu (load $(cut -d' ' -f1 /proc/loadavg))"
   done
 done
-"$py" - "${R[one]:-}" "${R[many]:-}" "${R[quiet]:-}" "${R[standing]:-}" "${R[window]:-}" "${R[each]:-}" "${R[each-window]:-}" "${R[each-wait]:-}" "${R[each-wait2]:-}" \
-  "${C[one]:-}" "${C[many]:-}" "${C[quiet]:-}" "${C[standing]:-}" "${C[window]:-}" "${C[each]:-}" "${C[each-window]:-}" "${C[each-wait]:-}" "${C[each-wait2]:-}" <<'EOF'
+# Every mode's rates and CPU, in the order of the summary's names.
+args=()
+for m in one many quiet standing window each each-window each-wait each-wait2; do
+  args+=("${R[$m]:-}" "${C[$m]:-}")
+done
+"$py" - "${args[@]}" <<'EOF'
 import statistics as st, sys
-rs = [[float(x) for x in a.split()] for a in sys.argv[1:10]]
-cs = [[float(x) for x in a.split()] for a in sys.argv[10:19]]
+rs = [[float(x) for x in a.split()] for a in sys.argv[1::2]]
+cs = [[float(x) for x in a.split()] for a in sys.argv[2::2]]
 names = ("write + wait", "write_many + wait_all", "the same, no done events", "the same, standing grant",
          "standing, two halves in turn", "standing, write_each", "write_each, two halves",
          "write_each, wait=True", "the same, two threads")
