@@ -186,9 +186,19 @@ impl Check {
             return vec![[0; 32]; blocks.len()];
         }
         if !blocks_on_pool(blocks) {
-            return blocks.iter().map(|b| self.block(b)).collect();
+            return self.blocks_here(blocks);
         }
         pool().install(|| blocks.par_iter().map(|b| self.block(b)).collect())
+    }
+
+    /// The digest of each block, on the calling thread; BLAKE3 hashes
+    /// small blocks of one length side by side
+    /// ([`blake3_lanes`](super::blake3_lanes)).
+    pub fn blocks_here(self, blocks: &[&[u8]]) -> Vec<Sha256Digest> {
+        match self {
+            Check::Blake3 => super::blake3_lanes::hash_each(blocks),
+            _ => blocks.iter().map(|b| self.block(b)).collect(),
+        }
     }
 
     /// Its first [`digest_len`](Check::digest_len) bytes: the digest as on the wire.

@@ -73,6 +73,7 @@
 use std::ffi::{OsStr, OsString};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 
+pub mod blake3_lanes;
 pub mod commit;
 pub mod content;
 pub mod digest;

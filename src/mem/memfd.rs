@@ -362,6 +362,15 @@ impl LeasedRange {
             .expect("a lease's span covers itself")
     }
 
+    /// The range's bytes as a shared slice borrowed from the range (to
+    /// hash several ranges side by side), under the same rule as
+    /// [`with`](Self::with).
+    pub fn bytes(&self) -> &[u8] {
+        self.span
+            .slice(0, self.span.len())
+            .expect("a lease's span covers itself")
+    }
+
     /// The range's bytes as a mutable slice; `None` unless the lease is
     /// [`LeaseKind::Exclusive`] (no other user inside rcpd).
     ///
