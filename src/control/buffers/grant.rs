@@ -359,10 +359,12 @@ pub(crate) fn digests(check: Check, ranges: &[LeasedRange]) -> Vec<Vec<u8>> {
     digests_by(check, ranges, |r| r)
 }
 
-/// Bytes of ranges hashed where they are asked for: a few small pages
-/// cost less to hash than the hand-off of the task's thread and the pool's
-/// wake-ups (a 4 KiB page is ~2 µs of BLAKE3; a hand-off, tens).
-const HASH_IN_TASK: u64 = 64 << 10;
+/// Bytes of ranges hashed where they are asked for: a window of small
+/// pages costs less to hash than the hand-off of the task's thread and the
+/// pool's wake-ups (64 pages of 4 KiB side by side are ~35 µs of BLAKE3; a
+/// hand-off, tens, and a batch of them 7 % fewer operations a second:
+/// docs/benchmarks.md).
+const HASH_IN_TASK: u64 = 256 << 10;
 
 /// Bytes of ranges hashed on the task's thread, handed off, not on the
 /// pool: up to a few hundred µs of BLAKE3, where the pool's threads would
