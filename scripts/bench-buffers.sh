@@ -27,7 +27,8 @@
 # (RCP_BENCH_LAT_ITERS, 1000) beside ib_write_lat's.
 #
 # The load average is printed with each run: the host's 2 cores are shared.
-# RCP_BENCH_BUILD=0 uses the release binaries as they are.
+# RCP_BENCH_BUILD=0 uses the release binaries as they are; RCP_BENCH_RCPD
+# runs another rcpd binary natively (an older build, for an A/B).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=lib-rcpd.sh
@@ -57,7 +58,7 @@ start_pair() {
   local n
   for n in a b; do
     mkdir -p "$w/$n"
-    rcpd_listen "$w/$n.out" "$w/$n.log" "$R/rcpd" --root "$w/$n" --arena-mib 16 \
+    rcpd_listen "$w/$n.out" "$w/$n.log" "${RCP_BENCH_RCPD:-$R/rcpd}" --root "$w/$n" --arena-mib 16 \
       --socket "$w/$n.sock" --copy-peers 127.0.0.1 --log warn
     pids+=("$RCPD_PID")
     eval "addr_$n=\$RCPD_ADDR pid_$n=\$RCPD_PID"
