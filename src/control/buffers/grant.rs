@@ -929,7 +929,7 @@ mod tests {
     use crate::mem::memfd::ServiceBuffer;
     use crate::mem::{Arena, ArenaConfig};
 
-    fn exposure(events: Arc<super::super::service::Outbox>) -> Arc<Exposure> {
+    fn exposure(events: Arc<super::super::outbox::Outbox>) -> Arc<Exposure> {
         Arc::new(Exposure {
             owner: 1,
             buffer: ServiceBuffer::from_arena(Arena::new(&ArenaConfig::new(1 << 20)).unwrap()),
@@ -984,8 +984,8 @@ mod tests {
     /// ones for one owner in one message.
     #[test]
     fn a_batch_of_events_goes_to_each_owner_in_order() {
-        let (ta, mut ra) = super::super::service::Outbox::new();
-        let (tb, mut rb) = super::super::service::Outbox::new();
+        let (ta, mut ra) = super::super::outbox::Outbox::new();
+        let (tb, mut rb) = super::super::outbox::Outbox::new();
         let (a, b) = (exposure(ta), exposure(tb));
         let mut batch = EventBatch::default();
         for (exp, f) in [(&a, b"a1"), (&a, b"a2"), (&b, b"b1"), (&a, b"a3")] {

@@ -11,6 +11,8 @@
 //! - [`wire`]: the service protocol's frames (JSON, fds as SCM_RIGHTS);
 //! - [`service`]: one service connection: its buffers, exposures,
 //!   operations and events;
+//! - [`outbox`]: what is sent to a service, written by its sender when
+//!   the socket is idle, else queued for the connection's writer;
 //! - [`rpc`]: rcpd's `BufferGrant`, `BufferDone` and `BufferNotify`,
 //!   served by [`grant`] or [`standing`];
 //! - [`grant`]: the exposing side of an operation (`BufferGrant`,
@@ -38,6 +40,7 @@ pub mod grant;
 pub mod messages;
 pub mod notices;
 pub mod ops;
+pub mod outbox;
 pub mod peer;
 pub mod rpc;
 pub mod service;
@@ -97,7 +100,7 @@ pub struct Exposure {
     /// session until the exposure goes) instead of one per operation.
     pub standing: bool,
     /// The owner's events, as frames ready to send.
-    pub events: Arc<service::Outbox>,
+    pub events: Arc<outbox::Outbox>,
     /// What grants inside the exposure are made into where the memory is
     /// registered once (memory windows: the exposed range in the device's
     /// PD, on the first grant); withdrawn with the exposure.

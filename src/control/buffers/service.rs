@@ -6,20 +6,20 @@
 
 use std::collections::HashMap;
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::stream::{FuturesUnordered, StreamExt};
 use serde_json::json;
 use tokio::net::UnixStream;
-use tokio::sync::{mpsc, Notify};
 
 use super::api::{
     self, ErrorBody, Event, Frame, HelloReply, ManyOps, OpRequest, OpStatus, Registered, Request,
     Started, StartedMany, Statuses, Wait, WaitAll,
 };
 use super::ops::{OpState, Ops, Unknown, KEPT_ENDED};
+use super::outbox::Outbox;
 use super::peer::{self, OpSpec};
 use super::wire::{self, FrameReader, Reply};
 use super::{Buffers, Exposure, Failure, Rights};
@@ -29,77 +29,11 @@ use crate::mem::memfd::ServiceBuffer;
 
 pub use super::api::VERSION;
 
-/// Bytes of queued frames one send to a service carries, at most (about).
-const COALESCE_BYTES: usize = 256 << 10;
-
 /// Bytes of replies and events queued for a service, not yet sent to it,
 /// beyond which rcpd reads no more of its requests until it has read some
 /// (a service that sends requests and reads no replies holds rcpd's memory
 /// to about this, plus one request's replies).
 pub const MAX_QUEUED_OUT: usize = 4 << 20;
-
-/// Frames for a service (replies and events), encoded by who sends them,
-/// with the bytes of them queued and not yet sent.
-pub struct Outbox {
-    tx: mpsc::UnboundedSender<Vec<u8>>,
-    queued: AtomicUsize,
-    /// The writer sent some, or ended.
-    drained: Notify,
-    ended: AtomicBool,
-}
-
-impl Outbox {
-    /// An outbox and what its writer takes frames from.
-    pub fn new() -> (Arc<Outbox>, mpsc::UnboundedReceiver<Vec<u8>>) {
-        let (tx, rx) = mpsc::unbounded_channel();
-        let o = Outbox {
-            tx,
-            queued: AtomicUsize::new(0),
-            drained: Notify::new(),
-            ended: AtomicBool::new(false),
-        };
-        (Arc::new(o), rx)
-    }
-
-    /// Queue `frame` for the service (dropped once its connection ended).
-    pub fn send(&self, frame: Vec<u8>) {
-        let n = frame.len();
-        self.queued.fetch_add(n, Relaxed);
-        if self.tx.send(frame).is_err() {
-            self.queued.fetch_sub(n, Relaxed);
-        }
-    }
-
-    /// The writer sent `n` bytes of queued frames.
-    fn sent(&self, n: usize) {
-        self.queued.fetch_sub(n, Relaxed);
-        self.drained.notify_waiters();
-    }
-
-    /// The writer ended: nothing waits for it any more.
-    fn end(&self) {
-        self.ended.store(true, Relaxed);
-        self.drained.notify_waiters();
-    }
-
-    /// Bytes queued and not yet sent.
-    fn queued(&self) -> usize {
-        self.queued.load(Relaxed)
-    }
-
-    /// Once at most `limit` bytes are queued (or the writer ended).
-    async fn below(&self, limit: usize) {
-        loop {
-            let drained = self.drained.notified();
-            tokio::pin!(drained);
-            drained.as_mut().enable();
-            if self.queued() <= limit || self.ended.load(Relaxed) {
-                return;
-            }
-            drained.await;
-        }
-    }
-}
 
 /// Operations one `write_many` or `read_many` may start.
 pub const MAX_OPS_PER_REQUEST: usize = 4096;
@@ -185,29 +119,8 @@ pub async fn serve(bufs: Arc<Buffers>, stream: UnixStream, mut reader: FrameRead
         Err(_) => "uid=? pid=?".into(),
     };
     let stream = Arc::new(stream);
-    let (tx, mut rx) = Outbox::new();
-    let w = stream.clone();
-    let outbox = tx.clone();
-    let writer = tokio::spawn(async move {
-        // Replies and events queued together go out in one send (a batch's
-        // replies and `done` events: one syscall, one wake-up of the
-        // service's reader, not one each).
-        while let Some(mut out) = rx.recv().await {
-            while out.len() < COALESCE_BYTES {
-                match rx.try_recv() {
-                    Ok(f) => out.extend_from_slice(&f),
-                    Err(_) => break,
-                }
-            }
-            let n = out.len();
-            let r = wire::send(&w, &out, &[]).await;
-            outbox.sent(n);
-            if r.is_err() {
-                break;
-            }
-        }
-        outbox.end();
-    });
+    let (tx, rx) = Outbox::on(stream.clone());
+    let writer = tokio::spawn(tx.clone().write_queued(rx));
     let conn = Arc::new(Conn {
         id: bufs.new_conn(),
         bufs,
@@ -734,8 +647,10 @@ impl Conn {
                 wake.extend(waiters);
             }
         }
-        for f in frames {
-            self.out.send(f);
+        // One send for all (a batch's `done` events): one write, one
+        // wake-up of the service's reader.
+        if !frames.is_empty() {
+            self.out.send(frames.concat());
         }
         for w in wake {
             w.notify_waiters();
@@ -860,24 +775,5 @@ mod tests {
         let other = c.op(h + 1).unwrap().status(h + 1);
         assert_eq!(other.state, OpStateName::Running, "its end was taken");
         assert!(rx.try_recv().is_err(), "one event");
-    }
-
-    /// A connection's reading waits while more than the bound of its
-    /// replies is queued, until the writer sent some (or ended).
-    #[tokio::test]
-    async fn requests_wait_while_replies_are_queued_beyond_the_bound() {
-        let (o, mut rx) = Outbox::new();
-        o.send(vec![0; 10]);
-        o.send(vec![0; 10]);
-        assert_eq!(o.queued(), 20);
-        let mut below = Box::pin(o.below(10));
-        assert!(futures::poll!(below.as_mut()).is_pending());
-        let f = rx.recv().await.unwrap();
-        o.sent(f.len());
-        assert!(futures::poll!(below.as_mut()).is_ready());
-        let mut below = Box::pin(o.below(0));
-        assert!(futures::poll!(below.as_mut()).is_pending());
-        o.end();
-        assert!(futures::poll!(below.as_mut()).is_ready());
     }
 }

@@ -245,6 +245,18 @@ pub fn reply_frame(id: &Value, r: &Reply) -> Vec<u8> {
     out
 }
 
+/// As much of `bytes` as `s` takes now, without waiting (0 when it is
+/// full): from any thread, in the runtime or not.
+pub fn try_send(s: &UnixStream, bytes: &[u8]) -> io::Result<usize> {
+    use rustix::net::SendFlags;
+    match s.try_io(Interest::WRITABLE, || {
+        rustix::net::send(s.as_fd(), bytes, SendFlags::NOSIGNAL).map_err(io::Error::from)
+    }) {
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(0),
+        r => r,
+    }
+}
+
 /// Write all of `bytes`, the first `sendmsg` carrying `fds` (SCM_RIGHTS).
 pub async fn send(
     s: &UnixStream,
