@@ -167,6 +167,16 @@ impl Outbox {
         self.drained.notify_waiters();
     }
 
+    /// The connection ended: nothing more is sent, and the service sees
+    /// the end of its socket even while something still holds the outbox.
+    pub(super) fn close(&self) {
+        self.end();
+        if let Some(s) = &self.socket {
+            // (A socket already shut down by the peer: nothing to do.)
+            let _ = rustix::net::shutdown(s, rustix::net::Shutdown::Both);
+        }
+    }
+
     /// Bytes queued and not yet sent.
     pub(super) fn queued(&self) -> usize {
         self.queued.load(Ordering::Acquire)
@@ -237,5 +247,23 @@ mod tests {
         assert_eq!(o.queued(), 0);
         drop(o);
         writer.abort();
+    }
+
+    /// Once closed, the service sees the end of its socket though the
+    /// outbox (and the socket) are still held, and nothing more reaches it.
+    #[tokio::test]
+    async fn a_closed_outbox_ends_the_socket_and_sends_nothing() {
+        let (ours, mut theirs) = UnixStream::pair().unwrap();
+        let (o, _rx) = Outbox::on(Arc::new(ours));
+        o.close();
+        o.send(b"late".to_vec());
+        let mut got = Vec::new();
+        // (A hang guard only: the end is there at once.)
+        let read = tokio::time::timeout(
+            std::time::Duration::from_secs(60),
+            theirs.read_to_end(&mut got),
+        );
+        assert_eq!(read.await.expect("the end of the socket").unwrap(), 0);
+        assert!(got.is_empty(), "{got:?}");
     }
 }

@@ -120,6 +120,7 @@ pub async fn serve(bufs: Arc<Buffers>, stream: UnixStream, mut reader: FrameRead
     };
     let stream = Arc::new(stream);
     let (tx, rx) = Outbox::on(stream.clone());
+    let outbox = tx.clone();
     let writer = tokio::spawn(tx.clone().write_queued(rx));
     let conn = Arc::new(Conn {
         id: bufs.new_conn(),
@@ -186,6 +187,9 @@ pub async fn serve(bufs: Arc<Buffers>, stream: UnixStream, mut reader: FrameRead
     conn.close().await;
     drop(conn);
     writer.abort();
+    // Exposures' events may hold the outbox a while longer: the service
+    // sees the end now, and nothing more is written.
+    outbox.close();
 }
 
 /// Bytes of a malformed frame its warning shows (escaped, as every
