@@ -143,6 +143,91 @@ EOF
 check "reader: frames cut anywhere and larger than a read reach their callers in order" \
   "$py" "$work/reader.py" "$work/reader.sock"
 
+# Without events to read (done_events=False, nothing exposed) the callers
+# read the socket themselves, one at a time: 24 times 8 threads with a
+# request each, rcpd's stand-in answering them in a shuffled order, cut at
+# odd places, all at once or one at a time (the next once its caller has
+# the last, so a caller that reads gets its own while others still wait
+# and must hand the socket on); every caller gets its own reply, and no
+# reader thread runs. An expose starts one: events around its reply arrive
+# in order, then the end of the connection.
+cat >"$work/callers.py" <<'EOF'
+import json, random, socket, struct, sys, threading, rcp
+path = sys.argv[1]
+srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+srv.bind(path)
+srv.listen(1)
+THREADS, PHASES = 8, 24
+got = {(p, t): threading.Event() for p in range(PHASES) for t in range(THREADS)}
+def frame(o):
+    b = json.dumps(o).encode()
+    return struct.pack("<I", len(b)) + b
+def rcpd():
+    s, _ = srv.accept()
+    f = s.makefile("rb")
+    def read_frame():
+        n = struct.unpack("<I", f.read(4))[0]
+        return json.loads(f.read(n))
+    def send_cut(out):
+        i = k = 0
+        while i < len(out):
+            n = (1, 5, 4093, 3, 70000)[k % 5]
+            s.sendall(out[i:i + n])
+            i, k = i + n, k + 1
+    def reply(q):
+        return frame({"re": q["id"], "statuses": [{"handle": x, "state": "done"} for x in q["handles"]]})
+    assert f.read(4) == rcp.MAGIC
+    h = read_frame()
+    assert h.get("done_events") is False, h
+    s.sendall(frame({"re": h["id"], "session": 1}))
+    rnd = random.Random(7)
+    for p in range(PHASES):
+        reqs = [read_frame() for _ in range(THREADS)]
+        rnd.shuffle(reqs)
+        if p % 2:
+            send_cut(b"".join(reply(q) for q in reqs))
+            continue
+        # One at a time, the next once its caller has the last: whichever
+        # caller reads the socket gets its own before others, and must
+        # hand the socket to one still waiting.
+        for q in reqs:
+            send_cut(reply(q))
+            got[tuple(q["handles"])].wait()
+    q = read_frame()
+    assert q["op"] == "expose", q
+    s.sendall(frame({"event": "written", "n": 0}) + frame({"re": q["id"]}) + frame({"event": "written", "n": 1}))
+    s.close()
+threading.Thread(target=rcpd, daemon=True).start()
+c = rcp.connect(path, done_events=False)
+wrong, ended = [], []
+def caller(p, t):
+    st = c.wait_all([p, t])
+    if [x["handle"] for x in st] != [p, t]:
+        wrong.append((p, t, st))
+    got[p, t].set()
+    ended.append((p, t))
+for p in range(PHASES):
+    ts = [threading.Thread(target=caller, args=(p, t), daemon=True) for t in range(THREADS)]
+    for th in ts:
+        th.start()
+    for th in ts:
+        th.join(timeout=60)
+    left = [t for t in range(THREADS) if (p, t) not in ended]
+    assert not left, f"phase {p}: callers still waiting for their replies: {left}"
+assert not wrong, wrong[:3]
+assert c._reader is None, "a reader thread runs with no events to read"
+class Buf:
+    id = 1
+c.expose(Buf(), "x")
+assert c._reader is not None, "an exposure started no reader"
+evs = [c.next_event(timeout=10) for _ in range(2)]
+assert [e and e["n"] for e in evs] == [0, 1], evs
+assert c.next_event(timeout=10) is None, "the end of the connection"
+print(f"callers: {PHASES} x {THREADS} requests answered out of order, each its own reply, read by the callers; an expose's events by a reader")
+EOF
+check "callers read their own replies in turn until an exposure starts a reader" \
+  "$py" "$work/callers.py" "$work/callers.sock"
+
 check "the socket file has mode 0660" [ "$(stat -c %a "$work/a.sock")" = 660 ]
 size=$((24 << 20))
 

@@ -35,6 +35,8 @@ VERSION = 1
 # The room one recv reads rcpd's socket into (grown for larger frames).
 READ_CHUNK = 1 << 18
 _LEN = struct.Struct("<I")
+# A caller's slot holds this when the socket is handed to it to read.
+_TURN = object()
 
 
 class RcpError(Exception):
@@ -155,8 +157,22 @@ class Client:
         # a busy exposure takes an event per peer operation).
         self._events = queue.SimpleQueue()
         self._closed = None
-        self._reader = threading.Thread(target=self._read_loop, daemon=True)
-        self._reader.start()
+        # What was read of rcpd's socket and not yet dispatched:
+        # room[start:end], touched only by the thread that reads (below).
+        self._room = bytearray(READ_CHUNK)
+        self._start = self._end = 0
+        # One thread at a time reads the socket (`_leading`, under _lock).
+        # Until events can come (an exposure, `done` events, next_event),
+        # that is a caller waiting for its reply, which dispatches the
+        # others' and hands the socket to one still waiting when its own
+        # has come: no thread woken to read a reply and wake its caller.
+        # After, a reader thread reads from then on.
+        self._leading = False
+        self._reader = None
+        self._reader_turn = threading.Lock()
+        self._reader_turn.acquire()
+        if done_events:
+            self._start_reader()
         token = token if token is not None else os.environ.get("RCP_TOKEN")
         hello = {"version": VERSION, "name": name or f"pid {os.getpid()}"}
         if not done_events:
@@ -176,41 +192,117 @@ class Client:
 
     # -- framing ---------------------------------------------------------
 
-    def _read_loop(self):
+    def _start_reader(self):
+        # From now on a reader thread reads, whether a caller waits or
+        # not: events may come at any time. It waits for its turn when a
+        # caller reads at the moment (that one hands the socket to it).
+        with self._lock:
+            if self._reader is not None:
+                return
+            now = not self._leading
+            self._leading = True
+            self._reader = threading.Thread(target=self._read_loop, args=(now,), daemon=True)
+        self._reader.start()
+
+    def _read_loop(self, now):
+        if not now:
+            self._reader_turn.acquire()
+        try:
+            while True:
+                self._read_some()
+        except (EOFError, OSError, ValueError) as e:
+            self._ended(e)
+
+    def _read_some(self):
         # One recv takes whatever rcpd has sent (it coalesces a batch's
         # replies and events into one send); every whole frame in it is
         # dispatched before the next recv, not two recvs per frame.
         # Reads land in one reused room (a fresh bytes object per recv was
         # an mmap, mremap and munmap each); room[start:end] is unread.
-        room = bytearray(READ_CHUNK)
-        start = end = 0
+        room, start, end = self._room, self._start, self._end
+        if end == len(room):
+            # Full: move the unread part to the front, or grow for a
+            # frame larger than the room.
+            grow = len(room) if start == 0 else 0
+            room = room[start:end] + bytearray(len(room) - (end - start) + grow)
+            start, end = 0, end - start
+            self._room, self._start, self._end = room, start, end
+        n = self._sock.recv_into(memoryview(room)[end:])
+        if not n:
+            raise EOFError("rcpd closed the connection")
+        end += n
+        self._end = end
+        while end - start >= 4:
+            (n,) = _LEN.unpack_from(room, start)
+            if end - start - 4 < n:
+                break
+            # Dispatched, then passed: a KeyboardInterrupt between the two
+            # (in a caller that reads) hands a reply over twice, which
+            # the second time finds no caller, never none.
+            self._dispatch(json.loads(room[start + 4 : start + 4 + n]))
+            start += 4 + n
+            self._start = start
+        if start == end:
+            self._start = self._end = 0
+
+    def _ended(self, e):
+        self._closed = e
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for slot in pending.values():
+            slot[1] = None
+            slot[0].release()
+        self._events.put(None)
+
+    def _reply(self, slot):
+        # A caller's wait for its reply: it reads the socket itself when
+        # nobody does, else waits until the reader hands it its reply or,
+        # when that reader is a caller whose own reply came, the socket.
+        with self._lock:
+            lead = not self._leading
+            self._leading = True
+        if not lead:
+            try:
+                slot[0].acquire()
+            except BaseException:
+                # Interrupted (KeyboardInterrupt): no longer waiting, and
+                # a turn handed over meanwhile goes on to another.
+                with self._lock:
+                    self._pending.pop(slot[2], None)
+                    turn = slot[1] is _TURN
+                if turn:
+                    self._pass_on()
+                raise
+            if slot[1] is not _TURN:
+                return slot[1]
+            slot[1] = None
         try:
-            while True:
-                if end == len(room):
-                    # Full: move the unread part to the front, or grow
-                    # for a frame larger than the room.
-                    grow = len(room) if start == 0 else 0
-                    room = room[start:end] + bytearray(len(room) - (end - start) + grow)
-                    start, end = 0, end - start
-                n = self._sock.recv_into(memoryview(room)[end:])
-                if not n:
-                    raise EOFError("rcpd closed the connection")
-                end += n
-                while end - start >= 4:
-                    (n,) = _LEN.unpack_from(room, start)
-                    if end - start - 4 < n:
-                        break
-                    self._dispatch(json.loads(room[start + 4 : start + 4 + n]))
-                    start += 4 + n
-                if start == end:
-                    start = end = 0
+            while slot[1] is None and self._closed is None:
+                self._read_some()
         except (EOFError, OSError, ValueError) as e:
-            self._closed = e
+            self._ended(e)
+        except BaseException:
             with self._lock:
-                pending, self._pending = self._pending, {}
-            for slot in pending.values():
-                slot[0].release()
-            self._events.put(None)
+                self._pending.pop(slot[2], None)
+            raise
+        finally:
+            self._pass_on()
+        return slot[1]
+
+    def _pass_on(self):
+        # The reading caller's reply came (or the socket ended): the
+        # reader thread reads next when there is one; else a caller still
+        # waiting, woken with _TURN; else nobody until the next request.
+        with self._lock:
+            if self._reader is not None:
+                self._reader_turn.release()
+                return
+            for slot in self._pending.values():
+                if slot[1] is None:
+                    slot[1] = _TURN
+                    slot[0].release()
+                    return
+            self._leading = False
 
     def _dispatch(self, msg):
         if "re" in msg:
@@ -232,7 +324,7 @@ class Client:
             # than an Event: no Condition, no waiter list).
             done = threading.Lock()
             done.acquire()
-            slot = [done, None]
+            slot = [done, None, rid]
             self._pending[rid] = slot
         body = json.dumps(dict(fields, id=rid, op=op)).encode()
         frame = struct.pack("<I", len(body)) + body
@@ -243,8 +335,7 @@ class Client:
                     self._sock.sendall(frame[sent:])
             else:
                 self._sock.sendall(frame)
-        slot[0].acquire()
-        msg = slot[1]
+        msg = self._reply(slot)
         if msg is None:
             raise RcpError("retryable", f"connection to rcpd closed: {self._closed}")
         if "error" in msg:
@@ -285,6 +376,8 @@ class Client:
         peer's session is granted the whole range once, until unexpose,
         this connection's end or the session's: its operations need no
         grant each)."""
+        # Its events may come at any time from now on: read them as they do.
+        self._start_reader()
         f = {"buffer": buf.id, "name": name, "offset": offset, "access": access}
         if length is not None:
             f["len"] = length
@@ -394,6 +487,7 @@ class Client:
         """The next event (`written` / `read` on our exposures, `done` of
         our operations), or None after `timeout` seconds or when the
         connection closed."""
+        self._start_reader()
         try:
             return self._events.get(timeout=timeout)
         except queue.Empty:
