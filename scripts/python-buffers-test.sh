@@ -149,8 +149,10 @@ check "reader: frames cut anywhere and larger than a read reach their callers in
 # odd places, all at once or one at a time (the next once its caller has
 # the last, so a caller that reads gets its own while others still wait
 # and must hand the socket on); every caller gets its own reply, and no
-# reader thread runs. An expose starts one: events around its reply arrive
-# in order, then the end of the connection.
+# reader thread runs. A Ctrl-C (SIGINT) of the main thread while it reads
+# for another caller too: that caller gets the socket and its reply. An
+# expose starts a reader: events around its reply arrive in order, then
+# the end of the connection.
 cat >"$work/callers.py" <<'EOF'
 import json, random, socket, struct, sys, threading, rcp
 path = sys.argv[1]
@@ -193,10 +195,18 @@ def rcpd():
         for q in reqs:
             send_cut(reply(q))
             got[tuple(q["handles"])].wait()
+    # The interrupt: the main thread reads, waiting for r1, when SIGINT
+    # lands; t's request r2 is answered only after that, then main's r3.
+    r1, r2 = read_frame(), read_frame()
+    interrupted.wait()
+    s.sendall(frame({"re": r2["id"], "statuses": []}))
+    r3 = read_frame()
+    s.sendall(frame({"re": r3["id"], "statuses": [{"handle": 3, "state": "done"}]}))
     q = read_frame()
     assert q["op"] == "expose", q
     s.sendall(frame({"event": "written", "n": 0}) + frame({"re": q["id"]}) + frame({"event": "written", "n": 1}))
     s.close()
+interrupted = threading.Event()
 threading.Thread(target=rcpd, daemon=True).start()
 c = rcp.connect(path, done_events=False)
 wrong, ended = [], []
@@ -216,6 +226,40 @@ for p in range(PHASES):
     assert not left, f"phase {p}: callers still waiting for their replies: {left}"
 assert not wrong, wrong[:3]
 assert c._reader is None, "a reader thread runs with no events to read"
+# Ctrl-C while the main thread reads for another caller too: that caller
+# gets the socket and its reply, and the next request works.
+import os, signal, time
+def frames_of(ident):
+    f = sys._current_frames().get(ident)
+    names = []
+    while f is not None:
+        names.append(f.f_code.co_name)
+        f = f.f_back
+    return names
+main = threading.get_ident()
+other = []
+def second():
+    while "_read_some" not in frames_of(main):
+        time.sleep(0.01)
+    other.append(c.wait_all([]))
+def interrupt():
+    while not (len(ts) == 1 and "_reply" in frames_of(ts[0].ident) and "_read_some" not in frames_of(ts[0].ident)):
+        time.sleep(0.01)
+    signal.pthread_kill(main, signal.SIGINT)
+ts = []
+t2 = threading.Thread(target=second, daemon=True)
+ts.append(t2)
+t2.start()
+threading.Thread(target=interrupt, daemon=True).start()
+try:
+    c.wait_all([1])
+    raise SystemExit("the reading caller was not interrupted")
+except KeyboardInterrupt:
+    pass
+interrupted.set()
+t2.join(timeout=60)
+assert other == [[]], f"the other caller's reply after the reader was interrupted: {other}"
+assert [x["handle"] for x in c.wait_all([3])] == [3], "a request after the interrupt"
 class Buf:
     id = 1
 c.expose(Buf(), "x")
@@ -223,9 +267,9 @@ assert c._reader is not None, "an exposure started no reader"
 evs = [c.next_event(timeout=10) for _ in range(2)]
 assert [e and e["n"] for e in evs] == [0, 1], evs
 assert c.next_event(timeout=10) is None, "the end of the connection"
-print(f"callers: {PHASES} x {THREADS} requests answered out of order, each its own reply, read by the callers; an expose's events by a reader")
+print(f"callers: {PHASES} x {THREADS} requests answered out of order, each its own reply, read by the callers, also past a Ctrl-C; an expose's events by a reader")
 EOF
-check "callers read their own replies in turn until an exposure starts a reader" \
+check "callers read their own replies in turn, also past a Ctrl-C, until an exposure starts a reader" \
   "$py" "$work/callers.py" "$work/callers.sock"
 
 check "the socket file has mode 0660" [ "$(stat -c %a "$work/a.sock")" = 660 ]

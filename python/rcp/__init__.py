@@ -261,32 +261,28 @@ class Client:
         with self._lock:
             lead = not self._leading
             self._leading = True
-        if not lead:
-            try:
-                slot[0].acquire()
-            except BaseException:
-                # Interrupted (KeyboardInterrupt): no longer waiting, and
-                # a turn handed over meanwhile goes on to another.
-                with self._lock:
-                    self._pending.pop(slot[2], None)
-                    turn = slot[1] is _TURN
-                if turn:
-                    self._pass_on()
-                raise
-            if slot[1] is not _TURN:
-                return slot[1]
-            slot[1] = None
         try:
+            if not lead:
+                slot[0].acquire()
+                if slot[1] is not _TURN:
+                    return slot[1]
+                lead = True
+                slot[1] = None
             while slot[1] is None and self._closed is None:
                 self._read_some()
         except (EOFError, OSError, ValueError) as e:
             self._ended(e)
         except BaseException:
+            # Interrupted (KeyboardInterrupt): no longer waiting, and the
+            # socket, when this caller reads or was handed it meanwhile,
+            # goes on to another.
             with self._lock:
                 self._pending.pop(slot[2], None)
+                lead = lead or slot[1] is _TURN
             raise
         finally:
-            self._pass_on()
+            if lead:
+                self._pass_on()
         return slot[1]
 
     def _pass_on(self):
