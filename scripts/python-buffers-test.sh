@@ -272,6 +272,43 @@ EOF
 check "callers read their own replies in turn, also past a Ctrl-C, until an exposure starts a reader" \
   "$py" "$work/callers.py" "$work/callers.sock"
 
+# A client that reads only while it waits (done_events=False) learns that
+# rcpd went away at its next request: RcpError "retryable", as a client
+# with a reader thread, not the socket's BrokenPipeError.
+cat >"$work/gone.py" <<'EOF'
+import json, socket, struct, sys, threading, rcp
+path = sys.argv[1]
+srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+srv.bind(path)
+srv.listen(1)
+gone = threading.Event()
+def frame(o):
+    b = json.dumps(o).encode()
+    return struct.pack("<I", len(b)) + b
+def rcpd():
+    s, _ = srv.accept()
+    f = s.makefile("rb")
+    assert f.read(4) == rcp.MAGIC
+    n = struct.unpack("<I", f.read(4))[0]
+    h = json.loads(f.read(n))
+    s.sendall(frame({"re": h["id"], "session": 1}))
+    f.close()
+    s.close()
+    gone.set()
+threading.Thread(target=rcpd, daemon=True).start()
+c = rcp.connect(path, done_events=False)
+gone.wait()
+for i in range(2):
+    try:
+        c.wait_all([1])
+        raise SystemExit("a request to an rcpd that is gone was answered")
+    except rcp.RcpError as e:
+        assert e.reason == "retryable" and "closed" in str(e), e
+print("gone: an idle client's next requests after rcpd went away fail retryable")
+EOF
+check "an idle client's next request after rcpd went away fails retryable" \
+  "$py" "$work/gone.py" "$work/gone.sock"
+
 check "the socket file has mode 0660" [ "$(stat -c %a "$work/a.sock")" = 660 ]
 size=$((24 << 20))
 

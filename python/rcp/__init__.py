@@ -324,13 +324,23 @@ class Client:
             self._pending[rid] = slot
         body = json.dumps(dict(fields, id=rid, op=op)).encode()
         frame = struct.pack("<I", len(body)) + body
-        with self._send_lock:
-            if _fds:
-                sent = socket.send_fds(self._sock, [frame], list(_fds))
-                if sent < len(frame):
-                    self._sock.sendall(frame[sent:])
-            else:
-                self._sock.sendall(frame)
+        try:
+            with self._send_lock:
+                if _fds:
+                    sent = socket.send_fds(self._sock, [frame], list(_fds))
+                    if sent < len(frame):
+                        self._sock.sendall(frame[sent:])
+                else:
+                    self._sock.sendall(frame)
+        except ConnectionError as e:
+            # rcpd went away (found here first when nobody reads while
+            # the client is idle): the connection ends for every caller.
+            self._ended(e)
+            raise RcpError("retryable", f"connection to rcpd closed: {e}") from None
+        except BaseException:
+            with self._lock:
+                self._pending.pop(rid, None)
+            raise
         msg = self._reply(slot)
         if msg is None:
             raise RcpError("retryable", f"connection to rcpd closed: {self._closed}")
