@@ -309,6 +309,50 @@ EOF
 check "an idle client's next request after rcpd went away fails retryable" \
   "$py" "$work/gone.py" "$work/gone.sock"
 
+# A request that cannot be sent (a buffer id JSON cannot carry) raises and
+# takes its place among the waiters back: the requests after it are each
+# answered, none handed the socket meant for the failed one.
+cat >"$work/unsent.py" <<'EOF'
+import json, socket, struct, sys, threading, rcp
+path = sys.argv[1]
+srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+srv.bind(path)
+srv.listen(1)
+def frame(o):
+    b = json.dumps(o).encode()
+    return struct.pack("<I", len(b)) + b
+def rcpd():
+    s, _ = srv.accept()
+    f = s.makefile("rb")
+    def read_frame():
+        n = struct.unpack("<I", f.read(4))[0]
+        return json.loads(f.read(n))
+    assert f.read(4) == rcp.MAGIC
+    while True:
+        q = read_frame()
+        s.sendall(frame({"re": q["id"], "statuses": []}))
+threading.Thread(target=rcpd, daemon=True).start()
+c = rcp.connect(path, done_events=False)
+try:
+    c.release(object())
+    raise SystemExit("a buffer id JSON cannot carry was sent")
+except TypeError:
+    pass
+# The requests after it: each reads for itself in turn, none waits for a
+# reader the failed request's slot was taken for.
+out = []
+def calls():
+    for _ in range(3):
+        out.append(c.wait_all([]))
+t = threading.Thread(target=calls, daemon=True)
+t.start()
+t.join(timeout=30)
+assert out == [[], [], []], f"requests answered after one that could not be sent: {len(out)} of 3"
+print("unsent: the requests after one that could not be sent are answered")
+EOF
+check "the requests after one that could not be sent are answered" \
+  "$py" "$work/unsent.py" "$work/unsent.sock"
+
 check "the socket file has mode 0660" [ "$(stat -c %a "$work/a.sock")" = 660 ]
 size=$((24 << 20))
 

@@ -322,9 +322,9 @@ class Client:
             done.acquire()
             slot = [done, None, rid]
             self._pending[rid] = slot
-        body = json.dumps(dict(fields, id=rid, op=op)).encode()
-        frame = struct.pack("<I", len(body)) + body
         try:
+            body = json.dumps(dict(fields, id=rid, op=op)).encode()
+            frame = struct.pack("<I", len(body)) + body
             with self._send_lock:
                 if _fds:
                     sent = socket.send_fds(self._sock, [frame], list(_fds))
