@@ -96,42 +96,62 @@ start_rcpd b
 b=$addr
 b_pid=$pid
 echo "rcpd A $a, rcpd B $b (tcp, sockets $work/a.sock $work/b.sock)"
+# A stand-in for rcpd's service socket, which the tests of the package's
+# reading below import (frames, a hello answered, sends cut in pieces).
+cat >"$work/standin.py" <<'EOF'
+# A stand-in for rcpd's service socket, for the package's own tests.
+import json, socket, struct, threading, rcp
+
+
+def frame(o):
+    b = json.dumps(o).encode()
+    return struct.pack("<I", len(b)) + b
+
+
+def send_cut(s, out, cuts):
+    # `out` sent in pieces of the lengths `cuts`, in turn.
+    i = k = 0
+    while i < len(out):
+        n = cuts[k % len(cuts)]
+        s.sendall(out[i:i + n])
+        i, k = i + n, k + 1
+
+
+def serve(path, talk):
+    # Listen at `path`; a thread accepts one client, reads its magic and
+    # hello, answers that, then calls talk(s, read_frame, hello).
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(1)
+    def run():
+        s, _ = srv.accept()
+        def read_frame():
+            n = struct.unpack("<I", s.recv(4, socket.MSG_WAITALL))[0]
+            return json.loads(s.recv(n, socket.MSG_WAITALL))
+        assert s.recv(4, socket.MSG_WAITALL) == rcp.MAGIC
+        hello = read_frame()
+        s.sendall(frame({"re": hello["id"], "session": 1}))
+        talk(s, read_frame, hello)
+    threading.Thread(target=run, daemon=True).start()
+EOF
 # The package's reader against a stand-in for rcpd's socket: replies and
 # events in frames cut at odd places, several to a send, and frames larger
 # than one read's room (wait_all of 4096 handles answers ~400 KiB), each
 # handed to the right caller in order.
 cat >"$work/reader.py" <<'EOF'
-import json, socket, struct, sys, threading, rcp
-path = sys.argv[1]
-srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-srv.bind(path)
-srv.listen(1)
-def frame(o):
-    b = json.dumps(o).encode()
-    return struct.pack("<I", len(b)) + b
-def rcpd():
-    s, _ = srv.accept()
-    def read_frame():
-        n = struct.unpack("<I", s.recv(4, socket.MSG_WAITALL))[0]
-        return json.loads(s.recv(n, socket.MSG_WAITALL))
-    assert s.recv(4, socket.MSG_WAITALL) == rcp.MAGIC
-    h = read_frame()
-    s.sendall(frame({"re": h["id"], "session": 1}))
+import sys, rcp
+from standin import frame, send_cut, serve
+def talk(s, read_frame, hello):
     out = b""
     for i in range(200):
         out += frame({"event": "written", "n": i, "pad": "x" * (i * 37 % 5000)})
     out += frame({"event": "written", "n": 200, "pad": "y" * (3 * rcp.READ_CHUNK + 11)})
     w = read_frame()
     out += frame({"re": w["id"], "statuses": [{"handle": i, "state": "done"} for i in range(len(w["handles"]))]})
-    cuts = [1, 3, 4093, 65536, rcp.READ_CHUNK + 5]
-    i = k = 0
-    while i < len(out):
-        n = cuts[k % len(cuts)]
-        s.sendall(out[i:i + n])
-        i, k = i + n, k + 1
+    send_cut(s, out, [1, 3, 4093, 65536, rcp.READ_CHUNK + 5])
     s.close()
-threading.Thread(target=rcpd, daemon=True).start()
-c = rcp.connect(path)
+serve(sys.argv[1], talk)
+c = rcp.connect(sys.argv[1])
 st = c.wait_all(list(range(4096)))
 assert [x["handle"] for x in st] == list(range(4096)), len(st)
 evs = [c.next_event(timeout=10) for _ in range(201)]
@@ -154,46 +174,28 @@ check "reader: frames cut anywhere and larger than a read reach their callers in
 # expose starts a reader: events around its reply arrive in order, then
 # the end of the connection.
 cat >"$work/callers.py" <<'EOF'
-import json, random, socket, struct, sys, threading, rcp
-path = sys.argv[1]
-srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-srv.bind(path)
-srv.listen(1)
+import random, sys, threading, rcp
+from standin import frame, send_cut, serve
 THREADS, PHASES = 8, 24
 got = {(p, t): threading.Event() for p in range(PHASES) for t in range(THREADS)}
-def frame(o):
-    b = json.dumps(o).encode()
-    return struct.pack("<I", len(b)) + b
-def rcpd():
-    s, _ = srv.accept()
-    f = s.makefile("rb")
-    def read_frame():
-        n = struct.unpack("<I", f.read(4))[0]
-        return json.loads(f.read(n))
-    def send_cut(out):
-        i = k = 0
-        while i < len(out):
-            n = (1, 5, 4093, 3, 70000)[k % 5]
-            s.sendall(out[i:i + n])
-            i, k = i + n, k + 1
-    def reply(q):
-        return frame({"re": q["id"], "statuses": [{"handle": x, "state": "done"} for x in q["handles"]]})
-    assert f.read(4) == rcp.MAGIC
-    h = read_frame()
-    assert h.get("done_events") is False, h
-    s.sendall(frame({"re": h["id"], "session": 1}))
+interrupted = threading.Event()
+def reply(q):
+    return frame({"re": q["id"], "statuses": [{"handle": x, "state": "done"} for x in q["handles"]]})
+def talk(s, read_frame, hello):
+    assert hello.get("done_events") is False, hello
     rnd = random.Random(7)
+    cuts = [1, 5, 4093, 3, 70000]
     for p in range(PHASES):
         reqs = [read_frame() for _ in range(THREADS)]
         rnd.shuffle(reqs)
         if p % 2:
-            send_cut(b"".join(reply(q) for q in reqs))
+            send_cut(s, b"".join(reply(q) for q in reqs), cuts)
             continue
         # One at a time, the next once its caller has the last: whichever
         # caller reads the socket gets its own before others, and must
         # hand the socket to one still waiting.
         for q in reqs:
-            send_cut(reply(q))
+            send_cut(s, reply(q), cuts)
             got[tuple(q["handles"])].wait()
     # The interrupt: the main thread reads, waiting for r1, when SIGINT
     # lands; t's request r2 is answered only after that, then main's r3.
@@ -201,14 +203,13 @@ def rcpd():
     interrupted.wait()
     s.sendall(frame({"re": r2["id"], "statuses": []}))
     r3 = read_frame()
-    s.sendall(frame({"re": r3["id"], "statuses": [{"handle": 3, "state": "done"}]}))
+    s.sendall(reply(r3))
     q = read_frame()
     assert q["op"] == "expose", q
     s.sendall(frame({"event": "written", "n": 0}) + frame({"re": q["id"]}) + frame({"event": "written", "n": 1}))
     s.close()
-interrupted = threading.Event()
-threading.Thread(target=rcpd, daemon=True).start()
-c = rcp.connect(path, done_events=False)
+serve(sys.argv[1], talk)
+c = rcp.connect(sys.argv[1], done_events=False)
 wrong, ended = [], []
 def caller(p, t):
     st = c.wait_all([p, t])
@@ -275,28 +276,15 @@ check "callers read their own replies in turn, also past a Ctrl-C, until an expo
 # A client that reads only while it waits (done_events=False) learns that
 # rcpd went away at its next request: RcpError "retryable", as a client
 # with a reader thread, not the socket's BrokenPipeError.
-cat >"$work/gone.py" <<'EOF'
-import json, socket, struct, sys, threading, rcp
-path = sys.argv[1]
-srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-srv.bind(path)
-srv.listen(1)
+cat >"$work/closed.py" <<'EOF'
+import sys, threading, rcp
+from standin import serve
 gone = threading.Event()
-def frame(o):
-    b = json.dumps(o).encode()
-    return struct.pack("<I", len(b)) + b
-def rcpd():
-    s, _ = srv.accept()
-    f = s.makefile("rb")
-    assert f.read(4) == rcp.MAGIC
-    n = struct.unpack("<I", f.read(4))[0]
-    h = json.loads(f.read(n))
-    s.sendall(frame({"re": h["id"], "session": 1}))
-    f.close()
+def talk(s, read_frame, hello):
     s.close()
     gone.set()
-threading.Thread(target=rcpd, daemon=True).start()
-c = rcp.connect(path, done_events=False)
+serve(sys.argv[1], talk)
+c = rcp.connect(sys.argv[1], done_events=False)
 gone.wait()
 for i in range(2):
     try:
@@ -304,35 +292,23 @@ for i in range(2):
         raise SystemExit("a request to an rcpd that is gone was answered")
     except rcp.RcpError as e:
         assert e.reason == "retryable" and "closed" in str(e), e
-print("gone: an idle client's next requests after rcpd went away fail retryable")
+print("closed: an idle client's next requests after rcpd went away fail retryable")
 EOF
 check "an idle client's next request after rcpd went away fails retryable" \
-  "$py" "$work/gone.py" "$work/gone.sock"
+  "$py" "$work/closed.py" "$work/closed.sock"
 
 # A request that cannot be sent (a buffer id JSON cannot carry) raises and
 # takes its place among the waiters back: the requests after it are each
 # answered, none handed the socket meant for the failed one.
 cat >"$work/unsent.py" <<'EOF'
-import json, socket, struct, sys, threading, rcp
-path = sys.argv[1]
-srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-srv.bind(path)
-srv.listen(1)
-def frame(o):
-    b = json.dumps(o).encode()
-    return struct.pack("<I", len(b)) + b
-def rcpd():
-    s, _ = srv.accept()
-    f = s.makefile("rb")
-    def read_frame():
-        n = struct.unpack("<I", f.read(4))[0]
-        return json.loads(f.read(n))
-    assert f.read(4) == rcp.MAGIC
+import sys, threading, rcp
+from standin import frame, serve
+def talk(s, read_frame, hello):
     while True:
         q = read_frame()
         s.sendall(frame({"re": q["id"], "statuses": []}))
-threading.Thread(target=rcpd, daemon=True).start()
-c = rcp.connect(path, done_events=False)
+serve(sys.argv[1], talk)
+c = rcp.connect(sys.argv[1], done_events=False)
 try:
     c.release(object())
     raise SystemExit("a buffer id JSON cannot carry was sent")
