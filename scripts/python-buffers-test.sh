@@ -230,6 +230,9 @@ assert c._reader is None, "a reader thread runs with no events to read"
 # Ctrl-C while the main thread reads for another caller too: that caller
 # gets the socket and its reply, and the next request works.
 import os, signal, time
+# Python leaves SIGINT ignored when it started so (a background job of a
+# shell without job control, as under CI): take it as Ctrl-C does.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 def frames_of(ident):
     f = sys._current_frames().get(ident)
     names = []
@@ -247,6 +250,10 @@ def interrupt():
     while not (len(ts) == 1 and "_reply" in frames_of(ts[0].ident) and "_read_some" not in frames_of(ts[0].ident)):
         time.sleep(0.01)
     signal.pthread_kill(main, signal.SIGINT)
+    # A hang guard, not a time limit: the main thread takes it at once.
+    if not interrupted.wait(60):
+        print("SIGINT did not interrupt the reading caller", flush=True)
+        os._exit(1)
 ts = []
 t2 = threading.Thread(target=second, daemon=True)
 ts.append(t2)
