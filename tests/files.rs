@@ -499,6 +499,54 @@ mod destination {
         }
     }
 
+    /// A file of one block where nothing stands is written unnamed
+    /// (O_TMPFILE) and linked into place: no name in the directory until
+    /// then, its mode without `-p` the source's masked by the umask (with
+    /// no chmod); `-p` bits the umask would mask are set all the same; a
+    /// name that came in its way meanwhile is replaced, as a rename would,
+    /// with no temp name left behind; a fan-out's reader of it reads it.
+    #[test]
+    fn unnamed_temp_for_one_block_linked_into_place() {
+        let t = tempfile::tempdir_in("/dev/shm").unwrap();
+        let dir = DirHandle::open(t.path()).unwrap();
+        let umask = rcp::files::mode::process_umask();
+        let mut o = opts(4096);
+        o.source_mode = Some(0o755);
+        let mut d = Destination::create(&dir, "new", 3, o.clone()).unwrap();
+        d.write_block(0, b"abc", block_digest(b"abc")).unwrap();
+        assert!(names(t.path()).is_empty(), "{:?}", names(t.path()));
+        let mut back = String::new();
+        d.temp_reader().unwrap().read_to_string(&mut back).unwrap();
+        assert_eq!(back, "abc");
+        d.commit(derived(b"abc", 4096)).unwrap();
+        assert_eq!(names(t.path()), ["new"]);
+        assert_eq!(fs::read(t.path().join("new")).unwrap(), b"abc");
+        let m = fs::metadata(t.path().join("new")).unwrap();
+        assert_eq!(m.permissions().mode() & 0o7777, 0o755 & !umask);
+
+        let mut p = opts(4096);
+        p.preserve = Some(Preserve {
+            mode: 0o666 | umask,
+            mtime: Timestamp {
+                sec: 1_000_000_000,
+                nsec: 5,
+            },
+        });
+        let mut d = Destination::create(&dir, "wide", 1, p).unwrap();
+        d.write_block(0, b"w", block_digest(b"w")).unwrap();
+        d.commit(derived(b"w", 4096)).unwrap();
+        let m = fs::metadata(t.path().join("wide")).unwrap();
+        assert_eq!(m.permissions().mode() & 0o7777, 0o666 | umask);
+        assert_eq!((m.mtime(), m.mtime_nsec()), (1_000_000_000, 5));
+
+        let mut d = Destination::create(&dir, "raced", 2, o).unwrap();
+        d.write_block(0, b"ok", block_digest(b"ok")).unwrap();
+        fs::write(t.path().join("raced"), "someone else's").unwrap();
+        d.commit(derived(b"ok", 4096)).unwrap();
+        assert_eq!(fs::read(t.path().join("raced")).unwrap(), b"ok");
+        assert_eq!(names(t.path()), ["new", "raced", "wide"]);
+    }
+
     #[test]
     fn preserve_mode_and_mtime() {
         let t = tempfile::tempdir().unwrap();
@@ -1621,17 +1669,18 @@ mod batch {
     /// removed, not suspended. More blocks: a manifest from the start.
     #[test]
     fn single_block_files_keep_no_manifest() {
-        let t = tempfile::tempdir().unwrap();
+        // tmpfs: a file system with O_TMPFILE wherever the tests run.
+        let t = tempfile::tempdir_in("/dev/shm").unwrap();
         let dir = DirHandle::open(t.path()).unwrap();
         let len = 16 << 10;
         let data = pattern(len, 50);
         let o = resumable(len as u64, DEFAULT_BLOCK_SIZE, 5);
         let mut d = Destination::create(&dir, "small", len as u64, o.clone()).unwrap();
         assert!(!d.keeps_manifest());
-        let only_temp = |n: Vec<String>| n.len() == 1 && n[0].ends_with(".part");
-        assert!(only_temp(names(t.path())), "{:?}", names(t.path()));
+        // Where nothing stands, its temp file has no name (O_TMPFILE).
+        assert!(names(t.path()).is_empty(), "{:?}", names(t.path()));
         d.write_block(0, &data, block_digest(&data)).unwrap();
-        assert!(only_temp(names(t.path())), "{:?}", names(t.path()));
+        assert!(names(t.path()).is_empty(), "{:?}", names(t.path()));
         drop(d); // interrupted: nothing to resume, nothing left
         assert!(names(t.path()).is_empty());
         let src = o.resume.unwrap();
@@ -1649,8 +1698,14 @@ mod batch {
         // Empty files too.
         let e = Destination::create(&dir, "empty", 0, resumable(0, 4096, 6)).unwrap();
         assert!(!e.keeps_manifest());
-        assert_eq!(names(t.path()).len(), 2);
+        assert_eq!(names(t.path()), ["small"]);
         drop(e);
+        // Over an existing file, a named temp beside it, the file untouched.
+        let d = Destination::create(&dir, "small", len as u64, o.clone()).unwrap();
+        let n = names(t.path());
+        assert!(n.len() == 2 && n[0].ends_with(".part"), "{n:?}");
+        drop(d);
+        assert_eq!(names(t.path()), ["small"]);
         // Two blocks: the manifest is there right after create.
         let two = resumable(8192, 4096, 7);
         let d = Destination::create(&dir, "two", 8192, two).unwrap();

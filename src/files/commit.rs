@@ -1,11 +1,13 @@
 //! Atomic destination: data goes to a temp file beside the final name and appears
-//! under the final name only by `renameat`, after the file digest matched and the
-//! bytes are on stable storage.
+//! under the final name only by `renameat` (or `linkat` of an unnamed one), after
+//! the file digest matched and the bytes are on stable storage.
 //!
 //! Life of a [`Destination`]:
 //! 1. [`Destination::create`] (or [`Destination::resume`]) makes
 //!    `.rcp-<final>.<random>.part` in the target directory with `O_CREAT|O_EXCL` and
-//!    takes an exclusive `flock` on it (so no one else resumes or sweeps it). A file of
+//!    takes an exclusive `flock` on it (so no one else resumes or sweeps it). A file
+//!    of at most one block where nothing stands gets an unnamed temp file instead
+//!    (`files::unnamed`: `O_TMPFILE`, made with its final mode, no lock). A file of
 //!    more than one block is pre-sized (`fallocate`, or `ftruncate` where unsupported;
 //!    a full disk fails here, before any byte moves); a file of at most one block is
 //!    not (its one `pwrite` sizes it, and fails as early).
@@ -26,7 +28,9 @@
 //! 4. [`publish`](super::publish::publish) a batch of sealed files: their data is made durable in as few calls
 //!    as possible (one `syncfs` per file system holding several of them, `fdatasync`
 //!    for a file alone on its file system), THEN each is renamed over its final name
-//!    (an existing file there is replaced only now, atomically), THEN each distinct
+//!    (an existing file there is replaced only now, atomically; an unnamed one is
+//!    linked there, or, when a name came in its way, linked under its temp name and
+//!    renamed), THEN each distinct
 //!    parent directory is fsynced once, then the manifests are removed.
 //!    [`commit`](Destination::commit) is `seal` + `publish` of one.
 //! 5. Otherwise [`abort`](Destination::abort) removes temp + manifest;
@@ -44,7 +48,8 @@
 //! untouched until the final rename. In a batch, a file that fails (digest, rename,
 //! sync) is not published and does not keep the others from being published.
 //! A process killed with SIGKILL leaves only the `.rcp-…part` (and manifest), which
-//! [`Destination::resume`] for the same name either resumes or sweeps.
+//! [`Destination::resume`] for the same name either resumes or sweeps; of an
+//! unnamed temp file it leaves nothing.
 
 use std::collections::BTreeMap;
 use std::ffi::{OsStr, OsString};
@@ -145,7 +150,7 @@ impl Default for DestinationOptions {
 pub struct Destination {
     pub(super) dir: DirHandle,
     /// The temp file, buffered: reads, the unaligned writes, syncs.
-    file: File,
+    pub(super) file: File,
     /// Its `O_DIRECT` twin, for the aligned writes, where allowed.
     direct: DirectWrites,
     pub(super) manifest_name: OsString,
@@ -161,6 +166,11 @@ pub struct Destination {
     /// The permission bits of the file at the final name when this
     /// destination was made, if one was there (kept without `-p`).
     existing_mode: Option<u32>,
+    /// The temp file has no name (`files::unnamed`): it is linked into
+    /// place, and there is nothing to remove when it is given up.
+    pub(super) unnamed: bool,
+    /// It was created with its final mode: no `fchmod` at seal.
+    mode_given: bool,
 }
 
 impl std::fmt::Debug for Destination {
@@ -221,19 +231,36 @@ impl Destination {
         let existing_mode = refuse_directory_in(dir, final_name, existing)?;
         let temp = temp_name(final_name, "part");
         let tpath = dir.display().join(&temp);
-        let fd = rfs::openat(
-            dir.fd(),
-            &temp,
-            OFlags::RDWR | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-            Mode::from_raw_mode(super::mode::TEMP_MODE),
-        )
-        .map_err(|e| io_err("create temp file", &tpath, e))?;
+        let mode = final_mode(&opts, existing_mode);
+        // A file of one block where nothing stands is made unnamed
+        // (super::unnamed), with its final mode when the umask keeps it.
+        let unnamed = (block_count(len, opts.block_size) <= 1 && existing.is_none())
+            .then(|| super::unnamed::create(dir.fd(), mode))
+            .flatten();
+        let mode_given = unnamed.is_some() && mode & (0o7000 | super::mode::process_umask()) == 0;
         let remove = |e: FileError| {
             let _ = rfs::unlinkat(dir.fd(), &temp, AtFlags::empty());
             e
         };
-        rfs::flock(&fd, FlockOperation::NonBlockingLockExclusive)
-            .map_err(|e| remove(io_err("lock temp file", &tpath, e)))?;
+        let (fd, unnamed) = match unnamed {
+            Some(fd) => (fd, true),
+            None => {
+                let fd = rfs::openat(
+                    dir.fd(),
+                    &temp,
+                    OFlags::RDWR
+                        | OFlags::CREATE
+                        | OFlags::EXCL
+                        | OFlags::NOFOLLOW
+                        | OFlags::CLOEXEC,
+                    Mode::from_raw_mode(super::mode::TEMP_MODE),
+                )
+                .map_err(|e| io_err("create temp file", &tpath, e))?;
+                rfs::flock(&fd, FlockOperation::NonBlockingLockExclusive)
+                    .map_err(|e| remove(io_err("lock temp file", &tpath, e)))?;
+                (fd, false)
+            }
+        };
         // One block is one pwrite, which sizes the file (and meets a full disk)
         // as early as fallocate would: spare small files the call. On tmpfs
         // fallocate would allocate and zero every page before the writes
@@ -292,6 +319,8 @@ impl Destination {
             last_save: Instant::now(),
             finished: false,
             existing_mode,
+            unnamed,
+            mode_given,
         };
         if d.keeps_manifest() {
             // From now on a crash leaves a manifest next to the temp file.
@@ -473,6 +502,8 @@ impl Destination {
             last_save: Instant::now(),
             finished: false,
             existing_mode: refuse_directory(dir, &m.final_name)?,
+            unnamed: false,
+            mode_given: false,
         };
         d.rebuild(&m.blocks)?;
         if d.keeps_manifest() {
@@ -555,6 +586,10 @@ impl Destination {
     /// copy ends).
     pub fn temp_reader(&self) -> Result<File> {
         let path = self.temp_path();
+        if self.unnamed {
+            // No name to open, and no lock to keep clear of.
+            return self.file.try_clone().map_err(|e| io_err("dup", &path, e));
+        }
         let fd = rfs::openat(
             self.dir.fd(),
             &self.manifest.temp_name,
@@ -867,14 +902,10 @@ impl Destination {
     /// file's `fdatasync` may leave a mode change behind after a crash, and
     /// then the file keeps the temp's `0600`, never anything wider.)
     fn set_mode(&self) -> Result<()> {
-        let mode = match self.opts.preserve {
-            Some(p) => p.mode & 0o7777,
-            None => super::mode::received_mode(
-                self.existing_mode,
-                self.opts.source_mode,
-                super::mode::process_umask(),
-            ),
-        };
+        if self.mode_given {
+            return Ok(());
+        }
+        let mode = final_mode(&self.opts, self.existing_mode);
         rfs::fchmod(&self.file, Mode::from_raw_mode(mode))
             .map_err(|e| io_err("chmod", self.temp_path(), e))
     }
@@ -908,6 +939,9 @@ impl Destination {
 
     fn remove_files(&mut self) {
         self.finished = true;
+        if self.unnamed {
+            return; // freed with its fd
+        }
         let _ = rfs::unlinkat(self.dir.fd(), &self.manifest.temp_name, AtFlags::empty());
         if self.keeps_manifest() {
             let _ = rfs::unlinkat(self.dir.fd(), &self.manifest_name, AtFlags::empty());
@@ -1025,6 +1059,19 @@ fn stale(
         Some("it was checked with another --verify; starting afresh")
     } else {
         None
+    }
+}
+
+/// The permission bits a received file ends with: the source's with `-p`,
+/// else [`super::mode::received_mode`]'s.
+fn final_mode(opts: &DestinationOptions, existing_mode: Option<u32>) -> u32 {
+    match opts.preserve {
+        Some(p) => p.mode & 0o7777,
+        None => super::mode::received_mode(
+            existing_mode,
+            opts.source_mode,
+            super::mode::process_umask(),
+        ),
     }
 }
 

@@ -14,7 +14,8 @@
 //! - [`DirCache`]: the few directories a stream opened last, so that a tree's
 //!   files are created beside a handle already open.
 //! - [`Destination`] (receiving side): a temp file `.rcp-<final>.<random>.part` in
-//!   that directory; `write_block` writes verified blocks (`O_DIRECT` when aligned and
+//!   that directory (unnamed, `O_TMPFILE`, for a file of one block where nothing
+//!   stands); `write_block` writes verified blocks (`O_DIRECT` when aligned and
 //!   the file system allows it, buffered otherwise: [`direct`]) and records their digests;
 //!   `seal(expected)` checks that every block is there and that the file digest
 //!   derived from the block digests ([`file_digest`]) matches, and applies `-p`,
@@ -41,8 +42,10 @@
 //!
 //! # Invariants
 //! - **No file under its final name before its bytes are verified and on stable
-//!   storage.** Data is only ever written to the `.rcp-…part` temp file; the final
-//!   name appears (or an existing file there is replaced) in one `renameat`, only
+//!   storage.** Data is only ever written to the `.rcp-…part` temp file (or an
+//!   unnamed one, for a file of one block where nothing stands); the final
+//!   name appears (or an existing file there is replaced) in one `renameat` (or
+//!   `linkat`), only
 //!   after [`Destination::seal`] found every block recorded and the derived file
 //!   digest (or, with `seal_flat`, the flat SHA-256) equal to the expected one, AND
 //!   [`publish`](fn@publish) made the data durable (`syncfs`/`fdatasync` returned success).
@@ -89,6 +92,7 @@ pub mod publish;
 pub mod reader;
 pub mod root;
 pub mod tree;
+mod unnamed;
 pub mod write_behind;
 
 pub use commit::{

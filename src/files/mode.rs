@@ -4,8 +4,10 @@
 //! masked by the receiver's umask (never wider than the source). `-p`
 //! ([`super::Preserve`]) sets the source's bits, special ones included.
 //!
-//! The temp file is always created `0600` (a partial is nobody else's to
-//! read) and given its final mode once, at seal.
+//! A named temp file is created `0600` (a partial is nobody else's to
+//! read) and given its final mode once, at seal. An unnamed one
+//! (`super::unnamed`), which no one can open by name, is created with its
+//! final mode.
 
 use std::sync::OnceLock;
 

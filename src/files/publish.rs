@@ -5,9 +5,12 @@
 use rustix::fs::{self as rfs, AtFlags};
 use rustix::io::Errno;
 
-use super::commit::{Published, Sealed};
+use std::os::fd::AsFd;
+
+use super::commit::{Destination, Published, Sealed};
 use super::error::{io_err, FileError, Result};
 use super::root::DirHandle;
+use super::unnamed;
 use crate::escape::esc;
 
 impl Sealed {
@@ -34,7 +37,7 @@ impl Sealed {
 ///
 /// A file that fails any step is not published (never visible under its final name
 /// unless step 3 failed) and does not stop the others; it is dropped like a
-/// [`Destination`](super::Destination): kept with its manifest for resume if it keeps one, else removed.
+/// [`Destination`]: kept with its manifest for resume if it keeps one, else removed.
 pub fn publish(sealed: Vec<Sealed>) -> Vec<Result<Published>> {
     let mut results: Vec<Option<Result<Published>>> = (0..sealed.len()).map(|_| None).collect();
     let mut slots: Vec<Option<Sealed>> = sealed.into_iter().map(Some).collect();
@@ -85,12 +88,7 @@ pub fn publish(sealed: Vec<Sealed>) -> Vec<Result<Published>> {
     for (i, slot) in slots.iter_mut().enumerate() {
         let Some(s) = slot.as_mut() else { continue };
         let d = &mut s.dest;
-        match rfs::renameat(
-            d.dir.fd(),
-            &d.manifest.temp_name,
-            d.dir.fd(),
-            &d.manifest.final_name,
-        ) {
+        match into_place(d) {
             Ok(()) => {
                 d.finished = true;
                 renamed_in[dir_of[i]] = true;
@@ -137,6 +135,24 @@ pub fn publish(sealed: Vec<Sealed>) -> Vec<Result<Published>> {
         .into_iter()
         .map(|r| r.expect("every file has a result"))
         .collect()
+}
+
+/// Put `d`'s temp file under its final name: `renameat` of a named one
+/// (replacing what is there), `linkat` of an unnamed one. A name that came
+/// into an unnamed one's way since it was made is replaced all the same:
+/// the file is linked under its temp name, then renamed.
+fn into_place(d: &mut Destination) -> Result<(), Errno> {
+    let dir = d.dir.fd();
+    if d.unnamed {
+        match unnamed::link(d.file.as_fd(), dir, &d.manifest.final_name) {
+            Err(Errno::EXIST) => {}
+            r => return r,
+        }
+        unnamed::link(d.file.as_fd(), dir, &d.manifest.temp_name)?;
+        // Named from here on: dropped unpublished, it is unlinked.
+        d.unnamed = false;
+    }
+    rfs::renameat(dir, &d.manifest.temp_name, dir, &d.manifest.final_name)
 }
 
 /// A directory of files being published.
