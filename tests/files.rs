@@ -524,18 +524,11 @@ mod destination {
         let m = fs::metadata(t.path().join("new")).unwrap();
         assert_eq!(m.permissions().mode() & 0o7777, 0o755 & !umask);
 
-        let mut p = opts(4096);
-        p.preserve = Some(Preserve {
-            mode: 0o666 | umask,
-            mtime: Timestamp {
-                sec: 1_000_000_000,
-                nsec: 5,
-            },
-        });
-        let mut d = Destination::create(&dir, "wide", 1, p).unwrap();
-        d.write_block(0, b"w", block_digest(b"w")).unwrap();
-        d.commit(derived(b"w", 4096)).unwrap();
-        let m = fs::metadata(t.path().join("wide")).unwrap();
+        let mtime = Timestamp {
+            sec: 1_000_000_000,
+            nsec: 5,
+        };
+        let m = preserved(&dir, "wide", 0o666 | umask, mtime);
         assert_eq!(m.permissions().mode() & 0o7777, 0o666 | umask);
         assert_eq!((m.mtime(), m.mtime_nsec()), (1_000_000_000, 5));
 
@@ -547,22 +540,26 @@ mod destination {
         assert_eq!(names(t.path()), ["new", "raced", "wide"]);
     }
 
+    /// `dir/name` of 3 bytes committed with `-p` (`mode`, `mtime`): its
+    /// metadata.
+    fn preserved(dir: &DirHandle, name: &str, mode: u32, mtime: Timestamp) -> fs::Metadata {
+        let mut o = opts(4096);
+        o.preserve = Some(Preserve { mode, mtime });
+        let mut d = Destination::create(dir, name, 3, o).unwrap();
+        d.write_block(0, b"abc", block_digest(b"abc")).unwrap();
+        d.commit(derived(b"abc", 4096)).unwrap();
+        fs::metadata(dir.display().join(name)).unwrap()
+    }
+
     #[test]
     fn preserve_mode_and_mtime() {
         let t = tempfile::tempdir().unwrap();
         let dir = DirHandle::open(t.path()).unwrap();
-        let mut o = opts(4096);
-        o.preserve = Some(Preserve {
-            mode: 0o640,
-            mtime: Timestamp {
-                sec: 1_234_567_890,
-                nsec: 123_456_789,
-            },
-        });
-        let mut d = Destination::create(&dir, "p", 3, o).unwrap();
-        d.write_block(0, b"abc", block_digest(b"abc")).unwrap();
-        d.commit(derived(b"abc", 4096)).unwrap();
-        let m = fs::metadata(t.path().join("p")).unwrap();
+        let mtime = Timestamp {
+            sec: 1_234_567_890,
+            nsec: 123_456_789,
+        };
+        let m = preserved(&dir, "p", 0o640, mtime);
         assert_eq!(m.permissions().mode() & 0o7777, 0o640);
         assert_eq!((m.mtime(), m.mtime_nsec()), (1_234_567_890, 123_456_789));
     }
