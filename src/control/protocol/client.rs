@@ -172,6 +172,10 @@ struct Window {
     round: u32,
     state: WinState,
     grant: proto::Grant,
+    /// Pull: the grant's first extents, this many, are of files known to
+    /// have their destinations (files open in order, so each look at a
+    /// held window goes on from here rather than from its first extent).
+    open_upto: usize,
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -761,6 +765,7 @@ impl ClientCore {
                 w.round = g.round;
                 w.grant = g.clone();
                 w.state = WinState::Moving;
+                w.open_upto = 0;
             }
             None => {
                 self.windows.insert(
@@ -770,6 +775,7 @@ impl ClientCore {
                         round: g.round,
                         state: WinState::Moving,
                         grant: g.clone(),
+                        open_upto: 0,
                     },
                 );
             }
@@ -848,15 +854,16 @@ impl ClientCore {
         if w.state != WinState::Held {
             return;
         }
-        let ready = w.grant.extents.iter().all(|e| {
-            self.files
-                .get(&e.file)
-                .is_some_and(|f| f.state == State::Open)
-        });
-        if !ready {
+        let files = &self.files;
+        let more = w.grant.extents[w.open_upto..]
+            .iter()
+            .take_while(|e| files.get(&e.file).is_some_and(|f| f.state == State::Open))
+            .count();
+        let w = self.windows.get_mut(&window).expect("present");
+        w.open_upto += more;
+        if w.open_upto < w.grant.extents.len() {
             return;
         }
-        let w = self.windows.get_mut(&window).expect("present");
         w.state = WinState::Moving;
         let grant = w.grant.clone();
         self.action(ClientAction::Fetch { grant });
