@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Two builds of rcp side by side on a tree of small files, natively (tcp
 # provider, loopback, tmpfs): an rcpd of each, and `rcp push -r` then
-# `rcp pull -r` of FILES (20000) files of 16 KiB through each, PAIRS (8)
+# `rcp pull -r` of FILES (20000) files of BYTES (16384) through each, PAIRS (8)
 # interleaved pairs, the order flipped every pair (A B, B A, ...). Per run:
 # files/s, and the CPU of both ends per file (rcp's user+sys from
 # /usr/bin/time, rcpd's from /proc/PID/stat). Then, per direction, the
@@ -10,18 +10,18 @@
 # (each dir holds an rcp and an rcpd; copy target/release's aside first).
 set -euo pipefail
 A=${1:?old release dir}; B=${2:?new release dir}
-FILES=${FILES:-20000}; PAIRS=${PAIRS:-8}
+FILES=${FILES:-20000}; PAIRS=${PAIRS:-8}; BYTES=${BYTES:-16384}
 W=$(mktemp -d /dev/shm/rcp-ab.XXXXXX)
 pa=; pb=
 trap 'kill $pa $pb 2>/dev/null; rm -rf "$W"' EXIT
-python3 - "$W/src/tree" "$FILES" <<'PY'
+python3 - "$W/src/tree" "$FILES" "$BYTES" <<'PY'
 import os, sys
-d, n = sys.argv[1], int(sys.argv[2])
+d, n, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 for i in range(n):
     sub = os.path.join(d, "d%02d" % (i % 20), "e%d" % (i % 7))
     os.makedirs(sub, exist_ok=True)
     with open(os.path.join(sub, "f%06d" % i), "wb") as f:
-        f.write(os.urandom(16384))
+        f.write(os.urandom(size))
 PY
 for w in A B; do
   mkdir -p "$W/$w/root" "$W/$w/back"
