@@ -1,6 +1,6 @@
 //! The client's side of one Move stream: see the module docs of [`super`].
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{HashMap, VecDeque};
 
 use super::rail_watch::RailWatch;
 use super::{
@@ -188,7 +188,7 @@ enum Phase {
 #[derive(Debug)]
 pub struct ClientCore {
     p: Params,
-    files: BTreeMap<FileId, File>,
+    files: HashMap<FileId, File>,
     queued: VecDeque<FileId>,
     active: usize,
     next_file: FileId,
@@ -222,7 +222,7 @@ impl ClientCore {
     pub fn new(p: Params, session: u64, now: u64) -> Self {
         ClientCore {
             p,
-            files: BTreeMap::new(),
+            files: HashMap::new(),
             queued: VecDeque::new(),
             active: 0,
             next_file: 1,
