@@ -9,27 +9,21 @@
 #   bash scripts/bench-files-ab.sh OLD_RELEASE_DIR NEW_RELEASE_DIR
 # (each dir holds an rcp and an rcpd; copy target/release's aside first).
 set -euo pipefail
+# shellcheck source=lib-rcpd.sh
+. "$(dirname "$0")/lib-rcpd.sh"
 A=${1:?old release dir}; B=${2:?new release dir}
 FILES=${FILES:-20000}; PAIRS=${PAIRS:-8}; BYTES=${BYTES:-16384}
 W=$(mktemp -d /dev/shm/rcp-ab.XXXXXX)
 pa=; pb=
 trap 'kill $pa $pb 2>/dev/null; rm -rf "$W"' EXIT
-python3 - "$W/src/tree" "$FILES" "$BYTES" <<'PY'
-import os, sys
-d, n, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-for i in range(n):
-    sub = os.path.join(d, "d%02d" % (i % 20), "e%d" % (i % 7))
-    os.makedirs(sub, exist_ok=True)
-    with open(os.path.join(sub, "f%06d" % i), "wb") as f:
-        f.write(os.urandom(size))
-PY
+make_tree "$W/src/tree" "$FILES" "$BYTES"
 for w in A B; do
   mkdir -p "$W/$w/root" "$W/$w/back"
   cp -r "$W/src/tree" "$W/$w/root/srv"
 done
 "$A/rcpd" --root "$W/A/root" --listen 127.0.0.1:17491 --transport tcp --health-listen none --log warn >/dev/null 2>&1 & pa=$!
 "$B/rcpd" --root "$W/B/root" --listen 127.0.0.1:17492 --transport tcp --health-listen none --log warn >/dev/null 2>&1 & pb=$!
-sleep 1
+wait_port 127.0.0.1 17491 && wait_port 127.0.0.1 17492
 TCK=$(getconf CLK_TCK)
 ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 run() { # A|B push|pull: one line "OP W files/s us/file"

@@ -70,18 +70,6 @@ trap cleanup EXIT
 calc() { python3 -c "print($1)"; }
 now() { date +%s.%N; }
 
-make_tree() { # DIR COUNT BYTES
-  python3 - "$1" "$2" "$3" <<'PY'
-import os, sys
-d, n, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-for i in range(n):
-    sub = os.path.join(d, "d%02d" % (i % 20), "e%d" % (i % 7))
-    os.makedirs(sub, exist_ok=True)
-    with open(os.path.join(sub, "f%06d" % i), "wb") as f:
-        f.write(os.urandom(size))
-PY
-}
-
 # scp's sshd with throwaway keys (unless RCP_BENCH_SCP=0: then
 # authorized_keys is left alone), rsync's daemon: one of each for the run.
 if [ "$WITH_SCP" = 1 ]; then

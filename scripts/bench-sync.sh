@@ -39,15 +39,7 @@ cleanup() {
 }
 trap cleanup EXIT
 mkdir -p "$shm/src" "$shm/rcp" "$shm/rsync"
-python3 - "$shm/src/tree" "$N" "$((KIB * 1024))" <<'PY'
-import os, sys
-d, n, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-for i in range(n):
-    sub = os.path.join(d, "d%02d" % (i % 20), "e%d" % (i % 7))
-    os.makedirs(sub, exist_ok=True)
-    with open(os.path.join(sub, "f%06d" % i), "wb") as f:
-        f.write(os.urandom(size))
-PY
+make_tree "$shm/src/tree" "$N" "$((KIB * 1024))"
 head -c "$((MIB << 20))" /dev/urandom >"$shm/src/big"
 cat >"$shm/rsyncd.conf" <<CONF
 pid file = $shm/rsyncd.pid

@@ -67,3 +67,17 @@ rcpd_stop() {
   pkill -TERM -P "$RCPD_PID" 2>/dev/null || kill -TERM "$RCPD_PID" 2>/dev/null || true
   wait "$RCPD_PID" || true
 }
+
+# make_tree DIR COUNT BYTES: the benchmarks' tree, COUNT files of BYTES
+# random bytes spread over 20 directories of 7 each.
+make_tree() { # DIR COUNT BYTES
+  python3 - "$1" "$2" "$3" <<'PY'
+import os, sys
+d, n, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+for i in range(n):
+    sub = os.path.join(d, "d%02d" % (i % 20), "e%d" % (i % 7))
+    os.makedirs(sub, exist_ok=True)
+    with open(os.path.join(sub, "f%06d" % i), "wb") as f:
+        f.write(os.urandom(size))
+PY
+}
