@@ -521,8 +521,15 @@ fn admit_top_link(
             why: "symlink target is not valid UTF-8 (rcp carries names as UTF-8)",
         },
     };
-    let shown = crate::files::shown_bytes(shown);
-    t.admit(job, Path::new(name), kind, shown, dest, &mut HashSet::new());
+    let shown = || crate::files::shown_bytes(shown);
+    t.admit(
+        job,
+        Path::new(name),
+        kind,
+        shown,
+        || dest,
+        &mut HashSet::new(),
+    );
 }
 
 /// Where a tree lands and what its top directory is.
@@ -580,11 +587,12 @@ async fn plan_push_tree(
         .filter(|e| e.kind == crate::files::EntryKind::File)
     {
         let src = local.join(&e.rel_path);
+        let source = src.display().to_string();
         let dest = join_remote(&base, &e.rel_path);
-        let f = FileJob::push_len(src.clone(), &dest, e.len);
+        let f = FileJob::push_len(src, &dest, e.len);
         plan.files.push(Planned {
             job: with_job(f, job, true),
-            source: src.display().to_string(),
+            source,
             dest,
             bytes: e.len,
             mtime_ns: Some(super::fsutil::ns_from_ts(e.mtime)),
@@ -666,8 +674,8 @@ fn admit_local(
             link: s.kind == crate::files::FileKind::Symlink && !bad,
             why: s.reason,
         };
-        let shown = crate::files::shown_bytes(&local.join(&s.rel_path));
-        let dest = join_remote(base, &s.rel_path);
+        let shown = || crate::files::shown_bytes(&local.join(&s.rel_path));
+        let dest = || join_remote(base, &s.rel_path);
         t.admit(job, &s.rel_path, kind, shown, dest, &mut names);
     }
     for e in walked.entries {
@@ -677,8 +685,8 @@ fn admit_local(
             EntryKind::Dir => tree::Kind::Dir,
             EntryKind::Symlink => tree::Kind::Link(target.as_deref()),
         };
-        let shown = local.join(&e.rel_path).display().to_string();
-        let dest = join_remote(base, &e.rel_path);
+        let shown = || local.join(&e.rel_path).display().to_string();
+        let dest = || join_remote(base, &e.rel_path);
         if t.admit(job, &e.rel_path, kind, shown, dest, &mut names) {
             keep.push(e);
         }
@@ -900,8 +908,8 @@ async fn plan_pull_tree(
         let rel = safe_rel(&e.path)?;
         let dst = base.join(&rel);
         let kind = listed_kind(&e);
-        let shown = join_remote(r, &rel);
-        let dest = dst.display().to_string();
+        let shown = || join_remote(r, &rel);
+        let dest = || dst.display().to_string();
         if !plan.tree.admit(job, &rel, kind, shown, dest, &mut names) {
             continue;
         }

@@ -129,58 +129,57 @@ impl TreePlan {
         }
     }
 
-    /// Judge one entry of a source tree at `rel` (shown as `shown`, going
-    /// to `dest`): whether it is copied as a file or directory. Links and
-    /// skips are recorded; every name the source holds (excluded ones
-    /// aside) goes into `names`, which `--delete` keeps.
+    /// Judge one entry of a source tree at `rel` (shown as `shown()`,
+    /// going to `dest()`): whether it is copied as a file or directory.
+    /// Links and skips are recorded; with `--delete`, every name the
+    /// source holds (excluded ones aside) goes into `names`, which it
+    /// keeps. `shown` and `dest` are asked for only when recorded: a plain
+    /// file or directory costs no path strings here.
     pub fn admit(
         &mut self,
         job: &Job,
         rel: &Path,
         kind: Kind<'_>,
-        shown: String,
-        dest: String,
+        shown: impl FnOnce() -> String,
+        dest: impl FnOnce() -> String,
         names: &mut HashSet<PathBuf>,
     ) -> bool {
         let is_dir = matches!(kind, Kind::Dir);
-        if job.filter.excludes(&rel.to_string_lossy(), is_dir) {
+        if !job.filter.is_empty() && job.filter.excludes(&rel.to_string_lossy(), is_dir) {
             if !ancestor_excluded(&job.filter, rel) {
                 self.excluded += 1;
             }
             return false;
         }
-        names.insert(rel.to_path_buf());
-        let mut skip = |reason: String| {
-            self.left_out.push(Note {
-                path: shown.clone(),
-                reason,
-            });
-            false
-        };
-        match kind {
-            Kind::File | Kind::Dir => true,
+        if job.delete {
+            names.insert(rel.to_path_buf());
+        }
+        let reason = match kind {
+            Kind::File | Kind::Dir => return true,
             Kind::Link(_) | Kind::Skipped { link: true, .. } if !job.links => {
-                skip("non-regular file (a symlink; -a copies symlinks)".into())
+                "non-regular file (a symlink; -a copies symlinks)".into()
             }
             Kind::Skipped { link: true, why } => {
-                skip(format!("{why}: not copied (as rsync --safe-links)"))
+                format!("{why}: not copied (as rsync --safe-links)")
             }
-            Kind::Skipped { why, .. } => skip(why.to_string()),
-            Kind::Link(None) => skip("symlink whose target rcpd did not send".into()),
+            Kind::Skipped { why, .. } => why.to_string(),
+            Kind::Link(None) => "symlink whose target rcpd did not send".into(),
             Kind::Link(Some(t)) => {
-                if symlink_target_within(rel, Path::new(t)).is_none() {
-                    skip(format!(
-                        "symlink to {t:?} points outside the copied tree (as rsync --safe-links)"
-                    ))
-                } else {
+                if symlink_target_within(rel, Path::new(t)).is_some() {
                     self.links.push(LinkPlan {
-                        dest,
+                        dest: dest(),
                         target: t.to_string(),
                     });
-                    false
+                    return false;
                 }
+                format!("symlink to {t:?} points outside the copied tree (as rsync --safe-links)")
             }
-        }
+        };
+        self.left_out.push(Note {
+            path: shown(),
+            reason,
+        });
+        false
     }
 
     /// `--delete`: of `dest` (the destination tree's entries, relative,
@@ -524,8 +523,8 @@ mod tests {
                 job,
                 Path::new(rel),
                 Kind::Link(Some(target)),
-                rel.into(),
-                format!("d/{rel}"),
+                || rel.into(),
+                || format!("d/{rel}"),
                 &mut names,
             )
         };
