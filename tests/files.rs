@@ -1161,6 +1161,76 @@ mod source {
 
 mod tree {
     use super::*;
+    use std::os::unix::ffi::OsStrExt;
+    use std::path::PathBuf;
+
+    /// The walk's order, the serial one (depth-first, a directory right
+    /// before its contents, siblings by name bytes), whatever the tree's
+    /// shape: sibling directories are walked side by side and put back.
+    #[test]
+    fn walk_order_of_a_wide_and_deep_tree() {
+        fn reference(
+            dir: &Path,
+            rel: &Path,
+            out: &mut Vec<(PathBuf, bool)>,
+            skips: &mut Vec<PathBuf>,
+        ) {
+            let mut names: Vec<_> = fs::read_dir(dir)
+                .unwrap()
+                .map(|e| e.unwrap().file_name())
+                .collect();
+            names.sort_by(|a, b| a.as_bytes().cmp(b.as_bytes()));
+            for n in names {
+                let (p, r) = (dir.join(&n), rel.join(&n));
+                let m = fs::symlink_metadata(&p).unwrap();
+                if m.file_type().is_symlink() {
+                    skips.push(r);
+                } else if m.is_dir() {
+                    out.push((r.clone(), true));
+                    reference(&p, &r, out, skips);
+                } else {
+                    out.push((r, false));
+                }
+            }
+        }
+        let t = tempfile::tempdir().unwrap();
+        let top = t.path().join("top");
+        // Wide at the top, uneven below, a chain deeper than the parallel
+        // levels, files and skipped links between the directories.
+        for i in 0..12 {
+            let d = top.join(format!("d{i:02}"));
+            fs::create_dir_all(&d).unwrap();
+            for j in 0..(i % 4) {
+                let sub = d.join(format!("s{j}"));
+                fs::create_dir_all(&sub).unwrap();
+                fs::write(sub.join("f"), "x").unwrap();
+                symlink("/etc", sub.join("g")).unwrap();
+            }
+            fs::write(d.join("m"), "x").unwrap();
+            symlink("/etc", d.join("l")).unwrap();
+            fs::write(top.join(format!("d{i:02}.f")), "x").unwrap();
+        }
+        let mut chain = top.join("d05");
+        for k in 0..12 {
+            fs::create_dir_all(chain.join("x")).unwrap();
+            fs::write(chain.join(format!("w{k}")), "x").unwrap();
+            chain = chain.join(format!("c{k}"));
+            fs::create_dir_all(&chain).unwrap();
+        }
+        symlink("/etc", top.join("d03.l")).unwrap();
+        let (mut want, mut want_skips) = (Vec::new(), Vec::new());
+        reference(&top, Path::new(""), &mut want, &mut want_skips);
+        let tree = walk(&top).unwrap();
+        let got: Vec<(PathBuf, bool)> = tree
+            .entries
+            .iter()
+            .map(|e| (e.rel_path.clone(), e.kind == EntryKind::Dir))
+            .collect();
+        assert_eq!(got, want);
+        let skips: Vec<PathBuf> = tree.skipped.iter().map(|s| s.rel_path.clone()).collect();
+        assert_eq!(skips, want_skips);
+        assert!(want.len() > 100, "{}", want.len());
+    }
 
     #[test]
     fn walk_order_kinds_and_symlink_policy() {

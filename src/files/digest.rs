@@ -385,6 +385,7 @@ fn parallelism() -> usize {
 }
 
 /// The process-wide hashing pool, created by [`set_pool_threads`] or on first use.
+/// A tree's walk ([`super::walk`]) runs its sibling directories on it too.
 static POOL: OnceLock<rayon::ThreadPool> = OnceLock::new();
 
 fn build_pool(threads: usize) -> rayon::ThreadPool {
@@ -396,7 +397,7 @@ fn build_pool(threads: usize) -> rayon::ThreadPool {
         .expect("spawn the digest threads")
 }
 
-fn pool() -> &'static rayon::ThreadPool {
+pub(crate) fn pool() -> &'static rayon::ThreadPool {
     POOL.get_or_init(|| build_pool(0))
 }
 
