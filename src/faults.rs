@@ -9,13 +9,18 @@
 //!   armed from `RCP_TEST_CORRUPT_PULLED_BLOCKS=N` at first use (rcp runs
 //!   as its own process in the tests);
 //! - `range:NAME` ([`range_key`]): ranges of exposure NAME, damaged before
-//!   their check (tests of buffers run rcpd in process and arm it).
+//!   their check (tests of buffers run rcpd in process and arm it);
+//! - [`NO_MAKE_DIRS`]: rcpd answers `MakeDirs` UNIMPLEMENTED, as an rcpd
+//!   before 2.11 does; armed from `RCP_TEST_NO_MAKE_DIRS=N` at first use.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
 
 /// Pulled blocks (`RCP_TEST_CORRUPT_PULLED_BLOCKS`).
 pub const PULLED_BLOCKS: &str = "pulled-blocks";
+
+/// `MakeDirs` calls answered as an older rcpd would (`RCP_TEST_NO_MAKE_DIRS`).
+pub const NO_MAKE_DIRS: &str = "no-make-dirs";
 
 /// The key of exposure `name`'s ranges.
 pub fn range_key(name: &str) -> String {
@@ -28,11 +33,17 @@ fn with<R>(f: impl FnOnce(&mut HashMap<String, u32>) -> R) -> R {
     let mut g = ARMED.lock().unwrap();
     let m = g.get_or_insert_with(|| {
         let mut m = HashMap::new();
-        let n = std::env::var("RCP_TEST_CORRUPT_PULLED_BLOCKS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0);
-        m.insert(PULLED_BLOCKS.to_string(), n);
+        let n = |var| {
+            std::env::var(var)
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0)
+        };
+        m.insert(
+            PULLED_BLOCKS.to_string(),
+            n("RCP_TEST_CORRUPT_PULLED_BLOCKS"),
+        );
+        m.insert(NO_MAKE_DIRS.to_string(), n("RCP_TEST_NO_MAKE_DIRS"));
         m
     });
     f(m)

@@ -98,6 +98,56 @@ fn path_escapes_are_refused() {
     bg.finishes(&root);
 }
 
+/// `MakeDirs` makes its directories in order and stops at the first it
+/// refuses (an escape, a path through a symlink, a file in the way): those
+/// before it made, none after; more than rcpd's bound in one call is
+/// refused whole.
+#[test]
+fn make_dirs_stay_beneath_the_root_and_stop_at_the_first_refused() {
+    let (tmp, root, d) = setup(None);
+    let outside = tmp.path().join("outside");
+    std::fs::create_dir(&outside).unwrap();
+    std::os::unix::fs::symlink(&outside, root.join("link")).unwrap();
+    std::fs::write(root.join("file"), b"f").unwrap();
+    let dir = |path: &str| proto::MakeDirRequest {
+        path: path.into(),
+        mode: 0o755,
+        ..Default::default()
+    };
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let mut c = grpc(d.port).await;
+        for (bad, why) in [
+            ("../escaped", Reason::PathRefused),
+            ("link/in", Reason::PathRefused),
+            ("file/in", Reason::Invalid),
+        ] {
+            let e = c
+                .make_dirs(proto::MakeDirsRequest {
+                    dirs: vec![dir("made"), dir("made/sub"), dir(bad), dir("after")],
+                })
+                .await
+                .unwrap_err();
+            assert_eq!(raw::reason(&e), why, "{bad}: {e:?}");
+            assert!(root.join("made/sub").is_dir(), "{bad}");
+            assert!(!root.join("after").exists(), "{bad}");
+        }
+        assert!(!tmp.path().join("escaped").exists());
+        assert!(!outside.join("in").exists());
+        assert!(root.join("file").is_file());
+        let many = (0..=rcp::control::server::MAKE_DIRS_MAX)
+            .map(|i| dir(&format!("many/{i}")))
+            .collect();
+        let e = c
+            .make_dirs(proto::MakeDirsRequest { dirs: many })
+            .await
+            .unwrap_err();
+        assert_eq!(raw::reason(&e), Reason::Invalid, "{e:?}");
+        assert!(e.message().contains("at most"), "{e:?}");
+        assert!(!root.join("many").exists());
+    });
+}
+
 /// The tree calls of `-a` and `--delete` stay beneath the root: MakeLink
 /// refuses a target that is absolute or climbs out of the root, and a path
 /// through a symlink; Remove refuses the root itself, an escape, a path
@@ -312,7 +362,7 @@ fn another_protocol_major_is_refused_at_the_handshake() {
                 rcp::control::VERSION_MAJOR,
                 rcp::control::VERSION_MINOR
             );
-            assert_eq!(ours, "2.10");
+            assert_eq!(ours, "2.11");
             assert!(
                 e.message().contains(&theirs) && e.message().contains(&ours),
                 "names both versions: {e:?}"

@@ -489,3 +489,58 @@ fn rcpd_sweeps_partials_unused_for_the_partial_ttl() {
     wait_for("a later sweep", Duration::from_secs(60), || !later.exists());
     assert!(fresh.exists() && plain.exists());
 }
+
+/// A pushed tree's directories, more than one `MakeDirs` call holds, are
+/// made with their sources' modes, parents first; an rcpd that answers
+/// `MakeDirs` UNIMPLEMENTED (as one before 2.11) gets one `MakeDir` each
+/// and makes the same tree (the `fault-injection` feature).
+#[cfg(feature = "fault-injection")]
+#[test]
+fn a_tree_s_directories_are_made_in_calls_of_many_or_one_each() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let (tmp, root) = e2e::tmp_with_root();
+    let src = tmp.path().join("top");
+    // 600 directories in one (more than a call's 512), a deeper chain with
+    // modes of its own.
+    for i in 0..600 {
+        let d = src.join(format!("many/d{i:03}"));
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::write(d.join("f"), format!("{i}")).unwrap();
+    }
+    std::fs::create_dir_all(src.join("a/b/c")).unwrap();
+    std::fs::write(src.join("a/b/c/f"), "c").unwrap();
+    for (d, mode) in [("a", 0o750), ("a/b", 0o705), ("a/b/c", 0o711)] {
+        std::fs::set_permissions(src.join(d), std::fs::Permissions::from_mode(mode)).unwrap();
+    }
+    let umask = std::fs::read_to_string("/proc/self/status")
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("Umask:"))
+        .map(|v| u32::from_str_radix(v.trim(), 8).unwrap())
+        .unwrap();
+    let old_root = tmp.path().join("old-root");
+    std::fs::create_dir(&old_root).unwrap();
+    let new = Rcpd::start(&root, T, None, &[]);
+    let old = Rcpd::start_env(&old_root, T, &[("RCP_TEST_NO_MAKE_DIRS", "4294967295")]);
+    for (d, into) in [(&new, &root), (&old, &old_root)] {
+        let r = rcp(
+            d.port,
+            T,
+            None,
+            &["push", "-r", src.to_str().unwrap(), "127.0.0.1:/"],
+        );
+        assert_eq!(r.code, 0, "{}", r.stderr);
+        for i in (0..600).step_by(37) {
+            let f = into.join(format!("top/many/d{i:03}/f"));
+            assert_eq!(std::fs::read_to_string(&f).unwrap(), format!("{i}"));
+        }
+        for (dir, mode) in [("a", 0o750), ("a/b", 0o705), ("a/b/c", 0o711)] {
+            let m = std::fs::metadata(into.join("top").join(dir)).unwrap();
+            assert_eq!(m.mode() & 0o7777, (mode | 0o700) & !umask, "{dir}");
+        }
+        let dirs = std::fs::read_dir(into.join("top/many")).unwrap().count();
+        assert_eq!(dirs, 600);
+    }
+    assert!(!new.log().contains("test fault: MakeDirs"), "{}", new.log());
+    assert!(old.log().contains("test fault: MakeDirs"), "{}", old.log());
+}

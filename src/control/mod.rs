@@ -112,9 +112,11 @@ pub fn place_copy_threads(
 /// `BufferNotify`). 2.9: `MakeDirRequest.replace_link` (a symlink where a
 /// copied tree has a directory is replaced, not followed), `Stat` of a
 /// path ending in `/` follows a final symlink and says a link's target;
-/// an older rcpd ignores the field and reports the link.
+/// an older rcpd ignores the field and reports the link. 2.11: `MakeDirs`
+/// (a tree's directories in one call; an older rcpd answers UNIMPLEMENTED
+/// and they are made one call each).
 pub const VERSION_MAJOR: u32 = 2;
-pub const VERSION_MINOR: u32 = 10;
+pub const VERSION_MINOR: u32 = 11;
 /// Default gRPC port of rcpd.
 pub const DEFAULT_PORT: u16 = 7471;
 /// Default block size: the one of [`crate::files`].

@@ -76,6 +76,24 @@ impl Rcpd {
         extra: &[&str],
         umask: Option<u32>,
     ) -> Rcpd {
+        Rcpd::start_full(topo, root, transport, token, extra, umask, &[])
+    }
+
+    /// [`Rcpd::start`] with `env` set for rcpd alone (the test faults of
+    /// `rcp::faults`, read from its environment).
+    pub fn start_env(root: &Path, transport: &str, env: &[(&str, &str)]) -> Rcpd {
+        Rcpd::start_full(&Topology::from_env(), root, transport, None, &[], None, env)
+    }
+
+    fn start_full(
+        topo: &Topology,
+        root: &Path,
+        transport: &str,
+        token: Option<&str>,
+        extra: &[&str],
+        umask: Option<u32>,
+        env: &[(&str, &str)],
+    ) -> Rcpd {
         let stderr_path = root.with_extension("rcpd.log");
         let log = std::fs::File::create(&stderr_path).expect("log file");
         let mut cmd = match &topo.rcpd_netns {
@@ -114,6 +132,7 @@ impl Rcpd {
             .args(extra)
             .env_remove("RCPD_TOKEN")
             .env_remove("RCPD_TOKEN_FILE")
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(log);
         if let Some(t) = token {

@@ -557,6 +557,39 @@ impl Client {
         Ok(())
     }
 
+    /// Remote directories made in one call, in the order given (parents
+    /// first), each as [`Client::make_dir`] makes it. `Ok(false)`: this
+    /// rcpd predates `MakeDirs` (2.11) and made none; make them one call
+    /// each.
+    pub async fn make_dirs(&self, dirs: &[(&str, u32, bool)]) -> Result<bool> {
+        use tonic_types::StatusExt;
+        let dirs = dirs
+            .iter()
+            .map(|&(path, mode, replace_link)| proto::MakeDirRequest {
+                path: path.into(),
+                mode,
+                replace_link,
+                ..Default::default()
+            })
+            .collect();
+        match self
+            .rpc
+            .clone()
+            .make_dirs(proto::MakeDirsRequest { dirs })
+            .await
+        {
+            Ok(_) => Ok(true),
+            // Without rcpd's error details: the method is not there.
+            Err(st)
+                if st.code() == tonic::Code::Unimplemented
+                    && st.get_details_error_info().is_none() =>
+            {
+                Ok(false)
+            }
+            Err(st) => Err(st.into()),
+        }
+    }
+
     /// `-p` after a copy: remote directory `path` gets exactly `mode` and
     /// mtime `mtime_ns`.
     pub async fn set_dir(&self, path: &str, mode: u32, mtime_ns: i64) -> Result<()> {

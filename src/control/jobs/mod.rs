@@ -703,11 +703,39 @@ fn mtime_ns(m: &std::fs::Metadata) -> i64 {
 /// Make the plan's remote and local directories, each new one with its
 /// source's mode (plus the owner's rwx, masked by the umask: never wider
 /// than the source for group and others, rsync's rule), parents first: a
-/// push's one depth at a time, `tree::IN_FLIGHT` calls at once.
+/// push's in one `MakeDirs` call per [`MAKE_DIRS_CALL`].
 async fn make_dirs(client: &Client, plan: &Plan) -> Result<()> {
-    use futures::TryStreamExt as _;
     let mut remote: Vec<&tree::PlannedDir> = plan.remote_dirs.iter().collect();
     remote.sort_by_key(|d| tree::depth(&d.path));
+    // One call for MAKE_DIRS_CALL of them, parents first; an rcpd older
+    // than MakeDirs one call each, a depth at a time.
+    let mut left = remote.as_slice();
+    while !left.is_empty() {
+        let (now, rest) = left.split_at(left.len().min(MAKE_DIRS_CALL));
+        let dirs: Vec<_> = now
+            .iter()
+            .map(|d| (d.path.as_str(), d.mode, d.in_tree))
+            .collect();
+        if !client.make_dirs(&dirs).await? {
+            make_dirs_one_by_one(client, left).await?;
+            break;
+        }
+        left = rest;
+    }
+    for d in &plan.local_dirs {
+        make_local_dir(&d.path, d.mode, d.in_tree)?;
+    }
+    Ok(())
+}
+
+/// Directories a `MakeDirs` call makes at most: a call's request stays
+/// far below gRPC's 4 MiB message limit with paths of rcp's longest.
+const MAKE_DIRS_CALL: usize = 512;
+
+/// `remote` (parents first) made one `MakeDir` each: one depth at a time,
+/// [`tree::IN_FLIGHT`] calls at once.
+async fn make_dirs_one_by_one(client: &Client, remote: &[&tree::PlannedDir]) -> Result<()> {
+    use futures::TryStreamExt as _;
     for level in remote.chunk_by(|a, b| tree::depth(&a.path) == tree::depth(&b.path)) {
         let mut made = futures::stream::FuturesUnordered::new();
         for d in level {
@@ -717,9 +745,6 @@ async fn make_dirs(client: &Client, plan: &Plan) -> Result<()> {
             made.push(client.make_dir(&d.path, d.mode, d.in_tree));
         }
         while made.try_next().await?.is_some() {}
-    }
-    for d in &plan.local_dirs {
-        make_local_dir(&d.path, d.mode, d.in_tree)?;
     }
     Ok(())
 }

@@ -50,6 +50,10 @@ use crate::files::{self, FileError, FileKind, PathError, Root, SourceFile};
 use crate::proto::{self, ClientFrame, ServerFrame};
 use crate::provider::ProviderKind;
 
+/// Directories one `MakeDirs` call may make (rcp asks for 512 at a time):
+/// a call is one worker's work for a bounded while.
+pub const MAKE_DIRS_MAX: usize = 4096;
+
 pub use limits::{default_transfers_per_client, ClientId};
 pub use session::SessionState;
 pub use sessions::{
@@ -210,6 +214,38 @@ impl Service {
     fn heard<T>(&self, req: &Request<T>) {
         self.sessions
             .touch(ClientId::of(req), std::time::Instant::now());
+    }
+
+    /// One `MakeDir` (or one of `MakeDirs`), on the calling thread.
+    fn make_dir(&self, req: proto::MakeDirRequest) -> std::result::Result<(), ControlError> {
+        let proto::MakeDirRequest {
+            path,
+            mode,
+            exact,
+            mtime_ns,
+            replace_link,
+            file,
+        } = req;
+        let rel = fsutil::root_rel(&path);
+        let root = &self.root;
+        let made = if exact && file {
+            root.set_file_attrs(&rel, mode, fsutil::ts_from_ns(mtime_ns))
+        } else if exact {
+            root.set_dir_attrs(&rel, mode, fsutil::ts_from_ns(mtime_ns))
+        } else if replace_link {
+            root.create_tree_dir(&rel, mode).map(drop)
+        } else {
+            root.create_dir_all_mode(&rel, mode).map(drop)
+        };
+        made.map_err(|e| match e {
+            FileError::Path(PathError::NotADirectory { .. }) => {
+                ControlError::Invalid(format!("{path}: a non-directory is in the way"))
+            }
+            FileError::Path(PathError::NotRegularFile { .. }) => {
+                ControlError::Invalid(format!("{path}: not a regular file"))
+            }
+            e => e.into(),
+        })
     }
 
     /// Close the sessions left unused (`--session-grace`, [`SESSION_IDLE`])
@@ -448,36 +484,29 @@ impl proto::rcp_server::Rcp for RcpService {
         req: Request<proto::MakeDirRequest>,
     ) -> std::result::Result<Response<proto::MakeDirResponse>, Status> {
         self.0.heard(&req);
-        let proto::MakeDirRequest {
-            path,
-            mode,
-            exact,
-            mtime_ns,
-            replace_link,
-            file,
-        } = req.into_inner();
-        let rel = fsutil::root_rel(&path);
-        let root = &self.0.root;
-        in_place(|| {
-            if exact && file {
-                root.set_file_attrs(&rel, mode, fsutil::ts_from_ns(mtime_ns))
-            } else if exact {
-                root.set_dir_attrs(&rel, mode, fsutil::ts_from_ns(mtime_ns))
-            } else if replace_link {
-                root.create_tree_dir(&rel, mode).map(drop)
-            } else {
-                root.create_dir_all_mode(&rel, mode).map(drop)
-            }
-        })
-        .map_err(|e| match e {
-            FileError::Path(PathError::NotADirectory { .. }) => {
-                ControlError::Invalid(format!("{path}: a non-directory is in the way"))
-            }
-            FileError::Path(PathError::NotRegularFile { .. }) => {
-                ControlError::Invalid(format!("{path}: not a regular file"))
-            }
-            e => e.into(),
-        })?;
+        in_place(|| self.0.make_dir(req.into_inner()))?;
+        Ok(Response::new(proto::MakeDirResponse {}))
+    }
+
+    async fn make_dirs(
+        &self,
+        req: Request<proto::MakeDirsRequest>,
+    ) -> std::result::Result<Response<proto::MakeDirResponse>, Status> {
+        self.0.heard(&req);
+        #[cfg(feature = "fault-injection")]
+        if crate::faults::fire(crate::faults::NO_MAKE_DIRS) {
+            tracing::warn!("test fault: MakeDirs answered as by an rcpd before 2.11");
+            return Err(Status::unimplemented("MakeDirs"));
+        }
+        let dirs = req.into_inner().dirs;
+        if dirs.len() > MAKE_DIRS_MAX {
+            return Err(ControlError::Invalid(format!(
+                "{} directories in one MakeDirs call; at most {MAKE_DIRS_MAX}",
+                dirs.len()
+            ))
+            .into());
+        }
+        in_place(|| dirs.into_iter().try_for_each(|d| self.0.make_dir(d)))?;
         Ok(Response::new(proto::MakeDirResponse {}))
     }
 
