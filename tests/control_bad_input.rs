@@ -109,9 +109,12 @@ fn make_dirs_stay_beneath_the_root_and_stop_at_the_first_refused() {
     std::fs::create_dir(&outside).unwrap();
     std::os::unix::fs::symlink(&outside, root.join("link")).unwrap();
     std::fs::write(root.join("file"), b"f").unwrap();
+    // As rcp asks for a tree's directories (those beneath one made in the
+    // same call are made in the handle it holds).
     let dir = |path: &str| proto::MakeDirRequest {
         path: path.into(),
         mode: 0o755,
+        replace_link: true,
         ..Default::default()
     };
     let rt = tokio::runtime::Runtime::new().unwrap();

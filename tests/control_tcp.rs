@@ -500,12 +500,15 @@ fn a_tree_s_directories_are_made_in_calls_of_many_or_one_each() {
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
     let (tmp, root) = e2e::tmp_with_root();
     let src = tmp.path().join("top");
-    // 600 directories in one (more than a call's 512), a deeper chain with
-    // modes of its own.
-    for i in 0..600 {
-        let d = src.join(format!("many/d{i:03}"));
+    // 4200 directories in one (more than a call's 4096), some with a
+    // file, a deeper chain with modes of its own.
+    const MANY: usize = 4200;
+    for i in 0..MANY {
+        let d = src.join(format!("many/d{i:04}"));
         std::fs::create_dir_all(&d).unwrap();
-        std::fs::write(d.join("f"), format!("{i}")).unwrap();
+        if i % 37 == 0 {
+            std::fs::write(d.join("f"), format!("{i}")).unwrap();
+        }
     }
     std::fs::create_dir_all(src.join("a/b/c")).unwrap();
     std::fs::write(src.join("a/b/c/f"), "c").unwrap();
@@ -530,8 +533,8 @@ fn a_tree_s_directories_are_made_in_calls_of_many_or_one_each() {
             &["push", "-r", src.to_str().unwrap(), "127.0.0.1:/"],
         );
         assert_eq!(r.code, 0, "{}", r.stderr);
-        for i in (0..600).step_by(37) {
-            let f = into.join(format!("top/many/d{i:03}/f"));
+        for i in (0..MANY).step_by(37) {
+            let f = into.join(format!("top/many/d{i:04}/f"));
             assert_eq!(std::fs::read_to_string(&f).unwrap(), format!("{i}"));
         }
         for (dir, mode) in [("a", 0o750), ("a/b", 0o705), ("a/b/c", 0o711)] {
@@ -539,7 +542,7 @@ fn a_tree_s_directories_are_made_in_calls_of_many_or_one_each() {
             assert_eq!(m.mode() & 0o7777, (mode | 0o700) & !umask, "{dir}");
         }
         let dirs = std::fs::read_dir(into.join("top/many")).unwrap().count();
-        assert_eq!(dirs, 600);
+        assert_eq!(dirs, MANY);
     }
     assert!(!new.log().contains("test fault: MakeDirs"), "{}", new.log());
     assert!(old.log().contains("test fault: MakeDirs"), "{}", old.log());

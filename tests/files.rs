@@ -1164,6 +1164,38 @@ mod tree {
     use std::os::unix::ffi::OsStrExt;
     use std::path::PathBuf;
 
+    /// `MakeDirs`' maker: a directory beneath one it made is made in the
+    /// handle it holds, as `create_tree_dir` makes it from the root: a
+    /// symlink standing there replaced (what it points at untouched), the
+    /// same mode, a file in the way refused.
+    #[test]
+    fn tree_dirs_make_beneath_what_they_made_as_create_tree_dir() {
+        use std::os::unix::fs::MetadataExt;
+        let t = tempfile::tempdir().unwrap();
+        let (rootp, outside) = (t.path().join("root"), t.path().join("outside"));
+        fs::create_dir(&rootp).unwrap();
+        fs::create_dir(&outside).unwrap();
+        let root = Root::open(&rootp).unwrap();
+        let mut dirs = root.tree_dirs();
+        dirs.make("a", 0o750).unwrap();
+        symlink(&outside, rootp.join("a/l")).unwrap();
+        dirs.make("a/l", 0o505).unwrap();
+        let l = fs::symlink_metadata(rootp.join("a/l")).unwrap();
+        assert!(l.is_dir(), "{l:?}");
+        dirs.make("a/l/m", 0).unwrap();
+        assert!(rootp.join("a/l/m").is_dir());
+        assert_eq!(fs::read_dir(&outside).unwrap().count(), 0);
+        root.create_tree_dir("b", 0o505).unwrap();
+        let b = fs::metadata(rootp.join("b")).unwrap();
+        assert_eq!(l.mode(), b.mode());
+        fs::write(rootp.join("a/f"), "x").unwrap();
+        assert!(matches!(
+            dirs.make("a/f", 0o755),
+            Err(FileError::NotADirectory { .. })
+        ));
+        assert!(rootp.join("a/f").is_file());
+    }
+
     /// The walk's order, the serial one (depth-first, a directory right
     /// before its contents, siblings by name bytes), whatever the tree's
     /// shape: sibling directories are walked side by side and put back.

@@ -110,7 +110,7 @@ pub use manifest::{Manifest, SourceId};
 pub use path::{normalize, symlink_target_within, RelPath};
 pub use publish::publish;
 pub use reader::{IoMode, KnownBlocks, ReadStats, SourceFile, DIRECT_ALIGN, DIRECT_READ_FROM};
-pub use root::{DirHandle, FileKind, FileMeta, ListEntry, Resolver, Root, Timestamp};
+pub use root::{DirHandle, FileKind, FileMeta, ListEntry, Resolver, Root, Timestamp, TreeDirs};
 pub use tree::{resolve_destination, shown_bytes, walk, Entry, EntryKind, Skipped, Tree, NOT_UTF8};
 pub use write_behind::WriteBehind;
 

@@ -16,7 +16,7 @@
 //! is relative to an fd already known to be beneath the root, so renaming directories
 //! concurrently cannot make a resolution escape.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::ffi::{OsStr, OsString};
 use std::fs::File;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -572,6 +572,15 @@ impl Root {
         })
     }
 
+    /// A maker of a copied tree's directories, one after the other
+    /// ([`TreeDirs`]).
+    pub fn tree_dirs(&self) -> TreeDirs<'_> {
+        TreeDirs {
+            root: self,
+            open: HashMap::new(),
+        }
+    }
+
     /// `-p` after a copy: set directory `rel`'s mode to exactly `mode`
     /// (permission bits) and its mtime to `mtime`. It must exist and be a
     /// directory (not a symlink to one).
@@ -725,4 +734,40 @@ fn set_attrs_fd(fd: BorrowedFd<'_>, display: &Path, mode: u32, mtime: Timestamp)
     };
     rfs::futimens(fd, &times).map_err(|e| io_err("utimens", display, e))?;
     Ok(())
+}
+
+/// A copied tree's directories made one after the other (`MakeDirs`),
+/// each as [`Root::create_tree_dir`] makes it, but a parent this maker
+/// made or opened before is used again instead of being resolved from the
+/// root once more: a directory beneath one just made costs its `mkdirat`
+/// and its open. At most [`TreeDirs::KEEP`] are kept open.
+pub struct TreeDirs<'a> {
+    root: &'a Root,
+    open: HashMap<Vec<String>, DirHandle>,
+}
+
+impl TreeDirs<'_> {
+    /// Directories kept open for those beneath them.
+    pub const KEEP: usize = 256;
+
+    /// [`Root::create_tree_dir`] of `rel`.
+    pub fn make(&mut self, rel: &str, mode: u32) -> Result<()> {
+        let r = normalize(rel)?;
+        let c = r.components();
+        let parent = c.split_last().and_then(|(_, p)| self.open.get(p));
+        let made = match (r.file_name(), parent) {
+            (Some(name), Some(parent)) => {
+                let mode = match mode {
+                    0 => 0o777,
+                    m => super::mode::made_dir_mode(m),
+                };
+                self.root.tree_dir_in(parent, name, &r, mode)?
+            }
+            _ => self.root.create_tree_dir(rel, mode)?,
+        };
+        if self.open.len() < Self::KEEP {
+            self.open.insert(c.to_vec(), made);
+        }
+        Ok(())
+    }
 }

@@ -703,15 +703,27 @@ fn mtime_ns(m: &std::fs::Metadata) -> i64 {
 /// Make the plan's remote and local directories, each new one with its
 /// source's mode (plus the owner's rwx, masked by the umask: never wider
 /// than the source for group and others, rsync's rule), parents first: a
-/// push's in one `MakeDirs` call per [`MAKE_DIRS_CALL`].
+/// push's in as few `MakeDirs` calls as [`MAKE_DIRS_CALL`] and
+/// [`MAKE_DIRS_BYTES`] allow.
 async fn make_dirs(client: &Client, plan: &Plan) -> Result<()> {
     let mut remote: Vec<&tree::PlannedDir> = plan.remote_dirs.iter().collect();
     remote.sort_by_key(|d| tree::depth(&d.path));
-    // One call for MAKE_DIRS_CALL of them, parents first; an rcpd older
-    // than MakeDirs one call each, a depth at a time.
+    // A call for as many as fit (parents first; rcpd keeps those it made
+    // open for the ones beneath them within a call); an rcpd older than
+    // MakeDirs one call each, a depth at a time.
     let mut left = remote.as_slice();
     while !left.is_empty() {
-        let (now, rest) = left.split_at(left.len().min(MAKE_DIRS_CALL));
+        let mut bytes = 0;
+        let n = left
+            .iter()
+            .take(MAKE_DIRS_CALL)
+            .take_while(|d| {
+                bytes += d.path.len();
+                bytes <= MAKE_DIRS_BYTES
+            })
+            .count()
+            .max(1);
+        let (now, rest) = left.split_at(n);
         let dirs: Vec<_> = now
             .iter()
             .map(|d| (d.path.as_str(), d.mode, d.in_tree))
@@ -728,9 +740,11 @@ async fn make_dirs(client: &Client, plan: &Plan) -> Result<()> {
     Ok(())
 }
 
-/// Directories a `MakeDirs` call makes at most: a call's request stays
-/// far below gRPC's 4 MiB message limit with paths of rcp's longest.
-const MAKE_DIRS_CALL: usize = 512;
+/// Directories a `MakeDirs` call makes at most (rcpd's bound,
+/// `control::server::MAKE_DIRS_MAX`), and the bytes of their paths: a
+/// request stays far below gRPC's 4 MiB message limit.
+const MAKE_DIRS_CALL: usize = 4096;
+const MAKE_DIRS_BYTES: usize = 1 << 20;
 
 /// `remote` (parents first) made one `MakeDir` each: one depth at a time,
 /// [`tree::IN_FLIGHT`] calls at once.

@@ -50,8 +50,8 @@ use crate::files::{self, FileError, FileKind, PathError, Root, SourceFile};
 use crate::proto::{self, ClientFrame, ServerFrame};
 use crate::provider::ProviderKind;
 
-/// Directories one `MakeDirs` call may make (rcp asks for 512 at a time):
-/// a call is one worker's work for a bounded while.
+/// Directories one `MakeDirs` call may make (rcp asks for this many at
+/// most): a call is one worker's work for a bounded while.
 pub const MAKE_DIRS_MAX: usize = 4096;
 
 pub use limits::{default_transfers_per_client, ClientId};
@@ -216,8 +216,13 @@ impl Service {
             .touch(ClientId::of(req), std::time::Instant::now());
     }
 
-    /// One `MakeDir` (or one of `MakeDirs`), on the calling thread.
-    fn make_dir(&self, req: proto::MakeDirRequest) -> std::result::Result<(), ControlError> {
+    /// One `MakeDir` (or one of `MakeDirs`, `dirs` kept across them), on
+    /// the calling thread.
+    fn make_dir(
+        &self,
+        req: proto::MakeDirRequest,
+        dirs: &mut files::TreeDirs<'_>,
+    ) -> std::result::Result<(), ControlError> {
         let proto::MakeDirRequest {
             path,
             mode,
@@ -233,7 +238,7 @@ impl Service {
         } else if exact {
             root.set_dir_attrs(&rel, mode, fsutil::ts_from_ns(mtime_ns))
         } else if replace_link {
-            root.create_tree_dir(&rel, mode).map(drop)
+            dirs.make(&rel, mode)
         } else {
             root.create_dir_all_mode(&rel, mode).map(drop)
         };
@@ -484,7 +489,8 @@ impl proto::rcp_server::Rcp for RcpService {
         req: Request<proto::MakeDirRequest>,
     ) -> std::result::Result<Response<proto::MakeDirResponse>, Status> {
         self.0.heard(&req);
-        in_place(|| self.0.make_dir(req.into_inner()))?;
+        let root = &self.0.root;
+        in_place(|| self.0.make_dir(req.into_inner(), &mut root.tree_dirs()))?;
         Ok(Response::new(proto::MakeDirResponse {}))
     }
 
@@ -506,7 +512,12 @@ impl proto::rcp_server::Rcp for RcpService {
             ))
             .into());
         }
-        in_place(|| dirs.into_iter().try_for_each(|d| self.0.make_dir(d)))?;
+        let root = &self.0.root;
+        in_place(|| {
+            let mut made = root.tree_dirs();
+            dirs.into_iter()
+                .try_for_each(|d| self.0.make_dir(d, &mut made))
+        })?;
         Ok(Response::new(proto::MakeDirResponse {}))
     }
 
