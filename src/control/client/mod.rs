@@ -316,6 +316,14 @@ async fn probe(
     })
 }
 
+/// UNIMPLEMENTED without rcpd's error details: the server has no such
+/// method (not an rcpd, or one older than the method); rcpd's own refusals
+/// carry details.
+fn no_such_method(st: &tonic::Status) -> bool {
+    use tonic_types::StatusExt;
+    st.code() == tonic::Code::Unimplemented && st.get_details_error_info().is_none()
+}
+
 /// An error and its sources, `: `-joined (tonic's transport errors keep the
 /// reason, e.g. a certificate problem, in the source chain).
 fn source_chain(e: &(dyn std::error::Error + 'static)) -> String {
@@ -515,8 +523,7 @@ impl Client {
     /// error details means no `rcp.v1.Rcp` service answers there (rcpd's
     /// own health port, another gRPC server).
     fn not_rcpd(&self, st: tonic::Status) -> ControlError {
-        use tonic_types::StatusExt;
-        if st.code() == tonic::Code::Unimplemented && st.get_details_error_info().is_none() {
+        if no_such_method(&st) {
             return ControlError::NotRcpd {
                 addr: self.addr.clone(),
                 why: "no rcp.v1.Rcp service there; rcpd's health port?".into(),
@@ -562,7 +569,6 @@ impl Client {
     /// rcpd predates `MakeDirs` (2.11) and made none; make them one call
     /// each.
     pub async fn make_dirs(&self, dirs: &[(&str, u32, bool)]) -> Result<bool> {
-        use tonic_types::StatusExt;
         let dirs = dirs
             .iter()
             .map(|&(path, mode, replace_link)| proto::MakeDirRequest {
@@ -579,13 +585,7 @@ impl Client {
             .await
         {
             Ok(_) => Ok(true),
-            // Without rcpd's error details: the method is not there.
-            Err(st)
-                if st.code() == tonic::Code::Unimplemented
-                    && st.get_details_error_info().is_none() =>
-            {
-                Ok(false)
-            }
+            Err(st) if no_such_method(&st) => Ok(false),
             Err(st) => Err(st.into()),
         }
     }
