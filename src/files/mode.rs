@@ -37,6 +37,16 @@ pub fn made_dir_mode(source: u32) -> u32 {
     (source & 0o7777) | 0o700
 }
 
+/// The mode a directory asked for by a peer is made with: a copied
+/// directory's bits `source` as [`made_dir_mode`] has them, or, for 0
+/// (none given), `0o777`, as `mkdir -p` under the umask.
+pub fn asked_dir_mode(source: u32) -> u32 {
+    match source {
+        0 => 0o777,
+        m => made_dir_mode(m),
+    }
+}
+
 /// This process's umask, read once (from `/proc/self/status`, which reads
 /// it without changing it; where that is missing, `022`).
 pub fn process_umask() -> u32 {

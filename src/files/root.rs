@@ -494,10 +494,9 @@ impl Root {
         let mut prefix = RelPath::root();
         for (i, name) in r.components().iter().enumerate() {
             let next = prefix.join(name)?;
-            let mode = if i + 1 == last && mode != 0 {
-                super::mode::made_dir_mode(mode)
-            } else {
-                0o777
+            let mode = match i + 1 == last {
+                true => super::mode::asked_dir_mode(mode),
+                false => 0o777,
             };
             if i + 1 == last && replace_link {
                 return self.tree_dir_in(&cur, name, &next, mode);
@@ -757,10 +756,7 @@ impl TreeDirs<'_> {
         let parent = c.split_last().and_then(|(_, p)| self.open.get(p));
         let made = match (r.file_name(), parent) {
             (Some(name), Some(parent)) => {
-                let mode = match mode {
-                    0 => 0o777,
-                    m => super::mode::made_dir_mode(m),
-                };
+                let mode = super::mode::asked_dir_mode(mode);
                 self.root.tree_dir_in(parent, name, &r, mode)?
             }
             _ => self.root.create_tree_dir(rel, mode)?,
