@@ -45,6 +45,10 @@ impl RelPath {
     pub fn components(&self) -> &[String] {
         &self.components
     }
+    /// The components, taken without a copy.
+    pub fn into_components(self) -> Vec<String> {
+        self.components
+    }
     /// True for the root itself.
     pub fn is_root(&self) -> bool {
         self.components.is_empty()

@@ -762,7 +762,7 @@ impl TreeDirs<'_> {
             _ => self.root.create_tree_dir(rel, mode)?,
         };
         if self.open.len() < Self::KEEP {
-            self.open.insert(c.to_vec(), made);
+            self.open.insert(r.into_components(), made);
         }
         Ok(())
     }

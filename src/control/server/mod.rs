@@ -221,7 +221,7 @@ impl Service {
     fn make_dir(
         &self,
         req: proto::MakeDirRequest,
-        dirs: &mut files::TreeDirs<'_>,
+        dirs: Option<&mut files::TreeDirs<'_>>,
     ) -> std::result::Result<(), ControlError> {
         let proto::MakeDirRequest {
             path,
@@ -238,7 +238,10 @@ impl Service {
         } else if exact {
             root.set_dir_attrs(&rel, mode, fsutil::ts_from_ns(mtime_ns))
         } else if replace_link {
-            dirs.make(&rel, mode)
+            match dirs {
+                Some(dirs) => dirs.make(&rel, mode),
+                None => root.create_tree_dir(&rel, mode).map(drop),
+            }
         } else {
             root.create_dir_all_mode(&rel, mode).map(drop)
         };
@@ -489,8 +492,7 @@ impl proto::rcp_server::Rcp for RcpService {
         req: Request<proto::MakeDirRequest>,
     ) -> std::result::Result<Response<proto::MakeDirResponse>, Status> {
         self.0.heard(&req);
-        let root = &self.0.root;
-        in_place(|| self.0.make_dir(req.into_inner(), &mut root.tree_dirs()))?;
+        in_place(|| self.0.make_dir(req.into_inner(), None))?;
         Ok(Response::new(proto::MakeDirResponse {}))
     }
 
@@ -516,7 +518,7 @@ impl proto::rcp_server::Rcp for RcpService {
         in_place(|| {
             let mut made = root.tree_dirs();
             dirs.into_iter()
-                .try_for_each(|d| self.0.make_dir(d, &mut made))
+                .try_for_each(|d| self.0.make_dir(d, Some(&mut made)))
         })?;
         Ok(Response::new(proto::MakeDirResponse {}))
     }
