@@ -365,7 +365,7 @@ fn another_protocol_major_is_refused_at_the_handshake() {
                 rcp::control::VERSION_MAJOR,
                 rcp::control::VERSION_MINOR
             );
-            assert_eq!(ours, "2.11");
+            assert_eq!(ours, "2.12");
             assert!(
                 e.message().contains(&theirs) && e.message().contains(&ours),
                 "names both versions: {e:?}"
@@ -1412,6 +1412,84 @@ fn a_damaged_block_is_sent_again() {
         Some(0.0),
         "{t}"
     );
+}
+
+/// `OpenFile.absent` (a tree's file the client found free): rcpd does not
+/// look at the name before it makes the file. A regular file that stands
+/// there after all is replaced at commit with the source's mode (not kept
+/// at its own, as a file rcpd looked at would be); a directory there is
+/// refused then, untouched, with nothing left beside it.
+#[test]
+fn a_name_said_absent_is_not_looked_at_and_nothing_there_is_lost() {
+    use std::os::unix::fs::PermissionsExt;
+    let (_tmp, root, d) = setup(None);
+    std::fs::create_dir_all(root.join("t/dir")).unwrap();
+    std::fs::write(root.join("t/dir/inside"), b"kept").unwrap();
+    std::fs::write(root.join("t/file"), b"old").unwrap();
+    std::fs::set_permissions(root.join("t/file"), std::fs::Permissions::from_mode(0o600)).unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let data: Vec<u8> = (0..4096u32).map(|i| (i % 251) as u8).collect();
+    let push = |name: &str| proto::OpenFile {
+        create_parents: true,
+        absent: true,
+        mode: 0o100644,
+        ..raw::push(1, name, 4096)
+    };
+    let results: Vec<(Option<proto::Committed>, Option<proto::FileFailed>)> = rt.block_on(async {
+        let mut c = grpc(d.port).await;
+        let mut out = Vec::new();
+        for name in ["t/file", "t/dir"] {
+            let s = Arc::new(tcp_session(&mut c, BS4K).await);
+            let mut m = Move::open(&mut c, s.id(), vec![push(name)]).await;
+            assert_eq!(m.opened().await.path, name);
+            let g = m.grant().await;
+            let (s2, g2, b) = (s.clone(), g.clone(), data.clone());
+            let st = tokio::task::spawn_blocking(move || s2.write(g2.addr, g2.rkey, &b))
+                .await
+                .unwrap();
+            assert_eq!(st, WcStatus::Success);
+            m.send_done(raw::pushed(&g, vec![raw::sha256(&data)]));
+            assert!(m.ack().await.resend.is_empty());
+            m.send_end(1, raw::file_digest(&data, BS4K));
+            let r = m
+                .wait("Committed or FileFailed", |i| {
+                    match (i.committed.pop_front(), i.failed.pop_front()) {
+                        (None, None) => None,
+                        r => Some(r),
+                    }
+                })
+                .await;
+            m.close();
+            match r.1 {
+                // A failed file ends the stream.
+                Some(_) => assert!(m.status().await.message().contains(name)),
+                None => m.finish().await,
+            }
+            out.push(r);
+        }
+        out
+    });
+    assert!(results[0].0.is_some(), "{:?}", results[0]);
+    assert_eq!(std::fs::read(root.join("t/file")).unwrap(), data);
+    let mode = std::fs::metadata(root.join("t/file"))
+        .unwrap()
+        .permissions()
+        .mode();
+    let umask = rcp::files::mode::process_umask();
+    assert_eq!(mode & 0o777, 0o644 & !umask, "the source's mode, not 0600");
+    let failed = results[1]
+        .1
+        .as_ref()
+        .expect("a directory at the name is refused");
+    assert!(failed.message.contains("t/dir"), "{failed:?}");
+    assert!(failed.message.contains("directory"), "{failed:?}");
+    assert_eq!(std::fs::read(root.join("t/dir/inside")).unwrap(), b"kept");
+    let mut left: Vec<_> = std::fs::read_dir(root.join("t"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    left.sort();
+    assert_eq!(left, ["dir", "file"], "nothing beside them");
 }
 
 /// Pull: a block the client reports damaged (WindowDone.bad) is read from

@@ -114,9 +114,11 @@ pub fn place_copy_threads(
 /// path ending in `/` follows a final symlink and says a link's target;
 /// an older rcpd ignores the field and reports the link. 2.11: `MakeDirs`
 /// (a tree's directories in one call; an older rcpd answers UNIMPLEMENTED
-/// and they are made one call each).
+/// and they are made one call each). 2.12: `OpenFile.absent` (a pushed
+/// tree's file whose name the quick check found free is opened without
+/// looking again; an older rcpd ignores it).
 pub const VERSION_MAJOR: u32 = 2;
-pub const VERSION_MINOR: u32 = 11;
+pub const VERSION_MINOR: u32 = 12;
 /// Default gRPC port of rcpd.
 pub const DEFAULT_PORT: u16 = 7471;
 /// Default block size: the one of [`crate::files`].

@@ -395,10 +395,13 @@ pub async fn prune(client: &Client, plan: &mut Plan, rules: &Rules) -> Result<()
         super::delta::prepare(client, plan, &idx).await?;
     }
     let files = std::mem::take(&mut plan.files);
-    for (f, v) in files.into_iter().zip(verdicts) {
+    for ((mut f, v), d) in files.into_iter().zip(verdicts).zip(dests) {
         if v == Verdict::Skip {
             plan.skipped.push(f);
         } else {
+            // Looked at just now and found free: the receiving side need
+            // not look again (`FileSpec::absent`).
+            f.job.spec.absent = d == Dest::Missing;
             plan.files.push(f);
         }
     }

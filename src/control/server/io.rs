@@ -209,12 +209,23 @@ impl StreamIo {
         // a tree after the first of its directory): one fstatat of the name
         // there, not a resolution of the whole path beneath the root. Only
         // "nothing there" and a regular file are settled here; a directory,
-        // a symlink or anything else takes the full path below.
+        // a symlink or anything else takes the full path below. A tree's
+        // file the client found absent (`OpenFile.absent`) is not looked
+        // at: whatever came there since is replaced when it is committed,
+        // a directory refused then.
+        let absent = open.absent && open.create_parents;
         if let (Some(name), Some(d)) = (rp.file_name(), self.open_dir(&rp.parent())) {
-            let seen = d.entry(name)?;
+            let seen = match absent {
+                true => None,
+                false => d.entry(name)?,
+            };
             if seen.as_ref().is_none_or(|m| m.kind == FileKind::File) {
                 return Ok((d, name.to_string(), fsutil::rel_str(&rp), Some(seen)));
             }
+        }
+        if absent {
+            let (dir, name) = self.parent_of(&rp, open)?;
+            return Ok((dir, name, fsutil::rel_str(&rp), Some(None)));
         }
         // A file of a tree (its parents made as needed) names its own
         // destination: "an existing directory means inside it" is the
