@@ -291,7 +291,13 @@ pub(super) fn create_dest(
         resume: Some(sid),
         ..dest_options(check, bs, spec, opened.mode, opened.mtime_ns)
     };
-    Destination::create(dir, name, opened.length, opts).map_err(fail)
+    // A tree's file whose name the plan found free is made without a
+    // look: what came there since is replaced when it is committed.
+    match spec.absent && spec.create_parents {
+        true => Destination::create_over(dir, name, None, opened.length, opts),
+        false => Destination::create(dir, name, opened.length, opts),
+    }
+    .map_err(fail)
 }
 
 /// Push: read each extent's block from its source into `slot` at its
