@@ -16,7 +16,7 @@
 //! [`serve`] answers `GET /metrics` over hyper/axum (what tonic already
 //! brings).
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
@@ -149,6 +149,32 @@ impl ClientLimit {
     }
 }
 
+/// How a transfer ended (`rcp_transfers_total`'s `outcome`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    Ok,
+    Error,
+}
+
+impl Outcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Ok => "ok",
+            Outcome::Error => "error",
+        }
+    }
+}
+
+/// The series a finished transfer of one direction and outcome counts in.
+/// A family's lookup builds its labels and takes its lock; rcpd ends a
+/// transfer per file, so each set is looked up once and kept (a series'
+/// handles share its value).
+struct EndedSeries {
+    bytes: Counter,
+    transfers: Counter,
+    throughput: Histogram,
+}
+
 fn limit_labels(why: ClientLimit) -> Labels {
     vec![("reason".to_string(), why.as_str().to_string())]
 }
@@ -195,6 +221,8 @@ pub struct Metrics {
     /// `rcp_rail_up`: 1 while the rail carries chains, 0 otherwise.
     rail_up: Family<Labels, Gauge>,
     tracked: Mutex<Vec<Tracked>>,
+    /// [`EndedSeries`] of push and pull, by [`Outcome`], once used.
+    ended: [[OnceLock<EndedSeries>; 2]; 2],
 }
 
 impl std::fmt::Debug for Metrics {
@@ -245,6 +273,7 @@ impl Metrics {
             rail_counters: RAIL_COUNTERS.iter().map(|_| Family::default()).collect(),
             rail_up: Family::default(),
             tracked: Mutex::new(Vec::new()),
+            ended: Default::default(),
         };
         m.register_rcp(root.sub_registry_with_prefix("rcp"));
         m.register_rcpd(root.sub_registry_with_prefix("rcpd"));
@@ -456,25 +485,44 @@ impl Metrics {
     pub fn transfer_ended(
         &self,
         direction: Direction,
-        outcome: &str,
+        outcome: Outcome,
         bytes: u64,
         seconds: f64,
         report: Option<&Report>,
     ) {
         self.active_transfers.dec();
-        let d = vec![("direction".to_string(), direction.label().to_string())];
-        self.bytes.get_or_create(&d).inc_by(bytes);
-        let mut l = d.clone();
-        l.push(("outcome".to_string(), outcome.to_string()));
-        self.transfers.get_or_create(&l).inc();
-        if seconds > 0.0 && bytes > 0 {
-            self.throughput
-                .get_or_create(&d)
-                .observe(bytes as f64 / seconds);
-        }
+        self.with_ended(direction, outcome, |series| {
+            series.bytes.inc_by(bytes);
+            series.transfers.inc();
+            if seconds > 0.0 && bytes > 0 {
+                series.throughput.observe(bytes as f64 / seconds);
+            }
+        });
         if let Some(r) = report {
             self.datapath_report(Some(direction), r);
         }
+    }
+
+    /// `f` of the series of a transfer of `direction` that ended with
+    /// `outcome`: kept for push and pull, looked up each time for another
+    /// direction.
+    fn with_ended(&self, direction: Direction, outcome: Outcome, f: impl FnOnce(&EndedSeries)) {
+        let lookup = || {
+            let d = vec![("direction".to_string(), direction.label().to_string())];
+            let mut l = d.clone();
+            l.push(("outcome".to_string(), outcome.as_str().to_string()));
+            EndedSeries {
+                bytes: self.bytes.get_or_create(&d).clone(),
+                transfers: self.transfers.get_or_create(&l).clone(),
+                throughput: self.throughput.get_or_create(&d).clone(),
+            }
+        };
+        let dir = match direction {
+            Direction::Push => 0,
+            Direction::Pull => 1,
+            Direction::Unspecified => return f(&lookup()),
+        };
+        f(self.ended[dir][outcome as usize].get_or_init(lookup))
     }
 
     /// Transfers in progress now.
@@ -654,6 +702,41 @@ mod tests {
     use crate::engine::WcStatus;
     use std::sync::atomic::Ordering::Relaxed;
 
+    /// Each transfer counts in its series every time, through the kept
+    /// handles as through a lookup: direction and outcome kept apart, bytes
+    /// summed, the throughput observed.
+    #[test]
+    fn each_ended_transfer_counts_in_its_series() {
+        let m = Metrics::new();
+        for _ in 0..3 {
+            m.transfer_started();
+        }
+        m.transfer_ended(Direction::Push, Outcome::Ok, 100, 1.0, None);
+        m.transfer_ended(Direction::Push, Outcome::Ok, 50, 1.0, None);
+        m.transfer_ended(Direction::Push, Outcome::Error, 0, 1.0, None);
+        m.transfer_started();
+        m.transfer_ended(Direction::Unspecified, Outcome::Ok, 7, 1.0, None);
+        let t = m.render();
+        for series in [
+            r#"rcp_transfers_total{direction="push",outcome="ok"} 2"#,
+            r#"rcp_transfers_total{direction="push",outcome="error"} 1"#,
+            r#"rcp_transfers_total{direction="unspecified",outcome="ok"} 1"#,
+            r#"rcp_bytes_total{direction="push"} 150"#,
+            r#"rcp_bytes_total{direction="unspecified"} 7"#,
+            r#"rcp_active_transfers 0"#,
+        ] {
+            assert!(t.contains(series), "{series} in {t}");
+        }
+        assert!(!t.contains(r#"direction="pull""#), "{t}");
+        let count = t
+            .lines()
+            .find(|l| {
+                l.starts_with(r#"rcp_transfer_throughput_bytes_per_second_count{direction="push"}"#)
+            })
+            .unwrap_or_else(|| panic!("push throughput count in {t}"));
+        assert!(count.ends_with(" 2"), "{count}");
+    }
+
     /// Every reason shows from the start, at zero; each event counts once.
     #[test]
     fn client_limits_by_reason() {
@@ -691,7 +774,7 @@ mod tests {
         c.errors.count(WcStatus::Flushed);
         s.publish(&c, 200);
         m.transfer_started();
-        m.transfer_ended(Direction::Push, "ok", 1 << 20, 0.5, None);
+        m.transfer_ended(Direction::Push, Outcome::Ok, 1 << 20, 0.5, None);
         let t = m.render();
         assert!(
             t.contains(r#"rcp_sq_free_slots{device="rxe0",qp="17"} 200"#),
@@ -819,7 +902,7 @@ mod tests {
         }
         m.transfer_started();
         assert_eq!(m.active_transfers(), 1);
-        m.transfer_ended(Direction::Pull, "ok", 4096, 0.1, None);
+        m.transfer_ended(Direction::Pull, Outcome::Ok, 4096, 0.1, None);
         m.integrity_failures(3);
         m.auth_failure();
         let s = Arc::new(DataPathStats::default());
@@ -861,7 +944,7 @@ mod tests {
         c.errors.count(WcStatus::Flushed);
         s.publish(&c, 8);
         m.transfer_started();
-        m.transfer_ended(Direction::Push, "ok", 1, 1.0, None);
+        m.transfer_ended(Direction::Push, Outcome::Ok, 1, 1.0, None);
         m.cq_overrun();
         m.memlock_failure();
         let t = m.render();

@@ -18,7 +18,7 @@ use crate::control::protocol::{
     files_whole_in, CommittedFile, Digest, Failure, FileId, FrameKind, Granted, OpenedFile, Reason,
     ServerAction, ServerCore, Side, Violation, WindowId,
 };
-use crate::metrics::ClientLimit;
+use crate::metrics::{ClientLimit, Outcome};
 use crate::proto::{self, ClientFrame, Direction, ServerFrame};
 
 type Tx = mpsc::Sender<Result<ServerFrame, Status>>;
@@ -343,7 +343,7 @@ impl Driver {
                 for fi in open.values() {
                     self.svc.metrics.transfer_ended(
                         fi.held.direction(),
-                        "error",
+                        Outcome::Error,
                         0,
                         fi.started.elapsed().as_secs_f64(),
                         None,
@@ -465,7 +465,7 @@ impl Driver {
                             self.watchdog.moved(now);
                             self.svc.metrics.transfer_ended(
                                 Direction::Pull,
-                                "ok",
+                                Outcome::Ok,
                                 fi.length,
                                 fi.started.elapsed().as_secs_f64(),
                                 None,
@@ -763,7 +763,7 @@ impl Driver {
                     if let (Ok(c), Some(fi)) = (&r, self.files.get(&file)) {
                         self.svc.metrics.transfer_ended(
                             Direction::Push,
-                            "ok",
+                            Outcome::Ok,
                             c.length,
                             fi.started.elapsed().as_secs_f64(),
                             None,
