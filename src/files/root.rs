@@ -109,7 +109,8 @@ pub struct ListEntry {
 #[derive(Debug, Clone)]
 pub struct DirHandle {
     fd: Arc<OwnedFd>,
-    display: PathBuf,
+    /// Shared by clones: a handle is cloned per file that goes in it.
+    display: Arc<Path>,
     /// The partials (`.rcp-*.part*`) in the directory when first asked
     /// ([`super::partials`]): one listing per directory opened, not one
     /// per file created in it.
@@ -129,7 +130,7 @@ impl DirHandle {
         .map_err(|e| io_err("open directory", path, e))?;
         Ok(DirHandle {
             fd: Arc::new(fd),
-            display: path.to_owned(),
+            display: path.into(),
             partials: Arc::default(),
         })
     }
@@ -175,7 +176,7 @@ impl DirHandle {
     }
     /// `fstat` of the directory itself.
     pub fn meta(&self) -> Result<FileMeta> {
-        let st = rfs::fstat(&self.fd).map_err(|e| io_err("stat", &self.display, e))?;
+        let st = rfs::fstat(&self.fd).map_err(|e| io_err("stat", &*self.display, e))?;
         Ok(FileMeta::from_stat(&st))
     }
 }
@@ -457,7 +458,7 @@ impl Root {
         let fd = self.resolve(r, OFlags::RDONLY | OFlags::DIRECTORY, true)?;
         Ok(DirHandle {
             fd: Arc::new(fd),
-            display: self.display(r),
+            display: self.display(r).into(),
             partials: Arc::default(),
         })
     }
@@ -566,7 +567,7 @@ impl Root {
         })?;
         Ok(DirHandle {
             fd: Arc::new(fd),
-            display: shown,
+            display: shown.into(),
             partials: Arc::default(),
         })
     }
