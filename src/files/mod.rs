@@ -107,7 +107,7 @@ pub use direct::WriteStats;
 pub use error::{DigestError, FileError, ManifestError, PathError, Result};
 pub use growing::{Cancel, Growing};
 pub use manifest::{Manifest, SourceId};
-pub use path::{normalize, symlink_target_within, RelPath};
+pub use path::{normalize, plain_parent_and_name, symlink_target_within, RelPath};
 pub use publish::publish;
 pub use reader::{IoMode, KnownBlocks, ReadStats, SourceFile, DIRECT_ALIGN, DIRECT_READ_FROM};
 pub use root::{DirHandle, FileKind, FileMeta, ListEntry, Resolver, Root, Timestamp, TreeDirs};

@@ -134,6 +134,22 @@ pub fn normalize(path: &str) -> Result<RelPath, PathError> {
     })
 }
 
+/// A relative path that [`normalize`] leaves as written (plain names
+/// joined by single `/`s: nothing to drop, resolve or refuse), split into
+/// its parent in normal form (`.` for a bare name) and its last name,
+/// without building a [`RelPath`]; `None` for any other path, which takes
+/// [`normalize`].
+pub fn plain_parent_and_name(path: &str) -> Option<(&str, &str)> {
+    if path.is_empty() || path.len() > MAX_PATH || path.as_bytes().contains(&0) {
+        return None;
+    }
+    let plain = |c: &str| !matches!(c, "" | "." | "..") && c.len() <= MAX_NAME;
+    if !path.split('/').all(plain) {
+        return None;
+    }
+    Some(path.rsplit_once('/').unwrap_or((".", path)))
+}
+
 /// Check that `name` is a single, plain file name (for temp/final names, link names).
 pub fn check_name(name: &str) -> Result<(), PathError> {
     check_name_os(OsStr::new(name))
@@ -211,6 +227,26 @@ mod tests {
         assert!(normalize("a/b/").unwrap().trailing_slash());
         assert!(!normalize("a/b").unwrap().trailing_slash());
         assert_eq!(normalize("a/b").unwrap().to_path(), PathBuf::from("a/b"));
+    }
+
+    /// A plain path is split as its normal form is; any other is left to
+    /// `normalize` (to drop, resolve or refuse).
+    #[test]
+    fn plain_paths_split_as_their_normal_form() {
+        let long = "n".repeat(MAX_NAME + 1);
+        for p in ["a", "a/b", "tree/d05/e3/f000123", "a b/.c/..d"] {
+            let (parent, name) = plain_parent_and_name(p).unwrap_or_else(|| panic!("{p}"));
+            let r = normalize(p).unwrap();
+            assert_eq!(r.file_name(), Some(name), "{p}");
+            let want = r.parent().to_string();
+            assert_eq!(parent, if want.is_empty() { "." } else { &want }, "{p}");
+            assert_eq!(r.to_string(), p, "{p}");
+        }
+        for p in [
+            "", ".", "..", "/a", "a/", "a//b", "./a", "a/./b", "a/../b", "a/..", "a\0b", &long,
+        ] {
+            assert_eq!(plain_parent_and_name(p), None, "{p:?}");
+        }
     }
 
     #[test]

@@ -178,10 +178,6 @@ impl StreamIo {
     }
 
     /// The directory `rel` if this stream has opened it already.
-    fn open_dir(&self, rel: &files::RelPath) -> Option<DirHandle> {
-        self.dirs.get(fsutil::rel_str(rel).as_str())
-    }
-
     fn dir(&self, rel: &str, create: bool) -> Result<DirHandle, ControlError> {
         if let Some(d) = self.dirs.get(rel) {
             return Ok(d);
@@ -202,25 +198,22 @@ impl StreamIo {
     /// when it was looked at here (`Some(None)`: nothing), so that the
     /// destination does not look again.
     fn push_target(&self, open: &proto::OpenFile) -> Result<PushTarget, ControlError> {
+        let absent = open.absent && open.create_parents;
+        // A path already in normal form (plain names: a client's usual)
+        // is looked up as written, without building its normal form.
+        let written = open.path.trim_start_matches('/');
+        if let Some((parent, name)) = files::plain_parent_and_name(written) {
+            if let Some(t) = self.in_open_dir(parent, name, written, absent)? {
+                return Ok(t);
+            }
+        }
         let root = self.svc.root();
         let rel = fsutil::root_rel(&open.path);
         let rp = files::normalize(&rel)?;
-        // A file in a directory this stream has open already (every file of
-        // a tree after the first of its directory): one fstatat of the name
-        // there, not a resolution of the whole path beneath the root. Only
-        // "nothing there" and a regular file are settled here; a directory,
-        // a symlink or anything else takes the full path below. A tree's
-        // file the client found absent (`OpenFile.absent`) is not looked
-        // at: whatever came there since is replaced when it is committed,
-        // a directory refused then.
-        let absent = open.absent && open.create_parents;
-        if let (Some(name), Some(d)) = (rp.file_name(), self.open_dir(&rp.parent())) {
-            let seen = match absent {
-                true => None,
-                false => d.entry(name)?,
-            };
-            if seen.as_ref().is_none_or(|m| m.kind == FileKind::File) {
-                return Ok((d, name.to_string(), fsutil::rel_str(&rp), Some(seen)));
+        if let Some(name) = rp.file_name() {
+            let (parent, shown) = (fsutil::rel_str(&rp.parent()), fsutil::rel_str(&rp));
+            if let Some(t) = self.in_open_dir(&parent, name, &shown, absent)? {
+                return Ok(t);
             }
         }
         if absent {
@@ -263,6 +256,35 @@ impl StreamIo {
             }
             Err(e) => Err(e.into()),
         }
+    }
+
+    /// A pushed file `name` in directory `parent` (normal form), shown as
+    /// `shown`, when this stream has that directory open already (every
+    /// file of a tree after the first of its directory): one fstatat of
+    /// the name there, not a resolution of the whole path beneath the
+    /// root. Only "nothing there" and a regular file are settled here
+    /// (`None`: a directory, a symlink or anything else, or the directory
+    /// not open, take the full path). A tree's file the client found
+    /// absent (`OpenFile.absent`) is not looked at: whatever came there
+    /// since is replaced when it is committed, a directory refused then.
+    fn in_open_dir(
+        &self,
+        parent: &str,
+        name: &str,
+        shown: &str,
+        absent: bool,
+    ) -> Result<Option<PushTarget>, ControlError> {
+        let Some(d) = self.dirs.get(parent) else {
+            return Ok(None);
+        };
+        let seen = match absent {
+            true => None,
+            false => d.entry(name)?,
+        };
+        Ok(seen
+            .as_ref()
+            .is_none_or(|m| m.kind == FileKind::File)
+            .then(|| (d, name.to_string(), shown.to_string(), Some(seen))))
     }
 
     /// The directory a pushed file `rp` goes in (made with its parents
