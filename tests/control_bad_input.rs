@@ -277,6 +277,19 @@ async fn push_granted(c: &mut Client, sid: u64, path: &str, len: u64) -> (Move, 
     (m, g)
 }
 
+/// File 1's only block, `data`, written into grant `g` of `m` and told
+/// (its window done and acknowledged whole, its end sent).
+async fn push_one_block(s: &Arc<Session>, m: &mut Move, g: &proto::Grant, data: &[u8]) {
+    let (s2, g2, d2) = (s.clone(), g.clone(), data.to_vec());
+    let st = tokio::task::spawn_blocking(move || s2.write(g2.addr, g2.rkey, &d2))
+        .await
+        .unwrap();
+    assert_eq!(st, WcStatus::Success);
+    m.send_done(raw::pushed(g, vec![raw::sha256(data)]));
+    assert!(m.ack().await.resend.is_empty());
+    m.send_end(1, raw::file_digest(data, BS4K));
+}
+
 #[test]
 fn forged_rkeys_are_refused() {
     let (tmp, root, d) = setup(None);
@@ -800,14 +813,7 @@ fn a_second_open_of_a_file_id_is_ignored() {
         let s = Arc::new(tcp_session(&mut c, BS4K).await);
         let (mut m, g) = push_granted(&mut c, s.id(), "dup", 4096).await;
         m.send_open(vec![raw::push(1, "dup2", 8192)]);
-        let (s2, g2, d2) = (s.clone(), g.clone(), data.clone());
-        let st = tokio::task::spawn_blocking(move || s2.write(g2.addr, g2.rkey, &d2))
-            .await
-            .unwrap();
-        assert_eq!(st, WcStatus::Success);
-        m.send_done(raw::pushed(&g, vec![raw::sha256(&data)]));
-        assert!(m.ack().await.resend.is_empty());
-        m.send_end(1, raw::file_digest(&data, BS4K));
+        push_one_block(&s, &mut m, &g, &data).await;
         let cm = m.committed().await;
         assert_eq!(
             (cm.file, cm.path.as_str(), cm.length),
@@ -1443,14 +1449,7 @@ fn a_name_said_absent_is_not_looked_at_and_nothing_there_is_lost() {
             let mut m = Move::open(&mut c, s.id(), vec![push(name)]).await;
             assert_eq!(m.opened().await.path, name);
             let g = m.grant().await;
-            let (s2, g2, b) = (s.clone(), g.clone(), data.clone());
-            let st = tokio::task::spawn_blocking(move || s2.write(g2.addr, g2.rkey, &b))
-                .await
-                .unwrap();
-            assert_eq!(st, WcStatus::Success);
-            m.send_done(raw::pushed(&g, vec![raw::sha256(&data)]));
-            assert!(m.ack().await.resend.is_empty());
-            m.send_end(1, raw::file_digest(&data, BS4K));
+            push_one_block(&s, &mut m, &g, &data).await;
             let r = m
                 .wait("Committed or FileFailed", |i| {
                     match (i.committed.pop_front(), i.failed.pop_front()) {
