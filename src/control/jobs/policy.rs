@@ -161,12 +161,28 @@ pub async fn run_over(
 ) -> Result<Outcome> {
     let t0 = Instant::now();
     let transport = client.options().transport;
-    super::make_dirs(client, &plan).await?;
     let skipped = plan.skipped.len() as u64;
     if plan.files.is_empty() {
         // Nothing moves: no handshake, no data path.
+        super::make_dirs(client, &plan).await?;
         return Ok(nothing_moved(client, sessions, skipped, t0));
     }
+    // The directories are made while the session is set up: neither
+    // needs the other before the first file opens. A session opened for
+    // directories that failed is closed unused.
+    let fell_back_to = |why: &str| w.fell_back(why);
+    let (made, opened) = tokio::join!(
+        super::make_dirs(client, &plan),
+        open_first(sessions, transport, &fell_back_to),
+    );
+    let (mut session, mut fell_back) = match (made, opened) {
+        (Ok(()), opened) => opened?,
+        (Err(e), Ok((session, _))) => {
+            sessions.finish(session, false).await;
+            return Err(e);
+        }
+        (Err(e), Err(_)) => return Err(e),
+    };
     let files: Vec<FileJob> = plan.files.into_iter().map(|p| p.job).collect();
     let c = Counting {
         inner: w,
@@ -176,8 +192,6 @@ pub async fn run_over(
         }),
         done: Mutex::new(HashMap::new()),
     };
-    let (mut session, mut fell_back) =
-        open_first(sessions, transport, &|why| w.fell_back(why)).await?;
     w.session(&session);
     let mut r = session.transfer(&mut files.iter().cloned(), &c).await;
     if let Err(e) = &r {
