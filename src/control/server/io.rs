@@ -177,7 +177,8 @@ impl StreamIo {
         }
     }
 
-    /// The directory `rel` if this stream has opened it already.
+    /// Directory `rel` (normal form): the one this stream opened already,
+    /// or opened (made with its parents when `create`) and kept.
     fn dir(&self, rel: &str, create: bool) -> Result<DirHandle, ControlError> {
         if let Some(d) = self.dirs.get(rel) {
             return Ok(d);
@@ -201,8 +202,11 @@ impl StreamIo {
         let absent = open.absent && open.create_parents;
         // A path already in normal form (plain names: a client's usual)
         // is looked up as written, without building its normal form.
+        // Any other form is normalized first; either is looked at in its
+        // open directory once.
         let written = open.path.trim_start_matches('/');
-        if let Some((parent, name)) = files::plain_parent_and_name(written) {
+        let plain = files::plain_parent_and_name(written);
+        if let Some((parent, name)) = plain {
             if let Some(t) = self.in_open_dir(parent, name, written, absent)? {
                 return Ok(t);
             }
@@ -210,7 +214,7 @@ impl StreamIo {
         let root = self.svc.root();
         let rel = fsutil::root_rel(&open.path);
         let rp = files::normalize(&rel)?;
-        if let Some(name) = rp.file_name() {
+        if let (None, Some(name)) = (plain, rp.file_name()) {
             let (parent, shown) = (fsutil::rel_str(&rp.parent()), fsutil::rel_str(&rp));
             if let Some(t) = self.in_open_dir(&parent, name, &shown, absent)? {
                 return Ok(t);
