@@ -293,7 +293,7 @@ pub(super) fn create_dest(
     };
     // A tree's file whose name the plan found free is made without a
     // look: what came there since is replaced when it is committed.
-    match spec.absent && spec.create_parents {
+    match spec.absent {
         true => Destination::create_over(dir, name, None, opened.length, opts),
         false => Destination::create(dir, name, opened.length, opts),
     }

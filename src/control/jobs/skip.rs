@@ -399,9 +399,9 @@ pub async fn prune(client: &Client, plan: &mut Plan, rules: &Rules) -> Result<()
         if v == Verdict::Skip {
             plan.skipped.push(f);
         } else {
-            // Looked at just now and found free: the receiving side need
-            // not look again (`FileSpec::absent`).
-            f.job.spec.absent = d == Dest::Missing;
+            // A tree's file looked at just now and found free: the
+            // receiving side need not look again (`FileSpec::absent`).
+            f.job.spec.absent = d == Dest::Missing && f.job.spec.create_parents;
             plan.files.push(f);
         }
     }

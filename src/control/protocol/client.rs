@@ -29,9 +29,9 @@ pub struct FileSpec {
     pub keep_digests: Vec<Vec<u8>>,
     /// Push: the fan-out this file belongs to (`OpenFile.fanout`).
     pub fanout: String,
-    /// Nothing stood at the destination name when the plan looked (tree
-    /// entries only: `create_parents`): the receiving side need not look
-    /// again before it makes the file (`OpenFile.absent`).
+    /// A tree's file (`create_parents`) whose destination name was free
+    /// when the plan looked: the receiving side need not look again
+    /// before it makes the file (`OpenFile.absent`).
     pub absent: bool,
 }
 
@@ -528,7 +528,7 @@ impl ClientCore {
             keep_blocks: s.keep_blocks.clone(),
             keep_digests: s.keep_digests.clone(),
             fanout: s.fanout.clone(),
-            absent: s.absent && s.create_parents && s.direction == Direction::Push,
+            absent: s.absent && s.direction == Direction::Push,
             ..Default::default()
         };
         if let Some(m) = meta {
