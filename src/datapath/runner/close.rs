@@ -6,7 +6,7 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use super::helpers::SLICE;
-use super::msg::Cmd;
+use super::msg::{Cmd, Input};
 use super::poster::Poster;
 use crate::datapath::report::{RailReport, Report};
 
@@ -46,11 +46,17 @@ impl Poster {
             }
         }
         // Helpers may be inside a reconnect callback: their news is taken
-        // meanwhile (and dropped).
-        for r in &mut self.rails {
+        // meanwhile (and dropped) until the helper says it ends (one that
+        // panicked says nothing: looked at every slice).
+        let mut ended = vec![false; self.rails.len()];
+        for (i, r) in self.rails.iter_mut().enumerate() {
             if let Some(h) = r.helper.take() {
-                while !h.is_finished() {
-                    let _ = self.rx.recv_timeout(SLICE);
+                while !ended[i] && !h.is_finished() {
+                    if let Ok(Input::HelperEnded(rail)) = self.rx.recv_timeout(SLICE) {
+                        if let Some(e) = ended.get_mut(rail) {
+                            *e = true;
+                        }
+                    }
                 }
                 let _ = h.join();
             }

@@ -64,6 +64,8 @@ pub(super) enum Input {
     Fenced(usize),
     /// A rail's port went down.
     PortDown(usize),
+    /// A rail's helper is stopping (its last word: the close waits for it).
+    HelperEnded(usize),
     Close,
 }
 

@@ -375,6 +375,8 @@ impl Poster {
                 );
                 self.stream.rail_quiesced(rail);
             }
+            // Only at close, which waits for it there.
+            Input::HelperEnded(_) => {}
             Input::PortDown(rail) => {
                 if self.stream.rail_state(rail) == RailState::Running {
                     tracing::warn!(rail, "port down: the rail fails");
