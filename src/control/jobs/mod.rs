@@ -734,10 +734,22 @@ async fn make_dirs(client: &Client, plan: &Plan) -> Result<()> {
         }
         left = rest;
     }
-    for d in &plan.local_dirs {
-        make_local_dir(&d.path, d.mode, d.in_tree)?;
+    make_local_dirs(plan.local_dirs.clone()).await
+}
+
+/// A pull's local directories, parents first, on a blocking thread. Made
+/// on the runtime's thread, they held up the session set up beside them
+/// ([`run_over`]) until the last was made: 2 ms for a tree of 140.
+async fn make_local_dirs(dirs: Vec<tree::PlannedDir<PathBuf>>) -> Result<()> {
+    if dirs.is_empty() {
+        return Ok(());
     }
-    Ok(())
+    tokio::task::spawn_blocking(move || {
+        dirs.iter()
+            .try_for_each(|d| make_local_dir(&d.path, d.mode, d.in_tree))
+    })
+    .await
+    .map_err(|e| ControlError::Other(format!("making local directories: {e}")))?
 }
 
 /// Directories a `MakeDirs` call makes at most (rcpd's bound,
