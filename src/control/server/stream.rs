@@ -496,19 +496,7 @@ impl Driver {
                     };
                     checks.push((file, fi.held.clone()));
                 }
-                ServerAction::Commit { files } => {
-                    let batch: Vec<(FileId, FileHandle, Digest)> = files
-                        .into_iter()
-                        .filter_map(|(f, d)| Some((f, self.files.get(&f)?.held.clone(), d)))
-                        .collect();
-                    for part in commit_parts(batch) {
-                        let (io, tx) = (self.io.clone(), self.done_tx.clone());
-                        self.watchdog.job_started(now);
-                        tokio::task::spawn_blocking(move || {
-                            let _ = tx.send(Done::Committed(io.commit(part)));
-                        });
-                    }
-                }
+                ServerAction::Commit { files } => self.spawn_commit(files),
                 ServerAction::Close { file } => {
                     self.prechecked.remove(&file);
                     if let Some(fi) = self.files.remove(&file) {
@@ -539,27 +527,52 @@ impl Driver {
             }
         }
         self.spawn_checks_and_closes(checks, closes);
-        if !opens.is_empty() {
-            let chunks = open_chunks(opens.len());
-            for _ in &chunks {
-                self.watchdog.job_started(now);
-            }
+        self.spawn_opens(opens);
+        None
+    }
+
+    /// Publish a group commit's batch ([`commit_parts`]: in two halves at
+    /// once when large), a job each.
+    fn spawn_commit(&mut self, files: Vec<(FileId, Digest)>) {
+        let batch: Vec<(FileId, FileHandle, Digest)> = files
+            .into_iter()
+            .filter_map(|(f, d)| Some((f, self.files.get(&f)?.held.clone(), d)))
+            .collect();
+        let now = self.now();
+        for part in commit_parts(batch) {
             let (io, tx) = (self.io.clone(), self.done_tx.clone());
+            self.watchdog.job_started(now);
             tokio::task::spawn_blocking(move || {
-                let mut opens = opens.into_iter();
-                for n in chunks {
-                    let r = opens
-                        .by_ref()
-                        .take(n)
-                        .map(|(file, o)| (file, io.open(&o)))
-                        .collect();
-                    if tx.send(Done::Opened(r)).is_err() {
-                        return;
-                    }
-                }
+                let _ = tx.send(Done::Committed(io.commit(part)));
             });
         }
-        None
+    }
+
+    /// Open this round's files on one blocking thread, answered in the
+    /// chunks of [`open_chunks`] (a job each for the watchdog).
+    fn spawn_opens(&mut self, opens: Vec<(FileId, proto::OpenFile)>) {
+        if opens.is_empty() {
+            return;
+        }
+        let chunks = open_chunks(opens.len());
+        let now = self.now();
+        for _ in &chunks {
+            self.watchdog.job_started(now);
+        }
+        let (io, tx) = (self.io.clone(), self.done_tx.clone());
+        tokio::task::spawn_blocking(move || {
+            let mut opens = opens.into_iter();
+            for n in chunks {
+                let r = opens
+                    .by_ref()
+                    .take(n)
+                    .map(|(file, o)| (file, io.open(&o)))
+                    .collect();
+                if tx.send(Done::Opened(r)).is_err() {
+                    return;
+                }
+            }
+        });
     }
 
     /// Check `checks`' sources and drop `closes` on one blocking thread.
